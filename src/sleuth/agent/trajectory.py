@@ -1,0 +1,92 @@
+"""A trajectory: everything one rollout of an agent loop produced.
+
+The token view (`response_ids`, `loss_mask`, `logprobs`) is what the trainer
+consumes; the semantic view (queries, documents, answer...) is what rewards,
+evaluation and reports consume. Both are built at generation time.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Iterator
+
+
+@dataclass
+class Turn:
+    """A contiguous span of response tokens: [start, end) in `response_ids`."""
+
+    start: int
+    end: int
+    role: str  # "policy" (generated, trained) or "env" (inserted by the environment, masked)
+    text: str
+
+
+@dataclass
+class Trajectory:
+    question_id: str
+    question: str
+    golden_answers: list[str]
+    method: str
+    prompt_ids: list[int] = field(default_factory=list)
+    response_ids: list[int] = field(default_factory=list)
+    loss_mask: list[int] = field(default_factory=list)  # 1 = policy token, 0 = inserted token
+    logprobs: list[float] = field(default_factory=list)  # sampling log-probs, 0.0 on inserted tokens
+    turns: list[Turn] = field(default_factory=list)
+    prompt_text: str = ""
+    response_text: str = ""
+    queries: list[str] = field(default_factory=list)
+    # one list of hit dicts (sleuth.retrieval.base.Hit.to_dict) per search call
+    retrieved: list[list[dict]] = field(default_factory=list)
+    selected: list[dict] = field(default_factory=list)  # s3: docs the searcher kept
+    evidence: str | None = None  # R-Search: the <original_evidence> block
+    answer: str | None = None  # the final answer, None if the agent gave none
+    # what a frozen generator is handed when the loop is used as a submodule
+    served_context: list[dict] = field(default_factory=list)
+    retrieval_count: int = 0
+    num_turns: int = 0
+    finish_reason: str = ""  # "answer", "search_complete", "max_turns", "length", "no_action"
+    extra: dict[str, Any] = field(default_factory=dict)  # loop-specific flags (format checks...)
+    rewards: dict[str, float] = field(default_factory=dict)  # filled by the reward function
+
+    @property
+    def num_policy_tokens(self) -> int:
+        return int(sum(self.loss_mask))
+
+    @property
+    def num_env_tokens(self) -> int:
+        return len(self.loss_mask) - self.num_policy_tokens
+
+    def policy_text_spans(self) -> list[str]:
+        return [t.text for t in self.turns if t.role == "policy"]
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Trajectory:
+        d = dict(d)
+        d["turns"] = [Turn(**t) for t in d.get("turns", [])]
+        return cls(**d)
+
+
+def write_trajectories(path: str | Path, trajectories: Iterable[Trajectory]) -> None:
+    """Write JSONL atomically (temp file then rename), so a crash never leaves half a file."""
+    from sleuth.utils import atomic_write_text
+
+    lines = [json.dumps(t.to_dict(), ensure_ascii=False) for t in trajectories]
+    atomic_write_text(path, "\n".join(lines) + ("\n" if lines else ""))
+
+
+def read_trajectories(path: str | Path) -> Iterator[Trajectory]:
+    from sleuth.errors import DataFormatError
+
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                yield Trajectory.from_dict(json.loads(line))
+            except (json.JSONDecodeError, TypeError, KeyError) as err:
+                raise DataFormatError(str(path), lineno, f"not a trajectory record: {err}") from err
