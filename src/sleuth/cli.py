@@ -22,6 +22,7 @@ app = typer.Typer(
 COMMAND_MODULES = [
     "sleuth.data.commands",
     "sleuth.retrieval.commands",
+    "sleuth.retrieval.server_commands",
     "sleuth.llm.commands",
     "sleuth.eval.commands",
     "sleuth.rl.commands",
