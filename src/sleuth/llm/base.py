@@ -11,9 +11,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol, Union, runtime_checkable
+from typing import Protocol, runtime_checkable
 
-Prompt = Union[str, list[int], list[dict]]
+Prompt = str | list[int] | list[dict]
 
 
 @dataclass
