@@ -1,0 +1,124 @@
+"""Atomic training checkpoints.
+
+A checkpoint is a directory `step_000012/` holding the policy (full weights or
+LoRA adapters, via `save_pretrained`), the critic, optimizer and scheduler
+states, RNG states and the trainer state (step, data cursor, stage). It is
+written under a temporary name and renamed into place, and `latest` is updated
+atomically afterwards, so a run killed at any moment (even SIGKILL) leaves
+either the previous complete checkpoint or the new one, never half of one.
+
+Only our own tensors and plain Python values are stored; loading uses
+`torch.load(weights_only=True)`, which refuses arbitrary pickled objects.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from sleuth.utils import atomic_write_json, atomic_write_text
+
+LATEST = "latest"
+
+
+def rng_state() -> dict[str, Any]:
+    state = {
+        "python": _py_state_to_list(random.getstate()),
+        "numpy": _np_state_to_list(np.random.get_state()),
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _py_state_to_list(s: tuple) -> list:
+    return [s[0], list(s[1]), s[2]]
+
+
+def _np_state_to_list(s: tuple) -> list:
+    return [s[0], s[1].tolist(), int(s[2]), int(s[3]), float(s[4])]
+
+
+def save_checkpoint(
+    out_dir: str | Path,
+    step: int,
+    *,
+    policy: torch.nn.Module,
+    tokenizer: Any,
+    critic: torch.nn.Module | None,
+    optimizers: dict[str, torch.optim.Optimizer],
+    schedulers: dict[str, Any],
+    trainer_state: dict[str, Any],
+    keep: int = 2,
+) -> Path:
+    """Write checkpoint `step` under `out_dir/checkpoints/` atomically; prune to the newest `keep`."""
+    root = Path(out_dir) / "checkpoints"
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"step_{step:06d}"
+    tmp = root / f".tmp_step_{step:06d}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+
+    policy.save_pretrained(tmp / "policy", safe_serialization=True)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(tmp / "policy")
+    if critic is not None:
+        torch.save(critic.state_dict(), tmp / "critic.pt")
+    torch.save(
+        {
+            "optimizers": {k: o.state_dict() for k, o in optimizers.items()},
+            "schedulers": {k: s.state_dict() for k, s in schedulers.items()},
+            "rng": rng_state(),
+        },
+        tmp / "state.pt",
+    )
+    (tmp / "trainer_state.json").write_text(json.dumps({**trainer_state, "step": step}, indent=2))
+    if final.exists():
+        shutil.rmtree(final)
+    tmp.rename(final)
+    atomic_write_text(root / LATEST, final.name + "\n")
+
+    for old in sorted(p for p in root.glob("step_*") if p.is_dir())[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def latest_checkpoint(out_dir: str | Path) -> Path | None:
+    root = Path(out_dir) / "checkpoints"
+    pointer = root / LATEST
+    if pointer.exists():
+        path = root / pointer.read_text().strip()
+        if (path / "trainer_state.json").exists():
+            return path
+    # The pointer is written after the rename; fall back to the newest complete directory.
+    done = sorted(p for p in root.glob("step_*") if (p / "trainer_state.json").exists())
+    return done[-1] if done else None
+
+
+def load_training_state(ckpt: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Returns (trainer_state json, tensor state with optimizers/schedulers/rng)."""
+    trainer_state = json.loads((ckpt / "trainer_state.json").read_text())
+    state = torch.load(ckpt / "state.pt", map_location="cpu", weights_only=True)
+    return trainer_state, state
+
+
+def write_run_info(out_dir: str | Path, info: dict[str, Any]) -> None:
+    atomic_write_json(Path(out_dir) / "run.json", info)

@@ -1,0 +1,50 @@
+"""`sleuth train RECIPE.yaml [key=value ...] [--resume]`."""
+
+from __future__ import annotations
+
+import typer
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("train")
+    def train_cmd(
+        recipe: str = typer.Argument(..., help="Recipe YAML, e.g. recipes/s3.yaml"),
+        overrides: list[str] = typer.Argument(None, help="key.path=value overrides, e.g. algorithm.n=4"),
+        resume: bool = typer.Option(False, "--resume", help="Continue from the newest checkpoint in trainer.out_dir"),
+    ) -> None:
+        """Train a search agent with RL as the recipe describes."""
+        from rich.console import Console
+
+        from sleuth.errors import SleuthError
+        from sleuth.rl.config import load_recipe
+
+        console = Console()
+        try:
+            cfg = load_recipe(recipe, overrides or [])
+            from sleuth.rl.trainer import train
+
+            result = train(cfg, resume=resume, console=console)
+        except SleuthError as err:
+            console.print(f"[red]error:[/] {err}")
+            raise typer.Exit(2) from None
+        console.print(f"[green]done[/]: {result['out_dir']} (checkpoint {result['checkpoint']})")
+
+    @app.command("check-recipe")
+    def check_recipe_cmd(
+        recipe: str = typer.Argument(...),
+        overrides: list[str] = typer.Argument(None),
+    ) -> None:
+        """Validate a recipe and print it with all defaults filled in."""
+        import yaml
+        from rich.console import Console
+
+        from sleuth.errors import SleuthError
+        from sleuth.rl.config import load_recipe
+
+        console = Console()
+        try:
+            cfg = load_recipe(recipe, overrides or [])
+        except SleuthError as err:
+            console.print(f"[red]error:[/] {err}")
+            raise typer.Exit(2) from None
+        console.print(yaml.safe_dump(cfg.model_dump(), sort_keys=False))

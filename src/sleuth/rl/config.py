@@ -1,0 +1,230 @@
+"""Recipe schema: one YAML file describes a whole training run.
+
+Recipes are data: loaded with `yaml.safe_load`, validated by pydantic with
+`extra="forbid"`, so a typo or an invalid value fails at load with a message
+that names the field. Any loop x reward x algorithm combination is valid; only
+combinations that cannot run (e.g. GAE without a critic) are refused.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from sleuth.errors import ConfigError
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class LoraConfig(_Strict):
+    enabled: bool = False
+    r: int = Field(16, ge=1)
+    alpha: int = Field(32, ge=1)
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    target_modules: list[str] | str = "all-linear"
+
+
+class ModelConfig(_Strict):
+    policy: str = "smollm2-135m-instruct"  # alias, hub name or local directory
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    lora: LoraConfig = Field(default_factory=LoraConfig)
+    gradient_checkpointing: bool = False
+    device: str | None = None  # None: cuda if available else cpu
+
+
+class DataConfig(_Strict):
+    train: str  # FlashRAG jsonl or Search-R1 parquet
+    dev: str | None = None
+    drop_yes_no: bool = False
+    hard_from: str | None = None  # score cache: keep questions the baseline gets wrong
+    max_train_examples: int | None = Field(None, ge=1)
+    shuffle: bool = True
+
+
+class RetrieverConfig(_Strict):
+    index: str | None = None  # a `sleuth index` directory
+    url: str | list[str] | None = None  # a Search-R1-compatible server
+    corpus: str | None = None  # optional: check the index was built from this corpus
+
+    @model_validator(mode="after")
+    def _one_source(self) -> RetrieverConfig:
+        if (self.index is None) == (self.url is None):
+            raise ValueError("set exactly one of retriever.index or retriever.url")
+        return self
+
+
+class AgentConfig(_Strict):
+    loop: Literal["search_r1", "s3", "r_search", "staged", "qagent"] = "search_r1"
+    max_turns: int | None = Field(None, ge=1)  # None: the loop's paper default
+    top_k: int | None = Field(None, ge=1)
+    max_new_tokens_per_turn: int = Field(256, ge=1)
+    max_obs_tokens: int = Field(512, ge=1)
+    max_response_tokens: int = Field(2048, ge=1)
+    options: dict[str, Any] = Field(default_factory=dict)  # loop-specific switches
+
+
+class ServiceModelConfig(_Strict):
+    """A frozen model used by a reward (generator, judge). `policy-base` reuses the policy's
+    base weights with LoRA adapters disabled, which costs no extra memory."""
+
+    model: str
+    max_new_tokens: int = Field(64, ge=1)
+
+
+class RewardConfig(_Strict):
+    name: str = "search_r1_em"
+    options: dict[str, Any] = Field(default_factory=dict)
+    generator: ServiceModelConfig | None = None
+    judge: ServiceModelConfig | None = None
+    encoder: str | None = None  # sentence encoder for query-diversity rewards
+    baseline_cache: str | None = None  # s3: per-question naive-RAG accuracy cache
+
+
+class KLConfig(_Strict):
+    coef: float = Field(0.001, ge=0.0)
+    mode: Literal["penalty", "loss"] = "loss"
+    estimator: Literal["k1", "abs", "k2", "mse", "k3", "low_var_kl"] = "low_var_kl"
+
+
+class AlgorithmConfig(_Strict):
+    name: Literal["ppo", "grpo", "dapo", "rloo", "drgrpo"] = "grpo"
+    advantage: Literal["gae", "grpo", "drgrpo", "rloo"] | None = None  # None: from name
+    n: int = Field(5, ge=1)  # samples per prompt
+    prompts_per_step: int = Field(8, ge=1)
+    ppo_epochs: int = Field(1, ge=1)
+    minibatch_size: int = Field(16, ge=1)  # trajectories per optimizer step
+    micro_batch_size: int = Field(4, ge=1)  # trajectories per forward/backward
+    clip_low: float = Field(0.2, gt=0.0)
+    clip_high: float = Field(0.2, gt=0.0)
+    value_clip: float = Field(0.2, gt=0.0)
+    loss_agg: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = (
+        "token-mean"
+    )
+    gamma: float = Field(1.0, ge=0.0, le=1.0)
+    lam: float = Field(1.0, ge=0.0, le=1.0)
+    entropy_coef: float = Field(0.0, ge=0.0)
+    value_coef: float = Field(1.0, ge=0.0)
+    kl: KLConfig = Field(default_factory=KLConfig)
+    dynamic_sampling: bool = False
+    max_sampling_rounds: int = Field(3, ge=1)
+    overlong_filter: bool = False
+
+    @model_validator(mode="after")
+    def _defaults_from_name(self) -> AlgorithmConfig:
+        if self.advantage is None:
+            self.advantage = {"ppo": "gae", "grpo": "grpo", "dapo": "grpo", "rloo": "rloo", "drgrpo": "drgrpo"}[
+                self.name
+            ]
+        if self.advantage in ("grpo", "drgrpo", "rloo") and self.n < 2:
+            raise ValueError(f"algorithm.advantage={self.advantage} compares samples of one prompt: set algorithm.n >= 2")
+        if self.minibatch_size % self.micro_batch_size:
+            raise ValueError("algorithm.minibatch_size must be a multiple of algorithm.micro_batch_size")
+        return self
+
+    @property
+    def uses_critic(self) -> bool:
+        return self.advantage == "gae"
+
+
+class OptimConfig(_Strict):
+    lr: float = Field(1e-6, gt=0.0)
+    critic_lr: float = Field(1e-5, gt=0.0)
+    weight_decay: float = Field(0.0, ge=0.0)
+    warmup_steps: int = Field(0, ge=0)
+    grad_clip: float = Field(1.0, gt=0.0)
+    betas: tuple[float, float] = (0.9, 0.999)
+
+
+class SamplingConfig(_Strict):
+    temperature: float = Field(1.0, ge=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+
+
+class TrainerConfig(_Strict):
+    total_steps: int = Field(20, ge=1)
+    save_every: int = Field(5, ge=1)
+    keep_checkpoints: int = Field(2, ge=1)
+    out_dir: str = "runs/train"
+    tensorboard: bool = False
+    eval_every: int | None = Field(None, ge=1)
+    eval_examples: int = Field(64, ge=1)
+    stage_switch_step: int | None = Field(None, ge=0)  # staged reward: step where stage 2 begins
+
+
+class Recipe(_Strict):
+    name: str
+    description: str = ""
+    seed: int = 0
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    data: DataConfig
+    retriever: RetrieverConfig
+    agent: AgentConfig = Field(default_factory=AgentConfig)
+    reward: RewardConfig = Field(default_factory=RewardConfig)
+    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
+    optim: OptimConfig = Field(default_factory=OptimConfig)
+    sampling: SamplingConfig = Field(default_factory=SamplingConfig)
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """`algorithm.n=4` -> (["algorithm", "n"], 4). The value is parsed as YAML (numbers, bools, lists)."""
+    if "=" not in text:
+        raise ConfigError(f"override {text!r} must look like key.path=value")
+    key, _, raw = text.partition("=")
+    path = [p for p in key.strip().split(".") if p]
+    if not path:
+        raise ConfigError(f"override {text!r} has an empty key")
+    return path, yaml.safe_load(raw) if raw.strip() else None
+
+
+def apply_overrides(data: dict, overrides: list[str]) -> dict:
+    for item in overrides:
+        path, value = parse_override(item)
+        node = data
+        for part in path[:-1]:
+            child = node.get(part)
+            if child is None:
+                child = node[part] = {}
+            if not isinstance(child, dict):
+                raise ConfigError(f"override {item!r}: {part!r} is not a section")
+            node = child
+        node[path[-1]] = value
+    return data
+
+
+def _format_validation_error(source: str, err: ValidationError) -> str:
+    lines = [f"{source}: invalid recipe"]
+    for e in err.errors():
+        field = ".".join(str(p) for p in e["loc"]) or "(top level)"
+        lines.append(f"  {field}: {e['msg']}")
+    return "\n".join(lines)
+
+
+def recipe_from_dict(data: dict, source: str = "<recipe>") -> Recipe:
+    try:
+        return Recipe.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(_format_validation_error(source, err)) from None
+
+
+def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
+    """Load a recipe YAML (safe_load), apply `key.path=value` overrides, validate.
+
+    Relative data/index paths stay relative to the current directory, like any CLI path.
+    """
+    path = Path(path)
+    if not path.exists():
+        raise ConfigError(f"recipe {path} does not exist")
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{path}: not valid YAML: {err}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: a recipe must be a YAML mapping")
+    data = apply_overrides(data, overrides or [])
+    return recipe_from_dict(data, source=str(path))

@@ -1,0 +1,706 @@
+"""The RL trainer: rollout -> rewards -> advantages -> K epochs of minibatch updates.
+
+Read `train()` top to bottom; everything it calls is either a small helper in
+this file or a pure function in `sleuth.rl.advantages` / `sleuth.rl.losses`.
+
+Token layout. A trajectory is `prompt_ids + response_ids`; the response mixes
+policy tokens (loss_mask 1) and tokens the environment inserted (documents,
+feedback; loss_mask 0). All per-token tensors here are over *shifted* positions
+(B, L-1): position j scores token j+1 given the prefix up to j. `action_mask`
+is 1 exactly where token j+1 is a policy token of the response, so inserted
+tokens never contribute to the policy, value or KL terms.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import math
+import random
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from sleuth.agent.trajectory import Trajectory, write_trajectories
+from sleuth.data.formats import QAExample
+from sleuth.errors import ConfigError
+from sleuth.llm.base import SamplingParams
+from sleuth.rl import advantages as adv_fns
+from sleuth.rl import losses as loss_fns
+from sleuth.rl.checkpoint import (
+    latest_checkpoint,
+    load_training_state,
+    save_checkpoint,
+    set_rng_state,
+    write_run_info,
+)
+from sleuth.rl.config import Recipe
+from sleuth.utils import seed_everything
+
+# ----------------------------------------------------------------------------
+# Models
+# ----------------------------------------------------------------------------
+
+
+class ValueModel(nn.Module):
+    """Critic: a transformer backbone plus a scalar head over every position."""
+
+    def __init__(self, backbone: nn.Module, hidden_size: int):
+        super().__init__()
+        self.backbone = backbone
+        self.value_head = nn.Linear(hidden_size, 1)
+        nn.init.zeros_(self.value_head.weight)
+        nn.init.zeros_(self.value_head.bias)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        return self.value_head(hidden.float()).squeeze(-1)
+
+
+def pick_device(requested: str | None) -> torch.device:
+    if requested:
+        return torch.device(requested)
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def load_policy(recipe: Recipe, device: torch.device, adapter_dir: Path | None = None):
+    """Load tokenizer + policy (optionally LoRA-wrapped) from the recipe's model spec."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from sleuth.llm.registry import resolve_model_path
+
+    path = resolve_model_path(recipe.model.policy)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    # Master weights stay fp32; bf16 comes from autocast on GPU (see `autocast`).
+    dtype = {"auto": torch.float32, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[
+        recipe.model.dtype
+    ]
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
+    if recipe.model.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+        model.config.use_cache = False
+    if recipe.model.lora.enabled:
+        from peft import LoraConfig, PeftModel, get_peft_model
+
+        if adapter_dir is not None:
+            model = PeftModel.from_pretrained(model, adapter_dir, is_trainable=True)
+        else:
+            lora = recipe.model.lora
+            model = get_peft_model(
+                model,
+                LoraConfig(
+                    r=lora.r,
+                    lora_alpha=lora.alpha,
+                    lora_dropout=lora.dropout,
+                    target_modules=lora.target_modules,
+                    task_type="CAUSAL_LM",
+                ),
+            )
+    elif adapter_dir is not None:
+        model = AutoModelForCausalLM.from_pretrained(adapter_dir, dtype=dtype).to(device)
+    return tokenizer, model, path
+
+
+def load_critic(model_path: str, device: torch.device) -> ValueModel:
+    from transformers import AutoConfig, AutoModel
+
+    config = AutoConfig.from_pretrained(model_path)
+    backbone = AutoModel.from_pretrained(model_path, dtype=torch.float32)
+    return ValueModel(backbone, config.hidden_size).to(device)
+
+
+def autocast(device: torch.device):
+    if device.type == "cuda":
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+class FrozenBaseGenerator:
+    """A frozen generator that is the policy's own base model with LoRA adapters disabled."""
+
+    def __init__(self, policy_generator: Any, peft_model: Any):
+        self._gen = policy_generator
+        self._model = peft_model
+        self.tokenizer = policy_generator.tokenizer
+
+    def generate(self, batch, stop=None, params=None):
+        with self._model.disable_adapter():
+            return self._gen.generate(batch, stop=stop, params=params)
+
+
+# ----------------------------------------------------------------------------
+# Data cursor
+# ----------------------------------------------------------------------------
+
+
+@dataclass
+class DataCursor:
+    """Where we are in the seeded, epoch-shuffled training order (saved in checkpoints)."""
+
+    seed: int
+    num_examples: int
+    shuffle: bool = True
+    epoch: int = 0
+    position: int = 0
+
+    def _order(self) -> list[int]:
+        order = list(range(self.num_examples))
+        if self.shuffle:
+            random.Random(self.seed * 1_000_003 + self.epoch).shuffle(order)
+        return order
+
+    def take(self, count: int) -> list[int]:
+        taken: list[int] = []
+        order = self._order()
+        while len(taken) < count:
+            if self.position >= self.num_examples:
+                self.epoch += 1
+                self.position = 0
+                order = self._order()
+            taken.append(order[self.position])
+            self.position += 1
+        return taken
+
+    def state(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "position": self.position}
+
+
+# ----------------------------------------------------------------------------
+# Tensors from trajectories
+# ----------------------------------------------------------------------------
+
+
+@dataclass
+class TokenBatch:
+    input_ids: torch.Tensor  # (B, L)
+    attention_mask: torch.Tensor  # (B, L)
+    action_mask: torch.Tensor  # (B, L-1) float; 1 where token j+1 is a policy token
+
+    def index(self, idx: torch.Tensor) -> TokenBatch:
+        return TokenBatch(self.input_ids[idx], self.attention_mask[idx], self.action_mask[idx])
+
+
+def collate(trajs: list[Trajectory], pad_id: int, drop_truncated: bool = False) -> TokenBatch:
+    lengths = [len(t.prompt_ids) + len(t.response_ids) for t in trajs]
+    L = max(lengths)
+    B = len(trajs)
+    input_ids = torch.full((B, L), pad_id, dtype=torch.long)
+    attention = torch.zeros((B, L), dtype=torch.long)
+    action = torch.zeros((B, L - 1), dtype=torch.float32)
+    for i, t in enumerate(trajs):
+        P, R = len(t.prompt_ids), len(t.response_ids)
+        input_ids[i, : P + R] = torch.tensor(t.prompt_ids + t.response_ids, dtype=torch.long)
+        attention[i, : P + R] = 1
+        if drop_truncated and t.finish_reason == "length":
+            continue  # DAPO overlong filtering: a truncated response teaches nothing reliable
+        if R:
+            action[i, P - 1 : P - 1 + R] = torch.tensor(t.loss_mask, dtype=torch.float32)
+    return TokenBatch(input_ids, attention, action)
+
+
+def forward_logprobs(
+    model: nn.Module, batch: TokenBatch, temperature: float, with_entropy: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-prob of each next token (B, L-1) under `model`, logits scaled by the sampling temperature."""
+    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1].float()
+    if temperature > 0 and temperature != 1.0:
+        logits = logits / temperature
+    logprobs = loss_fns.logprobs_from_logits(logits, batch.input_ids[:, 1:])
+    entropy = loss_fns.entropy_from_logits(logits) if with_entropy else None
+    return logprobs, entropy
+
+
+def chunks(n: int, size: int) -> Iterator[slice]:
+    for start in range(0, n, size):
+        yield slice(start, min(n, start + size))
+
+
+@torch.no_grad()
+def batched_forward(fn, batch: TokenBatch, micro: int, device: torch.device) -> torch.Tensor:
+    out = []
+    for sl in chunks(batch.input_ids.shape[0], micro):
+        mb = batch.index(torch.arange(sl.start, sl.stop))
+        with autocast(device):
+            out.append(fn(_to(mb, device)).float().cpu())
+    width = max(o.shape[1] for o in out)
+    return torch.cat([torch.nn.functional.pad(o, (0, width - o.shape[1])) for o in out])
+
+
+def _to(batch: TokenBatch, device: torch.device) -> TokenBatch:
+    return TokenBatch(batch.input_ids.to(device), batch.attention_mask.to(device), batch.action_mask.to(device))
+
+
+# ----------------------------------------------------------------------------
+# Metrics log
+# ----------------------------------------------------------------------------
+
+
+class MetricsLog:
+    """JSONL per step (+ optional TensorBoard). On resume, drops lines from steps that will be redone."""
+
+    def __init__(self, out_dir: Path, resume_step: int, tensorboard: bool):
+        self.path = out_dir / "metrics.jsonl"
+        if self.path.exists():
+            kept = [
+                line
+                for line in self.path.read_text().splitlines()
+                if line.strip() and json.loads(line).get("step", 0) < resume_step
+            ]
+            self.path.write_text("".join(line + "\n" for line in kept))
+        self.tb = None
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self.tb = SummaryWriter(str(out_dir / "tensorboard"))
+            except ImportError:
+                self.tb = None
+
+    def write(self, step: int, metrics: dict[str, float]) -> None:
+        with open(self.path, "a", encoding="utf-8") as f:
+            f.write(json.dumps({"step": step, **metrics}) + "\n")
+            f.flush()
+        if self.tb is not None:
+            for k, v in metrics.items():
+                self.tb.add_scalar(k, v, step)
+
+
+def _mean(xs: list[float]) -> float:
+    return float(np.mean(xs)) if xs else 0.0
+
+
+# ----------------------------------------------------------------------------
+# Building the pieces a recipe names
+# ----------------------------------------------------------------------------
+
+
+def build_retriever(recipe: Recipe):
+    if recipe.retriever.url is not None:
+        from sleuth.retrieval.client import RemoteRetriever
+
+        return RemoteRetriever(recipe.retriever.url)
+    from sleuth.retrieval import load_retriever
+
+    return load_retriever(recipe.retriever.index, corpus=recipe.retriever.corpus)
+
+
+def build_loop(recipe: Recipe):
+    from sleuth.agent import get_loop
+
+    cfg = dict(recipe.agent.options)
+    if recipe.agent.max_turns is not None:
+        cfg["max_turns"] = recipe.agent.max_turns
+    if recipe.agent.top_k is not None:
+        cfg["top_k"] = recipe.agent.top_k
+    return get_loop(recipe.agent.loop, **cfg)
+
+
+def load_examples(recipe: Recipe) -> list[QAExample]:
+    from sleuth.data.formats import load_qa
+
+    examples = load_qa(recipe.data.train)
+    if recipe.data.drop_yes_no:
+        from sleuth.data.filters import drop_yes_no
+
+        examples = drop_yes_no(examples)
+    if recipe.data.hard_from:
+        from sleuth.data.filters import keep_hard
+        from sleuth.data.score_cache import ScoreCache
+
+        examples = keep_hard(examples, ScoreCache(recipe.data.hard_from))
+    if recipe.data.max_train_examples:
+        examples = examples[: recipe.data.max_train_examples]
+    if not examples:
+        raise ConfigError(f"data.train={recipe.data.train}: no training examples left after filtering")
+    return examples
+
+
+def build_reward_services(recipe: Recipe, policy_gen: Any, policy: nn.Module, retriever: Any):
+    from sleuth.rewards.base import RewardServices
+
+    def service_model(cfg):
+        if cfg is None:
+            return None
+        if cfg.model == "policy-base":
+            if not hasattr(policy, "disable_adapter"):
+                raise ConfigError("reward generator 'policy-base' needs model.lora.enabled=true")
+            return FrozenBaseGenerator(policy_gen, policy)
+        from sleuth.llm.registry import load_generator
+
+        return load_generator(cfg.model)
+
+    encoder = None
+    if recipe.reward.encoder:
+        from sleuth.retrieval.encoders import load_encoder
+
+        encoder = load_encoder(recipe.reward.encoder)
+    cache = None
+    if recipe.reward.baseline_cache:
+        from sleuth.data.score_cache import ScoreCache
+
+        cache = ScoreCache(recipe.reward.baseline_cache)
+    return RewardServices(
+        generator=service_model(recipe.reward.generator),
+        judge=service_model(recipe.reward.judge),
+        encoder=encoder,
+        baseline_cache=cache,
+        retriever=retriever,
+    )
+
+
+def build_optimizer(params, lr: float, recipe: Recipe):
+    params = [p for p in params if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=lr, betas=recipe.optim.betas, weight_decay=recipe.optim.weight_decay)
+    warmup = recipe.optim.warmup_steps
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0)
+    return opt, sched
+
+
+# ----------------------------------------------------------------------------
+# The training loop
+# ----------------------------------------------------------------------------
+
+
+def train(recipe: Recipe, *, resume: bool = False, console: Any = None) -> dict[str, Any]:
+    from rich.console import Console
+
+    from sleuth.agent import rollout
+    from sleuth.llm.hf import HFGenerator
+    from sleuth.rewards.base import get_reward
+
+    console = console or Console()
+    out_dir = Path(recipe.trainer.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    algo = recipe.algorithm
+    device = pick_device(recipe.model.device)
+    seed_everything(recipe.seed)
+
+    # --- resume point -------------------------------------------------------
+    ckpt = latest_checkpoint(out_dir) if resume else None
+    trainer_state: dict[str, Any] = {}
+    tensor_state: dict[str, Any] = {}
+    if ckpt is not None:
+        trainer_state, tensor_state = load_training_state(ckpt)
+        console.print(f"[bold]resuming[/] from {ckpt} (step {trainer_state['step']})")
+    elif resume:
+        console.print(f"[yellow]--resume: no checkpoint under {out_dir}, starting fresh[/]")
+    start_step = int(trainer_state.get("step", 0))
+
+    # --- models -------------------------------------------------------------
+    tokenizer, policy, model_path = load_policy(recipe, device, ckpt / "policy" if ckpt else None)
+    pad_id = tokenizer.pad_token_id
+    kl_coef = algo.kl.coef
+    ref_model = None
+    if kl_coef > 0 and not hasattr(policy, "disable_adapter"):
+        ref_model = copy.deepcopy(policy).eval().requires_grad_(False)
+    critic = load_critic(model_path, device) if algo.uses_critic else None
+    if critic is not None and ckpt is not None:
+        critic.load_state_dict(torch.load(ckpt / "critic.pt", map_location=device, weights_only=True))
+
+    opt, sched = build_optimizer(policy.parameters(), recipe.optim.lr, recipe)
+    optimizers, schedulers = {"policy": opt}, {"policy": sched}
+    if critic is not None:
+        optimizers["critic"], schedulers["critic"] = build_optimizer(critic.parameters(), recipe.optim.critic_lr, recipe)
+    if tensor_state:
+        for k, o in optimizers.items():
+            o.load_state_dict(tensor_state["optimizers"][k])
+        for k, s in schedulers.items():
+            s.load_state_dict(tensor_state["schedulers"][k])
+        set_rng_state(tensor_state["rng"])
+
+    # --- environment, data, reward ------------------------------------------
+    generator = HFGenerator(policy, tokenizer=tokenizer)
+    retriever = build_retriever(recipe)
+    loop = build_loop(recipe)
+    examples = load_examples(recipe)
+    cursor = DataCursor(recipe.seed, len(examples), recipe.data.shuffle, **trainer_state.get("cursor", {}))
+    reward_fn = get_reward(recipe.reward.name, **recipe.reward.options)
+    services = build_reward_services(recipe, generator, policy, retriever)
+    sampling = SamplingParams(
+        max_new_tokens=recipe.agent.max_new_tokens_per_turn,
+        temperature=recipe.sampling.temperature,
+        top_p=recipe.sampling.top_p,
+    )
+    log = MetricsLog(out_dir, start_step, recipe.trainer.tensorboard)
+    write_run_info(out_dir, {"recipe": recipe.model_dump(), "model_path": model_path, "device": str(device)})
+
+    # --- steps --------------------------------------------------------------
+    for step in range(start_step, recipe.trainer.total_steps):
+        t_start = time.perf_counter()
+        stage = _stage_for(step, recipe)
+        if hasattr(reward_fn, "set_step"):
+            reward_fn.set_step(step)
+
+        # 1. rollout and reward; DAPO refills the batch with new prompts when groups carry no signal
+        kept: list[Trajectory] = []
+        scores: list[float] = []
+        rounds = 0
+        t_rollout = t_reward = 0.0
+        all_rewards: list[float] = []
+        while len(kept) < algo.prompts_per_step * algo.n and rounds < algo.max_sampling_rounds:
+            rounds += 1
+            batch_examples = [examples[i] for i in cursor.take(algo.prompts_per_step)]
+            t0 = time.perf_counter()
+            policy.eval()
+            with autocast(device):
+                trajs = rollout(
+                    loop,
+                    generator,
+                    retriever,
+                    batch_examples,
+                    sampling,
+                    n=algo.n,
+                    max_obs_tokens=recipe.agent.max_obs_tokens,
+                    max_response_tokens=recipe.agent.max_response_tokens,
+                )
+            t1 = time.perf_counter()
+            results = reward_fn(trajs, services)
+            t_rollout += t1 - t0
+            t_reward += time.perf_counter() - t1
+            for t, r in zip(trajs, results):
+                t.rewards = {"total": r.total, **r.components}
+                t.extra["group"] = f"{rounds}:{t.extra.get('group', 0)}"
+            round_scores = torch.tensor([r.total for r in results], dtype=torch.float32)
+            all_rewards += round_scores.tolist()
+            if algo.dynamic_sampling:
+                from sleuth.rl.sampling import filter_groups
+
+                keep = filter_groups(round_scores, _group_index(trajs))
+                trajs = [t for t, k in zip(trajs, keep.tolist()) if k]
+                round_scores = round_scores[keep]
+            kept += trajs
+            scores += round_scores.tolist()
+            if not algo.dynamic_sampling:
+                break
+        if not kept:
+            console.print(f"step {step}: every group had identical rewards after {rounds} rounds; skipping update")
+            log.write(step, {"reward/mean": _mean(all_rewards), "skipped": 1.0, "sampling_rounds": rounds})
+            continue
+        limit = algo.prompts_per_step * algo.n
+        kept, scores = kept[:limit], scores[:limit]
+
+        # 2. tensors, old/ref log-probs, values
+        t2 = time.perf_counter()
+        batch = collate(kept, pad_id, drop_truncated=algo.overlong_filter)
+        micro = algo.micro_batch_size
+        temperature = recipe.sampling.temperature
+        old_logprobs = batched_forward(lambda b: forward_logprobs(policy, b, temperature)[0], batch, micro, device)
+        ref_logprobs = None
+        if kl_coef > 0:
+            if ref_model is not None:
+                ref_logprobs = batched_forward(
+                    lambda b: forward_logprobs(ref_model, b, temperature)[0], batch, micro, device
+                )
+            else:
+                with policy.disable_adapter():
+                    ref_logprobs = batched_forward(
+                        lambda b: forward_logprobs(policy, b, temperature)[0], batch, micro, device
+                    )
+        mask = batch.action_mask
+        score_t = torch.tensor(scores, dtype=torch.float32)
+        token_rewards = adv_fns.outcome_to_token_rewards(score_t, mask)
+        kl_for_log = None
+        if ref_logprobs is not None:
+            kl_for_log = loss_fns.kl_penalty(old_logprobs, ref_logprobs, algo.kl.estimator)
+            if algo.kl.mode == "penalty":
+                token_rewards = loss_fns.apply_kl_penalty(token_rewards, kl_for_log, kl_coef, mask)
+
+        # 3. advantages
+        old_values = None
+        if algo.advantage == "gae":
+            critic.eval()
+            old_values = batched_forward(lambda b: critic(b.input_ids, b.attention_mask)[:, :-1], batch, micro, device)
+            advantages, returns = adv_fns.compute_gae(token_rewards, old_values, mask, algo.gamma, algo.lam)
+        else:
+            group_ids = torch.tensor(_group_index(kept))
+            if algo.advantage == "rloo":
+                advantages = adv_fns.compute_rloo(score_t, group_ids, mask)
+            else:
+                advantages = adv_fns.compute_grpo(score_t, group_ids, mask, norm_by_std=algo.advantage == "grpo")
+            returns = advantages
+
+        # 4. K epochs of minibatch updates
+        policy.train()
+        stats: dict[str, list[float]] = {}
+        n_traj = len(kept)
+        for _epoch in range(algo.ppo_epochs):
+            perm = torch.randperm(n_traj)
+            for mb_slice in chunks(n_traj, algo.minibatch_size):
+                mb_idx = perm[mb_slice]
+                mb_tokens = float(mask[mb_idx].sum().clamp(min=1))
+                for o in optimizers.values():
+                    o.zero_grad(set_to_none=True)
+                for mi_slice in chunks(len(mb_idx), micro):
+                    idx = mb_idx[mi_slice]
+                    mi = _to(batch.index(idx), device)
+                    # weight micro-batches so the minibatch loss equals one big batch's loss
+                    if algo.loss_agg == "token-mean":
+                        weight = float(mi.action_mask.sum()) / mb_tokens
+                    else:
+                        weight = len(idx) / len(mb_idx)
+                    with autocast(device):
+                        logprobs, entropy = forward_logprobs(policy, mi, temperature, with_entropy=True)
+                    m = mi.action_mask
+                    pg_loss, pg_stats = loss_fns.policy_loss(
+                        old_logprobs[idx].to(device),
+                        logprobs,
+                        advantages[idx].to(device),
+                        m,
+                        clip_low=algo.clip_low,
+                        clip_high=algo.clip_high,
+                        agg_mode=algo.loss_agg,
+                    )
+                    loss = pg_loss
+                    ent = loss_fns.agg_loss(entropy, m, algo.loss_agg)
+                    if algo.entropy_coef:
+                        loss = loss - algo.entropy_coef * ent
+                    if ref_logprobs is not None and algo.kl.mode == "loss":
+                        kl = loss_fns.kl_penalty(logprobs, ref_logprobs[idx].to(device), algo.kl.estimator)
+                        kl_loss = loss_fns.agg_loss(kl, m, algo.loss_agg)
+                        loss = loss + kl_coef * kl_loss
+                        _add(stats, "actor/kl_loss", kl_loss.item())
+                    (loss * weight).backward()
+                    _add(stats, "actor/pg_loss", pg_loss.item())
+                    _add(stats, "actor/entropy", ent.item())
+                    for k, v in pg_stats.items():
+                        _add(stats, f"actor/{k}", float(v))
+                    if critic is not None:
+                        with autocast(device):
+                            values = critic(mi.input_ids, mi.attention_mask)[:, :-1]
+                        v_loss, v_clipfrac = loss_fns.value_loss(
+                            values,
+                            old_values[idx].to(device),
+                            returns[idx].to(device),
+                            m,
+                            clip=algo.value_clip,
+                            agg_mode=algo.loss_agg,
+                        )
+                        (algo.value_coef * v_loss * weight).backward()
+                        _add(stats, "critic/value_loss", v_loss.item())
+                        _add(stats, "critic/clipfrac", float(v_clipfrac))
+                grad_norm = torch.nn.utils.clip_grad_norm_(
+                    [p for p in policy.parameters() if p.requires_grad], recipe.optim.grad_clip
+                )
+                _add(stats, "actor/grad_norm", float(grad_norm))
+                optimizers["policy"].step()
+                if critic is not None:
+                    torch.nn.utils.clip_grad_norm_(critic.parameters(), recipe.optim.grad_clip)
+                    optimizers["critic"].step()
+        for s in schedulers.values():
+            s.step()
+        t_update = time.perf_counter() - t2
+
+        # 5. log
+        metrics = _step_metrics(kept, scores, all_rewards, mask, kl_for_log, stats)
+        metrics.update(
+            {
+                "stage": float(stage),
+                "sampling_rounds": float(rounds),
+                "lr": schedulers["policy"].get_last_lr()[0],
+                "time/rollout": t_rollout,
+                "time/reward": t_reward,
+                "time/update": t_update,
+                "time/step": time.perf_counter() - t_start,
+                "tokens/policy_per_s": float(mask.sum()) / max(t_rollout, 1e-9),
+            }
+        )
+        log.write(step + 1, metrics)
+        console.print(_format_line(step + 1, recipe.trainer.total_steps, metrics))
+        write_trajectories(out_dir / "rollouts" / f"step_{step + 1:06d}.jsonl", kept[: min(len(kept), 32)])
+
+        # 6. checkpoint
+        done = step + 1
+        if done % recipe.trainer.save_every == 0 or done == recipe.trainer.total_steps:
+            save_checkpoint(
+                out_dir,
+                done,
+                policy=policy,
+                tokenizer=tokenizer,
+                critic=critic,
+                optimizers=optimizers,
+                schedulers=schedulers,
+                trainer_state={"cursor": cursor.state(), "stage": stage, "recipe": recipe.name},
+                keep=recipe.trainer.keep_checkpoints,
+            )
+    if services.baseline_cache is not None:
+        services.baseline_cache.save()
+    final = latest_checkpoint(out_dir)
+    return {"out_dir": str(out_dir), "checkpoint": str(final) if final else None}
+
+
+# ----------------------------------------------------------------------------
+# Small helpers for the loop above
+# ----------------------------------------------------------------------------
+
+
+def _stage_for(step: int, recipe: Recipe) -> int:
+    switch = recipe.trainer.stage_switch_step
+    return 2 if switch is not None and step >= switch else 1
+
+
+def _group_index(trajs: list[Trajectory]) -> list[int]:
+    """Map each trajectory's group key to a dense integer id (samples of one prompt share it)."""
+    ids: dict[str, int] = {}
+    return [ids.setdefault(str(t.extra.get("group")), len(ids)) for t in trajs]
+
+
+def _add(stats: dict[str, list[float]], key: str, value: float) -> None:
+    stats.setdefault(key, []).append(value)
+
+
+def _step_metrics(
+    trajs: list[Trajectory],
+    scores: list[float],
+    all_rewards: list[float],
+    mask: torch.Tensor,
+    kl: torch.Tensor | None,
+    stats: dict[str, list[float]],
+) -> dict[str, float]:
+    metrics: dict[str, float] = {
+        "reward/mean": _mean(scores),
+        "reward/std": float(np.std(scores)) if scores else 0.0,
+        "reward/mean_before_filter": _mean(all_rewards),
+        "retrieval_count": _mean([t.retrieval_count for t in trajs]),
+        "turns": _mean([t.num_turns for t in trajs]),
+        "response_length/policy_tokens": _mean([t.num_policy_tokens for t in trajs]),
+        "response_length/total_tokens": _mean([len(t.response_ids) for t in trajs]),
+        "answered": _mean([float(t.answer is not None) for t in trajs]),
+    }
+    components = sorted({k for t in trajs for k in t.rewards if k != "total"})
+    for k in components:
+        metrics[f"reward/{k}"] = _mean([t.rewards.get(k, 0.0) for t in trajs])
+    from sleuth.rewards.metrics import exact_match
+
+    metrics["accuracy/em"] = _mean([exact_match(t.answer or "", t.golden_answers) for t in trajs])
+    if kl is not None:
+        metrics["actor/kl"] = float((kl * mask).sum() / mask.sum().clamp(min=1))
+    for k, v in stats.items():
+        metrics[k] = _mean(v)
+    return {k: (0.0 if isinstance(v, float) and math.isnan(v) else v) for k, v in metrics.items()}
+
+
+def _format_line(step: int, total: int, m: dict[str, float]) -> str:
+    parts = [
+        f"[bold]step {step}/{total}[/]",
+        f"reward {m['reward/mean']:+.3f}",
+        f"em {m['accuracy/em']:.3f}",
+        f"rc {m['retrieval_count']:.2f}",
+        f"len {m['response_length/policy_tokens']:.0f}",
+    ]
+    if "actor/kl" in m:
+        parts.append(f"kl {m['actor/kl']:.4f}")
+    if "actor/entropy" in m:
+        parts.append(f"ent {m['actor/entropy']:.3f}")
+    parts.append(
+        f"t {m['time/rollout']:.1f}/{m['time/reward']:.1f}/{m['time/update']:.1f}s (rollout/reward/update)"
+    )
+    return "  ".join(parts)
