@@ -10,7 +10,9 @@ def register(app: typer.Typer) -> None:
     def train_cmd(
         recipe: str = typer.Argument(..., help="Recipe YAML, e.g. recipes/s3.yaml"),
         overrides: list[str] = typer.Argument(None, help="key.path=value overrides, e.g. algorithm.n=4"),
-        resume: bool = typer.Option(False, "--resume", help="Continue from the newest checkpoint in trainer.out_dir"),
+        resume: bool = typer.Option(
+            False, "--resume", help="Continue from the newest checkpoint in trainer.out_dir"
+        ),
     ) -> None:
         """Train a search agent with RL as the recipe describes."""
         from rich.console import Console

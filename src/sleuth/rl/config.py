@@ -102,9 +102,9 @@ class AlgorithmConfig(_Strict):
     clip_low: float = Field(0.2, gt=0.0)
     clip_high: float = Field(0.2, gt=0.0)
     value_clip: float = Field(0.2, gt=0.0)
-    loss_agg: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = (
-        "token-mean"
-    )
+    loss_agg: Literal[
+        "token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"
+    ] = "token-mean"
     gamma: float = Field(1.0, ge=0.0, le=1.0)
     lam: float = Field(1.0, ge=0.0, le=1.0)
     entropy_coef: float = Field(0.0, ge=0.0)
@@ -117,11 +117,17 @@ class AlgorithmConfig(_Strict):
     @model_validator(mode="after")
     def _defaults_from_name(self) -> AlgorithmConfig:
         if self.advantage is None:
-            self.advantage = {"ppo": "gae", "grpo": "grpo", "dapo": "grpo", "rloo": "rloo", "drgrpo": "drgrpo"}[
-                self.name
-            ]
+            self.advantage = {
+                "ppo": "gae",
+                "grpo": "grpo",
+                "dapo": "grpo",
+                "rloo": "rloo",
+                "drgrpo": "drgrpo",
+            }[self.name]
         if self.advantage in ("grpo", "drgrpo", "rloo") and self.n < 2:
-            raise ValueError(f"algorithm.advantage={self.advantage} compares samples of one prompt: set algorithm.n >= 2")
+            raise ValueError(
+                f"algorithm.advantage={self.advantage} compares samples of one prompt: set algorithm.n >= 2"
+            )
         if self.minibatch_size % self.micro_batch_size:
             raise ValueError("algorithm.minibatch_size must be a multiple of algorithm.micro_batch_size")
         return self

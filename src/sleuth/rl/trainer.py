@@ -81,9 +81,12 @@ def load_policy(recipe: Recipe, device: torch.device, adapter_dir: Path | None =
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     # Master weights stay fp32; bf16 comes from autocast on GPU (see `autocast`).
-    dtype = {"auto": torch.float32, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[
-        recipe.model.dtype
-    ]
+    dtype = {
+        "auto": torch.float32,
+        "float32": torch.float32,
+        "bfloat16": torch.bfloat16,
+        "float16": torch.float16,
+    }[recipe.model.dtype]
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
     if recipe.model.gradient_checkpointing:
         model.gradient_checkpointing_enable()
@@ -225,18 +228,33 @@ def chunks(n: int, size: int) -> Iterator[slice]:
 
 
 @torch.no_grad()
-def batched_forward(fn, batch: TokenBatch, micro: int, device: torch.device) -> torch.Tensor:
+def batched_logprobs(
+    model: nn.Module, batch: TokenBatch, temperature: float, micro: int, device: torch.device
+) -> torch.Tensor:
+    """Log-probs (B, L-1) without gradients, in micro-batches, returned on the CPU."""
     out = []
     for sl in chunks(batch.input_ids.shape[0], micro):
-        mb = batch.index(torch.arange(sl.start, sl.stop))
+        mb = _to(batch.index(torch.arange(sl.start, sl.stop)), device)
         with autocast(device):
-            out.append(fn(_to(mb, device)).float().cpu())
-    width = max(o.shape[1] for o in out)
-    return torch.cat([torch.nn.functional.pad(o, (0, width - o.shape[1])) for o in out])
+            out.append(forward_logprobs(model, mb, temperature)[0].float().cpu())
+    return torch.cat(out)
+
+
+@torch.no_grad()
+def batched_values(critic: ValueModel, batch: TokenBatch, micro: int, device: torch.device) -> torch.Tensor:
+    """Critic values (B, L-1): position j is the value of the state before token j+1."""
+    out = []
+    for sl in chunks(batch.input_ids.shape[0], micro):
+        mb = _to(batch.index(torch.arange(sl.start, sl.stop)), device)
+        with autocast(device):
+            out.append(critic(mb.input_ids, mb.attention_mask)[:, :-1].float().cpu())
+    return torch.cat(out)
 
 
 def _to(batch: TokenBatch, device: torch.device) -> TokenBatch:
-    return TokenBatch(batch.input_ids.to(device), batch.attention_mask.to(device), batch.action_mask.to(device))
+    return TokenBatch(
+        batch.input_ids.to(device), batch.attention_mask.to(device), batch.action_mask.to(device)
+    )
 
 
 # ----------------------------------------------------------------------------
@@ -409,7 +427,9 @@ def train(recipe: Recipe, *, resume: bool = False, console: Any = None) -> dict[
     opt, sched = build_optimizer(policy.parameters(), recipe.optim.lr, recipe)
     optimizers, schedulers = {"policy": opt}, {"policy": sched}
     if critic is not None:
-        optimizers["critic"], schedulers["critic"] = build_optimizer(critic.parameters(), recipe.optim.critic_lr, recipe)
+        optimizers["critic"], schedulers["critic"] = build_optimizer(
+            critic.parameters(), recipe.optim.critic_lr, recipe
+        )
     if tensor_state:
         for k, o in optimizers.items():
             o.load_state_dict(tensor_state["optimizers"][k])
@@ -466,7 +486,7 @@ def train(recipe: Recipe, *, resume: bool = False, console: Any = None) -> dict[
             results = reward_fn(trajs, services)
             t_rollout += t1 - t0
             t_reward += time.perf_counter() - t1
-            for t, r in zip(trajs, results):
+            for t, r in zip(trajs, results, strict=True):
                 t.rewards = {"total": r.total, **r.components}
                 t.extra["group"] = f"{rounds}:{t.extra.get('group', 0)}"
             round_scores = torch.tensor([r.total for r in results], dtype=torch.float32)
@@ -475,14 +495,16 @@ def train(recipe: Recipe, *, resume: bool = False, console: Any = None) -> dict[
                 from sleuth.rl.sampling import filter_groups
 
                 keep = filter_groups(round_scores, _group_index(trajs))
-                trajs = [t for t, k in zip(trajs, keep.tolist()) if k]
+                trajs = [t for t, k in zip(trajs, keep.tolist(), strict=True) if k]
                 round_scores = round_scores[keep]
             kept += trajs
             scores += round_scores.tolist()
             if not algo.dynamic_sampling:
                 break
         if not kept:
-            console.print(f"step {step}: every group had identical rewards after {rounds} rounds; skipping update")
+            console.print(
+                f"step {step}: every group had identical rewards after {rounds} rounds; skipping update"
+            )
             log.write(step, {"reward/mean": _mean(all_rewards), "skipped": 1.0, "sampling_rounds": rounds})
             continue
         limit = algo.prompts_per_step * algo.n
@@ -493,18 +515,14 @@ def train(recipe: Recipe, *, resume: bool = False, console: Any = None) -> dict[
         batch = collate(kept, pad_id, drop_truncated=algo.overlong_filter)
         micro = algo.micro_batch_size
         temperature = recipe.sampling.temperature
-        old_logprobs = batched_forward(lambda b: forward_logprobs(policy, b, temperature)[0], batch, micro, device)
+        old_logprobs = batched_logprobs(policy, batch, temperature, micro, device)
         ref_logprobs = None
         if kl_coef > 0:
             if ref_model is not None:
-                ref_logprobs = batched_forward(
-                    lambda b: forward_logprobs(ref_model, b, temperature)[0], batch, micro, device
-                )
+                ref_logprobs = batched_logprobs(ref_model, batch, temperature, micro, device)
             else:
-                with policy.disable_adapter():
-                    ref_logprobs = batched_forward(
-                        lambda b: forward_logprobs(policy, b, temperature)[0], batch, micro, device
-                    )
+                with policy.disable_adapter():  # LoRA: the base model is the reference
+                    ref_logprobs = batched_logprobs(policy, batch, temperature, micro, device)
         mask = batch.action_mask
         score_t = torch.tensor(scores, dtype=torch.float32)
         token_rewards = adv_fns.outcome_to_token_rewards(score_t, mask)
@@ -518,15 +536,14 @@ def train(recipe: Recipe, *, resume: bool = False, console: Any = None) -> dict[
         old_values = None
         if algo.advantage == "gae":
             critic.eval()
-            old_values = batched_forward(lambda b: critic(b.input_ids, b.attention_mask)[:, :-1], batch, micro, device)
-            advantages, returns = adv_fns.compute_gae(token_rewards, old_values, mask, algo.gamma, algo.lam)
+            old_values = batched_values(critic, batch, micro, device)
+            advantages, returns = adv_fns.gae_advantages(
+                token_rewards, old_values, mask, gamma=algo.gamma, lam=algo.lam
+            )
         else:
-            group_ids = torch.tensor(_group_index(kept))
-            if algo.advantage == "rloo":
-                advantages = adv_fns.compute_rloo(score_t, group_ids, mask)
-            else:
-                advantages = adv_fns.compute_grpo(score_t, group_ids, mask, norm_by_std=algo.advantage == "grpo")
-            returns = advantages
+            advantages, returns = adv_fns.compute_advantages(
+                algo.advantage, token_rewards=token_rewards, response_mask=mask, group_ids=_group_index(kept)
+            )
 
         # 4. K epochs of minibatch updates
         policy.train()
@@ -536,20 +553,16 @@ def train(recipe: Recipe, *, resume: bool = False, console: Any = None) -> dict[
             perm = torch.randperm(n_traj)
             for mb_slice in chunks(n_traj, algo.minibatch_size):
                 mb_idx = perm[mb_slice]
-                mb_tokens = float(mask[mb_idx].sum().clamp(min=1))
+                # minibatch totals, so that accumulating micro-batches equals one big batch's loss
+                totals = {"num_tokens": mask[mb_idx].sum().clamp(min=1).item(), "num_seqs": len(mb_idx)}
                 for o in optimizers.values():
                     o.zero_grad(set_to_none=True)
                 for mi_slice in chunks(len(mb_idx), micro):
                     idx = mb_idx[mi_slice]
                     mi = _to(batch.index(idx), device)
-                    # weight micro-batches so the minibatch loss equals one big batch's loss
-                    if algo.loss_agg == "token-mean":
-                        weight = float(mi.action_mask.sum()) / mb_tokens
-                    else:
-                        weight = len(idx) / len(mb_idx)
+                    m = mi.action_mask
                     with autocast(device):
                         logprobs, entropy = forward_logprobs(policy, mi, temperature, with_entropy=True)
-                    m = mi.action_mask
                     pg_loss, pg_stats = loss_fns.policy_loss(
                         old_logprobs[idx].to(device),
                         logprobs,
@@ -558,17 +571,26 @@ def train(recipe: Recipe, *, resume: bool = False, console: Any = None) -> dict[
                         clip_low=algo.clip_low,
                         clip_high=algo.clip_high,
                         agg_mode=algo.loss_agg,
+                        **totals,
                     )
                     loss = pg_loss
-                    ent = loss_fns.agg_loss(entropy, m, algo.loss_agg)
+                    ent = loss_fns.agg_loss(entropy.detach(), m, algo.loss_agg)
                     if algo.entropy_coef:
-                        loss = loss - algo.entropy_coef * ent
+                        loss = loss - algo.entropy_coef * loss_fns.agg_loss(
+                            entropy, m, algo.loss_agg, **totals
+                        )
                     if ref_logprobs is not None and algo.kl.mode == "loss":
-                        kl = loss_fns.kl_penalty(logprobs, ref_logprobs[idx].to(device), algo.kl.estimator)
-                        kl_loss = loss_fns.agg_loss(kl, m, algo.loss_agg)
-                        loss = loss + kl_coef * kl_loss
-                        _add(stats, "actor/kl_loss", kl_loss.item())
-                    (loss * weight).backward()
+                        kl_term = loss_fns.kl_loss(
+                            logprobs,
+                            ref_logprobs[idx].to(device),
+                            m,
+                            kind=algo.kl.estimator,
+                            agg_mode=algo.loss_agg,
+                            **totals,
+                        )
+                        loss = loss + kl_coef * kl_term
+                        _add(stats, "actor/kl_loss", kl_term.item())
+                    loss.backward()
                     _add(stats, "actor/pg_loss", pg_loss.item())
                     _add(stats, "actor/entropy", ent.item())
                     for k, v in pg_stats.items():
@@ -576,17 +598,18 @@ def train(recipe: Recipe, *, resume: bool = False, console: Any = None) -> dict[
                     if critic is not None:
                         with autocast(device):
                             values = critic(mi.input_ids, mi.attention_mask)[:, :-1]
-                        v_loss, v_clipfrac = loss_fns.value_loss(
+                        v_loss, v_stats = loss_fns.value_loss(
                             values,
                             old_values[idx].to(device),
                             returns[idx].to(device),
                             m,
                             clip=algo.value_clip,
                             agg_mode=algo.loss_agg,
+                            **totals,
                         )
-                        (algo.value_coef * v_loss * weight).backward()
+                        (algo.value_coef * v_loss).backward()
                         _add(stats, "critic/value_loss", v_loss.item())
-                        _add(stats, "critic/clipfrac", float(v_clipfrac))
+                        _add(stats, "critic/clipfrac", float(v_stats["vf_clipfrac"]))
                 grad_norm = torch.nn.utils.clip_grad_norm_(
                     [p for p in policy.parameters() if p.requires_grad], recipe.optim.grad_clip
                 )

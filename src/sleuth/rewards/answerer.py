@@ -1,0 +1,235 @@
+"""Frozen-generator and judge helpers shared by rewards and evaluation.
+
+Prompts are the papers' own:
+- s3 answer generation (paper 000, Appendix C, Fig. 12) and judge_check (Fig. 13);
+- R-Search evidence template (paper 001, Table 5; exact string from the public code's
+  scripts/evidence.yaml, which adds the line breaks the PDF loses);
+- staged-reward judge (paper 002, B.4), which is shown the *normalised* prediction and golds;
+- QAgent (paper 003) gives no generator prompt; "qagent" uses FlashRAG's default naive-RAG
+  prompt, the toolkit whose generator setup QAgent's baselines follow (an assumption).
+
+Every prompt goes out as chat messages so the backend applies the model's chat template.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from sleuth.llm.base import Generator, SamplingParams
+from sleuth.retrieval.base import Hit, format_docs
+from sleuth.rewards.metrics import normalize_answer, span_check
+
+S3_GENERATOR_PROMPT = (
+    "Use the following contexts (some might be irrelevant) on demand:\n"
+    "Contexts: {context}\n"
+    "Question: {question}\n"
+    "Important: You MUST directly answer the question without any other text."
+)
+S3_JUDGE_PROMPT = (
+    "Please check if any of the golden answers is contained in the following response:\n"
+    "{response}\n"
+    "Golden answers: {golden_answers}\n"
+    "Please directly answer with 'yes' or 'no'."
+)
+RSEARCH_EVIDENCE_PROMPT = (
+    "Answer the question based on the given passages. Only give me the answer and do not output any other words."
+    "\n\nThe following are given passages:\n{evidence}\n\nQuestion: {question}\nAnswer:"
+)
+STAGED_JUDGE_PROMPT = (
+    "You are an evaluation assistant. Your task is to determine whether the given prediction semantically "
+    "matches any of the reference answers. This is a flexible match: even if the wording is different, if the "
+    "meaning is the same, consider it a match.\n"
+    "Prediction: {prediction}\n"
+    "Reference Answers: {references}\n"
+    "Please answer with a single word:\n"
+    "- YES → if the prediction expresses the same meaning as any of the reference answers.\n"
+    "- NO → otherwise.\n"
+    "Only respond with YES or NO."
+)
+FLASHRAG_SYSTEM_PROMPT = (
+    "Answer the question based on the given document. Only give me the answer and do not output any other words."
+    "\nThe following are given documents.\n\n{context}"
+)
+FLASHRAG_USER_PROMPT = "Question: {question}"
+
+DOC_TEMPLATES = ("s3", "qagent")
+DEFAULT_GENERATOR_PARAMS = SamplingParams(max_new_tokens=128, temperature=0.0)
+# R-Search's public code samples the cross-family model at temperature 0.1, top-p 0.9, 512 tokens.
+RSEARCH_EVIDENCE_PARAMS = SamplingParams(max_new_tokens=512, temperature=0.1, top_p=0.9)
+DEFAULT_JUDGE_PARAMS = SamplingParams(max_new_tokens=16, temperature=0.0)
+
+_THINK_RE = re.compile(r"<think>.*?(</think>|$)", re.DOTALL)
+
+
+def clean_generation(text: str) -> str:
+    """Drop reasoning blocks (`<think>...</think>`, or an unterminated one) and outer whitespace."""
+    return _THINK_RE.sub("", text).strip()
+
+
+def _as_hits(docs: Sequence[Hit | Mapping[str, Any]]) -> list[Hit]:
+    hits = []
+    for d in docs:
+        if isinstance(d, Hit):
+            hits.append(d)
+        elif isinstance(d, Mapping):
+            try:
+                hits.append(Hit.from_dict(d))
+            except KeyError as err:
+                raise ValueError(f"document {dict(d)!r} lacks field {err}; expected a Hit dict") from err
+        else:
+            raise TypeError(f"a document must be a Hit or a hit dict, got {type(d).__name__}")
+    return hits
+
+
+def document_prompt(
+    question: str, docs: Sequence[Hit | Mapping[str, Any]], template: str = "s3"
+) -> list[dict]:
+    """Chat messages asking a frozen generator to answer `question` from `docs`."""
+    context = format_docs(_as_hits(docs))
+    if template == "s3":
+        return [{"role": "user", "content": S3_GENERATOR_PROMPT.format(context=context, question=question)}]
+    if template == "qagent":
+        return [
+            {"role": "system", "content": FLASHRAG_SYSTEM_PROMPT.format(context=context)},
+            {"role": "user", "content": FLASHRAG_USER_PROMPT.format(question=question)},
+        ]
+    raise ValueError(f"unknown document template {template!r}; choose one of {list(DOC_TEMPLATES)}")
+
+
+def _generate(generator: Generator, prompts: list[list[dict]], params: SamplingParams) -> list[str]:
+    if not prompts:
+        return []
+    outs = generator.generate(prompts, None, params)
+    if len(outs) != len(prompts):
+        raise RuntimeError(f"generator returned {len(outs)} completions for {len(prompts)} prompts")
+    return [clean_generation(o.text) for o in outs]
+
+
+def answer_from_documents(
+    generator: Generator,
+    questions: Sequence[str],
+    docs_per_question: Sequence[Sequence[Hit | Mapping[str, Any]]],
+    template: str = "s3",
+    params: SamplingParams | None = None,
+) -> list[str]:
+    """One batched call: the frozen generator's answer to each question given its documents."""
+    if len(questions) != len(docs_per_question):
+        raise ValueError(f"{len(questions)} questions but {len(docs_per_question)} document lists")
+    prompts = [
+        document_prompt(q, docs, template) for q, docs in zip(questions, docs_per_question, strict=True)
+    ]
+    return _generate(generator, prompts, params or DEFAULT_GENERATOR_PARAMS)
+
+
+def answer_from_evidence(
+    generator: Generator,
+    questions: Sequence[str],
+    evidences: Sequence[str],
+    params: SamplingParams | None = None,
+) -> list[str]:
+    """R-Search's cross-family answer: the frozen model sees the question and the evidence only."""
+    if len(questions) != len(evidences):
+        raise ValueError(f"{len(questions)} questions but {len(evidences)} evidence texts")
+    prompts = [
+        [{"role": "user", "content": RSEARCH_EVIDENCE_PROMPT.format(evidence=e, question=q)}]
+        for q, e in zip(questions, evidences, strict=True)
+    ]
+    return _generate(generator, prompts, params or RSEARCH_EVIDENCE_PARAMS)
+
+
+_WORD_RE = re.compile(r"[a-z]+")
+
+
+def parse_yes_no(text: str) -> bool:
+    """A judge's verdict. Yes only when the reply clearly says yes: its first word is "yes", or it
+    contains the word "yes" and never the word "no". Anything else, garbage included, is no."""
+    words = _WORD_RE.findall(clean_generation(text).lower())
+    if not words:
+        return False
+    if words[0] in ("yes", "no"):
+        return words[0] == "yes"
+    return "yes" in words and "no" not in words
+
+
+def judge_contains(
+    judge: Generator,
+    questions: Sequence[str],
+    golden_answers: Sequence[Sequence[str]],
+    responses: Sequence[str],
+    params: SamplingParams | None = None,
+) -> list[bool]:
+    """s3 judge_check: "does the response contain any of the golden answers?" (one batched call).
+    `questions` only fixes the batch shape: the s3 prompt does not show the question."""
+    if not (len(questions) == len(golden_answers) == len(responses)):
+        raise ValueError(
+            f"judge_contains: {len(questions)} questions, {len(golden_answers)} gold lists, {len(responses)} responses"
+        )
+    prompts = [
+        [{"role": "user", "content": S3_JUDGE_PROMPT.format(response=r, golden_answers=str(list(g)))}]
+        for g, r in zip(golden_answers, responses, strict=True)
+    ]
+    return [parse_yes_no(t) for t in _generate(judge, prompts, params or DEFAULT_JUDGE_PARAMS)]
+
+
+def judge_semantic_match(
+    judge: Generator,
+    predictions: Sequence[str],
+    golden_answers: Sequence[Sequence[str]],
+    params: SamplingParams | None = None,
+) -> list[bool]:
+    """Staged-reward judge (paper 002, B.4): normalised prediction vs normalised references."""
+    if len(predictions) != len(golden_answers):
+        raise ValueError(f"{len(predictions)} predictions but {len(golden_answers)} gold lists")
+    prompts = [
+        [
+            {
+                "role": "user",
+                "content": STAGED_JUDGE_PROMPT.format(
+                    prediction=normalize_answer(p), references=str([normalize_answer(g) for g in golds])
+                ),
+            }
+        ]
+        for p, golds in zip(predictions, golden_answers, strict=True)
+    ]
+    return [parse_yes_no(t) for t in _generate(judge, prompts, params or DEFAULT_JUDGE_PARAMS)]
+
+
+def gen_acc(pred: str | None, golds: Sequence[str], judge_result: bool | None) -> float:
+    """s3 GenAcc = span_check OR judge_check. `judge_result` None means the judge was not asked."""
+    if span_check(pred, golds):
+        return 1.0
+    return 1.0 if judge_result else 0.0
+
+
+def gen_acc_batch(
+    judge: Generator | None,
+    questions: Sequence[str],
+    golden_answers: Sequence[Sequence[str]],
+    predictions: Sequence[str | None],
+    params: SamplingParams | None = None,
+) -> tuple[list[float], list[float], list[float | None]]:
+    """GenAcc for a batch, asking the judge only where span_check failed (as s3 does).
+
+    Returns (gen_acc, span, judge) per item; judge is None where it was not asked (span matched,
+    no prediction, or no judge given -- then GenAcc is span_check alone).
+    """
+    spans = [span_check(p, g) for p, g in zip(predictions, golden_answers, strict=True)]
+    verdicts: list[float | None] = [None] * len(predictions)
+    ask = [i for i, (s, p) in enumerate(zip(spans, predictions, strict=True)) if not s and p is not None]
+    if judge is not None and ask:
+        answers = judge_contains(
+            judge,
+            [questions[i] for i in ask],
+            [golden_answers[i] for i in ask],
+            [predictions[i] or "" for i in ask],
+            params,
+        )
+        for i, ok in zip(ask, answers, strict=True):
+            verdicts[i] = float(ok)
+    accs = [
+        gen_acc(p, g, None if v is None else bool(v))
+        for p, g, v in zip(predictions, golden_answers, verdicts, strict=True)
+    ]
+    return accs, spans, verdicts

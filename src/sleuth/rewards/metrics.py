@@ -1,0 +1,174 @@
+"""Answer metrics shared by rewards and evaluation.
+
+Conventions (see methods.md, "Shared conventions"):
+- `normalize_answer`: lowercase, drop ASCII punctuation, drop the articles a/an/the,
+  collapse whitespace (the SQuAD / Search-R1 / FlashRAG normaliser).
+- `exact_match`: normalised prediction equals some normalised gold.
+- `cover_exact_match` (sub-EM, FlashRAG "acc"): some normalised gold is a *substring* of the
+  normalised prediction (character level, so "paris" covers "parisian").
+- `span_check` (s3 / pyserini `has_answers`): some normalised gold's token sequence is a
+  contiguous run of the normalised prediction's tokens (token level, so "paris" does not
+  match "parisian", and "obama barack" does not match "barack obama").
+- `f1_score`: token F1 with FlashRAG's special case (see its docstring).
+"""
+
+from __future__ import annotations
+
+import re
+import string
+from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+_ARTICLES_RE = re.compile(r"\b(a|an|the)\b")
+_PUNCT_TABLE = str.maketrans("", "", string.punctuation)
+# pyserini's SimpleTokenizer: runs of letters/digits/marks, or any single other visible char
+_TOKEN_RE = re.compile(r"[^\W_]+|[^\w\s]", re.UNICODE)
+_SPECIAL_F1_ANSWERS = frozenset({"yes", "no", "noanswer"})
+
+
+def _as_gold_list(golds: str | Iterable[str]) -> list[str]:
+    if isinstance(golds, str):
+        return [golds]
+    gold_list = [g for g in golds]
+    for g in gold_list:
+        if not isinstance(g, str):
+            raise TypeError(f"golden answers must be strings, got {type(g).__name__}: {g!r}")
+    return gold_list
+
+
+def normalize_answer(text: str) -> str:
+    """Lowercase, remove punctuation, remove articles, collapse whitespace (in that order)."""
+    text = text.lower().translate(_PUNCT_TABLE)
+    text = _ARTICLES_RE.sub(" ", text)
+    return " ".join(text.split())
+
+
+def exact_match(pred: str | None, golds: str | Iterable[str]) -> float:
+    """1.0 if the normalised prediction equals any normalised gold answer, else 0.0.
+    A missing prediction (None) scores 0."""
+    if pred is None:
+        return 0.0
+    norm_pred = normalize_answer(pred)
+    return float(any(norm_pred == normalize_answer(g) for g in _as_gold_list(golds)))
+
+
+def cover_exact_match(pred: str | None, golds: str | Iterable[str]) -> float:
+    """Sub-EM: 1.0 if any normalised gold answer is a substring of the normalised prediction.
+    Empty golds (after normalisation) never match, since "" is a substring of everything."""
+    if pred is None:
+        return 0.0
+    norm_pred = normalize_answer(pred)
+    for g in _as_gold_list(golds):
+        norm_gold = normalize_answer(g)
+        if norm_gold and norm_gold in norm_pred:
+            return 1.0
+    return 0.0
+
+
+def _tokens(text: str) -> list[str]:
+    return _TOKEN_RE.findall(normalize_answer(text))
+
+
+def _contains_run(haystack: Sequence[str], needle: Sequence[str]) -> bool:
+    n = len(needle)
+    if n == 0 or n > len(haystack):
+        return False
+    first = needle[0]
+    return any(
+        haystack[i] == first and list(haystack[i : i + n]) == list(needle)
+        for i in range(len(haystack) - n + 1)
+    )
+
+
+def span_check(pred: str | None, golds: str | Iterable[str]) -> float:
+    """s3's span check: 1.0 if some gold's normalised token sequence occurs as a contiguous token
+    span of the normalised prediction. Both sides are normalised, then tokenised like pyserini's
+    SimpleTokenizer (the utility s3 uses)."""
+    if pred is None:
+        return 0.0
+    pred_tokens = _tokens(pred)
+    return float(any(_contains_run(pred_tokens, _tokens(g)) for g in _as_gold_list(golds)))
+
+
+def f1_score(pred: str | None, golds: str | Iterable[str]) -> float:
+    """Token-level F1 over normalised whitespace tokens, max over gold answers.
+
+    Follows FlashRAG's `F1_Score.token_level_scores` (also what Search-R1-family evaluations use):
+    if either the normalised prediction or the normalised gold is one of "yes", "no", "noanswer"
+    and the two differ, that gold scores 0 -- so "yes" vs "yes it is" is 0, not 0.5.
+    """
+    if pred is None:
+        return 0.0
+    norm_pred = normalize_answer(pred)
+    pred_tokens = norm_pred.split()
+    best = 0.0
+    for g in _as_gold_list(golds):
+        norm_gold = normalize_answer(g)
+        if (norm_pred in _SPECIAL_F1_ANSWERS or norm_gold in _SPECIAL_F1_ANSWERS) and norm_pred != norm_gold:
+            continue
+        gold_tokens = norm_gold.split()
+        num_same = sum((Counter(pred_tokens) & Counter(gold_tokens)).values())
+        if num_same == 0:
+            continue
+        precision = num_same / len(pred_tokens)
+        recall = num_same / len(gold_tokens)
+        best = max(best, 2 * precision * recall / (precision + recall))
+    return best
+
+
+def _tag_re(tag: str) -> re.Pattern[str]:
+    return re.compile(rf"<{re.escape(tag)}\s*>(.*?)</{re.escape(tag)}\s*>", re.DOTALL)
+
+
+def extract_tags(text: str, tag: str) -> list[str]:
+    """Contents of every complete `<tag>...</tag>` block, in order (non-greedy, not nested)."""
+    return [m.group(1) for m in _tag_re(tag).finditer(text)]
+
+
+def extract_tag(text: str, tag: str, last: bool = True) -> str | None:
+    """Content of the last (or first) complete `<tag>...</tag>` block, stripped; None if none."""
+    blocks = extract_tags(text, tag)
+    if not blocks:
+        return None
+    return (blocks[-1] if last else blocks[0]).strip()
+
+
+def extract_answer(text: str) -> str | None:
+    """The last `<answer>...</answer>` in `text`, stripped; None if there is none.
+
+    Callers must pass *policy* text only: a prompt's few-shot example or an `<answer>` that
+    happens to sit in a retrieved document must never be taken for the agent's answer."""
+    return extract_tag(text, "answer", last=True)
+
+
+def aggregate(
+    records: Sequence[Mapping[str, Any]], keys: Sequence[str], by: str = "dataset"
+) -> dict[str, dict[str, float | int | None]]:
+    """Mean of each metric in `keys`, per value of the `by` field and "overall".
+
+    "overall" is the mean over all records (micro average), matching how the papers report a
+    single-dataset score. `None` values (a metric not computed for that record, e.g. no judge)
+    are skipped; a group where every value is None reports None. Each group also has "n".
+    """
+    if "overall" in {str(r.get(by)) for r in records}:
+        raise ValueError(f"a record's {by!r} is 'overall', which collides with the overall row; rename it")
+    groups: dict[str, list[Mapping[str, Any]]] = {}
+    for i, rec in enumerate(records):
+        if by not in rec:
+            raise ValueError(f"record {i} has no {by!r} field to group by (fields: {sorted(rec)})")
+        for k in keys:
+            if k not in rec:
+                raise ValueError(f"record {i} has no metric {k!r} (fields: {sorted(rec)})")
+        groups.setdefault(str(rec[by]), []).append(rec)
+
+    def summarise(rows: Sequence[Mapping[str, Any]]) -> dict[str, float | int | None]:
+        out: dict[str, float | int | None] = {"n": len(rows)}
+        for k in keys:
+            vals = [float(r[k]) for r in rows if r[k] is not None]
+            out[k] = sum(vals) / len(vals) if vals else None
+        return out
+
+    result = {name: summarise(rows) for name, rows in sorted(groups.items())}
+    result["overall"] = summarise(records)
+    return result

@@ -1,0 +1,346 @@
+"""Advantage estimators: rewards (+ values or groups) -> per-token advantages and returns.
+
+Every estimator returns `(advantages, returns)`, both (B, T) and zero at masked positions, and
+runs without gradient. Shapes and masks follow `sleuth.rl.losses` (1 in `response_mask` = a
+policy token that counts; 0 = padding or a token inserted by the environment).
+
+Estimators are registered by name in `ADVANTAGE_ESTIMATORS`:
+  - "gae": PPO with a critic (token rewards + values).
+  - "grpo": group-normalised outcome reward (r - mean) / (std + eps).
+  - "drgrpo": Dr.GRPO, group mean subtracted, no std division.
+  - "rloo": leave-one-out group baseline.
+  - "reinforce_plus_plus": discounted return whitened over the batch (no critic, no groups).
+
+A trainer can call any of them through one entry point:
+
+    adv, ret = compute_advantages(
+        "grpo", token_rewards=rewards, response_mask=mask, group_ids=uids, epsilon=1e-6
+    )
+
+which passes each estimator only what it declares (outcome estimators get
+`scores = token_rewards.sum(-1)`) and rejects unknown hyper-parameters by name.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from sleuth.rl.losses import check_same_shape, masked_whiten
+
+AdvantageFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+ADVANTAGE_ESTIMATORS: dict[str, AdvantageFn] = {}
+
+GroupIds = torch.Tensor | Sequence[Any]
+
+
+def register_advantage(name: str) -> Callable[[AdvantageFn], AdvantageFn]:
+    """Decorator registering an advantage estimator under `name` (a name can be taken once)."""
+
+    def decorator(fn: AdvantageFn) -> AdvantageFn:
+        existing = ADVANTAGE_ESTIMATORS.get(name)
+        if existing is not None and existing is not fn:
+            raise ValueError(f"advantage estimator {name!r} is already registered ({existing.__qualname__})")
+        ADVANTAGE_ESTIMATORS[name] = fn
+        return fn
+
+    return decorator
+
+
+def get_advantage_fn(name: str) -> AdvantageFn:
+    """The estimator registered under `name`; ValueError listing the known names otherwise."""
+    try:
+        return ADVANTAGE_ESTIMATORS[name]
+    except KeyError:
+        known = ", ".join(sorted(ADVANTAGE_ESTIMATORS))
+        raise ValueError(f"unknown advantage estimator {name!r}; known: {known}") from None
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _check_mask(response_mask: torch.Tensor) -> torch.Tensor:
+    if response_mask.dim() != 2:
+        raise ValueError(f"response_mask must be (batch, tokens), got shape {tuple(response_mask.shape)}")
+    return response_mask != 0
+
+
+def _check_no_masked_rewards(token_rewards: torch.Tensor, selected: torch.Tensor) -> None:
+    stray = (token_rewards != 0) & ~selected
+    if stray.any():
+        rows = sorted({int(r) for r in stray.nonzero()[:, 0]})
+        raise ValueError(
+            f"token_rewards is non-zero at masked positions in rows {rows[:10]}; a reward there would be "
+            "ignored. Put rewards on policy tokens (outcome_to_token_rewards does)."
+        )
+
+
+def group_index(group_ids: GroupIds, batch_size: int) -> tuple[torch.Tensor, int]:
+    """Map per-sample group ids (any hashables, or a 1-D tensor) to dense indices 0..G-1.
+
+    Returns (index (B,) long tensor, G). Groups are numbered in order of first appearance.
+    """
+    if isinstance(group_ids, torch.Tensor):
+        if group_ids.dim() != 1:
+            raise ValueError(f"group_ids must be 1-D (one id per sample), got shape {tuple(group_ids.shape)}")
+        ids = group_ids.tolist()
+    else:
+        ids = list(group_ids)
+    if len(ids) != batch_size:
+        raise ValueError(f"group_ids has {len(ids)} entries but the batch has {batch_size} samples")
+    dense: dict[Any, int] = {}
+    index = [dense.setdefault(g, len(dense)) for g in ids]
+    return torch.tensor(index, dtype=torch.long), len(dense)
+
+
+def _group_stats(
+    scores: torch.Tensor, group_ids: GroupIds
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-sample (group size, group mean, unbiased group std) gathered back to (B,)."""
+    if scores.dim() != 1:
+        raise ValueError(
+            f"scores must be (batch,), one outcome reward per sample; got shape {tuple(scores.shape)}"
+        )
+    scores = scores.float()
+    index, num_groups = group_index(group_ids, scores.shape[0])
+    index = index.to(scores.device)
+    counts = torch.zeros(num_groups, dtype=scores.dtype, device=scores.device).index_add_(
+        0, index, torch.ones_like(scores)
+    )
+    means = torch.zeros_like(counts).index_add_(0, index, scores) / counts
+    sq_dev = torch.zeros_like(counts).index_add_(0, index, (scores - means[index]) ** 2)
+    stds = torch.sqrt(sq_dev / (counts - 1).clamp_min(1))
+    return counts[index], means[index], stds[index]
+
+
+def _broadcast(per_sample: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    weight = (response_mask != 0).to(per_sample.dtype)
+    return per_sample.unsqueeze(-1) * weight
+
+
+def outcome_to_token_rewards(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """Place each sequence's scalar reward (B,) on its last policy token -> (B, T).
+
+    The last policy token is the last position with mask != 0 (an observation inserted after the
+    final answer never receives the reward). A row without any policy token cannot carry a
+    reward and raises ValueError.
+    """
+    selected = _check_mask(response_mask)
+    if scores.shape != (response_mask.shape[0],):
+        raise ValueError(
+            f"scores must be (batch,) = ({response_mask.shape[0]},), got shape {tuple(scores.shape)}"
+        )
+    has_token = selected.any(dim=-1)
+    if not has_token.all():
+        rows = (~has_token).nonzero()[:, 0].tolist()
+        raise ValueError(
+            f"rows {rows[:10]} have no policy token in response_mask; their reward would be lost"
+        )
+    positions = torch.arange(response_mask.shape[1], device=response_mask.device)
+    last = torch.where(selected, positions, torch.full_like(positions, -1)).max(dim=-1).values
+    out = torch.zeros(response_mask.shape, dtype=torch.float32, device=response_mask.device)
+    out[torch.arange(out.shape[0], device=out.device), last] = scores.float().to(out.device)
+    return out
+
+
+# --------------------------------------------------------------------------- estimators
+
+
+@register_advantage("gae")
+@torch.no_grad()
+def gae_advantages(
+    token_rewards: torch.Tensor,
+    values: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    gamma: float = 1.0,
+    lam: float = 1.0,
+    whiten: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised Advantage Estimation over the policy tokens of multi-turn responses.
+
+    A multi-turn response interleaves policy tokens with tokens the environment inserted
+    (retrieved documents). Only policy tokens are actions of the MDP, so the recursion runs over
+    them alone, as if the masked tokens were deleted:
+
+        for policy tokens t in reverse order, with t' the next *policy* token after t:
+            delta_t = r_t + gamma * V(t') - V(t)
+            A_t     = delta_t + gamma * lam * A_t'
+        (V(t') = 0 and A_t' = 0 after the last policy token)
+
+    The value predicted at an observation token is not used anywhere: the state after a policy
+    token that triggered a search is the next policy token, whose value already conditions on
+    the inserted documents. Discounting is applied once per policy token, not per inserted token.
+    Rewards must sit on policy tokens (non-zero rewards at masked positions raise ValueError).
+
+    Returns (advantages, returns) with returns = A + V (before whitening; the critic's target).
+    With `whiten=True` the advantages are whitened over all policy tokens of the batch
+    (masked_whiten, unbiased variance). Both outputs are 0 at masked positions.
+    """
+    check_same_shape(token_rewards=token_rewards, values=values, response_mask=response_mask)
+    selected = _check_mask(response_mask)
+    _check_no_masked_rewards(token_rewards, selected)
+    rewards = token_rewards.float()
+    vals = values.float()
+    batch, length = rewards.shape
+    next_value = torch.zeros(batch, dtype=rewards.dtype, device=rewards.device)
+    next_adv = torch.zeros_like(next_value)
+    advantages = torch.zeros_like(rewards)
+    for t in reversed(range(length)):
+        is_policy = selected[:, t]
+        delta = rewards[:, t] + gamma * next_value - vals[:, t]
+        adv_t = delta + gamma * lam * next_adv
+        # Observation tokens leave the carried (value, advantage) untouched: they are skipped.
+        next_value = torch.where(is_policy, vals[:, t], next_value)
+        next_adv = torch.where(is_policy, adv_t, next_adv)
+        advantages[:, t] = torch.where(is_policy, adv_t, torch.zeros_like(adv_t))
+    returns = torch.where(selected, advantages + vals, torch.zeros_like(advantages))
+    if whiten:
+        advantages = masked_whiten(advantages, response_mask)
+    return advantages, returns
+
+
+@register_advantage("grpo")
+@torch.no_grad()
+def grpo_advantages(
+    scores: torch.Tensor,
+    group_ids: GroupIds,
+    response_mask: torch.Tensor,
+    *,
+    norm_by_std: bool = True,
+    epsilon: float = 1e-6,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GRPO outcome advantage: A_i = (r_i - mean_g) / (std_g + epsilon), broadcast over the
+    policy tokens of sample i. `group_ids` (B,) says which samples answer the same prompt.
+
+    - std is the unbiased (n-1) standard deviation of the group's rewards, as torch.std and verl.
+    - `norm_by_std=False` gives Dr.GRPO (A_i = r_i - mean_g), which avoids up-weighting groups
+      whose rewards barely differ.
+    - A group whose rewards are all equal gets advantage 0 either way.
+    - A group of one sample gets advantage 0: with no other sample there is no relative signal.
+      (verl instead uses mean 0 and std 1 there, i.e. the raw reward as advantage, which turns
+      GRPO into plain REINFORCE for that sample; we do not follow it.)
+
+    Returns (advantages, returns); both are the same tensor, as in verl (no critic).
+    """
+    counts, means, stds = _group_stats(scores, group_ids)
+    if response_mask.shape[0] != scores.shape[0]:
+        raise ValueError(
+            f"scores has {scores.shape[0]} samples but response_mask has {response_mask.shape[0]} rows"
+        )
+    _check_mask(response_mask)
+    centred = scores.float() - means
+    per_sample = centred / (stds + epsilon) if norm_by_std else centred
+    per_sample = torch.where(counts > 1, per_sample, torch.zeros_like(per_sample))
+    adv = _broadcast(per_sample, response_mask)
+    return adv, adv
+
+
+@register_advantage("drgrpo")
+@torch.no_grad()
+def drgrpo_advantages(
+    scores: torch.Tensor, group_ids: GroupIds, response_mask: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dr.GRPO (Liu et al. 2025): `grpo_advantages(..., norm_by_std=False)`. Pair it with the
+    "seq-mean-token-sum-norm" loss aggregation to also remove the length normalisation."""
+    return grpo_advantages(scores, group_ids, response_mask, norm_by_std=False)
+
+
+@register_advantage("rloo")
+@torch.no_grad()
+def rloo_advantages(
+    scores: torch.Tensor, group_ids: GroupIds, response_mask: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """REINFORCE Leave-One-Out (Ahmadian et al. 2024): A_i = r_i - mean_{j != i} r_j over the
+    other samples of i's group, which equals n/(n-1) * (r_i - mean_g). A group of one sample has
+    no baseline and gets advantage 0 (as verl). Returns (advantages, advantages)."""
+    counts, means, _ = _group_stats(scores, group_ids)
+    if response_mask.shape[0] != scores.shape[0]:
+        raise ValueError(
+            f"scores has {scores.shape[0]} samples but response_mask has {response_mask.shape[0]} rows"
+        )
+    _check_mask(response_mask)
+    per_sample = (scores.float() - means) * counts / (counts - 1).clamp_min(1)
+    per_sample = torch.where(counts > 1, per_sample, torch.zeros_like(per_sample))
+    adv = _broadcast(per_sample, response_mask)
+    return adv, adv
+
+
+@register_advantage("reinforce_plus_plus")
+@torch.no_grad()
+def reinforce_plus_plus_advantages(
+    token_rewards: torch.Tensor, response_mask: torch.Tensor, *, gamma: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """REINFORCE++ (Hu 2025): discounted reward-to-go per policy token, whitened over the batch.
+
+    G_t = r_t + gamma * G_t' with t' the next policy token (masked tokens are skipped as in
+    `gae_advantages`, so discounting counts policy tokens only). Returns (whitened G, G), both 0
+    at masked positions. Rewards at masked positions raise ValueError.
+    """
+    check_same_shape(token_rewards=token_rewards, response_mask=response_mask)
+    selected = _check_mask(response_mask)
+    _check_no_masked_rewards(token_rewards, selected)
+    rewards = token_rewards.float()
+    running = torch.zeros(rewards.shape[0], dtype=rewards.dtype, device=rewards.device)
+    returns = torch.zeros_like(rewards)
+    for t in reversed(range(rewards.shape[1])):
+        is_policy = selected[:, t]
+        running = torch.where(is_policy, rewards[:, t] + gamma * running, running)
+        returns[:, t] = torch.where(is_policy, running, torch.zeros_like(running))
+    return masked_whiten(returns, response_mask), returns
+
+
+# --------------------------------------------------------------------------- dispatch
+
+
+def compute_advantages(
+    name: str,
+    *,
+    token_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    values: torch.Tensor | None = None,
+    group_ids: GroupIds | None = None,
+    **hparams: Any,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run the estimator registered as `name` with what it needs.
+
+    Estimators taking `scores` (outcome rewards) receive `token_rewards.sum(-1)`, so a KL
+    penalty applied per token is included in the outcome. `values` (critic) and `group_ids`
+    are required only by the estimators that declare them. `hparams` (gamma, lam, whiten,
+    norm_by_std, epsilon ...) must be parameters of the estimator; others raise ValueError.
+    """
+    fn = get_advantage_fn(name)
+    params = inspect.signature(fn).parameters
+    unknown = sorted(set(hparams) - set(params))
+    if unknown:
+        allowed = sorted(set(params) - {"scores", "token_rewards", "values", "group_ids", "response_mask"})
+        raise ValueError(f"advantage estimator {name!r} does not take {unknown}; its options are {allowed}")
+    kwargs: dict[str, Any] = {"response_mask": response_mask, **hparams}
+    if "scores" in params:
+        kwargs["scores"] = token_rewards.sum(dim=-1)
+    if "token_rewards" in params:
+        kwargs["token_rewards"] = token_rewards
+    for needed_name, given in (("values", values), ("group_ids", group_ids)):
+        if needed_name in params:
+            if given is None:
+                raise ValueError(f"advantage estimator {name!r} needs {needed_name}")
+            kwargs[needed_name] = given
+    return fn(**kwargs)
+
+
+__all__ = [
+    "ADVANTAGE_ESTIMATORS",
+    "compute_advantages",
+    "drgrpo_advantages",
+    "gae_advantages",
+    "get_advantage_fn",
+    "group_index",
+    "grpo_advantages",
+    "outcome_to_token_rewards",
+    "register_advantage",
+    "reinforce_plus_plus_advantages",
+    "rloo_advantages",
+]
