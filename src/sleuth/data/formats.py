@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterator
+import os
+import tempfile
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 
 @dataclass
@@ -96,3 +99,396 @@ def corpus_fingerprint(path: str | Path, chunk_size: int = 1 << 22) -> str:
         while chunk := f.read(chunk_size):
             h.update(chunk)
     return "sha256:" + h.hexdigest()
+
+
+# ---------------------------------------------------------------------------
+# Streaming atomic writes
+# ---------------------------------------------------------------------------
+
+
+@contextmanager
+def atomic_open_text(path: str | Path) -> Iterator[TextIO]:
+    """Open a temp file next to `path` for streaming text writes; rename over `path` on success.
+
+    Unlike `sleuth.utils.atomic_write_text` nothing is held in memory, which matters for
+    corpora of millions of passages. On any exception the temp file is removed and `path`
+    is left untouched.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+# ---------------------------------------------------------------------------
+# FlashRAG QA jsonl
+# ---------------------------------------------------------------------------
+
+
+def _golden_answers_from(value: Any) -> list[str]:
+    """Validate a golden-answers value; raise ValueError with a message naming what to fix.
+
+    A single string is wrapped into a one-element list: several public QA dumps store one
+    answer as a bare string and rejecting them buys nothing. Anything else must be a
+    non-empty list of non-empty strings (numbers are rejected rather than silently
+    stringified, because "1987" vs 1987.0 changes exact-match scores).
+    """
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, list):
+        raise ValueError(f"'golden_answers' must be a list of strings, got {type(value).__name__}")
+    if not value:
+        raise ValueError("'golden_answers' is an empty list; every question needs at least one answer")
+    for i, answer in enumerate(value):
+        if not isinstance(answer, str):
+            raise ValueError(
+                f"'golden_answers'[{i}] must be a string, got {type(answer).__name__} ({answer!r}); "
+                "quote numeric answers"
+            )
+        if not answer.strip():
+            raise ValueError(f"'golden_answers'[{i}] is an empty string")
+    return list(value)
+
+
+def qa_example_from_record(rec: Any) -> QAExample:
+    """Build a QAExample from one decoded record; raise ValueError naming the bad field."""
+    if not isinstance(rec, dict):
+        raise ValueError(f"expected a JSON object with 'id', 'question', 'golden_answers', got {type(rec).__name__}")
+    for key in ("id", "question", "golden_answers"):
+        if key not in rec:
+            raise ValueError(f"missing field '{key}'")
+    qid = rec["id"]
+    if isinstance(qid, bool) or not isinstance(qid, (str, int)):
+        raise ValueError(f"'id' must be a string or integer, got {type(qid).__name__}")
+    question = rec["question"]
+    if not isinstance(question, str) or not question.strip():
+        raise ValueError("'question' must be a non-empty string")
+    answers = _golden_answers_from(rec["golden_answers"])
+    metadata = rec.get("metadata")
+    if metadata is None:
+        metadata = {}
+    if not isinstance(metadata, dict):
+        raise ValueError(f"'metadata' must be an object, got {type(metadata).__name__}")
+    return QAExample(id=str(qid), question=question, golden_answers=answers, metadata=metadata)
+
+
+def _iter_qa_jsonl_numbered(path: str | Path) -> Iterator[tuple[int, QAExample]]:
+    from sleuth.errors import DataFormatError
+
+    path = Path(path)
+    if not path.exists():
+        raise DataFormatError(str(path), None, "QA file does not exist")
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise DataFormatError(
+                    str(path), lineno, f"invalid JSON ({err.msg}); each line must be one JSON object"
+                ) from err
+            try:
+                yield lineno, qa_example_from_record(rec)
+            except ValueError as err:
+                raise DataFormatError(str(path), lineno, str(err)) from err
+
+
+def iter_qa_jsonl(path: str | Path) -> Iterator[QAExample]:
+    """Stream FlashRAG-format QA records (`{"id", "question", "golden_answers", "metadata"?}` per line).
+
+    Blank lines are skipped. A malformed record raises DataFormatError with its 1-based line.
+    Duplicate ids are not checked here (use `read_qa_jsonl`), so streaming stays O(1) memory.
+    """
+    for _, example in _iter_qa_jsonl_numbered(path):
+        yield example
+
+
+def _check_unique_ids(path: str | Path, ids_with_location: Iterable[tuple[str, int]], unit: str) -> None:
+    """Score caches and splits are keyed by id, so a repeated id is a data error."""
+    from sleuth.errors import DataFormatError
+
+    seen: dict[str, int] = {}
+    for qid, where in ids_with_location:
+        if qid in seen:
+            raise DataFormatError(
+                str(path),
+                where if unit == "line" else None,
+                f"duplicate id {qid!r} (first at {unit} {seen[qid]}, again at {unit} {where}); ids must be unique",
+            )
+        seen[qid] = where
+
+
+def read_qa_jsonl(path: str | Path) -> list[QAExample]:
+    """Load a FlashRAG QA jsonl fully; also rejects duplicate ids (naming both lines)."""
+    numbered = list(_iter_qa_jsonl_numbered(path))
+    _check_unique_ids(path, ((ex.id, lineno) for lineno, ex in numbered), "line")
+    return [ex for _, ex in numbered]
+
+
+def write_qa_jsonl(path: str | Path, examples: Iterable[QAExample]) -> int:
+    """Write FlashRAG QA jsonl atomically (streamed to a temp file, then renamed). Returns the count."""
+    n = 0
+    with atomic_open_text(path) as f:
+        for ex in examples:
+            f.write(json.dumps(ex.to_dict(), ensure_ascii=False))
+            f.write("\n")
+            n += 1
+    return n
+
+
+def _read_json_array(path: Path) -> list[QAExample]:
+    """A `.json` file holding one JSON array of records (some dataset dumps use this)."""
+    from sleuth.errors import DataFormatError
+
+    try:
+        records = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as err:
+        raise DataFormatError(str(path), err.lineno, f"invalid JSON ({err.msg})") from err
+    if not isinstance(records, list):
+        raise DataFormatError(str(path), None, "expected a JSON array of records or one JSON object per line")
+    examples = []
+    for i, rec in enumerate(records):
+        try:
+            examples.append(qa_example_from_record(rec))
+        except ValueError as err:
+            raise DataFormatError(str(path), None, f"record {i} (0-based): {err}") from err
+    _check_unique_ids(path, ((e.id, i) for i, e in enumerate(examples)), "record")
+    return examples
+
+
+# ---------------------------------------------------------------------------
+# Search-R1 parquet
+# ---------------------------------------------------------------------------
+
+# Search-R1's `scripts/data_process/nq_search.py` "base" template; `{question}` is substituted.
+SEARCH_R1_TEMPLATE = (
+    "Answer the given question. "
+    "You must conduct reasoning inside <think> and </think> first every time you get new information. "
+    "After reasoning, if you find you lack some knowledge, you can call a search engine by <search> query "
+    "</search> and it will return the top searched results between <information> and </information>. "
+    "You can search as many times as your want. "
+    "If you find no further external knowledge needed, you can directly provide the answer inside <answer> "
+    "and </answer>, without detailed illustrations. For example, <answer> Beijing </answer>. "
+    "Question: {question}\n"
+)
+
+
+def _question_from_prompt(prompt: Any) -> str | None:
+    """The text after the last 'Question:' in the last user message of a chat prompt."""
+    if not isinstance(prompt, list):
+        return None
+    for message in reversed(prompt):
+        if isinstance(message, dict) and message.get("role") == "user":
+            content = message.get("content")
+            if not isinstance(content, str) or "Question:" not in content:
+                return None
+            question = content.rsplit("Question:", 1)[1].strip()
+            return question or None
+    return None
+
+
+def _example_from_searchr1_row(row: dict, row_number: int) -> QAExample:
+    question = row.get("question")
+    if question is None:
+        question = _question_from_prompt(row.get("prompt"))
+        if question is None:
+            raise ValueError(
+                "no 'question' column and no 'Question:' in the user message of 'prompt'; "
+                "cannot recover the question text"
+            )
+    if not isinstance(question, str) or not question.strip():
+        raise ValueError("'question' must be a non-empty string")
+
+    answers: Any = row.get("golden_answers")
+    if answers is None:
+        reward_model = row.get("reward_model")
+        ground_truth = reward_model.get("ground_truth") if isinstance(reward_model, dict) else None
+        answers = ground_truth.get("target") if isinstance(ground_truth, dict) else None
+        if answers is None:
+            raise ValueError("no 'golden_answers' column and no 'reward_model.ground_truth.target'")
+    answers = _golden_answers_from(answers)
+
+    qid = row.get("id")
+    if qid is None:
+        extra = row.get("extra_info") if isinstance(row.get("extra_info"), dict) else {}
+        if extra.get("index") is not None:
+            qid = f"{extra.get('split') or 'data'}_{extra['index']}"
+        else:
+            qid = str(row_number - 1)
+
+    metadata: Any = row.get("metadata")
+    if isinstance(metadata, str):
+        # write_searchr1_parquet stores metadata as JSON text: free-form dicts do not fit one parquet schema.
+        try:
+            metadata = json.loads(metadata) if metadata else {}
+        except json.JSONDecodeError as err:
+            raise ValueError(f"'metadata' is not valid JSON text ({err.msg})") from err
+    if metadata is None:
+        metadata = {}
+    if not isinstance(metadata, dict):
+        raise ValueError(f"'metadata' must be an object, got {type(metadata).__name__}")
+    return QAExample(id=str(qid), question=question.strip(), golden_answers=answers, metadata=metadata)
+
+
+def read_searchr1_parquet(path: str | Path) -> list[QAExample]:
+    """Read a Search-R1 training/eval parquet into QAExamples.
+
+    The question comes from the `question` column when present (Search-R1's preprocessing keeps
+    the FlashRAG columns), else from the user prompt after its last "Question:". Answers come
+    from `golden_answers`, else `reward_model.ground_truth.target`. Errors name the 1-based row.
+    """
+    import pyarrow.parquet as pq
+
+    from sleuth.errors import DataFormatError
+
+    path = Path(path)
+    if not path.exists():
+        raise DataFormatError(str(path), None, "parquet file does not exist")
+    try:
+        parquet = pq.ParquetFile(path)
+    except Exception as err:  # pyarrow raises several types for a non-parquet file
+        raise DataFormatError(str(path), None, f"not a readable parquet file ({err})") from err
+    examples: list[QAExample] = []
+    row_number = 0
+    for batch in parquet.iter_batches(batch_size=4096):
+        for row in batch.to_pylist():
+            row_number += 1
+            try:
+                examples.append(_example_from_searchr1_row(row, row_number))
+            except ValueError as err:
+                raise DataFormatError(str(path), None, f"row {row_number}: {err}") from err
+    _check_unique_ids(path, ((e.id, i + 1) for i, e in enumerate(examples)), "row")
+    return examples
+
+
+def write_searchr1_parquet(
+    path: str | Path,
+    examples: Iterable[QAExample],
+    data_source: str = "sleuth",
+    template: str = SEARCH_R1_TEMPLATE,
+    split: str = "train",
+    ability: str = "fact-reasoning",
+) -> int:
+    """Write examples as a Search-R1 parquet (atomic). Returns the number of rows.
+
+    Columns follow Search-R1's preprocessing: data_source, prompt [{role: user, content}],
+    ability, reward_model {style: rule, ground_truth: {target: answers}}, extra_info
+    {split, index}, plus the kept id / question / golden_answers columns and metadata as JSON text.
+    `template` must contain `{question}`.
+    """
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    if "{question}" not in template:
+        raise ValueError("template must contain '{question}' where the question text goes")
+    rows = {k: [] for k in ("id", "question", "golden_answers", "metadata", "data_source", "prompt",
+                            "ability", "reward_model", "extra_info")}
+    for index, ex in enumerate(examples):
+        rows["id"].append(ex.id)
+        rows["question"].append(ex.question)
+        rows["golden_answers"].append(list(ex.golden_answers))
+        rows["metadata"].append(json.dumps(ex.metadata, ensure_ascii=False))
+        rows["data_source"].append(data_source)
+        rows["prompt"].append([{"role": "user", "content": template.replace("{question}", ex.question)}])
+        rows["ability"].append(ability)
+        rows["reward_model"].append({"style": "rule", "ground_truth": {"target": list(ex.golden_answers)}})
+        rows["extra_info"].append({"split": split, "index": index})
+    schema = pa.schema([
+        ("id", pa.string()),
+        ("question", pa.string()),
+        ("golden_answers", pa.list_(pa.string())),
+        ("metadata", pa.string()),
+        ("data_source", pa.string()),
+        ("prompt", pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))),
+        ("ability", pa.string()),
+        ("reward_model", pa.struct([
+            ("style", pa.string()),
+            ("ground_truth", pa.struct([("target", pa.list_(pa.string()))])),
+        ])),
+        ("extra_info", pa.struct([("split", pa.string()), ("index", pa.int64())])),
+    ])
+    table = pa.Table.from_pydict(rows, schema=schema)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        pq.write_table(table, tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    return table.num_rows
+
+
+# ---------------------------------------------------------------------------
+# Corpus writing and format dispatch
+# ---------------------------------------------------------------------------
+
+
+def write_corpus(path: str | Path, passages: Iterable[Passage]) -> int:
+    """Stream passages to a corpus jsonl (`{"id", "contents"}`) atomically. Returns the count.
+
+    Memory stays constant: passages are written as they come and the file only appears
+    (by rename) once all were written.
+    """
+    n = 0
+    dumps = json.dumps
+    with atomic_open_text(path) as f:
+        write = f.write
+        for p in passages:
+            write(dumps({"id": p.id, "contents": p.contents}, ensure_ascii=False))
+            write("\n")
+            n += 1
+    return n
+
+
+QA_JSONL_SUFFIXES = (".jsonl", ".json")
+QA_PARQUET_SUFFIXES = (".parquet",)
+
+
+def load_qa(path: str | Path) -> list[QAExample]:
+    """Load QA examples by extension: .jsonl (FlashRAG lines), .json (lines or one array), .parquet (Search-R1)."""
+    from sleuth.errors import DataFormatError
+
+    path = Path(path)
+    suffix = path.suffix.lower()
+    if suffix == ".parquet":
+        return read_searchr1_parquet(path)
+    if suffix in QA_JSONL_SUFFIXES:
+        if suffix == ".json" and path.exists():
+            with open(path, encoding="utf-8") as f:
+                head = f.read(4096).lstrip()
+            if head.startswith("["):
+                return _read_json_array(path)
+        return read_qa_jsonl(path)
+    raise DataFormatError(
+        str(path), None,
+        f"unknown QA file extension {suffix or '(none)'!r}; use .jsonl/.json (FlashRAG) or .parquet (Search-R1)",
+    )
+
+
+def save_qa(path: str | Path, examples: Iterable[QAExample], **parquet_options: Any) -> int:
+    """Write QA examples by extension (.jsonl/.json lines or .parquet); options go to the parquet writer."""
+    from sleuth.errors import DataFormatError
+
+    suffix = Path(path).suffix.lower()
+    if suffix == ".parquet":
+        return write_searchr1_parquet(path, examples, **parquet_options)
+    if suffix in QA_JSONL_SUFFIXES:
+        return write_qa_jsonl(path, examples)
+    raise DataFormatError(
+        str(path), None,
+        f"unknown QA file extension {suffix or '(none)'!r}; use .jsonl/.json (FlashRAG) or .parquet (Search-R1)",
+    )

@@ -15,13 +15,12 @@ Conventions (see methods.md, "Shared conventions"):
 from __future__ import annotations
 
 import re
-import string
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-_ARTICLES_RE = re.compile(r"\b(a|an|the)\b")
-_PUNCT_TABLE = str.maketrans("", "", string.punctuation)
+from sleuth.text import normalize_answer
+
 # pyserini's SimpleTokenizer: runs of letters/digits/marks, or any single other visible char
 _TOKEN_RE = re.compile(r"[^\W_]+|[^\w\s]", re.UNICODE)
 _SPECIAL_F1_ANSWERS = frozenset({"yes", "no", "noanswer"})
@@ -35,13 +34,6 @@ def _as_gold_list(golds: str | Iterable[str]) -> list[str]:
         if not isinstance(g, str):
             raise TypeError(f"golden answers must be strings, got {type(g).__name__}: {g!r}")
     return gold_list
-
-
-def normalize_answer(text: str) -> str:
-    """Lowercase, remove punctuation, remove articles, collapse whitespace (in that order)."""
-    text = text.lower().translate(_PUNCT_TABLE)
-    text = _ARTICLES_RE.sub(" ", text)
-    return " ".join(text.split())
 
 
 def exact_match(pred: str | None, golds: str | Iterable[str]) -> float:

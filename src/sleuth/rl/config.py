@@ -68,19 +68,13 @@ class AgentConfig(_Strict):
     options: dict[str, Any] = Field(default_factory=dict)  # loop-specific switches
 
 
-class ServiceModelConfig(_Strict):
-    """A frozen model used by a reward (generator, judge). `policy-base` reuses the policy's
-    base weights with LoRA adapters disabled, which costs no extra memory."""
-
-    model: str
-    max_new_tokens: int = Field(64, ge=1)
-
-
 class RewardConfig(_Strict):
     name: str = "search_r1_em"
-    options: dict[str, Any] = Field(default_factory=dict)
-    generator: ServiceModelConfig | None = None
-    judge: ServiceModelConfig | None = None
+    options: dict[str, Any] = Field(default_factory=dict)  # the reward's own options (see sleuth.rewards)
+    # Frozen models a reward uses: any `load_generator` spec. "policy-base" reuses the policy's base
+    # weights with LoRA adapters disabled, which costs no extra memory.
+    generator: str | None = None
+    judge: str | None = None
     encoder: str | None = None  # sentence encoder for query-diversity rewards
     baseline_cache: str | None = None  # s3: per-question naive-RAG accuracy cache
 
@@ -159,7 +153,6 @@ class TrainerConfig(_Strict):
     tensorboard: bool = False
     eval_every: int | None = Field(None, ge=1)
     eval_examples: int = Field(64, ge=1)
-    stage_switch_step: int | None = Field(None, ge=0)  # staged reward: step where stage 2 begins
 
 
 class Recipe(_Strict):

@@ -345,16 +345,16 @@ def load_examples(recipe: Recipe) -> list[QAExample]:
 def build_reward_services(recipe: Recipe, policy_gen: Any, policy: nn.Module, retriever: Any):
     from sleuth.rewards.base import RewardServices
 
-    def service_model(cfg):
-        if cfg is None:
+    def service_model(spec: str | None):
+        if spec is None:
             return None
-        if cfg.model == "policy-base":
+        if spec == "policy-base":
             if not hasattr(policy, "disable_adapter"):
                 raise ConfigError("reward generator 'policy-base' needs model.lora.enabled=true")
             return FrozenBaseGenerator(policy_gen, policy)
         from sleuth.llm.registry import load_generator
 
-        return load_generator(cfg.model)
+        return load_generator(spec)
 
     encoder = None
     if recipe.reward.encoder:
@@ -456,9 +456,8 @@ def train(recipe: Recipe, *, resume: bool = False, console: Any = None) -> dict[
     # --- steps --------------------------------------------------------------
     for step in range(start_step, recipe.trainer.total_steps):
         t_start = time.perf_counter()
-        stage = _stage_for(step, recipe)
-        if hasattr(reward_fn, "set_step"):
-            reward_fn.set_step(step)
+        reward_fn.set_step(step)
+        stage = getattr(reward_fn, "current_stage", 1)  # two-stage rewards (staged) switch on the step
 
         # 1. rollout and reward; DAPO refills the batch with new prompts when groups carry no signal
         kept: list[Trajectory] = []
@@ -663,11 +662,6 @@ def train(recipe: Recipe, *, resume: bool = False, console: Any = None) -> dict[
 # ----------------------------------------------------------------------------
 # Small helpers for the loop above
 # ----------------------------------------------------------------------------
-
-
-def _stage_for(step: int, recipe: Recipe) -> int:
-    switch = recipe.trainer.stage_switch_step
-    return 2 if switch is not None and step >= switch else 1
 
 
 def _group_index(trajs: list[Trajectory]) -> list[int]:

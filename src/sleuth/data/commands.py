@@ -1,0 +1,141 @@
+"""CLI: `sleuth synth`, `sleuth data convert`, `sleuth data filter`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+
+def _fail(message: str) -> None:
+    from rich.console import Console
+    from rich.markup import escape
+
+    # soft_wrap: never break a path in the message across lines.
+    Console(stderr=True, soft_wrap=True).print(f"[bold red]error:[/] {escape(message)}", highlight=False)
+    raise typer.Exit(code=2)
+
+
+def register(app: typer.Typer) -> None:
+    data_app = typer.Typer(help="Convert and filter QA datasets.", no_args_is_help=True)
+    app.add_typer(data_app, name="data")
+
+    @app.command("synth")
+    def synth(
+        out: Path = typer.Option(..., "--out", help="Output directory."),
+        passages: int = typer.Option(10_000, "--passages", help="Number of corpus passages."),
+        questions: int = typer.Option(2_000, "--questions", help="Number of questions (all splits)."),
+        hops: str = typer.Option("1-4", "--hops", help="Hop range, e.g. 1-4 or 2."),
+        seed: int = typer.Option(0, "--seed", help="Random seed; same arguments give identical files."),
+        splits: str = typer.Option("0.8,0.1,0.1", "--splits", help="train,dev,test fractions."),
+    ) -> None:
+        """Generate a synthetic world: corpus.jsonl, train/dev/test.jsonl and world.json."""
+        import time
+
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+        from rich.table import Table
+
+        from sleuth.data.synth import generate_world, parse_hops, split_sizes, write_world
+
+        try:
+            hop_range = parse_hops(hops)
+        except ValueError as err:
+            _fail(f"--hops: {err}")
+        try:
+            fractions = tuple(float(x) for x in splits.split(","))
+            split_sizes(0, fractions)  # type: ignore[arg-type]
+        except ValueError as err:
+            _fail(f"--splits must be three fractions summing to 1 like 0.8,0.1,0.1 ({err})")
+        if passages < 40:
+            _fail(f"--passages must be at least 40, got {passages}")
+        if questions < 0:
+            _fail(f"--questions must be >= 0, got {questions}")
+
+        console = Console()
+        start = time.perf_counter()
+        columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+        with Progress(*columns, console=console, transient=False) as progress:
+            q_task = progress.add_task("questions", total=questions)
+            try:
+                world = generate_world(passages, questions, hops=hop_range, seed=seed,
+                                       progress=lambda n: progress.update(q_task, completed=n))
+            except ValueError as err:
+                _fail(str(err))
+            progress.update(q_task, completed=questions)
+            p_task = progress.add_task("passages", total=passages)
+            summary = write_world(world, out, splits=fractions,  # type: ignore[arg-type]
+                                  progress=lambda n: progress.update(p_task, completed=n))
+        elapsed = time.perf_counter() - start
+
+        table = Table(title=f"synthetic world -> {out}  ({elapsed:.1f} s)")
+        table.add_column("item")
+        table.add_column("value", justify="right")
+        table.add_row("seed", str(seed))
+        table.add_row("passages", f"{summary['num_passages']:,}")
+        table.add_row("entities", ", ".join(f"{k} {v:,}" for k, v in summary["entity_counts"].items()))
+        for split, n in summary["splits"].items():
+            table.add_row(f"questions: {split}", f"{n:,}")
+        for h, n in summary["hop_distribution"].items():
+            table.add_row(f"{h}-hop", f"{n:,}")
+        for t, n in summary["type_distribution"].items():
+            table.add_row(f"type {t}", f"{n:,}")
+        console.print(table)
+
+    @data_app.command("convert")
+    def convert(
+        src: Path = typer.Argument(..., help="Input: .jsonl/.json (FlashRAG) or .parquet (Search-R1)."),
+        dst: Path = typer.Argument(..., help="Output: .jsonl or .parquet."),
+        data_source: str = typer.Option("sleuth", "--data-source", help="Parquet data_source column."),
+        split: str = typer.Option("train", "--split", help="Parquet extra_info.split value."),
+    ) -> None:
+        """Convert a QA dataset between FlashRAG jsonl and Search-R1 parquet."""
+        from sleuth.data.formats import load_qa, save_qa
+        from sleuth.errors import SleuthError
+
+        try:
+            examples = load_qa(src)
+            options = {"data_source": data_source, "split": split} if dst.suffix.lower() == ".parquet" else {}
+            n = save_qa(dst, examples, **options)
+        except SleuthError as err:
+            _fail(str(err))
+        typer.echo(f"wrote {n} examples to {dst}")
+
+    @data_app.command("filter")
+    def filter_(
+        src: Path = typer.Argument(..., help="Input QA file (.jsonl/.json/.parquet)."),
+        dst: Path = typer.Argument(..., help="Output QA file (.jsonl/.parquet)."),
+        drop_yes_no: bool = typer.Option(False, "--drop-yes-no", help="Drop questions answered yes/no/true/false."),
+        hard_from: Path | None = typer.Option(
+            None, "--hard-from", help="Score cache jsonl; keep questions with score <= --threshold."
+        ),
+        threshold: float = typer.Option(0.0, "--threshold", help="Keep-hard threshold on the cached score."),
+        missing: str = typer.Option("error", "--missing", help="Questions absent from the cache: error|keep|drop."),
+    ) -> None:
+        """Apply s3's training-set filters."""
+        from sleuth.data.filters import drop_yes_no as drop_yn
+        from sleuth.data.filters import keep_hard
+        from sleuth.data.formats import load_qa, save_qa
+        from sleuth.data.score_cache import ScoreCache
+        from sleuth.errors import SleuthError
+
+        if missing not in ("error", "keep", "drop"):
+            _fail(f"--missing must be error, keep or drop, got {missing!r}")
+        if hard_from is not None and not hard_from.exists():
+            _fail(f"--hard-from: score cache {hard_from} does not exist")
+        try:
+            examples = load_qa(src)
+            n_in = len(examples)
+            if drop_yes_no:
+                examples = drop_yn(examples)
+            n_after_yn = len(examples)
+            if hard_from is not None:
+                examples = keep_hard(examples, ScoreCache(hard_from), threshold=threshold,
+                                     missing=missing)  # type: ignore[arg-type]
+            save_qa(dst, examples)
+        except (SleuthError, ValueError) as err:
+            _fail(str(err))
+        typer.echo(
+            f"{n_in} in, {n_in - n_after_yn} yes/no dropped, {n_after_yn - len(examples)} easy dropped, "
+            f"{len(examples)} written to {dst}"
+        )

@@ -1,0 +1,266 @@
+"""Readers/writers in sleuth.data.formats and the score cache: round trips and bad-input errors."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from sleuth.data.formats import (
+    SEARCH_R1_TEMPLATE,
+    Passage,
+    QAExample,
+    iter_corpus,
+    iter_qa_jsonl,
+    load_qa,
+    read_qa_jsonl,
+    read_searchr1_parquet,
+    save_qa,
+    write_corpus,
+    write_qa_jsonl,
+    write_searchr1_parquet,
+)
+from sleuth.data.score_cache import ScoreCache
+from sleuth.errors import DataFormatError
+
+EXAMPLES = [
+    QAExample("q1", "Who wrote Zvorek Lantern?", ["Ana Kvell"], {"hops": 1, "supporting_ids": ["7"]}),
+    QAExample("q2", "In which year was Vrakton founded?", ["1987", "in 1987"]),
+    QAExample("q3", "Ünïcode question «x»?", ["Zürich"], {"nested": {"a": [1, 2]}}),
+]
+
+
+def _write_lines(path, lines):
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path
+
+
+# --- FlashRAG jsonl -----------------------------------------------------------
+
+
+def test_qa_jsonl_round_trip(tmp_path):
+    path = tmp_path / "qa.jsonl"
+    assert write_qa_jsonl(path, EXAMPLES) == 3
+    assert read_qa_jsonl(path) == EXAMPLES
+    assert list(iter_qa_jsonl(path)) == EXAMPLES
+    # No temp files are left behind by the atomic writer.
+    assert sorted(os.listdir(tmp_path)) == ["qa.jsonl"]
+
+
+def test_qa_jsonl_accepts_int_id_single_string_answer_and_blank_lines(tmp_path):
+    path = _write_lines(tmp_path / "qa.jsonl", [
+        json.dumps({"id": 5, "question": "Q?", "golden_answers": "Paris"}),
+        "",
+        json.dumps({"id": "b", "question": "R?", "golden_answers": ["x"], "metadata": None}),
+    ])
+    got = read_qa_jsonl(path)
+    assert got == [QAExample("5", "Q?", ["Paris"], {}), QAExample("b", "R?", ["x"], {})]
+
+
+@pytest.mark.parametrize(
+    ("bad_line", "needle"),
+    [
+        ("{not json", "invalid JSON"),
+        ('["a list"]', "expected a JSON object"),
+        ('{"question": "Q?", "golden_answers": ["a"]}', "missing field 'id'"),
+        ('{"id": "x", "golden_answers": ["a"]}', "missing field 'question'"),
+        ('{"id": "x", "question": "Q?"}', "missing field 'golden_answers'"),
+        ('{"id": "x", "question": "Q?", "golden_answers": []}', "empty list"),
+        ('{"id": "x", "question": "Q?", "golden_answers": [1987]}', "'golden_answers'[0] must be a string"),
+        ('{"id": "x", "question": "Q?", "golden_answers": ["a", " "]}', "'golden_answers'[1] is an empty string"),
+        ('{"id": "x", "question": "  ", "golden_answers": ["a"]}', "'question' must be a non-empty string"),
+        ('{"id": "x", "question": "Q?", "golden_answers": ["a"], "metadata": [1]}', "'metadata' must be an object"),
+        ('{"id": true, "question": "Q?", "golden_answers": ["a"]}', "'id' must be a string or integer"),
+    ],
+)
+def test_qa_jsonl_bad_record_names_line(tmp_path, bad_line, needle):
+    good = json.dumps({"id": "ok", "question": "Q?", "golden_answers": ["a"]})
+    path = _write_lines(tmp_path / "qa.jsonl", [good, "", bad_line])
+    with pytest.raises(DataFormatError) as info:
+        read_qa_jsonl(path)
+    assert info.value.line == 3
+    assert needle in info.value.message
+    assert f"{path}:3:" in str(info.value)
+
+
+def test_qa_jsonl_duplicate_id_names_both_lines(tmp_path):
+    rec = json.dumps({"id": "dup", "question": "Q?", "golden_answers": ["a"]})
+    other = json.dumps({"id": "z", "question": "Q?", "golden_answers": ["a"]})
+    path = _write_lines(tmp_path / "qa.jsonl", [rec, other, rec])
+    with pytest.raises(DataFormatError, match=r"duplicate id 'dup' \(first at line 1, again at line 3\)") as info:
+        read_qa_jsonl(path)
+    assert info.value.line == 3
+
+
+def test_missing_file_is_a_data_format_error(tmp_path):
+    with pytest.raises(DataFormatError, match="does not exist"):
+        read_qa_jsonl(tmp_path / "nope.jsonl")
+
+
+# --- Search-R1 parquet ---------------------------------------------------------
+
+
+def test_searchr1_parquet_round_trip_and_columns(tmp_path):
+    path = tmp_path / "train.parquet"
+    assert write_searchr1_parquet(path, EXAMPLES, data_source="nq", split="test") == 3
+    assert read_searchr1_parquet(path) == EXAMPLES
+
+    rows = pq.read_table(path).to_pylist()
+    row = rows[1]
+    assert row["data_source"] == "nq"
+    assert row["ability"] == "fact-reasoning"
+    assert row["prompt"] == [{"role": "user", "content": SEARCH_R1_TEMPLATE.replace("{question}", EXAMPLES[1].question)}]
+    assert row["reward_model"] == {"style": "rule", "ground_truth": {"target": ["1987", "in 1987"]}}
+    assert row["extra_info"] == {"split": "test", "index": 1}
+    assert row["prompt"][0]["content"].endswith("Question: In which year was Vrakton founded?\n")
+
+
+def test_searchr1_parquet_without_flashrag_columns(tmp_path):
+    """Files with only Search-R1's own columns: question from the prompt, answers from the target."""
+    table = pa.Table.from_pylist([
+        {
+            "data_source": "nq",
+            "prompt": [{"role": "user", "content": "Answer it. Question: where is Vrakton?\n"}],
+            "ability": "fact-reasoning",
+            "reward_model": {"style": "rule", "ground_truth": {"target": ["Zarvonia"]}},
+            "extra_info": {"split": "train", "index": 7},
+        }
+    ])
+    path = tmp_path / "bare.parquet"
+    pq.write_table(table, path)
+    assert read_searchr1_parquet(path) == [QAExample("train_7", "where is Vrakton?", ["Zarvonia"], {})]
+
+
+def test_searchr1_parquet_bad_rows_name_row_number(tmp_path):
+    good = {
+        "prompt": [{"role": "user", "content": "Question: a?"}],
+        "reward_model": {"style": "rule", "ground_truth": {"target": ["x"]}},
+    }
+    no_question = {
+        "prompt": [{"role": "user", "content": "no marker here"}],
+        "reward_model": {"style": "rule", "ground_truth": {"target": ["x"]}},
+    }
+    path = tmp_path / "bad.parquet"
+    pq.write_table(pa.Table.from_pylist([good, good, no_question]), path)
+    with pytest.raises(DataFormatError, match=r"row 3: no 'question' column and no 'Question:'"):
+        read_searchr1_parquet(path)
+
+    empty_target = dict(good, reward_model={"style": "rule", "ground_truth": {"target": []}})
+    pq.write_table(pa.Table.from_pylist([good, empty_target]), path)
+    with pytest.raises(DataFormatError, match=r"row 2: 'golden_answers' is an empty list"):
+        read_searchr1_parquet(path)
+
+
+def test_not_a_parquet_file(tmp_path):
+    path = tmp_path / "x.parquet"
+    path.write_text("hello")
+    with pytest.raises(DataFormatError, match="not a readable parquet file"):
+        read_searchr1_parquet(path)
+
+
+def test_template_must_have_question_slot(tmp_path):
+    with pytest.raises(ValueError, match=r"\{question\}"):
+        write_searchr1_parquet(tmp_path / "x.parquet", EXAMPLES, template="no slot")
+
+
+# --- dispatch --------------------------------------------------------------------
+
+
+def test_load_and_save_dispatch_on_extension(tmp_path):
+    for name in ("a.jsonl", "a.json", "a.parquet"):
+        save_qa(tmp_path / name, EXAMPLES)
+        assert load_qa(tmp_path / name) == EXAMPLES
+    array = tmp_path / "array.json"
+    array.write_text(json.dumps([e.to_dict() for e in EXAMPLES]))
+    assert load_qa(array) == EXAMPLES
+    array.write_text(json.dumps([EXAMPLES[0].to_dict(), {"id": "b", "question": "Q"}]))
+    with pytest.raises(DataFormatError, match=r"record 1 \(0-based\): missing field 'golden_answers'"):
+        load_qa(array)
+    for bad in ("a.csv", "noext"):
+        with pytest.raises(DataFormatError, match="unknown QA file extension"):
+            load_qa(tmp_path / bad)
+        with pytest.raises(DataFormatError, match="unknown QA file extension"):
+            save_qa(tmp_path / bad, EXAMPLES)
+
+
+# --- corpus --------------------------------------------------------------------------
+
+
+def test_write_corpus_streams_and_round_trips(tmp_path):
+    passages = [Passage("0", "Vrakton", "Vrakton is a city."), Passage("p-1", 'Say "hi"', "Line\nwith newline")]
+
+    def gen():
+        yield from passages
+
+    path = tmp_path / "corpus.jsonl"
+    assert write_corpus(path, gen()) == 2
+    first = json.loads(path.read_text().splitlines()[0])
+    assert first == {"id": "0", "contents": '"Vrakton"\nVrakton is a city.'}
+    got = list(iter_corpus(path))
+    assert [(p.id, p.title) for p in got] == [("0", "Vrakton"), ("p-1", 'Say "hi"')]
+    assert got[1].text == "Line\nwith newline"
+
+
+def test_write_corpus_failure_leaves_old_file_and_no_temp(tmp_path):
+    path = tmp_path / "corpus.jsonl"
+    path.write_text("old\n")
+
+    def broken():
+        yield Passage("0", "A", "a")
+        raise RuntimeError("generator died")
+
+    with pytest.raises(RuntimeError):
+        write_corpus(path, broken())
+    assert path.read_text() == "old\n"
+    assert os.listdir(tmp_path) == ["corpus.jsonl"]
+
+
+# --- score cache -----------------------------------------------------------------------
+
+
+def test_score_cache_persists_and_reloads(tmp_path):
+    path = tmp_path / "scores.jsonl"
+    cache = ScoreCache(path)
+    assert len(cache) == 0 and cache.get("a") is None and "a" not in cache
+    cache.set("a", 1)
+    cache.update({"b": 0.25, "c": 0.0})
+    cache.save()
+    again = ScoreCache(path)
+    assert dict(again.items()) == {"a": 1.0, "b": 0.25, "c": 0.0}
+    assert "b" in again and again.get("b") == 0.25
+    assert again.missing(["a", "zz", "c", "yy"]) == ["zz", "yy"]
+
+
+def test_score_cache_later_line_wins(tmp_path):
+    path = _write_lines(tmp_path / "s.jsonl", ['{"id": "a", "score": 0}', "", '{"id": "a", "score": 1}'])
+    assert ScoreCache(path).get("a") == 1.0
+
+
+@pytest.mark.parametrize(
+    ("line", "needle"),
+    [
+        ("{oops", "invalid JSON"),
+        ('{"id": "a"}', '"score"'),
+        ('{"id": "a", "score": "high"}', "must be a number"),
+        ('{"id": "a", "score": true}', "must be a number"),
+        ('{"id": "a", "score": NaN}', "must be finite"),
+    ],
+)
+def test_score_cache_bad_line(tmp_path, line, needle):
+    path = _write_lines(tmp_path / "s.jsonl", ['{"id": "ok", "score": 0.5}', line])
+    with pytest.raises(DataFormatError) as info:
+        ScoreCache(path)
+    assert info.value.line == 2
+    assert needle in info.value.message
+
+
+def test_score_cache_rejects_bad_values_in_memory(tmp_path):
+    cache = ScoreCache(tmp_path / "s.jsonl")
+    with pytest.raises(ValueError, match="finite"):
+        cache.set("a", float("inf"))
+    with pytest.raises(ValueError, match="number"):
+        cache.update({"a": 0.5, "b": None})  # type: ignore[dict-item]
+    assert "a" not in cache  # update is all-or-nothing
