@@ -391,7 +391,7 @@ def build_optimizer(params, lr: float, recipe: Recipe):
 def train(recipe: Recipe, *, resume: bool = False, console: Any = None) -> dict[str, Any]:
     from rich.console import Console
 
-    from sleuth.agent import rollout
+    from sleuth.agent.engine import rollout
     from sleuth.llm.hf import HFGenerator
     from sleuth.rewards.base import get_reward
 

@@ -1,0 +1,184 @@
+"""What an agent loop declares, and the per-trajectory state the rollout engine keeps.
+
+A loop (one per method) says: its stop strings, its initial chat messages, how an
+action is parsed from one generated turn (`act`), what the environment answers
+(`observe`), and how the finished trajectory is summarised (`finalize`). The
+engine (`sleuth.agent.engine.rollout`) owns everything shared: batching, token
+bookkeeping, loss masks, budgets and retrieval calls.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field, fields
+from typing import Any, ClassVar
+
+from sleuth.agent.trajectory import Trajectory
+from sleuth.data.formats import QAExample
+from sleuth.errors import ConfigError
+from sleuth.retrieval.base import Hit, format_docs
+
+
+@dataclass
+class StepOutcome:
+    """What one generated turn asks of the environment."""
+
+    queries: list[str] = field(default_factory=list)  # searches to run now (batched by the engine)
+    k: int | None = None  # docs per query; None = the loop's top_k
+    feedback: str | None = None  # text inserted instead of documents (invalid action, rethink...)
+    done: bool = False
+    finish_reason: str = ""  # set when done
+    # keep generating in the same turn without inserting anything (s3: "<search_complete>False" then a query)
+    continue_generation: bool = False
+    invalid: bool = False  # the turn held no recognised action
+
+
+@dataclass
+class Observation:
+    """Inserted text: `prefix` and `suffix` are kept whole, `body` is what gets truncated to the token limit."""
+
+    prefix: str = ""
+    body: str = ""
+    suffix: str = ""
+
+
+@dataclass
+class RolloutState:
+    """One trajectory in flight."""
+
+    example: QAExample
+    traj: Trajectory
+    group: int
+    sample: int
+    prompt_ids: list[int]
+    turns_taken: int = 0  # completed action rounds (continuations do not count)
+    final: bool = False  # the next generation is the forced last one: its searches are not run
+    done: bool = False
+    policy_text: str = ""  # all generated text, in order: actions are parsed from this, never from documents
+    windows: list[list[Hit]] = field(default_factory=list)  # documents of each inserted observation
+    data: dict[str, Any] = field(default_factory=dict)  # loop-specific scratch
+
+
+def innermost_blocks(text: str, tag: str) -> list[str]:
+    """Contents of every `<tag>...</tag>` block, innermost when tags are nested (`<a><a>x</a>` gives `x`)."""
+    t = re.escape(tag)
+    return [m.group(1) for m in re.finditer(rf"<{t}>((?:(?!<{t}>).)*?)</{t}>", text, flags=re.DOTALL)]
+
+
+def first_block(text: str, tag: str) -> str | None:
+    blocks = innermost_blocks(text, tag)
+    return blocks[0] if blocks else None
+
+
+def last_block(text: str, tag: str) -> str | None:
+    blocks = innermost_blocks(text, tag)
+    return blocks[-1] if blocks else None
+
+
+def first_action(text: str, tags: tuple[str, ...]) -> tuple[str, str] | None:
+    """The earliest complete block among `tags` as (tag, content), e.g. the first `<search>` or `<answer>`."""
+    best: tuple[int, str, str] | None = None
+    for tag in tags:
+        t = re.escape(tag)
+        m = re.search(rf"<{t}>((?:(?!<{t}>).)*?)</{t}>", text, flags=re.DOTALL)
+        if m and (best is None or m.start() < best[0]):
+            best = (m.start(), tag, m.group(1))
+    return None if best is None else (best[1], best[2])
+
+
+def count_tag(text: str, tag: str) -> int:
+    return len(innermost_blocks(text, tag))
+
+
+def tag_sequence(text: str, tags: tuple[str, ...]) -> list[str]:
+    """Names of the complete blocks among `tags`, in order of appearance (for structure checks)."""
+    alternation = "|".join(re.escape(t) for t in tags)
+    return [m.group(1) for m in re.finditer(rf"<({alternation})>.*?</\1>", text, flags=re.DOTALL)]
+
+
+def dedup_hits(hits: list[dict]) -> list[dict]:
+    """Drop repeated documents (same id, or same title and text), keeping first occurrences in order."""
+    seen: set = set()
+    out: list[dict] = []
+    for h in hits:
+        keys = {("id", h.get("doc_id")), ("content", h.get("title"), h.get("text"))}
+        if keys & seen:
+            continue
+        seen |= keys
+        out.append(h)
+    return out
+
+
+def all_retrieved(traj: Trajectory) -> list[dict]:
+    return dedup_hits([h for hits in traj.retrieved for h in hits])
+
+
+@dataclass
+class AgentLoop:
+    """Base class of the method loops. Subclasses are dataclasses; their fields are the config values."""
+
+    name: ClassVar[str] = ""
+    top_k: int = 3
+    max_turns: int = 4
+    # after max_turns action rounds, one more generation with search disabled (Search-R1's final rollout)
+    forced_final_answer: bool = True
+    system_template: str | None = None
+    user_template: str = "{question}"
+    invalid_action_message: str = ""
+    # how many times one turn may be resumed without inserting anything (see StepOutcome.continue_generation)
+    max_continuations: int = 0
+
+    def __post_init__(self) -> None:
+        if self.top_k < 1:
+            raise ConfigError(f"{self.name}: top_k must be >= 1, got {self.top_k}")
+        if self.max_turns < 1:
+            raise ConfigError(f"{self.name}: max_turns must be >= 1, got {self.max_turns}")
+        if "{question}" not in self.user_template:
+            raise ConfigError(f"{self.name}: user_template must contain '{{question}}'")
+
+    # -- what the loop declares -------------------------------------------------------------
+    def stop_strings(self, state: RolloutState) -> list[str]:
+        raise NotImplementedError
+
+    def initial_queries(self, example: QAExample) -> list[str]:
+        """Searches run before the first generation (s3's begin-with-search); none by default."""
+        return []
+
+    def build_messages(self, example: QAExample, initial_hits: list[list[Hit]]) -> list[dict]:
+        user = self.user_template.format(question=example.question.strip())
+        messages = []
+        if self.system_template:
+            messages.append({"role": "system", "content": self.system_template})
+        messages.append({"role": "user", "content": user})
+        return messages
+
+    def act(self, state: RolloutState, text: str) -> StepOutcome:
+        """Parse the turn just generated (`text`, already appended to `state.policy_text`)."""
+        raise NotImplementedError
+
+    def format_documents(self, hits: list[Hit]) -> str:
+        return format_docs(hits)
+
+    def observe(self, state: RolloutState, outcome: StepOutcome, hits: list[list[Hit]]) -> Observation:
+        """The environment's answer to a search: one `<information>` block with every query's documents."""
+        flat = [h for per_query in hits for h in per_query]
+        return Observation("\n\n<information>", self.format_documents(flat).strip(), "</information>\n\n")
+
+    def feedback(self, state: RolloutState, message: str) -> Observation:
+        return Observation("", message, "")
+
+    def finalize(self, state: RolloutState) -> None:
+        """Fill the semantic view (answer, served context, format flags) once the trajectory is done."""
+        traj = state.traj
+        answer = last_block(state.policy_text, "answer")
+        traj.answer = answer.strip() if answer is not None else None
+        traj.served_context = all_retrieved(traj)
+        traj.extra["answer_count"] = count_tag(state.policy_text, "answer")
+
+    # -- config ------------------------------------------------------------------------------
+    @classmethod
+    def config_fields(cls) -> list[str]:
+        return [f.name for f in fields(cls)]
+
+    def config(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}

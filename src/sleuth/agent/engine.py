@@ -1,0 +1,311 @@
+"""The shared multi-turn, batched, token-in/token-out rollout engine.
+
+Every turn, all active trajectories generate together in one `generate` call;
+every trajectory that searched this turn is served by one batched
+`retriever.search` call per distinct k. Token ids are kept exactly as generated;
+inserted text (documents, feedback) is tokenised once and appended as ids, and
+the loss mask is written at the same moment (1 policy, 0 inserted), so it never
+depends on re-tokenising decoded text.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import replace
+
+from sleuth.agent.base import AgentLoop, Observation, RolloutState, StepOutcome
+from sleuth.agent.trajectory import Trajectory, Turn
+from sleuth.data.formats import QAExample
+from sleuth.errors import ConfigError
+from sleuth.llm.base import Generation, Generator, SamplingParams
+from sleuth.retrieval.base import Hit, Retriever
+
+
+def _tokenizer_of(generator: Generator, tokenizer):
+    tok = tokenizer if tokenizer is not None else getattr(generator, "tokenizer", None)
+    if tok is None:
+        raise ConfigError(
+            "rollout needs a tokenizer: pass tokenizer=... or use a generator with a `.tokenizer` attribute"
+        )
+    return tok
+
+
+def encode_prompt(tokenizer, messages: list[dict]) -> tuple[list[int], str]:
+    """Chat-template the initial messages and encode them once; returns (ids, text)."""
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return list(tokenizer.encode(text, add_special_tokens=False)), text
+
+
+def encode_text(tokenizer, text: str) -> list[int]:
+    return list(tokenizer.encode(text, add_special_tokens=False)) if text else []
+
+
+def _append(state: RolloutState, ids: list[int], logprobs: list[float], role: str, text: str) -> None:
+    traj = state.traj
+    if not ids:
+        return
+    start = len(traj.response_ids)
+    traj.response_ids.extend(ids)
+    traj.loss_mask.extend([1 if role == "policy" else 0] * len(ids))
+    traj.logprobs.extend(logprobs if role == "policy" else [0.0] * len(ids))
+    traj.turns.append(Turn(start=start, end=start + len(ids), role=role, text=text))
+
+
+def _search_batched(
+    retriever: Retriever, requests: list[tuple[int, list[str], int]]
+) -> dict[int, list[list[Hit]]]:
+    """Serve (request id, queries, k) requests with one `search` call per distinct k; identical queries once."""
+    by_k: dict[int, list[tuple[int, list[str]]]] = {}
+    for rid, queries, k in requests:
+        by_k.setdefault(k, []).append((rid, queries))
+    out: dict[int, list[list[Hit]]] = {}
+    for k, reqs in by_k.items():
+        unique: list[str] = []
+        index: dict[str, int] = {}
+        for _, queries in reqs:
+            for q in queries:
+                if q not in index:
+                    index[q] = len(unique)
+                    unique.append(q)
+        results = retriever.search(unique, k)
+        if len(results) != len(unique):
+            raise ConfigError(
+                f"retriever returned {len(results)} result lists for {len(unique)} queries; "
+                "Retriever.search must return one list per query"
+            )
+        for rid, queries in reqs:
+            out[rid] = [list(results[index[q]])[:k] for q in queries]
+    return out
+
+
+class _Engine:
+    def __init__(
+        self,
+        loop: AgentLoop,
+        generator: Generator,
+        retriever: Retriever,
+        tokenizer,
+        params: SamplingParams,
+        max_obs_tokens: int,
+        max_response_tokens: int,
+    ):
+        self.loop = loop
+        self.generator = generator
+        self.retriever = retriever
+        self.tok = tokenizer
+        self.params = params
+        self.max_obs_tokens = max_obs_tokens
+        self.max_response_tokens = max_response_tokens
+
+    # -- setup ---------------------------------------------------------------------------------
+    def start(self, examples: Sequence[QAExample], n: int) -> list[RolloutState]:
+        loop = self.loop
+        initial = [loop.initial_queries(ex) for ex in examples]
+        initial_hits: dict[int, list[list[Hit]]] = {}
+        requests = [(i, qs, loop.top_k) for i, qs in enumerate(initial) if qs]
+        if requests:
+            initial_hits = _search_batched(self.retriever, requests)
+        states: list[RolloutState] = []
+        for i, ex in enumerate(examples):
+            hits = initial_hits.get(i, [])
+            messages = loop.build_messages(ex, hits)
+            prompt_ids, prompt_text = encode_prompt(self.tok, messages)
+            for s in range(n):
+                traj = Trajectory(
+                    question_id=str(ex.id),
+                    question=ex.question,
+                    golden_answers=list(ex.golden_answers),
+                    method=loop.name,
+                    prompt_ids=list(prompt_ids),
+                    prompt_text=prompt_text,
+                )
+                traj.extra.update(
+                    group=i,
+                    sample=s,
+                    invalid_actions=0,
+                    forced_final=False,
+                    search_after_limit=False,
+                    obs_truncated_tokens=0,
+                    logprobs_missing=False,
+                    generation_finish_reasons=[],
+                )
+                state = RolloutState(example=ex, traj=traj, group=i, sample=s, prompt_ids=list(prompt_ids))
+                for q, per_query in zip(initial[i], hits, strict=True):
+                    traj.queries.append(q)
+                    traj.retrieved.append([h.to_dict() for h in per_query])
+                    traj.retrieval_count += 1
+                    state.windows.append(list(per_query))
+                traj.extra["initial_search"] = bool(initial[i])
+                states.append(state)
+        return states
+
+    # -- one turn --------------------------------------------------------------------------------
+    def response_left(self, state: RolloutState) -> int:
+        return self.max_response_tokens - len(state.traj.response_ids)
+
+    def generate(self, active: list[RolloutState]) -> list[Generation]:
+        budget = max(self.response_left(s) for s in active)
+        params = replace(self.params, max_new_tokens=max(1, min(self.params.max_new_tokens, budget)))
+        batch = [s.prompt_ids + s.traj.response_ids for s in active]
+        stops = [self.loop.stop_strings(s) for s in active]
+        gens = self.generator.generate(batch, stops, params)
+        if len(gens) != len(active):
+            raise ConfigError(f"generator returned {len(gens)} generations for a batch of {len(active)}")
+        return gens
+
+    def take_generation(self, state: RolloutState, gen: Generation) -> tuple[str, bool]:
+        """Append the sampled ids as a policy span; returns (turn text, hit the response budget)."""
+        ids = list(gen.token_ids)
+        if not ids and gen.text:
+            # A backend without token ids (HTTP) cannot be used for training; encode once to keep going.
+            ids = encode_text(self.tok, gen.text)
+            state.traj.extra["ids_from_text"] = True
+        logprobs = list(gen.logprobs)
+        if len(logprobs) != len(ids):
+            state.traj.extra["logprobs_missing"] = True
+            logprobs = [0.0] * len(ids)
+        left = self.response_left(state)
+        over_budget = len(ids) > left or (len(ids) == left and gen.finish_reason == "length")
+        if len(ids) > left:
+            ids, logprobs = ids[: max(left, 0)], logprobs[: max(left, 0)]
+            text = self.tok.decode(ids)
+        else:
+            text = gen.text
+        state.traj.extra["generation_finish_reasons"].append(gen.finish_reason)
+        span_text = self.tok.decode(ids)
+        traj = state.traj
+        if traj.turns and traj.turns[-1].role == "policy":
+            # a continuation of the same turn: one span, so a policy Turn is one action round
+            last = traj.turns[-1]
+            traj.response_ids.extend(ids)
+            traj.loss_mask.extend([1] * len(ids))
+            traj.logprobs.extend(logprobs)
+            last.end = len(traj.response_ids)
+            last.text = self.tok.decode(traj.response_ids[last.start : last.end])
+        else:
+            _append(state, ids, logprobs, "policy", span_text)
+        state.policy_text += text
+        return text, over_budget
+
+    def insert(self, state: RolloutState, obs: Observation) -> bool:
+        """Tokenise and append an observation (body truncated to max_obs_tokens); False if the budget ran out."""
+        pre, body, suf = (encode_text(self.tok, x) for x in (obs.prefix, obs.body, obs.suffix))
+        room = max(0, self.max_obs_tokens - len(pre) - len(suf))
+        if len(body) > room:
+            state.traj.extra["obs_truncated_tokens"] += len(body) - room
+            body = body[:room]
+        ids = pre + body + suf
+        left = self.response_left(state)
+        fits = len(ids) < left
+        ids = ids[: max(left, 0)]
+        if ids:
+            _append(state, ids, [], "env", self.tok.decode(ids))
+        return fits
+
+    def finish(self, state: RolloutState, reason: str) -> None:
+        state.done = True
+        state.traj.finish_reason = reason
+
+    def run(self, states: list[RolloutState]) -> list[Trajectory]:
+        loop = self.loop
+        while True:
+            active = [s for s in states if not s.done]
+            if not active:
+                break
+            gens = self.generate(active)
+            pending: list[tuple[RolloutState, StepOutcome]] = []
+            for state, gen in zip(active, gens, strict=True):
+                text, over_budget = self.take_generation(state, gen)
+                outcome = loop.act(state, text)
+                if over_budget:
+                    self.finish(state, "length")
+                    continue
+                if outcome.continue_generation and not outcome.done:
+                    state.data["continuations"] = state.data.get("continuations", 0) + 1
+                    if state.data["continuations"] <= loop.max_continuations:
+                        continue
+                    outcome = StepOutcome(feedback=loop.invalid_action_message, invalid=True)
+                state.data["continuations"] = 0
+                if outcome.invalid:
+                    state.traj.extra["invalid_actions"] += 1
+                if state.final:
+                    # the forced last generation: nothing more is executed, whatever it asked for
+                    if outcome.queries:
+                        state.traj.extra["search_after_limit"] = True
+                    state.turns_taken += 1
+                    self.finish(state, outcome.finish_reason if outcome.done else "max_turns")
+                    continue
+                if outcome.done:
+                    state.turns_taken += 1
+                    self.finish(state, outcome.finish_reason or "answer")
+                    continue
+                pending.append((state, outcome))
+
+            requests = [(i, o.queries, o.k or loop.top_k) for i, (_, o) in enumerate(pending) if o.queries]
+            results = _search_batched(self.retriever, requests) if requests else {}
+            for i, (state, outcome) in enumerate(pending):
+                state.turns_taken += 1
+                if outcome.queries:
+                    hits = results[i]
+                    for q, per_query in zip(outcome.queries, hits, strict=True):
+                        state.traj.queries.append(q)
+                        state.traj.retrieved.append([h.to_dict() for h in per_query])
+                        state.traj.retrieval_count += 1
+                    state.windows.append([h for per_query in hits for h in per_query])
+                    obs = loop.observe(state, outcome, hits)
+                else:
+                    obs = loop.feedback(state, outcome.feedback or "")
+                if not self.insert(state, obs):
+                    self.finish(state, "length")
+                    continue
+                if state.turns_taken >= loop.max_turns:
+                    if loop.forced_final_answer:
+                        state.final = True
+                        state.traj.extra["forced_final"] = True
+                    else:
+                        self.finish(state, "max_turns")
+        for state in states:
+            self.summarise(state)
+        return [s.traj for s in states]
+
+    def summarise(self, state: RolloutState) -> None:
+        traj = state.traj
+        traj.num_turns = state.turns_taken
+        traj.response_text = self.tok.decode(traj.response_ids)
+        self.loop.finalize(state)
+
+
+def rollout(
+    loop: AgentLoop,
+    generator: Generator,
+    retriever: Retriever,
+    examples: Sequence[QAExample],
+    params: SamplingParams | None = None,
+    n: int = 1,
+    *,
+    max_turns: int | None = None,
+    max_obs_tokens: int = 512,
+    max_response_tokens: int = 4096,
+    tokenizer=None,
+) -> list[Trajectory]:
+    """Run `loop` on every example `n` times; the n samples of an example are adjacent.
+
+    `extra["group"]` is the example's index and `extra["sample"]` the sample's index
+    (GRPO groups). `max_turns` overrides the loop's own limit. `tokenizer` defaults to
+    `generator.tokenizer`. Malformed generations never raise: they end as scored
+    trajectories (answer None or the loop's fallback).
+    """
+    if n < 1:
+        raise ConfigError(f"n must be >= 1, got {n}")
+    if max_obs_tokens < 1 or max_response_tokens < 1:
+        raise ConfigError("max_obs_tokens and max_response_tokens must be >= 1")
+    if max_turns is not None:
+        if max_turns < 1:
+            raise ConfigError(f"max_turns must be >= 1, got {max_turns}")
+        loop = replace(loop, max_turns=max_turns)
+    tok = _tokenizer_of(generator, tokenizer)
+    engine = _Engine(
+        loop, generator, retriever, tok, params or SamplingParams(), max_obs_tokens, max_response_tokens
+    )
+    states = engine.start(list(examples), n)
+    return engine.run(states)

@@ -1,0 +1,207 @@
+"""s3 (paper 000): a searcher that selects documents for a frozen generator.
+
+Begin with search: the question itself is searched (k docs) and shown in the
+prompt. Then per turn the searcher may select up to 3 ids of the current window
+(`<important_info>[1, 3]</important_info>`), declares
+`<search_complete>True|False</search_complete>`, and if not complete emits
+`<query>{"query": "..."}</query>`, answered by `<information>`. Only the selected
+documents (deduplicated, in order) are served to the generator; a window with no
+`<important_info>` contributes all its documents (paper A.5), unless
+`include_unselected_windows` is off.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from sleuth.agent.base import (
+    AgentLoop,
+    RolloutState,
+    StepOutcome,
+    all_retrieved,
+    dedup_hits,
+    innermost_blocks,
+)
+from sleuth.data.formats import QAExample
+from sleuth.errors import ConfigError
+from sleuth.retrieval.base import Hit
+
+S3_SEARCHER_PROMPT = """You are a search copilot for a generation model. Based on a user's query and initial searched results, you will first determine if the searched results are enough to produce an answer.
+
+If the searched results are enough, you will use <search_complete>True</search_complete> to indicate that you have gathered enough information for the generation model to produce an answer.
+
+If the searched results are not enough, you will go through a loop of <query> -> <information> -> <important_info> -> <search_complete> -> <query> (if not complete) ..., to help the generation model to generate a better answer with more relevant information searched.
+
+You should show the search query between <query> and </query> in JSON format.
+
+Based on the search query, we will return the top searched results between <information> and </information>. You need to put the doc ids of the important documents (up to 3 documents, within the current information window) between <important_info> and </important_info> (e.g., <important_info>[1, 4]</important_info>).
+
+A search query MUST be followed by a <search_complete> tag if the search is not complete.
+
+After reviewing the information, you must decide whether to continue searching with a new query or indicate that the search is complete. If you need more information, use <search_complete>False</search_complete>. Otherwise, use <search_complete>True</search_complete> to terminate the search.
+
+Note: Only the content between <important_info> will be used by the generation model to produce an answer.
+
+An abstract example of the loop:
+<important_info>[1, 2]</important_info>
+<search_complete>False</search_complete>
+<query>{{"query": "a new, more specific search query"}}</query>
+<information>Doc 1(Title: ...) ...</information>
+<important_info>[3]</important_info>
+<search_complete>True</search_complete>
+
+<question>
+{question}
+</question>
+"""
+
+S3_INITIAL_INFORMATION = "\n<information>\n{documents}\n</information>\n"
+
+# The s3 reference's reply to a turn without a usable action: it reopens a query for the searcher.
+S3_INVALID_ACTION = (
+    "\n\nThe information is not enough to answer the question. Let me dive deeper by generating a brand new "
+    "search query between <query> and </query> tags in JSON format:\n<query>\n"
+)
+
+_TRUE = {"true", "yes", "1", "y"}
+
+
+def parse_query(raw: str) -> tuple[str, bool]:
+    """Query text from a `<query>` block: JSON `{"query": ...}` or, failing that, the raw text.
+
+    Returns (query, parsed_as_json)."""
+    body = raw.strip()
+    try:
+        data = json.loads(body)
+    except (json.JSONDecodeError, ValueError):
+        return body, False
+    if isinstance(data, dict) and "query" in data:
+        q = data["query"]
+        if isinstance(q, list):
+            q = q[0] if q else ""
+        if isinstance(q, str):
+            return q.strip(), True
+    if isinstance(data, str):
+        return data.strip(), True
+    return body, False
+
+
+def parse_selection(raw: str, window_size: int, limit: int) -> tuple[list[int], list[Any]]:
+    """Doc ids (1-based, within the window) from an `<important_info>` block: (kept ids, rejected items).
+
+    Non-integers, out-of-range ids, repeats and ids beyond `limit` are rejected."""
+    body = raw.strip()
+    try:
+        items = json.loads(body)
+        if not isinstance(items, list):
+            items = [items]
+    except (json.JSONDecodeError, ValueError):
+        # "[1, 3" or "1 and 3": take the numbers that are there, note the malformed block
+        items = [int(x) for x in re.findall(r"-?\d+", body)] or [body]
+    kept: list[int] = []
+    rejected: list[Any] = []
+    for item in items:
+        ok = isinstance(item, int) and not isinstance(item, bool) and 1 <= item <= window_size
+        if ok and item not in kept and len(kept) < limit:
+            kept.append(item)
+        else:
+            rejected.append(item)
+    return kept, rejected
+
+
+@dataclass
+class S3Loop(AgentLoop):
+    name: ClassVar[str] = "s3"
+    top_k: int = 8  # documents per search, the initial one included
+    max_turns: int = 3
+    forced_final_answer: bool = True
+    max_selected: int = 3  # ids per <important_info>
+    use_selection: bool = True  # ablation "w/o selection": serve everything retrieved
+    begin_with_search: bool = True  # ablation "w/o begin with search"
+    # paper A.5: a window without <important_info> serves all its docs
+    include_unselected_windows: bool = True
+    system_template: str | None = None
+    user_template: str = S3_SEARCHER_PROMPT
+    initial_information_template: str = S3_INITIAL_INFORMATION
+    invalid_action_message: str = S3_INVALID_ACTION
+    max_continuations: int = 2
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.max_selected < 1:
+            raise ConfigError(f"s3: max_selected must be >= 1, got {self.max_selected}")
+
+    def stop_strings(self, state: RolloutState) -> list[str]:
+        return ["</query>", "</search_complete>"]
+
+    def initial_queries(self, example: QAExample) -> list[str]:
+        return [example.question.strip()] if self.begin_with_search else []
+
+    def build_messages(self, example: QAExample, initial_hits: list[list[Hit]]) -> list[dict]:
+        content = self.user_template.format(question=example.question.strip())
+        if initial_hits:
+            docs = self.format_documents([h for hits in initial_hits for h in hits])
+            content += self.initial_information_template.format(documents=docs)
+        messages = [{"role": "system", "content": self.system_template}] if self.system_template else []
+        return messages + [{"role": "user", "content": content}]
+
+    def _select(self, state: RolloutState, text: str) -> None:
+        extra = state.traj.extra
+        selections: dict[int, list[int]] = state.data.setdefault("selections", {})
+        for raw in innermost_blocks(text, "important_info"):
+            if not state.windows:
+                extra.setdefault("invalid_selection_ids", []).append(raw.strip())
+                continue
+            w = len(state.windows) - 1
+            already = selections.get(w, [])
+            ids, rejected = parse_selection(raw, len(state.windows[w]), self.max_selected - len(already))
+            selections[w] = already + [i for i in ids if i not in already]
+            extra.setdefault("selection_ids", []).append({"window": w, "ids": ids})
+            if rejected:
+                extra.setdefault("invalid_selection_ids", []).extend(rejected)
+
+    def act(self, state: RolloutState, text: str) -> StepOutcome:
+        if state.data.pop("query_reopened", False) and "<query>" not in text.split("</query>")[0]:
+            # the previous feedback ended with an open "<query>" tag that this turn closes
+            text = "<query>" + text
+        self._select(state, text)
+        complete = innermost_blocks(text, "search_complete")
+        if any(c.strip().lower() in _TRUE for c in complete):
+            state.traj.extra["search_complete"] = True
+            return StepOutcome(done=True, finish_reason="search_complete")
+        queries = innermost_blocks(text, "query")
+        if queries:
+            query, as_json = parse_query(queries[0])
+            if not as_json:
+                state.traj.extra["query_not_json"] = state.traj.extra.get("query_not_json", 0) + 1
+            if query:
+                return StepOutcome(queries=[query])
+            state.traj.extra["empty_queries"] = state.traj.extra.get("empty_queries", 0) + 1
+        elif complete and text.rstrip().endswith("</search_complete>") and not state.final:
+            # "<search_complete>False</search_complete>" ends the generation before the query it announces
+            return StepOutcome(continue_generation=True)
+        state.data["query_reopened"] = self.invalid_action_message.rstrip().endswith("<query>")
+        return StepOutcome(feedback=self.invalid_action_message, invalid=True)
+
+    def finalize(self, state: RolloutState) -> None:
+        traj = state.traj
+        traj.answer = None  # the searcher never answers; the frozen generator does
+        selections: dict[int, list[int]] = state.data.get("selections", {})
+        chosen: list[dict] = []
+        served: list[dict] = []
+        for w, window in enumerate(state.windows):
+            ids = selections.get(w)
+            picked = [window[i - 1].to_dict() for i in ids] if ids else []
+            chosen.extend(picked)
+            if ids is None and self.include_unselected_windows:
+                served.extend(h.to_dict() for h in window)
+            else:
+                served.extend(picked)
+        traj.selected = dedup_hits(chosen)
+        traj.served_context = dedup_hits(served) if self.use_selection else all_retrieved(traj)
+        traj.extra.setdefault("search_complete", False)
+        traj.extra["use_selection"] = self.use_selection
+        traj.extra["begin_with_search"] = self.begin_with_search

@@ -1,0 +1,67 @@
+"""Search-R1: <think>, <search>q</search>, <information>docs</information>, <answer>a</answer>.
+
+Per turn the first complete `<search>` or `<answer>` block is the action; anything
+else gets the fixed "my previous action is invalid" message. After `max_turns`
+rounds, one last generation runs with search disabled.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from sleuth.agent.base import AgentLoop, RolloutState, StepOutcome, count_tag, first_action
+
+SEARCH_R1_USER_TEMPLATE = (
+    "Answer the given question. "
+    "You must conduct reasoning inside <think> and </think> first every time you get new information. "
+    "After reasoning, if you find you lack some knowledge, you can call a search engine by "
+    "<search> query </search> and it will return the top searched results between <information> and "
+    "</information>. You can search as many times as your want. If you find no further external knowledge "
+    "needed, you can directly provide the answer inside <answer> and </answer>, without detailed "
+    "illustrations. For example, <answer> Beijing </answer>. Question: {question}\n"
+)
+
+SEARCH_R1_INVALID_ACTION = (
+    "\nMy previous action is invalid. If I want to search, I should put the query between <search> and "
+    "</search>. If I want to give the final answer, I should put the answer between <answer> and </answer>. "
+    "Let me try again.\n"
+)
+
+
+def search_or_answer(
+    state: RolloutState, text: str, invalid_message: str, answer_tag: str = "answer"
+) -> StepOutcome:
+    """The Search-R1 family's action rule: first complete <search> or <answer> block; empty query is invalid."""
+    action = first_action(text, ("search", answer_tag))
+    if action is None:
+        return StepOutcome(feedback=invalid_message, invalid=True)
+    tag, content = action
+    if tag == answer_tag:
+        return StepOutcome(done=True, finish_reason="answer")
+    query = content.strip()
+    if not query:
+        state.traj.extra["empty_queries"] = state.traj.extra.get("empty_queries", 0) + 1
+        return StepOutcome(feedback=invalid_message, invalid=True)
+    return StepOutcome(queries=[query])
+
+
+@dataclass
+class SearchR1Loop(AgentLoop):
+    name: ClassVar[str] = "search_r1"
+    top_k: int = 3
+    max_turns: int = 4
+    forced_final_answer: bool = True
+    system_template: str | None = None
+    user_template: str = SEARCH_R1_USER_TEMPLATE
+    invalid_action_message: str = SEARCH_R1_INVALID_ACTION
+
+    def stop_strings(self, state: RolloutState) -> list[str]:
+        return ["</search>", "</answer>"]
+
+    def act(self, state: RolloutState, text: str) -> StepOutcome:
+        return search_or_answer(state, text, self.invalid_action_message)
+
+    def finalize(self, state: RolloutState) -> None:
+        super().finalize(state)
+        state.traj.extra["think_count"] = count_tag(state.policy_text, "think")

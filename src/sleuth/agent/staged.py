@@ -1,0 +1,63 @@
+"""Staged reward, "learning when to search" (paper 002): <think>, <search>, <information>, <reflect>, <answer>.
+
+The rollout is Search-R1's; what differs is the prompt (paper B.4) and the
+structure the format reward checks, computed here as `extra["format_ok"]`:
+think, reflect, answer; or think, (search, information, reflect)+, answer.
+RC (retrieval count) is `trajectory.retrieval_count`.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import ClassVar
+
+from sleuth.agent.base import AgentLoop, RolloutState, StepOutcome, count_tag, tag_sequence
+from sleuth.agent.search_r1 import SEARCH_R1_INVALID_ACTION, search_or_answer
+
+STAGED_USER_TEMPLATE = """Please answer the given question by following the structured reasoning protocol below:
+
+1. Always begin with <think>...</think> to provide a brief internal reasoning sketch. - This reasoning must primarily rely on your internal knowledge and reasoning abilities. - If your internal knowledge is sufficient to answer the question, do not assume the need for external tools.
+2. If your internal knowledge is sufficient to answer the question: - Provide a concise summary of your reasoning inside <reflect>...</reflect>. - Then give the final answer inside <answer>...</answer>. - Under no circumstances should you generate a <search> block if your internal knowledge is adequate.
+3. Only if your internal knowledge is genuinely insufficient to answer the question: - Generate a brief keyword-based search query inside <search>...</search>. The query should be as concise as possible but must include sufficient factual clues, such as names, dates, locations, key concepts, etc. - The query should be a brief description with multiple keywords instead of a natural language question.
+4. When the system returns information inside <information>...</information>: - If the information is reliable and sufficient, integrate it with your reasoning inside <reflect>...</reflect>. - Then provide the final concise answer inside <answer>...</answer>.
+5. If the retrieved information is insufficient or contradicts your internal knowledge: - Explain the issue within <reflect>...</reflect>. - If necessary, generate a revised <search> query.
+6. Final rule: - The final answer must be concise and clear, placed inside <answer></answer>. - Internal reasoning (in <think>) must always be the primary method; tool usage should be a last resort, not the default.
+
+Question: {question}
+"""
+
+_STRUCTURE_TAGS = ("think", "search", "information", "reflect", "answer")
+_ALLOWED = re.compile(r"^think (?:reflect |(?:search information reflect )+)answer $")
+
+
+def staged_format_ok(response_text: str) -> bool:
+    """True if the complete blocks of the response follow one of the two allowed structures."""
+    seq = tag_sequence(response_text, _STRUCTURE_TAGS)
+    return bool(_ALLOWED.match("".join(t + " " for t in seq)))
+
+
+@dataclass
+class StagedLoop(AgentLoop):
+    name: ClassVar[str] = "staged"
+    top_k: int = 5  # the paper standardises on top-k 5
+    max_turns: int = 5  # paper Table 5
+    forced_final_answer: bool = True
+    system_template: str | None = None
+    user_template: str = STAGED_USER_TEMPLATE
+    invalid_action_message: str = SEARCH_R1_INVALID_ACTION
+
+    def stop_strings(self, state: RolloutState) -> list[str]:
+        return ["</search>", "</answer>"]
+
+    def act(self, state: RolloutState, text: str) -> StepOutcome:
+        return search_or_answer(state, text, self.invalid_action_message)
+
+    def finalize(self, state: RolloutState) -> None:
+        super().finalize(state)
+        traj = state.traj
+        traj.extra.update(
+            format_ok=staged_format_ok(traj.response_text),
+            rc=traj.retrieval_count,
+            reflect_count=count_tag(state.policy_text, "reflect"),
+        )
