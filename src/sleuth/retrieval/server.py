@@ -1,0 +1,351 @@
+"""HTTP retrieval server speaking the Search-R1 `/retrieve` API.
+
+Request:  `{"queries": [str], "topk": int | null, "return_scores": bool}`
+Response: `{"result": [[{"document": {"id", "contents"}, "score": float}, ...] per query]}` with
+scores, `{"result": [[{"id", "contents"}, ...] per query]}` without. As in Search-R1, a missing,
+null or 0 `topk` means the server's default k.
+
+The retriever is CPU-bound and synchronous, so it runs in worker threads. Requests that arrive
+while a worker is busy (or within `batch_wait_ms` of each other) are merged into one
+`retriever.search` call: many small concurrent requests then cost about as much as one batched call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import threading
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel
+
+from sleuth.retrieval.base import Hit, Retriever
+
+DEFAULT_K = 3  # Search-R1's retrieval server default (`--topk 3`)
+
+
+class RetrieveRequest(BaseModel):
+    """Body of `POST /retrieve`; extra fields are ignored, as the Search-R1 server does."""
+
+    queries: list[str]
+    topk: int | None = None
+    return_scores: bool = False
+
+
+class RetrieverFailure(Exception):
+    """The retriever raised or returned a malformed result; the request gets a 503."""
+
+
+def _finite_or_none(score: float) -> float | None:
+    return score if math.isfinite(score) else None
+
+
+def _dumps_stdlib(body: dict[str, Any]) -> bytes:
+    # ASCII output: CPython's encoder is ~2x faster with ensure_ascii on; clients decode it identically.
+    try:
+        return json.dumps(body, allow_nan=False, separators=(",", ":")).encode("ascii")
+    except ValueError:
+        # A retriever may pad with -inf/NaN scores; JSON has no such numbers, so send null instead.
+        for hits in body["result"]:
+            for item in hits:
+                if "score" in item:
+                    item["score"] = _finite_or_none(item["score"])
+        return json.dumps(body, allow_nan=False, separators=(",", ":")).encode("ascii")
+
+
+try:  # orjson, when installed, encodes ~20x faster and already writes non-finite floats as null
+    import orjson
+
+    def _dumps(body: dict[str, Any]) -> bytes:
+        return orjson.dumps(body)
+
+except ImportError:  # pragma: no cover - depends on the environment
+    _dumps = _dumps_stdlib
+
+
+def encode_result(hits_per_query: list[list[Hit]], return_scores: bool) -> bytes:
+    """The `/retrieve` response body as JSON bytes, in the Search-R1 shape."""
+    if return_scores:
+        result: list[list[dict[str, Any]]] = [
+            [{"document": {"id": h.doc_id, "contents": h.contents}, "score": float(h.score)} for h in hits]
+            for hits in hits_per_query
+        ]
+    else:
+        result = [[{"id": h.doc_id, "contents": h.contents} for h in hits] for hits in hits_per_query]
+    return _dumps({"result": result})
+
+
+@dataclass
+class _Job:
+    queries: list[str]
+    k: int
+    return_scores: bool
+    future: asyncio.Future = field(repr=False)
+
+
+def _search_checked(retriever: Retriever, queries: list[str], k: int) -> list[list[Hit]]:
+    try:
+        results = retriever.search(queries, k)
+    except Exception as err:
+        raise RetrieverFailure(f"retriever failed: {type(err).__name__}: {err}") from err
+    if not isinstance(results, list) or len(results) != len(queries):
+        got = len(results) if isinstance(results, list) else type(results).__name__
+        raise RetrieverFailure(f"retriever returned {got} result lists for {len(queries)} queries")
+    return results
+
+
+class MicroBatcher:
+    """Merges concurrent `search` calls into shared `retriever.search` calls on worker threads.
+
+    Batching is natural: while all workers are busy, arriving jobs queue up, and a free worker takes
+    everything queued (up to `max_batch_queries`). `batch_wait_s` additionally holds a job that
+    finds an idle worker for that long, so near-simultaneous requests still share a call.
+    """
+
+    def __init__(
+        self,
+        retriever: Retriever,
+        *,
+        max_batch_queries: int = 2048,
+        batch_wait_s: float = 0.002,
+        worker_threads: int = 1,
+    ):
+        if worker_threads < 1:
+            raise ValueError(f"worker_threads must be >= 1, got {worker_threads}")
+        self.retriever = retriever
+        self.max_batch_queries = max_batch_queries
+        self.batch_wait_s = batch_wait_s
+        self.worker_threads = worker_threads
+        self._executor = ThreadPoolExecutor(worker_threads, thread_name_prefix="sleuth-retrieve")
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._queue: asyncio.Queue[_Job] | None = None
+        self._slots: asyncio.Semaphore | None = None
+        self._collector: asyncio.Task | None = None
+        self._dispatches: set[asyncio.Task] = set()
+        self._stats_lock = threading.Lock()
+        self.stats = {"requests": 0, "queries": 0, "search_calls": 0, "failures": 0}
+
+    def _ensure_started(self) -> asyncio.Queue[_Job]:
+        # Started lazily in the running loop: a test client may serve each request from a new loop.
+        loop = asyncio.get_running_loop()
+        if self._loop is not loop or self._collector is None or self._collector.done():
+            self._loop = loop
+            self._queue = asyncio.Queue()
+            self._slots = asyncio.Semaphore(self.worker_threads)
+            self._collector = loop.create_task(self._collect(self._queue, self._slots))
+        assert self._queue is not None
+        return self._queue
+
+    async def submit(self, queries: list[str], k: int, return_scores: bool) -> bytes:
+        """Search `queries` (sharing a call with concurrent jobs) and return the encoded response body."""
+        queue = self._ensure_started()
+        future = asyncio.get_running_loop().create_future()
+        queue.put_nowait(_Job(queries, k, return_scores, future))
+        return await future
+
+    async def _collect(self, queue: asyncio.Queue[_Job], slots: asyncio.Semaphore) -> None:
+        loop = asyncio.get_running_loop()
+        carry: _Job | None = None
+        while True:
+            await slots.acquire()
+            first = carry if carry is not None else await queue.get()
+            carry = None
+            if self.batch_wait_s > 0 and queue.empty():
+                await asyncio.sleep(self.batch_wait_s)
+            batch, n_queries = [first], len(first.queries)
+            while not queue.empty():
+                job = queue.get_nowait()
+                if n_queries + len(job.queries) > self.max_batch_queries:
+                    carry = job
+                    break
+                batch.append(job)
+                n_queries += len(job.queries)
+            task = loop.create_task(self._dispatch(batch, slots))
+            self._dispatches.add(task)
+            task.add_done_callback(self._dispatches.discard)
+
+    async def _dispatch(self, batch: list[_Job], slots: asyncio.Semaphore) -> None:
+        specs = [(job.queries, job.k, job.return_scores) for job in batch]
+        outcomes: list[bytes | RetrieverFailure]
+        try:
+            outcomes = await asyncio.get_running_loop().run_in_executor(self._executor, self._run_batch, specs)
+        except (Exception, asyncio.CancelledError) as err:
+            # Executor shut down or loop closing: fail the waiting jobs rather than leave them hanging.
+            outcomes = [RetrieverFailure(f"retrieval worker unavailable: {err!r}") for _ in batch]
+            self._settle(batch, outcomes)
+            raise
+        finally:
+            slots.release()
+        self._settle(batch, outcomes)
+
+    @staticmethod
+    def _settle(batch: list[_Job], outcomes: list[bytes | RetrieverFailure]) -> None:
+        for job, outcome in zip(batch, outcomes, strict=True):
+            if job.future.done():  # the client went away
+                continue
+            if isinstance(outcome, BaseException):
+                job.future.set_exception(outcome)
+            else:
+                job.future.set_result(outcome)
+
+    def _run_batch(self, specs: list[tuple[list[str], int, bool]]) -> list[bytes | RetrieverFailure]:
+        """Runs on a worker thread: one search call per distinct k, then encode each job's response."""
+        outcomes: list[bytes | RetrieverFailure] = [RetrieverFailure("not run")] * len(specs)
+        by_k: dict[int, list[int]] = {}
+        for i, (_, k, _) in enumerate(specs):
+            by_k.setdefault(k, []).append(i)
+        calls = failures = 0
+        for k, job_ids in by_k.items():
+            merged = [q for i in job_ids for q in specs[i][0]]
+            try:
+                calls += 1
+                results = _search_checked(self.retriever, merged, k)
+                per_job: list[list[list[Hit]] | RetrieverFailure] = []
+                start = 0
+                for i in job_ids:
+                    end = start + len(specs[i][0])
+                    per_job.append(results[start:end])
+                    start = end
+            except RetrieverFailure as err:
+                if len(job_ids) == 1:
+                    per_job = [err]
+                else:
+                    # One bad request must not fail the others it was merged with: retry them alone.
+                    per_job = []
+                    for i in job_ids:
+                        calls += 1
+                        try:
+                            per_job.append(_search_checked(self.retriever, specs[i][0], k))
+                        except RetrieverFailure as single_err:
+                            per_job.append(single_err)
+            for i, hits in zip(job_ids, per_job, strict=True):
+                if isinstance(hits, RetrieverFailure):
+                    failures += 1
+                    outcomes[i] = hits
+                else:
+                    outcomes[i] = encode_result(hits, specs[i][2])
+        with self._stats_lock:
+            self.stats["requests"] += len(specs)
+            self.stats["queries"] += sum(len(s[0]) for s in specs)
+            self.stats["search_calls"] += calls
+            self.stats["failures"] += failures
+        return outcomes
+
+    def snapshot_stats(self) -> dict[str, int]:
+        with self._stats_lock:
+            return dict(self.stats)
+
+    def close(self) -> None:
+        if self._collector is not None and not self._collector.done():
+            self._collector.cancel()
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+def _error(status: int, message: str, field_name: str | None = None) -> JSONResponse:
+    body: dict[str, Any] = {"detail": message}
+    if field_name is not None:
+        body["field"] = field_name
+    return JSONResponse(status_code=status, content=body)
+
+
+def _describe_retriever(retriever: Retriever) -> dict[str, Any]:
+    kind = getattr(retriever, "kind", None) or type(retriever).__name__
+    num_docs = getattr(retriever, "num_docs", None)
+    if num_docs is None:
+        num_docs = getattr(retriever, "num_indexed", None)
+    if num_docs is None:
+        num_docs = getattr(getattr(retriever, "docstore", None), "num_docs", None)
+    if num_docs is None and hasattr(retriever, "__len__"):
+        try:
+            num_docs = len(retriever)  # type: ignore[arg-type]
+        except TypeError:
+            num_docs = None
+    return {"kind": str(kind), "num_docs": int(num_docs) if num_docs is not None else None}
+
+
+def create_app(
+    retriever: Retriever,
+    *,
+    max_queries: int = 512,
+    max_k: int = 100,
+    max_query_chars: int = 2000,
+    default_k: int = DEFAULT_K,
+    name: str = "sleuth-retriever",
+    worker_threads: int = 1,
+    batch_wait_ms: float = 2.0,
+    max_batch_queries: int | None = None,
+) -> FastAPI:
+    """A FastAPI app serving `retriever` at `POST /retrieve` (Search-R1 API) and `GET /health`."""
+    for label, value in (("max_queries", max_queries), ("max_k", max_k), ("max_query_chars", max_query_chars)):
+        if value < 1:
+            raise ValueError(f"{label} must be >= 1, got {value}")
+    if not 1 <= default_k <= max_k:
+        raise ValueError(f"default_k must be in [1, max_k={max_k}], got {default_k}")
+
+    batcher = MicroBatcher(
+        retriever,
+        max_batch_queries=max_batch_queries or max(4 * max_queries, 1024),
+        batch_wait_s=batch_wait_ms / 1000.0,
+        worker_threads=worker_threads,
+    )
+    info = _describe_retriever(retriever)
+    limits = {"max_queries": max_queries, "max_k": max_k, "max_query_chars": max_query_chars, "default_k": default_k}
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        yield
+        batcher.close()
+
+    app = FastAPI(title=name, lifespan=lifespan)
+    app.state.batcher = batcher
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid_request(_: Request, exc: RequestValidationError) -> JSONResponse:
+        problems = []
+        first_field = None
+        for err in exc.errors():
+            loc = [str(p) for p in err.get("loc", ()) if p != "body"]
+            where = ".".join(loc) or "body"
+            first_field = first_field or where
+            problems.append(f"{where}: {err.get('msg', 'invalid')}")
+        hint = ' (expected {"queries": [str, ...], "topk": int, "return_scores": bool})'
+        return _error(422, "invalid request: " + "; ".join(problems) + hint, first_field)
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        return {"status": "ok", "name": name, **info, **limits, "stats": batcher.snapshot_stats()}
+
+    @app.post("/retrieve")
+    async def retrieve(req: RetrieveRequest) -> Response:
+        k = req.topk or default_k  # Search-R1 treats a null or 0 topk as "use the default"
+        if k < 1 or k > max_k:
+            return _error(422, f"topk must be between 1 and {max_k}, got {req.topk}", "topk")
+        if not req.queries:
+            return _error(422, "queries must be a non-empty list of strings", "queries")
+        if len(req.queries) > max_queries:
+            return _error(
+                422,
+                f"queries has {len(req.queries)} items; this server accepts at most {max_queries} per request "
+                "(split the list into smaller batches)",
+                "queries",
+            )
+        for i, q in enumerate(req.queries):
+            if len(q) > max_query_chars:
+                return _error(
+                    422, f"queries[{i}] has {len(q)} characters; the limit is {max_query_chars}", f"queries[{i}]"
+                )
+        try:
+            body = await batcher.submit(req.queries, k, req.return_scores)
+        except RetrieverFailure as err:
+            return _error(503, str(err))
+        return Response(content=body, media_type="application/json")
+
+    return app
