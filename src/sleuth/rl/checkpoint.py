@@ -66,6 +66,7 @@ def save_checkpoint(
     optimizers: dict[str, torch.optim.Optimizer],
     schedulers: dict[str, Any],
     trainer_state: dict[str, Any],
+    searcher_info: dict[str, Any] | None = None,
     keep: int = 2,
 ) -> Path:
     """Write checkpoint `step` under `out_dir/checkpoints/` atomically; prune to the newest `keep`."""
@@ -91,6 +92,9 @@ def save_checkpoint(
         tmp / "state.pt",
     )
     (tmp / "trainer_state.json").write_text(json.dumps({**trainer_state, "step": step}, indent=2))
+    if searcher_info is not None:
+        # what `sleuth.agent.searcher.load_searcher` needs to serve or evaluate this policy
+        (tmp / "searcher.json").write_text(json.dumps({**searcher_info, "step": step}, indent=2))
     if final.exists():
         shutil.rmtree(final)
     tmp.rename(final)

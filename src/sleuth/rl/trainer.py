@@ -311,15 +311,32 @@ def build_retriever(recipe: Recipe):
     return load_retriever(recipe.retriever.index, corpus=recipe.retriever.corpus)
 
 
-def build_loop(recipe: Recipe):
-    from sleuth.agent import get_loop
-
+def loop_options(recipe: Recipe) -> dict[str, Any]:
     cfg = dict(recipe.agent.options)
     if recipe.agent.max_turns is not None:
         cfg["max_turns"] = recipe.agent.max_turns
     if recipe.agent.top_k is not None:
         cfg["top_k"] = recipe.agent.top_k
-    return get_loop(recipe.agent.loop, **cfg)
+    return cfg
+
+
+def build_loop(recipe: Recipe):
+    from sleuth.agent import get_loop
+
+    return get_loop(recipe.agent.loop, **loop_options(recipe))
+
+
+def searcher_info(recipe: Recipe) -> dict[str, Any]:
+    return {
+        "recipe": recipe.name,
+        "loop": recipe.agent.loop,
+        "loop_options": loop_options(recipe),
+        "base_model": recipe.model.policy,
+        "lora": recipe.model.lora.enabled,
+        "max_new_tokens_per_turn": recipe.agent.max_new_tokens_per_turn,
+        "max_obs_tokens": recipe.agent.max_obs_tokens,
+        "max_response_tokens": recipe.agent.max_response_tokens,
+    }
 
 
 def load_examples(recipe: Recipe) -> list[QAExample]:
@@ -651,6 +668,7 @@ def train(recipe: Recipe, *, resume: bool = False, console: Any = None) -> dict[
                 optimizers=optimizers,
                 schedulers=schedulers,
                 trainer_state={"cursor": cursor.state(), "stage": stage, "recipe": recipe.name},
+                searcher_info=searcher_info(recipe),
                 keep=recipe.trainer.keep_checkpoints,
             )
     if services.baseline_cache is not None:
