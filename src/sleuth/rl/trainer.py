@@ -263,7 +263,8 @@ def _to(batch: TokenBatch, device: torch.device) -> TokenBatch:
 
 
 class MetricsLog:
-    """JSONL per step (+ optional TensorBoard). On resume, drops lines from steps that will be redone."""
+    """JSONL per step (+ optional TensorBoard). Steps are logged 1-based (step k = after k updates);
+    on resume from a checkpoint after `resume_step` updates, lines of later steps will be redone and are dropped."""
 
     def __init__(self, out_dir: Path, resume_step: int, tensorboard: bool):
         self.path = out_dir / "metrics.jsonl"
@@ -271,7 +272,7 @@ class MetricsLog:
             kept = [
                 line
                 for line in self.path.read_text().splitlines()
-                if line.strip() and json.loads(line).get("step", 0) < resume_step
+                if line.strip() and json.loads(line).get("step", 0) <= resume_step
             ]
             self.path.write_text("".join(line + "\n" for line in kept))
         self.tb = None
