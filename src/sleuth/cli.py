@@ -25,8 +25,10 @@ COMMAND_MODULES = [
     "sleuth.retrieval.server_commands",
     "sleuth.llm.commands",
     "sleuth.eval.commands",
+    "sleuth.eval.report_commands",
     "sleuth.rl.commands",
     "sleuth.serve.commands",
+    "sleuth.demo",
 ]
 
 
