@@ -153,6 +153,8 @@ def run_demo(out: Path, fast: bool, console: Any) -> Path:
     timings["world_and_indexes_s"] = time.perf_counter() - t0
     retriever = load_retriever(world / "bm25", corpus=world / "corpus.jsonl")
     test = read_qa_jsonl(world / "test.jsonl")[: size.eval_questions]
+    for ex in test:  # report accuracy per hop count
+        ex.metadata["dataset"] = f"synth-{ex.metadata.get('hops', '?')}hop"
 
     # 2. baselines and the untrained searcher (one loaded model serves every method)
     t0 = stage(f"2/4  evaluate direct, naive RAG, untrained s3 ({len(test)} held-out questions)")
