@@ -34,7 +34,11 @@ class ModelConfig(_Strict):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     lora: LoraConfig = Field(default_factory=LoraConfig)
     gradient_checkpointing: bool = False
-    device: str | None = None  # None: cuda if available else cpu
+    device: str | None = None  # None: cuda if available else cpu (under torchrun: this rank's GPU)
+    # Under torchrun: "ddp" keeps a full replica per rank (LoRA on a 7B model fits an 80 GB card);
+    # "fsdp" shards parameters, gradients and optimizer state over ranks (FSDP2 fully_shard).
+    parallel: Literal["ddp", "fsdp"] = "ddp"
+    offload_reference: bool = False  # keep the frozen reference on the CPU between uses
 
 
 class DataConfig(_Strict):

@@ -42,6 +42,7 @@ from sleuth.rl.checkpoint import (
     write_run_info,
 )
 from sleuth.rl.config import Recipe
+from sleuth.rl.dist import DistContext, dist_masked_whiten, init_distributed, shard_range, unwrap, wrap_model
 from sleuth.utils import seed_everything
 
 # ----------------------------------------------------------------------------
@@ -62,12 +63,6 @@ class ValueModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
         return self.value_head(hidden.float()).squeeze(-1)
-
-
-def pick_device(requested: str | None) -> torch.device:
-    if requested:
-        return torch.device(requested)
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def load_policy(recipe: Recipe, device: torch.device, adapter_dir: Path | None = None):
@@ -409,15 +404,17 @@ def build_optimizer(params, lr: float, recipe: Recipe):
 def train(recipe: Recipe, *, resume: bool = False, console: Any = None) -> dict[str, Any]:
     from rich.console import Console
 
-    from sleuth.agent.engine import rollout
     from sleuth.llm.hf import HFGenerator
     from sleuth.rewards.base import get_reward
 
+    ctx = init_distributed(recipe.model.device)
     console = console or Console()
+    if not ctx.is_main:
+        console = Console(quiet=True)
     out_dir = Path(recipe.trainer.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     algo = recipe.algorithm
-    device = pick_device(recipe.model.device)
+    device = ctx.device
     seed_everything(recipe.seed)
 
     # --- resume point -------------------------------------------------------
@@ -438,9 +435,15 @@ def train(recipe: Recipe, *, resume: bool = False, console: Any = None) -> dict[
     ref_model = None
     if kl_coef > 0 and not hasattr(policy, "disable_adapter"):
         ref_model = copy.deepcopy(policy).eval().requires_grad_(False)
+        if recipe.model.offload_reference:
+            ref_model.to("cpu")
     critic = load_critic(model_path, device) if algo.uses_critic else None
     if critic is not None and ckpt is not None:
         critic.load_state_dict(torch.load(ckpt / "critic.pt", map_location=device, weights_only=True))
+    # DDP broadcasts rank 0's weights, so every rank starts from the same (LoRA) initialisation
+    policy = wrap_model(policy, ctx, recipe.model.parallel)
+    if critic is not None:
+        critic = wrap_model(critic, ctx, recipe.model.parallel)
 
     opt, sched = build_optimizer(policy.parameters(), recipe.optim.lr, recipe)
     optimizers, schedulers = {"policy": opt}, {"policy": sched}
@@ -454,22 +457,39 @@ def train(recipe: Recipe, *, resume: bool = False, console: Any = None) -> dict[
         for k, s in schedulers.items():
             s.load_state_dict(tensor_state["schedulers"][k])
         set_rng_state(tensor_state["rng"])
+    if ctx.enabled:  # ranks sample different trajectories
+        seed_everything(recipe.seed * 1_000_003 + start_step * 1_009 + ctx.rank)
 
     # --- environment, data, reward ------------------------------------------
-    generator = HFGenerator(policy, tokenizer=tokenizer)
+    generator = HFGenerator(unwrap(policy), tokenizer=tokenizer)
     retriever = build_retriever(recipe)
     loop = build_loop(recipe)
     examples = load_examples(recipe)
     cursor = DataCursor(recipe.seed, len(examples), recipe.data.shuffle, **trainer_state.get("cursor", {}))
     reward_fn = get_reward(recipe.reward.name, **recipe.reward.options)
-    services = build_reward_services(recipe, generator, policy, retriever)
+    services = build_reward_services(recipe, generator, unwrap(policy), retriever)
     sampling = SamplingParams(
         max_new_tokens=recipe.agent.max_new_tokens_per_turn,
         temperature=recipe.sampling.temperature,
         top_p=recipe.sampling.top_p,
     )
-    log = MetricsLog(out_dir, start_step, recipe.trainer.tensorboard)
-    write_run_info(out_dir, {"recipe": recipe.model_dump(), "model_path": model_path, "device": str(device)})
+    local_prompts = shard_range(algo.prompts_per_step, ctx, "algorithm.prompts_per_step")
+    local_minibatch = algo.minibatch_size // ctx.world_size
+    if algo.minibatch_size % ctx.world_size:
+        raise ConfigError(
+            f"algorithm.minibatch_size must be divisible by the number of ranks ({ctx.world_size})"
+        )
+    log = MetricsLog(out_dir, start_step, recipe.trainer.tensorboard) if ctx.is_main else None
+    if ctx.is_main:
+        write_run_info(
+            out_dir,
+            {
+                "recipe": recipe.model_dump(),
+                "model_path": model_path,
+                "device": str(device),
+                "ranks": ctx.world_size,
+            },
+        )
 
     # --- steps --------------------------------------------------------------
     for step in range(start_step, recipe.trainer.total_steps):
@@ -477,55 +497,22 @@ def train(recipe: Recipe, *, resume: bool = False, console: Any = None) -> dict[
         reward_fn.set_step(step)
         stage = getattr(reward_fn, "current_stage", 1)  # two-stage rewards (staged) switch on the step
 
-        # 1. rollout and reward; DAPO refills the batch with new prompts when groups carry no signal
-        kept: list[Trajectory] = []
-        scores: list[float] = []
-        rounds = 0
-        t_rollout = t_reward = 0.0
-        all_rewards: list[float] = []
-        while len(kept) < algo.prompts_per_step * algo.n and rounds < algo.max_sampling_rounds:
-            rounds += 1
-            batch_examples = [examples[i] for i in cursor.take(algo.prompts_per_step)]
-            t0 = time.perf_counter()
-            policy.eval()
-            with autocast(device):
-                trajs = rollout(
-                    loop,
-                    generator,
-                    retriever,
-                    batch_examples,
-                    sampling,
-                    n=algo.n,
-                    max_obs_tokens=recipe.agent.max_obs_tokens,
-                    max_response_tokens=recipe.agent.max_response_tokens,
-                )
-            t1 = time.perf_counter()
-            results = reward_fn(trajs, services)
-            t_rollout += t1 - t0
-            t_reward += time.perf_counter() - t1
-            for t, r in zip(trajs, results, strict=True):
-                t.rewards = {"total": r.total, **r.components}
-                t.extra["group"] = f"{rounds}:{t.extra.get('group', 0)}"
-            round_scores = torch.tensor([r.total for r in results], dtype=torch.float32)
-            all_rewards += round_scores.tolist()
-            if algo.dynamic_sampling:
-                from sleuth.rl.sampling import filter_groups
-
-                keep = filter_groups(round_scores, _group_index(trajs))
-                trajs = [t for t, k in zip(trajs, keep.tolist(), strict=True) if k]
-                round_scores = round_scores[keep]
-            kept += trajs
-            scores += round_scores.tolist()
-            if not algo.dynamic_sampling:
-                break
-        if not kept:
-            console.print(
-                f"step {step}: every group had identical rewards after {rounds} rounds; skipping update"
-            )
-            log.write(step, {"reward/mean": _mean(all_rewards), "skipped": 1.0, "sampling_rounds": rounds})
-            continue
-        limit = algo.prompts_per_step * algo.n
-        kept, scores = kept[:limit], scores[:limit]
+        # 1. rollout and reward (each rank its slice of the prompts)
+        policy.eval()
+        collected = collect_rollouts(
+            recipe,
+            ctx,
+            generator,
+            retriever,
+            loop,
+            reward_fn,
+            services,
+            sampling,
+            examples,
+            cursor,
+            local_prompts,
+        )
+        kept, scores = collected.trajs, collected.scores
 
         # 2. tensors, old/ref log-probs, values
         t2 = time.perf_counter()
@@ -536,9 +523,9 @@ def train(recipe: Recipe, *, resume: bool = False, console: Any = None) -> dict[
         ref_logprobs = None
         if kl_coef > 0:
             if ref_model is not None:
-                ref_logprobs = batched_logprobs(ref_model, batch, temperature, micro, device)
+                ref_logprobs = reference_logprobs(ref_model, batch, temperature, micro, device)
             else:
-                with policy.disable_adapter():  # LoRA: the base model is the reference
+                with unwrap(policy).disable_adapter():  # LoRA: the base model is the reference
                     ref_logprobs = batched_logprobs(policy, batch, temperature, micro, device)
         mask = batch.action_mask
         score_t = torch.tensor(scores, dtype=torch.float32)
@@ -549,14 +536,15 @@ def train(recipe: Recipe, *, resume: bool = False, console: Any = None) -> dict[
             if algo.kl.mode == "penalty":
                 token_rewards = loss_fns.apply_kl_penalty(token_rewards, kl_for_log, kl_coef, mask)
 
-        # 3. advantages
+        # 3. advantages (groups never span ranks; whitening statistics are global)
         old_values = None
         if algo.advantage == "gae":
             critic.eval()
             old_values = batched_values(critic, batch, micro, device)
             advantages, returns = adv_fns.gae_advantages(
-                token_rewards, old_values, mask, gamma=algo.gamma, lam=algo.lam
+                token_rewards, old_values, mask, gamma=algo.gamma, lam=algo.lam, whiten=False
             )
+            advantages = dist_masked_whiten(advantages, mask, ctx)
         else:
             advantages, returns = adv_fns.compute_advantages(
                 algo.advantage, token_rewards=token_rewards, response_mask=mask, group_ids=_group_index(kept)
@@ -564,22 +552,190 @@ def train(recipe: Recipe, *, resume: bool = False, console: Any = None) -> dict[
 
         # 4. K epochs of minibatch updates
         policy.train()
-        stats: dict[str, list[float]] = {}
-        n_traj = len(kept)
-        for _epoch in range(algo.ppo_epochs):
-            perm = torch.randperm(n_traj)
-            for mb_slice in chunks(n_traj, algo.minibatch_size):
-                mb_idx = perm[mb_slice]
-                # minibatch totals, so that accumulating micro-batches equals one big batch's loss
-                totals = {"num_tokens": mask[mb_idx].sum().clamp(min=1).item(), "num_seqs": len(mb_idx)}
-                for o in optimizers.values():
-                    o.zero_grad(set_to_none=True)
-                for mi_slice in chunks(len(mb_idx), micro):
-                    idx = mb_idx[mi_slice]
-                    mi = _to(batch.index(idx), device)
-                    m = mi.action_mask
-                    with autocast(device):
-                        logprobs, entropy = forward_logprobs(policy, mi, temperature, with_entropy=True)
+        stats = update(
+            recipe,
+            ctx,
+            policy,
+            critic,
+            optimizers,
+            batch,
+            old_logprobs,
+            ref_logprobs,
+            advantages,
+            returns,
+            old_values,
+            local_minibatch,
+        )
+        for s in schedulers.values():
+            s.step()
+        t_update = time.perf_counter() - t2
+
+        # 5. log (metrics averaged over ranks; every rank holds an equal share of the batch)
+        metrics = _step_metrics(kept, scores, collected.all_rewards, mask, kl_for_log, stats)
+        metrics.update(
+            {
+                "stage": float(stage),
+                "sampling_rounds": float(collected.rounds),
+                "time/rollout": collected.t_rollout,
+                "time/reward": collected.t_reward,
+                "time/update": t_update,
+                "time/step": time.perf_counter() - t_start,
+                "tokens/policy_per_s": float(mask.sum()) / max(collected.t_rollout, 1e-9),
+            }
+        )
+        metrics = _mean_over_ranks(metrics, ctx)
+        metrics["lr"] = schedulers["policy"].get_last_lr()[0]
+        if ctx.enabled:
+            metrics["tokens/policy_per_s"] *= ctx.world_size
+        if ctx.is_main:
+            log.write(step + 1, metrics)
+            console.print(_format_line(step + 1, recipe.trainer.total_steps, metrics))
+            write_trajectories(
+                out_dir / "rollouts" / f"step_{step + 1:06d}.jsonl", kept[: min(len(kept), 32)]
+            )
+
+        # 6. checkpoint (the data cursor is global, so a run resumes on any number of ranks)
+        done = step + 1
+        if done % recipe.trainer.save_every == 0 or done == recipe.trainer.total_steps:
+            if ctx.is_main:
+                save_checkpoint(
+                    out_dir,
+                    done,
+                    policy=unwrap(policy),
+                    tokenizer=tokenizer,
+                    critic=unwrap(critic) if critic is not None else None,
+                    optimizers=optimizers,
+                    schedulers=schedulers,
+                    trainer_state={"cursor": cursor.state(), "stage": stage, "recipe": recipe.name},
+                    searcher_info=searcher_info(recipe),
+                    keep=recipe.trainer.keep_checkpoints,
+                )
+            ctx.barrier()
+    if services.baseline_cache is not None:
+        services.baseline_cache.save()
+    final = latest_checkpoint(out_dir)
+    return {"out_dir": str(out_dir), "checkpoint": str(final) if final else None}
+
+
+@dataclass
+class Collected:
+    trajs: list[Trajectory]
+    scores: list[float]
+    all_rewards: list[float]  # before DAPO's filter
+    rounds: int
+    t_rollout: float
+    t_reward: float
+
+
+def collect_rollouts(
+    recipe: Recipe,
+    ctx: DistContext,
+    generator: Any,
+    retriever: Any,
+    loop: Any,
+    reward_fn: Any,
+    services: Any,
+    sampling: SamplingParams,
+    examples: list[QAExample],
+    cursor: DataCursor,
+    local_prompts: slice,
+) -> Collected:
+    """Roll out this rank's prompts and score them. With DAPO dynamic sampling, groups whose
+    rewards are all equal carry no signal: they are dropped and new prompts are drawn until every
+    rank holds its share of groups, or `max_sampling_rounds` is reached (ranks agree on when to stop)."""
+    from sleuth.agent.engine import rollout
+
+    algo = recipe.algorithm
+    target = (local_prompts.stop - local_prompts.start) * algo.n
+    out = Collected([], [], [], 0, 0.0, 0.0)
+    last_round: tuple[list[Trajectory], list[float]] = ([], [])
+    while out.rounds < algo.max_sampling_rounds:
+        out.rounds += 1
+        indices = cursor.take(algo.prompts_per_step)[local_prompts]  # the same global draw on every rank
+        t0 = time.perf_counter()
+        with autocast(ctx.device):
+            trajs = rollout(
+                loop,
+                generator,
+                retriever,
+                [examples[i] for i in indices],
+                sampling,
+                n=algo.n,
+                max_obs_tokens=recipe.agent.max_obs_tokens,
+                max_response_tokens=recipe.agent.max_response_tokens,
+            )
+        t1 = time.perf_counter()
+        results = reward_fn(trajs, services)
+        out.t_rollout += t1 - t0
+        out.t_reward += time.perf_counter() - t1
+        for t, r in zip(trajs, results, strict=True):
+            t.rewards = {"total": r.total, **r.components}
+            t.extra["group"] = f"{out.rounds}:{t.extra.get('group', 0)}"
+        round_scores = torch.tensor([r.total for r in results], dtype=torch.float32)
+        out.all_rewards += round_scores.tolist()
+        last_round = (list(trajs), round_scores.tolist())
+        if algo.dynamic_sampling:
+            from sleuth.rl.sampling import filter_groups
+
+            keep = filter_groups(round_scores, _group_index(trajs))
+            trajs = [t for t, k in zip(trajs, keep.tolist(), strict=True) if k]
+            round_scores = round_scores[keep]
+        out.trajs += trajs
+        out.scores += round_scores.tolist()
+        if not algo.dynamic_sampling:
+            break
+        short = torch.tensor([float(len(out.trajs) < target)])
+        if ctx.all_reduce_sum(short).item() == 0:
+            break
+    if not out.trajs:
+        # every group stayed uniform: train on the last round (zero group advantages) so all ranks step
+        out.trajs, out.scores = last_round
+    out.trajs, out.scores = out.trajs[:target], out.scores[:target]
+    return out
+
+
+def update(
+    recipe: Recipe,
+    ctx: DistContext,
+    policy: nn.Module,
+    critic: nn.Module | None,
+    optimizers: dict[str, torch.optim.Optimizer],
+    batch: TokenBatch,
+    old_logprobs: torch.Tensor,
+    ref_logprobs: torch.Tensor | None,
+    advantages: torch.Tensor,
+    returns: torch.Tensor,
+    old_values: torch.Tensor | None,
+    local_minibatch: int,
+) -> dict[str, list[float]]:
+    """PPO-style epochs over minibatches, micro-batched for memory. Loss normalisers are the
+    minibatch's global totals divided by the number of ranks, so DDP's gradient mean equals the
+    gradient of one process's loss over the whole minibatch."""
+    algo, device, mask = recipe.algorithm, ctx.device, batch.action_mask
+    kl_coef = algo.kl.coef
+    temperature = recipe.sampling.temperature
+    stats: dict[str, list[float]] = {}
+    n_traj = batch.input_ids.shape[0]
+    for _epoch in range(algo.ppo_epochs):
+        perm = torch.randperm(n_traj)
+        for mb_slice in chunks(n_traj, local_minibatch):
+            mb_idx = perm[mb_slice]
+            counts = ctx.all_reduce_sum(torch.tensor([float(mask[mb_idx].sum()), float(len(mb_idx))]))
+            totals = {
+                "num_tokens": max(counts[0].item(), 1.0) / ctx.world_size,
+                "num_seqs": counts[1].item() / ctx.world_size,
+            }
+            for o in optimizers.values():
+                o.zero_grad(set_to_none=True)
+            micro_slices = list(chunks(len(mb_idx), algo.micro_batch_size))
+            for i, mi_slice in enumerate(micro_slices):
+                idx = mb_idx[mi_slice]
+                mi = _to(batch.index(idx), device)
+                m = mi.action_mask
+                # DDP: all-reduce gradients once per minibatch, on its last micro-batch
+                sync = i == len(micro_slices) - 1
+                with _maybe_no_sync(policy, sync), autocast(device):
+                    logprobs, entropy = forward_logprobs(policy, mi, temperature, with_entropy=True)
                     pg_loss, pg_stats = loss_fns.policy_loss(
                         old_logprobs[idx].to(device),
                         logprobs,
@@ -591,7 +747,6 @@ def train(recipe: Recipe, *, resume: bool = False, console: Any = None) -> dict[
                         **totals,
                     )
                     loss = pg_loss
-                    ent = loss_fns.agg_loss(entropy.detach(), m, algo.loss_agg)
                     if algo.entropy_coef:
                         loss = loss - algo.entropy_coef * loss_fns.agg_loss(
                             entropy, m, algo.loss_agg, **totals
@@ -608,13 +763,13 @@ def train(recipe: Recipe, *, resume: bool = False, console: Any = None) -> dict[
                         loss = loss + kl_coef * kl_term
                         _add(stats, "actor/kl_loss", kl_term.item())
                     loss.backward()
-                    _add(stats, "actor/pg_loss", pg_loss.item())
-                    _add(stats, "actor/entropy", ent.item())
-                    for k, v in pg_stats.items():
-                        _add(stats, f"actor/{k}", float(v))
-                    if critic is not None:
-                        with autocast(device):
-                            values = critic(mi.input_ids, mi.attention_mask)[:, :-1]
+                _add(stats, "actor/pg_loss", pg_loss.item())
+                _add(stats, "actor/entropy", loss_fns.agg_loss(entropy.detach(), m, algo.loss_agg).item())
+                for k, v in pg_stats.items():
+                    _add(stats, f"actor/{k}", float(v))
+                if critic is not None:
+                    with _maybe_no_sync(critic, sync), autocast(device):
+                        values = critic(mi.input_ids, mi.attention_mask)[:, :-1]
                         v_loss, v_stats = loss_fns.value_loss(
                             values,
                             old_values[idx].to(device),
@@ -625,57 +780,44 @@ def train(recipe: Recipe, *, resume: bool = False, console: Any = None) -> dict[
                             **totals,
                         )
                         (algo.value_coef * v_loss).backward()
-                        _add(stats, "critic/value_loss", v_loss.item())
-                        _add(stats, "critic/clipfrac", float(v_stats["vf_clipfrac"]))
-                grad_norm = torch.nn.utils.clip_grad_norm_(
-                    [p for p in policy.parameters() if p.requires_grad], recipe.optim.grad_clip
-                )
-                _add(stats, "actor/grad_norm", float(grad_norm))
-                optimizers["policy"].step()
-                if critic is not None:
-                    torch.nn.utils.clip_grad_norm_(critic.parameters(), recipe.optim.grad_clip)
-                    optimizers["critic"].step()
-        for s in schedulers.values():
-            s.step()
-        t_update = time.perf_counter() - t2
-
-        # 5. log
-        metrics = _step_metrics(kept, scores, all_rewards, mask, kl_for_log, stats)
-        metrics.update(
-            {
-                "stage": float(stage),
-                "sampling_rounds": float(rounds),
-                "lr": schedulers["policy"].get_last_lr()[0],
-                "time/rollout": t_rollout,
-                "time/reward": t_reward,
-                "time/update": t_update,
-                "time/step": time.perf_counter() - t_start,
-                "tokens/policy_per_s": float(mask.sum()) / max(t_rollout, 1e-9),
-            }
-        )
-        log.write(step + 1, metrics)
-        console.print(_format_line(step + 1, recipe.trainer.total_steps, metrics))
-        write_trajectories(out_dir / "rollouts" / f"step_{step + 1:06d}.jsonl", kept[: min(len(kept), 32)])
-
-        # 6. checkpoint
-        done = step + 1
-        if done % recipe.trainer.save_every == 0 or done == recipe.trainer.total_steps:
-            save_checkpoint(
-                out_dir,
-                done,
-                policy=policy,
-                tokenizer=tokenizer,
-                critic=critic,
-                optimizers=optimizers,
-                schedulers=schedulers,
-                trainer_state={"cursor": cursor.state(), "stage": stage, "recipe": recipe.name},
-                searcher_info=searcher_info(recipe),
-                keep=recipe.trainer.keep_checkpoints,
+                    _add(stats, "critic/value_loss", v_loss.item())
+                    _add(stats, "critic/clipfrac", float(v_stats["vf_clipfrac"]))
+            grad_norm = torch.nn.utils.clip_grad_norm_(
+                [p for p in policy.parameters() if p.requires_grad], recipe.optim.grad_clip
             )
-    if services.baseline_cache is not None:
-        services.baseline_cache.save()
-    final = latest_checkpoint(out_dir)
-    return {"out_dir": str(out_dir), "checkpoint": str(final) if final else None}
+            _add(stats, "actor/grad_norm", float(grad_norm))
+            optimizers["policy"].step()
+            if critic is not None:
+                torch.nn.utils.clip_grad_norm_(critic.parameters(), recipe.optim.grad_clip)
+                optimizers["critic"].step()
+    return stats
+
+
+def _maybe_no_sync(model: nn.Module, sync: bool):
+    if not sync and hasattr(model, "no_sync"):
+        return model.no_sync()
+    return contextlib.nullcontext()
+
+
+@torch.no_grad()
+def reference_logprobs(
+    ref_model: nn.Module, batch: TokenBatch, temperature: float, micro: int, device: torch.device
+) -> torch.Tensor:
+    """Reference log-probs; an offloaded reference visits the GPU only for this pass."""
+    home = next(ref_model.parameters()).device
+    ref_model.to(device)
+    try:
+        return batched_logprobs(ref_model, batch, temperature, micro, device)
+    finally:
+        ref_model.to(home)
+
+
+def _mean_over_ranks(metrics: dict[str, float], ctx: DistContext) -> dict[str, float]:
+    if not ctx.enabled:
+        return metrics
+    keys = sorted(metrics)
+    summed = ctx.all_reduce_sum(torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64))
+    return {k: v / ctx.world_size for k, v in zip(keys, summed.tolist(), strict=True)}
 
 
 # ----------------------------------------------------------------------------
