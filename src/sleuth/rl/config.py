@@ -31,7 +31,7 @@ class LoraConfig(_Strict):
 
 class ModelConfig(_Strict):
     policy: str = "smollm2-135m-instruct"  # alias, hub name or local directory
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    dtype: Literal["auto", "float32", "bfloat16", "float16", "float64"] = "auto"  # float64: numerical checks
     lora: LoraConfig = Field(default_factory=LoraConfig)
     gradient_checkpointing: bool = False
     device: str | None = None  # None: cuda if available else cpu (under torchrun: this rank's GPU)

@@ -81,6 +81,7 @@ def load_policy(recipe: Recipe, device: torch.device, adapter_dir: Path | None =
         "float32": torch.float32,
         "bfloat16": torch.bfloat16,
         "float16": torch.float16,
+        "float64": torch.float64,
     }[recipe.model.dtype]
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
     if recipe.model.gradient_checkpointing:
@@ -108,12 +109,12 @@ def load_policy(recipe: Recipe, device: torch.device, adapter_dir: Path | None =
     return tokenizer, model, path
 
 
-def load_critic(model_path: str, device: torch.device) -> ValueModel:
+def load_critic(model_path: str, device: torch.device, dtype: torch.dtype) -> ValueModel:
     from transformers import AutoConfig, AutoModel
 
     config = AutoConfig.from_pretrained(model_path)
-    backbone = AutoModel.from_pretrained(model_path, dtype=torch.float32)
-    return ValueModel(backbone, config.hidden_size).to(device)
+    backbone = AutoModel.from_pretrained(model_path, dtype=dtype)
+    return ValueModel(backbone, config.hidden_size).to(device=device, dtype=dtype)
 
 
 def autocast(device: torch.device):
@@ -437,7 +438,9 @@ def train(recipe: Recipe, *, resume: bool = False, console: Any = None) -> dict[
         ref_model = copy.deepcopy(policy).eval().requires_grad_(False)
         if recipe.model.offload_reference:
             ref_model.to("cpu")
-    critic = load_critic(model_path, device) if algo.uses_critic else None
+    critic = (
+        load_critic(model_path, device, next(unwrap(policy).parameters()).dtype) if algo.uses_critic else None
+    )
     if critic is not None and ckpt is not None:
         critic.load_state_dict(torch.load(ckpt / "critic.pt", map_location=device, weights_only=True))
     # DDP broadcasts rank 0's weights, so every rank starts from the same (LoRA) initialisation
@@ -728,6 +731,9 @@ def update(
             for o in optimizers.values():
                 o.zero_grad(set_to_none=True)
             micro_slices = list(chunks(len(mb_idx), algo.micro_batch_size))
+            # losses are summed over micro-batches: each is normalised by the minibatch totals, so the
+            # sum is this rank's share of the minibatch loss (averaged over ranks when logged)
+            mb_losses: dict[str, float] = {}
             for i, mi_slice in enumerate(micro_slices):
                 idx = mb_idx[mi_slice]
                 mi = _to(batch.index(idx), device)
@@ -761,9 +767,9 @@ def update(
                             **totals,
                         )
                         loss = loss + kl_coef * kl_term
-                        _add(stats, "actor/kl_loss", kl_term.item())
+                        _acc(mb_losses, "actor/kl_loss", kl_term.item())
                     loss.backward()
-                _add(stats, "actor/pg_loss", pg_loss.item())
+                _acc(mb_losses, "actor/pg_loss", pg_loss.item())
                 _add(stats, "actor/entropy", loss_fns.agg_loss(entropy.detach(), m, algo.loss_agg).item())
                 for k, v in pg_stats.items():
                     _add(stats, f"actor/{k}", float(v))
@@ -780,8 +786,10 @@ def update(
                             **totals,
                         )
                         (algo.value_coef * v_loss).backward()
-                    _add(stats, "critic/value_loss", v_loss.item())
+                    _acc(mb_losses, "critic/value_loss", v_loss.item())
                     _add(stats, "critic/clipfrac", float(v_stats["vf_clipfrac"]))
+            for k, v in mb_losses.items():
+                _add(stats, k, v)
             grad_norm = torch.nn.utils.clip_grad_norm_(
                 [p for p in policy.parameters() if p.requires_grad], recipe.optim.grad_clip
             )
@@ -833,6 +841,10 @@ def _group_index(trajs: list[Trajectory]) -> list[int]:
 
 def _add(stats: dict[str, list[float]], key: str, value: float) -> None:
     stats.setdefault(key, []).append(value)
+
+
+def _acc(sums: dict[str, float], key: str, value: float) -> None:
+    sums[key] = sums.get(key, 0.0) + value
 
 
 def _step_metrics(

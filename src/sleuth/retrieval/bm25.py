@@ -1,0 +1,153 @@
+"""BM25 over bm25s (numba backend) with English stemming and stopwords.
+
+The tokenizer streams the corpus, so passage texts are never all held in memory;
+the token-id lists bm25s needs to build its sparse matrix are (a bm25s constraint).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from sleuth.errors import ConfigError
+from sleuth.retrieval._common import hits_from_rows, validate_queries
+from sleuth.retrieval.base import Hit
+from sleuth.retrieval.docstore import DocStore
+
+# Methods whose scores are zero for passages without a query term (bm25l/bm25+ are not).
+BM25_METHODS = ("lucene", "robertson", "atire")
+DEFAULT_BM25_PARAMS: dict[str, Any] = {
+    "k1": 0.9,
+    "b": 0.4,
+    "method": "lucene",
+    "stemmer": "english",
+    "stopwords": "en",
+}
+_BM25_PARAM_KEYS = set(DEFAULT_BM25_PARAMS)
+
+
+def _make_tokenizer(stemmer: str | None, stopwords: str | list[str] | None):
+    from bm25s.tokenization import Tokenizer
+
+    stem_fn = None
+    if stemmer:
+        import Stemmer
+
+        stem_fn = Stemmer.Stemmer(stemmer).stemWord
+    return Tokenizer(stemmer=stem_fn, stopwords=stopwords if stopwords else [])
+
+
+def bm25_params(**params: Any) -> dict[str, Any]:
+    """Defaults (Pyserini's k1=0.9, b=0.4) overridden by `params`; unknown names are an error."""
+    unknown = set(params) - _BM25_PARAM_KEYS
+    if unknown:
+        raise ConfigError(f"unknown BM25 parameter(s) {sorted(unknown)}; known: {sorted(_BM25_PARAM_KEYS)}")
+    out = {**DEFAULT_BM25_PARAMS, **params}
+    if out["method"] not in BM25_METHODS:
+        raise ValueError(
+            f"BM25 method {out['method']!r} is not supported; choose one of {list(BM25_METHODS)}"
+        )
+    return out
+
+
+def build_bm25(
+    texts: Iterable[str], num_docs: int, out_dir: str | Path, *, show_progress: bool = True, **params: Any
+) -> dict[str, Any]:
+    """Tokenize a stream of `num_docs` passage texts, index and save to `out_dir`; returns the params used."""
+    import bm25s
+
+    p = bm25_params(**params)
+    tokenizer = _make_tokenizer(p["stemmer"], p["stopwords"])
+    token_ids = tokenizer.tokenize(
+        texts, update_vocab=True, return_as="ids", length=num_docs, show_progress=show_progress
+    )
+    model = bm25s.BM25(k1=p["k1"], b=p["b"], method=p["method"], backend="numba")
+    model.index(
+        bm25s.tokenization.Tokenized(ids=token_ids, vocab=tokenizer.get_vocab_dict()),
+        show_progress=show_progress,
+    )
+    del token_ids
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.save(str(out_dir), show_progress=False)
+    tokenizer.save_vocab(str(out_dir))
+    tokenizer.save_stopwords(str(out_dir))
+    return p
+
+
+class BM25Retriever:
+    """BM25 search returning full passages from a memory-mapped `DocStore`."""
+
+    def __init__(
+        self, index_dir: str | Path, docstore: DocStore, *, stemmer: str | None = "english", threads: int = 1
+    ):
+        import bm25s
+
+        self.index_dir = Path(index_dir)
+        if not (self.index_dir / "params.index.json").exists():
+            raise FileNotFoundError(f"{self.index_dir}: no BM25 index here (params.index.json missing)")
+        self.docstore = docstore
+        self.threads = threads
+        # The tokenizer holds the vocabulary; a second copy in the model would only cost memory.
+        self.model = bm25s.BM25.load(
+            str(self.index_dir), mmap=True, load_vocab=False, show_progress=False, backend="numba"
+        )
+        self.tokenizer = _make_tokenizer(stemmer, None)
+        self.tokenizer.load_vocab(str(self.index_dir))
+        self.tokenizer.load_stopwords(str(self.index_dir))
+        self._empty_id = self.tokenizer.word_to_id.get("")
+        if docstore.num_docs != self.num_indexed:
+            from sleuth.errors import IndexMismatchError
+
+            raise IndexMismatchError(
+                f"{self.index_dir}: BM25 index has {self.num_indexed} passages but the docstore has "
+                f"{docstore.num_docs}; rebuild with `sleuth index`"
+            )
+
+    @property
+    def num_indexed(self) -> int:
+        return int(self.model.scores["num_docs"])
+
+    def _tokenize(self, queries: list[str]) -> list[list[int]]:
+        # update_vocab=False still maps unseen surface forms of known stems; unknown words are dropped.
+        ids = self.tokenizer.tokenize(queries, update_vocab=False, return_as="ids", show_progress=False)
+        return [[t for t in q if t != self._empty_id] for q in ids]
+
+    def search_indices(self, queries: list[str], k: int) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        """Row indices and scores per query, best first; passages with score 0 (no shared term) are dropped."""
+        validate_queries(queries, k)
+        token_ids = self._tokenize(queries)
+        k_eff = min(k, self.num_indexed)
+        rows: list[np.ndarray] = [np.zeros(0, np.int64)] * len(queries)
+        scores: list[np.ndarray] = [np.zeros(0, np.float32)] * len(queries)
+        nonempty = [i for i, t in enumerate(token_ids) if t]
+        if nonempty and k_eff > 0:
+            batch = [token_ids[i] for i in nonempty]
+            ids, sc, counts = self._topk(batch, k_eff)
+            for j, i in enumerate(nonempty):
+                rows[i] = ids[j, : counts[j]]
+                scores[i] = sc[j, : counts[j]]
+        return rows, scores
+
+    def _topk(self, batch: list[list[int]], k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        from sleuth.retrieval._bm25_kernel import bm25_topk
+
+        m = self.model.scores
+        args = (m["data"], m["indices"], m["indptr"], int(m["num_docs"]), k)
+        if self.threads <= 1 or len(batch) < 2 * self.threads:
+            return bm25_topk(batch, *args)
+        # The kernel releases the GIL (nogil), so threads over slices of the batch run in parallel.
+        from concurrent.futures import ThreadPoolExecutor
+
+        step = -(-len(batch) // self.threads)
+        parts = [batch[i : i + step] for i in range(0, len(batch), step)]
+        with ThreadPoolExecutor(self.threads) as pool:
+            results = list(pool.map(lambda part: bm25_topk(part, *args), parts))
+        return tuple(np.concatenate([r[j] for r in results]) for j in range(3))
+
+    def search(self, queries: list[str], k: int) -> list[list[Hit]]:
+        rows, scores = self.search_indices(queries, k)
+        return hits_from_rows(self.docstore, rows, scores)

@@ -1,0 +1,146 @@
+"""`sleuth index` (build a retrieval index) and `sleuth search` (query one)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+
+def _fail(message: str) -> None:
+    from rich.console import Console
+
+    Console(stderr=True).print(f"[red]error:[/red] {message}", highlight=False)
+    raise typer.Exit(2)
+
+
+def _human_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1024 or unit == "GB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return f"{n:.1f} GB"
+
+
+def dir_size(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def register(app: typer.Typer) -> None:
+    def index_cmd(
+        corpus: Path = typer.Argument(..., help="Corpus jsonl ({'id', 'contents'} per line)."),
+        out: Path = typer.Option(..., "--out", "-o", help="Directory to write the index to."),
+        kind: str = typer.Option("bm25", "--kind", help="bm25 or dense."),
+        encoder: str = typer.Option(
+            "minilm", "--encoder", help="Dense: alias 'minilm', a model dir or hub name."
+        ),
+        faiss_type: str = typer.Option("flat", "--faiss", help="Dense: flat, hnsw or ivfpq."),
+        query_prefix: str = typer.Option(
+            "", "--query-prefix", help="Dense: prepended to queries (E5: 'query: ')."
+        ),
+        passage_prefix: str = typer.Option(
+            "", "--passage-prefix", help="Dense: prepended to passages (E5: 'passage: ')."
+        ),
+        batch_size: int = typer.Option(64, "--batch-size", help="Dense: encoder batch size."),
+        device: str | None = typer.Option(None, "--device", help="Dense: torch device (cpu, cuda)."),
+        hnsw_m: int = typer.Option(32, "--hnsw-m", help="HNSW: neighbours per node (M)."),
+        ef_search: int = typer.Option(128, "--ef-search", help="HNSW: efSearch."),
+        nlist: int = typer.Option(1024, "--nlist", help="IVF-PQ: number of lists."),
+        pq_m: int = typer.Option(48, "--pq-m", help="IVF-PQ: sub-quantizers (must divide the dimension)."),
+        nprobe: int = typer.Option(16, "--nprobe", help="IVF-PQ: lists probed per query."),
+        k1: float = typer.Option(0.9, "--k1", help="BM25 k1."),
+        b: float = typer.Option(0.4, "--b", help="BM25 b."),
+        threads: int = typer.Option(1, "--threads", help="CPU threads for encoding."),
+        overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing index in --out."),
+    ) -> None:
+        """Build a BM25 or dense index of a corpus (docstore + index + manifest.json)."""
+        import time
+
+        from rich.console import Console
+        from rich.table import Table
+
+        from sleuth.errors import SleuthError
+        from sleuth.retrieval.index import KINDS, build_index
+
+        if kind not in KINDS:
+            _fail(f"--kind must be one of {', '.join(KINDS)}, got {kind!r}")
+        if not corpus.is_file():
+            _fail(f"corpus {corpus} does not exist (expected a jsonl file with 'id' and 'contents')")
+        if kind == "bm25":
+            params: dict = {"k1": k1, "b": b}
+        else:
+            if faiss_type not in ("flat", "hnsw", "ivfpq"):
+                _fail(f"--faiss must be flat, hnsw or ivfpq, got {faiss_type!r}")
+            params = {
+                "encoder": encoder,
+                "faiss": faiss_type,
+                "query_prefix": query_prefix,
+                "passage_prefix": passage_prefix,
+                "batch_size": batch_size,
+                "device": device,
+            }
+            if faiss_type == "hnsw":
+                params.update(M=hnsw_m, ef_search=ef_search)
+            elif faiss_type == "ivfpq":
+                params.update(nlist=nlist, m=pq_m, nprobe=nprobe)
+        t0 = time.perf_counter()
+        try:
+            manifest = build_index(corpus, kind, out, overwrite=overwrite, threads=threads, **params)
+        except (SleuthError, FileExistsError, FileNotFoundError, ValueError) as err:
+            _fail(str(err))
+        table = Table(title=f"index {out}", show_header=False)
+        table.add_row("kind", kind)
+        table.add_row("passages", f"{manifest['num_docs']:,}")
+        table.add_row("build time", f"{time.perf_counter() - t0:.1f} s")
+        table.add_row("size on disk", _human_bytes(dir_size(out)))
+        if kind == "dense":
+            enc = manifest["encoder"]
+            table.add_row("encoder", f"{enc['name']} (dim {enc['dim']})")
+            table.add_row("faiss", ", ".join(f"{k}={v}" for k, v in manifest["faiss"].items()))
+        else:
+            table.add_row("bm25", ", ".join(f"{k}={v}" for k, v in manifest["bm25"].items()))
+        Console().print(table)
+
+    app.command("index")(index_cmd)
+    # `serve-retriever`'s help names `sleuth build-index`; keep that spelling working.
+    app.command("build-index", hidden=True)(index_cmd)
+
+    @app.command("search")
+    def search_cmd(
+        index_dir: Path = typer.Argument(..., help="Index directory built by `sleuth index`."),
+        query: str = typer.Argument(..., help="The query text."),
+        k: int = typer.Option(5, "-k", "--top-k", help="Number of passages to show."),
+        corpus: Path | None = typer.Option(
+            None, "--corpus", help="Check the index was built from this corpus."
+        ),
+        width: int = typer.Option(300, "--width", help="Characters of passage text to show."),
+    ) -> None:
+        """Search an index and print the top-k passages."""
+        from rich.console import Console
+        from rich.table import Table
+
+        from sleuth.errors import SleuthError
+        from sleuth.retrieval.index import load_retriever
+
+        if k <= 0:
+            _fail(f"-k must be a positive integer, got {k}")
+        if not query.strip():
+            _fail("the query is empty; pass the text to search for")
+        try:
+            retriever = load_retriever(index_dir, corpus=corpus)
+            hits = retriever.search([query], k)[0]
+        except (SleuthError, FileNotFoundError, ValueError) as err:
+            _fail(str(err))
+        table = Table(title=f"{query!r} in {index_dir}")
+        table.add_column("#", justify="right")
+        table.add_column("score", justify="right")
+        table.add_column("id")
+        table.add_column("title")
+        table.add_column("text")
+        for rank, hit in enumerate(hits, start=1):
+            text = hit.text if len(hit.text) <= width else hit.text[:width] + "…"
+            table.add_row(str(rank), f"{hit.score:.3f}", hit.doc_id, hit.title, text)
+        console = Console()
+        console.print(table)
+        if not hits:
+            console.print("no passage matched the query")

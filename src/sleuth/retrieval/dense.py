@@ -1,0 +1,216 @@
+"""Dense retrieval: an `Encoder` plus a FAISS index (Flat IP, HNSW or IVF-PQ), passages from a `DocStore`."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from sleuth.errors import ConfigError
+from sleuth.retrieval._common import hits_from_rows, validate_queries
+from sleuth.retrieval.base import Hit
+from sleuth.retrieval.docstore import DocStore
+from sleuth.retrieval.encoders import Encoder
+
+FAISS_FILE = "faiss.index"
+FAISS_DEFAULTS: dict[str, dict[str, Any]] = {
+    "flat": {},
+    "hnsw": {"M": 32, "ef_construction": 200, "ef_search": 128},
+    "ivfpq": {"nlist": 1024, "m": 48, "nbits": 8, "nprobe": 16},
+}
+# Query-time knobs that may be changed when loading; the rest fix the index structure.
+SEARCH_PARAMS = {"ef_search", "nprobe"}
+# Below this many queries faiss' per-query loop beats one BLAS matrix product (measured; see notes).
+BLAS_BATCH_MIN = 16
+_blas_lock = threading.Lock()
+
+
+def faiss_params(kind: str, **params: Any) -> dict[str, Any]:
+    """Defaults for `kind` overridden by `params`; unknown kinds/params are an error naming the choices."""
+    if kind not in FAISS_DEFAULTS:
+        raise ConfigError(f"unknown faiss index type {kind!r}; choose one of {sorted(FAISS_DEFAULTS)}")
+    unknown = set(params) - set(FAISS_DEFAULTS[kind])
+    if unknown:
+        raise ConfigError(
+            f"faiss type {kind!r} takes parameters {sorted(FAISS_DEFAULTS[kind])}, got unknown {sorted(unknown)}"
+        )
+    out = {**FAISS_DEFAULTS[kind], **params}
+    for name, value in out.items():
+        if not isinstance(value, int) or value <= 0:
+            raise ConfigError(f"faiss parameter {name} must be a positive integer, got {value!r}")
+    return {"type": kind, **out}
+
+
+def new_faiss_index(dim: int, params: dict[str, Any], num_vectors: int):
+    """An empty index for `params` (from `faiss_params`); IVF sizes are checked against `num_vectors`."""
+    import faiss
+
+    kind = params["type"]
+    if kind == "flat":
+        return faiss.IndexFlatIP(dim)
+    if kind == "hnsw":
+        index = faiss.IndexHNSWFlat(dim, params["M"], faiss.METRIC_INNER_PRODUCT)
+        index.hnsw.efConstruction = params["ef_construction"]
+        index.hnsw.efSearch = params["ef_search"]
+        return index
+    if dim % params["m"]:
+        raise ConfigError(f"ivfpq: m={params['m']} must divide the embedding dimension {dim}")
+    need = max(params["nlist"], 2 ** params["nbits"])
+    if num_vectors < need:
+        raise ConfigError(
+            f"ivfpq with nlist={params['nlist']}, nbits={params['nbits']} needs at least {need} passages to train "
+            f"but the corpus has {num_vectors}; lower nlist/nbits or use --faiss flat"
+        )
+    quantizer = faiss.IndexFlatIP(dim)
+    index = faiss.IndexIVFPQ(
+        quantizer, dim, params["nlist"], params["m"], params["nbits"], faiss.METRIC_INNER_PRODUCT
+    )
+    index.nprobe = params["nprobe"]
+    return index
+
+
+def build_faiss(
+    vectors: Iterable[np.ndarray],
+    num_vectors: int,
+    dim: int,
+    params: dict[str, Any],
+    out_dir: Path,
+    *,
+    seed: int = 0,
+) -> None:
+    """Stream embedding chunks into a faiss index and write it to `out_dir/faiss.index`.
+
+    Flat/HNSW add chunks as they come; IVF-PQ needs all vectors for training, so they are spooled
+    to a memory-mapped file first and a random sample trains the quantizers.
+    """
+    import faiss
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    index = new_faiss_index(dim, params, num_vectors)
+    if params["type"] == "ivfpq":
+        spool_path = out_dir / "embeddings.tmp.f32"
+        spool = np.memmap(spool_path, dtype=np.float32, mode="w+", shape=(num_vectors, dim))
+        pos = 0
+        for chunk in vectors:
+            spool[pos : pos + len(chunk)] = chunk
+            pos += len(chunk)
+        if pos != num_vectors:
+            raise RuntimeError(f"encoded {pos} passages, expected {num_vectors}")
+        rng = np.random.default_rng(seed)
+        # faiss' k-means wants ~39-256 points per centroid; more only slows training.
+        n_train = min(num_vectors, max(256 * params["nlist"] // 4, 64 * 2 ** params["nbits"]))
+        sample = np.sort(rng.choice(num_vectors, size=n_train, replace=False))
+        index.train(np.ascontiguousarray(spool[sample]))
+        for start in range(0, num_vectors, 65536):
+            index.add(np.ascontiguousarray(spool[start : start + 65536]))
+        del spool
+        spool_path.unlink()
+    else:
+        added = 0
+        for chunk in vectors:
+            index.add(np.ascontiguousarray(chunk, dtype=np.float32))
+            added += len(chunk)
+        if added != num_vectors:
+            raise RuntimeError(f"encoded {added} passages, expected {num_vectors}")
+    faiss.write_index(index, str(out_dir / FAISS_FILE))
+
+
+def read_faiss(path: Path):
+    """Read an index memory-mapped where faiss supports it (Flat/IVF codes), else into RAM."""
+    import faiss
+
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: faiss index file missing; rebuild with `sleuth index`")
+    try:
+        return faiss.read_index(str(path), faiss.IO_FLAG_MMAP | faiss.IO_FLAG_READ_ONLY)
+    except RuntimeError:
+        return faiss.read_index(str(path))
+
+
+def passage_text(title: str, text: str) -> str:
+    """What the encoder sees for a passage: FlashRAG's `contents` layout (quoted title line, then text)."""
+    return f'"{title}"\n{text}' if title else text
+
+
+class DenseRetriever:
+    """Encode queries, search a faiss index, return passages from the docstore."""
+
+    def __init__(
+        self,
+        index: Any,
+        encoder: Encoder,
+        docstore: DocStore,
+        *,
+        faiss_type: str = "flat",
+        threads: int = 1,
+        **search_params: Any,
+    ):
+        self.index = index
+        self.encoder = encoder
+        self.docstore = docstore
+        self.faiss_type = faiss_type
+        self.threads = threads
+        if index.ntotal != docstore.num_docs:
+            from sleuth.errors import IndexMismatchError
+
+            raise IndexMismatchError(
+                f"faiss index has {index.ntotal} vectors but the docstore has {docstore.num_docs} passages; "
+                "rebuild with `sleuth index`"
+            )
+        if index.d != encoder.dim:
+            from sleuth.errors import IndexMismatchError
+
+            raise IndexMismatchError(
+                f"faiss index dimension {index.d} differs from encoder {encoder.config.name!r} dimension {encoder.dim}"
+            )
+        self.set_search_params(**search_params)
+
+    def set_search_params(self, ef_search: int | None = None, nprobe: int | None = None) -> None:
+        import faiss
+
+        if ef_search is not None:
+            hnsw = faiss.downcast_index(self.index)
+            if not hasattr(hnsw, "hnsw"):
+                raise ConfigError(f"ef_search applies to HNSW indexes, this one is {self.faiss_type!r}")
+            hnsw.hnsw.efSearch = int(ef_search)
+        if nprobe is not None:
+            ivf = faiss.extract_index_ivf(self.index)
+            ivf.nprobe = int(nprobe)
+
+    def search_vectors(self, vectors: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        import faiss
+
+        faiss.omp_set_num_threads(self.threads)
+        k_eff = min(k, self.index.ntotal)
+        if len(vectors) >= BLAS_BATCH_MIN and self.faiss_type == "flat":
+            # The threshold is process-global: lowering it makes single queries slower, so only
+            # batches see the low value, and the lock keeps a concurrent single query off it.
+            with _blas_lock:
+                old = faiss.cvar.distance_compute_blas_threshold
+                faiss.cvar.distance_compute_blas_threshold = BLAS_BATCH_MIN
+                try:
+                    scores, ids = self.index.search(vectors, k_eff)
+                finally:
+                    faiss.cvar.distance_compute_blas_threshold = old
+        else:
+            scores, ids = self.index.search(vectors, k_eff)
+        return scores, ids
+
+    def search_indices(self, queries: list[str], k: int) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        validate_queries(queries, k)
+        if self.index.ntotal == 0:
+            return [np.zeros(0, np.int64)] * len(queries), [np.zeros(0, np.float32)] * len(queries)
+        scores, ids = self.search_vectors(self.encoder.encode_queries(queries), k)
+        rows, out_scores = [], []
+        for i in range(len(queries)):
+            keep = ids[i] >= 0  # faiss pads with -1 when fewer than k vectors were reachable
+            rows.append(ids[i][keep].astype(np.int64))
+            out_scores.append(scores[i][keep])
+        return rows, out_scores
+
+    def search(self, queries: list[str], k: int) -> list[list[Hit]]:
+        rows, scores = self.search_indices(queries, k)
+        return hits_from_rows(self.docstore, rows, scores)

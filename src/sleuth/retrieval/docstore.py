@@ -1,0 +1,148 @@
+"""A memory-mapped passage store: ids, titles and texts without Python strings per passage.
+
+Layout of a docstore directory (built once by streaming the corpus):
+
+- `strings.bin`   UTF-8 bytes of every passage's id, title and text, back to back
+- `offsets.npy`   int64, shape (3 * N + 1,): field j of passage i spans
+                  `strings[offsets[3*i + j] : offsets[3*i + j + 1]]` (j = 0 id, 1 title, 2 text)
+- `docstore.json` {"num_docs", "format"}
+
+At 21M passages the offsets are ~500 MB on disk and the page cache holds only what
+lookups touch; a lookup slices the mmap for just the requested rows.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import numpy as np
+
+from sleuth.data.formats import Passage, iter_corpus
+from sleuth.errors import IndexMismatchError
+from sleuth.utils import atomic_write_json
+
+DOCSTORE_FORMAT = "sleuth-docstore-v1"
+_FIELDS = 3  # id, title, text
+
+
+def _offsets_path(d: Path) -> Path:
+    return d / "offsets.npy"
+
+
+def _strings_path(d: Path) -> Path:
+    return d / "strings.bin"
+
+
+class DocStore:
+    """Read-only passage store over memory-mapped files; `get(indices)` returns (id, title, text) rows."""
+
+    def __init__(self, directory: str | Path):
+        self.directory = Path(directory)
+        meta_path = self.directory / "docstore.json"
+        if not meta_path.exists():
+            raise IndexMismatchError(
+                f"{self.directory}: not a docstore (no docstore.json); rebuild the index with `sleuth index`"
+            )
+        meta = json.loads(meta_path.read_text(encoding="utf-8"))
+        if meta.get("format") != DOCSTORE_FORMAT:
+            raise IndexMismatchError(
+                f"{meta_path}: unknown docstore format {meta.get('format')!r} (expected {DOCSTORE_FORMAT!r}); "
+                "rebuild the index with `sleuth index`"
+            )
+        self.num_docs = int(meta["num_docs"])
+        self._offsets = np.load(_offsets_path(self.directory), mmap_mode="r")
+        if self._offsets.shape != (_FIELDS * self.num_docs + 1,):
+            raise IndexMismatchError(
+                f"{self.directory}: offsets.npy has shape {self._offsets.shape}, expected "
+                f"({_FIELDS * self.num_docs + 1},); the docstore is corrupt, rebuild it with `sleuth index`"
+            )
+        size = _strings_path(self.directory).stat().st_size
+        if int(self._offsets[-1]) != size:
+            raise IndexMismatchError(
+                f"{self.directory}: strings.bin is {size} bytes but offsets end at {int(self._offsets[-1])}; "
+                "the docstore is corrupt, rebuild it with `sleuth index`"
+            )
+        # np.memmap cannot map an empty file; an empty corpus has no bytes to read anyway.
+        self._strings = (
+            np.memmap(_strings_path(self.directory), dtype=np.uint8, mode="r")
+            if size
+            else np.zeros(0, np.uint8)
+        )
+
+    def __len__(self) -> int:
+        return self.num_docs
+
+    def get(self, indices: np.ndarray | Iterable[int]) -> list[tuple[str, str, str]]:
+        """(id, title, text) for each row index, in the order given."""
+        idx = np.asarray(indices, dtype=np.int64).reshape(-1)
+        if idx.size == 0:
+            return []
+        if idx.min() < 0 or idx.max() >= self.num_docs:
+            bad = int(idx[(idx < 0) | (idx >= self.num_docs)][0])
+            raise IndexError(f"passage index {bad} out of range for a docstore of {self.num_docs} passages")
+        # One fancy-indexing gather for all starts/ends, then one slice per field.
+        field_starts = (idx * _FIELDS)[:, None] + np.arange(_FIELDS)[None, :]
+        starts = self._offsets[field_starts]
+        ends = self._offsets[field_starts + 1]
+        buf = self._strings
+        return [
+            (
+                bytes(buf[s[0] : e[0]]).decode("utf-8"),
+                bytes(buf[s[1] : e[1]]).decode("utf-8"),
+                bytes(buf[s[2] : e[2]]).decode("utf-8"),
+            )
+            for s, e in zip(starts.tolist(), ends.tolist(), strict=True)
+        ]
+
+    def ids(self, indices: np.ndarray | Iterable[int]) -> list[str]:
+        """Passage ids only (cheaper than `get` when texts are not needed)."""
+        idx = np.asarray(indices, dtype=np.int64).reshape(-1)
+        if idx.size and (idx.min() < 0 or idx.max() >= self.num_docs):
+            raise IndexError(f"passage index out of range for a docstore of {self.num_docs} passages")
+        starts = self._offsets[idx * _FIELDS]
+        ends = self._offsets[idx * _FIELDS + 1]
+        return [
+            bytes(self._strings[s:e]).decode("utf-8")
+            for s, e in zip(starts.tolist(), ends.tolist(), strict=True)
+        ]
+
+    def iter_batches(self, batch_size: int = 1024) -> Iterator[list[tuple[str, str, str]]]:
+        """All passages in row order, `batch_size` at a time (for encoding a corpus)."""
+        for start in range(0, self.num_docs, batch_size):
+            yield self.get(np.arange(start, min(start + batch_size, self.num_docs)))
+
+    @staticmethod
+    def build(
+        passages: Iterable[Passage],
+        directory: str | Path,
+    ) -> DocStore:
+        """Write a docstore from a passage stream; holds only the offsets in memory (8 bytes x 3 per passage)."""
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        offsets = [0]
+        pos = 0
+        # Offsets accumulate in a growable int64 array chunk by chunk to avoid a 21M-element Python list.
+        chunks: list[np.ndarray] = []
+        pending: list[int] = []
+        with open(_strings_path(directory), "wb") as out:
+            for p in passages:
+                for field in (p.id, p.title, p.text):
+                    b = field.encode("utf-8")
+                    out.write(b)
+                    pos += len(b)
+                    pending.append(pos)
+                if len(pending) >= 1 << 20:
+                    chunks.append(np.asarray(pending, dtype=np.int64))
+                    pending = []
+        chunks.append(np.asarray(pending, dtype=np.int64))
+        all_offsets = np.concatenate([np.asarray(offsets, dtype=np.int64), *chunks])
+        num_docs = (all_offsets.size - 1) // _FIELDS
+        np.save(_offsets_path(directory), all_offsets)
+        atomic_write_json(directory / "docstore.json", {"format": DOCSTORE_FORMAT, "num_docs": num_docs})
+        return DocStore(directory)
+
+    @staticmethod
+    def build_from_corpus(corpus_path: str | Path, directory: str | Path) -> DocStore:
+        return DocStore.build(iter_corpus(corpus_path), directory)

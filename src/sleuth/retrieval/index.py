@@ -1,0 +1,302 @@
+"""Build an index directory from a corpus jsonl, and load the right retriever back from one.
+
+An index directory holds `docstore/`, the engine's files (`bm25/` or `faiss.index`) and a
+`manifest.json` written last, so a directory without a manifest is an incomplete build.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from collections.abc import Iterator, Sequence
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from sleuth.errors import ConfigError, IndexMismatchError
+from sleuth.retrieval.base import Retriever
+from sleuth.utils import atomic_write_json
+
+MANIFEST = "manifest.json"
+MANIFEST_VERSION = 1
+KINDS = ("bm25", "dense")
+_ENCODER_KEYS = {
+    "encoder",
+    "query_prefix",
+    "passage_prefix",
+    "normalize",
+    "batch_size",
+    "max_length",
+    "device",
+}
+_FAISS_KEYS = {"faiss", "M", "ef_construction", "ef_search", "nlist", "m", "nbits", "nprobe"}
+_BM25_KEYS = {"k1", "b", "method", "stemmer", "stopwords"}
+_LOAD_KEYS = {
+    "bm25": {"threads"},
+    "dense": {"threads", "ef_search", "nprobe", "batch_size", "device", "encoder"},
+}
+
+
+def _progress(iterable, total: int | None, desc: str, show: bool, unit: str = "passages"):
+    if not show:
+        return iterable
+    from tqdm.auto import tqdm
+
+    return tqdm(iterable, total=total, desc=desc, unit=unit, dynamic_ncols=True)
+
+
+def build_index(
+    corpus_path: str | Path,
+    kind: str,
+    out_dir: str | Path,
+    *,
+    overwrite: bool = False,
+    show_progress: bool = True,
+    threads: int = 1,
+    **params: Any,
+) -> dict[str, Any]:
+    """Build a `kind` ("bm25" | "dense") index of `corpus_path` in `out_dir`; returns the manifest.
+
+    BM25 params: k1, b, method, stemmer, stopwords. Dense params: encoder (alias, dir or hub name),
+    query_prefix, passage_prefix, normalize, batch_size, max_length, device, faiss ("flat" | "hnsw" |
+    "ivfpq") and the faiss type's own params (M, ef_construction, ef_search | nlist, m, nbits, nprobe).
+    """
+    from sleuth import __version__
+    from sleuth.data.formats import corpus_fingerprint, iter_corpus
+    from sleuth.retrieval.docstore import DocStore
+
+    if kind not in KINDS:
+        raise ConfigError(f"unknown index kind {kind!r}; choose one of {list(KINDS)}")
+    allowed = _BM25_KEYS if kind == "bm25" else _ENCODER_KEYS | _FAISS_KEYS
+    unknown = set(params) - allowed
+    if unknown:
+        raise ConfigError(f"{kind} index: unknown parameter(s) {sorted(unknown)}; allowed: {sorted(allowed)}")
+    corpus_path = Path(corpus_path)
+    if not corpus_path.is_file():
+        raise FileNotFoundError(f"{corpus_path}: corpus file does not exist")
+    out_dir = Path(out_dir)
+    if out_dir.exists() and any(out_dir.iterdir()):
+        if not overwrite:
+            raise FileExistsError(
+                f"{out_dir}: directory exists and is not empty; pass --overwrite (overwrite=True) to replace it"
+            )
+        if not (out_dir / MANIFEST).exists() and not (out_dir / "docstore").exists():
+            # Refuse to wipe a directory that does not look like an index.
+            raise FileExistsError(f"{out_dir}: exists and is not a sleuth index; choose another --out")
+        shutil.rmtree(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+    t0 = time.perf_counter()
+    fingerprint = corpus_fingerprint(corpus_path)
+    docstore = DocStore.build(
+        _progress(iter_corpus(corpus_path), None, "read corpus", show_progress), out_dir / "docstore"
+    )
+    n = docstore.num_docs
+    manifest: dict[str, Any] = {
+        "manifest_version": MANIFEST_VERSION,
+        "kind": kind,
+        "corpus_path": str(corpus_path.resolve()),
+        "corpus_fingerprint": fingerprint,
+        "num_docs": n,
+        "sleuth_version": __version__,
+    }
+    if kind == "bm25":
+        from sleuth.retrieval.bm25 import build_bm25
+
+        texts = (f"{title}\n{text}" for batch in docstore.iter_batches(4096) for _, title, text in batch)
+        manifest["bm25"] = build_bm25(texts, n, out_dir / "bm25", show_progress=show_progress, **params)
+    else:
+        manifest.update(
+            _build_dense(docstore, out_dir, threads=threads, show_progress=show_progress, **params)
+        )
+    manifest["build_seconds"] = round(time.perf_counter() - t0, 3)
+    manifest["created"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    atomic_write_json(out_dir / MANIFEST, manifest)
+    return manifest
+
+
+def _build_dense(
+    docstore, out_dir: Path, *, threads: int, show_progress: bool, **params: Any
+) -> dict[str, Any]:
+    from sleuth.retrieval.dense import build_faiss, faiss_params, passage_text
+    from sleuth.retrieval.encoders import Encoder, EncoderConfig
+
+    _set_torch_threads(threads)
+    faiss_kind = params.pop("faiss", "flat")
+    fparams = faiss_params(faiss_kind, **{k: params.pop(k) for k in list(params) if k in _FAISS_KEYS})
+    device = params.pop("device", None)
+    name = params.pop("encoder", "minilm")
+    if isinstance(name, Encoder):
+        # An already loaded encoder (shared across builds); its own config is what gets recorded.
+        if params:
+            raise ConfigError(f"encoder options {sorted(params)} cannot be combined with a loaded Encoder")
+        encoder = name
+    else:
+        encoder = Encoder(EncoderConfig(name=name, **params), device=device)
+    chunk = 1024
+
+    def vectors() -> Iterator:
+        batches = _progress(
+            docstore.iter_batches(chunk),
+            -(-docstore.num_docs // chunk),
+            "encode passages",
+            show_progress,
+            "chunks",
+        )
+        for batch in batches:
+            yield encoder.encode_passages([passage_text(title, text) for _, title, text in batch])
+
+    build_faiss(vectors(), docstore.num_docs, encoder.dim, fparams, out_dir)
+    return {"encoder": {**encoder.config.to_dict(), "dim": encoder.dim}, "faiss": fparams}
+
+
+def _set_torch_threads(threads: int) -> None:
+    import torch
+
+    torch.set_num_threads(max(1, threads))
+
+
+def read_manifest(index_dir: str | Path) -> dict[str, Any]:
+    """The manifest of `index_dir`, or a clear error if the directory is not a complete index."""
+    index_dir = Path(index_dir)
+    if not index_dir.is_dir():
+        raise FileNotFoundError(f"{index_dir}: index directory does not exist; build one with `sleuth index`")
+    path = index_dir / MANIFEST
+    if not path.exists():
+        raise IndexMismatchError(
+            f"{path}: missing; {index_dir} is not a complete sleuth index (an interrupted build?). "
+            "Rebuild it with `sleuth index`"
+        )
+    try:
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise IndexMismatchError(
+            f"{path}: corrupt manifest ({err}); rebuild the index with `sleuth index`"
+        ) from err
+    missing = [
+        k
+        for k in ("kind", "corpus_fingerprint", "num_docs")
+        if not isinstance(manifest, dict) or k not in manifest
+    ]
+    if missing:
+        raise IndexMismatchError(f"{path}: manifest lacks {missing}; rebuild the index with `sleuth index`")
+    if manifest["kind"] not in KINDS:
+        raise IndexMismatchError(
+            f"{path}: unknown index kind {manifest['kind']!r}; rebuild with `sleuth index`"
+        )
+    return manifest
+
+
+def check_corpus(manifest: dict[str, Any], index_dir: str | Path, corpus: str | Path) -> None:
+    """Raise IndexMismatchError if `corpus` is not the corpus the index was built from."""
+    from sleuth.data.formats import corpus_fingerprint
+
+    corpus = Path(corpus)
+    if not corpus.is_file():
+        raise FileNotFoundError(f"{corpus}: corpus file does not exist")
+    actual = corpus_fingerprint(corpus)
+    if actual != manifest["corpus_fingerprint"]:
+        raise IndexMismatchError(
+            f"index {index_dir} was built from {manifest.get('corpus_path')} ({manifest['corpus_fingerprint']}), "
+            f"but the corpus given is {corpus} ({actual}), a different file. "
+            f"Rebuild the index with `sleuth index {corpus} --out {index_dir} --overwrite`"
+        )
+
+
+def load_retriever(index_dir: str | Path, corpus: str | Path | None = None, **overrides: Any) -> Retriever:
+    """Load the retriever an index directory holds (BM25Retriever or DenseRetriever).
+
+    `corpus`, if given, is checked against the manifest's fingerprint. Overrides: `threads` (both);
+    dense also `ef_search`, `nprobe`, `batch_size`, `device` and `encoder` (an already loaded `Encoder`
+    to share; it must match the one the index was built with).
+    """
+    from sleuth.retrieval.docstore import DocStore
+
+    index_dir = Path(index_dir)
+    manifest = read_manifest(index_dir)
+    if corpus is not None:
+        check_corpus(manifest, index_dir, corpus)
+    kind = manifest["kind"]
+    unknown = set(overrides) - _LOAD_KEYS[kind]
+    if unknown:
+        raise ConfigError(
+            f"{kind} index: unknown load option(s) {sorted(unknown)}; allowed: {sorted(_LOAD_KEYS[kind])}"
+        )
+    threads = int(overrides.pop("threads", 1))
+    docstore = DocStore(index_dir / "docstore")
+    if docstore.num_docs != manifest["num_docs"]:
+        raise IndexMismatchError(
+            f"{index_dir}: docstore has {docstore.num_docs} passages, manifest says {manifest['num_docs']}; rebuild"
+        )
+    if kind == "bm25":
+        from sleuth.retrieval.bm25 import BM25Retriever
+
+        return BM25Retriever(
+            index_dir / "bm25", docstore, stemmer=manifest.get("bm25", {}).get("stemmer"), threads=threads
+        )
+    return _load_dense(index_dir, manifest, docstore, threads, **overrides)
+
+
+def _load_dense(index_dir: Path, manifest: dict, docstore, threads: int, **overrides: Any):
+    from sleuth.retrieval.dense import FAISS_FILE, DenseRetriever, read_faiss
+    from sleuth.retrieval.encoders import Encoder, EncoderConfig
+
+    enc_meta = dict(manifest["encoder"])
+    dim = enc_meta.pop("dim")
+    encoder = overrides.pop("encoder", None)
+    device = overrides.pop("device", None)
+    if "batch_size" in overrides:
+        enc_meta["batch_size"] = int(overrides.pop("batch_size"))
+    if encoder is None:
+        encoder = Encoder(EncoderConfig(**enc_meta), device=device)
+    else:
+        for key in ("name", "query_prefix", "passage_prefix", "normalize"):
+            if getattr(encoder.config, key) != enc_meta[key]:
+                raise IndexMismatchError(
+                    f"{index_dir}: the encoder passed has {key}={getattr(encoder.config, key)!r} but the index "
+                    f"was built with {key}={enc_meta[key]!r}"
+                )
+    if encoder.dim != dim:
+        raise IndexMismatchError(f"{index_dir}: encoder dimension {encoder.dim} != index dimension {dim}")
+    _set_torch_threads(threads)
+    index = read_faiss(index_dir / FAISS_FILE)
+    fparams = manifest["faiss"]
+    search_params = {k: overrides.get(k, fparams.get(k)) for k in ("ef_search", "nprobe") if k in fparams}
+    return DenseRetriever(
+        index, encoder, docstore, faiss_type=fparams["type"], threads=threads, **search_params
+    )
+
+
+def load_hybrid(
+    index_dirs: Sequence[str | Path],
+    corpus: str | Path | None = None,
+    weights: Sequence[float] | None = None,
+    rrf_k: float = 60.0,
+    depth: int | None = None,
+    **overrides: Any,
+):
+    """A HybridRetriever over several index directories of the same corpus (checked by fingerprint)."""
+    from sleuth.retrieval.hybrid import HybridRetriever
+
+    if not index_dirs:
+        raise ValueError("load_hybrid needs at least one index directory")
+    manifests = [read_manifest(d) for d in index_dirs]
+    known = set().union(*(_LOAD_KEYS[m["kind"]] for m in manifests))
+    if set(overrides) - known:
+        raise ConfigError(
+            f"unknown load option(s) {sorted(set(overrides) - known)}; allowed: {sorted(known)}"
+        )
+    fingerprints = {m["corpus_fingerprint"] for m in manifests}
+    if len(fingerprints) > 1:
+        listing = ", ".join(
+            f"{d} ({m['corpus_fingerprint'][:19]}...)" for d, m in zip(index_dirs, manifests, strict=True)
+        )
+        raise IndexMismatchError(
+            f"hybrid indexes were built from different corpora: {listing}; rebuild them from one"
+        )
+    retrievers = []
+    for d, m in zip(index_dirs, manifests, strict=True):
+        opts = {k: v for k, v in overrides.items() if k in _LOAD_KEYS[m["kind"]]}
+        retrievers.append(load_retriever(d, corpus if d == index_dirs[0] else None, **opts))
+    return HybridRetriever(retrievers, weights=weights, rrf_k=rrf_k, depth=depth)
