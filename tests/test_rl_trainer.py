@@ -8,37 +8,15 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
 
-from sleuth.agent.trajectory import Trajectory
-from sleuth.rewards.base import Reward, RewardResult, RewardServices, register_reward
 from sleuth.rl.config import recipe_from_dict
 
-
-@register_reward("test_token_fraction")
-@dataclass
-class TokenFractionReward(Reward):
-    """Fraction of the policy's own tokens whose id is divisible by `modulus`.
-
-    About 1/modulus of a random model's tokens qualify, so every group has reward variance
-    from the first step, and a policy can raise it quickly: a learnable task in seconds.
-    Inserted (masked) tokens never count, which also checks that the trainer sees the mask.
-    """
-
-    modulus: int = 4
-
-    def __call__(self, trajs: Sequence[Trajectory], services: RewardServices | None = None) -> list[RewardResult]:
-        out = []
-        for t in trajs:
-            ids = [i for i, m in zip(t.response_ids, t.loss_mask, strict=True) if m]
-            frac = sum(1 for i in ids if i % self.modulus == 0) / max(1, len(ids))
-            out.append(RewardResult(total=frac, components={"fraction": frac}))
-        return out
+PLUGINS = Path(__file__).parent / "plugins"
+sys.path.insert(0, str(PLUGINS))  # the in-process runs import the test reward plugin too
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +39,7 @@ def _recipe(world: Path, out_dir: Path, algorithm: dict, steps: int, **extra) ->
         "retriever": {"index": str(world / "bm25")},
         "agent": {"loop": "search_r1", "max_turns": 1, "max_new_tokens_per_turn": 12, "max_response_tokens": 96,
                   "max_obs_tokens": 32},
-        "reward": {"name": "test_token_fraction"},
+        "reward": {"name": "test_token_fraction", "plugins": ["sleuth_test_rewards"]},
         "algorithm": algorithm,
         "optim": {"lr": 1e-2, "critic_lr": 1e-2},
         "trainer": {"total_steps": steps, "save_every": 1000, "out_dir": str(out_dir)},
@@ -92,9 +70,9 @@ def test_mean_reward_rises(world: Path, tmp_path: Path, algorithm: dict) -> None
     rewards = _rewards(tmp_path / "run")
     assert len(rewards) == 24
     first, last = sum(rewards[:4]) / 4, sum(rewards[-4:]) / 4
-    # A random policy scores ~0.25; the margin is several times the step-to-step noise seen here.
+    # A random policy scores ~0.25; the margin is several times the step-to-step noise; seeds 1-3 gave +0.31 to +0.71 (GRPO) and +0.62 to +0.71 (PPO).
     assert first < 0.45
-    assert last > first + 0.25, rewards
+    assert last > first + 0.2, rewards
 
 
 def test_resume_after_sigkill(world: Path, tmp_path: Path) -> None:
@@ -111,7 +89,7 @@ def test_resume_after_sigkill(world: Path, tmp_path: Path) -> None:
         data["trainer"]["save_every"] = 1
         (out.parent / f"{out.name}.yaml").write_text(yaml.safe_dump(data))
 
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(PLUGINS)}
     cmd = [sys.executable, "-m", "sleuth.cli", "train"]
     proc = subprocess.Popen([*cmd, str(tmp_path / "killed.yaml")], env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

@@ -74,6 +74,8 @@ class AgentConfig(_Strict):
 
 class RewardConfig(_Strict):
     name: str = "search_r1_em"
+    # modules to import first, so rewards they register with @register_reward can be named here
+    plugins: list[str] = Field(default_factory=list)
     options: dict[str, Any] = Field(default_factory=dict)  # the reward's own options (see sleuth.rewards)
     # Frozen models a reward uses: any `load_generator` spec. "policy-base" reuses the policy's base
     # weights with LoRA adapters disabled, which costs no extra memory.

@@ -448,12 +448,17 @@ def logprobs_from_logits(
         )
     pieces = []
     for start, rows in _rows_in_chunks(logits, chunk_rows):
-        rows32 = rows.float()
+        rows32 = at_least_fp32(rows)
         lab = flat_labels[start : start + rows.shape[0]]
         picked = rows32.gather(-1, lab.unsqueeze(-1)).squeeze(-1)
         pieces.append(picked - torch.logsumexp(rows32, dim=-1))
     out = torch.cat(pieces) if pieces else logits.new_zeros(0, dtype=torch.float32)
     return out.reshape(labels.shape)
+
+
+def at_least_fp32(x: torch.Tensor) -> torch.Tensor:
+    """Upcast half precision to float32; float64 stays float64 (numerical checks run in it)."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
 
 
 def entropy_from_logits(logits: torch.Tensor, chunk_rows: int | None = None) -> torch.Tensor:
@@ -464,7 +469,7 @@ def entropy_from_logits(logits: torch.Tensor, chunk_rows: int | None = None) -> 
     """
     pieces = []
     for _, rows in _rows_in_chunks(logits, chunk_rows):
-        rows32 = rows.float()
+        rows32 = at_least_fp32(rows)
         probs = torch.softmax(rows32, dim=-1)
         pieces.append(torch.logsumexp(rows32, dim=-1) - (probs * rows32).sum(dim=-1))
     out = torch.cat(pieces) if pieces else logits.new_zeros(0, dtype=torch.float32)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import importlib
 import json
 import math
 import random
@@ -62,7 +63,8 @@ class ValueModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
-        return self.value_head(hidden.float()).squeeze(-1)
+        # the head runs in its own (at least fp32) precision, whatever the backbone's dtype
+        return self.value_head(hidden.to(self.value_head.weight.dtype)).squeeze(-1)
 
 
 def load_policy(recipe: Recipe, device: torch.device, adapter_dir: Path | None = None):
@@ -114,7 +116,9 @@ def load_critic(model_path: str, device: torch.device, dtype: torch.dtype) -> Va
 
     config = AutoConfig.from_pretrained(model_path)
     backbone = AutoModel.from_pretrained(model_path, dtype=dtype)
-    return ValueModel(backbone, config.hidden_size).to(device=device, dtype=dtype)
+    critic = ValueModel(backbone, config.hidden_size)
+    critic.value_head.to(torch.float64 if dtype == torch.float64 else torch.float32)
+    return critic.to(device)
 
 
 def autocast(device: torch.device):
@@ -210,7 +214,9 @@ def forward_logprobs(
     model: nn.Module, batch: TokenBatch, temperature: float, with_entropy: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-prob of each next token (B, L-1) under `model`, logits scaled by the sampling temperature."""
-    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1].float()
+    logits = loss_fns.at_least_fp32(
+        model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1]
+    )
     if temperature > 0 and temperature != 1.0:
         logits = logits / temperature
     logprobs = loss_fns.logprobs_from_logits(logits, batch.input_ids[:, 1:])
@@ -232,7 +238,7 @@ def batched_logprobs(
     for sl in chunks(batch.input_ids.shape[0], micro):
         mb = _to(batch.index(torch.arange(sl.start, sl.stop)), device)
         with autocast(device):
-            out.append(forward_logprobs(model, mb, temperature)[0].float().cpu())
+            out.append(forward_logprobs(model, mb, temperature)[0].cpu())
     return torch.cat(out)
 
 
@@ -243,7 +249,7 @@ def batched_values(critic: ValueModel, batch: TokenBatch, micro: int, device: to
     for sl in chunks(batch.input_ids.shape[0], micro):
         mb = _to(batch.index(torch.arange(sl.start, sl.stop)), device)
         with autocast(device):
-            out.append(critic(mb.input_ids, mb.attention_mask)[:, :-1].float().cpu())
+            out.append(loss_fns.at_least_fp32(critic(mb.input_ids, mb.attention_mask)[:, :-1]).cpu())
     return torch.cat(out)
 
 
@@ -469,6 +475,8 @@ def train(recipe: Recipe, *, resume: bool = False, console: Any = None) -> dict[
     loop = build_loop(recipe)
     examples = load_examples(recipe)
     cursor = DataCursor(recipe.seed, len(examples), recipe.data.shuffle, **trainer_state.get("cursor", {}))
+    for module in recipe.reward.plugins:
+        importlib.import_module(module)
     reward_fn = get_reward(recipe.reward.name, **recipe.reward.options)
     services = build_reward_services(recipe, generator, unwrap(policy), retriever)
     sampling = SamplingParams(
@@ -531,7 +539,7 @@ def train(recipe: Recipe, *, resume: bool = False, console: Any = None) -> dict[
                 with unwrap(policy).disable_adapter():  # LoRA: the base model is the reference
                     ref_logprobs = batched_logprobs(policy, batch, temperature, micro, device)
         mask = batch.action_mask
-        score_t = torch.tensor(scores, dtype=torch.float32)
+        score_t = torch.tensor(scores, dtype=old_logprobs.dtype)
         token_rewards = adv_fns.outcome_to_token_rewards(score_t, mask)
         kl_for_log = None
         if ref_logprobs is not None:
