@@ -1,0 +1,121 @@
+"""Build a `SearcherService` from command-line style options (a checkpoint or a model + loop)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from sleuth.errors import ConfigError
+from sleuth.serve.service import SearcherService, ServeLimits
+
+# The trainer's defaults (sleuth.rl.config), used when serving an untrained model.
+DEFAULT_MAX_NEW_TOKENS_PER_TURN = 256
+DEFAULT_MAX_OBS_TOKENS = 512
+DEFAULT_MAX_RESPONSE_TOKENS = 2048
+
+
+def parse_loop_options(items: list[str] | None) -> dict[str, Any]:
+    """`["top_k=5", "use_selection=false"]` -> {"top_k": 5, "use_selection": False} (values parsed as YAML)."""
+    import yaml
+
+    options: dict[str, Any] = {}
+    for item in items or []:
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"--loop-option {item!r}: use KEY=VALUE, e.g. --loop-option top_k=5")
+        options[key.strip()] = yaml.safe_load(raw)
+    return options
+
+
+def load_retriever_from(index: str | Path | None, retriever_url: str | None) -> tuple[Any, str]:
+    if (index is None) == (retriever_url is None):
+        raise ConfigError("pass exactly one of --index DIR (a local index) or --retriever-url URL (a /retrieve server)")
+    if index is not None:
+        from sleuth.retrieval import load_retriever
+
+        if not Path(index).exists():
+            raise ConfigError(f"--index {index} does not exist; build one with `sleuth index`")
+        return load_retriever(index), f"index:{index}"
+    from sleuth.retrieval.client import RemoteRetriever
+
+    return RemoteRetriever(retriever_url), f"url:{retriever_url}"
+
+
+def build_service(
+    *,
+    checkpoint: str | Path | None = None,
+    model: str | None = None,
+    loop: str | None = None,
+    loop_options: dict[str, Any] | None = None,
+    index: str | Path | None = None,
+    retriever_url: str | None = None,
+    generator: str | None = None,
+    limits: ServeLimits | None = None,
+    device: str | None = None,
+    max_new_tokens_per_turn: int | None = None,
+    max_obs_tokens: int | None = None,
+    max_response_tokens: int | None = None,
+    warm_up: bool = True,
+) -> SearcherService:
+    """Load the searcher (a `sleuth train` checkpoint, or `model` + `loop`), its retriever and generator."""
+    if (checkpoint is None) == (model is None):
+        raise ConfigError("pass exactly one of --checkpoint DIR (a trained searcher) or --model SPEC with --loop NAME")
+    from sleuth.agent import get_loop
+
+    # The retriever first: a wrong --index fails in a second, before any model is loaded.
+    retriever, retriever_name = load_retriever_from(index, retriever_url)
+    if checkpoint is not None:
+        if loop is not None:
+            raise ConfigError("--loop goes with --model; a checkpoint carries its own loop (searcher.json)")
+        from sleuth.agent.searcher import load_searcher
+
+        searcher = load_searcher(checkpoint, device=device)
+        info = searcher.info
+        agent_loop = searcher.loop
+        if loop_options:
+            agent_loop = get_loop(info["loop"], **{**info.get("loop_options", {}), **loop_options})
+        policy = searcher.generator
+        model_name = f"checkpoint:{checkpoint} (base {info.get('base_model')}, step {info.get('step')})"
+    else:
+        if loop is None:
+            raise ConfigError("--model needs --loop NAME (s3, r_search, qagent, search_r1, staged)")
+        if model.startswith(("openai:", "vllm:")):
+            raise ConfigError(
+                f"--model {model!r}: the searcher runs token-in/token-out and needs a local model "
+                "(an alias such as smollm2-135m-instruct, a checkpoint directory or a .gguf file)"
+            )
+        from sleuth.llm.registry import load_generator
+
+        info = {}
+        agent_loop = get_loop(loop, **(loop_options or {}))
+        policy = load_generator(model, device=device) if device else load_generator(model)
+        model_name = model
+
+    answer_gen = None
+    if generator is not None:
+        from sleuth.llm.registry import load_generator
+
+        answer_gen = load_generator(generator)
+    if warm_up:
+        # The first BM25 search compiles kernels (seconds); pay it before the first client does.
+        try:
+            retriever.search(["warm up"], 1)
+        except Exception as err:
+            raise ConfigError(f"retriever {retriever_name} loaded but a test search failed: {type(err).__name__}: {err}") from err
+
+    def pick(given: int | None, key: str, default: int) -> int:
+        return given if given is not None else int(info.get(key, default))
+
+    return SearcherService(
+        policy,
+        agent_loop,
+        retriever,
+        answer_generator=answer_gen,
+        limits=limits,
+        max_new_tokens_per_turn=pick(max_new_tokens_per_turn, "max_new_tokens_per_turn", DEFAULT_MAX_NEW_TOKENS_PER_TURN),
+        max_obs_tokens=pick(max_obs_tokens, "max_obs_tokens", DEFAULT_MAX_OBS_TOKENS),
+        max_response_tokens=pick(max_response_tokens, "max_response_tokens", DEFAULT_MAX_RESPONSE_TOKENS),
+        model_name=model_name,
+        retriever_name=retriever_name,
+        generator_name=generator,
+    )

@@ -1,0 +1,116 @@
+"""HTTP API of a trained searcher: the searcher as a tool any LLM can call for evidence.
+
+    POST /search  {"question": str, "max_turns": int?, "top_k": int?}
+        -> {"context": [{id, title, text}], "context_text", "trajectory": {...}, "retrieval_count",
+            "batch_size", "timings": {"queue_s", "search_s", "answer_s", "total_s"}, ...}
+    POST /answer  same body -> the same plus "answer" (a frozen generator answers from the context)
+    GET  /health  model, loop, retriever, limits, counters (never behind auth)
+
+Errors are JSON `{"detail": message, "field"?: name}`: 422 invalid request, 400 /answer without a
+generator, 401 missing/wrong bearer token, 503 retriever or model failure, 504 timeout.
+"""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+
+from sleuth.serve.schemas import AnswerResponse, SearchRequest, SearchResponse
+from sleuth.serve.service import (
+    NoAnswerGenerator,
+    RequestError,
+    SearcherService,
+    SearchTimeout,
+    ServiceFailure,
+)
+
+OPEN_PATHS = frozenset({"/health"})
+
+
+def _error(status: int, message: str, field_name: str | None = None, headers: dict | None = None) -> JSONResponse:
+    body: dict[str, Any] = {"detail": message}
+    if field_name is not None:
+        body["field"] = field_name
+    return JSONResponse(status_code=status, content=body, headers=headers)
+
+
+def bearer_token_ok(header: str | None, token: str) -> bool:
+    """True when an Authorization header carries exactly `Bearer <token>` (compared in constant time)."""
+    scheme, _, given = (header or "").partition(" ")
+    if scheme.lower() != "bearer":
+        return False
+    return hmac.compare_digest(given.strip().encode("utf-8"), token.encode("utf-8"))
+
+
+def create_app(service: SearcherService, *, token: str | None = None, name: str = "sleuth-searcher") -> FastAPI:
+    """A FastAPI app serving `service`; with `token`, every route but /health needs `Bearer <token>`."""
+    if token is not None and not token.strip():
+        raise ValueError("token is empty; unset it to disable auth or set a non-empty secret")
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        yield
+        service.close()
+
+    app = FastAPI(title=name, lifespan=lifespan)
+    app.state.service = service
+
+    if token is not None:
+
+        @app.middleware("http")
+        async def _require_token(request: Request, call_next):
+            if request.url.path not in OPEN_PATHS and not bearer_token_ok(request.headers.get("authorization"), token):
+                service.count("rejected")
+                return _error(401, "missing or wrong bearer token: send 'Authorization: Bearer <token>'",
+                              headers={"WWW-Authenticate": "Bearer"})
+            return await call_next(request)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid_request(_: Request, exc: RequestValidationError) -> JSONResponse:
+        service.count("rejected")
+        problems = []
+        first_field = None
+        for err in exc.errors():
+            loc = [str(p) for p in err.get("loc", ()) if p != "body"]
+            where = ".".join(loc) or "body"
+            first_field = first_field or where
+            problems.append(f"{where}: {err.get('msg', 'invalid')}")
+        hint = ' (expected {"question": str, "max_turns": int (optional), "top_k": int (optional)})'
+        return _error(422, "invalid request: " + "; ".join(problems) + hint, first_field)
+
+    async def _run(req: SearchRequest, want_answer: bool) -> dict[str, Any] | JSONResponse:
+        try:
+            query = service.validate(req.question, req.max_turns, req.top_k, want_answer=want_answer)
+        except RequestError as err:
+            service.count("rejected")
+            return _error(422, err.message, err.field)
+        try:
+            return await service.search(query)
+        except NoAnswerGenerator as err:
+            service.count("rejected")
+            return _error(400, str(err))
+        except ServiceFailure as err:
+            return _error(503, str(err))
+        except SearchTimeout as err:
+            return _error(504, str(err))
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        return {"status": "ok", "name": name, **service.describe(), "auth": token is not None,
+                "stats": service.snapshot_stats()}
+
+    @app.post("/search", response_model=SearchResponse, response_model_exclude_none=False)
+    async def search(req: SearchRequest) -> Any:
+        return await _run(req, want_answer=False)
+
+    @app.post("/answer", response_model=AnswerResponse)
+    async def answer(req: SearchRequest) -> Any:
+        return await _run(req, want_answer=True)
+
+    return app
