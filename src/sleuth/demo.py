@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +50,20 @@ FULL = DemoSize(
     max_new_tokens=48,
     dense=True,
     lr=1e-4,
+)
+# A real RL run for a GPU (docs/results.md): more questions, more steps, the paper's 3 turns.
+GPU = DemoSize(
+    model="smollm2-135m-instruct",
+    passages=5000,
+    questions=1000,
+    hops=(1, 3),
+    eval_questions=200,
+    train_steps=40,
+    prompts_per_step=16,
+    n=5,
+    max_new_tokens=64,
+    dense=False,
+    lr=2e-5,
 )
 FAST = DemoSize(
     model="tiny",
@@ -117,7 +131,10 @@ def s3_recipe(out: Path, size: DemoSize) -> dict[str, Any]:
     }
 
 
-def run_demo(out: Path, fast: bool, console: Any) -> Path:
+PROFILES = {"cpu": FULL, "fast": FAST, "gpu": GPU}
+
+
+def run_demo(out: Path, profile: str, console: Any, model: str | None = None) -> Path:
     import torch
     from rich.panel import Panel
 
@@ -131,7 +148,9 @@ def run_demo(out: Path, fast: bool, console: Any) -> Path:
     from sleuth.rl.config import recipe_from_dict
     from sleuth.rl.trainer import train
 
-    size = FAST if fast else FULL
+    size = PROFILES[profile]
+    if model:
+        size = replace(size, model=model)
     torch.manual_seed(0)
     out.mkdir(parents=True, exist_ok=True)
     timings: dict[str, float] = {}
@@ -186,7 +205,10 @@ def run_demo(out: Path, fast: bool, console: Any) -> Path:
     )
     recipe_dict = s3_recipe(out, size)
     (out / "s3_recipe.yaml").write_text(yaml.safe_dump(recipe_dict, sort_keys=False))
-    result = train(recipe_from_dict(recipe_dict, source=str(out / "s3_recipe.yaml")), console=console)
+    # resume=True: a rerun (or a run killed mid-way) continues from the newest checkpoint
+    result = train(
+        recipe_from_dict(recipe_dict, source=str(out / "s3_recipe.yaml")), resume=True, console=console
+    )
     timings["train_s"] = time.perf_counter() - t0
 
     # 4. re-evaluate the trained searcher; the frozen generator is the untouched base model
@@ -220,6 +242,10 @@ def register(app: typer.Typer) -> None:
         fast: bool = typer.Option(
             False, "--fast", help="Tiny local model and a small world (about a minute)"
         ),
+        profile: str = typer.Option(
+            "cpu", help="cpu (default, ~10 min on 2 cores), fast, or gpu (a real RL run)"
+        ),
+        model: str = typer.Option(None, help="Override the model (alias, directory or .gguf file)"),
     ) -> None:
         """Run the embedded default end to end: world, indexes, baselines, s3 training, report."""
         from rich.console import Console
@@ -228,7 +254,9 @@ def register(app: typer.Typer) -> None:
 
         console = Console()
         try:
-            run_demo(Path(out), fast, console)
+            if profile not in PROFILES:
+                raise typer.BadParameter(f"--profile must be one of {', '.join(PROFILES)}")
+            run_demo(Path(out), "fast" if fast else profile, console, model=model)
         except SleuthError as err:
             console.print(f"[red]error:[/] {err}")
             raise typer.Exit(2) from None
