@@ -48,6 +48,16 @@ def register(app: typer.Typer) -> None:
         nlist: int = typer.Option(1024, "--nlist", help="IVF-PQ: number of lists."),
         pq_m: int = typer.Option(48, "--pq-m", help="IVF-PQ: sub-quantizers (must divide the dimension)."),
         nprobe: int = typer.Option(16, "--nprobe", help="IVF-PQ: lists probed per query."),
+        nbits: int = typer.Option(8, "--nbits", help="IVF-PQ: bits per sub-quantizer code."),
+        shards: int | None = typer.Option(
+            None, "--shards", help="Dense: split the faiss index into this many contiguous shards."
+        ),
+        train_sample: int | None = typer.Option(
+            None, "--train-sample", help="IVF-PQ (sharded layout): vectors sampled to train the quantizers."
+        ),
+        keep_vectors: bool = typer.Option(
+            False, "--keep-vectors", help="Dense (sharded layout): keep float16 vectors for exact re-ranking."
+        ),
         k1: float = typer.Option(0.9, "--k1", help="BM25 k1."),
         b: float = typer.Option(0.4, "--b", help="BM25 b."),
         threads: int = typer.Option(1, "--threads", help="CPU threads for encoding."),
@@ -82,7 +92,13 @@ def register(app: typer.Typer) -> None:
             if faiss_type == "hnsw":
                 params.update(M=hnsw_m, ef_search=ef_search)
             elif faiss_type == "ivfpq":
-                params.update(nlist=nlist, m=pq_m, nprobe=nprobe)
+                params.update(nlist=nlist, m=pq_m, nprobe=nprobe, nbits=nbits)
+            if shards is not None:
+                params["shards"] = shards
+            if train_sample is not None:
+                params["train_sample"] = train_sample
+            if keep_vectors:
+                params["keep_vectors"] = True
         t0 = time.perf_counter()
         try:
             manifest = build_index(corpus, kind, out, overwrite=overwrite, threads=threads, **params)
@@ -97,6 +113,8 @@ def register(app: typer.Typer) -> None:
             enc = manifest["encoder"]
             table.add_row("encoder", f"{enc['name']} (dim {enc['dim']})")
             table.add_row("faiss", ", ".join(f"{k}={v}" for k, v in manifest["faiss"].items()))
+            if "shards" in manifest:
+                table.add_row("shards", ", ".join(f"[{s['start']}, {s['end']})" for s in manifest["shards"]))
         else:
             table.add_row("bm25", ", ".join(f"{k}={v}" for k, v in manifest["bm25"].items()))
         Console().print(table)

@@ -119,15 +119,24 @@ def build_faiss(
 
 
 def read_faiss(path: Path):
-    """Read an index memory-mapped where faiss supports it (Flat/IVF codes), else into RAM."""
+    """Open a faiss index with its vectors/codes memory-mapped, falling back to reading it into RAM.
+
+    faiss >= 1.10's IO_FLAG_MMAP_IFC maps Flat, HNSW and IVF storage in place (zero copy); the older
+    IO_FLAG_MMAP only maps IVF inverted lists and silently reads Flat/HNSW into RAM.
+    """
     import faiss
 
     if not path.exists():
-        raise FileNotFoundError(f"{path}: faiss index file missing; rebuild with `sleuth index`")
-    try:
-        return faiss.read_index(str(path), faiss.IO_FLAG_MMAP | faiss.IO_FLAG_READ_ONLY)
-    except RuntimeError:
-        return faiss.read_index(str(path))
+        raise FileNotFoundError(f"{path}: faiss index file missing; rebuild the index with `sleuth index`")
+    flags = [getattr(faiss, "IO_FLAG_MMAP_IFC", None), faiss.IO_FLAG_MMAP | faiss.IO_FLAG_READ_ONLY]
+    for flag in flags:
+        if flag is None:
+            continue
+        try:
+            return faiss.read_index(str(path), flag)
+        except RuntimeError:
+            continue
+    return faiss.read_index(str(path))
 
 
 def passage_text(title: str, text: str) -> str:

@@ -31,10 +31,12 @@ _ENCODER_KEYS = {
     "device",
 }
 _FAISS_KEYS = {"faiss", "M", "ef_construction", "ef_search", "nlist", "m", "nbits", "nprobe"}
+# Any of these selects the sharded dense layout (sleuth.retrieval.sharded), even with shards=1.
+_SHARD_KEYS = {"shards", "train_sample", "keep_vectors"}
 _BM25_KEYS = {"k1", "b", "method", "stemmer", "stopwords"}
 _LOAD_KEYS = {
     "bm25": {"threads"},
-    "dense": {"threads", "ef_search", "nprobe", "batch_size", "device", "encoder"},
+    "dense": {"threads", "ef_search", "nprobe", "batch_size", "device", "encoder", "rerank", "gpus"},
 }
 
 
@@ -61,6 +63,8 @@ def build_index(
     BM25 params: k1, b, method, stemmer, stopwords. Dense params: encoder (alias, dir or hub name),
     query_prefix, passage_prefix, normalize, batch_size, max_length, device, faiss ("flat" | "hnsw" |
     "ivfpq") and the faiss type's own params (M, ef_construction, ef_search | nlist, m, nbits, nprobe).
+    Sharded dense layout (see sleuth.retrieval.sharded): shards (number of contiguous shards),
+    train_sample (ivfpq training vectors held in RAM), keep_vectors (float16 copy for exact re-ranking).
     """
     from sleuth import __version__
     from sleuth.data.formats import corpus_fingerprint, iter_corpus
@@ -68,7 +72,7 @@ def build_index(
 
     if kind not in KINDS:
         raise ConfigError(f"unknown index kind {kind!r}; choose one of {list(KINDS)}")
-    allowed = _BM25_KEYS if kind == "bm25" else _ENCODER_KEYS | _FAISS_KEYS
+    allowed = _BM25_KEYS if kind == "bm25" else _ENCODER_KEYS | _FAISS_KEYS | _SHARD_KEYS
     unknown = set(params) - allowed
     if unknown:
         raise ConfigError(f"{kind} index: unknown parameter(s) {sorted(unknown)}; allowed: {sorted(allowed)}")
@@ -123,6 +127,7 @@ def _build_dense(
     from sleuth.retrieval.encoders import Encoder, EncoderConfig
 
     _set_torch_threads(threads)
+    shard_opts = {k: params.pop(k) for k in list(params) if k in _SHARD_KEYS}
     faiss_kind = params.pop("faiss", "flat")
     fparams = faiss_params(faiss_kind, **{k: params.pop(k) for k in list(params) if k in _FAISS_KEYS})
     device = params.pop("device", None)
@@ -147,8 +152,25 @@ def _build_dense(
         for batch in batches:
             yield encoder.encode_passages([passage_text(title, text) for _, title, text in batch])
 
+    meta: dict[str, Any] = {"encoder": {**encoder.config.to_dict(), "dim": encoder.dim}, "faiss": fparams}
+    if shard_opts:
+        from sleuth.retrieval.sharded import build_sharded_faiss
+
+        meta.update(
+            build_sharded_faiss(
+                vectors(),
+                docstore.num_docs,
+                encoder.dim,
+                fparams,
+                out_dir,
+                shards=shard_opts.get("shards", 1),
+                train_sample=shard_opts.get("train_sample"),
+                keep_vectors=bool(shard_opts.get("keep_vectors", False)),
+            )
+        )
+        return meta
     build_faiss(vectors(), docstore.num_docs, encoder.dim, fparams, out_dir)
-    return {"encoder": {**encoder.config.to_dict(), "dim": encoder.dim}, "faiss": fparams}
+    return meta
 
 
 def _set_torch_threads(threads: int) -> None:
@@ -205,11 +227,12 @@ def check_corpus(manifest: dict[str, Any], index_dir: str | Path, corpus: str | 
 
 
 def load_retriever(index_dir: str | Path, corpus: str | Path | None = None, **overrides: Any) -> Retriever:
-    """Load the retriever an index directory holds (BM25Retriever or DenseRetriever).
+    """Load the retriever an index directory holds (BM25Retriever, DenseRetriever or ShardedDenseRetriever).
 
     `corpus`, if given, is checked against the manifest's fingerprint. Overrides: `threads` (both);
     dense also `ef_search`, `nprobe`, `batch_size`, `device` and `encoder` (an already loaded `Encoder`
-    to share; it must match the one the index was built with).
+    to share; it must match the one the index was built with); sharded dense also `rerank`
+    (candidates re-scored exactly) and `gpus` (GPU ids for the shards, faiss-gpu only).
     """
     from sleuth.retrieval.docstore import DocStore
 
@@ -260,9 +283,25 @@ def _load_dense(index_dir: Path, manifest: dict, docstore, threads: int, **overr
     if encoder.dim != dim:
         raise IndexMismatchError(f"{index_dir}: encoder dimension {encoder.dim} != index dimension {dim}")
     _set_torch_threads(threads)
-    index = read_faiss(index_dir / FAISS_FILE)
     fparams = manifest["faiss"]
     search_params = {k: overrides.get(k, fparams.get(k)) for k in ("ef_search", "nprobe") if k in fparams}
+    if "shards" in manifest:
+        from sleuth.retrieval.sharded import load_sharded
+
+        return load_sharded(
+            index_dir,
+            manifest,
+            encoder,
+            docstore,
+            threads=threads,
+            rerank=overrides.get("rerank"),
+            gpus=overrides.get("gpus"),
+            **search_params,
+        )
+    for key in ("rerank", "gpus"):
+        if overrides.get(key):
+            raise ConfigError(f"{index_dir}: {key} needs a sharded dense index (build with shards=...)")
+    index = read_faiss(index_dir / FAISS_FILE)
     return DenseRetriever(
         index, encoder, docstore, faiss_type=fparams["type"], threads=threads, **search_params
     )

@@ -3,9 +3,17 @@
 from __future__ import annotations
 
 import ipaddress
+import json
+import os
 from pathlib import Path
+from typing import Any
 
 import typer
+
+# `--workers N` hands the serving options to the worker processes through this variable: uvicorn
+# starts each worker from an import string, so the app factory cannot take arguments.
+SERVE_ENV = "SLEUTH_RETRIEVER_SERVE"
+WORKER_PID_HEADER = "X-Sleuth-Worker-Pid"
 
 
 def is_loopback_host(host: str) -> bool:
@@ -16,6 +24,52 @@ def is_loopback_host(host: str) -> bool:
         return ipaddress.ip_address(host.strip("[]")).is_loopback
     except ValueError:
         return False  # a host name: it may resolve to a public interface
+
+
+def build_serving_app(options: dict[str, Any]):
+    """Load the index named in `options` and wrap it in the `/retrieve` app (one per worker process).
+
+    Every response carries the serving process id in `X-Sleuth-Worker-Pid`, so a client or a test
+    can see which worker answered.
+    """
+    from sleuth.retrieval import load_retriever
+    from sleuth.retrieval.server import create_app
+
+    index = Path(options["index"])
+    retriever = load_retriever(index, corpus=options.get("corpus"), threads=options.get("threads", 1))
+    app = create_app(
+        retriever,
+        max_queries=options.get("max_queries", 512),
+        max_k=options.get("max_k", 100),
+        max_query_chars=options.get("max_query_chars", 2000),
+        default_k=options.get("default_k", 3),
+        name=f"sleuth-retriever:{index.name}",
+        worker_threads=options.get("worker_threads", 1),
+        batch_wait_ms=options.get("batch_wait_ms", 2.0),
+    )
+    pid = str(os.getpid())
+
+    @app.middleware("http")
+    async def _tag_worker(request, call_next):
+        response = await call_next(request)
+        response.headers[WORKER_PID_HEADER] = pid
+        return response
+
+    # The first search may compile kernels (bm25s/numba: seconds); pay it before clients time out.
+    retriever.search(["warm up"], 1)
+    return app
+
+
+def app_from_env():
+    """uvicorn app factory for `--workers N`: each worker process loads its own copy of the index.
+
+    Memory-mapped parts (docstore, faiss shards opened with mmap) share the OS page cache, so N
+    workers cost far less than N times the index size.
+    """
+    raw = os.environ.get(SERVE_ENV)
+    if not raw:
+        raise RuntimeError(f"{SERVE_ENV} is not set; start workers with `sleuth serve-retriever --workers N`")
+    return build_serving_app(json.loads(raw))
 
 
 def register(app: typer.Typer) -> None:
@@ -38,6 +92,11 @@ def register(app: typer.Typer) -> None:
         batch_wait_ms: float = typer.Option(
             2.0, "--batch-wait-ms", help="How long a request waits for others to share one search call."
         ),
+        workers: int = typer.Option(
+            1,
+            "--workers",
+            help="Worker processes behind the one address (each loads the index; mmap'd parts are shared).",
+        ),
     ) -> None:
         """Serve a retrieval index at POST /retrieve (Search-R1 compatible) and GET /health."""
         from rich.console import Console
@@ -54,32 +113,41 @@ def register(app: typer.Typer) -> None:
         if not 1 <= port <= 65535:
             console.print(f"[red]error:[/red] --port must be in 1..65535, got {port}.")
             raise typer.Exit(2)
+        if workers < 1:
+            console.print(f"[red]error:[/red] --workers must be >= 1, got {workers}.")
+            raise typer.Exit(2)
 
         import uvicorn
 
-        from sleuth.retrieval import load_retriever
-        from sleuth.retrieval.server import create_app
+        from sleuth.retrieval.index import check_corpus, read_manifest
 
+        options = {
+            "index": str(index.resolve()),
+            "corpus": str(corpus.resolve()) if corpus is not None else None,
+            "threads": threads,
+            "max_queries": max_queries,
+            "max_k": max_k,
+            "max_query_chars": max_query_chars,
+            "default_k": default_k,
+            "worker_threads": worker_threads,
+            "batch_wait_ms": batch_wait_ms,
+        }
+        app = None
         try:
-            retriever = load_retriever(index, corpus=corpus, threads=threads)
-            app = create_app(
-                retriever,
-                max_queries=max_queries,
-                max_k=max_k,
-                max_query_chars=max_query_chars,
-                default_k=default_k,
-                name=f"sleuth-retriever:{index.name}",
-                worker_threads=worker_threads,
-                batch_wait_ms=batch_wait_ms,
-            )
+            if workers == 1:
+                app = build_serving_app(options)
+            else:
+                # Fail here, once, on a bad index instead of in every worker; workers load it themselves.
+                manifest = read_manifest(index)
+                if corpus is not None:
+                    check_corpus(manifest, index, corpus)
         except (SleuthError, ValueError, OSError) as err:
             console.print(f"[red]error:[/red] {err}")
             raise typer.Exit(2) from err
-        try:
-            # The first search may compile kernels (bm25s/numba: seconds); pay it before clients time out.
-            retriever.search(["warm up"], 1)
         except Exception as err:
-            console.print(f"[red]error:[/red] index {index} loaded but a test search failed: {type(err).__name__}: {err}")
+            console.print(
+                f"[red]error:[/red] index {index}: loading it or a test search failed: {type(err).__name__}: {err}"
+            )
             raise typer.Exit(2) from err
 
         if not is_loopback_host(host):
@@ -89,5 +157,20 @@ def register(app: typer.Typer) -> None:
             )
         shown = f"[{host}]" if ":" in host else host
         # The URL goes to stdout so scripts can capture it; diagnostics stay on stderr.
-        typer.echo(f"serving {index} at http://{shown}:{port}/retrieve  (health: http://{shown}:{port}/health)")
-        uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False)
+        typer.echo(
+            f"serving {index} at http://{shown}:{port}/retrieve  (health: http://{shown}:{port}/health)"
+            + (f" with {workers} worker processes" if workers > 1 else "")
+        )
+        if app is not None:
+            uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False)
+            return
+        os.environ[SERVE_ENV] = json.dumps(options)
+        uvicorn.run(
+            f"{__name__}:app_from_env",
+            factory=True,
+            host=host,
+            port=port,
+            workers=workers,
+            log_level="warning",
+            access_log=False,
+        )

@@ -1,0 +1,399 @@
+"""Sharded dense indexes: contiguous FAISS shards searched in parallel and merged, IVF-PQ at scale.
+
+The encoder is not under test here, so a deterministic hashing encoder (an `Encoder` subclass with
+no model) stands in for MiniLM; one CLI test uses the real embedded MiniLM.
+"""
+
+from __future__ import annotations
+
+import json
+import zlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from sleuth.errors import ConfigError, IndexMismatchError
+from sleuth.retrieval import (
+    DenseRetriever,
+    Encoder,
+    EncoderConfig,
+    build_index,
+    load_retriever,
+    read_manifest,
+)
+from sleuth.retrieval.sharded import ShardedDenseRetriever, exact_rerank, merge_topk, shard_ranges
+
+DIM = 32
+
+
+class HashEncoder(Encoder):
+    """Bag of words: each token maps to a fixed pseudo-random unit vector (crc32-seeded); rows normalised."""
+
+    def __init__(self, dim: int = DIM):
+        self.config = EncoderConfig(name="test-hash-encoder", batch_size=64)
+        self.dim = dim
+        self._cache: dict[str, np.ndarray] = {}
+
+    def _token(self, token: str) -> np.ndarray:
+        if token not in self._cache:
+            v = np.random.default_rng(zlib.crc32(token.encode())).standard_normal(self.dim)
+            self._cache[token] = (v / np.linalg.norm(v)).astype(np.float32)
+        return self._cache[token]
+
+    def _encode(self, texts: list[str], prefix: str, show_progress: bool = False) -> np.ndarray:
+        out = np.zeros((len(texts), self.dim), np.float32)
+        for i, text in enumerate(texts):
+            for tok in (prefix + text).lower().replace('"', " ").split():
+                out[i] += self._token(tok)
+        norms = np.linalg.norm(out, axis=1, keepdims=True)
+        return out / np.where(norms == 0, 1, norms)
+
+
+def _write_corpus(path: Path, n: int, seed: int, words_per_doc: int = 12) -> list[list[str]]:
+    rng = np.random.default_rng(seed)
+    vocab = [f"w{i}" for i in range(400)]
+    docs = [list(rng.choice(vocab, size=words_per_doc, replace=False)) for _ in range(n)]
+    with path.open("w", encoding="utf-8") as f:
+        for i, words in enumerate(docs):
+            f.write(json.dumps({"id": f"doc-{i}", "contents": f'"T{i}"\n' + " ".join(words)}) + "\n")
+    return docs
+
+
+@pytest.fixture(scope="module")
+def encoder() -> HashEncoder:
+    return HashEncoder()
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[list[str]]]:
+    path = tmp_path_factory.mktemp("sharded") / "corpus.jsonl"
+    return path, _write_corpus(path, 203, seed=1)
+
+
+@pytest.fixture(scope="module")
+def queries(world: tuple[Path, list[list[str]]]) -> list[str]:
+    rng = np.random.default_rng(7)
+    docs = world[1]
+    # Half of a document's words: its own document should score highest, the rest rank by overlap.
+    return [
+        " ".join(rng.choice(docs[i], size=6, replace=False)) for i in rng.choice(len(docs), 24, replace=False)
+    ]
+
+
+@pytest.fixture(scope="module")
+def flat_dir(world: tuple[Path, list[list[str]]], encoder: HashEncoder) -> Path:
+    out = world[0].parent / "flat"
+    build_index(world[0], "dense", out, encoder=encoder, show_progress=False)
+    return out
+
+
+@pytest.fixture(scope="module")
+def sharded_dir(world: tuple[Path, list[list[str]]], encoder: HashEncoder) -> Path:
+    out = world[0].parent / "sharded3"
+    build_index(world[0], "dense", out, encoder=encoder, shards=3, show_progress=False)
+    return out
+
+
+def test_shard_ranges_tile_the_rows() -> None:
+    assert shard_ranges(10, 3) == [(0, 4), (4, 7), (7, 10)]
+    assert shard_ranges(4, 4) == [(0, 1), (1, 2), (2, 3), (3, 4)]
+    assert shard_ranges(5, 1) == [(0, 5)]
+    with pytest.raises(ConfigError, match="cannot split 2 passages into 3 shards"):
+        shard_ranges(2, 3)
+    with pytest.raises(ConfigError, match="positive integer"):
+        shard_ranges(10, 0)
+
+
+def test_merge_topk_hand_example() -> None:
+    # Shard A holds rows 0-2, shard B rows 10-12; B found only one row for query 1 (-1 padding).
+    a_scores = np.array([[0.9, 0.5], [0.4, 0.3]], np.float32)
+    a_ids = np.array([[2, 0], [1, 2]])
+    b_scores = np.array([[0.7, 0.5], [0.8, 0.0]], np.float32)
+    b_ids = np.array([[11, 10], [12, -1]])
+    scores, ids = merge_topk([a_scores, b_scores], [a_ids, b_ids], 3)
+    # Query 0: 0.9 (2), 0.7 (11), then a 0.5 tie between rows 0 and 10: the lower id wins.
+    assert ids.tolist() == [[2, 11, 0], [12, 1, 2]]
+    np.testing.assert_allclose(scores, [[0.9, 0.7, 0.5], [0.8, 0.4, 0.3]])
+    # Asking for more than exists pads with -1 / -inf.
+    scores, ids = merge_topk([b_scores[1:]], [b_ids[1:]], 2)
+    assert ids.tolist() == [[12, -1]] and scores[0, 1] == -np.inf
+
+
+def test_sharded_flat_equals_unsharded_flat(
+    flat_dir: Path, sharded_dir: Path, encoder: HashEncoder, queries: list[str]
+) -> None:
+    manifest = read_manifest(sharded_dir)
+    assert manifest["kind"] == "dense"
+    assert [(s["start"], s["end"]) for s in manifest["shards"]] == [(0, 68), (68, 136), (136, 203)]
+    assert all((sharded_dir / s["file"]).is_file() for s in manifest["shards"])
+    assert not (sharded_dir / "faiss.index").exists()
+
+    flat = load_retriever(flat_dir, encoder=encoder)
+    assert isinstance(flat, DenseRetriever)
+    for threads in (1, 3):
+        sharded = load_retriever(sharded_dir, encoder=encoder, threads=threads)
+        assert isinstance(sharded, ShardedDenseRetriever) and sharded.parallel == min(threads, 3)
+        # 24 queries take faiss' BLAS path, 1 query its per-query loop; both must agree with one index.
+        for batch in (queries, queries[:1]):
+            expected = flat.search(batch, 10)
+            got = sharded.search(batch, 10)
+            assert [[h.doc_id for h in q] for q in got] == [[h.doc_id for h in q] for q in expected]
+            for g, e in zip(got, expected, strict=True):
+                np.testing.assert_allclose([h.score for h in g], [h.score for h in e], rtol=1e-5, atol=1e-6)
+                assert [(h.title, h.text) for h in g] == [(h.title, h.text) for h in e]
+        sharded.close()
+
+
+def test_global_ids_match_brute_force(
+    world: tuple[Path, list[list[str]]], sharded_dir: Path, encoder: HashEncoder, queries: list[str]
+) -> None:
+    """Independent reference: numpy inner products over the whole corpus."""
+    docs = world[1]
+    passages = encoder.encode_passages([f'"T{i}"\n' + " ".join(w) for i, w in enumerate(docs)])
+    q = encoder.encode_queries(queries)
+    expected = np.argsort(-(q @ passages.T), axis=1, kind="stable")[:, :5]
+    r = load_retriever(sharded_dir, encoder=encoder)
+    rows, _ = r.search_indices(queries, 5)
+    assert [list(x) for x in rows] == expected.tolist()
+    # k beyond the corpus returns every passage once.
+    hits = r.search(queries[:2], 500)
+    assert [len(h) for h in hits] == [203, 203]
+    assert len({h.doc_id for h in hits[0]}) == 203
+
+
+def test_shards_are_memory_mapped(sharded_dir: Path, encoder: HashEncoder) -> None:
+    retriever = load_retriever(sharded_dir, encoder=encoder)
+    maps = Path("/proc/self/maps")
+    if not maps.exists():
+        pytest.skip("needs /proc/self/maps (Linux) to see memory mappings")
+    mapped = maps.read_text()
+    for spec in read_manifest(sharded_dir)["shards"]:
+        assert str((sharded_dir / spec["file"]).resolve()) in mapped
+    assert retriever.search(["w1"], 1)  # still usable, and alive while the maps were read
+
+
+def test_exact_rerank_matches_numpy() -> None:
+    rng = np.random.default_rng(3)
+    vectors = rng.standard_normal((50, 8)).astype(np.float16)
+    queries = rng.standard_normal((2, 8)).astype(np.float32)
+    candidates = np.array([[5, 17, 3, 40, -1], [0, 1, 2, 3, 4]])
+    scores, ids = exact_rerank(vectors, queries, candidates, 3)
+    for qi in range(2):
+        cand = [c for c in candidates[qi] if c >= 0]
+        exact = {c: float(vectors[c].astype(np.float32) @ queries[qi]) for c in cand}
+        best = sorted(cand, key=lambda c: -exact[c])[:3]
+        assert ids[qi].tolist() == best
+        np.testing.assert_allclose(scores[qi], [exact[c] for c in best], rtol=1e-5)
+
+
+def test_ivfpq_sharded_end_to_end_reports_recall(
+    tmp_path: Path, encoder: HashEncoder, capsys: pytest.CaptureFixture[str]
+) -> None:
+    corpus = tmp_path / "big.jsonl"
+    docs = _write_corpus(corpus, 2000, seed=5, words_per_doc=10)
+    rng = np.random.default_rng(11)
+    picked = rng.choice(len(docs), 100, replace=False)
+    queries = [" ".join(rng.choice(docs[i], size=5, replace=False)) for i in picked]
+    build_index(corpus, "dense", tmp_path / "flat", encoder=encoder, show_progress=False)
+    manifest = build_index(
+        corpus,
+        "dense",
+        tmp_path / "ivf",
+        encoder=encoder,
+        faiss="ivfpq",
+        nlist=16,
+        m=8,
+        nbits=6,
+        nprobe=4,
+        shards=2,
+        train_sample=800,
+        keep_vectors=True,
+        show_progress=False,
+    )
+    assert manifest["train_sample"] == 800
+    assert manifest["vectors"] == {"file": "vectors.f16", "dtype": "float16", "shape": [2000, DIM]}
+    assert (tmp_path / "ivf" / "vectors.f16").stat().st_size == 2000 * DIM * 2
+    assert not (tmp_path / "ivf" / "vectors.tmp.f16").exists()
+
+    exact = load_retriever(tmp_path / "flat", encoder=encoder).search(queries, 10)
+    exact_ids = [{h.doc_id for h in q} for q in exact]
+
+    def recall(**load: object) -> float:
+        got = load_retriever(tmp_path / "ivf", encoder=encoder, **load).search(queries, 10)
+        return float(
+            np.mean([len({h.doc_id for h in g} & e) / 10 for g, e in zip(got, exact_ids, strict=True)])
+        )
+
+    pq_only = recall(rerank=0, nprobe=4)
+    full_probe = recall(rerank=0, nprobe=16)
+    reranked = recall(rerank=100, nprobe=16)
+    with capsys.disabled():
+        print(
+            f"\nivfpq recall@10 vs flat: nprobe 4 {pq_only:.2f}, nprobe 16 {full_probe:.2f}, +rerank 100 {reranked:.2f}"
+        )
+    # Probing all 16 lists leaves only PQ error, which exact re-scoring of 100 candidates removes.
+    assert reranked >= full_probe and reranked > 0.9
+    assert full_probe >= pq_only > 0.1
+
+
+def test_sharded_errors(
+    world: tuple[Path, list[list[str]]], sharded_dir: Path, encoder: HashEncoder, tmp_path: Path
+) -> None:
+    corpus = world[0]
+    with pytest.raises(ConfigError, match="train_sample applies to ivfpq"):
+        build_index(
+            corpus, "dense", tmp_path / "a", encoder=encoder, shards=2, train_sample=100, show_progress=False
+        )
+    with pytest.raises(ConfigError, match="cannot split 203 passages into 500 shards"):
+        build_index(corpus, "dense", tmp_path / "b", encoder=encoder, shards=500, show_progress=False)
+    with pytest.raises(ConfigError, match="train_sample=10 is too small"):
+        build_index(
+            corpus,
+            "dense",
+            tmp_path / "c",
+            encoder=encoder,
+            faiss="ivfpq",
+            nlist=4,
+            m=8,
+            nbits=4,
+            train_sample=10,
+            show_progress=False,
+        )
+    with pytest.raises(ConfigError, match="keep_vectors"):
+        load_retriever(sharded_dir, encoder=encoder, rerank=10)
+    import faiss
+
+    if not hasattr(faiss, "StandardGpuResources"):
+        with pytest.raises(ConfigError, match="no GPU support"):
+            load_retriever(sharded_dir, encoder=encoder, gpus=[0])
+    with pytest.raises(ConfigError, match="needs a sharded dense index"):
+        build_index(corpus, "dense", tmp_path / "plain", encoder=encoder, show_progress=False)
+        load_retriever(tmp_path / "plain", encoder=encoder, rerank=10)
+    # A manifest whose shard ranges no longer tile the corpus is refused.
+    import shutil
+
+    broken = tmp_path / "broken"
+    shutil.copytree(sharded_dir, broken)
+    manifest = json.loads((broken / "manifest.json").read_text())
+    manifest["shards"][1]["start"] = 60
+    (broken / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(IndexMismatchError, match="do not tile"):
+        load_retriever(broken, encoder=encoder)
+
+
+def test_cli_builds_sharded_index_with_minilm(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from sleuth.cli import app
+
+    corpus = tmp_path / "c.jsonl"
+    texts = [
+        ("Volcano", "Molten rock and gases escape through a rupture in the crust."),
+        ("Piano", "Felt hammers strike strings when the keys are pressed."),
+        ("Coffee", "A drink brewed from roasted seeds of the Coffea plant."),
+        ("Tsunami", "Large ocean waves caused by an undersea earthquake."),
+        ("Bicycle", "Two wheels, pedals and a frame."),
+    ]
+    corpus.write_text(
+        "".join(
+            json.dumps({"id": f"p{i}", "contents": f'"{t}"\n{x}'}) + "\n" for i, (t, x) in enumerate(texts)
+        ),
+        encoding="utf-8",
+    )
+    out = tmp_path / "idx"
+    res = CliRunner().invoke(
+        app, ["index", str(corpus), "--kind", "dense", "--shards", "2", "--out", str(out)]
+    )
+    assert res.exit_code == 0, res.output
+    assert "shards" in res.output and "[0, 3), [3, 5)" in res.output
+    manifest = read_manifest(out)
+    assert manifest["encoder"]["dim"] == 384 and len(manifest["shards"]) == 2
+    assert (
+        CliRunner()
+        .invoke(app, ["index", str(corpus), "--kind", "dense", "--shards", "9", "--out", str(tmp_path / "x")])
+        .exit_code
+        == 2
+    )
+
+
+# --------------------------------------------------------------------------- serve-retriever --workers N
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_serve_retriever_workers_share_one_address(tmp_path: Path) -> None:
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    import httpx
+
+    from sleuth.retrieval.client import RemoteRetriever
+    from sleuth.retrieval.server_commands import WORKER_PID_HEADER
+
+    corpus = tmp_path / "c.jsonl"
+    docs = _write_corpus(corpus, 40, seed=2)
+    build_index(corpus, "bm25", tmp_path / "bm25", show_progress=False)
+    local = load_retriever(tmp_path / "bm25")
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "sleuth.cli", "serve-retriever", "--index", str(tmp_path / "bm25")]
+    proc = subprocess.Popen(
+        [*cmd, "--port", str(port), "--workers", "2"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            assert proc.poll() is None, f"server exited early: {proc.communicate()[1][-2000:]}"
+            assert time.monotonic() < deadline, "server did not answer /health within 90 s"
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+
+        queries = [" ".join(words[:4]) for words in docs] * 2
+        with RemoteRetriever(url, batch_size=4, concurrency=8) as remote:
+            got = remote.search(queries, 3)
+        expected = local.search(queries, 3)
+        assert [[h.doc_id for h in q] for q in got] == [[h.doc_id for h in q] for q in expected]
+
+        # Fresh connections, several at a time: the kernel hands them to whichever worker is free.
+        def worker_pid(_: int) -> str:
+            return httpx.get(f"{url}/health", timeout=5, headers={"Connection": "close"}).headers[
+                WORKER_PID_HEADER
+            ]
+
+        pids: set[str] = set()
+        with ThreadPoolExecutor(8) as pool:
+            for _ in range(20):
+                pids |= set(pool.map(worker_pid, range(16)))
+                if len(pids) >= 2:
+                    break
+        assert len(pids) == 2 and str(proc.pid) not in pids
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            out, _ = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise
+    assert proc.returncode == 0
+    assert f"{url}/retrieve" in out and "2 worker processes" in out
+    for pid in pids:  # the supervisor stops and reaps its workers
+        assert not Path(f"/proc/{pid}").exists()
