@@ -1,0 +1,96 @@
+"""The bench scripts: their arithmetic against hand-computed values, and one tiny end-to-end run each."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parent.parent / "bench"
+
+
+def _load(name: str):
+    if str(BENCH) not in sys.path:
+        sys.path.insert(0, str(BENCH))
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+common = _load("_common")
+
+
+def test_decode_call_bytes_by_hand() -> None:
+    # 3 steps read the weights 3x (300); KV: row 1 reads 5+6+7 = 18 tokens, row 2 reads 5: 23 x 10 = 230.
+    assert common.decode_call_bytes(100, 10, 5, [3, 1]) == 530
+    assert common.decode_call_bytes(100, 10, 5, []) == 0
+
+
+def test_kv_bytes_and_hbm_fraction() -> None:
+    # Qwen2.5-0.5B in bf16: K and V x 24 layers x 2 KV heads x 64 dims x 2 bytes.
+    assert common.kv_bytes_per_token(24, 2, 64, 2) == 12288
+    # 3.35e9 bytes at 3350 GB/s take 1 ms; measured 4 ms -> 25% of the bound.
+    assert common.hbm_fraction(3.35e9, 0.004, 3350.0) == pytest.approx(0.25)
+    assert common.hbm_fraction(1.0, 1.0, None) is None
+
+
+def test_bandwidth_from_card_name() -> None:
+    assert common.default_bandwidth_gbs("NVIDIA H100 80GB HBM3") == 3350.0
+    assert common.default_bandwidth_gbs("NVIDIA H100 PCIe") == 2000.0
+    assert common.default_bandwidth_gbs("NVIDIA H200") == 4800.0
+    assert common.default_bandwidth_gbs("Some CPU") is None
+
+
+def test_random_model_sizes_match_the_published_counts() -> None:
+    """The random:* shapes must be the real models': Qwen2.5-0.5B has 494M and 1.5B 1.54B parameters (tied)."""
+    import torch
+    from transformers import Qwen2Config
+
+    expected = {"qwen2.5-0.5b": 494_032_768, "qwen2.5-1.5b": 1_543_714_304}
+    for arch, count in expected.items():
+        config = Qwen2Config(**common.RANDOM_ARCHS[arch], tie_word_embeddings=True)
+        with torch.device("meta"):
+            from transformers import AutoModelForCausalLM
+
+            model = AutoModelForCausalLM.from_config(config)
+        assert sum(p.numel() for p in model.parameters()) == count, arch
+
+
+def test_rollout_bench_tiny(tmp_path: Path) -> None:
+    rollout = _load("rollout")
+    out = tmp_path / "rollout.json"
+    rollout.main(["--model", "tiny", "--device", "cpu", "--batch", "3", "--turns", "2", "--new-tokens", "4",
+                  "--baseline-trajectories", "1", "--passages", "300", "--out", str(out)])
+    data = json.loads(out.read_text())
+    engine, baseline = data["rows"]
+    assert engine["mode"] == "dynamic" and baseline["mode"] == "baseline"
+    assert engine["trajectories"] == 3 and baseline["trajectories"] == 1
+    # The engine batches a turn of all trajectories into one generate call; the baseline makes one per turn each.
+    assert engine["generate_calls"] <= 2
+    assert baseline["generate_calls"] == round(baseline["turns_mean"] * baseline["trajectories"])
+    for row in (engine, baseline):
+        assert 0 < row["generated_tokens"] <= row["trajectories"] * 2 * 4
+        assert row["tokens_per_s"] == pytest.approx(row["generated_tokens"] / row["wall_s"], rel=1e-3)
+        assert row["decode_steps"] <= row["generate_calls"] * 4
+
+
+def test_train_step_bench_tiny_sleuth(tmp_path: Path) -> None:
+    train_step = _load("train_step")
+    out = tmp_path / "train.json"
+    train_step.main(["--model", "tiny", "--device", "cpu", "--prompts", "2", "--n", "2", "--new-tokens", "4",
+                     "--steps", "1", "--warmup-steps", "1", "--passages", "300", "--variants", "sleuth",
+                     "--out", str(out)])
+    data = json.loads(out.read_text())
+    (row,) = data["rows"]
+    assert row["status"] == "ok", row
+    assert row["measured_steps"] == 1
+    assert row["step_s"] >= row["generate_s"] + row["update_s"] > 0
+    assert 0 < row["tokens_per_trajectory"] <= 4
+    assert row["peak_memory_gib"] > 0
+    # The trainer ran in a fresh process: the GPU image lacks these, so the bench must not import them.
+    loaded = data["details"]["sleuth"]["modules_loaded"]
+    assert not {"faiss", "fastapi", "sentence_transformers", "trl"} & set(loaded), loaded
