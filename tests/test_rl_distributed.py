@@ -39,7 +39,9 @@ def _recipe(world: Path, out_dir: Path) -> dict:
                    "options": {"mode": "residue", "modulus": 7}},
         "algorithm": {"name": "ppo", "n": 1, "prompts_per_step": 4, "minibatch_size": 4, "micro_batch_size": 2,
                       "kl": {"coef": 0.01, "mode": "penalty", "estimator": "k1"}},
-        "optim": {"lr": 1e-2, "critic_lr": 1e-2},
+        # a large Adam eps makes the step proportional to the gradient (no per-element sign
+        # amplification), so the comparison tests the distributed gradient itself
+        "optim": {"lr": 1e-2, "critic_lr": 1e-2, "eps": 1e-3},
         "sampling": {"temperature": 0.0},
         "trainer": {"total_steps": 2, "save_every": 2, "out_dir": str(out_dir)},
     }
@@ -73,8 +75,9 @@ def test_two_ranks_match_one_process(world: Path, tmp_path: Path) -> None:
     for a, b in zip(m1, m2, strict=True):
         for key in ("reward/mean", "critic/value_loss", "actor/kl", "response_length/policy_tokens"):
             assert a[key] == pytest.approx(b[key], rel=1e-9, abs=1e-12), key
-        for key in ("actor/pg_loss", "actor/grad_norm"):
-            assert a[key] == pytest.approx(b[key], rel=1e-3, abs=1e-8), key
+        assert a["actor/grad_norm"] == pytest.approx(b["actor/grad_norm"], rel=1e-3)
+        # whitened advantages sum to ~0, so the on-policy surrogate is a ~1e-6 residual of O(1) terms
+        assert a["actor/pg_loss"] == pytest.approx(b["actor/pg_loss"], abs=1e-5)
     assert json.loads((two / "run.json").read_text())["ranks"] == 2
 
     from safetensors.torch import load_file
@@ -84,7 +87,7 @@ def test_two_ranks_match_one_process(world: Path, tmp_path: Path) -> None:
     moved = 0
     base = load_file(Path(json.loads((one / "run.json").read_text())["model_path"]) / "model.safetensors")
     for k in w1:
-        # one Adam step moves a weight by up to lr = 1e-2; 1e-5 is 0.1% of that
-        torch.testing.assert_close(w1[k], w2[k], rtol=0, atol=1e-5, msg=f"{k} differs between 1 and 2 ranks")
+        # updates are up to ~1e-2 here; the runs agree to ~1e-7 of that (float64, other summation order)
+        torch.testing.assert_close(w1[k], w2[k], rtol=0, atol=1e-7, msg=f"{k} differs between 1 and 2 ranks")
         moved += int(not torch.allclose(w1[k].double(), base[k].double()))
     assert moved > 0, "training changed no weights, so the comparison proves nothing"

@@ -144,6 +144,7 @@ class OptimConfig(_Strict):
     warmup_steps: int = Field(0, ge=0)
     grad_clip: float = Field(1.0, gt=0.0)
     betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = Field(1e-8, gt=0.0)
 
 
 class SamplingConfig(_Strict):

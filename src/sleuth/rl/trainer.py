@@ -5,10 +5,11 @@ this file or a pure function in `sleuth.rl.advantages` / `sleuth.rl.losses`.
 
 Token layout. A trajectory is `prompt_ids + response_ids`; the response mixes
 policy tokens (loss_mask 1) and tokens the environment inserted (documents,
-feedback; loss_mask 0). All per-token tensors here are over *shifted* positions
-(B, L-1): position j scores token j+1 given the prefix up to j. `action_mask`
-is 1 exactly where token j+1 is a policy token of the response, so inserted
-tokens never contribute to the policy, value or KL terms.
+feedback; loss_mask 0). Batches left-pad prompts so every response starts at
+the same column, and all per-token tensors here are (B, R) over response
+positions only: entry j scores response token j given everything before it.
+`action_mask` is 1 exactly on policy tokens, so inserted tokens never
+contribute to the policy, value or KL terms.
 """
 
 from __future__ import annotations
@@ -61,8 +62,12 @@ class ValueModel(nn.Module):
         nn.init.zeros_(self.value_head.weight)
         nn.init.zeros_(self.value_head.bias)
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+    def forward(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        hidden = self.backbone(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids
+        ).last_hidden_state
         # the head runs in its own (at least fp32) precision, whatever the backbone's dtype
         return self.value_head(hidden.to(self.value_head.weight.dtype)).squeeze(-1)
 
@@ -184,44 +189,69 @@ class DataCursor:
 
 @dataclass
 class TokenBatch:
-    input_ids: torch.Tensor  # (B, L)
-    attention_mask: torch.Tensor  # (B, L)
-    action_mask: torch.Tensor  # (B, L-1) float; 1 where token j+1 is a policy token
+    """Prompts left-padded to a common width S, responses right-padded after it, so every
+    response starts at column S and all per-token tensors cover only response positions."""
+
+    input_ids: torch.Tensor  # (B, S + R)
+    attention_mask: torch.Tensor  # (B, S + R)
+    position_ids: torch.Tensor  # (B, S + R), counting real tokens only (as during generation)
+    action_mask: torch.Tensor  # (B, R) float: 1 where response token j is a policy token
+
+    @property
+    def response_width(self) -> int:
+        return self.action_mask.shape[1]
 
     def index(self, idx: torch.Tensor) -> TokenBatch:
-        return TokenBatch(self.input_ids[idx], self.attention_mask[idx], self.action_mask[idx])
+        return TokenBatch(
+            self.input_ids[idx], self.attention_mask[idx], self.position_ids[idx], self.action_mask[idx]
+        )
 
 
 def collate(trajs: list[Trajectory], pad_id: int, drop_truncated: bool = False) -> TokenBatch:
-    lengths = [len(t.prompt_ids) + len(t.response_ids) for t in trajs]
-    L = max(lengths)
+    S = max(len(t.prompt_ids) for t in trajs)
+    R = max(1, max(len(t.response_ids) for t in trajs))
     B = len(trajs)
-    input_ids = torch.full((B, L), pad_id, dtype=torch.long)
-    attention = torch.zeros((B, L), dtype=torch.long)
-    action = torch.zeros((B, L - 1), dtype=torch.float32)
+    input_ids = torch.full((B, S + R), pad_id, dtype=torch.long)
+    attention = torch.zeros((B, S + R), dtype=torch.long)
+    action = torch.zeros((B, R), dtype=torch.float32)
     for i, t in enumerate(trajs):
-        P, R = len(t.prompt_ids), len(t.response_ids)
-        input_ids[i, : P + R] = torch.tensor(t.prompt_ids + t.response_ids, dtype=torch.long)
-        attention[i, : P + R] = 1
+        P, n = len(t.prompt_ids), len(t.response_ids)
+        input_ids[i, S - P : S + n] = torch.tensor(t.prompt_ids + t.response_ids, dtype=torch.long)
+        attention[i, S - P : S + n] = 1
         if drop_truncated and t.finish_reason == "length":
             continue  # DAPO overlong filtering: a truncated response teaches nothing reliable
-        if R:
-            action[i, P - 1 : P - 1 + R] = torch.tensor(t.loss_mask, dtype=torch.float32)
-    return TokenBatch(input_ids, attention, action)
+        if n:
+            action[i, :n] = torch.tensor(t.loss_mask, dtype=torch.float32)
+    positions = (attention.cumsum(-1) - 1).clamp(min=0)
+    return TokenBatch(input_ids, attention, positions, action)
 
 
 def forward_logprobs(
     model: nn.Module, batch: TokenBatch, temperature: float, with_entropy: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Log-prob of each next token (B, L-1) under `model`, logits scaled by the sampling temperature."""
-    logits = loss_fns.at_least_fp32(
-        model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1]
+    """Log-prob (B, R) of each response token under `model`, logits scaled by the sampling
+    temperature. Only the R+1 last positions go through the LM head: prompt positions never
+    materialise (B, L, V) logits, which dominate memory and time at a 150k vocabulary."""
+    R = batch.response_width
+    out = model(
+        input_ids=batch.input_ids,
+        attention_mask=batch.attention_mask,
+        position_ids=batch.position_ids,
+        logits_to_keep=R + 1,
     )
+    logits = loss_fns.at_least_fp32(out.logits[:, :-1])
     if temperature > 0 and temperature != 1.0:
         logits = logits / temperature
-    logprobs = loss_fns.logprobs_from_logits(logits, batch.input_ids[:, 1:])
+    logprobs = loss_fns.logprobs_from_logits(logits, batch.input_ids[:, -R:])
     entropy = loss_fns.entropy_from_logits(logits) if with_entropy else None
     return logprobs, entropy
+
+
+def critic_values(critic: nn.Module, batch: TokenBatch) -> torch.Tensor:
+    """Values (B, R): entry j is the value of the state just before response token j."""
+    R = batch.response_width
+    values = critic(batch.input_ids, batch.attention_mask, batch.position_ids)
+    return values[:, -R - 1 : -1]
 
 
 def chunks(n: int, size: int) -> Iterator[slice]:
@@ -244,18 +274,21 @@ def batched_logprobs(
 
 @torch.no_grad()
 def batched_values(critic: ValueModel, batch: TokenBatch, micro: int, device: torch.device) -> torch.Tensor:
-    """Critic values (B, L-1): position j is the value of the state before token j+1."""
+    """Critic values (B, R) without gradients, in micro-batches, returned on the CPU."""
     out = []
     for sl in chunks(batch.input_ids.shape[0], micro):
         mb = _to(batch.index(torch.arange(sl.start, sl.stop)), device)
         with autocast(device):
-            out.append(loss_fns.at_least_fp32(critic(mb.input_ids, mb.attention_mask)[:, :-1]).cpu())
+            out.append(loss_fns.at_least_fp32(critic_values(critic, mb)).cpu())
     return torch.cat(out)
 
 
 def _to(batch: TokenBatch, device: torch.device) -> TokenBatch:
     return TokenBatch(
-        batch.input_ids.to(device), batch.attention_mask.to(device), batch.action_mask.to(device)
+        *(
+            t.to(device)
+            for t in (batch.input_ids, batch.attention_mask, batch.position_ids, batch.action_mask)
+        )
     )
 
 
@@ -397,7 +430,9 @@ def build_reward_services(recipe: Recipe, policy_gen: Any, policy: nn.Module, re
 
 def build_optimizer(params, lr: float, recipe: Recipe):
     params = [p for p in params if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=lr, betas=recipe.optim.betas, weight_decay=recipe.optim.weight_decay)
+    opt = torch.optim.AdamW(
+        params, lr=lr, betas=recipe.optim.betas, eps=recipe.optim.eps, weight_decay=recipe.optim.weight_decay
+    )
     warmup = recipe.optim.warmup_steps
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0)
     return opt, sched
@@ -783,7 +818,7 @@ def update(
                     _add(stats, f"actor/{k}", float(v))
                 if critic is not None:
                     with _maybe_no_sync(critic, sync), autocast(device):
-                        values = critic(mi.input_ids, mi.attention_mask)[:, :-1]
+                        values = critic_values(critic, mi)
                         v_loss, v_stats = loss_fns.value_loss(
                             values,
                             old_values[idx].to(device),

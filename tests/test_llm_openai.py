@@ -1,0 +1,222 @@
+"""OpenAIGenerator against a small fake OpenAI-compatible server (FastAPI on a loopback port)."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import pytest
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
+from sleuth.errors import ConfigError, ServiceError
+from sleuth.llm.base import SamplingParams
+from sleuth.llm.openai_http import OpenAIGenerator, parse_choice, parse_token_ids
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class FakeServer:
+    """Replies "reply to <prompt> </search> tail", cut at the first stop string like OpenAI servers do.
+
+    vLLM-style extensions (stop_reason, include_stop_str_in_output, token ids) are honoured when asked.
+    """
+
+    def __init__(self) -> None:
+        self.requests: list[dict] = []
+        self.flaky_failures_left = 0
+        self.in_flight = 0
+        self.max_in_flight = 0
+        self.delay = 0.0
+        self._lock = threading.Lock()
+        app = FastAPI()
+
+        def reply(prompt_text: str, body: dict, chat: bool) -> dict:
+            text = f"reply to {prompt_text} </search> tail"
+            finish, stop_reason = "length", None
+            for stop in body.get("stop") or []:
+                at = text.find(stop)
+                if at >= 0:
+                    text = text[: at + len(stop)] if body.get("include_stop_str_in_output") else text[:at]
+                    finish, stop_reason = "stop", stop
+                    break
+            choice: dict = {"index": 0, "finish_reason": finish}
+            if body.get("return_tokens_as_token_ids"):
+                choice["stop_reason"] = stop_reason
+            tokens = [f"token_id:{ord(c)}" if body.get("return_tokens_as_token_ids") else c for c in text]
+            logprobs = [-0.01 * (i + 1) for i in range(len(text))]
+            if chat:
+                choice["message"] = {"role": "assistant", "content": text}
+                if body.get("logprobs"):
+                    choice["logprobs"] = {"content": [{"token": t, "logprob": lp} for t, lp in zip(tokens, logprobs, strict=True)]}
+            else:
+                choice["text"] = text
+                if body.get("logprobs") is not None:
+                    choice["logprobs"] = {"tokens": tokens, "token_logprobs": logprobs}
+            return {"choices": [choice]}
+
+        async def handle(request: Request, chat: bool, flaky: bool):
+            import asyncio
+
+            body = await request.json()
+            with self._lock:
+                self.requests.append(body)
+                self.in_flight += 1
+                self.max_in_flight = max(self.max_in_flight, self.in_flight)
+                fail = flaky and self.flaky_failures_left > 0
+                if fail:
+                    self.flaky_failures_left -= 1
+            try:
+                await asyncio.sleep(self.delay)
+                if fail:
+                    return JSONResponse({"error": "overloaded"}, status_code=503)
+                if body.get("model") != "fake-model":
+                    return JSONResponse({"error": f"unknown model {body.get('model')}"}, status_code=404)
+                if chat:
+                    prompt_text = body["messages"][-1]["content"]
+                elif isinstance(body["prompt"], list):
+                    prompt_text = "ids " + " ".join(map(str, body["prompt"]))
+                else:
+                    prompt_text = body["prompt"]
+                return reply(prompt_text, body, chat)
+            finally:
+                with self._lock:
+                    self.in_flight -= 1
+
+        for prefix, flaky in (("/v1", False), ("/flaky/v1", True)):
+
+            async def chat_route(request: Request, flaky: bool = flaky):
+                return await handle(request, True, flaky)
+
+            async def completion_route(request: Request, flaky: bool = flaky):
+                return await handle(request, False, flaky)
+
+            app.post(f"{prefix}/chat/completions")(chat_route)
+            app.post(f"{prefix}/completions")(completion_route)
+        self.app = app
+
+    def start(self) -> str:
+        import uvicorn
+
+        port = _free_port()
+        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=port, log_level="error"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.time() + 10
+        while not self.server.started:
+            if time.time() > deadline:
+                raise RuntimeError("fake server did not start")
+            time.sleep(0.02)
+        return f"http://127.0.0.1:{port}"
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=5)
+
+
+@pytest.fixture(scope="module")
+def server():
+    fake = FakeServer()
+    url = fake.start()
+    fake.url = url
+    yield fake
+    fake.stop()
+
+
+@pytest.fixture(autouse=True)
+def reset_server(server):
+    server.requests.clear()
+    server.flaky_failures_left = 0
+    server.delay = 0.0
+    server.max_in_flight = 0
+
+
+P = SamplingParams(max_new_tokens=32, temperature=0.0, seed=5)
+
+
+def test_chat_text_and_token_prompts_hit_the_right_endpoints(server):
+    gen = OpenAIGenerator(f"{server.url}/v1", "fake-model", chat=True)
+    outs = gen.generate(["hello", [{"role": "user", "content": "hi there"}], [1, 2, 3]], params=P)
+    assert [o.text for o in outs] == [
+        "reply to hello </search> tail",
+        "reply to hi there </search> tail",
+        "reply to ids 1 2 3 </search> tail",
+    ]
+    assert all(o.finish_reason == "length" for o in outs)
+    assert "messages" in server.requests[0] or "messages" in server.requests[1]
+    token_request = next(r for r in server.requests if "prompt" in r)
+    assert token_request["prompt"] == [1, 2, 3] and token_request["logprobs"] == 0
+    # distinct seeds per item, so repeated prompts give distinct samples
+    assert sorted(r["seed"] for r in server.requests) == [5, 6, 7]
+    # plain-text servers return text tokens: log-probs yes, token ids no
+    assert outs[0].token_ids == [] and outs[0].logprobs == pytest.approx([-0.01 * (i + 1) for i in range(len(outs[0].text))])
+
+
+def test_completions_mode_for_text(server):
+    gen = OpenAIGenerator(f"{server.url}/v1", "fake-model", chat=False)
+    (out,) = gen.generate(["plain"], params=P)
+    assert "prompt" in server.requests[0] and out.text.startswith("reply to plain")
+
+
+def test_stop_string_is_restored_in_text(server):
+    gen = OpenAIGenerator(f"{server.url}/v1", "fake-model")
+    outs = gen.generate(["a", "b"], stop=[["</search>"], ["nope"]], params=P)
+    assert outs[0].text == "reply to a </search>" and outs[0].finish_reason == "stop" and outs[0].stop == "</search>"
+    assert outs[1].finish_reason == "length" and outs[1].stop is None
+
+
+def test_vllm_extensions_give_token_ids_and_stop_reason(server):
+    gen = OpenAIGenerator(f"{server.url}/v1", "fake-model", vllm_extensions=True)
+    (out,) = gen.generate(["q"], stop=["</search>", "</answer>"], params=P)
+    assert out.text == "reply to q </search>" and out.stop == "</search>" and out.finish_reason == "stop"
+    assert out.token_ids == [ord(c) for c in out.text]
+    assert len(out.logprobs) == len(out.token_ids)
+
+
+def test_retries_a_failing_then_succeeding_endpoint(server):
+    server.flaky_failures_left = 2
+    gen = OpenAIGenerator(f"{server.url}/flaky/v1", "fake-model", retries=3, backoff=0.01)
+    (out,) = gen.generate(["x"], params=P)
+    assert out.text.startswith("reply to x") and len(server.requests) == 3
+
+
+def test_gives_up_with_service_error(server):
+    server.flaky_failures_left = 10
+    gen = OpenAIGenerator(f"{server.url}/flaky/v1", "fake-model", retries=2, backoff=0.01)
+    with pytest.raises(ServiceError, match="failed after 2 attempts.*503"):
+        gen.generate(["x"], params=P)
+
+
+def test_dead_server_raises_service_error():
+    gen = OpenAIGenerator(f"http://127.0.0.1:{_free_port()}/v1", "fake-model", retries=2, backoff=0.01, timeout=2)
+    with pytest.raises(ServiceError, match=r"POST http://127\.0\.0\.1:\d+/v1/chat/completions failed after 2"):
+        gen.generate(["x"], params=P)
+
+
+def test_client_errors_are_not_retried(server):
+    gen = OpenAIGenerator(f"{server.url}/v1", "other-model", retries=4, backoff=0.01)
+    with pytest.raises(ServiceError, match="HTTP 404.*unknown model other-model"):
+        gen.generate(["x"], params=P)
+    assert len(server.requests) == 1
+
+
+def test_concurrency_is_bounded(server):
+    server.delay = 0.1
+    gen = OpenAIGenerator(f"{server.url}/v1", "fake-model", max_concurrency=3)
+    outs = gen.generate([f"p{i}" for i in range(9)], params=P)
+    assert [o.text for o in outs] == [f"reply to p{i} </search> tail" for i in range(9)]
+    assert 2 <= server.max_in_flight <= 3
+
+
+def test_parsers_and_bad_config():
+    assert parse_token_ids(["token_id:5", "token_id:17"]) == [5, 17]
+    assert parse_token_ids(["token_id:5", "hello"]) == []
+    eos = parse_choice({"finish_reason": "stop", "stop_reason": None, "text": "done"}, ["</a>"], chat=False)
+    assert eos.finish_reason == "eos" and eos.text == "done"
+    with pytest.raises(ConfigError, match="base_url"):
+        OpenAIGenerator("localhost:8000", "m")
