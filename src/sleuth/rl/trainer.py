@@ -565,7 +565,11 @@ def train(recipe: Recipe, *, resume: bool = False, console: Any = None) -> dict[
         batch = collate(kept, pad_id, drop_truncated=algo.overlong_filter)
         micro = algo.micro_batch_size
         temperature = recipe.sampling.temperature
-        old_logprobs = batched_logprobs(policy, batch, temperature, micro, device)
+        # One update over the whole batch is on-policy: the old log-probs are the ones the update's own
+        # forward computes, so the extra no-grad pass is skipped (unless a KL reward penalty needs them).
+        on_policy = algo.ppo_epochs == 1 and local_minibatch >= len(kept)
+        needs_old = not on_policy or (kl_coef > 0 and algo.kl.mode == "penalty")
+        old_logprobs = batched_logprobs(policy, batch, temperature, micro, device) if needs_old else None
         ref_logprobs = None
         if kl_coef > 0:
             if ref_model is not None:
@@ -574,11 +578,12 @@ def train(recipe: Recipe, *, resume: bool = False, console: Any = None) -> dict[
                 with unwrap(policy).disable_adapter():  # LoRA: the base model is the reference
                     ref_logprobs = batched_logprobs(policy, batch, temperature, micro, device)
         mask = batch.action_mask
-        score_t = torch.tensor(scores, dtype=old_logprobs.dtype)
+        score_t = torch.tensor(scores, dtype=torch.promote_types(dtype_of(policy), torch.float32))
         token_rewards = adv_fns.outcome_to_token_rewards(score_t, mask)
         kl_for_log = None
         if ref_logprobs is not None:
-            kl_for_log = loss_fns.kl_penalty(old_logprobs, ref_logprobs, algo.kl.estimator)
+            if old_logprobs is not None:
+                kl_for_log = loss_fns.kl_penalty(old_logprobs, ref_logprobs, algo.kl.estimator)
             if algo.kl.mode == "penalty":
                 token_rewards = loss_fns.apply_kl_penalty(token_rewards, kl_for_log, kl_coef, mask)
 
@@ -747,7 +752,7 @@ def update(
     critic: nn.Module | None,
     optimizers: dict[str, torch.optim.Optimizer],
     batch: TokenBatch,
-    old_logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor | None,
     ref_logprobs: torch.Tensor | None,
     advantages: torch.Tensor,
     returns: torch.Tensor,
@@ -786,7 +791,7 @@ def update(
                 with _maybe_no_sync(policy, sync), autocast(device):
                     logprobs, entropy = forward_logprobs(policy, mi, temperature, with_entropy=True)
                     pg_loss, pg_stats = loss_fns.policy_loss(
-                        old_logprobs[idx].to(device),
+                        logprobs.detach() if old_logprobs is None else old_logprobs[idx].to(device),
                         logprobs,
                         advantages[idx].to(device),
                         m,
@@ -842,6 +847,10 @@ def update(
                 torch.nn.utils.clip_grad_norm_(critic.parameters(), recipe.optim.grad_clip)
                 optimizers["critic"].step()
     return stats
+
+
+def dtype_of(model: nn.Module) -> torch.dtype:
+    return next(unwrap(model).parameters()).dtype
 
 
 def _maybe_no_sync(model: nn.Module, sync: bool):
@@ -916,6 +925,10 @@ def _step_metrics(
     metrics["accuracy/em"] = _mean([exact_match(t.answer or "", t.golden_answers) for t in trajs])
     if kl is not None:
         metrics["actor/kl"] = float((kl * mask).sum() / mask.sum().clamp(min=1))
+    elif (
+        "actor/kl_loss" in stats
+    ):  # on-policy steps skip the old-log-prob pass; the KL loss term is the estimate
+        metrics["actor/kl"] = _mean(stats["actor/kl_loss"])
     for k, v in stats.items():
         metrics[k] = _mean(v)
     return {k: (0.0 if isinstance(v, float) and math.isnan(v) else v) for k, v in metrics.items()}
