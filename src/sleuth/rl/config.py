@@ -39,6 +39,9 @@ class ModelConfig(_Strict):
     # "fsdp" shards parameters, gradients and optimizer state over ranks (FSDP2 fully_shard).
     parallel: Literal["ddp", "fsdp"] = "ddp"
     offload_reference: bool = False  # keep the frozen reference on the CPU between uses
+    # rollout decoding: HF's dynamic KV cache, or a static cache (fast on GPU only with compile)
+    generation_cache: Literal["dynamic", "static"] = "dynamic"
+    compile_generation: bool = False
 
 
 class DataConfig(_Strict):

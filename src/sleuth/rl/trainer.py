@@ -505,7 +505,12 @@ def train(recipe: Recipe, *, resume: bool = False, console: Any = None) -> dict[
         seed_everything(recipe.seed * 1_000_003 + start_step * 1_009 + ctx.rank)
 
     # --- environment, data, reward ------------------------------------------
-    generator = HFGenerator(unwrap(policy), tokenizer=tokenizer)
+    generator = HFGenerator(
+        unwrap(policy),
+        tokenizer=tokenizer,
+        cache=recipe.model.generation_cache,
+        compile=recipe.model.compile_generation,
+    )
     retriever = build_retriever(recipe)
     loop = build_loop(recipe)
     examples = load_examples(recipe)
