@@ -20,14 +20,14 @@ for stage in "$@"; do
         python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target .gpusite .whl/*.whl \
           && touch .gpusite/.done
       fi
-      mkdir -p .gpu/parts .models/smollm2
-      for p in .gpu/p1/* .gpu/p2/*; do [ -f "$p" ] && cp -n "$p" .gpu/parts/; done
-      if [ ! -f "$GGUF" ] && [ "$(ls .gpu/parts | wc -l)" -ge 2 ]; then
-        cat .gpu/parts/ggufpart.* > "$GGUF.tmp"
+      mkdir -p .gpustore .models/smollm2
+      for p in .gpu/p1/* .gpu/p2/*; do [ -f "$p" ] && cp "$p" .gpustore/; done
+      if [ ! -f "$GGUF" ] && [ "$(ls .gpustore | wc -l)" -ge 2 ]; then
+        cat .gpustore/ggufpart.* > "$GGUF.tmp"
         if [ "$(sha256sum "$GGUF.tmp" | cut -d' ' -f1)" = "$GGUF_SHA" ]; then mv "$GGUF.tmp" "$GGUF"; echo "gguf joined, sha256 ok";
         else echo "gguf sha256 MISMATCH"; rm -f "$GGUF.tmp"; fi
       fi
-      ls .gpu/parts .models/smollm2 ;;
+      ls .gpustore .models/smollm2 ;;
     bench)
       python bench/rollout.py --model random:qwen2.5-0.5b --device cuda --batch 64 --turns 3 --new-tokens 64 \
         --baseline-trajectories 4 --out "$OUT/rollout_gpu.json" 2>&1 | tail -40
