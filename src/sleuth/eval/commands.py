@@ -1,0 +1,89 @@
+"""CLI: `sleuth eval`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+
+def _fail(message: str) -> None:
+    from rich.console import Console
+    from rich.markup import escape
+
+    Console(stderr=True, soft_wrap=True).print(f"[bold red]error:[/] {escape(message)}", highlight=False)
+    raise typer.Exit(code=2)
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("eval")
+    def eval_cmd(
+        method: list[str] = typer.Option(
+            ..., "--method", "-m",
+            help="Method(s), repeatable or comma-separated: direct, cot, naive-rag, ircot, search-o1, "
+                 "search-r1, s3, r-search, staged, qagent.",
+        ),
+        data: list[Path] = typer.Option(..., "--data", "-d", help="QA file(s): .jsonl/.json (FlashRAG) or .parquet."),
+        retriever: str | None = typer.Option(
+            None, "--retriever", "-r", help="Index directory or retrieval server URL (not needed for direct/cot)."
+        ),
+        model: str = typer.Option(
+            "smollm2-135m-instruct", "--model", help="Policy / prompted model: alias, checkpoint dir or openai:URL#model."
+        ),
+        generator: str | None = typer.Option(
+            None, "--generator", help="Frozen generator that answers from s3/qagent documents (default: --model)."
+        ),
+        judge: str | None = typer.Option(None, "--judge", help="LLM judge for GenAcc / judge accuracy (optional)."),
+        out: Path = typer.Option(Path("eval-results"), "--out", "-o", help="Output directory (resumable)."),
+        limit: int | None = typer.Option(None, "--limit", help="First N questions of each data file."),
+        seed: int = typer.Option(0, "--seed", help="Random seed."),
+        top_k: int | None = typer.Option(None, "--top-k", help="Documents per search (default: each method's)."),
+        max_turns: int | None = typer.Option(None, "--max-turns", help="Search turns (default: each method's)."),
+        batch_size: int = typer.Option(16, "--batch-size", help="Questions generated together."),
+        max_new_tokens: int = typer.Option(512, "--max-new-tokens", help="Tokens per agent turn / CoT."),
+        answer_max_new_tokens: int = typer.Option(64, "--answer-max-new-tokens", help="Tokens per short answer."),
+        r_search_evidence: bool = typer.Option(
+            False, "--r-search-evidence", help="R-Search: the frozen generator answers from its evidence (RSTool)."
+        ),
+        keep_token_ids: bool = typer.Option(False, "--keep-token-ids", help="Store token ids in trajectories."),
+        fresh: bool = typer.Option(False, "--fresh", help="Discard existing predictions in --out instead of resuming."),
+    ) -> None:
+        """Evaluate methods on QA data: EM, cover-EM, F1, span, GenAcc, judge, retrievals, tokens, latency."""
+        import time
+
+        from rich.console import Console
+        from rich.table import Table
+
+        from sleuth.errors import SleuthError
+        from sleuth.eval.harness import EvalConfig, evaluate, load_eval_data, parse_methods, summary_rows
+
+        console = Console()
+        try:
+            methods = parse_methods(method)
+            cfg = EvalConfig(
+                batch_size=batch_size, seed=seed, top_k=top_k, max_turns=max_turns, max_new_tokens=max_new_tokens,
+                answer_max_new_tokens=answer_max_new_tokens, r_search_evidence=r_search_evidence,
+                keep_token_ids=keep_token_ids, fresh=fresh,
+            )
+            examples = load_eval_data(data, limit)
+        except (SleuthError, OSError) as err:
+            _fail(str(err))
+        start = time.perf_counter()
+        try:
+            summary = evaluate(
+                methods, examples, retriever=retriever, model=model, generator=generator, judge=judge, out_dir=out,
+                config=cfg, progress=True, console=console,
+                run_info={"data": [str(p) for p in data], "limit": limit},
+            )
+        except (SleuthError, OSError) as err:
+            _fail(str(err))
+        elapsed = time.perf_counter() - start
+
+        header, rows = summary_rows(summary)
+        table = Table(title=f"sleuth eval -> {out}  ({elapsed:.1f} s)")
+        for i, name in enumerate(header):
+            table.add_column(name, justify="left" if i < 2 else "right")
+        for row in rows:
+            table.add_row(*row)
+        console.print(table)
+        console.print(f"predictions: {out}/<method>/predictions.jsonl   summary: {out}/summary.json, summary.md")

@@ -1,0 +1,721 @@
+"""The evaluation harness: run methods over QA examples, score them, write predictions and a summary.
+
+Output layout (the report reads exactly this):
+- `OUT/<method>/predictions.jsonl`: one record per question, appended batch by batch
+  {id, question, golden_answers, dataset, method, prediction, metrics: {em, cover_em, f1,
+  span_check, genacc, judge}, retrieval_count, input_tokens, output_tokens, latency_s,
+  answer_source, trajectory};
+- `OUT/<method>/config.json`: what the predictions depend on; a resumed run must match it;
+- `OUT/summary.json`: {"methods": {method: {dataset | "overall": {metric: mean, "n": count}}},
+  "config": {...}, "method_configs": {method: {...}}};
+- `OUT/summary.md`: the same as a markdown table.
+
+Methods: direct, cot, naive-rag, ircot (sleuth.eval.baselines), search-o1 (a prompted
+loop, sleuth.eval.search_o1), and the trained-agent loops search-r1, s3, r-search,
+staged, qagent (sleuth.agent), all decoded greedily. s3 and qagent are evaluated as
+searchers: the documents they gathered (`served_context`) go to a frozen generator
+that answers; with `r_search_evidence` R-Search's evidence block goes to the frozen
+generator too (RSTool). The other methods answer themselves.
+
+Latency is a batch's wall time (method and frozen generator, not the judge) divided
+by its size: the cost per question of batched evaluation, not a single-request latency.
+Agent token counts re-count the growing context at every policy turn.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass, fields, replace
+from pathlib import Path
+from typing import Any
+
+from sleuth.agent.trajectory import Trajectory
+from sleuth.data.formats import QAExample
+from sleuth.errors import ConfigError, DataFormatError
+from sleuth.eval.baselines import (
+    BaselineSettings,
+    CountingGenerator,
+    MethodOutput,
+    parse_answer,
+    read_documents,
+    run_cot,
+    run_direct,
+    run_ircot,
+    run_naive_rag,
+)
+from sleuth.llm.base import Generator, SamplingParams
+from sleuth.retrieval.base import Retriever
+from sleuth.rewards.answerer import answer_from_evidence, gen_acc, judge_contains
+from sleuth.rewards.metrics import aggregate, cover_exact_match, exact_match, f1_score, span_check
+from sleuth.utils import atomic_write_json, atomic_write_text, seed_everything
+
+METHODS: tuple[str, ...] = (
+    "direct", "cot", "naive-rag", "ircot", "search-o1", "search-r1", "s3", "r-search", "staged", "qagent",
+)
+AGENT_LOOPS = {"search-r1": "search_r1", "s3": "s3", "r-search": "r_search", "staged": "staged", "qagent": "qagent"}
+# searcher-as-submodule methods and the frozen-generator prompt their documents are read with
+SUBMODULE_TEMPLATES = {"s3": "s3", "qagent": "qagent"}
+RETRIEVAL_FREE = frozenset({"direct", "cot"})
+_ALIASES = {
+    "naive_rag": "naive-rag", "rag": "naive-rag", "naiverag": "naive-rag", "search_o1": "search-o1",
+    "searcho1": "search-o1", "search_r1": "search-r1", "searchr1": "search-r1", "r_search": "r-search",
+    "rsearch": "r-search", "staged_reward": "staged", "staged-reward": "staged", "chain-of-thought": "cot",
+}
+ANSWER_METRICS = ("em", "cover_em", "f1", "span_check", "genacc", "judge")
+COST_METRICS = ("retrieval_count", "input_tokens", "output_tokens", "latency_s")
+METRIC_KEYS = ANSWER_METRICS + COST_METRICS
+DEFAULT_MODEL = "smollm2-135m-instruct"
+
+
+# -- configuration -----------------------------------------------------------------------------------
+
+
+@dataclass
+class EvalConfig:
+    batch_size: int = 16
+    seed: int = 0
+    top_k: int | None = None  # None: each method's own default (loops: the papers'; baselines: 3)
+    max_turns: int | None = None  # None: each method's default (IRCoT 4 steps, Search-o1 5)
+    max_new_tokens: int = 512  # per agent turn, and for CoT
+    answer_max_new_tokens: int = 64  # direct answers and frozen-generator readers
+    max_obs_tokens: int = 512
+    max_response_tokens: int = 4096
+    answer_template: str = "s3"  # frozen-generator prompt for naive-rag and IRCoT's reader
+    r_search_evidence: bool = False  # R-Search answered by the frozen generator from its evidence (RSTool)
+    keep_token_ids: bool = False  # store token ids / masks / logprobs in trajectories (large)
+    fresh: bool = False  # discard existing predictions instead of resuming
+    default_dataset: str = "data"  # dataset name for examples without metadata["dataset"]
+
+    def __post_init__(self) -> None:
+        for name in ("batch_size", "max_new_tokens", "answer_max_new_tokens", "max_obs_tokens", "max_response_tokens"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("top_k", "max_turns"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ConfigError(f"{name} must be >= 1, got {value}")
+        if self.answer_template not in ("s3", "qagent"):
+            raise ConfigError(f"answer_template must be 's3' or 'qagent', got {self.answer_template!r}")
+        if self.default_dataset == "overall":
+            raise ConfigError("default_dataset 'overall' collides with the overall summary row")
+
+
+def canonical_method(name: str) -> str:
+    key = name.strip().lower()
+    key = _ALIASES.get(key, _ALIASES.get(key.replace("-", "_"), key.replace("_", "-")))
+    if key not in METHODS:
+        raise ConfigError(f"unknown method {name!r}; choose from: {', '.join(METHODS)}")
+    return key
+
+
+def parse_methods(methods: str | Iterable[str]) -> list[str]:
+    """Canonical method names from "a,b" strings or lists of them, in order, without repeats."""
+    items = [methods] if isinstance(methods, str) else list(methods)
+    out: list[str] = []
+    for item in items:
+        for part in str(item).split(","):
+            if part.strip():
+                name = canonical_method(part)
+                if name not in out:
+                    out.append(name)
+    if not out:
+        raise ConfigError(f"no method given; choose from: {', '.join(METHODS)}")
+    return out
+
+
+def describe(component: Any) -> str | None:
+    """A stable text for a spec or a constructed component (for configs and resume checks)."""
+    if component is None:
+        return None
+    if isinstance(component, (str, Path)):
+        text = str(component)
+        path = Path(text).expanduser()
+        return str(path.resolve()) if path.exists() else text
+    if isinstance(component, Mapping):
+        return json.dumps(dict(component), sort_keys=True)
+    for attr in ("source", "urls", "model_name", "model"):
+        value = getattr(component, attr, None)
+        if isinstance(value, (str, list)):
+            return f"{type(component).__name__}({value})"
+    return type(component).__name__
+
+
+def resolve_generator(spec: Generator | str | Mapping | None) -> Generator | None:
+    if spec is None:
+        return None
+    if hasattr(spec, "generate") and not isinstance(spec, (str, Mapping)):
+        return spec  # type: ignore[return-value]
+    from sleuth.llm.registry import load_generator
+
+    return load_generator(dict(spec) if isinstance(spec, Mapping) else str(spec))
+
+
+def resolve_retriever(spec: Retriever | str | Path | None) -> Retriever | None:
+    """An index directory -> `load_retriever`; an http(s) URL -> `RemoteRetriever`; objects pass through."""
+    if spec is None:
+        return None
+    if hasattr(spec, "search") and not isinstance(spec, (str, Path)):
+        return spec  # type: ignore[return-value]
+    text = str(spec)
+    if text.startswith(("http://", "https://")):
+        from sleuth.retrieval.client import RemoteRetriever
+
+        return RemoteRetriever(text)
+    path = Path(text).expanduser()
+    if not path.is_dir():
+        raise ConfigError(
+            f"retriever {text!r} is neither an index directory nor an http(s) URL; "
+            "build an index with `sleuth index CORPUS --out DIR` or start one with `sleuth serve-retriever`"
+        )
+    from sleuth.retrieval.index import load_retriever
+
+    return load_retriever(path)
+
+
+# -- examples ----------------------------------------------------------------------------------------
+
+
+def dataset_of(ex: QAExample, default: str) -> str:
+    name = ex.metadata.get("dataset") if isinstance(ex.metadata, Mapping) else None
+    return str(name) if name not in (None, "") else default
+
+
+def load_eval_data(paths: Sequence[str | Path], limit: int | None = None) -> list[QAExample]:
+    """Examples of each file (first `limit` of each); a file's examples without a dataset name get its stem."""
+    from sleuth.data.formats import load_qa
+
+    if not paths:
+        raise ConfigError("no data file given; pass --data FILE (.jsonl, .json or .parquet)")
+    if limit is not None and limit < 1:
+        raise ConfigError(f"--limit must be >= 1, got {limit}")
+    out: list[QAExample] = []
+    for p in paths:
+        path = Path(p)
+        if not path.is_file():
+            raise ConfigError(f"data file {str(path)!r} does not exist; pass a .jsonl/.json/.parquet QA file")
+        examples = load_qa(path)
+        if not examples:
+            raise DataFormatError(str(path), None, "holds no questions")
+        for ex in examples[:limit] if limit else examples:
+            meta = dict(ex.metadata or {})
+            meta.setdefault("dataset", path.stem)
+            if meta["dataset"] in (None, ""):
+                meta["dataset"] = path.stem
+            out.append(replace(ex, metadata=meta))
+    return out
+
+
+@dataclass
+class _Item:
+    key: tuple[str, str]
+    dataset: str
+    example: QAExample
+
+
+def _items(examples: Sequence[QAExample], default_dataset: str) -> list[_Item]:
+    items: list[_Item] = []
+    seen: set[tuple[str, str]] = set()
+    for ex in examples:
+        dataset = dataset_of(ex, default_dataset)
+        if dataset == "overall":
+            raise ConfigError(f"question {ex.id!r}: dataset name 'overall' collides with the overall row; rename it")
+        key = (dataset, str(ex.id))
+        if key in seen:
+            raise ConfigError(f"question id {ex.id!r} appears twice in dataset {dataset!r}; ids must be unique")
+        seen.add(key)
+        items.append(_Item(key, dataset, ex))
+    return items
+
+
+# -- predictions file --------------------------------------------------------------------------------
+
+
+def load_predictions(path: str | Path) -> dict[tuple[str, str], dict]:
+    """Finished records by (dataset, id). A torn last line (a crash mid-write) is dropped and cut from
+    the file, so the next append starts on a clean line; a bad line elsewhere is an error."""
+    path = Path(path)
+    if not path.exists():
+        return {}
+    data = path.read_bytes()
+    lines = data.split(b"\n")
+    if lines and lines[-1] == b"":
+        lines.pop()
+    records: dict[tuple[str, str], dict] = {}
+    pos = good_end = 0
+    for lineno, raw in enumerate(lines, start=1):
+        end = min(pos + len(raw) + 1, len(data))
+        pos += len(raw) + 1
+        if not raw.strip():
+            good_end = end
+            continue
+        try:
+            rec = json.loads(raw)
+            key = (str(rec["dataset"]), str(rec["id"]))
+        except (ValueError, KeyError, TypeError) as err:
+            if lineno == len(lines):
+                break
+            raise DataFormatError(
+                str(path), lineno, f"not a prediction record ({err}); delete the line or rerun with --fresh"
+            ) from err
+        records[key] = rec
+        good_end = end
+    if good_end < len(data) or (data and not data.endswith(b"\n")):
+        with open(path, "r+b") as f:
+            f.truncate(good_end)
+            if good_end and data[good_end - 1 : good_end] != b"\n":
+                f.seek(good_end)
+                f.write(b"\n")
+    return records
+
+
+def append_records(path: str | Path, records: Sequence[Mapping[str, Any]]) -> None:
+    """Append whole lines and fsync, so a finished batch survives a crash."""
+    if not records:
+        return
+    payload = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(payload)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+# -- scoring -----------------------------------------------------------------------------------------
+
+
+def score_predictions(
+    questions: Sequence[str],
+    golden_answers: Sequence[Sequence[str]],
+    predictions: Sequence[str | None],
+    judge: Generator | None = None,
+) -> list[dict[str, float | None]]:
+    """EM, cover-EM, F1, span_check, judge (None without a judge; 0 for a missing prediction) and
+    GenAcc = span_check OR judge (s3). The judge is asked about every prediction in one call."""
+    verdicts: list[float | None] = [None] * len(predictions)
+    if judge is not None:
+        ask = [i for i, p in enumerate(predictions) if p is not None and p.strip()]
+        for i in range(len(predictions)):
+            verdicts[i] = 0.0
+        if ask:
+            said = judge_contains(judge, [questions[i] for i in ask], [golden_answers[i] for i in ask],
+                                  [predictions[i] or "" for i in ask])
+            for i, ok in zip(ask, said, strict=True):
+                verdicts[i] = float(ok)
+    out = []
+    for pred, golds, verdict in zip(predictions, golden_answers, verdicts, strict=True):
+        out.append({
+            "em": exact_match(pred, golds),
+            "cover_em": cover_exact_match(pred, golds),
+            "f1": f1_score(pred, golds),
+            "span_check": span_check(pred, golds),
+            "genacc": gen_acc(pred, golds, None if verdict is None else bool(verdict)),
+            "judge": verdict,
+        })
+    return out
+
+
+def trajectory_tokens(traj: Trajectory) -> tuple[int, int]:
+    """(input, output) tokens of a rollout: each policy turn reads the prompt plus the response so far."""
+    policy = [t for t in traj.turns if t.role == "policy"]
+    n_in = sum(len(traj.prompt_ids) + t.start for t in policy)
+    return n_in, traj.num_policy_tokens
+
+
+def _stored_trajectory(traj: Trajectory | None, keep_token_ids: bool) -> dict | None:
+    if traj is None:
+        return None
+    d = traj.to_dict()
+    if not keep_token_ids:
+        for name in ("prompt_ids", "response_ids", "loss_mask", "logprobs"):
+            d[name] = []
+    return d
+
+
+# -- running methods -----------------------------------------------------------------------------------
+
+
+@dataclass
+class _Context:
+    model: Generator
+    generator: Generator
+    retriever: Retriever | None
+    cfg: EvalConfig
+
+
+def _baseline_settings(method: str, cfg: EvalConfig) -> BaselineSettings:
+    return BaselineSettings(
+        top_k=cfg.top_k or 3,
+        max_turns=cfg.max_turns or 4,
+        max_new_tokens=cfg.max_new_tokens,
+        answer_max_new_tokens=cfg.answer_max_new_tokens,
+        answer_template=cfg.answer_template,
+        seed=cfg.seed,
+    )
+
+
+def _build_loop(method: str, cfg: EvalConfig):
+    loop_cfg: dict[str, Any] = {} if cfg.top_k is None else {"top_k": cfg.top_k}
+    if method == "search-o1":
+        from sleuth.eval.search_o1 import SearchO1Loop
+
+        return SearchO1Loop(**loop_cfg)
+    from sleuth.agent.registry import get_loop
+
+    return get_loop(AGENT_LOOPS[method], **loop_cfg)
+
+
+def _run_agent(method: str, examples: Sequence[QAExample], ctx: _Context) -> list[MethodOutput]:
+    from sleuth.agent.engine import rollout
+
+    cfg = ctx.cfg
+    assert ctx.retriever is not None
+    params = SamplingParams(max_new_tokens=cfg.max_new_tokens, temperature=0.0, seed=cfg.seed)
+    trajs = rollout(
+        _build_loop(method, cfg), ctx.model, ctx.retriever, examples, params, n=1, max_turns=cfg.max_turns,
+        max_obs_tokens=cfg.max_obs_tokens, max_response_tokens=cfg.max_response_tokens,
+    )
+    outs = []
+    for traj in trajs:
+        n_in, n_out = trajectory_tokens(traj)
+        outs.append(MethodOutput(traj.answer, traj.retrieval_count, n_in, n_out, traj))
+    if method in SUBMODULE_TEMPLATES:
+        settings = _baseline_settings(method, cfg)
+        preds, texts, counts = read_documents(
+            ctx.generator, examples, [t.served_context for t in trajs], settings, SUBMODULE_TEMPLATES[method]
+        )
+        _hand_over(outs, preds, texts, counts)
+    elif method == "r-search" and cfg.r_search_evidence:
+        counter = CountingGenerator(ctx.generator)
+        params = SamplingParams(max_new_tokens=cfg.answer_max_new_tokens, temperature=0.0, seed=cfg.seed)
+        texts = answer_from_evidence(counter, [ex.question for ex in examples],
+                                     [t.evidence or "" for t in trajs], params)
+        _hand_over(outs, [parse_answer(t) for t in texts], texts, list(counter.last))
+    return outs
+
+
+def _hand_over(outs: list[MethodOutput], preds, texts, counts) -> None:
+    for out, pred, text, (n_in, n_out) in zip(outs, preds, texts, counts, strict=True):
+        out.extra["agent_answer"] = out.prediction
+        out.extra["generator_output"] = text
+        out.prediction = pred
+        out.answer_source = "generator"
+        out.input_tokens += n_in
+        out.output_tokens += n_out
+
+
+def run_method_batch(method: str, examples: Sequence[QAExample], ctx: _Context) -> list[MethodOutput]:
+    """One batch of one method: every question goes through the generator together."""
+    settings = _baseline_settings(method, ctx.cfg)
+    if method == "direct":
+        return run_direct(ctx.model, examples, settings)
+    if method == "cot":
+        return run_cot(ctx.model, examples, settings)
+    if ctx.retriever is None:
+        raise ConfigError(f"method {method!r} needs a retriever: pass --retriever INDEX_DIR or URL")
+    if method == "naive-rag":
+        return run_naive_rag(ctx.model, ctx.retriever, examples, settings)
+    if method == "ircot":
+        return run_ircot(ctx.model, ctx.retriever, examples, settings)
+    return _run_agent(method, examples, ctx)
+
+
+def method_config(method: str, ctx: _Context, retriever_desc: str | None, model_desc: str | None,
+                  generator_desc: str | None, judge_desc: str | None) -> dict[str, Any]:
+    """Everything a method's stored predictions depend on (compared when resuming)."""
+    cfg = ctx.cfg
+    uses_generator = method in SUBMODULE_TEMPLATES or (method == "r-search" and cfg.r_search_evidence)
+    return {
+        "method": method,
+        "model": model_desc,
+        "generator": generator_desc if uses_generator else None,
+        "judge": judge_desc,
+        "retriever": None if method in RETRIEVAL_FREE else retriever_desc,
+        "top_k": cfg.top_k,
+        "max_turns": cfg.max_turns,
+        "seed": cfg.seed,
+        "max_new_tokens": cfg.max_new_tokens,
+        "answer_max_new_tokens": cfg.answer_max_new_tokens,
+        "max_obs_tokens": cfg.max_obs_tokens,
+        "max_response_tokens": cfg.max_response_tokens,
+        "answer_template": cfg.answer_template if method in ("naive-rag", "ircot") else None,
+        "r_search_evidence": cfg.r_search_evidence if method == "r-search" else None,
+    }
+
+
+def _check_resume(path: Path, current: dict[str, Any]) -> None:
+    if not path.exists():
+        atomic_write_json(path, current)
+        return
+    try:
+        previous = json.loads(path.read_text(encoding="utf-8"))
+    except ValueError as err:
+        raise DataFormatError(str(path), None, f"unreadable run config ({err}); rerun with --fresh") from err
+    changed = [f"{k}: {previous.get(k)!r} -> {v!r}" for k, v in current.items() if previous.get(k) != v]
+    if changed:
+        raise ConfigError(
+            f"{path.parent} holds predictions made with a different configuration ({'; '.join(changed)}); "
+            "use another --out directory, or --fresh to discard them"
+        )
+
+
+def _chunks(seq: Sequence[Any], size: int) -> Iterable[Sequence[Any]]:
+    for start in range(0, len(seq), size):
+        yield seq[start : start + size]
+
+
+def run_method(
+    method: str,
+    items: Sequence[_Item],
+    ctx: _Context,
+    judge: Generator | None,
+    out_dir: Path,
+    method_cfg: dict[str, Any],
+    on_progress: Callable[[int], None] | None = None,
+) -> list[dict]:
+    """Run (or resume) one method over `items`; returns their records in `items` order."""
+    cfg = ctx.cfg
+    mdir = out_dir / method
+    mdir.mkdir(parents=True, exist_ok=True)
+    pred_path = mdir / "predictions.jsonl"
+    if cfg.fresh:
+        for stale in (pred_path, mdir / "config.json"):
+            if stale.exists():
+                stale.unlink()
+    _check_resume(mdir / "config.json", method_cfg)
+    done = load_predictions(pred_path)
+    todo = [it for it in items if it.key not in done]
+    if on_progress:
+        on_progress(len(items) - len(todo))
+    seed_everything(cfg.seed)
+    for batch in _chunks(todo, cfg.batch_size):
+        examples = [it.example for it in batch]
+        start = time.perf_counter()
+        outputs = run_method_batch(method, examples, ctx)
+        latency = (time.perf_counter() - start) / len(batch)
+        if len(outputs) != len(batch):
+            raise RuntimeError(f"method {method} returned {len(outputs)} outputs for {len(batch)} questions")
+        metrics = score_predictions(
+            [ex.question for ex in examples], [ex.golden_answers for ex in examples],
+            [o.prediction for o in outputs], judge,
+        )
+        records = []
+        for it, out, m in zip(batch, outputs, metrics, strict=True):
+            rec = {
+                "id": str(it.example.id),
+                "question": it.example.question,
+                "golden_answers": list(it.example.golden_answers),
+                "dataset": it.dataset,
+                "method": method,
+                "prediction": out.prediction,
+                "metrics": m,
+                "retrieval_count": out.retrieval_count,
+                "input_tokens": out.input_tokens,
+                "output_tokens": out.output_tokens,
+                "latency_s": latency,
+                "answer_source": out.answer_source,
+                "trajectory": _stored_trajectory(out.trajectory, cfg.keep_token_ids),
+            }
+            if out.extra:
+                rec["extra"] = out.extra
+            records.append(rec)
+            done[it.key] = rec
+        append_records(pred_path, records)
+        if on_progress:
+            on_progress(len(batch))
+    return [done[it.key] for it in items]
+
+
+# -- summary -------------------------------------------------------------------------------------------
+
+
+def summarise_records(records: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, float | int | None]]:
+    """Per dataset and "overall": the mean of every metric (None when never computed) and "n"."""
+    rows = [
+        {"dataset": r["dataset"], **{k: r["metrics"].get(k) for k in ANSWER_METRICS},
+         **{k: r.get(k) for k in COST_METRICS}}
+        for r in records
+    ]
+    return aggregate(rows, METRIC_KEYS, by="dataset")
+
+
+COLUMNS: tuple[tuple[str, str, str], ...] = (
+    ("em", "EM", "pct"), ("cover_em", "CEM", "pct"), ("f1", "F1", "pct"), ("span_check", "Span", "pct"),
+    ("genacc", "GenAcc", "pct"), ("judge", "Judge", "pct"), ("retrieval_count", "RC", "{:.2f}"),
+    ("input_tokens", "In tok", "{:.0f}"), ("output_tokens", "Out tok", "{:.0f}"), ("latency_s", "s/q", "{:.2f}"),
+)
+
+
+def _fmt(value: Any, how: str) -> str:
+    if value is None:
+        return "-"
+    if how == "pct":
+        return f"{100 * float(value):.1f}"
+    return how.format(float(value))
+
+
+def summary_rows(summary: Mapping[str, Any]) -> tuple[list[str], list[list[str]]]:
+    """Header and rows (method x dataset; "overall" only when there are several datasets)."""
+    header = ["method", "dataset", "n"] + [c[1] + (" %" if c[2] == "pct" else "") for c in COLUMNS]
+    rows = []
+    for method, per_dataset in summary["methods"].items():
+        names = sorted(d for d in per_dataset if d != "overall")
+        if len(names) != 1:
+            names.append("overall")
+        for name in names:
+            stats = per_dataset[name]
+            rows.append([method, name, str(stats["n"])] + [_fmt(stats.get(key), how) for key, _, how in COLUMNS])
+    return header, rows
+
+
+def summary_markdown(summary: Mapping[str, Any]) -> str:
+    header, rows = summary_rows(summary)
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    cfg = summary.get("config", {})
+    notes = (
+        f"\nAccuracy columns are percentages. RC = retrievals per question; tokens per question; "
+        f"s/q = batch wall time / batch size. Model: {cfg.get('model')}; generator: {cfg.get('generator')}; "
+        f"judge: {cfg.get('judge')}.\n"
+    )
+    return "\n".join(lines) + "\n" + notes
+
+
+def write_summary(out_dir: Path, summary: Mapping[str, Any]) -> None:
+    atomic_write_json(out_dir / "summary.json", summary)
+    atomic_write_text(out_dir / "summary.md", summary_markdown(summary))
+
+
+def _previous_summary(out_dir: Path) -> dict[str, Any]:
+    path = out_dir / "summary.json"
+    if not path.exists():
+        return {}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except ValueError:
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+# -- the entry point -------------------------------------------------------------------------------------
+
+
+def evaluate(
+    methods: str | Sequence[str],
+    examples: Sequence[QAExample],
+    retriever: Retriever | str | Path | None = None,
+    model: Generator | str | Mapping | None = DEFAULT_MODEL,
+    generator: Generator | str | Mapping | None = None,
+    judge: Generator | str | Mapping | None = None,
+    out_dir: str | Path = "eval-results",
+    config: EvalConfig | None = None,
+    *,
+    run_info: Mapping[str, Any] | None = None,
+    progress: bool = False,
+    console: Any = None,
+    **options: Any,
+) -> dict[str, Any]:
+    """Evaluate `methods` on `examples`; writes OUT/<method>/predictions.jsonl and OUT/summary.{json,md}.
+
+    `retriever`, `model`, `generator` (the frozen answerer of s3/qagent; default: `model`) and `judge`
+    are specs (index dir or URL; model alias, dir, "openai:<url>#<model>") or constructed objects,
+    so callers can share one loaded model. `options` override `config` fields (e.g. top_k=3).
+    Re-running with the same `out_dir` resumes: questions already in predictions.jsonl are skipped.
+    Returns the summary dict written to summary.json.
+    """
+    cfg = config or EvalConfig()
+    if options:
+        known = {f.name for f in fields(EvalConfig)}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise ConfigError(f"unknown evaluate option(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        cfg = replace(cfg, **options)
+    method_list = parse_methods(methods)
+    items = _items(list(examples), cfg.default_dataset)
+    if not items:
+        raise ConfigError("no questions to evaluate")
+    if model is None:
+        raise ConfigError("evaluate needs a model (a Generator or a model spec)")
+    needs_retrieval = [m for m in method_list if m not in RETRIEVAL_FREE]
+    if needs_retrieval and retriever is None:
+        raise ConfigError(
+            f"method(s) {', '.join(needs_retrieval)} need a retriever: pass --retriever INDEX_DIR or http URL"
+        )
+
+    model_obj = resolve_generator(model)
+    assert model_obj is not None
+    same_as_model = generator is None or generator is model or (isinstance(generator, str) and generator == model)
+    generator_obj = model_obj if same_as_model else resolve_generator(generator)
+    judge_same = judge is not None and (judge is model or (isinstance(judge, str) and judge == model))
+    judge_obj = model_obj if judge_same else resolve_generator(judge)
+    retriever_obj = resolve_retriever(retriever) if needs_retrieval else None
+    assert generator_obj is not None
+    ctx = _Context(model_obj, generator_obj, retriever_obj, cfg)
+
+    descs = {
+        "model": describe(model),
+        "generator": describe(model if same_as_model else generator),
+        "judge": describe(judge),
+        "retriever": describe(retriever) if needs_retrieval else None,
+    }
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    previous = _previous_summary(out)
+    method_summaries: dict[str, Any] = dict(previous.get("methods", {}))
+    method_configs: dict[str, Any] = dict(previous.get("method_configs", {}))
+
+    bar = _progress_bar(console) if progress else None
+    try:
+        for method in method_list:
+            mcfg = method_config(method, ctx, descs["retriever"], descs["model"], descs["generator"], descs["judge"])
+            on_progress = None
+            if bar is not None:
+                task = bar.add_task(method, total=len(items))
+
+                def on_progress(n: int, task=task) -> None:
+                    bar.advance(task, n)
+
+            records = run_method(method, items, ctx, judge_obj, out, mcfg, on_progress)
+            method_summaries[method] = summarise_records(records)
+            method_configs[method] = mcfg
+    finally:
+        if bar is not None:
+            bar.stop()
+
+    ordered = sorted(method_summaries, key=lambda m: (METHODS.index(m) if m in METHODS else len(METHODS), m))
+    datasets: dict[str, int] = {}
+    for it in items:
+        datasets[it.dataset] = datasets.get(it.dataset, 0) + 1
+    summary = {
+        "methods": {m: method_summaries[m] for m in ordered},
+        "config": {
+            **descs,
+            **{k: v for k, v in asdict(cfg).items() if k not in ("fresh",)},
+            "methods": method_list,
+            "datasets": datasets,
+            "num_questions": len(items),
+            **dict(run_info or {}),
+        },
+        "method_configs": {m: method_configs[m] for m in ordered if m in method_configs},
+    }
+    write_summary(out, summary)
+    return summary
+
+
+def _progress_bar(console: Any):
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
+
+    bar = Progress(
+        TextColumn("{task.description:>10}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+        TimeRemainingColumn(), console=console,
+    )
+    bar.start()
+    return bar
