@@ -18,10 +18,11 @@ $(VENV)/.installed: pyproject.toml
 install: $(VENV)/.installed
 
 demo: $(VENV)/.installed
-	$(SLEUTH) demo
+	@# one thread by default: on small shared VMs two OpenMP threads spin in the kernel and run slower
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(SLEUTH) demo
 
 demo-fast: $(VENV)/.installed
-	$(SLEUTH) demo --fast
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(SLEUTH) demo --fast
 
 test: $(VENV)/.installed
 	OMP_NUM_THREADS=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 $(PY) -m pytest

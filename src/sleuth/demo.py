@@ -36,20 +36,24 @@ class DemoSize:
     max_new_tokens: int
     dense: bool
     lr: float
+    max_turns: int = 2
 
 
+# Sized for 2 CPU cores in under 10 minutes: on a CPU the cost is prefill of the long s3 prompt
+# plus documents (~1k tokens per trajectory per turn) and the LoRA update over the same tokens.
 FULL = DemoSize(
     model="smollm2-135m-instruct",
-    passages=3000,
-    questions=400,
+    passages=2000,
+    questions=300,
     hops=(1, 3),
-    eval_questions=48,
-    train_steps=4,
-    prompts_per_step=4,
-    n=4,
-    max_new_tokens=48,
+    eval_questions=12,
+    train_steps=2,
+    prompts_per_step=2,
+    n=2,
+    max_new_tokens=32,
     dense=True,
     lr=1e-4,
+    max_turns=1,
 )
 # A real RL run for a GPU (docs/results.md): more questions, more steps, the paper's 3 turns.
 GPU = DemoSize(
@@ -101,7 +105,7 @@ def s3_recipe(out: Path, size: DemoSize) -> dict[str, Any]:
         "retriever": {"index": str(out / "world" / "bm25")},
         "agent": {
             "loop": "s3",
-            "max_turns": 2,
+            "max_turns": size.max_turns,
             "top_k": 3,
             "max_new_tokens_per_turn": size.max_new_tokens,
             "max_obs_tokens": 256,
@@ -183,7 +187,7 @@ def run_demo(out: Path, profile: str, console: Any, model: str | None = None) ->
         max_new_tokens=size.max_new_tokens,
         answer_max_new_tokens=24,
         top_k=3,
-        max_turns=2,
+        max_turns=size.max_turns,
         max_response_tokens=1024,
         max_obs_tokens=256,
     )
@@ -194,6 +198,7 @@ def run_demo(out: Path, profile: str, console: Any, model: str | None = None) ->
         base,
         generator=base,
         out_dir=out / "eval_before",
+        progress=True,
         config=cfg,
     )
     timings["eval_before_s"] = time.perf_counter() - t0
@@ -216,7 +221,14 @@ def run_demo(out: Path, profile: str, console: Any, model: str | None = None) ->
     searcher = load_searcher(result["checkpoint"])
     frozen = load_generator(size.model)
     evaluate(
-        ["s3"], test, retriever, searcher.generator, generator=frozen, out_dir=out / "eval_after", config=cfg
+        ["s3"],
+        test,
+        retriever,
+        searcher.generator,
+        generator=frozen,
+        out_dir=out / "eval_after",
+        config=cfg,
+        progress=True,
     )
     timings["eval_after_s"] = time.perf_counter() - t0
     timings["total_s"] = time.perf_counter() - t_all

@@ -148,9 +148,22 @@ def resolve_generator(spec: Generator | str | Mapping | None) -> Generator | Non
         return None
     if hasattr(spec, "generate") and not isinstance(spec, (str, Mapping)):
         return spec  # type: ignore[return-value]
+    if isinstance(spec, (str, Path)) and is_sleuth_checkpoint(spec):
+        from sleuth.agent.searcher import load_searcher
+
+        return load_searcher(spec).generator  # a trained policy (LoRA merged into its base)
     from sleuth.llm.registry import load_generator
 
     return load_generator(dict(spec) if isinstance(spec, Mapping) else str(spec))
+
+
+def is_sleuth_checkpoint(spec: str | Path) -> bool:
+    """A `sleuth train` checkpoint directory or run directory (holding one)."""
+    path = Path(spec)
+    if (path / "searcher.json").exists():
+        return True
+    ckpts = path / "checkpoints"
+    return ckpts.is_dir() and any(ckpts.glob("step_*/searcher.json"))
 
 
 def resolve_retriever(spec: Retriever | str | Path | None) -> Retriever | None:

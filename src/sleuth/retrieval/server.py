@@ -27,6 +27,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 
+from sleuth.http_errors import error_response, validation_error_response
 from sleuth.retrieval.base import Hit, Retriever
 
 DEFAULT_K = 3  # Search-R1's retrieval server default (`--topk 3`)
@@ -249,13 +250,6 @@ class MicroBatcher:
         self._executor.shutdown(wait=False, cancel_futures=True)
 
 
-def _error(status: int, message: str, field_name: str | None = None) -> JSONResponse:
-    body: dict[str, Any] = {"detail": message}
-    if field_name is not None:
-        body["field"] = field_name
-    return JSONResponse(status_code=status, content=body)
-
-
 def _describe_retriever(retriever: Retriever) -> dict[str, Any]:
     kind = getattr(retriever, "kind", None) or type(retriever).__name__
     num_docs = getattr(retriever, "num_docs", None)
@@ -309,15 +303,7 @@ def create_app(
 
     @app.exception_handler(RequestValidationError)
     async def _invalid_request(_: Request, exc: RequestValidationError) -> JSONResponse:
-        problems = []
-        first_field = None
-        for err in exc.errors():
-            loc = [str(p) for p in err.get("loc", ()) if p != "body"]
-            where = ".".join(loc) or "body"
-            first_field = first_field or where
-            problems.append(f"{where}: {err.get('msg', 'invalid')}")
-        hint = ' (expected {"queries": [str, ...], "topk": int, "return_scores": bool})'
-        return _error(422, "invalid request: " + "; ".join(problems) + hint, first_field)
+        return validation_error_response(exc, '{"queries": [str, ...], "topk": int, "return_scores": bool}')
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
@@ -327,11 +313,11 @@ def create_app(
     async def retrieve(req: RetrieveRequest) -> Response:
         k = req.topk or default_k  # Search-R1 treats a null or 0 topk as "use the default"
         if k < 1 or k > max_k:
-            return _error(422, f"topk must be between 1 and {max_k}, got {req.topk}", "topk")
+            return error_response(422, f"topk must be between 1 and {max_k}, got {req.topk}", "topk")
         if not req.queries:
-            return _error(422, "queries must be a non-empty list of strings", "queries")
+            return error_response(422, "queries must be a non-empty list of strings", "queries")
         if len(req.queries) > max_queries:
-            return _error(
+            return error_response(
                 422,
                 f"queries has {len(req.queries)} items; this server accepts at most {max_queries} per request "
                 "(split the list into smaller batches)",
@@ -339,13 +325,13 @@ def create_app(
             )
         for i, q in enumerate(req.queries):
             if len(q) > max_query_chars:
-                return _error(
+                return error_response(
                     422, f"queries[{i}] has {len(q)} characters; the limit is {max_query_chars}", f"queries[{i}]"
                 )
         try:
             body = await batcher.submit(req.queries, k, req.return_scores)
         except RetrieverFailure as err:
-            return _error(503, str(err))
+            return error_response(503, str(err))
         return Response(content=body, media_type="application/json")
 
     return app

@@ -21,6 +21,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
+from sleuth.http_errors import error_response, validation_error_response
 from sleuth.serve.schemas import AnswerResponse, SearchRequest, SearchResponse
 from sleuth.serve.service import (
     NoAnswerGenerator,
@@ -31,13 +32,6 @@ from sleuth.serve.service import (
 )
 
 OPEN_PATHS = frozenset({"/health"})
-
-
-def _error(status: int, message: str, field_name: str | None = None, headers: dict | None = None) -> JSONResponse:
-    body: dict[str, Any] = {"detail": message}
-    if field_name is not None:
-        body["field"] = field_name
-    return JSONResponse(status_code=status, content=body, headers=headers)
 
 
 def bearer_token_ok(header: str | None, token: str) -> bool:
@@ -67,38 +61,32 @@ def create_app(service: SearcherService, *, token: str | None = None, name: str 
         async def _require_token(request: Request, call_next):
             if request.url.path not in OPEN_PATHS and not bearer_token_ok(request.headers.get("authorization"), token):
                 service.count("rejected")
-                return _error(401, "missing or wrong bearer token: send 'Authorization: Bearer <token>'",
+                return error_response(401, "missing or wrong bearer token: send 'Authorization: Bearer <token>'",
                               headers={"WWW-Authenticate": "Bearer"})
             return await call_next(request)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid_request(_: Request, exc: RequestValidationError) -> JSONResponse:
         service.count("rejected")
-        problems = []
-        first_field = None
-        for err in exc.errors():
-            loc = [str(p) for p in err.get("loc", ()) if p != "body"]
-            where = ".".join(loc) or "body"
-            first_field = first_field or where
-            problems.append(f"{where}: {err.get('msg', 'invalid')}")
-        hint = ' (expected {"question": str, "max_turns": int (optional), "top_k": int (optional)})'
-        return _error(422, "invalid request: " + "; ".join(problems) + hint, first_field)
+        return validation_error_response(
+            exc, '{"question": str, "max_turns": int (optional), "top_k": int (optional)}'
+        )
 
     async def _run(req: SearchRequest, want_answer: bool) -> dict[str, Any] | JSONResponse:
         try:
             query = service.validate(req.question, req.max_turns, req.top_k, want_answer=want_answer)
         except RequestError as err:
             service.count("rejected")
-            return _error(422, err.message, err.field)
+            return error_response(422, err.message, err.field)
         try:
             return await service.search(query)
         except NoAnswerGenerator as err:
             service.count("rejected")
-            return _error(400, str(err))
+            return error_response(400, str(err))
         except ServiceFailure as err:
-            return _error(503, str(err))
+            return error_response(503, str(err))
         except SearchTimeout as err:
-            return _error(504, str(err))
+            return error_response(504, str(err))
 
     @app.get("/health")
     async def health() -> dict[str, Any]:

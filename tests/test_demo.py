@@ -1,0 +1,45 @@
+"""`sleuth demo --fast` end to end (what CI runs), and evaluating the checkpoint it trains."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+
+def test_demo_fast_end_to_end(tmp_path: Path) -> None:
+    out = tmp_path / "demo"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "sleuth.cli", "demo", "--fast", "--out", str(out)],
+                          env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+
+    before = json.loads((out / "eval_before" / "summary.json").read_text())["methods"]
+    after = json.loads((out / "eval_after" / "summary.json").read_text())["methods"]
+    assert set(before) == {"direct", "naive-rag", "s3"} and set(after) == {"s3"}
+    n_test = before["s3"]["overall"]["n"]
+    assert n_test == after["s3"]["overall"]["n"] > 0
+    assert before["naive-rag"]["overall"]["retrieval_count"] == 1.0  # one search for the question
+    assert before["direct"]["overall"]["retrieval_count"] == 0.0
+
+    steps = [json.loads(x)["step"] for x in (out / "train" / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2]
+    ckpt = out / "train" / "checkpoints" / "step_000002"
+    info = json.loads((ckpt / "searcher.json").read_text())
+    assert info["loop"] == "s3" and info["lora"] is True
+    assert (ckpt / "policy" / "adapter_config.json").exists()
+
+    html = (out / "report.html").read_text()
+    assert "What it cannot show" in html and "eval_after" in html and "data:image/png;base64" in html
+
+    # the trained checkpoint evaluates through the CLI like any model
+    proc = subprocess.run(
+        [sys.executable, "-m", "sleuth.cli", "eval", "-m", "s3", "--data", str(out / "world" / "test.jsonl"),
+         "--retriever", str(out / "world" / "bm25"), "--model", str(out / "train"), "--generator", "tiny",
+         "--limit", "3", "--max-new-tokens", "8", "--max-turns", "1", "--out", str(tmp_path / "ev")],
+        env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    summary = json.loads((tmp_path / "ev" / "summary.json").read_text())
+    assert summary["methods"]["s3"]["overall"]["n"] == 3
