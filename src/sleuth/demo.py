@@ -149,6 +149,7 @@ def run_demo(out: Path, profile: str, console: Any, model: str | None = None) ->
     from sleuth.eval.report import build_report
     from sleuth.llm.registry import load_generator
     from sleuth.retrieval import build_index, load_retriever
+    from sleuth.rl.checkpoint import latest_checkpoint
     from sleuth.rl.config import recipe_from_dict
     from sleuth.rl.trainer import train
 
@@ -210,9 +211,10 @@ def run_demo(out: Path, profile: str, console: Any, model: str | None = None) ->
     )
     recipe_dict = s3_recipe(out, size)
     (out / "s3_recipe.yaml").write_text(yaml.safe_dump(recipe_dict, sort_keys=False))
-    # resume=True: a rerun (or a run killed mid-way) continues from the newest checkpoint
+    # a rerun (or a run killed mid-way) continues from the newest checkpoint
+    resume = latest_checkpoint(out / "train") is not None
     result = train(
-        recipe_from_dict(recipe_dict, source=str(out / "s3_recipe.yaml")), resume=True, console=console
+        recipe_from_dict(recipe_dict, source=str(out / "s3_recipe.yaml")), resume=resume, console=console
     )
     timings["train_s"] = time.perf_counter() - t0
 
