@@ -12,8 +12,8 @@ import re
 from dataclasses import dataclass
 from typing import ClassVar
 
-from sleuth.agent.base import AgentLoop, RolloutState, StepOutcome, count_tag, tag_sequence
-from sleuth.agent.search_r1 import SEARCH_R1_INVALID_ACTION, search_or_answer
+from sleuth.agent.base import RolloutState, count_tag, tag_sequence
+from sleuth.agent.search_r1 import SearchR1Loop
 
 STAGED_USER_TEMPLATE = """Please answer the given question by following the structured reasoning protocol below:
 
@@ -38,20 +38,13 @@ def staged_format_ok(response_text: str) -> bool:
 
 
 @dataclass
-class StagedLoop(AgentLoop):
+class StagedLoop(SearchR1Loop):
+    """Search-R1's action space (search or answer) with the paper's prompt, which adds <reflect>."""
+
     name: ClassVar[str] = "staged"
     top_k: int = 5  # the paper standardises on top-k 5
     max_turns: int = 5  # paper Table 5
-    forced_final_answer: bool = True
-    system_template: str | None = None
     user_template: str = STAGED_USER_TEMPLATE
-    invalid_action_message: str = SEARCH_R1_INVALID_ACTION
-
-    def stop_strings(self, state: RolloutState) -> list[str]:
-        return ["</search>", "</answer>"]
-
-    def act(self, state: RolloutState, text: str) -> StepOutcome:
-        return search_or_answer(state, text, self.invalid_action_message)
 
     def finalize(self, state: RolloutState) -> None:
         super().finalize(state)
