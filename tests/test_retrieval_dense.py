@@ -170,3 +170,12 @@ def test_hybrid_bm25_plus_dense(corpus: Path, flat_dir: Path, encoder: Encoder) 
     hits = hybrid.search(["Alexander Fleming", "giant sea waves after a quake under the ocean"], 2)
     assert hits[0][0].doc_id == "p9"
     assert hits[1][0].doc_id == "p8"
+
+
+def test_encoder_serves_the_staged_reward_query_diversity(encoder: Encoder) -> None:
+    """The retrieval encoder is what recipes name as `reward.encoder`: `encode` gives unit rows, and
+    near-duplicate queries are more similar than unrelated ones (the staged reward's signal)."""
+    vecs = encoder.encode(["birthplace of Kvolm Ardent", "Kvolm Ardent birthplace", "founding year of Zvara Films"])
+    np.testing.assert_allclose(np.linalg.norm(vecs, axis=1), 1.0, rtol=1e-5)
+    sims = vecs @ vecs.T
+    assert sims[0, 1] > sims[0, 2] + 0.2

@@ -9,7 +9,8 @@ import pytest
 from sleuth.errors import ConfigError
 from sleuth.rl.config import apply_overrides, load_recipe, recipe_from_dict
 
-RECIPES = sorted((Path(__file__).parent.parent / "recipes").rglob("*.yaml"))
+RECIPES_DIR = Path(__file__).parent.parent / "recipes"
+RECIPES = sorted(RECIPES_DIR.rglob("*.yaml"))
 
 MINIMAL = {"name": "t", "data": {"train": "x.jsonl"}, "retriever": {"index": "idx"}}
 
@@ -22,10 +23,10 @@ def test_shipped_recipes_validate(path: Path) -> None:
 
 
 def test_paper_defaults_in_recipes() -> None:
-    s3 = load_recipe(RECIPES[0].parent / "s3.yaml")
+    s3 = load_recipe(RECIPES_DIR / "s3.yaml")
     assert (s3.algorithm.name, s3.algorithm.advantage, s3.sampling.temperature) == ("ppo", "gae", 0.6)
     assert (s3.agent.top_k, s3.agent.max_turns, s3.optim.lr, s3.optim.critic_lr) == (8, 3, 1e-6, 1e-5)
-    staged = load_recipe(RECIPES[0].parent / "staged.yaml")
+    staged = load_recipe(RECIPES_DIR / "staged.yaml")
     assert staged.algorithm.dynamic_sampling and staged.algorithm.clip_high > staged.algorithm.clip_low
     assert staged.reward.options["beta"] == 0.3
 
@@ -65,3 +66,15 @@ def test_overrides_parse_yaml_values(tmp_path: Path) -> None:
         load_recipe(bad)
     with pytest.raises(ConfigError, match="does not exist"):
         load_recipe(tmp_path / "missing.yaml")
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=lambda p: str(p.relative_to(p.parents[1])))
+def test_recipe_reward_and_loop_options_are_accepted(path: Path) -> None:
+    """Recipes are data the trainer hands to the reward and loop registries: unknown options fail there."""
+    from sleuth.agent import get_loop
+    from sleuth.rewards.base import get_reward
+    from sleuth.rl.trainer import loop_options
+
+    recipe = load_recipe(path)
+    get_reward(recipe.reward.name, **recipe.reward.options)
+    get_loop(recipe.agent.loop, **loop_options(recipe))

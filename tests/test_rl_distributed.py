@@ -91,3 +91,19 @@ def test_two_ranks_match_one_process(world: Path, tmp_path: Path) -> None:
         torch.testing.assert_close(w1[k], w2[k], rtol=0, atol=1e-7, msg=f"{k} differs between 1 and 2 ranks")
         moved += int(not torch.allclose(w1[k].double(), base[k].double()))
     assert moved > 0, "training changed no weights, so the comparison proves nothing"
+
+
+def test_checkpoint_from_two_ranks_resumes_on_one(world: Path, tmp_path: Path) -> None:
+    """Checkpoints hold full (unsharded) state and a global data cursor, so the rank count may change."""
+    two = _run(tmp_path, world, "two", 2)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parent / "plugins")}
+    proc = subprocess.run(
+        [sys.executable, "-m", "sleuth.cli", "train", str(tmp_path / "two.yaml"), "trainer.total_steps=3", "--resume"],
+        env=env, capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    steps = [json.loads(x)["step"] for x in (two / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3]
+    state = json.loads((two / "checkpoints" / "step_000003" / "trainer_state.json").read_text())
+    # 4 prompts per step were drawn by the 2-rank run twice and by the 1-process run once
+    assert state["cursor"]["position"] + state["cursor"]["epoch"] * 48 == 12

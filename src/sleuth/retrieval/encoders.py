@@ -116,6 +116,10 @@ class Encoder:
     def encode_queries(self, queries: list[str]) -> np.ndarray:
         return self._encode(list(queries), self.config.query_prefix)
 
+    def encode(self, texts: list[str]) -> np.ndarray:
+        """Query-side embeddings: the `encode` protocol rewards use (e.g. staged query diversity)."""
+        return self.encode_queries(texts)
+
     def encode_passages(self, passages: list[str]) -> np.ndarray:
         return self._encode(list(passages), self.config.passage_prefix)
 

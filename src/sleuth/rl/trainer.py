@@ -411,9 +411,9 @@ def build_reward_services(recipe: Recipe, policy_gen: Any, policy: nn.Module, re
 
     encoder = None
     if recipe.reward.encoder:
-        from sleuth.retrieval.encoders import load_encoder
+        from sleuth.retrieval.encoders import Encoder, EncoderConfig
 
-        encoder = load_encoder(recipe.reward.encoder)
+        encoder = Encoder(EncoderConfig(name=recipe.reward.encoder))
     cache = None
     if recipe.reward.baseline_cache:
         from sleuth.data.score_cache import ScoreCache
