@@ -81,13 +81,11 @@ def write_trajectories(path: str | Path, trajectories: Iterable[Trajectory]) -> 
 
 
 def read_trajectories(path: str | Path) -> Iterator[Trajectory]:
+    from sleuth.data.formats import iter_json_lines
     from sleuth.errors import DataFormatError
 
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                yield Trajectory.from_dict(json.loads(line))
-            except (json.JSONDecodeError, TypeError, KeyError) as err:
-                raise DataFormatError(str(path), lineno, f"not a trajectory record: {err}") from err
+    for lineno, rec in iter_json_lines(path, "trajectory file"):
+        try:
+            yield Trajectory.from_dict(rec)
+        except (TypeError, KeyError, AttributeError) as err:
+            raise DataFormatError(str(path), lineno, f"not a trajectory record: {err}") from err

@@ -59,6 +59,28 @@ def split_contents(contents: str) -> tuple[str, str]:
     return title, text.strip()
 
 
+def iter_json_lines(path: str | Path, what: str) -> Iterator[tuple[int, Any]]:
+    """(1-based line number, parsed value) for every non-blank line of a jsonl file, streamed.
+
+    `what` names the file in errors ("corpus file", "QA file").
+    """
+    from sleuth.errors import DataFormatError
+
+    path = Path(path)
+    if not path.exists():
+        raise DataFormatError(str(path), None, f"{what} does not exist")
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                yield lineno, json.loads(line)
+            except json.JSONDecodeError as err:
+                raise DataFormatError(
+                    str(path), lineno, f"invalid JSON ({err.msg}); each line must be one JSON object"
+                ) from err
+
+
 def iter_corpus(path: str | Path) -> Iterator[Passage]:
     """Stream a corpus jsonl (`{"id", "contents"}` per line) without loading it into memory.
 
@@ -66,30 +88,20 @@ def iter_corpus(path: str | Path) -> Iterator[Passage]:
     """
     from sleuth.errors import DataFormatError
 
-    path = Path(path)
-    if not path.exists():
-        raise DataFormatError(str(path), None, "corpus file does not exist")
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise DataFormatError(str(path), lineno, f"invalid JSON ({err.msg}); each line must be one JSON object") from err
-            if not isinstance(rec, dict):
-                raise DataFormatError(str(path), lineno, "expected a JSON object with 'id' and 'contents'")
-            if "id" not in rec:
-                raise DataFormatError(str(path), lineno, "missing field 'id'")
-            if "contents" in rec:
-                if not isinstance(rec["contents"], str):
-                    raise DataFormatError(str(path), lineno, "'contents' must be a string")
-                title, text = split_contents(rec["contents"])
-            elif "text" in rec:
-                title, text = str(rec.get("title", "")), str(rec["text"])
-            else:
-                raise DataFormatError(str(path), lineno, "missing field 'contents' (or 'title'/'text')")
-            yield Passage(id=str(rec["id"]), title=title, text=text)
+    for lineno, rec in iter_json_lines(path, "corpus file"):
+        if not isinstance(rec, dict):
+            raise DataFormatError(str(path), lineno, "expected a JSON object with 'id' and 'contents'")
+        if "id" not in rec:
+            raise DataFormatError(str(path), lineno, "missing field 'id'")
+        if "contents" in rec:
+            if not isinstance(rec["contents"], str):
+                raise DataFormatError(str(path), lineno, "'contents' must be a string")
+            title, text = split_contents(rec["contents"])
+        elif "text" in rec:
+            title, text = str(rec.get("title", "")), str(rec["text"])
+        else:
+            raise DataFormatError(str(path), lineno, "missing field 'contents' (or 'title'/'text')")
+        yield Passage(id=str(rec["id"]), title=title, text=text)
 
 
 def corpus_fingerprint(path: str | Path, chunk_size: int = 1 << 22) -> str:
@@ -184,23 +196,11 @@ def qa_example_from_record(rec: Any) -> QAExample:
 def _iter_qa_jsonl_numbered(path: str | Path) -> Iterator[tuple[int, QAExample]]:
     from sleuth.errors import DataFormatError
 
-    path = Path(path)
-    if not path.exists():
-        raise DataFormatError(str(path), None, "QA file does not exist")
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise DataFormatError(
-                    str(path), lineno, f"invalid JSON ({err.msg}); each line must be one JSON object"
-                ) from err
-            try:
-                yield lineno, qa_example_from_record(rec)
-            except ValueError as err:
-                raise DataFormatError(str(path), lineno, str(err)) from err
+    for lineno, rec in iter_json_lines(path, "QA file"):
+        try:
+            yield lineno, qa_example_from_record(rec)
+        except ValueError as err:
+            raise DataFormatError(str(path), lineno, str(err)) from err
 
 
 def iter_qa_jsonl(path: str | Path) -> Iterator[QAExample]:
