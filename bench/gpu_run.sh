@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
 # Runs on the lent GPU machine (torch/transformers from its image, sleuth from src/).
+# Prepare what it carries with bench/prepare_gpu_assets.sh (on the development machine).
 # Usage: bash bench/gpu_run.sh STAGE...   stages: setup, bench, s3
 #   setup : install the carried wheels (.whl/) into .gpusite/, join the carried GGUF parts
 #           (.gpu/p1, .gpu/p2) into .models/smollm2/ and check the sha256
