@@ -24,13 +24,13 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
-def _recipe(world: Path, out_dir: Path) -> dict:
+def _recipe(world: Path, out_dir: Path, parallel: str = "ddp") -> dict:
     # PPO with greedy rollouts in float64: the trajectories do not depend on how prompts are
     # split over ranks, so both runs see the same data and must compute the same update.
     return {
         "name": "parity",
         "seed": 0,
-        "model": {"policy": "tiny", "dtype": "float64"},
+        "model": {"policy": "tiny", "dtype": "float64", "parallel": parallel},
         "data": {"train": str(world / "train.jsonl")},
         "retriever": {"index": str(world / "bm25")},
         "agent": {"loop": "search_r1", "max_turns": 1, "max_new_tokens_per_turn": 8, "max_response_tokens": 64,
@@ -47,10 +47,10 @@ def _recipe(world: Path, out_dir: Path) -> dict:
     }
 
 
-def _run(tmp: Path, world: Path, name: str, nproc: int) -> Path:
+def _run(tmp: Path, world: Path, name: str, nproc: int, parallel: str = "ddp") -> Path:
     out = tmp / name
     cfg = tmp / f"{name}.yaml"
-    cfg.write_text(yaml.safe_dump(_recipe(world, out)))
+    cfg.write_text(yaml.safe_dump(_recipe(world, out, parallel)))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parent / "plugins")}
     if nproc == 1:
         cmd = [sys.executable, "-m", "sleuth.cli", "train", str(cfg)]
@@ -62,9 +62,10 @@ def _run(tmp: Path, world: Path, name: str, nproc: int) -> Path:
     return out
 
 
-def test_two_ranks_match_one_process(world: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_two_ranks_match_one_process(world: Path, tmp_path: Path, parallel: str) -> None:
     one = _run(tmp_path, world, "one", 1)
-    two = _run(tmp_path, world, "two", 2)
+    two = _run(tmp_path, world, "two", 2, parallel)
 
     m1 = [json.loads(x) for x in (one / "metrics.jsonl").read_text().splitlines()]
     m2 = [json.loads(x) for x in (two / "metrics.jsonl").read_text().splitlines()]

@@ -117,3 +117,20 @@ def test_resume_after_sigkill(world: Path, tmp_path: Path) -> None:
     assert a.keys() == b.keys()
     for k in a:
         torch.testing.assert_close(a[k], b[k], msg=f"weights differ after resume at {k}")
+
+
+def test_reference_model_is_the_starting_model_after_resume(world: Path, tmp_path: Path) -> None:
+    """With full fine-tuning and a KL term, a resumed run must compare against the model it started
+    from, not against the resumed (already trained) weights."""
+    from sleuth.rl.trainer import train
+
+    data = _recipe(world, tmp_path / "run", {"name": "grpo", "n": 2, "prompts_per_step": 2, "minibatch_size": 4,
+                                             "micro_batch_size": 4, "kl": {"coef": 0.1, "mode": "loss"}}, steps=2)
+    data["trainer"]["save_every"] = 1
+    train(recipe_from_dict(data))
+    data["trainer"]["total_steps"] = 3
+    train(recipe_from_dict(data), resume=True)
+    kl = [json.loads(x)["actor/kl"] for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert len(kl) == 3
+    # after two updates at lr 1e-2 the policy has moved: the KL to the starting model is clearly > 0
+    assert kl[2] > 1e-3, kl

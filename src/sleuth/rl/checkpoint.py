@@ -68,8 +68,15 @@ def save_checkpoint(
     trainer_state: dict[str, Any],
     searcher_info: dict[str, Any] | None = None,
     keep: int = 2,
+    policy_state: dict[str, Any] | None = None,
+    critic_state: dict[str, Any] | None = None,
+    optimizer_states: dict[str, Any] | None = None,
 ) -> Path:
-    """Write checkpoint `step` under `out_dir/checkpoints/` atomically; prune to the newest `keep`."""
+    """Write checkpoint `step` under `out_dir/checkpoints/` atomically; prune to the newest `keep`.
+
+    Under FSDP the caller passes full (gathered) `policy_state`, `critic_state` and
+    `optimizer_states` (see `full_states`), since sharded modules cannot be saved directly.
+    """
     root = Path(out_dir) / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step_{step:06d}"
@@ -78,14 +85,14 @@ def save_checkpoint(
         shutil.rmtree(tmp)
     tmp.mkdir()
 
-    policy.save_pretrained(tmp / "policy", safe_serialization=True)
+    policy.save_pretrained(tmp / "policy", safe_serialization=True, state_dict=policy_state)
     if tokenizer is not None:
         tokenizer.save_pretrained(tmp / "policy")
     if critic is not None:
-        torch.save(critic.state_dict(), tmp / "critic.pt")
+        torch.save(critic_state if critic_state is not None else critic.state_dict(), tmp / "critic.pt")
     torch.save(
         {
-            "optimizers": {k: o.state_dict() for k, o in optimizers.items()},
+            "optimizers": optimizer_states or {k: o.state_dict() for k, o in optimizers.items()},
             "schedulers": {k: s.state_dict() for k, s in schedulers.items()},
             "rng": rng_state(),
         },
@@ -103,6 +110,32 @@ def save_checkpoint(
     for old in sorted(p for p in root.glob("step_*") if p.is_dir())[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def full_states(models: dict[str, torch.nn.Module], optimizers: dict[str, torch.optim.Optimizer]):
+    """Unsharded model and optimizer states (on the CPU, complete on rank 0) through the distributed
+    checkpoint API; optimizer states are keyed by parameter name, so a checkpoint written by N ranks
+    (DDP or FSDP) loads on M. A collective: every rank must call it."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+
+    opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    model_states = {k: get_model_state_dict(m, options=opts) for k, m in models.items()}
+    optim_states = {k: get_optimizer_state_dict(models[k], o, options=opts) for k, o in optimizers.items()}
+    return model_states, optim_states
+
+
+def load_optimizer_states(
+    models: dict[str, torch.nn.Module], optimizers: dict[str, torch.optim.Optimizer], states: dict[str, Any]
+) -> None:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    opts = StateDictOptions(full_state_dict=True)
+    for k, o in optimizers.items():
+        set_optimizer_state_dict(models[k], o, optim_state_dict=states[k], options=opts)
 
 
 def latest_checkpoint(out_dir: str | Path) -> Path | None:

@@ -116,3 +116,24 @@ def dist_masked_whiten(
     mean = total / max(count, 1.0)
     var = (total_sq - count * mean * mean) / max(count - 1.0, 1.0)
     return ((values - mean) * (1.0 / (var + eps) ** 0.5)) * m
+
+
+def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float, ctx: DistContext) -> float:
+    """Clip gradients to a global L2 norm; returns the norm before clipping.
+
+    DDP gradients are identical on every rank, so the local norm is the global one. FSDP gradients
+    are disjoint shards (DTensors): their squared norms are summed over ranks first.
+    """
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return 0.0
+    local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
+    sq = torch.stack([g.detach().double().pow(2).sum() for g in local]).sum()
+    if ctx.enabled and any(hasattr(g, "to_local") for g in grads):
+        sq = ctx.all_reduce_sum(sq.cpu()).to(sq.device)
+    total = float(sq.sqrt())
+    scale = max_norm / (total + 1e-6)
+    if scale < 1.0:
+        for g in local:
+            g.mul_(scale)
+    return total

@@ -15,7 +15,6 @@ contribute to the policy, value or KL terms.
 from __future__ import annotations
 
 import contextlib
-import copy
 import importlib
 import json
 import math
@@ -37,14 +36,24 @@ from sleuth.llm.base import SamplingParams
 from sleuth.rl import advantages as adv_fns
 from sleuth.rl import losses as loss_fns
 from sleuth.rl.checkpoint import (
+    full_states,
     latest_checkpoint,
+    load_optimizer_states,
     load_training_state,
     save_checkpoint,
     set_rng_state,
     write_run_info,
 )
 from sleuth.rl.config import Recipe
-from sleuth.rl.dist import DistContext, dist_masked_whiten, init_distributed, shard_range, unwrap, wrap_model
+from sleuth.rl.dist import (
+    DistContext,
+    clip_grad_norm,
+    dist_masked_whiten,
+    init_distributed,
+    shard_range,
+    unwrap,
+    wrap_model,
+)
 from sleuth.utils import seed_everything
 
 # ----------------------------------------------------------------------------
@@ -114,6 +123,14 @@ def load_policy(recipe: Recipe, device: torch.device, adapter_dir: Path | None =
     elif adapter_dir is not None:
         model = AutoModelForCausalLM.from_pretrained(adapter_dir, dtype=dtype).to(device)
     return tokenizer, model, path
+
+
+def load_reference(model_path: str, policy: nn.Module, device: torch.device) -> nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    dtype = next(policy.parameters()).dtype
+    ref = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(device)
+    return ref.eval().requires_grad_(False)
 
 
 def load_critic(model_path: str, device: torch.device, dtype: torch.dtype) -> ValueModel:
@@ -476,7 +493,8 @@ def train(recipe: Recipe, *, resume: bool = False, console: Any = None) -> dict[
     kl_coef = algo.kl.coef
     ref_model = None
     if kl_coef > 0 and not hasattr(policy, "disable_adapter"):
-        ref_model = copy.deepcopy(policy).eval().requires_grad_(False)
+        # the reference is the starting model, also when resuming (the policy then holds trained weights)
+        ref_model = load_reference(model_path, policy, device)
         if recipe.model.offload_reference:
             ref_model.to("cpu")
     critic = (
@@ -495,9 +513,9 @@ def train(recipe: Recipe, *, resume: bool = False, console: Any = None) -> dict[
         optimizers["critic"], schedulers["critic"] = build_optimizer(
             critic.parameters(), recipe.optim.critic_lr, recipe
         )
+    models = {"policy": policy, **({"critic": critic} if critic is not None else {})}
     if tensor_state:
-        for k, o in optimizers.items():
-            o.load_state_dict(tensor_state["optimizers"][k])
+        load_optimizer_states(models, optimizers, tensor_state["optimizers"])
         for k, s in schedulers.items():
             s.load_state_dict(tensor_state["schedulers"][k])
         set_rng_state(tensor_state["rng"])
@@ -653,6 +671,7 @@ def train(recipe: Recipe, *, resume: bool = False, console: Any = None) -> dict[
         # 6. checkpoint (the data cursor is global, so a run resumes on any number of ranks)
         done = step + 1
         if done % recipe.trainer.save_every == 0 or done == recipe.trainer.total_steps:
+            model_states, optim_states = full_states(models, optimizers)  # collective: all ranks
             if ctx.is_main:
                 save_checkpoint(
                     out_dir,
@@ -665,6 +684,9 @@ def train(recipe: Recipe, *, resume: bool = False, console: Any = None) -> dict[
                     trainer_state={"cursor": cursor.state(), "stage": stage, "recipe": recipe.name},
                     searcher_info=searcher_info(recipe),
                     keep=recipe.trainer.keep_checkpoints,
+                    policy_state=_unprefixed(model_states["policy"]),
+                    critic_state=_unprefixed(model_states.get("critic")),
+                    optimizer_states=optim_states,
                 )
             ctx.barrier()
     if services.baseline_cache is not None:
@@ -843,13 +865,13 @@ def update(
                     _add(stats, "critic/clipfrac", float(v_stats["vf_clipfrac"]))
             for k, v in mb_losses.items():
                 _add(stats, k, v)
-            grad_norm = torch.nn.utils.clip_grad_norm_(
-                [p for p in policy.parameters() if p.requires_grad], recipe.optim.grad_clip
+            grad_norm = clip_grad_norm(
+                [p for p in policy.parameters() if p.requires_grad], recipe.optim.grad_clip, ctx
             )
-            _add(stats, "actor/grad_norm", float(grad_norm))
+            _add(stats, "actor/grad_norm", grad_norm)
             optimizers["policy"].step()
             if critic is not None:
-                torch.nn.utils.clip_grad_norm_(critic.parameters(), recipe.optim.grad_clip)
+                clip_grad_norm(list(critic.parameters()), recipe.optim.grad_clip, ctx)
                 optimizers["critic"].step()
     return stats
 
@@ -875,6 +897,13 @@ def reference_logprobs(
         return batched_logprobs(ref_model, batch, temperature, micro, device)
     finally:
         ref_model.to(home)
+
+
+def _unprefixed(state: dict[str, Any] | None) -> dict[str, Any] | None:
+    """DDP's `module.` prefix off the parameter names, so checkpoints load into unwrapped models."""
+    if state is None:
+        return None
+    return {k.removeprefix("module."): v for k, v in state.items()}
 
 
 def _mean_over_ranks(metrics: dict[str, float], ctx: DistContext) -> dict[str, float]:
