@@ -645,7 +645,9 @@ def train(recipe: Recipe, *, resume: bool = False, console: Any = None) -> dict[
         t_update = time.perf_counter() - t2
 
         # 5. log (metrics averaged over ranks; every rank holds an equal share of the batch)
-        metrics = _step_metrics(kept, scores, collected.all_rewards, mask, kl_for_log, stats)
+        metrics = _step_metrics(
+            kept, scores, collected.all_rewards, mask, kl_for_log, stats, answers=recipe.agent.loop != "s3"
+        )
         metrics.update(
             {
                 "stage": float(stage),
@@ -940,7 +942,10 @@ def _step_metrics(
     mask: torch.Tensor,
     kl: torch.Tensor | None,
     stats: dict[str, list[float]],
+    answers: bool = True,
 ) -> dict[str, float]:
+    """`answers=False` for searcher-only loops (s3), whose accuracy is a reward component instead;
+    it depends on the recipe only, so every rank logs the same keys."""
     metrics: dict[str, float] = {
         "reward/mean": _mean(scores),
         "reward/std": float(np.std(scores)) if scores else 0.0,
@@ -956,7 +961,8 @@ def _step_metrics(
         metrics[f"reward/{k}"] = _mean([t.rewards.get(k, 0.0) for t in trajs])
     from sleuth.rewards.metrics import exact_match
 
-    metrics["accuracy/em"] = _mean([exact_match(t.answer or "", t.golden_answers) for t in trajs])
+    if answers:
+        metrics["accuracy/em"] = _mean([exact_match(t.answer or "", t.golden_answers) for t in trajs])
     if kl is not None:
         metrics["actor/kl"] = float((kl * mask).sum() / mask.sum().clamp(min=1))
     elif (
@@ -972,7 +978,7 @@ def _format_line(step: int, total: int, m: dict[str, float]) -> str:
     parts = [
         f"[bold]step {step}/{total}[/]",
         f"reward {m['reward/mean']:+.3f}",
-        f"em {m['accuracy/em']:.3f}",
+        *([f"em {m['accuracy/em']:.3f}"] if "accuracy/em" in m else []),
         f"rc {m['retrieval_count']:.2f}",
         f"len {m['response_length/policy_tokens']:.0f}",
     ]
