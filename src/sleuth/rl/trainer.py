@@ -686,8 +686,8 @@ def train(recipe: Recipe, *, resume: bool = False, console: Any = None) -> dict[
                     trainer_state={"cursor": cursor.state(), "stage": stage, "recipe": recipe.name},
                     searcher_info=searcher_info(recipe),
                     keep=recipe.trainer.keep_checkpoints,
-                    policy_state=_unprefixed(model_states["policy"]),
-                    critic_state=_unprefixed(model_states.get("critic")),
+                    policy_state=model_states["policy"],
+                    critic_state=model_states.get("critic"),
                     optimizer_states=optim_states,
                 )
             ctx.barrier()
@@ -899,13 +899,6 @@ def reference_logprobs(
         return batched_logprobs(ref_model, batch, temperature, micro, device)
     finally:
         ref_model.to(home)
-
-
-def _unprefixed(state: dict[str, Any] | None) -> dict[str, Any] | None:
-    """DDP's `module.` prefix off the parameter names, so checkpoints load into unwrapped models."""
-    if state is None:
-        return None
-    return {k.removeprefix("module."): v for k, v in state.items()}
 
 
 def _mean_over_ranks(metrics: dict[str, float], ctx: DistContext) -> dict[str, float]:
