@@ -41,7 +41,7 @@ CARD_BANDWIDTH_GBS: list[tuple[str, float]] = [
 ]
 
 # Modules a GPU run must not need (not in the image, or slow to import); recorded in the JSON as a check.
-WATCHED_MODULES = ("faiss", "fastapi", "uvicorn", "orjson", "mcp", "llama_cpp", "sentence_transformers", "trl",
+WATCHED_MODULES = ("jax", "faiss", "fastapi", "uvicorn", "orjson", "mcp", "llama_cpp", "sentence_transformers", "trl",
                    "datasets", "bm25s", "Stemmer", "pydantic", "gguf")
 
 

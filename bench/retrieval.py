@@ -132,11 +132,13 @@ def bench_server(retriever, questions: list[dict], n_single: int) -> dict[str, A
 
 def bench_rank_bm25(corpus: Path, questions: list[dict], n_queries: int) -> dict[str, Any]:
     """rank_bm25 (pure Python, ~1 q/s at 200k): timed on a few queries only."""
-    import bm25s
     import Stemmer
     from rank_bm25 import BM25Okapi
 
     from sleuth.data.formats import iter_corpus
+    from sleuth.retrieval.bm25 import import_bm25s
+
+    bm25s = import_bm25s()
 
     stem = Stemmer.Stemmer("english")
     gc.collect()

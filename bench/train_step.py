@@ -49,7 +49,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common  # noqa: E402
 
-VARIANTS = ("sleuth", "trl-dynamic", "trl-static")
+VARIANTS = ("sleuth", "sleuth-compiled", "trl-dynamic", "trl-static")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -128,18 +128,14 @@ def prepare(args: argparse.Namespace, work: Path, device: str) -> dict[str, Any]
 # sleuth (worker)
 
 
-def run_sleuth(args: argparse.Namespace, shared: dict[str, Any], work: Path, device: str) -> dict[str, Any]:
-    import sleuth.rl.trainer as trainer_mod
-    from sleuth.rl.config import recipe_from_dict
-
-    # Checkpoints are not part of a step; the last step would otherwise write weights + optimizer state.
-    trainer_mod.save_checkpoint = lambda *a, **k: None
-    total = args.warmup_steps + args.steps
-    out_dir = work / "sleuth-run"
-    recipe = recipe_from_dict({
+def bench_recipe(args: argparse.Namespace, shared: dict[str, Any], out_dir: Path, device: str, *,
+                 cache: str, compiled: bool, parallel: str = "ddp", save_every: int = 0) -> dict[str, Any]:
+    """The Search-R1 GRPO recipe every sleuth row trains (also used by bench/scale_step.py)."""
+    return {
         "name": "bench-train-step",
         "seed": args.seed,
-        "model": {"policy": shared["model_dir"], "dtype": "auto", "gradient_checkpointing": False, "device": device},
+        "model": {"policy": shared["model_dir"], "dtype": "auto", "gradient_checkpointing": False, "device": device,
+                  "generation_cache": cache, "compile_generation": compiled, "parallel": parallel},
         "data": {"train": shared["train"], "shuffle": False},
         "retriever": {"index": shared["index"]},
         "agent": {"loop": "search_r1", "max_turns": args.turns, "max_new_tokens_per_turn": args.new_tokens,
@@ -152,8 +148,21 @@ def run_sleuth(args: argparse.Namespace, shared: dict[str, Any], work: Path, dev
                       "kl": {"coef": args.kl_coef}},
         "optim": {"lr": args.lr, "warmup_steps": 0, "weight_decay": 0.0, "grad_clip": 1.0},
         "sampling": {"temperature": 1.0, "top_p": 1.0},
-        "trainer": {"total_steps": total, "save_every": 10**9, "out_dir": str(out_dir)},
-    })
+        # Checkpoints are not part of a step (the last step would otherwise write weights + optimizer state).
+        "trainer": {"total_steps": args.warmup_steps + args.steps, "save_every": save_every,
+                    "out_dir": str(out_dir)},
+    }
+
+
+def run_sleuth(
+    args: argparse.Namespace, shared: dict[str, Any], work: Path, device: str, compiled: bool = False
+) -> dict[str, Any]:
+    import sleuth.rl.trainer as trainer_mod
+    from sleuth.rl.config import recipe_from_dict
+
+    out_dir = work / ("sleuth-compiled-run" if compiled else "sleuth-run")
+    cache = "static" if compiled else "dynamic"
+    recipe = recipe_from_dict(bench_recipe(args, shared, out_dir, device, cache=cache, compiled=compiled))
     start = time.perf_counter()
     trainer_mod.train(recipe)
     wall = time.perf_counter() - start
@@ -170,8 +179,8 @@ def run_sleuth(args: argparse.Namespace, shared: dict[str, Any], work: Path, dev
     } for m in lines]
     return {"steps": steps, "wall_s": wall,
             "config": {"trainer": "sleuth.rl.trainer.train", "recipe": recipe.model_dump(),
-                       "generation": "HFGenerator(policy) inside the trainer: cache='auto' (static on CUDA, "
-                                     "dynamic on CPU), compile off"}}
+                       "generation": f"HFGenerator(policy) inside the trainer: cache={cache!r}, "
+                                     f"compiled decode step: {compiled}"}}
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -296,12 +305,16 @@ def worker_main(args: argparse.Namespace) -> None:
 
     if device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats()
-    if args.worker == "sleuth":
-        result = run_sleuth(args, shared, work, device)
+    if args.worker.startswith("sleuth"):
+        result = run_sleuth(args, shared, work, device, compiled=args.worker == "sleuth-compiled")
     else:
         result = run_trl(args, shared, work, device, args.worker.split("-", 1)[1])
     peak, measure = _common.peak_memory_bytes(device)
     result.update(peak_memory_bytes=peak, peak_memory_measure=measure, modules_loaded=_common.watched_modules_loaded())
+    if device.startswith("cuda"):
+        # Memory held on the card by anything (other allocators included), not only PyTorch's
+        free, total = torch.cuda.mem_get_info()
+        result["device_memory_in_use_at_end_bytes"] = total - free
     _common.write_json(work / f"{args.worker}.json", result)
 
 
@@ -366,10 +379,11 @@ def run_worker(variant: str, argv: list[str], work: Path, timeout: int) -> tuple
 
 def assemble(args: argparse.Namespace, env: dict[str, Any], trl_version: str | None, shared: dict[str, Any],
              rows: list[dict[str, Any]], details: dict[str, Any], device: str) -> dict[str, Any]:
-    base = next((r for r in rows if r["variant"] == "sleuth" and r.get("step_s")), None)
+    # speed-up = TRL's (transformers-default) step time / this row's step time
+    base = next((r for r in rows if r["variant"] == "trl-dynamic" and r.get("step_s")), None)
     for row in rows:
         if base and row.get("step_s"):
-            row["step_time_vs_sleuth"] = row["step_s"] / base["step_s"]
+            row["speedup_vs_trl_dynamic"] = base["step_s"] / row["step_s"]
     return {
         "bench": "train_step",
         "environment": env,
@@ -429,7 +443,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     result = assemble(args, env, trl_version, shared, rows, details, device)
     columns = [("variant", "trainer"), ("status", "status"), ("step_s", "step s"), ("generate_s", "rollout s"),
-               ("reward_s", "reward s"), ("update_s", "update s"), ("step_time_vs_sleuth", "step / sleuth"),
+               ("reward_s", "reward s"), ("update_s", "update s"), ("speedup_vs_trl_dynamic", "x vs TRL"),
                ("tokens_per_trajectory", "tok/traj"), ("tokens_per_s", "tok/s (step)"),
                ("generate_tokens_per_s", "tok/s (rollout)"), ("peak_memory_gib", "peak GiB")]
     notes = [f"{env['card']} | {args.model} | {args.prompts} prompts x {args.n} samples, sleuth {args.turns} turn(s) x "

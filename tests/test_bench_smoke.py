@@ -94,3 +94,22 @@ def test_train_step_bench_tiny_sleuth(tmp_path: Path) -> None:
     # The trainer ran in a fresh process: the GPU image lacks these, so the bench must not import them.
     loaded = data["details"]["sleuth"]["modules_loaded"]
     assert not {"faiss", "fastapi", "sentence_transformers", "trl"} & set(loaded), loaded
+
+
+def test_scale_step_bench_one_vs_two_processes(tmp_path: Path) -> None:
+    scale_step = _load("scale_step")
+    out = tmp_path / "scale.json"
+    scale_step.main(["--model", "tiny", "--device", "cpu", "--gpus", "1", "2", "--parallel", "ddp", "--prompts", "2",
+                     "--n", "2", "--turns", "1", "--new-tokens", "4", "--steps", "1", "--passages", "300",
+                     "--out", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["gpus"], r["status"]) for r in rows] == [(1, "ok"), (2, "ok")], rows
+    assert [r["trajectories_per_rank"] for r in rows] == [4, 2]  # the global batch is split, not repeated
+    assert rows[0]["speedup_vs_1"] == 1.0
+    assert all(r["step_s"] >= r["rollout_s"] > 0 for r in rows)
+
+
+def test_scale_step_rejects_a_rank_count_that_splits_groups() -> None:
+    scale_step = _load("scale_step")
+    with pytest.raises(SystemExit, match="must divide --prompts"):
+        scale_step.parse_args(["--gpus", "1", "3", "--prompts", "4"])

@@ -43,3 +43,29 @@ def test_demo_fast_end_to_end(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     summary = json.loads((tmp_path / "ev" / "summary.json").read_text())
     assert summary["methods"]["s3"]["overall"]["n"] == 3
+
+
+def test_demo_trains_another_method(tmp_path: Path) -> None:
+    # R-Search's loop and reward (evidence F1 from the frozen base model) through the same demo
+    out = tmp_path / "demo"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "sleuth.cli", "demo", "--fast", "--method", "r_search",
+                           "--steps", "1", "--out", str(out)], env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    before = json.loads((out / "eval_before" / "summary.json").read_text())["methods"]
+    after = json.loads((out / "eval_after" / "summary.json").read_text())["methods"]
+    assert set(before) == {"direct", "naive-rag", "r-search"} and set(after) == {"r-search"}
+    metrics = [json.loads(x) for x in (out / "train" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == [1]
+    # R-Search's reward components are logged separately
+    assert {"reward/answer_f1", "reward/evidence_f1", "reward/format"} <= set(metrics[0]), sorted(metrics[0])
+    info = json.loads((out / "train" / "checkpoints" / "step_000001" / "searcher.json").read_text())
+    assert info["loop"] == "r_search"
+    assert "r_search on a synthetic world" in (out / "report.html").read_text()
+
+
+def test_demo_rejects_an_unknown_method(tmp_path: Path) -> None:
+    proc = subprocess.run([sys.executable, "-m", "sleuth.cli", "demo", "--fast", "--method", "s4",
+                           "--out", str(tmp_path / "d")], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2
+    assert "--method 's4'" in proc.stdout and "r_search" in proc.stdout

@@ -252,3 +252,30 @@ def test_loads_from_directory_and_rejects_bad_input(tiny_dir):
         gen.generate([3.5], params=GREEDY)  # type: ignore[list-item]
     with pytest.raises(ConfigError, match="compile=True needs cache='static'"):
         HFGenerator(gen.model, tokenizer=gen.tokenizer, cache="dynamic", compile=True)
+
+
+def test_compiled_decoding_follows_lora_adapter_switching() -> None:
+    """The trainer's frozen generator is the policy with adapters disabled, decoded through the
+    same (compiled) step: the compiled graph must not replay the adapter-enabled path."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from sleuth.llm.registry import resolve_model_path
+
+    torch.manual_seed(0)
+    path = resolve_model_path("tiny")
+    tok = AutoTokenizer.from_pretrained(path)
+    lora = LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", init_lora_weights=False)  # nonzero B
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(path), lora).eval()
+    prompts = [tok("hello world the").input_ids, tok("a b c d").input_ids]
+    params = SamplingParams(max_new_tokens=8, temperature=0.0)
+    runs = {}
+    for compiled in (False, True):
+        gen = HFGenerator(model, tokenizer=tok, cache="static", compile=compiled)
+        on = [g.token_ids for g in gen.generate(prompts, params=params)]
+        with model.disable_adapter():
+            off = [g.token_ids for g in gen.generate(prompts, params=params)]
+        on_again = [g.token_ids for g in gen.generate(prompts, params=params)]
+        runs[compiled] = (on, off, on_again)
+    assert runs[False][0] != runs[False][1]  # the adapters change the greedy continuation
+    assert runs[True] == runs[False]

@@ -392,3 +392,40 @@ def test_write_corpus_then_index(tmp_path: Path) -> None:
         "Earth's natural satellite",
     )
     assert hits[1][0].doc_id == "p2" and hits[1][0].text == ""
+
+
+def _import_bm25s_with_fake_jax(tmp_path, env_extra: dict[str, str]) -> dict:
+    """Import sleuth's BM25 module in a fresh interpreter where `jax` is a stub that records the
+    environment it saw and answers bm25s's import-time `jax.lax.top_k` call."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    pkg = tmp_path / "fakejax" / "jax"
+    pkg.mkdir(parents=True)
+    record = tmp_path / "seen.json"
+    (pkg / "__init__.py").write_text(
+        "import json, os\n"
+        f"json.dump({{k: os.environ.get(k) for k in ('JAX_PLATFORMS', 'XLA_PYTHON_CLIENT_PREALLOCATE')}}, "
+        f"open({str(record)!r}, 'w'))\n"
+        "from . import lax\n"
+    )
+    (pkg / "lax.py").write_text("def top_k(x, k):\n    return x[:k], list(range(k))\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "XLA_PYTHON_CLIENT_PREALLOCATE")}
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path / "fakejax"), *sys.path])
+    env.update(env_extra)
+    code = "from sleuth.retrieval.bm25 import import_bm25s; import_bm25s()"
+    subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=120)
+    return json.loads(record.read_text())
+
+
+def test_bm25s_import_keeps_jax_off_the_gpu(tmp_path):
+    # bm25s calls jax at import time; a CUDA JAX would then grab 75% of the GPU (the trainer's OOM)
+    seen = _import_bm25s_with_fake_jax(tmp_path, {})
+    assert seen == {"JAX_PLATFORMS": "cpu", "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
+
+
+def test_bm25s_import_respects_a_users_jax_platform(tmp_path):
+    seen = _import_bm25s_with_fake_jax(tmp_path, {"JAX_PLATFORMS": "cuda"})
+    assert seen == {"JAX_PLATFORMS": "cuda", "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}

@@ -134,3 +134,15 @@ def test_reference_model_is_the_starting_model_after_resume(world: Path, tmp_pat
     assert len(kl) == 3
     # after two updates at lr 1e-2 the policy has moved: the KL to the starting model is clearly > 0
     assert kl[2] > 1e-3, kl
+
+
+def test_save_every_zero_writes_no_checkpoint(world: Path, tmp_path: Path) -> None:
+    from sleuth.rl.checkpoint import latest_checkpoint
+    from sleuth.rl.trainer import train
+
+    algorithm = {"name": "grpo", "n": 2, "prompts_per_step": 1, "minibatch_size": 2, "micro_batch_size": 2}
+    data = _recipe(world, tmp_path / "run", algorithm, steps=2)
+    data["trainer"]["save_every"] = 0
+    result = train(recipe_from_dict(data))
+    assert len(_rewards(tmp_path / "run")) == 2
+    assert result["checkpoint"] is None and latest_checkpoint(tmp_path / "run") is None

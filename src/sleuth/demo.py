@@ -1,14 +1,16 @@
 """`sleuth demo`: the embedded default, end to end on a laptop CPU with no network.
 
 1. generate a synthetic world and build its BM25 and dense indexes;
-2. evaluate direct answering, naive RAG and the untrained s3 searcher;
-3. train the s3 searcher for a few RL steps with LoRA and save the checkpoint;
-4. re-evaluate the trained searcher and write `runs/demo/report.html`.
+2. evaluate direct answering, naive RAG and the untrained agent (s3 by default);
+3. train the agent for a few RL steps with LoRA and save the checkpoint;
+4. re-evaluate the trained agent and write `runs/demo/report.html`.
 
 The default uses the embedded SmolLM2-135M-Instruct as both searcher and frozen
 generator (the generator is the base model with the LoRA adapters switched off,
 so one copy of the weights serves both). `--fast` swaps in a tiny random model
 and a smaller world: it checks the whole pipeline in about a minute (CI runs it).
+`--method` trains another method's loop and reward instead of s3 (r_search,
+search_r1, qagent, staged); `--profile gpu` sizes the run for a GPU.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from typing import Any
 
 import typer
 import yaml
+
+from sleuth.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -37,6 +41,9 @@ class DemoSize:
     dense: bool
     lr: float
     max_turns: int = 2
+    # GPU rollouts: a static KV cache with a compiled decode step is ~10x faster than HF's dynamic cache
+    generation_cache: str = "dynamic"
+    compile_generation: bool = False
 
 
 # Sized for 2 CPU cores in under 10 minutes: on a CPU the cost is prefill of the long s3 prompt
@@ -68,6 +75,8 @@ GPU = DemoSize(
     max_new_tokens=64,
     dense=False,
     lr=2e-5,
+    generation_cache="static",
+    compile_generation=True,
 )
 FAST = DemoSize(
     model="tiny",
@@ -83,40 +92,102 @@ FAST = DemoSize(
     lr=1e-3,
 )
 
+@dataclass(frozen=True)
+class DemoMethod:
+    """What differs between methods in the demo: the loop, the reward and the eval method name."""
+
+    eval_name: str
+    loop: str
+    reward: dict[str, Any]
+    title: str
+    loop_options: tuple[tuple[str, Any], ...] = ()
+    new_tokens_factor: int = 1  # loops that reason before acting write more per turn than s3's queries
+
+
+DEMO_METHODS: dict[str, DemoMethod] = {
+    "s3": DemoMethod(
+        eval_name="s3",
+        loop="s3",
+        reward={
+            "name": "s3_gbr",
+            "options": {"form": "code", "rag_k": 3, "generator_max_new_tokens": 24, "use_judge": False},
+            "generator": "policy-base",
+        },
+        title="an s3 searcher trained with RL against a frozen generator",
+    ),
+    "r_search": DemoMethod(
+        eval_name="r-search",
+        loop="r_search",
+        reward={"name": "r_search", "options": {"gamma_e": 0.2, "gamma_a": 0.2}, "generator": "policy-base"},
+        title="an R-Search agent (reasoning, search, trained evidence) scored by answer F1, the frozen "
+        "model's F1 from the evidence and a format bonus",
+        new_tokens_factor=2,
+    ),
+    "search_r1": DemoMethod(
+        eval_name="search-r1",
+        loop="search_r1",
+        reward={"name": "search_r1_em"},
+        title="a Search-R1 agent trained on exact match",
+        new_tokens_factor=2,
+    ),
+    "qagent": DemoMethod(
+        eval_name="qagent",
+        loop="qagent",
+        reward={"name": "qagent_stage1"},
+        title="a QAgent (plan, several queries, reflect) trained end to end on format x strict EM (stage 1)",
+        new_tokens_factor=2,
+    ),
+    "staged": DemoMethod(
+        eval_name="staged",
+        loop="staged",
+        reward={"name": "staged", "options": {"beta": 0.3, "correctness": "f1"}, "encoder": "minilm"},
+        title="an agent trained with the staged reward (format, query conciseness and diversity, "
+        "retrieval-dependent answer reward)",
+        new_tokens_factor=2,
+    ),
+}
+
 NOTES = (
-    "What this demo shows: every stage of sleuth runs end to end on a CPU with no network — a synthetic "
-    "world no pretrained model can know, BM25 and dense indexes, prompted baselines, an s3 searcher trained "
-    "with RL against a frozen generator, a saved LoRA checkpoint and this report.",
-    "What it cannot show: that training improves the searcher. {steps} RL steps of {batch} trajectories on "
+    "What this demo shows: every stage of sleuth runs end to end with no network — a synthetic "
+    "world no pretrained model can know, BM25 and dense indexes, prompted baselines, {what}, "
+    "a saved LoRA checkpoint and this report.",
+    "What it cannot show: that training improves the agent. {steps} RL steps of {batch} trajectories on "
     "{eval_n} held-out questions is far too little signal for a 135M-parameter model; differences between the "
     "untrained and trained rows below are within noise (one question is {pct:.1f} points of accuracy). The "
     "papers train for hundreds of steps on GPUs — see docs/results.md for a measured GPU run.",
 )
 
 
-def s3_recipe(out: Path, size: DemoSize) -> dict[str, Any]:
-    """The CPU-sized s3 recipe the demo trains (also written next to the run for re-use)."""
+def demo_recipe(out: Path, size: DemoSize, method: str = "s3") -> dict[str, Any]:
+    """The recipe the demo trains (also written next to the run for re-use with `sleuth train`)."""
+    spec = DEMO_METHODS[method]
+    reward = dict(spec.reward)
+    if reward["name"] == "s3_gbr":  # the naive-RAG baseline is computed once per question
+        reward["baseline_cache"] = str(out / "train" / "naive_rag_cache.jsonl")
+    if reward["name"] == "staged":  # stage 2 for the second half of the run
+        reward["options"] = {**reward["options"], "switch_step": max(1, size.train_steps // 2)}
     return {
-        "name": "s3-demo",
-        "description": "s3 on the synthetic world with the embedded model (CPU-sized)",
+        "name": f"{method}-demo",
+        "description": f"{method} on the synthetic world with the embedded model (demo-sized)",
         "seed": 0,
-        "model": {"policy": size.model, "lora": {"enabled": True, "r": 8, "alpha": 16}},
-        "data": {"train": str(out / "world" / "train.jsonl"), "max_train_examples": 200},
+        "model": {
+            "policy": size.model,
+            "lora": {"enabled": True, "r": 8, "alpha": 16},
+            "generation_cache": size.generation_cache,
+            "compile_generation": size.compile_generation,
+        },
+        "data": {"train": str(out / "world" / "train.jsonl")},
         "retriever": {"index": str(out / "world" / "bm25")},
         "agent": {
-            "loop": "s3",
+            "loop": spec.loop,
             "max_turns": size.max_turns,
             "top_k": 3,
-            "max_new_tokens_per_turn": size.max_new_tokens,
+            "max_new_tokens_per_turn": size.max_new_tokens * spec.new_tokens_factor,
             "max_obs_tokens": 256,
             "max_response_tokens": 1024,
+            "options": dict(spec.loop_options),
         },
-        "reward": {
-            "name": "s3_gbr",
-            "options": {"form": "code", "rag_k": 3, "generator_max_new_tokens": 24, "use_judge": False},
-            "generator": "policy-base",
-            "baseline_cache": str(out / "train" / "naive_rag_cache.jsonl"),
-        },
+        "reward": reward,
         "algorithm": {
             "name": "grpo",
             "n": size.n,
@@ -138,7 +209,15 @@ def s3_recipe(out: Path, size: DemoSize) -> dict[str, Any]:
 PROFILES = {"cpu": FULL, "fast": FAST, "gpu": GPU}
 
 
-def run_demo(out: Path, profile: str, console: Any, model: str | None = None) -> Path:
+def run_demo(
+    out: Path,
+    profile: str,
+    console: Any,
+    model: str | None = None,
+    method: str = "s3",
+    steps: int | None = None,
+    compile_generation: bool | None = None,
+) -> Path:
     import torch
     from rich.panel import Panel
 
@@ -153,9 +232,22 @@ def run_demo(out: Path, profile: str, console: Any, model: str | None = None) ->
     from sleuth.rl.config import recipe_from_dict
     from sleuth.rl.trainer import train
 
+    if method not in DEMO_METHODS:
+        raise ConfigError(f"--method {method!r} is not a demo method; choose one of {', '.join(DEMO_METHODS)}")
+    spec = DEMO_METHODS[method]
     size = PROFILES[profile]
     if model:
         size = replace(size, model=model)
+    if steps is not None:
+        if steps < 1:
+            raise ConfigError(f"--steps must be >= 1, got {steps}")
+        size = replace(size, train_steps=steps)
+    if compile_generation is not None:
+        size = replace(
+            size,
+            compile_generation=compile_generation,
+            generation_cache="static" if compile_generation else size.generation_cache,
+        )
     torch.manual_seed(0)
     out.mkdir(parents=True, exist_ok=True)
     timings: dict[str, float] = {}
@@ -181,7 +273,7 @@ def run_demo(out: Path, profile: str, console: Any, model: str | None = None) ->
         ex.metadata["dataset"] = f"synth-{ex.metadata.get('hops', '?')}hop"
 
     # 2. baselines and the untrained searcher (one loaded model serves every method)
-    t0 = stage(f"2/4  evaluate direct, naive RAG, untrained s3 ({len(test)} held-out questions)")
+    t0 = stage(f"2/4  evaluate direct, naive RAG, untrained {method} ({len(test)} held-out questions)")
     base = load_generator(size.model)
     cfg = EvalConfig(
         batch_size=16,
@@ -193,7 +285,7 @@ def run_demo(out: Path, profile: str, console: Any, model: str | None = None) ->
         max_obs_tokens=256,
     )
     evaluate(
-        ["direct", "naive-rag", "s3"],
+        ["direct", "naive-rag", spec.eval_name],
         test,
         retriever,
         base,
@@ -205,25 +297,26 @@ def run_demo(out: Path, profile: str, console: Any, model: str | None = None) ->
     timings["eval_before_s"] = time.perf_counter() - t0
     del base
 
-    # 3. train s3 with GRPO + LoRA against the frozen base model
+    # 3. train with GRPO + LoRA (frozen services use the base model: adapters switched off)
     t0 = stage(
-        f"3/4  train s3: {size.train_steps} GRPO steps x {size.prompts_per_step * size.n} trajectories, LoRA"
+        f"3/4  train {method}: {size.train_steps} GRPO steps x {size.prompts_per_step * size.n} trajectories, LoRA"
     )
-    recipe_dict = s3_recipe(out, size)
-    (out / "s3_recipe.yaml").write_text(yaml.safe_dump(recipe_dict, sort_keys=False))
+    recipe_dict = demo_recipe(out, size, method)
+    recipe_path = out / f"{method}_recipe.yaml"
+    recipe_path.write_text(yaml.safe_dump(recipe_dict, sort_keys=False))
     # a rerun (or a run killed mid-way) continues from the newest checkpoint
     resume = latest_checkpoint(out / "train") is not None
     result = train(
-        recipe_from_dict(recipe_dict, source=str(out / "s3_recipe.yaml")), resume=resume, console=console
+        recipe_from_dict(recipe_dict, source=str(recipe_path)), resume=resume, console=console
     )
     timings["train_s"] = time.perf_counter() - t0
 
-    # 4. re-evaluate the trained searcher; the frozen generator is the untouched base model
-    t0 = stage("4/4  evaluate the trained s3 searcher and write the report")
+    # 4. re-evaluate the trained agent; the frozen generator is the untouched base model
+    t0 = stage(f"4/4  evaluate the trained {method} agent and write the report")
     searcher = load_searcher(result["checkpoint"])
     frozen = load_generator(size.model)
     evaluate(
-        ["s3"],
+        [spec.eval_name],
         test,
         retriever,
         searcher.generator,
@@ -237,14 +330,16 @@ def run_demo(out: Path, profile: str, console: Any, model: str | None = None) ->
 
     batch = size.prompts_per_step * size.n
     notes = [
-        n.format(steps=size.train_steps, batch=batch, eval_n=len(test), pct=100 / max(1, len(test)))
+        n.format(
+            what=spec.title, steps=size.train_steps, batch=batch, eval_n=len(test), pct=100 / max(1, len(test))
+        )
         for n in NOTES
     ]
     notes.append("Wall time on this machine: " + ", ".join(f"{k} {v:.0f}s" for k, v in timings.items()))
     (out / "demo.json").write_text(
-        json.dumps({"size": size.__dict__, "timings": timings}, indent=2, default=list)
+        json.dumps({"method": method, "size": size.__dict__, "timings": timings}, indent=2, default=list)
     )
-    report = build_report(out, title="sleuth demo: s3 on a synthetic world", notes=notes)
+    report = build_report(out, title=f"sleuth demo: {method} on a synthetic world", notes=notes)
     console.print(f"[green]report:[/] {report}   checkpoint: {result['checkpoint']}")
     return report
 
@@ -260,8 +355,13 @@ def register(app: typer.Typer) -> None:
             "cpu", help="cpu (default, ~10 min on 2 cores), fast, or gpu (a real RL run)"
         ),
         model: str = typer.Option(None, help="Override the model (alias, directory or .gguf file)"),
+        method: str = typer.Option("s3", help=f"Method to train: {', '.join(DEMO_METHODS)}"),
+        steps: int = typer.Option(None, help="Override the number of RL steps of the profile"),
+        compile_generation: bool = typer.Option(
+            None, "--compile/--no-compile", help="Compiled static-cache decoding in rollouts (default: gpu profile)"
+        ),
     ) -> None:
-        """Run the embedded default end to end: world, indexes, baselines, s3 training, report."""
+        """Run the embedded default end to end: world, indexes, baselines, training, report."""
         from rich.console import Console
 
         from sleuth.errors import SleuthError
@@ -270,7 +370,15 @@ def register(app: typer.Typer) -> None:
         try:
             if profile not in PROFILES:
                 raise typer.BadParameter(f"--profile must be one of {', '.join(PROFILES)}")
-            run_demo(Path(out), "fast" if fast else profile, console, model=model)
+            run_demo(
+                Path(out),
+                "fast" if fast else profile,
+                console,
+                model=model,
+                method=method,
+                steps=steps,
+                compile_generation=compile_generation,
+            )
         except SleuthError as err:
             console.print(f"[red]error:[/] {err}")
             raise typer.Exit(2) from None

@@ -6,6 +6,8 @@ the token-id lists bm25s needs to build its sparse matrix are (a bm25s constrain
 
 from __future__ import annotations
 
+import os
+import sys
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -29,8 +31,25 @@ DEFAULT_BM25_PARAMS: dict[str, Any] = {
 _BM25_PARAM_KEYS = set(DEFAULT_BM25_PARAMS)
 
 
+def import_bm25s() -> Any:
+    """`import bm25s`, keeping JAX off the GPU.
+
+    bm25s runs `jax.lax.top_k` at import time whenever JAX is installed. On a machine with a CUDA
+    build of JAX that initialises JAX's GPU backend, which by default preallocates 75% of every
+    visible GPU's memory for the rest of the process, leaving the policy a quarter of the card
+    (this is what made sleuth's trainer run out of GPU memory). sleuth never uses JAX, so unless the
+    process already imported JAX or the user chose its platform, JAX is pointed at the CPU and told
+    not to preallocate."""
+    if "jax" not in sys.modules:
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")
+        os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    import bm25s
+
+    return bm25s
+
+
 def _make_tokenizer(stemmer: str | None, stopwords: str | list[str] | None):
-    from bm25s.tokenization import Tokenizer
+    Tokenizer = import_bm25s().tokenization.Tokenizer
 
     stem_fn = None
     if stemmer:
@@ -57,7 +76,7 @@ def build_bm25(
     texts: Iterable[str], num_docs: int, out_dir: str | Path, *, show_progress: bool = True, **params: Any
 ) -> dict[str, Any]:
     """Tokenize a stream of `num_docs` passage texts, index and save to `out_dir`; returns the params used."""
-    import bm25s
+    bm25s = import_bm25s()
 
     p = bm25_params(**params)
     tokenizer = _make_tokenizer(p["stemmer"], p["stopwords"])
@@ -84,8 +103,7 @@ class BM25Retriever:
     def __init__(
         self, index_dir: str | Path, docstore: DocStore, *, stemmer: str | None = "english", threads: int = 1
     ):
-        import bm25s
-
+        bm25s = import_bm25s()
         self.index_dir = Path(index_dir)
         if not (self.index_dir / "params.index.json").exists():
             raise FileNotFoundError(f"{self.index_dir}: no BM25 index here (params.index.json missing)")

@@ -157,7 +157,8 @@ class SamplingConfig(_Strict):
 
 class TrainerConfig(_Strict):
     total_steps: int = Field(20, ge=1)
-    save_every: int = Field(5, ge=1)
+    # 0 = no checkpoints at all (benchmarks); otherwise every N steps and after the last step
+    save_every: int = Field(5, ge=0)
     keep_checkpoints: int = Field(2, ge=1)
     out_dir: str = "runs/train"
     tensorboard: bool = False

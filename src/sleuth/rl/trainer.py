@@ -657,6 +657,7 @@ def train(recipe: Recipe, *, resume: bool = False, console: Any = None) -> dict[
                 "time/update": t_update,
                 "time/step": time.perf_counter() - t_start,
                 "tokens/policy_per_s": float(mask.sum()) / max(collected.t_rollout, 1e-9),
+                **_memory_metrics(device),
             }
         )
         metrics = _mean_over_ranks(metrics, ctx)
@@ -672,7 +673,8 @@ def train(recipe: Recipe, *, resume: bool = False, console: Any = None) -> dict[
 
         # 6. checkpoint (the data cursor is global, so a run resumes on any number of ranks)
         done = step + 1
-        if done % recipe.trainer.save_every == 0 or done == recipe.trainer.total_steps:
+        every = recipe.trainer.save_every
+        if every and (done % every == 0 or done == recipe.trainer.total_steps):
             model_states, optim_states = full_states(models, optimizers)  # collective: all ranks
             if ctx.is_main:
                 save_checkpoint(
@@ -912,6 +914,19 @@ def _mean_over_ranks(metrics: dict[str, float], ctx: DistContext) -> dict[str, f
 # ----------------------------------------------------------------------------
 # Small helpers for the loop above
 # ----------------------------------------------------------------------------
+
+
+def _memory_metrics(device: torch.device) -> dict[str, float]:
+    """GPU memory of this rank: PyTorch's peak since the start, and what the whole card has in use
+    (other allocators in the process, e.g. a library's JAX preallocating 75% of the GPU, show up
+    only in the second)."""
+    if device.type != "cuda":
+        return {}
+    free, total = torch.cuda.mem_get_info(device)
+    return {
+        "memory/peak_allocated_gib": torch.cuda.max_memory_allocated(device) / 2**30,
+        "memory/device_in_use_gib": (total - free) / 2**30,
+    }
 
 
 def _group_index(trajs: list[Trajectory]) -> list[int]:
