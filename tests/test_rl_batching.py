@@ -62,3 +62,51 @@ def test_batched_logprobs_and_values_equal_single_sequences(tiny) -> None:
         torch.testing.assert_close(entropy[i, :R], -(probs * probs.log()).sum(-1), rtol=1e-9, atol=1e-9)
         expected_v = critic.value_head(hidden[0, P - 1 : P + R - 1]).squeeze(-1)
         torch.testing.assert_close(values[i, :R], expected_v, rtol=1e-9, atol=1e-9)
+
+
+def _recipe(**model):
+    from sleuth.rl.config import recipe_from_dict
+
+    return recipe_from_dict({
+        "name": "t", "model": {"policy": "tiny", **model}, "data": {"train": "x.jsonl"},
+        "retriever": {"index": "idx"}, "agent": {"loop": "search_r1"}, "reward": {"name": "search_r1_em"},
+    })
+
+
+def test_rollout_copy_is_bf16_and_follows_the_policy(tiny) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from sleuth.rl.trainer import rollout_copy, sync_rollout_copy
+
+    policy = AutoModelForCausalLM.from_pretrained(tiny[0], dtype=torch.float32)  # this test changes it
+    cuda = torch.device("cuda")  # eligibility depends on the device type only; nothing moves
+    copy = rollout_copy(_recipe(), policy, cuda)
+    assert copy is not None and copy is not policy
+    assert {p.dtype for p in copy.parameters()} == {torch.bfloat16}
+    assert {b.dtype for b in copy.buffers() if b.is_floating_point()} <= {torch.float32}  # RoPE stays fp32
+    with torch.no_grad():  # an optimizer step on the policy
+        for p in policy.parameters():
+            p.add_(0.5)
+    first = next(copy.parameters()).clone()
+    sync_rollout_copy(copy, policy)
+    for dst, src in zip(copy.parameters(), policy.parameters(), strict=True):
+        assert torch.equal(dst, src.detach().to(torch.bfloat16))
+    assert not torch.equal(first, next(copy.parameters()))
+    assert not any(p.requires_grad for p in copy.parameters())
+
+
+def test_rollout_copy_only_where_it_applies(tiny) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from sleuth.errors import ConfigError
+    from sleuth.rl.trainer import rollout_copy
+
+    model = AutoModelForCausalLM.from_pretrained(tiny[0], dtype=torch.float32)
+    assert rollout_copy(_recipe(), tiny[1], torch.device("cuda")) is None  # float64 weights: numerical checks
+    assert rollout_copy(_recipe(), model, torch.device("cpu")) is None  # CPU rollouts use the fp32 policy
+    assert rollout_copy(_recipe(generation_weights="policy"), model, torch.device("cuda")) is None
+    assert rollout_copy(_recipe(parallel="fsdp"), model, torch.device("cuda")) is None
+    lora = {"lora": {"enabled": True}}
+    assert rollout_copy(_recipe(**lora), model, torch.device("cuda")) is None
+    with pytest.raises(ConfigError, match="generation_weights=bf16-copy"):
+        rollout_copy(_recipe(generation_weights="bf16-copy", **lora), model, torch.device("cuda"))

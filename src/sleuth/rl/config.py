@@ -42,6 +42,9 @@ class ModelConfig(_Strict):
     # rollout decoding: HF's dynamic KV cache, or a static cache (fast on GPU only with compile)
     generation_cache: Literal["dynamic", "static"] = "dynamic"
     compile_generation: bool = False
+    # what rollouts decode with: "auto" = a bf16 copy of a fully fine-tuned fp32 policy on CUDA
+    # (synced after every update; not with FSDP), else the policy itself
+    generation_weights: Literal["auto", "policy", "bf16-copy"] = "auto"
 
 
 class DataConfig(_Strict):

@@ -91,14 +91,11 @@ def load_policy(recipe: Recipe, device: torch.device, adapter_dir: Path | None =
     tokenizer = AutoTokenizer.from_pretrained(path)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
-    # Master weights stay fp32; bf16 comes from autocast on GPU (see `autocast`).
-    dtype = {
-        "auto": torch.float32,
-        "float32": torch.float32,
-        "bfloat16": torch.bfloat16,
-        "float16": torch.float16,
-        "float64": torch.float64,
-    }[recipe.model.dtype]
+    dtype = master_dtype(recipe)
+    if recipe.model.lora.enabled and recipe.model.dtype == "auto" and device.type == "cuda":
+        # The frozen base needs no fp32 master copy: bf16 halves its memory, and the rollout's KV
+        # cache then sees one dtype. peft keeps the trained adapters in fp32.
+        dtype = torch.bfloat16
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
     if recipe.model.gradient_checkpointing:
         model.gradient_checkpointing_enable()
@@ -123,6 +120,54 @@ def load_policy(recipe: Recipe, device: torch.device, adapter_dir: Path | None =
     elif adapter_dir is not None:
         model = AutoModelForCausalLM.from_pretrained(adapter_dir, dtype=dtype).to(device)
     return tokenizer, model, path
+
+
+def master_dtype(recipe: Recipe) -> torch.dtype:
+    """Dtype of the trained weights: "auto" keeps fp32 masters; bf16 comes from autocast on GPU."""
+    return {
+        "auto": torch.float32,
+        "float32": torch.float32,
+        "bfloat16": torch.bfloat16,
+        "float16": torch.float16,
+        "float64": torch.float64,
+    }[recipe.model.dtype]
+
+
+def rollout_copy(recipe: Recipe, policy: nn.Module, device: torch.device) -> nn.Module | None:
+    """A bf16 copy of a fully fine-tuned fp32 policy for rollouts on GPU, or None to generate
+    with the policy itself. Decoding fp32 weights under autocast re-casts every weight matrix at
+    every decode step, and its KV cache receives fp32 keys (after RoPE) with bf16 values, which a
+    static cache cannot hold. The copy costs 2 bytes per parameter and is refreshed after every
+    optimizer step (`sync_rollout_copy`), like an inference engine's weight sync."""
+    choice = recipe.model.generation_weights
+    if choice == "policy":
+        return None
+    model = unwrap(policy)
+    eligible = (
+        device.type == "cuda"
+        and not recipe.model.lora.enabled
+        and recipe.model.parallel != "fsdp"
+        and next(model.parameters()).dtype == torch.float32
+    )
+    if not eligible:
+        if choice == "bf16-copy":
+            raise ConfigError(
+                "model.generation_weights=bf16-copy needs full fine-tuning of fp32 weights on CUDA without FSDP; "
+                "use generation_weights=auto or policy"
+            )
+        return None
+    import copy
+
+    rollout = copy.deepcopy(model).eval().requires_grad_(False)
+    for param in rollout.parameters():  # parameters only: buffers such as RoPE's inv_freq stay fp32
+        param.data = param.data.to(torch.bfloat16)
+    return rollout
+
+
+@torch.no_grad()
+def sync_rollout_copy(rollout: nn.Module, policy: nn.Module) -> None:
+    for dst, src in zip(rollout.parameters(), unwrap(policy).parameters(), strict=True):
+        dst.copy_(src)
 
 
 def load_reference(model_path: str, policy: nn.Module, device: torch.device) -> nn.Module:
@@ -498,7 +543,7 @@ def train(recipe: Recipe, *, resume: bool = False, console: Any = None) -> dict[
         if recipe.model.offload_reference:
             ref_model.to("cpu")
     critic = (
-        load_critic(model_path, device, next(unwrap(policy).parameters()).dtype) if algo.uses_critic else None
+        load_critic(model_path, device, master_dtype(recipe)) if algo.uses_critic else None
     )
     if critic is not None and ckpt is not None:
         critic.load_state_dict(torch.load(ckpt / "critic.pt", map_location=device, weights_only=True))
@@ -523,8 +568,9 @@ def train(recipe: Recipe, *, resume: bool = False, console: Any = None) -> dict[
         seed_everything(recipe.seed * 1_000_003 + start_step * 1_009 + ctx.rank)
 
     # --- environment, data, reward ------------------------------------------
+    rollout_model = rollout_copy(recipe, policy, device)
     generator = HFGenerator(
-        unwrap(policy),
+        rollout_model if rollout_model is not None else unwrap(policy),
         tokenizer=tokenizer,
         cache=recipe.model.generation_cache,
         compile=recipe.model.compile_generation,
@@ -642,6 +688,8 @@ def train(recipe: Recipe, *, resume: bool = False, console: Any = None) -> dict[
         )
         for s in schedulers.values():
             s.step()
+        if rollout_model is not None:
+            sync_rollout_copy(rollout_model, policy)
         t_update = time.perf_counter() - t2
 
         # 5. log (metrics averaged over ranks; every rank holds an equal share of the batch)
