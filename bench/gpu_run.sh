@@ -55,7 +55,7 @@ for stage in "$@"; do
       done ;;
     scale)
       python bench/scale_step.py --model random:qwen2.5-1.5b --gpus 1 2 --parallel ddp fsdp --prompts 8 --n 4 \
-        --turns 1 --new-tokens 128 --steps 3 --timeout "${SCALE_TIMEOUT:-240}" --out "$OUT/scale_step_gpu.json" \
+        --compile --turns 1 --new-tokens 128 --steps 3 --timeout "${SCALE_TIMEOUT:-240}" --out "$OUT/scale_step_gpu.json" \
         2>&1 | tail -30 ;;
   esac
 done

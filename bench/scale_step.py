@@ -53,7 +53,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=1e-6)
     p.add_argument("--kl-coef", type=float, default=0.0)
     p.add_argument("--passages", type=int, default=2000)
-    p.add_argument("--compile", action="store_true", help="static KV cache + compiled decode step in rollouts")
+    p.add_argument("--compile", action="store_true",
+                   help="static KV cache + compiled decode step in rollouts (not for FSDP rows)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=int, default=900, help="seconds allowed per configuration")
     p.add_argument("--out", default=None, help="JSON path (default $OUT/scale_step_<device>.json or bench/results/)")
@@ -85,9 +86,11 @@ def run_config(args: argparse.Namespace, shared: dict[str, Any], work: Path, dev
     out_dir = work / name
     per_rank = args.prompts * args.n // gpus
     micro_args = argparse.Namespace(**{**vars(args), "micro": min(args.micro, per_rank)})
-    cache = "static" if args.compile else "dynamic"
-    recipe = train_step.bench_recipe(micro_args, shared, out_dir, device, cache=cache, compiled=args.compile,
-                                     parallel=parallel)
+    # FSDP rollouts decode through the sharded model (no bf16 rollout copy): no compiled step there
+    compiled = args.compile and not (gpus > 1 and parallel == "fsdp")
+    recipe = train_step.bench_recipe(micro_args, shared, out_dir, device, cache="static" if compiled else "dynamic",
+                                     compiled=compiled, parallel=parallel)
+    row_compiled = compiled
     recipe_path = work / f"{name}.yaml"
     recipe_path.write_text(yaml.safe_dump(recipe, sort_keys=False))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={gpus}",
@@ -98,7 +101,7 @@ def run_config(args: argparse.Namespace, shared: dict[str, Any], work: Path, dev
     env.setdefault("OMP_NUM_THREADS", "1")
     log_path = work / f"{name}.log"
     row: dict[str, Any] = {"gpus": gpus, "parallel": parallel if gpus > 1 else "none (1 process)",
-                           "trajectories_per_rank": per_rank}
+                           "trajectories_per_rank": per_rank, "compiled_decoding": row_compiled}
     start = time.perf_counter()
     try:
         with open(log_path, "w") as log:

@@ -75,8 +75,6 @@ GPU = DemoSize(
     max_new_tokens=64,
     dense=False,
     lr=2e-5,
-    generation_cache="static",
-    compile_generation=True,
 )
 FAST = DemoSize(
     model="tiny",

@@ -436,8 +436,10 @@ class HFGenerator:
                     config=self.model.config, max_batch_size=batch, max_cache_len=length,
                     device=self.device, dtype=self.model.dtype,
                 )
-            # Keep few caches: each holds a full (batch, length) KV buffer.
-            if len(self._static_caches) >= 2:
+            # Keep few caches: each holds a full (batch, length) KV buffer. A compiled step's CUDA
+            # graphs hold the addresses of the caches they were captured with, so with compile no
+            # cache is ever freed (a replay must not write into memory that was handed back).
+            if not self.compile and len(self._static_caches) >= 2:
                 self._static_caches.pop(next(iter(self._static_caches)))
             self._static_caches[key] = cache
         else:
