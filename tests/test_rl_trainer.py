@@ -146,3 +146,36 @@ def test_save_every_zero_writes_no_checkpoint(world: Path, tmp_path: Path) -> No
     result = train(recipe_from_dict(data))
     assert len(_rewards(tmp_path / "run")) == 2
     assert result["checkpoint"] is None and latest_checkpoint(tmp_path / "run") is None
+
+
+def test_nonfinite_gradient_skips_the_update(world: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A NaN gradient must not reach the optimizer: that step is skipped and counted, the weights
+    stay finite and later steps update as usual."""
+    import sleuth.rl.trainer as trainer_mod
+
+    real_load = trainer_mod.load_policy
+    poisoned = {"calls": 0}
+
+    def load_with_one_nan_gradient(*args, **kwargs):
+        tokenizer, model, path = real_load(*args, **kwargs)
+        param = next(p for p in model.parameters() if p.requires_grad)
+
+        def hook(grad: torch.Tensor) -> torch.Tensor:
+            poisoned["calls"] += 1
+            return grad * float("nan") if poisoned["calls"] == 1 else grad
+
+        param.register_hook(hook)
+        return tokenizer, model, path
+
+    monkeypatch.setattr(trainer_mod, "load_policy", load_with_one_nan_gradient)
+    algorithm = {"name": "grpo", "n": 4, "prompts_per_step": 2, "minibatch_size": 8, "micro_batch_size": 8}
+    data = _recipe(world, tmp_path / "run", algorithm, steps=3)
+    data["trainer"]["save_every"] = 3
+    trainer_mod.train(recipe_from_dict(data))
+    metrics = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["actor/skipped_nonfinite_grad"] for m in metrics] == [1.0, 0.0, 0.0]
+    assert "actor/grad_norm" not in metrics[0] and metrics[1]["actor/grad_norm"] > 0
+    from safetensors.torch import load_file
+
+    weights = load_file(tmp_path / "run" / "checkpoints" / "step_000003" / "policy" / "model.safetensors")
+    assert all(torch.isfinite(w).all() for w in weights.values())

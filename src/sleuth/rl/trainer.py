@@ -91,11 +91,9 @@ def load_policy(recipe: Recipe, device: torch.device, adapter_dir: Path | None =
     tokenizer = AutoTokenizer.from_pretrained(path)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
+    # dtype "bfloat16" with LoRA gives a bf16 frozen base (half the memory, and one dtype in a static
+    # KV cache) while peft keeps the trained adapters in fp32.
     dtype = master_dtype(recipe)
-    if recipe.model.lora.enabled and recipe.model.dtype == "auto" and device.type == "cuda":
-        # The frozen base needs no fp32 master copy: bf16 halves its memory, and the rollout's KV
-        # cache then sees one dtype. peft keeps the trained adapters in fp32.
-        dtype = torch.bfloat16
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
     if recipe.model.gradient_checkpointing:
         model.gradient_checkpointing_enable()
@@ -920,11 +918,18 @@ def update(
             grad_norm = clip_grad_norm(
                 [p for p in policy.parameters() if p.requires_grad], recipe.optim.grad_clip, ctx
             )
-            _add(stats, "actor/grad_norm", grad_norm)
-            optimizers["policy"].step()
+            # A non-finite gradient (the norm is global, so every rank agrees) would turn the weights
+            # into NaN for good: skip that optimizer step, as verl does, and count it.
+            finite = math.isfinite(grad_norm)
+            _add(stats, "actor/skipped_nonfinite_grad", float(not finite))
+            if finite:
+                _add(stats, "actor/grad_norm", grad_norm)
+                optimizers["policy"].step()
             if critic is not None:
-                clip_grad_norm(list(critic.parameters()), recipe.optim.grad_clip, ctx)
-                optimizers["critic"].step()
+                critic_norm = clip_grad_norm(list(critic.parameters()), recipe.optim.grad_clip, ctx)
+                _add(stats, "critic/skipped_nonfinite_grad", float(not math.isfinite(critic_norm)))
+                if math.isfinite(critic_norm):
+                    optimizers["critic"].step()
     return stats
 
 
