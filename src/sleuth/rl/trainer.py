@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import json
+import logging
 import math
 import random
 import time
@@ -922,6 +923,12 @@ def update(
             # into NaN for good: skip that optimizer step, as verl does, and count it.
             finite = math.isfinite(grad_norm)
             _add(stats, "actor/skipped_nonfinite_grad", float(not finite))
+            if not finite:
+                bad = [n for n, p in policy.named_parameters() if p.grad is not None and not p.grad.isfinite().all()]
+                logging.getLogger(__name__).warning(
+                    "non-finite gradient (norm %s) in %d parameter(s), e.g. %s; optimizer step skipped",
+                    grad_norm, len(bad), ", ".join(bad[:3]),
+                )
             if finite:
                 _add(stats, "actor/grad_norm", grad_norm)
                 optimizers["policy"].step()
@@ -1047,6 +1054,8 @@ def _format_line(step: int, total: int, m: dict[str, float]) -> str:
         parts.append(f"kl {m['actor/kl']:.4f}")
     if "actor/entropy" in m:
         parts.append(f"ent {m['actor/entropy']:.3f}")
+    if m.get("actor/skipped_nonfinite_grad"):
+        parts.append(f"[yellow]skipped {m['actor/skipped_nonfinite_grad']:.0%} of updates (non-finite grad)[/]")
     parts.append(
         f"t {m['time/rollout']:.1f}/{m['time/reward']:.1f}/{m['time/update']:.1f}s (rollout/reward/update)"
     )
