@@ -179,3 +179,7 @@ def test_nonfinite_gradient_skips_the_update(world: Path, tmp_path: Path, monkey
 
     weights = load_file(tmp_path / "run" / "checkpoints" / "step_000003" / "policy" / "model.safetensors")
     assert all(torch.isfinite(w).all() for w in weights.values())
+    # the offending minibatch is kept for offline reproduction (plain tensors: loads with weights_only)
+    saved = torch.load(tmp_path / "run" / "debug" / "nonfinite_step_000001_rank0.pt", weights_only=True)
+    assert saved["batch"]["input_ids"].shape[0] == 8 and saved["advantages"].shape[0] == 8
+    assert saved["nonfinite_parameters"]

@@ -684,6 +684,7 @@ def train(recipe: Recipe, *, resume: bool = False, console: Any = None) -> dict[
             returns,
             old_values,
             local_minibatch,
+            debug_path=out_dir / "debug" / f"nonfinite_step_{step + 1:06d}_rank{ctx.rank}.pt",
         )
         for s in schedulers.values():
             s.step()
@@ -836,6 +837,7 @@ def update(
     returns: torch.Tensor,
     old_values: torch.Tensor | None,
     local_minibatch: int,
+    debug_path: Path | None = None,
 ) -> dict[str, list[float]]:
     """PPO-style epochs over minibatches, micro-batched for memory. Loss normalisers are the
     minibatch's global totals divided by the number of ranks, so DDP's gradient mean equals the
@@ -925,9 +927,22 @@ def update(
             _add(stats, "actor/skipped_nonfinite_grad", float(not finite))
             if not finite:
                 bad = [n for n, p in policy.named_parameters() if p.grad is not None and not p.grad.isfinite().all()]
+                if debug_path is not None:  # the minibatch, to reproduce the failure offline
+                    debug_path.parent.mkdir(parents=True, exist_ok=True)
+                    torch.save(
+                        {
+                            "batch": {k: v[mb_idx] for k, v in vars(batch).items()},
+                            "advantages": advantages[mb_idx],
+                            "ref_logprobs": None if ref_logprobs is None else ref_logprobs[mb_idx],
+                            "micro_batch_size": algo.micro_batch_size,
+                            "nonfinite_parameters": bad,
+                        },
+                        debug_path,
+                    )
                 logging.getLogger(__name__).warning(
-                    "non-finite gradient (norm %s) in %d parameter(s), e.g. %s; optimizer step skipped",
+                    "non-finite gradient (norm %s) in %d parameter(s), e.g. %s; optimizer step skipped%s",
                     grad_norm, len(bad), ", ".join(bad[:3]),
+                    f"; minibatch saved to {debug_path}" if debug_path is not None else "",
                 )
             if finite:
                 _add(stats, "actor/grad_norm", grad_norm)
