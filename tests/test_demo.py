@@ -63,6 +63,17 @@ def test_demo_trains_another_method(tmp_path: Path) -> None:
     assert info["loop"] == "r_search"
     assert "r_search on a synthetic world" in (out / "report.html").read_text()
 
+    # a rerun resumes (every stage is already done) and adds its wall time to the recorded totals
+    first = json.loads((out / "demo.json").read_text())["timings"]
+    assert set(first) == {"world_and_indexes_s", "eval_before_s", "train_s", "eval_after_s", "total_s"}
+    assert abs(first["total_s"] - sum(v for k, v in first.items() if k != "total_s")) < 1e-6
+    proc = subprocess.run([sys.executable, "-m", "sleuth.cli", "demo", "--fast", "--method", "r_search",
+                           "--steps", "1", "--out", str(out)], env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    second = json.loads((out / "demo.json").read_text())["timings"]
+    assert all(second[k] > first[k] for k in first)
+    assert [json.loads(x)["step"] for x in (out / "train" / "metrics.jsonl").read_text().splitlines()] == [1]
+
 
 def test_demo_rejects_an_unknown_method(tmp_path: Path) -> None:
     proc = subprocess.run([sys.executable, "-m", "sleuth.cli", "demo", "--fast", "--method", "s4",

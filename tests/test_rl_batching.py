@@ -110,3 +110,20 @@ def test_rollout_copy_only_where_it_applies(tiny) -> None:
     assert rollout_copy(_recipe(**lora), model, torch.device("cuda")) is None
     with pytest.raises(ConfigError, match="generation_weights=bf16-copy"):
         rollout_copy(_recipe(generation_weights="bf16-copy", **lora), model, torch.device("cuda"))
+
+
+def test_static_cache_with_fp32_rollout_weights_fails_at_start(tiny) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from sleuth.errors import ConfigError
+    from sleuth.rl.trainer import check_rollout_cache, rollout_copy
+
+    model = AutoModelForCausalLM.from_pretrained(tiny[0], dtype=torch.float32)
+    cuda = torch.device("cuda")
+    lora_static = _recipe(lora={"enabled": True}, generation_cache="static")
+    with pytest.raises(ConfigError, match="model.dtype=bfloat16"):
+        check_rollout_cache(lora_static, model, cuda)
+    check_rollout_cache(lora_static, model.to(torch.bfloat16), cuda)  # a bf16 base is fine
+    check_rollout_cache(lora_static, model.float(), torch.device("cpu"))  # no autocast on CPU
+    full = _recipe(generation_cache="static")
+    check_rollout_cache(full, rollout_copy(full, model, cuda), cuda)  # full fine-tuning decodes the bf16 copy

@@ -25,6 +25,7 @@ import typer
 import yaml
 
 from sleuth.errors import ConfigError
+from sleuth.utils import atomic_write_json
 
 
 @dataclass(frozen=True)
@@ -248,8 +249,16 @@ def run_demo(
         )
     torch.manual_seed(0)
     out.mkdir(parents=True, exist_ok=True)
+    # Wall time per stage, summed over invocations (a killed run resumes; its finished stages count).
+    state_path = out / "demo.json"
+    earlier = json.loads(state_path.read_text()).get("timings", {}) if state_path.exists() else {}
     timings: dict[str, float] = {}
-    t_all = time.perf_counter()
+
+    def record(key: str, seconds: float) -> None:
+        timings[key] = timings.get(key, 0.0) + seconds
+        total = {k: earlier.get(k, 0.0) + timings.get(k, 0.0) for k in {*earlier, *timings} if k != "total_s"}
+        total["total_s"] = sum(total.values())
+        atomic_write_json(state_path, {"method": method, "size": size.__dict__, "timings": total})
 
     def stage(title: str) -> float:
         console.print(Panel.fit(title, style="bold cyan"))
@@ -264,7 +273,7 @@ def run_demo(
         build_index(world / "corpus.jsonl", "bm25", world / "bm25")
     if size.dense and not (world / "dense" / "manifest.json").exists():
         build_index(world / "corpus.jsonl", "dense", world / "dense")
-    timings["world_and_indexes_s"] = time.perf_counter() - t0
+    record("world_and_indexes_s", time.perf_counter() - t0)
     retriever = load_retriever(world / "bm25", corpus=world / "corpus.jsonl")
     test = read_qa_jsonl(world / "test.jsonl")[: size.eval_questions]
     for ex in test:  # report accuracy per hop count
@@ -292,7 +301,7 @@ def run_demo(
         progress=True,
         config=cfg,
     )
-    timings["eval_before_s"] = time.perf_counter() - t0
+    record("eval_before_s", time.perf_counter() - t0)
     del base
 
     # 3. train with GRPO + LoRA (frozen services use the base model: adapters switched off)
@@ -307,7 +316,7 @@ def run_demo(
     result = train(
         recipe_from_dict(recipe_dict, source=str(recipe_path)), resume=resume, console=console
     )
-    timings["train_s"] = time.perf_counter() - t0
+    record("train_s", time.perf_counter() - t0)
 
     # 4. re-evaluate the trained agent; the frozen generator is the untouched base model
     t0 = stage(f"4/4  evaluate the trained {method} agent and write the report")
@@ -323,8 +332,7 @@ def run_demo(
         config=cfg,
         progress=True,
     )
-    timings["eval_after_s"] = time.perf_counter() - t0
-    timings["total_s"] = time.perf_counter() - t_all
+    record("eval_after_s", time.perf_counter() - t0)
 
     batch = size.prompts_per_step * size.n
     notes = [
@@ -333,10 +341,8 @@ def run_demo(
         )
         for n in NOTES
     ]
-    notes.append("Wall time on this machine: " + ", ".join(f"{k} {v:.0f}s" for k, v in timings.items()))
-    (out / "demo.json").write_text(
-        json.dumps({"method": method, "size": size.__dict__, "timings": timings}, indent=2, default=list)
-    )
+    totals = json.loads(state_path.read_text())["timings"]
+    notes.append("Wall time on this machine: " + ", ".join(f"{k} {v:.0f}s" for k, v in totals.items()))
     report = build_report(out, title=f"sleuth demo: {method} on a synthetic world", notes=notes)
     console.print(f"[green]report:[/] {report}   checkpoint: {result['checkpoint']}")
     return report

@@ -163,6 +163,20 @@ def rollout_copy(recipe: Recipe, policy: nn.Module, device: torch.device) -> nn.
     return rollout
 
 
+def check_rollout_cache(recipe: Recipe, generator_model: nn.Module, device: torch.device) -> None:
+    """fp32 weights decoding under bf16 autocast feed a static KV cache fp32 keys (after RoPE) and
+    bf16 values, which transformers' StaticCache cannot hold: fail at start with the fix."""
+    if (
+        device.type == "cuda"
+        and recipe.model.generation_cache == "static"
+        and next(generator_model.parameters()).dtype == torch.float32
+    ):
+        raise ConfigError(
+            "model.generation_cache=static on GPU needs bf16 rollout weights: with LoRA set model.dtype=bfloat16 "
+            "(a bf16 frozen base; the adapters stay fp32), with FSDP use generation_cache=dynamic"
+        )
+
+
 @torch.no_grad()
 def sync_rollout_copy(rollout: nn.Module, policy: nn.Module) -> None:
     for dst, src in zip(rollout.parameters(), unwrap(policy).parameters(), strict=True):
@@ -568,6 +582,7 @@ def train(recipe: Recipe, *, resume: bool = False, console: Any = None) -> dict[
 
     # --- environment, data, reward ------------------------------------------
     rollout_model = rollout_copy(recipe, policy, device)
+    check_rollout_cache(recipe, rollout_model if rollout_model is not None else unwrap(policy), device)
     generator = HFGenerator(
         rollout_model if rollout_model is not None else unwrap(policy),
         tokenizer=tokenizer,
