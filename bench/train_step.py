@@ -3,8 +3,8 @@
     # CPU check (tiny model):
     PYTHONPATH=src python bench/train_step.py --model tiny --prompts 2 --n 2 --new-tokens 16 --steps 2
     # GPU: random-weight Qwen2.5-0.5B shape with the Qwen3 tokenizer:
-    PYTHONPATH=src python bench/train_step.py --model random:qwen2.5-0.5b --prompts 8 --n 4 --turns 2 \
-        --new-tokens 64 --steps 3
+    PYTHONPATH=src python bench/train_step.py --model random:qwen2.5-0.5b --prompts 8 --n 4 --turns 1 \
+        --new-tokens 128 --steps 3
 
 What is the same for every row: the model (a random:* model is saved once to a directory with its
 tokenizer and every trainer loads it from there; other specs resolve to one directory), the prompts
@@ -26,7 +26,9 @@ Rewards: sleuth uses search_r1_em; TRL a trivial length-based function (reward c
 for both). Each trainer runs in its own subprocess (clean peak-memory counters, and a crash in one
 does not lose the others), for `--warmup-steps` + `--steps` steps; the warm-up steps are excluded.
 Step split: sleuth's own metrics (time/rollout, time/reward, time/update = everything after the
-reward: old log-probs, advantages, forward/backward, optimizer); TRL: generate = `_generate`
+reward: old log-probs, advantages, forward/backward, optimizer). Sleuth rows: "sleuth" decodes with
+HF's dynamic cache, "sleuth-compiled" with a static cache and a compiled decode step; on CUDA both
+decode a bf16 copy of the fp32 policy, synced after every update. TRL: generate = `_generate`
 (tokenise, model.generate, decode), reward = `_calculate_rewards`, update = rest of the optimizer
 step. Sleuth's checkpoint saving is switched off (it is not part of a step). TRL rows: cache
 "dynamic" (transformers default) and "static" (GRPOConfig.cache_implementation="static"; TRL forces
