@@ -33,11 +33,12 @@ def tiny(tmp_path_factory: pytest.TempPathFactory):
 
 def test_collate_layout_by_hand() -> None:
     batch = collate([_traj([5, 6, 7], [8, 9], [1, 0]), _traj([5], [8, 9, 10], [1, 1, 0])], pad_id=0)
-    # S = 3 prompt columns, R = 3 response columns
-    assert batch.input_ids.tolist() == [[5, 6, 7, 8, 9, 0], [0, 0, 5, 8, 9, 10]]
-    assert batch.attention_mask.tolist() == [[1, 1, 1, 1, 1, 0], [0, 0, 1, 1, 1, 1]]
-    assert batch.position_ids.tolist() == [[0, 1, 2, 3, 4, 4], [0, 0, 0, 1, 2, 3]]
+    # rows packed to the left, width = longest prompt (3) + R (3); no attention mask needed
+    assert batch.input_ids.tolist() == [[5, 6, 7, 8, 9, 0], [5, 8, 9, 10, 0, 0]]
+    assert batch.response_start.tolist() == [3, 1]
     assert batch.action_mask.tolist() == [[1, 0, 0], [1, 1, 0]]
+    # a sub-batch keeps only the columns its rows use
+    assert batch.index(torch.tensor([1])).input_ids.tolist() == [[5, 8, 9, 10]]
     truncated = _traj([5], [8], [1])
     truncated.finish_reason = "length"
     assert collate([truncated], pad_id=0, drop_truncated=True).action_mask.tolist() == [[0.0]]

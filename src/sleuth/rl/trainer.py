@@ -73,7 +73,10 @@ class ValueModel(nn.Module):
         nn.init.zeros_(self.value_head.bias)
 
     def forward(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor | None = None
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         hidden = self.backbone(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids
@@ -264,12 +267,15 @@ class DataCursor:
 
 @dataclass
 class TokenBatch:
-    """Prompts left-padded to a common width S, responses right-padded after it, so every
-    response starts at column S and all per-token tensors cover only response positions."""
+    """Each row is prompt + response packed to the left and right-padded, so the training forward
+    needs no attention mask at all: causal attention alone keeps real tokens from seeing the padding
+    after them. (Left padding needs a mask whose pad rows attend to nothing; CUDA's
+    memory-efficient attention backward has produced NaN gradients for such masks while the forward
+    stayed finite.) Without a mask SDPA can pick its flash kernel. Per-token tensors cover only
+    response positions: column j of `action_mask` is response token j of that row."""
 
-    input_ids: torch.Tensor  # (B, S + R)
-    attention_mask: torch.Tensor  # (B, S + R)
-    position_ids: torch.Tensor  # (B, S + R), counting real tokens only (as during generation)
+    input_ids: torch.Tensor  # (B, L), L = longest prompt + R
+    response_start: torch.Tensor  # (B,) long: the column where each row's response begins
     action_mask: torch.Tensor  # (B, R) float: 1 where response token j is a policy token
 
     @property
@@ -277,9 +283,10 @@ class TokenBatch:
         return self.action_mask.shape[1]
 
     def index(self, idx: torch.Tensor) -> TokenBatch:
-        return TokenBatch(
-            self.input_ids[idx], self.attention_mask[idx], self.position_ids[idx], self.action_mask[idx]
-        )
+        """The rows `idx`, cut to the columns they use (their longest prompt + R)."""
+        starts = self.response_start[idx]
+        width = int(starts.max()) + self.response_width if len(starts) else 0
+        return TokenBatch(self.input_ids[idx, :width], starts, self.action_mask[idx])
 
 
 def collate(trajs: list[Trajectory], pad_id: int, drop_truncated: bool = False) -> TokenBatch:
@@ -287,46 +294,49 @@ def collate(trajs: list[Trajectory], pad_id: int, drop_truncated: bool = False) 
     R = max(1, max(len(t.response_ids) for t in trajs))
     B = len(trajs)
     input_ids = torch.full((B, S + R), pad_id, dtype=torch.long)
-    attention = torch.zeros((B, S + R), dtype=torch.long)
+    starts = torch.zeros(B, dtype=torch.long)
     action = torch.zeros((B, R), dtype=torch.float32)
     for i, t in enumerate(trajs):
         P, n = len(t.prompt_ids), len(t.response_ids)
-        input_ids[i, S - P : S + n] = torch.tensor(t.prompt_ids + t.response_ids, dtype=torch.long)
-        attention[i, S - P : S + n] = 1
+        input_ids[i, : P + n] = torch.tensor(t.prompt_ids + t.response_ids, dtype=torch.long)
+        starts[i] = P
         if drop_truncated and t.finish_reason == "length":
             continue  # DAPO overlong filtering: a truncated response teaches nothing reliable
         if n:
             action[i, :n] = torch.tensor(t.loss_mask, dtype=torch.float32)
-    positions = (attention.cumsum(-1) - 1).clamp(min=0)
-    return TokenBatch(input_ids, attention, positions, action)
+    return TokenBatch(input_ids, starts, action)
+
+
+def _response_columns(batch: TokenBatch, first: int) -> torch.Tensor:
+    """(B, R) index of the position predicting response token j of each row, counted from `first`."""
+    R = batch.response_width
+    offsets = torch.arange(R, device=batch.input_ids.device)
+    return (batch.response_start.to(batch.input_ids.device) - 1 - first)[:, None] + offsets[None, :]
 
 
 def forward_logprobs(
     model: nn.Module, batch: TokenBatch, temperature: float, with_entropy: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-prob (B, R) of each response token under `model`, logits scaled by the sampling
-    temperature. Only the R+1 last positions go through the LM head: prompt positions never
-    materialise (B, L, V) logits, which dominate memory and time at a 150k vocabulary."""
-    R = batch.response_width
-    out = model(
-        input_ids=batch.input_ids,
-        attention_mask=batch.attention_mask,
-        position_ids=batch.position_ids,
-        logits_to_keep=R + 1,
-    )
-    logits = loss_fns.at_least_fp32(out.logits[:, :-1])
+    temperature. Only positions from the earliest response start on go through the LM head: prompt
+    positions never materialise (B, L, V) logits, which dominate memory and time at a 150k vocabulary."""
+    first = int(batch.response_start.min()) - 1  # the position predicting the earliest response token
+    L = batch.input_ids.shape[1]
+    out = model(input_ids=batch.input_ids, logits_to_keep=L - first)
+    logits = loss_fns.at_least_fp32(out.logits[:, :-1])  # positions first .. L-2
     if temperature > 0 and temperature != 1.0:
         logits = logits / temperature
-    logprobs = loss_fns.logprobs_from_logits(logits, batch.input_ids[:, -R:])
-    entropy = loss_fns.entropy_from_logits(logits) if with_entropy else None
+    cols = _response_columns(batch, first)
+    per_position = loss_fns.logprobs_from_logits(logits, batch.input_ids[:, first + 1 :])
+    logprobs = per_position.gather(1, cols)
+    entropy = loss_fns.entropy_from_logits(logits).gather(1, cols) if with_entropy else None
     return logprobs, entropy
 
 
 def critic_values(critic: nn.Module, batch: TokenBatch) -> torch.Tensor:
     """Values (B, R): entry j is the value of the state just before response token j."""
-    R = batch.response_width
-    values = critic(batch.input_ids, batch.attention_mask, batch.position_ids)
-    return values[:, -R - 1 : -1]
+    values = critic(batch.input_ids)
+    return values.gather(1, _response_columns(batch, 0))
 
 
 def chunks(n: int, size: int) -> Iterator[slice]:
@@ -359,12 +369,7 @@ def batched_values(critic: ValueModel, batch: TokenBatch, micro: int, device: to
 
 
 def _to(batch: TokenBatch, device: torch.device) -> TokenBatch:
-    return TokenBatch(
-        *(
-            t.to(device)
-            for t in (batch.input_ids, batch.attention_mask, batch.position_ids, batch.action_mask)
-        )
-    )
+    return TokenBatch(*(t.to(device) for t in (batch.input_ids, batch.response_start, batch.action_mask)))
 
 
 # ----------------------------------------------------------------------------
