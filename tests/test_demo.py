@@ -80,3 +80,16 @@ def test_demo_rejects_an_unknown_method(tmp_path: Path) -> None:
                            "--out", str(tmp_path / "d")], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2
     assert "--method 's4'" in proc.stdout and "r_search" in proc.stdout
+
+
+def test_gpu_profile_recipe_compiles_rollouts_over_a_bf16_base(monkeypatch, tmp_path: Path) -> None:
+    import sleuth.demo as demo
+    from sleuth.rl.config import recipe_from_dict
+
+    monkeypatch.setattr(demo, "_cuda", lambda: True)
+    recipe = recipe_from_dict(demo.demo_recipe(tmp_path, demo.GPU, "r_search"))
+    assert (recipe.model.generation_cache, recipe.model.compile_generation) == ("static", True)
+    assert recipe.model.dtype == "bfloat16" and recipe.model.lora.enabled  # static cache needs bf16 rollout weights
+    assert recipe.agent.max_new_tokens_per_turn == 128 and recipe.reward.name == "r_search"
+    monkeypatch.setattr(demo, "_cuda", lambda: False)  # on a CPU the same profile keeps fp32 masters
+    assert recipe_from_dict(demo.demo_recipe(tmp_path, demo.GPU, "s3")).model.dtype == "auto"

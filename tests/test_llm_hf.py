@@ -279,3 +279,18 @@ def test_compiled_decoding_follows_lora_adapter_switching() -> None:
         runs[compiled] = (on, off, on_again)
     assert runs[False][0] != runs[False][1]  # the adapters change the greedy continuation
     assert runs[True] == runs[False]
+
+
+def test_compiled_decoding_reuses_few_cache_shapes(model_and_tok) -> None:
+    """Compiled decoding buckets shapes (batch to >= max_batch_size/4, length to a power of two) so a
+    multi-turn rollout does not recompile for every live-batch size and context length."""
+    model, tok = model_and_tok
+    gen = HFGenerator(model, tokenizer=tok, cache="static", compile=True, max_batch_size=8)
+    eager = HFGenerator(model, tokenizer=tok, cache="static", compile=False, max_batch_size=8)
+    params = SamplingParams(max_new_tokens=4, temperature=0.0)
+    batches = [[[5, 6, 7]], [[5, 6, 7, 8], [9, 10]], [[5] * 40, [6] * 3, [7] * 9]]
+    for batch in batches:
+        got = [g.token_ids for g in gen.generate(batch, params=params)]
+        assert got == [g.token_ids for g in eager.generate(batch, params=params)]
+    # 1, 2 and 3 live rows share the batch bucket 2 -> 2, 4; lengths 7..44 share the 256 bucket
+    assert sorted(gen._static_caches) == [(2, 256), (4, 256)]

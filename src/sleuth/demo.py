@@ -76,6 +76,8 @@ GPU = DemoSize(
     max_new_tokens=64,
     dense=False,
     lr=2e-5,
+    generation_cache="static",
+    compile_generation=True,
 )
 FAST = DemoSize(
     model="tiny",
@@ -157,6 +159,12 @@ NOTES = (
 )
 
 
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def demo_recipe(out: Path, size: DemoSize, method: str = "s3") -> dict[str, Any]:
     """The recipe the demo trains (also written next to the run for re-use with `sleuth train`)."""
     spec = DEMO_METHODS[method]
@@ -172,6 +180,8 @@ def demo_recipe(out: Path, size: DemoSize, method: str = "s3") -> dict[str, Any]
         "model": {
             "policy": size.model,
             "lora": {"enabled": True, "r": 8, "alpha": 16},
+            # a static KV cache on a GPU needs bf16 rollout weights: a bf16 frozen base (adapters stay fp32)
+            "dtype": "bfloat16" if size.generation_cache == "static" and _cuda() else "auto",
             "generation_cache": size.generation_cache,
             "compile_generation": size.compile_generation,
         },
@@ -245,7 +255,7 @@ def run_demo(
         size = replace(
             size,
             compile_generation=compile_generation,
-            generation_cache="static" if compile_generation else size.generation_cache,
+            generation_cache="static" if compile_generation else "dynamic",
         )
     torch.manual_seed(0)
     out.mkdir(parents=True, exist_ok=True)

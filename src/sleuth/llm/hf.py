@@ -450,6 +450,11 @@ class HFGenerator:
         if not self.compile:
             return self._forward
         if self._compiled_step is None:
+            import torch._dynamo
+
+            # One graph per (cache length, model mode): a LoRA policy and its adapter-disabled base are
+            # two modes; the default limit of 8 would silently fall back to eager decoding.
+            torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
             self._compiled_step = torch.compile(self._forward, mode="reduce-overhead", fullgraph=False, dynamic=False)
         return self._compiled_step
 
@@ -457,12 +462,19 @@ class HFGenerator:
         prompts = [r.prompt_ids for r in rows]
         batch = len(rows)
         if self.compile:
-            # Fixed shapes -> few compiled graphs: pad the batch to a power of two with copies of row 0.
-            batch = min(self.max_batch_size, 1 << (len(rows) - 1).bit_length())
+            # Each new shape is a fresh compile (tens of seconds on a GPU), and multi-turn rollouts
+            # change the live batch and the context length every turn. Pad the batch with copies of
+            # row 0 to a power of two of at least a quarter of max_batch_size, and round the length
+            # up to a power of two: a whole run then decodes with a handful of graphs. Padded rows
+            # cost little while decoding is launch-bound, which is where compiling pays.
+            batch = min(self.max_batch_size, max(self.max_batch_size // 4, 1 << (len(rows) - 1).bit_length()))
             prompts = prompts + [prompts[0]] * (batch - len(rows))
         width = max(len(p) for p in prompts)
         needed = width + params.max_new_tokens
-        length = math.ceil(needed / _STATIC_LEN_BUCKET) * _STATIC_LEN_BUCKET
+        if self.compile:
+            length = max(_STATIC_LEN_BUCKET, 1 << (needed - 1).bit_length())
+        else:
+            length = math.ceil(needed / _STATIC_LEN_BUCKET) * _STATIC_LEN_BUCKET
         cache = self._static_cache(batch, length)
 
         ids, prompt_mask = left_pad(prompts, self.pad_token_id)
