@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import re
-
 import pytest
 
 from sleuth.agent import get_loop, loop_names
@@ -17,39 +15,10 @@ from sleuth.data.formats import QAExample
 from sleuth.errors import ConfigError
 from sleuth.llm.base import SamplingParams
 from sleuth.llm.scripted import ScriptCall, ScriptedGenerator
-from sleuth.retrieval.base import Hit
-
-PASSAGES = [
-    Hit("p1", "Varonia", "Varonia is a country. Its capital is Quellstad.", 0.0),
-    Hit("p2", "Quellstad", "Quellstad is a river port on the Vell.", 0.0),
-    Hit("p3", "Blue Harbor", "Blue Harbor is a 1998 film directed by Mara Ilves.", 0.0),
-    Hit("p4", "Mara Ilves", "Mara Ilves was born in Tarsk in 1950.", 0.0),
-    Hit("p5", "Tarsk", "Tarsk is a town on the coast of Varonia.", 0.0),
-    Hit("p6", "Vell", "The Vell is a river that flows through Quellstad.", 0.0),
-]
+from toyworld import ToyRetriever
 
 Q_CAPITAL = "What is the capital of Varonia?"
 Q_FILM = "Where was the director of Blue Harbor born?"
-
-
-class ToyRetriever:
-    """Word-overlap ranking over PASSAGES; records every call."""
-
-    def __init__(self):
-        self.calls: list[tuple[list[str], int]] = []
-
-    def search(self, queries: list[str], k: int) -> list[list[Hit]]:
-        self.calls.append((list(queries), k))
-        out = []
-        for q in queries:
-            words = set(re.findall(r"\w+", q.lower()))
-            scored = []
-            for i, h in enumerate(PASSAGES):
-                overlap = len(words & set(re.findall(r"\w+", (h.title + " " + h.text).lower())))
-                scored.append((-overlap, i, h))
-            scored.sort(key=lambda x: (x[0], x[1]))
-            out.append([Hit(h.doc_id, h.title, h.text, float(-s)) for s, _, h in scored[:k]])
-        return out
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,6 @@ resumability and bad inputs. A scripted generator with the tiny model's real tok
 from __future__ import annotations
 
 import json
-import re
 
 import pytest
 
@@ -21,17 +20,8 @@ from sleuth.eval.harness import (
 )
 from sleuth.eval.search_o1 import boxed_answer
 from sleuth.llm.scripted import ScriptCall, ScriptedGenerator
-from sleuth.retrieval.base import Hit
 from sleuth.rewards.answerer import document_prompt
-
-PASSAGES = [
-    Hit("p1", "Varonia", "Varonia is a country. Its capital is Quellstad.", 0.0),
-    Hit("p2", "Quellstad", "Quellstad is a river port on the Vell.", 0.0),
-    Hit("p3", "Blue Harbor", "Blue Harbor is a 1998 film directed by Mara Ilves.", 0.0),
-    Hit("p4", "Mara Ilves", "Mara Ilves was born in Tarsk in 1950.", 0.0),
-    Hit("p5", "Tarsk", "Tarsk is a town on the coast of Varonia.", 0.0),
-    Hit("p6", "Vell", "The Vell is a river that flows through Quellstad.", 0.0),
-]
+from toyworld import ToyRetriever
 
 Q1 = "What is the capital of Varonia?"
 Q2 = "Where was the director of Blue Harbor born?"
@@ -45,25 +35,6 @@ EXAMPLES = [
 ANSWERS = {Q1: "Quellstad", Q2: "born in Tarsk town", Q3: "Quellstad"}
 # hand-computed per question: (em, cover_em, f1, span_check); F1 of q2 = 2 * (1/4 * 1) / (1/4 + 1) = 0.4
 EXPECTED = {"q1": (1.0, 1.0, 1.0, 1.0), "q2": (0.0, 1.0, 0.4, 1.0), "q3": (0.0, 0.0, 0.0, 0.0)}
-
-
-class ToyRetriever:
-    """Word-overlap ranking over PASSAGES; records every call."""
-
-    def __init__(self):
-        self.calls: list[tuple[list[str], int]] = []
-
-    def search(self, queries: list[str], k: int) -> list[list[Hit]]:
-        self.calls.append((list(queries), k))
-        out = []
-        for q in queries:
-            words = set(re.findall(r"\w+", q.lower()))
-            scored = sorted(
-                (-len(words & set(re.findall(r"\w+", (h.title + " " + h.text).lower()))), i, h)
-                for i, h in enumerate(PASSAGES)
-            )
-            out.append([Hit(h.doc_id, h.title, h.text, float(-s)) for s, _, h in scored[:k]])
-        return out
 
 
 @pytest.fixture(scope="module")
