@@ -322,7 +322,7 @@ def forward_logprobs(
     positions never materialise (B, L, V) logits, which dominate memory and time at a 150k vocabulary."""
     first = int(batch.response_start.min()) - 1  # the position predicting the earliest response token
     L = batch.input_ids.shape[1]
-    out = model(input_ids=batch.input_ids, logits_to_keep=L - first)
+    out = model(input_ids=batch.input_ids, logits_to_keep=L - first, use_cache=False)
     logits = loss_fns.at_least_fp32(out.logits[:, :-1])  # positions first .. L-2
     if temperature > 0 and temperature != 1.0:
         logits = logits / temperature
