@@ -266,7 +266,8 @@ def run_demo(
 
     def record(key: str, seconds: float) -> None:
         timings[key] = timings.get(key, 0.0) + seconds
-        total = {k: earlier.get(k, 0.0) + timings.get(k, 0.0) for k in {*earlier, *timings} if k != "total_s"}
+        keys = [k for k in (*earlier, *timings) if k != "total_s"]  # stage order, first seen first
+        total = {k: earlier.get(k, 0.0) + timings.get(k, 0.0) for k in dict.fromkeys(keys)}
         total["total_s"] = sum(total.values())
         atomic_write_json(state_path, {"method": method, "size": size.__dict__, "timings": total})
 
