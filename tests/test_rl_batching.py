@@ -85,6 +85,9 @@ def test_rollout_copy_is_bf16_and_follows_the_policy(tiny) -> None:
     assert copy is not None and copy is not policy
     assert {p.dtype for p in copy.parameters()} == {torch.bfloat16}
     assert {b.dtype for b in copy.buffers() if b.is_floating_point()} <= {torch.float32}  # RoPE stays fp32
+    if policy.config.tie_word_embeddings:  # a tie stays a tie (one tensor to sync, not two)
+        assert copy.get_input_embeddings().weight is copy.get_output_embeddings().weight
+    assert all(p.device == q.device for p, q in zip(copy.parameters(), policy.parameters(), strict=True))
     with torch.no_grad():  # an optimizer step on the policy
         for p in policy.parameters():
             p.add_(0.5)

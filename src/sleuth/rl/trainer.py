@@ -160,10 +160,12 @@ def rollout_copy(recipe: Recipe, policy: nn.Module, device: torch.device) -> nn.
         return None
     import copy
 
-    rollout = copy.deepcopy(model).eval().requires_grad_(False)
-    for param in rollout.parameters():  # parameters only: buffers such as RoPE's inv_freq stay fp32
-        param.data = param.data.to(torch.bfloat16)
-    return rollout
+    # Each parameter goes straight to a bf16 clone through deepcopy's memo (no transient fp32 copy of
+    # the model; tied weights stay tied). Buffers such as RoPE's inv_freq stay fp32.
+    memo: dict[int, Any] = {
+        id(p): nn.Parameter(p.detach().to(torch.bfloat16), requires_grad=False) for p in model.parameters()
+    }
+    return copy.deepcopy(model, memo).eval()
 
 
 def check_rollout_cache(recipe: Recipe, generator_model: nn.Module, device: torch.device) -> None:
