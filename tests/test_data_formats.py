@@ -264,3 +264,18 @@ def test_score_cache_rejects_bad_values_in_memory(tmp_path):
     with pytest.raises(ValueError, match="number"):
         cache.update({"a": 0.5, "b": None})  # type: ignore[dict-item]
     assert "a" not in cache  # update is all-or-nothing
+
+
+def test_a_failed_atomic_write_leaves_the_old_file_and_no_temp(tmp_path):
+    from sleuth.utils import atomic_open, atomic_path, atomic_write_text
+
+    path = tmp_path / "out.jsonl"
+    atomic_write_text(path, "old\n")
+    with pytest.raises(RuntimeError), atomic_open(path, "w") as f:
+        f.write("half a new fi")
+        raise RuntimeError("killed mid-write")
+    with pytest.raises(RuntimeError), atomic_path(path) as tmp:
+        tmp.write_text("also half")
+        raise RuntimeError("killed mid-write")
+    assert path.read_text() == "old\n"
+    assert sorted(os.listdir(tmp_path)) == ["out.jsonl"]

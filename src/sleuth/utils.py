@@ -7,28 +7,45 @@ import os
 import random
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import IO, Any, TypeVar
 
 T = TypeVar("T")
 
 
-def atomic_write_bytes(path: str | Path, data: bytes) -> None:
-    """Write to a temp file in the same directory, fsync, then rename over `path`."""
+@contextmanager
+def atomic_path(path: str | Path) -> Iterator[Path]:
+    """A temp path next to `path` to write to: renamed over `path` when the block succeeds,
+    removed when it raises, so `path` is never half-written."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
     try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
+        yield Path(tmp)
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+
+
+@contextmanager
+def atomic_open(path: str | Path, mode: str = "w", **kwargs: Any) -> Iterator[IO[Any]]:
+    """`open()` a temp file next to `path` for streaming writes; flushed, fsynced and renamed over
+    `path` when the block succeeds (see `atomic_path`)."""
+    with atomic_path(path) as tmp, open(tmp, mode, **kwargs) as f:
+        yield f
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def atomic_write_bytes(path: str | Path, data: bytes) -> None:
+    """Write to a temp file in the same directory, fsync, then rename over `path`."""
+    with atomic_open(path, "wb") as f:
+        f.write(data)
 
 
 def atomic_write_text(path: str | Path, text: str) -> None:

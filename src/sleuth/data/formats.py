@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import tempfile
 from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
+
+from sleuth.utils import atomic_open, atomic_path
 
 
 @dataclass
@@ -118,27 +118,14 @@ def corpus_fingerprint(path: str | Path, chunk_size: int = 1 << 22) -> str:
 # ---------------------------------------------------------------------------
 
 
-@contextmanager
-def atomic_open_text(path: str | Path) -> Iterator[TextIO]:
+def atomic_open_text(path: str | Path) -> AbstractContextManager[TextIO]:
     """Open a temp file next to `path` for streaming text writes; rename over `path` on success.
 
     Unlike `sleuth.utils.atomic_write_text` nothing is held in memory, which matters for
     corpora of millions of passages. On any exception the temp file is removed and `path`
     is left untouched.
     """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as f:
-            yield f
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    return atomic_open(path, "w", encoding="utf-8", newline="\n")
 
 
 # ---------------------------------------------------------------------------
@@ -418,17 +405,8 @@ def write_searchr1_parquet(
         ("extra_info", pa.struct([("split", pa.string()), ("index", pa.int64())])),
     ])
     table = pa.Table.from_pydict(rows, schema=schema)
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
+    with atomic_path(path) as tmp:
         pq.write_table(table, tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
     return table.num_rows
 
 
