@@ -90,7 +90,6 @@ def run_config(args: argparse.Namespace, shared: dict[str, Any], work: Path, dev
     compiled = args.compile and not (gpus > 1 and parallel == "fsdp")
     recipe = train_step.bench_recipe(micro_args, shared, out_dir, device, cache="static" if compiled else "dynamic",
                                      compiled=compiled, parallel=parallel)
-    row_compiled = compiled
     recipe_path = work / f"{name}.yaml"
     recipe_path.write_text(yaml.safe_dump(recipe, sort_keys=False))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={gpus}",
@@ -101,7 +100,7 @@ def run_config(args: argparse.Namespace, shared: dict[str, Any], work: Path, dev
     env.setdefault("OMP_NUM_THREADS", "1")
     log_path = work / f"{name}.log"
     row: dict[str, Any] = {"gpus": gpus, "parallel": parallel if gpus > 1 else "none (1 process)",
-                           "trajectories_per_rank": per_rank, "compiled_decoding": row_compiled}
+                           "trajectories_per_rank": per_rank, "compiled_decoding": compiled}
     start = time.perf_counter()
     try:
         with open(log_path, "w") as log:
@@ -150,9 +149,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="sleuth-bench-scale-") as tmp:
         work = Path(tmp)
-        # train_step.prepare reads these fields
-        prep_args = argparse.Namespace(**{**vars(args), "variants": []})
-        shared = train_step.prepare(prep_args, work, device)
+        shared = train_step.prepare(args, work, device)
         if device.startswith("cuda"):
             import torch
 

@@ -25,6 +25,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from sleuth.llm.base import Generation, Prompt, SamplingParams
+from sleuth.llm.stops import normalise_stops
 
 
 @dataclass
@@ -120,14 +121,7 @@ class ScriptedGenerator:
         params: SamplingParams | None = None,
     ) -> list[Generation]:
         params = params or SamplingParams()
-        if stop is None:
-            stops: list[list[str]] = [[] for _ in batch]
-        elif stop and isinstance(stop[0], list):
-            stops = [list(s) for s in stop]  # type: ignore[arg-type]
-        else:
-            stops = [list(stop) for _ in batch]  # type: ignore[arg-type]
-        if len(stops) != len(batch):
-            raise ValueError(f"got {len(stops)} stop lists for a batch of {len(batch)}")
+        stops = normalise_stops(stop, len(batch))
         all_ids = [self._to_ids(p) for p in batch]
         call_index = len(self.calls)
         outs: list[Generation] = []
