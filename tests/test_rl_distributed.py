@@ -13,26 +13,15 @@ import torch
 import yaml
 
 
-@pytest.fixture(scope="module")
-def world(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from sleuth.data.synth import generate_world, write_world
-    from sleuth.retrieval import build_index
-
-    out = tmp_path_factory.mktemp("world")
-    write_world(generate_world(300, 60, hops=(1, 2), seed=0), out)
-    build_index(out / "corpus.jsonl", "bm25", out / "bm25")
-    return out
-
-
-def _recipe(world: Path, out_dir: Path, parallel: str = "ddp") -> dict:
+def _recipe(small_world: Path, out_dir: Path, parallel: str = "ddp") -> dict:
     # PPO with greedy rollouts in float64: the trajectories do not depend on how prompts are
     # split over ranks, so both runs see the same data and must compute the same update.
     return {
         "name": "parity",
         "seed": 0,
         "model": {"policy": "tiny", "dtype": "float64", "parallel": parallel},
-        "data": {"train": str(world / "train.jsonl")},
-        "retriever": {"index": str(world / "bm25")},
+        "data": {"train": str(small_world / "train.jsonl")},
+        "retriever": {"index": str(small_world / "bm25")},
         "agent": {"loop": "search_r1", "max_turns": 1, "max_new_tokens_per_turn": 8, "max_response_tokens": 64,
                   "max_obs_tokens": 24},
         "reward": {"name": "test_token_fraction", "plugins": ["sleuth_test_rewards"],
@@ -47,10 +36,10 @@ def _recipe(world: Path, out_dir: Path, parallel: str = "ddp") -> dict:
     }
 
 
-def _run(tmp: Path, world: Path, name: str, nproc: int, parallel: str = "ddp") -> Path:
+def _run(tmp: Path, small_world: Path, name: str, nproc: int, parallel: str = "ddp") -> Path:
     out = tmp / name
     cfg = tmp / f"{name}.yaml"
-    cfg.write_text(yaml.safe_dump(_recipe(world, out, parallel)))
+    cfg.write_text(yaml.safe_dump(_recipe(small_world, out, parallel)))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parent / "plugins")}
     if nproc == 1:
         cmd = [sys.executable, "-m", "sleuth.cli", "train", str(cfg)]
@@ -63,9 +52,9 @@ def _run(tmp: Path, world: Path, name: str, nproc: int, parallel: str = "ddp") -
 
 
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
-def test_two_ranks_match_one_process(world: Path, tmp_path: Path, parallel: str) -> None:
-    one = _run(tmp_path, world, "one", 1)
-    two = _run(tmp_path, world, "two", 2, parallel)
+def test_two_ranks_match_one_process(small_world: Path, tmp_path: Path, parallel: str) -> None:
+    one = _run(tmp_path, small_world, "one", 1)
+    two = _run(tmp_path, small_world, "two", 2, parallel)
 
     m1 = [json.loads(x) for x in (one / "metrics.jsonl").read_text().splitlines()]
     m2 = [json.loads(x) for x in (two / "metrics.jsonl").read_text().splitlines()]
@@ -94,9 +83,9 @@ def test_two_ranks_match_one_process(world: Path, tmp_path: Path, parallel: str)
     assert moved > 0, "training changed no weights, so the comparison proves nothing"
 
 
-def test_checkpoint_from_two_ranks_resumes_on_one(world: Path, tmp_path: Path) -> None:
+def test_checkpoint_from_two_ranks_resumes_on_one(small_world: Path, tmp_path: Path) -> None:
     """Checkpoints hold full (unsharded) state and a global data cursor, so the rank count may change."""
-    two = _run(tmp_path, world, "two", 2)
+    two = _run(tmp_path, small_world, "two", 2)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parent / "plugins")}
     proc = subprocess.run(
         [sys.executable, "-m", "sleuth.cli", "train", str(tmp_path / "two.yaml"), "trainer.total_steps=3", "--resume"],

@@ -19,24 +19,13 @@ PLUGINS = Path(__file__).parent / "plugins"
 sys.path.insert(0, str(PLUGINS))  # the in-process runs import the test reward plugin too
 
 
-@pytest.fixture(scope="module")
-def world(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from sleuth.data.synth import generate_world, write_world
-    from sleuth.retrieval import build_index
-
-    out = tmp_path_factory.mktemp("world")
-    write_world(generate_world(300, 60, hops=(1, 2), seed=0), out)
-    build_index(out / "corpus.jsonl", "bm25", out / "bm25")
-    return out
-
-
-def _recipe(world: Path, out_dir: Path, algorithm: dict, steps: int, **extra) -> dict:
+def _recipe(small_world: Path, out_dir: Path, algorithm: dict, steps: int, **extra) -> dict:
     return {
         "name": "test",
         "seed": 0,
         "model": {"policy": "tiny"},
-        "data": {"train": str(world / "train.jsonl")},
-        "retriever": {"index": str(world / "bm25")},
+        "data": {"train": str(small_world / "train.jsonl")},
+        "retriever": {"index": str(small_world / "bm25")},
         "agent": {"loop": "search_r1", "max_turns": 1, "max_new_tokens_per_turn": 12, "max_response_tokens": 96,
                   "max_obs_tokens": 32},
         "reward": {"name": "test_token_fraction", "plugins": ["sleuth_test_rewards"]},
@@ -61,11 +50,11 @@ def _rewards(out_dir: Path) -> list[float]:
     ],
     ids=["grpo", "ppo"],
 )
-def test_mean_reward_rises(world: Path, tmp_path: Path, algorithm: dict) -> None:
+def test_mean_reward_rises(small_world: Path, tmp_path: Path, algorithm: dict) -> None:
     from sleuth.rl.trainer import train
 
     torch.set_num_threads(1)
-    recipe = recipe_from_dict(_recipe(world, tmp_path / "run", algorithm, steps=24))
+    recipe = recipe_from_dict(_recipe(small_world, tmp_path / "run", algorithm, steps=24))
     train(recipe)
     rewards = _rewards(tmp_path / "run")
     assert len(rewards) == 24
@@ -75,7 +64,7 @@ def test_mean_reward_rises(world: Path, tmp_path: Path, algorithm: dict) -> None
     assert last > first + 0.2, rewards
 
 
-def test_resume_after_sigkill(world: Path, tmp_path: Path) -> None:
+def test_resume_after_sigkill(small_world: Path, tmp_path: Path) -> None:
     """Kill a run mid-way with SIGKILL; --resume finishes it with every step logged exactly once
     and ends at the same weights as an uninterrupted run."""
     import yaml
@@ -84,7 +73,7 @@ def test_resume_after_sigkill(world: Path, tmp_path: Path) -> None:
     steps = 6
     killed_dir, clean_dir = tmp_path / "killed", tmp_path / "clean"
     for out in (killed_dir, clean_dir):
-        data = _recipe(world, out, algorithm, steps)
+        data = _recipe(small_world, out, algorithm, steps)
         data["reward"] = {"name": "search_r1_em"}
         data["trainer"]["save_every"] = 1
         (out.parent / f"{out.name}.yaml").write_text(yaml.safe_dump(data))
@@ -119,12 +108,12 @@ def test_resume_after_sigkill(world: Path, tmp_path: Path) -> None:
         torch.testing.assert_close(a[k], b[k], msg=f"weights differ after resume at {k}")
 
 
-def test_reference_model_is_the_starting_model_after_resume(world: Path, tmp_path: Path) -> None:
+def test_reference_model_is_the_starting_model_after_resume(small_world: Path, tmp_path: Path) -> None:
     """With full fine-tuning and a KL term, a resumed run must compare against the model it started
     from, not against the resumed (already trained) weights."""
     from sleuth.rl.trainer import train
 
-    data = _recipe(world, tmp_path / "run", {"name": "grpo", "n": 2, "prompts_per_step": 2, "minibatch_size": 4,
+    data = _recipe(small_world, tmp_path / "run", {"name": "grpo", "n": 2, "prompts_per_step": 2, "minibatch_size": 4,
                                              "micro_batch_size": 4, "kl": {"coef": 0.1, "mode": "loss"}}, steps=2)
     data["trainer"]["save_every"] = 1
     train(recipe_from_dict(data))
@@ -136,19 +125,19 @@ def test_reference_model_is_the_starting_model_after_resume(world: Path, tmp_pat
     assert kl[2] > 1e-3, kl
 
 
-def test_save_every_zero_writes_no_checkpoint(world: Path, tmp_path: Path) -> None:
+def test_save_every_zero_writes_no_checkpoint(small_world: Path, tmp_path: Path) -> None:
     from sleuth.rl.checkpoint import latest_checkpoint
     from sleuth.rl.trainer import train
 
     algorithm = {"name": "grpo", "n": 2, "prompts_per_step": 1, "minibatch_size": 2, "micro_batch_size": 2}
-    data = _recipe(world, tmp_path / "run", algorithm, steps=2)
+    data = _recipe(small_world, tmp_path / "run", algorithm, steps=2)
     data["trainer"]["save_every"] = 0
     result = train(recipe_from_dict(data))
     assert len(_rewards(tmp_path / "run")) == 2
     assert result["checkpoint"] is None and latest_checkpoint(tmp_path / "run") is None
 
 
-def test_nonfinite_gradient_skips_the_update(world: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_nonfinite_gradient_skips_the_update(small_world: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A NaN gradient must not reach the optimizer: that step is skipped and counted, the weights
     stay finite and later steps update as usual."""
     import sleuth.rl.trainer as trainer_mod
@@ -169,7 +158,7 @@ def test_nonfinite_gradient_skips_the_update(world: Path, tmp_path: Path, monkey
 
     monkeypatch.setattr(trainer_mod, "load_policy", load_with_one_nan_gradient)
     algorithm = {"name": "grpo", "n": 4, "prompts_per_step": 2, "minibatch_size": 8, "micro_batch_size": 8}
-    data = _recipe(world, tmp_path / "run", algorithm, steps=3)
+    data = _recipe(small_world, tmp_path / "run", algorithm, steps=3)
     data["trainer"]["save_every"] = 3
     trainer_mod.train(recipe_from_dict(data))
     metrics = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]

@@ -22,18 +22,7 @@ QUESTION = "Where was the director of the film born?"
 
 
 @pytest.fixture(scope="module")
-def world(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from sleuth.data.synth import generate_world, write_world
-    from sleuth.retrieval import build_index
-
-    out = tmp_path_factory.mktemp("world")
-    write_world(generate_world(300, 60, hops=(1, 2), seed=0), out)
-    build_index(out / "corpus.jsonl", "bm25", out / "bm25")
-    return out
-
-
-@pytest.fixture(scope="module")
-def checkpoint(world: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+def checkpoint(small_world: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A real `sleuth train` run directory (s3 loop, tiny policy, one GRPO step, saved)."""
     from sleuth.rl.config import recipe_from_dict
     from sleuth.rl.trainer import train
@@ -42,7 +31,7 @@ def checkpoint(world: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("run")
     recipe = {
         "name": "serve-test", "seed": 0, "model": {"policy": "tiny"},
-        "data": {"train": str(world / "train.jsonl")}, "retriever": {"index": str(world / "bm25")},
+        "data": {"train": str(small_world / "train.jsonl")}, "retriever": {"index": str(small_world / "bm25")},
         "agent": {"loop": "s3", "max_turns": 2, "top_k": 3, "max_new_tokens_per_turn": 12,
                   "max_response_tokens": 96, "max_obs_tokens": 64},
         "reward": {"name": "search_r1_em"},
@@ -54,10 +43,10 @@ def checkpoint(world: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def service(checkpoint: Path, world: Path) -> Iterator[SearcherService]:
+def service(checkpoint: Path, small_world: Path) -> Iterator[SearcherService]:
     from sleuth.serve.loading import build_service
 
-    svc = build_service(checkpoint=checkpoint, index=world / "bm25", generator="tiny",
+    svc = build_service(checkpoint=checkpoint, index=small_world / "bm25", generator="tiny",
                         limits=ServeLimits(batch_wait_ms=5, max_question_chars=300, max_turns=4, max_top_k=6))
     yield svc
     svc.close()
@@ -283,25 +272,25 @@ def test_batch_is_split_by_loop_config(service: SearcherService) -> None:
     assert [len(o.body["trajectory"]["documents"][0]) for o in outcomes] == [2, 2, 3]
 
 
-def test_cli_rejects_bad_options_and_warns_on_public_host(monkeypatch, checkpoint: Path, world: Path) -> None:
+def test_cli_rejects_bad_options_and_warns_on_public_host(monkeypatch, checkpoint: Path, small_world: Path) -> None:
     import uvicorn
     from typer.testing import CliRunner
 
     from sleuth.cli import app
 
     runner = CliRunner()
-    res = runner.invoke(app, ["serve-searcher", "--index", str(world / "bm25")])
+    res = runner.invoke(app, ["serve-searcher", "--index", str(small_world / "bm25")])
     assert res.exit_code == 2 and "--checkpoint" in res.output
-    res = runner.invoke(app, ["serve-searcher", "--model", "tiny", "--index", str(world / "nope")])
+    res = runner.invoke(app, ["serve-searcher", "--model", "tiny", "--index", str(small_world / "nope")])
     assert res.exit_code == 2 and "does not exist" in res.output
-    res = runner.invoke(app, ["serve-searcher", "--checkpoint", str(checkpoint), "--index", str(world / "bm25"),
+    res = runner.invoke(app, ["serve-searcher", "--checkpoint", str(checkpoint), "--index", str(small_world / "bm25"),
                               "--max-batch", "0"])
     assert res.exit_code == 2 and "max_batch" in res.output
 
     runs = []
     monkeypatch.setattr(uvicorn, "run", lambda app, **kw: runs.append((app, kw)))
     monkeypatch.setenv("MY_TOKEN", "tok")
-    res = runner.invoke(app, ["serve-searcher", "--checkpoint", str(checkpoint), "--index", str(world / "bm25"),
+    res = runner.invoke(app, ["serve-searcher", "--checkpoint", str(checkpoint), "--index", str(small_world / "bm25"),
                               "--host", "0.0.0.0", "--port", "8123", "--token-env", "MY_TOKEN"])
     assert res.exit_code == 0, res.output
     assert "WARNING" in res.output and "bearer token required" in res.output
@@ -326,22 +315,22 @@ def tokenizer():
     return AutoTokenizer.from_pretrained(tiny_model_dir())
 
 
-def _scripted_service(tokenizer, world: Path, loop: str, turns: list[str], answer_text: str = "Paris"):
+def _scripted_service(tokenizer, small_world: Path, loop: str, turns: list[str], answer_text: str = "Paris"):
     from sleuth.agent import get_loop
     from sleuth.llm.scripted import ScriptedGenerator
     from sleuth.retrieval import load_retriever
 
     policy = ScriptedGenerator(tokenizer, {QUESTION: turns})
     answerer = ScriptedGenerator(tokenizer, lambda call: answer_text)
-    retriever = load_retriever(world / "bm25")
+    retriever = load_retriever(small_world / "bm25")
     svc = SearcherService(policy, get_loop(loop), retriever, answer_generator=answerer,
                           max_new_tokens_per_turn=64, max_obs_tokens=256, max_response_tokens=1024)
     return svc, answerer, retriever
 
 
-def test_s3_serves_exactly_the_selected_documents(tokenizer, world: Path) -> None:
+def test_s3_serves_exactly_the_selected_documents(tokenizer, small_world: Path) -> None:
     svc, answerer, retriever = _scripted_service(
-        tokenizer, world, "s3", ["<important_info>[2, 4]</important_info>\n<search_complete>True</search_complete>"]
+        tokenizer, small_world, "s3", ["<important_info>[2, 4]</important_info>\n<search_complete>True</search_complete>"]
     )
     window = retriever.search([QUESTION], 8)[0]
     body = asyncio.run(svc.search(svc.validate(QUESTION, want_answer=True)))
@@ -351,9 +340,9 @@ def test_s3_serves_exactly_the_selected_documents(tokenizer, world: Path) -> Non
     assert "Contexts: Doc 1(Title: " + window[1].title in prompt and window[0].text not in prompt
 
 
-def test_r_search_serves_its_evidence_and_answers_from_it(tokenizer, world: Path) -> None:
+def test_r_search_serves_its_evidence_and_answers_from_it(tokenizer, small_world: Path) -> None:
     svc, answerer, retriever = _scripted_service(
-        tokenizer, world, "r_search",
+        tokenizer, small_world, "r_search",
         ["I should look it up. <search>physician born in</search>",
          "<original_evidence>The founder was born in Kvythsaxholm.</original_evidence>\n<answer>Kvythsaxholm</answer>"],
     )
@@ -370,9 +359,9 @@ def test_r_search_serves_its_evidence_and_answers_from_it(tokenizer, world: Path
     assert docs[0].text not in prompt and body["answer"] == "Paris"
 
 
-def test_qagent_serves_its_deduplicated_passages(tokenizer, world: Path) -> None:
+def test_qagent_serves_its_deduplicated_passages(tokenizer, small_world: Path) -> None:
     svc, _, retriever = _scripted_service(
-        tokenizer, world, "qagent",
+        tokenizer, small_world, "qagent",
         ["<plan>find both</plan><search><query>film director</query><query>film director</query>"
          "<query>company founder</query></search>", "<reflection>ok</reflection><answer>x</answer>"],
     )

@@ -17,17 +17,6 @@ QUESTION = "Where was the founder of the company born?"
 
 
 @pytest.fixture(scope="module")
-def world(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from sleuth.data.synth import generate_world, write_world
-    from sleuth.retrieval import build_index
-
-    out = tmp_path_factory.mktemp("world")
-    write_world(generate_world(300, 60, hops=(1, 2), seed=0), out)
-    build_index(out / "corpus.jsonl", "bm25", out / "bm25")
-    return out
-
-
-@pytest.fixture(scope="module")
 def tiny_dir() -> Path:
     from sleuth.llm.registry import tiny_model_dir
 
@@ -35,12 +24,12 @@ def tiny_dir() -> Path:
 
 
 @pytest.fixture(scope="module")
-def service(world: Path, tiny_dir: Path) -> Iterator[SearcherService]:
+def service(small_world: Path, tiny_dir: Path) -> Iterator[SearcherService]:
     """An untrained model served with a loop (the --model SPEC --loop NAME path)."""
     from sleuth.serve.loading import build_service
 
     svc = build_service(model=str(tiny_dir), loop="s3", loop_options={"max_turns": 1},
-                        index=world / "bm25", generator=str(tiny_dir), max_new_tokens_per_turn=12,
+                        index=small_world / "bm25", generator=str(tiny_dir), max_new_tokens_per_turn=12,
                         max_obs_tokens=64, max_response_tokens=96, limits=ServeLimits(max_top_k=5))
     yield svc
     svc.close()
@@ -112,13 +101,13 @@ def test_streamable_http_with_bearer_token(service: SearcherService) -> None:
     assert result.structured_content["retrieval_count"] >= 1 and result.structured_content["context"]
 
 
-def test_stdio_server_subprocess(world: Path, tiny_dir: Path) -> None:
+def test_stdio_server_subprocess(small_world: Path, tiny_dir: Path) -> None:
     from mcp.client.stdio import StdioServerParameters
 
     params = StdioServerParameters(
         command=sys.executable,
         args=["-m", "sleuth.cli", "serve-mcp", "--model", str(tiny_dir), "--loop", "qagent",
-              "--loop-option", "max_turns=1", "--index", str(world / "bm25"), "--transport", "stdio"],
+              "--loop-option", "max_turns=1", "--index", str(small_world / "bm25"), "--transport", "stdio"],
         env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     names, result = _call(params, "search", {"question": QUESTION})
