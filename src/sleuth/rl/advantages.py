@@ -68,6 +68,15 @@ def _check_mask(response_mask: torch.Tensor) -> torch.Tensor:
     return response_mask != 0
 
 
+def _check_scores_and_mask(scores: torch.Tensor, response_mask: torch.Tensor) -> None:
+    """One outcome score per response row."""
+    if response_mask.shape[0] != scores.shape[0]:
+        raise ValueError(
+            f"scores has {scores.shape[0]} samples but response_mask has {response_mask.shape[0]} rows"
+        )
+    _check_mask(response_mask)
+
+
 def _check_no_masked_rewards(token_rewards: torch.Tensor, selected: torch.Tensor) -> None:
     stray = (token_rewards != 0) & ~selected
     if stray.any():
@@ -227,11 +236,7 @@ def grpo_advantages(
     Returns (advantages, returns); both are the same tensor, as in verl (no critic).
     """
     counts, means, stds = _group_stats(scores, group_ids)
-    if response_mask.shape[0] != scores.shape[0]:
-        raise ValueError(
-            f"scores has {scores.shape[0]} samples but response_mask has {response_mask.shape[0]} rows"
-        )
-    _check_mask(response_mask)
+    _check_scores_and_mask(scores, response_mask)
     centred = scores.float() - means
     per_sample = centred / (stds + epsilon) if norm_by_std else centred
     per_sample = torch.where(counts > 1, per_sample, torch.zeros_like(per_sample))
@@ -258,11 +263,7 @@ def rloo_advantages(
     other samples of i's group, which equals n/(n-1) * (r_i - mean_g). A group of one sample has
     no baseline and gets advantage 0 (as verl). Returns (advantages, advantages)."""
     counts, means, _ = _group_stats(scores, group_ids)
-    if response_mask.shape[0] != scores.shape[0]:
-        raise ValueError(
-            f"scores has {scores.shape[0]} samples but response_mask has {response_mask.shape[0]} rows"
-        )
-    _check_mask(response_mask)
+    _check_scores_and_mask(scores, response_mask)
     per_sample = (scores.float() - means) * counts / (counts - 1).clamp_min(1)
     per_sample = torch.where(counts > 1, per_sample, torch.zeros_like(per_sample))
     adv = _broadcast(per_sample, response_mask)
