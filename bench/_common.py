@@ -86,6 +86,13 @@ def hbm_fraction(bytes_read: float, seconds: float, bandwidth_gbs: float | None)
 # Environment
 
 
+def require_positive(args: Any, *names: str) -> None:
+    """Exit with a message naming the flag when any of these integer options is below 1."""
+    for name in names:
+        if getattr(args, name) < 1:
+            raise SystemExit(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+
+
 def pick_device(requested: str | None) -> str:
     import torch
 

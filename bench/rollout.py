@@ -256,9 +256,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="JSON path (default $OUT/rollout_<device>.json or bench/results/)")
     args = p.parse_args(argv)
-    for name in ("batch", "turns", "new_tokens", "max_obs_tokens", "passages"):
-        if getattr(args, name) < 1:
-            raise SystemExit(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    _common.require_positive(args, "batch", "turns", "new_tokens", "max_obs_tokens", "passages")
     if args.baseline_trajectories < 0:
         raise SystemExit("--baseline-trajectories must be >= 0")
     return args

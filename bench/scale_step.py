@@ -59,9 +59,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--timeout", type=int, default=900, help="seconds allowed per configuration")
     p.add_argument("--out", default=None, help="JSON path (default $OUT/scale_step_<device>.json or bench/results/)")
     args = p.parse_args(argv)
-    for name in ("prompts", "turns", "new_tokens", "steps", "micro"):
-        if getattr(args, name) < 1:
-            raise SystemExit(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    _common.require_positive(args, "prompts", "turns", "new_tokens", "steps", "micro")
     if args.n < 2:
         raise SystemExit(f"--n must be >= 2, got {args.n}")
     for g in args.gpus:

@@ -78,9 +78,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--worker", choices=VARIANTS, default=None, help=argparse.SUPPRESS)
     p.add_argument("--work-dir", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    for name in ("prompts", "turns", "new_tokens", "max_obs_tokens", "steps", "micro", "passages"):
-        if getattr(args, name) < 1:
-            raise SystemExit(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    _common.require_positive(args, "prompts", "turns", "new_tokens", "max_obs_tokens", "steps", "micro", "passages")
     if args.n < 2:
         raise SystemExit(f"--n must be >= 2 (GRPO compares the samples of one prompt), got {args.n}")
     if args.warmup_steps < 0:

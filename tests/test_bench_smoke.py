@@ -113,3 +113,10 @@ def test_scale_step_rejects_a_rank_count_that_splits_groups() -> None:
     scale_step = _load("scale_step")
     with pytest.raises(SystemExit, match="must divide --prompts"):
         scale_step.parse_args(["--gpus", "1", "3", "--prompts", "4"])
+
+
+def test_bench_scripts_name_a_flag_below_one() -> None:
+    for name, argv, flag in (("train_step", ["--steps", "0"], "--steps"), ("rollout", ["--new-tokens", "0"], "--new-tokens"),
+                             ("scale_step", ["--micro", "0"], "--micro")):
+        with pytest.raises(SystemExit, match=f"{flag} must be >= 1, got 0"):
+            _load(name).parse_args(argv)
