@@ -55,7 +55,7 @@ from sleuth.rl.dist import (
     unwrap,
     wrap_model,
 )
-from sleuth.utils import seed_everything
+from sleuth.utils import atomic_path, seed_everything
 
 # ----------------------------------------------------------------------------
 # Models
@@ -589,9 +589,10 @@ def train(recipe: Recipe, *, resume: bool = False, console: Any = None) -> dict[
 
     # --- environment, data, reward ------------------------------------------
     rollout_model = rollout_copy(recipe, policy, device)
-    check_rollout_cache(recipe, rollout_model if rollout_model is not None else unwrap(policy), device)
+    rollout_weights = rollout_model if rollout_model is not None else unwrap(policy)
+    check_rollout_cache(recipe, rollout_weights, device)
     generator = HFGenerator(
-        rollout_model if rollout_model is not None else unwrap(policy),
+        rollout_weights,
         tokenizer=tokenizer,
         cache=recipe.model.generation_cache,
         compile=recipe.model.compile_generation,
@@ -940,41 +941,46 @@ def update(
                     _add(stats, "critic/clipfrac", float(v_stats["vf_clipfrac"]))
             for k, v in mb_losses.items():
                 _add(stats, k, v)
-            grad_norm = clip_grad_norm(
-                [p for p in policy.parameters() if p.requires_grad], recipe.optim.grad_clip, ctx
+            grad_norm = _step_if_finite(
+                optimizers["policy"], [p for p in policy.parameters() if p.requires_grad], recipe.optim.grad_clip, ctx
             )
-            # A non-finite gradient (the norm is global, so every rank agrees) would turn the weights
-            # into NaN for good: skip that optimizer step, as verl does, and count it.
-            finite = math.isfinite(grad_norm)
-            _add(stats, "actor/skipped_nonfinite_grad", float(not finite))
-            if not finite:
-                bad = [n for n, p in policy.named_parameters() if p.grad is not None and not p.grad.isfinite().all()]
-                if debug_path is not None:  # the minibatch, to reproduce the failure offline
-                    debug_path.parent.mkdir(parents=True, exist_ok=True)
-                    torch.save(
-                        {
-                            "batch": {k: v[mb_idx] for k, v in vars(batch).items()},
-                            "advantages": advantages[mb_idx],
-                            "ref_logprobs": None if ref_logprobs is None else ref_logprobs[mb_idx],
-                            "micro_batch_size": algo.micro_batch_size,
-                            "nonfinite_parameters": bad,
-                        },
-                        debug_path,
-                    )
-                logging.getLogger(__name__).warning(
-                    "non-finite gradient (norm %s) in %d parameter(s), e.g. %s; optimizer step skipped%s",
-                    grad_norm, len(bad), ", ".join(bad[:3]),
-                    f"; minibatch saved to {debug_path}" if debug_path is not None else "",
-                )
-            if finite:
+            _add(stats, "actor/skipped_nonfinite_grad", float(not math.isfinite(grad_norm)))
+            if math.isfinite(grad_norm):
                 _add(stats, "actor/grad_norm", grad_norm)
-                optimizers["policy"].step()
+            else:
+                _report_nonfinite(policy, grad_norm, debug_path, {
+                    "batch": {k: v[mb_idx] for k, v in vars(batch).items()},
+                    "advantages": advantages[mb_idx],
+                    "ref_logprobs": None if ref_logprobs is None else ref_logprobs[mb_idx],
+                    "micro_batch_size": algo.micro_batch_size,
+                })
             if critic is not None:
-                critic_norm = clip_grad_norm(list(critic.parameters()), recipe.optim.grad_clip, ctx)
+                critic_norm = _step_if_finite(
+                    optimizers["critic"], list(critic.parameters()), recipe.optim.grad_clip, ctx
+                )
                 _add(stats, "critic/skipped_nonfinite_grad", float(not math.isfinite(critic_norm)))
-                if math.isfinite(critic_norm):
-                    optimizers["critic"].step()
     return stats
+
+
+def _step_if_finite(optimizer: torch.optim.Optimizer, params: list, max_norm: float, ctx: DistContext) -> float:
+    """Clip to the global gradient norm and step; returns the norm. A non-finite norm (global, so
+    every rank agrees) would turn the weights into NaN for good: that step is skipped, as verl does."""
+    norm = clip_grad_norm(params, max_norm, ctx)
+    if math.isfinite(norm):
+        optimizer.step()
+    return norm
+
+
+def _report_nonfinite(policy: nn.Module, norm: float, debug_path: Path | None, minibatch: dict[str, Any]) -> None:
+    """Name the parameters with non-finite gradients and save the minibatch to reproduce it offline."""
+    bad = [n for n, p in policy.named_parameters() if p.grad is not None and not p.grad.isfinite().all()]
+    if debug_path is not None:
+        with atomic_path(debug_path) as tmp:
+            torch.save({**minibatch, "nonfinite_parameters": bad}, tmp)
+    logging.getLogger(__name__).warning(
+        "non-finite gradient (norm %s) in %d parameter(s), e.g. %s; optimizer step skipped%s",
+        norm, len(bad), ", ".join(bad[:3]), f"; minibatch saved to {debug_path}" if debug_path is not None else "",
+    )
 
 
 def dtype_of(model: nn.Module) -> torch.dtype:
