@@ -43,7 +43,6 @@ class DemoSize:
     lr: float
     max_turns: int = 2
     # GPU rollouts: a static KV cache with a compiled decode step is ~10x faster than HF's dynamic cache
-    generation_cache: str = "dynamic"
     compile_generation: bool = False
 
 
@@ -76,7 +75,6 @@ GPU = DemoSize(
     max_new_tokens=64,
     dense=False,
     lr=2e-5,
-    generation_cache="static",
     compile_generation=True,
 )
 FAST = DemoSize(
@@ -101,7 +99,6 @@ class DemoMethod:
     loop: str
     reward: dict[str, Any]
     title: str
-    loop_options: tuple[tuple[str, Any], ...] = ()
     new_tokens_factor: int = 1  # loops that reason before acting write more per turn than s3's queries
 
 
@@ -181,8 +178,8 @@ def demo_recipe(out: Path, size: DemoSize, method: str = "s3") -> dict[str, Any]
             "policy": size.model,
             "lora": {"enabled": True, "r": 8, "alpha": 16},
             # a static KV cache on a GPU needs bf16 rollout weights: a bf16 frozen base (adapters stay fp32)
-            "dtype": "bfloat16" if size.generation_cache == "static" and _cuda() else "auto",
-            "generation_cache": size.generation_cache,
+            "dtype": "bfloat16" if size.compile_generation and _cuda() else "auto",
+            "generation_cache": "static" if size.compile_generation else "dynamic",
             "compile_generation": size.compile_generation,
         },
         "data": {"train": str(out / "world" / "train.jsonl")},
@@ -194,7 +191,6 @@ def demo_recipe(out: Path, size: DemoSize, method: str = "s3") -> dict[str, Any]
             "max_new_tokens_per_turn": size.max_new_tokens * spec.new_tokens_factor,
             "max_obs_tokens": 256,
             "max_response_tokens": 1024,
-            "options": dict(spec.loop_options),
         },
         "reward": reward,
         "algorithm": {
@@ -252,11 +248,7 @@ def run_demo(
             raise ConfigError(f"--steps must be >= 1, got {steps}")
         size = replace(size, train_steps=steps)
     if compile_generation is not None:
-        size = replace(
-            size,
-            compile_generation=compile_generation,
-            generation_cache="static" if compile_generation else "dynamic",
-        )
+        size = replace(size, compile_generation=compile_generation)
     torch.manual_seed(0)
     out.mkdir(parents=True, exist_ok=True)
     # Wall time per stage, summed over invocations (a killed run resumes; its finished stages count).
