@@ -24,6 +24,7 @@ COMMAND_MODULES = [
     "sleuth.retrieval.commands",
     "sleuth.retrieval.server_commands",
     "sleuth.llm.commands",
+    "sleuth.agent.commands",
     "sleuth.eval.commands",
     "sleuth.eval.report_commands",
     "sleuth.rl.commands",

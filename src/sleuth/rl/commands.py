@@ -31,6 +31,29 @@ def register(app: typer.Typer) -> None:
             raise typer.Exit(2) from None
         console.print(f"[green]done[/]: {result['out_dir']} (checkpoint {result['checkpoint']})")
 
+    @app.command("sft")
+    def sft_cmd(
+        recipe: str = typer.Argument(..., help="Recipe YAML with an sft: section (sft.data = trajectory jsonl)"),
+        overrides: list[str] = typer.Argument(None, help="key.path=value overrides, e.g. sft.epochs=3"),
+        fresh: bool = typer.Option(False, "--fresh", help="Ignore existing SFT checkpoints instead of resuming"),
+    ) -> None:
+        """Supervised fine-tuning on trajectories; checkpoints load like RL ones (sleuth train model.init_from=...)."""
+        from rich.console import Console
+
+        from sleuth.errors import SleuthError
+        from sleuth.rl.config import load_recipe
+
+        console = Console()
+        try:
+            cfg = load_recipe(recipe, overrides or [])
+            from sleuth.rl.sft import run_sft
+
+            result = run_sft(cfg, resume=not fresh, console=console)
+        except SleuthError as err:
+            console.print(f"[red]error:[/] {err}")
+            raise typer.Exit(2) from None
+        console.print(f"[green]done[/]: {result['out_dir']} (checkpoint {result['checkpoint']})")
+
     @app.command("check-recipe")
     def check_recipe_cmd(
         recipe: str = typer.Argument(...),

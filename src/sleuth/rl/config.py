@@ -45,6 +45,9 @@ class ModelConfig(_Strict):
     # what rollouts decode with: "auto" = a bf16 copy of a fully fine-tuned fp32 policy on CUDA
     # (synced after every update; not with FSDP), else the policy itself
     generation_weights: Literal["auto", "policy", "bf16-copy"] = "auto"
+    # Start from a trained checkpoint (an SFT run, or another RL run): a checkpoint or run directory.
+    # With LoRA its adapters keep training; the KL reference stays the base model (`model.policy`).
+    init_from: str | None = None
 
 
 class DataConfig(_Strict):
@@ -169,6 +172,21 @@ class TrainerConfig(_Strict):
     eval_examples: int = Field(64, ge=1)
 
 
+class SFTConfig(_Strict):
+    """Supervised fine-tuning on trajectory records (`sleuth trajectories`), run before RL."""
+
+    data: str  # trajectory jsonl
+    limit: int | None = Field(None, ge=1)  # use at most this many training trajectories (a small warm-up)
+    epochs: int = Field(2, ge=1)
+    lr: float = Field(1e-4, gt=0.0)
+    batch_size: int = Field(16, ge=1)  # trajectories per optimizer step
+    micro_batch_size: int = Field(4, ge=1)
+    max_length: int = Field(4096, ge=8)  # prompt + response tokens; longer rows are cut
+    held_out: float = Field(0.05, ge=0.0, lt=1.0)  # fraction of questions kept out for the held-out loss
+    save_every: int = Field(0, ge=0)  # 0: only after the last step
+    out_dir: str | None = None  # default: <trainer.out_dir>/sft
+
+
 class Recipe(_Strict):
     name: str
     description: str = ""
@@ -182,6 +200,7 @@ class Recipe(_Strict):
     optim: OptimConfig = Field(default_factory=OptimConfig)
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    sft: SFTConfig | None = None  # when set, `sleuth train` first fine-tunes on it, then starts RL from it
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:

@@ -525,14 +525,29 @@ def build_optimizer(params, lr: float, recipe: Recipe):
 # ----------------------------------------------------------------------------
 
 
+def initial_weights(recipe: Recipe) -> Path | None:
+    """The policy directory of `model.init_from` (a checkpoint or run directory), if set."""
+    if recipe.model.init_from is None:
+        return None
+    from sleuth.agent.searcher import resolve_checkpoint
+
+    return resolve_checkpoint(recipe.model.init_from) / "policy"
+
+
 def train(recipe: Recipe, *, resume: bool = False, console: Any = None) -> dict[str, Any]:
     from rich.console import Console
 
     from sleuth.llm.hf import HFGenerator
     from sleuth.rewards.base import get_reward
 
-    ctx = init_distributed(recipe.model.device)
     console = console or Console()
+    if recipe.sft is not None and recipe.model.init_from is None:
+        # SFT first (resumable; a finished SFT run is reused), then RL from its final checkpoint
+        from sleuth.rl.sft import run_sft
+
+        sft = run_sft(recipe, resume=True, console=console)
+        recipe = recipe.model_copy(update={"model": recipe.model.model_copy(update={"init_from": sft["checkpoint"]})})
+    ctx = init_distributed(recipe.model.device)
     if not ctx.is_main:
         console = Console(quiet=True)
     out_dir = Path(recipe.trainer.out_dir)
@@ -553,7 +568,7 @@ def train(recipe: Recipe, *, resume: bool = False, console: Any = None) -> dict[
     start_step = int(trainer_state.get("step", 0))
 
     # --- models -------------------------------------------------------------
-    tokenizer, policy, model_path = load_policy(recipe, device, ckpt / "policy" if ckpt else None)
+    tokenizer, policy, model_path = load_policy(recipe, device, ckpt / "policy" if ckpt else initial_weights(recipe))
     pad_id = tokenizer.pad_token_id
     kl_coef = algo.kl.coef
     ref_model = None

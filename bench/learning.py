@@ -1,0 +1,427 @@
+"""Measured learning on the synthetic world: oracle trajectories -> SFT -> RL -> evaluation, per method.
+
+    PYTHONPATH=src python bench/learning.py run --out runs/learn --model MODEL --gpus 4
+    PYTHONPATH=src python bench/learning.py status --out runs/learn
+
+Per method (s3, search_r1, staged, r_search, qagent) it writes oracle trajectories of the training
+questions, fine-tunes the model on them (`full`: every trajectory; `warm`: a small format warm-up of
+`--warm` trajectories, s3 and search_r1 only), runs RL from each SFT checkpoint, and evaluates every
+checkpoint on the same held-out questions. Shared rows: naive RAG and the oracle (gold passages) with
+the frozen base model as reader, and the base model's direct answer. Every stage writes a marker when
+it is complete, so rerunning the same command continues where an interrupted run stopped (RL and SFT
+resume from their checkpoints). Work is spread over `--gpus` lanes (one process per GPU).
+Results: OUT/<method>/<variant>/{sft,checkpoints,metrics.jsonl}, OUT/<method>/eval_<variant>_{sft,rl}/,
+OUT/shared/eval_*, OUT/status.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from sleuth.utils import atomic_write_json
+
+METHODS = ("s3", "search_r1", "staged", "r_search", "qagent")
+EVAL_NAMES = {"s3": "s3", "search_r1": "search-r1", "staged": "staged", "r_search": "r-search", "qagent": "qagent"}
+# Per loop: tokens per turn (the oracle's turns are far shorter), documents per search and their budget.
+AGENT = {
+    "s3": {"max_new_tokens_per_turn": 80, "top_k": 5, "max_obs_tokens": 480, "max_response_tokens": 2048},
+    "search_r1": {"max_new_tokens_per_turn": 96, "top_k": 3, "max_obs_tokens": 384, "max_response_tokens": 2048},
+    "staged": {"max_new_tokens_per_turn": 96, "top_k": 3, "max_obs_tokens": 384, "max_response_tokens": 2048},
+    "r_search": {"max_new_tokens_per_turn": 160, "top_k": 3, "max_obs_tokens": 384, "max_response_tokens": 2048},
+    "qagent": {"max_new_tokens_per_turn": 128, "top_k": 1, "max_obs_tokens": 384, "max_response_tokens": 2048},
+}
+REWARD = {
+    "s3": {"name": "s3_gbr", "generator": "policy-base",
+           "options": {"form": "code", "rag_k": 3, "generator_max_new_tokens": 24, "use_judge": False}},
+    "search_r1": {"name": "search_r1_em"},
+    "staged": {"name": "staged", "options": {"beta": 0.3, "correctness": "f1"}, "encoder": "minilm"},
+    "r_search": {"name": "r_search", "options": {"gamma_e": 0.2, "gamma_a": 0.2}, "generator": "policy-base"},
+    "qagent": {"name": "qagent_stage1"},
+}
+WARM_METHODS = ("s3", "search_r1")
+
+
+@dataclass
+class Size:
+    passages: int = 5000
+    questions: int = 6000
+    test: int = 500
+    sft_questions: int = 1200
+    warm: int = 32
+    rl_steps: int = 15
+    prompts_per_step: int = 16
+    n: int = 5
+    eval_batch: int = 250
+    sft_epochs: int = 2
+    warm_epochs: int = 4
+
+
+CPU_SIZE = Size(passages=400, questions=200, test=12, sft_questions=24, warm=6, rl_steps=2, prompts_per_step=2,
+                n=4, eval_batch=12, sft_epochs=1, warm_epochs=1)
+
+
+def recipe_for(out: Path, method: str, variant: str, model: str, size: Size, encoder: str | None) -> dict[str, Any]:
+    agent = {"loop": method, **AGENT[method]}
+    reward = json.loads(json.dumps(REWARD[method]))
+    if reward["name"] == "s3_gbr":
+        reward["baseline_cache"] = str(out / method / variant / "naive_rag_cache.jsonl")
+    if reward["name"] == "staged":
+        reward["encoder"] = encoder
+        reward["options"]["switch_step"] = max(1, size.rl_steps // 2)
+    world = out / "shared" / "world"
+    return {
+        "name": f"learn-{method}-{variant}",
+        "seed": 0,
+        "model": {"policy": model, "lora": {"enabled": True, "r": 16, "alpha": 32}},
+        "data": {"train": str(world / "train.jsonl")},
+        "retriever": {"index": str(world / "bm25")},
+        "agent": agent,
+        "reward": reward,
+        "algorithm": {"name": "grpo", "n": size.n, "prompts_per_step": size.prompts_per_step,
+                      "minibatch_size": size.n * size.prompts_per_step, "micro_batch_size": 16 if size.n > 4 else 4,
+                      "kl": {"coef": 0.0}},
+        "optim": {"lr": 5e-5, "warmup_steps": 0},
+        "sampling": {"temperature": 1.0},
+        "trainer": {"total_steps": size.rl_steps, "save_every": 5, "out_dir": str(out / method / variant)},
+        "sft": {"data": str(out / method / "trajectories.jsonl"), "epochs": size.sft_epochs if variant == "full"
+                else size.warm_epochs, "lr": 3e-4, "batch_size": 16 if variant == "full" else 8,
+                "micro_batch_size": 8, "held_out": 0.05, "limit": None if variant == "full" else size.warm},
+    }
+
+
+# -- stages ---------------------------------------------------------------------------------------------------
+
+
+def marker(out: Path, name: str) -> Path:
+    return out / "done" / f"{name}.json"
+
+
+def stage(out: Path, name: str, fn, *args) -> Any:
+    """Run `fn` once: a marker records completion and its result (rerun = skip)."""
+    path = marker(out, name)
+    if path.exists():
+        return json.loads(path.read_text())
+    t0 = time.time()
+    print(f"[{time.strftime('%H:%M:%S')}] start {name}", flush=True)
+    result = fn(*args) or {}
+    result = {**result, "seconds": time.time() - t0}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(path, result)
+    print(f"[{time.strftime('%H:%M:%S')}] done {name} in {result['seconds']:.0f}s", flush=True)
+    return result
+
+
+def make_world(out: Path, size: Size) -> dict:
+    from sleuth.data.synth import generate_world, write_world
+    from sleuth.retrieval import build_index
+
+    world = out / "shared" / "world"
+    write_world(generate_world(size.passages, size.questions, hops=(1, 3), seed=0), world)
+    build_index(world / "corpus.jsonl", "bm25", world / "bm25")
+    return {"world": str(world)}
+
+
+def test_questions(out: Path, size: Size):
+    from sleuth.data.formats import read_qa_jsonl
+
+    test = read_qa_jsonl(out / "shared" / "world" / "test.jsonl")[: size.test]
+    for ex in test:
+        ex.metadata["dataset"] = f"synth-{ex.metadata.get('hops', '?')}hop"
+    return test
+
+
+def make_trajectories(out: Path, method: str, model: str, size: Size) -> dict:
+    from transformers import AutoTokenizer
+
+    from sleuth.agent.coldstart import collect_oracle, write_records
+    from sleuth.llm.registry import resolve_model_path
+    from sleuth.rl.config import recipe_from_dict
+    from sleuth.rl.trainer import build_loop, build_retriever, load_examples
+
+    recipe = recipe_from_dict(recipe_for(out, method, "full", model, size, None))
+    tok = AutoTokenizer.from_pretrained(resolve_model_path(model))
+    examples = load_examples(recipe)[: size.sft_questions]
+    records, stats = collect_oracle(build_loop(recipe), build_retriever(recipe), tok, examples, seed=0,
+                                    max_obs_tokens=recipe.agent.max_obs_tokens,
+                                    max_response_tokens=recipe.agent.max_response_tokens)
+    write_records(out / method / "trajectories.jsonl", records)
+    lengths = sorted(len(r.prompt_ids) + len(r.response_ids) for r in records)
+    return {**stats, "median_tokens": lengths[len(lengths) // 2], "max_tokens": lengths[-1]}
+
+
+def sft(out: Path, method: str, variant: str, model: str, size: Size) -> dict:
+    from sleuth.rl.config import recipe_from_dict
+    from sleuth.rl.sft import run_sft
+
+    recipe = recipe_from_dict(recipe_for(out, method, variant, model, size, None))
+    result = run_sft(recipe, resume=True)
+    return {"checkpoint": result["checkpoint"], **result["metrics"]}
+
+
+def rl(out: Path, method: str, variant: str, model: str, size: Size, sft_ckpt: str, encoder: str | None) -> dict:
+    from sleuth.rl.checkpoint import latest_checkpoint
+    from sleuth.rl.config import recipe_from_dict
+    from sleuth.rl.trainer import train
+
+    data = recipe_for(out, method, variant, model, size, encoder)
+    data["model"]["init_from"] = sft_ckpt
+    recipe_path = out / method / variant / "recipe.yaml"
+    recipe_path.parent.mkdir(parents=True, exist_ok=True)
+    recipe_path.write_text(yaml.safe_dump(data, sort_keys=False))
+    run_dir = out / method / variant
+    result = train(recipe_from_dict(data), resume=latest_checkpoint(run_dir) is not None)
+    return {"checkpoint": result["checkpoint"]}
+
+
+def eval_config(method: str, size: Size):
+    from sleuth.eval.harness import EvalConfig
+
+    a = AGENT[method]
+    return EvalConfig(batch_size=size.eval_batch, max_new_tokens=a["max_new_tokens_per_turn"], answer_max_new_tokens=24,
+                      top_k=a["top_k"], max_obs_tokens=a["max_obs_tokens"], max_response_tokens=a["max_response_tokens"])
+
+
+def evaluate_checkpoint(out: Path, method: str, ckpt: str, name: str, model: str, size: Size) -> dict:
+    from sleuth.agent.searcher import load_searcher
+    from sleuth.eval.harness import evaluate
+    from sleuth.llm.registry import load_generator
+    from sleuth.retrieval import load_retriever
+
+    world = out / "shared" / "world"
+    retriever = load_retriever(world / "bm25", corpus=world / "corpus.jsonl")
+    searcher = load_searcher(ckpt)
+    frozen = load_generator(model)
+    summary = evaluate([EVAL_NAMES[method], "direct"], test_questions(out, size), retriever, searcher.generator,
+                       generator=frozen, out_dir=out / method / f"eval_{name}", config=eval_config(method, size))
+    return {"summary": {m: s.get("overall") or next(iter(s.values())) for m, s in summary["methods"].items()}}
+
+
+def evaluate_shared(out: Path, model: str, size: Size) -> dict:
+    """Naive RAG, the oracle (gold passages) and direct answers, all by the frozen base model."""
+    from sleuth.eval.baselines import BaselineSettings, read_documents
+    from sleuth.eval.harness import append_records, evaluate, score_predictions
+    from sleuth.llm.registry import load_generator
+    from sleuth.retrieval import load_retriever
+    from sleuth.retrieval.base import Hit
+
+    world = out / "shared" / "world"
+    retriever = load_retriever(world / "bm25", corpus=world / "corpus.jsonl")
+    base = load_generator(model)
+    test = test_questions(out, size)
+    summary = evaluate(["direct", "naive-rag"], test, retriever, base, out_dir=out / "shared" / "eval_base",
+                       config=eval_config("s3", size))
+    corpus = {}
+    with open(world / "corpus.jsonl", encoding="utf-8") as fh:
+        for line in fh:
+            rec = json.loads(line)
+            title, _, text = rec["contents"].partition("\n")
+            corpus[str(rec["id"])] = Hit(str(rec["id"]), title.strip('"'), text, 1.0)
+    gold = [[corpus[s] for s in ex.metadata["supporting_ids"]] for ex in test]
+    preds, texts, _ = read_documents(base, test, gold, BaselineSettings(answer_max_new_tokens=24), "s3")
+    metrics = score_predictions([ex.question for ex in test], [ex.golden_answers for ex in test], preds, None)
+    path = out / "shared" / "eval_base" / "oracle" / "predictions.jsonl"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.unlink(missing_ok=True)
+    append_records(path, [
+        {"id": str(ex.id), "question": ex.question, "golden_answers": ex.golden_answers,
+         "dataset": ex.metadata["dataset"], "method": "oracle", "prediction": p, "metrics": m, "retrieval_count": 0,
+         "generator_output": t}
+        for ex, p, t, m in zip(test, preds, texts, metrics, strict=True)
+    ])
+    oracle_span = sum(m["span_check"] for m in metrics) / len(metrics)
+    return {"summary": {k: v.get("overall") or next(iter(v.values())) for k, v in summary["methods"].items()},
+            "oracle_span": oracle_span}
+
+
+def method_jobs(method: str) -> list[str]:
+    variants = ("full", "warm") if method in WARM_METHODS else ("full",)
+    return [f"{method}:{v}" for v in variants]
+
+
+def run_job(out: Path, job: str, model: str, size: Size, encoder: str | None) -> None:
+    if job == "shared":
+        stage(out, "shared_eval", evaluate_shared, out, model, size)
+        return
+    method, variant = job.split(":")
+    stage(out, f"{method}_trajectories", make_trajectories, out, method, model, size)
+    s = stage(out, f"{method}_{variant}_sft", sft, out, method, variant, model, size)
+    stage(out, f"{method}_{variant}_eval_sft", evaluate_checkpoint, out, method, s["checkpoint"], f"{variant}_sft",
+          model, size)
+    if method == "staged" and encoder and not Path(encoder).exists() and encoder != "minilm":
+        for _ in range(120):  # the encoder arrives with a later call (carry limit); wait for it
+            if Path(encoder).exists():
+                break
+            time.sleep(10)
+    r = stage(out, f"{method}_{variant}_rl", rl, out, method, variant, model, size, s["checkpoint"], encoder)
+    stage(out, f"{method}_{variant}_eval_rl", evaluate_checkpoint, out, method, r["checkpoint"], f"{variant}_rl",
+          model, size)
+
+
+def lane(args) -> None:
+    out = Path(args.out)
+    size = CPU_SIZE if args.cpu else Size()
+    for job in args.jobs.split(","):
+        try:
+            run_job(out, job, args.model, size, args.encoder)
+        except Exception:  # one failing job must not stop the lane's other jobs
+            traceback.print_exc()
+            (out / "failed").mkdir(parents=True, exist_ok=True)
+            (out / "failed" / f"{job.replace(':', '_')}.txt").write_text(traceback.format_exc())
+
+
+def plan_lanes(methods: list[str], gpus: int) -> list[list[str]]:
+    jobs = ["shared"] + [j for m in methods for j in method_jobs(m)]
+    # longest first onto the least-loaded lane; s3 and search_r1 jobs are the ones the bars need
+    cost = {"shared": 1, "s3": 4, "search_r1": 3, "staged": 3, "r_search": 4, "qagent": 3}
+    lanes: list[list[str]] = [[] for _ in range(gpus)]
+    load = [0] * gpus
+    for job in jobs:
+        i = load.index(min(load))
+        lanes[i].append(job)
+        load[i] += cost[job.split(":")[0]]
+    return lanes
+
+
+def run(args) -> None:
+    out = Path(args.out)
+    size = CPU_SIZE if args.cpu else Size()
+    stage(out, "world", make_world, out, size)
+    methods = [m for m in args.methods.split(",") if m]
+    lanes = plan_lanes(methods, args.gpus)
+    atomic_write_json(out / "lanes.json", lanes)
+    procs = []
+    for i, jobs in enumerate(lanes):
+        env = dict(os.environ)
+        if not args.cpu:
+            env["CUDA_VISIBLE_DEVICES"] = str(i)
+        log = open(out / f"lane{i}.log", "a")
+        cmd = [sys.executable, __file__, "lane", "--out", str(out), "--model", args.model, "--jobs", ",".join(jobs)]
+        cmd += ["--encoder", args.encoder] if args.encoder else []
+        cmd += ["--cpu"] if args.cpu else []
+        procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT))
+    for p in procs:
+        p.wait()
+    status(args)
+
+
+def status(args) -> None:
+    out = Path(args.out)
+    done = sorted(p.stem for p in (out / "done").glob("*.json")) if (out / "done").exists() else []
+    failed = sorted(p.stem for p in (out / "failed").glob("*.txt")) if (out / "failed").exists() else []
+    rows = {name: json.loads((out / "done" / f"{name}.json").read_text()) for name in done}
+    atomic_write_json(out / "status.json", {"done": rows, "failed": failed})
+    for name, r in rows.items():
+        brief = {k: v for k, v in r.items() if k not in ("summary",)}
+        print(name, json.dumps(brief)[:300])
+        for m, s in (r.get("summary") or {}).items():
+            print(f"    {m}: span {s.get('span_check')} cem {s.get('cover_em')} em {s.get('em')} rc {s.get('retrieval_count')}")
+    print("failed:", failed)
+
+
+CKPT_PRIORITY = ("s3:full", "search_r1:full", "staged:full", "r_search:full", "qagent:full", "s3:warm", "search_r1:warm")
+
+
+def _bf16_policy(policy: Path, dest: Path) -> None:
+    """Copy a LoRA policy directory with its adapter weights cast to bf16 (half the bytes to carry)."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    dest.mkdir(parents=True, exist_ok=True)
+    for f in policy.iterdir():
+        if f.name == "adapter_model.safetensors":
+            save_file({k: v.to(torch.bfloat16).contiguous() for k, v in load_file(f).items()}, dest / f.name,
+                      metadata={"format": "pt"})
+        elif f.is_file():
+            shutil.copy2(f, dest / f.name)
+
+
+def pack(args) -> None:
+    """Results into at most 8 files of <= 15 MiB under --dest (the GPU machine's return folder)."""
+    import tarfile
+    import tempfile
+
+    out, dest = Path(args.out), Path(args.dest)
+    dest.mkdir(parents=True, exist_ok=True)
+    status(args)
+    skip = ("trajectories.jsonl", "state.pt", ".safetensors", "naive_rag_cache")
+    results = dest / "results.tgz"
+    with tarfile.open(results, "w:gz") as tar:
+        for f in sorted(out.rglob("*")):
+            rel = f.relative_to(out)
+            if not f.is_file() or any(s in f.name for s in skip) or "checkpoints" in rel.parts:
+                continue
+            if "rollouts" in rel.parts and f.name not in ("step_000001.jsonl", f"step_{Size().rl_steps:06d}.jsonl"):
+                continue
+            tar.add(f, arcname=str(rel))
+        for method in METHODS:  # a sample of each method's SFT data, for the docs
+            traj = out / method / "trajectories.jsonl"
+            if traj.exists():
+                with open(traj, encoding="utf-8") as fh, tempfile.NamedTemporaryFile("w", delete=False) as tmp:
+                    for _, line in zip(range(5), fh, strict=False):
+                        tmp.write(line)
+                tar.add(tmp.name, arcname=f"{method}/trajectories_sample.jsonl")
+    budget = 60 * 2**20 - results.stat().st_size
+    with tempfile.TemporaryDirectory() as tmpdir:
+        staged = Path(tmpdir)
+        from sleuth.rl.checkpoint import latest_checkpoint
+
+        for job in CKPT_PRIORITY:
+            method, variant = job.split(":")
+            if not marker(out, f"{method}_{variant}_rl").exists():
+                continue
+            ckpt = latest_checkpoint(out / method / variant)
+            target = staged / method / variant
+            _bf16_policy(ckpt / "policy", target / "policy")
+            for name in ("searcher.json", "trainer_state.json"):
+                (target / name).write_bytes((ckpt / name).read_bytes())
+            size = sum(f.stat().st_size for f in staged.rglob("*") if f.is_file())
+            if size > budget * 1.5:  # tokenizer files compress; adapters barely do
+                import shutil
+
+                shutil.rmtree(target)
+                break
+        ckpts = dest / "checkpoints.tgz"
+        with tarfile.open(ckpts, "w:gz") as tar:
+            tar.add(staged, arcname="checkpoints")
+    for f in (results, ckpts):
+        if f.stat().st_size > 15 * 2**20:
+            data = f.read_bytes()
+            for i in range(0, len(data), 15 * 2**20):
+                (dest / f"{f.name}.part{i // (15 * 2**20):02d}").write_bytes(data[i : i + 15 * 2**20])
+            f.unlink()
+    for f in sorted(dest.iterdir()):
+        print("packed", f.name, f.stat().st_size)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    for name in ("run", "lane", "status", "pack"):
+        p = sub.add_parser(name)
+        p.add_argument("--out", default="runs/learn")
+        p.add_argument("--model", default="smollm2-135m-instruct")
+        p.add_argument("--encoder", default="minilm", help="staged reward's query encoder (dir or alias)")
+        p.add_argument("--cpu", action="store_true", help="CPU-sized run (tests the pipeline)")
+        p.add_argument("--gpus", type=int, default=1)
+        p.add_argument("--methods", default=",".join(METHODS))
+        p.add_argument("--jobs", default="")
+        p.add_argument("--dest", default="runs/learn_packed")
+    args = parser.parse_args()
+    {"run": run, "lane": lane, "status": status, "pack": pack}[args.cmd](args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,90 @@
+"""CLI: `sleuth trajectories RECIPE --out FILE`: cold-start trajectories for `sleuth sft`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("trajectories")
+    def trajectories_cmd(
+        recipe: str = typer.Argument(..., help="Recipe YAML: its loop, retriever, data and token budgets are used"),
+        overrides: list[str] = typer.Argument(None, help="key.path=value recipe overrides"),
+        out: Path = typer.Option(..., "--out", "-o", help="Output jsonl (written atomically)"),
+        source: str = typer.Option("oracle", help="oracle (synthetic world), teacher (rejection sampling) or messages"),
+        teacher: str = typer.Option(None, help="teacher model spec (alias, dir, openai:URL#model) for --source teacher"),
+        threshold: float = typer.Option(1.0, help="teacher: keep trajectories whose reward is >= this"),
+        n: int = typer.Option(1, help="teacher: samples per question"),
+        messages: Path = typer.Option(None, help="chat-message jsonl to import for --source messages"),
+        variants: int = typer.Option(1, help="oracle: play each question this many times with other wordings"),
+        limit: int = typer.Option(None, help="use the first N questions of data.train"),
+        seed: int = typer.Option(0, help="oracle wording / sampling seed"),
+    ) -> None:
+        """Write SFT trajectories (token ids + loss mask exactly as the RL rollout builds them, plus text)."""
+        from rich.console import Console
+
+        from sleuth.errors import SleuthError
+
+        console = Console()
+        try:
+            stats = make_trajectories(recipe, overrides or [], out, source, teacher, threshold, n, messages,
+                                      variants, limit, seed)
+        except SleuthError as err:
+            console.print(f"[red]error:[/] {err}")
+            raise typer.Exit(2) from None
+        console.print(f"[green]{stats['kept']}[/] of {stats['played']} trajectories kept -> {out}")
+
+
+def make_trajectories(recipe_path, overrides, out, source, teacher, threshold, n, messages, variants, limit, seed):
+    from transformers import AutoTokenizer
+
+    from sleuth.agent.coldstart import (
+        collect_oracle,
+        collect_teacher,
+        records_from_messages,
+        write_records,
+    )
+    from sleuth.errors import ConfigError
+    from sleuth.llm.base import SamplingParams
+    from sleuth.llm.registry import load_generator, resolve_model_path
+    from sleuth.rewards.base import get_reward
+    from sleuth.rl.config import load_recipe
+    from sleuth.rl.trainer import build_loop, build_retriever, build_reward_services, load_examples
+
+    recipe = load_recipe(recipe_path, overrides)
+    if source not in ("oracle", "teacher", "messages"):
+        raise ConfigError(f"--source must be oracle, teacher or messages, got {source!r}")
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(recipe.model.policy))
+    if source == "messages":
+        if messages is None:
+            raise ConfigError("--source messages needs --messages FILE")
+        records = records_from_messages(messages, tokenizer, recipe.agent.loop)
+        write_records(out, records)
+        return {"played": len(records), "kept": len(records)}
+    loop = build_loop(recipe)
+    retriever = build_retriever(recipe)
+    examples = load_examples(recipe)[:limit] if limit else load_examples(recipe)
+    budgets = {"max_obs_tokens": recipe.agent.max_obs_tokens, "max_response_tokens": recipe.agent.max_response_tokens}
+    if source == "oracle":
+        records, stats = collect_oracle(loop, retriever, tokenizer, examples, seed=seed, variants=variants, **budgets)
+    else:
+        if teacher is None:
+            raise ConfigError("--source teacher needs --teacher MODEL")
+        if recipe.reward.generator == "policy-base" or recipe.reward.judge == "policy-base":
+            raise ConfigError("reward services 'policy-base' need a LoRA policy; name a model for reward.generator")
+        for module in recipe.reward.plugins:
+            __import__(module)
+        teacher_gen = load_generator(teacher)
+        services = build_reward_services(recipe, teacher_gen, None, retriever)
+        params = SamplingParams(max_new_tokens=recipe.agent.max_new_tokens_per_turn,
+                                temperature=recipe.sampling.temperature, top_p=recipe.sampling.top_p, seed=seed)
+        records, stats = collect_teacher(
+            loop, teacher_gen, retriever, examples, get_reward(recipe.reward.name, **recipe.reward.options), services,
+            threshold=threshold, n=n, params=params, tokenizer=tokenizer, **budgets,
+        )
+    if not records:
+        raise ConfigError(f"no trajectory passed the filter ({stats['played']} played); nothing written to {out}")
+    write_records(out, records)
+    return stats

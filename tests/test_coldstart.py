@@ -1,0 +1,273 @@
+"""Cold-start trajectories (oracle, teacher, chat messages) and SFT on them."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from sleuth.agent.coldstart import (
+    SFTRecord,
+    collect_oracle,
+    collect_teacher,
+    read_records,
+    records_from_messages,
+    write_records,
+)
+from sleuth.agent.engine import rollout
+from sleuth.agent.oracle import OracleGenerator, oracle_check, question_facts
+from sleuth.agent.registry import get_loop
+from sleuth.data.formats import read_qa_jsonl
+from sleuth.errors import DataFormatError
+from sleuth.retrieval import load_retriever
+from sleuth.rewards.base import RewardServices, get_reward
+
+LOOPS = ("search_r1", "s3", "r_search", "staged", "qagent")
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from transformers import AutoTokenizer
+
+    from sleuth.llm.registry import tiny_model_dir
+
+    return AutoTokenizer.from_pretrained(tiny_model_dir())
+
+
+@pytest.fixture(scope="module")
+def world(small_world: Path):
+    retriever = load_retriever(small_world / "bm25", corpus=small_world / "corpus.jsonl")
+    return retriever, read_qa_jsonl(small_world / "train.jsonl")[:24]
+
+
+def _oracle_rollout(name, world, tokenizer, seed=0):
+    retriever, examples = world
+    loop = get_loop(name)
+    oracle = OracleGenerator(loop, retriever, tokenizer, examples, seed=seed)
+    trajs = rollout(loop, oracle, retriever, examples, n=1, max_obs_tokens=512, max_response_tokens=4096)
+    return loop, trajs, examples
+
+
+@pytest.mark.parametrize("name", LOOPS)
+def test_oracle_trajectories_pass_the_loops_own_parser_and_format_check(name, world, tokenizer):
+    _, trajs, examples = _oracle_rollout(name, world, tokenizer)
+    kept = [(t, ex) for t, ex in zip(trajs, examples, strict=True) if oracle_check(t, ex)]
+    assert len(kept) >= len(examples) // 2  # top-1 retrieval (qagent) misses some passages
+    for traj, ex in kept:
+        assert traj.extra["invalid_actions"] == 0, traj.response_text
+        assert not traj.extra["forced_final"]
+        assert traj.retrieval_count >= len({f.doc_id for f in question_facts(ex)}) - (1 if name == "s3" else 0)
+        if name == "s3":
+            assert traj.finish_reason == "search_complete" and traj.extra["search_complete"]
+            assert not traj.extra.get("invalid_selection_ids") and not traj.extra.get("query_not_json")
+        else:
+            assert traj.finish_reason == "answer"
+        if name in ("staged", "qagent"):
+            assert traj.extra["format_ok"], traj.response_text
+        if name == "r_search":
+            assert traj.extra["evidence_ok"] and traj.extra["answer_ok"]
+            assert traj.evidence and all(s in traj.response_text for s in traj.evidence.splitlines())
+
+
+@pytest.mark.parametrize(
+    ("name", "reward", "options", "expected"),
+    [
+        ("search_r1", "search_r1_em", {}, 1.0),
+        ("search_r1", "search_r1_format_em", {}, 1.0),
+        ("qagent", "qagent_stage1", {}, 1.0),
+        ("staged", "staged", {"correctness": "em"}, None),
+    ],
+)
+def test_kept_oracle_trajectories_earn_the_methods_reward(name, reward, options, expected, world, tokenizer):
+    _, trajs, examples = _oracle_rollout(name, world, tokenizer)
+    kept = [t for t, ex in zip(trajs, examples, strict=True) if oracle_check(t, ex)]
+    fn = get_reward(reward, **options)
+    services = RewardServices(encoder=_BagOfWords(), retriever=world[0])
+    results = fn(kept, services)
+    if expected is not None:
+        assert all(r.total == pytest.approx(expected) for r in results), [r.total for r in results]
+    else:  # staged: format +1 and a correct answer always beat a wrong/ill-formed trajectory's reward
+        assert all(r.components.get("format", 1.0) > 0 for r in results)
+        assert min(r.total for r in results) > 0
+
+
+class _BagOfWords:
+    def encode(self, texts):
+        import numpy as np
+
+        vocab = sorted({w for t in texts for w in t.lower().split()})
+        m = np.array([[t.lower().split().count(w) for w in vocab] for t in texts], dtype=float)
+        return m / np.maximum(np.linalg.norm(m, axis=1, keepdims=True), 1e-9)
+
+
+def test_oracle_wordings_vary_with_the_seed(world, tokenizer):
+    _, a, _ = _oracle_rollout("search_r1", world, tokenizer, seed=0)
+    _, b, _ = _oracle_rollout("search_r1", world, tokenizer, seed=1)
+    assert sum(x.queries != y.queries for x, y in zip(a, b, strict=True)) >= len(a) // 3
+
+
+def test_sft_targets_equal_the_rl_action_mask_of_the_same_tokens(world, tokenizer):
+    from sleuth.rl.sft import sft_batch
+    from sleuth.rl.trainer import collate
+
+    retriever, examples = world
+    records, stats = collect_oracle(get_loop("search_r1"), retriever, tokenizer, examples[:6], max_obs_tokens=256)
+    assert stats["kept"] == len(records) > 0
+    for rec in records:
+        assert 0 in rec.loss_mask and 1 in rec.loss_mask  # documents are inserted and masked
+        ids, target = sft_batch([rec], pad_id=0, max_length=10**6)
+        batch = collate([_as_traj(rec)], pad_id=0)
+        n = len(rec.response_ids)
+        assert target[0, len(rec.prompt_ids) : len(rec.prompt_ids) + n].tolist() == rec.loss_mask
+        assert batch.action_mask[0, :n].long().tolist() == rec.loss_mask
+        assert target[0, : len(rec.prompt_ids)].sum() == 0
+        assert ids[0, : len(rec.prompt_ids) + n].tolist() == rec.prompt_ids + rec.response_ids
+
+
+def _as_traj(rec: SFTRecord):
+    from sleuth.agent.trajectory import Trajectory
+
+    return Trajectory(rec.question_id, rec.question, rec.golden_answers, rec.loop, prompt_ids=rec.prompt_ids,
+                      response_ids=rec.response_ids, loss_mask=rec.loss_mask)
+
+
+def test_records_round_trip_and_bad_lines_name_file_and_line(tmp_path, world, tokenizer):
+    records, _ = collect_oracle(get_loop("search_r1"), world[0], tokenizer, world[1][:3])
+    path = tmp_path / "t.jsonl"
+    assert write_records(path, records) == len(records)
+    assert [r.response_ids for r in read_records(path)] == [r.response_ids for r in records]
+    good = path.read_text().splitlines()
+    cases = {
+        "{not json": "not valid JSON",
+        json.dumps({**json.loads(good[0]), "loss_mask": [1]}): "loss_mask has 1 entries",
+        json.dumps({**json.loads(good[0]), "loop": "nope"}): "unknown loop 'nope'",
+        json.dumps({**json.loads(good[0]), "response_ids": "abc"}): "response_ids must be a list",
+        json.dumps({"loop": "s3"}): "missing field",
+    }
+    for bad, message in cases.items():
+        broken = tmp_path / "broken.jsonl"
+        broken.write_text("\n".join([good[0], bad, *good[1:]]) + "\n")
+        with pytest.raises(DataFormatError) as err:
+            read_records(broken)
+        assert f"{broken}:2" in str(err.value) and message in str(err.value)
+
+
+def test_chat_messages_import_masks_everything_but_assistant_text(tmp_path, tokenizer):
+    path = tmp_path / "m.jsonl"
+    conv = {"messages": [
+        {"role": "user", "content": "Who directed Zvork?"},
+        {"role": "assistant", "content": "<search> Zvork director </search>"},
+        {"role": "tool", "content": "<information>Doc 1 Zvork was directed by Kvala.</information>"},
+        {"role": "assistant", "content": "<answer> Kvala </answer>"},
+    ]}
+    path.write_text(json.dumps(conv) + "\n" + json.dumps({"messages": [{"role": "user", "content": "x"}]}) + "\n")
+    with pytest.raises(DataFormatError, match=r"m\.jsonl:2"):
+        records_from_messages(path, tokenizer, "search_r1")
+    path.write_text(json.dumps(conv) + "\n")
+    (rec,) = records_from_messages(path, tokenizer, "search_r1")
+    policy = [i for i, m in zip(rec.response_ids, rec.loss_mask, strict=True) if m]
+    inserted = [i for i, m in zip(rec.response_ids, rec.loss_mask, strict=True) if not m]
+    assert tokenizer.decode(inserted) == conv["messages"][2]["content"]
+    assert "<search> Zvork director </search>" in tokenizer.decode(policy)
+    assert "Who directed Zvork?" in rec.prompt_text
+    with pytest.raises(DataFormatError, match="unknown loop"):
+        records_from_messages(path, tokenizer, "nope")
+
+
+def test_teacher_rejection_sampling_keeps_only_rewarded_trajectories(world, tokenizer):
+    from sleuth.llm.scripted import ScriptedGenerator
+
+    retriever, examples = world
+    examples = examples[:4]
+    right, wrong = examples[0].golden_answers[0], "nobody"
+
+    def script(call) -> str:
+        hit = examples[0].question in call.prompt_text
+        return f"<answer> {right if hit else wrong} </answer>"
+
+    teacher = ScriptedGenerator(tokenizer, script)
+    kept, stats = collect_teacher(get_loop("search_r1"), teacher, retriever, examples, get_reward("search_r1_em"),
+                                  RewardServices(), threshold=1.0, n=2, tokenizer=tokenizer)
+    assert stats == {"played": 8, "kept": 2}
+    assert {r.question_id for r in kept} == {str(examples[0].id)} and all(r.reward == 1.0 for r in kept)
+
+
+def _sft_recipe(tmp_path: Path, world_dir: Path, data: Path, **sft) -> dict:
+    return {
+        "name": "sft-test",
+        "model": {"policy": "tiny", "lora": {"enabled": False}},
+        "data": {"train": str(world_dir / "train.jsonl")},
+        "retriever": {"index": str(world_dir / "bm25")},
+        "agent": {"loop": "search_r1", "max_new_tokens_per_turn": 48, "max_obs_tokens": 128,
+                  "max_response_tokens": 512},
+        "algorithm": {"name": "grpo", "n": 4, "prompts_per_step": 2, "minibatch_size": 8, "micro_batch_size": 4,
+                      "kl": {"coef": 0.0}},
+        "optim": {"lr": 1e-4},
+        "trainer": {"total_steps": 1, "out_dir": str(tmp_path / "run"), "save_every": 1},
+        "sft": {"data": str(data), "held_out": 0.25, "micro_batch_size": 8, **sft},
+    }
+
+
+def _format_adherence(generator, world, tokenizer, examples) -> float:
+    """Share of greedy rollouts whose first turn is a valid Search-R1 action (search or answer)."""
+    from sleuth.llm.base import SamplingParams
+
+    trajs = rollout(get_loop("search_r1", max_turns=1), generator, world[0], examples,
+                    SamplingParams(max_new_tokens=48, temperature=0.0), max_obs_tokens=64, max_response_tokens=256)
+    return sum(t.extra["invalid_actions"] == 0 and (t.queries or t.answer) for t in trajs) / len(trajs)
+
+
+def test_sft_lowers_heldout_loss_raises_format_adherence_and_resumes(tmp_path, small_world, world, tokenizer):
+    from sleuth.llm.hf import HFGenerator
+    from sleuth.rl.config import recipe_from_dict
+    from sleuth.rl.sft import heldout_loss, load_sft_data, run_sft
+    from sleuth.rl.trainer import load_policy
+
+    retriever, _ = world
+    train_q = read_qa_jsonl(small_world / "train.jsonl")
+    records, _ = collect_oracle(get_loop("search_r1"), retriever, tokenizer, train_q[:40], max_obs_tokens=128,
+                                max_response_tokens=512)
+    data = tmp_path / "traj.jsonl"
+    write_records(data, records)
+    recipe = recipe_from_dict(_sft_recipe(tmp_path, small_world, data, epochs=12, lr=1e-2, batch_size=8))
+    import torch
+
+    _, base, _ = load_policy(recipe, torch.device("cpu"))
+    train, held = load_sft_data(recipe, base.get_input_embeddings().num_embeddings)
+    assert held and not {r.question_id for r in held} & {r.question_id for r in train}
+    before = heldout_loss(base, held, tokenizer.pad_token_id, 8, 4096, torch.device("cpu"))
+    probe = read_qa_jsonl(small_world / "test.jsonl")[:8]
+    adherence_before = _format_adherence(HFGenerator(base.eval(), tokenizer=tokenizer), world, tokenizer, probe)
+
+    # interrupted after 2 epochs, then resumed to 6: same end state as one uninterrupted run
+    short = recipe_from_dict(_sft_recipe(tmp_path, small_world, data, epochs=3, lr=1e-2, batch_size=8))
+    run_sft(short)
+    result = run_sft(recipe)
+    assert result["metrics"]["sft/heldout_loss"] < 0.6 * before
+    from sleuth.agent.searcher import load_searcher
+
+    searcher = load_searcher(result["checkpoint"], device="cpu")
+    assert searcher.loop.name == "search_r1"
+    adherence_after = _format_adherence(searcher.generator, world, tokenizer, probe)
+    print("adherence", adherence_before, adherence_after, before, result["metrics"])
+    assert adherence_after >= 0.75 > adherence_before
+    lines = [json.loads(x) for x in (tmp_path / "run" / "sft" / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in lines] == list(range(1, len(lines) + 1))  # every step logged once
+
+
+def test_sft_refuses_bad_data_before_writing_anything(tmp_path, small_world):
+    from sleuth.errors import ConfigError
+    from sleuth.rl.config import recipe_from_dict
+    from sleuth.rl.sft import run_sft
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"loop": "s3", "prompt_ids": [1], "response_ids": [2], "loss_mask": [1]}) + "\n")
+    recipe = recipe_from_dict(_sft_recipe(tmp_path, small_world, bad))
+    with pytest.raises(ConfigError, match="loop"):
+        run_sft(recipe)
+    huge = tmp_path / "huge.jsonl"
+    huge.write_text(json.dumps({"loop": "search_r1", "prompt_ids": [1], "response_ids": [10**6], "loss_mask": [1]}))
+    with pytest.raises(DataFormatError, match="outside the model's vocabulary"):
+        run_sft(recipe_from_dict(_sft_recipe(tmp_path, small_world, huge)))
+    assert not (tmp_path / "run").exists()
