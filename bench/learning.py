@@ -89,7 +89,7 @@ def recipe_for(out: Path, method: str, variant: str, model: str, size: Size, enc
         "agent": agent,
         "reward": reward,
         "algorithm": {"name": "grpo", "n": size.n, "prompts_per_step": size.prompts_per_step,
-                      "minibatch_size": size.n * size.prompts_per_step, "micro_batch_size": 16 if size.n > 4 else 4,
+                      "minibatch_size": size.n * size.prompts_per_step, "micro_batch_size": 4,
                       "kl": {"coef": 0.0}},
         "optim": {"lr": 5e-5, "warmup_steps": 0},
         "sampling": {"temperature": 1.0},
