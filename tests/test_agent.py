@@ -145,9 +145,10 @@ def test_search_r1_happy_path(tok):
     assert "junk after the stop" not in traj.response_text
     env = [t.text for t in traj.turns if t.role == "env"]
     assert env == [
-        "\n\n<information>Doc 1(Title: Varonia) Varonia is a country. Its capital is Quellstad.\n"
-        "Doc 2(Title: Tarsk) Tarsk is a town on the coast of Varonia.\n"
-        "Doc 3(Title: Quellstad) Quellstad is a river port on the Vell.</information>\n\n"
+        # Search-R1's _passages2string: the stored title line keeps its quotes
+        '\n\n<information>Doc 1(Title: "Varonia") Varonia is a country. Its capital is Quellstad.\n'
+        'Doc 2(Title: "Tarsk") Tarsk is a town on the coast of Varonia.\n'
+        'Doc 3(Title: "Quellstad") Quellstad is a river port on the Vell.</information>\n\n'
     ]
     assert [h["doc_id"] for h in traj.served_context] == ["p1", "p5", "p2"]
     assert "Question: What is the capital of Varonia?" in traj.prompt_text
@@ -278,7 +279,8 @@ def test_s3_happy_path_selection_relative_to_window_and_dedup(tok):
     w0 = [h["doc_id"] for h in traj.retrieved[0]]
     w1 = [h["doc_id"] for h in traj.retrieved[1]]
     assert w0 == ["p3", "p4", "p5"] and w1 == ["p4", "p3", "p1"]
-    assert "<information>\nDoc 1(Title: Blue Harbor)" in traj.prompt_text
+    # s3's preprocessing: the initial results follow "</question>\n" directly
+    assert '</question>\n<information>\nDoc 1(Title: "Blue Harbor")' in traj.prompt_text
     # "</search_complete>" stopped the first generation; it resumed to write the query
     assert [len(b) for b in gen.calls] == [1, 1, 1]
     assert traj.num_turns == 2 and len([t for t in traj.turns if t.role == "policy"]) == 2
