@@ -571,3 +571,29 @@ def test_registry_defaults_and_errors():
         get_loop("s3", topk=3)
     with pytest.raises(ConfigError, match="top_k"):
         get_loop("search_r1", top_k=0)
+
+
+def test_observation_text_of_each_loop_matches_its_public_code_on_fixed_strings() -> None:
+    """Fixed strings written from each project's code: Search-R1 `_passages2string` + `<information>`
+    wrapping (also s3, staged, QAgent), R-Search's unnumbered `(Title: ...)` + `<observation>`."""
+    from sleuth.agent import get_loop
+    from sleuth.data.formats import split_contents
+    from sleuth.retrieval.base import Hit
+
+    stored = [
+        ("7", '"The Moushxhouth Rivers"\nThe Moushxhouth Rivers flow north.\nA second line.'),
+        ("9", '"Quellstad"\nQuellstad is a river port.'),
+    ]
+    hits = [Hit(doc_id, *split_contents(contents), score=1.0) for doc_id, contents in stored]
+    search_r1_block = (
+        '\n\n<information>Doc 1(Title: "The Moushxhouth Rivers") The Moushxhouth Rivers flow north.\n'
+        'A second line.\nDoc 2(Title: "Quellstad") Quellstad is a river port.</information>\n\n'
+    )
+    r_search_block = (
+        '\n\n<observation>(Title: "The Moushxhouth Rivers") The Moushxhouth Rivers flow north.\n'
+        'A second line.\n(Title: "Quellstad") Quellstad is a river port.</observation>\n\n'
+    )
+    for name, expected in (("search_r1", search_r1_block), ("s3", search_r1_block), ("staged", search_r1_block),
+                           ("qagent", search_r1_block), ("r_search", r_search_block)):
+        obs = get_loop(name).observe(None, None, [hits[:1], hits[1:]])  # type: ignore[arg-type]
+        assert obs.prefix + obs.body + obs.suffix == expected, name
