@@ -145,9 +145,10 @@ def test_search_r1_happy_path(tok):
     assert "junk after the stop" not in traj.response_text
     env = [t.text for t in traj.turns if t.role == "env"]
     assert env == [
-        "\n\n<information>Doc 1(Title: Varonia) Varonia is a country. Its capital is Quellstad.\n"
-        "Doc 2(Title: Tarsk) Tarsk is a town on the coast of Varonia.\n"
-        "Doc 3(Title: Quellstad) Quellstad is a river port on the Vell.</information>\n\n"
+        # Search-R1's _passages2string: the stored title line keeps its quotes
+        '\n\n<information>Doc 1(Title: "Varonia") Varonia is a country. Its capital is Quellstad.\n'
+        'Doc 2(Title: "Tarsk") Tarsk is a town on the coast of Varonia.\n'
+        'Doc 3(Title: "Quellstad") Quellstad is a river port on the Vell.</information>\n\n'
     ]
     assert [h["doc_id"] for h in traj.served_context] == ["p1", "p5", "p2"]
     assert "Question: What is the capital of Varonia?" in traj.prompt_text
@@ -278,7 +279,8 @@ def test_s3_happy_path_selection_relative_to_window_and_dedup(tok):
     w0 = [h["doc_id"] for h in traj.retrieved[0]]
     w1 = [h["doc_id"] for h in traj.retrieved[1]]
     assert w0 == ["p3", "p4", "p5"] and w1 == ["p4", "p3", "p1"]
-    assert "<information>\nDoc 1(Title: Blue Harbor)" in traj.prompt_text
+    # s3's preprocessing: the initial results follow "</question>\n" directly
+    assert '</question>\n<information>\nDoc 1(Title: "Blue Harbor")' in traj.prompt_text
     # "</search_complete>" stopped the first generation; it resumed to write the query
     assert [len(b) for b in gen.calls] == [1, 1, 1]
     assert traj.num_turns == 2 and len([t for t in traj.turns if t.role == "policy"]) == 2
@@ -569,3 +571,29 @@ def test_registry_defaults_and_errors():
         get_loop("s3", topk=3)
     with pytest.raises(ConfigError, match="top_k"):
         get_loop("search_r1", top_k=0)
+
+
+def test_observation_text_of_each_loop_matches_its_public_code_on_fixed_strings() -> None:
+    """Fixed strings written from each project's code: Search-R1 `_passages2string` + `<information>`
+    wrapping (also s3, staged, QAgent), R-Search's unnumbered `(Title: ...)` + `<observation>`."""
+    from sleuth.agent import get_loop
+    from sleuth.data.formats import split_contents
+    from sleuth.retrieval.base import Hit
+
+    stored = [
+        ("7", '"The Moushxhouth Rivers"\nThe Moushxhouth Rivers flow north.\nA second line.'),
+        ("9", '"Quellstad"\nQuellstad is a river port.'),
+    ]
+    hits = [Hit(doc_id, *split_contents(contents), score=1.0) for doc_id, contents in stored]
+    search_r1_block = (
+        '\n\n<information>Doc 1(Title: "The Moushxhouth Rivers") The Moushxhouth Rivers flow north.\n'
+        'A second line.\nDoc 2(Title: "Quellstad") Quellstad is a river port.</information>\n\n'
+    )
+    r_search_block = (
+        '\n\n<observation>(Title: "The Moushxhouth Rivers") The Moushxhouth Rivers flow north.\n'
+        'A second line.\n(Title: "Quellstad") Quellstad is a river port.</observation>\n\n'
+    )
+    for name, expected in (("search_r1", search_r1_block), ("s3", search_r1_block), ("staged", search_r1_block),
+                           ("qagent", search_r1_block), ("r_search", r_search_block)):
+        obs = get_loop(name).observe(None, None, [hits[:1], hits[1:]])  # type: ignore[arg-type]
+        assert obs.prefix + obs.body + obs.suffix == expected, name

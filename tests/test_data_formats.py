@@ -106,7 +106,7 @@ def test_missing_file_is_a_data_format_error(tmp_path):
 def test_searchr1_parquet_round_trip_and_columns(tmp_path):
     path = tmp_path / "train.parquet"
     assert write_searchr1_parquet(path, EXAMPLES, data_source="nq", split="test") == 3
-    assert read_searchr1_parquet(path) == EXAMPLES
+    assert read_searchr1_parquet(path) == EXAMPLES  # sleuth's own metadata column round-trips as is
 
     rows = pq.read_table(path).to_pylist()
     row = rows[1]
@@ -131,7 +131,9 @@ def test_searchr1_parquet_without_flashrag_columns(tmp_path):
     ])
     path = tmp_path / "bare.parquet"
     pq.write_table(table, path)
-    assert read_searchr1_parquet(path) == [QAExample("train_7", "where is Vrakton?", ["Zarvonia"], {})]
+    assert read_searchr1_parquet(path) == [
+        QAExample("train_7", "where is Vrakton?", ["Zarvonia"], {"dataset": "nq"})
+    ]
 
 
 def test_searchr1_parquet_bad_rows_name_row_number(tmp_path):
@@ -145,7 +147,7 @@ def test_searchr1_parquet_bad_rows_name_row_number(tmp_path):
     }
     path = tmp_path / "bad.parquet"
     pq.write_table(pa.Table.from_pylist([good, good, no_question]), path)
-    with pytest.raises(DataFormatError, match=r"row 3: no 'question' column and no 'Question:'"):
+    with pytest.raises(DataFormatError, match=r"row 3: no 'question' column, and the user message .* no 'Question:'"):
         read_searchr1_parquet(path)
 
     empty_target = dict(good, reward_model={"style": "rule", "ground_truth": {"target": []}})
@@ -279,3 +281,78 @@ def test_a_failed_atomic_write_leaves_the_old_file_and_no_temp(tmp_path):
         raise RuntimeError("killed mid-write")
     assert path.read_text() == "old\n"
     assert sorted(os.listdir(tmp_path)) == ["out.jsonl"]
+
+
+def _search_r1_row(data_source: str, qid: str, question: str, answers: list[str], index: int) -> dict:
+    """A row of Search-R1's scripts/data_process/qa_search_test_merge.py output: FlashRAG columns kept."""
+    return {
+        "id": qid,
+        "question": question,
+        "golden_answers": answers,
+        "data_source": data_source,
+        "prompt": [{"role": "user", "content": SEARCH_R1_TEMPLATE.replace("{question}", question)}],
+        "ability": "fact-reasoning",
+        "reward_model": {"style": "rule", "ground_truth": {"target": answers}},
+        "extra_info": {"split": "test", "index": index},
+    }
+
+
+def test_merged_multi_dataset_parquet_gets_ids_unique_per_data_source(tmp_path):
+    rows = [
+        _search_r1_row("nq", "test_0", "where is Vrakton?", ["Zarvonia"], 0),
+        _search_r1_row("nq", "test_1", "who founded Vrakton?", ["Mara Ilves"], 1),
+        _search_r1_row("triviaqa", "test_0", "which river flows through Quellstad?", ["the Vell"], 2),
+        _search_r1_row("hotpotqa", "test_0", "what is north of Tarsk?", ["Varonia"], 3),
+    ]
+    path = tmp_path / "test.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    examples = read_searchr1_parquet(path)
+    assert [ex.id for ex in examples] == ["nq/test_0", "nq/test_1", "triviaqa/test_0", "hotpotqa/test_0"]
+    assert [ex.metadata for ex in examples] == [
+        {"dataset": "nq", "source_id": "test_0"}, {"dataset": "nq", "source_id": "test_1"},
+        {"dataset": "triviaqa", "source_id": "test_0"}, {"dataset": "hotpotqa", "source_id": "test_0"},
+    ]
+    # a repeat inside one data_source is still an error naming the rows
+    pq.write_table(pa.Table.from_pylist(rows + [_search_r1_row("nq", "test_1", "again?", ["x"], 4)]), path)
+    with pytest.raises(DataFormatError, match=r"duplicate id 'nq/test_1' \(first at row 2, again at row 5\)"):
+        read_searchr1_parquet(path)
+
+
+def test_merged_flashrag_jsonl_with_data_source_field(tmp_path):
+    path = tmp_path / "merged.jsonl"
+    _write_lines(path, [
+        json.dumps({"id": "test_0", "question": "a?", "golden_answers": ["x"], "data_source": "nq"}),
+        json.dumps({"id": "test_0", "question": "b?", "golden_answers": ["y"], "data_source": "popqa"}),
+    ])
+    assert [(ex.id, ex.metadata["dataset"]) for ex in load_qa(path)] == [("nq/test_0", "nq"), ("popqa/test_0", "popqa")]
+
+
+def test_merged_file_reports_each_data_source_as_its_own_dataset(tmp_path):
+    from sleuth.eval.harness import load_eval_data
+
+    rows = [_search_r1_row("nq", "test_0", "q1?", ["a"], 0), _search_r1_row("triviaqa", "test_0", "q2?", ["b"], 1)]
+    path = tmp_path / "test.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    assert [ex.metadata["dataset"] for ex in load_eval_data([path])] == ["nq", "triviaqa"]
+
+
+def test_r_search_parquet_loads(tmp_path):
+    """R-Search's src/pre_data/*.py rows: system + user prompt (the user message is the bare question),
+    the answer as one string, extra_info with only an index, no id or question column."""
+    system = "You are a helpful assistant that can solve the given question step by step ..."
+    rows = [
+        {
+            "data_source": "2wikimultihopqa",
+            "prompt": [{"role": "system", "content": system}, {"role": "user", "content": q}],
+            "ability": "qa_serach",
+            "reward_model": {"style": "rule", "ground_truth": {"target": a}},
+            "extra_info": {"index": i},
+        }
+        for i, (q, a) in enumerate([("Who directed Blue Harbor?", "Mara Ilves"), ("Is Tarsk in Varonia?", "yes")])
+    ]
+    path = tmp_path / "train.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    assert read_searchr1_parquet(path) == [
+        QAExample("data_0", "Who directed Blue Harbor?", ["Mara Ilves"], {"dataset": "2wikimultihopqa"}),
+        QAExample("data_1", "Is Tarsk in Varonia?", ["yes"], {"dataset": "2wikimultihopqa"}),
+    ]

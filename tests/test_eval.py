@@ -169,7 +169,7 @@ def test_judge_gives_judge_accuracy_and_genacc_is_span_or_judge(tok, tmp_path):
 
     def judge_script(call: ScriptCall) -> str:
         asked.append(call.prompt_text)
-        response = call.prompt_text.split("following response:\n", 1)[1].split("\nGolden answers:", 1)[0]
+        response = call.prompt_text.split("following response: ", 1)[1].split("\n\nGolden answers:", 1)[0]
         return "yes" if "Quellstad" in response else "no"  # a lenient judge: q1 yes, q2 no, q3 yes (wrong)
 
     summary = evaluate("direct", EXAMPLES, None, scripted(tok), judge=scripted(tok, judge_script),
@@ -410,7 +410,7 @@ def test_search_o1_prompt_results_block_and_search_limit(tok, tmp_path):
     (rec,) = read_jsonl(tmp_path / "search-o1" / "predictions.jsonl")
     env = [t["text"] for t in rec["trajectory"]["turns"] if t["role"] == "env"]
     top = ToyRetriever().search([Q1], 3)[0]
-    assert len(env) == 1 and env[0].startswith("\n\n<|begin_search_result|>\nDoc 1(Title: " + top[0].title)
+    assert len(env) == 1 and env[0].startswith(f'\n\n<|begin_search_result|>\nDoc 1(Title: "{top[0].title}")')
     assert env[0].rstrip().endswith("<|end_search_result|>")
     assert rec["prediction"] == "Quellstad" and rec["trajectory"]["extra"]["answer_source"] == "boxed"
 

@@ -130,10 +130,8 @@ def test_missing_null_or_zero_topk_means_default_3(client: TestClient, body: dic
     ("body", "field", "needle"),
     [
         ({"queries": ["a", "b", "c", "d", "e"]}, "queries", "at most 4"),
-        ({"queries": []}, "queries", "non-empty"),
         ({"queries": ["a"], "topk": 6}, "topk", "between 1 and 5"),
         ({"queries": ["a"], "topk": -1}, "topk", "between 1 and 5"),
-        ({"queries": ["ok", "x" * 51]}, "queries[1]", "limit is 50"),
         ({"queries": "capital of France"}, "queries", "valid list"),
         ({"queries": ["a", 7]}, "queries.1", "valid string"),
         ({"queries": ["a"], "topk": "three"}, "topk", "valid integer"),
@@ -151,6 +149,35 @@ def test_bad_requests_get_422_naming_the_field(client: TestClient, body: object,
     assert needle in payload["detail"]
     # The server keeps serving after any bad request.
     assert client.post("/retrieve", json={"queries": ["Alps"], "topk": 1}).status_code == 200
+
+
+def test_empty_query_list_gets_empty_result_without_searching() -> None:
+    # Search-R1's client posts {"queries": []} in a turn where no rollout searched
+    retriever = OverlapRetriever()
+    with TestClient(create_app(retriever, batch_wait_ms=0)) as c:
+        resp = c.post("/retrieve", json={"queries": [], "topk": 3, "return_scores": True})
+    assert resp.status_code == 200 and resp.json() == {"result": []}
+    assert retriever.calls == []
+
+
+def test_long_query_is_truncated_not_refused(client: TestClient) -> None:
+    long_query = "capital France " + "x" * 100  # the fixture's max_query_chars is 50
+    resp = client.post("/retrieve", json={"queries": [long_query, "Alps"], "topk": 2})
+    assert resp.status_code == 200
+    expected = client.post("/retrieve", json={"queries": [long_query[:50], "Alps"], "topk": 2}).json()
+    assert resp.json() == expected
+    assert client.get("/health").json()["stats"]["truncated_queries"] == 1
+
+
+def test_large_request_is_searched_in_chunks_and_answered_in_order() -> None:
+    retriever = OverlapRetriever()
+    queries = [("capital France", "flows Paris", "Alps")[i % 3] + f" q{i}" for i in range(4096)]
+    with TestClient(create_app(retriever, batch_wait_ms=0)) as c:  # the defaults: 4096 per request, chunks of 512
+        result = c.post("/retrieve", json={"queries": queries, "topk": 1}).json()["result"]
+        too_many = c.post("/retrieve", json={"queries": queries + ["one more"], "topk": 1})
+    assert [r[0]["id"] for r in result] == [("d0", "d3", "d4")[i % 3] for i in range(4096)]
+    assert [n for n, _ in retriever.calls] == [512] * 8
+    assert too_many.status_code == 422 and "at most 4096" in too_many.json()["detail"]
 
 
 def test_malformed_json_body_gets_422(client: TestClient) -> None:
@@ -458,3 +485,81 @@ def test_serve_retriever_rejects_corpus_of_another_index(tmp_path) -> None:
     result = CliRunner().invoke(_cli_app(), ["serve-retriever", "--index", str(index), "--corpus", str(other)])
     assert result.exit_code == 2
     assert "different file" in result.output
+
+
+# ----------------------------------------------------------------------------- Search-R1's client
+
+
+class SearchR1StyleClient:
+    """The calls Search-R1's `search_r1/llm_agent/generation.py` makes, written the same way: every
+    turn posts all searching rollouts' queries at once (an empty list when none searched) with the
+    configured topk and return_scores=True, indexes `['result']` without checking the status, and
+    formats each result with `_passages2string`, then wraps it as `<information>...</information>`."""
+
+    def __init__(self, search_url: str, topk: int = 3):
+        self.search_url = search_url
+        self.topk = topk
+
+    def _batch_search(self, queries: list[str]) -> dict:
+        import httpx
+
+        payload = {"queries": queries, "topk": self.topk, "return_scores": True}
+        return httpx.post(self.search_url, json=payload, timeout=60).json()
+
+    def batch_search(self, queries: list[str]) -> list[str]:
+        results = self._batch_search(queries)["result"]  # a 422 body has no 'result': KeyError
+        return [self._passages2string(result) for result in results]
+
+    @staticmethod
+    def _passages2string(retrieval_result: list[dict]) -> str:
+        format_reference = ""
+        for idx, doc_item in enumerate(retrieval_result):
+            content = doc_item["document"]["contents"]
+            title = content.split("\n")[0]
+            text = "\n".join(content.split("\n")[1:])
+            format_reference += f"Doc {idx + 1}(Title: {title}) {text}\n"
+        return format_reference
+
+    def observations(self, actions: list[tuple[str, str]]) -> list[str]:
+        """`execute_predictions` for one turn: (action, content) per rollout -> next observation."""
+        search_results = self.batch_search([c for a, c in actions if a == "search"])
+        out = []
+        for action, _ in actions:
+            if action == "search":
+                out.append(f"\n\n<information>{search_results.pop(0).strip()}</information>\n\n")
+            else:
+                out.append("")
+        assert not search_results
+        return out
+
+
+def test_search_r1_client_over_a_training_step_of_turns() -> None:
+    """A training step's turns as Search-R1's client sends them: a batch of 600 searches, a turn in which
+    nobody searched (empty list), one 2,560-query turn (its default batch sizes), one with a 2,500-char
+    query. Every turn gets a 'result'; each observation equals sleuth's own Search-R1 loop's text."""
+    from sleuth.agent.search_r1 import SearchR1Loop
+
+    retriever = OverlapRetriever()
+    loop = SearchR1Loop()
+    base = ["capital of France", "flows Paris", "Alps Italy", "Rhine Germany", "Berlin"]
+    turns = [
+        [("search", base[i % 5]) for i in range(600)],
+        [("answer", "Paris")] * 40,
+        [("search", base[i % 5] + f" {i}") if i % 4 else ("answer", "x") for i in range(3413)],
+        [("search", "Seine flows " + "y" * 2490), ("search", "Alps"), ("answer", "Rome")],
+    ]
+    with serve(retriever) as url:
+        client = SearchR1StyleClient(url + "/retrieve", topk=3)
+        for actions in turns:
+            observations = client.observations(actions)
+            searched = [c for a, c in actions if a == "search"]
+            assert len(observations) == len(actions)
+            hits = retriever.search([q[:2000] for q in searched], 3) if searched else []
+            expected = iter(hits)
+            for (action, _), obs in zip(actions, observations, strict=True):
+                if action != "search":
+                    assert obs == ""
+                    continue
+                ours = loop.observe(None, None, [next(expected)])  # type: ignore[arg-type]
+                assert obs == ours.prefix + ours.body + ours.suffix
+    assert sum(1 for a, _ in turns[2] if a == "search") == 2559

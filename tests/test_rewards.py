@@ -173,13 +173,18 @@ def test_judge_prompt_and_gen_acc() -> None:
     assert gen_acc("Marseille", ["Paris"], False) == 0.0
 
 
-def test_document_prompt_uses_search_r1_doc_format() -> None:
+def test_document_prompt_is_s3_public_code_format() -> None:
     msgs = document_prompt("Who?", [hit("1", "Earthship", "A house."), Hit("2", "Tires", "Packed.", 0.5)])
-    assert msgs[0]["role"] == "user"
-    assert (
-        "Contexts: Doc 1(Title: Earthship) A house.\nDoc 2(Title: Tires) Packed.\nQuestion: Who?"
-        in msgs[0]["content"]
-    )
+    # s3's local_inst.format_qa_chat_messages with rag_2's "Doc {i} (Title: {title})\n{text}\n\n" context
+    assert msgs == [
+        {
+            "role": "system",
+            "content": "Use the following contexts (some might be irrelevant) on demand:\nContexts:\n"
+            "Doc 1 (Title: Earthship)\nA house.\n\nDoc 2 (Title: Tires)\nPacked.\n\n\n\n"
+            "Important: You MUST directly answer the question without any other text and thinking.",
+        },
+        {"role": "user", "content": "Who?"},
+    ]
     with pytest.raises(ValueError, match="lacks field"):
         document_prompt("Who?", [{"title": "x"}])
 
@@ -735,7 +740,7 @@ def test_qagent_stage2_generator_em_plus_hit() -> None:
     sent = gen.batches[0][0]
     assert (
         sent[0]["role"] == "system"
-        and "Doc 1(Title: France) Paris is the capital of France." in sent[0]["content"]
+        and sent[0]["content"].endswith('\n\nDoc 1(Title: "France") Paris is the capital of France.\n')
     )
     loose = get_reward("qagent_stage2", hit_scope="response")(trajs[2:], RewardServices(generator=gen))
     assert loose[0].total == 0.5

@@ -78,3 +78,14 @@ def test_recipe_reward_and_loop_options_are_accepted(path: Path) -> None:
     recipe = load_recipe(path)
     get_reward(recipe.reward.name, **recipe.reward.options)
     get_loop(recipe.agent.loop, **loop_options(recipe))
+
+
+def test_clip_ratio_c_is_off_by_default_and_must_exceed_one() -> None:
+    from pydantic import ValidationError
+
+    from sleuth.rl.config import AlgorithmConfig
+
+    assert AlgorithmConfig().clip_ratio_c is None
+    assert AlgorithmConfig(clip_ratio_c=3.0).clip_ratio_c == 3.0
+    with pytest.raises(ValidationError, match="clip_ratio_c"):
+        AlgorithmConfig(clip_ratio_c=1.0)

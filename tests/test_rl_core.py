@@ -521,3 +521,40 @@ def test_registry_and_dispatch():
     # gamma = lam = 1 and zero values: every policy token's advantage is the outcome reward
     close(gae_adv, SCORES[:, None] * GMASK)
     assert adv_mod.__all__  # module exports its public names
+
+
+def _verl_style_grpo_float32(scores: list[float], epsilon: float = 1e-6) -> list[float]:
+    """verl's compute_grpo_outcome_advantage arithmetic (float32 torch.mean / torch.std, one group)."""
+    t = torch.tensor(scores, dtype=torch.float32)
+    return ((t - t.mean()) / (t.std() + epsilon)).tolist()
+
+
+def test_equal_reward_groups_get_exactly_zero_advantage():
+    # The float32 rounding of mean/std divided by std + 1e-6 is not zero: 16 x 0.7 gives |A| ~ 0.1 there
+    assert max(abs(a) for a in _verl_style_grpo_float32([0.7] * 16)) > 0.05
+    noisy = [k / 100 for k in range(1, 100) if any(_verl_style_grpo_float32([k / 100] * 5))]
+    assert noisy  # the group-of-5 rewards verl's arithmetic turns into non-zero advantages
+    for n, values in ((16, [0.7]), (5, [k / 100 for k in range(1, 100)]), (3, [1e-8, 123.456, -0.3])):
+        for value in values:
+            scores = torch.tensor([value] * n + [0.0, 1.0], dtype=torch.float32)
+            groups = ["same"] * n + ["other", "other"]
+            mask = torch.ones(n + 2, 3)
+            for name in ("grpo", "drgrpo", "rloo"):
+                adv, _ = get_advantage_fn(name)(scores, groups, mask)
+                assert torch.count_nonzero(adv[:n]) == 0, (name, n, value)
+                assert torch.count_nonzero(adv[n:]) == 6, (name, n, value)  # the mixed group still learns
+
+
+def test_equal_reward_groups_zero_under_compute_advantages_with_token_rewards():
+    # the trainer's path: scalar rewards placed on the last policy token, summed back per row
+    mask = T([[1, 1, 0, 1], [1, 0, 0, 0], [1, 1, 1, 1], [0, 1, 1, 0], [1, 1, 1, 0]])
+    token_rewards = outcome_to_token_rewards(T([0.81] * 5), mask)
+    adv, _ = compute_advantages("grpo", token_rewards=token_rewards, response_mask=mask, group_ids=[0] * 5)
+    assert torch.count_nonzero(adv) == 0
+
+
+def test_rloo_group_of_one_convention_is_zero_not_verls_raw_reward():
+    # verl's rloo leaves a lone sample's raw reward (here 5.0) as its advantage; sleuth gives 0, as for
+    # GRPO, because there is no other sample to compare with (docs/compatibility.md, verl)
+    adv, _ = rloo_advantages(T([5.0, 1.0, 3.0]), ["lone", "pair", "pair"], torch.ones(3, 2))
+    close(adv, [[0.0, 0.0], [-2.0, -2.0], [2.0, 2.0]])

@@ -172,3 +172,22 @@ def test_nonfinite_gradient_skips_the_update(small_world: Path, tmp_path: Path, 
     saved = torch.load(tmp_path / "run" / "debug" / "nonfinite_step_000001_rank0.pt", weights_only=True)
     assert saved["batch"]["input_ids"].shape[0] == 8 and saved["advantages"].shape[0] == 8
     assert saved["nonfinite_parameters"]
+
+
+def test_clip_ratio_c_reaches_the_policy_loss(small_world: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Recipe `algorithm.clip_ratio_c` (verl's dual-clip constant) is what every policy-loss call gets."""
+    from sleuth.rl import losses
+    from sleuth.rl.trainer import train
+
+    seen: list[float | None] = []
+    real_policy_loss = losses.policy_loss
+
+    def recording_policy_loss(*args, **kwargs):
+        seen.append(kwargs.get("dual_clip_c"))
+        return real_policy_loss(*args, **kwargs)
+
+    monkeypatch.setattr(losses, "policy_loss", recording_policy_loss)
+    algorithm = {"name": "grpo", "n": 2, "prompts_per_step": 1, "minibatch_size": 2, "micro_batch_size": 2,
+                 "clip_ratio_c": 3.0}
+    train(recipe_from_dict(_recipe(small_world, tmp_path / "run", algorithm, steps=1)))
+    assert seen and set(seen) == {3.0}

@@ -114,7 +114,7 @@ def test_search_serves_the_searchers_context(service: SearcherService, url: str)
     ids = [d["id"] for d in body["context"]]
     assert ids and len(ids) == len(set(ids)) and all(d == retrieved[d["id"]] for d in body["context"])
     lines = body["context_text"].split("\n")
-    assert lines[0] == f"Doc 1(Title: {body['context'][0]['title']}) {body['context'][0]['text']}"
+    assert lines[0] == f"Doc 1(Title: \"{body['context'][0]['title']}\") {body['context'][0]['text']}"
     assert len(lines) == len(ids)
     t = body["timings"]
     assert 0 <= t["queue_s"] <= t["total_s"] and 0 < t["search_s"] <= t["total_s"]
@@ -337,7 +337,7 @@ def test_s3_serves_exactly_the_selected_documents(tokenizer, small_world: Path) 
     assert [d["id"] for d in body["context"]] == [window[1].doc_id, window[3].doc_id]
     assert body["answer"] == "Paris" and body["trajectory"]["answer"] is None  # s3 never answers itself
     prompt = tokenizer.decode(answerer.calls[0][0])
-    assert "Contexts: Doc 1(Title: " + window[1].title in prompt and window[0].text not in prompt
+    assert "Contexts:\nDoc 1 (Title: " + window[1].title + ")\n" in prompt and window[0].text not in prompt
 
 
 def test_r_search_serves_its_evidence_and_answers_from_it(tokenizer, small_world: Path) -> None:

@@ -20,7 +20,7 @@ from sleuth.agent.base import (
     last_block,
 )
 from sleuth.agent.search_r1 import search_or_answer
-from sleuth.retrieval.base import Hit
+from sleuth.retrieval.base import Hit, passages_to_string
 
 # Paper Table 1; the question is appended after it (as the user turn).
 R_SEARCH_SYSTEM_TEMPLATE = (
@@ -56,6 +56,10 @@ class RSearchLoop(AgentLoop):
 
     def act(self, state: RolloutState, text: str) -> StepOutcome:
         return search_or_answer(state, text, self.invalid_action_message)
+
+    def format_documents(self, hits: list[Hit]) -> str:
+        # R-Search's public code (src/train/generation.py) writes no "Doc i" before each "(Title: ...)"
+        return passages_to_string(hits, numbered=False)
 
     def observe(self, state: RolloutState, outcome: StepOutcome, hits: list[list[Hit]]) -> Observation:
         flat = [h for per_query in hits for h in per_query]

@@ -58,7 +58,8 @@ An abstract example of the loop:
 </question>
 """
 
-S3_INITIAL_INFORMATION = "\n<information>\n{documents}\n</information>\n"
+# s3's data preprocessing puts the question's own search results right after "</question>\n"
+S3_INITIAL_INFORMATION = "<information>\n{documents}\n</information>\n"
 
 # The s3 reference's reply to a turn without a usable action: it reopens a query for the searcher.
 S3_INVALID_ACTION = (

@@ -177,7 +177,36 @@ def qa_example_from_record(rec: Any) -> QAExample:
         metadata = {}
     if not isinstance(metadata, dict):
         raise ValueError(f"'metadata' must be an object, got {type(metadata).__name__}")
+    _dataset_from_data_source(metadata, rec.get("data_source"))
     return QAExample(id=str(qid), question=question, golden_answers=answers, metadata=metadata)
+
+
+def _dataset_from_data_source(metadata: dict, data_source: Any) -> None:
+    """Search-R1 / verl files name each row's dataset in `data_source`; it becomes metadata["dataset"],
+    the dataset column of evaluation tables (an explicit metadata["dataset"] wins)."""
+    if isinstance(data_source, str) and data_source.strip() and not metadata.get("dataset"):
+        metadata["dataset"] = data_source.strip()
+
+
+def qualify_ids_by_dataset(examples: list[QAExample]) -> list[QAExample]:
+    """In a file merging several datasets whose ids collide, make ids unique per dataset: `{dataset}/{id}`.
+
+    Search-R1's merged test file concatenates nq, triviaqa, ... whose ids are per-dataset counters
+    (`test_0` in each). When one id appears under two different metadata["dataset"] values, every id
+    of the file becomes `{dataset}/{id}` (the original is kept in metadata["source_id"]); a file whose
+    ids are already unique keeps them. Repeats within one dataset are left for the duplicate check.
+    """
+    datasets_of: dict[str, set] = {}
+    for ex in examples:
+        datasets_of.setdefault(ex.id, set()).add(ex.metadata.get("dataset"))
+    if not any(len(names) > 1 for names in datasets_of.values()):
+        return examples
+    for ex in examples:
+        dataset = ex.metadata.get("dataset")
+        if dataset:
+            ex.metadata.setdefault("source_id", ex.id)
+            ex.id = f"{dataset}/{ex.id}"
+    return examples
 
 
 def _iter_qa_jsonl_numbered(path: str | Path) -> Iterator[tuple[int, QAExample]]:
@@ -216,8 +245,10 @@ def _check_unique_ids(path: str | Path, ids_with_location: Iterable[tuple[str, i
 
 
 def read_qa_jsonl(path: str | Path) -> list[QAExample]:
-    """Load a FlashRAG QA jsonl fully; also rejects duplicate ids (naming both lines)."""
+    """Load a FlashRAG QA jsonl fully; ids are made unique per dataset in a merged file
+    (`qualify_ids_by_dataset`), then a repeated id is rejected naming both lines."""
     numbered = list(_iter_qa_jsonl_numbered(path))
+    qualify_ids_by_dataset([ex for _, ex in numbered])
     _check_unique_ids(path, ((ex.id, lineno) for lineno, ex in numbered), "line")
     return [ex for _, ex in numbered]
 
@@ -249,6 +280,7 @@ def _read_json_array(path: Path) -> list[QAExample]:
             examples.append(qa_example_from_record(rec))
         except ValueError as err:
             raise DataFormatError(str(path), None, f"record {i} (0-based): {err}") from err
+    qualify_ids_by_dataset(examples)
     _check_unique_ids(path, ((e.id, i) for i, e in enumerate(examples)), "record")
     return examples
 
@@ -271,15 +303,23 @@ SEARCH_R1_TEMPLATE = (
 
 
 def _question_from_prompt(prompt: Any) -> str | None:
-    """The text after the last 'Question:' in the last user message of a chat prompt."""
+    """The question in the last user message of a chat prompt: the text after its last 'Question:'
+    (Search-R1, whose user message holds the whole template), else, when a system message carries
+    the instructions, the whole user message (R-Search's `src/pre_data` files)."""
     if not isinstance(prompt, list):
         return None
+    has_system = any(isinstance(m, dict) and m.get("role") == "system" for m in prompt)
     for message in reversed(prompt):
         if isinstance(message, dict) and message.get("role") == "user":
             content = message.get("content")
-            if not isinstance(content, str) or "Question:" not in content:
+            if not isinstance(content, str):
                 return None
-            question = content.rsplit("Question:", 1)[1].strip()
+            if "Question:" in content:
+                question = content.rsplit("Question:", 1)[1].strip()
+            elif has_system:
+                question = content.strip()
+            else:
+                return None
             return question or None
     return None
 
@@ -290,8 +330,8 @@ def _example_from_searchr1_row(row: dict, row_number: int) -> QAExample:
         question = _question_from_prompt(row.get("prompt"))
         if question is None:
             raise ValueError(
-                "no 'question' column and no 'Question:' in the user message of 'prompt'; "
-                "cannot recover the question text"
+                "no 'question' column, and the user message of 'prompt' has no 'Question:' (nor a system "
+                "message beside it); cannot recover the question text"
             )
     if not isinstance(question, str) or not question.strip():
         raise ValueError("'question' must be a non-empty string")
@@ -313,6 +353,7 @@ def _example_from_searchr1_row(row: dict, row_number: int) -> QAExample:
         else:
             qid = str(row_number - 1)
 
+    from_sleuth = "metadata" in row  # write_searchr1_parquet's own column: the example's metadata, whole
     metadata: Any = row.get("metadata")
     if isinstance(metadata, str):
         # write_searchr1_parquet stores metadata as JSON text: free-form dicts do not fit one parquet schema.
@@ -324,6 +365,8 @@ def _example_from_searchr1_row(row: dict, row_number: int) -> QAExample:
         metadata = {}
     if not isinstance(metadata, dict):
         raise ValueError(f"'metadata' must be an object, got {type(metadata).__name__}")
+    if not from_sleuth:
+        _dataset_from_data_source(metadata, row.get("data_source"))
     return QAExample(id=str(qid), question=question.strip(), golden_answers=answers, metadata=metadata)
 
 
@@ -331,8 +374,12 @@ def read_searchr1_parquet(path: str | Path) -> list[QAExample]:
     """Read a Search-R1 training/eval parquet into QAExamples.
 
     The question comes from the `question` column when present (Search-R1's preprocessing keeps
-    the FlashRAG columns), else from the user prompt after its last "Question:". Answers come
-    from `golden_answers`, else `reward_model.ground_truth.target`. Errors name the 1-based row.
+    the FlashRAG columns), else from the user prompt after its last "Question:", else (R-Search: a
+    system message holds the instructions) the user message itself. Answers come from
+    `golden_answers`, else `reward_model.ground_truth.target` (a list or one string). In files from
+    Search-R1 / R-Search / verl (no sleuth `metadata` column) `data_source` becomes metadata["dataset"];
+    a file merging several datasets gets ids `{dataset}/{id}`.
+    Errors name the 1-based row.
     """
     import pyarrow.parquet as pq
 
@@ -354,6 +401,7 @@ def read_searchr1_parquet(path: str | Path) -> list[QAExample]:
                 examples.append(_example_from_searchr1_row(row, row_number))
             except ValueError as err:
                 raise DataFormatError(str(path), None, f"row {row_number}: {err}") from err
+    qualify_ids_by_dataset(examples)
     _check_unique_ids(path, ((e.id, i + 1) for i, e in enumerate(examples)), "row")
     return examples
 
@@ -368,7 +416,8 @@ def write_searchr1_parquet(
 ) -> int:
     """Write examples as a Search-R1 parquet (atomic). Returns the number of rows.
 
-    Columns follow Search-R1's preprocessing: data_source, prompt [{role: user, content}],
+    Columns follow Search-R1's preprocessing: data_source (the example's metadata["dataset"], else
+    `data_source`), prompt [{role: user, content}],
     ability, reward_model {style: rule, ground_truth: {target: answers}}, extra_info
     {split, index}, plus the kept id / question / golden_answers columns and metadata as JSON text.
     `template` must contain `{question}`.
@@ -385,7 +434,7 @@ def write_searchr1_parquet(
         rows["question"].append(ex.question)
         rows["golden_answers"].append(list(ex.golden_answers))
         rows["metadata"].append(json.dumps(ex.metadata, ensure_ascii=False))
-        rows["data_source"].append(data_source)
+        rows["data_source"].append(str(ex.metadata.get("dataset") or data_source))
         rows["prompt"].append([{"role": "user", "content": template.replace("{question}", ex.question)}])
         rows["ability"].append(ability)
         rows["reward_model"].append({"style": "rule", "ground_truth": {"target": list(ex.golden_answers)}})

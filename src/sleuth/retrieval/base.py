@@ -5,6 +5,12 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Protocol, runtime_checkable
 
+# Limits of the `/retrieve` API as sleuth serves it (sleuth.retrieval.server, `sleuth serve-retriever`);
+# here so the CLI can show them without importing the web stack.
+DEFAULT_MAX_QUERIES = 4096  # per request; Search-R1's default rollout batch sends up to 2,560 queries
+DEFAULT_MAX_QUERY_CHARS = 2000  # longer queries are truncated to this many characters
+DEFAULT_SEARCH_CHUNK = 512  # queries per retriever.search call (Search-R1: retrieval_batch_size 512)
+
 
 @dataclass(frozen=True)
 class Hit:
@@ -35,6 +41,29 @@ class Retriever(Protocol):
     def search(self, queries: list[str], k: int) -> list[list[Hit]]: ...
 
 
-def format_docs(hits: list[Hit], start: int = 1) -> str:
-    """Search-R1 document format shown to a model: `Doc {i}(Title: {title}) {text}`, one per line."""
-    return "\n".join(f"Doc {i}(Title: {h.title}) {h.text}" for i, h in enumerate(hits, start=start))
+def passages_to_string(hits: list[Hit], numbered: bool = True) -> str:
+    """Search-R1's `_passages2string` (FlashRAG's `format_reference`), character for character.
+
+    Each passage's stored `contents` is split at its first newline: the first line is the title *as
+    stored* (quotes kept: `"Title"`), the rest is the text. Each passage becomes
+    `Doc {i}(Title: {title line}) {text}` plus a newline, i from 1. `numbered=False` gives R-Search's
+    variant, `(Title: {title line}) {text}` per line.
+    """
+    lines = []
+    for i, hit in enumerate(hits, start=1):
+        title_line, _, text = hit.contents.partition("\n")
+        prefix = f"Doc {i}" if numbered else ""
+        lines.append(f"{prefix}(Title: {title_line}) {text}\n")
+    return "".join(lines)
+
+
+def format_docs(hits: list[Hit]) -> str:
+    """The Search-R1 document block shown to a model: `passages_to_string(hits).strip()`, which is
+    what Search-R1 puts between `<information>` and `</information>`."""
+    return passages_to_string(hits).strip()
+
+
+def s3_generator_context(hits: list[Hit]) -> str:
+    """s3's frozen-generator context (`rag_2.py`): `Doc {i} (Title: {title})\\n{text}\\n\\n` per document,
+    the title without its stored quotes (s3 parses them off the `<information>` text)."""
+    return "".join(f"Doc {i} (Title: {h.title})\n{h.text}\n\n" for i, h in enumerate(hits, start=1))

@@ -5,6 +5,13 @@ Response: `{"result": [[{"document": {"id", "contents"}, "score": float}, ...] p
 scores, `{"result": [[{"id", "contents"}, ...] per query]}` without. As in Search-R1, a missing,
 null or 0 `topk` means the server's default k.
 
+Everything Search-R1's client (`search_r1/llm_agent/generation.py`) sends is served: an empty
+`queries` list (a turn where no rollout searched) gets `{"result": []}`; a request of up to
+`max_queries` queries (default 4096; Search-R1's batch sizes send up to ~2,560 at once) is searched
+in chunks of `max_batch_queries`, as Search-R1's own server searches in `retrieval_batch_size`
+chunks; a query longer than `max_query_chars` is cut to that length rather than refused (Search-R1's
+dense encoder likewise truncates queries, to 256 tokens).
+
 The retriever is CPU-bound and synchronous, so it runs in worker threads. Requests that arrive
 while a worker is busy (or within `batch_wait_ms` of each other) are merged into one
 `retriever.search` call: many small concurrent requests then cost about as much as one batched call.
@@ -28,7 +35,13 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 
 from sleuth.http_errors import error_response, validation_error_response
-from sleuth.retrieval.base import Hit, Retriever
+from sleuth.retrieval.base import (
+    DEFAULT_MAX_QUERIES,
+    DEFAULT_MAX_QUERY_CHARS,
+    DEFAULT_SEARCH_CHUNK,
+    Hit,
+    Retriever,
+)
 
 DEFAULT_K = 3  # Search-R1's retrieval server default (`--topk 3`)
 
@@ -92,14 +105,20 @@ class _Job:
     future: asyncio.Future = field(repr=False)
 
 
-def _search_checked(retriever: Retriever, queries: list[str], k: int) -> list[list[Hit]]:
-    try:
-        results = retriever.search(queries, k)
-    except Exception as err:
-        raise RetrieverFailure(f"retriever failed: {type(err).__name__}: {err}") from err
-    if not isinstance(results, list) or len(results) != len(queries):
-        got = len(results) if isinstance(results, list) else type(results).__name__
-        raise RetrieverFailure(f"retriever returned {got} result lists for {len(queries)} queries")
+def _search_checked(retriever: Retriever, queries: list[str], k: int, chunk: int) -> list[list[Hit]]:
+    """`retriever.search` over `queries` in slices of at most `chunk`, so one huge request cannot
+    make one huge call (query-encoder activations, score matrices); results are joined in order."""
+    results: list[list[Hit]] = []
+    for start in range(0, len(queries), chunk):
+        part = queries[start : start + chunk]
+        try:
+            found = retriever.search(part, k)
+        except Exception as err:
+            raise RetrieverFailure(f"retriever failed: {type(err).__name__}: {err}") from err
+        if not isinstance(found, list) or len(found) != len(part):
+            got = len(found) if isinstance(found, list) else type(found).__name__
+            raise RetrieverFailure(f"retriever returned {got} result lists for {len(part)} queries")
+        results.extend(found)
     return results
 
 
@@ -108,19 +127,22 @@ class MicroBatcher:
 
     Batching is natural: while all workers are busy, arriving jobs queue up, and a free worker takes
     everything queued (up to `max_batch_queries`). `batch_wait_s` additionally holds a job that
-    finds an idle worker for that long, so near-simultaneous requests still share a call.
+    finds an idle worker for that long, so near-simultaneous requests still share a call. A single
+    job larger than `max_batch_queries` is searched in chunks of that size.
     """
 
     def __init__(
         self,
         retriever: Retriever,
         *,
-        max_batch_queries: int = 2048,
+        max_batch_queries: int = DEFAULT_SEARCH_CHUNK,
         batch_wait_s: float = 0.002,
         worker_threads: int = 1,
     ):
         if worker_threads < 1:
             raise ValueError(f"worker_threads must be >= 1, got {worker_threads}")
+        if max_batch_queries < 1:
+            raise ValueError(f"max_batch_queries must be >= 1, got {max_batch_queries}")
         self.retriever = retriever
         self.max_batch_queries = max_batch_queries
         self.batch_wait_s = batch_wait_s
@@ -132,7 +154,7 @@ class MicroBatcher:
         self._collector: asyncio.Task | None = None
         self._dispatches: set[asyncio.Task] = set()
         self._stats_lock = threading.Lock()
-        self.stats = {"requests": 0, "queries": 0, "search_calls": 0, "failures": 0}
+        self.stats = {"requests": 0, "queries": 0, "search_calls": 0, "failures": 0, "truncated_queries": 0}
 
     def _ensure_started(self) -> asyncio.Queue[_Job]:
         # Started lazily in the running loop: a test client may serve each request from a new loop.
@@ -207,8 +229,8 @@ class MicroBatcher:
         for k, job_ids in by_k.items():
             merged = [q for i in job_ids for q in specs[i][0]]
             try:
-                calls += 1
-                results = _search_checked(self.retriever, merged, k)
+                calls += -(-len(merged) // self.max_batch_queries)
+                results = _search_checked(self.retriever, merged, k, self.max_batch_queries)
                 per_job: list[list[list[Hit]] | RetrieverFailure] = []
                 start = 0
                 for i in job_ids:
@@ -222,9 +244,9 @@ class MicroBatcher:
                     # One bad request must not fail the others it was merged with: retry them alone.
                     per_job = []
                     for i in job_ids:
-                        calls += 1
+                        calls += -(-len(specs[i][0]) // self.max_batch_queries)
                         try:
-                            per_job.append(_search_checked(self.retriever, specs[i][0], k))
+                            per_job.append(_search_checked(self.retriever, specs[i][0], k, self.max_batch_queries))
                         except RetrieverFailure as single_err:
                             per_job.append(single_err)
             for i, hits in zip(job_ids, per_job, strict=True):
@@ -239,6 +261,10 @@ class MicroBatcher:
             self.stats["search_calls"] += calls
             self.stats["failures"] += failures
         return outcomes
+
+    def count_truncated(self, n: int) -> None:
+        with self._stats_lock:
+            self.stats["truncated_queries"] += n
 
     def snapshot_stats(self) -> dict[str, int]:
         with self._stats_lock:
@@ -268,16 +294,21 @@ def _describe_retriever(retriever: Retriever) -> dict[str, Any]:
 def create_app(
     retriever: Retriever,
     *,
-    max_queries: int = 512,
+    max_queries: int = DEFAULT_MAX_QUERIES,
     max_k: int = 100,
-    max_query_chars: int = 2000,
+    max_query_chars: int = DEFAULT_MAX_QUERY_CHARS,
     default_k: int = DEFAULT_K,
     name: str = "sleuth-retriever",
     worker_threads: int = 1,
     batch_wait_ms: float = 2.0,
     max_batch_queries: int | None = None,
 ) -> FastAPI:
-    """A FastAPI app serving `retriever` at `POST /retrieve` (Search-R1 API) and `GET /health`."""
+    """A FastAPI app serving `retriever` at `POST /retrieve` (Search-R1 API) and `GET /health`.
+
+    `max_queries` caps one request (more gets a 422 saying to split it); `max_query_chars` is where
+    longer queries are cut; `max_batch_queries` (default 512) is the most queries one
+    `retriever.search` call gets, whether they come from one large request or several merged ones.
+    """
     for label, value in (("max_queries", max_queries), ("max_k", max_k), ("max_query_chars", max_query_chars)):
         if value < 1:
             raise ValueError(f"{label} must be >= 1, got {value}")
@@ -286,7 +317,7 @@ def create_app(
 
     batcher = MicroBatcher(
         retriever,
-        max_batch_queries=max_batch_queries or max(4 * max_queries, 1024),
+        max_batch_queries=max_batch_queries or DEFAULT_SEARCH_CHUNK,
         batch_wait_s=batch_wait_ms / 1000.0,
         worker_threads=worker_threads,
     )
@@ -315,7 +346,8 @@ def create_app(
         if k < 1 or k > max_k:
             return error_response(422, f"topk must be between 1 and {max_k}, got {req.topk}", "topk")
         if not req.queries:
-            return error_response(422, "queries must be a non-empty list of strings", "queries")
+            # Search-R1's client posts an empty list when no rollout searched this turn
+            return Response(content=b'{"result":[]}', media_type="application/json")
         if len(req.queries) > max_queries:
             return error_response(
                 422,
@@ -323,13 +355,12 @@ def create_app(
                 "(split the list into smaller batches)",
                 "queries",
             )
-        for i, q in enumerate(req.queries):
-            if len(q) > max_query_chars:
-                return error_response(
-                    422, f"queries[{i}] has {len(q)} characters; the limit is {max_query_chars}", f"queries[{i}]"
-                )
+        queries = [q if len(q) <= max_query_chars else q[:max_query_chars] for q in req.queries]
+        truncated = sum(len(q) > max_query_chars for q in req.queries)
+        if truncated:
+            batcher.count_truncated(truncated)
         try:
-            body = await batcher.submit(req.queries, k, req.return_scores)
+            body = await batcher.submit(queries, k, req.return_scores)
         except RetrieverFailure as err:
             return error_response(503, str(err))
         return Response(content=body, media_type="application/json")

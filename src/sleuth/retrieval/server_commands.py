@@ -10,6 +10,8 @@ from typing import Any
 
 import typer
 
+from sleuth.retrieval.base import DEFAULT_MAX_QUERIES, DEFAULT_MAX_QUERY_CHARS, DEFAULT_SEARCH_CHUNK
+
 # `--workers N` hands the serving options to the worker processes through this variable: uvicorn
 # starts each worker from an import string, so the app factory cannot take arguments.
 SERVE_ENV = "SLEUTH_RETRIEVER_SERVE"
@@ -39,9 +41,10 @@ def build_serving_app(options: dict[str, Any]):
     retriever = load_retriever(index, corpus=options.get("corpus"), threads=options.get("threads", 1))
     app = create_app(
         retriever,
-        max_queries=options.get("max_queries", 512),
+        max_queries=options.get("max_queries", DEFAULT_MAX_QUERIES),
         max_k=options.get("max_k", 100),
-        max_query_chars=options.get("max_query_chars", 2000),
+        max_query_chars=options.get("max_query_chars", DEFAULT_MAX_QUERY_CHARS),
+        max_batch_queries=options.get("search_chunk", DEFAULT_SEARCH_CHUNK),
         default_k=options.get("default_k", 3),
         name=f"sleuth-retriever:{index.name}",
         worker_threads=options.get("worker_threads", 1),
@@ -81,9 +84,16 @@ def register(app: typer.Typer) -> None:
         ),
         host: str = typer.Option("127.0.0.1", "--host", help="Interface to bind; loopback only by default."),
         port: int = typer.Option(8000, "--port", help="TCP port."),
-        max_queries: int = typer.Option(512, "--max-queries", help="Most queries accepted in one request."),
+        max_queries: int = typer.Option(
+            DEFAULT_MAX_QUERIES, "--max-queries", help="Most queries accepted in one request."
+        ),
         max_k: int = typer.Option(100, "--max-k", help="Largest topk accepted."),
-        max_query_chars: int = typer.Option(2000, "--max-query-chars", help="Longest query accepted."),
+        max_query_chars: int = typer.Option(
+            DEFAULT_MAX_QUERY_CHARS, "--max-query-chars", help="Longer queries are truncated to this many characters."
+        ),
+        search_chunk: int = typer.Option(
+            DEFAULT_SEARCH_CHUNK, "--search-chunk", help="Most queries per retriever search call (larger requests are chunked)."
+        ),
         default_k: int = typer.Option(3, "--default-k", help="topk used when a request sends none (Search-R1: 3)."),
         worker_threads: int = typer.Option(
             1, "--worker-threads", "--workers-threads", help="Threads running retriever.search concurrently."
@@ -128,6 +138,7 @@ def register(app: typer.Typer) -> None:
             "max_queries": max_queries,
             "max_k": max_k,
             "max_query_chars": max_query_chars,
+            "search_chunk": search_chunk,
             "default_k": default_k,
             "worker_threads": worker_threads,
             "batch_wait_ms": batch_wait_ms,

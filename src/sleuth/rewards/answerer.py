@@ -1,7 +1,9 @@
 """Frozen-generator and judge helpers shared by rewards and evaluation.
 
-Prompts are the papers' own:
-- s3 answer generation (paper 000, Appendix C, Fig. 12) and judge_check (Fig. 13);
+Prompts are the papers' own, as their public code writes them:
+- s3 answer generation and judge_check: the s3 code's `generator_llms/local_inst.py` (system message
+  with the contexts, the question as the user message; the paper's Fig. 12/13 lay them out slightly
+  differently) and its `rag_2.py` context format `Doc {i} (Title: {title})\n{text}\n\n`;
 - R-Search evidence template (paper 001, Table 5; exact string from the public code's
   scripts/evidence.yaml, which adds the line breaks the PDF loses);
 - staged-reward judge (paper 002, B.4), which is shown the *normalised* prediction and golds;
@@ -18,19 +20,19 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from sleuth.llm.base import Generator, SamplingParams
-from sleuth.retrieval.base import Hit, format_docs
+from sleuth.retrieval.base import Hit, passages_to_string, s3_generator_context
 from sleuth.rewards.metrics import normalize_answer, span_check
 
-S3_GENERATOR_PROMPT = (
+S3_GENERATOR_SYSTEM_PROMPT = (
     "Use the following contexts (some might be irrelevant) on demand:\n"
-    "Contexts: {context}\n"
-    "Question: {question}\n"
-    "Important: You MUST directly answer the question without any other text."
+    "Contexts:\n"
+    "{context}\n"
+    "\n"
+    "Important: You MUST directly answer the question without any other text and thinking."
 )
 S3_JUDGE_PROMPT = (
-    "Please check if any of the golden answers is contained in the following response:\n"
-    "{response}\n"
-    "Golden answers: {golden_answers}\n"
+    "Please check if any of the golden answers is contained in the following response: {response}\n\n"
+    "Golden answers: {golden_answers}\n\n"
     "Please directly answer with 'yes' or 'no'."
 )
 RSEARCH_EVIDENCE_PROMPT = (
@@ -87,12 +89,16 @@ def document_prompt(
     question: str, docs: Sequence[Hit | Mapping[str, Any]], template: str = "s3"
 ) -> list[dict]:
     """Chat messages asking a frozen generator to answer `question` from `docs`."""
-    context = format_docs(_as_hits(docs))
+    hits = _as_hits(docs)
     if template == "s3":
-        return [{"role": "user", "content": S3_GENERATOR_PROMPT.format(context=context, question=question)}]
-    if template == "qagent":
         return [
-            {"role": "system", "content": FLASHRAG_SYSTEM_PROMPT.format(context=context)},
+            {"role": "system", "content": S3_GENERATOR_SYSTEM_PROMPT.format(context=s3_generator_context(hits))},
+            {"role": "user", "content": question},
+        ]
+    if template == "qagent":
+        # FlashRAG's reference block keeps `format_reference`'s trailing newline
+        return [
+            {"role": "system", "content": FLASHRAG_SYSTEM_PROMPT.format(context=passages_to_string(hits))},
             {"role": "user", "content": FLASHRAG_USER_PROMPT.format(question=question)},
         ]
     raise ValueError(f"unknown document template {template!r}; choose one of {list(DOC_TEMPLATES)}")

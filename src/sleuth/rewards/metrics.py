@@ -8,21 +8,30 @@ Conventions (see methods.md, "Shared conventions"):
   normalised prediction (character level, so "paris" covers "parisian").
 - `span_check` (s3 / pyserini `has_answers`): some normalised gold's token sequence is a
   contiguous run of the normalised prediction's tokens (token level, so "paris" does not
-  match "parisian", and "obama barack" does not match "barack obama").
+  match "parisian", and "obama barack" does not match "barack obama"). Tokens are pyserini's:
+  NFD-normalised text, SimpleTokenizer's regex, lowercased.
 - `f1_score`: token F1 with FlashRAG's special case (see its docstring).
 """
 
 from __future__ import annotations
 
 import re
+import unicodedata
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+import regex
+
 from sleuth.text import normalize_answer
 
-# pyserini's SimpleTokenizer: runs of letters/digits/marks, or any single other visible char
-_TOKEN_RE = re.compile(r"[^\W_]+|[^\w\s]", re.UNICODE)
+# pyserini's SimpleTokenizer (pyserini/eval/evaluate_dpr_retrieval.py): a run of letters, digits and
+# combining marks, or one character that is neither a separator (Z) nor a control/format char (C).
+# Unicode property classes need the `regex` module; `re`'s \w leaves combining marks out and keeps
+# soft hyphens (Cf) as tokens, which splits or joins words differently from pyserini.
+_SIMPLE_TOKENIZER_RE = regex.compile(
+    r"([\p{L}\p{N}\p{M}]+)|([^\p{Z}\p{C}])", flags=regex.IGNORECASE | regex.UNICODE | regex.MULTILINE
+)
 _SPECIAL_F1_ANSWERS = frozenset({"yes", "no", "noanswer"})
 
 
@@ -59,7 +68,9 @@ def cover_exact_match(pred: str | None, golds: str | Iterable[str]) -> float:
 
 
 def _tokens(text: str) -> list[str]:
-    return _TOKEN_RE.findall(normalize_answer(text))
+    """s3's `answer_span_check` tokens: normalise_answer, then pyserini's has_answers (NFD, tokenise, lower)."""
+    nfd = unicodedata.normalize("NFD", normalize_answer(text))
+    return [m.group().lower() for m in _SIMPLE_TOKENIZER_RE.finditer(nfd)]
 
 
 def _contains_run(haystack: Sequence[str], needle: Sequence[str]) -> bool:
@@ -75,8 +86,12 @@ def _contains_run(haystack: Sequence[str], needle: Sequence[str]) -> bool:
 
 def span_check(pred: str | None, golds: str | Iterable[str]) -> float:
     """s3's span check: 1.0 if some gold's normalised token sequence occurs as a contiguous token
-    span of the normalised prediction. Both sides are normalised, then tokenised like pyserini's
-    SimpleTokenizer (the utility s3 uses)."""
+    span of the normalised prediction. Both sides go through `normalize_answer`, then pyserini's
+    `has_answers` (NFD normalisation, SimpleTokenizer, lowercase), as s3's `answer_span_check` does.
+
+    One deliberate difference: a gold with no tokens after normalisation ("", "the", "!") never
+    matches, where `has_answers` matches it against every prediction (an empty run is in any list).
+    """
     if pred is None:
         return 0.0
     pred_tokens = _tokens(pred)

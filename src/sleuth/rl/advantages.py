@@ -108,21 +108,30 @@ def group_index(group_ids: GroupIds, batch_size: int) -> tuple[torch.Tensor, int
 def _group_stats(
     scores: torch.Tensor, group_ids: GroupIds
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-sample (group size, group mean, unbiased group std) gathered back to (B,)."""
+    """Per-sample (group size, score - group mean, unbiased group std) gathered back to (B,), in float64.
+
+    The statistics are taken in float64 and a group whose scores are all equal gets a centred score
+    of exactly 0 (and std 0): the rounding error of a float mean is not a difference between samples,
+    and dividing it by std + epsilon would turn it into an advantage of order 0.1.
+    """
     if scores.dim() != 1:
         raise ValueError(
             f"scores must be (batch,), one outcome reward per sample; got shape {tuple(scores.shape)}"
         )
-    scores = scores.float()
-    index, num_groups = group_index(group_ids, scores.shape[0])
-    index = index.to(scores.device)
-    counts = torch.zeros(num_groups, dtype=scores.dtype, device=scores.device).index_add_(
-        0, index, torch.ones_like(scores)
+    values = scores.to(torch.float64)
+    index, num_groups = group_index(group_ids, values.shape[0])
+    index = index.to(values.device)
+    counts = torch.zeros(num_groups, dtype=values.dtype, device=values.device).index_add_(
+        0, index, torch.ones_like(values)
     )
-    means = torch.zeros_like(counts).index_add_(0, index, scores) / counts
-    sq_dev = torch.zeros_like(counts).index_add_(0, index, (scores - means[index]) ** 2)
+    means = torch.zeros_like(counts).index_add_(0, index, values) / counts
+    group_max = torch.full_like(counts, -torch.inf).scatter_reduce(0, index, values, reduce="amax")
+    group_min = torch.full_like(counts, torch.inf).scatter_reduce(0, index, values, reduce="amin")
+    uniform = (group_max == group_min)[index]
+    centred = torch.where(uniform, torch.zeros_like(values), values - means[index])
+    sq_dev = torch.zeros_like(counts).index_add_(0, index, centred**2)
     stds = torch.sqrt(sq_dev / (counts - 1).clamp_min(1))
-    return counts[index], means[index], stds[index]
+    return counts[index], centred, stds[index]
 
 
 def _broadcast(per_sample: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
@@ -228,18 +237,18 @@ def grpo_advantages(
     - std is the unbiased (n-1) standard deviation of the group's rewards, as torch.std and verl.
     - `norm_by_std=False` gives Dr.GRPO (A_i = r_i - mean_g), which avoids up-weighting groups
       whose rewards barely differ.
-    - A group whose rewards are all equal gets advantage 0 either way.
+    - A group whose rewards are all equal gets advantage exactly 0 either way (statistics in float64
+      plus an explicit equal-rewards check; verl's float32 mean/std leaves rounding noise there).
     - A group of one sample gets advantage 0: with no other sample there is no relative signal.
       (verl instead uses mean 0 and std 1 there, i.e. the raw reward as advantage, which turns
       GRPO into plain REINFORCE for that sample; we do not follow it.)
 
     Returns (advantages, returns); both are the same tensor, as in verl (no critic).
     """
-    counts, means, stds = _group_stats(scores, group_ids)
+    counts, centred, stds = _group_stats(scores, group_ids)
     _check_scores_and_mask(scores, response_mask)
-    centred = scores.float() - means
     per_sample = centred / (stds + epsilon) if norm_by_std else centred
-    per_sample = torch.where(counts > 1, per_sample, torch.zeros_like(per_sample))
+    per_sample = torch.where(counts > 1, per_sample, torch.zeros_like(per_sample)).float()
     adv = _broadcast(per_sample, response_mask)
     return adv, adv
 
@@ -260,12 +269,17 @@ def rloo_advantages(
     scores: torch.Tensor, group_ids: GroupIds, response_mask: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """REINFORCE Leave-One-Out (Ahmadian et al. 2024): A_i = r_i - mean_{j != i} r_j over the
-    other samples of i's group, which equals n/(n-1) * (r_i - mean_g). A group of one sample has
-    no baseline and gets advantage 0 (as verl). Returns (advantages, advantages)."""
-    counts, means, _ = _group_stats(scores, group_ids)
+    other samples of i's group, which equals n/(n-1) * (r_i - mean_g); a group of equal rewards
+    gets exactly 0. Returns (advantages, advantages).
+
+    A group of one sample has no leave-one-out baseline and gets advantage 0, the same convention
+    as `grpo_advantages`. verl's `rloo` differs here: it leaves such a sample's raw reward as its
+    advantage (plain REINFORCE without baseline); see docs/compatibility.md.
+    """
+    counts, centred, _ = _group_stats(scores, group_ids)
     _check_scores_and_mask(scores, response_mask)
-    per_sample = (scores.float() - means) * counts / (counts - 1).clamp_min(1)
-    per_sample = torch.where(counts > 1, per_sample, torch.zeros_like(per_sample))
+    per_sample = centred * counts / (counts - 1).clamp_min(1)
+    per_sample = torch.where(counts > 1, per_sample, torch.zeros_like(per_sample)).float()
     adv = _broadcast(per_sample, response_mask)
     return adv, adv
 

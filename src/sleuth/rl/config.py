@@ -110,6 +110,9 @@ class AlgorithmConfig(_Strict):
     micro_batch_size: int = Field(4, ge=1)  # trajectories per forward/backward
     clip_low: float = Field(0.2, gt=0.0)
     clip_high: float = Field(0.2, gt=0.0)
+    # Dual-clip PPO (verl's `clip_ratio_c`): a negative-advantage token's loss is capped at -A * c.
+    # None turns it off; verl always applies it with c = 3.0 (docs/compatibility.md).
+    clip_ratio_c: float | None = Field(None, gt=1.0)
     value_clip: float = Field(0.2, gt=0.0)
     loss_agg: Literal[
         "token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"

@@ -915,6 +915,7 @@ def update(
                         m,
                         clip_low=algo.clip_low,
                         clip_high=algo.clip_high,
+                        dual_clip_c=algo.clip_ratio_c,
                         agg_mode=algo.loss_agg,
                         **totals,
                     )
