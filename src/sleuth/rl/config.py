@@ -158,13 +158,32 @@ class SamplingConfig(_Strict):
     top_p: float = Field(1.0, gt=0.0, le=1.0)
 
 
+class WandbConfig(_Strict):
+    project: str = "sleuth"
+    entity: str | None = None
+    name: str | None = None  # None: the recipe name
+    group: str | None = None
+    tags: list[str] | None = None
+    mode: Literal["online", "offline", "disabled"] | None = None  # None: wandb's default (WANDB_MODE)
+
+
+class MlflowConfig(_Strict):
+    tracking_uri: str | None = None  # None: MLFLOW_TRACKING_URI or MLflow's default
+    experiment: str = "sleuth"
+    run_name: str | None = None  # None: the recipe name
+
+
 class TrainerConfig(_Strict):
     total_steps: int = Field(20, ge=1)
     # 0 = no checkpoints at all (benchmarks); otherwise every N steps and after the last step
     save_every: int = Field(5, ge=0)
     keep_checkpoints: int = Field(2, ge=1)
     out_dir: str = "runs/train"
-    tensorboard: bool = False
+    tensorboard: bool = False  # same as listing tensorboard in loggers
+    # jsonl (metrics.jsonl, which sleuth report and resume read) is always written
+    loggers: list[Literal["jsonl", "tensorboard", "wandb", "mlflow"]] = Field(default_factory=lambda: ["jsonl"])
+    wandb: WandbConfig = Field(default_factory=WandbConfig)
+    mlflow: MlflowConfig = Field(default_factory=MlflowConfig)
     eval_every: int | None = Field(None, ge=1)
     eval_examples: int = Field(64, ge=1)
 
