@@ -62,7 +62,8 @@ def register(app: typer.Typer) -> None:
         ),
         data: list[Path] = typer.Option(..., "--data", "-d", help="QA file(s): .jsonl/.json (FlashRAG) or .parquet."),
         retriever: str | None = typer.Option(
-            None, "--retriever", "-r", help="Index directory or retrieval server URL (not needed for direct/cot)."
+            None, "--retriever", "-r", help="Index directory, retrieval server URL, mcp:<MCP server URL> or a search-tool YAML "
+                                 "(mcp:/http: section, see sleuth.retrieval.tools); not needed for direct/cot."
         ),
         model: str = typer.Option(
             "smollm2-135m-instruct", "--model", help="Policy / prompted model: alias, checkpoint dir or openai:URL#model."

@@ -15,6 +15,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from sleuth.errors import ConfigError
+from sleuth.retrieval.tools import HTTPSearchConfig, MCPToolConfig
 
 
 class _Strict(BaseModel):
@@ -60,11 +61,13 @@ class RetrieverConfig(_Strict):
     index: str | None = None  # a `sleuth index` directory
     url: str | list[str] | None = None  # a Search-R1-compatible server
     corpus: str | None = None  # optional: check the index was built from this corpus
+    mcp: MCPToolConfig | None = None  # an MCP server's search tool (sleuth.retrieval.tools)
+    http: HTTPSearchConfig | None = None  # an HTTP search API (sleuth.retrieval.tools)
 
     @model_validator(mode="after")
     def _one_source(self) -> RetrieverConfig:
-        if (self.index is None) == (self.url is None):
-            raise ValueError("set exactly one of retriever.index or retriever.url")
+        if sum(x is not None for x in (self.index, self.url, self.mcp, self.http)) != 1:
+            raise ValueError("set exactly one of retriever.index, retriever.url, retriever.mcp or retriever.http")
         return self
 
 

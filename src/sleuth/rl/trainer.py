@@ -389,6 +389,10 @@ def _mean(xs: list[float]) -> float:
 
 
 def build_retriever(recipe: Recipe):
+    if recipe.retriever.mcp is not None or recipe.retriever.http is not None:
+        from sleuth.retrieval.tools import tool_retriever
+
+        return tool_retriever(recipe.retriever.mcp, recipe.retriever.http)
     if recipe.retriever.url is not None:
         from sleuth.retrieval.client import RemoteRetriever
 
