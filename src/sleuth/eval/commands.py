@@ -41,7 +41,8 @@ def print_summary(console: Any, title: str, header: list[str], rows: list[list[s
         table.add_column(name, justify="left" if i < 2 else "right", no_wrap=True)
     for row in rows:
         table.add_row(*row)
-    if Measurement.get(console, console.options, table).maximum <= console.width:
+    # the width the table needs unshrunk (measuring against the console's own width caps it there)
+    if Measurement.get(console, console.options.update(max_width=10_000), table).maximum <= console.width:
         console.print(table)
         return
     console.print(title, highlight=False, markup=False)
