@@ -1,13 +1,17 @@
-"""Load a trained searcher (policy + its loop) from a training run or checkpoint.
+"""Load a trained searcher (policy + its loop) from a training run, checkpoint or export.
 
 A checkpoint written by `sleuth train` carries `searcher.json` (loop name, loop
 options, base model spec, whether the policy is a LoRA adapter), so serving and
-evaluation need nothing but its path.
+evaluation need nothing but its path. `export_searcher` folds a checkpoint into a
+plain Hugging Face model directory (what vLLM, SGLang or TGI load) that keeps its
+`searcher.json`, so the export is also served and evaluated like the checkpoint.
 """
 
 from __future__ import annotations
 
 import json
+import shutil
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -15,6 +19,7 @@ from typing import Any
 from sleuth.errors import ConfigError
 
 SEARCHER_FILE = "searcher.json"
+EXPORT_DTYPES = ("keep", "float32", "bfloat16", "float16")
 
 
 @dataclass
@@ -50,7 +55,8 @@ def load_searcher(path: str | Path, device: str | None = None, merge_lora: bool 
 
     ckpt = resolve_checkpoint(path)
     info = json.loads((ckpt / SEARCHER_FILE).read_text())
-    policy_dir = ckpt / "policy"
+    # a training checkpoint keeps the policy in policy/; an export is itself the model directory
+    policy_dir = ckpt / info.get("policy_dir", "policy")
     tokenizer = AutoTokenizer.from_pretrained(policy_dir)
     if info.get("lora"):
         from peft import PeftModel
@@ -68,3 +74,57 @@ def load_searcher(path: str | Path, device: str | None = None, merge_lora: bool 
     generator = HFGenerator(model, tokenizer=tokenizer)
     loop = get_loop(info["loop"], **info.get("loop_options", {}))
     return Searcher(generator=generator, loop=loop, info=info)
+
+
+def export_searcher(
+    checkpoint: str | Path, out: str | Path, *, dtype: str = "keep", overwrite: bool = False
+) -> Path:
+    """Write `checkpoint` (a checkpoint or run directory) as a Hugging Face model directory `out`.
+
+    LoRA adapters are merged into the base; the directory holds safetensors weights, config,
+    generation config, tokenizer with its chat template, and `searcher.json` (loop, loop options
+    with the resolved prompt templates, token budgets), so `AutoModelForCausalLM.from_pretrained(out)`
+    and `sleuth serve-searcher --checkpoint out` both load it. `dtype` casts the weights ("keep":
+    the precision the checkpoint serves in). Written under a temporary name and renamed into place.
+    """
+    import torch
+
+    if dtype not in EXPORT_DTYPES:
+        raise ConfigError(f"--dtype {dtype!r}: choose one of {', '.join(EXPORT_DTYPES)}")
+    out = Path(out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
+        raise ConfigError(f"--out {out} exists and is not empty; pass --overwrite or choose another directory")
+    ckpt = resolve_checkpoint(checkpoint)
+    searcher = load_searcher(ckpt, device="cpu", merge_lora=True)
+    model, tokenizer = searcher.generator.model, searcher.generator.tokenizer
+    if not getattr(tokenizer, "chat_template", None):
+        raise ConfigError(
+            f"{ckpt}: the tokenizer has no chat template, so a serving engine could not build the searcher's "
+            "prompts; train from a chat model (its tokenizer_config.json carries chat_template)"
+        )
+    if dtype != "keep":
+        model = model.to(getattr(torch, dtype))
+    info = {
+        **searcher.info,
+        "lora": False,
+        "policy_dir": ".",
+        "exported_from": str(ckpt.resolve()),
+        "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
+        # the loop's full settings, prompt templates included, for users who drive the model elsewhere
+        "loop_config": searcher.loop.config(),
+    }
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp"))
+    try:
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        (tmp / SEARCHER_FILE).write_text(json.dumps(info, indent=2) + "\n")
+        if out.is_dir():
+            shutil.rmtree(out)
+        elif out.exists():
+            out.unlink()
+        tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out

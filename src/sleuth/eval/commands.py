@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import typer
 
@@ -15,6 +16,43 @@ def _fail(message: str) -> None:
     raise typer.Exit(code=2)
 
 
+def _pack(items: list[str], width: int, sep: str) -> list[str]:
+    """Whole items per line, as many as fit in `width` (an item longer than `width` gets its own line)."""
+    lines: list[str] = []
+    for item in items:
+        if lines and len(lines[-1]) + len(sep) + len(item) <= width:
+            lines[-1] += sep + item
+        else:
+            lines.append(item)
+    return ["  " + line for line in lines]
+
+
+def print_summary(console: Any, title: str, header: list[str], rows: list[list[str]]) -> None:
+    """The summary as a table when it fits the console, else one block per row that wraps, never truncates.
+
+    A file or pipe gets rich's default 80 columns, where a 13-column table would shrink every cell to
+    an ellipsis; the stacked form keeps every value readable at any width (summary.md has the table).
+    """
+    from rich.measure import Measurement
+    from rich.table import Table
+
+    table = Table(title=title)
+    for i, name in enumerate(header):
+        table.add_column(name, justify="left" if i < 2 else "right", no_wrap=True)
+    for row in rows:
+        table.add_row(*row)
+    # the width the table needs unshrunk (measuring against the console's own width caps it there)
+    if Measurement.get(console, console.options.update(max_width=10_000), table).maximum <= console.width:
+        console.print(table)
+        return
+    console.print(title, highlight=False, markup=False)
+    for row in rows:
+        head = f"{row[0]} / {row[1]} ({header[2]}={row[2]})"
+        pairs = [f"{name}: {value}" for name, value in zip(header[3:], row[3:], strict=True)]
+        console.print("\n".join([head] + _pack(pairs, console.width - 2, "   ")), highlight=False, markup=False,
+                      soft_wrap=True)
+
+
 def register(app: typer.Typer) -> None:
     @app.command("eval")
     def eval_cmd(
@@ -25,7 +63,8 @@ def register(app: typer.Typer) -> None:
         ),
         data: list[Path] = typer.Option(..., "--data", "-d", help="QA file(s): .jsonl/.json (FlashRAG) or .parquet."),
         retriever: str | None = typer.Option(
-            None, "--retriever", "-r", help="Index directory or retrieval server URL (not needed for direct/cot)."
+            None, "--retriever", "-r", help="Index directory, retrieval server URL, mcp:<MCP server URL> or a search-tool YAML "
+                                 "(mcp:/http: section, see sleuth.retrieval.tools); not needed for direct/cot."
         ),
         model: str = typer.Option(
             "smollm2-135m-instruct", "--model", help="Policy / prompted model: alias, checkpoint dir or openai:URL#model."
@@ -52,7 +91,6 @@ def register(app: typer.Typer) -> None:
         import time
 
         from rich.console import Console
-        from rich.table import Table
 
         from sleuth.errors import SleuthError
         from sleuth.eval.harness import EvalConfig, evaluate, load_eval_data, parse_methods, summary_rows
@@ -80,10 +118,5 @@ def register(app: typer.Typer) -> None:
         elapsed = time.perf_counter() - start
 
         header, rows = summary_rows(summary)
-        table = Table(title=f"sleuth eval -> {out}  ({elapsed:.1f} s)")
-        for i, name in enumerate(header):
-            table.add_column(name, justify="left" if i < 2 else "right")
-        for row in rows:
-            table.add_row(*row)
-        console.print(table)
+        print_summary(console, f"sleuth eval -> {out}  ({elapsed:.1f} s)", header, rows)
         console.print(f"predictions: {out}/<method>/predictions.jsonl   summary: {out}/summary.json, summary.md")

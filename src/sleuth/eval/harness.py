@@ -173,6 +173,10 @@ def resolve_retriever(spec: Retriever | str | Path | None) -> Retriever | None:
     if hasattr(spec, "search") and not isinstance(spec, (str, Path)):
         return spec  # type: ignore[return-value]
     text = str(spec)
+    from sleuth.retrieval.tools import is_tool_spec, load_tool_retriever
+
+    if is_tool_spec(text):  # an MCP server's search tool or an HTTP search API
+        return load_tool_retriever(text)
     if text.startswith(("http://", "https://")):
         from sleuth.retrieval.client import RemoteRetriever
 

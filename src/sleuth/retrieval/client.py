@@ -163,9 +163,7 @@ class RemoteRetriever:
             raise _TransientError(f"{endpoint}: {type(err).__name__}: {err}") from err
         if resp.status_code >= 500:
             self._mark_down(url)
-            raise _TransientError(f"{endpoint}: HTTP {resp.status_code}: {_detail(resp)}")
-        if resp.status_code != 200:
-            raise ServiceError(f"{endpoint} rejected the request: HTTP {resp.status_code}: {_detail(resp)}")
+        check_status(resp, endpoint)
         try:
             return parse_response(_loads(resp.content), len(queries))
         except (ValueError, TypeError, KeyError) as err:
@@ -217,6 +215,15 @@ class RemoteRetriever:
 
     def __repr__(self) -> str:
         return f"RemoteRetriever({self.urls!r}, batch_size={self.batch_size})"
+
+
+def check_status(resp: httpx.Response, endpoint: str) -> None:
+    """The retry rule of every HTTP retriever: a 5xx is transient (retried with backoff), any other
+    non-200 answer means the request itself is wrong and raises `ServiceError` with the server's message."""
+    if resp.status_code >= 500:
+        raise _TransientError(f"{endpoint}: HTTP {resp.status_code}: {_detail(resp)}")
+    if resp.status_code != 200:
+        raise ServiceError(f"{endpoint} rejected the request: HTTP {resp.status_code}: {_detail(resp)}")
 
 
 def _detail(resp: httpx.Response) -> str:

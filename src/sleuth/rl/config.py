@@ -15,6 +15,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from sleuth.errors import ConfigError
+from sleuth.retrieval.tools import HTTPSearchConfig, MCPToolConfig
 
 
 class _Strict(BaseModel):
@@ -63,11 +64,13 @@ class RetrieverConfig(_Strict):
     index: str | None = None  # a `sleuth index` directory
     url: str | list[str] | None = None  # a Search-R1-compatible server
     corpus: str | None = None  # optional: check the index was built from this corpus
+    mcp: MCPToolConfig | None = None  # an MCP server's search tool (sleuth.retrieval.tools)
+    http: HTTPSearchConfig | None = None  # an HTTP search API (sleuth.retrieval.tools)
 
     @model_validator(mode="after")
     def _one_source(self) -> RetrieverConfig:
-        if (self.index is None) == (self.url is None):
-            raise ValueError("set exactly one of retriever.index or retriever.url")
+        if sum(x is not None for x in (self.index, self.url, self.mcp, self.http)) != 1:
+            raise ValueError("set exactly one of retriever.index, retriever.url, retriever.mcp or retriever.http")
         return self
 
 
@@ -164,13 +167,32 @@ class SamplingConfig(_Strict):
     top_p: float = Field(1.0, gt=0.0, le=1.0)
 
 
+class WandbConfig(_Strict):
+    project: str = "sleuth"
+    entity: str | None = None
+    name: str | None = None  # None: the recipe name
+    group: str | None = None
+    tags: list[str] | None = None
+    mode: Literal["online", "offline", "disabled"] | None = None  # None: wandb's default (WANDB_MODE)
+
+
+class MlflowConfig(_Strict):
+    tracking_uri: str | None = None  # None: MLFLOW_TRACKING_URI or MLflow's default
+    experiment: str = "sleuth"
+    run_name: str | None = None  # None: the recipe name
+
+
 class TrainerConfig(_Strict):
     total_steps: int = Field(20, ge=1)
     # 0 = no checkpoints at all (benchmarks); otherwise every N steps and after the last step
     save_every: int = Field(5, ge=0)
     keep_checkpoints: int = Field(2, ge=1)
     out_dir: str = "runs/train"
-    tensorboard: bool = False
+    tensorboard: bool = False  # same as listing tensorboard in loggers
+    # jsonl (metrics.jsonl, which sleuth report and resume read) is always written
+    loggers: list[Literal["jsonl", "tensorboard", "wandb", "mlflow"]] = Field(default_factory=lambda: ["jsonl"])
+    wandb: WandbConfig = Field(default_factory=WandbConfig)
+    mlflow: MlflowConfig = Field(default_factory=MlflowConfig)
     eval_every: int | None = Field(None, ge=1)
     eval_examples: int = Field(64, ge=1)
 

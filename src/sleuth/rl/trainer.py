@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-import json
 import logging
 import math
 import random
@@ -55,6 +54,7 @@ from sleuth.rl.dist import (
     unwrap,
     wrap_model,
 )
+from sleuth.rl.loggers import open_recipe_loggers
 from sleuth.utils import atomic_path, seed_everything
 
 # ----------------------------------------------------------------------------
@@ -379,37 +379,6 @@ def _to(batch: TokenBatch, device: torch.device) -> TokenBatch:
 # ----------------------------------------------------------------------------
 
 
-class MetricsLog:
-    """JSONL per step (+ optional TensorBoard). Steps are logged 1-based (step k = after k updates);
-    on resume from a checkpoint after `resume_step` updates, lines of later steps will be redone and are dropped."""
-
-    def __init__(self, out_dir: Path, resume_step: int, tensorboard: bool):
-        self.path = out_dir / "metrics.jsonl"
-        if self.path.exists():
-            kept = [
-                line
-                for line in self.path.read_text().splitlines()
-                if line.strip() and json.loads(line).get("step", 0) <= resume_step
-            ]
-            self.path.write_text("".join(line + "\n" for line in kept))
-        self.tb = None
-        if tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-
-                self.tb = SummaryWriter(str(out_dir / "tensorboard"))
-            except ImportError:
-                self.tb = None
-
-    def write(self, step: int, metrics: dict[str, float]) -> None:
-        with open(self.path, "a", encoding="utf-8") as f:
-            f.write(json.dumps({"step": step, **metrics}) + "\n")
-            f.flush()
-        if self.tb is not None:
-            for k, v in metrics.items():
-                self.tb.add_scalar(k, v, step)
-
-
 def _mean(xs: list[float]) -> float:
     return float(np.mean(xs)) if xs else 0.0
 
@@ -420,6 +389,10 @@ def _mean(xs: list[float]) -> float:
 
 
 def build_retriever(recipe: Recipe):
+    if recipe.retriever.mcp is not None or recipe.retriever.http is not None:
+        from sleuth.retrieval.tools import tool_retriever
+
+        return tool_retriever(recipe.retriever.mcp, recipe.retriever.http)
     if recipe.retriever.url is not None:
         from sleuth.retrieval.client import RemoteRetriever
 
@@ -631,19 +604,19 @@ def train(recipe: Recipe, *, resume: bool = False, console: Any = None) -> dict[
         raise ConfigError(
             f"algorithm.minibatch_size must be divisible by the number of ranks ({ctx.world_size})"
         )
-    log = MetricsLog(out_dir, start_step, recipe.trainer.tensorboard) if ctx.is_main else None
+    log = open_recipe_loggers(recipe, out_dir, start_step) if ctx.is_main else None
     if ctx.is_main:
-        write_run_info(
-            out_dir,
-            {
-                "recipe": recipe.model_dump(),
-                "model_path": model_path,
-                "device": str(device),
-                "ranks": ctx.world_size,
-            },
-        )
+        run_info = {
+            "recipe": recipe.model_dump(),
+            "model_path": model_path,
+            "device": str(device),
+            "ranks": ctx.world_size,
+        }
+        write_run_info(out_dir, run_info)
+        log.log_config(run_info)
 
     # --- steps --------------------------------------------------------------
+    metrics: dict[str, float] = {}  # the last step's, for the final report
     for step in range(start_step, recipe.trainer.total_steps):
         t_start = time.perf_counter()
         reward_fn.set_step(step)
@@ -782,7 +755,10 @@ def train(recipe: Recipe, *, resume: bool = False, console: Any = None) -> dict[
     if services.baseline_cache is not None:
         services.baseline_cache.save()
     final = latest_checkpoint(out_dir)
-    return {"out_dir": str(out_dir), "checkpoint": str(final) if final else None}
+    result = {"out_dir": str(out_dir), "checkpoint": str(final) if final else None}
+    if log is not None:
+        log.finish({**result, "steps": recipe.trainer.total_steps, "final_metrics": metrics})
+    return result
 
 
 @dataclass

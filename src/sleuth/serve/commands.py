@@ -84,6 +84,24 @@ def _limits(max_batch: int, batch_wait_ms: float, timeout_s: float, max_turns: i
 
 
 def register(app: typer.Typer) -> None:
+    @app.command("export")
+    def export_cmd(
+        checkpoint: Path = typer.Argument(..., help="A `sleuth train` checkpoint or run directory (its newest)."),
+        out: Path = typer.Option(..., "--out", "-o", help="Directory to write the Hugging Face model to."),
+        dtype: str = typer.Option("keep", "--dtype", help="keep, float32, bfloat16 or float16."),
+        overwrite: bool = typer.Option(False, "--overwrite", help="Replace a non-empty --out."),
+    ) -> None:
+        """Merge a trained searcher (LoRA folded in) into a Hugging Face model directory for vLLM/SGLang/TGI."""
+        from sleuth.agent.searcher import export_searcher
+        from sleuth.errors import SleuthError
+
+        try:
+            path = export_searcher(checkpoint, out, dtype=dtype, overwrite=overwrite)
+        except (SleuthError, OSError) as err:
+            _fail(str(err))
+        typer.echo(f"exported {checkpoint} -> {path} (load with AutoModelForCausalLM.from_pretrained, "
+                   f"serve with `sleuth serve-searcher --checkpoint {path}` or vLLM)")
+
     @app.command("serve-searcher")
     def serve_searcher(
         checkpoint: Path | None = CHECKPOINT,

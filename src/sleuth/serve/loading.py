@@ -49,6 +49,7 @@ def build_service(
     loop_options: dict[str, Any] | None = None,
     index: str | Path | None = None,
     retriever_url: str | None = None,
+    retriever: Any = None,
     generator: str | None = None,
     limits: ServeLimits | None = None,
     device: str | None = None,
@@ -57,13 +58,19 @@ def build_service(
     max_response_tokens: int | None = None,
     warm_up: bool = True,
 ) -> SearcherService:
-    """Load the searcher (a `sleuth train` checkpoint, or `model` + `loop`), its retriever and generator."""
+    """Load the searcher (a `sleuth train` checkpoint or export, or `model` + `loop`), its retriever
+    (`index`, `retriever_url`, or any object with `search(queries, k)`) and generator."""
     if (checkpoint is None) == (model is None):
         raise ConfigError("pass exactly one of --checkpoint DIR (a trained searcher) or --model SPEC with --loop NAME")
     from sleuth.agent import get_loop
 
     # The retriever first: a wrong --index fails in a second, before any model is loaded.
-    retriever, retriever_name = load_retriever_from(index, retriever_url)
+    if retriever is None:
+        retriever, retriever_name = load_retriever_from(index, retriever_url)
+    elif index is not None or retriever_url is not None:
+        raise ConfigError("pass a retriever object or index/retriever_url, not both")
+    else:
+        retriever_name = repr(retriever)
     if checkpoint is not None:
         if loop is not None:
             raise ConfigError("--loop goes with --model; a checkpoint carries its own loop (searcher.json)")

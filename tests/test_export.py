@@ -1,0 +1,155 @@
+"""`sleuth export`: a LoRA checkpoint folded into a Hugging Face model directory that transformers loads
+and that generates exactly what the checkpoint generates; serving and evaluation take the export like
+the checkpoint."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+PLUGINS = Path(__file__).parent / "plugins"
+sys.path.insert(0, str(PLUGINS))
+
+PROMPTS = [
+    "Where was the director of the film born?",
+    "<search> capital of Varonia </search>",
+    "The quick brown fox",
+]
+
+
+@pytest.fixture(scope="module")
+def lora_run(small_world: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A real `sleuth train` run with LoRA adapters, trained two steps so the adapters are non-zero."""
+    from sleuth.rl.config import recipe_from_dict
+    from sleuth.rl.trainer import train
+
+    torch.set_num_threads(1)
+    out = tmp_path_factory.mktemp("lora-run")
+    recipe = {
+        "name": "export-test", "seed": 0,
+        "model": {"policy": "tiny", "lora": {"enabled": True, "r": 4, "alpha": 8}},
+        "data": {"train": str(small_world / "train.jsonl")}, "retriever": {"index": str(small_world / "bm25")},
+        "agent": {"loop": "search_r1", "max_turns": 1, "top_k": 2, "max_new_tokens_per_turn": 8,
+                  "max_response_tokens": 64, "max_obs_tokens": 16},
+        "reward": {"name": "test_token_fraction", "plugins": ["sleuth_test_rewards"]},
+        "algorithm": {"name": "grpo", "n": 4, "prompts_per_step": 2, "minibatch_size": 8, "micro_batch_size": 8},
+        "optim": {"lr": 5e-2}, "trainer": {"total_steps": 2, "save_every": 2, "out_dir": str(out)},
+    }
+    train(recipe_from_dict(recipe))
+    return out
+
+
+@pytest.fixture(scope="module")
+def exported(lora_run: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from typer.testing import CliRunner
+
+    from sleuth.cli import app
+
+    out = tmp_path_factory.mktemp("export") / "searcher-hf"
+    res = CliRunner().invoke(app, ["export", str(lora_run), "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    return out
+
+
+def _greedy(model, tokenizer, prompt: str, n: int = 12) -> list[int]:
+    ids = tokenizer(prompt, return_tensors="pt", add_special_tokens=False).input_ids
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
+                         pad_token_id=tokenizer.pad_token_id)
+    return out[0, ids.shape[1]:].tolist()
+
+
+def test_export_is_a_plain_hf_model_with_the_checkpoints_greedy_tokens(lora_run: Path, exported: Path) -> None:
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from sleuth.agent.searcher import resolve_checkpoint
+    from sleuth.llm.registry import tiny_model_dir
+
+    names = {p.name for p in exported.iterdir()}
+    assert {"model.safetensors", "config.json", "generation_config.json", "searcher.json"} <= names
+    assert "adapter_config.json" not in names  # merged, not an adapter
+
+    ckpt = resolve_checkpoint(lora_run)
+    tokenizer = AutoTokenizer.from_pretrained(exported)
+    assert tokenizer.chat_template and tokenizer.chat_template == AutoTokenizer.from_pretrained(
+        ckpt / "policy").chat_template
+    model = AutoModelForCausalLM.from_pretrained(exported).eval()
+    # the reference: base + adapter applied unmerged by peft, as the checkpoint stores it
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir())
+    adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_dir()), ckpt / "policy").eval()
+
+    ids = tokenizer(PROMPTS[0], return_tensors="pt", add_special_tokens=False).input_ids
+    with torch.no_grad():
+        export_logits, adapted_logits, base_logits = (m(ids).logits for m in (model, adapted, base.eval()))
+    torch.testing.assert_close(export_logits, adapted_logits, rtol=1e-4, atol=1e-5)
+    # the adapters moved the model, so a missing merge would be caught
+    assert (export_logits - base_logits).abs().max() > 1e-3
+
+    for prompt in PROMPTS:
+        assert _greedy(model, tokenizer, prompt) == _greedy(adapted, tokenizer, prompt), prompt
+
+
+def test_export_carries_the_loop_and_prompts(lora_run: Path, exported: Path) -> None:
+    from sleuth.agent.search_r1 import SEARCH_R1_USER_TEMPLATE
+    from sleuth.agent.searcher import load_searcher, resolve_checkpoint
+
+    info = json.loads((exported / "searcher.json").read_text())
+    original = json.loads((resolve_checkpoint(lora_run) / "searcher.json").read_text())
+    assert info["loop"] == "search_r1" and info["loop_options"] == original["loop_options"] == {
+        "max_turns": 1, "top_k": 2}
+    assert info["lora"] is False and info["max_obs_tokens"] == 16
+    assert info["loop_config"]["user_template"] == SEARCH_R1_USER_TEMPLATE and info["loop_config"]["top_k"] == 2
+
+    searcher = load_searcher(exported, device="cpu")
+    assert searcher.loop.name == "search_r1" and searcher.loop.top_k == 2 and searcher.loop.max_turns == 1
+
+
+def test_serve_and_eval_take_the_export_like_the_checkpoint(lora_run: Path, exported: Path, small_world: Path,
+                                                             tmp_path: Path) -> None:
+    from sleuth.data.formats import read_qa_jsonl
+    from sleuth.eval.harness import evaluate
+    from sleuth.serve.loading import build_service
+    from sleuth.serve.service import SearchQuery
+
+    from_export = build_service(checkpoint=exported, index=small_world / "bm25")
+    from_ckpt = build_service(checkpoint=lora_run, index=small_world / "bm25")
+    try:
+        assert from_export.max_obs_tokens == from_ckpt.max_obs_tokens == 16
+        assert from_export.loop.config() == from_ckpt.loop.config()
+        query = SearchQuery(question=PROMPTS[0], max_turns=1, top_k=2)
+        (a,), (b,) = from_export.run_batch([query]), from_ckpt.run_batch([query])
+        assert a.body == b.body and a.body["trajectory"]["num_turns"] >= 1
+    finally:
+        from_export.close()
+        from_ckpt.close()
+
+    examples = read_qa_jsonl(small_world / "dev.jsonl")[:2]
+    summaries = [
+        evaluate("search-r1", examples, small_world / "bm25", str(spec), out_dir=tmp_path / name, max_new_tokens=8,
+                 max_turns=1)
+        for name, spec in (("export", exported), ("ckpt", lora_run))
+    ]
+    preds = [[json.loads(line)["prediction"] for line in (tmp_path / name / "search-r1" / "predictions.jsonl")
+              .read_text().splitlines()] for name in ("export", "ckpt")]
+    assert preds[0] == preds[1] and len(preds[0]) == 2
+    assert summaries[0]["methods"]["search-r1"]["overall"]["em"] == summaries[1]["methods"]["search-r1"]["overall"]["em"]
+
+
+def test_export_refuses_a_non_empty_out_and_a_bad_dtype(lora_run: Path, exported: Path, tmp_path: Path) -> None:
+    from sleuth.agent.searcher import export_searcher
+    from sleuth.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="not empty; pass --overwrite"):
+        export_searcher(lora_run, exported)
+    with pytest.raises(ConfigError, match="--dtype 'int4'"):
+        export_searcher(lora_run, tmp_path / "x", dtype="int4")
+    with pytest.raises(ConfigError, match="not a sleuth checkpoint"):
+        export_searcher(tmp_path, tmp_path / "y")
+    half = export_searcher(lora_run, tmp_path / "bf16", dtype="bfloat16")
+    assert json.loads((half / "searcher.json").read_text())["dtype"] == "bfloat16"
+    assert json.loads((half / "config.json").read_text()).get("dtype", json.loads(
+        (half / "config.json").read_text()).get("torch_dtype")) == "bfloat16"

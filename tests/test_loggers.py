@@ -1,0 +1,156 @@
+"""`trainer.loggers`: a real tiny training run reports its config, every step and a final report to
+W&B (offline), MLflow (file store) and TensorBoard, read back through each library's own files."""
+
+from __future__ import annotations
+
+import json
+import struct
+import sys
+from pathlib import Path
+
+import pytest
+
+from sleuth.rl.config import recipe_from_dict
+
+PLUGINS = Path(__file__).parent / "plugins"
+sys.path.insert(0, str(PLUGINS))
+
+STEPS = 2
+
+
+def _recipe(small_world: Path, out_dir: Path, loggers: list[str], tmp_path: Path) -> dict:
+    return {
+        "name": "tracked",
+        "seed": 0,
+        "model": {"policy": "tiny"},
+        "data": {"train": str(small_world / "train.jsonl")},
+        "retriever": {"index": str(small_world / "bm25")},
+        "agent": {"loop": "search_r1", "max_turns": 1, "max_new_tokens_per_turn": 8, "max_response_tokens": 64,
+                  "max_obs_tokens": 16},
+        "reward": {"name": "test_token_fraction", "plugins": ["sleuth_test_rewards"]},
+        "algorithm": {"name": "grpo", "n": 2, "prompts_per_step": 1, "minibatch_size": 2, "micro_batch_size": 2},
+        "trainer": {"total_steps": STEPS, "save_every": STEPS, "out_dir": str(out_dir), "loggers": loggers,
+                    "wandb": {"mode": "offline", "project": "sleuth-test"},
+                    "mlflow": {"tracking_uri": (tmp_path / "mlruns").as_uri(), "experiment": "sleuth-test"}},
+    }
+
+
+def _wandb_records(path: Path):
+    """Records of a W&B transaction log (`run-*.wandb`): a LevelDB-style log of protobuf `Record`s.
+    wandb 0.2x+ ships no Python reader (its Go core writes the file), so the test reads the framing."""
+    from wandb.proto import wandb_internal_pb2
+
+    raw = path.read_bytes()
+    assert raw[:4] == b":W&B"
+    block, pos, pending = 32768, 7, b""
+    while pos + 7 <= len(raw):
+        if block - pos % block < 7:  # a block tail too short for a record header is padding
+            pos += block - pos % block
+            continue
+        _, length, kind = struct.unpack("<IHB", raw[pos : pos + 7])
+        data, pos = raw[pos + 7 : pos + 7 + length], pos + 7 + length
+        if kind == 0:
+            break
+        pending = data if kind in (1, 2) else pending + data
+        if kind in (1, 4):  # FULL or LAST: a complete record
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(pending)
+            yield record
+
+
+def _items(items) -> dict[str, object]:
+    return {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in items}
+
+
+@pytest.mark.slow
+def test_every_tracker_gets_config_steps_and_report(small_world: Path, tmp_path: Path, monkeypatch) -> None:
+    pytest.importorskip("wandb")
+    pytest.importorskip("mlflow")
+    pytest.importorskip("tensorboard")
+    from mlflow.tracking import MlflowClient
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from sleuth.rl.trainer import train
+
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow 3 keeps the file store behind this switch
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    out = tmp_path / "run"
+    recipe = recipe_from_dict(_recipe(small_world, out, ["jsonl", "tensorboard", "wandb", "mlflow"], tmp_path))
+    result = train(recipe)
+    steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in steps] == [1, 2]
+    ids = json.loads((out / "trackers.json").read_text())
+
+    # MLflow: flattened config as params, every metric of every step, config and report artifacts
+    client = MlflowClient((tmp_path / "mlruns").as_uri())
+    run = client.get_run(ids["mlflow"])
+    assert run.info.run_name == "tracked" and run.info.status == "FINISHED"
+    assert run.data.params["recipe.algorithm.n"] == "2" and run.data.params["recipe.name"] == "tracked"
+    for key in ("reward/mean", "lr"):
+        history = client.get_metric_history(ids["mlflow"], key)
+        assert [(m.step, m.value) for m in history] == [(s["step"], pytest.approx(s[key])) for s in steps]
+    artifacts = Path(client.download_artifacts(ids["mlflow"], "report.json", str(tmp_path / "dl")))
+    report = json.loads(artifacts.read_text())
+    assert report["checkpoint"] == result["checkpoint"] and report["final_metrics"]["reward/mean"] == pytest.approx(
+        steps[-1]["reward/mean"])
+
+    # W&B offline: config, one history row per step with the same values, the report in the summary
+    (wandb_file,) = (out / "wandb").glob(f"offline-run-*-{ids['wandb']}/run-{ids['wandb']}.wandb")
+    records = list(_wandb_records(wandb_file))
+    config: dict[str, object] = {}
+    history, summary = [], {}
+    for record in records:
+        kind = record.WhichOneof("record_type")
+        if kind == "run":
+            config.update(_items(record.run.config.update))
+        elif kind == "config":
+            config.update(_items(record.config.update))
+        elif kind == "history":
+            history.append(_items(record.history.item))
+        elif kind == "summary":
+            summary.update(_items(record.summary.update))
+    assert config["recipe"]["algorithm"]["n"] == 2 and config["ranks"] == 1
+    assert [(h["_step"], h["reward/mean"]) for h in history] == [
+        (s["step"], pytest.approx(s["reward/mean"])) for s in steps]
+    assert summary["report/checkpoint"] == result["checkpoint"]
+    assert summary["report/final_metrics.reward/mean"] == pytest.approx(steps[-1]["reward/mean"])
+
+    # TensorBoard: every step's scalars, the config and report as text
+    (events,) = (out / "tensorboard").glob("events.out.tfevents.*")
+    acc = EventAccumulator(str(events))
+    acc.Reload()
+    assert [(e.step, e.value) for e in acc.Scalars("reward/mean")] == [
+        (s["step"], pytest.approx(s["reward/mean"])) for s in steps]
+    assert {"config/text_summary", "report/text_summary"} <= set(acc.Tags()["tensors"])
+
+
+def test_resume_continues_the_same_tracker_run(small_world: Path, tmp_path: Path, monkeypatch) -> None:
+    pytest.importorskip("mlflow")
+    from mlflow.tracking import MlflowClient
+
+    from sleuth.rl.trainer import train
+
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    out = tmp_path / "run"
+    data = _recipe(small_world, out, ["jsonl", "mlflow"], tmp_path)
+    data["trainer"].update(total_steps=1, save_every=1)
+    train(recipe_from_dict(data))
+    first = json.loads((out / "trackers.json").read_text())["mlflow"]
+    data["trainer"]["total_steps"] = 2
+    train(recipe_from_dict(data), resume=True)
+    assert json.loads((out / "trackers.json").read_text())["mlflow"] == first
+    history = MlflowClient((tmp_path / "mlruns").as_uri()).get_metric_history(first, "reward/mean")
+    assert [m.step for m in history] == [1, 2]
+
+
+def test_unknown_logger_and_missing_library_are_clear_errors(small_world: Path, tmp_path: Path, monkeypatch) -> None:
+    from sleuth.errors import ConfigError
+    from sleuth.rl.loggers import open_loggers
+
+    with pytest.raises(ConfigError, match="unknown logger.*neptune"):
+        open_loggers(["jsonl", "neptune"], tmp_path, run_name="x")
+    with pytest.raises(ConfigError, match="trainer.loggers"):
+        recipe_from_dict(_recipe(small_world, tmp_path, ["jsonl", "comet"], tmp_path))
+    monkeypatch.setitem(sys.modules, "wandb", None)  # as if not installed
+    with pytest.raises(ConfigError, match="pip install"):
+        open_loggers(["jsonl", "wandb"], tmp_path, run_name="x")
