@@ -26,10 +26,11 @@ from toyworld import ToyRetriever
 Q1 = "What is the capital of Varonia?"
 Q2 = "Where was the director of Blue Harbor born?"
 Q3 = "Which river flows through Quellstad?"
+# supporting_ids: the gold chain of each question in toyworld.PASSAGES (what the oracle reads)
 EXAMPLES = [
-    QAExample("q1", Q1, ["Quellstad"], {"dataset": "alpha"}),
-    QAExample("q2", Q2, ["Tarsk"], {"dataset": "alpha"}),
-    QAExample("q3", Q3, ["the Vell", "Vell river"], {"dataset": "beta"}),
+    QAExample("q1", Q1, ["Quellstad"], {"dataset": "alpha", "supporting_ids": ["p1"]}),
+    QAExample("q2", Q2, ["Tarsk"], {"dataset": "alpha", "supporting_ids": ["p3", "p4"]}),
+    QAExample("q3", Q3, ["the Vell", "Vell river"], {"dataset": "beta", "supporting_ids": ["p6"]}),
 ]
 # What the scripted model answers: right, a loose answer (cover-EM and span only), wrong.
 ANSWERS = {Q1: "Quellstad", Q2: "born in Tarsk town", Q3: "Quellstad"}

@@ -26,6 +26,7 @@ COMMAND_MODULES = [
     "sleuth.llm.commands",
     "sleuth.eval.commands",
     "sleuth.eval.report_commands",
+    "sleuth.eval.compare_commands",
     "sleuth.rl.commands",
     "sleuth.serve.commands",
     "sleuth.demo",

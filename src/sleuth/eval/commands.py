@@ -20,8 +20,10 @@ def register(app: typer.Typer) -> None:
     def eval_cmd(
         method: list[str] = typer.Option(
             ..., "--method", "-m",
-            help="Method(s), repeatable or comma-separated: direct, cot, naive-rag, ircot, search-o1, "
-                 "search-r1, s3, r-search, staged, qagent.",
+            help="Method(s), repeatable or comma-separated: direct, direct-generator, cot, naive-rag, ircot, "
+                 "search-o1, search-r1, s3, r-search, staged, qagent, oracle. direct answers with --model, "
+                 "direct-generator with --generator (a contamination check: both without retrieval); oracle hands "
+                 "each question's gold passages (metadata.supporting_ids of a synthetic world) to --generator.",
         ),
         data: list[Path] = typer.Option(..., "--data", "-d", help="QA file(s): .jsonl/.json (FlashRAG) or .parquet."),
         retriever: str | None = typer.Option(
@@ -31,7 +33,9 @@ def register(app: typer.Typer) -> None:
             "smollm2-135m-instruct", "--model", help="Policy / prompted model: alias, checkpoint dir or openai:URL#model."
         ),
         generator: str | None = typer.Option(
-            None, "--generator", help="Frozen generator that answers from s3/qagent documents (default: --model)."
+            None, "--generator",
+            help="Frozen reader (default: --model) that answers from documents for s3/qagent and for naive-rag, "
+                 "IRCoT's reader, oracle and direct-generator, so one call compares them fairly.",
         ),
         judge: str | None = typer.Option(None, "--judge", help="LLM judge for GenAcc / judge accuracy (optional)."),
         out: Path = typer.Option(Path("eval-results"), "--out", "-o", help="Output directory (resumable)."),
@@ -86,4 +90,14 @@ def register(app: typer.Typer) -> None:
         for row in rows:
             table.add_row(*row)
         console.print(table)
+        if summary.get("paired"):
+            from sleuth.eval.compare import CONSOLE_PAIRED_METRICS, paired_rows
+
+            header, rows = paired_rows(summary["paired"], CONSOLE_PAIRED_METRICS)
+            paired = Table(title="minus naive-rag on the same questions: points [95% paired bootstrap interval]")
+            for i, name in enumerate(header):
+                paired.add_column(name, justify="left" if i < 1 else "right")
+            for row in rows:
+                paired.add_row(*row)
+            console.print(paired)
         console.print(f"predictions: {out}/<method>/predictions.jsonl   summary: {out}/summary.json, summary.md")
