@@ -20,6 +20,7 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """A minus B on the same questions (matched by dataset and id), with a 95% paired bootstrap interval."""
         from rich.console import Console
+        from rich.markup import escape
         from rich.table import Table
 
         from sleuth.errors import ConfigError, SleuthError
@@ -44,7 +45,7 @@ def register(app: typer.Typer) -> None:
             if not results:
                 raise ConfigError(f"the two runs share no score for {', '.join(metrics)} (no judge?)")
         except (SleuthError, OSError) as err:
-            console.print(f"[bold red]error:[/] {err}", highlight=False)
+            Console(stderr=True, soft_wrap=True).print(f"[bold red]error:[/] {escape(str(err))}", highlight=False)
             raise typer.Exit(2) from None
         table = Table(title=f"{label_a} minus {label_b}: points [95% paired bootstrap interval]")
         for i, name in enumerate(("metric", label_a, label_b, "A - B", "n", "only A / only B")):

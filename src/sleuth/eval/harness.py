@@ -6,16 +6,21 @@ Output layout (the report reads exactly this):
   span_check, genacc, judge}, retrieval_count, input_tokens, output_tokens, latency_s,
   answer_source, trajectory};
 - `OUT/<method>/config.json`: what the predictions depend on; a resumed run must match it;
-- `OUT/summary.json`: {"methods": {method: {dataset | "overall": {metric: mean, "n": count}}},
-  "config": {...}, "method_configs": {method: {...}}};
-- `OUT/summary.md`: the same as a markdown table.
+- `OUT/summary.json`: {"methods": {method: {dataset | "overall": {metric: mean, "<accuracy>_ci":
+  [lo, hi], "n": count}}}, "config": {...}, "method_configs": {method: {...}}, and, when naive-rag
+  has predictions in OUT, "paired": each method minus naive-rag on this call's questions
+  (sleuth.eval.compare)}; intervals are 95% percentile bootstraps (sleuth.eval.stats);
+- `OUT/summary.md`: the same as markdown tables.
 
-Methods: direct, cot, naive-rag, ircot (sleuth.eval.baselines), search-o1 (a prompted
-loop, sleuth.eval.search_o1), and the trained-agent loops search-r1, s3, r-search,
-staged, qagent (sleuth.agent), all decoded greedily. s3 and qagent are evaluated as
-searchers: the documents they gathered (`served_context`) go to a frozen generator
-that answers; with `r_search_evidence` R-Search's evidence block goes to the frozen
-generator too (RSTool). The other methods answer themselves.
+Methods: direct, direct-generator, cot, naive-rag, ircot, oracle (sleuth.eval.baselines),
+search-o1 (a prompted loop, sleuth.eval.search_o1), and the trained-agent loops search-r1,
+s3, r-search, staged, qagent (sleuth.agent), all decoded greedily. s3 and qagent are
+evaluated as searchers: the documents they gathered (`served_context`) go to a frozen
+generator that answers; with `r_search_evidence` R-Search's evidence block goes to the
+frozen generator too (RSTool). So that one call compares them fairly, the frozen generator
+is also the reader of every other method that answers from documents (naive-rag, IRCoT's
+reader, oracle) and answers direct-generator; direct, cot, IRCoT's reasoning, search-o1 and
+the other loops are the `model`.
 
 Latency is a batch's wall time (method and frozen generator, not the judge) divided
 by its size: the cost per question of batched evaluation, not a single-request latency.
@@ -617,10 +622,10 @@ def _fmt(value: Any, how: str) -> str:
 
 
 def _cell(stats: Mapping[str, Any], key: str, how: str, with_interval: bool) -> str:
-    """A value; for an accuracy with a stored interval and `with_interval`, '45.0 [40.1, 49.9]'."""
+    """A value; with `with_interval` and a stored interval, '45.0 [40.1, 49.9]'."""
     text = _fmt(stats.get(key), how)
     interval = stats.get(f"{key}_ci")
-    if with_interval and how == "pct" and isinstance(interval, (list, tuple)) and len(interval) == 2:
+    if with_interval and isinstance(interval, (list, tuple)) and len(interval) == 2:
         text += f" [{_fmt(interval[0], how)}, {_fmt(interval[1], how)}]"
     return text
 
@@ -632,7 +637,10 @@ def summary_rows(summary: Mapping[str, Any], intervals: str = "headline") -> tup
     console table stays narrow), "all" beside every accuracy (summary.md), "none" nowhere."""
     if intervals not in ("headline", "all", "none"):
         raise ValueError(f"intervals must be 'headline', 'all' or 'none', got {intervals!r}")
-    shown = {key: intervals == "all" or (intervals == "headline" and key == HEADLINE_METRIC) for key, _, _ in COLUMNS}
+    shown = {
+        key: how == "pct" and (intervals == "all" or (intervals == "headline" and key == HEADLINE_METRIC))
+        for key, _, how in COLUMNS
+    }
     header = ["method", "dataset", "n"] + [
         c[1] + (" %" if c[2] == "pct" else "") + (" [95% CI]" if shown[c[0]] else "") for c in COLUMNS
     ]
@@ -770,19 +778,9 @@ def evaluate(
             bar.stop()
 
     ordered = sorted(method_summaries, key=lambda m: (METHODS.index(m) if m in METHODS else len(METHODS), m))
-    datasets: dict[str, int] = {}
-    for it in items:
-        datasets[it.dataset] = datasets.get(it.dataset, 0) + 1
     summary = {
         "methods": {m: method_summaries[m] for m in ordered},
-        "config": {
-            **descs,
-            **{k: v for k, v in asdict(cfg).items() if k not in ("fresh",)},
-            "methods": method_list,
-            "datasets": datasets,
-            "num_questions": len(items),
-            **dict(run_info or {}),
-        },
+        "config": _run_config(descs, cfg, method_list, items, run_info),
         "method_configs": {m: method_configs[m] for m in ordered if m in method_configs},
     }
     paired = _compare_with_naive_rag(out, ordered, run_records, items, cfg.seed)
@@ -790,6 +788,22 @@ def evaluate(
         summary["paired"] = paired
     write_summary(out, summary)
     return summary
+
+
+def _run_config(descs: Mapping[str, Any], cfg: EvalConfig, method_list: Sequence[str], items: Sequence[_Item],
+                run_info: Mapping[str, Any] | None) -> dict[str, Any]:  # fmt: skip
+    """The summary's "config": what this call evaluated, with what."""
+    datasets: dict[str, int] = {}
+    for it in items:
+        datasets[it.dataset] = datasets.get(it.dataset, 0) + 1
+    return {
+        **descs,
+        **{k: v for k, v in asdict(cfg).items() if k not in ("fresh",)},
+        "methods": list(method_list),
+        "datasets": datasets,
+        "num_questions": len(items),
+        **dict(run_info or {}),
+    }
 
 
 def _compare_with_naive_rag(out_dir: Path, methods: Sequence[str], run_records: Mapping[str, list[dict]],
