@@ -131,7 +131,8 @@ def test_every_method_runs_and_writes_the_output_layout(tok, tmp_path):
         assert per_ds["alpha"]["n"] == 2 and per_ds["beta"]["n"] == 1 and per_ds["overall"]["n"] == 3
         assert f"| {method} | alpha |" in md and f"| {method} | overall |" in md
     rc = {m: summary["methods"][m]["overall"]["retrieval_count"] for m in METHODS}
-    assert rc["direct"] == rc["cot"] == 0
+    assert rc["direct"] == rc["direct-generator"] == rc["cot"] == 0
+    assert rc["oracle"] == 0  # the gold passages are looked up by id, not searched
     assert rc["naive-rag"] == rc["search-r1"] == rc["staged"] == rc["search-o1"] == rc["r-search"] == 1
     assert rc["ircot"] == 2  # the question, then the first reasoning sentence
     assert rc["s3"] == 1 and rc["qagent"] == 1

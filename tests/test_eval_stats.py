@@ -173,3 +173,41 @@ def test_paired_difference_restricted_to_keys_and_missing_scores():
         paired_difference(a, [rec("7", "d", f1=1.0)], "f1")
     with pytest.raises(ConfigError, match="record 1 has no 'id'"):
         paired_difference([{"metrics": {}}], b, "f1")
+
+
+def test_joint_intervals_equal_each_column_alone():
+    columns = {"em": [1, 0, 0, 1, 1], "f1": [1.0, 0.3, 0.0, 0.8, 1.0], "span": [1, 1, 0, 1, 1]}
+    joint = stats.bootstrap_cis(columns, resamples=500, seed=9)
+    assert list(joint) == ["em", "f1", "span"]
+    for name, values in columns.items():
+        assert joint[name] == bootstrap_ci(values, resamples=500, seed=9)
+    assert stats.bootstrap_cis({}) == {}
+    with pytest.raises(ValueError, match="lengths differ"):
+        stats.bootstrap_cis({"em": [1, 0], "f1": [1.0]})
+
+
+def test_compare_records_equals_paired_difference_per_metric():
+    rng = np.random.default_rng(3)
+    a = [rec(str(i), "d", em=float(x), f1=float(f), judge=None)
+         for i, (x, f) in enumerate(zip(rng.random(30) < 0.6, rng.random(30), strict=True))]
+    b = [rec(str(i), "d", em=float(x), f1=float(f), judge=None)
+         for i, (x, f) in enumerate(zip(rng.random(30) < 0.4, rng.random(30), strict=True))]
+    b[4]["metrics"]["f1"] = None  # one question without an F1 on one side: F1 has its own resamples
+    both = compare_records(a, b, ["em", "f1", "judge"], seed=5)
+    assert set(both) == {"em", "f1"} and both["f1"]["n"] == 29 and both["em"]["n"] == 30
+    for metric in ("em", "f1"):
+        assert both[metric] == paired_difference(a, b, metric, seed=5)
+
+
+def test_summary_interval_of_a_metric_scored_on_some_questions_only():
+    from sleuth.eval.harness import summarise_records
+
+    records = [
+        {"id": str(i), "dataset": "d", "retrieval_count": 0, "input_tokens": 1, "output_tokens": 1, "latency_s": 0.0,
+         "metrics": {"em": em, "cover_em": em, "f1": em, "span_check": em, "genacc": em, "judge": judge}}
+        for i, (em, judge) in enumerate([(1.0, 1.0), (0.0, None), (1.0, 0.0), (0.0, 1.0), (1.0, None)])
+    ]
+    overall = summarise_records(records, seed=4)["overall"]
+    assert overall["judge"] == pytest.approx(2 / 3)
+    assert overall["judge_ci"] == list(bootstrap_ci([1.0, 0.0, 1.0], seed=4))
+    assert overall["em_ci"] == list(bootstrap_ci([1.0, 0.0, 1.0, 0.0, 1.0], seed=4))

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from sleuth.errors import ConfigError
-from sleuth.eval.stats import DEFAULT_CONFIDENCE, DEFAULT_RESAMPLES, paired_bootstrap
+from sleuth.eval.stats import DEFAULT_CONFIDENCE, DEFAULT_RESAMPLES, bootstrap_cis, paired_bootstrap
 
 BASELINE = "naive-rag"
 # The headline accuracies compared against the baseline (GenAcc = span_check without a judge).
@@ -43,6 +43,41 @@ def _metric(rec: Mapping[str, Any], metric: str) -> float | None:
     return float(value)
 
 
+def _matched(records_a: Iterable[Mapping[str, Any]], records_b: Iterable[Mapping[str, Any]],
+             keys: Iterable[Key] | None) -> tuple[dict, dict, list[Key]]:  # fmt: skip
+    """Both sides by question (only `keys`, when given) and the questions both have, in A's order."""
+    a = _by_question(records_a, "A")
+    b = _by_question(records_b, "B")
+    if keys is not None:
+        wanted = set(keys)
+        a = {k: v for k, v in a.items() if k in wanted}
+        b = {k: v for k, v in b.items() if k in wanted}
+    return a, b, [k for k in a if k in b]
+
+
+def _scored_pairs(a: dict, b: dict, shared: list[Key], metric: str) -> tuple[list[float], list[float]]:
+    pairs = [(_metric(a[k], metric), _metric(b[k], metric)) for k in shared]
+    kept = [(x, y) for x, y in pairs if x is not None and y is not None]
+    if not kept:
+        reason = "no question is in both" if not shared else f"no shared question has a {metric!r} score"
+        raise ConfigError(f"cannot compare {metric}: {reason} ({len(a)} questions in A, {len(b)} in B)")
+    return [x for x, _ in kept], [y for _, y in kept]
+
+
+def _result(metric: str, xs: list[float], ys: list[float], ci: Sequence[float], a: dict, b: dict,
+            shared: list[Key]) -> dict[str, Any]:  # fmt: skip
+    return {
+        "metric": metric,
+        "n": len(xs),
+        "mean_a": sum(xs) / len(xs),
+        "mean_b": sum(ys) / len(ys),
+        "diff": sum(x - y for x, y in zip(xs, ys, strict=True)) / len(xs),
+        "ci": [float(ci[0]), float(ci[1])],
+        "only_a": len(a) - len(shared),
+        "only_b": len(b) - len(shared),
+    }
+
+
 def paired_difference(
     records_a: Iterable[Mapping[str, Any]],
     records_b: Iterable[Mapping[str, Any]],
@@ -58,30 +93,10 @@ def paired_difference(
     Returns {metric, n, mean_a, mean_b, diff, ci: [lo, hi], only_a, only_b}: only_a/only_b count the
     questions one side has and the other lacks (left out). Questions where either side has no value of
     `metric` (no judge) are left out too; none left is an error."""
-    a = _by_question(records_a, "A")
-    b = _by_question(records_b, "B")
-    if keys is not None:
-        wanted = set(keys)
-        a = {k: v for k, v in a.items() if k in wanted}
-        b = {k: v for k, v in b.items() if k in wanted}
-    shared = [k for k in a if k in b]
-    pairs = [(_metric(a[k], metric), _metric(b[k], metric)) for k in shared]
-    values = [(x, y) for x, y in pairs if x is not None and y is not None]
-    if not values:
-        reason = "no question is in both" if not shared else f"no shared question has a {metric!r} score"
-        raise ConfigError(f"cannot compare {metric}: {reason} ({len(a)} questions in A, {len(b)} in B)")
-    xs, ys = [x for x, _ in values], [y for _, y in values]
-    diff, lo, hi = paired_bootstrap(xs, ys, resamples, confidence, seed)
-    return {
-        "metric": metric,
-        "n": len(values),
-        "mean_a": sum(xs) / len(xs),
-        "mean_b": sum(ys) / len(ys),
-        "diff": diff,
-        "ci": [lo, hi],
-        "only_a": len(a) - len(shared),
-        "only_b": len(b) - len(shared),
-    }
+    a, b, shared = _matched(records_a, records_b, keys)
+    xs, ys = _scored_pairs(a, b, shared, metric)
+    _, lo, hi = paired_bootstrap(xs, ys, resamples, confidence, seed)
+    return _result(metric, xs, ys, (lo, hi), a, b, shared)
 
 
 def compare_records(
@@ -92,13 +107,21 @@ def compare_records(
     keys: Iterable[Key] | None = None,
     seed: int = 0,
 ) -> dict[str, dict[str, Any]]:
-    """`paired_difference` for each metric both sides scored (a metric neither scored, e.g. judge, is skipped)."""
-    keys = None if keys is None else list(keys)
-    out: dict[str, dict[str, Any]] = {}
+    """`paired_difference` of each metric both sides scored (one neither scored, e.g. judge, is skipped).
+    Metrics scored on every shared question share their resamples (the intervals are the same)."""
+    a, b, shared = _matched(records_a, records_b, keys)
+    pairs = {}
     for metric in metrics:
-        scored = any(_metric(r, metric) is not None for r in records_a)
-        if scored and any(_metric(r, metric) is not None for r in records_b):
-            out[metric] = paired_difference(records_a, records_b, metric, keys=keys, seed=seed)
+        if any(_metric(r, metric) is not None for r in a.values()) and any(
+            _metric(r, metric) is not None for r in b.values()
+        ):
+            pairs[metric] = _scored_pairs(a, b, shared, metric)
+    complete = {m: [x - y for x, y in zip(*p, strict=True)] for m, p in pairs.items() if len(p[0]) == len(shared)}
+    intervals = bootstrap_cis(complete, seed=seed)
+    out = {}
+    for metric, (xs, ys) in pairs.items():
+        ci = intervals[metric] if metric in intervals else paired_bootstrap(xs, ys, seed=seed)[1:]
+        out[metric] = _result(metric, xs, ys, ci, a, b, shared)
     return out
 
 

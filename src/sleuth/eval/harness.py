@@ -53,7 +53,7 @@ from sleuth.eval.baselines import (
     run_oracle,
 )
 from sleuth.eval.compare import compare_with_baseline, paired_markdown
-from sleuth.eval.stats import DEFAULT_RESAMPLES, bootstrap_ci
+from sleuth.eval.stats import DEFAULT_RESAMPLES, bootstrap_ci, bootstrap_cis
 from sleuth.llm.base import Generator, SamplingParams
 from sleuth.retrieval.base import Retriever
 from sleuth.rewards.answerer import answer_from_evidence, gen_acc, judge_contains
@@ -595,13 +595,25 @@ def summarise_records(records: Sequence[Mapping[str, Any]], seed: int = 0) -> di
     out: dict[str, dict[str, Any]] = {}
     for group, stats in means.items():
         members = rows if group == "overall" else [r for r in rows if str(r["dataset"]) == group]
+        intervals = _intervals(members, seed)
         with_ci: dict[str, Any] = {}
         for key, value in stats.items():
             with_ci[key] = value
             if key in ANSWER_METRICS:
-                values = [float(r[key]) for r in members if r[key] is not None]
-                with_ci[f"{key}_ci"] = list(bootstrap_ci(values, seed=seed)) if values else None
+                with_ci[f"{key}_ci"] = intervals.get(key)
         out[group] = with_ci
+    return out
+
+
+def _intervals(rows: Sequence[Mapping[str, Any]], seed: int) -> dict[str, list[float]]:
+    """The bootstrap interval of each accuracy the rows score: the ones every row scores share
+    resamples; one scored on some rows only (a judge that skipped some) is resampled on those."""
+    complete = {k: [float(r[k]) for r in rows] for k in ANSWER_METRICS if all(r[k] is not None for r in rows)}
+    out = {k: list(ci) for k, ci in bootstrap_cis(complete, seed=seed).items()} if rows else {}
+    for key in ANSWER_METRICS:
+        values = [float(r[key]) for r in rows if r[key] is not None]
+        if key not in out and values:
+            out[key] = list(bootstrap_ci(values, seed=seed))
     return out
 
 

@@ -15,7 +15,7 @@ for large n; below that size a single `rng.integers(0, n, size=(B, n))` call dra
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
@@ -45,16 +45,28 @@ def _check_settings(resamples: int, confidence: float) -> None:
 def resample_means(values: Sequence[float] | np.ndarray, resamples: int = DEFAULT_RESAMPLES,
                    seed: int = 0) -> np.ndarray:  # fmt: skip
     """The means of `resamples` bootstrap resamples of `values` (drawn as the module docstring says)."""
-    sample = _as_sample(values, "values")
+    return _joint_resample_means([_as_sample(values, "values")], resamples, seed)[0]
+
+
+def _joint_resample_means(samples: list[np.ndarray], resamples: int, seed: int) -> list[np.ndarray]:
+    """Resample means of several samples of one set of questions, from the same index draws."""
     _check_settings(resamples, DEFAULT_CONFIDENCE)
-    n = sample.size
+    n = samples[0].size
     rng = np.random.default_rng(seed)
     rows_per_block = max(1, _MAX_DRAWS // n)
-    means = np.empty(resamples, dtype=np.float64)
+    means = [np.empty(resamples, dtype=np.float64) for _ in samples]
     for start in range(0, resamples, rows_per_block):
         rows = min(rows_per_block, resamples - start)
-        means[start : start + rows] = sample[rng.integers(0, n, size=(rows, n))].mean(axis=1)
+        idx = rng.integers(0, n, size=(rows, n))
+        for sample, out in zip(samples, means, strict=True):
+            out[start : start + rows] = sample[idx].mean(axis=1)
     return means
+
+
+def _percentile_interval(means: np.ndarray, confidence: float) -> tuple[float, float]:
+    tail = (1.0 - confidence) / 2.0
+    lo, hi = np.quantile(means, [tail, 1.0 - tail])
+    return float(lo), float(hi)
 
 
 def bootstrap_ci(
@@ -65,10 +77,27 @@ def bootstrap_ci(
 ) -> tuple[float, float]:
     """Percentile bootstrap interval (lo, hi) of the mean of `values`."""
     _check_settings(resamples, confidence)
-    means = resample_means(values, resamples, seed)
-    tail = (1.0 - confidence) / 2.0
-    lo, hi = np.quantile(means, [tail, 1.0 - tail])
-    return float(lo), float(hi)
+    return _percentile_interval(resample_means(values, resamples, seed), confidence)
+
+
+def bootstrap_cis(
+    columns: Mapping[str, Sequence[float] | np.ndarray],
+    resamples: int = DEFAULT_RESAMPLES,
+    confidence: float = DEFAULT_CONFIDENCE,
+    seed: int = 0,
+) -> dict[str, tuple[float, float]]:
+    """`bootstrap_ci` of several scores of the same questions (EM, F1... in question order), every one
+    from the same resamples: each column's interval equals `bootstrap_ci(column, ..., seed)`, and the
+    index draws are made once instead of once per score."""
+    _check_settings(resamples, confidence)
+    if not columns:
+        return {}
+    samples = [_as_sample(v, name) for name, v in columns.items()]
+    if len({s.size for s in samples}) != 1:
+        sizes = {name: s.size for name, s in zip(columns, samples, strict=True)}
+        raise ValueError(f"columns must score the same questions; their lengths differ: {sizes}")
+    means = _joint_resample_means(samples, resamples, seed)
+    return {name: _percentile_interval(m, confidence) for name, m in zip(columns, means, strict=True)}
 
 
 def paired_bootstrap(
