@@ -255,7 +255,8 @@ def test_oracle_errors_for_unknown_ids_and_retrievers_without_lookup(tok, tmp_pa
             return [[] for _ in queries]
 
     with pytest.raises(ConfigError, match="SearchOnly cannot fetch passages by id"):
-        evaluate("oracle", EXAMPLES, SearchOnly(), trained_model(tok, []), out_dir=tmp_path / "b")
+        evaluate(["naive-rag", "oracle"], EXAMPLES, SearchOnly(), trained_model(tok, []), out_dir=tmp_path / "b")
+    assert not (tmp_path / "b" / "naive-rag").exists()  # refused before anything ran
 
 
 # ---------------------------------------------------------------------------------------------------

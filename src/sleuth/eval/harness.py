@@ -56,6 +56,7 @@ from sleuth.eval.compare import compare_with_baseline, paired_markdown
 from sleuth.eval.stats import DEFAULT_RESAMPLES, bootstrap_ci, bootstrap_cis
 from sleuth.llm.base import Generator, SamplingParams
 from sleuth.retrieval.base import Retriever
+from sleuth.retrieval.docstore import passages_by_id
 from sleuth.rewards.answerer import answer_from_evidence, gen_acc, judge_contains
 from sleuth.rewards.metrics import aggregate, cover_exact_match, exact_match, f1_score, span_check
 from sleuth.utils import atomic_write_json, atomic_write_text, seed_everything
@@ -754,6 +755,8 @@ def evaluate(
     judge_same = judge is not None and (judge is model or (isinstance(judge, str) and judge == model))
     judge_obj = model_obj if judge_same else resolve_generator(judge)
     retriever_obj = resolve_retriever(retriever) if needs_retrieval else None
+    if "oracle" in method_list:
+        passages_by_id(retriever_obj, [])  # a retriever that cannot look ids up fails before any method runs
     assert generator_obj is not None
     ctx = _Context(model_obj, generator_obj, retriever_obj, cfg)
 
