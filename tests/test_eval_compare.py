@@ -235,6 +235,23 @@ def test_docstore_get_by_ids_returns_the_corpus_passages_in_order(small_world):
     assert store.get_by_ids([]) == []
 
 
+def test_passages_by_id_reaches_the_docstore_behind_a_hybrid_retriever(small_world):
+    from sleuth.retrieval import load_retriever
+    from sleuth.retrieval.docstore import passages_by_id
+    from sleuth.retrieval.hybrid import HybridRetriever
+
+    class NoStore:
+        def search(self, queries, k):
+            return [[] for _ in queries]
+
+    hybrid = HybridRetriever([NoStore(), load_retriever(small_world / "bm25")])
+    first = next(iter(iter_corpus(small_world / "corpus.jsonl")))
+    (hit,) = passages_by_id(hybrid, [first.id])
+    assert (hit.doc_id, hit.title, hit.text) == (first.id, first.title, first.text)
+    with pytest.raises(ConfigError, match="HybridRetriever cannot fetch passages by id"):
+        passages_by_id(HybridRetriever([NoStore()]), [first.id])
+
+
 def test_oracle_without_supporting_ids_names_the_data_file(tok, tmp_path):
     data = tmp_path / "plain.jsonl"
     data.write_text("".join(json.dumps({"id": e.id, "question": e.question, "golden_answers": e.golden_answers})
@@ -314,3 +331,12 @@ def test_report_shows_intervals_and_the_paired_table(fair_run, tmp_path):
     cem = summary["paired"]["methods"]["direct"]["cover_em"]
     assert f"+33.3 [{100 * cem['ci'][0]:+.1f}, {100 * cem['ci'][1]:+.1f}]" in page
     assert "<th>em_ci</th>" not in page  # intervals sit inside their metric's cells, not as columns
+
+
+def test_report_intervals_keep_their_decimals_when_the_means_are_whole():
+    from sleuth.eval.report import build_table
+
+    table = build_table([("a", {"em": 1.0, "em_ci": [0.85, 1.0], "n": 20}), ("b", {"em": 0.0, "n": 20})], "t")
+    assert [c["name"] for c in table["columns"]] == ["em"]
+    assert table["rows"][0]["cells"][0]["text"] == "1.0000" and table["rows"][0]["cells"][0]["ci"] == "[0.8500, 1.0000]"
+    assert table["rows"][1]["cells"][0]["ci"] == ""

@@ -550,11 +550,17 @@ def _cell(v: Any, best: bool, decimals: int, interval: Any = None) -> dict:
     return {"text": f"{v:.{decimals}f}" if _is_number(v) else format_value(v), "best": best, "ci": ci}
 
 
+def _interval_ends(rows: list[tuple[str, dict[str, Any]]], metric: str) -> list[Any]:
+    """The interval ends of a column: a 1.0 accuracy with a [0.85, 1.0] interval needs decimals too."""
+    ends = [vals.get(f"{metric}_ci") for _, vals in rows]
+    return [x for ci in ends if isinstance(ci, (list, tuple)) for x in ci]
+
+
 def build_table(rows: list[tuple[str, dict[str, Any]]], caption: str) -> dict:
     """rows: (row label, {metric: value, "n": count}). Returns what the template renders."""
     metrics = order_metrics(k for _, vals in rows for k in vals)
     best = {m: best_indices([vals.get(m) for _, vals in rows], m in LOWER_IS_BETTER) for m in metrics}
-    decimals = {m: column_decimals([vals.get(m) for _, vals in rows]) for m in metrics}
+    decimals = {m: column_decimals([vals.get(m) for _, vals in rows] + _interval_ends(rows, m)) for m in metrics}
     return {
         "caption": caption,
         "columns": [{"name": m, "lower": m in LOWER_IS_BETTER} for m in metrics],
