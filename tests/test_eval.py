@@ -26,10 +26,11 @@ from toyworld import ToyRetriever
 Q1 = "What is the capital of Varonia?"
 Q2 = "Where was the director of Blue Harbor born?"
 Q3 = "Which river flows through Quellstad?"
+# supporting_ids: the gold chain of each question in toyworld.PASSAGES (what the oracle reads)
 EXAMPLES = [
-    QAExample("q1", Q1, ["Quellstad"], {"dataset": "alpha"}),
-    QAExample("q2", Q2, ["Tarsk"], {"dataset": "alpha"}),
-    QAExample("q3", Q3, ["the Vell", "Vell river"], {"dataset": "beta"}),
+    QAExample("q1", Q1, ["Quellstad"], {"dataset": "alpha", "supporting_ids": ["p1"]}),
+    QAExample("q2", Q2, ["Tarsk"], {"dataset": "alpha", "supporting_ids": ["p3", "p4"]}),
+    QAExample("q3", Q3, ["the Vell", "Vell river"], {"dataset": "beta", "supporting_ids": ["p6"]}),
 ]
 # What the scripted model answers: right, a loose answer (cover-EM and span only), wrong.
 ANSWERS = {Q1: "Quellstad", Q2: "born in Tarsk town", Q3: "Quellstad"}
@@ -130,7 +131,8 @@ def test_every_method_runs_and_writes_the_output_layout(tok, tmp_path):
         assert per_ds["alpha"]["n"] == 2 and per_ds["beta"]["n"] == 1 and per_ds["overall"]["n"] == 3
         assert f"| {method} | alpha |" in md and f"| {method} | overall |" in md
     rc = {m: summary["methods"][m]["overall"]["retrieval_count"] for m in METHODS}
-    assert rc["direct"] == rc["cot"] == 0
+    assert rc["direct"] == rc["direct-generator"] == rc["cot"] == 0
+    assert rc["oracle"] == 0  # the gold passages are looked up by id, not searched
     assert rc["naive-rag"] == rc["search-r1"] == rc["staged"] == rc["search-o1"] == rc["r-search"] == 1
     assert rc["ircot"] == 2  # the question, then the first reasoning sentence
     assert rc["s3"] == 1 and rc["qagent"] == 1

@@ -33,3 +33,8 @@ class ToyRetriever:
             )
             out.append([Hit(h.doc_id, h.title, h.text, float(-s)) for s, _, h in scored[:k]])
         return out
+
+    def get_by_ids(self, doc_ids: list[str]) -> list[Hit | None]:
+        """Passages by id (None for an unknown id), as an index's docstore returns them (score 0)."""
+        by_id = {h.doc_id: Hit(h.doc_id, h.title, h.text, 0.0) for h in PASSAGES}
+        return [by_id.get(d) for d in doc_ids]

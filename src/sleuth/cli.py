@@ -27,6 +27,7 @@ COMMAND_MODULES = [
     "sleuth.agent.commands",
     "sleuth.eval.commands",
     "sleuth.eval.report_commands",
+    "sleuth.eval.compare_commands",
     "sleuth.rl.commands",
     "sleuth.serve.commands",
     "sleuth.demo",

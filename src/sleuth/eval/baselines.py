@@ -1,7 +1,9 @@
 """Untrained baselines the papers compare against, run batched: direct, CoT, naive RAG, IRCoT.
 
 Prompts (the papers do not fix them for these baselines; ours are written here):
-- direct: answer from parametric knowledge, the short answer inside `<answer>` tags;
+- direct: answer from parametric knowledge, the short answer inside `<answer>` tags (the
+  harness runs it with the trained model as "direct" and with the frozen reader as
+  "direct-generator": a contamination check);
 - cot: "think step by step", then the short answer inside `<answer>` tags;
 - naive-rag: top-k for the question, then the s3 frozen-generator prompt
   (`sleuth.rewards.answerer.document_prompt`, template "s3" by default);
@@ -12,7 +14,11 @@ Prompts (the papers do not fix them for these baselines; ours are written here):
   any other sentence becomes the next retrieval query (top-k, deduplicated into the
   collection, capped at `ircot_max_docs`). A chain that never states its answer is
   read by IRCoT's "direct reader": the same model answers from the collected
-  documents with the frozen-generator prompt.
+  documents with the frozen-generator prompt (the harness passes its frozen generator as
+  that reader, so a trained --model does not answer for the baseline);
+- oracle: no search; the question's gold supporting passages (`metadata["supporting_ids"]` of
+  a synthetic world), fetched by id from the index, go to the frozen reader with the s3
+  hand-over prompt. Its score is the ceiling of any searcher handing documents to that reader.
 
 Answers are taken from the last `<answer>` block when the prompt asks for one, with
 a fallback to the first non-empty line ("the answer is X" on it gives X; CoT: "the answer is X"
@@ -32,8 +38,10 @@ from typing import Any
 
 from sleuth.agent.trajectory import Trajectory
 from sleuth.data.formats import QAExample
+from sleuth.errors import ConfigError
 from sleuth.llm.base import Generation, Generator, Prompt, SamplingParams
 from sleuth.retrieval.base import Hit, Retriever, format_docs
+from sleuth.retrieval.docstore import passages_by_id
 from sleuth.rewards.answerer import clean_generation, document_prompt
 
 DIRECT_PROMPT = (
@@ -247,8 +255,9 @@ def _prompted(
     return outs
 
 
-def run_direct(model: Generator, examples: Sequence[QAExample], settings: BaselineSettings) -> list[MethodOutput]:
-    return _prompted("direct", DIRECT_PROMPT, "first_line", settings.answer_max_new_tokens, model, examples, settings)
+def run_direct(model: Generator, examples: Sequence[QAExample], settings: BaselineSettings,
+               method: str = "direct") -> list[MethodOutput]:  # fmt: skip
+    return _prompted(method, DIRECT_PROMPT, "first_line", settings.answer_max_new_tokens, model, examples, settings)
 
 
 def run_cot(model: Generator, examples: Sequence[QAExample], settings: BaselineSettings) -> list[MethodOutput]:
@@ -306,9 +315,11 @@ def _merge_docs(collected: list[Hit], new: Sequence[Hit], cap: int) -> None:
 
 
 def run_ircot(
-    model: Generator, retriever: Retriever, examples: Sequence[QAExample], settings: BaselineSettings
+    model: Generator, retriever: Retriever, examples: Sequence[QAExample], settings: BaselineSettings,
+    reader: Generator | None = None,
 ) -> list[MethodOutput]:
-    """IRCoT, simplified (see the module docstring); every step is one batched generate and one search."""
+    """IRCoT, simplified (see the module docstring); every step is one batched generate and one search.
+    `model` writes the reasoning; `reader` (default: `model`) answers chains that state no answer."""
     counter = CountingGenerator(model)
     n = len(examples)
     trajs = [_base_traj(ex, "ircot") for ex in examples]
@@ -360,8 +371,8 @@ def run_ircot(
         trajs[i].finish_reason = "max_turns"
 
     unanswered = [i for i in range(n) if answers[i] is None]
-    preds, _, counts = read_documents(model, [examples[i] for i in unanswered], [docs[i] for i in unanswered],
-                                      settings)
+    preds, _, counts = read_documents(reader or model, [examples[i] for i in unanswered],
+                                      [docs[i] for i in unanswered], settings)
     for i, pred, (n_in, n_out) in zip(unanswered, preds, counts, strict=True):
         answers[i] = pred
         tokens[i][0] += n_in
@@ -374,4 +385,37 @@ def run_ircot(
         traj.answer = answers[i]
         traj.extra["answer_from"] = "reader" if i in read else "chain"
         outs.append(MethodOutput(answers[i], traj.retrieval_count, tokens[i][0], tokens[i][1], traj))
+    return outs
+
+
+def gold_passages(retriever: Any, examples: Sequence[QAExample]) -> list[list[Hit]]:
+    """Each question's `metadata["supporting_ids"]` passages, fetched from the retriever's store."""
+    ids = [[str(d) for d in ex.metadata.get("supporting_ids") or []] for ex in examples]
+    found = iter(passages_by_id(retriever, [d for group in ids for d in group]))
+    out = []
+    for ex, group in zip(examples, ids, strict=True):
+        hits = [next(found) for _ in group]
+        missing = [d for d, h in zip(group, hits, strict=True) if h is None]
+        if missing:
+            raise ConfigError(
+                f"question {ex.id!r}: supporting passage(s) {', '.join(missing)} are not in the index; "
+                "was the index built from this world's corpus.jsonl?"
+            )
+        out.append([h for h in hits if h is not None])
+    return out
+
+
+def run_oracle(
+    reader: Generator, retriever: Any, examples: Sequence[QAExample], settings: BaselineSettings, template: str
+) -> list[MethodOutput]:
+    """The frozen reader answers from each question's gold supporting passages (no search)."""
+    docs = gold_passages(retriever, examples)
+    preds, texts, counts = read_documents(reader, examples, docs, settings, template)
+    outs = []
+    for ex, d, pred, text, (n_in, n_out) in zip(examples, docs, preds, texts, counts, strict=True):
+        traj = _base_traj(ex, "oracle")
+        traj.served_context = [x.to_dict() for x in d]
+        traj.num_turns, traj.finish_reason = 1, "answer"
+        traj.response_text, traj.answer = text, pred
+        outs.append(MethodOutput(pred, 0, n_in, n_out, traj, answer_source="generator"))
     return outs

@@ -27,7 +27,7 @@ def _pack(items: list[str], width: int, sep: str) -> list[str]:
     return ["  " + line for line in lines]
 
 
-def print_summary(console: Any, title: str, header: list[str], rows: list[list[str]]) -> None:
+def print_summary(console: Any, title: str, header: list[str], rows: list[list[str]], keys: int = 2) -> None:
     """The summary as a table when it fits the console, else one block per row that wraps, never truncates.
 
     A file or pipe gets rich's default 80 columns, where a 13-column table would shrink every cell to
@@ -38,7 +38,7 @@ def print_summary(console: Any, title: str, header: list[str], rows: list[list[s
 
     table = Table(title=title)
     for i, name in enumerate(header):
-        table.add_column(name, justify="left" if i < 2 else "right", no_wrap=True)
+        table.add_column(name, justify="left" if i < keys else "right", no_wrap=True)
     for row in rows:
         table.add_row(*row)
     # the width the table needs unshrunk (measuring against the console's own width caps it there)
@@ -47,8 +47,8 @@ def print_summary(console: Any, title: str, header: list[str], rows: list[list[s
         return
     console.print(title, highlight=False, markup=False)
     for row in rows:
-        head = f"{row[0]} / {row[1]} ({header[2]}={row[2]})"
-        pairs = [f"{name}: {value}" for name, value in zip(header[3:], row[3:], strict=True)]
+        head = f"{' / '.join(row[:keys])} ({header[keys]}={row[keys]})"
+        pairs = [f"{name}: {value}" for name, value in zip(header[keys + 1 :], row[keys + 1 :], strict=True)]
         console.print("\n".join([head] + _pack(pairs, console.width - 2, "   ")), highlight=False, markup=False,
                       soft_wrap=True)
 
@@ -58,8 +58,10 @@ def register(app: typer.Typer) -> None:
     def eval_cmd(
         method: list[str] = typer.Option(
             ..., "--method", "-m",
-            help="Method(s), repeatable or comma-separated: direct, cot, naive-rag, ircot, search-o1, "
-                 "search-r1, s3, r-search, staged, qagent.",
+            help="Method(s), repeatable or comma-separated: direct, direct-generator, cot, naive-rag, ircot, "
+                 "search-o1, search-r1, s3, r-search, staged, qagent, oracle. direct answers with --model, "
+                 "direct-generator with --generator (a contamination check: both without retrieval); oracle hands "
+                 "each question's gold passages (metadata.supporting_ids of a synthetic world) to --generator.",
         ),
         data: list[Path] = typer.Option(..., "--data", "-d", help="QA file(s): .jsonl/.json (FlashRAG) or .parquet."),
         retriever: str | None = typer.Option(
@@ -70,7 +72,9 @@ def register(app: typer.Typer) -> None:
             "smollm2-135m-instruct", "--model", help="Policy / prompted model: alias, checkpoint dir or openai:URL#model."
         ),
         generator: str | None = typer.Option(
-            None, "--generator", help="Frozen generator that answers from s3/qagent documents (default: --model)."
+            None, "--generator",
+            help="Frozen reader (default: --model) that answers from documents for s3/qagent and for naive-rag, "
+                 "IRCoT's reader, oracle and direct-generator, so one call compares them fairly.",
         ),
         judge: str | None = typer.Option(None, "--judge", help="LLM judge for GenAcc / judge accuracy (optional)."),
         out: Path = typer.Option(Path("eval-results"), "--out", "-o", help="Output directory (resumable)."),
@@ -119,4 +123,12 @@ def register(app: typer.Typer) -> None:
 
         header, rows = summary_rows(summary)
         print_summary(console, f"sleuth eval -> {out}  ({elapsed:.1f} s)", header, rows)
+        if summary.get("paired"):
+            from sleuth.eval.compare import CONSOLE_PAIRED_METRICS, paired_rows
+
+            header, rows = paired_rows(summary["paired"], CONSOLE_PAIRED_METRICS)
+            print_summary(
+                console, "minus naive-rag on the same questions: points [95% paired bootstrap interval]", header, rows,
+                keys=1,
+            )
         console.print(f"predictions: {out}/<method>/predictions.jsonl   summary: {out}/summary.json, summary.md")

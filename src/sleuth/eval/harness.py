@@ -6,16 +6,21 @@ Output layout (the report reads exactly this):
   span_check, genacc, judge}, retrieval_count, input_tokens, output_tokens, latency_s,
   answer_source, trajectory};
 - `OUT/<method>/config.json`: what the predictions depend on; a resumed run must match it;
-- `OUT/summary.json`: {"methods": {method: {dataset | "overall": {metric: mean, "n": count}}},
-  "config": {...}, "method_configs": {method: {...}}};
-- `OUT/summary.md`: the same as a markdown table.
+- `OUT/summary.json`: {"methods": {method: {dataset | "overall": {metric: mean, "<accuracy>_ci":
+  [lo, hi], "n": count}}}, "config": {...}, "method_configs": {method: {...}}, and, when naive-rag
+  has predictions in OUT, "paired": each method minus naive-rag on this call's questions
+  (sleuth.eval.compare)}; intervals are 95% percentile bootstraps (sleuth.eval.stats);
+- `OUT/summary.md`: the same as markdown tables.
 
-Methods: direct, cot, naive-rag, ircot (sleuth.eval.baselines), search-o1 (a prompted
-loop, sleuth.eval.search_o1), and the trained-agent loops search-r1, s3, r-search,
-staged, qagent (sleuth.agent), all decoded greedily. s3 and qagent are evaluated as
-searchers: the documents they gathered (`served_context`) go to a frozen generator
-that answers; with `r_search_evidence` R-Search's evidence block goes to the frozen
-generator too (RSTool). The other methods answer themselves.
+Methods: direct, direct-generator, cot, naive-rag, ircot, oracle (sleuth.eval.baselines),
+search-o1 (a prompted loop, sleuth.eval.search_o1), and the trained-agent loops search-r1,
+s3, r-search, staged, qagent (sleuth.agent), all decoded greedily. s3 and qagent are
+evaluated as searchers: the documents they gathered (`served_context`) go to a frozen
+generator that answers; with `r_search_evidence` R-Search's evidence block goes to the
+frozen generator too (RSTool). So that one call compares them fairly, the frozen generator
+is also the reader of every other method that answers from documents (naive-rag, IRCoT's
+reader, oracle) and answers direct-generator; direct, cot, IRCoT's reasoning, search-o1 and
+the other loops are the `model`.
 
 Latency is a batch's wall time (method and frozen generator, not the judge) divided
 by its size: the cost per question of batched evaluation, not a single-request latency.
@@ -45,24 +50,34 @@ from sleuth.eval.baselines import (
     run_direct,
     run_ircot,
     run_naive_rag,
+    run_oracle,
 )
+from sleuth.eval.compare import compare_with_baseline, paired_markdown
+from sleuth.eval.stats import DEFAULT_RESAMPLES, bootstrap_ci, bootstrap_cis
 from sleuth.llm.base import Generator, SamplingParams
 from sleuth.retrieval.base import Retriever
+from sleuth.retrieval.docstore import passages_by_id
 from sleuth.rewards.answerer import answer_from_evidence, gen_acc, judge_contains
 from sleuth.rewards.metrics import aggregate, cover_exact_match, exact_match, f1_score, span_check
 from sleuth.utils import atomic_write_json, atomic_write_text, seed_everything
 
 METHODS: tuple[str, ...] = (
-    "direct", "cot", "naive-rag", "ircot", "search-o1", "search-r1", "s3", "r-search", "staged", "qagent",
+    "direct", "direct-generator", "cot", "naive-rag", "ircot", "search-o1", "search-r1", "s3", "r-search",
+    "staged", "qagent", "oracle",
 )
 AGENT_LOOPS = {"search-r1": "search_r1", "s3": "s3", "r-search": "r_search", "staged": "staged", "qagent": "qagent"}
 # searcher-as-submodule methods and the frozen-generator prompt their documents are read with
 SUBMODULE_TEMPLATES = {"s3": "s3", "qagent": "qagent"}
-RETRIEVAL_FREE = frozenset({"direct", "cot"})
+RETRIEVAL_FREE = frozenset({"direct", "direct-generator", "cot"})
+# methods whose answer is read by the frozen generator (--generator, default --model), so one call
+# compares them fairly with the searchers handed over to it
+READER_METHODS = frozenset({"direct-generator", "naive-rag", "ircot", "oracle"})
+ORACLE_TEMPLATE = SUBMODULE_TEMPLATES["s3"]
 _ALIASES = {
     "naive_rag": "naive-rag", "rag": "naive-rag", "naiverag": "naive-rag", "search_o1": "search-o1",
     "searcho1": "search-o1", "search_r1": "search-r1", "searchr1": "search-r1", "r_search": "r-search",
     "rsearch": "r-search", "staged_reward": "staged", "staged-reward": "staged", "chain-of-thought": "cot",
+    "direct@generator": "direct-generator", "direct_generator": "direct-generator",
 }
 ANSWER_METRICS = ("em", "cover_em", "f1", "span_check", "genacc", "judge")
 COST_METRICS = ("retrieval_count", "input_tokens", "output_tokens", "latency_s")
@@ -218,6 +233,7 @@ def load_eval_data(paths: Sequence[str | Path], limit: int | None = None) -> lis
             raise DataFormatError(str(path), None, "holds no questions")
         for ex in examples[:limit] if limit else examples:
             meta = dict(ex.metadata or {})
+            meta.setdefault("source_file", str(path))  # named in errors about a question
             meta.setdefault("dataset", path.stem)
             if meta["dataset"] in (None, ""):
                 meta["dataset"] = path.stem
@@ -427,25 +443,50 @@ def run_method_batch(method: str, examples: Sequence[QAExample], ctx: _Context) 
     settings = _baseline_settings(method, ctx.cfg)
     if method == "direct":
         return run_direct(ctx.model, examples, settings)
+    if method == "direct-generator":
+        outs = run_direct(ctx.generator, examples, settings, method)
+        for out in outs:
+            out.answer_source = "generator"
+        return outs
     if method == "cot":
         return run_cot(ctx.model, examples, settings)
     if ctx.retriever is None:
         raise ConfigError(f"method {method!r} needs a retriever: pass --retriever INDEX_DIR or URL")
     if method == "naive-rag":
-        return run_naive_rag(ctx.model, ctx.retriever, examples, settings)
+        return run_naive_rag(ctx.generator, ctx.retriever, examples, settings)
     if method == "ircot":
-        return run_ircot(ctx.model, ctx.retriever, examples, settings)
+        return run_ircot(ctx.model, ctx.retriever, examples, settings, reader=ctx.generator)
+    if method == "oracle":
+        return run_oracle(ctx.generator, ctx.retriever, examples, settings, ORACLE_TEMPLATE)
     return _run_agent(method, examples, ctx)
+
+
+def check_oracle_examples(items: Sequence[_Item]) -> None:
+    """The oracle needs every question's gold passages; say which file lacks them before anything runs."""
+    for it in items:
+        ids = it.example.metadata.get("supporting_ids") if isinstance(it.example.metadata, Mapping) else None
+        if not isinstance(ids, list) or not ids:
+            source = it.example.metadata.get("source_file") if isinstance(it.example.metadata, Mapping) else None
+            where = f"data file {source}" if source else f"dataset {it.dataset!r}"
+            raise ConfigError(
+                f"method oracle needs each question's gold passages (metadata.supporting_ids, as a synthetic "
+                f"world from `sleuth synth` writes them), but question {it.example.id!r} of {where} has none; "
+                "drop oracle from --method for this data"
+            )
 
 
 def method_config(method: str, ctx: _Context, retriever_desc: str | None, model_desc: str | None,
                   generator_desc: str | None, judge_desc: str | None) -> dict[str, Any]:
     """Everything a method's stored predictions depend on (compared when resuming)."""
     cfg = ctx.cfg
-    uses_generator = method in SUBMODULE_TEMPLATES or (method == "r-search" and cfg.r_search_evidence)
+    uses_generator = (
+        method in SUBMODULE_TEMPLATES or method in READER_METHODS or (method == "r-search" and cfg.r_search_evidence)
+    )
+    reader_only = method in ("direct-generator", "naive-rag", "oracle")  # the --model plays no part
+    templates = {"naive-rag": cfg.answer_template, "ircot": cfg.answer_template, "oracle": ORACLE_TEMPLATE}
     return {
         "method": method,
-        "model": model_desc,
+        "model": None if reader_only else model_desc,
         "generator": generator_desc if uses_generator else None,
         "judge": judge_desc,
         "retriever": None if method in RETRIEVAL_FREE else retriever_desc,
@@ -456,7 +497,7 @@ def method_config(method: str, ctx: _Context, retriever_desc: str | None, model_
         "answer_max_new_tokens": cfg.answer_max_new_tokens,
         "max_obs_tokens": cfg.max_obs_tokens,
         "max_response_tokens": cfg.max_response_tokens,
-        "answer_template": cfg.answer_template if method in ("naive-rag", "ircot") else None,
+        "answer_template": templates.get(method),
         "r_search_evidence": cfg.r_search_evidence if method == "r-search" else None,
     }
 
@@ -547,16 +588,41 @@ def run_method(
 # -- summary -------------------------------------------------------------------------------------------
 
 
-def summarise_records(records: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, float | int | None]]:
-    """Per dataset and "overall": the mean of every metric (None when never computed) and "n"."""
+def summarise_records(records: Sequence[Mapping[str, Any]], seed: int = 0) -> dict[str, dict[str, Any]]:
+    """Per dataset and "overall": the mean of every metric (None when never computed), "n", and next to
+    each accuracy `<metric>_ci`: its 95% percentile bootstrap interval [lo, hi] (None when not computed)."""
     rows = [
         {"dataset": r["dataset"], **{k: r["metrics"].get(k) for k in ANSWER_METRICS},
          **{k: r.get(k) for k in COST_METRICS}}
         for r in records
     ]
-    return aggregate(rows, METRIC_KEYS, by="dataset")
+    means = aggregate(rows, METRIC_KEYS, by="dataset")
+    out: dict[str, dict[str, Any]] = {}
+    for group, stats in means.items():
+        members = rows if group == "overall" else [r for r in rows if str(r["dataset"]) == group]
+        intervals = _intervals(members, seed)
+        with_ci: dict[str, Any] = {}
+        for key, value in stats.items():
+            with_ci[key] = value
+            if key in ANSWER_METRICS:
+                with_ci[f"{key}_ci"] = intervals.get(key)
+        out[group] = with_ci
+    return out
 
 
+def _intervals(rows: Sequence[Mapping[str, Any]], seed: int) -> dict[str, list[float]]:
+    """The bootstrap interval of each accuracy the rows score: the ones every row scores share
+    resamples; one scored on some rows only (a judge that skipped some) is resampled on those."""
+    complete = {k: [float(r[k]) for r in rows] for k in ANSWER_METRICS if all(r[k] is not None for r in rows)}
+    out = {k: list(ci) for k, ci in bootstrap_cis(complete, seed=seed).items()} if rows else {}
+    for key in ANSWER_METRICS:
+        values = [float(r[key]) for r in rows if r[key] is not None]
+        if key not in out and values:
+            out[key] = list(bootstrap_ci(values, seed=seed))
+    return out
+
+
+HEADLINE_METRIC = "genacc"  # the console shows this accuracy's interval; summary.md shows every one
 COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("em", "EM", "pct"), ("cover_em", "CEM", "pct"), ("f1", "F1", "pct"), ("span_check", "Span", "pct"),
     ("genacc", "GenAcc", "pct"), ("judge", "Judge", "pct"), ("retrieval_count", "RC", "{:.2f}"),
@@ -572,9 +638,29 @@ def _fmt(value: Any, how: str) -> str:
     return how.format(float(value))
 
 
-def summary_rows(summary: Mapping[str, Any]) -> tuple[list[str], list[list[str]]]:
-    """Header and rows (method x dataset; "overall" only when there are several datasets)."""
-    header = ["method", "dataset", "n"] + [c[1] + (" %" if c[2] == "pct" else "") for c in COLUMNS]
+def _cell(stats: Mapping[str, Any], key: str, how: str, with_interval: bool) -> str:
+    """A value; with `with_interval` and a stored interval, '45.0 [40.1, 49.9]'."""
+    text = _fmt(stats.get(key), how)
+    interval = stats.get(f"{key}_ci")
+    if with_interval and isinstance(interval, (list, tuple)) and len(interval) == 2:
+        text += f" [{_fmt(interval[0], how)}, {_fmt(interval[1], how)}]"
+    return text
+
+
+def summary_rows(summary: Mapping[str, Any], intervals: str = "headline") -> tuple[list[str], list[list[str]]]:
+    """Header and rows (method x dataset; "overall" only when there are several datasets).
+
+    `intervals`: "headline" puts the 95% interval beside the headline accuracy only (GenAcc; the
+    console table stays narrow), "all" beside every accuracy (summary.md), "none" nowhere."""
+    if intervals not in ("headline", "all", "none"):
+        raise ValueError(f"intervals must be 'headline', 'all' or 'none', got {intervals!r}")
+    shown = {
+        key: how == "pct" and (intervals == "all" or (intervals == "headline" and key == HEADLINE_METRIC))
+        for key, _, how in COLUMNS
+    }
+    header = ["method", "dataset", "n"] + [
+        c[1] + (" %" if c[2] == "pct" else "") + (" [95% CI]" if shown[c[0]] else "") for c in COLUMNS
+    ]
     rows = []
     for method, per_dataset in summary["methods"].items():
         names = sorted(d for d in per_dataset if d != "overall")
@@ -582,21 +668,25 @@ def summary_rows(summary: Mapping[str, Any]) -> tuple[list[str], list[list[str]]
             names.append("overall")
         for name in names:
             stats = per_dataset[name]
-            rows.append([method, name, str(stats["n"])] + [_fmt(stats.get(key), how) for key, _, how in COLUMNS])
+            rows.append([method, name, str(stats["n"])]
+                        + [_cell(stats, key, how, shown[key]) for key, _, how in COLUMNS])
     return header, rows
 
 
 def summary_markdown(summary: Mapping[str, Any]) -> str:
-    header, rows = summary_rows(summary)
+    header, rows = summary_rows(summary, intervals="all")
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
     lines += ["| " + " | ".join(r) + " |" for r in rows]
     cfg = summary.get("config", {})
     notes = (
-        f"\nAccuracy columns are percentages. RC = retrievals per question; tokens per question; "
+        f"\nAccuracy columns are percentages with a 95% percentile bootstrap interval over questions ({DEFAULT_RESAMPLES} "
+        f"resamples). RC = retrievals per question; tokens per question; "
         f"s/q = batch wall time / batch size. Model: {cfg.get('model')}; generator: {cfg.get('generator')}; "
-        f"judge: {cfg.get('judge')}.\n"
+        f"judge: {cfg.get('judge')}. naive-rag, ircot's reader, oracle and direct-generator answer with the "
+        f"generator; direct with the model.\n"
     )
-    return "\n".join(lines) + "\n" + notes
+    paired = summary.get("paired")
+    return "\n".join(lines) + "\n" + notes + ("\n" + paired_markdown(paired) if paired else "")
 
 
 def write_summary(out_dir: Path, summary: Mapping[str, Any]) -> None:
@@ -652,6 +742,8 @@ def evaluate(
     items = _items(list(examples), cfg.default_dataset)
     if not items:
         raise ConfigError("no questions to evaluate")
+    if "oracle" in method_list:
+        check_oracle_examples(items)
     if model is None:
         raise ConfigError("evaluate needs a model (a Generator or a model spec)")
     needs_retrieval = [m for m in method_list if m not in RETRIEVAL_FREE]
@@ -667,6 +759,8 @@ def evaluate(
     judge_same = judge is not None and (judge is model or (isinstance(judge, str) and judge == model))
     judge_obj = model_obj if judge_same else resolve_generator(judge)
     retriever_obj = resolve_retriever(retriever) if needs_retrieval else None
+    if "oracle" in method_list:
+        passages_by_id(retriever_obj, [])  # a retriever that cannot look ids up fails before any method runs
     assert generator_obj is not None
     ctx = _Context(model_obj, generator_obj, retriever_obj, cfg)
 
@@ -682,6 +776,7 @@ def evaluate(
     method_summaries: dict[str, Any] = dict(previous.get("methods", {}))
     method_configs: dict[str, Any] = dict(previous.get("method_configs", {}))
 
+    run_records: dict[str, list[dict]] = {}
     bar = _progress_bar(console) if progress else None
     try:
         for method in method_list:
@@ -694,30 +789,53 @@ def evaluate(
                     bar.advance(task, n)
 
             records = run_method(method, items, ctx, judge_obj, out, mcfg, on_progress)
-            method_summaries[method] = summarise_records(records)
+            run_records[method] = records
+            method_summaries[method] = summarise_records(records, seed=cfg.seed)
             method_configs[method] = mcfg
     finally:
         if bar is not None:
             bar.stop()
 
     ordered = sorted(method_summaries, key=lambda m: (METHODS.index(m) if m in METHODS else len(METHODS), m))
+    summary = {
+        "methods": {m: method_summaries[m] for m in ordered},
+        "config": _run_config(descs, cfg, method_list, items, run_info),
+        "method_configs": {m: method_configs[m] for m in ordered if m in method_configs},
+    }
+    paired = _compare_with_naive_rag(out, ordered, run_records, items, cfg.seed)
+    if paired is not None:
+        summary["paired"] = paired
+    write_summary(out, summary)
+    return summary
+
+
+def _run_config(descs: Mapping[str, Any], cfg: EvalConfig, method_list: Sequence[str], items: Sequence[_Item],
+                run_info: Mapping[str, Any] | None) -> dict[str, Any]:  # fmt: skip
+    """The summary's "config": what this call evaluated, with what."""
     datasets: dict[str, int] = {}
     for it in items:
         datasets[it.dataset] = datasets.get(it.dataset, 0) + 1
-    summary = {
-        "methods": {m: method_summaries[m] for m in ordered},
-        "config": {
-            **descs,
-            **{k: v for k, v in asdict(cfg).items() if k not in ("fresh",)},
-            "methods": method_list,
-            "datasets": datasets,
-            "num_questions": len(items),
-            **dict(run_info or {}),
-        },
-        "method_configs": {m: method_configs[m] for m in ordered if m in method_configs},
+    return {
+        **descs,
+        **{k: v for k, v in asdict(cfg).items() if k not in ("fresh",)},
+        "methods": list(method_list),
+        "datasets": datasets,
+        "num_questions": len(items),
+        **dict(run_info or {}),
     }
-    write_summary(out, summary)
-    return summary
+
+
+def _compare_with_naive_rag(out_dir: Path, methods: Sequence[str], run_records: Mapping[str, list[dict]],
+                            items: Sequence[_Item], seed: int) -> dict[str, Any] | None:  # fmt: skip
+    """Each method minus naive-rag on this call's questions, when naive-rag ran now or earlier in `out_dir`."""
+    baseline = "naive-rag"
+    if baseline not in run_records and not (out_dir / baseline / "predictions.jsonl").exists():
+        return None
+    predictions = {
+        m: run_records[m] if m in run_records else list(load_predictions(out_dir / m / "predictions.jsonl").values())
+        for m in methods
+    }
+    return compare_with_baseline(predictions, [it.key for it in items], seed=seed, baseline=baseline)
 
 
 def _progress_bar(console: Any):

@@ -147,8 +147,10 @@ def column_decimals(values: Sequence[Any]) -> int:
 
 
 def order_metrics(keys: Iterable[str]) -> list[str]:
-    """Known metrics in METRIC_ORDER, then the others alphabetically; "n" is left out."""
-    keys = {k for k in keys if k != "n"}
+    """Known metrics in METRIC_ORDER, then the others alphabetically; "n" and the intervals
+    (`<metric>_ci`, shown inside their metric's cell) are left out."""
+    keys = set(keys)
+    keys = {k for k in keys if k != "n" and not (k.endswith("_ci") and k[: -len("_ci")] in keys)}
     known = [k for k in METRIC_ORDER if k in keys]
     return known + sorted(keys - set(known))
 
@@ -292,6 +294,7 @@ class EvalRun:
     label: str
     methods: dict[str, dict[str, dict[str, Any]]]  # method -> dataset|"overall" -> metric -> value
     config: dict
+    paired: dict | None = None  # summary.json "paired": each method minus naive-rag with its interval
     predictions: dict[str, list[dict]] = field(default_factory=dict)  # method -> records
 
 
@@ -337,6 +340,7 @@ def load_eval_run(summary_path: Path, root: Path, warnings: list[str]) -> EvalRu
         _label(eval_dir, root),
         methods,
         summary.get("config") if isinstance(summary.get("config"), dict) else {},
+        summary.get("paired") if isinstance(summary.get("paired"), dict) else None,
     )
     for method in methods:
         pred_path = eval_dir / method / "predictions.jsonl"
@@ -538,15 +542,25 @@ def plot_time(run: TrainingRun) -> str | None:
 # ----------------------------------------------------------------------------
 
 
-def _cell(v: Any, best: bool, decimals: int) -> dict:
-    return {"text": f"{v:.{decimals}f}" if _is_number(v) else format_value(v), "best": best}
+def _cell(v: Any, best: bool, decimals: int, interval: Any = None) -> dict:
+    """A table cell; `interval` ([lo, hi] from summary.json) is shown beside the value, same decimals."""
+    ci = ""
+    if isinstance(interval, (list, tuple)) and len(interval) == 2 and all(_is_number(x) for x in interval):
+        ci = f"[{interval[0]:.{decimals}f}, {interval[1]:.{decimals}f}]"
+    return {"text": f"{v:.{decimals}f}" if _is_number(v) else format_value(v), "best": best, "ci": ci}
+
+
+def _interval_ends(rows: list[tuple[str, dict[str, Any]]], metric: str) -> list[Any]:
+    """The interval ends of a column: a 1.0 accuracy with a [0.85, 1.0] interval needs decimals too."""
+    ends = [vals.get(f"{metric}_ci") for _, vals in rows]
+    return [x for ci in ends if isinstance(ci, (list, tuple)) for x in ci]
 
 
 def build_table(rows: list[tuple[str, dict[str, Any]]], caption: str) -> dict:
     """rows: (row label, {metric: value, "n": count}). Returns what the template renders."""
     metrics = order_metrics(k for _, vals in rows for k in vals)
     best = {m: best_indices([vals.get(m) for _, vals in rows], m in LOWER_IS_BETTER) for m in metrics}
-    decimals = {m: column_decimals([vals.get(m) for _, vals in rows]) for m in metrics}
+    decimals = {m: column_decimals([vals.get(m) for _, vals in rows] + _interval_ends(rows, m)) for m in metrics}
     return {
         "caption": caption,
         "columns": [{"name": m, "lower": m in LOWER_IS_BETTER} for m in metrics],
@@ -554,7 +568,7 @@ def build_table(rows: list[tuple[str, dict[str, Any]]], caption: str) -> dict:
             {
                 "label": label,
                 "n": vals.get("n"),
-                "cells": [_cell(vals.get(m), i in best[m], decimals[m]) for m in metrics],
+                "cells": [_cell(vals.get(m), i in best[m], decimals[m], vals.get(f"{m}_ci")) for m in metrics],
             }
             for i, (label, vals) in enumerate(rows)
         ],
@@ -570,6 +584,23 @@ def eval_tables(run: EvalRun) -> list[dict]:
         rows = [(m, per[ds]) for m, per in run.methods.items() if isinstance(per.get(ds), dict)]
         tables.append(build_table(rows, ds))
     return tables
+
+
+def paired_table(run: EvalRun) -> dict | None:
+    """Each method minus the baseline on the same questions (summary.json "paired"), in points."""
+    from sleuth.eval.compare import paired_rows
+
+    paired = run.paired
+    if not paired or not isinstance(paired.get("methods"), dict) or not paired["methods"]:
+        return None
+    try:
+        header, rows = paired_rows(paired)
+    except (KeyError, TypeError, ValueError) as err:
+        raise DataFormatError(str(run.path / "summary.json"), None, f"unreadable 'paired' section ({err!r})") from err
+    pct = round(100 * float(paired.get("confidence", 0.95)))
+    caption = (f"difference with {paired.get('baseline')} on the same questions, percentage points "
+               f"[{pct}% paired bootstrap interval]")  # fmt: skip
+    return {"caption": caption, "header": header, "rows": rows}
 
 
 def comparison_table(evals: list[EvalRun]) -> dict | None:
@@ -871,6 +902,7 @@ def render_report(data: RunData, title: str | None = None, notes: list[str] | No
             "path": str(e.path),
             "config": _config_items(e.config),
             "tables": eval_tables(e),
+            "paired": paired_table(e),
             "n_predictions": {m: len(r) for m, r in e.predictions.items()},
         }
         for e in data.evals
