@@ -406,10 +406,118 @@ def pack(args) -> None:
         print("packed", f.name, f.stat().st_size)
 
 
+ROWS = (("full", "sft", "SFT only"), ("full", "rl", "SFT + RL"), ("warm", "sft", "warm-up only"),
+        ("warm", "rl", "warm-up + RL"))
+
+
+def _records(path: Path) -> list[dict] | None:
+    from sleuth.eval.harness import load_predictions
+
+    return list(load_predictions(path).values()) if path.exists() else None
+
+
+def reward_slope(path: Path) -> dict[str, Any] | None:
+    """OLS slope of the mean training reward over RL steps, with a 95% t interval (steps as samples)."""
+    import numpy as np
+    from scipy import stats as st
+
+    if not path.exists():
+        return None
+    rows = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+    if len(rows) < 3:
+        return None
+    x = np.array([r["step"] for r in rows], dtype=float)
+    y = np.array([r["reward/mean"] for r in rows], dtype=float)
+    fit = st.linregress(x, y)
+    half = st.t.ppf(0.975, len(x) - 2) * fit.stderr
+    return {"steps": len(x), "slope": fit.slope, "ci": [fit.slope - half, fit.slope + half],
+            "first": float(y[:3].mean()), "last": float(y[-3:].mean()), "rewards": y.tolist()}
+
+
+def report(args) -> None:
+    """Tables (accuracy with 95% bootstrap intervals, paired differences), reward slopes and plots."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from sleuth.eval.compare import paired_difference
+    from sleuth.eval.stats import bootstrap_ci
+
+    out, dest = Path(args.out), Path(args.dest)
+    dest.mkdir(parents=True, exist_ok=True)
+    base = out / "shared" / "eval_base"
+    naive, oracle = _records(base / "naive-rag" / "predictions.jsonl"), _records(base / "oracle" / "predictions.jsonl")
+    metric = "span_check"
+
+    def acc(recs):
+        vals = [r["metrics"][metric] for r in recs]
+        lo, hi = bootstrap_ci(vals)
+        rc = sum(r.get("retrieval_count", 0) for r in recs) / len(recs)
+        return {"n": len(vals), "acc": sum(vals) / len(vals), "ci": [lo, hi], "rc": rc}
+
+    def diff(a, b):
+        d = paired_difference(a, b, metric)
+        return {"diff": d["diff"], "ci": d["ci"], "n": d["n"]}
+
+    result: dict[str, Any] = {"metric": metric, "card": (out / "card.txt").read_text().splitlines()[0]
+                              if (out / "card.txt").exists() else None,
+                              "shared": {"naive-rag": acc(naive), "oracle": acc(oracle),
+                                         "direct": acc(_records(base / "direct" / "predictions.jsonl"))},
+                              "methods": {}}
+    for method in METHODS:
+        rows, rec_of = {}, {}
+        for variant, kind, label in ROWS:
+            recs = _records(out / method / f"eval_{variant}_{kind}" / EVAL_NAMES[method] / "predictions.jsonl")
+            if recs is None:
+                continue
+            direct = _records(out / method / f"eval_{variant}_{kind}" / "direct" / "predictions.jsonl")
+            rec_of[label] = recs
+            rows[label] = {**acc(recs), "vs_naive_rag": diff(recs, naive),
+                           "own_direct_answer": acc(direct) if direct else None}
+        for a, b in (("SFT + RL", "SFT only"), ("warm-up + RL", "warm-up only")):
+            if a in rec_of and b in rec_of:
+                rows[a]["vs_" + b.replace(" ", "_")] = diff(rec_of[a], rec_of[b])
+        slopes = {v: reward_slope(out / method / v / "metrics.jsonl") for v in ("full", "warm")}
+        result["methods"][method] = {"rows": rows, "reward_slope": {k: v for k, v in slopes.items() if v}}
+    atomic_write_json(dest / "learning.json", result)
+
+    fig, axes = plt.subplots(1, len(METHODS), figsize=(4 * len(METHODS), 3.2), sharey=True)
+    for ax, method in zip(axes, METHODS, strict=True):
+        for variant, slope in result["methods"][method]["reward_slope"].items():
+            ax.plot(range(1, slope["steps"] + 1), slope["rewards"], marker="o", ms=3,
+                    label=f"from {'SFT' if variant == 'full' else 'warm-up'} (slope {slope['slope']:+.3f}/step)")
+        ax.set_title(method)
+        ax.set_xlabel("RL step")
+        ax.legend(fontsize=7)
+    axes[0].set_ylabel("mean training reward")
+    fig.tight_layout()
+    fig.savefig(dest / "reward_curves.png", dpi=110)
+
+    fig, ax = plt.subplots(figsize=(11, 3.8))
+    labels, values, errs = ["naive RAG", "oracle"], [], []
+    for key in ("naive-rag", "oracle"):
+        r = result["shared"][key]
+        values.append(r["acc"])
+        errs.append([r["acc"] - r["ci"][0], r["ci"][1] - r["acc"]])
+    for method in METHODS:
+        for label, r in result["methods"][method]["rows"].items():
+            labels.append(f"{method}\n{label}")
+            values.append(r["acc"])
+            errs.append([r["acc"] - r["ci"][0], r["ci"][1] - r["acc"]])
+    ax.bar(range(len(values)), [100 * v for v in values], yerr=[[100 * e[0] for e in errs], [100 * e[1] for e in errs]],
+           color=["grey", "black"] + ["tab:blue"] * (len(values) - 2), capsize=3)
+    ax.set_xticks(range(len(values)), labels, fontsize=6)
+    ax.set_ylabel(f"{metric} % (95% CI)")
+    fig.tight_layout()
+    fig.savefig(dest / "accuracy.png", dpi=110)
+    print(json.dumps(result, indent=1, default=float)[:6000])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="cmd", required=True)
-    for name in ("run", "lane", "status", "pack"):
+    for name in ("run", "lane", "status", "pack", "report"):
         p = sub.add_parser(name)
         p.add_argument("--out", default="runs/learn")
         p.add_argument("--model", default="smollm2-135m-instruct")
@@ -420,7 +528,7 @@ def main() -> None:
         p.add_argument("--jobs", default="")
         p.add_argument("--dest", default="runs/learn_packed")
     args = parser.parse_args()
-    {"run": run, "lane": lane, "status": status, "pack": pack}[args.cmd](args)
+    {"run": run, "lane": lane, "status": status, "pack": pack, "report": report}[args.cmd](args)
 
 
 if __name__ == "__main__":

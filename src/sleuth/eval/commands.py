@@ -80,10 +80,22 @@ def register(app: typer.Typer) -> None:
         out: Path = typer.Option(Path("eval-results"), "--out", "-o", help="Output directory (resumable)."),
         limit: int | None = typer.Option(None, "--limit", help="First N questions of each data file."),
         seed: int = typer.Option(0, "--seed", help="Random seed."),
-        top_k: int | None = typer.Option(None, "--top-k", help="Documents per search (default: each method's)."),
-        max_turns: int | None = typer.Option(None, "--max-turns", help="Search turns (default: each method's)."),
+        top_k: int | None = typer.Option(
+            None, "--top-k", help="Documents per search (default: a checkpoint's own, else each method's)."
+        ),
+        max_turns: int | None = typer.Option(
+            None, "--max-turns", help="Search turns (default: a checkpoint's own, else each method's)."
+        ),
         batch_size: int = typer.Option(16, "--batch-size", help="Questions generated together."),
-        max_new_tokens: int = typer.Option(512, "--max-new-tokens", help="Tokens per agent turn / CoT."),
+        max_new_tokens: int | None = typer.Option(
+            None, "--max-new-tokens", help="Tokens per agent turn / CoT (default: a checkpoint's own, else 512)."
+        ),
+        max_obs_tokens: int | None = typer.Option(
+            None, "--max-obs-tokens", help="Tokens of inserted documents per search (default: a checkpoint's, else 512)."
+        ),
+        max_response_tokens: int | None = typer.Option(
+            None, "--max-response-tokens", help="Tokens of a whole agent response (default: a checkpoint's, else 4096)."
+        ),
         answer_max_new_tokens: int = typer.Option(64, "--answer-max-new-tokens", help="Tokens per short answer."),
         r_search_evidence: bool = typer.Option(
             False, "--r-search-evidence", help="R-Search: the frozen generator answers from its evidence (RSTool)."
@@ -97,15 +109,25 @@ def register(app: typer.Typer) -> None:
         from rich.console import Console
 
         from sleuth.errors import SleuthError
-        from sleuth.eval.harness import EvalConfig, evaluate, load_eval_data, parse_methods, summary_rows
+        from sleuth.eval.harness import (
+            EvalConfig,
+            checkpoint_budgets,
+            evaluate,
+            load_eval_data,
+            parse_methods,
+            summary_rows,
+        )
 
         console = Console()
         try:
             methods = parse_methods(method)
+            given = {"top_k": top_k, "max_turns": max_turns, "max_new_tokens": max_new_tokens,
+                     "max_obs_tokens": max_obs_tokens, "max_response_tokens": max_response_tokens}
+            # a trained checkpoint is evaluated with the budgets it was trained with unless told otherwise
+            budgets = {**checkpoint_budgets(model), **{k: v for k, v in given.items() if v is not None}}
             cfg = EvalConfig(
-                batch_size=batch_size, seed=seed, top_k=top_k, max_turns=max_turns, max_new_tokens=max_new_tokens,
-                answer_max_new_tokens=answer_max_new_tokens, r_search_evidence=r_search_evidence,
-                keep_token_ids=keep_token_ids, fresh=fresh,
+                batch_size=batch_size, seed=seed, answer_max_new_tokens=answer_max_new_tokens,
+                r_search_evidence=r_search_evidence, keep_token_ids=keep_token_ids, fresh=fresh, **budgets,
             )
             examples = load_eval_data(data, limit)
         except (SleuthError, OSError) as err:

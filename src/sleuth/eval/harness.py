@@ -172,6 +172,24 @@ def resolve_generator(spec: Generator | str | Mapping | None) -> Generator | Non
     return load_generator(dict(spec) if isinstance(spec, Mapping) else str(spec))
 
 
+def checkpoint_budgets(spec: str | Path) -> dict[str, int]:
+    """The token budgets and top-k a checkpoint was trained with (EvalConfig field names), so evaluating it
+    uses the rollout it learned; {} for anything that is not a sleuth checkpoint."""
+    if not isinstance(spec, (str, Path)) or not is_sleuth_checkpoint(spec):
+        return {}
+    from sleuth.agent.searcher import SEARCHER_FILE, resolve_checkpoint
+
+    info = json.loads((resolve_checkpoint(spec) / SEARCHER_FILE).read_text(encoding="utf-8"))
+    found = {
+        "max_new_tokens": info.get("max_new_tokens_per_turn"),
+        "max_obs_tokens": info.get("max_obs_tokens"),
+        "max_response_tokens": info.get("max_response_tokens"),
+        "top_k": info.get("loop_options", {}).get("top_k"),
+        "max_turns": info.get("loop_options", {}).get("max_turns"),
+    }
+    return {k: int(v) for k, v in found.items() if isinstance(v, int)}
+
+
 def is_sleuth_checkpoint(spec: str | Path) -> bool:
     """A `sleuth train` checkpoint directory or run directory (holding one)."""
     path = Path(spec)

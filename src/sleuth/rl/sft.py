@@ -110,13 +110,8 @@ def run_sft(recipe: Recipe, *, resume: bool = True, console: Any = None) -> dict
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
     from sleuth.agent.searcher import resolve_checkpoint
-    from sleuth.rl.trainer import (
-        MetricsLog,
-        autocast,
-        build_optimizer,
-        load_policy,
-        searcher_info,
-    )
+    from sleuth.rl.loggers import open_recipe_loggers
+    from sleuth.rl.trainer import autocast, build_optimizer, load_policy, searcher_info
 
     cfg = recipe.sft
     if cfg is None:
@@ -140,7 +135,7 @@ def run_sft(recipe: Recipe, *, resume: bool = True, console: Any = None) -> dict
         set_rng_state(tensor_state["rng"])
         console.print(f"[bold]resuming SFT[/] from {ckpt} (step {done} of {total})")
     out_dir.mkdir(parents=True, exist_ok=True)
-    log = MetricsLog(out_dir, done, recipe.trainer.tensorboard)
+    log = open_recipe_loggers(recipe.model_copy(update={"name": f"{recipe.name}-sft"}), out_dir, done)
     pad = tokenizer.pad_token_id
     params = [p for p in policy.parameters() if p.requires_grad]
     info = {"records": len(train), "held_out_records": len(held), "steps": total, "data": cfg.data}
@@ -192,5 +187,6 @@ def run_sft(recipe: Recipe, *, resume: bool = True, console: Any = None) -> dict
     final = latest_checkpoint(out_dir)
     if final is None:
         raise ConfigError(f"SFT wrote no checkpoint under {out_dir}")
+    log.finish({"checkpoint": str(final), "steps": total, "final_metrics": last})
     atomic_write_json(out_dir / "sft.json", {**info, "final_checkpoint": str(final), "last": last})
     return {"out_dir": str(out_dir), "checkpoint": str(final), "metrics": last}
