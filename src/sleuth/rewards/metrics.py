@@ -19,6 +19,7 @@ from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+from sleuth import tags
 from sleuth.text import normalize_answer
 
 # pyserini's SimpleTokenizer: runs of letters/digits/marks, or any single other visible char
@@ -109,13 +110,10 @@ def f1_score(pred: str | None, golds: str | Iterable[str]) -> float:
     return best
 
 
-def _tag_re(tag: str) -> re.Pattern[str]:
-    return re.compile(rf"<{re.escape(tag)}\s*>(.*?)</{re.escape(tag)}\s*>", re.DOTALL)
-
-
 def extract_tags(text: str, tag: str) -> list[str]:
-    """Contents of every complete `<tag>...</tag>` block, in order (non-greedy, not nested)."""
-    return [m.group(1) for m in _tag_re(tag).finditer(text)]
+    """Contents of every complete `<tag>...</tag>` block, in order (non-greedy, not nested; exact
+    tags only, as Search-R1's `<answer>(.*?)</answer>`)."""
+    return tags.blocks(text, tag)
 
 
 def extract_tag(text: str, tag: str, last: bool = True) -> str | None:
