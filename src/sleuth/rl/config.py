@@ -15,6 +15,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from sleuth.errors import ConfigError
+from sleuth.utils import RetryPolicy
 
 
 class _Strict(BaseModel):
@@ -169,6 +170,25 @@ class TrainerConfig(_Strict):
     eval_examples: int = Field(64, ge=1)
 
 
+class RetryConfig(_Strict):
+    """Backoff for calls to the retriever server and remote judge/generator models. The default
+    waits out a 2-minute outage (a 60 s one with room to spare); past it the trainer writes a
+    checkpoint and exits naming the service."""
+
+    max_attempts: int = Field(1000, ge=1)
+    initial_delay_s: float = Field(0.5, ge=0.0)
+    max_delay_s: float = Field(8.0, ge=0.0)
+    budget_s: float = Field(120.0, ge=0.0)  # since the first failed attempt of one call
+    jitter: float = Field(0.5, ge=0.0, le=1.0)
+
+    def policy(self) -> RetryPolicy:
+        return RetryPolicy(**self.model_dump())
+
+
+class ServicesConfig(_Strict):
+    retry: RetryConfig = Field(default_factory=RetryConfig)
+
+
 class Recipe(_Strict):
     name: str
     description: str = ""
@@ -182,6 +202,7 @@ class Recipe(_Strict):
     optim: OptimConfig = Field(default_factory=OptimConfig)
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    services: ServicesConfig = Field(default_factory=ServicesConfig)
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:
