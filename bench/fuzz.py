@@ -34,7 +34,6 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import environment, out_path, print_table, require_positive, write_json  # noqa: E402
-
 from sleuth.agent.engine import rollout  # noqa: E402
 from sleuth.agent.registry import get_loop, loop_names  # noqa: E402
 from sleuth.agent.trajectory import Trajectory, Turn  # noqa: E402

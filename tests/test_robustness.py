@@ -6,7 +6,6 @@ import importlib.util
 import random
 import re
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -229,3 +228,196 @@ def test_default_recipe_retry_survives_a_minute() -> None:
 
     policy = RetryConfig().policy()
     assert policy.budget_s >= 60 and policy.max_attempts * policy.max_delay_s >= 60
+
+
+# ----------------------------------------------------------------------------- inputs
+
+
+def _write_corpus(path: Path, lines: list[bytes]) -> Path:
+    path.write_bytes(b"\n".join(lines) + b"\n")
+    return path
+
+
+GOOD = b'{"id": "1", "contents": "\\"A\\"\\nalpha"}'
+
+
+@pytest.mark.parametrize(
+    ("bad_line", "message"),
+    [
+        (b'{"id": "2", "contents": "\xff\xfe broken"}', "not valid UTF-8"),
+        (b'{"id": "2", "contents": "x", "n": ' + b"9" * 4301 + b"}", "unreadable JSON value"),
+        (b"[" * 100_000 + b"]" * 100_000, "nested too deeply"),
+        (b'{"id": "1", "contents": "\\"B\\"\\nbeta"}', "duplicate id '1': line 1 has the same id"),
+    ],
+    ids=["utf8", "long-number", "deep-nesting", "duplicate-id"],
+)
+def test_bad_corpus_line_is_named_and_index_leaves_nothing(tmp_path: Path, bad_line: bytes, message: str) -> None:
+    from sleuth.errors import DataFormatError
+    from sleuth.retrieval import build_index
+
+    corpus = _write_corpus(tmp_path / "corpus.jsonl", [GOOD, bad_line])
+    out = tmp_path / "idx"
+    with pytest.raises(DataFormatError) as err:
+        build_index(corpus, "bm25", out, show_progress=False)
+    assert str(err.value).startswith(f"{corpus}:2: ") and message in str(err.value)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus.jsonl"]  # no index, no temp directory
+    # fixed input: the rerun needs no --overwrite
+    _write_corpus(corpus, [GOOD, b'{"id": "2", "contents": "\\"B\\"\\nbeta"}'])
+    assert build_index(corpus, "bm25", out, show_progress=False)["num_docs"] == 2
+
+
+def test_failed_rebuild_keeps_the_old_index(tmp_path: Path) -> None:
+    from sleuth.errors import DataFormatError
+    from sleuth.retrieval import build_index, load_retriever
+
+    corpus = _write_corpus(tmp_path / "corpus.jsonl", [GOOD])
+    build_index(corpus, "bm25", tmp_path / "idx", show_progress=False)
+    bad = _write_corpus(tmp_path / "bad.jsonl", [GOOD, b"{"])
+    with pytest.raises(DataFormatError, match="bad.jsonl:2"):
+        build_index(bad, "bm25", tmp_path / "idx", overwrite=True, show_progress=False)
+    assert load_retriever(tmp_path / "idx").search(["alpha"], 1)[0][0].doc_id == "1"
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".idx")]
+
+
+def _train_recipe(small_world: Path, out_dir: Path, **overrides) -> dict:
+    data = {
+        "name": "robust",
+        "model": {"policy": "tiny"},
+        "data": {"train": str(small_world / "train.jsonl")},
+        "retriever": {"index": str(small_world / "bm25")},
+        "agent": {"loop": "search_r1", "max_turns": 1, "max_new_tokens_per_turn": 8, "max_response_tokens": 64,
+                  "max_obs_tokens": 16},
+        "reward": {"name": "search_r1_em"},
+        "algorithm": {"name": "grpo", "n": 2, "prompts_per_step": 2, "minibatch_size": 4, "micro_batch_size": 4},
+        "trainer": {"total_steps": 2, "save_every": 1, "out_dir": str(out_dir)},
+    }
+    for key, value in overrides.items():
+        section, _, field = key.partition(".")
+        data[section][field] = value
+    return data
+
+
+@pytest.mark.parametrize(
+    ("override", "named"),
+    [({"data.train": "/nonexistent/train.jsonl"}, "data.train: /nonexistent/train.jsonl does not exist"),
+     ({"retriever.index": "/nonexistent/index"}, "retriever.index: /nonexistent/index does not exist"),
+     ({"model.policy": "./no/such/model"}, "model.policy: model './no/such/model' does not exist")],
+    ids=["data", "index", "model"],
+)
+def test_train_checks_paths_before_loading_and_leaves_no_directory(
+    small_world: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, override: dict, named: str
+) -> None:
+    from sleuth.errors import ConfigError
+    from sleuth.rl import trainer
+    from sleuth.rl.config import recipe_from_dict
+
+    def no_model_load(*args, **kwargs):
+        raise AssertionError("the model was loaded before the paths were checked")
+
+    monkeypatch.setattr(trainer, "load_policy", no_model_load)
+    out = tmp_path / "run"
+    with pytest.raises(ConfigError, match=re.escape(named)):
+        trainer.train(recipe_from_dict(_train_recipe(small_world, out, **override)))
+    assert not out.exists()
+
+
+def test_train_failing_before_its_first_step_removes_its_out_dir(small_world: Path, tmp_path: Path) -> None:
+    from sleuth.errors import ConfigError
+    from sleuth.rl.config import recipe_from_dict
+    from sleuth.rl.trainer import train
+
+    out = tmp_path / "run"
+    recipe = recipe_from_dict(_train_recipe(small_world, out, **{"reward.name": "no_such_reward"}))
+    with pytest.raises(ConfigError, match="no_such_reward"):
+        train(recipe)
+    assert not out.exists()
+
+
+# ----------------------------------------------------------------------------- checkpoints
+
+
+def _two_checkpoints(small_world: Path, tmp_path: Path) -> Path:
+    from sleuth.rl.config import recipe_from_dict
+    from sleuth.rl.trainer import train
+
+    out = tmp_path / "run"
+    train(recipe_from_dict(_train_recipe(small_world, out)))
+    return out
+
+
+def test_manifest_lists_every_file_and_resume_falls_back_past_a_truncated_checkpoint(
+    small_world: Path, tmp_path: Path
+) -> None:
+    import json
+
+    from sleuth.rl.checkpoint import load_training_state, resumable_checkpoint, verify_checkpoint
+
+    out = _two_checkpoints(small_world, tmp_path)
+    step1, step2 = out / "checkpoints" / "step_000001", out / "checkpoints" / "step_000002"
+    manifest = json.loads((step2 / "manifest.json").read_text())["files"]
+    on_disk = sorted(p.relative_to(step2).as_posix() for p in step2.rglob("*") if p.is_file())
+    assert sorted(manifest) == [f for f in on_disk if f != "manifest.json"]
+    assert manifest["state.pt"]["size"] == (step2 / "state.pt").stat().st_size
+    verify_checkpoint(step2)
+
+    state = step2 / "state.pt"
+    state.write_bytes(state.read_bytes()[: state.stat().st_size // 2])
+    chosen, skipped = resumable_checkpoint(out)
+    assert chosen == step1
+    assert [p for p, _ in skipped] == [step2] and str(state) in skipped[0][1] and "truncated" in skipped[0][1]
+    # and loading the damaged file directly names it instead of crashing on EOFError ("Aborted.")
+    state.write_bytes(b"")
+    from sleuth.errors import CheckpointError
+
+    with pytest.raises(CheckpointError, match=re.escape(str(state))):
+        load_training_state(step2)
+
+
+def test_resume_uses_the_previous_checkpoint_when_the_newest_is_damaged(small_world: Path, tmp_path: Path) -> None:
+    import json
+
+    from rich.console import Console
+
+    from sleuth.rl.config import recipe_from_dict
+    from sleuth.rl.trainer import train
+
+    out = _two_checkpoints(small_world, tmp_path)
+    weights = next((out / "checkpoints" / "step_000002" / "policy").glob("*.safetensors"))
+    weights.write_bytes(weights.read_bytes()[:100])
+    data = _train_recipe(small_world, out)
+    data["trainer"]["total_steps"] = 3
+    console = Console(record=True, width=300)
+    train(recipe_from_dict(data), resume=True, console=console)
+    printed = console.export_text()
+    assert "skipping damaged checkpoint" in printed and str(weights) in printed
+    assert "resuming" in printed and "step_000001" in printed
+    steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3]  # step 2 redone from step 1, every step logged once
+
+
+# ----------------------------------------------------------------------------- servers
+
+
+def test_retrieval_server_refuses_an_oversized_body_with_413() -> None:
+    from fastapi.testclient import TestClient
+
+    from sleuth.retrieval.server import create_app
+    from toyworld import ToyRetriever
+
+    with TestClient(create_app(ToyRetriever(), max_body_bytes=10_000)) as client:
+        small = client.post("/retrieve", json={"queries": ["Varonia"], "topk": 1})
+        assert small.status_code == 200
+        big = client.post("/retrieve", json={"queries": ["x" * 20_000], "topk": 1})
+        assert big.status_code == 413 and "10000 bytes" in big.json()["detail"]
+
+        def chunks():  # no Content-Length: counted as it streams
+            yield b'{"queries": ["'
+            for _ in range(50):
+                yield b"y" * 1000
+            yield b'"]}'
+
+        streamed = client.post("/retrieve", content=chunks(), headers={"content-type": "application/json"})
+        assert streamed.status_code == 413
+    # the default limit follows the request limits: 512 queries x 2000 chars fit, 100 MB does not
+    with TestClient(create_app(ToyRetriever())) as client:
+        assert client.post("/retrieve", content=b" " * (100 << 20)).status_code == 413

@@ -30,14 +30,10 @@ def validation_error_response(exc: RequestValidationError, expected: str) -> JSO
     return error_response(422, "invalid request: " + "; ".join(problems) + f" (expected {expected})", first_field)
 
 
-class _BodyTooLarge(Exception):
-    pass
-
-
 class BodyLimitMiddleware:
     """Answer 413 to a request whose body passes `max_bytes`: refused from its Content-Length
     before anything is read, or, when it is streamed without one, as soon as the bytes received
-    pass the limit (the rest is never buffered)."""
+    pass the limit (the app is then told the client left, and whatever it answers is dropped)."""
 
     def __init__(self, app: ASGIApp, max_bytes: int):
         if max_bytes < 1:
@@ -54,33 +50,27 @@ class BodyLimitMiddleware:
             await self.app(scope, receive, send)
             return
         for name, value in scope.get("headers", ()):
-            if name == b"content-length":
-                try:
-                    declared = int(value)
-                except ValueError:
-                    declared = 0
-                if declared > self.max_bytes:
-                    await self._too_large()(scope, receive, send)
-                    return
+            if name == b"content-length" and value.isdigit() and int(value) > self.max_bytes:
+                await self._too_large()(scope, receive, send)
+                return
         received = 0
-        started = False
+        refused = False
 
         async def counting_receive() -> Message:
-            nonlocal received
+            nonlocal received, refused
+            if refused:
+                return {"type": "http.disconnect"}
             message = await receive()
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
                 if received > self.max_bytes:
-                    raise _BodyTooLarge
+                    refused = True
+                    await self._too_large()(scope, receive, send)
+                    return {"type": "http.disconnect"}
             return message
 
-        async def tracking_send(message: Message) -> None:
-            nonlocal started
-            started = started or message["type"] == "http.response.start"
-            await send(message)
+        async def guarded_send(message: Message) -> None:
+            if not refused:
+                await send(message)
 
-        try:
-            await self.app(scope, counting_receive, tracking_send)
-        except _BodyTooLarge:
-            if not started:
-                await self._too_large()(scope, receive, send)
+        await self.app(scope, counting_receive, guarded_send)
