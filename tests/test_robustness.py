@@ -6,6 +6,7 @@ import importlib.util
 import random
 import re
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -421,3 +422,140 @@ def test_retrieval_server_refuses_an_oversized_body_with_413() -> None:
     # the default limit follows the request limits: 512 queries x 2000 chars fit, 100 MB does not
     with TestClient(create_app(ToyRetriever())) as client:
         assert client.post("/retrieve", content=b" " * (100 << 20)).status_code == 413
+
+
+# ----------------------------------------------------------------------------- retriever outage
+
+
+class _RestartableRetrievalServer:
+    """The real retrieval server over the small world's BM25 index, on one fixed loopback port,
+    which a test can stop and start again."""
+
+    def __init__(self, index: Path):
+        import socket
+
+        from sleuth.retrieval import load_retriever
+
+        self.retriever = load_retriever(index)
+        probe = socket.socket()
+        probe.bind(("127.0.0.1", 0))
+        self.port = probe.getsockname()[1]
+        probe.close()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.server = None
+        self.thread = None
+
+    def start(self) -> None:
+        import socket
+
+        import uvicorn
+
+        from sleuth.retrieval.server import create_app
+
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("127.0.0.1", self.port))
+        self.server = uvicorn.Server(uvicorn.Config(create_app(self.retriever), log_level="warning", access_log=False))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 10
+        while not self.server.started:
+            assert time.monotonic() < deadline, "uvicorn did not start"
+            time.sleep(0.01)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+
+
+def _when_steps_logged(out: Path, count: int, action, timeout: float = 120.0) -> threading.Thread:
+    def watch() -> None:
+        deadline = time.monotonic() + timeout
+        metrics = out / "metrics.jsonl"
+        while time.monotonic() < deadline:
+            if metrics.exists() and len(metrics.read_text().splitlines()) >= count:
+                action()
+                return
+            time.sleep(0.005)
+
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    return thread
+
+
+def _logged_steps(out: Path) -> list[int]:
+    import json
+
+    return [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_training_waits_out_a_retriever_outage_longer_than_the_old_budget(
+    small_world: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The retriever goes down for 6 s after step 1 (the old client gave up after ~3.5 s) and comes
+    back: the run finishes with every step logged once, and the outage is in the log."""
+    from sleuth.rl.config import recipe_from_dict
+    from sleuth.rl.trainer import train
+
+    server = _RestartableRetrievalServer(small_world / "bm25")
+    server.start()
+    out = tmp_path / "run"
+    data = _train_recipe(small_world, out)
+    data["retriever"] = {"url": server.url}
+    data["agent"]["loop"] = "s3"  # searches the question before the first turn: every step calls the retriever
+    data["trainer"].update(total_steps=4, save_every=1000)
+    data["services"] = {"retry": {"initial_delay_s": 0.2, "max_delay_s": 1.0, "budget_s": 60}}
+    downtime: list[float] = []
+
+    def outage() -> None:
+        server.stop()
+        started = time.monotonic()
+        time.sleep(6.0)
+        server.start()
+        downtime.append(time.monotonic() - started)
+
+    watcher = _when_steps_logged(out, 1, outage)
+    try:
+        with caplog.at_level("WARNING", logger="sleuth.retry"):
+            train(recipe_from_dict(data))
+    finally:
+        watcher.join(timeout=30)
+        server.stop()
+    assert downtime and downtime[0] >= 6.0
+    assert _logged_steps(out) == [1, 2, 3, 4]
+    assert any("recovered" in r.message and "retriever" in r.message for r in caplog.records)
+
+
+def test_retriever_down_past_the_budget_checkpoints_and_names_the_service(small_world: Path, tmp_path: Path) -> None:
+    """Past the retry budget the trainer writes a checkpoint of the finished steps and exits with a
+    message naming the retriever; once it is back, --resume finishes with every step logged once."""
+    from sleuth.rl.checkpoint import resumable_checkpoint
+    from sleuth.rl.config import recipe_from_dict
+    from sleuth.rl.trainer import train
+
+    server = _RestartableRetrievalServer(small_world / "bm25")
+    server.start()
+    out = tmp_path / "run"
+    data = _train_recipe(small_world, out)
+    data["retriever"] = {"url": server.url}
+    data["agent"]["loop"] = "s3"  # searches the question before the first turn: every step calls the retriever
+    data["trainer"].update(total_steps=3, save_every=1000)
+    data["services"] = {"retry": {"initial_delay_s": 0.1, "max_delay_s": 0.2, "budget_s": 1.0}}
+    watcher = _when_steps_logged(out, 1, server.stop)
+    with pytest.raises(ServiceError) as err:
+        train(recipe_from_dict(data))
+    watcher.join(timeout=30)
+    message = str(err.value)
+    assert f"retriever {server.url}" in message and "--resume" in message
+    ckpt, skipped = resumable_checkpoint(out)
+    assert ckpt is not None and not skipped
+    done = int(ckpt.name.split("_")[1])
+    assert f"checkpoint of step {done} written" in message
+    assert _logged_steps(out) == list(range(1, done + 1))
+
+    server.start()
+    try:
+        train(recipe_from_dict(data), resume=True)
+    finally:
+        server.stop()
+    assert _logged_steps(out) == [1, 2, 3]
