@@ -16,7 +16,7 @@ from sleuth import tags
 from sleuth.agent.s3 import parse_query, parse_selection
 from sleuth.agent.trajectory import Trajectory, Turn
 from sleuth.errors import ServiceError
-from sleuth.rewards.base import RewardServices, available_rewards, get_reward
+from sleuth.rewards.base import RewardServices, get_reward
 from sleuth.rewards.metrics import extract_answer
 from sleuth.rewards.structure import policy_answer
 from sleuth.utils import RetryPolicy, retry
@@ -149,7 +149,8 @@ def test_fuzz_every_loop_and_reward(tok) -> None:
     """Adversarial generations (bench/fuzz.py's, fewer of them) through the real engine: no
     exception anywhere, every reward finite and in its documented range."""
     fuzz = _fuzz_module()
-    rewards = available_rewards()
+    rewards = fuzz.shipped_rewards()
+    assert len(rewards) == 8
     for loop_name in ("search_r1", "s3", "r_search", "staged", "qagent"):
         row = fuzz.fuzz_loop(loop_name, 150, tok, seed=1, rewards=rewards, batch=4)
         assert row["generations"] >= 150
