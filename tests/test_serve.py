@@ -182,8 +182,16 @@ def test_bearer_auth(service: SearcherService) -> None:
     assert bearer_token_ok("Bearer s3cret", "s3cret") and bearer_token_ok("bearer s3cret", "s3cret")
     assert not bearer_token_ok("Bearer s3cre", "s3cret") and not bearer_token_ok("s3cret", "s3cret")
     assert not bearer_token_ok(None, "s3cret") and not bearer_token_ok("Basic s3cret", "s3cret")
-    with serve_in_thread(create_app(_sibling(service), token="s3cret")) as base:
-        assert httpx.get(f"{base}/health").json()["auth"] is True  # health stays open
+    named = _sibling(service, retriever_name=service.retriever_name, model_name=service.model_name)
+    with serve_in_thread(create_app(named, token="s3cret")) as base:
+        open_health = httpx.get(f"{base}/health")
+        assert open_health.json()["auth"] is True  # health stays open
+        # ... but shows no paths (model checkpoint, index, generator) to a caller without the token
+        for private in ("model", "retriever", "generator"):
+            assert private not in open_health.json()
+        assert str(service.retriever_name) not in open_health.text and "/" not in open_health.json()["name"]
+        full = httpx.get(f"{base}/health", headers={"Authorization": "Bearer s3cret"}).json()
+        assert full["retriever"] == service.retriever_name and "step 1" in full["model"]
         body = {"question": QUESTION, "max_turns": 1}
         missing = httpx.post(f"{base}/search", json=body, timeout=60)
         assert missing.status_code == 401 and missing.headers["www-authenticate"] == "Bearer"
@@ -191,6 +199,14 @@ def test_bearer_auth(service: SearcherService) -> None:
         assert wrong.status_code == 401
         ok = httpx.post(f"{base}/search", json=body, headers={"Authorization": "Bearer s3cret"}, timeout=60)
         assert ok.status_code == 200 and ok.json()["context"]
+
+
+def test_request_body_over_the_limit_is_413(service: SearcherService) -> None:
+    with serve_in_thread(create_app(_sibling(service), max_body_bytes=4096)) as base:
+        big = httpx.post(f"{base}/search", json={"question": "x" * 10_000}, timeout=30)
+        assert big.status_code == 413 and "4096 bytes" in big.json()["detail"]
+        ok = httpx.post(f"{base}/search", json={"question": QUESTION, "max_turns": 1}, timeout=60)
+        assert ok.status_code == 200
 
 
 def test_retriever_failure_is_503_and_the_server_recovers(service: SearcherService) -> None:

@@ -28,3 +28,7 @@ class IndexMismatchError(SleuthError):
 
 class ServiceError(SleuthError):
     """A remote service (retriever, generator, judge) failed after all retries."""
+
+
+class CheckpointError(SleuthError):
+    """A checkpoint is damaged or incomplete; the message names the file."""

@@ -3,16 +3,20 @@
 from __future__ import annotations
 
 import json
+import logging
+import math
 import os
 import random
 import tempfile
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, TypeVar
 
 T = TypeVar("T")
+_log = logging.getLogger("sleuth.retry")
 
 
 @contextmanager
@@ -72,6 +76,33 @@ def seed_everything(seed: int) -> None:
         pass
 
 
+@dataclass(frozen=True)
+class RetryPolicy:
+    """How a failing service call is retried: exponential backoff from `initial_delay_s`, doubled
+    per attempt up to `max_delay_s`, each delay scaled by a random factor in [1 - jitter, 1] so
+    clients that failed together do not retry together; given up after `max_attempts` attempts or
+    once the next wait would pass `budget_s` seconds since the first attempt."""
+
+    max_attempts: int = 1000
+    initial_delay_s: float = 0.5
+    max_delay_s: float = 8.0
+    budget_s: float = 120.0
+    jitter: float = 0.5
+
+    def __post_init__(self) -> None:
+        if self.max_attempts < 1:
+            raise ValueError(f"retry max_attempts must be >= 1, got {self.max_attempts}")
+        if self.initial_delay_s < 0 or self.max_delay_s < 0 or self.budget_s < 0:
+            raise ValueError("retry delays and budget must be >= 0")
+        if not 0.0 <= self.jitter <= 1.0:
+            raise ValueError(f"retry jitter must be in [0, 1], got {self.jitter}")
+
+    def delay(self, attempt: int) -> float:
+        """Seconds to wait after failed attempt number `attempt` (0-based)."""
+        base = min(self.max_delay_s, self.initial_delay_s * (2 ** min(attempt, 60)))
+        return base * (1.0 - self.jitter * random.random())
+
+
 def retry(
     fn: Callable[[], T],
     *,
@@ -80,16 +111,38 @@ def retry(
     max_delay: float = 8.0,
     retry_on: tuple[type[BaseException], ...] = (Exception,),
     what: str = "call",
+    policy: RetryPolicy | None = None,
 ) -> T:
-    """Call `fn` with exponential backoff; after the last attempt raise ServiceError naming `what`."""
+    """Call `fn`, retrying `retry_on` errors under `policy` (default: `attempts` attempts backing off
+    from `base_delay`, no time budget). Each retry and each recovery is logged; past the policy a
+    ServiceError names `what`, the attempts, the time spent and the last error."""
     from sleuth.errors import ServiceError
 
+    if policy is None:
+        policy = RetryPolicy(max_attempts=attempts, initial_delay_s=base_delay, max_delay_s=max_delay,
+                             budget_s=math.inf)
+    started = time.monotonic()
     last: BaseException | None = None
-    for attempt in range(attempts):
+    attempt = 0
+    while True:
         try:
-            return fn()
+            result = fn()
         except retry_on as err:  # noqa: PERF203 - retry loop
             last = err
-            if attempt + 1 < attempts:
-                time.sleep(min(max_delay, base_delay * (2**attempt)) * (0.5 + random.random() / 2))
-    raise ServiceError(f"{what} failed after {attempts} attempts: {type(last).__name__}: {last}") from last
+            wait = policy.delay(attempt)
+            attempt += 1
+            spent = time.monotonic() - started
+            if attempt >= policy.max_attempts or spent + wait > policy.budget_s:
+                break
+            _log.warning("%s failed (attempt %d, %.1fs so far): %s: %s; retrying in %.1fs",
+                         what, attempt, spent, type(err).__name__, err, wait)
+            time.sleep(wait)
+            continue
+        if attempt:
+            _log.warning("%s recovered after %d failed attempts (%.1fs)", what, attempt,
+                         time.monotonic() - started)
+        return result
+    raise ServiceError(
+        f"{what} failed after {attempt} attempts over {time.monotonic() - started:.1f}s: "
+        f"{type(last).__name__}: {last}"
+    ) from last

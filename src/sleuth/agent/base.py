@@ -9,10 +9,10 @@ bookkeeping, loss masks, budgets and retrieval calls.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
 
+from sleuth import tags
 from sleuth.agent.trajectory import Trajectory
 from sleuth.data.formats import QAExample
 from sleuth.errors import ConfigError
@@ -40,6 +40,9 @@ class Observation:
     prefix: str = ""
     body: str = ""
     suffix: str = ""
+    # False: the body is outside text (documents) whose tag-like text the engine neutralises;
+    # True: the loop's own words (feedback messages), inserted as written
+    trusted: bool = False
 
 
 @dataclass
@@ -61,39 +64,32 @@ class RolloutState:
 
 def innermost_blocks(text: str, tag: str) -> list[str]:
     """Contents of every `<tag>...</tag>` block, innermost when tags are nested (`<a><a>x</a>` gives `x`)."""
-    t = re.escape(tag)
-    return [m.group(1) for m in re.finditer(rf"<{t}>((?:(?!<{t}>).)*?)</{t}>", text, flags=re.DOTALL)]
+    return tags.innermost_blocks(text, tag)
 
 
 def first_block(text: str, tag: str) -> str | None:
-    blocks = innermost_blocks(text, tag)
-    return blocks[0] if blocks else None
+    found = next(tags.iter_innermost_blocks(text, tag), None)
+    return None if found is None else found.content
 
 
 def last_block(text: str, tag: str) -> str | None:
-    blocks = innermost_blocks(text, tag)
-    return blocks[-1] if blocks else None
+    found = innermost_blocks(text, tag)
+    return found[-1] if found else None
 
 
-def first_action(text: str, tags: tuple[str, ...]) -> tuple[str, str] | None:
-    """The earliest complete block among `tags` as (tag, content), e.g. the first `<search>` or `<answer>`."""
-    best: tuple[int, str, str] | None = None
-    for tag in tags:
-        t = re.escape(tag)
-        m = re.search(rf"<{t}>((?:(?!<{t}>).)*?)</{t}>", text, flags=re.DOTALL)
-        if m and (best is None or m.start() < best[0]):
-            best = (m.start(), tag, m.group(1))
-    return None if best is None else (best[1], best[2])
+def first_action(text: str, names: tuple[str, ...]) -> tuple[str, str] | None:
+    """The earliest complete block among `names` as (tag, content), e.g. the first `<search>` or `<answer>`."""
+    found = tags.first_innermost(text, names)
+    return None if found is None else (found.tag, found.content)
 
 
 def count_tag(text: str, tag: str) -> int:
-    return len(innermost_blocks(text, tag))
+    return sum(1 for _ in tags.iter_innermost_blocks(text, tag))
 
 
-def tag_sequence(text: str, tags: tuple[str, ...]) -> list[str]:
-    """Names of the complete blocks among `tags`, in order of appearance (for structure checks)."""
-    alternation = "|".join(re.escape(t) for t in tags)
-    return [m.group(1) for m in re.finditer(rf"<({alternation})>.*?</\1>", text, flags=re.DOTALL)]
+def tag_sequence(text: str, names: tuple[str, ...]) -> list[str]:
+    """Names of the complete blocks among `names`, in order of appearance (for structure checks)."""
+    return tags.tag_sequence(text, names)
 
 
 def dedup_hits(hits: list[dict]) -> list[dict]:
@@ -165,7 +161,7 @@ class AgentLoop:
         return Observation("\n\n<information>", self.format_documents(flat).strip(), "</information>\n\n")
 
     def feedback(self, state: RolloutState, message: str) -> Observation:
-        return Observation("", message, "")
+        return Observation("", message, "", trusted=True)
 
     def finalize(self, state: RolloutState) -> None:
         """Fill the semantic view (answer, served context, format flags) once the trajectory is done."""

@@ -10,6 +10,7 @@ depends on re-tokenising decoded text.
 
 from __future__ import annotations
 
+import traceback
 from collections.abc import Sequence
 from dataclasses import replace
 
@@ -19,6 +20,10 @@ from sleuth.data.formats import QAExample
 from sleuth.errors import ConfigError
 from sleuth.llm.base import Generation, Generator, SamplingParams
 from sleuth.retrieval.base import Hit, Retriever
+from sleuth.tags import neutralise_tags
+
+# How much of an unexpected error's traceback a trajectory keeps for debugging.
+_MAX_TRACEBACK_CHARS = 4000
 
 
 def _tokenizer_of(generator: Generator, tokenizer):
@@ -188,8 +193,12 @@ class _Engine:
         return text, over_budget
 
     def insert(self, state: RolloutState, obs: Observation) -> bool:
-        """Tokenise and append an observation (body truncated to max_obs_tokens); False if the budget ran out."""
-        pre, body, suf = (encode_text(self.tok, x) for x in (obs.prefix, obs.body, obs.suffix))
+        """Tokenise and append an observation (body truncated to max_obs_tokens); False if the budget ran out.
+
+        An untrusted body (documents) has its tag-like text neutralised first, so a passage can never
+        open, close or fake a block of the policy's protocol (e.g. close `<information>` early)."""
+        body_text = obs.body if obs.trusted else neutralise_tags(obs.body)
+        pre, body, suf = (encode_text(self.tok, x) for x in (obs.prefix, body_text, obs.suffix))
         room = max(0, self.max_obs_tokens - len(pre) - len(suf))
         if len(body) > room:
             state.traj.extra["obs_truncated_tokens"] += len(body) - room
@@ -206,6 +215,66 @@ class _Engine:
         state.done = True
         state.traj.finish_reason = reason
 
+    def fail(self, state: RolloutState, err: BaseException) -> None:
+        """End one trajectory on an unexpected error in its own processing; the others go on.
+        The trainer scores it 0 and counts it (`finish_reason == "error"`)."""
+        self.finish(state, "error")
+        state.traj.extra["rollout_error"] = f"{type(err).__name__}: {err}"[:500]
+        state.traj.extra["rollout_traceback"] = traceback.format_exc()[-_MAX_TRACEBACK_CHARS:]
+
+    def step_one(self, state: RolloutState, gen: Generation) -> StepOutcome | None:
+        """Take one generation and decide what it asks for; None when the trajectory is finished or
+        continues without the environment."""
+        loop = self.loop
+        text, over_budget = self.take_generation(state, gen)
+        outcome = loop.act(state, text)
+        if over_budget:
+            self.finish(state, "length")
+            return None
+        if outcome.continue_generation and not outcome.done:
+            state.data["continuations"] = state.data.get("continuations", 0) + 1
+            if state.data["continuations"] <= loop.max_continuations:
+                return None
+            outcome = StepOutcome(feedback=loop.invalid_action_message, invalid=True)
+        state.data["continuations"] = 0
+        if outcome.invalid:
+            state.traj.extra["invalid_actions"] += 1
+        if state.final:
+            # the forced last generation: nothing more is executed, whatever it asked for
+            if outcome.queries:
+                state.traj.extra["search_after_limit"] = True
+            state.turns_taken += 1
+            self.finish(state, outcome.finish_reason if outcome.done else "max_turns")
+            return None
+        if outcome.done:
+            state.turns_taken += 1
+            self.finish(state, outcome.finish_reason or "answer")
+            return None
+        return outcome
+
+    def answer_one(self, state: RolloutState, outcome: StepOutcome, hits: list[list[Hit]] | None) -> None:
+        """Insert the environment's answer (documents or feedback) and apply the turn limit."""
+        loop = self.loop
+        state.turns_taken += 1
+        if hits is not None:
+            for q, per_query in zip(outcome.queries, hits, strict=True):
+                state.traj.queries.append(q)
+                state.traj.retrieved.append([h.to_dict() for h in per_query])
+                state.traj.retrieval_count += 1
+            state.windows.append([h for per_query in hits for h in per_query])
+            obs = loop.observe(state, outcome, hits)
+        else:
+            obs = loop.feedback(state, outcome.feedback or "")
+        if not self.insert(state, obs):
+            self.finish(state, "length")
+            return
+        if state.turns_taken >= loop.max_turns:
+            if loop.forced_final_answer:
+                state.final = True
+                state.traj.extra["forced_final"] = True
+            else:
+                self.finish(state, "max_turns")
+
     def run(self, states: list[RolloutState]) -> list[Trajectory]:
         loop = self.loop
         while True:
@@ -215,57 +284,27 @@ class _Engine:
             gens = self.generate(active)
             pending: list[tuple[RolloutState, StepOutcome]] = []
             for state, gen in zip(active, gens, strict=True):
-                text, over_budget = self.take_generation(state, gen)
-                outcome = loop.act(state, text)
-                if over_budget:
-                    self.finish(state, "length")
+                try:
+                    outcome = self.step_one(state, gen)
+                except Exception as err:  # one trajectory's bug must not end the batch
+                    self.fail(state, err)
                     continue
-                if outcome.continue_generation and not outcome.done:
-                    state.data["continuations"] = state.data.get("continuations", 0) + 1
-                    if state.data["continuations"] <= loop.max_continuations:
-                        continue
-                    outcome = StepOutcome(feedback=loop.invalid_action_message, invalid=True)
-                state.data["continuations"] = 0
-                if outcome.invalid:
-                    state.traj.extra["invalid_actions"] += 1
-                if state.final:
-                    # the forced last generation: nothing more is executed, whatever it asked for
-                    if outcome.queries:
-                        state.traj.extra["search_after_limit"] = True
-                    state.turns_taken += 1
-                    self.finish(state, outcome.finish_reason if outcome.done else "max_turns")
-                    continue
-                if outcome.done:
-                    state.turns_taken += 1
-                    self.finish(state, outcome.finish_reason or "answer")
-                    continue
-                pending.append((state, outcome))
+                if outcome is not None:
+                    pending.append((state, outcome))
 
+            # service failures (the retriever past its retry budget) are not one trajectory's fault
             requests = [(i, o.queries, o.k or loop.top_k) for i, (_, o) in enumerate(pending) if o.queries]
             results = _search_batched(self.retriever, requests) if requests else {}
             for i, (state, outcome) in enumerate(pending):
-                state.turns_taken += 1
-                if outcome.queries:
-                    hits = results[i]
-                    for q, per_query in zip(outcome.queries, hits, strict=True):
-                        state.traj.queries.append(q)
-                        state.traj.retrieved.append([h.to_dict() for h in per_query])
-                        state.traj.retrieval_count += 1
-                    state.windows.append([h for per_query in hits for h in per_query])
-                    obs = loop.observe(state, outcome, hits)
-                else:
-                    obs = loop.feedback(state, outcome.feedback or "")
-                if not self.insert(state, obs):
-                    self.finish(state, "length")
-                    continue
-                if state.turns_taken >= loop.max_turns:
-                    if loop.forced_final_answer:
-                        state.final = True
-                        state.traj.extra["forced_final"] = True
-                    else:
-                        self.finish(state, "max_turns")
+                try:
+                    self.answer_one(state, outcome, results[i] if outcome.queries else None)
+                except Exception as err:
+                    self.fail(state, err)
         for state in states:
-            self.summarise(state)
+            try:
+                self.summarise(state)
+            except Exception as err:
+                self.fail(state, err)
         return [s.traj for s in states]
 
     def summarise(self, state: RolloutState) -> None:

@@ -70,14 +70,28 @@ S3_INVALID_ACTION = (
 _TRUE = {"true", "yes", "1", "y"}
 
 
+# Longest rejected item kept for the logs; a generation can be a megabyte of one "id".
+_MAX_LOGGED_ITEM = 200
+# An id longer than this cannot be a window position (and int() refuses past 4,300 digits).
+_MAX_ID_DIGITS = 18
+
+
+def _json_or_none(body: str) -> tuple[Any, bool]:
+    """json.loads that turns every failure on generated text into (None, False): malformed JSON,
+    over-long integers (ValueError) and nesting deeper than the decoder's stack (RecursionError)."""
+    try:
+        return json.loads(body), True
+    except (ValueError, RecursionError):
+        return None, False
+
+
 def parse_query(raw: str) -> tuple[str, bool]:
     """Query text from a `<query>` block: JSON `{"query": ...}` or, failing that, the raw text.
 
-    Returns (query, parsed_as_json)."""
+    Returns (query, parsed_as_json). Never raises."""
     body = raw.strip()
-    try:
-        data = json.loads(body)
-    except (json.JSONDecodeError, ValueError):
+    data, ok = _json_or_none(body)
+    if not ok:
         return body, False
     if isinstance(data, dict) and "query" in data:
         q = data["query"]
@@ -90,18 +104,28 @@ def parse_query(raw: str) -> tuple[str, bool]:
     return body, False
 
 
+def _loggable(item: Any) -> Any:
+    """A rejected item as it is kept in `traj.extra`: scalars as they are, text cut short, nested
+    JSON by its type name (a deeply nested list would not serialise)."""
+    if item is None or isinstance(item, (bool, int, float)):
+        return item
+    if isinstance(item, str):
+        return item[:_MAX_LOGGED_ITEM]
+    return type(item).__name__
+
+
 def parse_selection(raw: str, window_size: int, limit: int) -> tuple[list[int], list[Any]]:
     """Doc ids (1-based, within the window) from an `<important_info>` block: (kept ids, rejected items).
 
-    Non-integers, out-of-range ids, repeats and ids beyond `limit` are rejected."""
+    Non-integers, out-of-range ids, repeats and ids beyond `limit` are rejected. Never raises."""
     body = raw.strip()
-    try:
-        items = json.loads(body)
-        if not isinstance(items, list):
-            items = [items]
-    except (json.JSONDecodeError, ValueError):
+    data, ok = _json_or_none(body)
+    if ok:
+        items = data if isinstance(data, list) else [data]
+    else:
         # "[1, 3" or "1 and 3": take the numbers that are there, note the malformed block
-        items = [int(x) for x in re.findall(r"-?\d+", body)] or [body]
+        numbers = re.findall(r"-?\d+", body)
+        items = [int(x) if len(x.lstrip("-")) <= _MAX_ID_DIGITS else x for x in numbers] or [body]
     kept: list[int] = []
     rejected: list[Any] = []
     for item in items:
@@ -109,7 +133,7 @@ def parse_selection(raw: str, window_size: int, limit: int) -> tuple[list[int], 
         if ok and item not in kept and len(kept) < limit:
             kept.append(item)
         else:
-            rejected.append(item)
+            rejected.append(_loggable(item))
     return kept, rejected
 
 
@@ -154,7 +178,7 @@ class S3Loop(AgentLoop):
         selections: dict[int, list[int]] = state.data.setdefault("selections", {})
         for raw in innermost_blocks(text, "important_info"):
             if not state.windows:
-                extra.setdefault("invalid_selection_ids", []).append(raw.strip())
+                extra.setdefault("invalid_selection_ids", []).append(_loggable(raw.strip()))
                 continue
             w = len(state.windows) - 1
             already = selections.get(w, [])

@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
+import numpy as np
+
 from sleuth.utils import atomic_open, atomic_path
 
 
@@ -62,15 +64,22 @@ def split_contents(contents: str) -> tuple[str, str]:
 def iter_json_lines(path: str | Path, what: str) -> Iterator[tuple[int, Any]]:
     """(1-based line number, parsed value) for every non-blank line of a jsonl file, streamed.
 
-    `what` names the file in errors ("corpus file", "QA file").
+    `what` names the file in errors ("corpus file", "QA file"); every error names the line:
+    invalid UTF-8, invalid JSON, numbers too long to convert, nesting too deep to parse.
     """
     from sleuth.errors import DataFormatError
 
     path = Path(path)
     if not path.exists():
         raise DataFormatError(str(path), None, f"{what} does not exist")
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
+    with open(path, "rb") as f:  # decoded line by line, so a bad byte is reported with its line
+        for lineno, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
+            except UnicodeDecodeError as err:
+                raise DataFormatError(
+                    str(path), lineno, f"not valid UTF-8 (byte {err.start} of the line); re-encode the {what} as UTF-8"
+                ) from None
             if not line.strip():
                 continue
             try:
@@ -78,14 +87,14 @@ def iter_json_lines(path: str | Path, what: str) -> Iterator[tuple[int, Any]]:
             except json.JSONDecodeError as err:
                 raise DataFormatError(
                     str(path), lineno, f"invalid JSON ({err.msg}); each line must be one JSON object"
-                ) from err
+                ) from None
+            except ValueError as err:  # e.g. an integer longer than Python converts (4,300 digits)
+                raise DataFormatError(str(path), lineno, f"unreadable JSON value ({err})") from None
+            except RecursionError:
+                raise DataFormatError(str(path), lineno, "JSON nested too deeply to parse") from None
 
 
-def iter_corpus(path: str | Path) -> Iterator[Passage]:
-    """Stream a corpus jsonl (`{"id", "contents"}` per line) without loading it into memory.
-
-    Records may also carry `title` and `text` instead of `contents` (some corpora do).
-    """
+def _iter_corpus_lines(path: str | Path) -> Iterator[tuple[int, Passage]]:
     from sleuth.errors import DataFormatError
 
     for lineno, rec in iter_json_lines(path, "corpus file"):
@@ -101,7 +110,48 @@ def iter_corpus(path: str | Path) -> Iterator[Passage]:
             title, text = str(rec.get("title", "")), str(rec["text"])
         else:
             raise DataFormatError(str(path), lineno, "missing field 'contents' (or 'title'/'text')")
-        yield Passage(id=str(rec["id"]), title=title, text=text)
+        yield lineno, Passage(id=str(rec["id"]), title=title, text=text)
+
+
+def iter_corpus(path: str | Path, *, unique_ids: bool = False) -> Iterator[Passage]:
+    """Stream a corpus jsonl (`{"id", "contents"}` per line) without loading it into memory.
+
+    Records may also carry `title` and `text` instead of `contents` (some corpora do). With
+    `unique_ids`, a repeated id raises DataFormatError naming both lines once the stream ends
+    (8 bytes per passage are kept, so a 21M-passage corpus costs ~170 MB, not its ids).
+    """
+    if not unique_ids:
+        for _, passage in _iter_corpus_lines(path):
+            yield passage
+        return
+    chunks: list[np.ndarray] = []
+    pending: list[int] = []
+    for _, passage in _iter_corpus_lines(path):
+        pending.append(hash(passage.id))
+        if len(pending) >= 1 << 20:
+            chunks.append(np.asarray(pending, dtype=np.int64))
+            pending = []
+        yield passage
+    hashes = np.sort(np.concatenate([*chunks, np.asarray(pending, dtype=np.int64)]))
+    repeated = hashes[1:][hashes[1:] == hashes[:-1]]
+    if repeated.size:
+        _raise_on_duplicate_id(path, set(repeated.tolist()))
+
+
+def _raise_on_duplicate_id(path: str | Path, suspect_hashes: set[int]) -> None:
+    """Second pass, only when hashes repeat: find the first id seen twice (hashes may collide)."""
+    from sleuth.errors import DataFormatError
+
+    first_line: dict[str, int] = {}
+    for lineno, passage in _iter_corpus_lines(path):
+        if hash(passage.id) not in suspect_hashes:
+            continue
+        if passage.id in first_line:
+            raise DataFormatError(
+                str(path), lineno,
+                f"duplicate id {passage.id[:100]!r}: line {first_line[passage.id]} has the same id; ids must be unique",
+            )
+        first_line[passage.id] = lineno
 
 
 def corpus_fingerprint(path: str | Path, chunk_size: int = 1 << 22) -> str:

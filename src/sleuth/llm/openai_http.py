@@ -14,6 +14,7 @@ single stop string was requested. Token ids come back only when the server retur
 
 from __future__ import annotations
 
+import math
 import re
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -21,7 +22,7 @@ from typing import Any
 from sleuth.errors import ConfigError, ServiceError
 from sleuth.llm.base import Generation, Prompt, SamplingParams
 from sleuth.llm.stops import normalise_stops
-from sleuth.utils import retry
+from sleuth.utils import RetryPolicy, retry
 
 _TOKEN_ID = re.compile(r"^token_id:(\d+)$")
 _MISSING = object()
@@ -105,6 +106,8 @@ class OpenAIGenerator:
         vllm_extensions: bool = False,
         extra_body: dict[str, Any] | None = None,
         tokenizer: Any = None,
+        retry: RetryPolicy | None = None,
+        service: str = "model server",
     ) -> None:
         if not base_url.startswith(("http://", "https://")):
             raise ConfigError(f"base_url {base_url!r} must start with http:// or https:// (e.g. http://localhost:8000/v1)")
@@ -118,6 +121,9 @@ class OpenAIGenerator:
         self.max_concurrency = max_concurrency
         self.retries = retries
         self.backoff = backoff
+        # `retry` (a recipe's services.retry) replaces retries/backoff with a time budget
+        self.retry_policy = retry or RetryPolicy(max_attempts=retries, initial_delay_s=backoff, budget_s=math.inf)
+        self.service = service  # named in errors: "judge", "generator", ...
         self.request_logprobs = request_logprobs
         self.vllm_extensions = vllm_extensions
         self.extra_body = dict(extra_body or {})
@@ -192,10 +198,9 @@ class OpenAIGenerator:
 
         return retry(
             attempt,
-            attempts=self.retries,
-            base_delay=self.backoff,
+            policy=self.retry_policy,
             retry_on=(httpx.TransportError, _RetryableHTTP),
-            what=f"POST {url}",
+            what=f"{self.service} POST {url}",
         )
 
     def _one(self, prompt: Prompt, stops: list[str], params: SamplingParams, index: int) -> Generation:

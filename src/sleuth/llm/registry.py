@@ -63,6 +63,20 @@ def _looks_like_hub_name(spec: str) -> bool:
     return len(parts) == 2 and all(parts) and not spec.startswith((".", "~", "/"))
 
 
+def check_model_spec(spec: str) -> None:
+    """Refuse, without loading anything, a spec `resolve_model_path` could not resolve: not an
+    alias, not an existing directory or .gguf file, not a hub name."""
+    if not isinstance(spec, str) or not spec.strip():
+        raise ConfigError(f"model spec must be a non-empty string, got {spec!r}")
+    if spec.strip().lower() in ALIASES or _looks_like_hub_name(spec):
+        return
+    if not Path(spec).expanduser().exists():
+        raise ConfigError(
+            f"model {spec!r} does not exist: not an alias ({', '.join(sorted(ALIASES))}), "
+            "not a local directory or .gguf file, not a hub name 'org/name'"
+        )
+
+
 def resolve_model_path(spec: str) -> str:
     """A path (or hub name) that `from_pretrained` can load for `spec`; used by the trainer.
 
@@ -132,6 +146,13 @@ def _from_dict(spec: dict[str, Any], kw: dict[str, Any]) -> Generator:
             raise ConfigError(f"hf model spec {spec!r} is missing model")
         return load_generator(options.pop("model"), **options)
     raise ConfigError(f"model spec {spec!r}: unknown backend {backend!r}; use hf, openai or vllm")
+
+
+def is_remote_spec(spec: str | dict[str, Any]) -> bool:
+    """True for a model reached over HTTP (an OpenAI-compatible server), whose calls are retried."""
+    if isinstance(spec, dict):
+        return spec.get("backend") == "openai"
+    return isinstance(spec, str) and spec.strip().startswith("openai:")
 
 
 def load_generator(spec: str | dict[str, Any], **kw: Any) -> Generator:

@@ -8,6 +8,7 @@ passes again.
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -18,7 +19,7 @@ import httpx
 from sleuth.data.formats import split_contents
 from sleuth.errors import ServiceError
 from sleuth.retrieval.base import Hit
-from sleuth.utils import retry
+from sleuth.utils import RetryPolicy, retry
 
 try:  # orjson, when installed, parses large responses several times faster
     from orjson import loads as _loads
@@ -69,8 +70,10 @@ class RemoteRetriever:
     """Retriever backed by one or more HTTP retrieval servers.
 
     `retries` is the number of attempts per batch; between attempts the client backs off
-    exponentially from `base_delay` seconds and moves to the next healthy server. A 4xx answer is
-    not retried (the request itself is wrong) and raises `ServiceError` with the server's message.
+    exponentially from `base_delay` seconds and moves to the next healthy server. `retry` (a
+    `RetryPolicy`, e.g. a recipe's `services.retry`) replaces those three settings with a time
+    budget. A 4xx answer is not retried (the request itself is wrong) and raises `ServiceError`
+    with the server's message.
     """
 
     def __init__(
@@ -84,6 +87,7 @@ class RemoteRetriever:
         max_delay: float = 8.0,
         recheck_s: float = 5.0,
         concurrency: int | None = None,
+        retry: RetryPolicy | None = None,
     ):
         url_list = [urls] if isinstance(urls, str) else list(urls)
         if not url_list:
@@ -98,6 +102,9 @@ class RemoteRetriever:
         self.batch_size = batch_size
         self.base_delay = base_delay
         self.max_delay = max_delay
+        self.retry_policy = retry or RetryPolicy(
+            max_attempts=retries, initial_delay_s=base_delay, max_delay_s=max_delay, budget_s=math.inf
+        )
         self.recheck_s = recheck_s
         self.concurrency = concurrency or 2 * len(self.urls)
         self._client = httpx.Client(
@@ -174,11 +181,9 @@ class RemoteRetriever:
     def _search_batch(self, queries: list[str], k: int) -> list[list[Hit]]:
         return retry(
             lambda: self._post_once(queries, k),
-            attempts=self.retries,
-            base_delay=self.base_delay,
-            max_delay=self.max_delay,
+            policy=self.retry_policy,
             retry_on=(_TransientError,),
-            what=f"retrieval of {len(queries)} queries from {', '.join(self.urls)}",
+            what=f"retriever {', '.join(self.urls)} (retrieval of {len(queries)} queries)",
         )
 
     def search(self, queries: list[str], k: int) -> list[list[Hit]]:

@@ -164,7 +164,7 @@ class DocStore:
 
     @staticmethod
     def build_from_corpus(corpus_path: str | Path, directory: str | Path) -> DocStore:
-        return DocStore.build(iter_corpus(corpus_path), directory)
+        return DocStore.build(iter_corpus(corpus_path, unique_ids=True), directory)
 
 
 def passages_by_id(retriever: Any, doc_ids: Sequence[str]) -> list[Hit | None]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from datetime import datetime, timezone
@@ -66,9 +67,6 @@ def build_index(
     Sharded dense layout (see sleuth.retrieval.sharded): shards (number of contiguous shards),
     train_sample (ivfpq training vectors held in RAM), keep_vectors (float16 copy for exact re-ranking).
     """
-    from sleuth import __version__
-    from sleuth.data.formats import corpus_fingerprint, iter_corpus
-    from sleuth.retrieval.docstore import DocStore
 
     if kind not in KINDS:
         raise ConfigError(f"unknown index kind {kind!r}; choose one of {list(KINDS)}")
@@ -80,7 +78,8 @@ def build_index(
     if not corpus_path.is_file():
         raise FileNotFoundError(f"{corpus_path}: corpus file does not exist")
     out_dir = Path(out_dir)
-    if out_dir.exists() and any(out_dir.iterdir()):
+    replace_existing = out_dir.exists() and any(out_dir.iterdir())
+    if replace_existing:
         if not overwrite:
             raise FileExistsError(
                 f"{out_dir}: directory exists and is not empty; pass --overwrite (overwrite=True) to replace it"
@@ -88,13 +87,32 @@ def build_index(
         if not (out_dir / MANIFEST).exists() and not (out_dir / "docstore").exists():
             # Refuse to wipe a directory that does not look like an index.
             raise FileExistsError(f"{out_dir}: exists and is not a sleuth index; choose another --out")
-        shutil.rmtree(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    # Built in a sibling temporary directory and renamed at the end: a failed build leaves nothing
+    # behind, and an index being replaced stays usable until the new one is complete.
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    building = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.building-"))
+    try:
+        manifest = _build_into(corpus_path, kind, building, threads=threads, show_progress=show_progress, **params)
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        building.rename(out_dir)
+    except BaseException:
+        shutil.rmtree(building, ignore_errors=True)
+        raise
+    return manifest
+
+
+def _build_into(
+    corpus_path: Path, kind: str, out_dir: Path, *, threads: int, show_progress: bool, **params: Any
+) -> dict[str, Any]:
+    from sleuth import __version__
+    from sleuth.data.formats import corpus_fingerprint, iter_corpus
+    from sleuth.retrieval.docstore import DocStore
 
     t0 = time.perf_counter()
     fingerprint = corpus_fingerprint(corpus_path)
     docstore = DocStore.build(
-        _progress(iter_corpus(corpus_path), None, "read corpus", show_progress), out_dir / "docstore"
+        _progress(iter_corpus(corpus_path, unique_ids=True), None, "read corpus", show_progress), out_dir / "docstore"
     )
     n = docstore.num_docs
     manifest: dict[str, Any] = {

@@ -34,7 +34,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 
-from sleuth.http_errors import error_response, validation_error_response
+from sleuth.http_errors import BodyLimitMiddleware, error_response, validation_error_response
 from sleuth.retrieval.base import (
     DEFAULT_MAX_QUERIES,
     DEFAULT_MAX_QUERY_CHARS,
@@ -302,13 +302,15 @@ def create_app(
     worker_threads: int = 1,
     batch_wait_ms: float = 2.0,
     max_batch_queries: int | None = None,
+    max_body_bytes: int | None = None,
 ) -> FastAPI:
     """A FastAPI app serving `retriever` at `POST /retrieve` (Search-R1 API) and `GET /health`.
 
     `max_queries` caps one request (more gets a 422 saying to split it); `max_query_chars` is where
     longer queries are cut; `max_batch_queries` (default 512) is the most queries one
     `retriever.search` call gets, whether they come from one large request or several merged ones.
-    """
+    A body over `max_body_bytes` gets 413 before it is read; by default the limit is what the
+    largest valid request can take (max_queries x max_query_chars, 6 bytes a JSON-escaped char)."""
     for label, value in (("max_queries", max_queries), ("max_k", max_k), ("max_query_chars", max_query_chars)):
         if value < 1:
             raise ValueError(f"{label} must be >= 1, got {value}")
@@ -331,6 +333,7 @@ def create_app(
 
     app = FastAPI(title=name, lifespan=lifespan)
     app.state.batcher = batcher
+    app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes or max_queries * max_query_chars * 6 + 65536)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid_request(_: Request, exc: RequestValidationError) -> JSONResponse:

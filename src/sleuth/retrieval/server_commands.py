@@ -49,6 +49,7 @@ def build_serving_app(options: dict[str, Any]):
         name=f"sleuth-retriever:{index.name}",
         worker_threads=options.get("worker_threads", 1),
         batch_wait_ms=options.get("batch_wait_ms", 2.0),
+        max_body_bytes=options.get("max_body_bytes"),
     )
     pid = str(os.getpid())
 
@@ -107,6 +108,10 @@ def register(app: typer.Typer) -> None:
             "--workers",
             help="Worker processes behind the one address (each loads the index; mmap'd parts are shared).",
         ),
+        max_body_bytes: int | None = typer.Option(
+            None, "--max-body-bytes", help="Largest request body accepted, 413 beyond (default: what the largest "
+            "valid request needs)."
+        ),
     ) -> None:
         """Serve a retrieval index at POST /retrieve (Search-R1 compatible) and GET /health."""
         from rich.console import Console
@@ -142,6 +147,7 @@ def register(app: typer.Typer) -> None:
             "default_k": default_k,
             "worker_threads": worker_threads,
             "batch_wait_ms": batch_wait_ms,
+            "max_body_bytes": max_body_bytes,
         }
         app = None
         try:

@@ -10,13 +10,14 @@ papers' values; `get_reward(name, **config)` builds one by registry name.
 from __future__ import annotations
 
 import dataclasses
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol, TypeVar, runtime_checkable
 
 from sleuth.agent.trajectory import Trajectory
-from sleuth.errors import ConfigError
+from sleuth.errors import ConfigError, SleuthError
 from sleuth.llm.base import Generator
 from sleuth.retrieval.base import Retriever
 
@@ -139,6 +140,51 @@ def score_batch(
     for traj, res in zip(trajs, results, strict=True):
         traj.rewards = {"total": float(res.total), **{k: float(v) for k, v in res.components.items()}}
     return results
+
+
+def guarded_rewards(
+    reward: Reward, trajs: Sequence[Trajectory], services: RewardServices | None = None
+) -> list[RewardResult]:
+    """Score a batch so that one bad trajectory loses only its own reward.
+
+    A trajectory the rollout ended on an error (`finish_reason == "error"`) scores 0 without being
+    scored. If the batch call raises anything but a `SleuthError` (a service past its retries, a
+    config mistake: those concern every trajectory and propagate), each trajectory is scored alone,
+    and one that still raises, or any non-finite total, scores 0 with `extra["reward_error"]` set.
+    """
+    results: list[RewardResult | None] = [None] * len(trajs)
+    todo = [i for i, t in enumerate(trajs) if t.finish_reason != "error"]
+    for i in set(range(len(trajs))) - set(todo):
+        results[i] = RewardResult(0.0)
+    if todo:
+        try:
+            scored = reward([trajs[i] for i in todo], services)
+            if len(scored) != len(todo):
+                raise RuntimeError(f"reward {reward.name!r} returned {len(scored)} results for {len(todo)} trajectories")
+            pairs = list(zip(todo, scored, strict=True))
+        except SleuthError:
+            raise
+        except Exception:  # noqa: BLE001 - isolate the trajectory at fault below
+            pairs = []
+            for i in todo:
+                try:
+                    pairs.append((i, reward([trajs[i]], services)[0]))
+                except SleuthError:
+                    raise
+                except Exception as err:  # noqa: BLE001 - this trajectory's reward is lost, not the batch's
+                    trajs[i].extra["reward_error"] = f"{type(err).__name__}: {err}"[:500]
+                    pairs.append((i, RewardResult(0.0)))
+        for i, res in pairs:
+            if not math.isfinite(float(res.total)):
+                trajs[i].extra["reward_error"] = f"non-finite reward {res.total!r}"
+                res = RewardResult(0.0)
+            results[i] = res
+    return [r if r is not None else RewardResult(0.0) for r in results]
+
+
+def failed_trajectories(trajs: Sequence[Trajectory]) -> list[Trajectory]:
+    """Trajectories that lost their rollout or their reward to an unexpected error."""
+    return [t for t in trajs if t.finish_reason == "error" or "reward_error" in t.extra]
 
 
 def check_choice(field_name: str, value: Any, choices: Sequence[Any]) -> None:

@@ -23,6 +23,7 @@ from typing import Any
 
 import regex
 
+from sleuth import tags
 from sleuth.text import normalize_answer
 
 # pyserini's SimpleTokenizer (pyserini/eval/evaluate_dpr_retrieval.py): a run of letters, digits and
@@ -124,13 +125,10 @@ def f1_score(pred: str | None, golds: str | Iterable[str]) -> float:
     return best
 
 
-def _tag_re(tag: str) -> re.Pattern[str]:
-    return re.compile(rf"<{re.escape(tag)}\s*>(.*?)</{re.escape(tag)}\s*>", re.DOTALL)
-
-
 def extract_tags(text: str, tag: str) -> list[str]:
-    """Contents of every complete `<tag>...</tag>` block, in order (non-greedy, not nested)."""
-    return [m.group(1) for m in _tag_re(tag).finditer(text)]
+    """Contents of every complete `<tag>...</tag>` block, in order (non-greedy, not nested; exact
+    tags only, as Search-R1's `<answer>(.*?)</answer>`)."""
+    return tags.blocks(text, tag)
 
 
 def extract_tag(text: str, tag: str, last: bool = True) -> str | None:

@@ -29,6 +29,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from sleuth import tags
 from sleuth.agent.trajectory import Trajectory
 from sleuth.errors import ConfigError
 from sleuth.llm.base import SamplingParams
@@ -38,15 +39,21 @@ from sleuth.rewards.base import Reward, RewardResult, RewardServices, check_choi
 from sleuth.rewards.metrics import cover_exact_match, exact_match, normalize_answer
 from sleuth.rewards.structure import parse_response, policy_answer, policy_spans, symbol_string
 
-_QUERY_RE = re.compile(r"<query\s*>(.*?)</query\s*>", re.DOTALL)
 _QAGENT_SYMBOLS = {"plan": "P", "search": "S", "reflection": "R", "reflect": "R", "answer": "A"}
 
 
 def search_block_queries(content: str) -> list[str] | None:
     """The queries of one `<search>` block, or None if it holds anything besides `<query>` blocks."""
-    if _QUERY_RE.sub("", content).strip():
+    queries: list[str] = []
+    pos = 0
+    for block in tags.iter_blocks(content, "query"):
+        if content[pos : block.start].strip():
+            return None
+        queries.append(block.content.strip())
+        pos = block.end
+    if content[pos:].strip():
         return None
-    return [q.strip() for q in _QUERY_RE.findall(content)]
+    return queries
 
 
 def qagent_format_ok(traj: Trajectory, max_queries: int = 3, pattern: str = r"(?:PSIR)*P?A") -> bool:

@@ -13,6 +13,7 @@ import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
+from sleuth import tags
 from sleuth.agent.trajectory import Trajectory, Turn
 
 
@@ -75,10 +76,9 @@ def env_spans(traj: Trajectory) -> list[str]:
 def policy_tag_blocks(traj: Trajectory, tag: str) -> list[str]:
     """Every complete `<tag>...</tag>` the policy wrote, searched span by span so that a block can
     never be stitched together across an inserted document."""
-    pattern = re.compile(rf"<{re.escape(tag)}\s*>(.*?)</{re.escape(tag)}\s*>", re.DOTALL)
     out: list[str] = []
     for text in policy_spans(traj):
-        out.extend(m.group(1) for m in pattern.finditer(text))
+        out.extend(tags.blocks(text, tag))
     return out
 
 
@@ -88,12 +88,17 @@ def policy_answer(traj: Trajectory) -> str | None:
     return blocks[-1].strip() if blocks else None
 
 
-def env_wrapper_tag(text: str, tags: Iterable[str]) -> str | None:
+def env_wrapper_tag(text: str, names: Iterable[str]) -> str | None:
     """The tag wrapping an inserted span if the whole span (bar whitespace) is one such block."""
     stripped = text.strip()
-    for tag in tags:
-        m = re.fullmatch(rf"<{re.escape(tag)}>(.*)</{re.escape(tag)}>", stripped, re.DOTALL)
-        if m and f"</{tag}>" not in m.group(1):
+    for tag in names:
+        opener, closer = f"<{tag}>", f"</{tag}>"
+        if (
+            len(stripped) >= len(opener) + len(closer)
+            and stripped.startswith(opener)
+            and stripped.endswith(closer)
+            and closer not in stripped[len(opener) : -len(closer)]
+        ):
             return tag
     return None
 
@@ -114,9 +119,8 @@ def parse_response(
     tag_list = list(tags)
     child_map = {k: set(v) for k, v in (children or {}).items()}
     all_names = set(tag_list) | {c for v in child_map.values() for c in v}
-    tag_re = re.compile(
-        r"<(/?)(" + "|".join(re.escape(t) for t in sorted(all_names, key=len, reverse=True)) + r")\s*>"
-    )
+    # exact tags only, as the upstream format checks split on them (`<answer >` is plain text)
+    tag_re = re.compile(r"<(/?)(" + "|".join(re.escape(t) for t in sorted(all_names, key=len, reverse=True)) + r")>")
     env_tag_list = list(env_tags)
 
     parsed = ParsedResponse()

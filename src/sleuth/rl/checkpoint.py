@@ -6,6 +6,9 @@ states, RNG states and the trainer state (step, data cursor, stage). It is
 written under a temporary name and renamed into place, and `latest` is updated
 atomically afterwards, so a run killed at any moment (even SIGKILL) leaves
 either the previous complete checkpoint or the new one, never half of one.
+`manifest.json`, written last, lists every file with its size and sha256; resume
+checks it, so a checkpoint damaged later (a truncated copy, a full disk) is
+skipped for the newest intact one, and the skipped one is named.
 
 Only our own tensors and plain Python values are stored; loading uses
 `torch.load(weights_only=True)`, which refuses arbitrary pickled objects.
@@ -13,6 +16,7 @@ Only our own tensors and plain Python values are stored; loading uses
 
 from __future__ import annotations
 
+import hashlib
 import json
 import random
 import shutil
@@ -22,9 +26,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from sleuth.errors import CheckpointError
 from sleuth.utils import atomic_write_json, atomic_write_text
 
 LATEST = "latest"
+MANIFEST = "manifest.json"
 
 
 def rng_state() -> dict[str, Any]:
@@ -102,6 +108,7 @@ def save_checkpoint(
     if searcher_info is not None:
         # what `sleuth.agent.searcher.load_searcher` needs to serve or evaluate this policy
         (tmp / "searcher.json").write_text(json.dumps({**searcher_info, "step": step}, indent=2))
+    write_manifest(tmp)
     if final.exists():
         shutil.rmtree(final)
     tmp.rename(final)
@@ -138,6 +145,75 @@ def load_optimizer_states(
         set_optimizer_state_dict(models[k], o, optim_state_dict=states[k], options=opts)
 
 
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def write_manifest(ckpt: Path) -> None:
+    """List every file of `ckpt` (relative path, size, sha256) in `manifest.json`, written last."""
+    files = sorted(p for p in ckpt.rglob("*") if p.is_file() and p.name != MANIFEST)
+    entries = {p.relative_to(ckpt).as_posix(): {"size": p.stat().st_size, "sha256": _sha256(p)} for p in files}
+    atomic_write_json(ckpt / MANIFEST, {"version": 1, "files": entries})
+
+
+def verify_checkpoint(ckpt: Path) -> None:
+    """Raise CheckpointError naming the first missing, resized or altered file. A checkpoint from
+    before manifests existed is accepted if its trainer state is there."""
+    manifest_path = ckpt / MANIFEST
+    if not manifest_path.exists():
+        if not (ckpt / "trainer_state.json").exists():
+            raise CheckpointError(f"{ckpt}: no {MANIFEST} and no trainer_state.json; not a complete checkpoint")
+        return
+    try:
+        files = json.loads(manifest_path.read_text(encoding="utf-8"))["files"]
+        if not isinstance(files, dict):
+            raise TypeError("'files' is not a mapping")
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise CheckpointError(f"{manifest_path}: unreadable checkpoint manifest ({err})") from None
+    for rel, entry in files.items():
+        path = ckpt / rel
+        if not path.is_file():
+            raise CheckpointError(f"{path}: listed in {MANIFEST} but missing")
+        size = path.stat().st_size
+        if size != entry.get("size"):
+            raise CheckpointError(f"{path}: {size} bytes, {MANIFEST} says {entry.get('size')} (truncated or damaged)")
+        if _sha256(path) != entry.get("sha256"):
+            raise CheckpointError(f"{path}: content differs from {MANIFEST} (sha256 mismatch; damaged)")
+
+
+def _candidates(root: Path) -> list[Path]:
+    """Checkpoint directories, newest first; the `latest` pointer's target leads."""
+    found = sorted((p for p in root.glob("step_*") if p.is_dir()), reverse=True)
+    pointer = root / LATEST
+    if pointer.exists():
+        named = root / pointer.read_text().strip()
+        if named in found:
+            found.remove(named)
+            found.insert(0, named)
+    return found
+
+
+def resumable_checkpoint(out_dir: str | Path) -> tuple[Path | None, list[tuple[Path, str]]]:
+    """The newest checkpoint that passes `verify_checkpoint`, and the (path, reason) of each newer
+    one skipped as damaged."""
+    root = Path(out_dir) / "checkpoints"
+    skipped: list[tuple[Path, str]] = []
+    if not root.is_dir():
+        return None, skipped
+    for ckpt in _candidates(root):
+        try:
+            verify_checkpoint(ckpt)
+        except CheckpointError as err:
+            skipped.append((ckpt, str(err)))
+            continue
+        return ckpt, skipped
+    return None, skipped
+
+
 def latest_checkpoint(out_dir: str | Path) -> Path | None:
     root = Path(out_dir) / "checkpoints"
     pointer = root / LATEST
@@ -151,9 +227,22 @@ def latest_checkpoint(out_dir: str | Path) -> Path | None:
 
 
 def load_training_state(ckpt: Path) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Returns (trainer_state json, tensor state with optimizers/schedulers/rng)."""
-    trainer_state = json.loads((ckpt / "trainer_state.json").read_text())
-    state = torch.load(ckpt / "state.pt", map_location="cpu", weights_only=True)
+    """Returns (trainer_state json, tensor state with optimizers/schedulers/rng); a damaged file
+    raises CheckpointError naming it."""
+    state_json = ckpt / "trainer_state.json"
+    try:
+        trainer_state = json.loads(state_json.read_text(encoding="utf-8"))
+        int(trainer_state["step"])
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise CheckpointError(f"{state_json}: unreadable trainer state ({type(err).__name__}: {err})") from None
+    state_pt = ckpt / "state.pt"
+    try:
+        state = torch.load(state_pt, map_location="cpu", weights_only=True)
+    except Exception as err:  # noqa: BLE001 - torch.load raises EOFError, RuntimeError, UnpicklingError...
+        raise CheckpointError(
+            f"{state_pt}: damaged optimizer/RNG state ({type(err).__name__}: {err}); "
+            "delete this checkpoint directory to resume from an older one"
+        ) from None
     return trainer_state, state
 
 

@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from sleuth.errors import ConfigError
 from sleuth.retrieval.tools import HTTPSearchConfig, MCPToolConfig
+from sleuth.utils import RetryPolicy
 
 
 class _Strict(BaseModel):
@@ -212,6 +213,25 @@ class SFTConfig(_Strict):
     out_dir: str | None = None  # default: <trainer.out_dir>/sft
 
 
+class RetryConfig(_Strict):
+    """Backoff for calls to the retriever server and remote judge/generator models. The default
+    waits out a 2-minute outage (a 60 s one with room to spare); past it the trainer writes a
+    checkpoint and exits naming the service."""
+
+    max_attempts: int = Field(1000, ge=1)
+    initial_delay_s: float = Field(0.5, ge=0.0)
+    max_delay_s: float = Field(8.0, ge=0.0)
+    budget_s: float = Field(120.0, ge=0.0)  # since the first failed attempt of one call
+    jitter: float = Field(0.5, ge=0.0, le=1.0)
+
+    def policy(self) -> RetryPolicy:
+        return RetryPolicy(**self.model_dump())
+
+
+class ServicesConfig(_Strict):
+    retry: RetryConfig = Field(default_factory=RetryConfig)
+
+
 class Recipe(_Strict):
     name: str
     description: str = ""
@@ -226,6 +246,9 @@ class Recipe(_Strict):
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     sft: SFTConfig | None = None  # when set, `sleuth train` first fine-tunes on it, then starts RL from it
+
+
+    services: ServicesConfig = Field(default_factory=ServicesConfig)
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:

@@ -19,6 +19,7 @@ import importlib
 import logging
 import math
 import random
+import shutil
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -31,7 +32,7 @@ from torch import nn
 
 from sleuth.agent.trajectory import Trajectory, write_trajectories
 from sleuth.data.formats import QAExample
-from sleuth.errors import ConfigError
+from sleuth.errors import ConfigError, ServiceError
 from sleuth.llm.base import SamplingParams
 from sleuth.rl import advantages as adv_fns
 from sleuth.rl import losses as loss_fns
@@ -40,6 +41,7 @@ from sleuth.rl.checkpoint import (
     latest_checkpoint,
     load_optimizer_states,
     load_training_state,
+    resumable_checkpoint,
     save_checkpoint,
     set_rng_state,
     write_run_info,
@@ -396,7 +398,7 @@ def build_retriever(recipe: Recipe):
     if recipe.retriever.url is not None:
         from sleuth.retrieval.client import RemoteRetriever
 
-        return RemoteRetriever(recipe.retriever.url)
+        return RemoteRetriever(recipe.retriever.url, retry=recipe.services.retry.policy())
     from sleuth.retrieval import load_retriever
 
     return load_retriever(recipe.retriever.index, corpus=recipe.retriever.corpus)
@@ -453,15 +455,17 @@ def load_examples(recipe: Recipe) -> list[QAExample]:
 def build_reward_services(recipe: Recipe, policy_gen: Any, policy: nn.Module, retriever: Any):
     from sleuth.rewards.base import RewardServices
 
-    def service_model(spec: str | None):
+    def service_model(spec: str | None, role: str):
         if spec is None:
             return None
         if spec == "policy-base":
             if not hasattr(policy, "disable_adapter"):
                 raise ConfigError("reward generator 'policy-base' needs model.lora.enabled=true")
             return FrozenBaseGenerator(policy_gen, policy)
-        from sleuth.llm.registry import load_generator
+        from sleuth.llm.registry import is_remote_spec, load_generator
 
+        if is_remote_spec(spec):
+            return load_generator(spec, retry=recipe.services.retry.policy(), service=f"reward {role}")
         return load_generator(spec)
 
     encoder = None
@@ -475,8 +479,8 @@ def build_reward_services(recipe: Recipe, policy_gen: Any, policy: nn.Module, re
 
         cache = ScoreCache(recipe.reward.baseline_cache)
     return RewardServices(
-        generator=service_model(recipe.reward.generator),
-        judge=service_model(recipe.reward.judge),
+        generator=service_model(recipe.reward.generator, "generator"),
+        judge=service_model(recipe.reward.judge, "judge"),
         encoder=encoder,
         baseline_cache=cache,
         retriever=retriever,
@@ -507,11 +511,49 @@ def initial_weights(recipe: Recipe) -> Path | None:
     return resolve_checkpoint(recipe.model.init_from) / "policy"
 
 
+def check_input_paths(recipe: Recipe) -> None:
+    """Every file and directory the recipe names must exist: checked before any model loads, so a
+    typo costs a second, not a model load and a traceback."""
+    from sleuth.llm.registry import check_model_spec
+
+    named = [
+        ("data.train", recipe.data.train),
+        ("data.dev", recipe.data.dev),
+        ("data.hard_from", recipe.data.hard_from),
+        ("retriever.index", recipe.retriever.index),
+        ("retriever.corpus", recipe.retriever.corpus),
+        ("model.init_from", recipe.model.init_from),
+        ("sft.data", recipe.sft.data if recipe.sft is not None else None),
+    ]
+    missing = [f"{field}: {value} does not exist" for field, value in named if value and not Path(value).exists()]
+    try:
+        check_model_spec(recipe.model.policy)
+    except ConfigError as err:
+        missing.append(f"model.policy: {err}")
+    if missing:
+        raise ConfigError(f"recipe {recipe.name!r} names inputs that are not there:\n  " + "\n  ".join(missing))
+
+
 def train(recipe: Recipe, *, resume: bool = False, console: Any = None) -> dict[str, Any]:
+    """Run the recipe. Inputs are checked first; a run that fails before logging a step removes
+    the output directory it created, so a rerun does not find a half-made one."""
+    check_input_paths(recipe)
+    out_dir = Path(recipe.trainer.out_dir)
+    created = not out_dir.exists()
+    try:
+        return _train(recipe, resume=resume, console=console)
+    except BaseException:
+        progress = any((out_dir / name).exists() for name in ("metrics.jsonl", "checkpoints", "sft"))
+        if created and not progress:
+            shutil.rmtree(out_dir, ignore_errors=True)
+        raise
+
+
+def _train(recipe: Recipe, *, resume: bool = False, console: Any = None) -> dict[str, Any]:
     from rich.console import Console
 
     from sleuth.llm.hf import HFGenerator
-    from sleuth.rewards.base import get_reward
+    from sleuth.rewards.base import failed_trajectories, get_reward
 
     console = console or Console()
     if recipe.sft is not None and recipe.model.init_from is None:
@@ -530,7 +572,11 @@ def train(recipe: Recipe, *, resume: bool = False, console: Any = None) -> dict[
     seed_everything(recipe.seed)
 
     # --- resume point -------------------------------------------------------
-    ckpt = latest_checkpoint(out_dir) if resume else None
+    ckpt = None
+    if resume:
+        ckpt, skipped = resumable_checkpoint(out_dir)
+        for path, reason in skipped:
+            console.print(f"[yellow]skipping damaged checkpoint {path}[/]: {reason}")
     trainer_state: dict[str, Any] = {}
     tensor_state: dict[str, Any] = {}
     if ckpt is not None:
@@ -615,8 +661,29 @@ def train(recipe: Recipe, *, resume: bool = False, console: Any = None) -> dict[
         write_run_info(out_dir, run_info)
         log.log_config(run_info)
 
+    def save(done: int, cursor_state: dict[str, int], stage: int) -> None:
+        model_states, optim_states = full_states(models, optimizers)  # collective: all ranks
+        if ctx.is_main:
+            save_checkpoint(
+                out_dir,
+                done,
+                policy=unwrap(policy),
+                tokenizer=tokenizer,
+                critic=unwrap(critic) if critic is not None else None,
+                optimizers=optimizers,
+                schedulers=schedulers,
+                trainer_state={"cursor": cursor_state, "stage": stage, "recipe": recipe.name},
+                searcher_info=searcher_info(recipe),
+                keep=recipe.trainer.keep_checkpoints,
+                policy_state=model_states["policy"],
+                critic_state=model_states.get("critic"),
+                optimizer_states=optim_states,
+            )
+        ctx.barrier()
+
     # --- steps --------------------------------------------------------------
     metrics: dict[str, float] = {}  # the last step's, for the final report
+    last_saved = start_step
     for step in range(start_step, recipe.trainer.total_steps):
         t_start = time.perf_counter()
         reward_fn.set_step(step)
@@ -624,19 +691,31 @@ def train(recipe: Recipe, *, resume: bool = False, console: Any = None) -> dict[
 
         # 1. rollout and reward (each rank its slice of the prompts)
         policy.eval()
-        collected = collect_rollouts(
-            recipe,
-            ctx,
-            generator,
-            retriever,
-            loop,
-            reward_fn,
-            services,
-            sampling,
-            examples,
-            cursor,
-            local_prompts,
-        )
+        cursor_before = cursor.state()
+        try:
+            collected = collect_rollouts(
+                recipe,
+                ctx,
+                generator,
+                retriever,
+                loop,
+                reward_fn,
+                services,
+                sampling,
+                examples,
+                cursor,
+                local_prompts,
+            )
+        except ServiceError as err:
+            # a service past its retry budget: keep every finished step, then stop with its name
+            where = "no new checkpoint (nothing done since the last one)"
+            if step > last_saved and not ctx.enabled:  # a lone rank cannot run the collective save
+                save(step, cursor_before, stage)
+                where = f"checkpoint of step {step} written"
+            raise ServiceError(
+                f"{err}\nstopped at step {step + 1} of {recipe.trainer.total_steps}: {where} under {out_dir}; "
+                f"when the service is back, rerun with --resume (or raise services.retry.budget_s)"
+            ) from err
         kept, scores = collected.trajs, collected.scores
 
         # 2. tensors, old/ref log-probs, values
@@ -719,6 +798,8 @@ def train(recipe: Recipe, *, resume: bool = False, console: Any = None) -> dict[
                 **_memory_metrics(device),
             }
         )
+        failed = failed_trajectories(collected.trajs_all)
+        metrics["rollout/errors"] = float(len(failed))
         metrics = _mean_over_ranks(metrics, ctx)
         metrics["lr"] = schedulers["policy"].get_last_lr()[0]
         if ctx.enabled:
@@ -729,29 +810,15 @@ def train(recipe: Recipe, *, resume: bool = False, console: Any = None) -> dict[
             write_trajectories(
                 out_dir / "rollouts" / f"step_{step + 1:06d}.jsonl", kept[: min(len(kept), 32)]
             )
+        if failed:  # one example per step is enough to debug; the count is in the metrics
+            write_trajectories(out_dir / "debug" / f"failed_step_{step + 1:06d}_rank{ctx.rank}.jsonl", failed[:1])
 
         # 6. checkpoint (the data cursor is global, so a run resumes on any number of ranks)
         done = step + 1
         every = recipe.trainer.save_every
         if every and (done % every == 0 or done == recipe.trainer.total_steps):
-            model_states, optim_states = full_states(models, optimizers)  # collective: all ranks
-            if ctx.is_main:
-                save_checkpoint(
-                    out_dir,
-                    done,
-                    policy=unwrap(policy),
-                    tokenizer=tokenizer,
-                    critic=unwrap(critic) if critic is not None else None,
-                    optimizers=optimizers,
-                    schedulers=schedulers,
-                    trainer_state={"cursor": cursor.state(), "stage": stage, "recipe": recipe.name},
-                    searcher_info=searcher_info(recipe),
-                    keep=recipe.trainer.keep_checkpoints,
-                    policy_state=model_states["policy"],
-                    critic_state=model_states.get("critic"),
-                    optimizer_states=optim_states,
-                )
-            ctx.barrier()
+            save(done, cursor.state(), stage)
+            last_saved = done
     if services.baseline_cache is not None:
         services.baseline_cache.save()
     final = latest_checkpoint(out_dir)
@@ -766,6 +833,7 @@ class Collected:
     trajs: list[Trajectory]
     scores: list[float]
     all_rewards: list[float]  # before DAPO's filter
+    trajs_all: list[Trajectory]  # every rollout of the step, before DAPO's filter
     rounds: int
     t_rollout: float
     t_reward: float
@@ -788,10 +856,11 @@ def collect_rollouts(
     rewards are all equal carry no signal: they are dropped and new prompts are drawn until every
     rank holds its share of groups, or `max_sampling_rounds` is reached (ranks agree on when to stop)."""
     from sleuth.agent.engine import rollout
+    from sleuth.rewards.base import guarded_rewards
 
     algo = recipe.algorithm
     target = (local_prompts.stop - local_prompts.start) * algo.n
-    out = Collected([], [], [], 0, 0.0, 0.0)
+    out = Collected([], [], [], [], 0, 0.0, 0.0)
     last_round: tuple[list[Trajectory], list[float]] = ([], [])
     while out.rounds < algo.max_sampling_rounds:
         out.rounds += 1
@@ -809,13 +878,14 @@ def collect_rollouts(
                 max_response_tokens=recipe.agent.max_response_tokens,
             )
         t1 = time.perf_counter()
-        results = reward_fn(trajs, services)
+        results = guarded_rewards(reward_fn, trajs, services)
         out.t_rollout += t1 - t0
         out.t_reward += time.perf_counter() - t1
         for t, r in zip(trajs, results, strict=True):
             t.rewards = {"total": r.total, **r.components}
             t.extra["group"] = f"{out.rounds}:{t.extra.get('group', 0)}"
         round_scores = torch.tensor([r.total for r in results], dtype=torch.float32)
+        out.trajs_all += trajs
         out.all_rewards += round_scores.tolist()
         last_round = (list(trajs), round_scores.tolist())
         if algo.dynamic_sampling:

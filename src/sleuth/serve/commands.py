@@ -121,6 +121,7 @@ def register(app: typer.Typer) -> None:
         max_question_chars: int = MAX_CHARS,
         token_env: str = TOKEN_ENV,
         device: str | None = DEVICE,
+        max_body_bytes: int = typer.Option(1 << 20, "--max-body-bytes", help="Largest request body accepted (413 beyond)."),
     ) -> None:
         """Serve a searcher over HTTP: POST /search, POST /answer, GET /health."""
         token = _token(token_env)
@@ -136,7 +137,7 @@ def register(app: typer.Typer) -> None:
         # The URL goes to stdout so scripts can capture it; diagnostics stay on stderr.
         typer.echo(f"serving {service.loop.name} searcher at http://{shown}:{port}/search "
                    f"(answer: /answer, health: /health, auth: {'on' if token else 'off'})")
-        uvicorn.run(create_app(service, token=token), host=host, port=port, log_level="warning", access_log=False)
+        uvicorn.run(create_app(service, token=token, max_body_bytes=max_body_bytes), host=host, port=port, log_level="warning", access_log=False)
 
     @app.command("serve-mcp")
     def serve_mcp(

@@ -21,7 +21,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
-from sleuth.http_errors import error_response, validation_error_response
+from sleuth.http_errors import BodyLimitMiddleware, error_response, validation_error_response
 from sleuth.serve.schemas import AnswerResponse, SearchRequest, SearchResponse
 from sleuth.serve.service import (
     NoAnswerGenerator,
@@ -42,8 +42,16 @@ def bearer_token_ok(header: str | None, token: str) -> bool:
     return hmac.compare_digest(given.strip().encode("utf-8"), token.encode("utf-8"))
 
 
-def create_app(service: SearcherService, *, token: str | None = None, name: str = "sleuth-searcher") -> FastAPI:
-    """A FastAPI app serving `service`; with `token`, every route but /health needs `Bearer <token>`."""
+DEFAULT_MAX_BODY_BYTES = 1 << 20  # a question is at most a few thousand characters
+
+
+def create_app(
+    service: SearcherService, *, token: str | None = None, name: str = "sleuth-searcher",
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+) -> FastAPI:
+    """A FastAPI app serving `service`; with `token`, every route but /health needs `Bearer <token>`,
+    and /health shows the model, index and generator (which may be paths) only to a caller with it.
+    A body over `max_body_bytes` gets 413 before it is read."""
     if token is not None and not token.strip():
         raise ValueError("token is empty; unset it to disable auth or set a non-empty secret")
 
@@ -54,6 +62,7 @@ def create_app(service: SearcherService, *, token: str | None = None, name: str 
 
     app = FastAPI(title=name, lifespan=lifespan)
     app.state.service = service
+    app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes)
 
     if token is not None:
 
@@ -89,8 +98,12 @@ def create_app(service: SearcherService, *, token: str | None = None, name: str 
             return error_response(504, str(err))
 
     @app.get("/health")
-    async def health() -> dict[str, Any]:
-        return {"status": "ok", "name": name, **service.describe(), "auth": token is not None,
+    async def health(request: Request) -> dict[str, Any]:
+        described = service.describe()
+        if token is not None and not bearer_token_ok(request.headers.get("authorization"), token):
+            for private in ("model", "retriever", "generator"):  # may be paths on the server's disk
+                described.pop(private, None)
+        return {"status": "ok", "name": name, **described, "auth": token is not None,
                 "stats": service.snapshot_stats()}
 
     @app.post("/search", response_model=SearchResponse, response_model_exclude_none=False)

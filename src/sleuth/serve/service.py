@@ -372,9 +372,12 @@ class SearcherService:
                     outcomes[i] = err
                 continue
             except Exception as err:
-                failure = ServiceFailure(f"search failed: {type(err).__name__}: {err}")
-                for i in members:
-                    outcomes[i] = failure
+                if len(members) > 1:
+                    # one bad request must not fail the others it was batched with: run each alone
+                    for i in members:
+                        self._run_alone(queries, i, outcomes, trajs)
+                    continue
+                outcomes[members[0]] = ServiceFailure(f"search failed: {type(err).__name__}: {err}")
                 continue
             search_s = time.perf_counter() - started
             for i, traj in zip(members, group_trajs, strict=True):
@@ -384,6 +387,22 @@ class SearcherService:
         if wanted:
             self._answer_into(outcomes, trajs, wanted)
         return outcomes
+
+    def _run_alone(
+        self, queries: Sequence[SearchQuery], i: int, outcomes: list[_Outcome | ServiceFailure],
+        trajs: dict[int, Trajectory],
+    ) -> None:
+        started = time.perf_counter()
+        try:
+            (traj,) = self._rollout([queries[i].question], queries[i].max_turns, queries[i].top_k)
+        except ServiceFailure as err:
+            outcomes[i] = err
+            return
+        except Exception as err:
+            outcomes[i] = ServiceFailure(f"search failed: {type(err).__name__}: {err}")
+            return
+        trajs[i] = traj
+        outcomes[i] = _Outcome(response_body(traj, 1), started, time.perf_counter() - started)
 
     def _rollout(self, questions: list[str], max_turns: int, top_k: int) -> list[Trajectory]:
         from sleuth.agent.engine import rollout
