@@ -305,11 +305,11 @@ def run(args) -> None:
         env = dict(os.environ)
         if not args.cpu:
             env["CUDA_VISIBLE_DEVICES"] = str(i)
-        log = open(out / f"lane{i}.log", "a")
         cmd = [sys.executable, __file__, "lane", "--out", str(out), "--model", args.model, "--jobs", ",".join(jobs)]
         cmd += ["--encoder", args.encoder] if args.encoder else []
         cmd += ["--cpu"] if args.cpu else []
-        procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT))
+        with open(out / f"lane{i}.log", "a") as log:  # the child keeps its own copy of the descriptor
+            procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT))
     for p in procs:
         p.wait()
     status(args)

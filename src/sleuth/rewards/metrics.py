@@ -15,7 +15,6 @@ Conventions (see methods.md, "Shared conventions"):
 
 from __future__ import annotations
 
-import re
 import unicodedata
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
