@@ -16,45 +16,57 @@ def test_demo_fast_end_to_end(tmp_path: Path) -> None:
                           env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
 
-    before = json.loads((out / "eval_before" / "summary.json").read_text())["methods"]
-    after = json.loads((out / "eval_after" / "summary.json").read_text())["methods"]
-    assert set(before) == {"direct", "naive-rag", "s3"} and set(after) == {"s3"}
-    n_test = before["s3"]["overall"]["n"]
-    assert n_test == after["s3"]["overall"]["n"] > 0
-    assert before["naive-rag"]["overall"]["retrieval_count"] == 1.0  # one search for the question
-    assert before["direct"]["overall"]["retrieval_count"] == 0.0
-
+    # the pipeline: oracle trajectories -> SFT -> RL with groups of 4 from the SFT checkpoint
+    records = [json.loads(x) for x in (out / "trajectories.jsonl").read_text().splitlines()]
+    assert records and all(r["loop"] == "search_r1" and len(r["loss_mask"]) == len(r["response_ids"]) for r in records)
+    sft_steps = [json.loads(x)["step"] for x in (out / "train" / "sft" / "metrics.jsonl").read_text().splitlines()]
+    assert sft_steps == list(range(1, len(sft_steps) + 1)) and sft_steps
+    run = json.loads((out / "train" / "run.json").read_text())
+    assert run["recipe"]["model"]["init_from"].startswith(str(out / "train" / "sft" / "checkpoints"))
+    assert run["recipe"]["algorithm"]["n"] >= 4
     steps = [json.loads(x)["step"] for x in (out / "train" / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2]
+    rollouts = [json.loads(x) for x in (out / "train" / "rollouts" / "step_000001.jsonl").read_text().splitlines()]
+    groups: dict[str, int] = {}
+    for t in rollouts:
+        groups[t["extra"]["group"]] = groups.get(t["extra"]["group"], 0) + 1
+    assert set(groups.values()) == {4}
     ckpt = out / "train" / "checkpoints" / "step_000002"
     info = json.loads((ckpt / "searcher.json").read_text())
-    assert info["loop"] == "s3" and info["lora"] is True
+    assert info["loop"] == "search_r1" and info["lora"] is True
     assert (ckpt / "policy" / "adapter_config.json").exists()
 
+    after = json.loads((out / "eval_after" / "summary.json").read_text())
+    assert set(after["methods"]) == {"naive-rag", "search-r1"}
+    assert after["methods"]["search-r1"]["overall"]["n"] == 8
+    assert "span_check_ci" in after["methods"]["search-r1"]["overall"] and "paired" in after
+    assert not (out / "eval_committed").exists()  # the tiny model has no committed searcher
+
     html = (out / "report.html").read_text()
-    assert "What it cannot show" in html and "eval_after" in html and "data:image/png;base64" in html
+    assert "What this demo shows" in html and "eval_after" in html and "data:image/png;base64" in html
 
     # the trained checkpoint evaluates through the CLI like any model
     proc = subprocess.run(
-        [sys.executable, "-m", "sleuth.cli", "eval", "-m", "s3", "--data", str(out / "world" / "test.jsonl"),
+        [sys.executable, "-m", "sleuth.cli", "eval", "-m", "search-r1", "--data", str(out / "world" / "test.jsonl"),
          "--retriever", str(out / "world" / "bm25"), "--model", str(out / "train"), "--generator", "tiny",
          "--limit", "3", "--max-new-tokens", "8", "--max-turns", "1", "--out", str(tmp_path / "ev")],
         env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     summary = json.loads((tmp_path / "ev" / "summary.json").read_text())
-    assert summary["methods"]["s3"]["overall"]["n"] == 3
+    assert summary["methods"]["search-r1"]["overall"]["n"] == 3
 
 
 def test_demo_trains_another_method(tmp_path: Path) -> None:
-    # R-Search's loop and reward (evidence F1 from the frozen base model) through the same demo
+    # R-Search's oracle, loop and reward (evidence F1 from the frozen base model) through the same demo
     out = tmp_path / "demo"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, "-m", "sleuth.cli", "demo", "--fast", "--method", "r_search",
                            "--steps", "1", "--out", str(out)], env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    before = json.loads((out / "eval_before" / "summary.json").read_text())["methods"]
     after = json.loads((out / "eval_after" / "summary.json").read_text())["methods"]
-    assert set(before) == {"direct", "naive-rag", "r-search"} and set(after) == {"r-search"}
+    assert set(after) == {"naive-rag", "r-search"}
+    assert all("<original_evidence>" in json.loads(x)["response_text"]
+               for x in (out / "trajectories.jsonl").read_text().splitlines())
     metrics = [json.loads(x) for x in (out / "train" / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == [1]
     # R-Search's reward components are logged separately
@@ -65,7 +77,7 @@ def test_demo_trains_another_method(tmp_path: Path) -> None:
 
     # a rerun resumes (every stage is already done) and adds its wall time to the recorded totals
     first = json.loads((out / "demo.json").read_text())["timings"]
-    assert set(first) == {"world_and_indexes_s", "eval_before_s", "train_s", "eval_after_s", "total_s"}
+    assert set(first) == {"world_and_index_s", "pipeline_s", "eval_and_report_s", "total_s"}
     assert abs(first["total_s"] - sum(v for k, v in first.items() if k != "total_s")) < 1e-6
     proc = subprocess.run([sys.executable, "-m", "sleuth.cli", "demo", "--fast", "--method", "r_search",
                            "--steps", "1", "--out", str(out)], env=env, capture_output=True, text=True, timeout=900)
@@ -73,6 +85,17 @@ def test_demo_trains_another_method(tmp_path: Path) -> None:
     second = json.loads((out / "demo.json").read_text())["timings"]
     assert all(second[k] > first[k] for k in first)
     assert [json.loads(x)["step"] for x in (out / "train" / "metrics.jsonl").read_text().splitlines()] == [1]
+
+
+def test_committed_searcher_is_found_only_for_its_model_and_world(tmp_path: Path) -> None:
+    import sleuth.demo as demo
+
+    assert demo.committed_checkpoint("search_r1", demo.FULL, None) == demo.REPO_CHECKPOINTS / "search_r1"
+    assert demo.committed_checkpoint("search_r1", demo.FAST, None) is None  # tiny model, small world
+    assert demo.committed_checkpoint("search_r1", demo.FULL, "none") is None
+    assert demo.committed_checkpoint("qagent", demo.FULL, None) is None  # none committed
+    info = json.loads((demo.REPO_CHECKPOINTS / "search_r1" / "searcher.json").read_text())
+    assert info["base_model"] == "smollm2-135m-instruct"  # loads on any machine, not a GPU box's path
 
 
 def test_demo_rejects_an_unknown_method(tmp_path: Path) -> None:
@@ -91,5 +114,6 @@ def test_gpu_profile_recipe_compiles_rollouts_over_a_bf16_base(monkeypatch, tmp_
     assert (recipe.model.generation_cache, recipe.model.compile_generation) == ("static", True)
     assert recipe.model.dtype == "bfloat16" and recipe.model.lora.enabled  # static cache needs bf16 rollout weights
     assert recipe.agent.max_new_tokens_per_turn == 128 and recipe.reward.name == "r_search"
+    assert recipe.sft is not None and recipe.algorithm.n >= 4
     monkeypatch.setattr(demo, "_cuda", lambda: False)  # on a CPU the same profile keeps fp32 masters
     assert recipe_from_dict(demo.demo_recipe(tmp_path, demo.GPU, "s3")).model.dtype == "auto"
