@@ -130,8 +130,8 @@ NOTES = (
     "on a GPU by bench/learning.py: oracle-trajectory SFT then GRPO, see docs/results.md) with naive RAG "
     "on {n_committed} held-out questions, with 95% bootstrap intervals and the paired difference: that "
     "is the effect of training. The rest is the pipeline at CPU size: {traj} oracle trajectories, a short "
-    "SFT, then {steps} RL step(s) of {prompts} questions x {n} samples from the SFT checkpoint. These CPU "
-    "steps show that every stage runs; they are far too small to change the agent.",
+    "SFT of the base model on them, then {steps} GRPO step(s) of {prompts} questions x {n} samples starting "
+    "from {rl_start}. These CPU steps show that every stage runs; they are far too small to change the agent.",
 )
 
 
@@ -311,6 +311,7 @@ def run_demo(
     from sleuth.retrieval import load_retriever
     from sleuth.rl.checkpoint import latest_checkpoint
     from sleuth.rl.config import recipe_from_dict
+    from sleuth.rl.sft import run_sft
     from sleuth.rl.trainer import train
 
     if method not in DEMO_METHODS:
@@ -350,8 +351,12 @@ def run_demo(
     t0 = timer.stage(f"3/4  pipeline: oracle trajectories ({size.sft_questions} questions), SFT, then "
                      f"{size.train_steps} GRPO step(s) x {size.prompts_per_step} questions x {size.n} samples")
     traj = _write_trajectories(out, recipe, size)
-    # SFT runs first (recipe.sft), then RL from its checkpoint; a rerun continues from the newest checkpoint
-    result = train(recipe, resume=latest_checkpoint(out / "train") is not None, console=console)
+    sft = run_sft(recipe, resume=True, console=console)
+    # RL continues the committed searcher when there is one: a few CPU SFT steps leave a 135M model
+    # answering nothing right, so every group would have equal rewards and the update no signal.
+    start = committed if committed is not None and size.model != "tiny" else Path(sft["checkpoint"])
+    rl_recipe = recipe.model_copy(update={"sft": None, "model": recipe.model.model_copy(update={"init_from": str(start)})})
+    result = train(rl_recipe, resume=latest_checkpoint(out / "train") is not None, console=console)
     timer.record("pipeline_s", t0)
 
     t0 = timer.stage("4/4  evaluate the agent trained here, write the report")
@@ -363,7 +368,9 @@ def run_demo(
         evaluate([spec.eval_name, "naive-rag"], _held_out(out, size.eval_questions), retriever, searcher.generator,
                  generator=load_generator(size.model), out_dir=out / "eval_after", config=cfg, progress=True)
     notes = [n.format(method=method, n_committed=size.committed_questions if committed else 0,
-                      traj=traj.get("kept", 0), steps=size.train_steps, prompts=size.prompts_per_step, n=size.n)
+                      traj=traj.get("kept", 0), steps=size.train_steps, prompts=size.prompts_per_step, n=size.n,
+                      rl_start="the committed searcher (so that a group's rewards differ and the update carries "
+                      "signal)" if start == committed else "the SFT checkpoint")
              for n in NOTES]
     if committed is None:
         notes.append("No committed GPU-trained searcher was evaluated in this run (see docs/results.md).")
