@@ -270,3 +270,46 @@ def test_sft_refuses_bad_data_before_writing_anything(tmp_path, small_world):
     with pytest.raises(DataFormatError, match="outside the model's vocabulary"):
         run_sft(recipe_from_dict(_sft_recipe(tmp_path, small_world, huge)))
     assert not (tmp_path / "run").exists()
+
+
+def _cli(*args: str):
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "-m", "sleuth.cli", *args], env=env, capture_output=True, text=True,
+                          timeout=600)
+
+
+def test_trajectories_cli_oracle_teacher_and_messages(tmp_path, small_world):
+    import yaml
+
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(yaml.safe_dump({
+        "name": "t", "model": {"policy": "tiny"}, "data": {"train": str(small_world / "train.jsonl")},
+        "retriever": {"index": str(small_world / "bm25")},
+        "agent": {"loop": "search_r1", "max_obs_tokens": 128, "max_response_tokens": 4096, "max_new_tokens_per_turn": 8},
+    }))
+    out = tmp_path / "oracle.jsonl"
+    proc = _cli("trajectories", str(recipe), "--out", str(out), "--limit", "6", "--variants", "2")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    records = read_records(out)
+    assert len(records) == 12 and len({r.question_id for r in records}) == 6
+
+    # a random tiny teacher earns no reward: nothing passes, nothing is written, the message says so
+    teacher_out = tmp_path / "teacher.jsonl"
+    proc = _cli("trajectories", str(recipe), "--out", str(teacher_out), "--source", "teacher", "--teacher", "tiny",
+                "--limit", "2", "--n", "2")
+    assert proc.returncode == 2 and "no trajectory passed" in proc.stdout and not teacher_out.exists()
+
+    chats = tmp_path / "chats.jsonl"
+    chats.write_text(json.dumps({"messages": [{"role": "user", "content": "q?"},
+                                              {"role": "assistant", "content": "<answer> a </answer>"}]}) + "\n")
+    proc = _cli("trajectories", str(recipe), "--out", str(tmp_path / "m.jsonl"), "--source", "messages",
+                "--messages", str(chats))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert read_records(tmp_path / "m.jsonl")[0].source == "messages"
+
+    proc = _cli("trajectories", str(recipe), "agent.loop=nope", "--out", str(tmp_path / "x.jsonl"))
+    assert proc.returncode == 2 and "agent.loop" in proc.stdout and not (tmp_path / "x.jsonl").exists()
