@@ -102,21 +102,24 @@ def record_from_dict(data: Any, path: Path, line: int) -> SFTRecord:
 def read_records(path: str | Path) -> list[SFTRecord]:
     """Every record of a trajectory jsonl; the first bad line raises a DataFormatError naming file and line."""
     path = Path(path)
+    records = [record_from_dict(data, path, number) for number, data in _json_lines(path)]
+    if not records:
+        raise DataFormatError(str(path), None, "no trajectories in the file")
+    return records
+
+
+def _json_lines(path: Path) -> Iterator[tuple[int, Any]]:
+    """(line number, parsed object) of every non-blank line; a bad line raises naming file and line."""
     if not path.exists():
-        raise DataFormatError(str(path), None, "trajectory file does not exist")
-    records = []
+        raise DataFormatError(str(path), None, "file does not exist")
     with path.open("rb") as fh:
         for number, raw in enumerate(fh, start=1):
             if not raw.strip():
                 continue
             try:
-                data = json.loads(raw.decode("utf-8"))
+                yield number, json.loads(raw.decode("utf-8"))
             except (UnicodeDecodeError, ValueError, RecursionError) as err:
                 raise DataFormatError(str(path), number, f"not valid JSON ({type(err).__name__}: {err})") from None
-            records.append(record_from_dict(data, path, number))
-    if not records:
-        raise DataFormatError(str(path), None, "no trajectories in the file")
-    return records
 
 
 def write_records(path: str | Path, records: Iterable[SFTRecord]) -> int:
@@ -199,16 +202,7 @@ def records_from_messages(path: str | Path, tokenizer: Any, loop: str) -> list[S
     path = Path(path)
     if loop not in loop_names():
         raise DataFormatError(str(path), None, f"unknown loop {loop!r}; known loops: {', '.join(loop_names())}")
-    records = []
-    with path.open("rb") as fh:
-        for number, raw in enumerate(fh, start=1):
-            if not raw.strip():
-                continue
-            try:
-                data = json.loads(raw.decode("utf-8"))
-            except (UnicodeDecodeError, ValueError, RecursionError) as err:
-                raise DataFormatError(str(path), number, f"not valid JSON ({type(err).__name__})") from None
-            records.append(_record_from_messages(data, tokenizer, loop, path, number))
+    records = [_record_from_messages(data, tokenizer, loop, path, number) for number, data in _json_lines(path)]
     if not records:
         raise DataFormatError(str(path), None, "no conversations in the file")
     return records
