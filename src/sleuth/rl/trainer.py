@@ -30,6 +30,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from sleuth.agent.registry import get_method
 from sleuth.agent.trajectory import Trajectory, write_trajectories
 from sleuth.data.formats import QAExample
 from sleuth.errors import ConfigError, ServiceError
@@ -784,7 +785,7 @@ def _train(recipe: Recipe, *, resume: bool = False, console: Any = None) -> dict
 
         # 5. log (metrics averaged over ranks; every rank holds an equal share of the batch)
         metrics = _step_metrics(
-            kept, scores, collected.all_rewards, mask, kl_for_log, stats, answers=recipe.agent.loop != "s3"
+            kept, scores, collected.all_rewards, mask, kl_for_log, stats, answers=get_method(recipe.agent.loop).answers
         )
         metrics.update(
             {
