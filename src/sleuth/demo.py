@@ -278,7 +278,7 @@ def _write_trajectories(out: Path, recipe: Any, size: DemoSize) -> dict[str, int
 
     from sleuth.agent.coldstart import collect_oracle, write_records
     from sleuth.llm.registry import resolve_model_path
-    from sleuth.rl.trainer import build_loop, build_retriever, load_examples
+    from sleuth.rl.setup import build_loop, build_retriever, load_examples
 
     path = out / "trajectories.jsonl"
     if path.exists():

@@ -18,6 +18,7 @@ from sleuth.agent.registry import find_method, load_plugins, loop_names
 from sleuth.errors import ConfigError
 from sleuth.retrieval.tools import HTTPSearchConfig, MCPToolConfig
 from sleuth.rl.advantages import ADVANTAGE_ESTIMATORS, needs_critic, needs_groups
+from sleuth.rl.losses import POLICY_LOSSES
 from sleuth.utils import RetryPolicy
 
 
@@ -110,6 +111,7 @@ class KLConfig(_Strict):
 class AlgorithmConfig(_Strict):
     name: Literal["ppo", "grpo", "dapo", "rloo", "drgrpo"] = "grpo"
     advantage: str | None = None  # a registered estimator (sleuth.rl.advantages); None: from name
+    policy_loss: str = "ppo_clip"  # a registered policy loss (sleuth.rl.losses.POLICY_LOSSES)
     n: int = Field(5, ge=1)  # samples per prompt
     prompts_per_step: int = Field(8, ge=1)
     ppo_epochs: int = Field(1, ge=1)
@@ -146,6 +148,9 @@ class AlgorithmConfig(_Strict):
         if self.advantage not in ADVANTAGE_ESTIMATORS:
             known = ", ".join(sorted(ADVANTAGE_ESTIMATORS))
             raise ValueError(f"algorithm.advantage: unknown estimator {self.advantage!r}; known: {known}")
+        if self.policy_loss not in POLICY_LOSSES:
+            known = ", ".join(sorted(POLICY_LOSSES))
+            raise ValueError(f"algorithm.policy_loss: unknown policy loss {self.policy_loss!r}; known: {known}")
         if needs_groups(self.advantage) and self.n < 2:
             raise ValueError(
                 f"algorithm.advantage={self.advantage} compares samples of one prompt: set algorithm.n >= 2"
