@@ -187,7 +187,8 @@ def test_clip_ratio_c_reaches_the_policy_loss(small_world: Path, tmp_path: Path,
         seen.append(kwargs.get("dual_clip_c"))
         return real_policy_loss(*args, **kwargs)
 
-    monkeypatch.setattr(losses, "policy_loss", recording_policy_loss)
+    # the trainer calls the recipe's policy loss through the registry
+    monkeypatch.setitem(losses.POLICY_LOSSES, "ppo_clip", recording_policy_loss)
     algorithm = {"name": "grpo", "n": 2, "prompts_per_step": 1, "minibatch_size": 2, "micro_batch_size": 2,
                  "clip_ratio_c": 3.0}
     train(recipe_from_dict(_recipe(small_world, tmp_path / "run", algorithm, steps=1)))
