@@ -147,7 +147,7 @@ def make_trajectories(out: Path, method: str, model: str, size: Size) -> dict:
     from sleuth.agent.coldstart import collect_oracle, write_records
     from sleuth.llm.registry import resolve_model_path
     from sleuth.rl.config import recipe_from_dict
-    from sleuth.rl.trainer import build_loop, build_retriever, load_examples
+    from sleuth.rl.setup import build_loop, build_retriever, load_examples
 
     recipe = recipe_from_dict(recipe_for(out, method, "full", model, size, None))
     tok = AutoTokenizer.from_pretrained(resolve_model_path(model))

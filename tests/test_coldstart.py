@@ -108,8 +108,8 @@ def test_oracle_wordings_vary_with_the_seed(world, tokenizer):
 
 
 def test_sft_targets_equal_the_rl_action_mask_of_the_same_tokens(world, tokenizer):
+    from sleuth.rl.batch import collate
     from sleuth.rl.sft import sft_batch
-    from sleuth.rl.trainer import collate
 
     retriever, examples = world
     records, stats = collect_oracle(get_loop("search_r1"), retriever, tokenizer, examples[:6], max_obs_tokens=256)
@@ -221,8 +221,8 @@ def _format_adherence(generator, world, tokenizer, examples) -> float:
 def test_sft_lowers_heldout_loss_raises_format_adherence_and_resumes(tmp_path, small_world, world, tokenizer):
     from sleuth.llm.hf import HFGenerator
     from sleuth.rl.config import recipe_from_dict
+    from sleuth.rl.models import load_policy
     from sleuth.rl.sft import heldout_loss, load_sft_data, run_sft
-    from sleuth.rl.trainer import load_policy
 
     retriever, _ = world
     train_q = read_qa_jsonl(small_world / "train.jsonl")

@@ -237,7 +237,7 @@ def test_training_against_an_mcp_search_tool(small_world: Path, tmp_path: Path) 
 
 def test_recipe_takes_exactly_one_retriever_source(monkeypatch) -> None:
     from sleuth.rl.config import recipe_from_dict
-    from sleuth.rl.trainer import build_retriever
+    from sleuth.rl.setup import build_retriever
 
     base = {"name": "x", "data": {"train": "t.jsonl"}}
     with pytest.raises(ConfigError, match="exactly one of retriever.index, retriever.url, retriever.mcp"):

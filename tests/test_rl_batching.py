@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from sleuth.agent.trajectory import Trajectory
-from sleuth.rl.trainer import ValueModel, collate, critic_values, forward_logprobs
+from sleuth.rl.batch import collate, critic_values, forward_logprobs
+from sleuth.rl.models import ValueModel
 
 
 def _traj(prompt: list[int], response: list[int], mask: list[int]) -> Trajectory:
@@ -77,7 +78,7 @@ def _recipe(**model):
 def test_rollout_copy_is_bf16_and_follows_the_policy(tiny) -> None:
     from transformers import AutoModelForCausalLM
 
-    from sleuth.rl.trainer import rollout_copy, sync_rollout_copy
+    from sleuth.rl.models import rollout_copy, sync_rollout_copy
 
     policy = AutoModelForCausalLM.from_pretrained(tiny[0], dtype=torch.float32)  # this test changes it
     cuda = torch.device("cuda")  # eligibility depends on the device type only; nothing moves
@@ -103,7 +104,7 @@ def test_rollout_copy_only_where_it_applies(tiny) -> None:
     from transformers import AutoModelForCausalLM
 
     from sleuth.errors import ConfigError
-    from sleuth.rl.trainer import rollout_copy
+    from sleuth.rl.models import rollout_copy
 
     model = AutoModelForCausalLM.from_pretrained(tiny[0], dtype=torch.float32)
     assert rollout_copy(_recipe(), tiny[1], torch.device("cuda")) is None  # float64 weights: numerical checks
@@ -120,7 +121,7 @@ def test_static_cache_with_fp32_rollout_weights_fails_at_start(tiny) -> None:
     from transformers import AutoModelForCausalLM
 
     from sleuth.errors import ConfigError
-    from sleuth.rl.trainer import check_rollout_cache, rollout_copy
+    from sleuth.rl.models import check_rollout_cache, rollout_copy
 
     model = AutoModelForCausalLM.from_pretrained(tiny[0], dtype=torch.float32)
     cuda = torch.device("cuda")

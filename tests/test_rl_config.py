@@ -73,7 +73,7 @@ def test_recipe_reward_and_loop_options_are_accepted(path: Path) -> None:
     """Recipes are data the trainer hands to the reward and loop registries: unknown options fail there."""
     from sleuth.agent import get_loop
     from sleuth.rewards.base import get_reward
-    from sleuth.rl.trainer import loop_options
+    from sleuth.rl.setup import loop_options
 
     recipe = load_recipe(path)
     get_reward(recipe.reward.name, **recipe.reward.options)

@@ -20,8 +20,6 @@ from sleuth.rl.advantages import (
     rloo_advantages,
 )
 from sleuth.rl.losses import (
-    AdaptiveKLController,
-    FixedKLController,
     agg_loss,
     apply_kl_penalty,
     entropy_from_logits,
@@ -307,19 +305,6 @@ def test_kl_loss_token_mean_by_hand():
     mask = T([[1, 1, 0, 0], [0, 0, 0, 1]])
     # k1 on selected: 0.5, -1.0, 5.0 -> 4.5 / 3
     close(kl_loss(LP, REF, mask, kind="k1"), 1.5)
-
-
-def test_kl_controllers_by_hand():
-    fixed = FixedKLController(0.001)
-    fixed.update(5.0, 100)
-    assert fixed.value == 0.001
-    ctl = AdaptiveKLController(0.1, target_kl=6.0, horizon=10000)
-    ctl.update(9.0, 1000)  # error 0.5 clipped to 0.2 -> x (1 + 0.2 * 0.1) = 0.102
-    assert ctl.value == pytest.approx(0.102)
-    ctl.update(3.0, 1000)  # error -0.5 clipped to -0.2 -> x 0.98
-    assert ctl.value == pytest.approx(0.102 * 0.98)
-    ctl.update(6.6, 1000)  # error 0.1 -> x 1.01
-    assert ctl.value == pytest.approx(0.102 * 0.98 * 1.01)
 
 
 # --------------------------------------------------------------------------- logits helpers

@@ -140,9 +140,10 @@ def test_save_every_zero_writes_no_checkpoint(small_world: Path, tmp_path: Path)
 def test_nonfinite_gradient_skips_the_update(small_world: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A NaN gradient must not reach the optimizer: that step is skipped and counted, the weights
     stay finite and later steps update as usual."""
+    import sleuth.rl.run as run_mod
     import sleuth.rl.trainer as trainer_mod
 
-    real_load = trainer_mod.load_policy
+    real_load = run_mod.load_policy
     poisoned = {"calls": 0}
 
     def load_with_one_nan_gradient(*args, **kwargs):
@@ -156,7 +157,7 @@ def test_nonfinite_gradient_skips_the_update(small_world: Path, tmp_path: Path, 
         param.register_hook(hook)
         return tokenizer, model, path
 
-    monkeypatch.setattr(trainer_mod, "load_policy", load_with_one_nan_gradient)
+    monkeypatch.setattr(run_mod, "load_policy", load_with_one_nan_gradient)
     algorithm = {"name": "grpo", "n": 4, "prompts_per_step": 2, "minibatch_size": 8, "micro_batch_size": 8}
     data = _recipe(small_world, tmp_path / "run", algorithm, steps=3)
     data["trainer"]["save_every"] = 3
@@ -186,7 +187,8 @@ def test_clip_ratio_c_reaches_the_policy_loss(small_world: Path, tmp_path: Path,
         seen.append(kwargs.get("dual_clip_c"))
         return real_policy_loss(*args, **kwargs)
 
-    monkeypatch.setattr(losses, "policy_loss", recording_policy_loss)
+    # the trainer calls the recipe's policy loss through the registry
+    monkeypatch.setitem(losses.POLICY_LOSSES, "ppo_clip", recording_policy_loss)
     algorithm = {"name": "grpo", "n": 2, "prompts_per_step": 1, "minibatch_size": 2, "micro_batch_size": 2,
                  "clip_ratio_c": 3.0}
     train(recipe_from_dict(_recipe(small_world, tmp_path / "run", algorithm, steps=1)))

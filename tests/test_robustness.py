@@ -310,13 +310,13 @@ def test_train_checks_paths_before_loading_and_leaves_no_directory(
     small_world: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, override: dict, named: str
 ) -> None:
     from sleuth.errors import ConfigError
-    from sleuth.rl import trainer
+    from sleuth.rl import run, trainer
     from sleuth.rl.config import recipe_from_dict
 
     def no_model_load(*args, **kwargs):
         raise AssertionError("the model was loaded before the paths were checked")
 
-    monkeypatch.setattr(trainer, "load_policy", no_model_load)
+    monkeypatch.setattr(run, "load_policy", no_model_load)
     out = tmp_path / "run"
     with pytest.raises(ConfigError, match=re.escape(named)):
         trainer.train(recipe_from_dict(_train_recipe(small_world, out, **override)))

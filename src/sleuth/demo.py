@@ -26,6 +26,7 @@ from typing import Any
 import typer
 import yaml
 
+from sleuth.agent.registry import Method, get_method
 from sleuth.errors import ConfigError
 from sleuth.utils import atomic_write_json
 
@@ -71,59 +72,9 @@ FAST = DemoSize(
 )
 
 
-@dataclass(frozen=True)
-class DemoMethod:
-    """What differs between methods in the demo: the loop, the reward and the eval method name."""
+# The demo trains the built-in methods (their loop, default reward and title come from the registry).
+DEMO_METHODS = ("s3", "r_search", "search_r1", "qagent", "staged")
 
-    eval_name: str
-    loop: str
-    reward: dict[str, Any]
-    title: str
-    new_tokens_factor: int = 1  # loops that reason before acting write more per turn than s3's queries
-
-
-DEMO_METHODS: dict[str, DemoMethod] = {
-    "s3": DemoMethod(
-        eval_name="s3",
-        loop="s3",
-        reward={
-            "name": "s3_gbr",
-            "options": {"form": "code", "rag_k": 3, "generator_max_new_tokens": 24, "use_judge": False},
-            "generator": "policy-base",
-        },
-        title="an s3 searcher trained against a frozen generator",
-    ),
-    "r_search": DemoMethod(
-        eval_name="r-search",
-        loop="r_search",
-        reward={"name": "r_search", "options": {"gamma_e": 0.2, "gamma_a": 0.2}, "generator": "policy-base"},
-        title="an R-Search agent (reasoning, search, trained evidence) scored by answer F1, the frozen "
-        "model's F1 from the evidence and a format bonus",
-        new_tokens_factor=2,
-    ),
-    "search_r1": DemoMethod(
-        eval_name="search-r1",
-        loop="search_r1",
-        reward={"name": "search_r1_em"},
-        title="a Search-R1 agent (think, search, answer) trained on exact match",
-        new_tokens_factor=2,
-    ),
-    "qagent": DemoMethod(
-        eval_name="qagent",
-        loop="qagent",
-        reward={"name": "qagent_stage1"},
-        title="a QAgent (plan, several queries, reflect) trained end to end on format x strict EM (stage 1)",
-        new_tokens_factor=2,
-    ),
-    "staged": DemoMethod(
-        eval_name="staged",
-        loop="staged",
-        reward={"name": "staged", "options": {"beta": 0.3, "correctness": "f1"}, "encoder": "minilm"},
-        title="an agent trained with the staged reward (format, query conciseness and diversity, "
-        "retrieval-dependent answer reward)",
-        new_tokens_factor=2,
-    ),
-}
 
 NOTES = (
     "What this demo shows. The first table compares the committed searcher (checkpoints/{method}, trained "
@@ -143,8 +94,8 @@ def _cuda() -> bool:
 
 def demo_recipe(out: Path, size: DemoSize, method: str = "search_r1") -> dict[str, Any]:
     """The recipe the demo trains (also written next to the run for re-use with `sleuth train`)."""
-    spec = DEMO_METHODS[method]
-    reward = dict(spec.reward)
+    spec = get_method(method)
+    reward = dict(spec.default_reward)
     if reward["name"] == "s3_gbr":  # the naive-RAG baseline is computed once per question
         reward["baseline_cache"] = str(out / "train" / "naive_rag_cache.jsonl")
     if reward["name"] == "staged":  # stage 2 for the second half of the run
@@ -164,7 +115,7 @@ def demo_recipe(out: Path, size: DemoSize, method: str = "search_r1") -> dict[st
         "data": {"train": str(out / "world" / "train.jsonl")},
         "retriever": {"index": str(out / "world" / "bm25")},
         "agent": {
-            "loop": spec.loop,
+            "loop": spec.name,
             "max_turns": size.max_turns,
             "top_k": 3,
             "max_new_tokens_per_turn": size.max_new_tokens * spec.new_tokens_factor,
@@ -261,14 +212,14 @@ def _held_out(out: Path, count: int) -> list:
     return test
 
 
-def _evaluate_committed(out: Path, size: DemoSize, spec: DemoMethod, ckpt: Path, retriever: Any) -> None:
+def _evaluate_committed(out: Path, size: DemoSize, spec: Method, ckpt: Path, retriever: Any) -> None:
     from sleuth.agent.searcher import load_searcher
     from sleuth.eval.harness import EvalConfig, checkpoint_budgets, evaluate
     from sleuth.llm.registry import load_generator
 
     searcher = load_searcher(ckpt)
     cfg = EvalConfig(batch_size=size.committed_questions, answer_max_new_tokens=24, **checkpoint_budgets(ckpt))
-    evaluate([spec.eval_name, "naive-rag"], _held_out(out, size.committed_questions), retriever, searcher.generator,
+    evaluate([spec.display_name, "naive-rag"], _held_out(out, size.committed_questions), retriever, searcher.generator,
              generator=load_generator(size.model), out_dir=out / "eval_committed", config=cfg, progress=True,
              run_info={"checkpoint": str(ckpt)})
 
@@ -278,7 +229,7 @@ def _write_trajectories(out: Path, recipe: Any, size: DemoSize) -> dict[str, int
 
     from sleuth.agent.coldstart import collect_oracle, write_records
     from sleuth.llm.registry import resolve_model_path
-    from sleuth.rl.trainer import build_loop, build_retriever, load_examples
+    from sleuth.rl.setup import build_loop, build_retriever, load_examples
 
     path = out / "trajectories.jsonl"
     if path.exists():
@@ -316,7 +267,7 @@ def run_demo(
 
     if method not in DEMO_METHODS:
         raise ConfigError(f"--method {method!r} is not a demo method; choose one of {', '.join(DEMO_METHODS)}")
-    spec = DEMO_METHODS[method]
+    spec = get_method(method)
     size = PROFILES[profile]
     if model:
         size = replace(size, model=model)
@@ -365,7 +316,7 @@ def run_demo(
         cfg = EvalConfig(batch_size=16, max_new_tokens=size.max_new_tokens * spec.new_tokens_factor,
                          answer_max_new_tokens=24, top_k=3, max_turns=size.max_turns, max_response_tokens=2048,
                          max_obs_tokens=384)
-        evaluate([spec.eval_name, "naive-rag"], _held_out(out, size.eval_questions), retriever, searcher.generator,
+        evaluate([spec.display_name, "naive-rag"], _held_out(out, size.eval_questions), retriever, searcher.generator,
                  generator=load_generator(size.model), out_dir=out / "eval_after", config=cfg, progress=True)
     notes = [n.format(method=method, n_committed=size.committed_questions if committed else 0,
                       traj=traj.get("kept", 0), steps=size.train_steps, prompts=size.prompts_per_step, n=size.n,

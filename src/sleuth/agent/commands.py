@@ -51,7 +51,7 @@ def make_trajectories(recipe_path, overrides, out, source, teacher, threshold, n
     from sleuth.llm.registry import load_generator, resolve_model_path
     from sleuth.rewards.base import get_reward
     from sleuth.rl.config import load_recipe
-    from sleuth.rl.trainer import build_loop, build_retriever, build_reward_services, load_examples
+    from sleuth.rl.setup import build_loop, build_retriever, build_reward_services, load_examples
 
     recipe = load_recipe(recipe_path, overrides)
     if source not in ("oracle", "teacher", "messages"):

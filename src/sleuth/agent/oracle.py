@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 from sleuth.agent.base import AgentLoop
 from sleuth.agent.engine import encode_prompt
+from sleuth.agent.registry import get_method, methods
 from sleuth.agent.trajectory import Trajectory
 from sleuth.data.formats import QAExample
 from sleuth.data.synth import RELATIONS
@@ -200,7 +201,7 @@ class Plan:
     facts: list[FoundFact] = field(default_factory=list)
 
 
-def _plan_search_r1(example, facts, retriever, loop, rng) -> Plan:
+def plan_search_r1(example, facts, retriever, loop, rng) -> Plan:
     found = [find_fact(f, retriever, loop.top_k, rng) for f in facts]
     answer = example.golden_answers[0]
     turns = [f"<think>{_steps_text(found, i, answer, rng)}</think>\n<search> {ff.query} </search>" for i, ff in enumerate(found)]
@@ -208,7 +209,7 @@ def _plan_search_r1(example, facts, retriever, loop, rng) -> Plan:
     return Plan(turns, all(ff.found for ff in found), found)
 
 
-def _plan_staged(example, facts, retriever, loop, rng) -> Plan:
+def plan_staged(example, facts, retriever, loop, rng) -> Plan:
     found = [find_fact(f, retriever, loop.top_k, rng, keyword_first=True) for f in facts]
     answer = example.golden_answers[0]
     sketch = rng.choice(("I do not know", "My internal knowledge does not cover", "I have no knowledge of"))
@@ -220,7 +221,7 @@ def _plan_staged(example, facts, retriever, loop, rng) -> Plan:
     return Plan(turns, all(ff.found for ff in found), found)
 
 
-def _plan_r_search(example, facts, retriever, loop, rng) -> Plan:
+def plan_r_search(example, facts, retriever, loop, rng) -> Plan:
     found = [find_fact(f, retriever, loop.top_k, rng) for f in facts]
     answer = example.golden_answers[0]
     turns = [f"{_steps_text(found, i, answer, rng)}\n<search>{ff.query}</search>" for i, ff in enumerate(found)]
@@ -241,7 +242,7 @@ def _qagent_rounds(facts: list[Fact]) -> list[list[int]]:
     return [[i] for i in range(len(facts))]
 
 
-def _plan_qagent(example, facts, retriever, loop, rng) -> Plan:
+def plan_qagent(example, facts, retriever, loop, rng) -> Plan:
     answer = example.golden_answers[0]
     found = [find_fact(f, retriever, loop.top_k, rng) for f in facts]
     turns: list[str] = []
@@ -261,7 +262,7 @@ def _plan_qagent(example, facts, retriever, loop, rng) -> Plan:
     return Plan(turns, all(ff.found for ff in found), found)
 
 
-def _plan_s3(example, facts, retriever, loop, rng) -> Plan:
+def plan_s3(example, facts, retriever, loop, rng) -> Plan:
     """Begin with search (the question), then per window: select the needed passages, search the next."""
     window = retriever.search([example.question.strip()], loop.top_k)[0] if loop.begin_with_search else []
     needed = {f.doc_id for f in facts}
@@ -284,21 +285,16 @@ def _plan_s3(example, facts, retriever, loop, rng) -> Plan:
     return Plan(turns, needed <= have, found_facts)
 
 
-PLANNERS = {
-    "search_r1": _plan_search_r1,
-    "staged": _plan_staged,
-    "r_search": _plan_r_search,
-    "qagent": _plan_qagent,
-    "s3": _plan_s3,
-}
 
 
 class OracleGenerator:
     """Replays per-question plans through the rollout engine (token-in/token-out, like a model)."""
 
     def __init__(self, loop: AgentLoop, retriever: Retriever, tokenizer, examples: Sequence[QAExample], seed: int = 0):
-        if loop.name not in PLANNERS:
-            raise ConfigError(f"no oracle for loop {loop.name!r}; oracles exist for: {', '.join(sorted(PLANNERS))}")
+        planner = get_method(loop.name).oracle_planner
+        if planner is None:
+            with_oracle = [m.name for m in methods() if m.oracle_planner is not None]
+            raise ConfigError(f"no oracle for loop {loop.name!r}; oracles exist for: {', '.join(sorted(with_oracle))}")
         self.tokenizer = tokenizer
         self.loop = loop
         self.plans: dict[tuple[int, ...], Plan] = {}
@@ -306,7 +302,7 @@ class OracleGenerator:
         self._lengths: set[int] = set()
         rng = random.Random(seed)
         for ex in examples:
-            plan = PLANNERS[loop.name](ex, question_facts(ex), retriever, loop, rng)
+            plan = planner(ex, question_facts(ex), retriever, loop, rng)
             initial = [retriever.search([q], loop.top_k)[0] for q in loop.initial_queries(ex)]
             ids, _ = encode_prompt(tokenizer, loop.build_messages(ex, initial))
             key = tuple(ids)
@@ -350,7 +346,7 @@ class OracleGenerator:
 def oracle_check(traj: Trajectory, example: QAExample) -> bool:
     """The needed passages were gathered (s3: selected) and the final answer, if the loop answers, is right."""
     needed = {f.doc_id for f in question_facts(example)}
-    if traj.method == "s3":
+    if not get_method(traj.method).answers:  # a searcher only (s3): judged by the documents it selected
         return needed <= {str(h["doc_id"]) for h in traj.selected}
     retrieved = {str(h["doc_id"]) for hits in traj.retrieved for h in hits}
     return needed <= retrieved and traj.answer is not None and exact_match(traj.answer, example.golden_answers) > 0

@@ -22,6 +22,8 @@ from sleuth.agent.base import (
     innermost_blocks,
     tag_sequence,
 )
+from sleuth.agent.oracle import plan_qagent
+from sleuth.agent.registry import Method, register_method
 from sleuth.errors import ConfigError
 
 QAGENT_USER_TEMPLATE = """Search for information to answer the given question. You can search as many times as needed if you find you lack some knowledge. You will go through a loop of:
@@ -120,3 +122,15 @@ class QAgentLoop(AgentLoop):
         traj = state.traj
         traj.extra["format_ok"] = qagent_format_ok(traj.response_text)
         traj.extra["num_passages"] = len(traj.served_context)
+
+
+register_method(
+    Method(
+        loop=QAgentLoop,
+        title="a QAgent (plan, several queries, reflect) trained end to end on format x strict EM (stage 1)",
+        reader_template="qagent",
+        default_reward={"name": "qagent_stage1"},
+        new_tokens_factor=2,
+        oracle_planner=plan_qagent,
+    )
+)

@@ -16,10 +16,14 @@ from sleuth.agent.base import (
     Observation,
     RolloutState,
     StepOutcome,
+    all_retrieved,
     count_tag,
     last_block,
 )
+from sleuth.agent.oracle import plan_r_search
+from sleuth.agent.registry import Method, register_method
 from sleuth.agent.search_r1 import search_or_answer
+from sleuth.agent.trajectory import Trajectory
 from sleuth.retrieval.base import Hit, passages_to_string
 
 # Paper Table 1; the question is appended after it (as the user turn).
@@ -91,3 +95,27 @@ class RSearchLoop(AgentLoop):
             evidence_ok=n_evidence == 1 and ev_end < text.rfind("<answer>"),
             answer_ok=n_answer == 1,
         )
+
+
+def hand_over_evidence(traj: Trajectory) -> list[dict]:
+    """RSTool: the evidence block first, then the deduplicated passages the agent retrieved."""
+    docs = all_retrieved(traj)
+    if traj.evidence:
+        docs.insert(0, {"doc_id": f"{traj.question_id}#evidence", "title": "evidence", "text": traj.evidence})
+    return docs
+
+
+register_method(
+    Method(
+        loop=RSearchLoop,
+        title="an R-Search agent (reasoning, search, trained evidence) scored by answer F1, the frozen "
+        "model's F1 from the evidence and a format bonus",
+        eval_name="r-search",
+        aliases=("rsearch",),
+        reads_evidence=True,
+        hand_over=hand_over_evidence,
+        default_reward={"name": "r_search", "options": {"gamma_e": 0.2, "gamma_a": 0.2}, "generator": "policy-base"},
+        new_tokens_factor=2,
+        oracle_planner=plan_r_search,
+    )
+)

@@ -1,39 +1,149 @@
-"""Loop registry: `get_loop("s3", top_k=5)` builds a loop with the papers' defaults overridden by config."""
+"""The method registry: one `Method` per paper, registered once in its own module.
+
+A method is what training, evaluation, serving, the demo and the report ask about an agent: its
+names, its loop (prompt and protocol), whether its loop answers and whether its documents are handed
+to a frozen generator (and which ones), the reader prompt, its default reward and its oracle. The
+built-in methods register themselves in sleuth.agent.{search_r1,s3,r_search,staged,qagent}; a
+plugin module (`reward.plugins` in a recipe, `--plugin` on the command line) registers more with
+`register_method` and is then trained, evaluated and served like a built-in one.
+
+    get_loop("s3", top_k=5)   # a loop with the paper's defaults overridden by config
+    get_method("search-r1")   # the Method (any alias)
+"""
 
 from __future__ import annotations
 
+import importlib
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from sleuth.agent.base import AgentLoop
+from sleuth.agent.trajectory import Trajectory
 from sleuth.errors import ConfigError
 
+# Imported on first use, in this order (the order evaluation lists methods in): each module
+# registers its method, and importing them here at the top would be circular.
+BUILTIN_MODULES = (
+    "sleuth.agent.search_r1",
+    "sleuth.agent.s3",
+    "sleuth.agent.r_search",
+    "sleuth.agent.staged",
+    "sleuth.agent.qagent",
+)
 
-def _loops() -> dict[str, type[AgentLoop]]:
-    from sleuth.agent.qagent import QAgentLoop
-    from sleuth.agent.r_search import RSearchLoop
-    from sleuth.agent.s3 import S3Loop
-    from sleuth.agent.search_r1 import SearchR1Loop
-    from sleuth.agent.staged import StagedLoop
 
-    return {cls.name: cls for cls in (SearchR1Loop, S3Loop, RSearchLoop, StagedLoop, QAgentLoop)}
+def served_context(traj: Trajectory) -> list[dict]:
+    """The default hand-over: the documents the loop put in `served_context` (hit dicts)."""
+    return list(traj.served_context)
+
+
+@dataclass(frozen=True)
+class Method:
+    """Everything outside a method's own modules may ask about it."""
+
+    loop: type[AgentLoop]  # the loop class; `loop.name` is the method's name (recipe `agent.loop`)
+    title: str  # one line: what the method trains (the demo's report)
+    eval_name: str = ""  # the name `sleuth eval --method` and reports use; default: name with '-'
+    aliases: tuple[str, ...] = ()
+    # the loop ends with an answer of its own (training logs its exact match); s3 only searches
+    answers: bool = True
+    # evaluated as a searcher: its handed-over documents go to a frozen generator that reads them
+    # with this prompt of sleuth.rewards.answerer (DOC_TEMPLATES); None: its own answer is scored
+    reader_template: str | None = None
+    # its trajectory's `evidence` can be answered from by the frozen generator (R-Search's RSTool)
+    reads_evidence: bool = False
+    # the documents a downstream LLM is handed when the searcher is served (hit dicts)
+    hand_over: Callable[[Trajectory], list[dict]] = served_context
+    # the reward a recipe for this method names by default (the `reward:` section of a recipe)
+    default_reward: Mapping[str, Any] = field(default_factory=lambda: {"name": "search_r1_em"})
+    new_tokens_factor: int = 1  # loops that reason before acting write more per turn than s3's queries
+    # the oracle's planner for cold-start trajectories (sleuth.agent.oracle), None: no oracle
+    oracle_planner: Callable[..., Any] | None = None
+
+    @property
+    def name(self) -> str:
+        return self.loop.name
+
+    @property
+    def display_name(self) -> str:
+        return self.eval_name or self.name.replace("_", "-")
+
+    def build_loop(self, **cfg: Any) -> AgentLoop:
+        allowed = self.loop.config_fields()
+        unknown = sorted(set(cfg) - set(allowed))
+        if unknown:
+            raise ConfigError(
+                f"loop {self.name!r} has no option(s) {', '.join(unknown)}; its options are: {', '.join(allowed)}"
+            )
+        return self.loop(**cfg)
+
+
+_METHODS: dict[str, Method] = {}
+_builtins_loaded = False
+
+
+def _key(name: str) -> str:
+    return name.strip().lower().replace("-", "_")
+
+
+def register_method(method: Method) -> Method:
+    """Register `method` under its name, eval name and aliases; a clash with another method is an error."""
+    if not method.name:
+        raise ConfigError(f"{method.loop.__name__} has no `name`; set `name: ClassVar[str]` on the loop class")
+    for key in {method.name, method.display_name, *method.aliases}:
+        owner = _METHODS.get(_key(key))
+        if owner is not None and owner.loop is not method.loop:
+            raise ConfigError(f"method name {key!r} is already taken by {owner.name!r}")
+    for key in {method.name, method.display_name, *method.aliases}:
+        _METHODS[_key(key)] = method
+    return method
+
+
+def _ensure_builtins() -> None:
+    global _builtins_loaded
+    if not _builtins_loaded:
+        _builtins_loaded = True
+        for module in BUILTIN_MODULES:
+            importlib.import_module(module)
+
+
+def load_plugins(modules: Iterable[str]) -> None:
+    """Import each plugin module, so the methods and rewards it registers can be named."""
+    for module in modules:
+        try:
+            importlib.import_module(module)
+        except ImportError as err:
+            raise ConfigError(
+                f"plugin module {module!r} could not be imported ({err}); put its directory on PYTHONPATH"
+            ) from err
+
+
+def methods() -> list[Method]:
+    """Every registered method, built-in ones first in their order, then plugins in registration order."""
+    _ensure_builtins()
+    unique = list({id(m): m for m in _METHODS.values()}.values())
+    builtin_rank = {module: i for i, module in enumerate(BUILTIN_MODULES)}
+    return sorted(unique, key=lambda m: builtin_rank.get(m.loop.__module__, len(BUILTIN_MODULES)))
+
+
+def get_method(name: str) -> Method:
+    _ensure_builtins()
+    method = _METHODS.get(_key(name))
+    if method is None:
+        raise ConfigError(f"unknown agent loop {name!r}; choose one of: {', '.join(loop_names())}")
+    return method
+
+
+def find_method(name: str) -> Method | None:
+    """The registered method of that name, or None (a loop built outside the registry)."""
+    _ensure_builtins()
+    return _METHODS.get(_key(name))
 
 
 def loop_names() -> list[str]:
-    return sorted(_loops())
+    return sorted(m.name for m in methods())
 
 
 def get_loop(name: str, **cfg: Any) -> AgentLoop:
-    loops = _loops()
-    key = name.strip().lower().replace("-", "_")
-    aliases = {"searchr1": "search_r1", "rsearch": "r_search", "staged_reward": "staged"}
-    key = aliases.get(key, key)
-    if key not in loops:
-        raise ConfigError(f"unknown agent loop {name!r}; choose one of: {', '.join(sorted(loops))}")
-    cls = loops[key]
-    allowed = cls.config_fields()
-    unknown = sorted(set(cfg) - set(allowed))
-    if unknown:
-        raise ConfigError(
-            f"loop {key!r} has no option(s) {', '.join(unknown)}; its options are: {', '.join(allowed)}"
-        )
-    return cls(**cfg)
+    return get_method(name).build_loop(**cfg)

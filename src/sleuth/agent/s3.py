@@ -25,6 +25,8 @@ from sleuth.agent.base import (
     dedup_hits,
     innermost_blocks,
 )
+from sleuth.agent.oracle import plan_s3
+from sleuth.agent.registry import Method, register_method
 from sleuth.data.formats import QAExample
 from sleuth.errors import ConfigError
 from sleuth.retrieval.base import Hit
@@ -230,3 +232,19 @@ class S3Loop(AgentLoop):
         traj.extra.setdefault("search_complete", False)
         traj.extra["use_selection"] = self.use_selection
         traj.extra["begin_with_search"] = self.begin_with_search
+
+
+register_method(
+    Method(
+        loop=S3Loop,
+        title="an s3 searcher trained against a frozen generator",
+        answers=False,
+        reader_template="s3",
+        default_reward={
+            "name": "s3_gbr",
+            "options": {"form": "code", "rag_k": 3, "generator_max_new_tokens": 24, "use_judge": False},
+            "generator": "policy-base",
+        },
+        oracle_planner=plan_s3,
+    )
+)

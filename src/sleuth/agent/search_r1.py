@@ -11,6 +11,8 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from sleuth.agent.base import AgentLoop, RolloutState, StepOutcome, count_tag, first_action
+from sleuth.agent.oracle import plan_search_r1
+from sleuth.agent.registry import Method, register_method
 
 SEARCH_R1_USER_TEMPLATE = (
     "Answer the given question. "
@@ -65,3 +67,16 @@ class SearchR1Loop(AgentLoop):
     def finalize(self, state: RolloutState) -> None:
         super().finalize(state)
         state.traj.extra["think_count"] = count_tag(state.policy_text, "think")
+
+
+register_method(
+    Method(
+        loop=SearchR1Loop,
+        title="a Search-R1 agent (think, search, answer) trained on exact match",
+        eval_name="search-r1",
+        aliases=("searchr1",),
+        default_reward={"name": "search_r1_em"},
+        new_tokens_factor=2,
+        oracle_planner=plan_search_r1,
+    )
+)

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from sleuth.agent.base import RolloutState, count_tag, tag_sequence
+from sleuth.agent.oracle import plan_staged
+from sleuth.agent.registry import Method, register_method
 from sleuth.agent.search_r1 import SearchR1Loop
 
 STAGED_USER_TEMPLATE = """Please answer the given question by following the structured reasoning protocol below:
@@ -54,3 +56,16 @@ class StagedLoop(SearchR1Loop):
             rc=traj.retrieval_count,
             reflect_count=count_tag(state.policy_text, "reflect"),
         )
+
+
+register_method(
+    Method(
+        loop=StagedLoop,
+        title="an agent trained with the staged reward (format, query conciseness and diversity, "
+        "retrieval-dependent answer reward)",
+        aliases=("staged_reward",),
+        default_reward={"name": "staged", "options": {"beta": 0.3, "correctness": "f1"}, "encoder": "minilm"},
+        new_tokens_factor=2,
+        oracle_planner=plan_staged,
+    )
+)

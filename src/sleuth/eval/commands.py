@@ -102,12 +102,16 @@ def register(app: typer.Typer) -> None:
         ),
         keep_token_ids: bool = typer.Option(False, "--keep-token-ids", help="Store token ids in trajectories."),
         fresh: bool = typer.Option(False, "--fresh", help="Discard existing predictions in --out instead of resuming."),
+        plugin: list[str] | None = typer.Option(
+            None, "--plugin", help="Module registering more methods or rewards (repeatable), importable on PYTHONPATH."
+        ),
     ) -> None:
         """Evaluate methods on QA data: EM, cover-EM, F1, span, GenAcc, judge, retrievals, tokens, latency."""
         import time
 
         from rich.console import Console
 
+        from sleuth.agent.registry import load_plugins
         from sleuth.errors import SleuthError
         from sleuth.eval.harness import (
             EvalConfig,
@@ -120,6 +124,7 @@ def register(app: typer.Typer) -> None:
 
         console = Console()
         try:
+            load_plugins(plugin or [])
             methods = parse_methods(method)
             given = {"top_k": top_k, "max_turns": max_turns, "max_new_tokens": max_new_tokens,
                      "max_obs_tokens": max_obs_tokens, "max_response_tokens": max_response_tokens}

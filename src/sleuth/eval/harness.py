@@ -37,6 +37,10 @@ from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
+from sleuth.agent.base import AgentLoop
+from sleuth.agent.engine import rollout
+from sleuth.agent.registry import Method, get_method
+from sleuth.agent.registry import methods as registered_methods
 from sleuth.agent.trajectory import Trajectory
 from sleuth.data.formats import QAExample
 from sleuth.errors import ConfigError, DataFormatError
@@ -53,32 +57,74 @@ from sleuth.eval.baselines import (
     run_oracle,
 )
 from sleuth.eval.compare import compare_with_baseline, paired_markdown
+from sleuth.eval.search_o1 import SearchO1Loop
 from sleuth.eval.stats import DEFAULT_RESAMPLES, bootstrap_ci, bootstrap_cis
 from sleuth.llm.base import Generator, SamplingParams
 from sleuth.retrieval.base import Retriever
 from sleuth.retrieval.docstore import passages_by_id
-from sleuth.rewards.answerer import answer_from_evidence, gen_acc, judge_contains
+from sleuth.rewards.answerer import (
+    DEFAULT_DOC_TEMPLATE,
+    DOC_TEMPLATES,
+    answer_from_evidence,
+    gen_acc,
+    judge_contains,
+)
 from sleuth.rewards.metrics import aggregate, cover_exact_match, exact_match, f1_score, span_check
 from sleuth.utils import atomic_write_json, atomic_write_text, seed_everything
 
-METHODS: tuple[str, ...] = (
-    "direct", "direct-generator", "cot", "naive-rag", "ircot", "search-o1", "search-r1", "s3", "r-search",
-    "staged", "qagent", "oracle",
+
+@dataclass(frozen=True)
+class Baseline:
+    """An untrained method of this harness (the trained-agent methods come from sleuth.agent.registry)."""
+
+    name: str
+    run: Callable[[Sequence[QAExample], _Context], list[MethodOutput]]
+    needs_retriever: bool = True
+    reads: bool = False  # answered by the frozen generator (--generator), so it compares fairly with searchers
+    model_free: bool = False  # only the frozen generator answers: --model plays no part
+    # the reader prompt its documents are read with: "config" = EvalConfig.answer_template
+    template: str | None = None
+    needs_gold: bool = False  # reads each question's gold passages (metadata.supporting_ids)
+    aliases: tuple[str, ...] = ()
+
+
+def _run_direct_generator(examples: Sequence[QAExample], ctx: _Context) -> list[MethodOutput]:
+    outs = run_direct(ctx.generator, examples, ctx.settings(), "direct-generator")
+    for out in outs:
+        out.answer_source = "generator"
+    return outs
+
+
+ORACLE_TEMPLATE = DEFAULT_DOC_TEMPLATE
+# before and after the trained-agent methods, in the order summaries list them
+_BASELINES_FIRST = (
+    Baseline("direct", lambda exs, ctx: run_direct(ctx.model, exs, ctx.settings()), needs_retriever=False),
+    Baseline("direct-generator", _run_direct_generator, needs_retriever=False, reads=True, model_free=True,
+             aliases=("direct@generator", "direct_generator")),
+    Baseline("cot", lambda exs, ctx: run_cot(ctx.model, exs, ctx.settings()), needs_retriever=False,
+             aliases=("chain-of-thought",)),
+    Baseline("naive-rag", lambda exs, ctx: run_naive_rag(ctx.generator, ctx.need_retriever(), exs, ctx.settings()),
+             reads=True, model_free=True, template="config", aliases=("naive_rag", "rag", "naiverag")),
+    Baseline("ircot", lambda exs, ctx: run_ircot(ctx.model, ctx.need_retriever(), exs, ctx.settings(),
+                                                 reader=ctx.generator), reads=True, template="config"),
+    Baseline("search-o1", lambda exs, ctx: _run_agent(SearchO1Loop(**ctx.loop_options()), None, exs, ctx),
+             aliases=("search_o1", "searcho1")),
 )
-AGENT_LOOPS = {"search-r1": "search_r1", "s3": "s3", "r-search": "r_search", "staged": "staged", "qagent": "qagent"}
-# searcher-as-submodule methods and the frozen-generator prompt their documents are read with
-SUBMODULE_TEMPLATES = {"s3": "s3", "qagent": "qagent"}
-RETRIEVAL_FREE = frozenset({"direct", "direct-generator", "cot"})
-# methods whose answer is read by the frozen generator (--generator, default --model), so one call
-# compares them fairly with the searchers handed over to it
-READER_METHODS = frozenset({"direct-generator", "naive-rag", "ircot", "oracle"})
-ORACLE_TEMPLATE = SUBMODULE_TEMPLATES["s3"]
-_ALIASES = {
-    "naive_rag": "naive-rag", "rag": "naive-rag", "naiverag": "naive-rag", "search_o1": "search-o1",
-    "searcho1": "search-o1", "search_r1": "search-r1", "searchr1": "search-r1", "r_search": "r-search",
-    "rsearch": "r-search", "staged_reward": "staged", "staged-reward": "staged", "chain-of-thought": "cot",
-    "direct@generator": "direct-generator", "direct_generator": "direct-generator",
-}
+_BASELINES_LAST = (
+    Baseline("oracle", lambda exs, ctx: run_oracle(ctx.generator, ctx.need_retriever(), exs, ctx.settings(),
+                                                   ORACLE_TEMPLATE),
+             reads=True, model_free=True, template=ORACLE_TEMPLATE, needs_gold=True),
+)
+BASELINES = {b.name: b for b in _BASELINES_FIRST + _BASELINES_LAST}
+
+
+def all_methods() -> tuple[str, ...]:
+    """Every method `evaluate` runs: baselines, then each registered agent method (plugins included)."""
+    agents = tuple(m.display_name for m in registered_methods())
+    return tuple(b.name for b in _BASELINES_FIRST) + agents + tuple(b.name for b in _BASELINES_LAST)
+
+
+METHODS: tuple[str, ...] = all_methods()  # the built-in ones; plugins add theirs to all_methods()
 ANSWER_METRICS = ("em", "cover_em", "f1", "span_check", "genacc", "judge")
 COST_METRICS = ("retrieval_count", "input_tokens", "output_tokens", "latency_s")
 METRIC_KEYS = ANSWER_METRICS + COST_METRICS
@@ -98,7 +144,7 @@ class EvalConfig:
     answer_max_new_tokens: int = 64  # direct answers and frozen-generator readers
     max_obs_tokens: int = 512
     max_response_tokens: int = 4096
-    answer_template: str = "s3"  # frozen-generator prompt for naive-rag and IRCoT's reader
+    answer_template: str = DEFAULT_DOC_TEMPLATE  # frozen-generator prompt for naive-rag and IRCoT's reader
     r_search_evidence: bool = False  # R-Search answered by the frozen generator from its evidence (RSTool)
     keep_token_ids: bool = False  # store token ids / masks / logprobs in trajectories (large)
     fresh: bool = False  # discard existing predictions instead of resuming
@@ -112,18 +158,22 @@ class EvalConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ConfigError(f"{name} must be >= 1, got {value}")
-        if self.answer_template not in ("s3", "qagent"):
-            raise ConfigError(f"answer_template must be 's3' or 'qagent', got {self.answer_template!r}")
+        if self.answer_template not in DOC_TEMPLATES:
+            choices = " or ".join(repr(x) for x in DOC_TEMPLATES)
+            raise ConfigError(f"answer_template must be {choices}, got {self.answer_template!r}")
         if self.default_dataset == "overall":
             raise ConfigError("default_dataset 'overall' collides with the overall summary row")
 
 
 def canonical_method(name: str) -> str:
     key = name.strip().lower()
-    key = _ALIASES.get(key, _ALIASES.get(key.replace("-", "_"), key.replace("_", "-")))
-    if key not in METHODS:
-        raise ConfigError(f"unknown method {name!r}; choose from: {', '.join(METHODS)}")
-    return key
+    for baseline in BASELINES.values():
+        if key in (baseline.name, *baseline.aliases) or key.replace("_", "-") == baseline.name:
+            return baseline.name
+    try:
+        return get_method(key).display_name
+    except ConfigError:
+        raise ConfigError(f"unknown method {name!r}; choose from: {', '.join(all_methods())}") from None
 
 
 def parse_methods(methods: str | Iterable[str]) -> list[str]:
@@ -137,7 +187,7 @@ def parse_methods(methods: str | Iterable[str]) -> list[str]:
                 if name not in out:
                     out.append(name)
     if not out:
-        raise ConfigError(f"no method given; choose from: {', '.join(METHODS)}")
+        raise ConfigError(f"no method given; choose from: {', '.join(all_methods())}")
     return out
 
 
@@ -394,50 +444,45 @@ class _Context:
     retriever: Retriever | None
     cfg: EvalConfig
 
+    def settings(self) -> BaselineSettings:
+        cfg = self.cfg
+        return BaselineSettings(
+            top_k=cfg.top_k or 3,
+            max_turns=cfg.max_turns or 4,
+            max_new_tokens=cfg.max_new_tokens,
+            answer_max_new_tokens=cfg.answer_max_new_tokens,
+            answer_template=cfg.answer_template,
+            seed=cfg.seed,
+        )
 
-def _baseline_settings(method: str, cfg: EvalConfig) -> BaselineSettings:
-    return BaselineSettings(
-        top_k=cfg.top_k or 3,
-        max_turns=cfg.max_turns or 4,
-        max_new_tokens=cfg.max_new_tokens,
-        answer_max_new_tokens=cfg.answer_max_new_tokens,
-        answer_template=cfg.answer_template,
-        seed=cfg.seed,
-    )
+    def loop_options(self) -> dict[str, Any]:
+        return {} if self.cfg.top_k is None else {"top_k": self.cfg.top_k}
 
-
-def _build_loop(method: str, cfg: EvalConfig):
-    loop_cfg: dict[str, Any] = {} if cfg.top_k is None else {"top_k": cfg.top_k}
-    if method == "search-o1":
-        from sleuth.eval.search_o1 import SearchO1Loop
-
-        return SearchO1Loop(**loop_cfg)
-    from sleuth.agent.registry import get_loop
-
-    return get_loop(AGENT_LOOPS[method], **loop_cfg)
+    def need_retriever(self) -> Retriever:
+        if self.retriever is None:
+            raise ConfigError("this method needs a retriever: pass --retriever INDEX_DIR or URL")
+        return self.retriever
 
 
-def _run_agent(method: str, examples: Sequence[QAExample], ctx: _Context) -> list[MethodOutput]:
-    from sleuth.agent.engine import rollout
-
+def _run_agent(loop: AgentLoop, method: Method | None, examples: Sequence[QAExample],
+               ctx: _Context) -> list[MethodOutput]:  # fmt: skip
+    """Greedy rollouts of `loop`; a searcher `method` then hands its documents (or evidence) to the reader."""
     cfg = ctx.cfg
-    assert ctx.retriever is not None
     params = SamplingParams(max_new_tokens=cfg.max_new_tokens, temperature=0.0, seed=cfg.seed)
     trajs = rollout(
-        _build_loop(method, cfg), ctx.model, ctx.retriever, examples, params, n=1, max_turns=cfg.max_turns,
+        loop, ctx.model, ctx.need_retriever(), examples, params, n=1, max_turns=cfg.max_turns,
         max_obs_tokens=cfg.max_obs_tokens, max_response_tokens=cfg.max_response_tokens,
     )
     outs = []
     for traj in trajs:
         n_in, n_out = trajectory_tokens(traj)
         outs.append(MethodOutput(traj.answer, traj.retrieval_count, n_in, n_out, traj))
-    if method in SUBMODULE_TEMPLATES:
-        settings = _baseline_settings(method, cfg)
+    if method is not None and method.reader_template is not None:
         preds, texts, counts = read_documents(
-            ctx.generator, examples, [t.served_context for t in trajs], settings, SUBMODULE_TEMPLATES[method]
+            ctx.generator, examples, [t.served_context for t in trajs], ctx.settings(), method.reader_template
         )
         _hand_over(outs, preds, texts, counts)
-    elif method == "r-search" and cfg.r_search_evidence:
+    elif method is not None and method.reads_evidence and cfg.r_search_evidence:
         counter = CountingGenerator(ctx.generator)
         params = SamplingParams(max_new_tokens=cfg.answer_max_new_tokens, temperature=0.0, seed=cfg.seed)
         texts = answer_from_evidence(counter, [ex.question for ex in examples],
@@ -458,25 +503,34 @@ def _hand_over(outs: list[MethodOutput], preds, texts, counts) -> None:
 
 def run_method_batch(method: str, examples: Sequence[QAExample], ctx: _Context) -> list[MethodOutput]:
     """One batch of one method: every question goes through the generator together."""
-    settings = _baseline_settings(method, ctx.cfg)
-    if method == "direct":
-        return run_direct(ctx.model, examples, settings)
-    if method == "direct-generator":
-        outs = run_direct(ctx.generator, examples, settings, method)
-        for out in outs:
-            out.answer_source = "generator"
-        return outs
-    if method == "cot":
-        return run_cot(ctx.model, examples, settings)
-    if ctx.retriever is None:
+    if _traits(method, ctx.cfg).needs_retriever and ctx.retriever is None:
         raise ConfigError(f"method {method!r} needs a retriever: pass --retriever INDEX_DIR or URL")
-    if method == "naive-rag":
-        return run_naive_rag(ctx.generator, ctx.retriever, examples, settings)
-    if method == "ircot":
-        return run_ircot(ctx.model, ctx.retriever, examples, settings, reader=ctx.generator)
-    if method == "oracle":
-        return run_oracle(ctx.generator, ctx.retriever, examples, settings, ORACLE_TEMPLATE)
-    return _run_agent(method, examples, ctx)
+    baseline = BASELINES.get(method)
+    if baseline is not None:
+        return baseline.run(examples, ctx)
+    spec = get_method(method)
+    return _run_agent(spec.build_loop(**ctx.loop_options()), spec, examples, ctx)
+
+
+@dataclass(frozen=True)
+class _MethodTraits:
+    """What a method's stored predictions depend on besides the run's settings."""
+
+    needs_retriever: bool
+    uses_generator: bool
+    model_free: bool
+    template: str | None
+    evidence: bool  # the r_search_evidence switch applies
+
+
+def _traits(method: str, cfg: EvalConfig) -> _MethodTraits:
+    baseline = BASELINES.get(method)
+    if baseline is not None:
+        template = cfg.answer_template if baseline.template == "config" else baseline.template
+        return _MethodTraits(baseline.needs_retriever, baseline.reads, baseline.model_free, template, False)
+    spec = get_method(method)
+    uses_generator = spec.reader_template is not None or (spec.reads_evidence and cfg.r_search_evidence)
+    return _MethodTraits(True, uses_generator, False, None, spec.reads_evidence)
 
 
 def check_oracle_examples(items: Sequence[_Item]) -> None:
@@ -497,17 +551,13 @@ def method_config(method: str, ctx: _Context, retriever_desc: str | None, model_
                   generator_desc: str | None, judge_desc: str | None) -> dict[str, Any]:
     """Everything a method's stored predictions depend on (compared when resuming)."""
     cfg = ctx.cfg
-    uses_generator = (
-        method in SUBMODULE_TEMPLATES or method in READER_METHODS or (method == "r-search" and cfg.r_search_evidence)
-    )
-    reader_only = method in ("direct-generator", "naive-rag", "oracle")  # the --model plays no part
-    templates = {"naive-rag": cfg.answer_template, "ircot": cfg.answer_template, "oracle": ORACLE_TEMPLATE}
+    traits = _traits(method, cfg)
     return {
         "method": method,
-        "model": None if reader_only else model_desc,
-        "generator": generator_desc if uses_generator else None,
+        "model": None if traits.model_free else model_desc,
+        "generator": generator_desc if traits.uses_generator else None,
         "judge": judge_desc,
-        "retriever": None if method in RETRIEVAL_FREE else retriever_desc,
+        "retriever": retriever_desc if traits.needs_retriever else None,
         "top_k": cfg.top_k,
         "max_turns": cfg.max_turns,
         "seed": cfg.seed,
@@ -515,8 +565,8 @@ def method_config(method: str, ctx: _Context, retriever_desc: str | None, model_
         "answer_max_new_tokens": cfg.answer_max_new_tokens,
         "max_obs_tokens": cfg.max_obs_tokens,
         "max_response_tokens": cfg.max_response_tokens,
-        "answer_template": templates.get(method),
-        "r_search_evidence": cfg.r_search_evidence if method == "r-search" else None,
+        "answer_template": traits.template,
+        "r_search_evidence": cfg.r_search_evidence if traits.evidence else None,
     }
 
 
@@ -760,11 +810,11 @@ def evaluate(
     items = _items(list(examples), cfg.default_dataset)
     if not items:
         raise ConfigError("no questions to evaluate")
-    if "oracle" in method_list:
+    if any(BASELINES[m].needs_gold for m in method_list if m in BASELINES):
         check_oracle_examples(items)
     if model is None:
         raise ConfigError("evaluate needs a model (a Generator or a model spec)")
-    needs_retrieval = [m for m in method_list if m not in RETRIEVAL_FREE]
+    needs_retrieval = [m for m in method_list if _traits(m, cfg).needs_retriever]
     if needs_retrieval and retriever is None:
         raise ConfigError(
             f"method(s) {', '.join(needs_retrieval)} need a retriever: pass --retriever INDEX_DIR or http URL"
@@ -777,7 +827,7 @@ def evaluate(
     judge_same = judge is not None and (judge is model or (isinstance(judge, str) and judge == model))
     judge_obj = model_obj if judge_same else resolve_generator(judge)
     retriever_obj = resolve_retriever(retriever) if needs_retrieval else None
-    if "oracle" in method_list:
+    if any(BASELINES[m].needs_gold for m in method_list if m in BASELINES):
         passages_by_id(retriever_obj, [])  # a retriever that cannot look ids up fails before any method runs
     assert generator_obj is not None
     ctx = _Context(model_obj, generator_obj, retriever_obj, cfg)
@@ -814,7 +864,8 @@ def evaluate(
         if bar is not None:
             bar.stop()
 
-    ordered = sorted(method_summaries, key=lambda m: (METHODS.index(m) if m in METHODS else len(METHODS), m))
+    known = all_methods()
+    ordered = sorted(method_summaries, key=lambda m: (known.index(m) if m in known else len(known), m))
     summary = {
         "methods": {m: method_summaries[m] for m in ordered},
         "config": _run_config(descs, cfg, method_list, items, run_info),

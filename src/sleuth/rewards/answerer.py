@@ -57,6 +57,7 @@ FLASHRAG_SYSTEM_PROMPT = (
 FLASHRAG_USER_PROMPT = "Question: {question}"
 
 DOC_TEMPLATES = ("s3", "qagent")
+DEFAULT_DOC_TEMPLATE = DOC_TEMPLATES[0]
 DEFAULT_GENERATOR_PARAMS = SamplingParams(max_new_tokens=128, temperature=0.0)
 # R-Search's public code samples the cross-family model at temperature 0.1, top-p 0.9, 512 tokens.
 RSEARCH_EVIDENCE_PARAMS = SamplingParams(max_new_tokens=512, temperature=0.1, top_p=0.9)

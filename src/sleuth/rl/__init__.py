@@ -2,12 +2,11 @@
 
 Algorithm core (pure functions over (batch, tokens) tensors plus masks):
   - `sleuth.rl.advantages`: GAE, GRPO, Dr.GRPO, RLOO, REINFORCE++ (registry by name).
-  - `sleuth.rl.losses`: masked reductions, loss aggregation modes, PPO policy/value losses,
-    KL estimators and controllers, log-probs/entropy from logits.
-  - `sleuth.rl.sampling`: DAPO dynamic sampling and overlong filtering/penalty.
+  - `sleuth.rl.losses`: masked reductions, loss aggregation modes, PPO policy losses (registry by
+    name) and the value loss, KL estimators, log-probs/entropy from logits.
+  - `sleuth.rl.sampling`: DAPO dynamic-sampling group filter and overlong filtering.
 
-The names below are re-exported lazily so that `import sleuth.rl.config` (and the CLI) does not
-pay for importing torch.
+The names below are re-exported lazily so that `import sleuth.rl` stays cheap.
 """
 
 from __future__ import annotations
@@ -32,8 +31,6 @@ _EXPORTS = {
     "sleuth.rl.losses": (
         "KL_ESTIMATORS",
         "LOSS_AGG_MODES",
-        "AdaptiveKLController",
-        "FixedKLController",
         "agg_loss",
         "apply_kl_penalty",
         "entropy_from_logits",
@@ -44,14 +41,15 @@ _EXPORTS = {
         "masked_sum",
         "masked_var",
         "masked_whiten",
+        "POLICY_LOSSES",
+        "get_policy_loss",
         "policy_loss",
+        "register_policy_loss",
         "value_loss",
     ),
     "sleuth.rl.sampling": (
-        "DynamicBatchFiller",
         "filter_groups",
         "overlong_mask",
-        "overlong_penalty",
     ),
 }
 _WHERE = {name: module for module, names in _EXPORTS.items() for name in names}

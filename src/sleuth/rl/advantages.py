@@ -62,6 +62,21 @@ def get_advantage_fn(name: str) -> AdvantageFn:
 # --------------------------------------------------------------------------- helpers
 
 
+def estimator_inputs(name: str) -> set[str]:
+    """The parameters the estimator `name` declares (inputs and hyper-parameters)."""
+    return set(inspect.signature(get_advantage_fn(name)).parameters)
+
+
+def needs_critic(name: str) -> bool:
+    """An estimator that takes `values` needs a critic (the trainer then loads and trains one)."""
+    return "values" in estimator_inputs(name)
+
+
+def needs_groups(name: str) -> bool:
+    """An estimator that takes `group_ids` compares the samples of one prompt (algorithm.n >= 2)."""
+    return "group_ids" in estimator_inputs(name)
+
+
 def _check_mask(response_mask: torch.Tensor) -> torch.Tensor:
     if response_mask.dim() != 2:
         raise ValueError(f"response_mask must be (batch, tokens), got shape {tuple(response_mask.shape)}")
@@ -352,7 +367,10 @@ __all__ = [
     "drgrpo_advantages",
     "gae_advantages",
     "get_advantage_fn",
+    "estimator_inputs",
     "group_index",
+    "needs_critic",
+    "needs_groups",
     "grpo_advantages",
     "outcome_to_token_rewards",
     "register_advantage",

@@ -14,8 +14,11 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from sleuth.agent.registry import find_method, load_plugins, loop_names
 from sleuth.errors import ConfigError
 from sleuth.retrieval.tools import HTTPSearchConfig, MCPToolConfig
+from sleuth.rl.advantages import ADVANTAGE_ESTIMATORS, needs_critic, needs_groups
+from sleuth.rl.losses import POLICY_LOSSES
 from sleuth.utils import RetryPolicy
 
 
@@ -76,7 +79,7 @@ class RetrieverConfig(_Strict):
 
 
 class AgentConfig(_Strict):
-    loop: Literal["search_r1", "s3", "r_search", "staged", "qagent"] = "search_r1"
+    loop: str = "search_r1"  # a registered method (sleuth.agent.registry; plugins add theirs)
     max_turns: int | None = Field(None, ge=1)  # None: the loop's paper default
     top_k: int | None = Field(None, ge=1)
     max_new_tokens_per_turn: int = Field(256, ge=1)
@@ -87,7 +90,8 @@ class AgentConfig(_Strict):
 
 class RewardConfig(_Strict):
     name: str = "search_r1_em"
-    # modules to import first, so rewards they register with @register_reward can be named here
+    # plugin modules to import first, so the rewards (@register_reward) and methods (register_method)
+    # they register can be named in this recipe
     plugins: list[str] = Field(default_factory=list)
     options: dict[str, Any] = Field(default_factory=dict)  # the reward's own options (see sleuth.rewards)
     # Frozen models a reward uses: any `load_generator` spec. "policy-base" reuses the policy's base
@@ -106,7 +110,8 @@ class KLConfig(_Strict):
 
 class AlgorithmConfig(_Strict):
     name: Literal["ppo", "grpo", "dapo", "rloo", "drgrpo"] = "grpo"
-    advantage: Literal["gae", "grpo", "drgrpo", "rloo"] | None = None  # None: from name
+    advantage: str | None = None  # a registered estimator (sleuth.rl.advantages); None: from name
+    policy_loss: str = "ppo_clip"  # a registered policy loss (sleuth.rl.losses.POLICY_LOSSES)
     n: int = Field(5, ge=1)  # samples per prompt
     prompts_per_step: int = Field(8, ge=1)
     ppo_epochs: int = Field(1, ge=1)
@@ -140,7 +145,13 @@ class AlgorithmConfig(_Strict):
                 "rloo": "rloo",
                 "drgrpo": "drgrpo",
             }[self.name]
-        if self.advantage in ("grpo", "drgrpo", "rloo") and self.n < 2:
+        if self.advantage not in ADVANTAGE_ESTIMATORS:
+            known = ", ".join(sorted(ADVANTAGE_ESTIMATORS))
+            raise ValueError(f"algorithm.advantage: unknown estimator {self.advantage!r}; known: {known}")
+        if self.policy_loss not in POLICY_LOSSES:
+            known = ", ".join(sorted(POLICY_LOSSES))
+            raise ValueError(f"algorithm.policy_loss: unknown policy loss {self.policy_loss!r}; known: {known}")
+        if needs_groups(self.advantage) and self.n < 2:
             raise ValueError(
                 f"algorithm.advantage={self.advantage} compares samples of one prompt: set algorithm.n >= 2"
             )
@@ -150,7 +161,7 @@ class AlgorithmConfig(_Strict):
 
     @property
     def uses_critic(self) -> bool:
-        return self.advantage == "gae"
+        return needs_critic(self.advantage)
 
 
 class OptimConfig(_Strict):
@@ -249,6 +260,13 @@ class Recipe(_Strict):
 
 
     services: ServicesConfig = Field(default_factory=ServicesConfig)
+
+    @model_validator(mode="after")
+    def _known_loop(self) -> Recipe:
+        load_plugins(self.reward.plugins)
+        if find_method(self.agent.loop) is None:
+            raise ValueError(f"agent.loop: unknown loop {self.agent.loop!r}; choose one of: {', '.join(loop_names())}")
+        return self
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:

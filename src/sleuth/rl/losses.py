@@ -15,6 +15,8 @@ Conventions shared by every function here (the same as verl's `core_algos`):
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
@@ -160,7 +162,33 @@ def agg_loss(
 
 # --------------------------------------------------------------------------- policy / value losses
 
+PolicyLossFn = Callable[..., tuple[torch.Tensor, dict[str, float]]]
+# name -> policy loss; each takes (old_logprob, logprob, advantages, response_mask, **options) and
+# returns (loss, stats), like verl's core_algos. A recipe names one in algorithm.policy_loss.
+POLICY_LOSSES: dict[str, PolicyLossFn] = {}
 
+
+def register_policy_loss(name: str) -> Callable[[PolicyLossFn], PolicyLossFn]:
+    """Decorator registering a policy loss under `name` (a name can be taken once)."""
+
+    def decorator(fn: PolicyLossFn) -> PolicyLossFn:
+        existing = POLICY_LOSSES.get(name)
+        if existing is not None and existing is not fn:
+            raise ValueError(f"policy loss {name!r} is already registered ({existing.__qualname__})")
+        POLICY_LOSSES[name] = fn
+        return fn
+
+    return decorator
+
+
+def get_policy_loss(name: str) -> PolicyLossFn:
+    try:
+        return POLICY_LOSSES[name]
+    except KeyError:
+        raise ValueError(f"unknown policy loss {name!r}; known: {', '.join(sorted(POLICY_LOSSES))}") from None
+
+
+@register_policy_loss("ppo_clip")
 def policy_loss(
     old_logprob: torch.Tensor,
     logprob: torch.Tensor,
@@ -380,41 +408,6 @@ def kl_loss(
     )
 
 
-class FixedKLController:
-    """Constant KL coefficient; `update` does nothing. Same interface as AdaptiveKLController."""
-
-    def __init__(self, kl_coef: float) -> None:
-        if kl_coef < 0:
-            raise ValueError(f"kl_coef must be >= 0, got {kl_coef}")
-        self.value = float(kl_coef)
-
-    def update(self, current_kl: float, n_steps: int) -> None:
-        return None
-
-
-class AdaptiveKLController:
-    """Adaptive KL coefficient of Ziegler et al. 2019 (arXiv:1909.08593).
-
-    After each batch of `n_steps` samples with observed KL `current_kl`:
-        error = clip(current_kl / target - 1, -0.2, 0.2)
-        value *= 1 + error * n_steps / horizon
-    so the coefficient grows when the KL is above target and shrinks when below.
-    """
-
-    def __init__(self, init_kl_coef: float, target_kl: float, horizon: int) -> None:
-        if init_kl_coef < 0 or target_kl <= 0 or horizon <= 0:
-            raise ValueError(
-                f"need init_kl_coef >= 0, target_kl > 0, horizon > 0; got {init_kl_coef}, {target_kl}, {horizon}"
-            )
-        self.value = float(init_kl_coef)
-        self.target = float(target_kl)
-        self.horizon = int(horizon)
-
-    def update(self, current_kl: float, n_steps: int) -> None:
-        error = min(max(current_kl / self.target - 1.0, -0.2), 0.2)
-        self.value *= 1.0 + error * n_steps / self.horizon
-
-
 # --------------------------------------------------------------------------- logits helpers
 
 
@@ -477,10 +470,11 @@ def entropy_from_logits(logits: torch.Tensor, chunk_rows: int | None = None) -> 
 
 
 __all__ = [
+    "POLICY_LOSSES",
+    "get_policy_loss",
+    "register_policy_loss",
     "KL_ESTIMATORS",
     "LOSS_AGG_MODES",
-    "AdaptiveKLController",
-    "FixedKLController",
     "agg_loss",
     "apply_kl_penalty",
     "check_same_shape",

@@ -19,11 +19,17 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from sleuth.agent.coldstart import SFTRecord, iter_limited, read_records, split_records
+from sleuth.agent.searcher import resolve_checkpoint
 from sleuth.errors import ConfigError, DataFormatError
 from sleuth.rl.checkpoint import latest_checkpoint, load_training_state, save_checkpoint, set_rng_state
 from sleuth.rl.config import Recipe
+from sleuth.rl.loggers import open_recipe_loggers
+from sleuth.rl.models import autocast, load_policy
+from sleuth.rl.setup import build_optimizer, searcher_info
 from sleuth.utils import atomic_write_json, seed_everything
 
 
@@ -70,7 +76,6 @@ def _epoch_order(n: int, seed: int, epoch: int) -> list[int]:
 
 @torch.no_grad()
 def heldout_loss(model, records: Sequence[SFTRecord], pad_id: int, micro: int, max_length: int, device) -> float:
-    from sleuth.rl.trainer import autocast
 
     total, count = 0.0, 0
     for start in range(0, len(records), micro):
@@ -106,12 +111,7 @@ def load_sft_data(recipe: Recipe, vocab_size: int) -> tuple[list[SFTRecord], lis
 
 def run_sft(recipe: Recipe, *, resume: bool = True, console: Any = None) -> dict[str, Any]:
     """Fine-tune the recipe's policy on `recipe.sft.data`; returns {"out_dir", "checkpoint", "metrics"}."""
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-    from sleuth.agent.searcher import resolve_checkpoint
-    from sleuth.rl.loggers import open_recipe_loggers
-    from sleuth.rl.trainer import autocast, build_optimizer, load_policy, searcher_info
 
     cfg = recipe.sft
     if cfg is None:

@@ -10,7 +10,7 @@ import typer
 
 CHECKPOINT = typer.Option(None, "--checkpoint", help="A `sleuth train` checkpoint or run directory.")
 MODEL = typer.Option(None, "--model", help="Serve an untrained local model instead (alias, dir or .gguf); needs --loop.")
-LOOP = typer.Option(None, "--loop", help="Agent loop for --model: s3, r_search, qagent, search_r1, staged.")
+LOOP = typer.Option(None, "--loop", help="Agent loop for --model: a registered method (s3, search_r1, ...).")
 LOOP_OPTION = typer.Option(None, "--loop-option", help="Loop option KEY=VALUE (repeatable), e.g. top_k=5.")
 INDEX = typer.Option(None, "--index", help="Local index directory built by `sleuth index`.")
 RETRIEVER_URL = typer.Option(None, "--retriever-url", help="A Search-R1 compatible /retrieve server.")
@@ -23,6 +23,9 @@ MAX_TOP_K = typer.Option(20, "--max-top-k", help="Largest top_k a request may as
 MAX_CHARS = typer.Option(2000, "--max-question-chars", help="Longest question accepted.")
 TOKEN_ENV = typer.Option(
     "SLEUTH_API_TOKEN", "--token-env", help="Environment variable holding a bearer token; when set, auth is required."
+)
+PLUGIN = typer.Option(
+    None, "--plugin", help="Module registering more methods (repeatable), importable on PYTHONPATH."
 )
 DEVICE = typer.Option(None, "--device", help="Torch device of the searcher (default: cuda if available, else cpu).")
 
@@ -63,10 +66,12 @@ def _check_network(host: str, port: int, token: str | None, what: str) -> None:
 
 
 def _build(**kwargs: Any):
+    from sleuth.agent.registry import load_plugins
     from sleuth.errors import SleuthError
     from sleuth.serve.loading import build_service, parse_loop_options
 
     try:
+        load_plugins(kwargs.pop("plugin") or [])
         kwargs["loop_options"] = parse_loop_options(kwargs.pop("loop_option"))
         return build_service(**kwargs)
     except (SleuthError, ValueError, OSError) as err:
@@ -121,6 +126,7 @@ def register(app: typer.Typer) -> None:
         max_question_chars: int = MAX_CHARS,
         token_env: str = TOKEN_ENV,
         device: str | None = DEVICE,
+        plugin: list[str] | None = PLUGIN,
         max_body_bytes: int = typer.Option(1 << 20, "--max-body-bytes", help="Largest request body accepted (413 beyond)."),
     ) -> None:
         """Serve a searcher over HTTP: POST /search, POST /answer, GET /health."""
@@ -128,7 +134,8 @@ def register(app: typer.Typer) -> None:
         _check_network(host, port, token, "searcher")
         limits = _limits(max_batch, batch_wait_ms, timeout_s, max_turns_limit, max_top_k, max_question_chars)
         service = _build(checkpoint=checkpoint, model=model, loop=loop, loop_option=loop_option, index=index,
-                         retriever_url=retriever_url, generator=generator, limits=limits, device=device)
+                         retriever_url=retriever_url, generator=generator, limits=limits, device=device,
+                         plugin=plugin)
         import uvicorn
 
         from sleuth.serve.searcher_server import create_app
@@ -159,6 +166,7 @@ def register(app: typer.Typer) -> None:
         max_question_chars: int = MAX_CHARS,
         token_env: str = TOKEN_ENV,
         device: str | None = DEVICE,
+        plugin: list[str] | None = PLUGIN,
     ) -> None:
         """Serve a searcher as MCP tools `search` (and `answer` with --generator) over stdio or HTTP."""
         if transport not in ("stdio", "http"):
@@ -168,7 +176,8 @@ def register(app: typer.Typer) -> None:
             _check_network(host, port, token, "MCP server")
         limits = _limits(max_batch, batch_wait_ms, timeout_s, max_turns_limit, max_top_k, max_question_chars)
         service = _build(checkpoint=checkpoint, model=model, loop=loop, loop_option=loop_option, index=index,
-                         retriever_url=retriever_url, generator=generator, limits=limits, device=device)
+                         retriever_url=retriever_url, generator=generator, limits=limits, device=device,
+                         plugin=plugin)
         from sleuth.serve.mcp_server import create_mcp_server, http_app, run_stdio
 
         server = create_mcp_server(service)

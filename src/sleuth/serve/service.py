@@ -18,11 +18,14 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from sleuth.agent.base import AgentLoop, all_retrieved
+from sleuth.agent.base import AgentLoop
+from sleuth.agent.engine import rollout
+from sleuth.agent.registry import find_method
 from sleuth.agent.trajectory import Trajectory
 from sleuth.data.formats import QAExample
 from sleuth.llm.base import Generator, SamplingParams
 from sleuth.retrieval.base import Hit, Retriever, format_docs
+from sleuth.rewards.answerer import DEFAULT_DOC_TEMPLATE, answer_from_documents, answer_from_evidence
 
 
 class RequestError(ValueError):
@@ -127,15 +130,16 @@ def _doc(hit: dict[str, Any]) -> dict[str, str]:
 def served_documents(traj: Trajectory) -> list[dict[str, str]]:
     """What the searcher hands a downstream LLM, as {id, title, text} records.
 
-    s3: the selected documents; QAgent, Search-R1, staged: the deduplicated passages it retrieved;
-    R-Search ("RSTool"): its evidence block first, then the deduplicated passages it retrieved.
+    Each method says which (`Method.hand_over`): s3 its selected documents; QAgent, Search-R1, staged
+    the deduplicated passages it retrieved; R-Search ("RSTool") its evidence block, then those passages.
     """
-    if traj.method == "r_search":
-        docs = [_doc(h) for h in all_retrieved(traj)]
-        if traj.evidence:
-            docs.insert(0, {"id": f"{traj.question_id}#evidence", "title": "evidence", "text": traj.evidence})
-        return docs
-    return [_doc(h) for h in traj.served_context]
+    method = find_method(traj.method)
+    return [_doc(h) for h in (method.hand_over(traj) if method else traj.served_context)]
+
+
+def _reads_evidence(traj: Trajectory) -> bool:
+    method = find_method(traj.method)
+    return method is not None and method.reads_evidence
 
 
 def context_text(docs: Sequence[dict[str, str]]) -> str:
@@ -405,8 +409,6 @@ class SearcherService:
         outcomes[i] = _Outcome(response_body(traj, 1), started, time.perf_counter() - started)
 
     def _rollout(self, questions: list[str], max_turns: int, top_k: int) -> list[Trajectory]:
-        from sleuth.agent.engine import rollout
-
         loop = self.loop if top_k == self.loop.top_k else replace(self.loop, top_k=top_k)
         with self._stats_lock:
             first = self._next_id
@@ -423,12 +425,11 @@ class SearcherService:
         self, outcomes: list[_Outcome | ServiceFailure], trajs: dict[int, Trajectory], wanted: list[int]
     ) -> None:
         """Ask the frozen generator, batched: R-Search evidence with its evidence prompt, the rest from docs."""
-        from sleuth.rewards.answerer import answer_from_documents, answer_from_evidence
-
         assert self.answer_generator is not None
-        by_evidence = [i for i in wanted if trajs[i].method == "r_search" and trajs[i].evidence]
+        by_evidence = [i for i in wanted if _reads_evidence(trajs[i]) and trajs[i].evidence]
         by_docs = [i for i in wanted if i not in by_evidence]
-        template = "qagent" if self.loop.name == "qagent" else "s3"
+        method = find_method(self.loop.name)
+        template = (method.reader_template if method else None) or DEFAULT_DOC_TEMPLATE
         started = time.perf_counter()
         try:
             answers: dict[int, str] = {}

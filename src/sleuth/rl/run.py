@@ -1,0 +1,185 @@
+"""Setup: a recipe -> one `Run` holding policy, reference, critic, optimizers, retriever, loop, reward
+services, data and loggers, restored from a checkpoint on resume; and `save`, its checkpoint."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from sleuth.agent.registry import load_plugins
+from sleuth.data.formats import QAExample
+from sleuth.errors import ConfigError
+from sleuth.llm.base import Generator, SamplingParams
+from sleuth.llm.hf import HFGenerator
+from sleuth.retrieval.base import Retriever
+from sleuth.rewards.base import Reward, RewardServices, get_reward
+from sleuth.rl.checkpoint import (
+    full_states,
+    load_optimizer_states,
+    load_training_state,
+    resumable_checkpoint,
+    save_checkpoint,
+    set_rng_state,
+    write_run_info,
+)
+from sleuth.rl.config import Recipe
+from sleuth.rl.dist import DistContext, shard_range, unwrap, wrap_model
+from sleuth.rl.loggers import open_recipe_loggers
+from sleuth.rl.models import (
+    check_rollout_cache,
+    load_critic,
+    load_policy,
+    load_reference,
+    master_dtype,
+    rollout_copy,
+)
+from sleuth.rl.setup import (
+    DataCursor,
+    build_loop,
+    build_optimizer,
+    build_retriever,
+    build_reward_services,
+    initial_weights,
+    load_examples,
+    searcher_info,
+)
+from sleuth.utils import seed_everything
+
+
+@dataclass
+class Run:
+    """Everything a training step uses, built once from the recipe by `setup`."""
+
+    recipe: Recipe
+    ctx: DistContext
+    out_dir: Path
+    console: Any
+    tokenizer: Any
+    policy: nn.Module
+    reference: nn.Module | None  # None: no KL, or LoRA (the base model with adapters off is the reference)
+    critic: nn.Module | None  # only for estimators that need one (GAE)
+    optimizers: dict[str, torch.optim.Optimizer]
+    schedulers: dict[str, Any]
+    rollout_model: nn.Module | None  # a bf16 copy synced after each update, or None: the policy decodes
+    generator: Generator
+    retriever: Retriever
+    loop: Any
+    reward_fn: Reward
+    services: RewardServices
+    sampling: SamplingParams
+    examples: list[QAExample]
+    cursor: DataCursor
+    local_prompts: slice  # this rank's share of each step's prompts
+    local_minibatch: int
+    log: Any  # the recipe's loggers (main rank only)
+    start_step: int = 0
+    last_saved: int = 0
+
+    @property
+    def models(self) -> dict[str, nn.Module]:
+        return {"policy": self.policy, **({"critic": self.critic} if self.critic is not None else {})}
+
+
+def _resume_point(recipe: Recipe, out_dir: Path, resume: bool, console: Any) -> tuple[Path | None, dict, dict]:
+    ckpt = None
+    if resume:
+        ckpt, skipped = resumable_checkpoint(out_dir)
+        for path, reason in skipped:
+            console.print(f"[yellow]skipping damaged checkpoint {path}[/]: {reason}")
+    trainer_state: dict[str, Any] = {}
+    tensor_state: dict[str, Any] = {}
+    if ckpt is not None:
+        trainer_state, tensor_state = load_training_state(ckpt)
+        console.print(f"[bold]resuming[/] from {ckpt} (step {trainer_state['step']})")
+    elif resume:
+        console.print(f"[yellow]--resume: no checkpoint under {out_dir}, starting fresh[/]")
+    return ckpt, trainer_state, tensor_state
+
+
+def _load_models(recipe: Recipe, ctx: DistContext, ckpt: Path | None):
+    """Policy, reference, critic (wrapped for DDP/FSDP), their optimizers and schedulers."""
+    device = ctx.device
+    tokenizer, policy, model_path = load_policy(recipe, device, ckpt / "policy" if ckpt else initial_weights(recipe))
+    reference = None
+    if recipe.algorithm.kl.coef > 0 and not hasattr(policy, "disable_adapter"):
+        # the reference is the starting model, also when resuming (the policy then holds trained weights)
+        reference = load_reference(model_path, policy, device)
+        if recipe.model.offload_reference:
+            reference.to("cpu")
+    critic = load_critic(model_path, device, master_dtype(recipe)) if recipe.algorithm.uses_critic else None
+    if critic is not None and ckpt is not None:
+        critic.load_state_dict(torch.load(ckpt / "critic.pt", map_location=device, weights_only=True))
+    # DDP broadcasts rank 0's weights, so every rank starts from the same (LoRA) initialisation
+    policy = wrap_model(policy, ctx, recipe.model.parallel)
+    if critic is not None:
+        critic = wrap_model(critic, ctx, recipe.model.parallel)
+    opt, sched = build_optimizer(policy.parameters(), recipe.optim.lr, recipe)
+    optimizers, schedulers = {"policy": opt}, {"policy": sched}
+    if critic is not None:
+        optimizers["critic"], schedulers["critic"] = build_optimizer(critic.parameters(), recipe.optim.critic_lr, recipe)
+    return tokenizer, policy, model_path, reference, critic, optimizers, schedulers
+
+
+def setup(recipe: Recipe, ctx: DistContext, console: Any, resume: bool) -> Run:
+    """Recipe -> one Run: models (restored on resume), environment, data, reward, loggers."""
+    out_dir = Path(recipe.trainer.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    seed_everything(recipe.seed)
+    ckpt, trainer_state, tensor_state = _resume_point(recipe, out_dir, resume, console)
+    start_step = int(trainer_state.get("step", 0))
+    tokenizer, policy, model_path, reference, critic, optimizers, schedulers = _load_models(recipe, ctx, ckpt)
+    if tensor_state:
+        models = {"policy": policy, **({"critic": critic} if critic is not None else {})}
+        load_optimizer_states(models, optimizers, tensor_state["optimizers"])
+        for k, s in schedulers.items():
+            s.load_state_dict(tensor_state["schedulers"][k])
+        set_rng_state(tensor_state["rng"])
+    if ctx.enabled:  # ranks sample different trajectories
+        seed_everything(recipe.seed * 1_000_003 + start_step * 1_009 + ctx.rank)
+
+    rollout_model = rollout_copy(recipe, policy, ctx.device)
+    rollout_weights = rollout_model if rollout_model is not None else unwrap(policy)
+    check_rollout_cache(recipe, rollout_weights, ctx.device)
+    generator = HFGenerator(rollout_weights, tokenizer=tokenizer, cache=recipe.model.generation_cache,
+                            compile=recipe.model.compile_generation)
+    retriever = build_retriever(recipe)
+    loop = build_loop(recipe)
+    examples = load_examples(recipe)
+    cursor = DataCursor(recipe.seed, len(examples), recipe.data.shuffle, **trainer_state.get("cursor", {}))
+    load_plugins(recipe.reward.plugins)
+    reward_fn = get_reward(recipe.reward.name, **recipe.reward.options)
+    services = build_reward_services(recipe, generator, unwrap(policy), retriever)
+    sampling = SamplingParams(max_new_tokens=recipe.agent.max_new_tokens_per_turn,
+                              temperature=recipe.sampling.temperature, top_p=recipe.sampling.top_p)
+    algo = recipe.algorithm
+    local_prompts = shard_range(algo.prompts_per_step, ctx, "algorithm.prompts_per_step")
+    if algo.minibatch_size % ctx.world_size:
+        raise ConfigError(f"algorithm.minibatch_size must be divisible by the number of ranks ({ctx.world_size})")
+    log = open_recipe_loggers(recipe, out_dir, start_step) if ctx.is_main else None
+    if ctx.is_main:
+        run_info = {"recipe": recipe.model_dump(), "model_path": model_path, "device": str(ctx.device),
+                    "ranks": ctx.world_size}
+        write_run_info(out_dir, run_info)
+        log.log_config(run_info)
+    return Run(recipe, ctx, out_dir, console, tokenizer, policy, reference, critic, optimizers, schedulers,
+               rollout_model, generator, retriever, loop, reward_fn, services, sampling, examples, cursor,
+               local_prompts, algo.minibatch_size // ctx.world_size, log, start_step, start_step)
+
+
+def save(run: Run, done: int, cursor_state: dict[str, int], stage: int) -> None:
+    """A checkpoint of `done` steps (collective: every rank calls it; rank 0 writes)."""
+    model_states, optim_states = full_states(run.models, run.optimizers)
+    if run.ctx.is_main:
+        save_checkpoint(
+            run.out_dir, done, policy=unwrap(run.policy), tokenizer=run.tokenizer,
+            critic=unwrap(run.critic) if run.critic is not None else None, optimizers=run.optimizers,
+            schedulers=run.schedulers, trainer_state={"cursor": cursor_state, "stage": stage, "recipe": run.recipe.name},
+            searcher_info=searcher_info(run.recipe), keep=run.recipe.trainer.keep_checkpoints,
+            policy_state=model_states["policy"], critic_state=model_states.get("critic"),
+            optimizer_states=optim_states,
+        )
+    run.ctx.barrier()

@@ -1,0 +1,184 @@
+"""Recipe -> the pieces of a run: retriever, loop, data, reward services, optimizers (each written once)."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from sleuth.agent.registry import get_loop
+from sleuth.agent.searcher import resolve_checkpoint
+from sleuth.data.filters import drop_yes_no, keep_hard
+from sleuth.data.formats import QAExample, load_qa
+from sleuth.data.score_cache import ScoreCache
+from sleuth.errors import ConfigError
+from sleuth.llm.registry import check_model_spec, is_remote_spec, load_generator
+from sleuth.retrieval import load_retriever
+from sleuth.retrieval.client import RemoteRetriever
+from sleuth.retrieval.encoders import Encoder, EncoderConfig
+from sleuth.retrieval.tools import tool_retriever
+from sleuth.rewards.base import RewardServices
+from sleuth.rl.config import Recipe
+from sleuth.rl.models import FrozenBaseGenerator
+
+
+@dataclass
+class DataCursor:
+    """Where we are in the seeded, epoch-shuffled training order (saved in checkpoints)."""
+
+    seed: int
+    num_examples: int
+    shuffle: bool = True
+    epoch: int = 0
+    position: int = 0
+
+    def _order(self) -> list[int]:
+        order = list(range(self.num_examples))
+        if self.shuffle:
+            random.Random(self.seed * 1_000_003 + self.epoch).shuffle(order)
+        return order
+
+    def take(self, count: int) -> list[int]:
+        taken: list[int] = []
+        order = self._order()
+        while len(taken) < count:
+            if self.position >= self.num_examples:
+                self.epoch += 1
+                self.position = 0
+                order = self._order()
+            taken.append(order[self.position])
+            self.position += 1
+        return taken
+
+    def state(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "position": self.position}
+
+
+def build_retriever(recipe: Recipe):
+    if recipe.retriever.mcp is not None or recipe.retriever.http is not None:
+
+        return tool_retriever(recipe.retriever.mcp, recipe.retriever.http)
+    if recipe.retriever.url is not None:
+
+        return RemoteRetriever(recipe.retriever.url, retry=recipe.services.retry.policy())
+
+    return load_retriever(recipe.retriever.index, corpus=recipe.retriever.corpus)
+
+
+def loop_options(recipe: Recipe) -> dict[str, Any]:
+    cfg = dict(recipe.agent.options)
+    if recipe.agent.max_turns is not None:
+        cfg["max_turns"] = recipe.agent.max_turns
+    if recipe.agent.top_k is not None:
+        cfg["top_k"] = recipe.agent.top_k
+    return cfg
+
+
+def build_loop(recipe: Recipe):
+
+    return get_loop(recipe.agent.loop, **loop_options(recipe))
+
+
+def searcher_info(recipe: Recipe) -> dict[str, Any]:
+    return {
+        "recipe": recipe.name,
+        "loop": recipe.agent.loop,
+        "loop_options": loop_options(recipe),
+        "base_model": recipe.model.policy,
+        "lora": recipe.model.lora.enabled,
+        "max_new_tokens_per_turn": recipe.agent.max_new_tokens_per_turn,
+        "max_obs_tokens": recipe.agent.max_obs_tokens,
+        "max_response_tokens": recipe.agent.max_response_tokens,
+    }
+
+
+def load_examples(recipe: Recipe) -> list[QAExample]:
+
+    examples = load_qa(recipe.data.train)
+    if recipe.data.drop_yes_no:
+
+        examples = drop_yes_no(examples)
+    if recipe.data.hard_from:
+
+        examples = keep_hard(examples, ScoreCache(recipe.data.hard_from))
+    if recipe.data.max_train_examples:
+        examples = examples[: recipe.data.max_train_examples]
+    if not examples:
+        raise ConfigError(f"data.train={recipe.data.train}: no training examples left after filtering")
+    return examples
+
+
+def build_reward_services(recipe: Recipe, policy_gen: Any, policy: nn.Module, retriever: Any):
+
+    def service_model(spec: str | None, role: str):
+        if spec is None:
+            return None
+        if spec == "policy-base":
+            if not hasattr(policy, "disable_adapter"):
+                raise ConfigError("reward generator 'policy-base' needs model.lora.enabled=true")
+            return FrozenBaseGenerator(policy_gen, policy)
+
+        if is_remote_spec(spec):
+            return load_generator(spec, retry=recipe.services.retry.policy(), service=f"reward {role}")
+        return load_generator(spec)
+
+    encoder = None
+    if recipe.reward.encoder:
+
+        encoder = Encoder(EncoderConfig(name=recipe.reward.encoder))
+    cache = None
+    if recipe.reward.baseline_cache:
+
+        cache = ScoreCache(recipe.reward.baseline_cache)
+    return RewardServices(
+        generator=service_model(recipe.reward.generator, "generator"),
+        judge=service_model(recipe.reward.judge, "judge"),
+        encoder=encoder,
+        baseline_cache=cache,
+        retriever=retriever,
+    )
+
+
+def build_optimizer(params, lr: float, recipe: Recipe):
+    params = [p for p in params if p.requires_grad]
+    opt = torch.optim.AdamW(
+        params, lr=lr, betas=recipe.optim.betas, eps=recipe.optim.eps, weight_decay=recipe.optim.weight_decay
+    )
+    warmup = recipe.optim.warmup_steps
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0)
+    return opt, sched
+
+
+def initial_weights(recipe: Recipe) -> Path | None:
+    """The policy directory of `model.init_from` (a checkpoint or run directory), if set."""
+    if recipe.model.init_from is None:
+        return None
+
+    return resolve_checkpoint(recipe.model.init_from) / "policy"
+
+
+def check_input_paths(recipe: Recipe) -> None:
+    """Every file and directory the recipe names must exist: checked before any model loads, so a
+    typo costs a second, not a model load and a traceback."""
+
+    named = [
+        ("data.train", recipe.data.train),
+        ("data.dev", recipe.data.dev),
+        ("data.hard_from", recipe.data.hard_from),
+        ("retriever.index", recipe.retriever.index),
+        ("retriever.corpus", recipe.retriever.corpus),
+        ("model.init_from", recipe.model.init_from),
+        ("sft.data", recipe.sft.data if recipe.sft is not None else None),
+    ]
+    missing = [f"{field}: {value} does not exist" for field, value in named if value and not Path(value).exists()]
+    try:
+        check_model_spec(recipe.model.policy)
+    except ConfigError as err:
+        missing.append(f"model.policy: {err}")
+    if missing:
+        raise ConfigError(f"recipe {recipe.name!r} names inputs that are not there:\n  " + "\n  ".join(missing))
+

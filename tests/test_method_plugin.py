@@ -1,0 +1,90 @@
+"""A method defined outside sleuth (tests/plugins/sleuth_test_method.py: a new loop and reward) trains one
+step, evaluates and serves through the CLI, with no edit to sleuth."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from fastapi.testclient import TestClient
+from typer.testing import CliRunner
+
+from sleuth.cli import app
+
+PLUGINS = Path(__file__).parent / "plugins"
+sys.path.insert(0, str(PLUGINS))  # where a user's plugin would sit on PYTHONPATH
+
+
+@pytest.fixture(scope="module")
+def trained(small_world: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("plugin") / "run"
+    recipe = {
+        "name": "plugin-method",
+        "model": {"policy": "tiny"},
+        "data": {"train": str(small_world / "train.jsonl")},
+        "retriever": {"index": str(small_world / "bm25")},
+        "agent": {"loop": "test_lookup", "max_turns": 1, "max_new_tokens_per_turn": 8, "max_response_tokens": 64,
+                  "max_obs_tokens": 32},
+        "reward": {"name": "test_lookup_reward", "plugins": ["sleuth_test_method"]},
+        "algorithm": {"name": "grpo", "n": 2, "prompts_per_step": 2, "minibatch_size": 4, "micro_batch_size": 4},
+        "trainer": {"total_steps": 1, "save_every": 1, "out_dir": str(out)},
+    }
+    path = out.parent / "recipe.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    res = CliRunner().invoke(app, ["train", str(path)])
+    assert res.exit_code == 0, res.output
+    return out
+
+
+def test_plugin_method_trains_one_step(trained: Path) -> None:
+    (line,) = (trained / "metrics.jsonl").read_text().splitlines()
+    metrics = json.loads(line)
+    assert metrics["step"] == 1
+    # the plugin's reward components are logged, and its loop answers (so exact match is logged too)
+    assert {"reward/searched", "reward/even", "accuracy/em"} <= set(metrics)
+    assert 0.0 <= metrics["reward/mean"] <= 1.0
+    rollouts = (trained / "rollouts" / "step_000001.jsonl").read_text().splitlines()
+    assert {json.loads(r)["method"] for r in rollouts} == {"test_lookup"}
+    assert "<lookup>" in json.loads(rollouts[0])["prompt_text"]  # the plugin's own prompt
+
+
+def test_plugin_method_evaluates_through_the_cli(trained: Path, small_world: Path, tmp_path: Path) -> None:
+    out = tmp_path / "eval"
+    args = ["eval", "--plugin", "sleuth_test_method", "-m", "test-lookup,naive-rag", "--data",
+            str(small_world / "test.jsonl"), "--retriever", str(small_world / "bm25"), "--model", str(trained),
+            "--generator", "tiny", "--out", str(out), "--limit", "3", "--batch-size", "3"]
+    res = CliRunner().invoke(app, args, env={"COLUMNS": "200"})
+    assert res.exit_code == 0, res.output
+    summary = json.loads((out / "summary.json").read_text())
+    assert list(summary["methods"]) == ["naive-rag", "test-lookup"]
+    records = [json.loads(r) for r in (out / "test-lookup" / "predictions.jsonl").read_text().splitlines()]
+    assert len(records) == 3 and all(r["trajectory"]["method"] == "test_lookup" for r in records)
+    assert all(r["answer_source"] != "generator" for r in records)  # it answers itself: no hand-over
+
+
+def test_plugin_method_serves_through_the_cli(trained: Path, small_world: Path, monkeypatch) -> None:
+    import uvicorn
+
+    answers = []
+
+    def serve_in_test_client(asgi, **_kwargs):  # instead of binding a port
+        with TestClient(asgi) as client:
+            answers.append(client.post("/search", json={"question": "Where was Ada born?"}))
+
+    monkeypatch.setattr(uvicorn, "run", serve_in_test_client)
+    res = CliRunner().invoke(app, ["serve-searcher", "--plugin", "sleuth_test_method", "--checkpoint", str(trained),
+                                   "--index", str(small_world / "bm25")])
+    assert res.exit_code == 0, res.output
+    assert "test_lookup searcher" in res.output
+    (resp,) = answers
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["loop"] == "test_lookup"
+
+
+def test_an_unknown_plugin_is_named() -> None:
+    res = CliRunner().invoke(app, ["serve-searcher", "--plugin", "no_such_plugin_module", "--model", "tiny",
+                                   "--loop", "search_r1", "--index", "x"])
+    assert res.exit_code == 2 and "no_such_plugin_module" in res.output
