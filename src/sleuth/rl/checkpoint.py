@@ -20,6 +20,7 @@ import hashlib
 import json
 import random
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -62,27 +63,35 @@ def _np_state_to_list(s: tuple) -> list:
     return [s[0], s[1].tolist(), int(s[2]), int(s[3]), float(s[4])]
 
 
+@dataclass
+class TrainingStates:
+    """What a checkpoint saves of the models and optimisation. Under FSDP the caller also passes the
+    full (gathered) `policy_state`, `critic_state` and `optimizer_states` (see `full_states`), since
+    sharded modules cannot be saved directly; None means: take the module's own state_dict."""
+
+    policy: torch.nn.Module
+    tokenizer: Any
+    optimizers: dict[str, torch.optim.Optimizer]
+    schedulers: dict[str, Any]
+    critic: torch.nn.Module | None = None
+    policy_state: dict[str, Any] | None = None
+    critic_state: dict[str, Any] | None = None
+    optimizer_states: dict[str, Any] | None = None
+
+
 def save_checkpoint(
     out_dir: str | Path,
     step: int,
+    states: TrainingStates,
     *,
-    policy: torch.nn.Module,
-    tokenizer: Any,
-    critic: torch.nn.Module | None,
-    optimizers: dict[str, torch.optim.Optimizer],
-    schedulers: dict[str, Any],
     trainer_state: dict[str, Any],
     searcher_info: dict[str, Any] | None = None,
     keep: int = 2,
-    policy_state: dict[str, Any] | None = None,
-    critic_state: dict[str, Any] | None = None,
-    optimizer_states: dict[str, Any] | None = None,
 ) -> Path:
-    """Write checkpoint `step` under `out_dir/checkpoints/` atomically; prune to the newest `keep`.
-
-    Under FSDP the caller passes full (gathered) `policy_state`, `critic_state` and
-    `optimizer_states` (see `full_states`), since sharded modules cannot be saved directly.
-    """
+    """Write checkpoint `step` under `out_dir/checkpoints/` atomically; prune to the newest `keep`."""
+    policy, tokenizer, critic = states.policy, states.tokenizer, states.critic
+    optimizers, schedulers = states.optimizers, states.schedulers
+    policy_state, critic_state, optimizer_states = states.policy_state, states.critic_state, states.optimizer_states
     root = Path(out_dir) / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step_{step:06d}"

@@ -18,6 +18,7 @@ from sleuth.llm.hf import HFGenerator
 from sleuth.retrieval.base import Retriever
 from sleuth.rewards.base import Reward, RewardServices, get_reward
 from sleuth.rl.checkpoint import (
+    TrainingStates,
     full_states,
     load_optimizer_states,
     load_training_state,
@@ -174,12 +175,14 @@ def save(run: Run, done: int, cursor_state: dict[str, int], stage: int) -> None:
     """A checkpoint of `done` steps (collective: every rank calls it; rank 0 writes)."""
     model_states, optim_states = full_states(run.models, run.optimizers)
     if run.ctx.is_main:
+        states = TrainingStates(
+            unwrap(run.policy), run.tokenizer, run.optimizers, run.schedulers,
+            critic=unwrap(run.critic) if run.critic is not None else None,
+            policy_state=model_states["policy"], critic_state=model_states.get("critic"), optimizer_states=optim_states,
+        )
         save_checkpoint(
-            run.out_dir, done, policy=unwrap(run.policy), tokenizer=run.tokenizer,
-            critic=unwrap(run.critic) if run.critic is not None else None, optimizers=run.optimizers,
-            schedulers=run.schedulers, trainer_state={"cursor": cursor_state, "stage": stage, "recipe": run.recipe.name},
+            run.out_dir, done, states,
+            trainer_state={"cursor": cursor_state, "stage": stage, "recipe": run.recipe.name},
             searcher_info=searcher_info(run.recipe), keep=run.recipe.trainer.keep_checkpoints,
-            policy_state=model_states["policy"], critic_state=model_states.get("critic"),
-            optimizer_states=optim_states,
         )
     run.ctx.barrier()

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from sleuth.agent.engine import RolloutBudget
 from sleuth.agent.registry import get_loop
 from sleuth.agent.searcher import resolve_checkpoint
 from sleuth.data.filters import drop_yes_no, keep_hard
@@ -76,6 +77,11 @@ def loop_options(recipe: Recipe) -> dict[str, Any]:
     if recipe.agent.top_k is not None:
         cfg["top_k"] = recipe.agent.top_k
     return cfg
+
+
+def rollout_budget(recipe: Recipe) -> RolloutBudget:
+    """The recipe's observation and response limits (turns stay the loop's own)."""
+    return RolloutBudget(max_obs_tokens=recipe.agent.max_obs_tokens, max_response_tokens=recipe.agent.max_response_tokens)
 
 
 def build_loop(recipe: Recipe):

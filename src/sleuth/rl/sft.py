@@ -25,7 +25,13 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from sleuth.agent.coldstart import SFTRecord, iter_limited, read_records, split_records
 from sleuth.agent.searcher import resolve_checkpoint
 from sleuth.errors import ConfigError, DataFormatError
-from sleuth.rl.checkpoint import latest_checkpoint, load_training_state, save_checkpoint, set_rng_state
+from sleuth.rl.checkpoint import (
+    TrainingStates,
+    latest_checkpoint,
+    load_training_state,
+    save_checkpoint,
+    set_rng_state,
+)
 from sleuth.rl.config import Recipe
 from sleuth.rl.loggers import open_recipe_loggers
 from sleuth.rl.models import autocast, load_policy
@@ -141,9 +147,9 @@ def run_sft(recipe: Recipe, *, resume: bool = True, console: Any = None) -> dict
     info = {"records": len(train), "held_out_records": len(held), "steps": total, "data": cfg.data}
 
     def save(step: int, epoch: int) -> Path:
+        states = TrainingStates(policy, tokenizer, optimizers={"policy": opt}, schedulers={"policy": sched})
         return save_checkpoint(
-            out_dir, step, policy=policy, tokenizer=tokenizer, critic=None, optimizers={"policy": opt},
-            schedulers={"policy": sched}, trainer_state={"kind": "sft", "epoch": epoch, "recipe": recipe.name},
+            out_dir, step, states, trainer_state={"kind": "sft", "epoch": epoch, "recipe": recipe.name},
             searcher_info={**searcher_info(recipe), "trained_with": "sft", **info}, keep=recipe.trainer.keep_checkpoints,
         )
 
