@@ -95,3 +95,15 @@ def test_the_size_check_finds_the_rule_breakers() -> None:
     assert _size_violations(nine, "s") == ["s:1 f takes 9 parameters"]
     assert _size_violations(long, "s") == [f"s:1 g is {MAX_FUNCTION_LINES + 1} lines"]
     assert _size_violations(command, "s") == [] and _size_violations(method, "s") == []
+
+
+def test_the_agent_floor_does_not_import_the_trainer() -> None:
+    """agent/ reads checkpoints through sleuth.run_layout, not sleuth.rl (its CLI module aside)."""
+    found = []
+    for path in (SRC / "agent").rglob("*.py"):
+        if path.name == "commands.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("sleuth.rl"):
+                found.append(f"{path.name}:{node.lineno} imports {node.module}")
+    assert not found, found

@@ -28,6 +28,7 @@ import yaml
 
 from sleuth.agent.registry import Method, get_method
 from sleuth.errors import ConfigError
+from sleuth.run_layout import SEARCHER_FILE, SearcherInfo, latest_checkpoint
 from sleuth.utils import atomic_write_json
 
 # The world of bench/learning.py, where the committed searchers were trained and evaluated.
@@ -187,9 +188,9 @@ def committed_checkpoint(method: str, size: DemoSize, option: str | None) -> Pat
     path = REPO_CHECKPOINTS / method
     world = (size.passages, size.questions, size.hops) == (
         LEARNING_WORLD["passages"], LEARNING_WORLD["questions"], LEARNING_WORLD["hops"])
-    if not (path / "searcher.json").exists() or not world:
+    if not (path / SEARCHER_FILE).exists() or not world:
         return None
-    return path if json.loads((path / "searcher.json").read_text()).get("base_model") == size.model else None
+    return path if SearcherInfo.read(path).base_model == size.model else None
 
 
 def _build_world(out: Path, size: DemoSize) -> None:
@@ -260,7 +261,6 @@ def run_demo(
     from sleuth.eval.report import build_report
     from sleuth.llm.registry import load_generator
     from sleuth.retrieval import load_retriever
-    from sleuth.rl.checkpoint import latest_checkpoint
     from sleuth.rl.config import recipe_from_dict
     from sleuth.rl.sft import run_sft
     from sleuth.rl.trainer import train

@@ -70,6 +70,7 @@ from sleuth.rewards.answerer import (
     judge_contains,
 )
 from sleuth.rewards.metrics import aggregate, cover_exact_match, exact_match, f1_score, span_check
+from sleuth.run_layout import SearcherInfo, is_searcher_checkpoint, resolve_checkpoint
 from sleuth.utils import atomic_write_json, atomic_write_text, seed_everything
 
 
@@ -236,26 +237,20 @@ def checkpoint_budgets(spec: str | Path) -> dict[str, int]:
     uses the rollout it learned; {} for anything that is not a sleuth checkpoint."""
     if not isinstance(spec, (str, Path)) or not is_sleuth_checkpoint(spec):
         return {}
-    from sleuth.agent.searcher import SEARCHER_FILE, resolve_checkpoint
-
-    info = json.loads((resolve_checkpoint(spec) / SEARCHER_FILE).read_text(encoding="utf-8"))
+    info = SearcherInfo.read(resolve_checkpoint(spec))
     found = {
-        "max_new_tokens": info.get("max_new_tokens_per_turn"),
-        "max_obs_tokens": info.get("max_obs_tokens"),
-        "max_response_tokens": info.get("max_response_tokens"),
-        "top_k": info.get("loop_options", {}).get("top_k"),
-        "max_turns": info.get("loop_options", {}).get("max_turns"),
+        "max_new_tokens": info.max_new_tokens_per_turn,
+        "max_obs_tokens": info.max_obs_tokens,
+        "max_response_tokens": info.max_response_tokens,
+        "top_k": info.loop_options.get("top_k"),
+        "max_turns": info.loop_options.get("max_turns"),
     }
     return {k: int(v) for k, v in found.items() if isinstance(v, int)}
 
 
 def is_sleuth_checkpoint(spec: str | Path) -> bool:
     """A `sleuth train` checkpoint directory or run directory (holding one)."""
-    path = Path(spec)
-    if (path / "searcher.json").exists():
-        return True
-    ckpts = path / "checkpoints"
-    return ckpts.is_dir() and any(ckpts.glob("step_*/searcher.json"))
+    return is_searcher_checkpoint(spec)
 
 
 def resolve_retriever(spec: Retriever | str | Path | None) -> Retriever | None:

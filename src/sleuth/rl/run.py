@@ -48,6 +48,7 @@ from sleuth.rl.setup import (
     load_examples,
     searcher_info,
 )
+from sleuth.run_layout import POLICY_DIR
 from sleuth.utils import seed_everything
 
 
@@ -104,7 +105,7 @@ def _resume_point(recipe: Recipe, out_dir: Path, resume: bool, console: Any) -> 
 def _load_models(recipe: Recipe, ctx: DistContext, ckpt: Path | None):
     """Policy, reference, critic (wrapped for DDP/FSDP), their optimizers and schedulers."""
     device = ctx.device
-    tokenizer, policy, model_path = load_policy(recipe, device, ckpt / "policy" if ckpt else initial_weights(recipe))
+    tokenizer, policy, model_path = load_policy(recipe, device, ckpt / POLICY_DIR if ckpt else initial_weights(recipe))
     reference = None
     if recipe.algorithm.kl.coef > 0 and not hasattr(policy, "disable_adapter"):
         # the reference is the starting model, also when resuming (the policy then holds trained weights)
@@ -183,6 +184,6 @@ def save(run: Run, done: int, cursor_state: dict[str, int], stage: int) -> None:
         save_checkpoint(
             run.out_dir, done, states,
             trainer_state={"cursor": cursor_state, "stage": stage, "recipe": run.recipe.name},
-            searcher_info=searcher_info(run.recipe), keep=run.recipe.trainer.keep_checkpoints,
+            searcher=searcher_info(run.recipe), keep=run.recipe.trainer.keep_checkpoints,
         )
     run.ctx.barrier()

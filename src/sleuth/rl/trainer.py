@@ -70,6 +70,7 @@ from sleuth.rl.step_metrics import (
     memory_metrics,
     step_metrics,
 )
+from sleuth.run_layout import CHECKPOINTS, METRICS, SFT_DIR
 from sleuth.utils import atomic_path
 
 
@@ -82,7 +83,7 @@ def train(recipe: Recipe, *, resume: bool = False, console: Any = None) -> dict[
     try:
         return _train(recipe, resume=resume, console=console)
     except BaseException:
-        progress = any((out_dir / name).exists() for name in ("metrics.jsonl", "checkpoints", "sft"))
+        progress = any((out_dir / name).exists() for name in (METRICS, CHECKPOINTS, SFT_DIR))
         if created and not progress:
             shutil.rmtree(out_dir, ignore_errors=True)
         raise
