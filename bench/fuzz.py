@@ -34,7 +34,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import environment, out_path, print_table, require_positive, write_json  # noqa: E402
-from sleuth.agent.engine import rollout  # noqa: E402
+from sleuth.agent.engine import RolloutBudget, rollout  # noqa: E402
 from sleuth.agent.registry import get_loop, loop_names  # noqa: E402
 from sleuth.agent.trajectory import Trajectory, Turn  # noqa: E402
 from sleuth.data.formats import QAExample  # noqa: E402
@@ -197,7 +197,7 @@ def fuzz_loop(
     while gen.generations < generations:
         try:
             got = rollout(loop, gen, retriever, examples, SamplingParams(max_new_tokens=max_new_tokens), n=2,
-                          max_obs_tokens=256, max_response_tokens=4 * max_new_tokens)
+                          budget=RolloutBudget(max_obs_tokens=256, max_response_tokens=4 * max_new_tokens))
         except Exception:  # noqa: BLE001 - counted, the goal is 0
             row["rollout_exceptions"] += 1
             examples_of_errors.append(traceback.format_exc()[-800:])

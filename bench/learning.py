@@ -147,14 +147,13 @@ def make_trajectories(out: Path, method: str, model: str, size: Size) -> dict:
     from sleuth.agent.coldstart import collect_oracle, write_records
     from sleuth.llm.registry import resolve_model_path
     from sleuth.rl.config import recipe_from_dict
-    from sleuth.rl.setup import build_loop, build_retriever, load_examples
+    from sleuth.rl.setup import build_loop, build_retriever, load_examples, rollout_budget
 
     recipe = recipe_from_dict(recipe_for(out, method, "full", model, size, None))
     tok = AutoTokenizer.from_pretrained(resolve_model_path(model))
     examples = load_examples(recipe)[: size.sft_questions]
     records, stats = collect_oracle(build_loop(recipe), build_retriever(recipe), tok, examples, seed=0,
-                                    max_obs_tokens=recipe.agent.max_obs_tokens,
-                                    max_response_tokens=recipe.agent.max_response_tokens)
+                                    budget=rollout_budget(recipe))
     write_records(out / method / "trajectories.jsonl", records)
     lengths = sorted(len(r.prompt_ids) + len(r.response_ids) for r in records)
     return {**stats, "median_tokens": lengths[len(lengths) // 2], "max_tokens": lengths[-1]}

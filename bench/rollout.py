@@ -92,7 +92,7 @@ class CountingGenerator:
 def run_engine(mode: str, model: Any, tokenizer: Any, model_info: dict[str, Any], examples: list, retriever: Any,
                args: argparse.Namespace, device: str) -> dict[str, Any]:
     from sleuth.agent import get_loop
-    from sleuth.agent.engine import rollout
+    from sleuth.agent.engine import RolloutBudget, rollout
     from sleuth.llm.base import SamplingParams
     from sleuth.llm.hf import HFGenerator
 
@@ -105,8 +105,8 @@ def run_engine(mode: str, model: Any, tokenizer: Any, model_info: dict[str, Any]
     counting = CountingGenerator(gen, device, ledger)
     loop = get_loop("search_r1", max_turns=args.turns, forced_final_answer=False)
     params = SamplingParams(max_new_tokens=args.new_tokens, temperature=1.0, top_p=1.0, seed=args.seed)
-    kwargs = dict(n=1, max_obs_tokens=args.max_obs_tokens,
-                  max_response_tokens=args.turns * (args.new_tokens + args.max_obs_tokens) + 64)
+    kwargs = dict(n=1, budget=RolloutBudget(max_obs_tokens=args.max_obs_tokens,
+                                            max_response_tokens=args.turns * (args.new_tokens + args.max_obs_tokens) + 64))
 
     warm = time.perf_counter()
     rollout(loop, counting, retriever, examples, replace(params, seed=args.seed + 1), **kwargs)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from sleuth.agent import get_loop, loop_names
-from sleuth.agent.engine import rollout
+from sleuth.agent.engine import RolloutBudget, rollout
 from sleuth.agent.qagent import QAGENT_RETHINK, qagent_format_ok
 from sleuth.agent.s3 import S3_INVALID_ACTION, parse_query, parse_selection
 from sleuth.agent.search_r1 import SEARCH_R1_INVALID_ACTION
@@ -42,7 +42,8 @@ def run(loop_name, script, examples=None, n=1, tok=None, loop_cfg=None, **kw):
     gen = ScriptedGenerator(tok, script)
     ret = ToyRetriever()
     loop = get_loop(loop_name, **(loop_cfg or {}))
-    trajs = rollout(loop, gen, ret, examples or EXAMPLES[:1], SamplingParams(max_new_tokens=200), n=n, **kw)
+    budget = RolloutBudget(**kw)  # max_turns, max_obs_tokens, max_response_tokens
+    trajs = rollout(loop, gen, ret, examples or EXAMPLES[:1], SamplingParams(max_new_tokens=200), n=n, budget=budget)
     return trajs, gen, ret
 
 

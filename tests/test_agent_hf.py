@@ -7,7 +7,7 @@ import math
 import pytest
 
 from sleuth.agent import get_loop
-from sleuth.agent.engine import rollout
+from sleuth.agent.engine import RolloutBudget, rollout
 from sleuth.agent.trajectory import read_trajectories, write_trajectories
 from sleuth.data.formats import QAExample
 from sleuth.llm.base import SamplingParams
@@ -66,8 +66,7 @@ def test_rollout_with_the_real_hf_backend(generator, tmp_path, name):
         examples,
         SamplingParams(max_new_tokens=12, temperature=1.0, seed=0),
         n=2,
-        max_obs_tokens=40,
-        max_response_tokens=200,
+        budget=RolloutBudget(max_obs_tokens=40, max_response_tokens=200),
     )
     assert len(trajs) == 4 and [t.extra["group"] for t in trajs] == [0, 0, 1, 1]
     assert gen.batch_sizes[0] == 4  # all trajectories generate together

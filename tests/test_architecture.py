@@ -42,3 +42,68 @@ def test_the_registry_finds_the_rule_breakers() -> None:
     names = _method_names()
     tree = ast.parse('if loop != "s3":\n    pass\n')
     assert any(isinstance(c, ast.Constant) and c.value in names for c in ast.walk(tree))
+
+
+MAX_FUNCTION_LINES = 100
+MAX_PARAMETERS = 8
+
+
+def _is_cli_command(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> bool:
+    """A typer command declaration (`@app.command(...)`): its parameters are the CLI's options."""
+    for deco in fn.decorator_list:
+        call = deco.func if isinstance(deco, ast.Call) else deco
+        if isinstance(call, ast.Attribute) and call.attr in ("command", "callback"):
+            return True
+    return False
+
+
+def _size_violations(source: str, where: str) -> list[str]:
+    """Functions over MAX_PARAMETERS parameters (self/cls not counted) or MAX_FUNCTION_LINES lines;
+    the lines of a nested CLI command do not count towards the function around it."""
+    found = []
+    functions = (ast.FunctionDef, ast.AsyncFunctionDef)
+    for fn in ast.walk(ast.parse(source)):
+        if not isinstance(fn, functions) or _is_cli_command(fn):
+            continue
+        a = fn.args
+        params = [p.arg for p in (*a.posonlyargs, *a.args, *a.kwonlyargs) if p.arg not in ("self", "cls")]
+        params += [p.arg for p in (a.vararg, a.kwarg) if p is not None]
+        commands = [n for n in ast.walk(fn) if n is not fn and isinstance(n, functions) and _is_cli_command(n)]
+        lines = fn.end_lineno - fn.lineno + 1 - sum(c.end_lineno - c.lineno + 1 for c in commands)
+        if len(params) > MAX_PARAMETERS:
+            found.append(f"{where}:{fn.lineno} {fn.name} takes {len(params)} parameters")
+        if lines > MAX_FUNCTION_LINES:
+            found.append(f"{where}:{fn.lineno} {fn.name} is {lines} lines")
+    return found
+
+
+def test_no_function_over_100_lines_or_8_parameters() -> None:
+    """In rl/, agent/ and eval/ (CLI command declarations aside): group related arguments into a record."""
+    found = []
+    for floor in ("rl", "agent", "eval"):
+        for path in sorted((SRC / floor).rglob("*.py")):
+            found += _size_violations(path.read_text(encoding="utf-8"), f"{floor}/{path.name}")
+    assert not found, found
+
+
+def test_the_size_check_finds_the_rule_breakers() -> None:
+    nine = "def f(a, b, c, d, e, f, g, h, i):\n    pass\n"
+    long = "def g(self):\n" + "    x = 1\n" * MAX_FUNCTION_LINES
+    command = ("def register(app):\n    @app.command('x')\n    def cmd(a, b, c, d, e, f, g, h, i):\n"
+               + "        x = 1\n" * MAX_FUNCTION_LINES)
+    method = "class C:\n    def m(self, a, b, c, d, e, f, g, h):\n        pass\n"
+    assert _size_violations(nine, "s") == ["s:1 f takes 9 parameters"]
+    assert _size_violations(long, "s") == [f"s:1 g is {MAX_FUNCTION_LINES + 1} lines"]
+    assert _size_violations(command, "s") == [] and _size_violations(method, "s") == []
+
+
+def test_the_agent_floor_does_not_import_the_trainer() -> None:
+    """agent/ reads checkpoints through sleuth.run_layout, not sleuth.rl (its CLI module aside)."""
+    found = []
+    for path in (SRC / "agent").rglob("*.py"):
+        if path.name == "commands.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("sleuth.rl"):
+                found.append(f"{path.name}:{node.lineno} imports {node.module}")
+    assert not found, found

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from sleuth.agent.coldstart import (
+    RejectionSampling,
     SFTRecord,
     collect_oracle,
     collect_teacher,
@@ -15,7 +16,7 @@ from sleuth.agent.coldstart import (
     records_from_messages,
     write_records,
 )
-from sleuth.agent.engine import rollout
+from sleuth.agent.engine import RolloutBudget, rollout
 from sleuth.agent.oracle import OracleGenerator, oracle_check, question_facts
 from sleuth.agent.registry import get_loop
 from sleuth.data.formats import read_qa_jsonl
@@ -45,7 +46,7 @@ def _oracle_rollout(name, world, tokenizer, seed=0):
     retriever, examples = world
     loop = get_loop(name)
     oracle = OracleGenerator(loop, retriever, tokenizer, examples, seed=seed)
-    trajs = rollout(loop, oracle, retriever, examples, n=1, max_obs_tokens=512, max_response_tokens=4096)
+    trajs = rollout(loop, oracle, retriever, examples, n=1, budget=RolloutBudget(max_obs_tokens=512, max_response_tokens=4096))
     return loop, trajs, examples
 
 
@@ -112,7 +113,8 @@ def test_sft_targets_equal_the_rl_action_mask_of_the_same_tokens(world, tokenize
     from sleuth.rl.sft import sft_batch
 
     retriever, examples = world
-    records, stats = collect_oracle(get_loop("search_r1"), retriever, tokenizer, examples[:6], max_obs_tokens=256)
+    records, stats = collect_oracle(get_loop("search_r1"), retriever, tokenizer, examples[:6],
+                                   budget=RolloutBudget(max_obs_tokens=256))
     assert stats["kept"] == len(records) > 0
     for rec in records:
         assert 0 in rec.loss_mask and 1 in rec.loss_mask  # documents are inserted and masked
@@ -187,8 +189,8 @@ def test_teacher_rejection_sampling_keeps_only_rewarded_trajectories(world, toke
         return f"<answer> {right if hit else wrong} </answer>"
 
     teacher = ScriptedGenerator(tokenizer, script)
-    kept, stats = collect_teacher(get_loop("search_r1"), teacher, retriever, examples, get_reward("search_r1_em"),
-                                  RewardServices(), threshold=1.0, n=2, tokenizer=tokenizer)
+    sampling = RejectionSampling(get_reward("search_r1_em"), RewardServices(), threshold=1.0, n=2)
+    kept, stats = collect_teacher(get_loop("search_r1"), teacher, retriever, examples, sampling, tokenizer=tokenizer)
     assert stats == {"played": 8, "kept": 2}
     assert {r.question_id for r in kept} == {str(examples[0].id)} and all(r.reward == 1.0 for r in kept)
 
@@ -214,7 +216,8 @@ def _format_adherence(generator, world, tokenizer, examples) -> float:
     from sleuth.llm.base import SamplingParams
 
     trajs = rollout(get_loop("s3", top_k=3, max_turns=1), generator, world[0], examples,
-                    SamplingParams(max_new_tokens=48, temperature=0.0), max_obs_tokens=64, max_response_tokens=256)
+                    SamplingParams(max_new_tokens=48, temperature=0.0),
+                    budget=RolloutBudget(max_obs_tokens=64, max_response_tokens=256))
     return sum(t.extra["invalid_actions"] == 0 for t in trajs) / len(trajs)
 
 
@@ -226,8 +229,8 @@ def test_sft_lowers_heldout_loss_raises_format_adherence_and_resumes(tmp_path, s
 
     retriever, _ = world
     train_q = read_qa_jsonl(small_world / "train.jsonl")
-    records, _ = collect_oracle(get_loop("s3", top_k=3), retriever, tokenizer, train_q[:40], max_obs_tokens=128,
-                                max_response_tokens=512)
+    records, _ = collect_oracle(get_loop("s3", top_k=3), retriever, tokenizer, train_q[:40],
+                                budget=RolloutBudget(max_obs_tokens=128, max_response_tokens=512))
     data = tmp_path / "traj.jsonl"
     write_records(data, records)
     recipe = recipe_from_dict(_sft_recipe(tmp_path, small_world, data, epochs=20, lr=1e-2, batch_size=8))

@@ -12,6 +12,7 @@ from sleuth.errors import ConfigError, DataFormatError
 from sleuth.eval.baselines import answer_stated, first_sentence, parse_answer
 from sleuth.eval.harness import (
     METHODS,
+    EvalConfig,
     evaluate,
     load_eval_data,
     load_predictions,
@@ -108,7 +109,7 @@ def read_jsonl(path):
 def test_every_method_runs_and_writes_the_output_layout(tok, tmp_path):
     gen = scripted(tok)
     retriever = ToyRetriever()
-    summary = evaluate(list(METHODS), EXAMPLES, retriever, gen, out_dir=tmp_path, batch_size=2, top_k=2)
+    summary = evaluate(list(METHODS), EXAMPLES, retriever, gen, out_dir=tmp_path, config=EvalConfig(batch_size=2, top_k=2))
     assert list(summary["methods"]) == list(METHODS)
     on_disk = json.loads((tmp_path / "summary.json").read_text())
     assert on_disk == json.loads(json.dumps(summary))
@@ -207,7 +208,7 @@ def test_submodule_hands_exactly_served_context_to_the_frozen_generator(tok, tmp
         return "Reader " + ANSWERS[question_in(call.prompt_text)]
 
     frozen = scripted(tok, reader_script)
-    evaluate(method, EXAMPLES, ToyRetriever(), policy, generator=frozen, out_dir=tmp_path, top_k=3)
+    evaluate(method, EXAMPLES, ToyRetriever(), policy, generator=frozen, out_dir=tmp_path, config=EvalConfig(top_k=3))
     records = read_jsonl(tmp_path / method / "predictions.jsonl")
     assert len(reader_prompts) == 3
     for r, ex in zip(records, EXAMPLES, strict=True):
@@ -237,7 +238,7 @@ def test_r_search_evidence_goes_to_the_frozen_generator_when_asked(tok, tmp_path
         return "Tarsk"
 
     evaluate("r-search", EXAMPLES[:1], ToyRetriever(), scripted(tok), generator=scripted(tok, reader_script),
-             out_dir=tmp_path, r_search_evidence=True)
+             out_dir=tmp_path, config=EvalConfig(r_search_evidence=True))
     (rec,) = read_jsonl(tmp_path / "r-search" / "predictions.jsonl")
     assert rec["prediction"] == "Tarsk" and rec["answer_source"] == "generator"
     assert len(seen) == 1 and "Quellstad is it" in seen[0]  # the evidence block, not the raw documents
@@ -269,7 +270,7 @@ def test_second_run_skips_done_questions(tok, tmp_path):
 
 
 def test_truncated_last_line_is_dropped_and_rewritten(tok, tmp_path):
-    evaluate("direct", EXAMPLES, None, scripted(tok), out_dir=tmp_path, batch_size=1)
+    evaluate("direct", EXAMPLES, None, scripted(tok), out_dir=tmp_path, config=EvalConfig(batch_size=1))
     path = tmp_path / "direct" / "predictions.jsonl"
     lines = path.read_text().splitlines(keepends=True)
     path.write_text(lines[0] + lines[1] + lines[2][: len(lines[2]) // 2])  # a crash mid-write of q3
@@ -296,11 +297,11 @@ def test_corrupt_middle_line_is_an_error_naming_the_line(tmp_path):
 
 
 def test_resume_with_a_different_configuration_is_refused_unless_fresh(tok, tmp_path):
-    evaluate("naive-rag", EXAMPLES[:1], ToyRetriever(), scripted(tok), out_dir=tmp_path, top_k=2)
+    evaluate("naive-rag", EXAMPLES[:1], ToyRetriever(), scripted(tok), out_dir=tmp_path, config=EvalConfig(top_k=2))
     with pytest.raises(ConfigError, match="top_k: 2 -> 3"):
-        evaluate("naive-rag", EXAMPLES[:1], ToyRetriever(), scripted(tok), out_dir=tmp_path, top_k=3)
+        evaluate("naive-rag", EXAMPLES[:1], ToyRetriever(), scripted(tok), out_dir=tmp_path, config=EvalConfig(top_k=3))
     gen = scripted(tok)
-    evaluate("naive-rag", EXAMPLES[:1], ToyRetriever(), gen, out_dir=tmp_path, top_k=3, fresh=True)
+    evaluate("naive-rag", EXAMPLES[:1], ToyRetriever(), gen, out_dir=tmp_path, config=EvalConfig(top_k=3, fresh=True))
     assert len(gen.calls) == 1
 
 
@@ -389,7 +390,7 @@ def test_ircot_turns_each_reasoning_sentence_into_the_next_query_then_reads(tok,
         return "Tarsk\nreader"  # IRCoT's direct reader
 
     retriever = ToyRetriever()
-    evaluate("ircot", [EXAMPLES[1]], retriever, scripted(tok, script), out_dir=tmp_path, max_turns=2, top_k=2)
+    evaluate("ircot", [EXAMPLES[1]], retriever, scripted(tok, script), out_dir=tmp_path, config=EvalConfig(max_turns=2, top_k=2))
     assert retriever.calls == [
         ([Q2], 2),
         (["The film Blue Harbor was directed by Mara Ilves."], 2),
@@ -406,7 +407,7 @@ def test_ircot_turns_each_reasoning_sentence_into_the_next_query_then_reads(tok,
 
 def test_search_o1_prompt_results_block_and_search_limit(tok, tmp_path):
     gen = scripted(tok)
-    evaluate("search-o1", EXAMPLES[:1], ToyRetriever(), gen, out_dir=tmp_path, max_turns=2)
+    evaluate("search-o1", EXAMPLES[:1], ToyRetriever(), gen, out_dir=tmp_path, config=EvalConfig(max_turns=2))
     first_prompt = tok.decode(gen.calls[0][0])
     assert "limited to 2." in first_prompt and "\\boxed{YOUR_ANSWER}" in first_prompt
     (rec,) = read_jsonl(tmp_path / "search-o1" / "predictions.jsonl")
@@ -459,7 +460,7 @@ def test_search_o1_without_boxed_answer_falls_back_to_the_last_line(tok, tmp_pat
 
 
 def test_agent_token_counts_reread_the_context_each_turn(tok, tmp_path):
-    evaluate("search-r1", EXAMPLES[:1], ToyRetriever(), scripted(tok), out_dir=tmp_path, keep_token_ids=True)
+    evaluate("search-r1", EXAMPLES[:1], ToyRetriever(), scripted(tok), out_dir=tmp_path, config=EvalConfig(keep_token_ids=True))
     (rec,) = read_jsonl(tmp_path / "search-r1" / "predictions.jsonl")
     traj = rec["trajectory"]
     prompt = len(traj["prompt_ids"])

@@ -12,7 +12,7 @@ import pytest
 
 from sleuth.data.formats import QAExample, iter_corpus
 from sleuth.errors import ConfigError
-from sleuth.eval.harness import evaluate, load_eval_data, summary_rows
+from sleuth.eval.harness import EvalConfig, evaluate, load_eval_data, summary_rows
 from sleuth.eval.stats import bootstrap_ci
 from sleuth.llm.scripted import ScriptCall, ScriptedGenerator
 from sleuth.rewards.answerer import document_prompt
@@ -68,9 +68,7 @@ def fair_run(tok, tmp_path_factory):
     reader_prompts: list[str] = []
     summary = evaluate(
         ["direct", "direct-generator", "naive-rag", "ircot", "oracle"], EXAMPLES, ToyRetriever(),
-        trained_model(tok, model_prompts), generator=frozen_reader(tok, reader_prompts), out_dir=out, top_k=2,
-        max_turns=1,
-    )
+        trained_model(tok, model_prompts), generator=frozen_reader(tok, reader_prompts), out_dir=out, config=EvalConfig(top_k=2, max_turns=1))
     return out, summary, model_prompts, reader_prompts
 
 

@@ -111,7 +111,7 @@ def test_export_carries_the_loop_and_prompts(lora_run: Path, exported: Path) -> 
 def test_serve_and_eval_take_the_export_like_the_checkpoint(lora_run: Path, exported: Path, small_world: Path,
                                                              tmp_path: Path) -> None:
     from sleuth.data.formats import read_qa_jsonl
-    from sleuth.eval.harness import evaluate
+    from sleuth.eval.harness import EvalConfig, evaluate
     from sleuth.serve.loading import build_service
     from sleuth.serve.service import SearchQuery
 
@@ -129,8 +129,8 @@ def test_serve_and_eval_take_the_export_like_the_checkpoint(lora_run: Path, expo
 
     examples = read_qa_jsonl(small_world / "dev.jsonl")[:2]
     summaries = [
-        evaluate("search-r1", examples, small_world / "bm25", str(spec), out_dir=tmp_path / name, max_new_tokens=8,
-                 max_turns=1)
+        evaluate("search-r1", examples, small_world / "bm25", str(spec), out_dir=tmp_path / name,
+                 config=EvalConfig(max_new_tokens=8, max_turns=1))
         for name, spec in (("export", exported), ("ckpt", lora_run))
     ]
     preds = [[json.loads(line)["prediction"] for line in (tmp_path / name / "search-r1" / "predictions.jsonl")

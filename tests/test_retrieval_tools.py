@@ -179,7 +179,7 @@ def test_evaluate_with_an_http_search_api(api, tmp_path: Path) -> None:
     from transformers import AutoTokenizer
 
     from sleuth.data.formats import QAExample
-    from sleuth.eval.harness import evaluate
+    from sleuth.eval.harness import EvalConfig, evaluate
     from sleuth.llm.registry import tiny_model_dir
     from sleuth.llm.scripted import ScriptedGenerator
 
@@ -190,7 +190,7 @@ def test_evaluate_with_an_http_search_api(api, tmp_path: Path) -> None:
     model = ScriptedGenerator(AutoTokenizer.from_pretrained(tiny_model_dir()),
                               lambda call: turns[min(call.turn_index, 1)])
     examples = [QAExample("q1", "What is the capital of Varonia?", ["Quellstad"])]
-    summary = evaluate("search-r1", examples, str(spec), model, out_dir=tmp_path / "out", top_k=2)
+    summary = evaluate("search-r1", examples, str(spec), model, out_dir=tmp_path / "out", config=EvalConfig(top_k=2))
     (record,) = [json.loads(x) for x in (tmp_path / "out" / "search-r1" / "predictions.jsonl").read_text().splitlines()]
     assert summary["methods"]["search-r1"]["overall"]["em"] == 1.0 and record["retrieval_count"] == 1
     assert [h["doc_id"] for h in record["trajectory"]["retrieved"][0]] == [e[0] for e in expected(

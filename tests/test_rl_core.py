@@ -20,6 +20,8 @@ from sleuth.rl.advantages import (
     rloo_advantages,
 )
 from sleuth.rl.losses import (
+    LossAgg,
+    PolicyClip,
     agg_loss,
     apply_kl_penalty,
     entropy_from_logits,
@@ -130,7 +132,7 @@ ONES = torch.ones(2, 4)
 
 def test_policy_loss_clip_higher_by_hand():
     old, new = _ratios_to_logprobs(RATIOS)
-    loss, stats = policy_loss(old, new, ADV, ONES, clip_low=0.2, clip_high=0.28)
+    loss, stats = policy_loss(old, new, ADV, ONES, clip=PolicyClip(0.2, 0.28))
     # A>0: 1.1 -> -1.1; 1.25 inside 1.28 -> -1.25; 1.3 clipped to 1.28 -> -1.28;
     #      0.7 below 0.8 but A>0 so max(-0.7, -0.8) = -0.7 (lower clip inactive)
     # A<0: 0.9 -> 0.9; 0.75 clipped to 0.8 -> 0.8; 1.5 above 1.28 but A<0 so max(1.5, 1.28) = 1.5;
@@ -154,7 +156,7 @@ def test_policy_loss_clip_higher_by_hand():
 
 def test_policy_loss_symmetric_clip_by_hand():
     old, new = _ratios_to_logprobs(RATIOS)
-    loss, stats = policy_loss(old, new, ADV, ONES, clip_low=0.2, clip_high=0.2)
+    loss, stats = policy_loss(old, new, ADV, ONES, clip=PolicyClip(0.2, 0.2))
     # A>0 row: -1.1, -1.2 (1.25 clipped), -1.2 (1.3 clipped), -0.7 -> -4.2; A<0 row unchanged 7.2
     close(loss, 3.0 / 8)
     assert stats["clipfrac"] == pytest.approx(3 / 8)
@@ -162,7 +164,7 @@ def test_policy_loss_symmetric_clip_by_hand():
 
 def test_policy_loss_dual_clip_by_hand():
     old, new = _ratios_to_logprobs(RATIOS)
-    loss, stats = policy_loss(old, new, ADV, ONES, clip_low=0.2, clip_high=0.28, dual_clip_c=3.0)
+    loss, stats = policy_loss(old, new, ADV, ONES, clip=PolicyClip(0.2, 0.28, dual_clip_c=3.0))
     # only (1,3): A=-1, ratio 4 -> min(4.0, 3.0) = 3.0; sum 2.87 - 1.0 = 1.87
     close(loss, 1.87 / 8)
     assert stats["clipfrac_lower"] == pytest.approx(1 / 8)
@@ -174,7 +176,8 @@ def test_policy_loss_dual_clip_by_hand():
 def test_policy_loss_seq_mean_token_mean_by_hand():
     old, new = _ratios_to_logprobs(RATIOS)
     mask = T([[1, 1, 0, 0], [1, 1, 1, 1]])
-    loss, _ = policy_loss(old, new, ADV, mask, clip_low=0.2, clip_high=0.28, agg_mode="seq-mean-token-mean")
+    loss, _ = policy_loss(old, new, ADV, mask, clip=PolicyClip(0.2, 0.28),
+                          agg=LossAgg("seq-mean-token-mean"))
     # row0: (-1.1 - 1.25)/2 = -1.175; row1: 7.2/4 = 1.8; mean = 0.3125
     close(loss, 0.3125)
 
@@ -185,7 +188,7 @@ def test_masked_tokens_have_exactly_zero_gradient_even_with_garbage():
     mask = T([[1, 1, 0, 0], [1, 0, 1, 0]])
     advantages = T([[0.5, 0.5, float("nan"), 3.0], [-1.0, 7.0, -1.0, 2.0]])
     new = new_values.clone().requires_grad_(True)
-    loss, stats = policy_loss(old, new, advantages, mask, agg_mode="seq-mean-token-mean")
+    loss, stats = policy_loss(old, new, advantages, mask, agg=LossAgg("seq-mean-token-mean"))
     loss = loss + kl_loss(new, old, mask, kind="k3")
     loss.backward()
     assert torch.isfinite(loss)
@@ -196,7 +199,7 @@ def test_masked_tokens_have_exactly_zero_gradient_even_with_garbage():
     # the loss equals the one computed on the selected tokens alone (garbage replaced)
     clean = torch.where(mask == 1, new_values, old)
     ref, _ = policy_loss(
-        old, clean, torch.where(mask == 1, advantages, 0.0), mask, agg_mode="seq-mean-token-mean"
+        old, clean, torch.where(mask == 1, advantages, 0.0), mask, agg=LossAgg("seq-mean-token-mean")
     )
     ref = ref + kl_loss(clean, old, mask, kind="k3")
     close(loss.detach(), ref.item())
@@ -205,9 +208,9 @@ def test_masked_tokens_have_exactly_zero_gradient_even_with_garbage():
 def test_policy_loss_rejects_bad_clip():
     old, new = _ratios_to_logprobs(RATIOS)
     with pytest.raises(ValueError, match="dual_clip_c"):
-        policy_loss(old, new, ADV, ONES, dual_clip_c=1.0)
+        policy_loss(old, new, ADV, ONES, clip=PolicyClip(dual_clip_c=1.0))
     with pytest.raises(ValueError, match="clip_low"):
-        policy_loss(old, new, ADV, ONES, clip_low=1.5)
+        policy_loss(old, new, ADV, ONES, clip=PolicyClip(clip_low=1.5))
 
 
 # --------------------------------------------------------------------------- value loss

@@ -184,7 +184,7 @@ def test_clip_ratio_c_reaches_the_policy_loss(small_world: Path, tmp_path: Path,
     real_policy_loss = losses.policy_loss
 
     def recording_policy_loss(*args, **kwargs):
-        seen.append(kwargs.get("dual_clip_c"))
+        seen.append(kwargs["clip"].dual_clip_c)
         return real_policy_loss(*args, **kwargs)
 
     # the trainer calls the recipe's policy loss through the registry

@@ -95,10 +95,11 @@ def evaluate(
 
     `data` is QA file path(s) or `QAExample`s; `options` are `EvalConfig` fields (top_k, max_turns, ...).
     """
+    from sleuth.eval.harness import EvalOutput, eval_config
     from sleuth.eval.harness import evaluate as run_eval
 
     return run_eval(methods, _examples(data, limit), retriever=retriever, model=model, generator=generator,
-                    judge=judge, out_dir=out_dir, run_info={"limit": limit}, **options)
+                    judge=judge, out_dir=EvalOutput(out_dir, run_info={"limit": limit}), config=eval_config(**options))
 
 
 def compare(

@@ -28,6 +28,7 @@ import yaml
 
 from sleuth.agent.registry import Method, get_method
 from sleuth.errors import ConfigError
+from sleuth.run_layout import SEARCHER_FILE, SearcherInfo, latest_checkpoint
 from sleuth.utils import atomic_write_json
 
 # The world of bench/learning.py, where the committed searchers were trained and evaluated.
@@ -187,9 +188,9 @@ def committed_checkpoint(method: str, size: DemoSize, option: str | None) -> Pat
     path = REPO_CHECKPOINTS / method
     world = (size.passages, size.questions, size.hops) == (
         LEARNING_WORLD["passages"], LEARNING_WORLD["questions"], LEARNING_WORLD["hops"])
-    if not (path / "searcher.json").exists() or not world:
+    if not (path / SEARCHER_FILE).exists() or not world:
         return None
-    return path if json.loads((path / "searcher.json").read_text()).get("base_model") == size.model else None
+    return path if SearcherInfo.read(path).base_model == size.model else None
 
 
 def _build_world(out: Path, size: DemoSize) -> None:
@@ -214,14 +215,14 @@ def _held_out(out: Path, count: int) -> list:
 
 def _evaluate_committed(out: Path, size: DemoSize, spec: Method, ckpt: Path, retriever: Any) -> None:
     from sleuth.agent.searcher import load_searcher
-    from sleuth.eval.harness import EvalConfig, checkpoint_budgets, evaluate
+    from sleuth.eval.harness import EvalConfig, EvalOutput, checkpoint_budgets, evaluate
     from sleuth.llm.registry import load_generator
 
     searcher = load_searcher(ckpt)
     cfg = EvalConfig(batch_size=size.committed_questions, answer_max_new_tokens=24, **checkpoint_budgets(ckpt))
     evaluate([spec.display_name, "naive-rag"], _held_out(out, size.committed_questions), retriever, searcher.generator,
-             generator=load_generator(size.model), out_dir=out / "eval_committed", config=cfg, progress=True,
-             run_info={"checkpoint": str(ckpt)})
+             generator=load_generator(size.model), config=cfg,
+             out_dir=EvalOutput(out / "eval_committed", run_info={"checkpoint": str(ckpt)}, progress=True))
 
 
 def _write_trajectories(out: Path, recipe: Any, size: DemoSize) -> dict[str, int]:
@@ -229,7 +230,7 @@ def _write_trajectories(out: Path, recipe: Any, size: DemoSize) -> dict[str, int
 
     from sleuth.agent.coldstart import collect_oracle, write_records
     from sleuth.llm.registry import resolve_model_path
-    from sleuth.rl.setup import build_loop, build_retriever, load_examples
+    from sleuth.rl.setup import build_loop, build_retriever, load_examples, rollout_budget
 
     path = out / "trajectories.jsonl"
     if path.exists():
@@ -237,7 +238,7 @@ def _write_trajectories(out: Path, recipe: Any, size: DemoSize) -> dict[str, int
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(recipe.model.policy))
     records, stats = collect_oracle(
         build_loop(recipe), build_retriever(recipe), tokenizer, load_examples(recipe)[: size.sft_questions],
-        max_obs_tokens=recipe.agent.max_obs_tokens, max_response_tokens=recipe.agent.max_response_tokens,
+        budget=rollout_budget(recipe),
     )
     write_records(path, records)
     return stats
@@ -256,11 +257,10 @@ def run_demo(
     import torch
 
     from sleuth.agent.searcher import load_searcher
-    from sleuth.eval.harness import EvalConfig, evaluate
+    from sleuth.eval.harness import EvalConfig, EvalOutput, evaluate
     from sleuth.eval.report import build_report
     from sleuth.llm.registry import load_generator
     from sleuth.retrieval import load_retriever
-    from sleuth.rl.checkpoint import latest_checkpoint
     from sleuth.rl.config import recipe_from_dict
     from sleuth.rl.sft import run_sft
     from sleuth.rl.trainer import train
@@ -317,7 +317,7 @@ def run_demo(
                          answer_max_new_tokens=24, top_k=3, max_turns=size.max_turns, max_response_tokens=2048,
                          max_obs_tokens=384)
         evaluate([spec.display_name, "naive-rag"], _held_out(out, size.eval_questions), retriever, searcher.generator,
-                 generator=load_generator(size.model), out_dir=out / "eval_after", config=cfg, progress=True)
+                 generator=load_generator(size.model), config=cfg, out_dir=EvalOutput(out / "eval_after", progress=True))
     notes = [n.format(method=method, n_committed=size.committed_questions if committed else 0,
                       traj=traj.get("kept", 0), steps=size.train_steps, prompts=size.prompts_per_step, n=size.n,
                       rl_start="the committed searcher (so that a group's rewards differ and the update carries "

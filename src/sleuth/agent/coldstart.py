@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from sleuth.agent.base import AgentLoop
-from sleuth.agent.engine import encode_prompt, encode_text, rollout
+from sleuth.agent.engine import RolloutBudget, encode_prompt, encode_text, rollout
 from sleuth.agent.oracle import OracleGenerator, oracle_check
 from sleuth.agent.registry import loop_names
 from sleuth.agent.trajectory import Trajectory
@@ -142,8 +142,7 @@ def collect_oracle(
     *,
     seed: int = 0,
     variants: int = 1,
-    max_obs_tokens: int = 512,
-    max_response_tokens: int = 4096,
+    budget: RolloutBudget | None = None,
 ) -> tuple[list[SFTRecord], dict[str, int]]:
     """Oracle trajectories through the real rollout engine; only those that pass `oracle_check` are kept.
 
@@ -152,10 +151,7 @@ def collect_oracle(
     stats = {"played": 0, "kept": 0}
     for v in range(variants):
         oracle = OracleGenerator(loop, retriever, tokenizer, examples, seed=seed * 1_000 + v)
-        trajs = rollout(
-            loop, oracle, retriever, examples, n=1, max_obs_tokens=max_obs_tokens,
-            max_response_tokens=max_response_tokens, tokenizer=tokenizer,
-        )
+        trajs = rollout(loop, oracle, retriever, examples, n=1, budget=budget, tokenizer=tokenizer)
         for traj, ex in zip(trajs, examples, strict=True):
             stats["played"] += 1
             if oracle_check(traj, ex):
@@ -164,31 +160,37 @@ def collect_oracle(
     return kept, stats
 
 
+@dataclass(frozen=True)
+class RejectionSampling:
+    """Play every question `n` times; keep a trajectory whose `reward_fn(trajs, services)` total is >= `threshold`."""
+
+    reward_fn: Any
+    services: Any
+    threshold: float
+    n: int = 1
+
+
 def collect_teacher(
     loop: AgentLoop,
     teacher: Generator,
     retriever: Retriever,
     examples: Sequence[QAExample],
-    reward_fn: Any,
-    services: Any,
+    sampling: RejectionSampling,
     *,
-    threshold: float,
-    n: int = 1,
     params: SamplingParams | None = None,
-    max_obs_tokens: int = 512,
-    max_response_tokens: int = 4096,
+    budget: RolloutBudget | None = None,
     tokenizer: Any = None,
 ) -> tuple[list[SFTRecord], dict[str, int]]:
-    """Rejection sampling: the teacher plays the loop `n` times per question; rewards >= threshold are kept."""
+    """Rejection sampling: the teacher plays the loop `sampling.n` times per question; rewards >= threshold are kept."""
     trajs = rollout(
-        loop, teacher, retriever, examples, params or SamplingParams(temperature=0.7), n=n,
-        max_obs_tokens=max_obs_tokens, max_response_tokens=max_response_tokens, tokenizer=tokenizer,
+        loop, teacher, retriever, examples, params or SamplingParams(temperature=0.7), n=sampling.n,
+        budget=budget, tokenizer=tokenizer,
     )
-    results = reward_fn(trajs, services)
+    results = sampling.reward_fn(trajs, sampling.services)
     kept = [
         SFTRecord.from_trajectory(t, "teacher", reward=float(r.total))
         for t, r in zip(trajs, results, strict=True)
-        if r.total >= threshold
+        if r.total >= sampling.threshold
     ]
     return kept, {"played": len(trajs), "kept": len(kept)}
 

@@ -2,9 +2,24 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import typer
+
+
+@dataclass(frozen=True)
+class TrajectorySource:
+    """Where `sleuth trajectories` gets its records: the oracle, a teacher (rejection sampling) or chat messages."""
+
+    kind: str = "oracle"  # oracle | teacher | messages
+    teacher: str | None = None
+    threshold: float = 1.0
+    n: int = 1
+    messages: Path | None = None
+    variants: int = 1
+    limit: int | None = None
+    seed: int = 0
 
 
 def register(app: typer.Typer) -> None:
@@ -29,18 +44,20 @@ def register(app: typer.Typer) -> None:
 
         console = Console()
         try:
-            stats = make_trajectories(recipe, overrides or [], out, source, teacher, threshold, n, messages,
-                                      variants, limit, seed)
+            stats = make_trajectories(recipe, overrides or [], out, TrajectorySource(
+                source, teacher, threshold, n, messages, variants, limit, seed))
         except SleuthError as err:
             console.print(f"[red]error:[/] {err}")
             raise typer.Exit(2) from None
         console.print(f"[green]{stats['kept']}[/] of {stats['played']} trajectories kept -> {out}")
 
 
-def make_trajectories(recipe_path, overrides, out, source, teacher, threshold, n, messages, variants, limit, seed):
+def make_trajectories(recipe_path: str, overrides: list[str], out: Path, src: TrajectorySource) -> dict[str, int]:
+    # deferred so that `sleuth --help` does not load torch and transformers
     from transformers import AutoTokenizer
 
     from sleuth.agent.coldstart import (
+        RejectionSampling,
         collect_oracle,
         collect_teacher,
         records_from_messages,
@@ -51,8 +68,15 @@ def make_trajectories(recipe_path, overrides, out, source, teacher, threshold, n
     from sleuth.llm.registry import load_generator, resolve_model_path
     from sleuth.rewards.base import get_reward
     from sleuth.rl.config import load_recipe
-    from sleuth.rl.setup import build_loop, build_retriever, build_reward_services, load_examples
+    from sleuth.rl.setup import (
+        build_loop,
+        build_retriever,
+        build_reward_services,
+        load_examples,
+        rollout_budget,
+    )
 
+    source, teacher, messages, seed = src.kind, src.teacher, src.messages, src.seed
     recipe = load_recipe(recipe_path, overrides)
     if source not in ("oracle", "teacher", "messages"):
         raise ConfigError(f"--source must be oracle, teacher or messages, got {source!r}")
@@ -65,10 +89,11 @@ def make_trajectories(recipe_path, overrides, out, source, teacher, threshold, n
         return {"played": len(records), "kept": len(records)}
     loop = build_loop(recipe)
     retriever = build_retriever(recipe)
-    examples = load_examples(recipe)[:limit] if limit else load_examples(recipe)
-    budgets = {"max_obs_tokens": recipe.agent.max_obs_tokens, "max_response_tokens": recipe.agent.max_response_tokens}
+    examples = load_examples(recipe)[: src.limit] if src.limit else load_examples(recipe)
+    budget = rollout_budget(recipe)
     if source == "oracle":
-        records, stats = collect_oracle(loop, retriever, tokenizer, examples, seed=seed, variants=variants, **budgets)
+        records, stats = collect_oracle(loop, retriever, tokenizer, examples, seed=seed, variants=src.variants,
+                                        budget=budget)
     else:
         if teacher is None:
             raise ConfigError("--source teacher needs --teacher MODEL")
@@ -80,10 +105,10 @@ def make_trajectories(recipe_path, overrides, out, source, teacher, threshold, n
         services = build_reward_services(recipe, teacher_gen, None, retriever)
         params = SamplingParams(max_new_tokens=recipe.agent.max_new_tokens_per_turn,
                                 temperature=recipe.sampling.temperature, top_p=recipe.sampling.top_p, seed=seed)
-        records, stats = collect_teacher(
-            loop, teacher_gen, retriever, examples, get_reward(recipe.reward.name, **recipe.reward.options), services,
-            threshold=threshold, n=n, params=params, tokenizer=tokenizer, **budgets,
-        )
+        sampling = RejectionSampling(get_reward(recipe.reward.name, **recipe.reward.options), services,
+                                     threshold=src.threshold, n=src.n)
+        records, stats = collect_teacher(loop, teacher_gen, retriever, examples, sampling, params=params,
+                                         budget=budget, tokenizer=tokenizer)
     if not records:
         raise ConfigError(f"no trajectory passed the filter ({stats['played']} played); nothing written to {out}")
     write_records(out, records)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import traceback
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from sleuth.agent.base import AgentLoop, Observation, RolloutState, StepOutcome
 from sleuth.agent.trajectory import Trajectory, Turn
@@ -24,6 +24,16 @@ from sleuth.tags import neutralise_tags
 
 # How much of an unexpected error's traceback a trajectory keeps for debugging.
 _MAX_TRACEBACK_CHARS = 4000
+
+
+@dataclass(frozen=True)
+class RolloutBudget:
+    """Limits of one rollout: an inserted observation is cut to `max_obs_tokens`, a trajectory's
+    response to `max_response_tokens`; `max_turns` overrides the loop's own turn limit (None keeps it)."""
+
+    max_obs_tokens: int = 512
+    max_response_tokens: int = 4096
+    max_turns: int | None = None
 
 
 def _tokenizer_of(generator: Generator, tokenizer):
@@ -322,29 +332,28 @@ def rollout(
     params: SamplingParams | None = None,
     n: int = 1,
     *,
-    max_turns: int | None = None,
-    max_obs_tokens: int = 512,
-    max_response_tokens: int = 4096,
+    budget: RolloutBudget | None = None,
     tokenizer=None,
 ) -> list[Trajectory]:
     """Run `loop` on every example `n` times; the n samples of an example are adjacent.
 
     `extra["group"]` is the example's index and `extra["sample"]` the sample's index
-    (GRPO groups). `max_turns` overrides the loop's own limit. `tokenizer` defaults to
-    `generator.tokenizer`. Malformed generations never raise: they end as scored
-    trajectories (answer None or the loop's fallback).
+    (GRPO groups). `budget` bounds observations, responses and turns (default: RolloutBudget()).
+    `tokenizer` defaults to `generator.tokenizer`. Malformed generations never raise: they end
+    as scored trajectories (answer None or the loop's fallback).
     """
+    budget = budget or RolloutBudget()
     if n < 1:
         raise ConfigError(f"n must be >= 1, got {n}")
-    if max_obs_tokens < 1 or max_response_tokens < 1:
+    if budget.max_obs_tokens < 1 or budget.max_response_tokens < 1:
         raise ConfigError("max_obs_tokens and max_response_tokens must be >= 1")
-    if max_turns is not None:
-        if max_turns < 1:
-            raise ConfigError(f"max_turns must be >= 1, got {max_turns}")
-        loop = replace(loop, max_turns=max_turns)
+    if budget.max_turns is not None:
+        if budget.max_turns < 1:
+            raise ConfigError(f"max_turns must be >= 1, got {budget.max_turns}")
+        loop = replace(loop, max_turns=budget.max_turns)
     tok = _tokenizer_of(generator, tokenizer)
     engine = _Engine(
-        loop, generator, retriever, tok, params or SamplingParams(), max_obs_tokens, max_response_tokens
+        loop, generator, retriever, tok, params or SamplingParams(), budget.max_obs_tokens, budget.max_response_tokens
     )
     states = engine.start(list(examples), n)
     return engine.run(states)

@@ -9,16 +9,16 @@ plain Hugging Face model directory (what vLLM, SGLang or TGI load) that keeps it
 
 from __future__ import annotations
 
-import json
 import shutil
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from sleuth.errors import ConfigError
+from sleuth.run_layout import SEARCHER_FILE, SearcherInfo, resolve_checkpoint
 
-SEARCHER_FILE = "searcher.json"
+__all__ = ["SEARCHER_FILE", "EXPORT_DTYPES", "Searcher", "export_searcher", "load_searcher", "resolve_checkpoint"]
 EXPORT_DTYPES = ("keep", "float32", "bfloat16", "float16")
 
 
@@ -26,23 +26,7 @@ EXPORT_DTYPES = ("keep", "float32", "bfloat16", "float16")
 class Searcher:
     generator: Any  # sleuth.llm.hf.HFGenerator
     loop: Any  # sleuth.agent.base.AgentLoop
-    info: dict[str, Any]
-
-
-def resolve_checkpoint(path: str | Path) -> Path:
-    """A checkpoint dir, or a run dir (its newest checkpoint)."""
-    path = Path(path)
-    if (path / SEARCHER_FILE).exists():
-        return path
-    from sleuth.rl.checkpoint import latest_checkpoint
-
-    ckpt = latest_checkpoint(path) if path.is_dir() else None
-    if ckpt is None or not (ckpt / SEARCHER_FILE).exists():
-        raise ConfigError(
-            f"{path}: not a sleuth checkpoint (no {SEARCHER_FILE}) nor a run directory with checkpoints; "
-            "pass runs/<name>/checkpoints/step_N or runs/<name>"
-        )
-    return ckpt
+    info: SearcherInfo
 
 
 def load_searcher(path: str | Path, device: str | None = None, merge_lora: bool = True) -> Searcher:
@@ -54,14 +38,14 @@ def load_searcher(path: str | Path, device: str | None = None, merge_lora: bool 
     from sleuth.llm.registry import resolve_model_path
 
     ckpt = resolve_checkpoint(path)
-    info = json.loads((ckpt / SEARCHER_FILE).read_text())
+    info = SearcherInfo.read(ckpt)
     # a training checkpoint keeps the policy in policy/; an export is itself the model directory
-    policy_dir = ckpt / info.get("policy_dir", "policy")
+    policy_dir = ckpt / info.policy_dir
     tokenizer = AutoTokenizer.from_pretrained(policy_dir)
-    if info.get("lora"):
+    if info.lora:
         from peft import PeftModel
 
-        base = AutoModelForCausalLM.from_pretrained(resolve_model_path(info["base_model"]))
+        base = AutoModelForCausalLM.from_pretrained(resolve_model_path(info.base_model))
         model = PeftModel.from_pretrained(base, policy_dir)
         if merge_lora:
             model = model.merge_and_unload()
@@ -72,7 +56,7 @@ def load_searcher(path: str | Path, device: str | None = None, merge_lora: bool 
     dev = torch.device(device) if device else torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model = model.to(dev).eval()
     generator = HFGenerator(model, tokenizer=tokenizer)
-    loop = get_loop(info["loop"], **info.get("loop_options", {}))
+    loop = get_loop(info.loop, **info.loop_options)
     return Searcher(generator=generator, loop=loop, info=info)
 
 
@@ -104,21 +88,19 @@ def export_searcher(
         )
     if dtype != "keep":
         model = model.to(getattr(torch, dtype))
-    info = {
-        **searcher.info,
-        "lora": False,
-        "policy_dir": ".",
+    info = replace(searcher.info, lora=False, policy_dir=".", extra={
+        **searcher.info.extra,
         "exported_from": str(ckpt.resolve()),
         "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
         # the loop's full settings, prompt templates included, for users who drive the model elsewhere
         "loop_config": searcher.loop.config(),
-    }
+    })
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp"))
     try:
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
-        (tmp / SEARCHER_FILE).write_text(json.dumps(info, indent=2) + "\n")
+        info.write(tmp)
         if out.is_dir():
             shutil.rmtree(out)
         elif out.exists():

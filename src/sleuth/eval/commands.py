@@ -115,6 +115,7 @@ def register(app: typer.Typer) -> None:
         from sleuth.errors import SleuthError
         from sleuth.eval.harness import (
             EvalConfig,
+            EvalOutput,
             checkpoint_budgets,
             evaluate,
             load_eval_data,
@@ -140,9 +141,9 @@ def register(app: typer.Typer) -> None:
         start = time.perf_counter()
         try:
             summary = evaluate(
-                methods, examples, retriever=retriever, model=model, generator=generator, judge=judge, out_dir=out,
-                config=cfg, progress=True, console=console,
-                run_info={"data": [str(p) for p in data], "limit": limit},
+                methods, examples, retriever=retriever, model=model, generator=generator, judge=judge, config=cfg,
+                out_dir=EvalOutput(out, run_info={"data": [str(p) for p in data], "limit": limit}, progress=True,
+                                   console=console),
             )
         except (SleuthError, OSError) as err:
             _fail(str(err))

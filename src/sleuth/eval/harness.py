@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from sleuth.agent.base import AgentLoop
-from sleuth.agent.engine import rollout
+from sleuth.agent.engine import RolloutBudget, rollout
 from sleuth.agent.registry import Method, get_method
 from sleuth.agent.registry import methods as registered_methods
 from sleuth.agent.trajectory import Trajectory
@@ -70,6 +70,7 @@ from sleuth.rewards.answerer import (
     judge_contains,
 )
 from sleuth.rewards.metrics import aggregate, cover_exact_match, exact_match, f1_score, span_check
+from sleuth.run_layout import SearcherInfo, is_searcher_checkpoint, resolve_checkpoint
 from sleuth.utils import atomic_write_json, atomic_write_text, seed_everything
 
 
@@ -165,6 +166,15 @@ class EvalConfig:
             raise ConfigError("default_dataset 'overall' collides with the overall summary row")
 
 
+def eval_config(**options: Any) -> EvalConfig:
+    """An EvalConfig from keyword options, naming any unknown one."""
+    known = {f.name for f in fields(EvalConfig)}
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise ConfigError(f"unknown evaluate option(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+    return EvalConfig(**options)
+
+
 def canonical_method(name: str) -> str:
     key = name.strip().lower()
     for baseline in BASELINES.values():
@@ -227,26 +237,20 @@ def checkpoint_budgets(spec: str | Path) -> dict[str, int]:
     uses the rollout it learned; {} for anything that is not a sleuth checkpoint."""
     if not isinstance(spec, (str, Path)) or not is_sleuth_checkpoint(spec):
         return {}
-    from sleuth.agent.searcher import SEARCHER_FILE, resolve_checkpoint
-
-    info = json.loads((resolve_checkpoint(spec) / SEARCHER_FILE).read_text(encoding="utf-8"))
+    info = SearcherInfo.read(resolve_checkpoint(spec))
     found = {
-        "max_new_tokens": info.get("max_new_tokens_per_turn"),
-        "max_obs_tokens": info.get("max_obs_tokens"),
-        "max_response_tokens": info.get("max_response_tokens"),
-        "top_k": info.get("loop_options", {}).get("top_k"),
-        "max_turns": info.get("loop_options", {}).get("max_turns"),
+        "max_new_tokens": info.max_new_tokens_per_turn,
+        "max_obs_tokens": info.max_obs_tokens,
+        "max_response_tokens": info.max_response_tokens,
+        "top_k": info.loop_options.get("top_k"),
+        "max_turns": info.loop_options.get("max_turns"),
     }
     return {k: int(v) for k, v in found.items() if isinstance(v, int)}
 
 
 def is_sleuth_checkpoint(spec: str | Path) -> bool:
     """A `sleuth train` checkpoint directory or run directory (holding one)."""
-    path = Path(spec)
-    if (path / "searcher.json").exists():
-        return True
-    ckpts = path / "checkpoints"
-    return ckpts.is_dir() and any(ckpts.glob("step_*/searcher.json"))
+    return is_searcher_checkpoint(spec)
 
 
 def resolve_retriever(spec: Retriever | str | Path | None) -> Retriever | None:
@@ -470,8 +474,8 @@ def _run_agent(loop: AgentLoop, method: Method | None, examples: Sequence[QAExam
     cfg = ctx.cfg
     params = SamplingParams(max_new_tokens=cfg.max_new_tokens, temperature=0.0, seed=cfg.seed)
     trajs = rollout(
-        loop, ctx.model, ctx.need_retriever(), examples, params, n=1, max_turns=cfg.max_turns,
-        max_obs_tokens=cfg.max_obs_tokens, max_response_tokens=cfg.max_response_tokens,
+        loop, ctx.model, ctx.need_retriever(), examples, params, n=1,
+        budget=RolloutBudget(cfg.max_obs_tokens, cfg.max_response_tokens, cfg.max_turns),
     )
     outs = []
     for traj in trajs:
@@ -776,6 +780,45 @@ def _previous_summary(out_dir: Path) -> dict[str, Any]:
 # -- the entry point -------------------------------------------------------------------------------------
 
 
+@dataclass
+class EvalOutput:
+    """Where an evaluation writes (`dir`) and how it reports: `run_info` is added to the summary's
+    config, `progress` shows a progress bar on `console` (None: rich's default)."""
+
+    dir: str | Path = "eval-results"
+    run_info: Mapping[str, Any] | None = None
+    progress: bool = False
+    console: Any = None
+
+
+@dataclass
+class _Models:
+    """The loaded model objects of one evaluation and how each spec is described in the summary."""
+
+    model: Generator
+    generator: Generator
+    judge: Generator | None
+    descs: dict[str, Any]
+
+
+def _load_models(model: Any, generator: Any, judge: Any, retriever: Any, needs_retrieval: bool) -> _Models:
+    """Resolve model specs, sharing the model object where generator or judge name the same model."""
+    model_obj = resolve_generator(model)
+    assert model_obj is not None
+    same_as_model = generator is None or generator is model or (isinstance(generator, str) and generator == model)
+    generator_obj = model_obj if same_as_model else resolve_generator(generator)
+    judge_same = judge is not None and (judge is model or (isinstance(judge, str) and judge == model))
+    judge_obj = model_obj if judge_same else resolve_generator(judge)
+    assert generator_obj is not None
+    descs = {
+        "model": describe(model),
+        "generator": describe(model if same_as_model else generator),
+        "judge": describe(judge),
+        "retriever": describe(retriever) if needs_retrieval else None,
+    }
+    return _Models(model_obj, generator_obj, judge_obj, descs)
+
+
 def evaluate(
     methods: str | Sequence[str],
     examples: Sequence[QAExample],
@@ -783,29 +826,19 @@ def evaluate(
     model: Generator | str | Mapping | None = DEFAULT_MODEL,
     generator: Generator | str | Mapping | None = None,
     judge: Generator | str | Mapping | None = None,
-    out_dir: str | Path = "eval-results",
+    out_dir: str | Path | EvalOutput = "eval-results",
     config: EvalConfig | None = None,
-    *,
-    run_info: Mapping[str, Any] | None = None,
-    progress: bool = False,
-    console: Any = None,
-    **options: Any,
 ) -> dict[str, Any]:
     """Evaluate `methods` on `examples`; writes OUT/<method>/predictions.jsonl and OUT/summary.{json,md}.
 
     `retriever`, `model`, `generator` (the frozen answerer of s3/qagent; default: `model`) and `judge`
     are specs (index dir or URL; model alias, dir, "openai:<url>#<model>") or constructed objects,
-    so callers can share one loaded model. `options` override `config` fields (e.g. top_k=3).
-    Re-running with the same `out_dir` resumes: questions already in predictions.jsonl are skipped.
-    Returns the summary dict written to summary.json.
+    so callers can share one loaded model. `out_dir` is a directory or an `EvalOutput` (adding run info
+    and a progress bar). Re-running with the same directory resumes: questions already in
+    predictions.jsonl are skipped. Returns the summary dict written to summary.json.
     """
     cfg = config or EvalConfig()
-    if options:
-        known = {f.name for f in fields(EvalConfig)}
-        unknown = sorted(set(options) - known)
-        if unknown:
-            raise ConfigError(f"unknown evaluate option(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
-        cfg = replace(cfg, **options)
+    output = out_dir if isinstance(out_dir, EvalOutput) else EvalOutput(out_dir)
     method_list = parse_methods(methods)
     items = _items(list(examples), cfg.default_dataset)
     if not items:
@@ -820,32 +853,38 @@ def evaluate(
             f"method(s) {', '.join(needs_retrieval)} need a retriever: pass --retriever INDEX_DIR or http URL"
         )
 
-    model_obj = resolve_generator(model)
-    assert model_obj is not None
-    same_as_model = generator is None or generator is model or (isinstance(generator, str) and generator == model)
-    generator_obj = model_obj if same_as_model else resolve_generator(generator)
-    judge_same = judge is not None and (judge is model or (isinstance(judge, str) and judge == model))
-    judge_obj = model_obj if judge_same else resolve_generator(judge)
+    models = _load_models(model, generator, judge, retriever, bool(needs_retrieval))
     retriever_obj = resolve_retriever(retriever) if needs_retrieval else None
     if any(BASELINES[m].needs_gold for m in method_list if m in BASELINES):
         passages_by_id(retriever_obj, [])  # a retriever that cannot look ids up fails before any method runs
-    assert generator_obj is not None
-    ctx = _Context(model_obj, generator_obj, retriever_obj, cfg)
-
-    descs = {
-        "model": describe(model),
-        "generator": describe(model if same_as_model else generator),
-        "judge": describe(judge),
-        "retriever": describe(retriever) if needs_retrieval else None,
-    }
-    out = Path(out_dir)
+    ctx = _Context(models.model, models.generator, retriever_obj, cfg)
+    out = Path(output.dir)
     out.mkdir(parents=True, exist_ok=True)
     previous = _previous_summary(out)
     method_summaries: dict[str, Any] = dict(previous.get("methods", {}))
     method_configs: dict[str, Any] = dict(previous.get("method_configs", {}))
+    run_records = _run_methods(method_list, items, ctx, models, out, output, method_summaries, method_configs)
 
+    known = all_methods()
+    ordered = sorted(method_summaries, key=lambda m: (known.index(m) if m in known else len(known), m))
+    summary = {
+        "methods": {m: method_summaries[m] for m in ordered},
+        "config": _run_config(models.descs, cfg, method_list, items, output.run_info),
+        "method_configs": {m: method_configs[m] for m in ordered if m in method_configs},
+    }
+    paired = _compare_with_naive_rag(out, ordered, run_records, items, cfg.seed)
+    if paired is not None:
+        summary["paired"] = paired
+    write_summary(out, summary)
+    return summary
+
+
+def _run_methods(method_list: Sequence[str], items: Sequence[_Item], ctx: _Context, models: _Models, out: Path,
+                 output: EvalOutput, summaries: dict[str, Any], configs: dict[str, Any]) -> dict[str, list[dict]]:  # fmt: skip
+    """Run every method over `items`, filling `summaries` and `configs`; returns each method's records."""
+    descs = models.descs
     run_records: dict[str, list[dict]] = {}
-    bar = _progress_bar(console) if progress else None
+    bar = _progress_bar(output.console) if output.progress else None
     try:
         for method in method_list:
             mcfg = method_config(method, ctx, descs["retriever"], descs["model"], descs["generator"], descs["judge"])
@@ -856,26 +895,14 @@ def evaluate(
                 def on_progress(n: int, task=task) -> None:
                     bar.advance(task, n)
 
-            records = run_method(method, items, ctx, judge_obj, out, mcfg, on_progress)
+            records = run_method(method, items, ctx, models.judge, out, mcfg, on_progress)
             run_records[method] = records
-            method_summaries[method] = summarise_records(records, seed=cfg.seed)
-            method_configs[method] = mcfg
+            summaries[method] = summarise_records(records, seed=ctx.cfg.seed)
+            configs[method] = mcfg
     finally:
         if bar is not None:
             bar.stop()
-
-    known = all_methods()
-    ordered = sorted(method_summaries, key=lambda m: (known.index(m) if m in known else len(known), m))
-    summary = {
-        "methods": {m: method_summaries[m] for m in ordered},
-        "config": _run_config(descs, cfg, method_list, items, run_info),
-        "method_configs": {m: method_configs[m] for m in ordered if m in method_configs},
-    }
-    paired = _compare_with_naive_rag(out, ordered, run_records, items, cfg.seed)
-    if paired is not None:
-        summary["paired"] = paired
-    write_summary(out, summary)
-    return summary
+    return run_records
 
 
 def _run_config(descs: Mapping[str, Any], cfg: EvalConfig, method_list: Sequence[str], items: Sequence[_Item],

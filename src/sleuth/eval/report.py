@@ -29,6 +29,7 @@ from typing import Any
 from markupsafe import Markup
 
 from sleuth.errors import ConfigError, DataFormatError
+from sleuth.run_layout import METRICS, RUN_INFO
 
 MAX_TRAJECTORIES = 200
 MAX_TEXT_CHARS = 20_000  # per text block; a runaway generation must not make the page unusable
@@ -316,10 +317,10 @@ def load_training_run(metrics_path: Path, root: Path, warnings: list[str]) -> Tr
     rows = [by_step[s] for s in sorted(by_step)]
     run_dir = metrics_path.parent
     info: dict = {}
-    if (run_dir / "run.json").exists():
-        loaded = _read_json(run_dir / "run.json")
+    if (run_dir / RUN_INFO).exists():
+        loaded = _read_json(run_dir / RUN_INFO)
         if not isinstance(loaded, dict):
-            raise DataFormatError(str(run_dir / "run.json"), None, "expected a JSON object")
+            raise DataFormatError(str(run_dir / RUN_INFO), None, "expected a JSON object")
         info = loaded
     rollouts = sorted((run_dir / "rollouts").glob("step_*.jsonl"))
     return TrainingRun(run_dir, _label(run_dir, root), rows, info, rollouts)
@@ -366,7 +367,7 @@ def discover(run_dir: str | Path) -> RunData:
         raise ConfigError(f"run directory {root} does not exist or is not a directory")
     warnings: list[str] = []
     training = [
-        load_training_run(p, root, warnings) for p in sorted(root.rglob("metrics.jsonl")) if p.is_file()
+        load_training_run(p, root, warnings) for p in sorted(root.rglob(METRICS)) if p.is_file()
     ]
     # Oldest summary first, so a demo's eval_before precedes eval_after in tables and arrows.
     summaries = sorted(

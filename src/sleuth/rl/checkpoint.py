@@ -20,6 +20,7 @@ import hashlib
 import json
 import random
 import shutil
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -27,10 +28,20 @@ import numpy as np
 import torch
 
 from sleuth.errors import CheckpointError
+from sleuth.run_layout import (
+    CRITIC,
+    LATEST,
+    MANIFEST,
+    POLICY_DIR,
+    RUN_INFO,
+    TRAINER_STATE,
+    TRAINING_STATE,
+    SearcherInfo,
+    checkpoint_dir,
+    checkpoints_dir,
+)
+from sleuth.run_layout import latest_checkpoint as latest_checkpoint  # re-exported for the trainer's callers
 from sleuth.utils import atomic_write_json, atomic_write_text
-
-LATEST = "latest"
-MANIFEST = "manifest.json"
 
 
 def rng_state() -> dict[str, Any]:
@@ -62,52 +73,60 @@ def _np_state_to_list(s: tuple) -> list:
     return [s[0], s[1].tolist(), int(s[2]), int(s[3]), float(s[4])]
 
 
+@dataclass
+class TrainingStates:
+    """What a checkpoint saves of the models and optimisation. Under FSDP the caller also passes the
+    full (gathered) `policy_state`, `critic_state` and `optimizer_states` (see `full_states`), since
+    sharded modules cannot be saved directly; None means: take the module's own state_dict."""
+
+    policy: torch.nn.Module
+    tokenizer: Any
+    optimizers: dict[str, torch.optim.Optimizer]
+    schedulers: dict[str, Any]
+    critic: torch.nn.Module | None = None
+    policy_state: dict[str, Any] | None = None
+    critic_state: dict[str, Any] | None = None
+    optimizer_states: dict[str, Any] | None = None
+
+
 def save_checkpoint(
     out_dir: str | Path,
     step: int,
+    states: TrainingStates,
     *,
-    policy: torch.nn.Module,
-    tokenizer: Any,
-    critic: torch.nn.Module | None,
-    optimizers: dict[str, torch.optim.Optimizer],
-    schedulers: dict[str, Any],
     trainer_state: dict[str, Any],
-    searcher_info: dict[str, Any] | None = None,
+    searcher: SearcherInfo | None = None,
     keep: int = 2,
-    policy_state: dict[str, Any] | None = None,
-    critic_state: dict[str, Any] | None = None,
-    optimizer_states: dict[str, Any] | None = None,
 ) -> Path:
-    """Write checkpoint `step` under `out_dir/checkpoints/` atomically; prune to the newest `keep`.
-
-    Under FSDP the caller passes full (gathered) `policy_state`, `critic_state` and
-    `optimizer_states` (see `full_states`), since sharded modules cannot be saved directly.
-    """
-    root = Path(out_dir) / "checkpoints"
+    """Write checkpoint `step` under `out_dir/checkpoints/` atomically; prune to the newest `keep`."""
+    policy, tokenizer, critic = states.policy, states.tokenizer, states.critic
+    optimizers, schedulers = states.optimizers, states.schedulers
+    policy_state, critic_state, optimizer_states = states.policy_state, states.critic_state, states.optimizer_states
+    root = checkpoints_dir(out_dir)
     root.mkdir(parents=True, exist_ok=True)
-    final = root / f"step_{step:06d}"
-    tmp = root / f".tmp_step_{step:06d}"
+    final = checkpoint_dir(out_dir, step)
+    tmp = root / f".tmp_{final.name}"
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir()
 
-    policy.save_pretrained(tmp / "policy", safe_serialization=True, state_dict=policy_state)
+    policy.save_pretrained(tmp / POLICY_DIR, safe_serialization=True, state_dict=policy_state)
     if tokenizer is not None:
-        tokenizer.save_pretrained(tmp / "policy")
+        tokenizer.save_pretrained(tmp / POLICY_DIR)
     if critic is not None:
-        torch.save(critic_state if critic_state is not None else critic.state_dict(), tmp / "critic.pt")
+        torch.save(critic_state if critic_state is not None else critic.state_dict(), tmp / CRITIC)
     torch.save(
         {
             "optimizers": optimizer_states or {k: o.state_dict() for k, o in optimizers.items()},
             "schedulers": {k: s.state_dict() for k, s in schedulers.items()},
             "rng": rng_state(),
         },
-        tmp / "state.pt",
+        tmp / TRAINING_STATE,
     )
-    (tmp / "trainer_state.json").write_text(json.dumps({**trainer_state, "step": step}, indent=2))
-    if searcher_info is not None:
+    (tmp / TRAINER_STATE).write_text(json.dumps({**trainer_state, "step": step}, indent=2))
+    if searcher is not None:
         # what `sleuth.agent.searcher.load_searcher` needs to serve or evaluate this policy
-        (tmp / "searcher.json").write_text(json.dumps({**searcher_info, "step": step}, indent=2))
+        replace(searcher, step=step).write(tmp)
     write_manifest(tmp)
     if final.exists():
         shutil.rmtree(final)
@@ -165,8 +184,8 @@ def verify_checkpoint(ckpt: Path) -> None:
     before manifests existed is accepted if its trainer state is there."""
     manifest_path = ckpt / MANIFEST
     if not manifest_path.exists():
-        if not (ckpt / "trainer_state.json").exists():
-            raise CheckpointError(f"{ckpt}: no {MANIFEST} and no trainer_state.json; not a complete checkpoint")
+        if not (ckpt / TRAINER_STATE).exists():
+            raise CheckpointError(f"{ckpt}: no {MANIFEST} and no {TRAINER_STATE}; not a complete checkpoint")
         return
     try:
         files = json.loads(manifest_path.read_text(encoding="utf-8"))["files"]
@@ -200,7 +219,7 @@ def _candidates(root: Path) -> list[Path]:
 def resumable_checkpoint(out_dir: str | Path) -> tuple[Path | None, list[tuple[Path, str]]]:
     """The newest checkpoint that passes `verify_checkpoint`, and the (path, reason) of each newer
     one skipped as damaged."""
-    root = Path(out_dir) / "checkpoints"
+    root = checkpoints_dir(out_dir)
     skipped: list[tuple[Path, str]] = []
     if not root.is_dir():
         return None, skipped
@@ -214,28 +233,16 @@ def resumable_checkpoint(out_dir: str | Path) -> tuple[Path | None, list[tuple[P
     return None, skipped
 
 
-def latest_checkpoint(out_dir: str | Path) -> Path | None:
-    root = Path(out_dir) / "checkpoints"
-    pointer = root / LATEST
-    if pointer.exists():
-        path = root / pointer.read_text().strip()
-        if (path / "trainer_state.json").exists():
-            return path
-    # The pointer is written after the rename; fall back to the newest complete directory.
-    done = sorted(p for p in root.glob("step_*") if (p / "trainer_state.json").exists())
-    return done[-1] if done else None
-
-
 def load_training_state(ckpt: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     """Returns (trainer_state json, tensor state with optimizers/schedulers/rng); a damaged file
     raises CheckpointError naming it."""
-    state_json = ckpt / "trainer_state.json"
+    state_json = ckpt / TRAINER_STATE
     try:
         trainer_state = json.loads(state_json.read_text(encoding="utf-8"))
         int(trainer_state["step"])
     except (OSError, ValueError, KeyError, TypeError) as err:
         raise CheckpointError(f"{state_json}: unreadable trainer state ({type(err).__name__}: {err})") from None
-    state_pt = ckpt / "state.pt"
+    state_pt = ckpt / TRAINING_STATE
     try:
         state = torch.load(state_pt, map_location="cpu", weights_only=True)
     except Exception as err:  # noqa: BLE001 - torch.load raises EOFError, RuntimeError, UnpicklingError...
@@ -247,4 +254,4 @@ def load_training_state(ckpt: Path) -> tuple[dict[str, Any], dict[str, Any]]:
 
 
 def write_run_info(out_dir: str | Path, info: dict[str, Any]) -> None:
-    atomic_write_json(Path(out_dir) / "run.json", info)
+    atomic_write_json(Path(out_dir) / RUN_INFO, info)

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from sleuth.errors import ConfigError
+from sleuth.run_layout import METRICS
 from sleuth.utils import atomic_write_json
 
 LOGGER_NAMES = ("jsonl", "tensorboard", "wandb", "mlflow")
@@ -51,7 +52,7 @@ class JsonlLogger:
     resume after `resume_step` updates, lines of later steps will be redone and are dropped."""
 
     def __init__(self, out_dir: Path, resume_step: int):
-        self.path = out_dir / "metrics.jsonl"
+        self.path = out_dir / METRICS
         if self.path.exists():
             kept = [
                 line

@@ -16,6 +16,7 @@ Conventions shared by every function here (the same as verl's `core_algos`):
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -160,10 +161,35 @@ def agg_loss(
     return torch.where(has_tokens, seq_losses, torch.zeros_like(seq_losses)).sum() / denom_t
 
 
+@dataclass(frozen=True)
+class LossAgg:
+    """How a loss matrix becomes a scalar: the `agg_loss` mode and, under gradient accumulation,
+    the mini-batch totals every micro-batch divides by (see `agg_loss`)."""
+
+    mode: str = "token-mean"
+    norm_length: float | None = None
+    num_tokens: float | torch.Tensor | None = None
+    num_seqs: float | torch.Tensor | None = None
+
+    def __call__(self, loss_mat: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+        return agg_loss(loss_mat, response_mask, self.mode, norm_length=self.norm_length,
+                        num_tokens=self.num_tokens, num_seqs=self.num_seqs)
+
+
 # --------------------------------------------------------------------------- policy / value losses
 
+
+@dataclass(frozen=True)
+class PolicyClip:
+    """PPO ratio clipping: [1 - clip_low, 1 + clip_high] (DAPO clip-higher when clip_high > clip_low),
+    and the dual-clip constant c > 1 bounding negative-advantage tokens (None: off)."""
+
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    dual_clip_c: float | None = None
+
 PolicyLossFn = Callable[..., tuple[torch.Tensor, dict[str, float]]]
-# name -> policy loss; each takes (old_logprob, logprob, advantages, response_mask, **options) and
+# name -> policy loss; each takes (old_logprob, logprob, advantages, response_mask, *, clip, agg) and
 # returns (loss, stats), like verl's core_algos. A recipe names one in algorithm.policy_loss.
 POLICY_LOSSES: dict[str, PolicyLossFn] = {}
 
@@ -195,19 +221,14 @@ def policy_loss(
     advantages: torch.Tensor,
     response_mask: torch.Tensor,
     *,
-    clip_low: float = 0.2,
-    clip_high: float = 0.2,
-    agg_mode: str = "token-mean",
-    dual_clip_c: float | None = None,
-    norm_length: float | None = None,
-    num_tokens: float | torch.Tensor | None = None,
-    num_seqs: float | torch.Tensor | None = None,
+    clip: PolicyClip = PolicyClip(),
+    agg: LossAgg = LossAgg(),
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """PPO clipped surrogate loss with asymmetric clipping (DAPO clip-higher) and optional dual clip.
 
     Per token, with r = exp(logprob - old_logprob) and advantage A:
         loss_t = max(-A * r, -A * clip(r, 1 - clip_low, 1 + clip_high))
-    With `dual_clip_c` = c > 1 (Ye et al. 2020), tokens with A < 0 are further bounded:
+    With `clip.dual_clip_c` = c > 1 (Ye et al. 2020), tokens with A < 0 are further bounded:
         loss_t = min(loss_t, -A * c)
     so a huge ratio on a negative-advantage token cannot blow up the loss.
     DAPO's clip-higher is `clip_high` > `clip_low` (e.g. 0.2 / 0.28).
@@ -226,6 +247,7 @@ def policy_loss(
     check_same_shape(
         old_logprob=old_logprob, logprob=logprob, advantages=advantages, response_mask=response_mask
     )
+    clip_low, clip_high, dual_clip_c = clip.clip_low, clip.clip_high, clip.dual_clip_c
     if clip_low <= 0 or clip_low >= 1 or clip_high <= 0:
         raise ValueError(
             f"need 0 < clip_low < 1 and clip_high > 0, got clip_low={clip_low}, clip_high={clip_high}"
@@ -254,9 +276,7 @@ def policy_loss(
         lower_active = negative & (loss_mat > bound)
         loss_mat = torch.where(negative, torch.minimum(loss_mat, bound), loss_mat)
 
-    loss = agg_loss(
-        loss_mat, response_mask, agg_mode, norm_length=norm_length, num_tokens=num_tokens, num_seqs=num_seqs
-    )
+    loss = agg(loss_mat, response_mask)
 
     with torch.no_grad():
         neg_log_ratio = -log_ratio
@@ -285,10 +305,7 @@ def value_loss(
     response_mask: torch.Tensor,
     *,
     clip: float | None = 0.2,
-    agg_mode: str = "token-mean",
-    norm_length: float | None = None,
-    num_tokens: float | torch.Tensor | None = None,
-    num_seqs: float | torch.Tensor | None = None,
+    agg: LossAgg = LossAgg(),
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """PPO clipped value loss.
 
@@ -316,9 +333,7 @@ def value_loss(
         err_clipped = (v_clipped - returns) ** 2
         loss_mat = torch.maximum(err_unclipped, err_clipped)
         clip_active = err_clipped > err_unclipped
-    loss = 0.5 * agg_loss(
-        loss_mat, response_mask, agg_mode, norm_length=norm_length, num_tokens=num_tokens, num_seqs=num_seqs
-    )
+    loss = 0.5 * agg(loss_mat, response_mask)
     with torch.no_grad():
         stats = {
             "vf_clipfrac": float(masked_mean(clip_active.float(), response_mask)),
@@ -386,10 +401,7 @@ def kl_loss(
     response_mask: torch.Tensor,
     *,
     kind: str = "low_var_kl",
-    agg_mode: str = "token-mean",
-    norm_length: float | None = None,
-    num_tokens: float | torch.Tensor | None = None,
-    num_seqs: float | torch.Tensor | None = None,
+    agg: LossAgg = LossAgg(),
 ) -> torch.Tensor:
     """KL as a loss term (GRPO style): agg_loss(kl_penalty(logprob, ref_logprob, kind)).
 
@@ -403,9 +415,7 @@ def kl_loss(
     safe_logprob = torch.where(selected, logprob, torch.zeros_like(logprob))
     safe_ref = torch.where(selected, ref, torch.zeros_like(ref))
     kl = kl_penalty(safe_logprob, safe_ref, kind)
-    return agg_loss(
-        kl, response_mask, agg_mode, norm_length=norm_length, num_tokens=num_tokens, num_seqs=num_seqs
-    )
+    return agg(kl, response_mask)
 
 
 # --------------------------------------------------------------------------- logits helpers
@@ -471,6 +481,8 @@ def entropy_from_logits(logits: torch.Tensor, chunk_rows: int | None = None) -> 
 
 __all__ = [
     "POLICY_LOSSES",
+    "LossAgg",
+    "PolicyClip",
     "get_policy_loss",
     "register_policy_loss",
     "KL_ESTIMATORS",

@@ -18,6 +18,7 @@ from sleuth.llm.hf import HFGenerator
 from sleuth.retrieval.base import Retriever
 from sleuth.rewards.base import Reward, RewardServices, get_reward
 from sleuth.rl.checkpoint import (
+    TrainingStates,
     full_states,
     load_optimizer_states,
     load_training_state,
@@ -47,6 +48,7 @@ from sleuth.rl.setup import (
     load_examples,
     searcher_info,
 )
+from sleuth.run_layout import POLICY_DIR
 from sleuth.utils import seed_everything
 
 
@@ -103,7 +105,7 @@ def _resume_point(recipe: Recipe, out_dir: Path, resume: bool, console: Any) -> 
 def _load_models(recipe: Recipe, ctx: DistContext, ckpt: Path | None):
     """Policy, reference, critic (wrapped for DDP/FSDP), their optimizers and schedulers."""
     device = ctx.device
-    tokenizer, policy, model_path = load_policy(recipe, device, ckpt / "policy" if ckpt else initial_weights(recipe))
+    tokenizer, policy, model_path = load_policy(recipe, device, ckpt / POLICY_DIR if ckpt else initial_weights(recipe))
     reference = None
     if recipe.algorithm.kl.coef > 0 and not hasattr(policy, "disable_adapter"):
         # the reference is the starting model, also when resuming (the policy then holds trained weights)
@@ -174,12 +176,14 @@ def save(run: Run, done: int, cursor_state: dict[str, int], stage: int) -> None:
     """A checkpoint of `done` steps (collective: every rank calls it; rank 0 writes)."""
     model_states, optim_states = full_states(run.models, run.optimizers)
     if run.ctx.is_main:
+        states = TrainingStates(
+            unwrap(run.policy), run.tokenizer, run.optimizers, run.schedulers,
+            critic=unwrap(run.critic) if run.critic is not None else None,
+            policy_state=model_states["policy"], critic_state=model_states.get("critic"), optimizer_states=optim_states,
+        )
         save_checkpoint(
-            run.out_dir, done, policy=unwrap(run.policy), tokenizer=run.tokenizer,
-            critic=unwrap(run.critic) if run.critic is not None else None, optimizers=run.optimizers,
-            schedulers=run.schedulers, trainer_state={"cursor": cursor_state, "stage": stage, "recipe": run.recipe.name},
-            searcher_info=searcher_info(run.recipe), keep=run.recipe.trainer.keep_checkpoints,
-            policy_state=model_states["policy"], critic_state=model_states.get("critic"),
-            optimizer_states=optim_states,
+            run.out_dir, done, states,
+            trainer_state={"cursor": cursor_state, "stage": stage, "recipe": run.recipe.name},
+            searcher=searcher_info(run.recipe), keep=run.recipe.trainer.keep_checkpoints,
         )
     run.ctx.barrier()

@@ -10,8 +10,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from sleuth.agent.engine import RolloutBudget
 from sleuth.agent.registry import get_loop
-from sleuth.agent.searcher import resolve_checkpoint
 from sleuth.data.filters import drop_yes_no, keep_hard
 from sleuth.data.formats import QAExample, load_qa
 from sleuth.data.score_cache import ScoreCache
@@ -24,6 +24,7 @@ from sleuth.retrieval.tools import tool_retriever
 from sleuth.rewards.base import RewardServices
 from sleuth.rl.config import Recipe
 from sleuth.rl.models import FrozenBaseGenerator
+from sleuth.run_layout import POLICY_DIR, SearcherInfo, resolve_checkpoint
 
 
 @dataclass
@@ -78,22 +79,28 @@ def loop_options(recipe: Recipe) -> dict[str, Any]:
     return cfg
 
 
+def rollout_budget(recipe: Recipe) -> RolloutBudget:
+    """The recipe's observation and response limits (turns stay the loop's own)."""
+    return RolloutBudget(max_obs_tokens=recipe.agent.max_obs_tokens, max_response_tokens=recipe.agent.max_response_tokens)
+
+
 def build_loop(recipe: Recipe):
 
     return get_loop(recipe.agent.loop, **loop_options(recipe))
 
 
-def searcher_info(recipe: Recipe) -> dict[str, Any]:
-    return {
-        "recipe": recipe.name,
-        "loop": recipe.agent.loop,
-        "loop_options": loop_options(recipe),
-        "base_model": recipe.model.policy,
-        "lora": recipe.model.lora.enabled,
-        "max_new_tokens_per_turn": recipe.agent.max_new_tokens_per_turn,
-        "max_obs_tokens": recipe.agent.max_obs_tokens,
-        "max_response_tokens": recipe.agent.max_response_tokens,
-    }
+def searcher_info(recipe: Recipe) -> SearcherInfo:
+    """The searcher.json of a checkpoint trained from `recipe`."""
+    return SearcherInfo(
+        recipe=recipe.name,
+        loop=recipe.agent.loop,
+        loop_options=loop_options(recipe),
+        base_model=recipe.model.policy,
+        lora=recipe.model.lora.enabled,
+        max_new_tokens_per_turn=recipe.agent.max_new_tokens_per_turn,
+        max_obs_tokens=recipe.agent.max_obs_tokens,
+        max_response_tokens=recipe.agent.max_response_tokens,
+    )
 
 
 def load_examples(recipe: Recipe) -> list[QAExample]:
@@ -158,7 +165,7 @@ def initial_weights(recipe: Recipe) -> Path | None:
     if recipe.model.init_from is None:
         return None
 
-    return resolve_checkpoint(recipe.model.init_from) / "policy"
+    return resolve_checkpoint(recipe.model.init_from) / POLICY_DIR
 
 
 def check_input_paths(recipe: Recipe) -> None:

@@ -15,6 +15,7 @@ import math
 import random
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -25,17 +26,24 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from sleuth.agent.coldstart import SFTRecord, iter_limited, read_records, split_records
 from sleuth.agent.searcher import resolve_checkpoint
 from sleuth.errors import ConfigError, DataFormatError
-from sleuth.rl.checkpoint import latest_checkpoint, load_training_state, save_checkpoint, set_rng_state
+from sleuth.rl.checkpoint import (
+    TrainingStates,
+    latest_checkpoint,
+    load_training_state,
+    save_checkpoint,
+    set_rng_state,
+)
 from sleuth.rl.config import Recipe
 from sleuth.rl.loggers import open_recipe_loggers
 from sleuth.rl.models import autocast, load_policy
 from sleuth.rl.setup import build_optimizer, searcher_info
+from sleuth.run_layout import POLICY_DIR, SFT_DIR
 from sleuth.utils import atomic_write_json, seed_everything
 
 
 def sft_out_dir(recipe: Recipe) -> Path:
     assert recipe.sft is not None
-    return Path(recipe.sft.out_dir or Path(recipe.trainer.out_dir) / "sft")
+    return Path(recipe.sft.out_dir or Path(recipe.trainer.out_dir) / SFT_DIR)
 
 
 def sft_batch(records: Sequence[SFTRecord], pad_id: int, max_length: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -122,7 +130,7 @@ def run_sft(recipe: Recipe, *, resume: bool = True, console: Any = None) -> dict
     device = torch.device(recipe.model.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     ckpt = latest_checkpoint(out_dir) if resume else None
     init = None if ckpt is not None or recipe.model.init_from is None else resolve_checkpoint(recipe.model.init_from)
-    tokenizer, policy, _ = load_policy(recipe, device, ckpt / "policy" if ckpt else (init / "policy" if init else None))
+    tokenizer, policy, _ = load_policy(recipe, device, ckpt / POLICY_DIR if ckpt else (init / POLICY_DIR if init else None))
     train, held = load_sft_data(recipe, policy.get_input_embeddings().num_embeddings)
     steps_per_epoch = math.ceil(len(train) / cfg.batch_size)
     total = steps_per_epoch * cfg.epochs
@@ -141,10 +149,10 @@ def run_sft(recipe: Recipe, *, resume: bool = True, console: Any = None) -> dict
     info = {"records": len(train), "held_out_records": len(held), "steps": total, "data": cfg.data}
 
     def save(step: int, epoch: int) -> Path:
+        states = TrainingStates(policy, tokenizer, optimizers={"policy": opt}, schedulers={"policy": sched})
         return save_checkpoint(
-            out_dir, step, policy=policy, tokenizer=tokenizer, critic=None, optimizers={"policy": opt},
-            schedulers={"policy": sched}, trainer_state={"kind": "sft", "epoch": epoch, "recipe": recipe.name},
-            searcher_info={**searcher_info(recipe), "trained_with": "sft", **info}, keep=recipe.trainer.keep_checkpoints,
+            out_dir, step, states, trainer_state={"kind": "sft", "epoch": epoch, "recipe": recipe.name},
+            searcher=replace(searcher_info(recipe), extra={"trained_with": "sft", **info}), keep=recipe.trainer.keep_checkpoints,
         )
 
     last: dict[str, float] = {}

@@ -59,9 +59,7 @@ from sleuth.rl.models import (
 )
 from sleuth.rl.run import Run, save, setup
 from sleuth.rl.sampling import filter_groups
-from sleuth.rl.setup import (
-    check_input_paths,
-)
+from sleuth.rl.setup import check_input_paths, rollout_budget
 from sleuth.rl.sft import run_sft
 from sleuth.rl.step_metrics import (
     acc_stat,
@@ -72,6 +70,7 @@ from sleuth.rl.step_metrics import (
     memory_metrics,
     step_metrics,
 )
+from sleuth.run_layout import CHECKPOINTS, METRICS, SFT_DIR
 from sleuth.utils import atomic_path
 
 
@@ -84,7 +83,7 @@ def train(recipe: Recipe, *, resume: bool = False, console: Any = None) -> dict[
     try:
         return _train(recipe, resume=resume, console=console)
     except BaseException:
-        progress = any((out_dir / name).exists() for name in ("metrics.jsonl", "checkpoints", "sft"))
+        progress = any((out_dir / name).exists() for name in (METRICS, CHECKPOINTS, SFT_DIR))
         if created and not progress:
             shutil.rmtree(out_dir, ignore_errors=True)
         raise
@@ -290,7 +289,7 @@ def collect_rollouts(run: Run) -> Collected:
         with autocast(ctx.device):
             trajs = rollout(
                 run.loop, run.generator, run.retriever, [run.examples[i] for i in indices], run.sampling, n=algo.n,
-                max_obs_tokens=recipe.agent.max_obs_tokens, max_response_tokens=recipe.agent.max_response_tokens,
+                budget=rollout_budget(recipe),
             )
         t1 = time.perf_counter()
         results = guarded_rewards(run.reward_fn, trajs, run.services)
@@ -360,16 +359,17 @@ def _micro_step(run: Run, batch: StepBatch, idx: torch.Tensor, totals: dict[str,
     with _maybe_no_sync(run.policy, sync), autocast(device):
         logprobs, entropy = forward_logprobs(run.policy, mi, run.recipe.sampling.temperature, with_entropy=True)
         old = logprobs.detach() if batch.old_logprobs is None else batch.old_logprobs[idx].to(device)
+        agg = loss_fns.LossAgg(algo.loss_agg, **totals)
+        clip = loss_fns.PolicyClip(algo.clip_low, algo.clip_high, algo.clip_ratio_c)
         pg_loss, pg_stats = loss_fns.get_policy_loss(algo.policy_loss)(
-            old, logprobs, batch.advantages[idx].to(device), m, clip_low=algo.clip_low, clip_high=algo.clip_high,
-            dual_clip_c=algo.clip_ratio_c, agg_mode=algo.loss_agg, **totals,
+            old, logprobs, batch.advantages[idx].to(device), m, clip=clip, agg=agg,
         )
         loss = pg_loss
         if algo.entropy_coef:
-            loss = loss - algo.entropy_coef * loss_fns.agg_loss(entropy, m, algo.loss_agg, **totals)
+            loss = loss - algo.entropy_coef * agg(entropy, m)
         if batch.ref_logprobs is not None and algo.kl.mode == "loss":
             kl_term = loss_fns.kl_loss(logprobs, batch.ref_logprobs[idx].to(device), m, kind=algo.kl.estimator,
-                                       agg_mode=algo.loss_agg, **totals)
+                                       agg=agg)
             loss = loss + algo.kl.coef * kl_term
             acc_stat(mb_losses, "actor/kl_loss", kl_term.item())
         loss.backward()
@@ -381,8 +381,7 @@ def _micro_step(run: Run, batch: StepBatch, idx: torch.Tensor, totals: dict[str,
         with _maybe_no_sync(run.critic, sync), autocast(device):
             values = critic_values(run.critic, mi)
             v_loss, v_stats = loss_fns.value_loss(
-                values, batch.old_values[idx].to(device), batch.returns[idx].to(device), m, clip=algo.value_clip,
-                agg_mode=algo.loss_agg, **totals,
+                values, batch.old_values[idx].to(device), batch.returns[idx].to(device), m, clip=algo.value_clip, agg=agg,
             )
             (algo.value_coef * v_loss).backward()
         acc_stat(mb_losses, "critic/value_loss", v_loss.item())

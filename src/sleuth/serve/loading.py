@@ -80,9 +80,9 @@ def build_service(
         info = searcher.info
         agent_loop = searcher.loop
         if loop_options:
-            agent_loop = get_loop(info["loop"], **{**info.get("loop_options", {}), **loop_options})
+            agent_loop = get_loop(info.loop, **{**info.loop_options, **loop_options})
         policy = searcher.generator
-        model_name = f"checkpoint:{checkpoint} (base {info.get('base_model')}, step {info.get('step')})"
+        model_name = f"checkpoint:{checkpoint} (base {info.base_model}, step {info.step})"
     else:
         if loop is None:
             raise ConfigError("--model needs --loop NAME (s3, r_search, qagent, search_r1, staged)")
@@ -93,7 +93,7 @@ def build_service(
             )
         from sleuth.llm.registry import load_generator
 
-        info = {}
+        info = None
         agent_loop = get_loop(loop, **(loop_options or {}))
         policy = load_generator(model, device=device) if device else load_generator(model)
         model_name = model
@@ -111,7 +111,8 @@ def build_service(
             raise ConfigError(f"retriever {retriever_name} loaded but a test search failed: {type(err).__name__}: {err}") from err
 
     def pick(given: int | None, key: str, default: int) -> int:
-        return given if given is not None else int(info.get(key, default))
+        trained = getattr(info, key, None) if info is not None else None
+        return given if given is not None else int(trained if trained is not None else default)
 
     return SearcherService(
         policy,

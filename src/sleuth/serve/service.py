@@ -19,7 +19,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from sleuth.agent.base import AgentLoop
-from sleuth.agent.engine import rollout
+from sleuth.agent.engine import RolloutBudget, rollout
 from sleuth.agent.registry import find_method
 from sleuth.agent.trajectory import Trajectory
 from sleuth.data.formats import QAExample
@@ -417,8 +417,7 @@ class SearcherService:
         examples = [QAExample(id=f"req{first + j}", question=q, golden_answers=[]) for j, q in enumerate(questions)]
         return rollout(
             loop, self.generator, self.retriever, examples, self.params,
-            max_turns=max_turns, max_obs_tokens=self.max_obs_tokens,
-            max_response_tokens=self.max_response_tokens, tokenizer=self.tokenizer,
+            budget=RolloutBudget(self.max_obs_tokens, self.max_response_tokens, max_turns), tokenizer=self.tokenizer,
         )
 
     def _answer_into(

@@ -1,0 +1,133 @@
+"""The layout of a run directory and of a searcher checkpoint: every file name, written once.
+
+    runs/<name>/
+      run.json                      recipe, model path, device (RUN_INFO)
+      metrics.jsonl                 one line per step (METRICS)
+      sft/                          a cold-start SFT run, laid out the same way (SFT_DIR)
+      checkpoints/latest            name of the newest complete checkpoint (LATEST)
+      checkpoints/step_000012/      one checkpoint (checkpoint_dir):
+        policy/                     weights or LoRA adapters + tokenizer (POLICY_DIR)
+        critic.pt, state.pt         critic; optimizer, scheduler and RNG states
+        trainer_state.json          step, data cursor, stage
+        searcher.json               what serving and evaluation need (SearcherInfo)
+        manifest.json               size and sha256 of every file, written last
+
+An export (`sleuth export`) is a Hugging Face model directory that also holds `searcher.json`
+(with `policy_dir: "."`). This module needs no torch, so the agent floor can read checkpoints.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from sleuth.errors import ConfigError, DataFormatError
+
+RUN_INFO = "run.json"
+METRICS = "metrics.jsonl"
+SFT_DIR = "sft"
+CHECKPOINTS = "checkpoints"
+LATEST = "latest"
+MANIFEST = "manifest.json"
+TRAINER_STATE = "trainer_state.json"
+TRAINING_STATE = "state.pt"
+CRITIC = "critic.pt"
+POLICY_DIR = "policy"
+SEARCHER_FILE = "searcher.json"
+
+
+def checkpoints_dir(run_dir: str | Path) -> Path:
+    return Path(run_dir) / CHECKPOINTS
+
+
+def checkpoint_dir(run_dir: str | Path, step: int) -> Path:
+    return checkpoints_dir(run_dir) / f"step_{step:06d}"
+
+
+def latest_checkpoint(run_dir: str | Path) -> Path | None:
+    """The newest complete checkpoint of a run (the `latest` pointer's, else the newest with a trainer state)."""
+    root = checkpoints_dir(run_dir)
+    pointer = root / LATEST
+    if pointer.exists():
+        path = root / pointer.read_text().strip()
+        if (path / TRAINER_STATE).exists():
+            return path
+    # The pointer is written after the rename; fall back to the newest complete directory.
+    done = sorted(p for p in root.glob("step_*") if (p / TRAINER_STATE).exists())
+    return done[-1] if done else None
+
+
+def is_searcher_checkpoint(path: str | Path) -> bool:
+    """A checkpoint or export (holding searcher.json), or a run directory with such a checkpoint."""
+    path = Path(path)
+    if (path / SEARCHER_FILE).exists():
+        return True
+    root = checkpoints_dir(path)
+    return root.is_dir() and any(root.glob(f"step_*/{SEARCHER_FILE}"))
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """A checkpoint dir, or a run dir (its newest checkpoint)."""
+    path = Path(path)
+    if (path / SEARCHER_FILE).exists():
+        return path
+    ckpt = latest_checkpoint(path) if path.is_dir() else None
+    if ckpt is None or not (ckpt / SEARCHER_FILE).exists():
+        raise ConfigError(
+            f"{path}: not a sleuth checkpoint (no {SEARCHER_FILE}) nor a run directory with checkpoints; "
+            "pass runs/<name>/checkpoints/step_N or runs/<name>"
+        )
+    return ckpt
+
+
+@dataclass
+class SearcherInfo:
+    """searcher.json: how to rebuild and run the searcher a checkpoint or export holds."""
+
+    loop: str
+    loop_options: dict[str, Any] = field(default_factory=dict)
+    base_model: str | None = None
+    lora: bool = False
+    recipe: str | None = None
+    max_new_tokens_per_turn: int | None = None
+    max_obs_tokens: int | None = None
+    max_response_tokens: int | None = None
+    step: int | None = None
+    policy_dir: str = POLICY_DIR  # relative to the checkpoint; "." for an export
+    extra: dict[str, Any] = field(default_factory=dict)  # provenance: trained_with, exported_from, dtype ...
+
+    def to_json(self) -> dict[str, Any]:
+        out = {
+            "recipe": self.recipe, "loop": self.loop, "loop_options": self.loop_options,
+            "base_model": self.base_model, "lora": self.lora,
+            "max_new_tokens_per_turn": self.max_new_tokens_per_turn, "max_obs_tokens": self.max_obs_tokens,
+            "max_response_tokens": self.max_response_tokens,
+        }
+        if self.policy_dir != POLICY_DIR:
+            out["policy_dir"] = self.policy_dir
+        out.update(self.extra)
+        if self.step is not None:
+            out["step"] = self.step
+        return out
+
+    @classmethod
+    def from_json(cls, data: Any, source: str | Path) -> SearcherInfo:
+        if not isinstance(data, dict) or not isinstance(data.get("loop"), str):
+            raise DataFormatError(str(source), None, "expected a JSON object with a string 'loop'")
+        known = {f for f in cls.__dataclass_fields__ if f != "extra"}
+        kwargs = {k: v for k, v in data.items() if k in known}
+        return cls(**kwargs, extra={k: v for k, v in data.items() if k not in known})
+
+    @classmethod
+    def read(cls, ckpt: str | Path) -> SearcherInfo:
+        path = Path(ckpt) / SEARCHER_FILE
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as err:
+            raise DataFormatError(str(path), None, f"unreadable searcher info ({err})") from None
+        return cls.from_json(data, path)
+
+    def write(self, ckpt: str | Path) -> None:
+        (Path(ckpt) / SEARCHER_FILE).write_text(json.dumps(self.to_json(), indent=2) + "\n")
