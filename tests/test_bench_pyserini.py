@@ -153,3 +153,26 @@ def test_seed_server_matches_lucene_and_search_r1_shape(tmp_path: Path) -> None:
     direct = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert direct.returncode == 0, direct.stderr[-2000:]
     assert json.loads(direct.stdout.strip().splitlines()[-1]) == answers["serial"]
+
+
+def test_vs_pyserini_without_pyserini_keeps_the_sleuth_rows(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    import argparse
+
+    def unavailable() -> dict:
+        raise seed.PyseriniUnavailable("not installed (test)")
+
+    monkeypatch.setattr(retrieval_bench, "load_pyserini", unavailable)
+    corpus, questions = retrieval_bench.make_world(400, 30, tmp_path / "world", 0)
+    args = argparse.Namespace(workdir=tmp_path, passages=400, span_queries=20, seed=0, pyserini_threads=1,
+                              repeats=1, single=3)
+    result = retrieval_bench.compare_with_pyserini(args, corpus, questions)
+    measured = {r["system"]: r for r in result["rows"] if not r.get("skipped")}
+    assert set(measured) == {"sleuth BM25Retriever.search", "sleuth serve-retriever",
+                             "sleuth serve-retriever --batch-wait-ms 0"}
+    for row in measured.values():
+        assert row["qps_median"] > 0 and row["n_queries"] == 50
+        # the server returns what the retriever returns in-process
+        assert row["recall@5"] == measured["sleuth BM25Retriever.search"]["recall@5"]
+    skipped = [r for r in result["rows"] if r.get("skipped")]
+    assert len(skipped) == 1 and "not installed (test)" in skipped[0]["skipped"]
+    assert all(g["status"].startswith("unmeasured") for g in result["goals"].values())
