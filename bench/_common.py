@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 import os
 import platform
+import socket
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -260,6 +262,36 @@ def build_world(out_dir: Path, passages: int, questions: int, seed: int = 0) -> 
     build_index(out_dir / "corpus.jsonl", "bm25", out_dir / "bm25", show_progress=False)
     train = load_qa(str(out_dir / "train.jsonl"))
     return {"dir": out_dir, "train": out_dir / "train.jsonl", "index": out_dir / "bm25", "examples": train}
+
+
+# ---------------------------------------------------------------------------------------------------
+# Local HTTP servers
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_up(url: str, proc: subprocess.Popen, timeout: float = 120.0, log: Path | None = None) -> None:
+    """Wait until `url`/health answers 200; fail early, with the server's log tail, if it exits."""
+    import httpx
+
+    def tail() -> str:
+        return "\n" + log.read_text(errors="replace")[-2000:] if log is not None and log.exists() else ""
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server for {url} exited with {proc.returncode}{tail()}")
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    raise RuntimeError(f"server for {url} did not come up within {timeout:.0f} s{tail()}")
 
 
 # ---------------------------------------------------------------------------------------------------

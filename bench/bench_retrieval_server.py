@@ -18,7 +18,6 @@ import asyncio
 import json
 import os
 import random
-import socket
 import statistics
 import subprocess
 import sys
@@ -26,6 +25,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from _common import free_port, wait_up
 from sleuth.retrieval.base import Hit
 
 WORDS = [f"w{i}" for i in range(5000)]
@@ -63,12 +63,6 @@ def make_queries(n: int, seed: int = 1) -> list[str]:
     return [" ".join(rng.choices(WORDS[:2000], k=6)) for _ in range(n)]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def load(kind: str, index_dir: Path | None):
     if kind == "fake":
         return FakeRetriever()
@@ -86,22 +80,6 @@ def serve_child(kind: str, index_dir: str | None, port: int, batch_wait_ms: floa
     retriever.search(["warm up the jit"], 3)
     app = create_app(retriever, batch_wait_ms=batch_wait_ms)
     uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)
-
-
-def wait_up(url: str, proc: subprocess.Popen, timeout: float = 120.0) -> None:
-    import httpx
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}")
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    raise RuntimeError("server did not come up")
 
 
 def qps(fn, n_queries: int, repeats: int) -> float:
