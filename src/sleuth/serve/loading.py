@@ -6,6 +6,8 @@ from pathlib import Path
 from typing import Any
 
 from sleuth.errors import ConfigError
+from sleuth.llm.registry import open_generator
+from sleuth.retrieval.sources import open_retriever
 from sleuth.serve.service import SearcherService, ServeLimits
 
 # The trainer's defaults (sleuth.rl.config), used when serving an untrained model.
@@ -31,14 +33,9 @@ def load_retriever_from(index: str | Path | None, retriever_url: str | None) -> 
     if (index is None) == (retriever_url is None):
         raise ConfigError("pass exactly one of --index DIR (a local index) or --retriever-url URL (a /retrieve server)")
     if index is not None:
-        from sleuth.retrieval import load_retriever
-
-        if not Path(index).exists():
-            raise ConfigError(f"--index {index} does not exist; build one with `sleuth index`")
-        return load_retriever(index), f"index:{index}"
-    from sleuth.retrieval.client import RemoteRetriever
-
-    return RemoteRetriever(retriever_url), f"url:{retriever_url}"
+        missing = f"--index {index} does not exist or is not a directory; build one with `sleuth index`"
+        return open_retriever(index=index, missing_index=missing), f"index:{index}"
+    return open_retriever(url=retriever_url), f"url:{retriever_url}"
 
 
 def build_service(
@@ -98,11 +95,7 @@ def build_service(
         policy = load_generator(model, device=device) if device else load_generator(model)
         model_name = model
 
-    answer_gen = None
-    if generator is not None:
-        from sleuth.llm.registry import load_generator
-
-        answer_gen = load_generator(generator)
+    answer_gen = open_generator(generator)
     if warm_up:
         # The first BM25 search compiles kernels (seconds); pay it before the first client does.
         try:
