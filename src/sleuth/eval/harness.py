@@ -37,13 +37,22 @@ from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
+
 from sleuth.agent.base import AgentLoop
 from sleuth.agent.engine import RolloutBudget, rollout
 from sleuth.agent.registry import Method, get_method
 from sleuth.agent.registry import methods as registered_methods
 from sleuth.agent.searcher import load_searcher
 from sleuth.agent.trajectory import Trajectory
-from sleuth.data.formats import QAExample
+from sleuth.data.formats import QAExample, load_qa
 from sleuth.errors import ConfigError, DataFormatError
 from sleuth.eval.baselines import (
     BaselineSettings,
@@ -276,8 +285,6 @@ def dataset_of(ex: QAExample, default: str) -> str:
 
 def load_eval_data(paths: Sequence[str | Path], limit: int | None = None) -> list[QAExample]:
     """Examples of each file (first `limit` of each); a file's examples without a dataset name get its stem."""
-    from sleuth.data.formats import load_qa
-
     if not paths:
         raise ConfigError("no data file given; pass --data FILE (.jsonl, .json or .parquet)")
     if limit is not None and limit < 1:
@@ -922,15 +929,6 @@ def _compare_with_naive_rag(out_dir: Path, methods: Sequence[str], run_records: 
 
 
 def _progress_bar(console: Any):
-    from rich.progress import (
-        BarColumn,
-        MofNCompleteColumn,
-        Progress,
-        TextColumn,
-        TimeElapsedColumn,
-        TimeRemainingColumn,
-    )
-
     bar = Progress(
         TextColumn("{task.description:>10}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
         TimeRemainingColumn(), console=console,

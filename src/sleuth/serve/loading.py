@@ -5,8 +5,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import yaml
+
+from sleuth.agent import get_loop
+from sleuth.agent.searcher import load_searcher
 from sleuth.errors import ConfigError
-from sleuth.llm.registry import open_generator
+from sleuth.llm.registry import load_generator, open_generator
 from sleuth.retrieval.sources import open_retriever
 from sleuth.serve.service import SearcherService, ServeLimits
 
@@ -18,8 +22,6 @@ DEFAULT_MAX_RESPONSE_TOKENS = 2048
 
 def parse_loop_options(items: list[str] | None) -> dict[str, Any]:
     """`["top_k=5", "use_selection=false"]` -> {"top_k": 5, "use_selection": False} (values parsed as YAML)."""
-    import yaml
-
     options: dict[str, Any] = {}
     for item in items or []:
         key, sep, raw = item.partition("=")
@@ -59,7 +61,6 @@ def build_service(
     (`index`, `retriever_url`, or any object with `search(queries, k)`) and generator."""
     if (checkpoint is None) == (model is None):
         raise ConfigError("pass exactly one of --checkpoint DIR (a trained searcher) or --model SPEC with --loop NAME")
-    from sleuth.agent import get_loop
 
     # The retriever first: a wrong --index fails in a second, before any model is loaded.
     if retriever is None:
@@ -71,7 +72,6 @@ def build_service(
     if checkpoint is not None:
         if loop is not None:
             raise ConfigError("--loop goes with --model; a checkpoint carries its own loop (searcher.json)")
-        from sleuth.agent.searcher import load_searcher
 
         searcher = load_searcher(checkpoint, device=device)
         info = searcher.info
@@ -88,7 +88,6 @@ def build_service(
                 f"--model {model!r}: the searcher runs token-in/token-out and needs a local model "
                 "(an alias such as smollm2-135m-instruct, a checkpoint directory or a .gguf file)"
             )
-        from sleuth.llm.registry import load_generator
 
         info = None
         agent_loop = get_loop(loop, **(loop_options or {}))
