@@ -1,8 +1,10 @@
 """The `sleuth` command line.
 
 Each area of the package owns its commands in a `commands.py` module with a
-`register(app)` function; heavy imports happen inside the command bodies so
-that `sleuth --help` stays fast.
+`register(app)` function. Imports inside the command bodies (and their helpers in
+those modules) are deliberate: they stay deferred so that `sleuth --help` stays
+fast. Everywhere else a module imports at its top, except a heavy optional
+dependency deferred with a one-line reason.
 """
 
 from __future__ import annotations

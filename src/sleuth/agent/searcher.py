@@ -15,7 +15,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from sleuth.agent import get_loop
 from sleuth.errors import ConfigError
+from sleuth.llm.registry import resolve_model_path
 from sleuth.run_layout import SEARCHER_FILE, SearcherInfo, resolve_checkpoint
 
 __all__ = ["SEARCHER_FILE", "EXPORT_DTYPES", "Searcher", "export_searcher", "load_searcher", "resolve_checkpoint"]
@@ -31,11 +33,11 @@ class Searcher:
 
 def load_searcher(path: str | Path, device: str | None = None, merge_lora: bool = True) -> Searcher:
     """Load the policy (merging LoRA adapters into the base for fast inference) and its loop."""
+    # deferred: transformers takes seconds to import; needed only once a model loads
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from sleuth.agent import get_loop
+    # deferred: HFGenerator imports torch, which this module's other paths do without
     from sleuth.llm.hf import HFGenerator
-    from sleuth.llm.registry import resolve_model_path
 
     ckpt = resolve_checkpoint(path)
     info = SearcherInfo.read(ckpt)
@@ -43,7 +45,7 @@ def load_searcher(path: str | Path, device: str | None = None, merge_lora: bool 
     policy_dir = ckpt / info.policy_dir
     tokenizer = AutoTokenizer.from_pretrained(policy_dir)
     if info.lora:
-        from peft import PeftModel
+        from peft import PeftModel  # deferred: heavy, and only LoRA models need it
 
         base = AutoModelForCausalLM.from_pretrained(resolve_model_path(info.base_model))
         model = PeftModel.from_pretrained(base, policy_dir)
@@ -51,7 +53,7 @@ def load_searcher(path: str | Path, device: str | None = None, merge_lora: bool 
             model = model.merge_and_unload()
     else:
         model = AutoModelForCausalLM.from_pretrained(policy_dir)
-    import torch
+    import torch  # deferred: torch is heavy and this module's other paths run without it
 
     dev = torch.device(device) if device else torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model = model.to(dev).eval()
@@ -71,7 +73,7 @@ def export_searcher(
     and `sleuth serve-searcher --checkpoint out` both load it. `dtype` casts the weights ("keep":
     the precision the checkpoint serves in). Written under a temporary name and renamed into place.
     """
-    import torch
+    import torch  # deferred: torch is heavy and this module's other paths run without it
 
     if dtype not in EXPORT_DTYPES:
         raise ConfigError(f"--dtype {dtype!r}: choose one of {', '.join(EXPORT_DTYPES)}")

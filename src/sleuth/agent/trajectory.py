@@ -13,6 +13,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from sleuth.data.formats import iter_json_lines
+from sleuth.errors import DataFormatError
+from sleuth.utils import atomic_write_text
+
 
 @dataclass
 class Turn:
@@ -74,16 +78,11 @@ class Trajectory:
 
 def write_trajectories(path: str | Path, trajectories: Iterable[Trajectory]) -> None:
     """Write JSONL atomically (temp file then rename), so a crash never leaves half a file."""
-    from sleuth.utils import atomic_write_text
-
     lines = [json.dumps(t.to_dict(), ensure_ascii=False) for t in trajectories]
     atomic_write_text(path, "\n".join(lines) + ("\n" if lines else ""))
 
 
 def read_trajectories(path: str | Path) -> Iterator[Trajectory]:
-    from sleuth.data.formats import iter_json_lines
-    from sleuth.errors import DataFormatError
-
     for lineno, rec in iter_json_lines(path, "trajectory file"):
         try:
             yield Trajectory.from_dict(rec)

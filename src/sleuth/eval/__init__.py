@@ -5,6 +5,7 @@ Names are loaded lazily so that importing the package (the CLI does) stays cheap
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 _EXPORTS = {
@@ -23,7 +24,5 @@ __all__ = sorted(_EXPORTS)
 
 def __getattr__(name: str) -> Any:
     if name in _EXPORTS:
-        import importlib
-
         return getattr(importlib.import_module(_EXPORTS[name]), name)
     raise AttributeError(f"module 'sleuth.eval' has no attribute {name!r}")

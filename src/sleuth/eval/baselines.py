@@ -6,7 +6,7 @@ Prompts (the papers do not fix them for these baselines; ours are written here):
   "direct-generator": a contamination check);
 - cot: "think step by step", then the short answer inside `<answer>` tags;
 - naive-rag: top-k for the question, then the s3 frozen-generator prompt
-  (`sleuth.rewards.answerer.document_prompt`, template "s3" by default);
+  (the hand-over `sleuth.rewards.answerer.hand_over_documents`, template "s3" by default);
 - ircot: IRCoT (Trivedi et al., 2023), simplified. Retrieve top-k for the question;
   then up to T times: the model sees the documents collected so far, the question
   and its reasoning so far, and writes the next reasoning sentence (one line, first
@@ -42,7 +42,7 @@ from sleuth.errors import ConfigError
 from sleuth.llm.base import Generation, Generator, Prompt, SamplingParams
 from sleuth.retrieval.base import Hit, Retriever, format_docs
 from sleuth.retrieval.docstore import passages_by_id
-from sleuth.rewards.answerer import clean_generation, document_prompt
+from sleuth.rewards.answerer import clean_generation, hand_over_documents
 
 DIRECT_PROMPT = (
     "Answer the following question with a short answer of a few words and nothing else. "
@@ -277,12 +277,9 @@ def read_documents(
     if not examples:
         return [], [], []
     counter = CountingGenerator(reader)
-    prompts = [
-        document_prompt(ex.question.strip(), d, template or settings.answer_template)
-        for ex, d in zip(examples, docs, strict=True)
-    ]
-    gens = counter.generate(prompts, None, _params(settings.answer_max_new_tokens, settings.seed))
-    texts = [g.text for g in gens]
+    texts = hand_over_documents(counter, [ex.question.strip() for ex in examples], docs,
+                                template or settings.answer_template,
+                                _params(settings.answer_max_new_tokens, settings.seed))
     return [parse_answer(t, "first_line") for t in texts], texts, list(counter.last)
 
 

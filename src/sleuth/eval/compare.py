@@ -152,7 +152,7 @@ def compare_with_baseline(
 
 def load_method_records(spec: str | Path) -> tuple[str, list[dict]]:
     """(label, records) of `OUT/<method>` or a predictions.jsonl file, for `sleuth compare`."""
-    from sleuth.eval.harness import load_predictions
+    from sleuth.eval.harness import load_predictions  # deferred: harness imports this module (cycle)
 
     path = Path(spec)
     file = path / "predictions.jsonl" if path.is_dir() else path

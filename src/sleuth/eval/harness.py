@@ -37,12 +37,22 @@ from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
+
 from sleuth.agent.base import AgentLoop
 from sleuth.agent.engine import RolloutBudget, rollout
 from sleuth.agent.registry import Method, get_method
 from sleuth.agent.registry import methods as registered_methods
+from sleuth.agent.searcher import load_searcher
 from sleuth.agent.trajectory import Trajectory
-from sleuth.data.formats import QAExample
+from sleuth.data.formats import QAExample, load_qa
 from sleuth.errors import ConfigError, DataFormatError
 from sleuth.eval.baselines import (
     BaselineSettings,
@@ -60,8 +70,11 @@ from sleuth.eval.compare import compare_with_baseline, paired_markdown
 from sleuth.eval.search_o1 import SearchO1Loop
 from sleuth.eval.stats import DEFAULT_RESAMPLES, bootstrap_ci, bootstrap_cis
 from sleuth.llm.base import Generator, SamplingParams
+from sleuth.llm.registry import open_generator
 from sleuth.retrieval.base import Retriever
 from sleuth.retrieval.docstore import passages_by_id
+from sleuth.retrieval.sources import open_retriever
+from sleuth.retrieval.tools import is_tool_spec
 from sleuth.rewards.answerer import (
     DEFAULT_DOC_TEMPLATE,
     DOC_TEMPLATES,
@@ -219,17 +232,8 @@ def describe(component: Any) -> str | None:
 
 
 def resolve_generator(spec: Generator | str | Mapping | None) -> Generator | None:
-    if spec is None:
-        return None
-    if hasattr(spec, "generate") and not isinstance(spec, (str, Mapping)):
-        return spec  # type: ignore[return-value]
-    if isinstance(spec, (str, Path)) and is_sleuth_checkpoint(spec):
-        from sleuth.agent.searcher import load_searcher
-
-        return load_searcher(spec).generator  # a trained policy (LoRA merged into its base)
-    from sleuth.llm.registry import load_generator
-
-    return load_generator(dict(spec) if isinstance(spec, Mapping) else str(spec))
+    """A model spec, or a trained policy (a sleuth checkpoint, LoRA merged into its base)."""
+    return open_generator(spec, checkpoint=lambda path: load_searcher(path).generator)
 
 
 def checkpoint_budgets(spec: str | Path) -> dict[str, int]:
@@ -260,23 +264,15 @@ def resolve_retriever(spec: Retriever | str | Path | None) -> Retriever | None:
     if hasattr(spec, "search") and not isinstance(spec, (str, Path)):
         return spec  # type: ignore[return-value]
     text = str(spec)
-    from sleuth.retrieval.tools import is_tool_spec, load_tool_retriever
-
     if is_tool_spec(text):  # an MCP server's search tool or an HTTP search API
-        return load_tool_retriever(text)
+        return open_retriever(tool=text)
     if text.startswith(("http://", "https://")):
-        from sleuth.retrieval.client import RemoteRetriever
-
-        return RemoteRetriever(text)
-    path = Path(text).expanduser()
-    if not path.is_dir():
-        raise ConfigError(
-            f"retriever {text!r} is neither an index directory nor an http(s) URL; "
-            "build an index with `sleuth index CORPUS --out DIR` or start one with `sleuth serve-retriever`"
-        )
-    from sleuth.retrieval.index import load_retriever
-
-    return load_retriever(path)
+        return open_retriever(url=text)
+    return open_retriever(
+        index=Path(text).expanduser(),
+        missing_index=f"retriever {text!r} is neither an index directory nor an http(s) URL; "
+        "build an index with `sleuth index CORPUS --out DIR` or start one with `sleuth serve-retriever`",
+    )
 
 
 # -- examples ----------------------------------------------------------------------------------------
@@ -289,8 +285,6 @@ def dataset_of(ex: QAExample, default: str) -> str:
 
 def load_eval_data(paths: Sequence[str | Path], limit: int | None = None) -> list[QAExample]:
     """Examples of each file (first `limit` of each); a file's examples without a dataset name get its stem."""
-    from sleuth.data.formats import load_qa
-
     if not paths:
         raise ConfigError("no data file given; pass --data FILE (.jsonl, .json or .parquet)")
     if limit is not None and limit < 1:
@@ -935,15 +929,6 @@ def _compare_with_naive_rag(out_dir: Path, methods: Sequence[str], run_records: 
 
 
 def _progress_bar(console: Any):
-    from rich.progress import (
-        BarColumn,
-        MofNCompleteColumn,
-        Progress,
-        TextColumn,
-        TimeElapsedColumn,
-        TimeRemainingColumn,
-    )
-
     bar = Progress(
         TextColumn("{task.description:>10}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
         TimeRemainingColumn(), console=console,

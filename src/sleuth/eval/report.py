@@ -26,10 +26,14 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from jinja2 import Environment, PackageLoader, select_autoescape
 from markupsafe import Markup
 
 from sleuth.errors import ConfigError, DataFormatError
+from sleuth.eval.compare import paired_rows
+from sleuth.rewards.metrics import exact_match, normalize_answer
 from sleuth.run_layout import METRICS, RUN_INFO
+from sleuth.utils import atomic_write_text
 
 MAX_TRAJECTORIES = 200
 MAX_TEXT_CHARS = 20_000  # per text block; a runaway generation must not make the page unusable
@@ -204,7 +208,6 @@ def contains_answer(text: str | None, golds: Sequence[str]) -> bool:
     """Whether a document mentions a gold answer (normalised substring, as cover-EM does)."""
     if not text:
         return False
-    from sleuth.rewards.metrics import normalize_answer
 
     hay = f" {normalize_answer(text)} "
     return any(g and f" {normalize_answer(g)} " in hay for g in golds if normalize_answer(g))
@@ -396,8 +399,9 @@ _COLORS = (
 
 
 def _new_figure(width: float, height: float, constrained: bool = True):
+    # deferred: matplotlib is heavy; only reports with plots need it
     from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
+    from matplotlib.figure import Figure  # deferred: matplotlib is heavy; only reports with plots need it
 
     # Constrained layout costs ~0.4 s per grid of small plots; grids place themselves by hand.
     fig = Figure(figsize=(width, height), dpi=100, layout="constrained" if constrained else None)
@@ -589,8 +593,6 @@ def eval_tables(run: EvalRun) -> list[dict]:
 
 def paired_table(run: EvalRun) -> dict | None:
     """Each method minus the baseline on the same questions (summary.json "paired"), in points."""
-    from sleuth.eval.compare import paired_rows
-
     paired = run.paired
     if not paired or not isinstance(paired.get("methods"), dict) or not paired["methods"]:
         return None
@@ -655,7 +657,7 @@ def dodge(xs: Sequence[float], ys: Sequence[float], step: float) -> list[float]:
 
 
 def plot_scatter(metric: str, points: list[dict]) -> str:
-    from matplotlib.lines import Line2D
+    from matplotlib.lines import Line2D  # deferred: matplotlib is heavy; only reports with plots need it
 
     fig = _new_figure(7.5, 4.5)
     ax = fig.add_subplot()
@@ -731,8 +733,6 @@ def trajectory_view(source: str, record: dict, traj: dict | None) -> dict:
     metrics = record.get("metrics") if isinstance(record.get("metrics"), dict) else {}
     correct = _correct_from_metrics(metrics)
     if correct is None and "golden_answers" in traj:
-        from sleuth.rewards.metrics import exact_match
-
         correct = bool(exact_match(traj.get("answer") or "", golds))
     selected_ids = {str(h.get("doc_id", h.get("id", ""))) for h in traj.get("selected") or []}
     rewards = traj.get("rewards") or record.get("rewards") or {}
@@ -854,8 +854,6 @@ def _config_items(config: dict) -> list[tuple[str, str]]:
 
 
 def _template_env():
-    from jinja2 import Environment, PackageLoader, select_autoescape
-
     return Environment(
         loader=PackageLoader("sleuth.eval", "templates"),
         autoescape=select_autoescape(["html"], default_for_string=True, default=True),
@@ -946,8 +944,6 @@ def build_report(
     max_trajectories: int = MAX_TRAJECTORIES,
 ) -> Path:
     """Write the HTML report for `run_dir` (default `run_dir/report.html`) atomically; return its path."""
-    from sleuth.utils import atomic_write_text
-
     if max_trajectories < 0:
         raise ConfigError(f"max_trajectories must be >= 0, got {max_trajectories}")
     data = discover(run_dir)

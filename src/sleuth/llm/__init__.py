@@ -6,6 +6,7 @@ imported lazily so that `import sleuth.llm` pulls in neither torch nor vllm.
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 from sleuth.llm.base import Generation, Generator, Prompt, SamplingParams
@@ -24,7 +25,5 @@ __all__ = ["Generation", "Generator", "Prompt", "SamplingParams", *_LAZY]
 
 def __getattr__(name: str) -> Any:
     if name in _LAZY:
-        import importlib
-
         return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'sleuth.llm' has no attribute {name!r}")

@@ -67,7 +67,7 @@ def ensure_converted(
     if is_converted(target):
         return target
 
-    import torch
+    import torch  # deferred: torch is heavy and this module's other paths run without it
 
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(dtype)
     if torch_dtype is None:
@@ -108,10 +108,12 @@ def _load_dequantized(path: Path, torch_dtype):  # noqa: ANN001, ANN202 - torch 
     transformers attaches a GGUF quantizer to the loaded model which refuses serialisation even when
     every weight was unpacked, so we copy the dense weights into a fresh model built from the config.
     """
+    # deferred: transformers takes seconds to import; needed only once a model loads
     from transformers import AutoModelForCausalLM
 
     kwargs = {}
     try:
+        # deferred: transformers is heavy; needed only for a GGUF load
         from transformers.utils.quantization_config import GgufConfig
 
         # Unpack every weight: a packed (kernel-backed) layer cannot be saved as safetensors.

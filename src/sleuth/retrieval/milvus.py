@@ -24,9 +24,14 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from tqdm.auto import tqdm
+
+from sleuth.data.formats import iter_corpus
 from sleuth.errors import ConfigError, IndexMismatchError, ServiceError
 from sleuth.retrieval._common import validate_queries
 from sleuth.retrieval.base import Hit
+from sleuth.retrieval.dense import passage_text
+from sleuth.retrieval.encoders import Encoder, EncoderConfig
 
 MODES = ("dense", "bm25", "hybrid")
 DOC_ID_MAX = 512
@@ -43,7 +48,7 @@ META_PROPERTY = "sleuth.meta"
 
 def _pymilvus():
     try:
-        import pymilvus
+        import pymilvus  # deferred: optional; only a Milvus index needs it
     except ImportError as err:  # pragma: no cover - depends on the environment
         raise ConfigError(
             "the Milvus backend needs pymilvus (and milvus-lite for local .db files): "
@@ -123,8 +128,6 @@ def _build_schema(client: Any, dim: int, bm25: bool, meta: dict[str, Any]) -> An
 
 
 def _batches(corpus: str | Path, batch: int) -> Iterator[list[tuple[int, Any]]]:
-    from sleuth.data.formats import iter_corpus
-
     buf: list[tuple[int, Any]] = []
     for row, passage in enumerate(iter_corpus(corpus)):
         buf.append((row, passage))
@@ -157,8 +160,6 @@ def index_corpus(
     shards (cluster parallelism for inserts; ignored by milvus-lite). `bm25`: also build the
     server-side BM25 sparse index (Milvus >= 2.5).
     """
-    from sleuth.retrieval.dense import passage_text
-
     if batch < 1:
         raise ConfigError(f"batch must be >= 1, got {batch}")
     dense_index = {**DEFAULT_INDEX, **(index_params or {})}
@@ -203,8 +204,6 @@ def index_corpus(
         inserted = 0
         batches = _batches(corpus, batch)
         if show_progress:
-            from tqdm.auto import tqdm
-
             batches = tqdm(batches, desc=f"milvus insert {collection}", unit="batches")
         for chunk in batches:
             rows = []
@@ -308,8 +307,6 @@ class MilvusRetriever:
         recorded = dict(recorded)
         dim = recorded.pop("dim")
         if encoder is None:
-            from sleuth.retrieval.encoders import Encoder, EncoderConfig
-
             encoder = Encoder(EncoderConfig(**recorded))
         for key in ("name", "query_prefix", "passage_prefix", "normalize"):
             if getattr(encoder.config, key) != recorded.get(key):

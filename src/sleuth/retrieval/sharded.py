@@ -30,6 +30,7 @@ import numpy as np
 from sleuth.errors import ConfigError, IndexMismatchError
 from sleuth.retrieval._common import hits_from_rows, validate_queries
 from sleuth.retrieval.base import Hit
+from sleuth.retrieval.dense import BLAS_BATCH_MIN, _blas_lock, new_faiss_index, read_faiss
 from sleuth.retrieval.docstore import DocStore
 
 SHARD_DIR = "shards"
@@ -111,9 +112,8 @@ def build_sharded_faiss(
     `params` come from `dense.faiss_params`. `train_sample` (IVF-PQ only) caps the vectors held in RAM
     for training; `keep_vectors` keeps a float16 copy of all vectors for exact re-ranking.
     """
-    import faiss
+    import faiss  # deferred: faiss is heavy; only dense indexes need it
 
-    from sleuth.retrieval.dense import new_faiss_index
 
     ranges = shard_ranges(num_vectors, shards)
     bounds = [0] + [end for _, end in ranges]
@@ -176,9 +176,8 @@ def _train_and_fill_ivf(
     train_sample: int | None,
     seed: int,
 ) -> int:
-    import faiss
+    import faiss  # deferred: faiss is heavy; only dense indexes need it
 
-    from sleuth.retrieval.dense import new_faiss_index
 
     num_vectors = spool.shape[0]
     # Every shard is a copy of one trained empty index, so codes from all shards share one codebook.
@@ -240,13 +239,11 @@ def exact_rerank(
 
 def read_faiss_mmap(path: Path) -> Any:
     """One shard, memory-mapped where faiss supports it (see `sleuth.retrieval.dense.read_faiss`)."""
-    from sleuth.retrieval.dense import read_faiss
-
     return read_faiss(path)
 
 
 def _to_gpu(index: Any, gpu: int) -> Any:
-    import faiss
+    import faiss  # deferred: faiss is heavy; only dense indexes need it
 
     if not hasattr(faiss, "StandardGpuResources"):
         raise ConfigError(
@@ -330,7 +327,7 @@ class ShardedDenseRetriever:
         return self.docstore.num_docs
 
     def set_search_params(self, ef_search: int | None = None, nprobe: int | None = None) -> None:
-        import faiss
+        import faiss  # deferred: faiss is heavy; only dense indexes need it
 
         for index in self.indexes:
             if ef_search is not None:
@@ -344,7 +341,7 @@ class ShardedDenseRetriever:
     def _search_shard(
         self, i: int, vectors: np.ndarray, k: int, omp_threads: int
     ) -> tuple[np.ndarray, np.ndarray]:
-        import faiss
+        import faiss  # deferred: faiss is heavy; only dense indexes need it
 
         # OpenMP thread counts are per calling thread, so each pool thread sets its own.
         faiss.omp_set_num_threads(omp_threads)
@@ -354,9 +351,8 @@ class ShardedDenseRetriever:
 
     def search_vectors(self, vectors: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
         """Global (scores, rows) of shape (num_queries, <= k); rows are -1 where fewer than k were found."""
-        import faiss
+        import faiss  # deferred: faiss is heavy; only dense indexes need it
 
-        from sleuth.retrieval.dense import BLAS_BATCH_MIN, _blas_lock
 
         vectors = np.ascontiguousarray(vectors, dtype=np.float32)
         fetch = max(k, self.rerank) if self.rerank else k

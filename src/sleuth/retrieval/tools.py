@@ -301,6 +301,7 @@ class MCPRetriever(_PerQueryRetriever):
             env = {**os.environ, **{n: expand_env(v, f"mcp.env.{n}") for n, v in cfg.env.items()}}
             target = StdioServerParameters(command=cfg.command[0], args=cfg.command[1:], env=env)
         elif cfg.headers:
+            # deferred: the MCP SDK's stack is needed only when an MCP tool is used
             import httpx2
             from mcp.client.streamable_http import streamable_http_client
 

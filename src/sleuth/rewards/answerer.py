@@ -105,13 +105,36 @@ def document_prompt(
     raise ValueError(f"unknown document template {template!r}; choose one of {list(DOC_TEMPLATES)}")
 
 
-def _generate(generator: Generator, prompts: list[list[dict]], params: SamplingParams) -> list[str]:
+def _replies(generator: Generator, prompts: list[list[dict]], params: SamplingParams) -> list[str]:
+    """One batched call; the raw text of each reply."""
     if not prompts:
         return []
     outs = generator.generate(prompts, None, params)
     if len(outs) != len(prompts):
         raise RuntimeError(f"generator returned {len(outs)} completions for {len(prompts)} prompts")
-    return [clean_generation(o.text) for o in outs]
+    return [o.text for o in outs]
+
+
+def _generate(generator: Generator, prompts: list[list[dict]], params: SamplingParams) -> list[str]:
+    return [clean_generation(text) for text in _replies(generator, prompts, params)]
+
+
+def hand_over_documents(
+    generator: Generator,
+    questions: Sequence[str],
+    docs_per_question: Sequence[Sequence[Hit | Mapping[str, Any]]],
+    template: str = "s3",
+    params: SamplingParams | None = None,
+) -> list[str]:
+    """The hand-over of documents to a frozen generator, written once (rewards, evaluation and serving
+    call it): one batched call, the raw reply to each question given its documents. Callers parse the
+    reply their own way (`answer_from_documents` cleans it; evaluation extracts the answer)."""
+    if len(questions) != len(docs_per_question):
+        raise ValueError(f"{len(questions)} questions but {len(docs_per_question)} document lists")
+    prompts = [
+        document_prompt(q, docs, template) for q, docs in zip(questions, docs_per_question, strict=True)
+    ]
+    return _replies(generator, prompts, params or DEFAULT_GENERATOR_PARAMS)
 
 
 def answer_from_documents(
@@ -121,13 +144,9 @@ def answer_from_documents(
     template: str = "s3",
     params: SamplingParams | None = None,
 ) -> list[str]:
-    """One batched call: the frozen generator's answer to each question given its documents."""
-    if len(questions) != len(docs_per_question):
-        raise ValueError(f"{len(questions)} questions but {len(docs_per_question)} document lists")
-    prompts = [
-        document_prompt(q, docs, template) for q, docs in zip(questions, docs_per_question, strict=True)
-    ]
-    return _generate(generator, prompts, params or DEFAULT_GENERATOR_PARAMS)
+    """The frozen generator's answer to each question given its documents (reasoning blocks dropped)."""
+    return [clean_generation(text) for text in hand_over_documents(generator, questions, docs_per_question,
+                                                                   template, params)]
 
 
 def answer_from_evidence(

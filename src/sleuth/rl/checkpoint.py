@@ -142,6 +142,7 @@ def full_states(models: dict[str, torch.nn.Module], optimizers: dict[str, torch.
     """Unsharded model and optimizer states (on the CPU, complete on rank 0) through the distributed
     checkpoint API; optimizer states are keyed by parameter name, so a checkpoint written by N ranks
     (DDP or FSDP) loads on M. A collective: every rank must call it."""
+    # deferred: a heavy torch submodule only checkpoints need
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
         get_model_state_dict,
@@ -157,6 +158,7 @@ def full_states(models: dict[str, torch.nn.Module], optimizers: dict[str, torch.
 def load_optimizer_states(
     models: dict[str, torch.nn.Module], optimizers: dict[str, torch.optim.Optimizer], states: dict[str, Any]
 ) -> None:
+    # deferred: a heavy torch submodule only checkpoints need
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
     opts = StateDictOptions(full_state_dict=True)

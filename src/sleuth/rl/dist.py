@@ -21,6 +21,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from sleuth.errors import ConfigError
+
 
 @dataclass
 class DistContext:
@@ -77,8 +79,6 @@ def init_distributed(requested_device: str | None = None) -> DistContext:
 def shard_range(total: int, ctx: DistContext, what: str) -> slice:
     """This rank's contiguous slice of `total` items (prompts); `total` must divide evenly."""
     if total % ctx.world_size:
-        from sleuth.errors import ConfigError
-
         raise ConfigError(f"{what}={total} must be divisible by the number of ranks ({ctx.world_size})")
     per = total // ctx.world_size
     return slice(ctx.rank * per, (ctx.rank + 1) * per)
@@ -89,6 +89,7 @@ def wrap_model(model: torch.nn.Module, ctx: DistContext, strategy: str) -> torch
     if not ctx.enabled:
         return model
     if strategy == "fsdp":
+        # deferred: a heavy torch submodule only multi-process runs need
         from torch.distributed.fsdp import fully_shard
 
         # shard each transformer block, then the root, so only one block is gathered at a time
@@ -96,6 +97,7 @@ def wrap_model(model: torch.nn.Module, ctx: DistContext, strategy: str) -> torch
             if type(module).__name__.endswith("DecoderLayer"):
                 fully_shard(module)
         return fully_shard(model)
+    # deferred: only multi-process runs wrap the model
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     ids = [ctx.local_rank] if ctx.device.type == "cuda" else None

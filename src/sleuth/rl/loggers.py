@@ -79,6 +79,7 @@ class JsonlLogger:
 class TensorBoardLogger:
     def __init__(self, out_dir: Path):
         try:
+            # deferred: an optional tracker that imports tensorboard
             from torch.utils.tensorboard import SummaryWriter
         except ImportError as err:
             raise ConfigError(f"trainer.loggers has tensorboard: {_INSTALL_HINT.format(package='tensorboard')}") from err

@@ -41,6 +41,7 @@ class ValueModel(nn.Module):
 
 def load_policy(recipe: Recipe, device: torch.device, adapter_dir: Path | None = None):
     """Load tokenizer + policy (optionally LoRA-wrapped) from the recipe's model spec."""
+    # deferred: transformers takes seconds to import; needed only once a model loads
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
 
@@ -56,6 +57,7 @@ def load_policy(recipe: Recipe, device: torch.device, adapter_dir: Path | None =
         model.gradient_checkpointing_enable()
         model.config.use_cache = False
     if recipe.model.lora.enabled:
+        # deferred: heavy, and only LoRA models need it
         from peft import LoraConfig, PeftModel, get_peft_model
 
         if adapter_dir is not None:
@@ -141,6 +143,7 @@ def sync_rollout_copy(rollout: nn.Module, policy: nn.Module) -> None:
 
 
 def load_reference(model_path: str, policy: nn.Module, device: torch.device) -> nn.Module:
+    # deferred: transformers takes seconds to import; needed only once a model loads
     from transformers import AutoModelForCausalLM
 
     dtype = next(policy.parameters()).dtype
@@ -149,6 +152,7 @@ def load_reference(model_path: str, policy: nn.Module, device: torch.device) -> 
 
 
 def load_critic(model_path: str, device: torch.device, dtype: torch.dtype) -> ValueModel:
+    # deferred: transformers takes seconds to import; needed only once a model loads
     from transformers import AutoConfig, AutoModel
 
     config = AutoConfig.from_pretrained(model_path)

@@ -16,11 +16,11 @@ from sleuth.data.filters import drop_yes_no, keep_hard
 from sleuth.data.formats import QAExample, load_qa
 from sleuth.data.score_cache import ScoreCache
 from sleuth.errors import ConfigError
-from sleuth.llm.registry import check_model_spec, is_remote_spec, load_generator
-from sleuth.retrieval import load_retriever
-from sleuth.retrieval.client import RemoteRetriever
+from sleuth.llm.registry import check_model_spec, open_generator
+from sleuth.retrieval.base import Retriever
 from sleuth.retrieval.encoders import Encoder, EncoderConfig
-from sleuth.retrieval.tools import tool_retriever
+from sleuth.retrieval.sources import open_retriever
+from sleuth.retrieval.tools import ToolRetrieverConfig
 from sleuth.rewards.base import RewardServices
 from sleuth.rl.config import Recipe
 from sleuth.rl.models import FrozenBaseGenerator
@@ -59,15 +59,12 @@ class DataCursor:
         return {"epoch": self.epoch, "position": self.position}
 
 
-def build_retriever(recipe: Recipe):
-    if recipe.retriever.mcp is not None or recipe.retriever.http is not None:
-
-        return tool_retriever(recipe.retriever.mcp, recipe.retriever.http)
-    if recipe.retriever.url is not None:
-
-        return RemoteRetriever(recipe.retriever.url, retry=recipe.services.retry.policy())
-
-    return load_retriever(recipe.retriever.index, corpus=recipe.retriever.corpus)
+def build_retriever(recipe: Recipe) -> Retriever:
+    """The recipe's retriever; a /retrieve server is called with the recipe's service retry policy."""
+    section = recipe.retriever
+    tool = ToolRetrieverConfig(mcp=section.mcp, http=section.http) if section.mcp is not None or section.http is not None else None
+    return open_retriever(index=section.index, url=section.url, tool=tool, corpus=section.corpus,
+                          retry=recipe.services.retry.policy())
 
 
 def loop_options(recipe: Recipe) -> dict[str, Any]:
@@ -121,17 +118,14 @@ def load_examples(recipe: Recipe) -> list[QAExample]:
 
 def build_reward_services(recipe: Recipe, policy_gen: Any, policy: nn.Module, retriever: Any):
 
-    def service_model(spec: str | None, role: str):
-        if spec is None:
-            return None
-        if spec == "policy-base":
-            if not hasattr(policy, "disable_adapter"):
-                raise ConfigError("reward generator 'policy-base' needs model.lora.enabled=true")
-            return FrozenBaseGenerator(policy_gen, policy)
+    def policy_base() -> FrozenBaseGenerator:
+        if not hasattr(policy, "disable_adapter"):
+            raise ConfigError("reward generator 'policy-base' needs model.lora.enabled=true")
+        return FrozenBaseGenerator(policy_gen, policy)
 
-        if is_remote_spec(spec):
-            return load_generator(spec, retry=recipe.services.retry.policy(), service=f"reward {role}")
-        return load_generator(spec)
+    def service_model(spec: str | None, role: str):
+        return open_generator(spec, retry=recipe.services.retry.policy(), service=f"reward {role}",
+                              named={"policy-base": policy_base})
 
     encoder = None
     if recipe.reward.encoder:

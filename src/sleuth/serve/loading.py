@@ -5,7 +5,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import yaml
+
+from sleuth.agent import get_loop
+from sleuth.agent.searcher import load_searcher
 from sleuth.errors import ConfigError
+from sleuth.llm.registry import load_generator, open_generator
+from sleuth.retrieval.sources import open_retriever
 from sleuth.serve.service import SearcherService, ServeLimits
 
 # The trainer's defaults (sleuth.rl.config), used when serving an untrained model.
@@ -16,8 +22,6 @@ DEFAULT_MAX_RESPONSE_TOKENS = 2048
 
 def parse_loop_options(items: list[str] | None) -> dict[str, Any]:
     """`["top_k=5", "use_selection=false"]` -> {"top_k": 5, "use_selection": False} (values parsed as YAML)."""
-    import yaml
-
     options: dict[str, Any] = {}
     for item in items or []:
         key, sep, raw = item.partition("=")
@@ -31,14 +35,9 @@ def load_retriever_from(index: str | Path | None, retriever_url: str | None) -> 
     if (index is None) == (retriever_url is None):
         raise ConfigError("pass exactly one of --index DIR (a local index) or --retriever-url URL (a /retrieve server)")
     if index is not None:
-        from sleuth.retrieval import load_retriever
-
-        if not Path(index).exists():
-            raise ConfigError(f"--index {index} does not exist; build one with `sleuth index`")
-        return load_retriever(index), f"index:{index}"
-    from sleuth.retrieval.client import RemoteRetriever
-
-    return RemoteRetriever(retriever_url), f"url:{retriever_url}"
+        missing = f"--index {index} does not exist or is not a directory; build one with `sleuth index`"
+        return open_retriever(index=index, missing_index=missing), f"index:{index}"
+    return open_retriever(url=retriever_url), f"url:{retriever_url}"
 
 
 def build_service(
@@ -62,7 +61,6 @@ def build_service(
     (`index`, `retriever_url`, or any object with `search(queries, k)`) and generator."""
     if (checkpoint is None) == (model is None):
         raise ConfigError("pass exactly one of --checkpoint DIR (a trained searcher) or --model SPEC with --loop NAME")
-    from sleuth.agent import get_loop
 
     # The retriever first: a wrong --index fails in a second, before any model is loaded.
     if retriever is None:
@@ -74,7 +72,6 @@ def build_service(
     if checkpoint is not None:
         if loop is not None:
             raise ConfigError("--loop goes with --model; a checkpoint carries its own loop (searcher.json)")
-        from sleuth.agent.searcher import load_searcher
 
         searcher = load_searcher(checkpoint, device=device)
         info = searcher.info
@@ -91,18 +88,13 @@ def build_service(
                 f"--model {model!r}: the searcher runs token-in/token-out and needs a local model "
                 "(an alias such as smollm2-135m-instruct, a checkpoint directory or a .gguf file)"
             )
-        from sleuth.llm.registry import load_generator
 
         info = None
         agent_loop = get_loop(loop, **(loop_options or {}))
         policy = load_generator(model, device=device) if device else load_generator(model)
         model_name = model
 
-    answer_gen = None
-    if generator is not None:
-        from sleuth.llm.registry import load_generator
-
-        answer_gen = load_generator(generator)
+    answer_gen = open_generator(generator)
     if warm_up:
         # The first BM25 search compiles kernels (seconds); pay it before the first client does.
         try:

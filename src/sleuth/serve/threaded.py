@@ -9,12 +9,12 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import uvicorn
+
 
 @contextmanager
 def serve_in_thread(app: Any, host: str = "127.0.0.1", start_timeout_s: float = 30.0) -> Iterator[str]:
     """Yields the base URL (http://host:port) while `app` is served; stops the server on exit."""
-    import uvicorn
-
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, 0))  # the OS picks a free port; holding the socket avoids a race for it
