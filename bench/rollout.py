@@ -122,7 +122,7 @@ def run_engine(mode: str, model: Any, tokenizer: Any, model_info: dict[str, Any]
     row.update(mode=mode, cache=cache, compile=mode == "static+compile", batch=len(trajs), warmup_s=round(warmup_s, 2),
                turns_mean=sum(t.num_turns for t in trajs) / len(trajs),
                retrievals=sum(t.retrieval_count for t in trajs),
-               finish_reasons=_counts(r for t in trajs for r in t.extra["generation_finish_reasons"]))
+               finish_reasons=_counts(r for t in trajs for r in t.generation_finish_reasons))
     del gen, counting, ledger
     return row
 

@@ -167,8 +167,8 @@ def test_search_r1_batches_generation_and_retrieval_per_turn(tok):
         ],
     }
     trajs, gen, ret = run("search_r1", script, examples=EXAMPLES, n=2, tok=tok)
-    assert [t.extra["group"] for t in trajs] == [0, 0, 1, 1]
-    assert [t.extra["sample"] for t in trajs] == [0, 1, 0, 1]
+    assert [t.group for t in trajs] == [0, 0, 1, 1]
+    assert [t.sample for t in trajs] == [0, 1, 0, 1]
     assert [t.question_id for t in trajs] == ["q1", "q1", "q2", "q2"]
     assert [len(b) for b in gen.calls] == [4, 4, 2]  # one generate call per turn, all active together
     # one search call per turn; identical queries of the n samples are sent once
@@ -195,7 +195,7 @@ def test_search_r1_malformed_turn_gets_the_invalid_action_message(tok, bad_turn)
     script = {Q_CAPITAL: [bad_turn, "<answer> Quellstad </answer>"]}
     (traj,), gen, ret = run("search_r1", script, tok=tok)
     check_token_view(traj, gen, tok)
-    assert traj.extra["invalid_actions"] == 1
+    assert traj.invalid_actions == 1
     assert [t.text for t in traj.turns if t.role == "env"] == [SEARCH_R1_INVALID_ACTION]
     assert traj.answer == "Quellstad" and ret.calls == []
 
@@ -214,7 +214,7 @@ def test_search_r1_garbage_every_turn_ends_scored_with_no_answer(tok):
     check_token_view(traj, gen, tok)
     assert traj.answer is None and traj.finish_reason == "max_turns"
     assert len(gen.calls) == 5  # 4 rounds + the forced final generation
-    assert traj.extra["invalid_actions"] == 5 and traj.extra["forced_final"]
+    assert traj.invalid_actions == 5 and traj.forced_final
 
 
 def test_search_r1_forced_final_answer_after_max_turns(tok):
@@ -227,13 +227,13 @@ def test_search_r1_forced_final_answer_after_max_turns(tok):
 
     (traj,), gen, ret = run("search_r1", script, tok=tok)
     assert traj.retrieval_count == 4 and len(ret.calls) == 4 and len(gen.calls) == 5
-    assert traj.answer == "Quellstad" and traj.finish_reason == "answer" and traj.extra["forced_final"]
+    assert traj.answer == "Quellstad" and traj.finish_reason == "answer" and traj.forced_final
     check_token_view(traj, gen, tok)
 
     # a search in the forced final generation is not executed
     (traj,), gen, ret = run("search_r1", lambda call: "<search> Varonia </search>", tok=tok, max_turns=2)
     assert traj.retrieval_count == 2 and len(ret.calls) == 2 and len(gen.calls) == 3
-    assert traj.finish_reason == "max_turns" and traj.answer is None and traj.extra["search_after_limit"]
+    assert traj.finish_reason == "max_turns" and traj.answer is None and traj.search_after_limit
     assert traj.turns[-1].role == "policy"
 
 
@@ -243,7 +243,7 @@ def test_observation_truncated_in_tokens_keeping_the_closing_tag(tok):
     env = [t for t in traj.turns if t.role == "env"][0]
     assert env.end - env.start == 20
     assert env.text.startswith("\n\n<information>") and env.text.endswith("</information>\n\n")
-    assert traj.extra["obs_truncated_tokens"] > 0
+    assert traj.obs_truncated_tokens > 0
     check_token_view(traj, gen, tok)
 
 
@@ -372,7 +372,7 @@ def test_s3_query_json_fallbacks_and_invalid_turn(tok):
     check_token_view(traj, gen, tok)
     assert [t.text for t in traj.turns if t.role == "env"][0] == S3_INVALID_ACTION
     assert traj.queries == [Q_FILM, "Mara Ilves born", '{"query":']
-    assert traj.extra["invalid_actions"] == 1 and traj.extra["query_not_json"] == 1
+    assert traj.invalid_actions == 1 and traj.extra["query_not_json"] == 1
     assert traj.finish_reason == "search_complete"
 
 
@@ -502,7 +502,7 @@ def test_qagent_rethink_prompt_and_max_turns_without_forced_answer(tok):
     script = {Q_FILM: ["Let me think about it.", "<plan> p </plan> <answer> Tarsk </answer>"]}
     (traj,), gen, _ = run("qagent", script, examples=[EXAMPLES[1]], tok=tok)
     assert [t.text for t in traj.turns if t.role == "env"] == [QAGENT_RETHINK]
-    assert traj.extra["invalid_actions"] == 1 and traj.answer == "Tarsk"
+    assert traj.invalid_actions == 1 and traj.answer == "Tarsk"
     check_token_view(traj, gen, tok)
 
     always_search = lambda call: "<plan> p </plan> <search><query>Varonia</query></search>"  # noqa: E731
@@ -525,7 +525,7 @@ def test_qagent_search_without_query_tags_and_empty_search(tok):
     (traj,), gen, _ = run("qagent", script, examples=[EXAMPLES[1]], tok=tok)
     assert traj.queries == ["Blue Harbor director"]
     assert traj.extra["search_without_query_tags"] == 1 and traj.extra["empty_queries"] == 1
-    assert traj.extra["invalid_actions"] == 1 and traj.answer == "Tarsk"
+    assert traj.invalid_actions == 1 and traj.answer == "Tarsk"
     check_token_view(traj, gen, tok)
 
 
@@ -598,3 +598,17 @@ def test_observation_text_of_each_loop_matches_its_public_code_on_fixed_strings(
                            ("qagent", search_r1_block), ("r_search", r_search_block)):
         obs = get_loop(name).observe(None, None, [hits[:1], hits[1:]])  # type: ignore[arg-type]
         assert obs.prefix + obs.body + obs.suffix == expected, name
+
+
+def test_engine_fields_are_typed_and_old_files_still_load():
+    from sleuth.agent.trajectory import Trajectory
+
+    old = Trajectory("q1", "Q?", ["a"], "search_r1").to_dict()
+    for name in ("group", "sample", "invalid_actions", "forced_final", "generation_finish_reasons"):
+        del old[name]
+    old["extra"] = {"group": "2:5", "sample": 3, "invalid_actions": 4, "forced_final": True,
+                    "generation_finish_reasons": ["stop", "eos"], "format_ok": True}
+    t = Trajectory.from_dict(old)
+    assert (t.sampling_round, t.group, t.sample, t.invalid_actions, t.forced_final) == (2, 5, 3, 4, True)
+    assert t.generation_finish_reasons == ["stop", "eos"] and t.extra == {"format_ok": True}
+    assert Trajectory.from_dict(t.to_dict()) == t

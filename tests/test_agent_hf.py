@@ -68,7 +68,7 @@ def test_rollout_with_the_real_hf_backend(generator, tmp_path, name):
         n=2,
         budget=RolloutBudget(max_obs_tokens=40, max_response_tokens=200),
     )
-    assert len(trajs) == 4 and [t.extra["group"] for t in trajs] == [0, 0, 1, 1]
+    assert len(trajs) == 4 and [t.group for t in trajs] == [0, 0, 1, 1]
     assert gen.batch_sizes[0] == 4  # all trajectories generate together
     for t in trajs:
         n = len(t.response_ids)

@@ -56,8 +56,8 @@ def test_oracle_trajectories_pass_the_loops_own_parser_and_format_check(name, wo
     kept = [(t, ex) for t, ex in zip(trajs, examples, strict=True) if oracle_check(t, ex)]
     assert len(kept) >= len(examples) // 2  # top-1 retrieval (qagent) misses some passages
     for traj, ex in kept:
-        assert traj.extra["invalid_actions"] == 0, traj.response_text
-        assert not traj.extra["forced_final"]
+        assert traj.invalid_actions == 0, traj.response_text
+        assert not traj.forced_final
         assert traj.retrieval_count >= len({f.doc_id for f in question_facts(ex)}) - (1 if name == "s3" else 0)
         if name == "s3":
             assert traj.finish_reason == "search_complete" and traj.extra["search_complete"]
@@ -218,7 +218,7 @@ def _format_adherence(generator, world, tokenizer, examples) -> float:
     trajs = rollout(get_loop("s3", top_k=3, max_turns=1), generator, world[0], examples,
                     SamplingParams(max_new_tokens=48, temperature=0.0),
                     budget=RolloutBudget(max_obs_tokens=64, max_response_tokens=256))
-    return sum(t.extra["invalid_actions"] == 0 for t in trajs) / len(trajs)
+    return sum(t.invalid_actions == 0 for t in trajs) / len(trajs)
 
 
 def test_sft_lowers_heldout_loss_raises_format_adherence_and_resumes(tmp_path, small_world, world, tokenizer):

@@ -27,9 +27,10 @@ def test_demo_fast_end_to_end(tmp_path: Path) -> None:
     steps = [json.loads(x)["step"] for x in (out / "train" / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2]
     rollouts = [json.loads(x) for x in (out / "train" / "rollouts" / "step_000001.jsonl").read_text().splitlines()]
-    groups: dict[str, int] = {}
+    groups: dict[tuple[int, int], int] = {}
     for t in rollouts:
-        groups[t["extra"]["group"]] = groups.get(t["extra"]["group"], 0) + 1
+        key = (t["sampling_round"], t["group"])
+        groups[key] = groups.get(key, 0) + 1
     assert set(groups.values()) == {4}
     ckpt = out / "train" / "checkpoints" / "step_000002"
     info = json.loads((ckpt / "searcher.json").read_text())

@@ -133,16 +133,8 @@ class _Engine:
                     method=loop.name,
                     prompt_ids=list(prompt_ids),
                     prompt_text=prompt_text,
-                )
-                traj.extra.update(
                     group=i,
                     sample=s,
-                    invalid_actions=0,
-                    forced_final=False,
-                    search_after_limit=False,
-                    obs_truncated_tokens=0,
-                    logprobs_missing=False,
-                    generation_finish_reasons=[],
                 )
                 state = RolloutState(example=ex, traj=traj, group=i, sample=s, prompt_ids=list(prompt_ids))
                 for q, per_query in zip(initial[i], hits, strict=True):
@@ -150,7 +142,7 @@ class _Engine:
                     traj.retrieved.append([h.to_dict() for h in per_query])
                     traj.retrieval_count += 1
                     state.windows.append(list(per_query))
-                traj.extra["initial_search"] = bool(initial[i])
+                traj.initial_search = bool(initial[i])
                 states.append(state)
         return states
 
@@ -177,7 +169,7 @@ class _Engine:
             state.traj.extra["ids_from_text"] = True
         logprobs = list(gen.logprobs)
         if len(logprobs) != len(ids):
-            state.traj.extra["logprobs_missing"] = True
+            state.traj.logprobs_missing = True
             logprobs = [0.0] * len(ids)
         left = self.response_left(state)
         over_budget = len(ids) > left or (len(ids) == left and gen.finish_reason == "length")
@@ -186,7 +178,7 @@ class _Engine:
             text = self.tok.decode(ids)
         else:
             text = gen.text
-        state.traj.extra["generation_finish_reasons"].append(gen.finish_reason)
+        state.traj.generation_finish_reasons.append(gen.finish_reason)
         span_text = self.tok.decode(ids)
         traj = state.traj
         if traj.turns and traj.turns[-1].role == "policy":
@@ -211,7 +203,7 @@ class _Engine:
         pre, body, suf = (encode_text(self.tok, x) for x in (obs.prefix, body_text, obs.suffix))
         room = max(0, self.max_obs_tokens - len(pre) - len(suf))
         if len(body) > room:
-            state.traj.extra["obs_truncated_tokens"] += len(body) - room
+            state.traj.obs_truncated_tokens += len(body) - room
             body = body[:room]
         ids = pre + body + suf
         left = self.response_left(state)
@@ -248,11 +240,11 @@ class _Engine:
             outcome = StepOutcome(feedback=loop.invalid_action_message, invalid=True)
         state.data["continuations"] = 0
         if outcome.invalid:
-            state.traj.extra["invalid_actions"] += 1
+            state.traj.invalid_actions += 1
         if state.final:
             # the forced last generation: nothing more is executed, whatever it asked for
             if outcome.queries:
-                state.traj.extra["search_after_limit"] = True
+                state.traj.search_after_limit = True
             state.turns_taken += 1
             self.finish(state, outcome.finish_reason if outcome.done else "max_turns")
             return None
@@ -281,7 +273,7 @@ class _Engine:
         if state.turns_taken >= loop.max_turns:
             if loop.forced_final_answer:
                 state.final = True
-                state.traj.extra["forced_final"] = True
+                state.traj.forced_final = True
             else:
                 self.finish(state, "max_turns")
 
@@ -337,7 +329,7 @@ def rollout(
 ) -> list[Trajectory]:
     """Run `loop` on every example `n` times; the n samples of an example are adjacent.
 
-    `extra["group"]` is the example's index and `extra["sample"]` the sample's index
+    `traj.group` is the example's index and `traj.sample` the sample's index
     (GRPO groups). `budget` bounds observations, responses and turns (default: RolloutBudget()).
     `tokenizer` defaults to `generator.tokenizer`. Malformed generations never raise: they end
     as scored trajectories (answer None or the loop's fallback).

@@ -52,6 +52,17 @@ class Trajectory:
     retrieval_count: int = 0
     num_turns: int = 0
     finish_reason: str = ""  # "answer", "search_complete", "max_turns", "length", "no_action"
+    # set by the rollout engine for every loop
+    group: int = 0  # index of the question in its rollout call (the n samples of a question share it)
+    sample: int = 0  # which of the question's n samples
+    sampling_round: int = 1  # the trainer's draw (DAPO's dynamic sampling draws several); (round, group) is a GRPO group
+    invalid_actions: int = 0  # turns that held no recognised action
+    forced_final: bool = False  # the last generation was the forced, search-free one
+    search_after_limit: bool = False  # that forced generation still asked to search
+    obs_truncated_tokens: int = 0  # inserted tokens cut to max_obs_tokens
+    logprobs_missing: bool = False  # the backend returned no per-token log-probs
+    initial_search: bool = False  # documents were retrieved before the first generation (s3)
+    generation_finish_reasons: list[str] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)  # loop-specific flags (format checks...)
     rewards: dict[str, float] = field(default_factory=dict)  # filled by the reward function
 
@@ -73,7 +84,21 @@ class Trajectory:
     def from_dict(cls, d: dict) -> Trajectory:
         d = dict(d)
         d["turns"] = [Turn(**t) for t in d.get("turns", [])]
+        extra = dict(d.get("extra") or {})
+        for name in ENGINE_FIELDS:  # files written before these were typed fields kept them in `extra`
+            if name in extra and name not in d:
+                d[name] = extra.pop(name)
+        d["extra"] = extra
+        if isinstance(d.get("group"), str):  # the trainer once stored "round:group"
+            round_, _, group = d["group"].partition(":")
+            d["sampling_round"], d["group"] = int(round_), int(group or 0)
         return cls(**d)
+
+
+ENGINE_FIELDS = (
+    "group", "sample", "invalid_actions", "forced_final", "search_after_limit", "obs_truncated_tokens",
+    "logprobs_missing", "initial_search", "generation_finish_reasons",
+)
 
 
 def write_trajectories(path: str | Path, trajectories: Iterable[Trajectory]) -> None:

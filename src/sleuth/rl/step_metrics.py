@@ -40,7 +40,7 @@ def memory_metrics(device: torch.device) -> dict[str, float]:
 def dense_group_ids(trajs: list[Trajectory]) -> list[int]:
     """Map each trajectory's group key to a dense integer id (samples of one prompt share it)."""
     ids: dict[str, int] = {}
-    return [ids.setdefault(str(t.extra.get("group")), len(ids)) for t in trajs]
+    return [ids.setdefault((t.sampling_round, t.group), len(ids)) for t in trajs]
 
 
 def add_stat(stats: dict[str, list[float]], key: str, value: float) -> None:

@@ -297,7 +297,7 @@ def collect_rollouts(run: Run) -> Collected:
         out.t_reward += time.perf_counter() - t1
         for t, r in zip(trajs, results, strict=True):
             t.rewards = {"total": r.total, **r.components}
-            t.extra["group"] = f"{out.rounds}:{t.extra.get('group', 0)}"
+            t.sampling_round = out.rounds
         round_scores = torch.tensor([r.total for r in results], dtype=torch.float32)
         out.trajs_all += trajs
         out.all_rewards += round_scores.tolist()
