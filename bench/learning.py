@@ -133,29 +133,19 @@ def make_world(out: Path, size: Size) -> dict:
 
 
 def test_questions(out: Path, size: Size):
-    from sleuth.data.formats import read_qa_jsonl
+    from sleuth.demo import held_out_questions
 
-    test = read_qa_jsonl(out / "shared" / "world" / "test.jsonl")[: size.test]
-    for ex in test:
-        ex.metadata["dataset"] = f"synth-{ex.metadata.get('hops', '?')}hop"
-    return test
-
+    return held_out_questions(out / "shared" / "world", size.test)
 
 def make_trajectories(out: Path, method: str, model: str, size: Size) -> dict:
-    from transformers import AutoTokenizer
-
-    from sleuth.agent.coldstart import collect_oracle, write_records
-    from sleuth.llm.registry import resolve_model_path
+    from sleuth.agent.coldstart import read_records
+    from sleuth.agent.commands import TrajectorySource, recipe_trajectories
     from sleuth.rl.config import recipe_from_dict
-    from sleuth.rl.setup import build_loop, build_retriever, load_examples, rollout_budget
 
     recipe = recipe_from_dict(recipe_for(out, method, "full", model, size, None))
-    tok = AutoTokenizer.from_pretrained(resolve_model_path(model))
-    examples = load_examples(recipe)[: size.sft_questions]
-    records, stats = collect_oracle(build_loop(recipe), build_retriever(recipe), tok, examples, seed=0,
-                                    budget=rollout_budget(recipe))
-    write_records(out / method / "trajectories.jsonl", records)
-    lengths = sorted(len(r.prompt_ids) + len(r.response_ids) for r in records)
+    path = out / method / "trajectories.jsonl"
+    stats = recipe_trajectories(recipe, path, TrajectorySource(limit=size.sft_questions))
+    lengths = sorted(len(r.prompt_ids) + len(r.response_ids) for r in read_records(path))
     return {**stats, "median_tokens": lengths[len(lengths) // 2], "max_tokens": lengths[-1]}
 
 
@@ -208,39 +198,16 @@ def evaluate_checkpoint(out: Path, method: str, ckpt: str, name: str, model: str
 
 def evaluate_shared(out: Path, model: str, size: Size) -> dict:
     """Naive RAG, the oracle (gold passages) and direct answers, all by the frozen base model."""
-    from sleuth.eval.baselines import BaselineSettings, read_documents
-    from sleuth.eval.harness import append_records, evaluate, score_predictions
+    from sleuth.eval.harness import evaluate
     from sleuth.llm.registry import load_generator
     from sleuth.retrieval import load_retriever
-    from sleuth.retrieval.base import Hit
 
     world = out / "shared" / "world"
     retriever = load_retriever(world / "bm25", corpus=world / "corpus.jsonl")
-    base = load_generator(model)
-    test = test_questions(out, size)
-    summary = evaluate(["direct", "naive-rag"], test, retriever, base, out_dir=out / "shared" / "eval_base",
-                       config=eval_config("s3", size))
-    corpus = {}
-    with open(world / "corpus.jsonl", encoding="utf-8") as fh:
-        for line in fh:
-            rec = json.loads(line)
-            title, _, text = rec["contents"].partition("\n")
-            corpus[str(rec["id"])] = Hit(str(rec["id"]), title.strip('"'), text, 1.0)
-    gold = [[corpus[s] for s in ex.metadata["supporting_ids"]] for ex in test]
-    preds, texts, _ = read_documents(base, test, gold, BaselineSettings(answer_max_new_tokens=24), "s3")
-    metrics = score_predictions([ex.question for ex in test], [ex.golden_answers for ex in test], preds, None)
-    path = out / "shared" / "eval_base" / "oracle" / "predictions.jsonl"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.unlink(missing_ok=True)
-    append_records(path, [
-        {"id": str(ex.id), "question": ex.question, "golden_answers": ex.golden_answers,
-         "dataset": ex.metadata["dataset"], "method": "oracle", "prediction": p, "metrics": m, "retrieval_count": 0,
-         "generator_output": t}
-        for ex, p, t, m in zip(test, preds, texts, metrics, strict=True)
-    ])
-    oracle_span = sum(m["span_check"] for m in metrics) / len(metrics)
-    return {"summary": {k: v.get("overall") or next(iter(v.values())) for k, v in summary["methods"].items()},
-            "oracle_span": oracle_span}
+    summary = evaluate(["direct", "naive-rag", "oracle"], test_questions(out, size), retriever, load_generator(model),
+                       out_dir=out / "shared" / "eval_base", config=eval_config("s3", size))
+    overall = {k: v.get("overall") or next(iter(v.values())) for k, v in summary["methods"].items()}
+    return {"summary": overall, "oracle_span": overall["oracle"]["span_check"]}
 
 
 def method_jobs(method: str) -> list[str]:

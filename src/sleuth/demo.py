@@ -204,14 +204,14 @@ def _build_world(out: Path, size: DemoSize) -> None:
         build_index(world / "corpus.jsonl", "bm25", world / "bm25")
 
 
-def _held_out(out: Path, count: int) -> list:
+def held_out_questions(world: Path, count: int) -> list:
+    """The first `count` test questions of a synthetic world, each reported under its hop count."""
     from sleuth.data.formats import read_qa_jsonl
 
-    test = read_qa_jsonl(out / "world" / "test.jsonl")[:count]
-    for ex in test:  # report accuracy per hop count
+    test = read_qa_jsonl(world / "test.jsonl")[:count]
+    for ex in test:
         ex.metadata["dataset"] = f"synth-{ex.metadata.get('hops', '?')}hop"
     return test
-
 
 def _evaluate_committed(out: Path, size: DemoSize, spec: Method, ckpt: Path, retriever: Any) -> None:
     from sleuth.agent.searcher import load_searcher
@@ -220,28 +220,18 @@ def _evaluate_committed(out: Path, size: DemoSize, spec: Method, ckpt: Path, ret
 
     searcher = load_searcher(ckpt)
     cfg = EvalConfig(batch_size=size.committed_questions, answer_max_new_tokens=24, **checkpoint_budgets(ckpt))
-    evaluate([spec.display_name, "naive-rag"], _held_out(out, size.committed_questions), retriever, searcher.generator,
+    evaluate([spec.display_name, "naive-rag"], held_out_questions(out / "world", size.committed_questions), retriever, searcher.generator,
              generator=load_generator(size.model), config=cfg,
              out_dir=EvalOutput(out / "eval_committed", run_info={"checkpoint": str(ckpt)}, progress=True))
 
 
 def _write_trajectories(out: Path, recipe: Any, size: DemoSize) -> dict[str, int]:
-    from transformers import AutoTokenizer
-
-    from sleuth.agent.coldstart import collect_oracle, write_records
-    from sleuth.llm.registry import resolve_model_path
-    from sleuth.rl.setup import build_loop, build_retriever, load_examples, rollout_budget
+    from sleuth.agent.commands import TrajectorySource, recipe_trajectories
 
     path = out / "trajectories.jsonl"
     if path.exists():
         return {"kept": sum(1 for _ in path.open())}
-    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(recipe.model.policy))
-    records, stats = collect_oracle(
-        build_loop(recipe), build_retriever(recipe), tokenizer, load_examples(recipe)[: size.sft_questions],
-        budget=rollout_budget(recipe),
-    )
-    write_records(path, records)
-    return stats
+    return recipe_trajectories(recipe, path, TrajectorySource(limit=size.sft_questions))
 
 
 def run_demo(
@@ -316,7 +306,7 @@ def run_demo(
         cfg = EvalConfig(batch_size=16, max_new_tokens=size.max_new_tokens * spec.new_tokens_factor,
                          answer_max_new_tokens=24, top_k=3, max_turns=size.max_turns, max_response_tokens=2048,
                          max_obs_tokens=384)
-        evaluate([spec.display_name, "naive-rag"], _held_out(out, size.eval_questions), retriever, searcher.generator,
+        evaluate([spec.display_name, "naive-rag"], held_out_questions(out / "world", size.eval_questions), retriever, searcher.generator,
                  generator=load_generator(size.model), config=cfg, out_dir=EvalOutput(out / "eval_after", progress=True))
     notes = [n.format(method=method, n_committed=size.committed_questions if committed else 0,
                       traj=traj.get("kept", 0), steps=size.train_steps, prompts=size.prompts_per_step, n=size.n,

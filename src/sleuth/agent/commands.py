@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import typer
 
@@ -53,6 +54,14 @@ def register(app: typer.Typer) -> None:
 
 
 def make_trajectories(recipe_path: str, overrides: list[str], out: Path, src: TrajectorySource) -> dict[str, int]:
+    from sleuth.rl.config import load_recipe  # deferred with the rest: it loads torch through the registries
+
+    return recipe_trajectories(load_recipe(recipe_path, overrides), out, src)
+
+
+def recipe_trajectories(recipe: Any, out: Path, src: TrajectorySource) -> dict[str, int]:
+    """Trajectories for `recipe`'s loop, retriever, data and token budgets, written atomically to `out`
+    (the CLI, the demo and bench/learning.py all come here). Nothing is written when none is kept."""
     # deferred so that `sleuth --help` does not load torch and transformers
     from transformers import AutoTokenizer
 
@@ -67,7 +76,6 @@ def make_trajectories(recipe_path: str, overrides: list[str], out: Path, src: Tr
     from sleuth.llm.base import SamplingParams
     from sleuth.llm.registry import load_generator, resolve_model_path
     from sleuth.rewards.base import get_reward
-    from sleuth.rl.config import load_recipe
     from sleuth.rl.setup import (
         build_loop,
         build_retriever,
@@ -77,7 +85,6 @@ def make_trajectories(recipe_path: str, overrides: list[str], out: Path, src: Tr
     )
 
     source, teacher, messages, seed = src.kind, src.teacher, src.messages, src.seed
-    recipe = load_recipe(recipe_path, overrides)
     if source not in ("oracle", "teacher", "messages"):
         raise ConfigError(f"--source must be oracle, teacher or messages, got {source!r}")
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(recipe.model.policy))
