@@ -136,6 +136,8 @@ def write_training_run(train_dir: Path, steps: int = 4) -> list[dict]:
                 "time/reward": 0.5,
                 "time/update": 1.5,
                 "time/step": 4.25,
+                "memory/device_in_use_gib": 20.0 + 0.1 * s,
+                "memory/peak_allocated_gib": 8.0,
                 "stage": 1.0 if s <= 2 else 2.0,
             }
         )
@@ -271,9 +273,9 @@ def test_report_has_tables_plots_and_escaped_documents(demo_run: Path):
     assert "search_r1_tiny" in page and "tiny-qwen2" in page and "4 / 10" in page
     assert "Two CPU steps cannot show learning" in page
 
-    # Plots: rewards, behaviour, optimisation, time, scatter; all embedded PNG, no external resources.
+    # Plots: rewards, behaviour, optimisation, time, GPU memory, scatter; all embedded PNG, no external resources.
     plots = re.findall(r'data-plot="(\w+)"[^>]*src="data:image/png;base64,([A-Za-z0-9+/=]+)"', page)
-    assert {name for name, _ in plots} == {"rewards", "behaviour", "optimisation", "time", "scatter"}
+    assert {name for name, _ in plots} == {"rewards", "behaviour", "optimisation", "time", "memory", "scatter"}
     import base64
 
     assert all(base64.b64decode(data)[:8] == b"\x89PNG\r\n\x1a\n" for _, data in plots)

@@ -294,3 +294,38 @@ def test_compiled_decoding_reuses_few_cache_shapes(model_and_tok) -> None:
         assert got == [g.token_ids for g in eager.generate(batch, params=params)]
     # 1, 2 and 3 live rows share the batch bucket 2 -> 2, 4; lengths 7..44 share the 256 bucket
     assert sorted(gen._static_caches) == [(2, 256), (4, 256)]
+
+
+def test_static_decoding_reads_tokens_in_chunks_without_changing_them(model_and_tok) -> None:
+    """The static path reads sampled tokens back every `sync_every` steps instead of every step; rows
+    that finish mid-chunk (stop string, EOS, budget) must end exactly where step-by-step decoding ends
+    them, with the same tokens and log-probs, greedy and seeded sampling alike."""
+    model, tok = model_and_tok
+    step_by_step = HFGenerator(model, tokenizer=tok, cache="static", sync_every=1)
+    plain = step_by_step.generate(PROMPTS, params=SamplingParams(max_new_tokens=20, temperature=0.0))
+    # stops that end rows at different steps inside a chunk: after 2, 5 and never
+    stops = [[step_by_step.decode(plain[0].token_ids[1:3])], [step_by_step.decode(plain[1].token_ids[3:6])], []]
+    eos = {plain[2].token_ids[6]}  # and one row ends on an "EOS" mid-way
+    cases = [
+        (SamplingParams(max_new_tokens=20, temperature=0.0), stops),
+        (SamplingParams(max_new_tokens=13, temperature=1.0, seed=3), None),
+        (SamplingParams(max_new_tokens=13, temperature=0.8, top_p=0.9, seed=5), stops),
+    ]
+    for params, stop in cases:
+        reference = None
+        for sync_every in (1, 2, 3, 8, 64):
+            gen = HFGenerator(model, tokenizer=tok, cache="static", sync_every=sync_every)
+            gen.eos_token_ids = frozenset(eos)
+            outs = [(o.token_ids, o.finish_reason, o.stop, o.text) for o in gen.generate(PROMPTS, stop=stop, params=params)]
+            logprobs = [o.logprobs for o in gen.generate(PROMPTS, stop=stop, params=params)]
+            if reference is None:
+                reference, reference_logprobs = outs, logprobs
+                continue
+            assert outs == reference, (params, sync_every)
+            for a, b in zip(logprobs, reference_logprobs, strict=True):
+                assert a == pytest.approx(b, abs=1e-6)
+        if stop is stops and params.temperature == 0.0:
+            assert [r[1] for r in reference] == ["stop", "stop", "eos"]
+            assert [len(r[0]) for r in reference] == [3, 6, 7]
+    with pytest.raises(ConfigError, match="sync_every"):
+        HFGenerator(model, tokenizer=tok, sync_every=0)

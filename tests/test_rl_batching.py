@@ -121,14 +121,37 @@ def test_static_cache_with_fp32_rollout_weights_fails_at_start(tiny) -> None:
     from transformers import AutoModelForCausalLM
 
     from sleuth.errors import ConfigError
-    from sleuth.rl.models import check_rollout_cache, rollout_copy
+    from sleuth.rl.models import rollout_copy, rollout_decoding
 
     model = AutoModelForCausalLM.from_pretrained(tiny[0], dtype=torch.float32)
     cuda = torch.device("cuda")
     lora_static = _recipe(lora={"enabled": True}, generation_cache="static")
     with pytest.raises(ConfigError, match="model.dtype=bfloat16"):
-        check_rollout_cache(lora_static, model, cuda)
-    check_rollout_cache(lora_static, model.to(torch.bfloat16), cuda)  # a bf16 base is fine
-    check_rollout_cache(lora_static, model.float(), torch.device("cpu"))  # no autocast on CPU
+        rollout_decoding(lora_static, model, cuda)
+    assert rollout_decoding(lora_static, model.to(torch.bfloat16), cuda)[:2] == ("static", True)  # a bf16 base is fine
+    assert rollout_decoding(lora_static, model.float(), torch.device("cpu"))[:2] == ("static", False)  # no autocast on CPU
     full = _recipe(generation_cache="static")
-    check_rollout_cache(full, rollout_copy(full, model, cuda), cuda)  # full fine-tuning decodes the bf16 copy
+    assert rollout_decoding(full, rollout_copy(full, model, cuda), cuda)[:2] == ("static", True)  # decodes the bf16 copy
+
+
+def test_rollout_decoding_is_compiled_static_by_default_on_cuda_only(tiny) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from sleuth.rl.models import master_dtype, rollout_copy, rollout_decoding
+
+    model = AutoModelForCausalLM.from_pretrained(tiny[0], dtype=torch.float32)
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    full, lora = _recipe(), _recipe(lora={"enabled": True})
+    assert rollout_decoding(full, rollout_copy(full, model, cuda), cuda)[:2] == ("static", True)
+    assert master_dtype(lora, cuda) == torch.bfloat16 and master_dtype(lora, cpu) == torch.float32
+    assert master_dtype(full, cuda) == torch.float32  # full fine-tuning keeps fp32 masters (+ a bf16 copy)
+    bf16 = AutoModelForCausalLM.from_pretrained(tiny[0], dtype=torch.bfloat16)
+    assert rollout_decoding(lora, bf16, cuda)[:2] == ("static", True)
+    assert rollout_decoding(lora, bf16, cpu)[:2] == ("dynamic", False)
+    assert rollout_decoding(_recipe(parallel="fsdp"), bf16, cuda)[:2] == ("dynamic", False)
+    cache, compiled, why = rollout_decoding(lora, model, cuda)
+    assert (cache, compiled) == ("dynamic", False) and "model.dtype=bfloat16" in why
+    assert rollout_decoding(_recipe(compile_generation=False), bf16, cuda)[:2] == ("dynamic", False)
+    assert rollout_decoding(_recipe(generation_cache="dynamic"), bf16, cuda)[:2] == ("dynamic", False)
+    assert rollout_decoding(_recipe(generation_cache="static", compile_generation=False), bf16, cuda)[:2] == (
+        "static", False)

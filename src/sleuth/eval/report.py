@@ -511,6 +511,15 @@ def plot_optimisation(run: TrainingRun) -> str | None:
     return _small_multiples(run, _OPTIM_KEYS, "Optimisation: KL, entropy, losses")
 
 
+_MEMORY_KEYS = ("memory/device_in_use_gib", "memory/peak_allocated_gib")
+
+
+def plot_memory(run: TrainingRun) -> str | None:
+    """GPU memory per step: what the card has in use (all allocators) beside PyTorch's peak, so growth
+    that the allocator's own counters miss (graph pools, fragmentation) shows."""
+    return _small_multiples(run, _MEMORY_KEYS, "GPU memory per step (GiB)", ncols=2)
+
+
 def plot_time(run: TrainingRun) -> str | None:
     keys = run.numeric_keys()
     present = [k for k in _TIME_KEYS if k in keys]
@@ -880,6 +889,7 @@ def render_report(data: RunData, title: str | None = None, notes: list[str] | No
                         ("behaviour", plot_behaviour(run)),
                         ("optimisation", plot_optimisation(run)),
                         ("time", plot_time(run)),
+                        ("memory", plot_memory(run)),
                     )
                     if uri
                 ],

@@ -22,8 +22,10 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import logging
 import math
 import numbers
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,6 +37,8 @@ from sleuth.errors import ConfigError
 from sleuth.llm.base import Generation, Prompt, SamplingParams
 from sleuth.llm.gguf import ensure_converted
 from sleuth.llm.stops import first_stop_in, normalise_stops, stop_window
+
+log = logging.getLogger(__name__)
 
 # Compiled shapes are bucketed so that a handful of graphs serve every batch.
 _STATIC_LEN_BUCKET = 256
@@ -169,9 +173,12 @@ class HFGenerator:
         cache: str = "auto",
         compile: bool = False,
         attn_implementation: str | None = None,
+        sync_every: int = 8,
     ) -> None:
         if cache not in ("auto", "dynamic", "static"):
             raise ConfigError(f"cache={cache!r}: use 'dynamic', 'static' or 'auto'")
+        if sync_every < 1:
+            raise ConfigError(f"sync_every must be >= 1, got {sync_every}")
         if max_batch_size < 1:
             raise ConfigError(f"max_batch_size must be >= 1, got {max_batch_size}")
         self.max_batch_size = max_batch_size
@@ -198,6 +205,8 @@ class HFGenerator:
         self._cache_kw = "cache" if "cache" in self._param_names else "past_key_values"
         self._static_caches: dict[tuple[int, int], Any] = {}
         self._compiled_step: Any = None
+        self._compiled_shapes: set[tuple[int, int]] = set()
+        self.sync_every = sync_every
 
         self.pad_token_id = self._pick_pad_id()
         self.vocab_size = int(self.model.get_input_embeddings().num_embeddings)
@@ -343,23 +352,37 @@ class HFGenerator:
             stop=row.stop,
         )
 
-    def _accept(self, row: _Row, token: int, logprob: float, max_new_tokens: int) -> bool:
-        """Append one sampled token; return True when the row is finished."""
-        row.generated.append(token)
-        row.logprobs.append(logprob)
-        if token in self.eos_token_ids:
-            row.finish_reason = "eos"
-            return True
-        if row.stops:
-            tail = self.decode(row.generated[-row.window :])
-            hit = first_stop_in(tail, row.stops)
-            if hit is not None:
-                row.finish_reason, row.stop = "stop", hit
-                return True
-        if len(row.generated) >= max_new_tokens:
-            row.finish_reason = "length"
-            return True
-        return False
+    def _accept_tokens(self, rows: Sequence[_Row], tokens: Sequence[Sequence[int]],
+                       logprobs: Sequence[Sequence[float]], max_new_tokens: int) -> list[bool]:
+        """Feed each unfinished row its next sampled tokens, in order, until it finishes (EOS, a stop
+        string, the token budget); tokens after the finishing one are dropped. Returns per row whether it
+        is finished. Equal to checking after every token: the decoded tail of the last `window` tokens is
+        searched for the row's stop strings, but all tails of all rows are decoded in one tokenizer call.
+        """
+        tails: list[list[int]] = []
+        for row, new in zip(rows, tokens, strict=True):
+            if row.finish_reason is None and row.stops:
+                seq = row.generated + list(new)
+                base = len(row.generated)
+                tails.extend(seq[max(0, n - row.window) : n] for n in range(base + 1, base + len(new) + 1))
+        texts = iter(self.tokenizer.batch_decode(tails, skip_special_tokens=False) if tails else ())
+        finished = []
+        for row, new, lps in zip(rows, tokens, logprobs, strict=True):
+            if row.finish_reason is None:
+                row_texts = [next(texts) for _ in new] if row.stops else None
+                for k, (token, logprob) in enumerate(zip(new, lps, strict=True)):
+                    row.generated.append(token)
+                    row.logprobs.append(logprob)
+                    if token in self.eos_token_ids:
+                        row.finish_reason = "eos"
+                    elif row_texts is not None and (hit := first_stop_in(row_texts[k], row.stops)) is not None:
+                        row.finish_reason, row.stop = "stop", hit
+                    elif len(row.generated) >= max_new_tokens:
+                        row.finish_reason = "length"
+                    if row.finish_reason is not None:
+                        break
+            finished.append(row.finish_reason is not None)
+        return finished
 
     def _forward(self, input_ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache: Any,
                  cache_position: torch.Tensor | None = None) -> torch.Tensor:
@@ -400,11 +423,8 @@ class HFGenerator:
             tokens, logprobs = select_next_tokens(
                 logits, temperature=params.temperature, top_p=params.top_p, generator=generator
             )
-            token_list, logprob_list = tokens.tolist(), logprobs.tolist()
-            done = [
-                row.finish_reason is not None or self._accept(row, tok, lp, params.max_new_tokens)
-                for row, tok, lp in zip(active, token_list, logprob_list, strict=True)
-            ]
+            done = self._accept_tokens(active, [[t] for t in tokens.tolist()], [[lp] for lp in logprobs.tolist()],
+                                       params.max_new_tokens)
             n_done = sum(done)
             if n_done == len(active):
                 return
@@ -485,24 +505,64 @@ class HFGenerator:
         mask = torch.zeros((batch, length), dtype=torch.long, device=self.device)
         mask[:, :width] = prompt_mask.to(self.device)
         positions = positions_from_mask(mask[:, :width])
+        new_shape = self.compile and (batch, length) not in self._compiled_shapes
+        started = time.perf_counter()
         logits = self._forward(ids, mask, positions, cache, torch.arange(width, device=self.device))
         logits = logits.to(torch.float32, copy=True)
         next_pos = positions[:, -1:] + 1
         step = self._decode_step_fn()
-        live = [True] * len(rows)
-        for t in range(params.max_new_tokens):
-            tokens, logprobs = select_next_tokens(
-                logits, temperature=params.temperature, top_p=params.top_p, generator=generator
-            )
-            token_list, logprob_list = tokens.tolist(), logprobs.tolist()
-            for j, row in enumerate(rows):
-                if live[j] and self._accept(row, token_list[j], logprob_list[j], params.max_new_tokens):
-                    live[j] = False
-            if not any(live):
-                return
-            slot = width + t
-            mask[:, slot] = 1
-            cache_position = torch.tensor([slot], device=self.device)
-            # Outputs of a CUDA-graph step are overwritten by the next replay: copy before reuse.
-            logits = step(tokens[:, None], mask, next_pos, cache, cache_position).to(torch.float32, copy=True)
-            next_pos = next_pos + 1
+        max_new = params.max_new_tokens
+        slots = torch.arange(width, width + max_new, device=self.device)
+        sampled = torch.empty((batch, max_new), dtype=torch.long, device=self.device)
+        sampled_logprobs = torch.empty((batch, max_new), dtype=torch.float32, device=self.device)
+        # The device runs `sync_every` decode steps between two reads of the sampled tokens: no
+        # per-token synchronisation. The host checks EOS and stop strings of one chunk while the device
+        # computes the next, and stops launching once every row has finished; the few steps decoded past
+        # a row's end are dropped, so tokens and their distribution are those of step-by-step decoding.
+        pending: tuple[torch.Tensor, torch.Tensor, Any] | None = None
+        done = False
+        for chunk_start in range(0, max_new, self.sync_every):
+            chunk_end = min(chunk_start + self.sync_every, max_new)
+            for t in range(chunk_start, chunk_end):
+                tokens, logprobs = select_next_tokens(
+                    logits, temperature=params.temperature, top_p=params.top_p, generator=generator
+                )
+                sampled[:, t] = tokens
+                sampled_logprobs[:, t] = logprobs
+                if t + 1 < max_new:
+                    mask[:, width + t] = 1
+                    # Outputs of a CUDA-graph step are overwritten by the next replay: copy before reuse.
+                    logits = step(tokens[:, None], mask, next_pos, cache, slots[t : t + 1]).to(torch.float32, copy=True)
+                    next_pos = next_pos + 1
+                    if new_shape:  # the first call of a new shape compiles it: report the one-time cost
+                        self._synchronize()
+                        self._compiled_shapes.add((batch, length))
+                        new_shape = False
+                        log.info("compiled the decode step for batch %d x cache %d in %.1f s", batch, length,
+                                 time.perf_counter() - started)
+            chunk = self._to_host(sampled[: len(rows), chunk_start:chunk_end], sampled_logprobs[: len(rows), chunk_start:chunk_end])
+            if pending is not None and self._accept_chunk(rows, pending, max_new):
+                done = True
+                break
+            pending = chunk
+        if not done and pending is not None:
+            self._accept_chunk(rows, pending, max_new)
+
+    def _to_host(self, tokens: torch.Tensor, logprobs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, Any]:
+        """Start copying a chunk of sampled tokens to the host without waiting for it."""
+        if self.device.type != "cuda":
+            return tokens.cpu(), logprobs.cpu(), None
+        event = torch.cuda.Event()
+        host = tokens.to("cpu", non_blocking=True), logprobs.to("cpu", non_blocking=True)
+        event.record()
+        return host[0], host[1], event
+
+    def _accept_chunk(self, rows: list[_Row], chunk: tuple[torch.Tensor, torch.Tensor, Any], max_new: int) -> bool:
+        tokens, logprobs, event = chunk
+        if event is not None:
+            event.synchronize()
+        return all(self._accept_tokens(rows, tokens.tolist(), logprobs.tolist(), max_new))
+
+    def _synchronize(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)

@@ -44,9 +44,10 @@ class ModelConfig(_Strict):
     # "fsdp" shards parameters, gradients and optimizer state over ranks (FSDP2 fully_shard).
     parallel: Literal["ddp", "fsdp"] = "ddp"
     offload_reference: bool = False  # keep the frozen reference on the CPU between uses
-    # rollout decoding: HF's dynamic KV cache, or a static cache (fast on GPU only with compile)
-    generation_cache: Literal["dynamic", "static"] = "dynamic"
-    compile_generation: bool = False
+    # rollout decoding: "auto" = a static KV cache with a compiled decode step on CUDA when the rollout
+    # weights are bf16 and not FSDP-sharded, else HF's dynamic cache; compile None = on with a static cache on CUDA
+    generation_cache: Literal["auto", "dynamic", "static"] = "auto"
+    compile_generation: bool | None = None
     # what rollouts decode with: "auto" = a bf16 copy of a fully fine-tuned fp32 policy on CUDA
     # (synced after every update; not with FSDP), else the policy itself
     generation_weights: Literal["auto", "policy", "bf16-copy"] = "auto"
@@ -207,6 +208,9 @@ class TrainerConfig(_Strict):
     mlflow: MlflowConfig = Field(default_factory=MlflowConfig)
     eval_every: int | None = Field(None, ge=1)
     eval_examples: int = Field(64, ge=1)
+    # stop after the step that passes this wall time (minutes since this process started training),
+    # with a checkpoint; a resumed run continues towards total_steps
+    time_limit_minutes: float | None = Field(None, gt=0)
 
 
 class SFTConfig(_Strict):

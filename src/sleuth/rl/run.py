@@ -31,12 +31,12 @@ from sleuth.rl.config import Recipe
 from sleuth.rl.dist import DistContext, shard_range, unwrap, wrap_model
 from sleuth.rl.loggers import open_recipe_loggers
 from sleuth.rl.models import (
-    check_rollout_cache,
     load_critic,
     load_policy,
     load_reference,
     master_dtype,
     rollout_copy,
+    rollout_decoding,
 )
 from sleuth.rl.setup import (
     DataCursor,
@@ -145,9 +145,10 @@ def setup(recipe: Recipe, ctx: DistContext, console: Any, resume: bool) -> Run:
 
     rollout_model = rollout_copy(recipe, policy, ctx.device)
     rollout_weights = rollout_model if rollout_model is not None else unwrap(policy)
-    check_rollout_cache(recipe, rollout_weights, ctx.device)
-    generator = HFGenerator(rollout_weights, tokenizer=tokenizer, cache=recipe.model.generation_cache,
-                            compile=recipe.model.compile_generation)
+    cache, compiled, why = rollout_decoding(recipe, rollout_weights, ctx.device)
+    generator = HFGenerator(rollout_weights, tokenizer=tokenizer, cache=cache, compile=compiled)
+    if ctx.is_main:
+        console.print(f"rollout decoding: {cache} KV cache{', compiled decode step' if compiled else ''} ({why})")
     retriever = build_retriever(recipe)
     loop = build_loop(recipe)
     examples = load_examples(recipe)

@@ -115,16 +115,37 @@ def _train(recipe: Recipe, *, resume: bool = False, console: Any = None) -> dict
     if not ctx.is_main:
         console = Console(quiet=True)
     run = setup(recipe, ctx, console, resume)
+    started = time.monotonic()
     metrics: dict[str, float] = {}  # the last step's, for the final report
+    done = run.start_step
     for step in range(run.start_step, recipe.trainer.total_steps):
         metrics = train_step(run, step)
+        done = step + 1
+        if done < recipe.trainer.total_steps and _past_time_limit(run, started):
+            # like a scheduler's wall-time limit: keep every finished step; `--resume` continues
+            if run.last_saved != done:
+                save(run, done, run.cursor.state(), getattr(run.reward_fn, "current_stage", 1))
+                run.last_saved = done
+            console.print(f"time limit of {recipe.trainer.time_limit_minutes} min reached after step {done} of "
+                          f"{recipe.trainer.total_steps}; checkpoint saved, resume to continue")
+            break
     if run.services.baseline_cache is not None:
         run.services.baseline_cache.save()
     final = latest_checkpoint(run.out_dir)
-    result = {"out_dir": str(run.out_dir), "checkpoint": str(final) if final else None}
+    result = {"out_dir": str(run.out_dir), "checkpoint": str(final) if final else None, "steps_done": done,
+              "stopped_at_time_limit": done < recipe.trainer.total_steps}
     if run.log is not None:
         run.log.finish({**result, "steps": recipe.trainer.total_steps, "final_metrics": metrics})
     return result
+
+
+def _past_time_limit(run: Run, started: float) -> bool:
+    limit = run.recipe.trainer.time_limit_minutes
+    if limit is None:
+        return False
+    # every rank must stop after the same step: stop when any rank is past the limit
+    past = float(time.monotonic() - started >= 60 * limit)
+    return run.ctx.all_reduce_sum(torch.tensor([past], dtype=torch.float64)).item() > 0
 
 
 def train_step(run: Run, step: int) -> dict[str, float]:
