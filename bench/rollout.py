@@ -32,6 +32,7 @@ bench/results/).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import sys
 import tempfile
@@ -90,7 +91,7 @@ class CountingGenerator:
 
 
 def run_engine(mode: str, model: Any, tokenizer: Any, model_info: dict[str, Any], examples: list, retriever: Any,
-               args: argparse.Namespace, device: str) -> dict[str, Any]:
+               args: argparse.Namespace, device: str, sync_every: int = 8, profile: bool = False) -> dict[str, Any]:
     from sleuth.agent import get_loop
     from sleuth.agent.engine import RolloutBudget, rollout
     from sleuth.llm.base import SamplingParams
@@ -98,7 +99,7 @@ def run_engine(mode: str, model: Any, tokenizer: Any, model_info: dict[str, Any]
 
     cache = "dynamic" if mode == "dynamic" else "static"
     gen = HFGenerator(model, tokenizer=tokenizer, cache=cache, compile=mode == "static+compile",
-                      max_batch_size=args.batch)
+                      max_batch_size=args.batch, sync_every=sync_every)
     if args.ignore_eos:
         gen.eos_token_ids = frozenset()
     ledger = DecodeLedger(model_info)
@@ -113,18 +114,52 @@ def run_engine(mode: str, model: Any, tokenizer: Any, model_info: dict[str, Any]
     warmup_s = time.perf_counter() - warm
     ledger.calls.clear()
 
-    start = _common.timer(device)
-    trajs = rollout(loop, counting, retriever, examples, params, **kwargs)
-    wall = _common.timer(device) - start
+    profiler = _profiler(device) if profile else contextlib.nullcontext()
+    with profiler:
+        start = _common.timer(device)
+        trajs = rollout(loop, counting, retriever, examples, params, **kwargs)
+        wall = _common.timer(device) - start
     totals = ledger.totals()
     policy_tokens = sum(sum(t.loss_mask) for t in trajs)
-    row = rates(f"sleuth engine ({mode})", len(trajs), policy_tokens, wall, totals, args)
-    row.update(mode=mode, cache=cache, compile=mode == "static+compile", batch=len(trajs), warmup_s=round(warmup_s, 2),
+    label = f"sleuth engine ({mode}{'' if cache == 'dynamic' else f', sync every {sync_every}'})"
+    row = rates(label, len(trajs), policy_tokens, wall, totals, args)
+    if profile:
+        row["profile"] = profile_summary(profiler, wall)
+    row.update(mode=mode, cache=cache, compile=mode == "static+compile", sync_every=sync_every, batch=len(trajs),
+               warmup_s=round(warmup_s, 2),
                turns_mean=sum(t.num_turns for t in trajs) / len(trajs),
                retrievals=sum(t.retrieval_count for t in trajs),
                finish_reasons=_counts(r for t in trajs for r in t.generation_finish_reasons))
     del gen, counting, ledger
     return row
+
+
+def _profiler(device: str) -> Any:
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.startswith("cuda") else [])
+    return profile(activities=activities)
+
+
+def profile_summary(prof: Any, wall: float, top: int = 12) -> dict[str, Any]:
+    """What the device waits for: kernel time over wall time, and where host and device time go."""
+    events = prof.key_averages()
+
+    def device_us(e: Any) -> float:
+        return float(getattr(e, "self_device_time_total", 0.0) or getattr(e, "self_cuda_time_total", 0.0) or 0.0)
+
+    kernel_us = sum(device_us(e) for e in events)
+    by_host = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:top]
+    by_device = sorted(events, key=device_us, reverse=True)[:top]
+    return {
+        "device_busy_fraction": round(kernel_us / 1e6 / wall, 4) if wall else None,
+        "device_kernel_s": round(kernel_us / 1e6, 3),
+        "wall_s": round(wall, 3),
+        "top_host_ops": [{"name": e.key, "self_cpu_s": round(e.self_cpu_time_total / 1e6, 4), "calls": e.count}
+                         for e in by_host],
+        "top_device_ops": [{"name": e.key, "self_device_s": round(device_us(e) / 1e6, 4), "calls": e.count}
+                           for e in by_device if device_us(e) > 0],
+    }
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -253,6 +288,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="never stop at EOS (default: on for random:* models, off otherwise)")
     p.add_argument("--bandwidth-gbs", type=float, default=None,
                    help="peak memory bandwidth for the HBM bound (default from the card name)")
+    p.add_argument("--sync-every", type=int, nargs="+", default=[8],
+                   help="static modes: decode steps between two reads of the sampled tokens (1 = every step); "
+                        "one row per value")
+    p.add_argument("--profile", action="store_true",
+                   help="torch.profiler over the timed rollout of the last engine row: device busy share, top ops")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="JSON path (default $OUT/rollout_<device>.json or bench/results/)")
     args = p.parse_args(argv)
@@ -301,10 +341,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         rows: list[dict[str, Any]] = []
         timings = {"model_init_s": round(model_init_s, 2), "world_and_index_s": round(world_s, 2)}
         out = _common.out_path(args.out, f"rollout_{device.split(':')[0]}.json")
-        jobs = [(f"sleuth engine ({mode})", mode) for mode in args.modes]
+        jobs = [(f"sleuth engine ({mode})", mode, sync) for mode in args.modes
+                for sync in (args.sync_every if mode != "dynamic" else [1])]
         if args.baseline_trajectories:
-            jobs.append(("baseline", "baseline"))
-        for label, mode in jobs:
+            jobs.append(("baseline", "baseline", 1))
+        last_engine = max((i for i, job in enumerate(jobs) if job[1] != "baseline"), default=-1)
+        for i, (label, mode, sync) in enumerate(jobs):
             what = (f"{args.baseline_trajectories} trajectories one at a time" if mode == "baseline"
                     else f"warm-up + timed rollout of {args.batch} trajectories")
             print(f"{label}: {what} ...", flush=True)
@@ -312,7 +354,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 if mode == "baseline":
                     row = run_baseline(model, tokenizer, model_info, examples, retriever, args, device)
                 else:
-                    row = run_engine(mode, model, tokenizer, model_info, examples, retriever, args, device)
+                    row = run_engine(mode, model, tokenizer, model_info, examples, retriever, args, device,
+                                     sync_every=sync, profile=args.profile and i == last_engine)
                 _report_row(row)
             except Exception as err:  # noqa: BLE001 - one failing mode must not lose the other rows
                 import traceback

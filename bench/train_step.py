@@ -27,7 +27,8 @@ for both). Each trainer runs in its own subprocess (clean peak-memory counters, 
 does not lose the others), for `--warmup-steps` + `--steps` steps; the warm-up steps are excluded.
 Step split: sleuth's own metrics (time/rollout, time/reward, time/update = everything after the
 reward: old log-probs, advantages, forward/backward, optimizer). Sleuth rows: "sleuth" decodes with
-HF's dynamic cache, "sleuth-compiled" with a static cache and a compiled decode step; on CUDA both
+HF's dynamic cache, "sleuth-compiled" with a static cache and a compiled decode step, "sleuth-default"
+with whatever a recipe that says nothing gets (`model.generation_cache: auto`); on CUDA all three
 decode a bf16 copy of the fp32 policy, synced after every update. TRL: generate = `_generate`
 (tokenise, model.generate, decode), reward = `_calculate_rewards`, update = rest of the optimizer
 step. Sleuth's checkpoint saving is switched off (it is not part of a step). TRL rows: cache
@@ -51,7 +52,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common  # noqa: E402
 
-VARIANTS = ("sleuth", "sleuth-compiled", "trl-dynamic", "trl-static")
+VARIANTS = ("sleuth", "sleuth-compiled", "sleuth-default", "trl-dynamic", "trl-static")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -129,13 +130,15 @@ def prepare(args: argparse.Namespace, work: Path, device: str) -> dict[str, Any]
 
 
 def bench_recipe(args: argparse.Namespace, shared: dict[str, Any], out_dir: Path, device: str, *,
-                 cache: str, compiled: bool, parallel: str = "ddp", save_every: int = 0) -> dict[str, Any]:
-    """The Search-R1 GRPO recipe every sleuth row trains (also used by bench/scale_step.py)."""
+                 cache: str | None, compiled: bool | None, parallel: str = "ddp", save_every: int = 0) -> dict[str, Any]:
+    """The Search-R1 GRPO recipe every sleuth row trains (also used by bench/scale_step.py); cache/compiled
+    None leave the recipe's defaults."""
+    decoding = {k: v for k, v in (("generation_cache", cache), ("compile_generation", compiled)) if v is not None}
     return {
         "name": "bench-train-step",
         "seed": args.seed,
         "model": {"policy": shared["model_dir"], "dtype": "auto", "gradient_checkpointing": False, "device": device,
-                  "generation_cache": cache, "compile_generation": compiled, "parallel": parallel},
+                  "parallel": parallel, **decoding},
         "data": {"train": shared["train"], "shuffle": False},
         "retriever": {"index": shared["index"]},
         "agent": {"loop": "search_r1", "max_turns": args.turns, "max_new_tokens_per_turn": args.new_tokens,
@@ -154,14 +157,12 @@ def bench_recipe(args: argparse.Namespace, shared: dict[str, Any], out_dir: Path
     }
 
 
-def run_sleuth(
-    args: argparse.Namespace, shared: dict[str, Any], work: Path, device: str, compiled: bool = False
-) -> dict[str, Any]:
+def run_sleuth(args: argparse.Namespace, shared: dict[str, Any], work: Path, device: str, variant: str) -> dict[str, Any]:
     import sleuth.rl.trainer as trainer_mod
     from sleuth.rl.config import recipe_from_dict
 
-    out_dir = work / ("sleuth-compiled-run" if compiled else "sleuth-run")
-    cache = "static" if compiled else "dynamic"
+    out_dir = work / f"{variant}-run"
+    cache, compiled = {"sleuth": ("dynamic", False), "sleuth-compiled": ("static", True)}.get(variant, (None, None))
     recipe = recipe_from_dict(bench_recipe(args, shared, out_dir, device, cache=cache, compiled=compiled))
     start = time.perf_counter()
     trainer_mod.train(recipe)
@@ -176,11 +177,12 @@ def run_sleuth(
         "step_s": m["time/step"],
         "policy_tokens": m["response_length/policy_tokens"] * trajs,
         "sequence_tokens": m["response_length/total_tokens"] * trajs,
+        **{k.removeprefix("memory/"): m[k] for k in ("memory/device_in_use_gib", "memory/peak_allocated_gib") if k in m},
     } for m in lines]
     return {"steps": steps, "wall_s": wall,
             "config": {"trainer": "sleuth.rl.trainer.train", "recipe": recipe.model_dump(),
-                       "generation": f"HFGenerator(policy) inside the trainer: cache={cache!r}, "
-                                     f"compiled decode step: {compiled}"}}
+                       "generation": f"HFGenerator(policy) inside the trainer: cache={recipe.model.generation_cache!r}, "
+                                     f"compile={recipe.model.compile_generation} (auto/None: the CUDA default)"}}
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -306,7 +308,7 @@ def worker_main(args: argparse.Namespace) -> None:
     if device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats()
     if args.worker.startswith("sleuth"):
-        result = run_sleuth(args, shared, work, device, compiled=args.worker == "sleuth-compiled")
+        result = run_sleuth(args, shared, work, device, args.worker)
     else:
         result = run_trl(args, shared, work, device, args.worker.split("-", 1)[1])
     peak, measure = _common.peak_memory_bytes(device)
@@ -345,6 +347,11 @@ def summarise(variant: str, result: dict[str, Any], warmup: int, trajectories: i
         peak_memory_measure=result["peak_memory_measure"],
         trainer_wall_s=result["wall_s"],
     )
+    memory = [s["device_in_use_gib"] for s in result["steps"] if "device_in_use_gib" in s]
+    if memory:  # the card's memory in use after every step (all allocators): flat, or growing?
+        row["device_in_use_gib_per_step"] = [round(m, 3) for m in memory]
+        after5 = memory[5:] or memory
+        row["device_in_use_growth_after_step5"] = (max(after5) - after5[0]) / after5[0] if after5[0] else None
     return row
 
 

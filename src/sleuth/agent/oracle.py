@@ -262,8 +262,15 @@ def plan_qagent(example, facts, retriever, loop, rng) -> Plan:
     return Plan(turns, all(ff.found for ff in found), found)
 
 
+# An s3 oracle that stops as soon as the initial (naive-RAG) window holds the chain does so on ~60% of
+# synthetic questions, and a model fine-tuned on that learns to stop after the initial search on 97% of
+# questions (measured: accuracy = naive RAG's). Searching at least once teaches the searcher to search.
+S3_MIN_SEARCHES = 1
+
+
 def plan_s3(example, facts, retriever, loop, rng) -> Plan:
-    """Begin with search (the question), then per window: select the needed passages, search the next."""
+    """Begin with search (the question), then per window: select the needed passages, search the next;
+    at least `S3_MIN_SEARCHES` searches (a needed fact again, in another wording, when none is missing)."""
     window = retriever.search([example.question.strip()], loop.top_k)[0] if loop.begin_with_search else []
     needed = {f.doc_id for f in facts}
     have: set[str] = set()
@@ -274,10 +281,10 @@ def plan_s3(example, facts, retriever, loop, rng) -> Plan:
         have |= {window[i - 1].doc_id for i in ids}
         select = f"<important_info>{json.dumps(ids)}</important_info>\n" if window else ""
         missing = [f for f in facts if f.doc_id not in have]
-        if not missing or len(turns) == loop.max_turns:
+        if (not missing and len(turns) >= S3_MIN_SEARCHES) or len(turns) == loop.max_turns:
             turns.append(f"{select}<search_complete>True</search_complete>")
             break
-        ff = find_fact(missing[0], retriever, loop.top_k, rng)
+        ff = find_fact(missing[0] if missing else facts[-1], retriever, loop.top_k, rng)
         found_facts.append(ff)
         query = json.dumps({"query": ff.query})
         turns.append(f"{select}<search_complete>False</search_complete>\n<query>{query}</query>")
