@@ -59,7 +59,7 @@ class Size:
     test: int = 500
     sft_questions: int = 1200
     warm: int = 64
-    rl_steps: int = 15
+    rl_steps: int = 30
     prompts_per_step: int = 16
     n: int = 5
     eval_batch: int = 250
@@ -78,7 +78,8 @@ def recipe_for(out: Path, method: str, variant: str, model: str, size: Size, enc
         reward["baseline_cache"] = str(out / method / variant / "naive_rag_cache.jsonl")
     if reward["name"] == "staged":
         reward["encoder"] = encoder
-        reward["options"]["switch_step"] = max(1, size.rl_steps // 2)
+        # stage 2 from step 11 (runs under LEARN_RL_MINUTES may stop before rl_steps)
+        reward["options"]["switch_step"] = max(1, min(10, size.rl_steps // 2))
     world = out / "shared" / "world"
     return {
         "name": f"learn-{method}-{variant}",
@@ -239,6 +240,14 @@ def run_job(out: Path, job: str, model: str, size: Size, encoder: str | None) ->
 
 
 def lane(args) -> None:
+    # LEARN_NO_CUDNN_SDPA=qagent,...: lanes with these methods' jobs turn cuDNN's attention off (it once failed
+    # mid-run in qagent's decoding: mha_graph.execute); PyTorch's own flash / memory-efficient kernels serve
+    avoid = set(os.environ.get("LEARN_NO_CUDNN_SDPA", "").split(",")) - {""}
+    if avoid & {job.split(":")[0] for job in args.jobs.split(",")}:
+        import torch
+
+        torch.backends.cuda.enable_cudnn_sdp(False)
+        print("cuDNN SDPA off in this lane", flush=True)
     out = Path(args.out)
     size = CPU_SIZE if args.cpu else Size()
     for job in args.jobs.split(","):

@@ -293,6 +293,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "one row per value")
     p.add_argument("--profile", action="store_true",
                    help="torch.profiler over the timed rollout of the last engine row: device busy share, top ops")
+    p.add_argument("--no-cudnn-sdpa", action="store_true",
+                   help="turn PyTorch's cuDNN attention backend off (its flash / memory-efficient kernels serve)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="JSON path (default $OUT/rollout_<device>.json or bench/results/)")
     args = p.parse_args(argv)
@@ -307,6 +309,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     import torch
 
     device = _common.pick_device(args.device)
+    if args.no_cudnn_sdpa:
+        torch.backends.cuda.enable_cudnn_sdp(False)
     dtype = _common.pick_dtype(args.dtype, device)
     if args.ignore_eos is None:
         args.ignore_eos = args.model.startswith("random:")

@@ -321,3 +321,39 @@ def test_trajectories_cli_oracle_teacher_and_messages(tmp_path, small_world):
 
     proc = _cli("trajectories", str(recipe), "agent.loop=nope", "--out", str(tmp_path / "x.jsonl"))
     assert proc.returncode == 2 and "agent.loop" in proc.stdout and not (tmp_path / "x.jsonl").exists()
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_masked_nll_equals_cross_entropy_over_full_logits(tmp_path, lora):
+    """The SFT loss runs the LM head only at target positions; it must equal the textbook loss over
+    full (B, L, V) logits, gradients included (LoRA-wrapped too)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from sleuth.llm.tiny import build_tiny_model
+    from sleuth.rl.sft import masked_nll
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(build_tiny_model(tmp_path / "tiny"), dtype=torch.float64)
+    if lora:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False))
+    vocab = model.get_output_embeddings().weight.shape[0]
+    ids = torch.randint(0, vocab, (3, 17))
+    target = (torch.rand(3, 17) < 0.4).long()
+    target[:, 0] = 0
+    nll, n = masked_nll(model, ids, target)
+    grads = [p.grad for p in model.parameters() if p.requires_grad]
+    nll.backward()
+    fast_grads = [p.grad.clone() for p in model.parameters() if p.requires_grad]
+    model.zero_grad()
+
+    logits = model(input_ids=ids).logits[:, :-1]
+    logp = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+    reference = -(logp * target[:, 1:]).sum()
+    reference.backward()
+    assert n == int(target[:, 1:].sum()) and grads
+    torch.testing.assert_close(nll, reference, rtol=1e-10, atol=1e-10)
+    for fast, ref in zip(fast_grads, [p.grad for p in model.parameters() if p.requires_grad], strict=True):
+        torch.testing.assert_close(fast, ref, rtol=1e-8, atol=1e-10)
