@@ -59,10 +59,12 @@ EOF
     if [ -n "${AFTER_JOB:-}" ]; then  # issue 15's decode rows on the last GPU once its learning jobs are done
       ( until [ -f "$RUN/done/$AFTER_JOB.json" ] || [ -f "$RUN/daemon.finished" ]; do sleep 10; done
         gpu=$(( $(nvidia-smi -L | wc -l) - 1 ))
-        for flag in "" --no-cudnn-sdpa; do
-          CUDA_VISIBLE_DEVICES=$gpu timeout 300 python3 bench/rollout.py --model random:qwen2.5-0.5b --device cuda \
-            --batch 64 --turns 3 --new-tokens 64 --modes static+compile --sync-every 8 --profile $flag \
-            --baseline-trajectories 0 --out "$RUN/rollout_gpu${flag:+_nocudnn}.json"
+        for variant in default grouped nocudnn grouped_nocudnn; do
+          flags=""; case $variant in *grouped*) flags="--grouped-decode-attention";; esac
+          case $variant in *nocudnn) flags="$flags --no-cudnn-sdpa";; esac
+          CUDA_VISIBLE_DEVICES=$gpu timeout 240 python3 bench/rollout.py --model random:qwen2.5-0.5b --device cuda \
+            --batch 64 --turns 3 --new-tokens 64 --modes static+compile --sync-every 8 --profile $flags \
+            --baseline-trajectories 0 --out "$RUN/rollout_gpu_$variant.json"
         done >"$RUN/extra.log" 2>&1 ) &
     fi
     python3 bench/learning.py run --out "$RUN" --model "$GGUF" --gpus "$(nvidia-smi -L | wc -l)" \

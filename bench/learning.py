@@ -65,10 +65,11 @@ class Size:
     eval_batch: int = 250
     sft_epochs: int = 2
     warm_epochs: int = 6
+    sft_micro: int = 8
 
 
 CPU_SIZE = Size(passages=400, questions=200, test=12, sft_questions=24, warm=6, rl_steps=2, prompts_per_step=2,
-                n=4, eval_batch=12, sft_epochs=1, warm_epochs=1)
+                n=4, eval_batch=12, sft_epochs=1, warm_epochs=1, sft_micro=2)
 
 
 def recipe_for(out: Path, method: str, variant: str, model: str, size: Size, encoder: str | None) -> dict[str, Any]:
@@ -101,7 +102,7 @@ def recipe_for(out: Path, method: str, variant: str, model: str, size: Size, enc
                     else None},
         "sft": {"data": str(out / method / "trajectories.jsonl"), "epochs": size.sft_epochs if variant == "full"
                 else size.warm_epochs, "lr": 3e-4, "batch_size": 16 if variant == "full" else 8,
-                "micro_batch_size": 8, "held_out": 0.05, "limit": None if variant == "full" else size.warm},
+                "micro_batch_size": size.sft_micro, "held_out": 0.05, "limit": None if variant == "full" else size.warm},
     }
 
 

@@ -99,7 +99,8 @@ def run_engine(mode: str, model: Any, tokenizer: Any, model_info: dict[str, Any]
 
     cache = "dynamic" if mode == "dynamic" else "static"
     gen = HFGenerator(model, tokenizer=tokenizer, cache=cache, compile=mode == "static+compile",
-                      max_batch_size=args.batch, sync_every=sync_every)
+                      max_batch_size=args.batch, sync_every=sync_every,
+                      grouped_decode_attention=args.grouped_decode_attention)
     if args.ignore_eos:
         gen.eos_token_ids = frozenset()
     ledger = DecodeLedger(model_info)
@@ -121,11 +122,14 @@ def run_engine(mode: str, model: Any, tokenizer: Any, model_info: dict[str, Any]
         wall = _common.timer(device) - start
     totals = ledger.totals()
     policy_tokens = sum(sum(t.loss_mask) for t in trajs)
-    label = f"sleuth engine ({mode}{'' if cache == 'dynamic' else f', sync every {sync_every}'})"
+    label = (f"sleuth engine ({mode}{'' if cache == 'dynamic' else f', sync every {sync_every}'}"
+             f"{', grouped decode attention' if gen.grouped_decode_attention else ''}"
+             f"{', cuDNN SDPA off' if args.no_cudnn_sdpa else ''})")
     row = rates(label, len(trajs), policy_tokens, wall, totals, args)
     if profile:
         row["profile"] = profile_summary(profiler, wall)
     row.update(mode=mode, cache=cache, compile=mode == "static+compile", sync_every=sync_every, batch=len(trajs),
+               grouped_decode_attention=gen.grouped_decode_attention, cudnn_sdpa=not args.no_cudnn_sdpa,
                warmup_s=round(warmup_s, 2),
                turns_mean=sum(t.num_turns for t in trajs) / len(trajs),
                retrievals=sum(t.retrieval_count for t in trajs),
@@ -293,6 +297,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "one row per value")
     p.add_argument("--profile", action="store_true",
                    help="torch.profiler over the timed rollout of the last engine row: device busy share, top ops")
+    p.add_argument("--grouped-decode-attention", action="store_true",
+                   help="decode steps attend each key/value head once (sleuth.llm.attention) instead of "
+                        "transformers' per-query-head copy of the cache")
     p.add_argument("--no-cudnn-sdpa", action="store_true",
                    help="turn PyTorch's cuDNN attention backend off (its flash / memory-efficient kernels serve)")
     p.add_argument("--seed", type=int, default=0)

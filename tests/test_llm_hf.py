@@ -329,3 +329,44 @@ def test_static_decoding_reads_tokens_in_chunks_without_changing_them(model_and_
             assert [len(r[0]) for r in reference] == [3, 6, 7]
     with pytest.raises(ConfigError, match="sync_every"):
         HFGenerator(model, tokenizer=tok, sync_every=0)
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_grouped_decode_attention_changes_no_token(tmp_path, cache) -> None:
+    """Decode steps that attend each key/value head once (GQA, sleuth.llm.attention) give the tokens and
+    log-probs of transformers' own SDPA path, padded batch, stop strings and sampling included."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+
+    from sleuth.llm.attention import GROUPED_DECODE
+
+    tiny = build_tiny_model(tmp_path / "tiny")
+    tok = AutoTokenizer.from_pretrained(tiny)
+    config = Qwen2Config.from_pretrained(tiny)
+    config.num_attention_heads, config.num_key_value_heads = 4, 2  # two query heads per key/value head
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(config)
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() >= 2:
+                param.normal_(0, 0.3)
+    model.save_pretrained(tmp_path / "gqa")
+
+    def load():
+        return AutoModelForCausalLM.from_pretrained(tmp_path / "gqa", attn_implementation="sdpa").eval()
+
+    plain = HFGenerator(load(), tokenizer=tok, cache=cache)
+    grouped = HFGenerator(load(), tokenizer=tok, cache=cache, grouped_decode_attention=True)
+    assert grouped.grouped_decode_attention and grouped.model.config._attn_implementation == GROUPED_DECODE
+    assert not plain.grouped_decode_attention
+    greedy = SamplingParams(max_new_tokens=12, temperature=0.0)
+    stop = [plain.decode(plain.generate(PROMPTS[:1], params=greedy)[0].token_ids[4:6])]
+    for params, stops in ((greedy, None), (greedy, stop), (SamplingParams(max_new_tokens=12, temperature=1.0, seed=3), None)):
+        a = plain.generate(PROMPTS, stop=stops, params=params)
+        b = grouped.generate(PROMPTS, stop=stops, params=params)
+        assert [o.token_ids for o in a] == [o.token_ids for o in b]
+        for x, y in zip(a, b, strict=True):
+            assert x.logprobs == pytest.approx(y.logprobs, abs=1e-5)
+    # a model without GQA is left as it is
+    assert not HFGenerator(AutoModelForCausalLM.from_pretrained(tiny), tokenizer=tok,
+                           grouped_decode_attention=True).grouped_decode_attention

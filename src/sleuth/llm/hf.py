@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from sleuth.errors import ConfigError
+from sleuth.llm.attention import use_grouped_decode_attention
 from sleuth.llm.base import Generation, Prompt, SamplingParams
 from sleuth.llm.gguf import ensure_converted
 from sleuth.llm.stops import first_stop_in, normalise_stops, stop_window
@@ -174,6 +175,7 @@ class HFGenerator:
         compile: bool = False,
         attn_implementation: str | None = None,
         sync_every: int = 8,
+        grouped_decode_attention: bool = False,
     ) -> None:
         if cache not in ("auto", "dynamic", "static"):
             raise ConfigError(f"cache={cache!r}: use 'dynamic', 'static' or 'auto'")
@@ -197,6 +199,9 @@ class HFGenerator:
             )
             self.source = str(model_or_path)
 
+        # one-token decode steps attend each key/value head once instead of a copy per query head
+        # (sleuth.llm.attention); changes nothing else, and nothing where the model has no GQA
+        self.grouped_decode_attention = grouped_decode_attention and use_grouped_decode_attention(self.model)
         self.cache_kind = cache if cache != "auto" else ("static" if self.device.type == "cuda" else "dynamic")
         self.compile = compile
         if compile and self.cache_kind != "static":
