@@ -85,8 +85,9 @@ def assert_matches_reference(
     dense_ratio: float = DENSE_RATIO,
 ) -> None:
     scratch = np.zeros(num_docs, np.float32)
-    bounds = token_weight_bounds(data, indptr)
-    ids, scores, counts = bm25_topk(queries, data, indices, indptr, bounds, k, scratch, dense_ratio)
+    upper, magnitude, ascending = token_weight_bounds(data, indices, indptr)
+    assert ascending
+    ids, scores, counts = bm25_topk(queries, data, indices, indptr, (upper, magnitude), k, scratch, dense_ratio)
     assert not scratch.any(), "the kernel must leave its scratch space zeroed"
     for q, query in enumerate(queries):
         want_ids, want_scores = brute_force_topk(query, data, indices, indptr, num_docs, k)
@@ -125,7 +126,7 @@ def test_kernel_on_hand_made_ties_and_empty_results(dense_ratio: float) -> None:
     data = np.array([1, 1, 1, 1, 1, 1, 3, 3], np.float32)
     indices = np.array([0, 1, 2, 3, 4, 5, 2, 4], np.int32)
     indptr = np.array([0, 6, 8, 8], np.int64)
-    bounds = token_weight_bounds(data, indptr)
+    bounds = token_weight_bounds(data, indices, indptr)[:2]
     scratch = np.zeros(6, np.float32)
     queries = [[0, 1], [0], [2], [], [1, 1]]
     ids, scores, counts = bm25_topk(queries, data, indices, indptr, bounds, 3, scratch, dense_ratio)
@@ -137,12 +138,18 @@ def test_kernel_on_hand_made_ties_and_empty_results(dense_ratio: float) -> None:
 
 def test_token_weight_bounds_against_numpy() -> None:
     rng = np.random.default_rng(5)
-    data, _, indptr = random_csc(rng, 400, 60, tie_values=False, signed=True)
-    upper, magnitude = token_weight_bounds(data, indptr)
+    data, indices, indptr = random_csc(rng, 400, 60, tie_values=False, signed=True)
+    upper, magnitude, ascending = token_weight_bounds(data, indices, indptr)
+    assert ascending
     for t in range(60):
         column = data[indptr[t] : indptr[t + 1]].astype(np.float64)
         assert upper[t] == (max(0.0, column.max()) if len(column) else 0.0)
         assert magnitude[t] == (np.abs(column).max() if len(column) else 0.0)
+    # A posting list out of passage order is reported (the pruned walk would miss passages).
+    longest = int(np.argmax(np.diff(indptr)))
+    shuffled = indices.copy()
+    shuffled[indptr[longest] : indptr[longest] + 2] = shuffled[indptr[longest] : indptr[longest] + 2][::-1]
+    assert not token_weight_bounds(data, shuffled, indptr)[2]
 
 
 def test_retriever_equals_brute_force_over_its_index(small_world: Path) -> None:

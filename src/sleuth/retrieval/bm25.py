@@ -161,7 +161,13 @@ class BM25Retriever:
         if self._token_bounds is None:
             # One pass over the score matrix on the first search, not at load: loading stays a memory map.
             # Concurrent first searches may both compute it; the results are identical.
-            self._token_bounds = token_weight_bounds(m["data"], m["indptr"])
+            upper, magnitude, ascending = token_weight_bounds(m["data"], m["indices"], m["indptr"])
+            if not ascending:
+                raise IndexMismatchError(
+                    f"{self.index_dir}: BM25 posting lists are not in ascending passage order; "
+                    "rebuild the index with `sleuth index`"
+                )
+            self._token_bounds = (upper, magnitude)
         args = (m["data"], m["indices"], m["indptr"], self._token_bounds, k)
         if self.threads <= 1 or len(batch) < 2 * self.threads:
             return bm25_topk(batch, *args, self._scratch())
