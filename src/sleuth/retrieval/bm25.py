@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -118,6 +119,9 @@ class BM25Retriever:
         self.tokenizer.load_vocab(str(self.index_dir))
         self.tokenizer.load_stopwords(str(self.index_dir))
         self._empty_id = self.tokenizer.word_to_id.get("")
+        # Per token (largest weight, largest |weight|): the kernel's pruning bounds, built on first search.
+        self._token_bounds: tuple[np.ndarray, np.ndarray] | None = None
+        self._thread_scratch = threading.local()
         if docstore.num_docs != self.num_indexed:
             raise IndexMismatchError(
                 f"{self.index_dir}: BM25 index has {self.num_indexed} passages but the docstore has "
@@ -151,19 +155,37 @@ class BM25Retriever:
 
     def _topk(self, batch: list[list[int]], k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         # deferred: importing numba is slow; only searches need the kernel
-        from sleuth.retrieval._bm25_kernel import bm25_topk
+        from sleuth.retrieval._bm25_kernel import bm25_topk, token_weight_bounds
 
         m = self.model.scores
-        args = (m["data"], m["indices"], m["indptr"], int(m["num_docs"]), k)
+        if self._token_bounds is None:
+            # One pass over the score matrix on the first search, not at load: loading stays a memory map.
+            # Concurrent first searches may both compute it; the results are identical.
+            upper, magnitude, ascending = token_weight_bounds(m["data"], m["indices"], m["indptr"])
+            if not ascending:
+                raise IndexMismatchError(
+                    f"{self.index_dir}: BM25 posting lists are not in ascending passage order; "
+                    "rebuild the index with `sleuth index`"
+                )
+            self._token_bounds = (upper, magnitude)
+        args = (m["data"], m["indices"], m["indptr"], self._token_bounds, k)
         if self.threads <= 1 or len(batch) < 2 * self.threads:
-            return bm25_topk(batch, *args)
+            return bm25_topk(batch, *args, self._scratch())
         # The kernel releases the GIL (nogil), so threads over slices of the batch run in parallel.
 
         step = -(-len(batch) // self.threads)
         parts = [batch[i : i + step] for i in range(0, len(batch), step)]
         with ThreadPoolExecutor(self.threads) as pool:
-            results = list(pool.map(lambda part: bm25_topk(part, *args), parts))
+            results = list(pool.map(lambda part: bm25_topk(part, *args, self._scratch()), parts))
         return tuple(np.concatenate([r[j] for r in results]) for j in range(3))
+
+    def _scratch(self) -> np.ndarray:
+        # The kernel's per-passage accumulator, zeros between calls: one per thread, kept, so a
+        # search does not allocate and fault in num_docs floats.
+        scratch = getattr(self._thread_scratch, "scores", None)
+        if scratch is None:
+            scratch = self._thread_scratch.scores = np.zeros(self.num_indexed, dtype=np.float32)
+        return scratch
 
     def search(self, queries: list[str], k: int) -> list[list[Hit]]:
         rows, scores = self.search_indices(queries, k)
