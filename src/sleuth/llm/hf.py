@@ -211,6 +211,7 @@ class HFGenerator:
         self._static_caches: dict[tuple[int, int], Any] = {}
         self._compiled_step: Any = None
         self._compiled_shapes: set[tuple[int, int]] = set()
+        self.compile_seconds = 0.0  # one-time compiles of new decode shapes so far (a trainer logs it)
         self.sync_every = sync_every
 
         self.pad_token_id = self._pick_pad_id()
@@ -543,8 +544,9 @@ class HFGenerator:
                         self._synchronize()
                         self._compiled_shapes.add((batch, length))
                         new_shape = False
-                        log.info("compiled the decode step for batch %d x cache %d in %.1f s", batch, length,
-                                 time.perf_counter() - started)
+                        seconds = time.perf_counter() - started
+                        self.compile_seconds += seconds
+                        log.info("compiled the decode step for batch %d x cache %d in %.1f s", batch, length, seconds)
             chunk = self._to_host(sampled[: len(rows), chunk_start:chunk_end], sampled_logprobs[: len(rows), chunk_start:chunk_end])
             if pending is not None and self._accept_chunk(rows, pending, max_new):
                 done = True

@@ -80,6 +80,7 @@ class Run:
     log: Any  # the recipe's loggers (main rank only)
     start_step: int = 0
     last_saved: int = 0
+    compile_seconds_logged: float = 0.0
 
     @property
     def models(self) -> dict[str, nn.Module]:

@@ -106,5 +106,7 @@ def format_line(step: int, total: int, m: dict[str, float]) -> str:
     parts.append(
         f"t {m['time/rollout']:.1f}/{m['time/reward']:.1f}/{m['time/update']:.1f}s (rollout/reward/update)"
     )
+    if m.get("time/decode_compile", 0.0) >= 0.05:
+        parts.append(f"[dim](of which {m['time/decode_compile']:.1f}s one-time compile of new decode shapes)[/]")
     return "  ".join(parts)
 

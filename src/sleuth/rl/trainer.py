@@ -266,8 +266,11 @@ def _log_step(run: Run, step: int, stage: int, collected: Collected, batch: Step
         "time/update": times["update"],
         "time/step": time.perf_counter() - times["start"],
         "tokens/policy_per_s": float(mask.sum()) / max(collected.t_rollout, 1e-9),
+        # one-time compiles of new decode shapes (compiled decoding; part of time/rollout)
+        "time/decode_compile": getattr(run.generator, "compile_seconds", 0.0) - run.compile_seconds_logged,
         **memory_metrics(ctx.device),
     })
+    run.compile_seconds_logged = getattr(run.generator, "compile_seconds", 0.0)
     failed = failed_trajectories(collected.trajs_all)
     metrics["rollout/errors"] = float(len(failed))
     metrics = mean_over_ranks(metrics, ctx)
