@@ -59,37 +59,57 @@ def token_weight_bounds(data, indices, indptr):
 
 
 @njit(cache=True, nogil=True)
+def _weaker(heap_s, heap_i, a, b):
+    # Min-heap order on (score, -index): on equal scores the larger passage index counts as weaker,
+    # so ties keep the smaller index (deterministic order).
+    return heap_s[a] < heap_s[b] or (heap_s[a] == heap_s[b] and heap_i[a] > heap_i[b])
+
+
+@njit(cache=True, nogil=True)
+def _swap(heap_s, heap_i, a, b):
+    heap_s[a], heap_s[b] = heap_s[b], heap_s[a]
+    heap_i[a], heap_i[b] = heap_i[b], heap_i[a]
+
+
+@njit(cache=True, nogil=True)
 def _sift_down(heap_s, heap_i, size, pos):
-    # Min-heap on (score, -index): the root is the weakest kept hit; on equal scores the larger
-    # passage index counts as weaker, so ties keep the smaller index (deterministic order).
+    # The root is the weakest kept hit.
     while True:
         left = 2 * pos + 1
         if left >= size:
             return
         child = left
-        right = left + 1
-        if right < size and (
-            heap_s[right] < heap_s[left] or (heap_s[right] == heap_s[left] and heap_i[right] > heap_i[left])
-        ):
-            child = right
-        if heap_s[child] < heap_s[pos] or (heap_s[child] == heap_s[pos] and heap_i[child] > heap_i[pos]):
-            heap_s[pos], heap_s[child] = heap_s[child], heap_s[pos]
-            heap_i[pos], heap_i[child] = heap_i[child], heap_i[pos]
-            pos = child
-        else:
+        if left + 1 < size and _weaker(heap_s, heap_i, left + 1, left):
+            child = left + 1
+        if not _weaker(heap_s, heap_i, child, pos):
             return
+        _swap(heap_s, heap_i, child, pos)
+        pos = child
 
 
 @njit(cache=True, nogil=True)
 def _sift_up(heap_s, heap_i, pos):
     while pos > 0:
         parent = (pos - 1) // 2
-        if heap_s[pos] < heap_s[parent] or (heap_s[pos] == heap_s[parent] and heap_i[pos] > heap_i[parent]):
-            heap_s[pos], heap_s[parent] = heap_s[parent], heap_s[pos]
-            heap_i[pos], heap_i[parent] = heap_i[parent], heap_i[pos]
-            pos = parent
-        else:
+        if not _weaker(heap_s, heap_i, pos, parent):
             return
+        _swap(heap_s, heap_i, pos, parent)
+        pos = parent
+
+
+@njit(cache=True, nogil=True)
+def _offer(heap_s, heap_i, size, k, score, doc):
+    """Keep (score, doc) if the heap has room or it beats the weakest kept hit; returns the new size."""
+    if size < k:
+        heap_s[size] = score
+        heap_i[size] = doc
+        _sift_up(heap_s, heap_i, size)
+        return size + 1
+    if score > heap_s[0] or (score == heap_s[0] and doc < heap_i[0]):
+        heap_s[0] = score
+        heap_i[0] = doc
+        _sift_down(heap_s, heap_i, size, 0)
+    return size
 
 
 @njit(cache=True, nogil=True)
@@ -171,15 +191,7 @@ def _maxscore(
             score += weight[rank_of_pos[p]]
         if score < floor or not score > threshold:
             continue
-        if size < k:
-            heap_s[size] = score
-            heap_i[size] = doc
-            _sift_up(heap_s, heap_i, size)
-            size += 1
-        else:
-            heap_s[0] = score
-            heap_i[0] = doc
-            _sift_down(heap_s, heap_i, size, 0)
+        size = _offer(heap_s, heap_i, size, k, score, doc)
         if size == k:
             threshold = heap_s[0]
             while first_essential < n_terms and below_bound[first_essential + 1] + margin <= threshold:
@@ -207,15 +219,7 @@ def _accumulate(toks, data, indices, indptr, k, floor, scores, touched, heap_s, 
         scores[d] = 0.0
         if s <= 0.0 or s < floor:
             continue
-        if size < k:
-            heap_s[size] = s
-            heap_i[size] = d
-            _sift_up(heap_s, heap_i, size)
-            size += 1
-        elif s > heap_s[0] or (s == heap_s[0] and d < heap_i[0]):
-            heap_s[0] = s
-            heap_i[0] = d
-            _sift_down(heap_s, heap_i, size, 0)
+        size = _offer(heap_s, heap_i, size, k, s, d)
     return size
 
 
