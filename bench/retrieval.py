@@ -370,7 +370,8 @@ def compare_with_pyserini(args: argparse.Namespace, corpus: Path, questions: lis
         ]
     try:
         http_paths = []
-        # As shipped (2 ms micro-batching wait), and without the wait (what a single-query client wants).
+        # As shipped (holds a request up to 2 ms, only when concurrent requests are expected), and with
+        # holding off altogether: for this one sequential client the two should match.
         for name, wait_ms in (("sleuth serve-retriever", "2"), ("sleuth serve-retriever --batch-wait-ms 0", "0")):
             port = free_port()
             cmd = [sys.executable, "-c", "from sleuth.cli import main; main()", "serve-retriever",

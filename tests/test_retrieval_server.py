@@ -296,6 +296,88 @@ def test_batch_query_cap_splits_merged_calls() -> None:
     assert [n for n, _ in retriever.calls] == [2, 3]
 
 
+def test_lone_sequential_client_is_never_held() -> None:
+    # A wait longer than the test's guard: any hold would show in the stats (and time the guard out).
+    retriever = OverlapRetriever()
+    batcher = MicroBatcher(retriever, batch_wait_s=60.0)
+
+    async def main() -> list[bytes]:
+        try:
+            return [await batcher.submit([q], 1, True) for q in ("Alps", "Rhine", "Seine", "Paris")]
+        finally:
+            batcher.close()
+
+    outs = asyncio.run(asyncio.wait_for(main(), 30))
+    assert [json.loads(o)["result"][0][0]["document"]["id"] for o in outs] == ["d4", "d2", "d3", "d0"]
+    assert retriever.calls == [(1, 1)] * 4
+    assert batcher.snapshot_stats()["held_batches"] == 0
+
+
+def test_lone_client_over_http_is_never_held() -> None:
+    with TestClient(create_app(OverlapRetriever(), batch_wait_ms=60_000)) as c:
+        for q in ("Alps", "Rhine", "Seine"):
+            assert c.post("/retrieve", json={"queries": [q], "topk": 1}).status_code == 200
+        stats = c.get("/health").json()["stats"]
+    assert stats["requests"] == 3 and stats["search_calls"] == 3 and stats["held_batches"] == 0
+
+
+def test_lock_step_clients_are_held_until_all_arrive() -> None:
+    # Three clients that search together (rollout workers reaching a search turn at once): after one
+    # round shows three requests overlapping, a request finding the worker idle is held until the
+    # other two arrive, and the hold ends on their arrival, not at the (long) deadline.
+    retriever = OverlapRetriever()
+    batcher = MicroBatcher(retriever, batch_wait_s=60.0)
+
+    async def main() -> list[bytes]:
+        try:
+            first_round = await asyncio.gather(*(batcher.submit([q], 1, True) for q in ("Alps", "Rhine", "Seine")))
+            lead = asyncio.ensure_future(batcher.submit(["Paris"], 1, True))
+            for _ in range(5):  # let the collector take "Paris" and start holding it
+                await asyncio.sleep(0)
+            assert retriever.calls == [(3, 1)]  # nothing dispatched yet: "Paris" is held
+            rest = await asyncio.gather(batcher.submit(["Berlin"], 1, True), batcher.submit(["Rhine"], 1, True))
+            return [*first_round, await lead, *rest]
+        finally:
+            batcher.close()
+
+    outs = asyncio.run(asyncio.wait_for(main(), 30))
+    assert retriever.calls == [(3, 1), (3, 1)]
+    ids = [json.loads(o)["result"][0][0]["document"]["id"] for o in outs]
+    assert ids == ["d4", "d2", "d3", "d0", "d1", "d2"]
+    assert batcher.snapshot_stats()["held_batches"] == 1
+    assert batcher.snapshot_stats()["holds_to_deadline"] == 0
+
+
+def test_hold_ends_at_the_deadline_and_large_batches_are_not_held() -> None:
+    retriever = OverlapRetriever()
+    batcher = MicroBatcher(retriever, batch_wait_s=0.01, max_batch_queries=8)
+
+    async def main() -> None:
+        try:
+            await asyncio.gather(batcher.submit(["Alps"], 1, True), batcher.submit(["Rhine"], 1, True))
+            await batcher.submit(["Seine"], 1, True)  # overlap seen, the other client never comes: held to deadline
+            await asyncio.gather(batcher.submit(["Alps"], 1, True), batcher.submit(["Rhine"], 1, True))
+            await batcher.submit(["a", "b", "c", "d"], 1, True)  # half of max_batch_queries: not held
+        finally:
+            batcher.close()
+
+    asyncio.run(asyncio.wait_for(main(), 30))
+    assert retriever.calls == [(2, 1), (1, 1), (2, 1), (4, 1)]
+    stats = batcher.snapshot_stats()
+    assert stats["held_batches"] == 1 and stats["holds_to_deadline"] == 1
+
+
+def test_recent_peak_forgets_after_two_windows() -> None:
+    peak = server_module._RecentPeak(1.0)
+    peak.record(3, now=10.0)
+    peak.record(1, now=10.5)
+    assert peak.peak(10.9) == 3
+    peak.record(1, now=11.2)  # new window: the previous one's 3 is still remembered
+    assert peak.peak(11.9) == 3
+    assert peak.peak(12.3) == 1  # two windows on: only the last window's 1
+    assert peak.peak(14.0) == 0
+
+
 # ----------------------------------------------------------------------------- real HTTP server
 
 

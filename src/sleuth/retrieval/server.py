@@ -12,9 +12,11 @@ in chunks of `max_batch_queries`, as Search-R1's own server searches in `retriev
 chunks; a query longer than `max_query_chars` is cut to that length rather than refused (Search-R1's
 dense encoder likewise truncates queries, to 256 tokens).
 
-The retriever is CPU-bound and synchronous, so it runs in worker threads. Requests that arrive
-while a worker is busy (or within `batch_wait_ms` of each other) are merged into one
-`retriever.search` call: many small concurrent requests then cost about as much as one batched call.
+The retriever is CPU-bound and synchronous, so it runs in worker threads, batched continuously (as
+TEI and vLLM schedule): a worker that becomes free takes every request queued at that moment into one
+`retriever.search` call, so many small concurrent requests cost about as much as one batched call.
+A request that finds a worker idle is searched at once unless there is evidence that others are
+about to join it (see `MicroBatcher`); a lone client sending one request at a time never waits.
 """
 
 from __future__ import annotations
@@ -103,6 +105,40 @@ class _Job:
     k: int
     return_scores: bool
     future: asyncio.Future = field(repr=False)
+    arrived: float = 0.0  # event-loop clock at submission
+
+
+# How long overlapping requests count as evidence that clients run concurrently. Long enough to span
+# a few request round trips of lock-step clients, short enough that a server whose concurrent clients
+# went away stops holding a remaining lone client within a couple of seconds.
+CONCURRENCY_MEMORY_S = 1.0
+
+
+class _RecentPeak:
+    """The largest value recorded over roughly the last `memory_s` seconds (two rotating buckets:
+    the answer covers between one and two windows), for "how many requests overlapped lately"."""
+
+    def __init__(self, memory_s: float):
+        self.memory_s = memory_s
+        self._bucket_start = -math.inf
+        self._current = 0
+        self._previous = 0
+
+    def record(self, value: int, now: float) -> None:
+        self._rotate(now)
+        if value > self._current:
+            self._current = value
+
+    def peak(self, now: float) -> int:
+        self._rotate(now)
+        return max(self._current, self._previous)
+
+    def _rotate(self, now: float) -> None:
+        elapsed = now - self._bucket_start
+        if elapsed >= self.memory_s:
+            self._previous = self._current if elapsed < 2 * self.memory_s else 0
+            self._current = 0
+            self._bucket_start = now
 
 
 def _search_checked(retriever: Retriever, queries: list[str], k: int, chunk: int) -> list[list[Hit]]:
@@ -125,9 +161,19 @@ def _search_checked(retriever: Retriever, queries: list[str], k: int, chunk: int
 class MicroBatcher:
     """Merges concurrent `search` calls into shared `retriever.search` calls on worker threads.
 
-    Batching is natural: while all workers are busy, arriving jobs queue up, and a free worker takes
-    everything queued (up to `max_batch_queries`). `batch_wait_s` additionally holds a job that
-    finds an idle worker for that long, so near-simultaneous requests still share a call. A single
+    Continuous batching: while all workers are busy, arriving jobs queue up, and a worker that
+    becomes free takes everything queued (up to `max_batch_queries`) into one call at once. A job
+    that finds a worker idle is dispatched immediately unless holding it can pay off: it is held
+    (for at most `batch_wait_s` from its arrival, less whatever it already spent queued) only while
+
+    - requests have lately overlapped (more jobs were outstanding at once in the last
+      `CONCURRENCY_MEMORY_S` seconds than are outstanding now), i.e. other clients are about to
+      send theirs, as lock-step clients (rollout workers reaching a search turn together) do; and
+    - the batch is under half of `max_batch_queries`: a larger one already amortises the per-call
+      cost, and a request of its size would not fit beside it.
+
+    The hold ends as soon as either stops being true. So a lone client sending one request at a
+    time (outstanding requests never exceed one) and large requests are never delayed. A single
     job larger than `max_batch_queries` is searched in chunks of that size.
     """
 
@@ -143,6 +189,8 @@ class MicroBatcher:
             raise ValueError(f"worker_threads must be >= 1, got {worker_threads}")
         if max_batch_queries < 1:
             raise ValueError(f"max_batch_queries must be >= 1, got {max_batch_queries}")
+        if not batch_wait_s >= 0:
+            raise ValueError(f"batch_wait_s must be >= 0, got {batch_wait_s}")
         self.retriever = retriever
         self.max_batch_queries = max_batch_queries
         self.batch_wait_s = batch_wait_s
@@ -151,10 +199,22 @@ class MicroBatcher:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._queue: asyncio.Queue[_Job] | None = None
         self._slots: asyncio.Semaphore | None = None
+        self._arrival: asyncio.Event | None = None
         self._collector: asyncio.Task | None = None
         self._dispatches: set[asyncio.Task] = set()
+        # Loop-thread state: jobs submitted and not yet answered, and the recent peak of that count.
+        self._outstanding = 0
+        self._overlap = _RecentPeak(CONCURRENCY_MEMORY_S)
         self._stats_lock = threading.Lock()
-        self.stats = {"requests": 0, "queries": 0, "search_calls": 0, "failures": 0, "truncated_queries": 0}
+        self.stats = {
+            "requests": 0,
+            "queries": 0,
+            "search_calls": 0,
+            "failures": 0,
+            "truncated_queries": 0,
+            "held_batches": 0,  # batches held for concurrent requests to join
+            "holds_to_deadline": 0,  # of those, held the full batch_wait (the expected requests never came)
+        }
 
     def _ensure_started(self) -> asyncio.Queue[_Job]:
         # Started lazily in the running loop: a test client may serve each request from a new loop.
@@ -163,37 +223,85 @@ class MicroBatcher:
             self._loop = loop
             self._queue = asyncio.Queue()
             self._slots = asyncio.Semaphore(self.worker_threads)
-            self._collector = loop.create_task(self._collect(self._queue, self._slots))
+            self._arrival = asyncio.Event()
+            self._outstanding = 0
+            self._overlap = _RecentPeak(CONCURRENCY_MEMORY_S)
+            self._collector = loop.create_task(self._collect(self._queue, self._slots, self._arrival))
         assert self._queue is not None
         return self._queue
 
     async def submit(self, queries: list[str], k: int, return_scores: bool) -> bytes:
         """Search `queries` (sharing a call with concurrent jobs) and return the encoded response body."""
         queue = self._ensure_started()
-        future = asyncio.get_running_loop().create_future()
-        queue.put_nowait(_Job(queries, k, return_scores, future))
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        future = loop.create_future()
+        queue.put_nowait(_Job(queries, k, return_scores, future, now))
+        self._outstanding += 1
+        self._overlap.record(self._outstanding, now)
+        assert self._arrival is not None
+        self._arrival.set()
         return await future
 
-    async def _collect(self, queue: asyncio.Queue[_Job], slots: asyncio.Semaphore) -> None:
+    def _worth_holding(self, n_queries: int, now: float) -> bool:
+        """Whether a batch of `n_queries` that could be dispatched now should wait for more requests."""
+        return (
+            self.batch_wait_s > 0
+            and 2 * n_queries < self.max_batch_queries
+            and self._outstanding < self._overlap.peak(now)
+        )
+
+    def _take_queued(self, queue: asyncio.Queue[_Job], batch: list[_Job], n_queries: int) -> tuple[_Job | None, int]:
+        """Move queued jobs into `batch` while they fit; returns (the first job that did not fit, queries)."""
+        while not queue.empty():
+            job = queue.get_nowait()
+            if n_queries + len(job.queries) > self.max_batch_queries:
+                return job, n_queries
+            batch.append(job)
+            n_queries += len(job.queries)
+        return None, n_queries
+
+    async def _collect(self, queue: asyncio.Queue[_Job], slots: asyncio.Semaphore, arrival: asyncio.Event) -> None:
         loop = asyncio.get_running_loop()
         carry: _Job | None = None
         while True:
             await slots.acquire()
             first = carry if carry is not None else await queue.get()
-            carry = None
-            if self.batch_wait_s > 0 and queue.empty():
-                await asyncio.sleep(self.batch_wait_s)
-            batch, n_queries = [first], len(first.queries)
-            while not queue.empty():
-                job = queue.get_nowait()
-                if n_queries + len(job.queries) > self.max_batch_queries:
-                    carry = job
-                    break
-                batch.append(job)
-                n_queries += len(job.queries)
+            batch = [first]
+            carry, n_queries = self._take_queued(queue, batch, len(first.queries))
+            if carry is None and self._worth_holding(n_queries, loop.time()):
+                carry, n_queries = await self._hold(queue, arrival, batch, n_queries, first.arrived + self.batch_wait_s)
             task = loop.create_task(self._dispatch(batch, slots))
             self._dispatches.add(task)
             task.add_done_callback(self._dispatches.discard)
+
+    async def _hold(
+        self, queue: asyncio.Queue[_Job], arrival: asyncio.Event, batch: list[_Job], n_queries: int, deadline: float
+    ) -> tuple[_Job | None, int]:
+        """Let arriving jobs join `batch` until it is no longer worth holding or `deadline` passes."""
+        loop = asyncio.get_running_loop()
+        held = to_deadline = False
+        carry: _Job | None = None
+        while True:
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                to_deadline = held
+                break
+            held = True
+            arrival.clear()
+            try:
+                await asyncio.wait_for(arrival.wait(), remaining)
+            except asyncio.TimeoutError:
+                to_deadline = True
+                break
+            carry, n_queries = self._take_queued(queue, batch, n_queries)
+            if carry is not None or not self._worth_holding(n_queries, loop.time()):
+                break
+        if held:
+            with self._stats_lock:
+                self.stats["held_batches"] += 1
+                self.stats["holds_to_deadline"] += to_deadline
+        return carry, n_queries
 
     async def _dispatch(self, batch: list[_Job], slots: asyncio.Semaphore) -> None:
         specs = [(job.queries, job.k, job.return_scores) for job in batch]
@@ -209,8 +317,8 @@ class MicroBatcher:
             slots.release()
         self._settle(batch, outcomes)
 
-    @staticmethod
-    def _settle(batch: list[_Job], outcomes: list[bytes | RetrieverFailure]) -> None:
+    def _settle(self, batch: list[_Job], outcomes: list[bytes | RetrieverFailure]) -> None:
+        self._outstanding -= len(batch)
         for job, outcome in zip(batch, outcomes, strict=True):
             if job.future.done():  # the client went away
                 continue
@@ -309,6 +417,8 @@ def create_app(
     `max_queries` caps one request (more gets a 422 saying to split it); `max_query_chars` is where
     longer queries are cut; `max_batch_queries` (default 512) is the most queries one
     `retriever.search` call gets, whether they come from one large request or several merged ones.
+    `batch_wait_ms` is the longest a request that finds a worker idle is held for concurrent
+    requests to join its call, and only when that can help (see `MicroBatcher`); 0 never holds.
     A body over `max_body_bytes` gets 413 before it is read; by default the limit is what the
     largest valid request can take (max_queries x max_query_chars, 6 bytes a JSON-escaped char)."""
     for label, value in (("max_queries", max_queries), ("max_k", max_k), ("max_query_chars", max_query_chars)):

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import typer
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from sleuth.retrieval.base import DEFAULT_MAX_QUERIES, DEFAULT_MAX_QUERY_CHARS, DEFAULT_SEARCH_CHUNK
 
@@ -16,6 +17,27 @@ from sleuth.retrieval.base import DEFAULT_MAX_QUERIES, DEFAULT_MAX_QUERY_CHARS, 
 # starts each worker from an import string, so the app factory cannot take arguments.
 SERVE_ENV = "SLEUTH_RETRIEVER_SERVE"
 WORKER_PID_HEADER = "X-Sleuth-Worker-Pid"
+
+
+class WorkerPidHeader:
+    """Pure-ASGI middleware adding `X-Sleuth-Worker-Pid` to every HTTP response. (Starlette's
+    `@app.middleware("http")` would re-stream each response body through a task group.)"""
+
+    def __init__(self, app: ASGIApp, pid: int):
+        self.app = app
+        self.header = (WORKER_PID_HEADER.lower().encode("latin-1"), str(pid).encode("latin-1"))
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def send_tagged(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", ()), self.header]}
+            await send(message)
+
+        await self.app(scope, receive, send_tagged)
 
 
 def is_loopback_host(host: str) -> bool:
@@ -51,13 +73,7 @@ def build_serving_app(options: dict[str, Any]):
         batch_wait_ms=options.get("batch_wait_ms", 2.0),
         max_body_bytes=options.get("max_body_bytes"),
     )
-    pid = str(os.getpid())
-
-    @app.middleware("http")
-    async def _tag_worker(request, call_next):
-        response = await call_next(request)
-        response.headers[WORKER_PID_HEADER] = pid
-        return response
+    app.add_middleware(WorkerPidHeader, pid=os.getpid())
 
     # The first search may compile kernels (bm25s/numba: seconds); pay it before clients time out.
     retriever.search(["warm up"], 1)
@@ -101,7 +117,11 @@ def register(app: typer.Typer) -> None:
         ),
         threads: int = typer.Option(1, "--threads", help="Threads inside one search call (bm25s, faiss, torch)."),
         batch_wait_ms: float = typer.Option(
-            2.0, "--batch-wait-ms", help="How long a request waits for others to share one search call."
+            2.0,
+            "--batch-wait-ms",
+            help="Longest a request that finds a worker idle is held (from its arrival) for concurrent requests "
+            "to share its search call. Held only while requests have lately overlapped and the batch is under "
+            "half of --search-chunk; a client sending one request at a time is never held. 0: never hold.",
         ),
         workers: int = typer.Option(
             1,
@@ -130,6 +150,9 @@ def register(app: typer.Typer) -> None:
             raise typer.Exit(2)
         if workers < 1:
             console.print(f"[red]error:[/red] --workers must be >= 1, got {workers}.")
+            raise typer.Exit(2)
+        if not batch_wait_ms >= 0:
+            console.print(f"[red]error:[/red] --batch-wait-ms must be >= 0, got {batch_wait_ms}.")
             raise typer.Exit(2)
 
         import uvicorn
