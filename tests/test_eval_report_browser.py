@@ -80,7 +80,7 @@ def test_rendered_dom_has_viewer_and_filter_applies(report: Path, tmp_path: Path
     assert '<mark class="gold">Frank Herbert</mark>' in dom
     # Injected markup stayed text: no extra script or img element exists in the live DOM.
     assert dom.count("<script") == 1 and "&lt;script&gt;alert(" in dom
-    assert len(re.findall(r"<img ", dom)) == 5  # the five plots only
+    assert len(re.findall(r"<img ", dom)) == 6  # the six plots only (rewards, behaviour, optimisation, time, memory, scatter)
 
 
 def test_screenshot_is_a_rendered_page(report: Path, tmp_path: Path):
