@@ -210,3 +210,20 @@ def test_time_limit_stops_after_a_step_with_a_checkpoint_and_resume_continues(sm
     result = train(recipe_from_dict(data), resume=True)
     assert result["steps_done"] == 4 and not result["stopped_at_time_limit"]
     assert [json.loads(x)["step"] for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3, 4]
+
+
+def test_every_step_logs_memory(small_world: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Memory is in every step's metrics: host peak RSS always, and on a GPU the card's memory in use
+    and PyTorch's peak (checked with a stand-in for the CUDA queries)."""
+    from sleuth.rl import step_metrics
+    from sleuth.rl.trainer import train
+
+    algorithm = {"name": "grpo", "n": 2, "prompts_per_step": 1, "minibatch_size": 2, "micro_batch_size": 2}
+    train(recipe_from_dict(_recipe(small_world, tmp_path / "run", algorithm, steps=2)))
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 2 and all(0.01 < r["memory/host_peak_rss_gib"] < 1024 for r in rows)
+
+    monkeypatch.setattr(step_metrics.torch.cuda, "mem_get_info", lambda device: (30 * 2**30, 80 * 2**30))
+    monkeypatch.setattr(step_metrics.torch.cuda, "max_memory_allocated", lambda device: 12 * 2**29)
+    gpu = step_metrics.memory_metrics(torch.device("cuda"))
+    assert gpu["memory/device_in_use_gib"] == 50.0 and gpu["memory/peak_allocated_gib"] == 6.0

@@ -511,13 +511,13 @@ def plot_optimisation(run: TrainingRun) -> str | None:
     return _small_multiples(run, _OPTIM_KEYS, "Optimisation: KL, entropy, losses")
 
 
-_MEMORY_KEYS = ("memory/device_in_use_gib", "memory/peak_allocated_gib")
+_MEMORY_KEYS = ("memory/device_in_use_gib", "memory/peak_allocated_gib", "memory/host_peak_rss_gib")
 
 
 def plot_memory(run: TrainingRun) -> str | None:
-    """GPU memory per step: what the card has in use (all allocators) beside PyTorch's peak, so growth
-    that the allocator's own counters miss (graph pools, fragmentation) shows."""
-    return _small_multiples(run, _MEMORY_KEYS, "GPU memory per step (GiB)", ncols=2)
+    """Memory per step: what the card has in use (all allocators) beside PyTorch's peak, so growth that
+    the allocator's own counters miss (graph pools, fragmentation) shows; and the host's peak RSS."""
+    return _small_multiples(run, _MEMORY_KEYS, "Memory per step (GiB)", ncols=3)
 
 
 def plot_time(run: TrainingRun) -> str | None:

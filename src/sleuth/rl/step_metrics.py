@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import resource
+import sys
 
 import numpy as np
 import torch
@@ -25,13 +27,16 @@ def mean_over_ranks(metrics: dict[str, float], ctx: DistContext) -> dict[str, fl
 
 
 def memory_metrics(device: torch.device) -> dict[str, float]:
-    """GPU memory of this rank: PyTorch's peak since the start, and what the whole card has in use
-    (other allocators in the process, e.g. a library's JAX preallocating 75% of the GPU, show up
-    only in the second)."""
+    """Memory of this rank: the process's peak resident host memory, and on a GPU PyTorch's peak since
+    the start and what the whole card has in use (other allocators in the process, e.g. a library's JAX
+    preallocating 75% of the GPU, or CUDA-graph pools, show up only in the last)."""
+    peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+    metrics = {"memory/host_peak_rss_gib": peak_rss / (2**30 if sys.platform == "darwin" else 2**20)}
     if device.type != "cuda":
-        return {}
+        return metrics
     free, total = torch.cuda.mem_get_info(device)
     return {
+        **metrics,
         "memory/peak_allocated_gib": torch.cuda.max_memory_allocated(device) / 2**30,
         "memory/device_in_use_gib": (total - free) / 2**30,
     }
