@@ -123,7 +123,7 @@ def _train(recipe: Recipe, *, resume: bool = False, console: Any = None) -> dict
         done = step + 1
         if done < recipe.trainer.total_steps and _past_time_limit(run, started):
             # like a scheduler's wall-time limit: keep every finished step; `--resume` continues
-            if run.last_saved != done:
+            if recipe.trainer.save_every and run.last_saved != done:  # save_every 0: no checkpoints at all
                 save(run, done, run.cursor.state(), getattr(run.reward_fn, "current_stage", 1))
                 run.last_saved = done
             console.print(f"time limit of {recipe.trainer.time_limit_minutes} min reached after step {done} of "
