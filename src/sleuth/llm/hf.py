@@ -11,7 +11,9 @@ Decoding:
 - "static" cache (default on CUDA): a preallocated `StaticCache` with fixed shapes, optionally with the
   decode step compiled (`compile=True`, CUDA graphs). Finished rows keep their slot (shapes must not
   change) but their tokens are ignored. HF's dynamic cache decodes only ~15 steps/s on an H200 while the
-  static one is 10-20x faster.
+  static one is 10-20x faster. The device runs `sync_every` steps between two reads of the sampled
+  tokens; the host checks stops for one chunk while the next computes (exactly step-by-step's result).
+  The RL trainer compiles by default on CUDA (`model.generation_cache: auto`).
 
 Log-probs are `log_softmax(logits / temperature)` at the sampled id (`log_softmax(logits)` when greedy):
 what a trainer recomputes from the same logits. With top_p < 1 the token was drawn from the renormalised
