@@ -368,7 +368,9 @@ def test_hold_ends_at_the_deadline_and_large_batches_are_not_held() -> None:
 
 
 def test_recent_peak_forgets_after_two_windows() -> None:
-    peak = server_module._RecentPeak(1.0)
+    from sleuth.utils import RecentPeak
+
+    peak = RecentPeak(1.0)
     peak.record(3, now=10.0)
     peak.record(1, now=10.5)
     assert peak.peak(10.9) == 3

@@ -275,6 +275,20 @@ def test_concurrent_requests_share_rollouts(service: SearcherService) -> None:
         ]
 
 
+def test_lone_client_is_never_held_for_company(service: SearcherService) -> None:
+    """One client sending one request at a time finds the model idle each time: with no recent overlap
+    no request waits batch_wait_ms (counted, not timed; a hold would cost 5 s each)."""
+    svc = _sibling(service, limits=replace(service.limits, batch_wait_ms=5000))
+    with serve_in_thread(create_app(svc)) as base:
+        for i in range(3):
+            r = httpx.post(f"{base}/search", json={"question": f"Who founded company number {i}?", "max_turns": 1},
+                           timeout=60)
+            assert r.status_code == 200, r.text
+            assert r.json()["batch_size"] == 1
+    stats = svc.snapshot_stats()
+    assert stats["held_batches"] == 0 and stats["batches"] == 3
+
+
 def test_batch_is_split_by_loop_config(service: SearcherService) -> None:
     svc = _sibling(service)
     queries = [SearchQuery("Who directed the film?", 1, 2), SearchQuery("Where is the company based?", 1, 2),

@@ -146,3 +146,30 @@ def retry(
         f"{what} failed after {attempt} attempts over {time.monotonic() - started:.1f}s: "
         f"{type(last).__name__}: {last}"
     ) from last
+
+
+class RecentPeak:
+    """The largest value recorded over roughly the last `memory_s` seconds (two rotating buckets:
+    the answer covers between one and two windows), for "how many requests overlapped lately"."""
+
+    def __init__(self, memory_s: float):
+        self.memory_s = memory_s
+        self._bucket_start = -math.inf
+        self._current = 0
+        self._previous = 0
+
+    def record(self, value: int, now: float) -> None:
+        self._rotate(now)
+        if value > self._current:
+            self._current = value
+
+    def peak(self, now: float) -> int:
+        self._rotate(now)
+        return max(self._current, self._previous)
+
+    def _rotate(self, now: float) -> None:
+        elapsed = now - self._bucket_start
+        if elapsed >= self.memory_s:
+            self._previous = self._current if elapsed < 2 * self.memory_s else 0
+            self._current = 0
+            self._bucket_start = now

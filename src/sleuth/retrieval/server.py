@@ -44,6 +44,7 @@ from sleuth.retrieval.base import (
     Hit,
     Retriever,
 )
+from sleuth.utils import RecentPeak
 
 DEFAULT_K = 3  # Search-R1's retrieval server default (`--topk 3`)
 
@@ -114,33 +115,6 @@ class _Job:
 CONCURRENCY_MEMORY_S = 1.0
 
 
-class _RecentPeak:
-    """The largest value recorded over roughly the last `memory_s` seconds (two rotating buckets:
-    the answer covers between one and two windows), for "how many requests overlapped lately"."""
-
-    def __init__(self, memory_s: float):
-        self.memory_s = memory_s
-        self._bucket_start = -math.inf
-        self._current = 0
-        self._previous = 0
-
-    def record(self, value: int, now: float) -> None:
-        self._rotate(now)
-        if value > self._current:
-            self._current = value
-
-    def peak(self, now: float) -> int:
-        self._rotate(now)
-        return max(self._current, self._previous)
-
-    def _rotate(self, now: float) -> None:
-        elapsed = now - self._bucket_start
-        if elapsed >= self.memory_s:
-            self._previous = self._current if elapsed < 2 * self.memory_s else 0
-            self._current = 0
-            self._bucket_start = now
-
-
 def _search_checked(retriever: Retriever, queries: list[str], k: int, chunk: int) -> list[list[Hit]]:
     """`retriever.search` over `queries` in slices of at most `chunk`, so one huge request cannot
     make one huge call (query-encoder activations, score matrices); results are joined in order."""
@@ -204,7 +178,7 @@ class MicroBatcher:
         self._dispatches: set[asyncio.Task] = set()
         # Loop-thread state: jobs submitted and not yet answered, and the recent peak of that count.
         self._outstanding = 0
-        self._overlap = _RecentPeak(CONCURRENCY_MEMORY_S)
+        self._overlap = RecentPeak(CONCURRENCY_MEMORY_S)
         self._stats_lock = threading.Lock()
         self.stats = {
             "requests": 0,
@@ -225,7 +199,7 @@ class MicroBatcher:
             self._slots = asyncio.Semaphore(self.worker_threads)
             self._arrival = asyncio.Event()
             self._outstanding = 0
-            self._overlap = _RecentPeak(CONCURRENCY_MEMORY_S)
+            self._overlap = RecentPeak(CONCURRENCY_MEMORY_S)
             self._collector = loop.create_task(self._collect(self._queue, self._slots, self._arrival))
         assert self._queue is not None
         return self._queue

@@ -16,7 +16,10 @@ INDEX = typer.Option(None, "--index", help="Local index directory built by `sleu
 RETRIEVER_URL = typer.Option(None, "--retriever-url", help="A Search-R1 compatible /retrieve server.")
 GENERATOR = typer.Option(None, "--generator", help="Frozen generator for /answer: model alias/dir or openai:<url>#<model>.")
 MAX_BATCH = typer.Option(16, "--max-batch", help="Most requests merged into one batched rollout.")
-BATCH_WAIT_MS = typer.Option(10.0, "--batch-wait-ms", help="How long a request waits for others to share its rollout.")
+BATCH_WAIT_MS = typer.Option(
+    10.0, "--batch-wait-ms",
+    help="Longest a request that finds the model idle waits for others to share its rollout; it waits only "
+         "while requests have lately overlapped (a lone client never waits). 0: never wait.")
 TIMEOUT_S = typer.Option(60.0, "--timeout-s", help="Per-request time limit (queueing included); 504 after it.")
 MAX_TURNS = typer.Option(8, "--max-turns-limit", help="Largest max_turns a request may ask for.")
 MAX_TOP_K = typer.Option(20, "--max-top-k", help="Largest top_k a request may ask for.")

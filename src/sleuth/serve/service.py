@@ -1,8 +1,10 @@
 """The trained searcher as a service: validation, request batching, rollouts, served context, answers.
 
 Both front ends (the HTTP API in `searcher_server` and the MCP server in `mcp_server`) call
-`SearcherService.search`. Requests that arrive while the model is busy, or within `batch_wait_ms`
-of each other, are merged into one batched rollout (one `generate` call per turn for all of them)
+`SearcherService.search`. Requests that arrive while the model is busy are merged into one batched
+rollout (continuous batching); a request that finds the model idle waits up to `batch_wait_ms` for
+company only when requests have lately overlapped, so a lone client is never delayed. Merged requests
+share one rollout (one `generate` call per turn for all of them)
 on a single worker thread: the policy is one model, and running two rollouts at once on it would
 only make both slower. A batch is split by (max_turns, top_k), since one rollout runs one loop
 configuration.
@@ -26,6 +28,10 @@ from sleuth.data.formats import QAExample
 from sleuth.llm.base import Generator, SamplingParams
 from sleuth.retrieval.base import Hit, Retriever, format_docs
 from sleuth.rewards.answerer import DEFAULT_DOC_TEMPLATE, answer_from_documents, answer_from_evidence
+from sleuth.utils import RecentPeak
+
+# How long overlapping requests count as evidence of concurrent clients (as the retrieval server's).
+OVERLAP_MEMORY_S = 1.0
 
 
 class RequestError(ValueError):
@@ -55,7 +61,7 @@ class ServeLimits:
     max_turns: int = 8  # the largest per-request max_turns accepted
     max_top_k: int = 20  # the largest per-request top_k accepted
     max_batch: int = 16  # requests merged into one batched rollout
-    batch_wait_ms: float = 10.0  # how long a request waits for others to share its rollout
+    batch_wait_ms: float = 10.0  # longest a request waits for others to share its rollout (only after overlap)
     timeout_s: float = 60.0  # per request, queueing included
 
     def __post_init__(self) -> None:
@@ -223,12 +229,16 @@ class SearcherService:
         self.stats = {
             "requests": 0, "completed": 0, "rejected": 0, "failures": 0, "timeouts": 0,
             "batches": 0, "rollouts": 0, "generate_calls": 0, "answer_calls": 0,
+            "held_batches": 0,  # batches that waited batch_wait_ms for concurrent requests to join
         }
         self._next_id = 0
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="sleuth-searcher")
         self._loop: asyncio.AbstractEventLoop | None = None
         self._queue: asyncio.Queue[_Job] | None = None
         self._collector: asyncio.Task | None = None
+        # Requests submitted and not yet answered, and the recent peak of that count (event-loop thread).
+        self._outstanding = 0
+        self._overlap = RecentPeak(OVERLAP_MEMORY_S)
 
     # -- bookkeeping ------------------------------------------------------------------------------
     def count(self, key: str, n: int = 1) -> None:
@@ -302,6 +312,8 @@ class SearcherService:
         submitted = time.perf_counter()
         future = asyncio.get_running_loop().create_future()
         queue.put_nowait(_Job(query, submitted, future))
+        self._outstanding += 1
+        self._overlap.record(self._outstanding, submitted)
         try:
             outcome: _Outcome = await asyncio.wait_for(future, self.limits.timeout_s)
         except asyncio.TimeoutError as err:
@@ -313,6 +325,8 @@ class SearcherService:
         except ServiceFailure:
             self.count("failures")
             raise
+        finally:
+            self._outstanding -= 1
         self.count("completed")
         body = dict(outcome.body)
         body["timings"] = {
@@ -338,7 +352,12 @@ class SearcherService:
         wait_s = self.limits.batch_wait_ms / 1000.0
         while True:
             first = await queue.get()
-            if wait_s > 0 and queue.qsize() < self.limits.max_batch - 1:
+            # Continuous batching: requests queued while the model was busy are taken together. A
+            # request that finds it idle waits for company only when requests have lately overlapped
+            # (lock-step clients about to send theirs); a lone client is never delayed.
+            lately = self._overlap.peak(time.perf_counter())
+            if wait_s > 0 and queue.qsize() < self.limits.max_batch - 1 and self._outstanding < lately:
+                self.count("held_batches")
                 await asyncio.sleep(wait_s)
             batch = [first]
             while len(batch) < self.limits.max_batch and not queue.empty():
