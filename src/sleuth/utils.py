@@ -148,6 +148,13 @@ def retry(
     ) from last
 
 
+# How long overlapping requests count as evidence that clients run concurrently (the batching servers
+# hold a lone request for company only then). Long enough to span a few request round trips of lock-step
+# clients, short enough that a server whose concurrent clients went away stops holding a remaining lone
+# client within a couple of seconds.
+CONCURRENCY_MEMORY_S = 1.0
+
+
 class RecentPeak:
     """The largest value recorded over roughly the last `memory_s` seconds (two rotating buckets:
     the answer covers between one and two windows), for "how many requests overlapped lately"."""

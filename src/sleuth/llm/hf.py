@@ -212,7 +212,6 @@ class HFGenerator:
         self._cache_kw = "cache" if "cache" in self._param_names else "past_key_values"
         self._static_caches: dict[tuple[int, int], Any] = {}
         self._compiled_step: Any = None
-        self._compiled_shapes: set[tuple[int, int]] = set()
         self.compile_seconds = 0.0  # one-time compiles of new decode shapes so far (a trainer logs it)
         self.sync_every = sync_every
 
@@ -506,6 +505,8 @@ class HFGenerator:
             length = max(_STATIC_LEN_BUCKET, 1 << (needed - 1).bit_length())
         else:
             length = math.ceil(needed / _STATIC_LEN_BUCKET) * _STATIC_LEN_BUCKET
+        # compiled decoding keeps every cache it made, so a new cache is a shape not yet compiled
+        new_shape = self.compile and (batch, length) not in self._static_caches
         cache = self._static_cache(batch, length)
 
         ids, prompt_mask = left_pad(prompts, self.pad_token_id)
@@ -514,7 +515,6 @@ class HFGenerator:
         mask = torch.zeros((batch, length), dtype=torch.long, device=self.device)
         mask[:, :width] = prompt_mask.to(self.device)
         positions = positions_from_mask(mask[:, :width])
-        new_shape = self.compile and (batch, length) not in self._compiled_shapes
         started = time.perf_counter()
         logits = self._forward(ids, mask, positions, cache, torch.arange(width, device=self.device))
         logits = logits.to(torch.float32, copy=True)
@@ -529,7 +529,6 @@ class HFGenerator:
         # computes the next, and stops launching once every row has finished; the few steps decoded past
         # a row's end are dropped, so tokens and their distribution are those of step-by-step decoding.
         pending: tuple[torch.Tensor, torch.Tensor, Any] | None = None
-        done = False
         for chunk_start in range(0, max_new, self.sync_every):
             chunk_end = min(chunk_start + self.sync_every, max_new)
             for t in range(chunk_start, chunk_end):
@@ -545,18 +544,17 @@ class HFGenerator:
                     next_pos = next_pos + 1
                     if new_shape:  # the first call of a new shape compiles it: report the one-time cost
                         self._synchronize()
-                        self._compiled_shapes.add((batch, length))
                         new_shape = False
                         seconds = time.perf_counter() - started
                         self.compile_seconds += seconds
                         log.info("compiled the decode step for batch %d x cache %d in %.1f s", batch, length, seconds)
             chunk = self._to_host(sampled[: len(rows), chunk_start:chunk_end], sampled_logprobs[: len(rows), chunk_start:chunk_end])
             if pending is not None and self._accept_chunk(rows, pending, max_new):
-                done = True
-                break
+                break  # every row finished: the chunk in flight is dropped
             pending = chunk
-        if not done and pending is not None:
-            self._accept_chunk(rows, pending, max_new)
+        else:
+            if pending is not None:
+                self._accept_chunk(rows, pending, max_new)
 
     def _to_host(self, tokens: torch.Tensor, logprobs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, Any]:
         """Start copying a chunk of sampled tokens to the host without waiting for it."""

@@ -44,7 +44,7 @@ from sleuth.retrieval.base import (
     Hit,
     Retriever,
 )
-from sleuth.utils import RecentPeak
+from sleuth.utils import CONCURRENCY_MEMORY_S, RecentPeak
 
 DEFAULT_K = 3  # Search-R1's retrieval server default (`--topk 3`)
 
@@ -109,10 +109,6 @@ class _Job:
     arrived: float = 0.0  # event-loop clock at submission
 
 
-# How long overlapping requests count as evidence that clients run concurrently. Long enough to span
-# a few request round trips of lock-step clients, short enough that a server whose concurrent clients
-# went away stops holding a remaining lone client within a couple of seconds.
-CONCURRENCY_MEMORY_S = 1.0
 
 
 def _search_checked(retriever: Retriever, queries: list[str], k: int, chunk: int) -> list[list[Hit]]:

@@ -258,6 +258,7 @@ def _log_step(run: Run, step: int, stage: int, collected: Collected, batch: Step
     ctx, recipe, mask = run.ctx, run.recipe, batch.tokens.action_mask
     answers = get_method(recipe.agent.loop).answers
     metrics = step_metrics(batch.trajs, batch.scores, collected.all_rewards, mask, batch.kl, stats, answers=answers)
+    compiled = getattr(run.generator, "compile_seconds", 0.0)  # a non-HF generator never compiles
     metrics.update({
         "stage": float(stage),
         "sampling_rounds": float(collected.rounds),
@@ -267,10 +268,10 @@ def _log_step(run: Run, step: int, stage: int, collected: Collected, batch: Step
         "time/step": time.perf_counter() - times["start"],
         "tokens/policy_per_s": float(mask.sum()) / max(collected.t_rollout, 1e-9),
         # one-time compiles of new decode shapes (compiled decoding; part of time/rollout)
-        "time/decode_compile": getattr(run.generator, "compile_seconds", 0.0) - run.compile_seconds_logged,
+        "time/decode_compile": compiled - run.compile_seconds_logged,
         **memory_metrics(ctx.device),
     })
-    run.compile_seconds_logged = getattr(run.generator, "compile_seconds", 0.0)
+    run.compile_seconds_logged = compiled
     failed = failed_trajectories(collected.trajs_all)
     metrics["rollout/errors"] = float(len(failed))
     metrics = mean_over_ranks(metrics, ctx)

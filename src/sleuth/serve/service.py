@@ -28,10 +28,7 @@ from sleuth.data.formats import QAExample
 from sleuth.llm.base import Generator, SamplingParams
 from sleuth.retrieval.base import Hit, Retriever, format_docs
 from sleuth.rewards.answerer import DEFAULT_DOC_TEMPLATE, answer_from_documents, answer_from_evidence
-from sleuth.utils import RecentPeak
-
-# How long overlapping requests count as evidence of concurrent clients (as the retrieval server's).
-OVERLAP_MEMORY_S = 1.0
+from sleuth.utils import CONCURRENCY_MEMORY_S, RecentPeak
 
 
 class RequestError(ValueError):
@@ -238,7 +235,7 @@ class SearcherService:
         self._collector: asyncio.Task | None = None
         # Requests submitted and not yet answered, and the recent peak of that count (event-loop thread).
         self._outstanding = 0
-        self._overlap = RecentPeak(OVERLAP_MEMORY_S)
+        self._overlap = RecentPeak(CONCURRENCY_MEMORY_S)
 
     # -- bookkeeping ------------------------------------------------------------------------------
     def count(self, key: str, n: int = 1) -> None:
