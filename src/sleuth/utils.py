@@ -1,4 +1,4 @@
-"""Small shared helpers: atomic writes, seeding, retries."""
+"""Small shared helpers: atomic writes, seeding, retries, config files, request overlap."""
 
 from __future__ import annotations
 
@@ -14,6 +14,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, TypeVar
+
+import yaml
+from pydantic import ValidationError
+
+from sleuth.errors import ConfigError
 
 T = TypeVar("T")
 _log = logging.getLogger("sleuth.retry")
@@ -180,3 +185,18 @@ class RecentPeak:
             self._previous = self._current if elapsed < 2 * self.memory_s else 0
             self._current = 0
             self._bucket_start = now
+
+
+def read_yaml(path: Path) -> Any:
+    """`yaml.safe_load` of a config file (data, never code); bad YAML is a ConfigError naming the file."""
+    try:
+        return yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{path}: not valid YAML: {err}") from None
+
+
+def validation_message(source: str, what: str, err: ValidationError) -> str:
+    """`source: invalid <what>`, then one line per wrong field: its dotted path and what is wrong."""
+    lines = [f"{source}: invalid {what}"]
+    lines += [f"  {'.'.join(str(p) for p in e['loc']) or '(top level)'}: {e['msg']}" for e in err.errors()]
+    return "\n".join(lines)

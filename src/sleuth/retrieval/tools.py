@@ -35,7 +35,6 @@ from pathlib import Path
 from typing import Any, Literal
 
 import httpx
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from sleuth.data.formats import split_contents
@@ -43,7 +42,7 @@ from sleuth.errors import ConfigError, ServiceError
 from sleuth.retrieval._common import validate_queries
 from sleuth.retrieval.base import Hit
 from sleuth.retrieval.client import _TransientError, check_status
-from sleuth.utils import retry
+from sleuth.utils import read_yaml, retry, validation_message
 
 
 class _Strict(BaseModel):
@@ -418,13 +417,7 @@ def load_tool_retriever(spec: str) -> Any:
     if not path.is_file():
         raise ConfigError(f"--retriever {spec}: no such file")
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except yaml.YAMLError as err:
-        raise ConfigError(f"{path}: not valid YAML: {err}") from None
-    try:
-        cfg = ToolRetrieverConfig.model_validate(data)
+        cfg = ToolRetrieverConfig.model_validate(read_yaml(path))
     except ValidationError as err:
-        lines = [f"{path}: invalid search tool config"]
-        lines += [f"  {'.'.join(str(p) for p in e['loc']) or '(top level)'}: {e['msg']}" for e in err.errors()]
-        raise ConfigError("\n".join(lines)) from None
+        raise ConfigError(validation_message(str(path), "search tool config", err)) from None
     return tool_retriever(cfg.mcp, cfg.http)

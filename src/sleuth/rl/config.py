@@ -19,7 +19,7 @@ from sleuth.errors import ConfigError
 from sleuth.retrieval.tools import HTTPSearchConfig, MCPToolConfig
 from sleuth.rl.advantages import ADVANTAGE_ESTIMATORS, needs_critic, needs_groups
 from sleuth.rl.losses import POLICY_LOSSES
-from sleuth.utils import RetryPolicy
+from sleuth.utils import RetryPolicy, read_yaml, validation_message
 
 
 class _Strict(BaseModel):
@@ -299,19 +299,11 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
     return data
 
 
-def _format_validation_error(source: str, err: ValidationError) -> str:
-    lines = [f"{source}: invalid recipe"]
-    for e in err.errors():
-        field = ".".join(str(p) for p in e["loc"]) or "(top level)"
-        lines.append(f"  {field}: {e['msg']}")
-    return "\n".join(lines)
-
-
 def recipe_from_dict(data: dict, source: str = "<recipe>") -> Recipe:
     try:
         return Recipe.model_validate(data)
     except ValidationError as err:
-        raise ConfigError(_format_validation_error(source, err)) from None
+        raise ConfigError(validation_message(source, "recipe", err)) from None
 
 
 def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
@@ -322,10 +314,7 @@ def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
     path = Path(path)
     if not path.exists():
         raise ConfigError(f"recipe {path} does not exist")
-    try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except yaml.YAMLError as err:
-        raise ConfigError(f"{path}: not valid YAML: {err}") from None
+    data = read_yaml(path)
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: a recipe must be a YAML mapping")
     data = apply_overrides(data, overrides or [])
