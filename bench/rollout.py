@@ -146,7 +146,11 @@ def _profiler(device: str) -> Any:
 
 
 def profile_summary(prof: Any, wall: float, top: int = 12) -> dict[str, Any]:
-    """What the device waits for: kernel time over wall time, and where host and device time go."""
+    """What the device waits for: device time over wall time, and where host and device time go.
+
+    The profiler's ranges (a compiled graph's `## Call CompiledFxGraph ##`) carry the device time of the
+    kernels inside them as well, so `device_busy_fraction` counts those kernels twice and can exceed 1:
+    read the kernel rows of `top_device_ops` for the split."""
     events = prof.key_averages()
 
     def device_us(e: Any) -> float:
