@@ -72,6 +72,12 @@ CPU_SIZE = Size(passages=400, questions=200, test=12, sft_questions=24, warm=6, 
                 n=4, eval_batch=12, sft_epochs=1, warm_epochs=1, sft_micro=2)
 
 
+def rl_steps(method: str, size: Size) -> int:
+    """LEARN_RL_STEPS="r_search=20,...": fewer RL steps for some methods (a lease's time is short)."""
+    pairs = [p.split("=") for p in os.environ.get("LEARN_RL_STEPS", "").split(",") if p]
+    return {name: int(steps) for name, steps in pairs}.get(method, size.rl_steps)
+
+
 def recipe_for(out: Path, method: str, variant: str, model: str, size: Size, encoder: str | None) -> dict[str, Any]:
     agent = {"loop": method, **AGENT[method]}
     reward = json.loads(json.dumps(REWARD[method]))
@@ -80,7 +86,7 @@ def recipe_for(out: Path, method: str, variant: str, model: str, size: Size, enc
     if reward["name"] == "staged":
         reward["encoder"] = encoder
         # stage 2 from step 11 (runs under LEARN_RL_MINUTES may stop before rl_steps)
-        reward["options"]["switch_step"] = max(1, min(10, size.rl_steps // 2))
+        reward["options"]["switch_step"] = max(1, min(10, rl_steps(method, size) // 2))
     world = out / "shared" / "world"
     return {
         "name": f"learn-{method}-{variant}",
@@ -97,7 +103,7 @@ def recipe_for(out: Path, method: str, variant: str, model: str, size: Size, enc
                       "kl": {"coef": 0.0}, "dynamic_sampling": variant == "warm"},
         "optim": {"lr": 5e-5, "warmup_steps": 0},
         "sampling": {"temperature": 1.0},
-        "trainer": {"total_steps": size.rl_steps, "save_every": 5, "out_dir": str(out / method / variant),
+        "trainer": {"total_steps": rl_steps(method, size), "save_every": 5, "out_dir": str(out / method / variant),
                     "time_limit_minutes": float(os.environ["LEARN_RL_MINUTES"]) if os.environ.get("LEARN_RL_MINUTES")
                     else None},
         "sft": {"data": str(out / method / "trajectories.jsonl"), "epochs": size.sft_epochs if variant == "full"
@@ -398,22 +404,52 @@ def _records(path: Path) -> list[dict] | None:
     return list(load_predictions(path).values()) if path.exists() else None
 
 
-def reward_slope(path: Path) -> dict[str, Any] | None:
-    """OLS slope of the mean training reward over RL steps, with a 95% t interval (steps as samples)."""
+def _ols(x, y) -> dict[str, Any]:
     import numpy as np
     from scipy import stats as st
 
+    fit = st.linregress(np.asarray(x, dtype=float), np.asarray(y, dtype=float))
+    half = st.t.ppf(0.975, len(x) - 2) * fit.stderr
+    return {"steps": len(x), "slope": float(fit.slope), "ci": [float(fit.slope - half), float(fit.slope + half)]}
+
+
+def reward_slope(path: Path) -> dict[str, Any] | None:
+    """OLS slope of the mean training reward over RL steps, with a 95% t interval (steps as samples).
+
+    The reward is that of every rollout of the step: with DAPO's dynamic sampling the logged `reward/mean`
+    is over the kept groups only (those with unequal rewards), which drifts towards the middle of the
+    reward range as the policy improves, so it cannot show learning. A reward whose definition changes
+    with the training stage (staged: stage 2 from `switch_step`) gets one slope per stage."""
     if not path.exists():
         return None
     rows = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
     if len(rows) < 3:
         return None
-    x = np.array([r["step"] for r in rows], dtype=float)
-    y = np.array([r["reward/mean"] for r in rows], dtype=float)
-    fit = st.linregress(x, y)
-    half = st.t.ppf(0.975, len(x) - 2) * fit.stderr
-    return {"steps": len(x), "slope": fit.slope, "ci": [fit.slope - half, fit.slope + half],
-            "first": float(y[:3].mean()), "last": float(y[-3:].mean()), "rewards": y.tolist()}
+    key = "reward/mean_before_filter" if all("reward/mean_before_filter" in r for r in rows) else "reward/mean"
+    steps = [r["step"] for r in rows]
+    rewards = [r[key] for r in rows]
+    result = {**_ols(steps, rewards), "reward": key, "first": sum(rewards[:3]) / 3, "last": sum(rewards[-3:]) / 3,
+              "rewards": rewards}
+    stages = sorted({int(r.get("stage", 1)) for r in rows})
+    if len(stages) > 1:
+        result["per_stage"] = {}
+        for stage_no in stages:
+            part = [(r["step"], r[key]) for r in rows if int(r.get("stage", 1)) == stage_no]
+            if len(part) >= 3:
+                result["per_stage"][str(stage_no)] = {**_ols(*zip(*part, strict=True)), "first_step": part[0][0]}
+    # the answers' exact match (a stage-free measure), where no group was filtered out of the logged mean
+    if all("accuracy/em" in r and r["reward/mean"] == r.get("reward/mean_before_filter", r["reward/mean"]) for r in rows):
+        result["em_slope"] = _ols(steps, [r["accuracy/em"] for r in rows])
+    return result
+
+
+def _steps_done(path: Path) -> int:
+    return sum(1 for line in path.read_text().splitlines() if line.strip()) if path.exists() else 0
+
+
+def _with_retrievals(recs: list[dict]) -> list[dict]:
+    """Records whose retrieval count is one of their metrics (for a paired difference)."""
+    return [{**r, "metrics": {**r["metrics"], "retrievals": float(r.get("retrieval_count", 0))}} for r in recs]
 
 
 def report(args) -> None:
@@ -447,6 +483,7 @@ def report(args) -> None:
                               "shared": {"naive-rag": acc(naive), "oracle": acc(oracle),
                                          "direct": acc(_records(base / "direct" / "predictions.jsonl"))},
                               "methods": {}}
+    records: dict[str, dict[str, list[dict]]] = {}
     for method in METHODS:
         rows, rec_of = {}, {}
         for variant, kind, label in ROWS:
@@ -462,17 +499,33 @@ def report(args) -> None:
                 rows[a]["vs_" + b.replace(" ", "_")] = diff(rec_of[a], rec_of[b])
         slopes = {v: reward_slope(out / method / v / "metrics.jsonl") for v in ("full", "warm")}
         result["methods"][method] = {"rows": rows, "reward_slope": {k: v for k, v in slopes.items() if v}}
+        records[method] = rec_of
+    # Staged's claim: fewer retrievals than search_r1 trained on as many SFT trajectories and RL steps,
+    # at an accuracy within the interval. Paired on the same test questions, row by row.
+    result["staged_vs_search_r1"] = {}
+    for label in ("SFT only", "SFT + RL"):
+        a, b = records.get("staged", {}).get(label), records.get("search_r1", {}).get(label)
+        if a and b:
+            d_rc = paired_difference(_with_retrievals(a), _with_retrievals(b), "retrievals")
+            result["staged_vs_search_r1"][label] = {
+                "accuracy": diff(a, b), "retrievals": {"diff": d_rc["diff"], "ci": d_rc["ci"], "n": d_rc["n"]},
+                "rl_steps": {m: _steps_done(out / m / "full" / "metrics.jsonl") for m in ("staged", "search_r1")},
+            }
     atomic_write_json(dest / "learning.json", result)
 
-    fig, axes = plt.subplots(1, len(METHODS), figsize=(4 * len(METHODS), 3.2), sharey=True)
-    for ax, method in zip(axes, METHODS, strict=True):
+    trained = [m for m in METHODS if result["methods"][m]["reward_slope"]] or list(METHODS[:1])
+    fig, axes = plt.subplots(1, len(trained), figsize=(4.5 * len(trained), 3.2), squeeze=False)
+    for ax, method in zip(axes[0], trained, strict=True):
         for variant, slope in result["methods"][method]["reward_slope"].items():
             ax.plot(range(1, slope["steps"] + 1), slope["rewards"], marker="o", ms=3,
                     label=f"from {'SFT' if variant == 'full' else 'warm-up'} (slope {slope['slope']:+.3f}/step)")
+            for stage_no, part in slope.get("per_stage", {}).items():
+                if stage_no != "1":
+                    ax.axvline(part["first_step"] - 0.5, color="grey", lw=0.8, ls=":")
         ax.set_title(method)
         ax.set_xlabel("RL step")
         ax.legend(fontsize=7)
-    axes[0].set_ylabel("mean training reward")
+    axes[0][0].set_ylabel("mean reward, all rollouts of the step")
     fig.tight_layout()
     fig.savefig(dest / "reward_curves.png", dpi=110)
 

@@ -17,6 +17,7 @@ def _load(name: str):
         sys.path.insert(0, str(BENCH))
     spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
 
@@ -120,3 +121,51 @@ def test_bench_scripts_name_a_flag_below_one() -> None:
                              ("scale_step", ["--micro", "0"], "--micro")):
         with pytest.raises(SystemExit, match=f"{flag} must be >= 1, got 0"):
             _load(name).parse_args(argv)
+
+
+def _write_metrics(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_learning_reward_slope_by_hand(tmp_path: Path) -> None:
+    learning = _load("learning")
+    # rewards 0.2, 0.3, 0.5, 0.6 at steps 1-4: x mean 2.5, y mean 0.4; Sxy = (-1.5)(-0.2) + (-0.5)(-0.1)
+    # + (0.5)(0.1) + (1.5)(0.2) = 0.7, Sxx = 5: slope 0.14, intercept 0.05. Residuals 0.01, -0.03, 0.03, -0.01
+    # -> SSE 0.002; stderr = sqrt(0.002 / 2 / 5) = 0.0141421; t(0.975, 2) = 4.302653 -> half-width 0.060849.
+    # The kept-groups mean (reward/mean) is ignored when the before-filter mean is logged.
+    rows = [{"step": s, "reward/mean": 0.5, "reward/mean_before_filter": r, "accuracy/em": r}
+            for s, r in zip((1, 2, 3, 4), (0.2, 0.3, 0.5, 0.6), strict=True)]
+    slope = learning.reward_slope(_write_metrics(tmp_path / "m.jsonl", rows))
+    assert slope["reward"] == "reward/mean_before_filter"
+    assert slope["slope"] == pytest.approx(0.14)
+    assert slope["ci"] == pytest.approx([0.14 - 0.060849, 0.14 + 0.060849], abs=1e-5)
+    assert slope["first"] == pytest.approx(1.0 / 3) and slope["last"] == pytest.approx(1.4 / 3)
+    assert "per_stage" not in slope
+    assert "em_slope" not in slope  # groups were filtered out of the logged accuracy: no stage-free slope
+
+
+def test_learning_reward_slope_per_stage(tmp_path: Path) -> None:
+    learning = _load("learning")
+    # stage 1 rises by 0.1 a step from 1.0, stage 2 (a reward on another scale) by 0.05 from 0.2
+    rows = [{"step": s, "stage": 1, "reward/mean": 1.0 + 0.1 * (s - 1), "accuracy/em": 0.5} for s in (1, 2, 3)]
+    rows += [{"step": s, "stage": 2, "reward/mean": 0.2 + 0.05 * (s - 4), "accuracy/em": 0.5} for s in (4, 5, 6, 7)]
+    slope = learning.reward_slope(_write_metrics(tmp_path / "m.jsonl", rows))
+    assert slope["reward"] == "reward/mean"
+    assert slope["per_stage"]["1"]["slope"] == pytest.approx(0.1)
+    assert slope["per_stage"]["2"]["slope"] == pytest.approx(0.05)
+    assert slope["per_stage"]["2"]["first_step"] == 4
+    assert slope["slope"] < 0  # across the switch the raw reward falls: why stages get their own slopes
+    assert slope["em_slope"]["slope"] == pytest.approx(0.0, abs=1e-12)
+    assert learning.reward_slope(_write_metrics(tmp_path / "short.jsonl", rows[:2])) is None
+
+
+def test_learning_rl_steps_override(monkeypatch: pytest.MonkeyPatch) -> None:
+    learning = _load("learning")
+    size = learning.Size()
+    monkeypatch.setenv("LEARN_RL_STEPS", "r_search=20,qagent=12")
+    assert learning.rl_steps("r_search", size) == 20
+    assert learning.rl_steps("qagent", size) == 12
+    assert learning.rl_steps("s3", size) == size.rl_steps
+    monkeypatch.delenv("LEARN_RL_STEPS")
+    assert learning.rl_steps("r_search", size) == size.rl_steps
