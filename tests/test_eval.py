@@ -470,3 +470,54 @@ def test_agent_token_counts_reread_the_context_each_turn(tok, tmp_path):
     assert rec["input_tokens"] == prompt + (prompt + second_start)
     assert rec["output_tokens"] == sum(traj["loss_mask"]) == traj["turns"][0]["end"] + (
         traj["turns"][2]["end"] - second_start)
+
+
+class _IndexedToy(ToyRetriever):
+    """The toy ranking, standing for a retriever over the index at `index_dir`."""
+
+    def __init__(self, index_dir) -> None:
+        super().__init__()
+        self.index_dir = index_dir
+
+
+def test_resume_over_another_index_or_from_another_checkpoint_is_refused(tok, tmp_path):
+    first = scripted(tok)
+    first.source = "checkpoint A"
+    evaluate("naive-rag", EXAMPLES[:1], _IndexedToy(tmp_path / "index_a"), first, out_dir=tmp_path / "out")
+    with pytest.raises(ConfigError, match="index_a.*index_b"):
+        evaluate("naive-rag", EXAMPLES[:1], _IndexedToy(tmp_path / "index_b"), first, out_dir=tmp_path / "out")
+    second = scripted(tok)  # same class, other weights
+    second.source = "checkpoint B"
+    with pytest.raises(ConfigError, match="checkpoint A.*checkpoint B"):
+        evaluate("naive-rag", EXAMPLES[:1], _IndexedToy(tmp_path / "index_a"), second, out_dir=tmp_path / "out")
+    # the same index and checkpoint resume: nothing is generated again
+    again = scripted(tok)
+    again.source = "checkpoint A"
+    evaluate("naive-rag", EXAMPLES[:1], _IndexedToy(tmp_path / "index_a"), again, out_dir=tmp_path / "out")
+    assert again.calls == []
+
+
+def test_bm25_indexes_in_other_folders_are_described_apart(tmp_path):
+    from sleuth.eval.harness import describe
+    from sleuth.retrieval import build_index, load_retriever
+
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps({"id": f"d{i}", "contents": f"T{i}\nword{i} text"}) + "\n" for i in range(4)))
+    for name in ("a", "b"):
+        build_index(corpus, "bm25", tmp_path / name)
+    a, b = (describe(load_retriever(tmp_path / n, corpus=corpus)) for n in ("a", "b"))
+    assert a != b and str((tmp_path / "a").resolve()) in a
+    assert describe(load_retriever(tmp_path / "a", corpus=corpus)) == a
+
+
+def test_resume_with_the_same_ids_but_other_questions_is_refused(tok, tmp_path):
+    evaluate("direct", EXAMPLES[:2], None, scripted(tok), out_dir=tmp_path)
+    regenerated = [QAExample("q1", Q2, ["Quellstad"], {"dataset": "alpha"})]  # another world, same id
+    with pytest.raises(ConfigError, match=r"question id 'q1' of dataset 'alpha'.*--fresh"):
+        evaluate("direct", regenerated, None, scripted(tok), out_dir=tmp_path)
+    new_key = [QAExample("q1", Q1, ["Quellstad", "Quell"], {"dataset": "alpha", "supporting_ids": ["p1"]})]
+    with pytest.raises(ConfigError, match="gold answers"):
+        evaluate("direct", new_key, None, scripted(tok), out_dir=tmp_path)
+    gen = scripted(tok)
+    evaluate("direct", regenerated, None, gen, out_dir=tmp_path, config=EvalConfig(fresh=True))
+    assert len(gen.calls) == 1

@@ -57,9 +57,17 @@ def load_searcher(path: str | Path, device: str | None = None, merge_lora: bool 
 
     dev = torch.device(device) if device else torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model = model.to(dev).eval()
-    generator = HFGenerator(model, tokenizer=tokenizer)
+    generator = HFGenerator(model, tokenizer=tokenizer, source=checkpoint_identity(ckpt, policy_dir))
     loop = get_loop(info.loop, **info.loop_options)
     return Searcher(generator=generator, loop=loop, info=info)
+
+
+def checkpoint_identity(ckpt: Path, policy_dir: Path) -> str:
+    """The checkpoint's path and its weight files' sizes and modification times: another checkpoint, or
+    this one trained again, reads differently (hashing gigabytes of full fine-tunes would take minutes)."""
+    files = sorted(f for f in policy_dir.iterdir() if f.suffix in (".safetensors", ".bin", ".pt") and f.is_file())
+    stamps = ", ".join(f"{f.name}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in files)
+    return f"checkpoint {ckpt.resolve()} [{stamps}]"
 
 
 def export_searcher(

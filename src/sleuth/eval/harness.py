@@ -33,7 +33,7 @@ import json
 import os
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, fields, is_dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -224,11 +224,47 @@ def describe(component: Any) -> str | None:
         return str(path.resolve()) if path.exists() else text
     if isinstance(component, Mapping):
         return json.dumps(dict(component), sort_keys=True)
-    for attr in ("source", "urls", "model_name", "model"):
+    identity = _identity(component, depth=0)
+    return f"{type(component).__name__}({identity})" if identity else type(component).__name__
+
+
+# What a constructed component's outputs depend on, as attributes: where its index, documents or weights
+# live, and the settings that change its results. Two retrievers of one class over different indexes (or
+# two generators of one class from different checkpoints) must not share stored predictions.
+_IDENTITY_ATTRS = ("source", "urls", "model_name", "model", "index_dir", "directory", "uri", "collection",
+                   "mode", "faiss_type", "rerank", "weights", "rrf_k", "specs", "config", "encoder", "docstore",
+                   "retrievers")
+_SECRET_WORDS = ("key", "token", "secret", "auth", "header", "password")
+
+
+def _identity(component: Any, depth: int) -> str:
+    found = {}
+    for attr in _IDENTITY_ATTRS:
         value = getattr(component, attr, None)
-        if isinstance(value, (str, list)):
-            return f"{type(component).__name__}({value})"
-    return type(component).__name__
+        if value is None or (attr == "model" and not isinstance(value, str)):  # a loaded module: see `source`
+            continue
+        found[attr] = value
+    if len(found) == 1 and next(iter(found)) in ("source", "model_name", "model", "urls"):
+        return str(next(iter(found.values())))  # a model's name or a server's addresses say it all
+    return ", ".join(f"{attr}={_identity_text(value, depth)}" for attr, value in found.items())
+
+
+def _identity_text(value: Any, depth: int) -> str:
+    if isinstance(value, (str, int, float, bool)):
+        return repr(value)
+    if isinstance(value, Path):
+        return str(value.expanduser().resolve())
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_identity_text(v, depth + 1) for v in value) + "]"
+    if hasattr(value, "model_dump"):  # pydantic settings: without credentials
+        value = value.model_dump(mode="json")
+    elif is_dataclass(value) and not isinstance(value, type):
+        value = asdict(value)
+    if isinstance(value, Mapping):
+        public = {k: v for k, v in value.items() if not any(w in str(k).lower() for w in _SECRET_WORDS)}
+        return json.dumps(public, sort_keys=True, default=str)
+    inner = _identity(value, depth + 1) if depth < 3 else ""
+    return f"{type(value).__name__}({inner})"
 
 
 def resolve_generator(spec: Generator | str | Mapping | None) -> Generator | None:
@@ -584,6 +620,24 @@ def _check_resume(path: Path, current: dict[str, Any]) -> None:
         )
 
 
+def _check_stored_questions(path: Path, done: Mapping[Any, dict], items: Sequence[_Item]) -> None:
+    """A stored prediction is reused only for the very question it answered: data regenerated or edited
+    under the same ids (another synthetic world, a fixed answer key) must not inherit old predictions."""
+    for it in items:
+        rec = done.get(it.key)
+        if rec is None:
+            continue
+        same = rec.get("question") == it.example.question and list(rec.get("golden_answers") or []) == list(
+            it.example.golden_answers
+        )
+        if not same:
+            raise ConfigError(
+                f"{path} holds a prediction for question id {it.example.id!r} of dataset {it.dataset!r} whose "
+                f"question or gold answers differ from the data given now (stored: {rec.get('question')!r}); "
+                "use another --out directory, or --fresh to discard the stored predictions"
+            )
+
+
 def _chunks(seq: Sequence[Any], size: int) -> Iterable[Sequence[Any]]:
     for start in range(0, len(seq), size):
         yield seq[start : start + size]
@@ -609,6 +663,7 @@ def run_method(
                 stale.unlink()
     _check_resume(mdir / "config.json", method_cfg)
     done = load_predictions(pred_path)
+    _check_stored_questions(pred_path, done, items)
     todo = [it for it in items if it.key not in done]
     if on_progress:
         on_progress(len(items) - len(todo))

@@ -161,7 +161,9 @@ class HFGenerator:
 
     `model_or_path` is a hub name, a local checkpoint directory, a `.gguf` file (converted once and
     cached, see `sleuth.llm.gguf`), or an already loaded model (then `tokenizer` is required and the
-    model's current weights are used, e.g. the trainer's live policy).
+    model's current weights are used, e.g. the trainer's live policy). `source` says where such a model's
+    weights came from (a checkpoint); evaluation records it so that stored predictions of one model are
+    never resumed for another.
     """
 
     def __init__(
@@ -178,6 +180,7 @@ class HFGenerator:
         attn_implementation: str | None = None,
         sync_every: int = 8,
         grouped_decode_attention: bool = False,
+        source: str | None = None,
     ) -> None:
         if cache not in ("auto", "dynamic", "static"):
             raise ConfigError(f"cache={cache!r}: use 'dynamic', 'static' or 'auto'")
@@ -193,7 +196,8 @@ class HFGenerator:
             self.model = model_or_path
             self.device = next(self.model.parameters()).device
             self.tokenizer = tokenizer
-            self.source = type(model_or_path).__name__
+            name = getattr(getattr(model_or_path, "config", None), "_name_or_path", None) or "?"
+            self.source = source or f"{type(model_or_path).__name__}({name})"
         else:
             self.device = torch.device(device) if device is not None else _default_device()
             self.model, self.tokenizer = self._load(
