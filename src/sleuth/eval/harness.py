@@ -5,7 +5,9 @@ Output layout (the report reads exactly this):
   {id, question, golden_answers, dataset, method, prediction, metrics: {em, cover_em, f1,
   span_check, genacc, judge}, retrieval_count, input_tokens, output_tokens, latency_s,
   answer_source, trajectory};
-- `OUT/<method>/config.json`: what the predictions depend on; a resumed run must match it;
+- `OUT/<method>/config.json`: what the predictions depend on (settings, and the model, reader and
+  retriever as `describe` names them: a constructed one by its checkpoint, index or URLs); a resumed run
+  must match it, and a stored prediction is reused only for the same question and gold answers;
 - `OUT/summary.json`: {"methods": {method: {dataset | "overall": {metric: mean, "<accuracy>_ci":
   [lo, hi], "n": count}}}, "config": {...}, "method_configs": {method: {...}}, and, when naive-rag
   has predictions in OUT, "paired": each method minus naive-rag on this call's questions
