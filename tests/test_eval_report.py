@@ -394,3 +394,20 @@ def test_cli_writes_report_and_exits_2_on_bad_dir(tmp_path: Path):
     assert "<title>My &lt;run&gt;</title>" in page and "<p>first</p>" in page and "<p>second</p>" in page
     result = CliRunner().invoke(app, ["report", str(tmp_path / "missing")])
     assert result.exit_code == 2 and "does not exist" in " ".join(result.output.split())
+
+
+def test_dynamic_sampling_runs_show_the_reward_of_every_rollout():
+    from sleuth.eval.report import filtered_steps
+    from sleuth.rl.step_metrics import format_line
+
+    base = {"retrieval_count": 1.0, "response_length/policy_tokens": 10.0, "time/rollout": 1.0,
+            "time/reward": 0.0, "time/update": 1.0}
+    # DAPO kept the mixed groups (mean 0.5); over every rollout the policy scored 0.25
+    filtered = {**base, "reward/mean": 0.5, "reward/mean_before_filter": 0.25}
+    line = format_line(3, 10, filtered)
+    assert "reward +0.250" in line and "(kept groups +0.500)" in line
+    plain = {**base, "reward/mean": 0.5, "reward/mean_before_filter": 0.5}
+    assert "reward +0.500" in format_line(3, 10, plain) and "kept groups" not in format_line(3, 10, plain)
+    assert "reward +0.500" in format_line(3, 10, {**base, "reward/mean": 0.5})  # older metrics: one mean
+    assert filtered_steps([plain, {"step": 2, **filtered}]) is True
+    assert filtered_steps([plain, {**base, "reward/mean": 0.1}]) is False

@@ -20,7 +20,7 @@ import json
 import math
 import os
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -443,6 +443,18 @@ def _mark_stages(ax, switches: list[tuple[int, float]]) -> None:
         )  # fmt: skip
 
 
+def filtered_steps(rows: Sequence[Mapping[str, Any]]) -> bool:
+    """Whether DAPO's dynamic sampling dropped groups: the kept mean (`reward/mean`, what the update trains
+    on) then differs from the mean over every rollout (`reward/mean_before_filter`), and only the latter
+    shows how the policy does. The kept mean drifts towards the middle of the reward range as more groups
+    become all-correct, so alone it would hide learning."""
+    return any(
+        _is_number(r.get("reward/mean")) and _is_number(r.get("reward/mean_before_filter"))
+        and abs(float(r["reward/mean"]) - float(r["reward/mean_before_filter"])) > 1e-9
+        for r in rows
+    )  # fmt: skip
+
+
 def plot_rewards(run: TrainingRun) -> str | None:
     keys = run.numeric_keys()
     components = sorted(k for k in keys if k.startswith("reward/") and k not in _NON_COMPONENT_REWARD_KEYS)
@@ -451,6 +463,7 @@ def plot_rewards(run: TrainingRun) -> str | None:
     fig = _new_figure(9, 4)
     ax = fig.add_subplot()
     weight = smoothing_weight(len(run.rows))
+    filtered = filtered_steps(run.rows)
     if "reward/mean" in keys:
         steps, mean = run.series("reward/mean")
         if "reward/std" in keys:
@@ -459,7 +472,12 @@ def plot_rewards(run: TrainingRun) -> str | None:
                 steps, [m - s for m, s in zip(mean, std, strict=True)], [m + s for m, s in zip(mean, std, strict=True)],
                 color="black", alpha=0.08, linewidth=0, label="mean ± std",
             )  # fmt: skip
-        _plot_line(ax, steps, mean, "black", "reward (total)", weight)
+        if filtered:  # the policy's reward in black, the trained-on subset in grey
+            _plot_line(ax, steps, mean, "#999999", "reward, groups kept for the update", weight)
+            steps, every = run.series("reward/mean_before_filter")
+            _plot_line(ax, steps, every, "black", "reward, every rollout of the step", weight)
+        else:
+            _plot_line(ax, steps, mean, "black", "reward (total)", weight)
     for i, key in enumerate(components):
         steps, values = run.series(key)
         _plot_line(ax, steps, values, _COLORS[i % len(_COLORS)], key.removeprefix("reward/"), weight)
