@@ -29,6 +29,7 @@ from typing import Any
 
 import yaml
 
+from sleuth.run_layout import REWARD_EVERY_ROLLOUT, REWARD_KEPT, groups_filtered, policy_reward
 from sleuth.utils import atomic_write_json
 
 METHODS = ("s3", "search_r1", "staged", "r_search", "qagent")
@@ -425,20 +426,20 @@ def reward_slope(path: Path) -> dict[str, Any] | None:
     rows = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
     if len(rows) < 3:
         return None
-    key = "reward/mean_before_filter" if all("reward/mean_before_filter" in r for r in rows) else "reward/mean"
+    key = REWARD_EVERY_ROLLOUT if all(REWARD_EVERY_ROLLOUT in r for r in rows) else REWARD_KEPT
     steps = [r["step"] for r in rows]
-    rewards = [r[key] for r in rows]
+    rewards = [policy_reward(r) for r in rows]
     result = {**_ols(steps, rewards), "reward": key, "first": sum(rewards[:3]) / 3, "last": sum(rewards[-3:]) / 3,
               "rewards": rewards}
     stages = sorted({int(r.get("stage", 1)) for r in rows})
     if len(stages) > 1:
         result["per_stage"] = {}
         for stage_no in stages:
-            part = [(r["step"], r[key]) for r in rows if int(r.get("stage", 1)) == stage_no]
+            part = [(r["step"], policy_reward(r)) for r in rows if int(r.get("stage", 1)) == stage_no]
             if len(part) >= 3:
                 result["per_stage"][str(stage_no)] = {**_ols(*zip(*part, strict=True)), "first_step": part[0][0]}
     # the answers' exact match (a stage-free measure), where no group was filtered out of the logged mean
-    if all("accuracy/em" in r and r["reward/mean"] == r.get("reward/mean_before_filter", r["reward/mean"]) for r in rows):
+    if all("accuracy/em" in r and not groups_filtered(r) for r in rows):
         result["em_slope"] = _ols(steps, [r["accuracy/em"] for r in rows])
     return result
 

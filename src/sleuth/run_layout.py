@@ -38,6 +38,25 @@ POLICY_DIR = "policy"
 SEARCHER_FILE = "searcher.json"
 
 
+# metrics.jsonl keys of the step's reward: over the groups kept for the update, and over every rollout
+REWARD_KEPT = "reward/mean"
+REWARD_EVERY_ROLLOUT = "reward/mean_before_filter"
+
+
+def policy_reward(row: dict[str, Any]) -> float:
+    """The step's mean reward over every rollout: how the policy did. With DAPO's dynamic sampling the
+    kept groups' mean (what the update trains on) drifts towards the middle of the reward range as
+    more groups become all-correct, so alone it would hide learning. Older metrics hold only the latter."""
+    return row.get(REWARD_EVERY_ROLLOUT, row[REWARD_KEPT])
+
+
+def groups_filtered(row: dict[str, Any]) -> bool:
+    """Whether dynamic sampling dropped groups at this step (the two means differ)."""
+    every, kept = row.get(REWARD_EVERY_ROLLOUT), row.get(REWARD_KEPT)
+    numbers = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (every, kept))
+    return numbers and abs(every - kept) > 1e-9
+
+
 def checkpoints_dir(run_dir: str | Path) -> Path:
     return Path(run_dir) / CHECKPOINTS
 

@@ -32,7 +32,7 @@ from markupsafe import Markup
 from sleuth.errors import ConfigError, DataFormatError
 from sleuth.eval.compare import paired_rows
 from sleuth.rewards.metrics import exact_match, normalize_answer
-from sleuth.run_layout import METRICS, RUN_INFO
+from sleuth.run_layout import METRICS, REWARD_EVERY_ROLLOUT, RUN_INFO, groups_filtered
 from sleuth.utils import atomic_write_text
 
 MAX_TRAJECTORIES = 200
@@ -444,15 +444,9 @@ def _mark_stages(ax, switches: list[tuple[int, float]]) -> None:
 
 
 def filtered_steps(rows: Sequence[Mapping[str, Any]]) -> bool:
-    """Whether DAPO's dynamic sampling dropped groups: the kept mean (`reward/mean`, what the update trains
-    on) then differs from the mean over every rollout (`reward/mean_before_filter`), and only the latter
-    shows how the policy does. The kept mean drifts towards the middle of the reward range as more groups
-    become all-correct, so alone it would hide learning."""
-    return any(
-        _is_number(r.get("reward/mean")) and _is_number(r.get("reward/mean_before_filter"))
-        and abs(float(r["reward/mean"]) - float(r["reward/mean_before_filter"])) > 1e-9
-        for r in rows
-    )  # fmt: skip
+    """Whether DAPO's dynamic sampling dropped groups at any step: then the reward of every rollout (the
+    policy's, `run_layout.policy_reward`) is plotted beside the kept groups' mean."""
+    return any(groups_filtered(r) for r in rows)
 
 
 def plot_rewards(run: TrainingRun) -> str | None:
@@ -474,7 +468,7 @@ def plot_rewards(run: TrainingRun) -> str | None:
             )  # fmt: skip
         if filtered:  # the policy's reward in black, the trained-on subset in grey
             _plot_line(ax, steps, mean, "#999999", "reward, groups kept for the update", weight)
-            steps, every = run.series("reward/mean_before_filter")
+            steps, every = run.series(REWARD_EVERY_ROLLOUT)
             _plot_line(ax, steps, every, "black", "reward, every rollout of the step", weight)
         else:
             _plot_line(ax, steps, mean, "black", "reward (total)", weight)

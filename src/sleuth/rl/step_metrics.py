@@ -12,6 +12,7 @@ import torch
 from sleuth.agent.trajectory import Trajectory
 from sleuth.rewards.metrics import exact_match
 from sleuth.rl.dist import DistContext
+from sleuth.run_layout import REWARD_KEPT, groups_filtered, policy_reward
 
 
 def mean(xs: list[float]) -> float:
@@ -97,10 +98,9 @@ def step_metrics(
 def format_line(step: int, total: int, m: dict[str, float]) -> str:
     parts = [
         f"[bold]step {step}/{total}[/]",
-        f"reward {m.get('reward/mean_before_filter', m['reward/mean']):+.3f}",
+        f"reward {policy_reward(m):+.3f}",
         # with dynamic sampling the update trains on the kept groups only; their mean is shown beside
-        *([f"(kept groups {m['reward/mean']:+.3f})"]
-          if abs(m.get("reward/mean_before_filter", m["reward/mean"]) - m["reward/mean"]) > 1e-9 else []),
+        *([f"(kept groups {m[REWARD_KEPT]:+.3f})"] if groups_filtered(m) else []),
         *([f"em {m['accuracy/em']:.3f}"] if "accuracy/em" in m else []),
         f"rc {m['retrieval_count']:.2f}",
         f"len {m['response_length/policy_tokens']:.0f}",
