@@ -67,10 +67,13 @@ class Size:
     sft_epochs: int = 2
     warm_epochs: int = 6
     sft_micro: int = 8
+    # validation during RL: the same dev questions, greedy, scored by the method's reward (sleuth.rl.validate)
+    val_examples: int = 200
+    val_every: int = 10
 
 
 CPU_SIZE = Size(passages=400, questions=200, test=12, sft_questions=24, warm=6, rl_steps=2, prompts_per_step=2,
-                n=4, eval_batch=12, sft_epochs=1, warm_epochs=1, sft_micro=2)
+                n=4, eval_batch=12, sft_epochs=1, warm_epochs=1, sft_micro=2, val_examples=4, val_every=1)
 
 
 def rl_steps(method: str, size: Size) -> int:
@@ -93,7 +96,7 @@ def recipe_for(out: Path, method: str, variant: str, model: str, size: Size, enc
         "name": f"learn-{method}-{variant}",
         "seed": 0,
         "model": {"policy": model, "lora": {"enabled": True, "r": 16, "alpha": 32}},
-        "data": {"train": str(world / "train.jsonl")},
+        "data": {"train": str(world / "train.jsonl"), "dev": str(world / "dev.jsonl")},
         "retriever": {"index": str(world / "bm25")},
         "agent": agent,
         "reward": reward,
@@ -105,6 +108,7 @@ def recipe_for(out: Path, method: str, variant: str, model: str, size: Size, enc
         "optim": {"lr": 5e-5, "warmup_steps": 0},
         "sampling": {"temperature": 1.0},
         "trainer": {"total_steps": rl_steps(method, size), "save_every": 5, "out_dir": str(out / method / variant),
+                    "eval_every": size.val_every, "eval_examples": size.val_examples,
                     "time_limit_minutes": float(os.environ["LEARN_RL_MINUTES"]) if os.environ.get("LEARN_RL_MINUTES")
                     else None},
         "sft": {"data": str(out / method / "trajectories.jsonl"), "epochs": size.sft_epochs if variant == "full"
@@ -444,6 +448,20 @@ def reward_slope(path: Path) -> dict[str, Any] | None:
     return result
 
 
+def validation_reward(run_dir: Path) -> dict[str, Any] | None:
+    """The method's reward on the same dev questions (greedy) at each validation of an RL run, and the last
+    minus the first of the same reward stage, paired over questions (sleuth.rl.validate, sleuth report)."""
+    from sleuth.eval.report import TrainingRun, load_validations, validation_change
+
+    validations = load_validations(run_dir, [])
+    if not validations:
+        return None
+    run = TrainingRun(run_dir, run_dir.name, [], {}, [], validations)
+    return {"steps": [v.step for v in validations], "means": [v.mean for v in validations],
+            "stages": [v.stage for v in validations], "n": len(validations[-1].rewards),
+            "change": validation_change(run)}
+
+
 def _steps_done(path: Path) -> int:
     return sum(1 for line in path.read_text().splitlines() if line.strip()) if path.exists() else 0
 
@@ -499,7 +517,9 @@ def report(args) -> None:
             if a in rec_of and b in rec_of:
                 rows[a]["vs_" + b.replace(" ", "_")] = diff(rec_of[a], rec_of[b])
         slopes = {v: reward_slope(out / method / v / "metrics.jsonl") for v in ("full", "warm")}
-        result["methods"][method] = {"rows": rows, "reward_slope": {k: v for k, v in slopes.items() if v}}
+        validations = {v: validation_reward(out / method / v) for v in ("full", "warm")}
+        result["methods"][method] = {"rows": rows, "reward_slope": {k: v for k, v in slopes.items() if v},
+                                     "validation_reward": {k: v for k, v in validations.items() if v}}
         records[method] = rec_of
     # Staged's claim: fewer retrievals than search_r1 trained on as many SFT trajectories and RL steps,
     # at an accuracy within the interval. Paired on the same test questions, row by row.

@@ -169,3 +169,22 @@ def test_learning_rl_steps_override(monkeypatch: pytest.MonkeyPatch) -> None:
     assert learning.rl_steps("s3", size) == size.rl_steps
     monkeypatch.delenv("LEARN_RL_STEPS")
     assert learning.rl_steps("r_search", size) == size.rl_steps
+
+
+def test_learning_validation_reward_pairs_first_and_last(tmp_path: Path) -> None:
+    learning = _load("learning")
+    assert learning.validation_reward(tmp_path) is None  # a run without data.dev
+    (tmp_path / "validation").mkdir()
+    rewards = {0: [0.0, 1.0, 0.0], 10: [1.0, 1.0, 0.0], 20: [1.0, 1.0, 1.0]}
+    for step, values in rewards.items():
+        rows = [{"id": f"q{i}", "reward": r} for i, r in enumerate(values)]
+        (tmp_path / "validation" / f"step_{step:06d}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        with open(tmp_path / "validation.jsonl", "a") as f:
+            f.write(json.dumps({"step": step, "val/reward/mean": sum(values) / 3, "val/stage": 1.0}) + "\n")
+    result = learning.validation_reward(tmp_path)
+    assert result["steps"] == [0, 10, 20] and result["n"] == 3
+    assert result["means"] == pytest.approx([1 / 3, 2 / 3, 1.0])
+    # per question +1, 0, +1: mean 2/3. A resample of the three is all 0 with probability 1/27 (3.7% > 2.5%)
+    # and all +1 with probability 8/27 (29.6%), so the 95% percentile interval is [0, 1]
+    change = result["change"]
+    assert change["diff"] == pytest.approx(2 / 3) and change["ci"] == pytest.approx([0.0, 1.0])

@@ -411,3 +411,64 @@ def test_dynamic_sampling_runs_show_the_reward_of_every_rollout():
     assert "reward +0.500" in format_line(3, 10, {**base, "reward/mean": 0.5})  # older metrics: one mean
     assert filtered_steps([plain, {"step": 2, **filtered}]) is True
     assert filtered_steps([plain, {**base, "reward/mean": 0.1}]) is False
+
+
+def _write_validation(run_dir: Path, step: int, rewards: dict[str, float], stage: int = 1) -> None:
+    (run_dir / "validation").mkdir(exist_ok=True)
+    rows = [{"id": qid, "reward": r, "components": {}} for qid, r in rewards.items()]
+    (run_dir / "validation" / f"step_{step:06d}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with open(run_dir / "validation.jsonl", "a") as f:
+        f.write(json.dumps({"step": step, "val/reward/mean": sum(rewards.values()) / len(rewards),
+                            "val/stage": float(stage)}) + "\n")
+
+
+def test_validation_change_pairs_questions_by_id_and_the_page_reports_it(tmp_path: Path):
+    from sleuth.eval.report import discover, validation_change
+
+    run = tmp_path / "run"
+    write_training_run(run)
+    _write_validation(run, 0, {"a": 0.0, "b": 1.0, "c": 0.0, "d": 0.5})
+    _write_validation(run, 2, {"a": 1.0, "b": 1.0, "c": 0.0, "d": 0.5})
+    # the last validation lists the questions in another order and adds one the first never asked
+    _write_validation(run, 4, {"d": 1.0, "c": 0.5, "b": 1.5, "a": 0.5, "e": 9.0})
+    data = discover(run)
+    (training,) = data.training
+    assert [v.step for v in training.validations] == [0, 2, 4]
+    change = validation_change(training)
+    # every shared question gained exactly 0.5: the difference and both ends of its interval are 0.5
+    assert change["n"] == 4 and change["first_step"] == 0 and change["last_step"] == 4
+    assert change["diff"] == pytest.approx(0.5) and change["ci"] == pytest.approx([0.5, 0.5])
+    assert change["first"] == pytest.approx(0.375) and change["last"] == pytest.approx(0.875)  # shared questions
+    from sleuth.eval.report import render_report
+
+    page = render_report(data)
+    assert "Validation reward (the same 4 data.dev questions, greedy): 0.375 after 0 updates → 0.875 after 4" in page
+    assert "paired difference +0.500 [+0.500, +0.500]" in page
+
+
+def test_a_validation_without_its_question_file_is_left_out_with_a_warning(tmp_path: Path):
+    from sleuth.eval.report import discover, validation_change
+
+    run = tmp_path / "run"
+    write_training_run(run)
+    _write_validation(run, 0, {"a": 0.0, "b": 1.0})
+    _write_validation(run, 4, {"a": 1.0, "b": 1.0})
+    (run / "validation" / "step_000004.jsonl").unlink()
+    data = discover(run)
+    assert [v.step for v in data.training[0].validations] == [0]
+    assert validation_change(data.training[0]) is None
+    assert any("step 4 has no per-question file" in w for w in data.warnings)
+
+
+def test_validation_change_compares_validations_of_one_reward_stage(tmp_path: Path):
+    from sleuth.eval.report import discover, validation_change
+
+    run = tmp_path / "run"
+    write_training_run(run)
+    _write_validation(run, 0, {"a": 5.0, "b": 5.0})  # stage 1's reward: another scale
+    _write_validation(run, 2, {"a": 0.0, "b": 1.0}, stage=2)
+    _write_validation(run, 4, {"a": 1.0, "b": 1.0}, stage=2)
+    change = validation_change(discover(run).training[0])
+    assert change["first_step"] == 2 and change["diff"] == pytest.approx(0.5)
+    _write_validation(run, 6, {"a": 1.0, "b": 1.0}, stage=3)
+    assert validation_change(discover(run).training[0]) is None  # one validation of the last stage: no change

@@ -3,6 +3,8 @@
     runs/<name>/
       run.json                      recipe, model path, device (RUN_INFO)
       metrics.jsonl                 one line per step (METRICS)
+      validation.jsonl              one line per validation on data.dev (VALIDATION)
+      validation/step_000010.jsonl  that validation's question-by-question results (validation_records)
       sft/                          a cold-start SFT run, laid out the same way (SFT_DIR)
       checkpoints/latest            name of the newest complete checkpoint (LATEST)
       checkpoints/step_000012/      one checkpoint (checkpoint_dir):
@@ -27,6 +29,8 @@ from sleuth.errors import ConfigError, DataFormatError
 
 RUN_INFO = "run.json"
 METRICS = "metrics.jsonl"
+VALIDATION = "validation.jsonl"
+VALIDATION_DIR = "validation"
 SFT_DIR = "sft"
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"
@@ -55,6 +59,11 @@ def groups_filtered(row: dict[str, Any]) -> bool:
     every, kept = row.get(REWARD_EVERY_ROLLOUT), row.get(REWARD_KEPT)
     numbers = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (every, kept))
     return numbers and abs(every - kept) > 1e-9
+
+
+def validation_records(run_dir: str | Path, step: int) -> Path:
+    """Per-question results of the validation after `step` updates (0: before training)."""
+    return Path(run_dir) / VALIDATION_DIR / f"step_{step:06d}.jsonl"
 
 
 def checkpoints_dir(run_dir: str | Path) -> Path:

@@ -31,8 +31,16 @@ from markupsafe import Markup
 
 from sleuth.errors import ConfigError, DataFormatError
 from sleuth.eval.compare import paired_rows
+from sleuth.eval.stats import bootstrap_ci, paired_bootstrap
 from sleuth.rewards.metrics import exact_match, normalize_answer
-from sleuth.run_layout import METRICS, REWARD_EVERY_ROLLOUT, RUN_INFO, groups_filtered
+from sleuth.run_layout import (
+    METRICS,
+    REWARD_EVERY_ROLLOUT,
+    RUN_INFO,
+    VALIDATION,
+    groups_filtered,
+    validation_records,
+)
 from sleuth.utils import atomic_write_text
 
 MAX_TRAJECTORIES = 200
@@ -271,12 +279,27 @@ def _read_json(path: Path) -> Any:
 
 
 @dataclass
+class Validation:
+    """One validation on data.dev: its step and each question's reward (question order, `sleuth.rl.validate`)."""
+
+    step: int
+    ids: list[str]
+    rewards: list[float]
+    stage: int = 1  # a two-stage reward (staged) scores by another definition in stage 2
+
+    @property
+    def mean(self) -> float:
+        return sum(self.rewards) / len(self.rewards)
+
+
+@dataclass
 class TrainingRun:
     path: Path
     label: str
     rows: list[dict]  # metrics.jsonl records, sorted by step
     info: dict  # run.json, {} if absent
     rollout_files: list[Path]
+    validations: list[Validation] = field(default_factory=list)  # sorted by step
 
     @property
     def recipe(self) -> dict:
@@ -326,7 +349,47 @@ def load_training_run(metrics_path: Path, root: Path, warnings: list[str]) -> Tr
             raise DataFormatError(str(run_dir / RUN_INFO), None, "expected a JSON object")
         info = loaded
     rollouts = sorted((run_dir / "rollouts").glob("step_*.jsonl"))
-    return TrainingRun(run_dir, _label(run_dir, root), rows, info, rollouts)
+    return TrainingRun(run_dir, _label(run_dir, root), rows, info, rollouts, load_validations(run_dir, warnings))
+
+
+def load_validations(run_dir: Path, warnings: list[str]) -> list[Validation]:
+    """The validations validation.jsonl lists, each with its question-by-question file (one whose file is
+    missing is left out with a warning: its interval cannot be drawn)."""
+    if not (run_dir / VALIDATION).exists():
+        return []
+    logged, warn = read_jsonl(run_dir / VALIDATION)
+    warnings += warn
+    out: dict[int, Validation] = {}
+    for rec in logged:
+        step = rec.get("step")
+        path = validation_records(run_dir, step) if isinstance(step, int) and not isinstance(step, bool) else None
+        if path is None or not path.exists():
+            warnings.append(f"{run_dir / VALIDATION}: validation of step {step!r} has no per-question file; left out")
+            continue
+        records, warn = read_jsonl(path)
+        warnings += warn
+        kept = [r for r in records if _is_number(r.get("reward"))]
+        stage = int(rec["val/stage"]) if _is_number(rec.get("val/stage")) else 1
+        if kept:
+            out[step] = Validation(step, [str(r.get("id")) for r in kept], [float(r["reward"]) for r in kept], stage)
+    return [out[s] for s in sorted(out)]
+
+
+def validation_change(run: TrainingRun) -> dict[str, Any] | None:
+    """The last validation minus the first of the same reward stage, on the questions both scored (their means
+    over those questions too), with a paired 95% bootstrap interval."""
+    last = run.validations[-1] if run.validations else None
+    same_stage = [v for v in run.validations if last is not None and v.stage == last.stage]
+    if len(same_stage) < 2:
+        return None
+    first = same_stage[0]
+    before = dict(zip(first.ids, first.rewards, strict=True))
+    common = [(before[i], r) for i, r in zip(last.ids, last.rewards, strict=True) if i in before]
+    if not common:
+        return None
+    diff, lo, hi = paired_bootstrap([b for _, b in common], [a for a, _ in common])
+    return {"first_step": first.step, "last_step": last.step, "first": sum(a for a, _ in common) / len(common),
+            "last": sum(b for _, b in common) / len(common), "diff": diff, "ci": [lo, hi], "n": len(common)}
 
 
 def load_eval_run(summary_path: Path, root: Path, warnings: list[str]) -> EvalRun | None:
@@ -475,6 +538,13 @@ def plot_rewards(run: TrainingRun) -> str | None:
     for i, key in enumerate(components):
         steps, values = run.series(key)
         _plot_line(ax, steps, values, _COLORS[i % len(_COLORS)], key.removeprefix("reward/"), weight)
+    if run.validations:
+        means = [v.mean for v in run.validations]
+        cis = [bootstrap_ci(v.rewards) for v in run.validations]
+        ax.errorbar([v.step for v in run.validations], means, fmt="o-", color="tab:blue", capsize=3, ms=4,
+                    yerr=[[m - lo for m, (lo, _) in zip(means, cis, strict=True)],
+                          [hi - m for m, (_, hi) in zip(means, cis, strict=True)]],
+                    label=f"validation: the same {len(run.validations[-1].rewards)} data.dev questions, greedy (95% CI)")
     _mark_stages(ax, _stage_switches(run))
     ax.set_xlabel("step")
     ax.set_ylabel("reward")
@@ -894,6 +964,7 @@ def render_report(data: RunData, title: str | None = None, notes: list[str] | No
                 "info": _run_info(run),
                 "has_run_json": bool(run.info),
                 "n_steps": len(run.rows),
+                "validation": validation_change(run),
                 "plots": [
                     (name, uri)
                     for name, uri in (

@@ -206,8 +206,10 @@ class TrainerConfig(_Strict):
     loggers: list[Literal["jsonl", "tensorboard", "wandb", "mlflow"]] = Field(default_factory=lambda: ["jsonl"])
     wandb: WandbConfig = Field(default_factory=WandbConfig)
     mlflow: MlflowConfig = Field(default_factory=MlflowConfig)
+    # validation on data.dev (the method's reward, greedy decoding, the same questions every time):
+    # before the first step, after every `eval_every` steps (None: only those two) and after the last
     eval_every: int | None = Field(None, ge=1)
-    eval_examples: int = Field(64, ge=1)
+    eval_examples: int = Field(64, ge=1)  # the first N questions of data.dev
     # stop after the step that passes this wall time (minutes since this process started training),
     # with a checkpoint; a resumed run continues towards total_steps
     time_limit_minutes: float | None = Field(None, gt=0)
@@ -264,6 +266,13 @@ class Recipe(_Strict):
 
 
     services: ServicesConfig = Field(default_factory=ServicesConfig)
+
+    @model_validator(mode="after")
+    def _validation_needs_questions(self) -> Recipe:
+        if self.trainer.eval_every is not None and self.data.dev is None:
+            raise ValueError(f"trainer.eval_every={self.trainer.eval_every} validates on data.dev, which is not set; "
+                             "name a question file there (the same formats as data.train), or drop eval_every")
+        return self
 
     @model_validator(mode="after")
     def _known_loop(self) -> Recipe:

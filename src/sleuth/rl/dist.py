@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -47,9 +48,13 @@ class DistContext:
 
     def gather_floats(self, values: list[float]) -> list[float]:
         """Concatenate every rank's list (rank order)."""
+        return [float(v) for v in self.gather_objects(values)]
+
+    def gather_objects(self, values: list[Any]) -> list[Any]:
+        """Concatenate every rank's list of picklable items (rank order); every rank gets the whole list."""
         if not self.enabled:
             return list(values)
-        out: list[list[float]] = [[] for _ in range(self.world_size)]
+        out: list[list[Any]] = [[] for _ in range(self.world_size)]
         dist.all_gather_object(out, list(values))
         return [v for part in out for v in part]
 

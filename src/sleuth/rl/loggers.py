@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from sleuth.errors import ConfigError
-from sleuth.run_layout import METRICS
+from sleuth.run_layout import METRICS, VALIDATION
 from sleuth.utils import atomic_write_json
 
 LOGGER_NAMES = ("jsonl", "tensorboard", "wandb", "mlflow")
@@ -51,8 +51,8 @@ class JsonlLogger:
     """One JSON line per step in `metrics.jsonl`. Steps are 1-based (step k = after k updates); on
     resume after `resume_step` updates, lines of later steps will be redone and are dropped."""
 
-    def __init__(self, out_dir: Path, resume_step: int):
-        self.path = out_dir / METRICS
+    def __init__(self, out_dir: Path, resume_step: int, file_name: str = METRICS):
+        self.path = out_dir / file_name
         if self.path.exists():
             kept = [
                 line
@@ -184,8 +184,18 @@ class MlflowLogger:
 class RunLoggers:
     """Every logger the recipe names, written to together."""
 
-    def __init__(self, loggers: dict[str, RunLogger]):
+    def __init__(self, loggers: dict[str, RunLogger], validation: JsonlLogger | None = None):
         self.loggers = loggers
+        self.validation = validation
+
+    def write_validation(self, step: int, metrics: dict[str, float]) -> None:
+        """A validation's metrics: its own jsonl (metrics.jsonl keeps one line per training step); the
+        trackers get them at the same step as the training metrics."""
+        if self.validation is not None:
+            self.validation.log_metrics(step, metrics)
+        for name, logger in self.loggers.items():
+            if name != "jsonl":
+                logger.log_metrics(step, metrics)
 
     def log_config(self, config: dict[str, Any]) -> None:
         for logger in self.loggers.values():
@@ -237,7 +247,8 @@ def open_loggers(
     new_ids = {name: logger.run_id for name, logger in loggers.items() if hasattr(logger, "run_id")}
     if new_ids:
         atomic_write_json(ids_path, new_ids)
-    return RunLoggers(loggers)
+    # a fresh run (resume_step 0) drops an earlier run's validation before training too
+    return RunLoggers(loggers, JsonlLogger(out_dir, resume_step if resume_step > 0 else -1, VALIDATION))
 
 
 def open_recipe_loggers(recipe: Any, out_dir: Path, resume_step: int) -> RunLoggers:

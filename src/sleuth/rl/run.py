@@ -3,7 +3,7 @@ services, data and loggers, restored from a checkpoint on resume; and `save`, it
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +46,7 @@ from sleuth.rl.setup import (
     build_reward_services,
     initial_weights,
     load_examples,
+    load_validation_examples,
     searcher_info,
 )
 from sleuth.run_layout import POLICY_DIR
@@ -81,6 +82,7 @@ class Run:
     start_step: int = 0
     last_saved: int = 0
     compile_seconds_logged: float = 0.0
+    val_examples: list[QAExample] = field(default_factory=list)  # data.dev's first trainer.eval_examples
 
     @property
     def models(self) -> dict[str, nn.Module]:
@@ -171,7 +173,8 @@ def setup(recipe: Recipe, ctx: DistContext, console: Any, resume: bool) -> Run:
         log.log_config(run_info)
     return Run(recipe, ctx, out_dir, console, tokenizer, policy, reference, critic, optimizers, schedulers,
                rollout_model, generator, retriever, loop, reward_fn, services, sampling, examples, cursor,
-               local_prompts, algo.minibatch_size // ctx.world_size, log, start_step, start_step)
+               local_prompts, algo.minibatch_size // ctx.world_size, log, start_step, start_step,
+               val_examples=load_validation_examples(recipe))
 
 
 def save(run: Run, done: int, cursor_state: dict[str, int], stage: int) -> None:

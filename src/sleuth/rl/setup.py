@@ -100,6 +100,16 @@ def searcher_info(recipe: Recipe) -> SearcherInfo:
     )
 
 
+def load_validation_examples(recipe: Recipe) -> list[QAExample]:
+    """The first `trainer.eval_examples` questions of data.dev (none without data.dev)."""
+    if recipe.data.dev is None:
+        return []
+    examples = load_qa(recipe.data.dev)[: recipe.trainer.eval_examples]
+    if not examples:
+        raise ConfigError(f"data.dev={recipe.data.dev}: no questions to validate on; name a non-empty file")
+    return examples
+
+
 def load_examples(recipe: Recipe) -> list[QAExample]:
 
     examples = load_qa(recipe.data.train)

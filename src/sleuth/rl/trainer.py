@@ -1,11 +1,11 @@
 """The RL trainer: setup (recipe -> one `Run`), then steps that read top to bottom like CleanRL's ppo.py:
 
-    rollout -> score -> advantages -> update -> log (-> checkpoint)
+    rollout -> score -> advantages -> update -> log (-> checkpoint) (-> validation on data.dev)
 
 The pieces live one floor down: models (sleuth.rl.models), token batches and no-grad passes
 (sleuth.rl.batch), recipe -> retriever/loop/data/reward services (sleuth.rl.setup), step metrics
-(sleuth.rl.step_metrics), and the pure numerics in the registries of sleuth.rl.advantages
-(estimators) and sleuth.rl.losses (policy losses).
+(sleuth.rl.step_metrics), validation on data.dev (sleuth.rl.validate), and the pure numerics in the
+registries of sleuth.rl.advantages (estimators) and sleuth.rl.losses (policy losses).
 """
 
 from __future__ import annotations
@@ -70,6 +70,7 @@ from sleuth.rl.step_metrics import (
     memory_metrics,
     step_metrics,
 )
+from sleuth.rl.validate import validate, validated_steps, validation_due
 from sleuth.run_layout import CHECKPOINTS, METRICS, SFT_DIR
 from sleuth.utils import atomic_path
 
@@ -115,6 +116,9 @@ def _train(recipe: Recipe, *, resume: bool = False, console: Any = None) -> dict
     if not ctx.is_main:
         console = Console(quiet=True)
     run = setup(recipe, ctx, console, resume)
+    if run.val_examples and validation_due(recipe, run.start_step) and run.start_step not in validated_steps(run.out_dir):
+        run.reward_fn.set_step(run.start_step)
+        validate(run, run.start_step)  # before training, or the one a stop right after a checkpoint missed
     started = time.monotonic()
     metrics: dict[str, float] = {}  # the last step's, for the final report
     done = run.start_step
@@ -149,7 +153,7 @@ def _past_time_limit(run: Run, started: float) -> bool:
 
 
 def train_step(run: Run, step: int) -> dict[str, float]:
-    """rollout -> score -> advantages -> update -> log -> checkpoint."""
+    """rollout -> score -> advantages -> update -> log -> checkpoint -> validation (when due)."""
     recipe, ctx = run.recipe, run.ctx
     t_start = time.perf_counter()
     run.reward_fn.set_step(step)
@@ -182,6 +186,10 @@ def train_step(run: Run, step: int) -> dict[str, float]:
     if every and (done % every == 0 or done == recipe.trainer.total_steps):
         save(run, done, run.cursor.state(), stage)
         run.last_saved = done
+
+    # 6. validation on data.dev (after the checkpoint: a failure here loses no training)
+    if run.val_examples and validation_due(recipe, done):
+        validate(run, done)
     return metrics
 
 
