@@ -188,3 +188,16 @@ def test_learning_validation_reward_pairs_first_and_last(tmp_path: Path) -> None
     # and all +1 with probability 8/27 (29.6%), so the 95% percentile interval is [0, 1]
     change = result["change"]
     assert change["diff"] == pytest.approx(2 / 3) and change["ci"] == pytest.approx([0.0, 1.0])
+
+
+def test_learning_eval_off_runs_training_stages_only(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    learning = _load("learning")
+    ran: list[str] = []
+    monkeypatch.setattr(learning, "stage", lambda out, name, fn, *args: ran.append(name) or {"checkpoint": "c"})
+    learning.run_job(tmp_path, "r_search:full", "m", learning.CPU_SIZE, None)
+    assert ran == ["r_search_trajectories", "r_search_full_sft", "r_search_full_eval_sft", "r_search_full_rl",
+                   "r_search_full_eval_rl"]
+    ran.clear()
+    monkeypatch.setenv("LEARN_EVAL", "0")
+    learning.run_job(tmp_path, "r_search:full", "m", learning.CPU_SIZE, None)
+    assert ran == ["r_search_trajectories", "r_search_full_sft", "r_search_full_rl"]

@@ -88,17 +88,18 @@ def test_demo_trains_another_method(tmp_path: Path) -> None:
     assert [json.loads(x)["step"] for x in (out / "train" / "metrics.jsonl").read_text().splitlines()] == [1]
 
 
-def test_committed_searcher_is_found_only_for_its_model_and_world(tmp_path: Path) -> None:
+def test_committed_searcher_is_found_only_for_its_model_and_world(tmp_path: Path, monkeypatch) -> None:
     import sleuth.demo as demo
 
     assert demo.committed_checkpoint("search_r1", demo.FULL, None) == demo.REPO_CHECKPOINTS / "search_r1"
     assert demo.committed_checkpoint("search_r1", demo.FAST, None) is None  # tiny model, small world
     assert demo.committed_checkpoint("search_r1", demo.FULL, "none") is None
-    assert demo.committed_checkpoint("r_search", demo.FULL, None) is None  # none committed
     for committed in sorted(p for p in demo.REPO_CHECKPOINTS.iterdir() if p.is_dir()):
         info = json.loads((committed / "searcher.json").read_text())
         assert info["base_model"] == "smollm2-135m-instruct", committed  # loads anywhere, not a GPU box's path
         assert (committed / "recipe.yaml").exists() and (committed / "policy" / "adapter_model.safetensors").exists()
+    monkeypatch.setattr(demo, "REPO_CHECKPOINTS", tmp_path)  # a checkout without a committed searcher
+    assert demo.committed_checkpoint("r_search", demo.FULL, None) is None
 
 
 def test_demo_rejects_an_unknown_method(tmp_path: Path) -> None:

@@ -313,3 +313,51 @@ def test_eval_every_without_dev_questions_is_refused(small_world: Path, tmp_path
     data["trainer"]["eval_every"] = 1
     with pytest.raises(ConfigError, match=r"trainer\.eval_every=1.*data\.dev"):
         recipe_from_dict(data)
+
+
+def test_validation_scores_with_the_reward_the_next_step_trains_on(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A two-stage reward (stage 2 from trainer step index 10): the validation after 10 updates already scores
+    with stage 2's reward, so stage 2 has a first and a last validation to pair; the one before training with
+    stage 1's; the one after the last step with the last step's."""
+    from types import SimpleNamespace
+
+    from sleuth.agent.trajectory import Trajectory
+    from sleuth.data.formats import QAExample
+    from sleuth.llm.base import SamplingParams
+    from sleuth.rewards.base import RewardResult
+    from sleuth.rl import validate as validation
+    from sleuth.rl.dist import DistContext
+
+    class TwoStage:
+        name = "two_stage"
+        step = None
+
+        def set_step(self, step: int) -> None:
+            self.step = step
+
+        @property
+        def current_stage(self) -> int:
+            return 1 if self.step < 10 else 2
+
+        def __call__(self, trajs, services=None):
+            return [RewardResult(float(self.current_stage), {"stage_seen": float(self.current_stage)}) for _ in trajs]
+
+    def fake_rollout(loop, generator, retriever, examples, params, n=1, *, budget=None, tokenizer=None):
+        assert params.temperature == 0.0 and n == 1  # greedy, one answer per question
+        return [Trajectory(question_id=e.id, question=e.question, golden_answers=e.golden_answers, method="x",
+                           answer="a") for e in examples]
+
+    monkeypatch.setattr(validation, "rollout", fake_rollout)
+    logged: dict[int, dict] = {}
+    run = SimpleNamespace(
+        ctx=DistContext(), val_examples=[QAExample(f"q{i}", f"question {i}", ["a"]) for i in range(3)],
+        sampling=SamplingParams(temperature=1.0), policy=torch.nn.Linear(1, 1), loop=None, generator=None,
+        retriever=None, reward_fn=TwoStage(), services=None, out_dir=tmp_path, console=SimpleNamespace(print=print),
+        recipe=SimpleNamespace(trainer=SimpleNamespace(total_steps=20),
+                               agent=SimpleNamespace(max_obs_tokens=8, max_response_tokens=16)),
+        log=SimpleNamespace(write_validation=lambda step, metrics: logged.__setitem__(step, metrics)),
+    )
+    stages = {done: validation.validate(run, done)["val/stage"] for done in (0, 9, 10, 20)}
+    assert stages == {0: 1.0, 9: 1.0, 10: 2.0, 20: 2.0}
+    assert logged[10]["val/reward/mean"] == 2.0 and logged[10]["val/reward/stage_seen"] == 2.0
+    assert (tmp_path / "validation" / "step_000010.jsonl").read_text().count("\n") == 3

@@ -48,8 +48,8 @@ def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 
 class JsonlLogger:
-    """One JSON line per step in `metrics.jsonl`. Steps are 1-based (step k = after k updates); on
-    resume after `resume_step` updates, lines of later steps will be redone and are dropped."""
+    """One JSON line per step in `metrics.jsonl` (or `file_name`: validation.jsonl). Step k = after k updates;
+    on resume after `resume_step` updates, lines of later steps will be redone and are dropped."""
 
     def __init__(self, out_dir: Path, resume_step: int, file_name: str = METRICS):
         self.path = out_dir / file_name

@@ -117,7 +117,6 @@ def _train(recipe: Recipe, *, resume: bool = False, console: Any = None) -> dict
         console = Console(quiet=True)
     run = setup(recipe, ctx, console, resume)
     if run.val_examples and validation_due(recipe, run.start_step) and run.start_step not in validated_steps(run.out_dir):
-        run.reward_fn.set_step(run.start_step)
         validate(run, run.start_step)  # before training, or the one a stop right after a checkpoint missed
     started = time.monotonic()
     metrics: dict[str, float] = {}  # the last step's, for the final report

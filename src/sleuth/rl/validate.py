@@ -44,6 +44,9 @@ def validate(run: Run, done: int) -> dict[str, float]:
     """Roll out the validation questions greedily with the current policy, score them with the recipe's
     reward, write each question's result and log the means (collective: every rank calls it)."""
     ctx, n = run.ctx, len(run.val_examples)
+    # score with the reward the next step trains on (a two-stage reward switches on the step), or after the
+    # last step with the last step's: a validation then opens each stage's series as well as closing it
+    run.reward_fn.set_step(min(done, run.recipe.trainer.total_steps - 1))
     mine = run.val_examples[n * ctx.rank // ctx.world_size : n * (ctx.rank + 1) // ctx.world_size]
     greedy = dataclasses.replace(run.sampling, temperature=0.0)
     run.policy.eval()
