@@ -455,15 +455,14 @@ def reward_slope(path: Path) -> dict[str, Any] | None:
 def validation_reward(run_dir: Path) -> dict[str, Any] | None:
     """The method's reward on the same dev questions (greedy) at each validation of an RL run, and the last
     minus the first of the same reward stage, paired over questions (sleuth.rl.validate, sleuth report)."""
-    from sleuth.eval.report import TrainingRun, load_validations, validation_change
+    from sleuth.eval.report import load_validations, validation_change
 
     validations = load_validations(run_dir, [])
     if not validations:
         return None
-    run = TrainingRun(run_dir, run_dir.name, [], {}, [], validations)
     return {"steps": [v.step for v in validations], "means": [v.mean for v in validations],
             "stages": [v.stage for v in validations], "n": len(validations[-1].rewards),
-            "change": validation_change(run)}
+            "change": validation_change(validations)}
 
 
 def _steps_done(path: Path) -> int:

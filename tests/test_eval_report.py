@@ -434,7 +434,7 @@ def test_validation_change_pairs_questions_by_id_and_the_page_reports_it(tmp_pat
     data = discover(run)
     (training,) = data.training
     assert [v.step for v in training.validations] == [0, 2, 4]
-    change = validation_change(training)
+    change = validation_change(training.validations)
     # every shared question gained exactly 0.5: the difference and both ends of its interval are 0.5
     assert change["n"] == 4 and change["first_step"] == 0 and change["last_step"] == 4
     assert change["diff"] == pytest.approx(0.5) and change["ci"] == pytest.approx([0.5, 0.5])
@@ -456,7 +456,7 @@ def test_a_validation_without_its_question_file_is_left_out_with_a_warning(tmp_p
     (run / "validation" / "step_000004.jsonl").unlink()
     data = discover(run)
     assert [v.step for v in data.training[0].validations] == [0]
-    assert validation_change(data.training[0]) is None
+    assert validation_change(data.training[0].validations) is None
     assert any("step 4 has no per-question file" in w for w in data.warnings)
 
 
@@ -468,7 +468,7 @@ def test_validation_change_compares_validations_of_one_reward_stage(tmp_path: Pa
     _write_validation(run, 0, {"a": 5.0, "b": 5.0})  # stage 1's reward: another scale
     _write_validation(run, 2, {"a": 0.0, "b": 1.0}, stage=2)
     _write_validation(run, 4, {"a": 1.0, "b": 1.0}, stage=2)
-    change = validation_change(discover(run).training[0])
+    change = validation_change(discover(run).training[0].validations)
     assert change["first_step"] == 2 and change["diff"] == pytest.approx(0.5)
     _write_validation(run, 6, {"a": 1.0, "b": 1.0}, stage=3)
-    assert validation_change(discover(run).training[0]) is None  # one validation of the last stage: no change
+    assert validation_change(discover(run).training[0].validations) is None  # one validation of the last stage: no change

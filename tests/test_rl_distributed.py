@@ -20,7 +20,8 @@ def _recipe(small_world: Path, out_dir: Path, parallel: str = "ddp") -> dict:
         "name": "parity",
         "seed": 0,
         "model": {"policy": "tiny", "dtype": "float64", "parallel": parallel},
-        "data": {"train": str(small_world / "train.jsonl")},
+        # 3 validation questions split over 2 ranks unevenly (2 + 1); gathered, they must read as one rank's
+        "data": {"train": str(small_world / "train.jsonl"), "dev": str(small_world / "dev.jsonl")},
         "retriever": {"index": str(small_world / "bm25")},
         "agent": {"loop": "search_r1", "max_turns": 1, "max_new_tokens_per_turn": 8, "max_response_tokens": 64,
                   "max_obs_tokens": 24},
@@ -32,12 +33,15 @@ def _recipe(small_world: Path, out_dir: Path, parallel: str = "ddp") -> dict:
         # amplification), so the comparison tests the distributed gradient itself
         "optim": {"lr": 1e-2, "critic_lr": 1e-2, "eps": 1e-3},
         "sampling": {"temperature": 0.0},
-        "trainer": {"total_steps": 2, "save_every": 2, "out_dir": str(out_dir)},
+        "trainer": {"total_steps": 2, "save_every": 2, "out_dir": str(out_dir), "eval_examples": 3},
     }
 
 
 def _run(tmp: Path, small_world: Path, name: str, nproc: int, parallel: str = "ddp") -> Path:
     out = tmp / name
+    out.mkdir()
+    # an earlier run's row: a fresh run drops it and validates anew, and every rank must agree on that
+    (out / "validation.jsonl").write_text(json.dumps({"step": 0, "val/reward/mean": 9.0}) + "\n")
     cfg = tmp / f"{name}.yaml"
     cfg.write_text(yaml.safe_dump(_recipe(small_world, out, parallel)))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parent / "plugins")}
@@ -69,6 +73,13 @@ def test_two_ranks_match_one_process(small_world: Path, tmp_path: Path, parallel
         # whitened advantages sum to ~0, so the on-policy surrogate is a ~1e-6 residual of O(1) terms
         assert a["actor/pg_loss"] == pytest.approx(b["actor/pg_loss"], abs=1e-5)
     assert json.loads((two / "run.json").read_text())["ranks"] == 2
+    for step in (0, 2):  # validation before training and after the last step, question by question
+        v1 = [json.loads(x) for x in (one / "validation" / f"step_{step:06d}.jsonl").read_text().splitlines()]
+        v2 = [json.loads(x) for x in (two / "validation" / f"step_{step:06d}.jsonl").read_text().splitlines()]
+        assert [r["id"] for r in v1] == [r["id"] for r in v2] and len(v1) == 3
+        assert [r["reward"] for r in v1] == pytest.approx([r["reward"] for r in v2], rel=1e-9, abs=1e-12)
+    logged = [json.loads(x) for x in (two / "validation.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in logged] == [0, 2] and logged[0]["val/reward/mean"] != 9.0
 
     from safetensors.torch import load_file
 

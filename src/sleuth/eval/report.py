@@ -375,11 +375,13 @@ def load_validations(run_dir: Path, warnings: list[str]) -> list[Validation]:
     return [out[s] for s in sorted(out)]
 
 
-def validation_change(run: TrainingRun) -> dict[str, Any] | None:
-    """The last validation minus the first of the same reward stage, on the questions both scored (their means
-    over those questions too), with a paired 95% bootstrap interval."""
-    last = run.validations[-1] if run.validations else None
-    same_stage = [v for v in run.validations if last is not None and v.stage == last.stage]
+def validation_change(validations: Sequence[Validation]) -> dict[str, Any] | None:
+    """The last validation (of a run's, sorted by step) minus the first of the same reward stage, on the
+    questions both scored (their means over those questions too), with a paired 95% bootstrap interval."""
+    if not validations:
+        return None
+    last = validations[-1]
+    same_stage = [v for v in validations if v.stage == last.stage]
     if len(same_stage) < 2:
         return None
     first = same_stage[0]
@@ -964,7 +966,7 @@ def render_report(data: RunData, title: str | None = None, notes: list[str] | No
                 "info": _run_info(run),
                 "has_run_json": bool(run.info),
                 "n_steps": len(run.rows),
-                "validation": validation_change(run),
+                "validation": validation_change(run.validations),
                 "plots": [
                     (name, uri)
                     for name, uri in (

@@ -70,7 +70,7 @@ from sleuth.rl.step_metrics import (
     memory_metrics,
     step_metrics,
 )
-from sleuth.rl.validate import validate, validated_steps, validation_due
+from sleuth.rl.validate import already_validated, validate, validation_due
 from sleuth.run_layout import CHECKPOINTS, METRICS, SFT_DIR
 from sleuth.utils import atomic_path
 
@@ -116,7 +116,7 @@ def _train(recipe: Recipe, *, resume: bool = False, console: Any = None) -> dict
     if not ctx.is_main:
         console = Console(quiet=True)
     run = setup(recipe, ctx, console, resume)
-    if run.val_examples and validation_due(recipe, run.start_step) and run.start_step not in validated_steps(run.out_dir):
+    if run.val_examples and validation_due(recipe, run.start_step) and not already_validated(run, run.start_step):
         validate(run, run.start_step)  # before training, or the one a stop right after a checkpoint missed
     started = time.monotonic()
     metrics: dict[str, float] = {}  # the last step's, for the final report

@@ -14,7 +14,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
-from pathlib import Path
+
+import torch
 
 from sleuth.agent.engine import rollout
 from sleuth.rewards.base import guarded_rewards
@@ -32,12 +33,15 @@ def validation_due(recipe: Recipe, done: int) -> bool:
     return done in (0, recipe.trainer.total_steps) or (every is not None and done % every == 0)
 
 
-def validated_steps(out_dir: Path) -> set[int]:
-    """Steps whose validation is already logged (a resumed run does not redo them)."""
-    path = out_dir / VALIDATION
-    if not path.exists():
-        return set()
-    return {json.loads(line)["step"] for line in path.read_text().splitlines() if line.strip()}
+def already_validated(run: Run, done: int) -> bool:
+    """Whether validation.jsonl already logs the validation after `done` updates (a resumed run does not
+    redo it). The main rank reads the file, after its loggers dropped the rows a resume redoes, and every
+    rank takes its answer: the validation is collective, so all ranks must decide alike."""
+    logged = False
+    if run.ctx.is_main and (run.out_dir / VALIDATION).exists():
+        lines = (run.out_dir / VALIDATION).read_text().splitlines()
+        logged = any(json.loads(line)["step"] == done for line in lines if line.strip())
+    return run.ctx.all_reduce_sum(torch.tensor([float(logged)])).item() > 0
 
 
 def validate(run: Run, done: int) -> dict[str, float]:
