@@ -23,7 +23,7 @@ import subprocess
 import sys
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -74,6 +74,15 @@ class Size:
 
 CPU_SIZE = Size(passages=400, questions=200, test=12, sft_questions=24, warm=6, rl_steps=2, prompts_per_step=2,
                 n=4, eval_batch=12, sft_epochs=1, warm_epochs=1, sft_micro=2, val_examples=4, val_every=2)
+
+
+def run_size(cpu: bool) -> Size:
+    """The run's size; LEARN_VAL_EXAMPLES / LEARN_VAL_EVERY change validation (more questions resolve a smaller
+    change of the reward, fewer validations leave more of a lease to training)."""
+    size = CPU_SIZE if cpu else Size()
+    overrides = {field: int(os.environ[var]) for field, var in (("val_examples", "LEARN_VAL_EXAMPLES"),
+                                                                 ("val_every", "LEARN_VAL_EVERY")) if os.environ.get(var)}
+    return replace(size, **overrides)
 
 
 def rl_steps(method: str, size: Size) -> int:
@@ -265,7 +274,7 @@ def lane(args) -> None:
         torch.backends.cuda.enable_cudnn_sdp(False)
         print("cuDNN SDPA off in this lane", flush=True)
     out = Path(args.out)
-    size = CPU_SIZE if args.cpu else Size()
+    size = run_size(args.cpu)
     for job in args.jobs.split(","):
         try:
             run_job(out, job, args.model, size, args.encoder)
@@ -290,7 +299,7 @@ def plan_lanes(methods: list[str], gpus: int) -> list[list[str]]:
 
 def run(args) -> None:
     out = Path(args.out)
-    size = CPU_SIZE if args.cpu else Size()
+    size = run_size(args.cpu)
     stage(out, "world", make_world, out, size)
     methods = [m for m in args.methods.split(",") if m]
     # LEARN_LANES="shared,s3:full;search_r1:warm;..." places jobs by hand (one lane per ';')
@@ -355,12 +364,14 @@ def pack(args) -> None:
     status(args)
     skip = ("trajectories.jsonl", "state.pt", ".safetensors", "naive_rag_cache")
     results = dest / "results.tgz"
+    # of each run's step rollouts, the first and the last step's (a run may stop early at its time limit)
+    last_rollouts = {max(d.glob("step_*.jsonl")) for d in out.rglob("rollouts") if any(d.glob("step_*.jsonl"))}
     with tarfile.open(results, "w:gz") as tar:
         for f in sorted(out.rglob("*")):
             rel = f.relative_to(out)
             if not f.is_file() or any(s in f.name for s in skip) or "checkpoints" in rel.parts:
                 continue
-            if "rollouts" in rel.parts and f.name not in ("step_000001.jsonl", f"step_{Size().rl_steps:06d}.jsonl"):
+            if "rollouts" in rel.parts and f.name != "step_000001.jsonl" and f not in last_rollouts:
                 continue
             tar.add(f, arcname=str(rel))
         for method in METHODS:  # a sample of each method's SFT data, for the docs

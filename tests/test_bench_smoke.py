@@ -171,6 +171,16 @@ def test_learning_rl_steps_override(monkeypatch: pytest.MonkeyPatch) -> None:
     assert learning.rl_steps("r_search", size) == size.rl_steps
 
 
+def test_learning_validation_size_override(monkeypatch: pytest.MonkeyPatch) -> None:
+    learning = _load("learning")
+    assert (learning.run_size(False).val_examples, learning.run_size(False).val_every) == (200, 10)
+    monkeypatch.setenv("LEARN_VAL_EXAMPLES", "300")
+    monkeypatch.setenv("LEARN_VAL_EVERY", "5")
+    size = learning.run_size(False)
+    assert (size.val_examples, size.val_every, size.rl_steps) == (300, 5, learning.Size().rl_steps)
+    assert learning.run_size(True).passages == learning.CPU_SIZE.passages
+
+
 def test_learning_validation_reward_pairs_first_and_last(tmp_path: Path) -> None:
     learning = _load("learning")
     assert learning.validation_reward(tmp_path) is None  # a run without data.dev

@@ -202,14 +202,18 @@ def test_time_limit_stops_after_a_step_with_a_checkpoint_and_resume_continues(sm
     algorithm = {"name": "grpo", "n": 2, "prompts_per_step": 1, "minibatch_size": 2, "micro_batch_size": 2}
     data = _recipe(small_world, tmp_path / "run", algorithm, steps=4)
     data["trainer"]["time_limit_minutes"] = 1e-6  # past the limit after the first step
+    data["data"]["dev"] = str(small_world / "dev.jsonl")
+    data["trainer"].update(eval_every=2, eval_examples=2)
     result = train(recipe_from_dict(data))
     assert result["steps_done"] == 1 and result["stopped_at_time_limit"]
     assert len(_rewards(tmp_path / "run")) == 1
     assert latest_checkpoint(tmp_path / "run").name.endswith("1")  # saved although save_every is 1000
+    assert sorted(_validation(tmp_path / "run")) == [0, 1]  # the stop closes the validation series
     data["trainer"]["time_limit_minutes"] = None
     result = train(recipe_from_dict(data), resume=True)
     assert result["steps_done"] == 4 and not result["stopped_at_time_limit"]
     assert [json.loads(x)["step"] for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3, 4]
+    assert sorted(_validation(tmp_path / "run")) == [0, 1, 2, 4]
 
 
 def test_every_step_logs_memory(small_world: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -129,6 +129,9 @@ def _train(recipe: Recipe, *, resume: bool = False, console: Any = None) -> dict
             if recipe.trainer.save_every and run.last_saved != done:  # save_every 0: no checkpoints at all
                 save(run, done, run.cursor.state(), getattr(run.reward_fn, "current_stage", 1))
                 run.last_saved = done
+            # close the validation series at the step reached, so a stopped run's curve has its end point
+            if run.val_examples and not validation_due(recipe, done):
+                validate(run, done)
             console.print(f"time limit of {recipe.trainer.time_limit_minutes} min reached after step {done} of "
                           f"{recipe.trainer.total_steps}; checkpoint saved, resume to continue")
             break
