@@ -467,11 +467,13 @@ def validation_reward(run_dir: Path) -> dict[str, Any] | None:
     """The method's reward on the same dev questions (greedy) at each validation of an RL run, and the last
     minus the first of the same reward stage, paired over questions (sleuth.rl.validate, sleuth report)."""
     from sleuth.eval.report import load_validations, validation_change
+    from sleuth.eval.stats import bootstrap_ci
 
     validations = load_validations(run_dir, [])
     if not validations:
         return None
     return {"steps": [v.step for v in validations], "means": [v.mean for v in validations],
+            "cis": [list(bootstrap_ci(v.rewards)) for v in validations],
             "stages": [v.stage for v in validations], "n": len(validations[-1].rewards),
             "change": validation_change(validations)}
 
@@ -563,6 +565,27 @@ def report(args) -> None:
     axes[0][0].set_ylabel("mean reward, all rollouts of the step")
     fig.tight_layout()
     fig.savefig(dest / "reward_curves.png", dpi=110)
+
+    validated = [m for m in METHODS if result["methods"][m]["validation_reward"]]
+    if validated:
+        fig, axes = plt.subplots(1, len(validated), figsize=(4.5 * len(validated), 3.2), squeeze=False)
+        for ax, method in zip(axes[0], validated, strict=True):
+            for variant, val in result["methods"][method]["validation_reward"].items():
+                change = val["change"] or {}
+                for stage_no in sorted(set(val["stages"])):  # a two-stage reward: one line per stage
+                    idx = [i for i, s in enumerate(val["stages"]) if s == stage_no]
+                    err = [[val["means"][i] - val["cis"][i][0] for i in idx], [val["cis"][i][1] - val["means"][i] for i in idx]]
+                    label = f"from {'SFT' if variant == 'full' else 'warm-up'}" + (f", stage {stage_no}" if len(set(val["stages"])) > 1 else "")
+                    if stage_no == val["stages"][-1] and change:
+                        label += f" (last - first {change['diff']:+.3f} [{change['ci'][0]:+.3f}, {change['ci'][1]:+.3f}])"
+                    ax.errorbar([val["steps"][i] for i in idx], [val["means"][i] for i in idx], yerr=err, marker="o",
+                                ms=3, capsize=3, label=label)
+            ax.set_title(f"{method} (n={val['n']} dev questions)")
+            ax.set_xlabel("RL updates")
+            ax.legend(fontsize=6)
+        axes[0][0].set_ylabel("validation reward, greedy (95% CI)")
+        fig.tight_layout()
+        fig.savefig(dest / "validation_reward.png", dpi=110)
 
     fig, ax = plt.subplots(figsize=(11, 3.8))
     labels, values, errs = ["naive RAG", "oracle"], [], []

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import random
 import re
 from pathlib import Path
 
@@ -444,6 +445,29 @@ def test_validation_change_pairs_questions_by_id_and_the_page_reports_it(tmp_pat
     page = render_report(data)
     assert "Validation reward (the same 4 data.dev questions, greedy): 0.375 after 0 updates → 0.875 after 4" in page
     assert "paired difference +0.500 [+0.500, +0.500]" in page
+    # steps 0/2/4 weigh the rewards -1/4, 0, +1/4; every shared question's slope is (last - first) / 4 = 0.125
+    assert change["slope"]["per_step"] == pytest.approx(0.125) and change["slope"]["ci"] == pytest.approx([0.125, 0.125])
+    assert change["slope"]["n"] == 4 and change["slope"]["steps"] == [0, 2, 4]
+    assert "Slope over the 3 validations of this stage: +0.1250 per step [+0.1250, +0.1250]" in page
+
+
+def test_validation_slope_is_the_least_squares_slope_of_the_means(tmp_path: Path):
+    from scipy.stats import linregress
+
+    from sleuth.eval.report import Validation, validation_slope
+
+    rng = random.Random(3)
+    ids = [f"q{i}" for i in range(30)]
+    steps = [0, 5, 10, 20]
+    validations = [Validation(s, ids, [rng.random() + 0.01 * s for _ in ids]) for s in steps]
+    slope = validation_slope(validations)
+    reference = linregress(steps, [v.mean for v in validations]).slope
+    assert slope["per_step"] == pytest.approx(reference) and slope["n"] == 30
+    assert slope["ci"][0] < slope["per_step"] < slope["ci"][1]
+    assert validation_slope(validations[:2]) is None  # two points: the change, not a slope
+    # a question one validation did not score is left out of every one
+    validations[1] = Validation(5, ids[1:], validations[1].rewards[1:])
+    assert validation_slope(validations)["n"] == 29
 
 
 def test_a_validation_without_its_question_file_is_left_out_with_a_warning(tmp_path: Path):

@@ -391,7 +391,30 @@ def validation_change(validations: Sequence[Validation]) -> dict[str, Any] | Non
         return None
     diff, lo, hi = paired_bootstrap([b for _, b in common], [a for a, _ in common])
     return {"first_step": first.step, "last_step": last.step, "first": sum(a for a, _ in common) / len(common),
-            "last": sum(b for _, b in common) / len(common), "diff": diff, "ci": [lo, hi], "n": len(common)}
+            "last": sum(b for _, b in common) / len(common), "diff": diff, "ci": [lo, hi], "n": len(common),
+            "slope": validation_slope(same_stage)}
+
+
+def validation_slope(validations: Sequence[Validation]) -> dict[str, Any] | None:
+    """Least-squares slope of the mean validation reward over steps (one reward stage, >= 3 validations), on
+    the questions every validation scored, with a 95% bootstrap interval over those questions.
+
+    The slope of the means is the mean of the questions' own slopes (it is linear in the rewards), so
+    resampling questions resamples the slope, like the paired difference of two validations."""
+    if len(validations) < 3:
+        return None
+    shared = set(validations[0].ids).intersection(*(v.ids for v in validations[1:]))
+    if not shared:
+        return None
+    steps = [float(v.step) for v in validations]
+    centre = sum(steps) / len(steps)
+    spread = sum((x - centre) ** 2 for x in steps)
+    weights = [(x - centre) / spread for x in steps]
+    by_id = [dict(zip(v.ids, v.rewards, strict=True)) for v in validations]
+    per_question = [sum(w * rewards[i] for w, rewards in zip(weights, by_id, strict=True)) for i in sorted(shared)]
+    lo, hi = bootstrap_ci(per_question)
+    return {"per_step": sum(per_question) / len(per_question), "ci": [lo, hi], "n": len(per_question),
+            "steps": [v.step for v in validations]}
 
 
 def load_eval_run(summary_path: Path, root: Path, warnings: list[str]) -> EvalRun | None:
