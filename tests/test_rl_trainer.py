@@ -365,3 +365,29 @@ def test_validation_scores_with_the_reward_the_next_step_trains_on(tmp_path: Pat
     assert stages == {0: 1.0, 9: 1.0, 10: 2.0, 20: 2.0}
     assert logged[10]["val/reward/mean"] == 2.0 and logged[10]["val/reward/stage_seen"] == 2.0
     assert (tmp_path / "validation" / "step_000010.jsonl").read_text().count("\n") == 3
+
+
+def test_a_lora_adapter_from_another_machine_names_the_base_loaded_here(tmp_path: Path, small_world: Path) -> None:
+    """A committed adapter names its base by the training machine's path; loading it to train on (and saving
+    again) uses and records the base found here, so peft does not warn that the base config is missing."""
+    import warnings
+
+    from sleuth.rl.models import load_policy
+
+    algorithm = {"name": "grpo", "n": 2, "prompts_per_step": 1, "minibatch_size": 2, "micro_batch_size": 2}
+    recipe = recipe_from_dict(_recipe(small_world, tmp_path / "run", algorithm, steps=1,
+                                      model={"policy": "tiny", "lora": {"enabled": True, "r": 2, "alpha": 4}}))
+    _, model, base_path = load_policy(recipe, torch.device("cpu"))
+    model.save_pretrained(tmp_path / "adapter")
+    config_file = tmp_path / "adapter" / "adapter_config.json"
+    config = json.loads(config_file.read_text())
+    config["base_model_name_or_path"] = "/gpu-box/models/gone"  # as in checkpoints/*/policy/adapter_config.json
+    config_file.write_text(json.dumps(config))
+
+    _, model, _ = load_policy(recipe, torch.device("cpu"), adapter_dir=tmp_path / "adapter")
+    assert model.peft_config["default"].base_model_name_or_path == str(base_path)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.save_pretrained(tmp_path / "again")
+    assert not [w for w in caught if "Could not find a config file" in str(w.message)]
+    assert json.loads((tmp_path / "again" / "adapter_config.json").read_text())["base_model_name_or_path"] == str(base_path)

@@ -47,8 +47,10 @@ def load_searcher(path: str | Path, device: str | None = None, merge_lora: bool 
     if info.lora:
         from peft import PeftModel  # deferred: heavy, and only LoRA models need it
 
-        base = AutoModelForCausalLM.from_pretrained(resolve_model_path(info.base_model))
+        base_path = resolve_model_path(info.base_model)
+        base = AutoModelForCausalLM.from_pretrained(base_path)
         model = PeftModel.from_pretrained(base, policy_dir)
+        model.peft_config["default"].base_model_name_or_path = str(base_path)  # not the training machine's path
         if merge_lora:
             model = model.merge_and_unload()
     else:

@@ -62,6 +62,9 @@ def load_policy(recipe: Recipe, device: torch.device, adapter_dir: Path | None =
 
         if adapter_dir is not None:
             model = PeftModel.from_pretrained(model, adapter_dir, is_trainable=True)
+            # the adapter names the base as found where it was trained (another machine's path); name the
+            # base loaded here, so the next save records it and peft finds its config
+            model.peft_config["default"].base_model_name_or_path = str(path)
         else:
             lora = recipe.model.lora
             model = get_peft_model(
