@@ -27,6 +27,11 @@ RANDOM_ARCHS: dict[str, dict[str, Any]] = {
                          num_key_value_heads=2, vocab_size=151936),
     "qwen2.5-1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
                          num_key_value_heads=2, vocab_size=151936),
+    # The papers' searchers (Search-R1, s3, R-Search: Qwen2.5-3B/7B; 7B does not tie its output embedding)
+    "qwen2.5-3b": dict(hidden_size=2048, intermediate_size=11008, num_hidden_layers=36, num_attention_heads=16,
+                       num_key_value_heads=2, vocab_size=151936),
+    "qwen2.5-7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+                       num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False),
     # Same vocabulary and layout, tiny body: exercises the random:* path (Qwen3 tokenizer, save/load) on a CPU.
     "qwen-tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                       num_key_value_heads=2, vocab_size=151936),
@@ -195,7 +200,7 @@ def build_model(spec: str, tokenizer_dir: str | None, device: str, dtype: str) -
                              "pass --tokenizer DIR with a saved Hugging Face tokenizer")
         from transformers import Qwen2Config
 
-        config = Qwen2Config(**RANDOM_ARCHS[arch], max_position_embeddings=32768, tie_word_embeddings=True,
+        config = Qwen2Config(**({"tie_word_embeddings": True} | RANDOM_ARCHS[arch]), max_position_embeddings=32768,
                              rope_theta=1_000_000.0)
         torch.manual_seed(0)
         # Initialising directly on the device: a 1.5B model's random init takes seconds there, a minute on CPU.

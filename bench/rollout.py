@@ -44,7 +44,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common  # noqa: E402
 
-MODES = ("dynamic", "static", "static+compile")
+MODES = ("dynamic", "static", "static+compile", "engine")
 
 
 class DecodeLedger:
@@ -97,7 +97,7 @@ def run_engine(mode: str, model: Any, tokenizer: Any, model_info: dict[str, Any]
     from sleuth.llm.base import SamplingParams
     from sleuth.llm.hf import HFGenerator
 
-    cache = "dynamic" if mode == "dynamic" else "static"
+    cache = {"dynamic": "dynamic", "engine": "engine"}.get(mode, "static")
     gen = HFGenerator(model, tokenizer=tokenizer, cache=cache, compile=mode == "static+compile",
                       max_batch_size=args.batch, sync_every=sync_every,
                       grouped_decode_attention=args.grouped_decode_attention)

@@ -47,13 +47,15 @@ def test_bandwidth_from_card_name() -> None:
 
 
 def test_random_model_sizes_match_the_published_counts() -> None:
-    """The random:* shapes must be the real models': Qwen2.5-0.5B has 494M and 1.5B 1.54B parameters (tied)."""
+    """The random:* shapes must be the real models': Qwen2.5-0.5B has 494M, 1.5B 1.54B and 3B 3.09B parameters
+    (tied), 7B 7.62B (untied), as their model cards count them."""
     import torch
     from transformers import Qwen2Config
 
-    expected = {"qwen2.5-0.5b": 494_032_768, "qwen2.5-1.5b": 1_543_714_304}
+    expected = {"qwen2.5-0.5b": 494_032_768, "qwen2.5-1.5b": 1_543_714_304, "qwen2.5-3b": 3_085_938_688,
+                "qwen2.5-7b": 7_615_616_512}
     for arch, count in expected.items():
-        config = Qwen2Config(**common.RANDOM_ARCHS[arch], tie_word_embeddings=True)
+        config = Qwen2Config(**({"tie_word_embeddings": True} | common.RANDOM_ARCHS[arch]))
         with torch.device("meta"):
             from transformers import AutoModelForCausalLM
 
@@ -211,3 +213,34 @@ def test_learning_eval_off_runs_training_stages_only(monkeypatch: pytest.MonkeyP
     monkeypatch.setenv("LEARN_EVAL", "0")
     learning.run_job(tmp_path, "r_search:full", "m", learning.CPU_SIZE, None)
     assert ran == ["r_search_trajectories", "r_search_full_sft", "r_search_full_rl"]
+
+
+def test_decode_bench_tiny(tmp_path: Path) -> None:
+    """bench/decode.py runs the engine end to end and books bytes per step from its own arithmetic."""
+    decode = _load("decode")
+    out = tmp_path / "decode.json"
+    decode.main(["--models", "tiny", "--device", "cpu", "--batches", "3", "--context", "16", "--new-tokens", "6",
+                 "--out", str(out)])
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["batch"] == 3 and row["steps_per_s"] > 0
+    # weights once + every row's live keys/values at the mean length (16 + 7/2 tokens)
+    assert row["bytes_per_step"] == int(row["weight_bytes_per_step"] + 3 * (16 + 3.5) * row["kv_bytes_per_token"])
+
+
+def test_paper_scale_rehearsal_tiny(tmp_path: Path) -> None:
+    """bench/paper_scale.py trains one step under torchrun with the rehearsal loop: every turn ends in a search
+    (the scripted query), the step split and the 1,000 x 512 projection are reported, and a rerun resumes."""
+    paper = _load("paper_scale")
+    out, work = tmp_path / "paper.json", tmp_path / "work"
+    argv = ["--model", "tiny", "--device", "cpu", "--gpus", "1", "--prompts", "2", "--n", "2", "--turns", "2",
+            "--new-tokens", "6", "--max-obs-tokens", "24", "--steps", "1", "--micro", "2", "--passages", "300",
+            "--work", str(work), "--out", str(out)]
+    paper.main(argv)
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["status"] == "ok", row.get("log_tail")
+    assert row["retrievals_per_trajectory"] == 2.0  # one scripted search per turn
+    assert row["update_s"] > 0 and row["rollout_s"] > 0
+    assert row["projected_hours_1000_steps_512_prompts"] == pytest.approx(
+        1000 * 512 * 5 / row["trajectories_per_s"] / 3600)
+    paper.main(argv)  # measured before: kept, not rerun
+    assert json.loads(out.read_text())["rows"][0]["wall_s"] == row["wall_s"]

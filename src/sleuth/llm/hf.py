@@ -38,6 +38,7 @@ import torch
 from sleuth.errors import ConfigError
 from sleuth.llm.attention import use_grouped_decode_attention
 from sleuth.llm.base import Generation, Prompt, SamplingParams
+from sleuth.llm.decode_engine import DecodeEngine
 from sleuth.llm.gguf import ensure_converted
 from sleuth.llm.stops import first_stop_in, normalise_stops, stop_window
 
@@ -156,6 +157,14 @@ def _forward_param_names(model: Any) -> set[str]:
     return names
 
 
+def _adapters_disabled(model: Any) -> bool:
+    """Whether a PEFT model currently decodes with its adapters off (the frozen base of a LoRA policy)."""
+    for module in model.modules():
+        if hasattr(module, "lora_A") and hasattr(module, "disable_adapters"):
+            return bool(module.disable_adapters)
+    return False
+
+
 class HFGenerator:
     """Batched generation with a transformers causal LM; implements the `Generator` protocol.
 
@@ -182,8 +191,8 @@ class HFGenerator:
         grouped_decode_attention: bool = False,
         source: str | None = None,
     ) -> None:
-        if cache not in ("auto", "dynamic", "static"):
-            raise ConfigError(f"cache={cache!r}: use 'dynamic', 'static' or 'auto'")
+        if cache not in ("auto", "dynamic", "static", "engine"):
+            raise ConfigError(f"cache={cache!r}: use 'dynamic', 'static', 'engine' or 'auto'")
         if sync_every < 1:
             raise ConfigError(f"sync_every must be >= 1, got {sync_every}")
         if max_batch_size < 1:
@@ -216,6 +225,7 @@ class HFGenerator:
         self._cache_kw = "cache" if "cache" in self._param_names else "past_key_values"
         self._static_caches: dict[tuple[int, int], Any] = {}
         self._compiled_step: Any = None
+        self._engines: dict[bool, DecodeEngine] = {}
         self.compile_seconds = 0.0  # one-time compiles of new decode shapes so far (a trainer logs it)
         self.sync_every = sync_every
 
@@ -333,7 +343,10 @@ class HFGenerator:
         with self._inference_mode():
             for start in range(0, len(ordered), self.max_batch_size):
                 chunk = ordered[start : start + self.max_batch_size]
-                if self.cache_kind == "static":
+                if self.cache_kind == "engine":
+                    seed = None if params.seed is None else int(params.seed) + 7919 * start
+                    self._decode_engine(chunk, params, seed)
+                elif self.cache_kind == "static":
                     self._decode_static(chunk, params, generator)
                 else:
                     self._decode_dynamic(chunk, params, generator)
@@ -452,6 +465,62 @@ class HFGenerator:
             mask = torch.cat([mask, mask.new_ones((mask.shape[0], 1))], dim=1)
             logits = self._forward(tokens[:, None], mask, next_pos[:, None], cache).float()
             next_pos = next_pos + 1
+
+    # -- sleuth's decode engine -------------------------------------------------------------------
+
+    @property
+    def engine(self) -> DecodeEngine:
+        """The decode engine (cache="engine") for the model's current adapter state, built from its
+        weights on first use: a LoRA policy and its adapter-disabled base (a frozen generator) get one
+        each, the first with the adapters merged."""
+        base_only = _adapters_disabled(self.model)
+        engine = self._engines.get(base_only)
+        if engine is None:
+            engine = DecodeEngine(self.model, device=self.device, max_batch_size=self.max_batch_size)
+            self._engines[base_only] = engine
+        return engine
+
+    def refresh_weights(self) -> None:
+        """Re-read the policy's weights into the engine after an update (every rank calls it under FSDP);
+        the adapter-free base of a LoRA policy does not change."""
+        engine = self._engines.get(False)
+        if engine is not None:
+            engine.refresh(self.model)
+
+    def release(self) -> None:
+        """Free the engines' KV pools and captured graphs until the next rollout (their weights stay)."""
+        for engine in self._engines.values():
+            engine.release()
+        if self._engines and self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    @property
+    def capture_seconds(self) -> float:
+        return sum(e.capture_seconds for e in self._engines.values())
+
+    def _decode_engine(self, rows: list[_Row], params: SamplingParams, seed: int | None) -> None:
+        """Decode with the engine: chunks of `sync_every` steps run on the device while the host checks the
+        previous chunk's stops; rows that finished leave the batch once they are half of it."""
+        engine, max_new = self.engine, params.max_new_tokens
+        state, tokens, logprobs = engine.start([r.prompt_ids for r in rows], max_new, temperature=params.temperature,
+                                               top_p=params.top_p, seed=seed)
+        self._accept_tokens(rows, [[t] for t in tokens.tolist()], [[lp] for lp in logprobs.tolist()], max_new)
+        pending: tuple[list[int], tuple[torch.Tensor, torch.Tensor, Any]] | None = None
+        remaining = max_new - 1
+        while remaining > 0 and any(r.finish_reason is None for r in rows):
+            k = min(self.sync_every, remaining)
+            chunk = (list(state.rows), self._to_host(*engine.steps(state, k)))
+            remaining -= k
+            if pending is not None:
+                self._accept_chunk([rows[i] for i in pending[0]], pending[1], max_new)
+                live = [j for j, i in enumerate(state.rows) if rows[i].finish_reason is None]
+                if not live:
+                    return  # the chunk in flight is dropped
+                if len(live) <= state.bucket.size // 2:
+                    engine.keep(state, live)
+            pending = chunk
+        if pending is not None:
+            self._accept_chunk([rows[i] for i in pending[0]], pending[1], max_new)
 
     # -- static cache ----------------------------------------------------------------------------
 

@@ -6,12 +6,14 @@ import ipaddress
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import typer
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from sleuth.retrieval.base import DEFAULT_MAX_QUERIES, DEFAULT_MAX_QUERY_CHARS, DEFAULT_SEARCH_CHUNK
+
+if TYPE_CHECKING:  # the CLI must import without the serving stack (GPU images, training-only installs)
+    from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 # `--workers N` hands the serving options to the worker processes through this variable: uvicorn
 # starts each worker from an import string, so the app factory cannot take arguments.

@@ -46,7 +46,7 @@ class ModelConfig(_Strict):
     offload_reference: bool = False  # keep the frozen reference on the CPU between uses
     # rollout decoding: "auto" = a static KV cache with a compiled decode step on CUDA when the rollout
     # weights are bf16 and not FSDP-sharded, else HF's dynamic cache; compile None = on with a static cache on CUDA
-    generation_cache: Literal["auto", "dynamic", "static"] = "auto"
+    generation_cache: Literal["auto", "dynamic", "static", "engine"] = "auto"
     compile_generation: bool | None = None
     # what rollouts decode with: "auto" = a bf16 copy of a fully fine-tuned fp32 policy on CUDA
     # (synced after every update; not with FSDP), else the policy itself

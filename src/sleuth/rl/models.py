@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from sleuth.errors import ConfigError
+from sleuth.llm.decode_engine import supports as engine_supports
 from sleuth.llm.registry import resolve_model_path
 from sleuth.rl.config import Recipe
 from sleuth.rl.dist import unwrap
@@ -136,14 +137,18 @@ def rollout_decoding(recipe: Recipe, generator_model: nn.Module, device: torch.d
     cache under autocast (fp32 keys after RoPE, bf16 values), so that combination fails here with the fix."""
     cache, compiled = recipe.model.generation_cache, recipe.model.compile_generation
     low_precision = next(generator_model.parameters()).dtype in (torch.bfloat16, torch.float16)
-    if device.type == "cuda" and cache == "static" and not low_precision:
+    if device.type == "cuda" and cache == "static" and not low_precision:  # the engine makes its own bf16 copy
         raise ConfigError(
             "model.generation_cache=static on GPU needs bf16 rollout weights: with LoRA set model.dtype=bfloat16 "
             "(a bf16 frozen base; the adapters stay fp32), with FSDP use generation_cache=dynamic"
         )
+    if cache == "engine" and (unsupported := engine_supports(generator_model)) is not None:
+        raise ConfigError(f"model.generation_cache=engine: {unsupported}; use generation_cache=static or dynamic")
     if cache == "auto":
         if device.type != "cuda":
             cache, why = "dynamic", "CPU"
+        elif compiled is not False and engine_supports(generator_model) is None:
+            cache, why = "engine", "CUDA: sleuth's decode engine (bf16 copy, ragged KV, CUDA graphs)"
         elif recipe.model.parallel == "fsdp":
             cache, why = "dynamic", "FSDP-sharded weights"
         elif not low_precision:
@@ -154,7 +159,7 @@ def rollout_decoding(recipe: Recipe, generator_model: nn.Module, device: torch.d
             cache, why = "static", "CUDA with bf16 rollout weights"
     else:
         why = f"model.generation_cache={cache}"
-    if compiled is None:
+    if compiled is None or cache == "engine":
         compiled = cache == "static" and device.type == "cuda"
     return cache, compiled, why
 

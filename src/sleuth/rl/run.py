@@ -146,10 +146,15 @@ def setup(recipe: Recipe, ctx: DistContext, console: Any, resume: bool) -> Run:
     if ctx.enabled:  # ranks sample different trajectories
         seed_everything(recipe.seed * 1_000_003 + start_step * 1_009 + ctx.rank)
 
-    rollout_model = rollout_copy(recipe, policy, ctx.device)
+    cache, compiled, why = rollout_decoding(recipe, unwrap(policy), ctx.device)
+    # the decode engine keeps its own bf16 copy (refreshed after every update): no second rollout model
+    rollout_model = rollout_copy(recipe, policy, ctx.device) if cache != "engine" else None
     rollout_weights = rollout_model if rollout_model is not None else unwrap(policy)
-    cache, compiled, why = rollout_decoding(recipe, rollout_weights, ctx.device)
-    generator = HFGenerator(rollout_weights, tokenizer=tokenizer, cache=cache, compile=compiled)
+    if rollout_model is not None:
+        cache, compiled, why = rollout_decoding(recipe, rollout_weights, ctx.device)
+    # the engine's KV pool follows the rows' tokens, so it takes a whole step's rows at once
+    generator = HFGenerator(rollout_weights, tokenizer=tokenizer, cache=cache, compile=compiled,
+                            max_batch_size=256 if cache == "engine" else 64)
     if ctx.is_main:
         console.print(f"rollout decoding: {cache} KV cache{', compiled decode step' if compiled else ''} ({why})")
     retriever = build_retriever(recipe)

@@ -171,12 +171,16 @@ def train_step(run: Run, step: int) -> dict[str, float]:
     batch.debug_path = run.out_dir / "debug" / f"nonfinite_step_{step + 1:06d}_rank{ctx.rank}.pt"
 
     # 3. K epochs of minibatch updates
+    if hasattr(run.generator, "release"):  # the decode engine's KV pool and graphs make room for the update
+        run.generator.release()
     run.policy.train()
     stats = update(run, batch)
     for s in run.schedulers.values():
         s.step()
     if run.rollout_model is not None:
         sync_rollout_copy(run.rollout_model, run.policy)
+    if hasattr(run.generator, "refresh_weights"):  # the decode engine's copy (a collective under FSDP)
+        run.generator.refresh_weights()
     t_update = time.perf_counter() - t2
 
     # 4. log (metrics averaged over ranks; every rank holds an equal share of the batch)
@@ -268,7 +272,8 @@ def _log_step(run: Run, step: int, stage: int, collected: Collected, batch: Step
     ctx, recipe, mask = run.ctx, run.recipe, batch.tokens.action_mask
     answers = get_method(recipe.agent.loop).answers
     metrics = step_metrics(batch.trajs, batch.scores, collected.all_rewards, mask, batch.kl, stats, answers=answers)
-    compiled = getattr(run.generator, "compile_seconds", 0.0)  # a non-HF generator never compiles
+    # a non-HF generator never compiles; the decode engine captures graphs instead
+    compiled = getattr(run.generator, "compile_seconds", 0.0) + getattr(run.generator, "capture_seconds", 0.0)
     metrics.update({
         "stage": float(stage),
         "sampling_rounds": float(collected.rounds),

@@ -1,0 +1,84 @@
+#!/usr/bin/env bash
+# Issue 23's GPU runs as a resumable daemon on the lent machine (it outlives each <= 10 min call):
+#   call 1: bash bench/gpu_paper.sh start   (carry .whl .models/qwen3-tokenizer) - starts the daemon, returns
+#   then:   bash bench/gpu_paper.sh wait 540 - progress, and packs results into $OUT (<= 8 files)
+#           bash bench/gpu_paper.sh restart  - after a fix: kills the daemon and starts it again; stages with a
+#                                              done marker are skipped, a failed stage runs again
+# Stages (STAGES="decode capacity rollout paper3b fsdp3b paper7b" by default), each one command:
+#   decode   : bench/decode.py, 0.5B/3B/7B shapes at batch 64 (HBM-bound fraction of the decode step)
+#   capacity : bench/decode.py, 7B shape, 128 rows x 4,096 tokens (KV memory that fits one card)
+#   rollout  : bench/rollout.py, 0.5B at batch 64: compiled static cache vs the decode engine, same card
+#   paper3b  : bench/paper_scale.py, 3B LoRA on 1, 2, 4 GPUs (DDP)
+#   fsdp3b   : bench/paper_scale.py, 3B full fine-tuning on 2 GPUs, DDP then FSDP2 (rollouts from the gathered copy)
+#   paper7b  : bench/paper_scale.py, 7B full fine-tuning, FSDP2 on 4 GPUs (LoRA on 1 and 2 GPUs on a smaller machine)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+WORK=${PAPER_WORK:-/root/paper}
+mkdir -p "$WORK/done" "$WORK/results" "$WORK/logs"
+export PYTHONPATH="$PWD/src:$PWD/.gpusite" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 OMP_NUM_THREADS=4
+R=$WORK/results
+GPUS=$(nvidia-smi -L | wc -l)
+ALL="1 2 4"; [ "$GPUS" -lt 4 ] && ALL="1 2"; [ "$GPUS" -lt 2 ] && ALL="1"
+
+stage_cmd() {
+  case "$1" in
+    smoke) python bench/paper_scale.py --model random:qwen2.5-0.5b --lora --gpus 1 --prompts 2 --n 2 --turns 2 \
+              --new-tokens 16 --max-obs-tokens 64 --steps 1 --micro 2 --work "$WORK/smoke" --out "$R/paper_scale_smoke.json" ;;
+    decode) python bench/decode.py --models random:qwen2.5-0.5b random:qwen2.5-3b random:qwen2.5-7b --batches 64 \
+              --context 512 --new-tokens 256 --out "$R/decode_gpu.json" ;;
+    capacity) python bench/decode.py --models random:qwen2.5-7b --batches 128 --context 3584 --new-tokens 512 \
+              --out "$R/decode_gpu_capacity.json" ;;
+    rollout) python bench/rollout.py --model random:qwen2.5-0.5b --device cuda --batch 64 --turns 3 --new-tokens 64 \
+              --modes engine static+compile --baseline-trajectories 0 --out "$R/rollout_gpu_engine.json" ;;
+    paper3b) python bench/paper_scale.py --model random:qwen2.5-3b --lora --gpus $ALL --prompts "${PROMPTS:-32}" \
+              --steps 1 --micro 2 --work "$WORK/ps3b_lora" --out "$R/paper_scale_3b_lora.json" ;;
+    fsdp3b) python bench/paper_scale.py --model random:qwen2.5-3b --gpus 2 --parallel ddp --prompts 16 --steps 1 --micro 2 \
+              --work "$WORK/ps3b_full" --out "$R/paper_scale_3b_full_ddp.json" &&
+            python bench/paper_scale.py --model random:qwen2.5-3b --gpus 2 --parallel fsdp --prompts 16 --steps 1 --micro 2 \
+              --work "$WORK/ps3b_full" --out "$R/paper_scale_3b_full_fsdp.json" ;;
+    paper7b) if [ "$GPUS" -ge 4 ]; then
+               python bench/paper_scale.py --model random:qwen2.5-7b --gpus "$GPUS" --parallel fsdp \
+                 --prompts "${PROMPTS:-32}" --steps 1 --micro 2 --work "$WORK/ps7b" --out "$R/paper_scale_7b_full_fsdp.json"
+             else  # 7B full fine-tuning needs ~122 GB of states: FSDP over 4+ cards; LoRA on fewer
+               python bench/paper_scale.py --model random:qwen2.5-7b --lora --gpus $ALL --prompts 16 --steps 1 \
+                 --work "$WORK/ps7b_lora" --out "$R/paper_scale_7b_lora.json"
+             fi ;;
+  esac
+}
+
+daemon() {
+  bash bench/gpu_run.sh setup > "$WORK/logs/setup.log" 2>&1
+  for s in ${STAGES:-smoke decode capacity rollout paper3b fsdp3b paper7b}; do
+    [ -f "$WORK/done/$s" ] && continue
+    echo "$(date +%T) stage $s" >> "$WORK/progress.log"
+    if stage_cmd "$s" > "$WORK/logs/$s.log" 2>&1; then touch "$WORK/done/$s"; echo "$(date +%T) done $s" >> "$WORK/progress.log"
+    else echo "$(date +%T) FAILED $s" >> "$WORK/progress.log"; fi
+  done
+  echo "$(date +%T) all stages ended" >> "$WORK/progress.log"
+}
+
+pack() {
+  [ -n "${OUT:-}" ] || return 0
+  tar czf "$OUT/results.tgz" -C "$WORK" results logs progress.log 2>/dev/null
+  { cat "$WORK/progress.log"; for l in "$WORK"/logs/*.log; do echo "== $l"; tail -c 3000 "$l"; done; } \
+    > "$OUT/gpu_paper_log.txt" 2>/dev/null
+}
+
+case "${1:-}" in
+  daemon) daemon ;;
+  start|restart)
+    for s in ${REDO:-}; do rm -f "$WORK/done/$s"; done
+    [ -f "$WORK/progress.log" ] && mv "$WORK/progress.log" "$WORK/progress.$(date +%s).log"
+    [ -f "$WORK/pid" ] && kill -- -"$(cat "$WORK/pid")" 2>/dev/null
+    setsid nohup bash "$0" daemon > "$WORK/daemon.log" 2>&1 < /dev/null &
+    echo $! > "$WORK/pid"; sleep 5; nvidia-smi --query-gpu=name,memory.total --format=csv,noheader; cat "$WORK/progress.log" ;;
+  wait)
+    end=$(( $(date +%s) + ${2:-540} ))
+    while [ "$(date +%s)" -lt "$end" ] && ! grep -q "all stages ended" "$WORK/progress.log" 2>/dev/null; do sleep 10; done
+    cat "$WORK/progress.log"; for l in "$WORK"/logs/*.log; do echo "== $l"; tail -n 6 "$l" | cut -c1-300; done
+    for f in "$R"/paper_scale_*.json; do [ -f "$f" ] && python3 -c "import json,sys; [print(r['config'], r['status'], *r.get('log_tail', [])[:45], sep=chr(10)) for r in json.load(open(sys.argv[1]))['rows'] if r['status'] != 'ok']" "$f"; done
+    pack ;;
+  pack) pack ;;
+  *) echo "usage: $0 start|restart|wait SECONDS|pack" >&2; exit 2 ;;
+esac

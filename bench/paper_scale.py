@@ -1,0 +1,223 @@
+"""The paper-scale rehearsal: Search-R1's geometry with the papers' model shapes on 1, 2 and 4 GPUs.
+
+    # on a 4-GPU machine: random-weight Qwen2.5-3B shape, LoRA, 1/2/4 GPUs (DDP); 7B full fine-tuning with FSDP2
+    PYTHONPATH=src python bench/paper_scale.py --model random:qwen2.5-3b --lora --gpus 1 2 4 --prompts 32
+    PYTHONPATH=src python bench/paper_scale.py --model random:qwen2.5-7b --gpus 4 --parallel fsdp --prompts 32
+    # CPU check (gloo, tiny model)
+    PYTHONPATH=src python bench/paper_scale.py --model tiny --device cpu --gpus 1 2 --prompts 2 --n 2 \
+        --turns 2 --new-tokens 8 --max-obs-tokens 32 --steps 1
+
+Geometry (Search-R1's training scripts): `--prompts` x n=5 trajectories per step, up to 4 turns of 500 new
+tokens, top-3 passages per search inserted up to 500 observation tokens, GRPO. Random weights never write an
+action, so every turn runs its full token budget and ends in a search whose query is the question
+(bench/sleuth_rehearsal.py): retrieval, observation insertion and the growing context run as in a real run,
+and every rollout is as long as the budget allows (a real run's turns stop earlier: an upper bound).
+
+Each configuration is a fresh `python -m torch.distributed.run --nproc_per_node G -m sleuth.cli train` of the
+same recipe with the same global batch; numbers come from the run's metrics.jsonl (means over the measured
+steps, after `--warmup-steps`). Per row: step time split (rollout / reward / update), trajectories/s and
+policy tokens/s per GPU, peak memory per GPU, one-time compile/capture seconds, and the hours that
+1,000 steps of 512 prompts x 5 would take at the measured rate (trajectories/s is assumed to hold at 512
+prompts: an estimate). Rows are written to the JSON after each configuration, and a rerun with the same
+`--work` skips configurations already measured (a lost GPU lease loses at most the one in progress).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+BENCH = Path(__file__).resolve().parent
+sys.path.insert(0, str(BENCH))
+import _common  # noqa: E402
+import train_step  # noqa: E402
+
+PAPER_PROMPTS, PAPER_N, PAPER_STEPS = 512, 5, 1000
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="random:qwen2.5-3b")
+    p.add_argument("--tokenizer", default=None)
+    p.add_argument("--device", default=None)
+    p.add_argument("--gpus", type=int, nargs="+", default=[1])
+    p.add_argument("--parallel", choices=("ddp", "fsdp"), default="ddp")
+    p.add_argument("--lora", action="store_true", help="LoRA (r 64) on a bf16 base instead of full fine-tuning")
+    p.add_argument("--prompts", type=int, default=32, help="prompts per step (global)")
+    p.add_argument("--n", type=int, default=PAPER_N)
+    p.add_argument("--turns", type=int, default=4)
+    p.add_argument("--new-tokens", type=int, default=500)
+    p.add_argument("--max-obs-tokens", type=int, default=500)
+    p.add_argument("--steps", type=int, default=2)
+    p.add_argument("--warmup-steps", type=int, default=1)
+    p.add_argument("--micro", type=int, default=4, help="trajectories per forward/backward on each rank")
+    p.add_argument("--lr", type=float, default=1e-6)
+    p.add_argument("--kl-coef", type=float, default=0.0)
+    p.add_argument("--passages", type=int, default=20000)
+    p.add_argument("--gradient-checkpointing", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--decoding", default="auto", choices=("auto", "engine", "static", "dynamic"))
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout", type=int, default=1500, help="seconds allowed per configuration")
+    p.add_argument("--work", default=None, help="work folder kept between runs (resume); default a temp folder")
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+    _common.require_positive(args, "prompts", "n", "turns", "new_tokens", "steps", "micro")
+    return args
+
+
+def recipe_for(args: argparse.Namespace, shared: dict[str, Any], out_dir: Path, device: str, gpus: int) -> dict:
+    per_rank = args.prompts * args.n // gpus
+    micro = argparse.Namespace(**{**vars(args), "micro": min(args.micro, per_rank)})
+    recipe = train_step.bench_recipe(micro, shared, out_dir, device, cache=None if args.decoding == "auto"
+                                     else args.decoding, compiled=None, parallel=args.parallel)
+    recipe["agent"]["loop"] = "search_r1_rehearsal"
+    recipe["reward"]["plugins"] = ["sleuth_rehearsal"]
+    recipe["model"]["gradient_checkpointing"] = args.gradient_checkpointing
+    if args.lora:
+        recipe["model"]["lora"] = {"enabled": True, "r": 64, "alpha": 128, "dropout": 0.0,
+                                   "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                                      "down_proj"]}
+        recipe["optim"]["lr"] = 1e-5
+    return recipe
+
+
+def summarise(args: argparse.Namespace, lines: list[dict[str, Any]], gpus: int) -> dict[str, Any]:
+    measured = [m for m in lines if m["step"] > args.warmup_steps]
+
+    def mean(key: str) -> float | None:
+        vals = [m[key] for m in measured if key in m]
+        return sum(vals) / len(vals) if vals else None
+
+    trajs = args.prompts * args.n
+    step_s = mean("time/step")
+    row = {
+        "measured_steps": len(measured),
+        "step_s": step_s, "rollout_s": mean("time/rollout"), "reward_s": mean("time/reward"),
+        "update_s": mean("time/update"),
+        "trajectories_per_step": trajs,
+        "trajectories_per_s": trajs / step_s if step_s else None,
+        "trajectories_per_s_per_gpu": trajs / step_s / gpus if step_s else None,
+        "policy_tokens_per_s_per_gpu": (mean("tokens/policy_per_s") or 0) / gpus,
+        "policy_tokens_per_trajectory": mean("response_length/policy_tokens"),
+        "tokens_per_trajectory": mean("response_length/total_tokens"),
+        "retrievals_per_trajectory": mean("retrieval_count"),
+        "peak_allocated_gib_per_gpu": max((m.get("memory/peak_allocated_gib", 0) for m in lines), default=None),
+        "device_in_use_gib_per_gpu": max((m.get("memory/device_in_use_gib", 0) for m in lines), default=None),
+        "compile_s_total": sum(m.get("time/decode_compile", 0.0) for m in lines),
+    }
+    if step_s:
+        row["projected_hours_1000_steps_512_prompts"] = (PAPER_STEPS * PAPER_PROMPTS * PAPER_N / (trajs / step_s)) / 3600
+        row["projected_gpu_hours"] = row["projected_hours_1000_steps_512_prompts"] * gpus
+    return row
+
+
+def failure_excerpt(lines: list[str]) -> list[str]:
+    """The child's exception (the cause; torchrun's own ChildFailedError report comes after it) with the
+    frames above it, and the last lines."""
+    import re
+
+    cause = re.compile(r"^\s*[\w.]*(Error|Exception|Interrupt)\b.*:")
+    first = next((i for i, line in enumerate(lines) if cause.match(line) and "ChildFailedError" not in line), None)
+    head = lines[max(0, first - 30) : first + 3] if first is not None else []
+    return head + ["..."] + lines[-8:]
+
+
+def run_config(args: argparse.Namespace, shared: dict[str, Any], work: Path, device: str, gpus: int) -> dict:
+    mode = "lora" if args.lora else "full"
+    name = f"{gpus}x-{args.parallel if gpus > 1 else 'single'}-{mode}"
+    done = work / f"{name}.done.json"
+    if done.exists():
+        print(f"{name}: measured before, kept ({done})", flush=True)
+        return json.loads(done.read_text())
+    out_dir = work / name
+    recipe = recipe_for(args, shared, out_dir, device, gpus)
+    recipe_path = work / f"{name}.yaml"
+    recipe_path.write_text(yaml.safe_dump(recipe, sort_keys=False))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={gpus}",
+           "-m", "sleuth.cli", "train", str(recipe_path)]
+    env = dict(os.environ)
+    extra = [str(_common.REPO / "src"), str(BENCH)]
+    env["PYTHONPATH"] = os.pathsep.join(extra + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    env.setdefault("OMP_NUM_THREADS", "1")
+    log_path = work / f"{name}.log"
+    row: dict[str, Any] = {"config": name, "model": args.model, "gpus": gpus, "parallel": args.parallel if gpus > 1
+                           else "none", "finetune": mode, "prompts_per_step": args.prompts, "n": args.n,
+                           "turns": args.turns, "new_tokens_per_turn": args.new_tokens,
+                           "max_obs_tokens": args.max_obs_tokens, "recipe": recipe}
+    start = time.perf_counter()
+    try:
+        with open(log_path, "w") as log:
+            code = subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=args.timeout).returncode
+    except subprocess.TimeoutExpired:
+        code = None
+    row["wall_s"] = round(time.perf_counter() - start, 1)
+    metrics = out_dir / "metrics.jsonl"
+    lines = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()] if metrics.exists() else []
+    print(f"{name}: exit {code}, {len(lines)} steps logged in {row['wall_s']:.0f} s", flush=True)
+    if code != 0 or not any(m["step"] > args.warmup_steps for m in lines):
+        row["status"] = "timed out" if code is None else f"failed (exit {code})" if code else "no measured steps"
+        row["log_tail"] = failure_excerpt(log_path.read_text(errors="replace").splitlines())
+        row.update(summarise(args, lines, gpus) if lines else {})
+        print("\n".join("    " + line for line in row["log_tail"]), flush=True)
+        return row
+    row.update(status="ok", **summarise(args, lines, gpus))
+    done.write_text(json.dumps(row, indent=1))
+    return row
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    device = _common.pick_device(args.device)
+    env = _common.environment(device)
+    if device.startswith("cuda"):
+        import torch
+
+        if max(args.gpus) > torch.cuda.device_count():
+            raise SystemExit(f"--gpus {max(args.gpus)}: this machine has {torch.cuda.device_count()} GPU(s)")
+    tag = f"{args.model.split(':')[-1]}_{'lora' if args.lora else 'full'}_{args.parallel}"
+    out = _common.out_path(args.out, f"paper_scale_{tag}.json")
+    work = Path(args.work) if args.work else Path(os.environ.get("TMPDIR", "/tmp")) / f"sleuth-paper-scale-{tag}"
+    work.mkdir(parents=True, exist_ok=True)
+    shared_path = work / "shared.json"
+    if shared_path.exists():
+        shared = json.loads(shared_path.read_text())
+    else:
+        shared = train_step.prepare(args, work, device)
+        shared_path.write_text(json.dumps(shared))
+    print(f"model dir {shared['model_dir']}, world {shared['train']}", flush=True)
+    rows: list[dict[str, Any]] = []
+    result: dict[str, Any] = {}
+    for gpus in args.gpus:
+        rows.append(run_config(args, shared, work, device, gpus))
+        one = next((r for r in rows if r["gpus"] == min(args.gpus) and r.get("trajectories_per_s")), None)
+        for r in rows:
+            if one and r.get("trajectories_per_s"):
+                r["speedup_vs_fewest_gpus"] = r["trajectories_per_s"] / one["trajectories_per_s"]
+        result = {"bench": "paper_scale", "environment": env, "model": shared["model"], "date": time.strftime("%Y-%m-%d"),
+                  "command": " ".join(["bench/paper_scale.py", *(argv if argv is not None else sys.argv[1:])]),
+                  "settings": vars(args) | {"device": device}, "rows": rows,
+                  "note": "random weights: every turn runs its full budget and ends in a scripted search"}
+        _common.write_json(out, result)
+    columns = [("config", "config"), ("status", "status"), ("step_s", "step s"), ("rollout_s", "rollout s"),
+               ("reward_s", "reward s"), ("update_s", "update s"), ("trajectories_per_s", "traj/s"),
+               ("policy_tokens_per_s_per_gpu", "tok/s/GPU"), ("peak_allocated_gib_per_gpu", "peak GiB/GPU"),
+               ("compile_s_total", "capture s"), ("speedup_vs_fewest_gpus", "x vs fewest"),
+               ("projected_hours_1000_steps_512_prompts", "h per 1000x512")]
+    _common.print_table(f"paper-scale rehearsal: {args.model}", columns, rows,
+                        [f"{env['card']} | {args.prompts} prompts x {args.n} | {args.turns} turns x {args.new_tokens} "
+                         f"tokens, obs <= {args.max_obs_tokens} | {'LoRA' if args.lora else 'full'} {args.parallel}"])
+    print(f"wrote {out}")
+    return result
+
+
+if __name__ == "__main__":
+    # a failed configuration fails the command (a resumable driver must not mark the stage done)
+    sys.exit(0 if all(r.get("status") == "ok" for r in main()["rows"]) else 1)

@@ -1,0 +1,490 @@
+"""sleuth's own decode engine for Llama-family decoders (Llama, Qwen2, Qwen3): a bf16 inference copy of
+the policy, a ragged KV pool that follows the tokens each row asked for, and one CUDA graph per batch
+bucket for the whole decode step (layers, attention over live keys, sampling and log-probs).
+
+Why not the transformers model with a static cache: on an H100 that path decoded a Qwen2.5-0.5B shape at
+batch 64 at 7% of the memory-bandwidth bound (bench/rollout.py): attention read the whole static bucket
+rather than each row's live keys, a mask/rotary kernel per layer and full-vocabulary sampling outside the
+graph took most of the step, and every new (batch, length) shape cost a 20-70 s compile. Here:
+- the weights are copied once per policy update (`refresh`), gathering FSDP2 shards layer by layer and
+  merging LoRA adapters, so sharded and LoRA policies decode like a plain bf16 model;
+- row b's keys live in slots `start[b] .. start[b] + len(prompt) + max_new` of one pool per layer, so the
+  pool is the sum of the rows' needs, attention reads only live slots, and finished rows leave the batch
+  (a smaller graph takes over) without moving any key or value;
+- the step is captured once per batch bucket (powers of two): no compiler, capture takes well under a
+  second, and the length of the rows does not change the graph.
+Prefill runs eagerly (large matrix products; SDPA with a causal mask over right-padded rows).
+
+The arithmetic follows transformers' modules (RMSNorm in fp32 rounded to the model dtype, rotary in the
+model dtype, residual adds in the model dtype); greedy decoding equals transformers' on CPU in fp32
+(tests/test_decode_engine.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from sleuth.errors import ConfigError
+from sleuth.llm import kernels
+
+log = logging.getLogger(__name__)
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+_SEED_STRIDE = 1_000_003  # advances the Philox seed between steps: each step draws a fresh stream
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor behind an FSDP2 shard (DTensor), or the tensor itself."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def _base_model(model: torch.nn.Module) -> torch.nn.Module:
+    seen = model
+    for _ in range(4):
+        if hasattr(seen, "get_base_model"):
+            seen = seen.get_base_model()
+        elif hasattr(seen, "module") and isinstance(seen.module, torch.nn.Module):  # DDP
+            seen = seen.module
+        else:
+            break
+    return seen
+
+
+def supports(model: torch.nn.Module) -> str | None:
+    """None when the engine can decode this model, else why not (one line)."""
+    base = _base_model(model)
+    config = getattr(base, "config", None)
+    kind = getattr(config, "model_type", None)
+    if kind not in SUPPORTED_MODEL_TYPES:
+        return f"model type {kind!r} (the decode engine supports {', '.join(SUPPORTED_MODEL_TYPES)})"
+    if getattr(config, "hidden_act", "silu") != "silu":
+        return f"activation {config.hidden_act!r} (the decode engine supports silu)"
+    if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", False):
+        return "sliding-window attention"
+    inner = getattr(base, "model", None)
+    if inner is None or not hasattr(inner, "layers") or not hasattr(inner, "rotary_emb"):
+        return "no decoder layers / rotary embedding found"
+    return None
+
+
+def _linear_weight(module: torch.nn.Module, merge_adapters: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(weight, bias) of a Linear, with active LoRA adapters merged in (W + scale * B @ A)."""
+    if hasattr(module, "base_layer") and hasattr(module, "lora_A"):
+        base = module.base_layer
+        weight = _full(base.weight.detach()).float()
+        if merge_adapters and not getattr(module, "disable_adapters", False) and not getattr(module, "merged", False):
+            if getattr(module, "fan_in_fan_out", False) or any(getattr(module, "use_dora", {}).values()):
+                raise ConfigError("the decode engine merges plain LoRA only (no DoRA, no fan_in_fan_out)")
+            for name in module.active_adapters:
+                if name in module.lora_A:
+                    a = _full(module.lora_A[name].weight.detach()).float()
+                    b = _full(module.lora_B[name].weight.detach()).float()
+                    weight = weight + (b @ a) * float(module.scaling[name])
+        bias = base.bias
+    else:
+        weight, bias = _full(module.weight.detach()), module.bias
+    return weight, (_full(bias.detach()) if bias is not None else None)
+
+
+@dataclass
+class _Layer:
+    ln1: torch.Tensor
+    ln2: torch.Tensor
+    w_qkv: torch.Tensor
+    b_qkv: torch.Tensor | None
+    w_o: torch.Tensor
+    w_gate_up: torch.Tensor
+    w_down: torch.Tensor
+    q_norm: torch.Tensor | None = None
+    k_norm: torch.Tensor | None = None
+
+
+@dataclass
+class _Bucket:
+    """Static buffers and the captured step of one batch size."""
+
+    size: int
+    tokens: torch.Tensor
+    positions: torch.Tensor  # int32: this step writes its key/value at start + position
+    starts: torch.Tensor  # int32
+    logprobs: torch.Tensor
+    graph: Any = None
+    graph_key: tuple | None = None
+    logits: torch.Tensor | None = None
+
+
+@dataclass
+class DecodeState:
+    """The rows of one `DecodeEngine.start` call still being decoded, in their batch order."""
+
+    rows: list[int]  # caller's row index of each live batch slot
+    bucket: _Bucket
+    temperature: float
+    top_p: float
+    generator: torch.Generator | None
+    steps_done: int = 0
+    history: list[tuple[list[int], torch.Tensor, torch.Tensor]] = field(default_factory=list)
+
+
+class DecodeEngine:
+    """Batched decoding of a Llama-family model from a bf16 (or fp32 on CPU) copy of its weights.
+
+    `start(prompts, max_new, ...)` prefills and samples each row's first token; `steps(state, k)` runs k
+    more decode steps on the device and returns the sampled (tokens, log-probs) of the live rows, shape
+    (rows, k), still on the device; `keep(state, rows)` drops finished rows. `refresh(model)` re-reads the
+    weights after a policy update (a collective under FSDP2: every rank calls it).
+    """
+
+    def __init__(self, model: torch.nn.Module, *, device: torch.device | None = None, dtype: torch.dtype | None = None,
+                 max_batch_size: int = 256, use_graphs: bool | None = None, prefill_tokens: int = 16384,
+                 min_bucket: int = 8) -> None:
+        why = supports(model)
+        if why is not None:
+            raise ConfigError(f"the decode engine cannot decode this model: {why}; use model.generation_cache=static")
+        base = _base_model(model)
+        config = base.config
+        self.device = torch.device(device) if device is not None else next(base.parameters()).device
+        self.dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
+        self.heads = int(config.num_attention_heads)
+        self.kv_heads = int(getattr(config, "num_key_value_heads", None) or self.heads)
+        self.hidden = int(config.hidden_size)
+        self.head_dim = int(getattr(config, "head_dim", None) or self.hidden // self.heads)
+        self.eps = float(config.rms_norm_eps)
+        self.vocab = int(config.vocab_size)
+        self.scale = 1.0 / math.sqrt(self.head_dim)
+        rotary = base.model.rotary_emb
+        self.inv_freq = rotary.inv_freq.detach().to(self.device, torch.float32).clone()
+        self.rope_scale = float(getattr(rotary, "attention_scaling", 1.0))
+        self.max_batch_size = max_batch_size
+        self.min_bucket = min(min_bucket, max_batch_size)
+        self.prefill_tokens = prefill_tokens
+        self.use_graphs = (self.device.type == "cuda") if use_graphs is None else use_graphs
+        self.layers: list[_Layer] = []
+        self.embed = self.final_norm = self.lm_head = None
+        self.refresh(model)
+        self.pool_k: torch.Tensor | None = None  # (layers, slots, kv_heads, head_dim)
+        self.pool_v: torch.Tensor | None = None
+        self._buckets: dict[int, _Bucket] = {}
+        self._graph_pool: Any = None
+        self._seed = torch.zeros(1, dtype=torch.int64, device=self.device)
+        self.capture_seconds = 0.0
+        self.weight_bytes = sum(t.numel() * t.element_size() for t in self._tensors())
+
+    # -- weights ---------------------------------------------------------------------------------
+
+    def _tensors(self) -> list[torch.Tensor]:
+        out = [self.embed, self.final_norm]
+        if self.lm_head is not self.embed:
+            out.append(self.lm_head)
+        for layer in self.layers:
+            out += [t for t in vars(layer).values() if t is not None]
+        return out
+
+    def _put(self, old: torch.Tensor | None, new: torch.Tensor) -> torch.Tensor:
+        new = new.to(self.device, self.dtype)
+        if old is None:
+            return new.contiguous().clone()
+        old.copy_(new)  # in place: captured graphs keep reading the same memory
+        return old
+
+    @torch.no_grad()
+    def refresh(self, model: torch.nn.Module, merge_adapters: bool = True) -> None:
+        """Copy the model's current weights in (LoRA merged unless `merge_adapters` is False; FSDP2 shards
+        gathered one matrix at a time, so the extra memory is one layer's weights)."""
+        base = _base_model(model)
+        inner = base.model
+        first = not self.layers
+        for i, block in enumerate(inner.layers):
+            attn, mlp = block.self_attn, block.mlp
+            qkv = [_linear_weight(getattr(attn, n), merge_adapters) for n in ("q_proj", "k_proj", "v_proj")]
+            w_qkv = torch.cat([w.float() for w, _ in qkv])
+            b_qkv = torch.cat([b.float() for _, b in qkv]) if qkv[0][1] is not None else None
+            gate, _ = _linear_weight(mlp.gate_proj, merge_adapters)
+            up, _ = _linear_weight(mlp.up_proj, merge_adapters)
+            old = None if first else self.layers[i]
+            layer = _Layer(
+                ln1=self._put(old and old.ln1, _full(block.input_layernorm.weight.detach())),
+                ln2=self._put(old and old.ln2, _full(block.post_attention_layernorm.weight.detach())),
+                w_qkv=self._put(old and old.w_qkv, w_qkv),
+                b_qkv=self._put(old and old.b_qkv, b_qkv) if b_qkv is not None else None,
+                w_o=self._put(old and old.w_o, _linear_weight(attn.o_proj, merge_adapters)[0]),
+                w_gate_up=self._put(old and old.w_gate_up, torch.cat([gate.float(), up.float()])),
+                w_down=self._put(old and old.w_down, _linear_weight(mlp.down_proj, merge_adapters)[0]),
+            )
+            if hasattr(attn, "q_norm"):
+                layer.q_norm = self._put(old and old.q_norm, _full(attn.q_norm.weight.detach()))
+                layer.k_norm = self._put(old and old.k_norm, _full(attn.k_norm.weight.detach()))
+            if first:
+                self.layers.append(layer)
+            del qkv, w_qkv, gate, up
+        self.embed = self._put(self.embed, _full(inner.embed_tokens.weight.detach()))
+        self.final_norm = self._put(self.final_norm, _full(inner.norm.weight.detach()))
+        tied = base.lm_head.weight is inner.embed_tokens.weight or getattr(base.config, "tie_word_embeddings", False)
+        if tied:
+            self.lm_head = self.embed
+        else:
+            self.lm_head = self._put(None if first else self.lm_head, _linear_weight(base.lm_head, merge_adapters)[0])
+
+    # -- KV pool ---------------------------------------------------------------------------------
+
+    def kv_bytes_per_token(self) -> int:
+        return 2 * len(self.layers) * self.kv_heads * self.head_dim * torch.empty((), dtype=self.dtype).element_size()
+
+    def _ensure_pool(self, slots: int) -> None:
+        if self.pool_k is not None and self.pool_k.shape[1] >= slots:
+            return
+        if self.pool_k is not None:  # grow by doubling: each growth drops the captured graphs
+            slots = max(slots, 2 * int(self.pool_k.shape[1]))
+        self.pool_k = self.pool_v = None
+        self._buckets.clear()  # graphs hold the old pool's addresses
+        shape = (len(self.layers), slots, self.kv_heads, self.head_dim)
+        self.pool_k = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.pool_v = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        log.info("decode engine: KV pool of %d slots (%.2f GiB)", slots, 2 * self.pool_k.numel()
+                 * self.pool_k.element_size() / 2**30)
+
+    def release(self) -> None:
+        """Free the KV pool and the captured graphs (the weights stay)."""
+        self.pool_k = self.pool_v = None
+        self._buckets.clear()
+        self._graph_pool = None
+
+    # -- the decode step ---------------------------------------------------------------------------
+
+    def _forward_step(self, tokens: torch.Tensor, positions: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
+        """Logits (B, V) of one token per row; stores its key and value."""
+        slots = starts + positions
+        lengths = positions + 1
+        b = tokens.shape[0]
+        splits = kernels.attention_splits(b, self.kv_heads) if self.device.type == "cuda" else 1
+        x = self.embed.index_select(0, tokens)
+        delta = None
+        for i, layer in enumerate(self.layers):
+            x, h = kernels.add_rmsnorm(x, delta, layer.ln1, self.eps)
+            qkv = F.linear(h, layer.w_qkv, layer.b_qkv)
+            q = kernels.rope_store(qkv, positions, slots, self.inv_freq, self.rope_scale, self.pool_k[i],
+                                   self.pool_v[i], self.heads, self.kv_heads, layer.q_norm, layer.k_norm, self.eps)
+            a = kernels.decode_attention(q, self.pool_k[i], self.pool_v[i], starts, lengths, self.scale, splits)
+            x, h = kernels.add_rmsnorm(x, F.linear(a.view(b, -1), layer.w_o), layer.ln2, self.eps)
+            delta = F.linear(kernels.silu_mul(F.linear(h, layer.w_gate_up)), layer.w_down)
+        _, h = kernels.add_rmsnorm(x, delta, self.final_norm, self.eps)
+        return F.linear(h, self.lm_head)
+
+    def _step(self, bucket: _Bucket, temperature: float, sample_inside: bool) -> None:
+        logits = self._forward_step(bucket.tokens, bucket.positions, bucket.starts)
+        if sample_inside:
+            kernels.sample(logits, temperature, self._seed, bucket.tokens, bucket.logprobs)
+            self._seed.add_(_SEED_STRIDE)
+        elif bucket.logits is None:
+            bucket.logits = logits
+        else:
+            bucket.logits.copy_(logits)
+        bucket.positions.add_(1)
+
+    def _bucket(self, live: int) -> _Bucket:
+        size = max(self.min_bucket, 1 << max(0, live - 1).bit_length())
+        size = min(size, max(self.max_batch_size, live))
+        bucket = self._buckets.get(size)
+        if bucket is None:
+            bucket = _Bucket(size=size, tokens=torch.zeros(size, dtype=torch.long, device=self.device),
+                             positions=torch.zeros(size, dtype=torch.int32, device=self.device),
+                             starts=torch.zeros(size, dtype=torch.int32, device=self.device),
+                             logprobs=torch.zeros(size, dtype=torch.float32, device=self.device))
+            self._buckets[size] = bucket
+        return bucket
+
+    def _capture(self, bucket: _Bucket, temperature: float, sample_inside: bool) -> None:
+        key = (temperature, sample_inside)
+        if not self.use_graphs or bucket.graph_key == key:
+            return
+        started = time.perf_counter()
+        scratch = self.pool_k.shape[1] - self._scratch
+        bucket.starts.fill_(scratch)  # the warm-up writes only into the scratch slots
+        bucket.positions.zero_()
+        bucket.tokens.zero_()
+        seed = self._seed.clone()
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):  # compiles the Triton kernels and settles cuBLAS workspaces
+                bucket.positions.zero_()
+                self._step(bucket, temperature, sample_inside)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        bucket.positions.zero_()
+        try:
+            # the buckets' graphs share the first one's memory pool (they never replay at the same time)
+            with torch.cuda.graph(graph, pool=self._graph_pool):
+                self._step(bucket, temperature, sample_inside)
+        except RuntimeError as err:  # decode eagerly (slower, same tokens) rather than fail the rollout
+            log.warning("decode engine: CUDA graph capture failed (%s); decoding batch %d eagerly", err, bucket.size)
+            self._seed.copy_(seed)
+            bucket.graph, bucket.graph_key = None, key
+            self.use_graphs = False
+            return
+        if self._graph_pool is None:
+            self._graph_pool = graph.pool()
+        self._seed.copy_(seed)
+        bucket.graph, bucket.graph_key = graph, key
+        torch.cuda.synchronize(self.device)
+        seconds = time.perf_counter() - started
+        self.capture_seconds += seconds
+        log.info("decode engine: captured the step for batch %d in %.2f s", bucket.size, seconds)
+
+    def _load_rows(self, bucket: _Bucket, tokens: torch.Tensor, positions: torch.Tensor, starts: torch.Tensor) -> None:
+        n = tokens.shape[0]
+        bucket.tokens[:n] = tokens
+        bucket.positions[:n] = positions
+        bucket.starts[:n] = starts
+        if n < bucket.size:  # padding rows decode into the scratch slots
+            bucket.tokens[n:] = 0
+            bucket.positions[n:] = 0
+            bucket.starts[n:] = self.pool_k.shape[1] - self._scratch
+
+    # -- prefill -----------------------------------------------------------------------------------
+
+    def _rotate(self, t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        d = t.shape[-1]
+        half = torch.cat([-t[..., d // 2 :], t[..., : d // 2]], dim=-1)
+        return (t * cos) + (half * sin)
+
+    def _prefill(self, prompts: list[list[int]], starts: list[int]) -> torch.Tensor:
+        """Run the prompts (right-padded, causal), store their keys/values; logits of each last token."""
+        b, width = len(prompts), max(len(p) for p in prompts)
+        ids = torch.zeros((b, width), dtype=torch.long)
+        for r, p in enumerate(prompts):
+            ids[r, : len(p)] = torch.tensor(p, dtype=torch.long)
+        ids = ids.to(self.device)
+        lengths = torch.tensor([len(p) for p in prompts], device=self.device)
+        cols = torch.arange(width, device=self.device)
+        # indices of the real tokens, computed once (a boolean mask per layer would sync with the host each time)
+        real = [r * width + c for r, p in enumerate(prompts) for c in range(len(p))]
+        flat = torch.tensor(real, device=self.device)
+        slots = torch.tensor([st + c for st, p in zip(starts, prompts, strict=True) for c in range(len(p))],
+                             device=self.device)
+        angles = cols.float()[:, None] * self.inv_freq[None, :]
+        emb = torch.cat([angles, angles], dim=-1)
+        cos = (emb.cos() * self.rope_scale).to(self.dtype)[None, :, None, :]
+        sin = (emb.sin() * self.rope_scale).to(self.dtype)[None, :, None, :]
+        x = self.embed[ids]
+        hd, heads, kvh = self.head_dim, self.heads, self.kv_heads
+        for i, layer in enumerate(self.layers):
+            _, h = kernels.add_rmsnorm_reference(x, None, layer.ln1, self.eps)
+            qkv = F.linear(h, layer.w_qkv, layer.b_qkv).view(b, width, heads + 2 * kvh, hd)
+            q, k, v = qkv.split([heads, kvh, kvh], dim=2)
+            if layer.q_norm is not None:
+                q = kernels.add_rmsnorm_reference(q, None, layer.q_norm, self.eps)[1]
+                k = kernels.add_rmsnorm_reference(k, None, layer.k_norm, self.eps)[1]
+            q, k = self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+            self.pool_k[i].index_copy_(0, slots, k.reshape(b * width, kvh, hd).index_select(0, flat))
+            self.pool_v[i].index_copy_(0, slots, v.reshape(b * width, kvh, hd).index_select(0, flat))
+            a = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                               is_causal=True, scale=self.scale, enable_gqa=heads != kvh)
+            x = x + F.linear(a.transpose(1, 2).reshape(b, width, heads * hd), layer.w_o)
+            _, h = kernels.add_rmsnorm_reference(x, None, layer.ln2, self.eps)
+            x = x + F.linear(kernels.silu_mul_reference(F.linear(h, layer.w_gate_up)), layer.w_down)
+        last = x[torch.arange(b, device=self.device), lengths - 1]
+        _, h = kernels.add_rmsnorm_reference(last, None, self.final_norm, self.eps)
+        return F.linear(h, self.lm_head)
+
+    # -- public API ---------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def start(self, prompts: list[list[int]], max_new: int, *, temperature: float = 1.0, top_p: float = 1.0,
+              seed: int | None = None, generator: torch.Generator | None = None
+              ) -> tuple[DecodeState, torch.Tensor, torch.Tensor]:
+        """Prefill the prompts and sample each one's first token: (state, tokens (B,), log-probs (B,))."""
+        if not prompts or len(prompts) > self.max_batch_size:
+            raise ConfigError(f"the decode engine takes 1..{self.max_batch_size} prompts, got {len(prompts)}")
+        self._scratch = max_new + 2
+        need = [len(p) + max_new + 1 for p in prompts]
+        self._ensure_pool(sum(need) + self._scratch)
+        starts = [0]
+        for n in need[:-1]:
+            starts.append(starts[-1] + n)
+        if seed is not None:
+            self._seed.fill_(int(seed))
+        elif generator is None:  # drawn on the host: the CUDA generator's state must not move outside capture
+            self._seed.fill_(int(torch.randint(0, 2**31, (1,)).item()))
+        logits_rows = []
+        order = sorted(range(len(prompts)), key=lambda r: len(prompts[r]))
+        chunk: list[int] = []
+        for r in order + [None]:  # rows of similar length prefill together, a token budget per chunk
+            if r is not None and (not chunk or (len(chunk) + 1) * len(prompts[r]) <= self.prefill_tokens):
+                chunk.append(r)
+                continue
+            if chunk:
+                logits_rows.append((chunk, self._prefill([prompts[i] for i in chunk], [starts[i] for i in chunk])))
+            chunk = [r] if r is not None else []
+        logits = torch.empty((len(prompts), self.vocab), dtype=self.dtype, device=self.device)
+        for rows, lg in logits_rows:
+            logits[torch.tensor(rows, device=self.device)] = lg.to(self.dtype)
+        tokens, logprobs = self._sample_eager(logits, temperature, top_p, generator)
+        bucket = self._bucket(len(prompts))
+        positions = torch.tensor([len(p) for p in prompts], dtype=torch.int32, device=self.device)
+        self._capture(bucket, temperature, top_p >= 1.0)
+        self._load_rows(bucket, tokens, positions, torch.tensor(starts, dtype=torch.int32, device=self.device))
+        state = DecodeState(rows=list(range(len(prompts))), bucket=bucket, temperature=temperature, top_p=top_p,
+                            generator=generator)
+        return state, tokens, logprobs
+
+    def _sample_eager(self, logits: torch.Tensor, temperature: float, top_p: float,
+                      generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
+        if top_p >= 1.0 and generator is None:
+            tokens, logprobs = kernels.sample(logits, temperature, self._seed)
+            self._seed.add_(_SEED_STRIDE)
+            return tokens, logprobs
+        from sleuth.llm.hf import select_next_tokens  # deferred: hf imports this module
+
+        return select_next_tokens(logits.float(), temperature=temperature, top_p=top_p, generator=generator)
+
+    @torch.no_grad()
+    def steps(self, state: DecodeState, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """k decode steps for the live rows: (tokens, log-probs), each (live rows, k), on the device."""
+        bucket, n = state.bucket, len(state.rows)
+        inside = state.top_p >= 1.0 and state.generator is None
+        tokens = torch.empty((n, k), dtype=torch.long, device=self.device)
+        logprobs = torch.empty((n, k), dtype=torch.float32, device=self.device)
+        for t in range(k):
+            if bucket.graph is not None:
+                bucket.graph.replay()
+            else:
+                self._step(bucket, state.temperature, inside)
+            if not inside:
+                tok, lp = self._sample_eager(bucket.logits[:n], state.temperature, state.top_p, state.generator)
+                bucket.tokens[:n] = tok
+                bucket.logprobs[:n] = lp
+            tokens[:, t] = bucket.tokens[:n]
+            logprobs[:, t] = bucket.logprobs[:n]
+        state.steps_done += k
+        return tokens, logprobs
+
+    @torch.no_grad()
+    def keep(self, state: DecodeState, live: list[int]) -> None:
+        """Continue with only these batch slots (indices into `state.rows`, in order); moves to a smaller
+        graph when the live rows fit one. No key or value moves."""
+        if len(live) == len(state.rows):
+            return
+        if not live:
+            state.rows = []
+            return
+        old = state.bucket
+        idx = torch.tensor(live, device=self.device)
+        tokens, positions, starts = old.tokens[idx].clone(), old.positions[idx].clone(), old.starts[idx].clone()
+        state.rows = [state.rows[i] for i in live]
+        bucket = self._bucket(len(live))
+        inside = state.top_p >= 1.0 and state.generator is None
+        if bucket is not old:
+            self._capture(bucket, state.temperature, inside)
+        self._load_rows(bucket, tokens, positions, starts)
+        state.bucket = bucket
+
+    def bucket_size(self, live: int) -> int:
+        return self._bucket(live).size

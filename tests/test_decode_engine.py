@@ -1,0 +1,252 @@
+"""sleuth's decode engine (sleuth.llm.decode_engine, sleuth.llm.kernels) against transformers and the
+arithmetic it claims: greedy tokens equal transformers' decoding, sampled tokens follow the softmax, the
+Triton kernels (under Triton's CPU interpreter) equal the torch references, and the inference copy of an
+FSDP2-sharded or LoRA policy equals its weights after an update."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from sleuth.llm import kernels
+from sleuth.llm.decode_engine import DecodeEngine, supports
+
+HAVE_TRITON = importlib.util.find_spec("triton") is not None
+
+
+def _model(kind: str, seed: int = 0):
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
+    )
+
+    torch.manual_seed(seed)
+    kw = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+              vocab_size=300, rope_theta=10000.0)
+    model = {"qwen2": lambda: Qwen2ForCausalLM(Qwen2Config(**kw, tie_word_embeddings=True)),
+             "llama": lambda: LlamaForCausalLM(LlamaConfig(**kw)),
+             "qwen3": lambda: Qwen3ForCausalLM(Qwen3Config(**kw, head_dim=16))}[kind]()
+    for p in model.parameters():  # larger than the default init: logits far from uniform, no near-ties
+        p.data.normal_(0, 0.3)
+    return model.eval()
+
+
+def _hf_greedy(model, prompt: list[int], n: int) -> tuple[list[int], list[float]]:
+    out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, output_scores=True,
+                         return_dict_in_generate=True, pad_token_id=0, eos_token_id=None)
+    ids = out.sequences[0, len(prompt):].tolist()
+    return ids, [s[0].float().log_softmax(-1)[t].item() for s, t in zip(out.scores, ids, strict=True)]
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "llama", "qwen3"])
+def test_greedy_decoding_equals_transformers(kind: str) -> None:
+    """Rows of different lengths, several chunks, and rows leaving the batch midway (a smaller graph takes over)."""
+    model = _model(kind)
+    engine = DecodeEngine(model, max_batch_size=8, min_bucket=1)
+    prompts = [[1, 2, 3, 4, 5], [7], [9, 8, 7, 6, 5, 4, 3, 2, 1, 11, 12], [20, 21]]
+    state, first, first_lp = engine.start(prompts, 12, temperature=0.0)
+    got = [[t] for t in first.tolist()]
+    lps = [[lp] for lp in first_lp.tolist()]
+    tokens, logprobs = engine.steps(state, 5)
+    for r in range(4):
+        got[r] += tokens[r].tolist()
+        lps[r] += logprobs[r].tolist()
+    engine.keep(state, [0, 2])  # rows 1 and 3 finish
+    assert state.rows == [0, 2] and state.bucket.size == 2
+    tokens, logprobs = engine.steps(state, 6)
+    for j, r in enumerate(state.rows):
+        got[r] += tokens[j].tolist()
+        lps[r] += logprobs[j].tolist()
+    for r, prompt in enumerate(prompts):
+        want, want_lp = _hf_greedy(model, prompt, len(got[r]))
+        assert got[r] == want, (kind, r)
+        assert max(abs(a - b) for a, b in zip(lps[r], want_lp, strict=True)) < 1e-4
+
+
+def test_the_generator_decodes_the_same_tokens_with_the_engine_and_stops_alike(tmp_path: Path) -> None:
+    """HFGenerator(cache="engine") against its dynamic-cache path: same tokens, log-probs, stops and finish reasons."""
+    from sleuth.llm.base import SamplingParams
+    from sleuth.llm.hf import HFGenerator
+    from sleuth.llm.tiny import build_tiny_model
+
+    path = build_tiny_model(tmp_path / "tiny")
+    prompts = ["the capital of", "a search for the", "x", "answer: the river"]
+    params = SamplingParams(max_new_tokens=20, temperature=0.0)
+    stops = ["</search>", " the"]
+    dynamic = HFGenerator(path, device="cpu", cache="dynamic").generate(prompts, stops, params)
+    gen = HFGenerator(path, device="cpu", cache="engine", sync_every=3)
+    engine = gen.generate(prompts, stops, params)
+    for a, b in zip(dynamic, engine, strict=True):
+        assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason and a.stop == b.stop
+        assert max((abs(x - y) for x, y in zip(a.logprobs, b.logprobs, strict=True)), default=0) < 1e-4
+    assert any(g.finish_reason == "stop" for g in engine)  # the stop path ran
+
+
+def test_unsupported_models_are_named() -> None:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    why = supports(GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50)))
+    assert why is not None and "gpt2" in why
+
+
+def _chi_square_p(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    from scipy.stats import chisquare
+
+    expected = probs * counts.sum()
+    return float(chisquare(counts.numpy(), expected.numpy()).pvalue)
+
+
+def test_gumbel_sampling_follows_the_softmax_and_returns_its_logprob() -> None:
+    """8 000 draws (fixed seeds) of a 6-token distribution at temperature 0.7: counts pass a chi-square test
+    against softmax(logits / 0.7), and each draw's log-prob is log_softmax(logits / 0.7) at the token."""
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, -3.0]]).repeat(200, 1)
+    probs = (logits[0] / 0.7).softmax(-1)
+    counts = torch.zeros(6)
+    for seed in range(40):
+        tokens, logprobs = kernels.sample_reference(logits, 0.7, torch.tensor([seed]))
+        counts += torch.bincount(tokens, minlength=6).float()
+        assert torch.allclose(logprobs, (logits / 0.7).log_softmax(-1).gather(-1, tokens[:, None]).squeeze(-1))
+    assert _chi_square_p(counts, probs) > 1e-3
+    # the check can fail: the same counts against the untempered softmax are rejected
+    assert _chi_square_p(counts, logits[0].softmax(-1)) < 1e-6
+
+
+KERNEL_CHECK = textwrap.dedent("""
+    import torch
+    from sleuth.llm import kernels as K
+    assert K.triton_enabled(torch.zeros(1)), "the interpreter is not on"
+    torch.manual_seed(0)
+    worst = {}
+    x, d, w = torch.randn(5, 96), torch.randn(5, 96), torch.randn(96)
+    rx, ry = K.add_rmsnorm_reference(x.clone(), d, w, 1e-6)
+    x2 = x.clone(); _, y2 = K.add_rmsnorm(x2, d, w, 1e-6)
+    worst["rmsnorm"] = max((x2 - rx).abs().max().item(), (y2 - ry).abs().max().item())
+    b, h, kv, dim = 3, 8, 2, 64
+    qkv = torch.randn(b, (h + 2 * kv) * dim)
+    pos, slots = torch.tensor([5, 0, 17], dtype=torch.int32), torch.tensor([10, 3, 40], dtype=torch.int32)
+    inv = 1.0 / (10000 ** (torch.arange(0, dim, 2).float() / dim))
+    for norm in (None, (torch.randn(dim), torch.randn(dim))):
+        kc, vc = torch.zeros(64, kv, dim), torch.zeros(64, kv, dim)
+        kc2, vc2 = kc.clone(), vc.clone()
+        qn, kn = norm if norm else (None, None)
+        q1 = K.rope_store_reference(qkv, pos.long(), slots.long(), inv, 1.0, kc, vc, h, kv, qn, kn)
+        q2 = K.rope_store(qkv, pos, slots, inv, 1.0, kc2, vc2, h, kv, qn, kn)
+        worst[f"rope norm={norm is not None}"] = max((q1 - q2).abs().max().item(), (kc - kc2).abs().max().item(),
+                                                    (vc - vc2).abs().max().item())
+    b, h, kv, dim = 4, 14, 2, 64
+    kc, vc, q = torch.randn(600, kv, dim), torch.randn(600, kv, dim), torch.randn(b, h, dim)
+    starts = torch.tensor([0, 100, 300, 590], dtype=torch.int32)
+    lens = torch.tensor([1, 150, 257, 10], dtype=torch.int32)
+    ref = K.decode_attention_reference(q, kc, vc, starts, lens, 0.125)
+    for splits in (1, 4, 16):  # 16 splits leave some empty for short rows
+        worst[f"attention splits={splits}"] = (K.decode_attention(q, kc, vc, starts, lens, 0.125, splits) - ref).abs().max().item()
+    gu = torch.randn(3, 200)
+    worst["silu"] = (K.silu_mul(gu) - K.silu_mul_reference(gu)).abs().max().item()
+    lg = torch.randn(6, 5000)
+    tok, lp = K.sample(lg, 0.0, torch.tensor([3]))
+    assert torch.equal(tok, lg.argmax(-1))
+    worst["greedy logprob"] = (lp - lg.log_softmax(-1).gather(-1, tok[:, None]).squeeze(-1)).abs().max().item()
+    # sampling: a 6-token distribution, 50 rows x 60 seeds
+    small = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, -3.0]]).repeat(50, 1)
+    counts = torch.zeros(6)
+    for seed in range(60):
+        tok, lp = K.sample(small, 0.7, torch.tensor([seed]))
+        counts += torch.bincount(tok, minlength=6).float()
+        worst["sample logprob"] = max(worst.get("sample logprob", 0.0), (lp - (small / 0.7).log_softmax(-1).gather(-1, tok[:, None]).squeeze(-1)).abs().max().item())
+    from scipy.stats import chisquare
+    p = chisquare(counts.numpy(), ((small[0] / 0.7).softmax(-1) * counts.sum()).numpy()).pvalue
+    worst["sampling chi-square p (want > 1e-3)"] = -p
+    print(worst)
+    bad = {k: v for k, v in worst.items() if (v > 2e-6 if v >= 0 else -v < 1e-3)}
+    assert not bad, bad
+""")
+
+
+@pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed (it is in the dev extra)")
+def test_triton_kernels_equal_the_references_under_the_interpreter() -> None:
+    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-c", KERNEL_CHECK], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+
+
+LORA_CHECK = textwrap.dedent("""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from sleuth.llm.decode_engine import DecodeEngine
+    torch.manual_seed(0)
+    base = Qwen2ForCausalLM(Qwen2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                        num_key_value_heads=2, vocab_size=100))
+    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"]))
+    for n, p in model.named_parameters():
+        if "lora_B" in n:
+            p.data.normal_(0, 0.5)  # peft starts B at zero: make the adapters matter
+    engine = DecodeEngine(model)
+    with model.disable_adapter():
+        plain = DecodeEngine(model)
+    merged = model.merge_and_unload()
+    layer = merged.model.layers[1]
+    want_qkv = torch.cat([layer.self_attn.q_proj.weight, layer.self_attn.k_proj.weight, layer.self_attn.v_proj.weight])
+    assert torch.allclose(engine.layers[1].w_qkv, want_qkv, atol=1e-6)
+    assert torch.allclose(engine.layers[1].w_down, layer.mlp.down_proj.weight, atol=1e-6)
+    assert not torch.allclose(plain.layers[1].w_qkv, want_qkv, atol=1e-3)  # the adapters changed the weights
+""")
+
+
+def test_lora_adapters_are_merged_into_the_copy_and_left_out_for_the_frozen_base() -> None:
+    proc = subprocess.run([sys.executable, "-c", LORA_CHECK], env={**os.environ, "OMP_NUM_THREADS": "1"},
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+
+
+FSDP_CHECK = textwrap.dedent("""
+    import os, torch, torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from sleuth.llm.decode_engine import DecodeEngine
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(Qwen2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, vocab_size=100))
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    engine = DecodeEngine(model, device="cpu", dtype=torch.float32)
+    before = engine.layers[0].w_qkv.clone()
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    torch.manual_seed(1 + rank)  # ranks see different data, as in training
+    ids = torch.randint(0, 100, (2, 12))
+    model(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+    engine.refresh(model)  # every rank gathers the shards
+    attn = model.model.layers[0].self_attn
+    full = torch.cat([attn.q_proj.weight.full_tensor(), attn.k_proj.weight.full_tensor(), attn.v_proj.weight.full_tensor()])
+    assert torch.equal(engine.layers[0].w_qkv, full), "the copy differs from the sharded weights"
+    assert not torch.allclose(before, full), "the update changed nothing: the check could not fail"
+    down = model.model.layers[1].mlp.down_proj.weight.full_tensor()
+    assert torch.equal(engine.layers[1].w_down, down)
+    copies = [torch.zeros_like(full) for _ in range(2)]
+    dist.all_gather(copies, engine.layers[0].w_qkv)
+    assert torch.equal(copies[0], copies[1]), "ranks hold different copies"
+    dist.destroy_process_group()
+""")
+
+
+def test_the_fsdp_inference_copy_equals_the_sharded_weights_after_an_update(tmp_path: Path) -> None:
+    script = tmp_path / "fsdp_check.py"
+    script.write_text(FSDP_CHECK)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script)]
+    proc = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
