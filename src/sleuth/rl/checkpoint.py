@@ -133,9 +133,19 @@ def save_checkpoint(
     tmp.rename(final)
     atomic_write_text(root / LATEST, final.name + "\n")
 
-    for old in sorted(p for p in root.glob("step_*") if p.is_dir())[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
+    prune_checkpoints(root, final, keep)
     return final
+
+
+def prune_checkpoints(root: Path, final: Path, keep: int) -> None:
+    """Keep `final` and the newest `keep - 1` checkpoints before it. Higher-numbered ones are left over
+    from steps this run redoes (resume skipped them as damaged): `final` supersedes them, so they go too;
+    never the checkpoint just written, whatever its name sorts like."""
+    others = sorted(p for p in root.glob("step_*") if p.is_dir() and p != final)
+    older = [p for p in others if p.name < final.name]
+    newer = [p for p in others if p.name > final.name]
+    for old in newer + older[: max(len(older) - (keep - 1), 0)]:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def full_states(models: dict[str, torch.nn.Module], optimizers: dict[str, torch.optim.Optimizer]):

@@ -38,6 +38,7 @@ from sleuth.rl.models import (
     rollout_copy,
     rollout_decoding,
 )
+from sleuth.rl.run_dir import no_usable_checkpoint
 from sleuth.rl.setup import (
     DataCursor,
     build_loop,
@@ -101,6 +102,9 @@ def _resume_point(recipe: Recipe, out_dir: Path, resume: bool, console: Any) -> 
         trainer_state, tensor_state = load_training_state(ckpt)
         console.print(f"[bold]resuming[/] from {ckpt} (step {trainer_state['step']})")
     elif resume:
+        refusal = no_usable_checkpoint(out_dir, skipped)
+        if refusal is not None:
+            raise refusal
         console.print(f"[yellow]--resume: no checkpoint under {out_dir}, starting fresh[/]")
     return ckpt, trainer_state, tensor_state
 

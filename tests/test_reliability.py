@@ -1,0 +1,158 @@
+"""A run's history is never lost or mixed up (issue 28): torn append-only files, reused run directories,
+checkpoints that do not fit the recipe, full or read-only disks, bad corpus input, bad service input.
+Each test reproduces one failure seen on main before the fix (tiny model, CPU)."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+
+from sleuth.errors import CheckpointError, ConfigError
+
+
+def _recipe(small_world: Path, out_dir: Path, steps: int = 2, **overrides) -> dict:
+    data = {
+        "name": "reliable",
+        "model": {"policy": "tiny"},
+        "data": {"train": str(small_world / "train.jsonl")},
+        "retriever": {"index": str(small_world / "bm25")},
+        "agent": {"loop": "search_r1", "max_turns": 1, "max_new_tokens_per_turn": 8, "max_response_tokens": 64,
+                  "max_obs_tokens": 16},
+        "reward": {"name": "search_r1_em"},
+        "algorithm": {"name": "grpo", "n": 2, "prompts_per_step": 2, "minibatch_size": 4, "micro_batch_size": 4},
+        "trainer": {"total_steps": steps, "save_every": 1, "out_dir": str(out_dir)},
+    }
+    for key, value in overrides.items():
+        section, _, field = key.partition(".")
+        if field:
+            data.setdefault(section, {})[field] = value
+        else:
+            data[section] = value
+    return data
+
+
+def _train(data: dict, **kwargs) -> dict:
+    from sleuth.rl.config import recipe_from_dict
+    from sleuth.rl.trainer import train
+
+    return train(recipe_from_dict(data), **kwargs)
+
+
+def _steps(path: Path) -> list[int]:
+    return [json.loads(line)["step"] for line in path.read_text().splitlines() if line.strip()]
+
+
+# ----------------------------------------------------------------------------- 1. torn append-only files
+
+
+def test_resume_survives_torn_last_lines_of_metrics_and_validation(
+    small_world: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A kill or full disk during an append leaves a torn last line; on main `--resume` died with a
+    JSONDecodeError. Now the line is dropped with a warning naming the file and its byte offset."""
+    out = tmp_path / "run"
+    dev = {"data": {"train": str(small_world / "train.jsonl"), "dev": str(small_world / "dev.jsonl")}}
+    data = _recipe(small_world, out, **dev, **{"trainer.eval_examples": 2, "trainer.eval_every": 1})
+    _train(data)
+    metrics, validation = out / "metrics.jsonl", out / "validation.jsonl"
+    offsets = {}
+    for path in (metrics, validation):
+        offsets[path] = path.stat().st_size
+        with open(path, "ab") as f:
+            f.write(b'{"step": 3, "reward/me')  # what a kill mid-append leaves
+    data["trainer"]["total_steps"] = 3
+    with caplog.at_level("WARNING", logger="sleuth.appendlog"):
+        _train(data, resume=True)
+    assert _steps(metrics) == [1, 2, 3]
+    assert _steps(validation) == [0, 1, 2, 3]
+    for path, offset in offsets.items():
+        assert any(str(path) in r.message and f"at byte {offset}" in r.message for r in caplog.records), path
+
+
+def test_one_reader_for_every_append_only_file(tmp_path: Path) -> None:
+    """Metrics (report), validation (trainer) and predictions (eval) go through the same tolerant reader:
+    a torn last line is dropped, a torn line elsewhere is named by file:line."""
+    from sleuth.errors import DataFormatError
+    from sleuth.eval.harness import load_predictions
+    from sleuth.eval.report import read_jsonl
+
+    path = tmp_path / "predictions.jsonl"
+    good = b'{"id": "a", "dataset": "d"}\n'
+    path.write_bytes(good + b'{"id": "b", "data')
+    records, warnings = read_jsonl(path)
+    assert [r["id"] for r in records] == ["a"] and f"at byte {len(good)}" in warnings[0]
+    assert list(load_predictions(path)) == [("d", "a")]
+    assert path.read_bytes() == good  # repaired: the next append starts a clean line
+    path.write_bytes(b'{"id": "a", "da\n' + good)
+    with pytest.raises(DataFormatError, match=re.escape(f"{path}:1")):
+        read_jsonl(path)
+
+
+# ----------------------------------------------------------------------------- 2. a run directory knows its run
+
+
+def test_fresh_run_into_an_old_run_refuses_and_overwrite_moves_it_aside(small_world: Path, tmp_path: Path) -> None:
+    """On main a 6-step run into a 20-step run's directory exited 0 naming the old step_000020, pruned its
+    own checkpoints and cut metrics.jsonl to 6 lines."""
+    out = tmp_path / "run"
+    _train(_recipe(small_world, out, steps=3))
+    before = {p.relative_to(out).as_posix(): p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    with pytest.raises(ConfigError) as err:
+        _train(_recipe(small_world, out, steps=2))
+    message = str(err.value)
+    assert "\n" not in message and str(out) in message and "3 logged step(s)" in message
+    assert "--resume" in message and "--overwrite" in message
+    assert {p.relative_to(out).as_posix(): p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+
+    result = _train(_recipe(small_world, out, steps=2), overwrite=True)
+    aside = [p for p in tmp_path.iterdir() if p.name.startswith("run.replaced-")]
+    assert len(aside) == 1
+    moved = {p.relative_to(aside[0]).as_posix(): p.read_bytes() for p in aside[0].rglob("*") if p.is_file()}
+    assert moved == before  # nothing deleted
+    assert _steps(out / "metrics.jsonl") == [1, 2]
+    assert result["checkpoint"] == str(out / "checkpoints" / "step_000002")
+    assert sorted(p.name for p in (out / "checkpoints").glob("step_*")) == ["step_000001", "step_000002"]
+
+
+def test_resume_with_every_checkpoint_damaged_refuses_and_keeps_the_history(small_world: Path, tmp_path: Path) -> None:
+    """On main `--resume` silently started over and truncated metrics.jsonl."""
+    out = tmp_path / "run"
+    _train(_recipe(small_world, out, steps=2))
+    for state in (out / "checkpoints").glob("step_*/state.pt"):
+        state.write_bytes(b"")
+    metrics = (out / "metrics.jsonl").read_bytes()
+    data = _recipe(small_world, out, steps=3)
+    with pytest.raises(CheckpointError) as err:
+        _train(data, resume=True)
+    message = str(err.value)
+    assert "\n" not in message and "no usable checkpoint" in message and "2 logged step(s)" in message
+    assert "--overwrite" in message
+    assert (out / "metrics.jsonl").read_bytes() == metrics
+
+
+def test_the_final_checkpoint_is_the_one_this_run_wrote(small_world: Path, tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from sleuth.cli import app
+
+    out = tmp_path / "run"
+    recipe_path = tmp_path / "recipe.yaml"
+    recipe_path.write_text(yaml.safe_dump(_recipe(small_world, out, steps=2, **{"trainer.save_every": 5})))
+    result = CliRunner().invoke(app, ["train", str(recipe_path)])
+    assert result.exit_code == 0, result.output
+    assert "2 steps" in result.output and "step_000002" in result.output.replace("\n", "")
+
+
+def test_pruning_keeps_the_checkpoint_just_written_whatever_sorts_after_it(tmp_path: Path) -> None:
+    """Leftover higher-numbered checkpoints (skipped as damaged on resume) are superseded, not kept in place
+    of the new ones."""
+    from sleuth.rl.checkpoint import prune_checkpoints
+
+    for step in range(1, 6):
+        (tmp_path / f"step_{step:06d}").mkdir()
+    prune_checkpoints(tmp_path, tmp_path / "step_000002", keep=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_000001", "step_000002"]
