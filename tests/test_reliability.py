@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 from pathlib import Path
 
 import pytest
 import yaml
+from rich.console import Console
 
 from sleuth.errors import CheckpointError, ConfigError
 
@@ -156,3 +158,100 @@ def test_pruning_keeps_the_checkpoint_just_written_whatever_sorts_after_it(tmp_p
         (tmp_path / f"step_{step:06d}").mkdir()
     prune_checkpoints(tmp_path, tmp_path / "step_000002", keep=2)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_000001", "step_000002"]
+
+
+# ----------------------------------------------------------------------------- 3. checkpoints that do not fit
+
+
+LORA = {"policy": "tiny", "lora": {"enabled": True, "r": 2, "alpha": 4}}
+
+
+@pytest.fixture(scope="module")
+def full_and_lora_runs(small_world: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """A finished 1-step full fine-tuning run and a LoRA run (read-only: refusals write nothing)."""
+    runs = {}
+    for name, model in (("full", {"policy": "tiny"}), ("lora", LORA)):
+        out = tmp_path_factory.mktemp(name) / "run"
+        _train(_recipe(small_world, out, steps=1, model=model))
+        runs[name] = out
+    return runs
+
+
+def _tiny_variant(tmp_path: Path, name: str, **spec) -> str:
+    from sleuth.llm.tiny import build_tiny_model
+
+    return str(build_tiny_model(tmp_path / "models" / name, **spec))
+
+
+@pytest.mark.parametrize(
+    ("run", "override", "named", "instead"),
+    [
+        ("full", {"agent.loop": "r_search", "reward.name": "search_r1_em"}, "agent.loop differs", "agent.loop=search_r1"),
+        ("full", {"reward.name": "search_r1_format_em"}, "reward.name differs", "reward.name=search_r1_em"),
+        ("full", {"algorithm.name": "ppo", "algorithm.n": 1}, "algorithm.name differs", "algorithm.name=grpo"),
+        ("lora", {"model": {"policy": "tiny"}}, "model.lora.enabled differs", "model.lora.enabled=true"),
+        ("full", {"model": LORA}, "model.lora.enabled differs", "model.lora.enabled=false"),
+        ("full", {"model": {"policy": "OTHER"}}, "model.policy differs", "model.policy=tiny"),
+        ("full", {"model": {"policy": "VOCAB"}}, "vocabulary differs", "model.policy it was trained on"),
+    ],
+    ids=["loop", "reward", "grpo-to-ppo", "lora-onto-full", "full-onto-lora", "base-model", "vocabulary"],
+)
+def test_resume_refuses_a_checkpoint_of_another_run_naming_the_field(
+    small_world: Path, tmp_path: Path, full_and_lora_runs: dict[str, Path], run: str, override: dict, named: str,
+    instead: str,
+) -> None:
+    """On main: another loop resumed silently (rc 0), GRPO -> PPO died with FileNotFoundError, LoRA onto full
+    with HFValidationError, full onto LoRA with 'optimizer got an empty parameter list'."""
+    out = full_and_lora_runs[run]
+    override = json.loads(json.dumps(override))
+    if "model" in override and override["model"]["policy"] == "OTHER":
+        override["model"]["policy"] = _tiny_variant(tmp_path, "other", hidden_size=32)
+    if "model" in override and override["model"]["policy"] == "VOCAB":  # a directory named like the alias
+        override["model"]["policy"] = _tiny_variant(tmp_path / "v", "tiny", vocab_size=400)
+    before = (out / "metrics.jsonl").read_bytes()
+    with pytest.raises(ConfigError) as err:
+        _train(_recipe(small_world, out, steps=2, **override), resume=True)
+    message = str(err.value)
+    assert "\n" not in message and message.startswith("--resume: ") and named in message and instead in message
+    assert (out / "metrics.jsonl").read_bytes() == before
+
+
+def test_resume_logs_the_allowed_changes(small_world: Path, tmp_path: Path, full_and_lora_runs: dict[str, Path]) -> None:
+    out = tmp_path / "run"
+    shutil.copytree(full_and_lora_runs["full"], out)
+    console = Console(record=True, width=400)
+    data = _recipe(small_world, out, steps=2, **{"optim.lr": 1e-4})
+    data["data"]["train"] = str(small_world / "dev.jsonl")
+    _train(data, resume=True, console=console)
+    printed = console.export_text()
+    assert f"resume changes data.train: {small_world / 'train.jsonl'} -> {small_world / 'dev.jsonl'} (allowed)" in printed
+    assert "resume changes optim.lr" in printed and "resume changes trainer.total_steps: 1 -> 2" in printed
+    assert _steps(out / "metrics.jsonl") == [1, 2]
+
+
+@pytest.mark.parametrize(
+    ("init", "model", "named", "instead"),
+    [("full", LORA, "holds fully fine-tuned weights", "model.policy="),
+     ("lora", {"policy": "tiny"}, "holds LoRA adapters", "model.lora.enabled=true")],
+    ids=["full-into-lora", "lora-into-full"],
+)
+def test_init_from_refuses_weights_that_do_not_fit(
+    small_world: Path, tmp_path: Path, full_and_lora_runs: dict[str, Path], init: str, model: dict, named: str,
+    instead: str,
+) -> None:
+    """On main: `Can't find 'adapter_config.json'` (full into LoRA), HFValidationError (LoRA into full)."""
+    out = tmp_path / "run"
+    with pytest.raises(ConfigError) as err:
+        _train(_recipe(small_world, out, model={**model, "init_from": str(full_and_lora_runs[init])}))
+    message = str(err.value)
+    assert "\n" not in message and message.startswith("model.init_from: ") and named in message and instead in message
+    assert not out.exists()
+
+
+def test_init_from_the_suggested_policy_directory_trains_lora_on_full_weights(
+    small_world: Path, tmp_path: Path, full_and_lora_runs: dict[str, Path]
+) -> None:
+    """The refusal's alternative works: fresh adapters on a fully fine-tuned checkpoint's weights."""
+    policy = full_and_lora_runs["full"] / "checkpoints" / "step_000001" / "policy"
+    result = _train(_recipe(small_world, tmp_path / "run", steps=1, model={**LORA, "policy": str(policy)}))
+    assert (Path(result["checkpoint"]) / "policy" / "adapter_config.json").is_file()
