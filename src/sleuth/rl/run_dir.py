@@ -15,8 +15,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from sleuth.appendlog import read_appended
-from sleuth.errors import CheckpointError, ConfigError
-from sleuth.run_layout import CHECKPOINTS, METRICS
+from sleuth.errors import CheckpointError, ConfigError, OutputError
+from sleuth.run_layout import CHECKPOINTS, METRICS, latest_checkpoint
+from sleuth.utils import output_error
 
 _WAIT_FOR_MAIN_S = 600.0  # other ranks wait this long for rank 0 to move an old run aside
 
@@ -93,3 +94,12 @@ def no_usable_checkpoint(out_dir: str | Path, skipped: list[tuple[Path, str]]) -
         f"--resume: no usable checkpoint under {Path(out_dir) / CHECKPOINTS} ({damaged}); starting over would "
         f"lose {history.describe()}: rerun without --resume and with --overwrite to move this run aside and start fresh"
     )
+
+
+def write_failure(err: BaseException, out_dir: str | Path) -> OutputError:
+    """A failed write under a run (disk full, read-only, no permission) as one line naming the path."""
+    last = latest_checkpoint(out_dir)
+    kept = f"the last good checkpoint {last} is intact" if last is not None else "no checkpoint was written"
+    path = getattr(err, "filename", None) or out_dir
+    return output_error("the run's output", path, err, None,
+                        f"{kept}; free space or pass a writable trainer.out_dir, then rerun (--resume to continue)")

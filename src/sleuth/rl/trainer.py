@@ -55,7 +55,7 @@ from sleuth.rl.models import (
     sync_rollout_copy,
 )
 from sleuth.rl.run import Run, save, setup
-from sleuth.rl.run_dir import prepare_run_dir
+from sleuth.rl.run_dir import prepare_run_dir, write_failure
 from sleuth.rl.sampling import filter_groups
 from sleuth.rl.setup import check_input_paths, rollout_budget
 from sleuth.rl.sft import run_sft
@@ -70,7 +70,7 @@ from sleuth.rl.step_metrics import (
 )
 from sleuth.rl.validate import already_validated, validate, validation_due
 from sleuth.run_layout import CHECKPOINTS, METRICS, SFT_DIR, checkpoint_dir
-from sleuth.utils import atomic_path
+from sleuth.utils import atomic_path, is_write_failure
 
 
 def train(recipe: Recipe, *, resume: bool = False, overwrite: bool = False, console: Any = None) -> dict[str, Any]:
@@ -83,10 +83,12 @@ def train(recipe: Recipe, *, resume: bool = False, overwrite: bool = False, cons
     created = not out_dir.exists()
     try:
         return _train(recipe, resume=resume, console=console)
-    except BaseException:
+    except BaseException as err:
         progress = any((out_dir / name).exists() for name in (METRICS, CHECKPOINTS, SFT_DIR))
         if created and not progress:
             shutil.rmtree(out_dir, ignore_errors=True)
+        if is_write_failure(err):  # a full disk or read-only output: one line, not a traceback
+            raise write_failure(err, out_dir) from None
         raise
 
 
