@@ -4,6 +4,7 @@ Each test reproduces one failure seen on main before the fix (tiny model, CPU)."
 
 from __future__ import annotations
 
+import errno
 import json
 import re
 import shutil
@@ -255,3 +256,161 @@ def test_init_from_the_suggested_policy_directory_trains_lora_on_full_weights(
     policy = full_and_lora_runs["full"] / "checkpoints" / "step_000001" / "policy"
     result = _train(_recipe(small_world, tmp_path / "run", steps=1, model={**LORA, "policy": str(policy)}))
     assert (Path(result["checkpoint"]) / "policy" / "adapter_config.json").is_file()
+
+
+# ----------------------------------------------------------------------------- 4. full disks, read-only outputs
+
+
+def _enospc(*args, **kwargs):
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+
+def _safetensors_full(*args, **kwargs):
+    from safetensors import SafetensorError
+
+    raise SafetensorError('Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "No space" })')
+
+
+@pytest.mark.parametrize("writer", ["torch.save", "safetensors"])
+def test_disk_full_while_saving_a_checkpoint_keeps_the_last_good_one(
+    small_world: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, writer: str
+) -> None:
+    """On main: a SafetensorError traceback. Now one line with the path and bytes; no temp directory left."""
+    import torch
+    import transformers.modeling_utils
+
+    from sleuth.errors import OutputError
+    from sleuth.rl.checkpoint import resumable_checkpoint
+
+    out = tmp_path / "run"
+    _train(_recipe(small_world, out, steps=1))
+    (out / "checkpoints" / ".tmp_step_000007").mkdir()  # what a save killed by SIGKILL leaves
+    with monkeypatch.context() as patch:
+        if writer == "torch.save":
+            patch.setattr(torch, "save", _enospc)
+        else:
+            patch.setattr(transformers.modeling_utils, "safe_save_file", _safetensors_full)
+        with pytest.raises(OutputError) as err:
+            _train(_recipe(small_world, out, steps=2), resume=True)
+    message = str(err.value)
+    assert "\n" not in message and str(out / "checkpoints") in message and "checkpoint step_000002" in message
+    assert re.search(r"needs about [\d,]+ bytes, [\d,]+ free", message) and "step_000001 is intact" in message
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["latest", "step_000001"]
+    assert resumable_checkpoint(out) == (out / "checkpoints" / "step_000001", [])
+    _train(_recipe(small_world, out, steps=2), resume=True)  # space freed: resume works
+    assert _steps(out / "metrics.jsonl") == [1, 2]
+
+
+def test_read_only_run_directory_is_one_line(small_world: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On main: a traceback from `sleuth train`."""
+    import tempfile
+
+    from sleuth.errors import OutputError
+
+    def read_only(*args, dir=None, **kwargs):
+        raise OSError(errno.EROFS, "Read-only file system", str(dir))
+
+    out = tmp_path / "run"
+    monkeypatch.setattr(tempfile, "mkstemp", read_only)
+    with pytest.raises(OutputError) as err:
+        _train(_recipe(small_world, out, steps=1))
+    message = str(err.value)
+    assert "\n" not in message and f"at {out}: Read-only file system" in message and "no checkpoint" in message
+    assert not out.exists()
+
+
+def test_index_build_on_a_full_or_read_only_disk_is_one_line_and_leaves_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On main: tracebacks from `sleuth index`."""
+    import tempfile
+
+    from typer.testing import CliRunner
+
+    from sleuth.cli import app
+    from sleuth.retrieval import index
+
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text('{"id": "1", "contents": "\\"A\\"\\nalpha"}\n')
+
+    def half_then_full(texts, n, out_dir, **kwargs):
+        Path(out_dir).mkdir(parents=True)
+        (Path(out_dir) / "part").write_bytes(b"x" * 5000)
+        _enospc()
+
+    with monkeypatch.context() as patch:
+        patch.setattr(index, "build_bm25", half_then_full)
+        result = CliRunner().invoke(app, ["index", str(corpus), "--kind", "bm25", "--out", str(tmp_path / "idx")])
+    printed = " ".join(result.output.split())  # the console wraps long lines
+    assert result.exit_code == 2 and isinstance(result.exception, SystemExit) and "Traceback" not in printed
+    assert f"cannot write bm25 index at {tmp_path / 'idx'}: No space left on device" in printed
+    assert re.search(r"needs at least [\d,]+ bytes, [\d,]+ free there", printed)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus.jsonl"]
+
+    def read_only(*args, dir=None, **kwargs):
+        raise OSError(errno.EROFS, "Read-only file system", str(dir))
+
+    with monkeypatch.context() as patch:
+        patch.setattr(tempfile, "mkdtemp", read_only)
+        result = CliRunner().invoke(app, ["index", str(corpus), "--kind", "bm25", "--out", str(tmp_path / "idx")])
+    assert result.exit_code == 2 and "Read-only file system" in " ".join(result.output.split())
+
+
+def test_a_killed_index_build_is_cleaned_by_the_next_one(tmp_path: Path) -> None:
+    """On main a SIGKILLed build left `.NAME.building-*` beside the output forever."""
+    import os
+    import subprocess
+    import sys
+
+    from sleuth.retrieval import build_index
+
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text('{"id": "1", "contents": "\\"A\\"\\nalpha"}\n')
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    killed, old, running = (tmp_path / f".idx.building-{s}" for s in ("killed", "old", "running"))
+    for path, pid in ((killed, dead.stdout.strip()), (old, None), (running, str(os.getpid()))):
+        path.mkdir()
+        (path / "docstore").mkdir()
+        if pid is not None:
+            (path / ".builder-pid").write_text(pid)
+    build_index(corpus, "bm25", tmp_path / "idx", show_progress=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".idx.building-running", "corpus.jsonl", "idx"]
+
+
+# ----------------------------------------------------------------------------- 5. corpus input
+
+
+@pytest.mark.parametrize(
+    ("lines", "where", "message"),
+    [
+        ([b'{"id": "1", "contents": "a"}', b'{"id": "", "contents": "b"}'], ":2: ", "empty id"),
+        ([b'{"id": "1", "contents": "a"}', b'{"id": "  ", "contents": "b"}'], ":2: ", "empty id"),
+        ([b'{"id": null, "contents": "a"}'], ":1: ", "empty id"),
+        ([b'{"id": "1", "contents": "a"}', b'{"id": "1", "contents": "b"}'], ":2: ", "duplicate id '1'"),
+        ([b""], ": ", "holds no passages"),
+    ],
+    ids=["empty-id", "blank-id", "null-id", "duplicate-id", "empty-corpus"],
+)
+def test_bad_corpus_ids_and_empty_corpora_are_refused(tmp_path: Path, lines: list[bytes], where: str, message: str) -> None:
+    """On main an empty id was indexed and an empty corpus built a 0-passage index that training ran on."""
+    from sleuth.errors import DataFormatError
+    from sleuth.retrieval import build_index
+
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_bytes(b"\n".join(lines) + b"\n")
+    with pytest.raises(DataFormatError) as err:
+        build_index(corpus, "bm25", tmp_path / "idx", show_progress=False)
+    assert str(err.value).startswith(f"{corpus}{where}") and message in str(err.value)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus.jsonl"]
+
+
+def test_byte_order_marks_are_stripped(tmp_path: Path) -> None:
+    """A BOM opens files saved by some editors (line 1) and every part of concatenated ones."""
+    from sleuth.retrieval import build_index, load_retriever
+
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_bytes(b'\xef\xbb\xbf{"id": "1", "contents": "\\"A\\"\\nzebra"}\n'
+                       b'\xef\xbb\xbf{"id": "2", "contents": "\\"B\\"\\nquokka"}\n')
+    build_index(corpus, "bm25", tmp_path / "idx", show_progress=False)
+    retriever = load_retriever(tmp_path / "idx")
+    assert [hits[0].doc_id for hits in retriever.search(["zebra", "quokka"], 1)] == ["1", "2"]
