@@ -195,7 +195,8 @@ def rl(out: Path, method: str, variant: str, model: str, size: Size, sft_ckpt: s
     recipe_path.parent.mkdir(parents=True, exist_ok=True)
     recipe_path.write_text(yaml.safe_dump(data, sort_keys=False))
     run_dir = out / method / variant
-    result = train(recipe_from_dict(data), resume=latest_checkpoint(run_dir) is not None)
+    resumable = latest_checkpoint(run_dir) is not None  # else a killed attempt's steps are moved aside
+    result = train(recipe_from_dict(data), resume=resumable, overwrite=not resumable)
     return {"checkpoint": result["checkpoint"]}
 
 

@@ -297,7 +297,8 @@ def run_demo(
     # answering nothing right, so every group would have equal rewards and the update no signal.
     start = committed if committed is not None and size.model != "tiny" else Path(sft["checkpoint"])
     rl_recipe = recipe.model_copy(update={"sft": None, "model": recipe.model.model_copy(update={"init_from": str(start)})})
-    result = train(rl_recipe, resume=latest_checkpoint(out / "train") is not None, console=console)
+    resumable = latest_checkpoint(out / "train") is not None  # else a killed attempt's steps are moved aside
+    result = train(rl_recipe, resume=resumable, overwrite=not resumable, console=console)
     timer.record("pipeline_s", t0)
 
     t0 = timer.stage("4/4  evaluate the agent trained here, write the report")

@@ -32,3 +32,7 @@ class ServiceError(SleuthError):
 
 class CheckpointError(SleuthError):
     """A checkpoint is damaged or incomplete; the message names the file."""
+
+
+class OutputError(SleuthError):
+    """An output could not be written (disk full, read-only, no permission); names the path and the bytes."""

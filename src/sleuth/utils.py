@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import math
 import os
 import random
+import shutil
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -18,7 +20,7 @@ from typing import IO, Any, TypeVar
 import yaml
 from pydantic import ValidationError
 
-from sleuth.errors import ConfigError
+from sleuth.errors import ConfigError, OutputError
 
 T = TypeVar("T")
 _log = logging.getLogger("sleuth.retry")
@@ -63,6 +65,45 @@ def atomic_write_text(path: str | Path, text: str) -> None:
 
 def atomic_write_json(path: str | Path, obj: Any) -> None:
     atomic_write_text(path, json.dumps(obj, indent=2, ensure_ascii=False) + "\n")
+
+
+# what a full disk, a quota, a read-only mount or a missing permission raise on a write
+WRITE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EFBIG})
+
+
+def is_write_failure(err: BaseException) -> bool:
+    return isinstance(err, OSError) and err.errno in WRITE_ERRNOS
+
+
+def free_bytes(path: str | Path) -> int | None:
+    """Free bytes on the filesystem holding `path` (its nearest existing ancestor), or None."""
+    path = Path(path).absolute()
+    for candidate in (path, *path.parents):
+        if candidate.exists():
+            try:
+                return shutil.disk_usage(candidate).free
+            except OSError:
+                return None
+    return None
+
+
+def tree_bytes(path: str | Path) -> int:
+    """Bytes of the files under `path` (0 if it is gone)."""
+    path = Path(path)
+    if path.is_file():
+        return path.stat().st_size
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.is_dir() else 0
+
+
+def output_error(what: str, path: str | Path, err: BaseException, needed: int | None, then: str, *,
+                 at_least: bool = False) -> OutputError:
+    """One line: what could not be written where, why, the bytes needed (an estimate, or a lower bound
+    with `at_least`) and free, and what to do."""
+    reason = getattr(err, "strerror", None) or (str(err).splitlines() or [type(err).__name__])[0][:200]
+    free = free_bytes(path)
+    sizes = f"needs {'at least' if at_least else 'about'} {needed:,} bytes" if needed is not None else "needs more space"
+    sizes += f", {free:,} free there" if free is not None else ""
+    return OutputError(f"cannot write {what} at {path}: {reason} ({sizes}); {then}")
 
 
 def seed_everything(seed: int) -> None:

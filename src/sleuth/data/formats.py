@@ -80,6 +80,8 @@ def iter_json_lines(path: str | Path, what: str) -> Iterator[tuple[int, Any]]:
                 raise DataFormatError(
                     str(path), lineno, f"not valid UTF-8 (byte {err.start} of the line); re-encode the {what} as UTF-8"
                 ) from None
+            # a byte-order mark opens line 1 of files saved by some editors, and any line of concatenated ones
+            line = line.removeprefix("\ufeff")
             if not line.strip():
                 continue
             try:
@@ -102,6 +104,8 @@ def _iter_corpus_lines(path: str | Path) -> Iterator[tuple[int, Passage]]:
             raise DataFormatError(str(path), lineno, "expected a JSON object with 'id' and 'contents'")
         if "id" not in rec:
             raise DataFormatError(str(path), lineno, "missing field 'id'")
+        if rec["id"] is None or not str(rec["id"]).strip():
+            raise DataFormatError(str(path), lineno, "empty id; every passage needs a non-empty, unique 'id'")
         if "contents" in rec:
             if not isinstance(rec["contents"], str):
                 raise DataFormatError(str(path), lineno, "'contents' must be a string")
@@ -113,25 +117,38 @@ def _iter_corpus_lines(path: str | Path) -> Iterator[tuple[int, Passage]]:
         yield lineno, Passage(id=str(rec["id"]), title=title, text=text)
 
 
+_EMPTY_CORPUS = "holds no passages; a corpus needs at least one {'id', 'contents'} line"
+
+
 def iter_corpus(path: str | Path, *, unique_ids: bool = False) -> Iterator[Passage]:
     """Stream a corpus jsonl (`{"id", "contents"}` per line) without loading it into memory.
 
-    Records may also carry `title` and `text` instead of `contents` (some corpora do). With
+    Records may also carry `title` and `text` instead of `contents` (some corpora do). An empty id or
+    an empty corpus raises DataFormatError naming the file (and line). With
     `unique_ids`, a repeated id raises DataFormatError naming both lines once the stream ends
     (8 bytes per passage are kept, so a 21M-passage corpus costs ~170 MB, not its ids).
     """
+    from sleuth.errors import DataFormatError
+
+    count = 0
     if not unique_ids:
         for _, passage in _iter_corpus_lines(path):
+            count += 1
             yield passage
+        if not count:
+            raise DataFormatError(str(path), None, _EMPTY_CORPUS)
         return
     chunks: list[np.ndarray] = []
     pending: list[int] = []
     for _, passage in _iter_corpus_lines(path):
+        count += 1
         pending.append(hash(passage.id))
         if len(pending) >= 1 << 20:
             chunks.append(np.asarray(pending, dtype=np.int64))
             pending = []
         yield passage
+    if not count:
+        raise DataFormatError(str(path), None, _EMPTY_CORPUS)
     hashes = np.sort(np.concatenate([*chunks, np.asarray(pending, dtype=np.int64)]))
     repeated = hashes[1:][hashes[1:] == hashes[:-1]]
     if repeated.size:

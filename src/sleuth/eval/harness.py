@@ -54,6 +54,7 @@ from sleuth.agent.registry import Method, get_method
 from sleuth.agent.registry import methods as registered_methods
 from sleuth.agent.searcher import load_searcher
 from sleuth.agent.trajectory import Trajectory
+from sleuth.appendlog import read_appended
 from sleuth.data.formats import QAExample, load_qa
 from sleuth.errors import ConfigError, DataFormatError
 from sleuth.eval.baselines import (
@@ -371,40 +372,18 @@ def _items(examples: Sequence[QAExample], default_dataset: str) -> list[_Item]:
 
 
 def load_predictions(path: str | Path) -> dict[tuple[str, str], dict]:
-    """Finished records by (dataset, id). A torn last line (a crash mid-write) is dropped and cut from
-    the file, so the next append starts on a clean line; a bad line elsewhere is an error."""
+    """Finished records by (dataset, id). A torn last line (a crash mid-write) is dropped with a warning
+    naming the byte offset and cut from the file (`sleuth.appendlog`), so the next append starts on a
+    clean line; a bad line elsewhere is an error."""
     path = Path(path)
-    if not path.exists():
-        return {}
-    data = path.read_bytes()
-    lines = data.split(b"\n")
-    if lines and lines[-1] == b"":
-        lines.pop()
     records: dict[tuple[str, str], dict] = {}
-    pos = good_end = 0
-    for lineno, raw in enumerate(lines, start=1):
-        end = min(pos + len(raw) + 1, len(data))
-        pos += len(raw) + 1
-        if not raw.strip():
-            good_end = end
-            continue
+    for lineno, rec in enumerate(read_appended(path, repair=True).records, start=1):
         try:
-            rec = json.loads(raw)
-            key = (str(rec["dataset"]), str(rec["id"]))
-        except (ValueError, KeyError, TypeError) as err:
-            if lineno == len(lines):
-                break
+            records[(str(rec["dataset"]), str(rec["id"]))] = rec
+        except KeyError as err:
             raise DataFormatError(
-                str(path), lineno, f"not a prediction record ({err}); delete the line or rerun with --fresh"
+                str(path), None, f"record {lineno} is not a prediction record (no {err}); delete it or rerun with --fresh"
             ) from err
-        records[key] = rec
-        good_end = end
-    if good_end < len(data) or (data and not data.endswith(b"\n")):
-        with open(path, "r+b") as f:
-            f.truncate(good_end)
-            if good_end and data[good_end - 1 : good_end] != b"\n":
-                f.seek(good_end)
-                f.write(b"\n")
     return records
 
 

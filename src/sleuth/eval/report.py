@@ -29,6 +29,7 @@ from typing import Any
 from jinja2 import Environment, PackageLoader, select_autoescape
 from markupsafe import Markup
 
+from sleuth.appendlog import read_appended
 from sleuth.errors import ConfigError, DataFormatError
 from sleuth.eval.compare import paired_rows
 from sleuth.eval.stats import bootstrap_ci, paired_bootstrap
@@ -247,28 +248,10 @@ def format_value(v: Any) -> str:
 
 
 def read_jsonl(path: Path) -> tuple[list[dict], list[str]]:
-    """Records of a JSONL file, plus warnings. A broken *last* line is tolerated with a warning
-    (logs are appended while a run is live); a broken line elsewhere is a DataFormatError."""
-    records: list[dict] = []
-    warnings: list[str] = []
-    lines = path.read_text(encoding="utf-8").splitlines()
-    last = max((i for i, line in enumerate(lines) if line.strip()), default=-1)
-    for i, line in enumerate(lines):
-        if not line.strip():
-            continue
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError as err:
-            if i == last:
-                warnings.append(f"{path}: ignored an incomplete last line ({err.msg})")
-                continue
-            raise DataFormatError(
-                str(path), i + 1, f"not valid JSON ({err.msg}); fix or delete the line"
-            ) from err
-        if not isinstance(rec, dict):
-            raise DataFormatError(str(path), i + 1, f"expected a JSON object, got {type(rec).__name__}")
-        records.append(rec)
-    return records, warnings
+    """Records of an append-only JSONL file, plus warnings (`sleuth.appendlog.read_appended`): a torn
+    *last* line is dropped with a warning naming the byte offset; a broken line elsewhere is a DataFormatError."""
+    appended = read_appended(path)
+    return appended.records, appended.warnings
 
 
 def _read_json(path: Path) -> Any:

@@ -7,6 +7,7 @@ An index directory holds `docstore/`, the engine's files (`bm25/` or `faiss.inde
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import tempfile
 import time
@@ -32,7 +33,7 @@ from sleuth.retrieval.docstore import DocStore
 from sleuth.retrieval.encoders import Encoder, EncoderConfig
 from sleuth.retrieval.hybrid import HybridRetriever
 from sleuth.retrieval.sharded import build_sharded_faiss, load_sharded
-from sleuth.utils import atomic_write_json
+from sleuth.utils import atomic_write_json, is_write_failure, output_error, tree_bytes
 
 MANIFEST = "manifest.json"
 MANIFEST_VERSION = 1
@@ -105,17 +106,54 @@ def build_index(
             raise FileExistsError(f"{out_dir}: exists and is not a sleuth index; choose another --out")
     # Built in a sibling temporary directory and renamed at the end: a failed build leaves nothing
     # behind, and an index being replaced stays usable until the new one is complete.
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    building = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.building-"))
+    building: Path | None = None
+    written = 0
     try:
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        _remove_stale_builds(out_dir)
+        building = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f"{_BUILDING_PREFIX.format(out_dir.name)}"))
+        (building / _BUILDER_PID).write_text(str(os.getpid()))
         manifest = _build_into(corpus_path, kind, building, threads=threads, show_progress=show_progress, **params)
+        (building / _BUILDER_PID).unlink()
         if out_dir.exists():
             shutil.rmtree(out_dir)
         building.rename(out_dir)
-    except BaseException:
-        shutil.rmtree(building, ignore_errors=True)
+    except BaseException as err:
+        if building is not None:
+            written = tree_bytes(building)
+            shutil.rmtree(building, ignore_errors=True)
+        if is_write_failure(err):  # disk full or read-only: one line, the old index (if any) untouched
+            raise output_error(f"{kind} index", out_dir, err, max(written, corpus_path.stat().st_size),
+                               "nothing was left behind; free space or pass another --out", at_least=True) from None
         raise
     return manifest
+
+
+_BUILDING_PREFIX = ".{}.building-"
+_BUILDER_PID = ".builder-pid"
+
+
+def _remove_stale_builds(out_dir: Path) -> None:
+    """Remove temporary build directories of `out_dir` left by a build that was killed (SIGKILL skips
+    cleanup): their builder process is gone. A build still running elsewhere is left alone."""
+    for stale in out_dir.parent.glob(_BUILDING_PREFIX.format(out_dir.name) + "*"):
+        try:
+            pid = int((stale / _BUILDER_PID).read_text())
+        except (OSError, ValueError):
+            pid = None  # from before builds recorded their pid, or killed before writing it: stale
+        if pid is not None and _alive(pid):
+            continue
+        shutil.rmtree(stale, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process
+    return True
 
 
 def _build_into(

@@ -44,6 +44,7 @@ from sleuth.retrieval.base import (
     Hit,
     Retriever,
 )
+from sleuth.text import unusable_text
 from sleuth.utils import CONCURRENCY_MEMORY_S, RecentPeak
 
 DEFAULT_K = 3  # Search-R1's retrieval server default (`--topk 3`)
@@ -438,6 +439,10 @@ def create_app(
                 "(split the list into smaller batches)",
                 "queries",
             )
+        for i, query in enumerate(req.queries):  # refused before a batch: it would fail or slow its neighbours
+            problem = unusable_text(query)
+            if problem is not None:
+                return error_response(422, f"queries[{i}] {problem}", "queries")
         queries = [q if len(q) <= max_query_chars else q[:max_query_chars] for q in req.queries]
         truncated = sum(len(q) > max_query_chars for q in req.queries)
         if truncated:

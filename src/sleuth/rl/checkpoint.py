@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from safetensors import SafetensorError
 
 from sleuth.errors import CheckpointError
 from sleuth.run_layout import (
@@ -41,7 +42,7 @@ from sleuth.run_layout import (
     checkpoints_dir,
 )
 from sleuth.run_layout import latest_checkpoint as latest_checkpoint  # re-exported for the trainer's callers
-from sleuth.utils import atomic_write_json, atomic_write_text
+from sleuth.utils import atomic_write_json, atomic_write_text, is_write_failure, output_error, tree_bytes
 
 
 def rng_state() -> dict[str, Any]:
@@ -98,18 +99,40 @@ def save_checkpoint(
     searcher: SearcherInfo | None = None,
     keep: int = 2,
 ) -> Path:
-    """Write checkpoint `step` under `out_dir/checkpoints/` atomically; prune to the newest `keep`."""
+    """Write checkpoint `step` under `out_dir/checkpoints/` atomically; prune to the newest `keep`. A full disk
+    or read-only directory raises OutputError (one line: path, bytes needed) and leaves no temp directory;
+    the previous checkpoint stays intact."""
+    root = checkpoints_dir(out_dir)
+    final = checkpoint_dir(out_dir, step)
+    tmp = root / f".tmp_{final.name}"
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        for stale in root.glob(".tmp_step_*"):  # a save killed earlier (SIGKILL) left its temp directory
+            shutil.rmtree(stale, ignore_errors=True)
+        tmp.mkdir()
+        _write_checkpoint(tmp, step, states, trainer_state, searcher)
+        if final.exists():
+            shutil.rmtree(final)
+        tmp.rename(final)
+        atomic_write_text(root / LATEST, final.name + "\n")
+    except (OSError, SafetensorError) as err:
+        if isinstance(err, OSError) and not is_write_failure(err):
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
+        last = latest_checkpoint(out_dir)
+        kept = f"the last good checkpoint {last.name} is intact" if last is not None else "no earlier checkpoint"
+        raise output_error(f"checkpoint {final.name}", root, err, _needed_bytes(last, states),
+                           f"{kept}; free space (or move trainer.out_dir) and rerun with --resume") from None
+    prune_checkpoints(root, final, keep)
+    return final
+
+
+def _write_checkpoint(tmp: Path, step: int, states: TrainingStates, trainer_state: dict[str, Any],
+                      searcher: SearcherInfo | None) -> None:
+    """Every file of one checkpoint into `tmp`, the manifest last."""
     policy, tokenizer, critic = states.policy, states.tokenizer, states.critic
     optimizers, schedulers = states.optimizers, states.schedulers
     policy_state, critic_state, optimizer_states = states.policy_state, states.critic_state, states.optimizer_states
-    root = checkpoints_dir(out_dir)
-    root.mkdir(parents=True, exist_ok=True)
-    final = checkpoint_dir(out_dir, step)
-    tmp = root / f".tmp_{final.name}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir()
-
     policy.save_pretrained(tmp / POLICY_DIR, safe_serialization=True, state_dict=policy_state)
     if tokenizer is not None:
         tokenizer.save_pretrained(tmp / POLICY_DIR)
@@ -128,14 +151,26 @@ def save_checkpoint(
         # what `sleuth.agent.searcher.load_searcher` needs to serve or evaluate this policy
         replace(searcher, step=step).write(tmp)
     write_manifest(tmp)
-    if final.exists():
-        shutil.rmtree(final)
-    tmp.rename(final)
-    atomic_write_text(root / LATEST, final.name + "\n")
 
-    for old in sorted(p for p in root.glob("step_*") if p.is_dir())[:-keep]:
+
+def _needed_bytes(last: Path | None, states: TrainingStates) -> int:
+    """About what one checkpoint takes: the last one's size, else the trained weights plus Adam's two moments."""
+    if last is not None:
+        return tree_bytes(last)
+    trained = sum(p.numel() * p.element_size() for p in states.policy.parameters() if p.requires_grad)
+    critic = sum(p.numel() * p.element_size() for p in states.critic.parameters()) if states.critic is not None else 0
+    return 3 * (trained + critic)
+
+
+def prune_checkpoints(root: Path, final: Path, keep: int) -> None:
+    """Keep `final` and the newest `keep - 1` checkpoints before it. Higher-numbered ones are left over
+    from steps this run redoes (resume skipped them as damaged): `final` supersedes them, so they go too;
+    never the checkpoint just written, whatever its name sorts like."""
+    others = sorted(p for p in root.glob("step_*") if p.is_dir() and p != final)
+    older = [p for p in others if p.name < final.name]
+    newer = [p for p in others if p.name > final.name]
+    for old in newer + older[: max(len(older) - (keep - 1), 0)]:
         shutil.rmtree(old, ignore_errors=True)
-    return final
 
 
 def full_states(models: dict[str, torch.nn.Module], optimizers: dict[str, torch.optim.Optimizer]):

@@ -13,6 +13,9 @@ def register(app: typer.Typer) -> None:
         resume: bool = typer.Option(
             False, "--resume", help="Continue from the newest checkpoint in trainer.out_dir"
         ),
+        overwrite: bool = typer.Option(
+            False, "--overwrite", help="Move a run already in trainer.out_dir aside (renamed, nothing deleted)"
+        ),
     ) -> None:
         """Train a search agent with RL as the recipe describes."""
         from rich.console import Console
@@ -25,11 +28,12 @@ def register(app: typer.Typer) -> None:
             cfg = load_recipe(recipe, overrides or [])
             from sleuth.rl.trainer import train
 
-            result = train(cfg, resume=resume, console=console)
+            result = train(cfg, resume=resume, overwrite=overwrite, console=console)
         except SleuthError as err:
             console.print(f"[red]error:[/] {err}")
             raise typer.Exit(2) from None
-        console.print(f"[green]done[/]: {result['out_dir']} (checkpoint {result['checkpoint']})")
+        written = f"checkpoint {result['checkpoint']}" if result["checkpoint"] else "no checkpoint (save_every 0)"
+        console.print(f"[green]done[/]: {result['out_dir']}, {result['steps_done']} steps ({written})")
 
     @app.command("sft")
     def sft_cmd(

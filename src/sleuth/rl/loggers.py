@@ -16,9 +16,10 @@ import re
 from pathlib import Path
 from typing import Any, Protocol
 
+from sleuth.appendlog import read_appended
 from sleuth.errors import ConfigError
 from sleuth.run_layout import METRICS, VALIDATION
-from sleuth.utils import atomic_write_json
+from sleuth.utils import atomic_write_json, atomic_write_text
 
 LOGGER_NAMES = ("jsonl", "tensorboard", "wandb", "mlflow")
 TRACKERS_FILE = "trackers.json"
@@ -54,12 +55,9 @@ class JsonlLogger:
     def __init__(self, out_dir: Path, resume_step: int, file_name: str = METRICS):
         self.path = out_dir / file_name
         if self.path.exists():
-            kept = [
-                line
-                for line in self.path.read_text().splitlines()
-                if line.strip() and json.loads(line).get("step", 0) <= resume_step
-            ]
-            self.path.write_text("".join(line + "\n" for line in kept))
+            # a torn last line (a kill or full disk mid-append) is dropped with a warning, never a crash
+            kept = [r for r in read_appended(self.path).records if r.get("step", 0) <= resume_step]
+            atomic_write_text(self.path, "".join(json.dumps(r) + "\n" for r in kept))
 
     def log_config(self, config: dict[str, Any]) -> None:
         pass  # run.json holds the config (written by the trainer)

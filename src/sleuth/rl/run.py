@@ -27,6 +27,7 @@ from sleuth.rl.checkpoint import (
     set_rng_state,
     write_run_info,
 )
+from sleuth.rl.checkpoint_compat import FINGERPRINT, check_init_from, check_resume, recipe_fingerprint
 from sleuth.rl.config import Recipe
 from sleuth.rl.dist import DistContext, shard_range, unwrap, wrap_model
 from sleuth.rl.loggers import open_recipe_loggers
@@ -38,6 +39,7 @@ from sleuth.rl.models import (
     rollout_copy,
     rollout_decoding,
 )
+from sleuth.rl.run_dir import no_usable_checkpoint
 from sleuth.rl.setup import (
     DataCursor,
     build_loop,
@@ -49,7 +51,7 @@ from sleuth.rl.setup import (
     load_validation_examples,
     searcher_info,
 )
-from sleuth.run_layout import POLICY_DIR
+from sleuth.run_layout import POLICY_DIR, resolve_checkpoint
 from sleuth.utils import seed_everything
 
 
@@ -98,9 +100,13 @@ def _resume_point(recipe: Recipe, out_dir: Path, resume: bool, console: Any) -> 
     trainer_state: dict[str, Any] = {}
     tensor_state: dict[str, Any] = {}
     if ckpt is not None:
+        check_resume(recipe, ckpt, console)  # another loop, reward, algorithm, model: refused, naming the field
         trainer_state, tensor_state = load_training_state(ckpt)
         console.print(f"[bold]resuming[/] from {ckpt} (step {trainer_state['step']})")
     elif resume:
+        refusal = no_usable_checkpoint(out_dir, skipped)
+        if refusal is not None:
+            raise refusal
         console.print(f"[yellow]--resume: no checkpoint under {out_dir}, starting fresh[/]")
     return ckpt, trainer_state, tensor_state
 
@@ -135,6 +141,8 @@ def setup(recipe: Recipe, ctx: DistContext, console: Any, resume: bool) -> Run:
     out_dir.mkdir(parents=True, exist_ok=True)
     seed_everything(recipe.seed)
     ckpt, trainer_state, tensor_state = _resume_point(recipe, out_dir, resume, console)
+    if ckpt is None and recipe.model.init_from is not None:
+        check_init_from(recipe, resolve_checkpoint(recipe.model.init_from), console)
     start_step = int(trainer_state.get("step", 0))
     tokenizer, policy, model_path, reference, critic, optimizers, schedulers = _load_models(recipe, ctx, ckpt)
     if tensor_state:
@@ -193,7 +201,8 @@ def save(run: Run, done: int, cursor_state: dict[str, int], stage: int) -> None:
         )
         save_checkpoint(
             run.out_dir, done, states,
-            trainer_state={"cursor": cursor_state, "stage": stage, "recipe": run.recipe.name},
+            trainer_state={"cursor": cursor_state, "stage": stage, "recipe": run.recipe.name,
+                           FINGERPRINT: recipe_fingerprint(run.recipe)},
             searcher=searcher_info(run.recipe), keep=run.recipe.trainer.keep_checkpoints,
         )
     run.ctx.barrier()

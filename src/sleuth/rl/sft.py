@@ -33,6 +33,7 @@ from sleuth.rl.checkpoint import (
     save_checkpoint,
     set_rng_state,
 )
+from sleuth.rl.checkpoint_compat import FINGERPRINT, check_init_from, recipe_fingerprint
 from sleuth.rl.config import Recipe
 from sleuth.rl.loggers import open_recipe_loggers
 from sleuth.rl.models import autocast, load_policy
@@ -151,6 +152,8 @@ def run_sft(recipe: Recipe, *, resume: bool = True, console: Any = None) -> dict
     device = torch.device(recipe.model.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     ckpt = latest_checkpoint(out_dir) if resume else None
     init = None if ckpt is not None or recipe.model.init_from is None else resolve_checkpoint(recipe.model.init_from)
+    if init is not None:
+        check_init_from(recipe, init, console)
     tokenizer, policy, _ = load_policy(recipe, device, ckpt / POLICY_DIR if ckpt else (init / POLICY_DIR if init else None))
     train, held = load_sft_data(recipe, policy.get_input_embeddings().num_embeddings)
     steps_per_epoch = math.ceil(len(train) / cfg.batch_size)
@@ -172,7 +175,8 @@ def run_sft(recipe: Recipe, *, resume: bool = True, console: Any = None) -> dict
     def save(step: int, epoch: int) -> Path:
         states = TrainingStates(policy, tokenizer, optimizers={"policy": opt}, schedulers={"policy": sched})
         return save_checkpoint(
-            out_dir, step, states, trainer_state={"kind": "sft", "epoch": epoch, "recipe": recipe.name},
+            out_dir, step, states, trainer_state={"kind": "sft", "epoch": epoch, "recipe": recipe.name,
+                                             FINGERPRINT: recipe_fingerprint(recipe, algorithm="sft")},
             searcher=replace(searcher_info(recipe), extra={"trained_with": "sft", **info}), keep=recipe.trainer.keep_checkpoints,
         )
 

@@ -41,9 +41,6 @@ from sleuth.rl.batch import (
     reference_logprobs,
     to_device,
 )
-from sleuth.rl.checkpoint import (
-    latest_checkpoint,
-)
 from sleuth.rl.config import Recipe
 from sleuth.rl.dist import (
     DistContext,
@@ -58,6 +55,7 @@ from sleuth.rl.models import (
     sync_rollout_copy,
 )
 from sleuth.rl.run import Run, save, setup
+from sleuth.rl.run_dir import prepare_run_dir, write_failure
 from sleuth.rl.sampling import filter_groups
 from sleuth.rl.setup import check_input_paths, rollout_budget
 from sleuth.rl.sft import run_sft
@@ -71,22 +69,26 @@ from sleuth.rl.step_metrics import (
     step_metrics,
 )
 from sleuth.rl.validate import already_validated, validate, validation_due
-from sleuth.run_layout import CHECKPOINTS, METRICS, SFT_DIR
-from sleuth.utils import atomic_path
+from sleuth.run_layout import CHECKPOINTS, METRICS, SFT_DIR, checkpoint_dir
+from sleuth.utils import atomic_path, is_write_failure
 
 
-def train(recipe: Recipe, *, resume: bool = False, console: Any = None) -> dict[str, Any]:
-    """Run the recipe. Inputs are checked first; a run that fails before logging a step removes
-    the output directory it created, so a rerun does not find a half-made one."""
+def train(recipe: Recipe, *, resume: bool = False, overwrite: bool = False, console: Any = None) -> dict[str, Any]:
+    """Run the recipe. Inputs are checked first; a fresh run into another run's directory is refused
+    (`overwrite` moves that run aside); a run that fails before logging a step removes the output
+    directory it created, so a rerun does not find a half-made one."""
     check_input_paths(recipe)
     out_dir = Path(recipe.trainer.out_dir)
+    prepare_run_dir(out_dir, resume=resume, overwrite=overwrite, console=console)
     created = not out_dir.exists()
     try:
         return _train(recipe, resume=resume, console=console)
-    except BaseException:
+    except BaseException as err:
         progress = any((out_dir / name).exists() for name in (METRICS, CHECKPOINTS, SFT_DIR))
         if created and not progress:
             shutil.rmtree(out_dir, ignore_errors=True)
+        if is_write_failure(err):  # a full disk or read-only output: one line, not a traceback
+            raise write_failure(err, out_dir) from None
         raise
 
 
@@ -137,7 +139,8 @@ def _train(recipe: Recipe, *, resume: bool = False, console: Any = None) -> dict
             break
     if run.services.baseline_cache is not None:
         run.services.baseline_cache.save()
-    final = latest_checkpoint(run.out_dir)
+    # the checkpoint this run wrote (or resumed from, when nothing was left to do): never an older run's
+    final = checkpoint_dir(run.out_dir, run.last_saved) if run.last_saved > 0 else None
     result = {"out_dir": str(run.out_dir), "checkpoint": str(final) if final else None, "steps_done": done,
               "stopped_at_time_limit": done < recipe.trainer.total_steps}
     if run.log is not None:

@@ -18,6 +18,7 @@ import time
 import torch
 
 from sleuth.agent.engine import rollout
+from sleuth.appendlog import read_appended
 from sleuth.rewards.base import guarded_rewards
 from sleuth.rl.config import Recipe
 from sleuth.rl.models import autocast
@@ -38,9 +39,8 @@ def already_validated(run: Run, done: int) -> bool:
     redo it). The main rank reads the file, after its loggers dropped the rows a resume redoes, and every
     rank takes its answer: the validation is collective, so all ranks must decide alike."""
     logged = False
-    if run.ctx.is_main and (run.out_dir / VALIDATION).exists():
-        lines = (run.out_dir / VALIDATION).read_text().splitlines()
-        logged = any(json.loads(line)["step"] == done for line in lines if line.strip())
+    if run.ctx.is_main:
+        logged = any(r.get("step") == done for r in read_appended(run.out_dir / VALIDATION).records)
     return run.ctx.all_reduce_sum(torch.tensor([float(logged)])).item() > 0
 
 

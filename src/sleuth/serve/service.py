@@ -28,6 +28,7 @@ from sleuth.data.formats import QAExample
 from sleuth.llm.base import Generator, SamplingParams
 from sleuth.retrieval.base import Hit, Retriever, format_docs
 from sleuth.rewards.answerer import DEFAULT_DOC_TEMPLATE, answer_from_documents, answer_from_evidence
+from sleuth.text import unusable_text
 from sleuth.utils import CONCURRENCY_MEMORY_S, RecentPeak
 
 
@@ -275,6 +276,9 @@ class SearcherService:
             raise RequestError("question", f"question must be a string, got {type(question).__name__}")
         if not question.strip():
             raise RequestError("question", "question is empty; send the question text to search for")
+        problem = unusable_text(question)
+        if problem is not None:  # refused here, before a batch: it would fail or slow every request batched with it
+            raise RequestError("question", f"question {problem}")
         if len(question) > self.limits.max_question_chars:
             raise RequestError(
                 "question",
