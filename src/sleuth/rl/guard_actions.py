@@ -78,7 +78,8 @@ def act_on_guards(run: Run, done: int, validated: bool) -> None:
     if state.monitor is not None:
         events, chosen, target = _decide(run, state.monitor, done, validated)
         if chosen is not None:
-            decision[:] = torch.tensor([_ACTIONS[chosen.action], target, _guard(run, chosen.guard).lr_factor])
+            decision[:] = torch.tensor([_ACTIONS[chosen.action], target, _guard(run, chosen.guard).lr_factor],
+                                       dtype=torch.float64)
     action, target_step, factor = run.ctx.all_reduce_sum(decision).tolist()
     outcome = ""
     if action == _ACTIONS["stop"]:
