@@ -5,6 +5,7 @@
       metrics.jsonl                 one line per step (METRICS)
       validation.jsonl              one line per validation on data.dev (VALIDATION)
       validation/step_000010.jsonl  that validation's question-by-question results (validation_records)
+      guards.jsonl                  one line per guard event: step, guard, numbers, what was done (GUARDS)
       sft/                          a cold-start SFT run, laid out the same way (SFT_DIR)
       checkpoints/latest            name of the newest complete checkpoint (LATEST)
       checkpoints/step_000012/      one checkpoint (checkpoint_dir):
@@ -31,6 +32,7 @@ RUN_INFO = "run.json"
 METRICS = "metrics.jsonl"
 VALIDATION = "validation.jsonl"
 VALIDATION_DIR = "validation"
+GUARDS = "guards.jsonl"
 SFT_DIR = "sft"
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"

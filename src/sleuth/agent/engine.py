@@ -143,6 +143,7 @@ class _Engine:
                     traj.retrieval_count += 1
                     state.windows.append(list(per_query))
                 traj.initial_search = bool(initial[i])
+                traj.initial_queries = len(initial[i])
                 states.append(state)
         return states
 

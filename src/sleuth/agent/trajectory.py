@@ -62,6 +62,7 @@ class Trajectory:
     obs_truncated_tokens: int = 0  # inserted tokens cut to max_obs_tokens
     logprobs_missing: bool = False  # the backend returned no per-token log-probs
     initial_search: bool = False  # documents were retrieved before the first generation (s3)
+    initial_queries: int = 0  # how many of `queries` the loop ran before the first generation (not the policy's)
     generation_finish_reasons: list[str] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)  # loop-specific flags (format checks...)
     rewards: dict[str, float] = field(default_factory=dict)  # filled by the reward function
@@ -97,7 +98,7 @@ class Trajectory:
 
 ENGINE_FIELDS = (
     "group", "sample", "invalid_actions", "forced_final", "search_after_limit", "obs_truncated_tokens",
-    "logprobs_missing", "initial_search", "generation_finish_reasons",
+    "logprobs_missing", "initial_search", "initial_queries", "generation_finish_reasons",
 )
 
 

@@ -35,6 +35,7 @@ from sleuth.eval.compare import paired_rows
 from sleuth.eval.stats import bootstrap_ci, paired_bootstrap
 from sleuth.rewards.metrics import exact_match, normalize_answer
 from sleuth.run_layout import (
+    GUARDS,
     METRICS,
     REWARD_EVERY_ROLLOUT,
     RUN_INFO,
@@ -283,6 +284,7 @@ class TrainingRun:
     info: dict  # run.json, {} if absent
     rollout_files: list[Path]
     validations: list[Validation] = field(default_factory=list)  # sorted by step
+    guard_events: list[dict] = field(default_factory=list)  # guards.jsonl: what the recipe's guards did
 
     @property
     def recipe(self) -> dict:
@@ -332,7 +334,9 @@ def load_training_run(metrics_path: Path, root: Path, warnings: list[str]) -> Tr
             raise DataFormatError(str(run_dir / RUN_INFO), None, "expected a JSON object")
         info = loaded
     rollouts = sorted((run_dir / "rollouts").glob("step_*.jsonl"))
-    return TrainingRun(run_dir, _label(run_dir, root), rows, info, rollouts, load_validations(run_dir, warnings))
+    events = read_jsonl(run_dir / GUARDS)[0] if (run_dir / GUARDS).exists() else []
+    return TrainingRun(run_dir, _label(run_dir, root), rows, info, rollouts, load_validations(run_dir, warnings),
+                       events)
 
 
 def load_validations(run_dir: Path, warnings: list[str]) -> list[Validation]:
@@ -599,6 +603,76 @@ def plot_behaviour(run: TrainingRun) -> str | None:
 
 def plot_optimisation(run: TrainingRun) -> str | None:
     return _small_multiples(run, _OPTIM_KEYS, "Optimisation: KL, entropy, losses")
+
+
+HEALTH_KEYS = (
+    "health/no_search", "health/repeated_query", "health/invalid_action", "health/unsupported_answer",
+    "health/truncated", "health/distinct_queries", "health/zero_advantage_groups", "health/nonfinite_skips",
+    "health/response_length_trend", "health/entropy_trend", "actor/entropy",
+)
+
+
+def guard_thresholds(run: TrainingRun) -> dict[str, list[tuple[float, str]]]:
+    """metric -> (threshold, guard name) of the recipe's `below` / `above` guards (run.json)."""
+    guards = (run.recipe.get("trainer") or {}).get("guards") or []
+    out: dict[str, list[tuple[float, str]]] = {}
+    for g in guards:
+        if isinstance(g, dict) and g.get("kind") in ("below", "above") and _is_number(g.get("value")):
+            out.setdefault(str(g.get("metric")), []).append((float(g["value"]), str(g.get("name"))))
+    return out
+
+
+def plot_health(run: TrainingRun) -> str | None:
+    """The health metrics (sleuth.rl.health), each with its guards' thresholds (dashed) and every guard
+    event of the run (a red line at its step, labelled with the guard and what was done)."""
+    present = [k for k in HEALTH_KEYS if k in run.numeric_keys()]
+    if not any(k.startswith("health/") for k in present):
+        return None
+    ncols = min(3, len(present))
+    nrows = math.ceil(len(present) / ncols)
+    fig = _new_figure(3.3 * ncols, 2.5 * nrows + 0.5)
+    fig.suptitle("Health per step: guard thresholds dashed, guard events in red", fontsize=10)
+    weight = smoothing_weight(len(run.rows))
+    thresholds = guard_thresholds(run)
+    for i, key in enumerate(present):
+        ax = fig.add_subplot(nrows, ncols, i + 1)
+        steps, values = run.series(key)
+        _plot_line(ax, steps, values, _COLORS[i % len(_COLORS)], key, weight)
+        for value, name in thresholds.get(key, []):
+            ax.axhline(value, color="#d62728", linestyle="--", linewidth=1)
+            ax.text(0.01, value, f" {name}", transform=ax.get_yaxis_transform(), fontsize=6, color="#d62728")
+        for event in run.guard_events:
+            ax.axvline(event.get("step", 0), color="#d62728", linewidth=1, alpha=0.7)
+            ax.text(event.get("step", 0), 0.98, f" {event.get('guard')}: {event.get('outcome', '').split(' ')[0]}",
+                    transform=ax.get_xaxis_transform(), fontsize=6, color="#d62728", va="top", rotation=90)
+        ax.set_title(key, fontsize=9)
+        ax.tick_params(labelsize=8)
+        ax.grid(alpha=0.3)
+    return _png_data_uri(fig)
+
+
+def health_verdict(events: Sequence[Mapping[str, Any]]) -> str:
+    """One line per run: healthy / warned / rolled back / stopped, at which step and why."""
+    def say(e: Mapping[str, Any]) -> str:
+        return f"at step {e.get('step')} because {e.get('guard')}: {e.get('message')}"
+
+    stops = [e for e in events if str(e.get("outcome", "")).startswith("stopped")]
+    rollbacks = [e for e in events if str(e.get("outcome", "")).startswith("rolled back")]
+    warned = [e for e in events if e.get("outcome") == "warned"]
+    parts = [f"rolled back {say(e)}" for e in rollbacks] + [f"stopped {say(e)}" for e in stops]
+    if warned:
+        parts.append("warned " + "; ".join(f"at step {e.get('step')} ({e.get('guard')})" for e in warned))
+    return "; ".join(parts) if parts else "healthy (no guard fired)"
+
+
+def training_verdicts(run_dir: str | Path) -> list[tuple[str, str]]:
+    """(run label, verdict) for every training run under `run_dir` (its guards.jsonl; none: healthy)."""
+    root = Path(run_dir)
+    out = []
+    for metrics in sorted(root.rglob(METRICS)):
+        events = read_jsonl(metrics.parent / GUARDS)[0] if (metrics.parent / GUARDS).exists() else []
+        out.append((_label(metrics.parent, root), health_verdict(events)))
+    return out
 
 
 _MEMORY_KEYS = ("memory/device_in_use_gib", "memory/peak_allocated_gib", "memory/host_peak_rss_gib")
@@ -973,12 +1047,14 @@ def render_report(data: RunData, title: str | None = None, notes: list[str] | No
                 "has_run_json": bool(run.info),
                 "n_steps": len(run.rows),
                 "validation": validation_change(run.validations),
+                "verdict": health_verdict(run.guard_events),
                 "plots": [
                     (name, uri)
                     for name, uri in (
                         ("rewards", plot_rewards(run)),
                         ("behaviour", plot_behaviour(run)),
                         ("optimisation", plot_optimisation(run)),
+                        ("health", plot_health(run)),
                         ("time", plot_time(run)),
                         ("memory", plot_memory(run)),
                     )

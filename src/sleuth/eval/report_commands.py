@@ -22,7 +22,7 @@ def register(app: typer.Typer) -> None:
         from rich.console import Console
 
         from sleuth.errors import SleuthError
-        from sleuth.eval.report import build_report
+        from sleuth.eval.report import build_report, training_verdicts
 
         console = Console()
         try:
@@ -31,3 +31,5 @@ def register(app: typer.Typer) -> None:
             console.print(f"[red]error:[/] {err}")
             raise typer.Exit(2) from None
         console.print(f"[green]report written[/]: {path} ({path.stat().st_size / 1024:.0f} KiB)")
+        for label, verdict in training_verdicts(run_dir):
+            console.print(f"{label}: {verdict}", markup=False, highlight=False)

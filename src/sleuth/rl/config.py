@@ -18,6 +18,7 @@ from sleuth.agent.registry import find_method, load_plugins, loop_names
 from sleuth.errors import ConfigError
 from sleuth.retrieval.tools import HTTPSearchConfig, MCPToolConfig
 from sleuth.rl.advantages import ADVANTAGE_ESTIMATORS, needs_critic, needs_groups
+from sleuth.rl.guard_config import GuardConfig, default_guards
 from sleuth.rl.losses import POLICY_LOSSES
 from sleuth.utils import RetryPolicy, read_yaml, validation_message
 
@@ -213,6 +214,16 @@ class TrainerConfig(_Strict):
     # stop after the step that passes this wall time (minutes since this process started training),
     # with a checkpoint; a resumed run continues towards total_steps
     time_limit_minutes: float | None = Field(None, gt=0)
+    # conditions over the health metrics or validation, each with an action (sleuth.rl.guard_config)
+    guards: list[GuardConfig] = Field(default_factory=default_guards)
+
+    @model_validator(mode="after")
+    def _unique_guard_names(self) -> TrainerConfig:
+        names = [g.name for g in self.guards]
+        repeated = sorted({n for n in names if names.count(n) > 1})
+        if repeated:
+            raise ValueError(f"trainer.guards: each guard needs its own name; repeated: {', '.join(repeated)}")
+        return self
 
 
 class SFTConfig(_Strict):

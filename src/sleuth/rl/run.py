@@ -85,6 +85,7 @@ class Run:
     last_saved: int = 0
     compile_seconds_logged: float = 0.0
     val_examples: list[QAExample] = field(default_factory=list)  # data.dev's first trainer.eval_examples
+    guards: Any = None  # sleuth.rl.guard_actions.GuardState, set by the trainer
 
     @property
     def models(self) -> dict[str, nn.Module]:

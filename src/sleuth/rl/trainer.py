@@ -49,6 +49,8 @@ from sleuth.rl.dist import (
     init_distributed,
     unwrap,
 )
+from sleuth.rl.guard_actions import act_on_guards, final_message, record_step, start_guards
+from sleuth.rl.health import health_metrics
 from sleuth.rl.models import (
     autocast,
     dtype_of,
@@ -69,7 +71,7 @@ from sleuth.rl.step_metrics import (
     step_metrics,
 )
 from sleuth.rl.validate import already_validated, validate, validation_due
-from sleuth.run_layout import CHECKPOINTS, METRICS, SFT_DIR, checkpoint_dir
+from sleuth.run_layout import CHECKPOINTS, METRICS, SFT_DIR, checkpoint_dir, latest_checkpoint
 from sleuth.utils import atomic_path, is_write_failure
 
 
@@ -120,12 +122,19 @@ def _train(recipe: Recipe, *, resume: bool = False, console: Any = None) -> dict
     run = setup(recipe, ctx, console, resume)
     if run.val_examples and validation_due(recipe, run.start_step) and not already_validated(run, run.start_step):
         validate(run, run.start_step)  # before training, or the one a stop right after a checkpoint missed
+    run.guards = start_guards(run)
     started = time.monotonic()
     metrics: dict[str, float] = {}  # the last step's, for the final report
-    done = run.start_step
-    for step in range(run.start_step, recipe.trainer.total_steps):
+    done = step = run.start_step
+    while step < recipe.trainer.total_steps:
         metrics = train_step(run, step)
-        done = step + 1
+        step = done = step + 1
+        if run.guards.stopped:
+            break
+        if run.guards.rewound_to is not None:  # a guard rolled back: go on from its checkpoint
+            step = done = run.guards.rewound_to
+            run.guards.rewound_to = None
+            continue
         if done < recipe.trainer.total_steps and _past_time_limit(run, started):
             # like a scheduler's wall-time limit: keep every finished step; `--resume` continues
             if recipe.trainer.save_every and run.last_saved != done:  # save_every 0: no checkpoints at all
@@ -139,10 +148,17 @@ def _train(recipe: Recipe, *, resume: bool = False, console: Any = None) -> dict
             break
     if run.services.baseline_cache is not None:
         run.services.baseline_cache.save()
-    # the checkpoint this run wrote (or resumed from, when nothing was left to do): never an older run's
+    # the checkpoint this run wrote (or resumed from, when nothing was left to do): never an older run's;
+    # a guard's rollback deletes the steps it abandoned, and then the run's last checkpoint is the one kept
     final = checkpoint_dir(run.out_dir, run.last_saved) if run.last_saved > 0 else None
+    if final is not None and not final.exists():
+        final = latest_checkpoint(run.out_dir)
+    guarded = final_message(run.guards)
     result = {"out_dir": str(run.out_dir), "checkpoint": str(final) if final else None, "steps_done": done,
-              "stopped_at_time_limit": done < recipe.trainer.total_steps}
+              "stopped_at_time_limit": done < recipe.trainer.total_steps and not run.guards.stopped,
+              "stopped_by_guard": run.guards.stopped, "guards": guarded}
+    if guarded:
+        console.print(f"[bold]guards[/]: {guarded}")
     if run.log is not None:
         run.log.finish({**result, "steps": recipe.trainer.total_steps, "final_metrics": metrics})
     return result
@@ -182,8 +198,8 @@ def train_step(run: Run, step: int) -> dict[str, float]:
         s.step()
     if run.rollout_model is not None:
         sync_rollout_copy(run.rollout_model, run.policy)
-    if hasattr(run.generator, "refresh_weights"):  # the decode engine's copy (a collective under FSDP)
-        run.generator.refresh_weights()
+    if hasattr(run.generator, "refresh_weights"):
+        run.generator.refresh_weights()  # the decode engine's copy (a collective under FSDP)
     t_update = time.perf_counter() - t2
 
     # 4. log (metrics averaged over ranks; every rank holds an equal share of the batch)
@@ -197,8 +213,12 @@ def train_step(run: Run, step: int) -> dict[str, float]:
         run.last_saved = done
 
     # 6. validation on data.dev (after the checkpoint: a failure here loses no training)
-    if run.val_examples and validation_due(recipe, done):
+    validated = bool(run.val_examples) and validation_due(recipe, done)
+    if validated:
         validate(run, done)
+
+    # 7. guards (sleuth.rl.guard_actions): warn, stop with a checkpoint, or roll back
+    act_on_guards(run, done, validated)
     return metrics
 
 
@@ -275,7 +295,6 @@ def _log_step(run: Run, step: int, stage: int, collected: Collected, batch: Step
     ctx, recipe, mask = run.ctx, run.recipe, batch.tokens.action_mask
     answers = get_method(recipe.agent.loop).answers
     metrics = step_metrics(batch.trajs, batch.scores, collected.all_rewards, mask, batch.kl, stats, answers=answers)
-    # a non-HF generator never compiles; the decode engine captures graphs instead
     compiled = getattr(run.generator, "compile_seconds", 0.0) + getattr(run.generator, "capture_seconds", 0.0)
     metrics.update({
         "stage": float(stage),
@@ -293,10 +312,12 @@ def _log_step(run: Run, step: int, stage: int, collected: Collected, batch: Step
     failed = failed_trajectories(collected.trajs_all)
     metrics["rollout/errors"] = float(len(failed))
     metrics = mean_over_ranks(metrics, ctx)
+    metrics.update(health_metrics(collected.trajs_all, collected.all_rewards, stats, ctx))  # global ratios
     metrics["lr"] = run.schedulers["policy"].get_last_lr()[0]
     if ctx.enabled:
         metrics["tokens/policy_per_s"] *= ctx.world_size
     if ctx.is_main:
+        record_step(run, step + 1, metrics)  # the guards' history; adds the trend metrics
         run.log.write(step + 1, metrics)
         run.console.print(format_line(step + 1, recipe.trainer.total_steps, metrics))
         kept = batch.trajs
