@@ -18,7 +18,13 @@ from typing import Any
 from sleuth.agent import get_loop
 from sleuth.errors import ConfigError
 from sleuth.llm.registry import resolve_model_path
+from sleuth.llm.special_tokens import (
+    align_chat_special_tokens,
+    align_model_special_ids,
+    write_compatible_files,
+)
 from sleuth.run_layout import SEARCHER_FILE, SearcherInfo, resolve_checkpoint
+from sleuth.utils import give_normal_permissions
 
 __all__ = ["SEARCHER_FILE", "EXPORT_DTYPES", "Searcher", "export_searcher", "load_searcher", "resolve_checkpoint"]
 EXPORT_DTYPES = ("keep", "float32", "bfloat16", "float16")
@@ -100,6 +106,9 @@ def export_searcher(
         )
     if dtype != "keep":
         model = model.to(getattr(torch, dtype))
+    # a checkpoint trained from a tokenizer with the wrong eos (<|im_start|>) exports the chat turn end
+    align_chat_special_tokens(tokenizer)
+    align_model_special_ids(model, tokenizer)
     info = replace(searcher.info, lora=False, policy_dir=".", extra={
         **searcher.info.extra,
         "exported_from": str(ckpt.resolve()),
@@ -112,7 +121,9 @@ def export_searcher(
     try:
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
+        write_compatible_files(tmp)
         info.write(tmp)
+        give_normal_permissions(tmp)
         if out.is_dir():
             shutil.rmtree(out)
         elif out.exists():

@@ -32,7 +32,7 @@ from sleuth.retrieval.docstore import DocStore
 from sleuth.retrieval.encoders import Encoder, EncoderConfig
 from sleuth.retrieval.hybrid import HybridRetriever
 from sleuth.retrieval.sharded import build_sharded_faiss, load_sharded
-from sleuth.utils import atomic_write_json
+from sleuth.utils import atomic_write_json, give_normal_permissions
 
 MANIFEST = "manifest.json"
 MANIFEST_VERSION = 1
@@ -109,6 +109,7 @@ def build_index(
     building = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.building-"))
     try:
         manifest = _build_into(corpus_path, kind, building, threads=threads, show_progress=show_progress, **params)
+        give_normal_permissions(building)  # mkdtemp made it 0700
         if out_dir.exists():
             shutil.rmtree(out_dir)
         building.rename(out_dir)
