@@ -88,7 +88,7 @@ def test_gguf_conversion_writes_the_turn_end_as_eos_in_all_three_files(tmp_path:
     tok = AutoTokenizer.from_pretrained(out)
     end_id = tok.convert_tokens_to_ids("<|im_end|>")
     assert tok.eos_token == tok.pad_token == "<|im_end|>"
-    assert GenerationConfig.from_pretrained(out).eos_token_id == end_id
+    assert GenerationConfig.from_pretrained(out).eos_token_id == [end_id, tok.convert_tokens_to_ids("<|im_start|>")]
     config = json.loads((out / "config.json").read_text())
     assert config["eos_token_id"] == config["pad_token_id"] == end_id
     assert json.loads((out / "tokenizer_config.json").read_text())["tokenizer_class"] in KNOWN_TO_TRANSFORMERS_4

@@ -107,8 +107,8 @@ def export_searcher(
     if dtype != "keep":
         model = model.to(getattr(torch, dtype))
     # a checkpoint trained from a tokenizer with the wrong eos (<|im_start|>) exports the chat turn end
-    align_chat_special_tokens(tokenizer)
-    align_model_special_ids(model, tokenizer)
+    changed = align_chat_special_tokens(tokenizer)
+    align_model_special_ids(model, tokenizer, also_stop_at=changed.get("eos_token", (None,))[0])
     info = replace(searcher.info, lora=False, policy_dir=".", extra={
         **searcher.info.extra,
         "exported_from": str(ckpt.resolve()),

@@ -93,8 +93,8 @@ def ensure_converted(
             model = _load_dequantized(path, torch_dtype)
         except ImportError as err:
             raise ConfigError(f"loading {path} needs the `gguf` package: pip install gguf ({err})") from err
-        align_chat_special_tokens(tokenizer)
-        align_model_special_ids(model, tokenizer)
+        changed = align_chat_special_tokens(tokenizer)
+        align_model_special_ids(model, tokenizer, also_stop_at=changed.get("eos_token", (None,))[0])
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         write_compatible_files(tmp)

@@ -66,8 +66,13 @@ def align_chat_special_tokens(tokenizer: Any) -> dict[str, tuple[str | None, str
     return changes
 
 
-def align_model_special_ids(model: Any, tokenizer: Any) -> None:
-    """Set the model config's and generation config's bos/eos/pad ids to the tokenizer's."""
+def align_model_special_ids(model: Any, tokenizer: Any, also_stop_at: str | None = None) -> None:
+    """Set the model config's and generation config's bos/eos/pad ids to the tokenizer's.
+
+    `also_stop_at`: a token a model trained with the wrong eos may end its turns with (the old eos
+    `align_chat_special_tokens` replaced); the generation config lists it after the eos, so engines
+    that stop at `generation_config.eos_token_id` stop there too (a turn opener never belongs inside
+    an answer)."""
     ids = {
         "bos_token_id": tokenizer.bos_token_id,
         "eos_token_id": tokenizer.eos_token_id,
@@ -79,6 +84,10 @@ def align_model_special_ids(model: Any, tokenizer: Any) -> None:
         for key, value in ids.items():
             if value is not None:
                 setattr(config, key, value)
+    extra = _token_id(tokenizer, also_stop_at) if also_stop_at else None
+    gen = getattr(model, "generation_config", None)
+    if gen is not None and extra is not None and extra != tokenizer.eos_token_id:
+        gen.eos_token_id = [tokenizer.eos_token_id, extra]
 
 
 def write_compatible_files(directory: str | Path) -> None:
