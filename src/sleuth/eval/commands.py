@@ -77,6 +77,11 @@ def register(app: typer.Typer) -> None:
                  "IRCoT's reader, oracle and direct-generator, so one call compares them fairly.",
         ),
         judge: str | None = typer.Option(None, "--judge", help="LLM judge for GenAcc / judge accuracy (optional)."),
+        judge_rule: str = typer.Option(
+            "strict", "--judge-rule",
+            help="How a judge reply is read: strict (yes only when it clearly says yes) or upstream "
+                 "(s3's code: 'yes' anywhere in the reply).",
+        ),
         out: Path = typer.Option(Path("eval-results"), "--out", "-o", help="Output directory (resumable)."),
         limit: int | None = typer.Option(None, "--limit", help="First N questions of each data file."),
         seed: int = typer.Option(0, "--seed", help="Random seed."),
@@ -133,7 +138,8 @@ def register(app: typer.Typer) -> None:
             budgets = {**checkpoint_budgets(model), **{k: v for k, v in given.items() if v is not None}}
             cfg = EvalConfig(
                 batch_size=batch_size, seed=seed, answer_max_new_tokens=answer_max_new_tokens,
-                r_search_evidence=r_search_evidence, keep_token_ids=keep_token_ids, fresh=fresh, **budgets,
+                r_search_evidence=r_search_evidence, keep_token_ids=keep_token_ids, fresh=fresh,
+                judge_rule=judge_rule, **budgets,
             )
             examples = load_eval_data(data, limit)
         except (SleuthError, OSError) as err:

@@ -80,6 +80,7 @@ from sleuth.retrieval.tools import is_tool_spec
 from sleuth.rewards.answerer import (
     DEFAULT_DOC_TEMPLATE,
     DOC_TEMPLATES,
+    JUDGE_RULES,
     answer_from_evidence,
     gen_acc,
     judge_contains,
@@ -165,6 +166,7 @@ class EvalConfig:
     keep_token_ids: bool = False  # store token ids / masks / logprobs in trajectories (large)
     fresh: bool = False  # discard existing predictions instead of resuming
     default_dataset: str = "data"  # dataset name for examples without metadata["dataset"]
+    judge_rule: str = "strict"  # how a judge reply is read: "strict" or s3's "upstream" ("yes" anywhere)
 
     def __post_init__(self) -> None:
         for name in ("batch_size", "max_new_tokens", "answer_max_new_tokens", "max_obs_tokens", "max_response_tokens"):
@@ -177,6 +179,8 @@ class EvalConfig:
         if self.answer_template not in DOC_TEMPLATES:
             choices = " or ".join(repr(x) for x in DOC_TEMPLATES)
             raise ConfigError(f"answer_template must be {choices}, got {self.answer_template!r}")
+        if self.judge_rule not in JUDGE_RULES:
+            raise ConfigError(f"judge_rule must be one of {list(JUDGE_RULES)}, got {self.judge_rule!r}")
         if self.default_dataset == "overall":
             raise ConfigError("default_dataset 'overall' collides with the overall summary row")
 
@@ -427,9 +431,11 @@ def score_predictions(
     golden_answers: Sequence[Sequence[str]],
     predictions: Sequence[str | None],
     judge: Generator | None = None,
+    judge_rule: str = "strict",
 ) -> list[dict[str, float | None]]:
     """EM, cover-EM, F1, span_check, judge (None without a judge; 0 for a missing prediction) and
-    GenAcc = span_check OR judge (s3). The judge is asked about every prediction in one call."""
+    GenAcc = span_check OR judge (s3). The judge is asked about every prediction in one call; its
+    replies are read with `judge_rule` (`sleuth.rewards.answerer.JUDGE_RULES`)."""
     verdicts: list[float | None] = [None] * len(predictions)
     if judge is not None:
         ask = [i for i, p in enumerate(predictions) if p is not None and p.strip()]
@@ -437,7 +443,7 @@ def score_predictions(
             verdicts[i] = 0.0
         if ask:
             said = judge_contains(judge, [questions[i] for i in ask], [golden_answers[i] for i in ask],
-                                  [predictions[i] or "" for i in ask])
+                                  [predictions[i] or "" for i in ask], rule=judge_rule)
             for i, ok in zip(ask, said, strict=True):
                 verdicts[i] = float(ok)
     out = []
@@ -679,7 +685,7 @@ def run_method(
             raise RuntimeError(f"method {method} returned {len(outputs)} outputs for {len(batch)} questions")
         metrics = score_predictions(
             [ex.question for ex in examples], [ex.golden_answers for ex in examples],
-            [o.prediction for o in outputs], judge,
+            [o.prediction for o in outputs], judge, cfg.judge_rule,
         )
         records = []
         for it, out, m in zip(batch, outputs, metrics, strict=True):

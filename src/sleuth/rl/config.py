@@ -107,6 +107,20 @@ class KLConfig(_Strict):
     coef: float = Field(0.001, ge=0.0)
     mode: Literal["penalty", "loss"] = "loss"
     estimator: Literal["k1", "abs", "k2", "mse", "k3", "low_var_kl"] = "low_var_kl"
+    # verl's algorithm.kl_ctrl: "fixed" keeps coef; "adaptive" moves the reward penalty's coefficient
+    # toward target_kl after every step (AdaptiveKLController; sleuth.rl.losses.adaptive_kl_coef)
+    type: Literal["fixed", "adaptive"] = "fixed"
+    target_kl: float = Field(0.1, gt=0.0)
+    horizon: int = Field(10000, ge=1)
+
+    @model_validator(mode="after")
+    def _adaptive_needs_penalty(self) -> KLConfig:
+        if self.type == "adaptive" and (self.mode != "penalty" or self.coef <= 0):
+            raise ValueError(
+                "algorithm.kl.type: adaptive adapts the KL reward penalty, as verl's kl_ctrl does: "
+                "set algorithm.kl.mode: penalty and algorithm.kl.coef > 0 (its starting value)"
+            )
+        return self
 
 
 class AlgorithmConfig(_Strict):

@@ -236,13 +236,25 @@ def make_batch(run: Run, trajs: list[Trajectory], scores: list[float]) -> StepBa
         if old_logprobs is not None:
             kl = loss_fns.kl_penalty(old_logprobs, ref_logprobs, algo.kl.estimator)
         if algo.kl.mode == "penalty":
-            token_rewards = loss_fns.apply_kl_penalty(token_rewards, kl, kl_coef, mask)
+            token_rewards = loss_fns.apply_kl_penalty(token_rewards, kl, run.kl_coef, mask)
+            _adapt_kl_coef(run, kl, mask)
     old_values = None
     if run.critic is not None:
         run.critic.eval()
         old_values = batched_values(run.critic, tokens, micro, device)
     advantages, returns = estimate_advantages(run, token_rewards, mask, old_values, trajs)
     return StepBatch(trajs, scores, tokens, advantages, returns, old_logprobs, ref_logprobs, old_values, kl)
+
+
+def _adapt_kl_coef(run: Run, kl: torch.Tensor, mask: torch.Tensor) -> None:
+    """verl's kl_ctrl after a penalised batch: the global batch's mean sequence KL sets the next coef."""
+    kl_cfg = run.recipe.algorithm.kl
+    if kl_cfg.type != "adaptive":
+        return
+    per_seq = loss_fns.sequence_mean_kl(kl.float(), mask)
+    total = run.ctx.all_reduce_sum(torch.stack([per_seq.sum(), torch.tensor(float(len(per_seq)))]).to(kl.device))
+    current_kl, n = total[0].item() / max(total[1].item(), 1.0), int(total[1].item())
+    run.kl_coef = loss_fns.adaptive_kl_coef(run.kl_coef, current_kl, kl_cfg.target_kl, kl_cfg.horizon, n)
 
 
 def estimate_advantages(run: Run, token_rewards: torch.Tensor, mask: torch.Tensor, values: torch.Tensor | None,
@@ -269,6 +281,8 @@ def _log_step(run: Run, step: int, stage: int, collected: Collected, batch: Step
     answers = get_method(recipe.agent.loop).answers
     metrics = step_metrics(batch.trajs, batch.scores, collected.all_rewards, mask, batch.kl, stats, answers=answers)
     compiled = getattr(run.generator, "compile_seconds", 0.0)  # a non-HF generator never compiles
+    if recipe.algorithm.kl.type == "adaptive":
+        metrics["actor/kl_coef_next"] = run.kl_coef  # what adaptive KL set for the next step
     metrics.update({
         "stage": float(stage),
         "sampling_rounds": float(collected.rounds),
