@@ -200,11 +200,12 @@ class WandbConfig(_Strict):
     name: str | None = None  # None: the recipe name
     group: str | None = None
     tags: list[str] | None = None
-    mode: Literal["online", "offline", "disabled"] | None = None  # None: wandb's default (WANDB_MODE)
+    # None: offline unless WANDB_MODE / WANDB_API_KEY is set or `wandb login` saved a key (sleuth.rl.loggers)
+    mode: Literal["online", "offline", "disabled"] | None = None
 
 
 class MlflowConfig(_Strict):
-    tracking_uri: str | None = None  # None: MLFLOW_TRACKING_URI or MLflow's default
+    tracking_uri: str | None = None  # None: MLFLOW_TRACKING_URI, else a file store in <run dir>/mlruns
     experiment: str = "sleuth"
     run_name: str | None = None  # None: the recipe name
 
