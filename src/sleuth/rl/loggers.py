@@ -24,8 +24,8 @@ import json
 import os
 import re
 from pathlib import Path
-from urllib.parse import urlparse
 from typing import Any, Protocol
+from urllib.parse import urlparse
 
 from sleuth.errors import ConfigError
 from sleuth.run_layout import METRICS, VALIDATION
