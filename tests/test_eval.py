@@ -521,3 +521,35 @@ def test_resume_with_the_same_ids_but_other_questions_is_refused(tok, tmp_path):
     gen = scripted(tok)
     evaluate("direct", regenerated, None, gen, out_dir=tmp_path, config=EvalConfig(fresh=True))
     assert len(gen.calls) == 1
+
+
+def test_limit_applies_per_data_source_of_a_merged_search_r1_file(tiny_dir, tmp_path, monkeypatch):
+    """Search-R1's merged test parquet lists all nq rows before triviaqa's: `--limit 2` keeps 2 of each
+    data source (it used to keep the file's first 2, all nq), says so, and scores every data source."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from typer.testing import CliRunner
+
+    import sleuth.eval.harness as harness
+    from sleuth.cli import app
+    from test_data_formats import _search_r1_row
+
+    rows = [_search_r1_row("nq", f"test_{i}", f"nq question {i}?", ["a"], i) for i in range(4)]
+    rows += [_search_r1_row("triviaqa", f"test_{i}", f"tqa question {i}?", ["b"], 4 + i) for i in range(3)]
+    data = tmp_path / "test.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), data)
+    loaded = harness.load_eval_data([data], limit=2)
+    assert [(ex.metadata["dataset"], ex.question) for ex in loaded] == [
+        ("nq", "nq question 0?"), ("nq", "nq question 1?"), ("triviaqa", "tqa question 0?"),
+        ("triviaqa", "tqa question 1?")]
+    assert harness.count_by_dataset(harness.load_eval_data([data])) == {"nq": 4, "triviaqa": 3}
+
+    monkeypatch.setattr(harness, "resolve_retriever", lambda spec: ToyRetriever())
+    out = tmp_path / "out"
+    args = ["eval", "-m", "direct", "--data", str(data), "--retriever", "toy", "--model", str(tiny_dir),
+            "--out", str(out), "--limit", "2", "--answer-max-new-tokens", "2", "--batch-size", "4"]
+    res = CliRunner().invoke(app, args, env={"COLUMNS": "200"})
+    assert res.exit_code == 0, res.output
+    assert "--limit 2 per data source: nq 2, triviaqa 2" in res.output
+    per_dataset = json.loads((out / "summary.json").read_text())["methods"]["direct"]
+    assert per_dataset["nq"]["n"] == per_dataset["triviaqa"]["n"] == 2

@@ -83,7 +83,9 @@ def register(app: typer.Typer) -> None:
                  "(s3's code: 'yes' anywhere in the reply).",
         ),
         out: Path = typer.Option(Path("eval-results"), "--out", "-o", help="Output directory (resumable)."),
-        limit: int | None = typer.Option(None, "--limit", help="First N questions of each data file."),
+        limit: int | None = typer.Option(
+            None, "--limit", help="First N questions of each data source (dataset) of each data file: a merged "
+                                  "Search-R1 file keeps N of each of its data sources."),
         seed: int = typer.Option(0, "--seed", help="Random seed."),
         top_k: int | None = typer.Option(
             None, "--top-k", help="Documents per search (default: a checkpoint's own, else each method's)."
@@ -122,6 +124,7 @@ def register(app: typer.Typer) -> None:
             EvalConfig,
             EvalOutput,
             checkpoint_budgets,
+            count_by_dataset,
             evaluate,
             load_eval_data,
             parse_methods,
@@ -142,6 +145,9 @@ def register(app: typer.Typer) -> None:
                 judge_rule=judge_rule, **budgets,
             )
             examples = load_eval_data(data, limit)
+            if limit:
+                kept = ", ".join(f"{name} {n}" for name, n in count_by_dataset(examples).items())
+                console.print(f"--limit {limit} per data source: {kept}")
         except (SleuthError, OSError) as err:
             _fail(str(err))
         start = time.perf_counter()

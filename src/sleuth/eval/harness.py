@@ -326,7 +326,9 @@ def dataset_of(ex: QAExample, default: str) -> str:
 
 
 def load_eval_data(paths: Sequence[str | Path], limit: int | None = None) -> list[QAExample]:
-    """Examples of each file (first `limit` of each); a file's examples without a dataset name get its stem."""
+    """Examples of each file; a file's examples without a dataset name get its stem. `limit`: the first
+    `limit` questions of each data source (dataset) of each file, so a merged file (Search-R1's
+    nq + triviaqa + ... test parquet) keeps every data source, not only its first."""
     if not paths:
         raise ConfigError("no data file given; pass --data FILE (.jsonl, .json or .parquet)")
     if limit is not None and limit < 1:
@@ -339,14 +341,28 @@ def load_eval_data(paths: Sequence[str | Path], limit: int | None = None) -> lis
         examples = load_qa(path)
         if not examples:
             raise DataFormatError(str(path), None, "holds no questions")
-        for ex in examples[:limit] if limit else examples:
+        taken: dict[str, int] = {}
+        for ex in examples:
             meta = dict(ex.metadata or {})
             meta.setdefault("source_file", str(path))  # named in errors about a question
             meta.setdefault("dataset", path.stem)
             if meta["dataset"] in (None, ""):
                 meta["dataset"] = path.stem
+            source = str(meta["dataset"])
+            if limit and taken.get(source, 0) >= limit:
+                continue
+            taken[source] = taken.get(source, 0) + 1
             out.append(replace(ex, metadata=meta))
     return out
+
+
+def count_by_dataset(examples: Sequence[QAExample]) -> dict[str, int]:
+    """Questions per data source, in first-seen order (what `--limit` kept of each)."""
+    counts: dict[str, int] = {}
+    for ex in examples:
+        name = str((ex.metadata or {}).get("dataset", ""))
+        counts[name] = counts.get(name, 0) + 1
+    return counts
 
 
 @dataclass
