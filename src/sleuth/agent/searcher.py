@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from sleuth.agent import get_loop
+from sleuth.agent.registry import load_checkpoint_plugins
 from sleuth.errors import ConfigError
 from sleuth.llm.registry import resolve_model_path
 from sleuth.llm.special_tokens import (
@@ -47,6 +48,7 @@ def load_searcher(path: str | Path, device: str | None = None, merge_lora: bool 
 
     ckpt = resolve_checkpoint(path)
     info = SearcherInfo.read(ckpt)
+    load_checkpoint_plugins(info.plugins, info.loop, str(ckpt))  # before the weights: fail fast
     # a training checkpoint keeps the policy in policy/; an export is itself the model directory
     policy_dir = ckpt / info.policy_dir
     tokenizer = AutoTokenizer.from_pretrained(policy_dir)

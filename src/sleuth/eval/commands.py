@@ -127,6 +127,7 @@ def register(app: typer.Typer) -> None:
             count_by_dataset,
             evaluate,
             load_eval_data,
+            load_model_plugins,
             parse_methods,
             summary_rows,
         )
@@ -134,6 +135,7 @@ def register(app: typer.Typer) -> None:
         console = Console()
         try:
             load_plugins(plugin or [])
+            load_model_plugins(model)  # the plugin modules a checkpoint recorded for its method
             methods = parse_methods(method)
             given = {"top_k": top_k, "max_turns": max_turns, "max_new_tokens": max_new_tokens,
                      "max_obs_tokens": max_obs_tokens, "max_response_tokens": max_response_tokens}

@@ -50,7 +50,7 @@ from rich.progress import (
 
 from sleuth.agent.base import AgentLoop
 from sleuth.agent.engine import RolloutBudget, rollout
-from sleuth.agent.registry import Method, get_method
+from sleuth.agent.registry import Method, get_method, load_checkpoint_plugins
 from sleuth.agent.registry import methods as registered_methods
 from sleuth.agent.searcher import load_searcher
 from sleuth.agent.trajectory import Trajectory
@@ -202,7 +202,8 @@ def canonical_method(name: str) -> str:
     try:
         return get_method(key).display_name
     except ConfigError:
-        raise ConfigError(f"unknown method {name!r}; choose from: {', '.join(all_methods())}") from None
+        raise ConfigError(f"unknown method {name!r}; choose from: {', '.join(all_methods())} (a method from a "
+                          "plugin module: pass --plugin MODULE)") from None
 
 
 def parse_methods(methods: str | Iterable[str]) -> list[str]:
@@ -292,6 +293,14 @@ def checkpoint_budgets(spec: str | Path) -> dict[str, int]:
         "max_turns": info.loop_options.get("max_turns"),
     }
     return {k: int(v) for k, v in found.items() if isinstance(v, int)}
+
+
+def load_model_plugins(spec: Any) -> None:
+    """Import the plugin modules a checkpoint `spec` recorded for its method (nothing for other specs)."""
+    if isinstance(spec, (str, Path)) and is_sleuth_checkpoint(spec):
+        ckpt = resolve_checkpoint(spec)
+        info = SearcherInfo.read(ckpt)
+        load_checkpoint_plugins(info.plugins, info.loop, str(ckpt))
 
 
 def is_sleuth_checkpoint(spec: str | Path) -> bool:
@@ -912,6 +921,7 @@ def evaluate(
     """
     cfg = config or EvalConfig()
     output = out_dir if isinstance(out_dir, EvalOutput) else EvalOutput(out_dir)
+    load_model_plugins(model)  # a checkpoint's method may come from a plugin it recorded
     method_list = parse_methods(methods)
     items = _items(list(examples), cfg.default_dataset)
     if not items:
