@@ -90,7 +90,7 @@ def test_an_unknown_plugin_is_named() -> None:
     assert res.exit_code == 2 and "no_such_plugin_module" in res.output
 
 
-def _sleuth(args: list[str], with_plugins_on_path: bool) -> "subprocess.CompletedProcess[str]":
+def _sleuth(args: list[str], with_plugins_on_path: bool) -> subprocess.CompletedProcess[str]:
     """The CLI in a fresh process: the plugin is registered only if something imports it there."""
     import os
     import subprocess
