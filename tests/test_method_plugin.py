@@ -4,6 +4,8 @@ step, evaluates and serves through the CLI, with no edit to sleuth."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -92,8 +94,6 @@ def test_an_unknown_plugin_is_named() -> None:
 
 def _sleuth(args: list[str], with_plugins_on_path: bool) -> subprocess.CompletedProcess[str]:
     """The CLI in a fresh process: the plugin is registered only if something imports it there."""
-    import os
-    import subprocess
 
     paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and Path(p) != PLUGINS]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(([str(PLUGINS)] if with_plugins_on_path else []) + paths),
