@@ -82,6 +82,10 @@ def register(app: typer.Typer) -> None:
             help="How a judge reply is read: strict (yes only when it clearly says yes) or upstream "
                  "(s3's code: 'yes' anywhere in the reply).",
         ),
+        retriever_cache: Path | None = typer.Option(
+            None, "--retriever-cache",
+            help="Directory recording every search (any retriever or search tool); a later run replays them.",
+        ),
         out: Path = typer.Option(Path("eval-results"), "--out", "-o", help="Output directory (resumable)."),
         limit: int | None = typer.Option(
             None, "--limit", help="First N questions of each data source (dataset) of each data file: a merged "
@@ -144,7 +148,7 @@ def register(app: typer.Typer) -> None:
             cfg = EvalConfig(
                 batch_size=batch_size, seed=seed, answer_max_new_tokens=answer_max_new_tokens,
                 r_search_evidence=r_search_evidence, keep_token_ids=keep_token_ids, fresh=fresh,
-                judge_rule=judge_rule, **budgets,
+                judge_rule=judge_rule, retriever_cache=str(retriever_cache) if retriever_cache else None, **budgets,
             )
             examples = load_eval_data(data, limit)
             if limit:
@@ -173,4 +177,8 @@ def register(app: typer.Typer) -> None:
                 console, "minus naive-rag on the same questions: points [95% paired bootstrap interval]", header, rows,
                 keys=1,
             )
+        if summary.get("retriever_cache"):
+            cached = summary["retriever_cache"]
+            console.print(f"retriever cache {cached['dir']}: {cached['retriever/cache_hits']:.0f} searches replayed, "
+                          f"{cached['retriever/cache_misses']:.0f} searched and recorded", highlight=False)
         console.print(f"predictions: {out}/<method>/predictions.jsonl   summary: {out}/summary.json, summary.md")

@@ -74,6 +74,7 @@ from sleuth.eval.stats import DEFAULT_RESAMPLES, bootstrap_ci, bootstrap_cis
 from sleuth.llm.base import Generator, SamplingParams
 from sleuth.llm.registry import open_generator
 from sleuth.retrieval.base import Retriever
+from sleuth.retrieval.cache import CachingRetriever, cache_stats
 from sleuth.retrieval.docstore import passages_by_id
 from sleuth.retrieval.sources import open_retriever
 from sleuth.retrieval.tools import is_tool_spec
@@ -167,6 +168,7 @@ class EvalConfig:
     fresh: bool = False  # discard existing predictions instead of resuming
     default_dataset: str = "data"  # dataset name for examples without metadata["dataset"]
     judge_rule: str = "strict"  # how a judge reply is read: "strict" or s3's "upstream" ("yes" anywhere)
+    retriever_cache: str | None = None  # record every search here, replay it next time (sleuth.retrieval.cache)
 
     def __post_init__(self) -> None:
         for name in ("batch_size", "max_new_tokens", "answer_max_new_tokens", "max_obs_tokens", "max_response_tokens"):
@@ -308,21 +310,25 @@ def is_sleuth_checkpoint(spec: str | Path) -> bool:
     return is_searcher_checkpoint(spec)
 
 
-def resolve_retriever(spec: Retriever | str | Path | None) -> Retriever | None:
-    """An index directory -> `load_retriever`; an http(s) URL -> `RemoteRetriever`; objects pass through."""
+def resolve_retriever(spec: Retriever | str | Path | None, cache: str | Path | None = None) -> Retriever | None:
+    """An index directory -> `load_retriever`; an http(s) URL -> `RemoteRetriever`; objects pass through.
+    `cache`: a directory recording every search and replaying it next time (`sleuth.retrieval.cache`)."""
     if spec is None:
         return None
     if hasattr(spec, "search") and not isinstance(spec, (str, Path)):
-        return spec  # type: ignore[return-value]
+        if cache is None:
+            return spec  # type: ignore[return-value]
+        return CachingRetriever(spec, cache, f"object:{type(spec).__qualname__}:{spec!r}")  # type: ignore[arg-type]
     text = str(spec)
     if is_tool_spec(text):  # an MCP server's search tool or an HTTP search API
-        return open_retriever(tool=text)
+        return open_retriever(tool=text, cache=cache)
     if text.startswith(("http://", "https://")):
-        return open_retriever(url=text)
+        return open_retriever(url=text, cache=cache)
     return open_retriever(
         index=Path(text).expanduser(),
         missing_index=f"retriever {text!r} is neither an index directory nor an http(s) URL; "
         "build an index with `sleuth index CORPUS --out DIR` or start one with `sleuth serve-retriever`",
+        cache=cache,
     )
 
 
@@ -937,7 +943,7 @@ def evaluate(
         )
 
     models = _load_models(model, generator, judge, retriever, bool(needs_retrieval))
-    retriever_obj = resolve_retriever(retriever) if needs_retrieval else None
+    retriever_obj = resolve_retriever(retriever, cfg.retriever_cache) if needs_retrieval else None
     if any(BASELINES[m].needs_gold for m in method_list if m in BASELINES):
         passages_by_id(retriever_obj, [])  # a retriever that cannot look ids up fails before any method runs
     ctx = _Context(models.model, models.generator, retriever_obj, cfg)
@@ -955,6 +961,8 @@ def evaluate(
         "config": _run_config(models.descs, cfg, method_list, items, output.run_info),
         "method_configs": {m: method_configs[m] for m in ordered if m in method_configs},
     }
+    if cache_stats(retriever_obj):  # this call's replayed / searched queries
+        summary["retriever_cache"] = {"dir": cfg.retriever_cache, **cache_stats(retriever_obj)}
     paired = _compare_with_naive_rag(out, ordered, run_records, items, cfg.seed)
     if paired is not None:
         summary["paired"] = paired

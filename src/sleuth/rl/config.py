@@ -71,6 +71,7 @@ class RetrieverConfig(_Strict):
     corpus: str | None = None  # optional: check the index was built from this corpus
     mcp: MCPToolConfig | None = None  # an MCP server's search tool (sleuth.retrieval.tools)
     http: HTTPSearchConfig | None = None  # an HTTP search API (sleuth.retrieval.tools)
+    cache: str | None = None  # a directory recording every search, replayed next time (sleuth.retrieval.cache)
 
     @model_validator(mode="after")
     def _one_source(self) -> RetrieverConfig:

@@ -64,7 +64,7 @@ def build_retriever(recipe: Recipe) -> Retriever:
     section = recipe.retriever
     tool = ToolRetrieverConfig(mcp=section.mcp, http=section.http) if section.mcp is not None or section.http is not None else None
     return open_retriever(index=section.index, url=section.url, tool=tool, corpus=section.corpus,
-                          retry=recipe.services.retry.policy())
+                          retry=recipe.services.retry.policy(), cache=section.cache)
 
 
 def loop_options(recipe: Recipe) -> dict[str, Any]:

@@ -27,6 +27,7 @@ from sleuth.agent.engine import rollout
 from sleuth.agent.registry import get_method
 from sleuth.agent.trajectory import Trajectory, write_trajectories
 from sleuth.errors import ServiceError
+from sleuth.retrieval.cache import cache_stats
 from sleuth.rewards.base import failed_trajectories, guarded_rewards
 from sleuth.rl import advantages as adv_fns
 from sleuth.rl import losses as loss_fns
@@ -281,6 +282,7 @@ def _log_step(run: Run, step: int, stage: int, collected: Collected, batch: Step
     answers = get_method(recipe.agent.loop).answers
     metrics = step_metrics(batch.trajs, batch.scores, collected.all_rewards, mask, batch.kl, stats, answers=answers)
     compiled = getattr(run.generator, "compile_seconds", 0.0)  # a non-HF generator never compiles
+    metrics.update(cache_stats(run.retriever))  # replayed / searched queries with retriever.cache
     if recipe.algorithm.kl.type == "adaptive":
         metrics["actor/kl_coef_next"] = run.kl_coef  # what adaptive KL set for the next step
     metrics.update({
