@@ -22,6 +22,8 @@ from sleuth.llm.registry import resolve_model_path
 from sleuth.llm.special_tokens import (
     align_chat_special_tokens,
     align_model_special_ids,
+    disable_bpe_cleanup,
+    peft_deprecation_silenced,
     write_compatible_files,
 )
 from sleuth.run_layout import SEARCHER_FILE, SearcherInfo, resolve_checkpoint
@@ -57,7 +59,8 @@ def load_searcher(path: str | Path, device: str | None = None, merge_lora: bool 
 
         base_path = resolve_model_path(info.base_model)
         base = AutoModelForCausalLM.from_pretrained(base_path)
-        model = PeftModel.from_pretrained(base, policy_dir)
+        with peft_deprecation_silenced():
+            model = PeftModel.from_pretrained(base, policy_dir)
         model.peft_config["default"].base_model_name_or_path = str(base_path)  # not the training machine's path
         if merge_lora:
             model = model.merge_and_unload()
@@ -110,6 +113,7 @@ def export_searcher(
         model = model.to(getattr(torch, dtype))
     # a checkpoint trained from a tokenizer with the wrong eos (<|im_start|>) exports the chat turn end
     changed = align_chat_special_tokens(tokenizer)
+    disable_bpe_cleanup(tokenizer)
     align_model_special_ids(model, tokenizer, also_stop_at=changed.get("eos_token", (None,))[0])
     info = replace(searcher.info, lora=False, policy_dir=".", extra={
         **searcher.info.extra,

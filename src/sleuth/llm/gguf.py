@@ -24,6 +24,7 @@ from sleuth.errors import ConfigError
 from sleuth.llm.special_tokens import (
     align_chat_special_tokens,
     align_model_special_ids,
+    disable_bpe_cleanup,
     write_compatible_files,
 )
 from sleuth.utils import give_normal_permissions
@@ -94,6 +95,7 @@ def ensure_converted(
         except ImportError as err:
             raise ConfigError(f"loading {path} needs the `gguf` package: pip install gguf ({err})") from err
         changed = align_chat_special_tokens(tokenizer)
+        disable_bpe_cleanup(tokenizer)
         align_model_special_ids(model, tokenizer, also_stop_at=changed.get("eos_token", (None,))[0])
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)

@@ -13,6 +13,9 @@ stop at the wrong token. `align_chat_special_tokens` repairs a tokenizer in plac
 from __future__ import annotations
 
 import json
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +67,30 @@ def align_chat_special_tokens(tokenizer: Any) -> dict[str, tuple[str | None, str
         tokenizer.pad_token = turn_end
         changes["pad_token"] = (old_pad, turn_end)
     return changes
+
+
+def disable_bpe_cleanup(tokenizer: Any) -> bool:
+    """Turn off `clean_up_tokenization_spaces` on a BPE tokenizer; True if it was on.
+
+    The clean-up targets WordPiece and deletes real spaces before punctuation in BPE output; transformers
+    5 ignores it for BPE with a warning on the first decode, 4.x applies it. Off, both decode alike."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    is_bpe = backend is not None and type(backend.model).__name__ == "BPE"
+    if not (is_bpe and getattr(tokenizer, "clean_up_tokenization_spaces", False)):
+        return False
+    tokenizer.clean_up_tokenization_spaces = False
+    if isinstance(getattr(tokenizer, "init_kwargs", None), dict):
+        tokenizer.init_kwargs["clean_up_tokenization_spaces"] = False  # what save_pretrained writes
+    return True
+
+
+@contextmanager
+def peft_deprecation_silenced() -> Iterator[None]:
+    """Around peft's model wrapping: peft reads `model.is_gradient_checkpointing`, which transformers 5
+    deprecates with a FutureWarning on every load; only that warning, only there, is filtered."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+        yield
 
 
 def align_model_special_ids(model: Any, tokenizer: Any, also_stop_at: str | None = None) -> None:

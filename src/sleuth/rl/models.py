@@ -12,6 +12,7 @@ from torch import nn
 
 from sleuth.errors import ConfigError
 from sleuth.llm.registry import resolve_model_path
+from sleuth.llm.special_tokens import peft_deprecation_silenced
 from sleuth.rl.config import Recipe
 from sleuth.rl.dist import unwrap
 
@@ -61,22 +62,24 @@ def load_policy(recipe: Recipe, device: torch.device, adapter_dir: Path | None =
         from peft import LoraConfig, PeftModel, get_peft_model
 
         if adapter_dir is not None:
-            model = PeftModel.from_pretrained(model, adapter_dir, is_trainable=True)
+            with peft_deprecation_silenced():
+                model = PeftModel.from_pretrained(model, adapter_dir, is_trainable=True)
             # the adapter names the base as found where it was trained (another machine's path); name the
             # base loaded here, so the next save records it and peft finds its config
             model.peft_config["default"].base_model_name_or_path = str(path)
         else:
             lora = recipe.model.lora
-            model = get_peft_model(
-                model,
-                LoraConfig(
-                    r=lora.r,
-                    lora_alpha=lora.alpha,
-                    lora_dropout=lora.dropout,
-                    target_modules=lora.target_modules,
-                    task_type="CAUSAL_LM",
-                ),
-            )
+            with peft_deprecation_silenced():
+                model = get_peft_model(
+                    model,
+                    LoraConfig(
+                        r=lora.r,
+                        lora_alpha=lora.alpha,
+                        lora_dropout=lora.dropout,
+                        target_modules=lora.target_modules,
+                        task_type="CAUSAL_LM",
+                    ),
+                )
     elif adapter_dir is not None:
         model = AutoModelForCausalLM.from_pretrained(adapter_dir, dtype=dtype).to(device)
     return tokenizer, model, path
