@@ -178,3 +178,7 @@ def test_adaptive_kl_moves_the_coefficient_each_step_and_resumes_it(small_world:
     assert [m["actor/kl_coef_next"] for m in metrics] == pytest.approx([0.09, 0.099])
     state = json.loads((latest_checkpoint(tmp_path / "run") / "trainer_state.json").read_text())
     assert state["kl_coef"] == pytest.approx(0.099)
+    # a resumed run starts from the saved coefficient, not the recipe's
+    data["trainer"]["total_steps"] = 3
+    train(recipe_from_dict(data), resume=True)
+    assert used[2] == pytest.approx(0.099)
