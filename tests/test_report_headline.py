@@ -40,6 +40,8 @@ def test_report_opens_with_the_headline_and_hides_the_home_directory(tmp_path: P
     monkeypatch.setenv("HOME", "/home/ada")
     assert without_home("model /home/ada/.cache/x and /home/adam/y and /home/ada") == (
         "model ~/.cache/x and /home/adam/y and ~")
+    plot = '<img src="data:image/png;base64,AB/home/ada/CD=="> /home/ada/x'
+    assert without_home(plot) == '<img src="data:image/png;base64,AB/home/ada/CD=="> ~/x'  # images untouched
     page = build_report(tmp_path, title="t", notes=["note from /home/ada/runs"], headline="H: 1% vs 2%").read_text()
     assert page.index('id="headline"') < page.index('id="notes"') < page.index('id="training"')
     assert "H: 1% vs 2%" in page and "/home/ada/" not in page and "~/runs" in page

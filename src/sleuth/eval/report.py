@@ -1061,7 +1061,9 @@ def without_home(text: str) -> str:
     home = str(Path.home()).rstrip("/")
     if len(home) <= 1:  # HOME=/ : nothing to hide
         return text
-    return re.sub(re.escape(home) + r"(?=/|\b|$)", "~", text)
+    # data: URIs (the embedded plots) are left alone: base64 may spell the home path by chance
+    pattern = re.compile(r"(data:[^\"'\s]*)|" + re.escape(home) + r"(?=/|\b|$)")
+    return pattern.sub(lambda m: m.group(1) or "~", text)
 
 
 def build_report(
