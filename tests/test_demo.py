@@ -45,6 +45,13 @@ def test_demo_fast_end_to_end(tmp_path: Path) -> None:
 
     html = (out / "report.html").read_text()
     assert "What this demo shows" in html and "eval_after" in html and "data:image/png;base64" in html
+    # the comparison the demo exists to show: the console's last line and the top of the report
+    last = [line for line in proc.stdout.splitlines() if line.strip()][-1]
+    assert last.startswith("searcher trained here vs naive RAG: ") and "% [" in last and "difference" in last
+    assert 'id="headline"' in html and html.index('id="headline"') < html.index('id="training"')
+    assert str(Path.home()) + "/" not in html  # the model cache under $HOME shows as ~
+    # third-party warnings are silenced where sleuth triggers them
+    assert "is_gradient_checkpointing" not in proc.stderr and "clean_up_tokenization_spaces" not in proc.stderr
 
     # the trained checkpoint evaluates through the CLI like any model
     proc = subprocess.run(

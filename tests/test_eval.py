@@ -428,12 +428,13 @@ def test_cli_runs_every_method_with_the_tiny_hf_model(tiny_dir, tmp_path, monkey
     import sleuth.eval.harness as harness
     from sleuth.cli import app
 
-    monkeypatch.setattr(harness, "resolve_retriever", lambda spec: ToyRetriever())  # no index build here
+    monkeypatch.setattr(harness, "resolve_retriever", lambda spec, cache=None: ToyRetriever())  # no index build here
     data = tmp_path / "mini.jsonl"
     data.write_text("".join(json.dumps(e.to_dict()) + "\n" for e in EXAMPLES))
     out = tmp_path / "out"
+    # --limit is per data source: the first question of alpha (q1) and of beta (q3)
     args = ["eval", "-m", ",".join(METHODS), "--data", str(data), "--retriever", "toy", "--model", str(tiny_dir),
-            "--out", str(out), "--limit", "2", "--max-new-tokens", "6", "--answer-max-new-tokens", "4",
+            "--out", str(out), "--limit", "1", "--max-new-tokens", "6", "--answer-max-new-tokens", "4",
             "--max-turns", "1", "--batch-size", "2"]
     res = CliRunner().invoke(app, args, env={"COLUMNS": "200"})
     assert res.exit_code == 0, res.output
@@ -441,11 +442,11 @@ def test_cli_runs_every_method_with_the_tiny_hf_model(tiny_dir, tmp_path, monkey
     assert list(summary["methods"]) == list(METHODS)
     for method in METHODS:
         records = read_jsonl(out / method / "predictions.jsonl")
-        assert [r["id"] for r in records] == ["q1", "q2"]
+        assert [r["id"] for r in records] == ["q1", "q3"]
         assert all(r["output_tokens"] > 0 for r in records)
         assert summary["methods"][method]["overall"]["n"] == 2
         assert 0.0 <= summary["methods"][method]["overall"]["em"] <= 1.0
-    assert summary["config"]["limit"] == 2 and summary["config"]["model"] == str(tiny_dir.resolve())
+    assert summary["config"]["limit"] == 1 and summary["config"]["model"] == str(tiny_dir.resolve())
     assert "sleuth eval" in res.output and "| alpha" not in res.output and "search-o1" in res.output
 
 
@@ -521,3 +522,35 @@ def test_resume_with_the_same_ids_but_other_questions_is_refused(tok, tmp_path):
     gen = scripted(tok)
     evaluate("direct", regenerated, None, gen, out_dir=tmp_path, config=EvalConfig(fresh=True))
     assert len(gen.calls) == 1
+
+
+def test_limit_applies_per_data_source_of_a_merged_search_r1_file(tiny_dir, tmp_path, monkeypatch):
+    """Search-R1's merged test parquet lists all nq rows before triviaqa's: `--limit 2` keeps 2 of each
+    data source (it used to keep the file's first 2, all nq), says so, and scores every data source."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from typer.testing import CliRunner
+
+    import sleuth.eval.harness as harness
+    from sleuth.cli import app
+    from test_data_formats import _search_r1_row
+
+    rows = [_search_r1_row("nq", f"test_{i}", f"nq question {i}?", ["a"], i) for i in range(4)]
+    rows += [_search_r1_row("triviaqa", f"test_{i}", f"tqa question {i}?", ["b"], 4 + i) for i in range(3)]
+    data = tmp_path / "test.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), data)
+    loaded = harness.load_eval_data([data], limit=2)
+    assert [(ex.metadata["dataset"], ex.question) for ex in loaded] == [
+        ("nq", "nq question 0?"), ("nq", "nq question 1?"), ("triviaqa", "tqa question 0?"),
+        ("triviaqa", "tqa question 1?")]
+    assert harness.count_by_dataset(harness.load_eval_data([data])) == {"nq": 4, "triviaqa": 3}
+
+    monkeypatch.setattr(harness, "resolve_retriever", lambda spec, cache=None: ToyRetriever())
+    out = tmp_path / "out"
+    args = ["eval", "-m", "direct", "--data", str(data), "--retriever", "toy", "--model", str(tiny_dir),
+            "--out", str(out), "--limit", "2", "--answer-max-new-tokens", "2", "--batch-size", "4"]
+    res = CliRunner().invoke(app, args, env={"COLUMNS": "200"})
+    assert res.exit_code == 0, res.output
+    assert "--limit 2 per data source: nq 2, triviaqa 2" in res.output
+    per_dataset = json.loads((out / "summary.json").read_text())["methods"]["direct"]
+    assert per_dataset["nq"]["n"] == per_dataset["triviaqa"]["n"] == 2

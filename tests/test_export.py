@@ -153,3 +153,33 @@ def test_export_refuses_a_non_empty_out_and_a_bad_dtype(lora_run: Path, exported
     assert json.loads((half / "searcher.json").read_text())["dtype"] == "bfloat16"
     assert json.loads((half / "config.json").read_text()).get("dtype", json.loads(
         (half / "config.json").read_text()).get("torch_dtype")) == "bfloat16"
+
+
+def test_export_of_a_checkpoint_with_the_wrong_eos_stops_at_the_turn_end(lora_run: Path, tmp_path: Path) -> None:
+    """A checkpoint whose tokenizer says eos = `<|im_start|>` (as the committed ones did) exports
+    `<|im_end|>` as eos and pad in the tokenizer, config and generation config; the directory is
+    readable by others (0755 / 0644) and names a tokenizer class transformers 4.x knows."""
+    import shutil
+
+    from transformers import AutoTokenizer, GenerationConfig
+
+    from sleuth.agent.searcher import export_searcher, resolve_checkpoint
+    from test_special_tokens import KNOWN_TO_TRANSFORMERS_4, assert_normal_permissions
+
+    run = tmp_path / "run"
+    shutil.copytree(lora_run, run)
+    tok_file = resolve_checkpoint(run) / "policy" / "tokenizer_config.json"
+    saved = json.loads(tok_file.read_text())
+    tok_file.write_text(json.dumps({**saved, "eos_token": "<|im_start|>", "pad_token": "<|im_start|>"}))
+    assert AutoTokenizer.from_pretrained(tok_file.parent).eos_token == "<|im_start|>"
+
+    out = export_searcher(run, tmp_path / "hf")
+    tok = AutoTokenizer.from_pretrained(out)
+    end_id = tok.convert_tokens_to_ids("<|im_end|>")
+    assert tok.eos_token == tok.pad_token == "<|im_end|>"
+    # the old eos stays a stop: a model trained with it may end turns with <|im_start|>
+    assert GenerationConfig.from_pretrained(out).eos_token_id == [end_id, tok.convert_tokens_to_ids("<|im_start|>")]
+    config = json.loads((out / "config.json").read_text())
+    assert config["eos_token_id"] == end_id and config["rope_theta"] == config["rope_parameters"]["rope_theta"]
+    assert json.loads((out / "tokenizer_config.json").read_text())["tokenizer_class"] in KNOWN_TO_TRANSFORMERS_4
+    assert_normal_permissions(out)

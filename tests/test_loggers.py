@@ -4,6 +4,7 @@ W&B (offline), MLflow (file store) and TensorBoard, read back through each libra
 from __future__ import annotations
 
 import json
+import os
 import struct
 import sys
 from pathlib import Path
@@ -154,3 +155,68 @@ def test_unknown_logger_and_missing_library_are_clear_errors(small_world: Path, 
     monkeypatch.setitem(sys.modules, "wandb", None)  # as if not installed
     with pytest.raises(ConfigError, match="pip install"):
         open_loggers(["jsonl", "wandb"], tmp_path, run_name="x")
+
+
+def _readme_tracker_yaml() -> dict:
+    """The `trainer:` YAML block the README shows for the trackers, parsed as written."""
+    import re
+
+    import yaml
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    (block,) = [b for b in re.findall(r"```yaml\n(.*?)```", readme, re.DOTALL) if "loggers:" in b and "mlflow" in b]
+    return yaml.safe_load(block)["trainer"]
+
+
+@pytest.mark.slow
+def test_the_readme_tracker_yaml_works_offline_with_local_stores(small_world: Path, tmp_path: Path,
+                                                                  monkeypatch) -> None:
+    """No MLFLOW_* or WANDB_* variable, no ~/.netrc: MLflow writes a file store in the run directory
+    (mlflow-skinny cannot open MLflow 3's sqlite default) and W&B runs offline."""
+    pytest.importorskip("wandb")
+    pytest.importorskip("mlflow")
+    pytest.importorskip("tensorboard")
+    from mlflow.tracking import MlflowClient
+
+    from sleuth.rl.trainer import train
+
+    for var in ("MLFLOW_TRACKING_URI", "MLFLOW_ALLOW_FILE_STORE", "WANDB_MODE", "WANDB_API_KEY"):
+        monkeypatch.setenv(var, "")  # recorded, so what sleuth sets is undone after the test
+        monkeypatch.delenv(var)
+    monkeypatch.setenv("NETRC", str(tmp_path / "no-netrc"))
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    trainer = _readme_tracker_yaml()
+    if trainer.get("wandb", {}).get("mode") == "offline":
+        trainer["wandb"].pop("mode")  # the default must be offline too
+    data = _recipe(small_world, tmp_path / "run", trainer["loggers"], tmp_path)
+    data["trainer"] = {**data["trainer"], **trainer}
+    out = tmp_path / "run"
+    train(recipe_from_dict(data))
+    ids = json.loads((out / "trackers.json").read_text())
+    run = MlflowClient((out / "mlruns").resolve().as_uri()).get_run(ids["mlflow"])
+    assert run.info.status == "FINISHED" and "reward/mean" in run.data.metrics
+    assert list((out / "wandb").glob(f"offline-run-*-{ids['wandb']}/run-{ids['wandb']}.wandb"))
+    assert list((out / "tensorboard").glob("events.out.tfevents.*"))
+
+
+def test_local_defaults_and_what_keeps_them_off(tmp_path: Path, monkeypatch) -> None:
+    from sleuth.rl.loggers import mlflow_tracking_uri, wandb_default_mode
+
+    for var in ("MLFLOW_TRACKING_URI", "MLFLOW_ALLOW_FILE_STORE", "WANDB_MODE", "WANDB_API_KEY"):
+        monkeypatch.setenv(var, "")  # recorded, so what sleuth sets is undone after the test
+        monkeypatch.delenv(var)
+    monkeypatch.setenv("NETRC", str(tmp_path / "netrc"))
+    assert mlflow_tracking_uri(tmp_path, None) == (tmp_path.resolve() / "mlruns").as_uri()
+    assert os.environ["MLFLOW_ALLOW_FILE_STORE"] == "true"
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE")
+    assert mlflow_tracking_uri(tmp_path, "http://127.0.0.1:5000") == "http://127.0.0.1:5000"
+    assert "MLFLOW_ALLOW_FILE_STORE" not in os.environ  # a server needs no file-store switch
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:5000")
+    assert mlflow_tracking_uri(tmp_path, None) is None  # the variable is MLflow's own to read
+
+    assert wandb_default_mode() == "offline"
+    (tmp_path / "netrc").write_text("machine api.wandb.ai\n  login user\n  password KEY\n")
+    assert wandb_default_mode() is None  # `wandb login` was run: wandb decides
+    (tmp_path / "netrc").unlink()
+    monkeypatch.setenv("WANDB_API_KEY", "x")
+    assert wandb_default_mode() is None

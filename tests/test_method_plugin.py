@@ -4,6 +4,8 @@ step, evaluates and serves through the CLI, with no edit to sleuth."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -88,3 +90,48 @@ def test_an_unknown_plugin_is_named() -> None:
     res = CliRunner().invoke(app, ["serve-searcher", "--plugin", "no_such_plugin_module", "--model", "tiny",
                                    "--loop", "search_r1", "--index", "x"])
     assert res.exit_code == 2 and "no_such_plugin_module" in res.output
+
+
+def _sleuth(args: list[str], with_plugins_on_path: bool) -> subprocess.CompletedProcess[str]:
+    """The CLI in a fresh process: the plugin is registered only if something imports it there."""
+
+    paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and Path(p) != PLUGINS]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(([str(PLUGINS)] if with_plugins_on_path else []) + paths),
+           "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    return subprocess.run([sys.executable, "-m", "sleuth.cli", *args], env=env, capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_checkpoint_records_its_plugin_and_eval_loads_it_without_plugin_flag(trained: Path, small_world: Path,
+                                                                             tmp_path: Path) -> None:
+    from sleuth.run_layout import SearcherInfo, resolve_checkpoint
+
+    assert SearcherInfo.read(resolve_checkpoint(trained)).plugins == ["sleuth_test_method"]
+    args = ["eval", "-m", "test-lookup", "--data", str(small_world / "test.jsonl"), "--retriever",
+            str(small_world / "bm25"), "--model", str(trained), "--out", str(tmp_path / "eval"), "--limit", "2",
+            "--batch-size", "2"]
+    res = _sleuth(args, with_plugins_on_path=True)  # no --plugin: the checkpoint names it
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert list(json.loads((tmp_path / "eval" / "summary.json").read_text())["methods"]) == ["test-lookup"]
+
+
+def test_a_missing_plugin_is_named_with_the_flag_to_pass(trained: Path, small_world: Path, tmp_path: Path) -> None:
+    import shutil
+
+    from sleuth.run_layout import resolve_checkpoint
+
+    res = _sleuth(["serve-searcher", "--checkpoint", str(trained), "--index", str(small_world / "bm25")],
+                  with_plugins_on_path=False)
+    assert res.returncode != 0
+    assert "sleuth_test_method" in res.stderr + res.stdout and "--plugin" in res.stderr + res.stdout
+    # a checkpoint from before plugins were recorded: eval's unknown-method error names --plugin
+    old = tmp_path / "old"
+    shutil.copytree(trained, old)
+    info_path = resolve_checkpoint(old) / "searcher.json"
+    info = json.loads(info_path.read_text())
+    del info["plugins"]
+    info_path.write_text(json.dumps(info))
+    res = _sleuth(["eval", "-m", "test-lookup", "--data", str(small_world / "test.jsonl"), "--retriever",
+                   str(small_world / "bm25"), "--model", str(old), "--out", str(tmp_path / "e")],
+                  with_plugins_on_path=False)
+    assert res.returncode != 0 and "--plugin" in res.stderr + res.stdout, res.stderr + res.stdout

@@ -115,3 +115,35 @@ def test_stdio_server_subprocess(small_world: Path, tiny_dir: Path) -> None:
     assert not result.is_error, result.content
     assert result.structured_content["loop"] == "qagent"
     assert result.structured_content["trajectory"]["num_turns"] <= 1
+
+
+def test_mcp_url_shorthand_searches_through_sleuth_serve_mcp(service: SearcherService) -> None:
+    """`--retriever mcp:URL` against sleuth's own server: the query goes in the tool's `question`
+    argument and the hits are its structured `context` (the shorthand used to send `query`)."""
+    from sleuth.retrieval.tools import load_tool_retriever
+    from sleuth.serve.mcp_server import create_mcp_server, http_app
+    from sleuth.serve.threaded import serve_in_thread
+
+    with serve_in_thread(http_app(create_mcp_server(service))) as base:
+        retriever = load_tool_retriever(f"mcp:{base}/mcp")
+        try:
+            (hits,) = retriever.search([QUESTION], 3)
+        finally:
+            retriever.close()
+    expected = asyncio.run(service.search(service.validate(QUESTION, None, None)))["context"][:3]
+    assert hits and [(h.doc_id, h.title, h.text) for h in hits] == [(d["id"], d["title"], d["text"]) for d in expected]
+
+
+def test_timeouts_are_sized_for_a_cpu_searcher_and_a_slow_tool_error_names_the_setting() -> None:
+    from sleuth.errors import ServiceError
+    from sleuth.retrieval.tools import HTTPSearchConfig, HTTPSearchRetriever, MCPToolConfig
+    from sleuth.serve.service import ServeLimits
+
+    assert MCPToolConfig(server="http://127.0.0.1:1/mcp").timeout == 300.0
+    assert ServeLimits().timeout_s == 300.0
+    dead = HTTPSearchRetriever(HTTPSearchConfig(url="http://127.0.0.1:9/search", retries=1, timeout=0.5))
+    try:
+        with pytest.raises(ServiceError, match=r"raise `timeout:` \(now 0.5 s per attempt\).*--timeout-s"):
+            dead.search(["q"], 1)
+    finally:
+        dead.close()

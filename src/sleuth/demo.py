@@ -25,9 +25,11 @@ from typing import Any
 
 import typer
 import yaml
+from rich.markup import escape
 
 from sleuth.agent.registry import Method, get_method
 from sleuth.errors import ConfigError
+from sleuth.eval.compare import headline
 from sleuth.run_layout import SEARCHER_FILE, SearcherInfo, latest_checkpoint
 from sleuth.utils import atomic_write_json
 
@@ -213,16 +215,16 @@ def held_out_questions(world: Path, count: int) -> list:
         ex.metadata["dataset"] = f"synth-{ex.metadata.get('hops', '?')}hop"
     return test
 
-def _evaluate_committed(out: Path, size: DemoSize, spec: Method, ckpt: Path, retriever: Any) -> None:
+def _evaluate_committed(out: Path, size: DemoSize, spec: Method, ckpt: Path, retriever: Any) -> dict[str, Any]:
     from sleuth.agent.searcher import load_searcher
     from sleuth.eval.harness import EvalConfig, EvalOutput, checkpoint_budgets, evaluate
     from sleuth.llm.registry import load_generator
 
     searcher = load_searcher(ckpt)
     cfg = EvalConfig(batch_size=size.committed_questions, answer_max_new_tokens=24, **checkpoint_budgets(ckpt))
-    evaluate([spec.display_name, "naive-rag"], held_out_questions(out / "world", size.committed_questions), retriever, searcher.generator,
-             generator=load_generator(size.model), config=cfg,
-             out_dir=EvalOutput(out / "eval_committed", run_info={"checkpoint": str(ckpt)}, progress=True))
+    return evaluate([spec.display_name, "naive-rag"], held_out_questions(out / "world", size.committed_questions),
+                    retriever, searcher.generator, generator=load_generator(size.model), config=cfg,
+                    out_dir=EvalOutput(out / "eval_committed", run_info={"checkpoint": str(ckpt)}, progress=True))
 
 
 def _write_trajectories(out: Path, recipe: Any, size: DemoSize) -> dict[str, int]:
@@ -277,11 +279,15 @@ def run_demo(
     timer.record("world_and_index_s", t0)
     retriever = load_retriever(out / "world" / "bm25", corpus=out / "world" / "corpus.jsonl")
 
+    committed_line = None
     if committed is not None:
         t0 = timer.stage(f"2/4  the GPU-trained searcher {committed} vs naive RAG ({size.committed_questions} "
                          "held-out questions)")
-        _evaluate_committed(out, size, spec, committed, retriever)
+        committed_line = headline(_evaluate_committed(out, size, spec, committed, retriever), spec.display_name)
         timer.record("eval_committed_s", t0)
+        if committed_line:
+            console.print(f"[bold green]the GPU-trained searcher vs naive RAG[/] ({escape(committed.name)}): "
+                          f"{escape(committed_line)}", highlight=False, soft_wrap=True)
     else:
         console.print("[yellow]2/4  no committed GPU-trained searcher for this method/model/world: skipped[/]")
 
@@ -302,13 +308,16 @@ def run_demo(
     timer.record("pipeline_s", t0)
 
     t0 = timer.stage("4/4  evaluate the agent trained here, write the report")
+    after_line = None
     if size.eval_questions:
         searcher = load_searcher(result["checkpoint"])
         cfg = EvalConfig(batch_size=16, max_new_tokens=size.max_new_tokens * spec.new_tokens_factor,
                          answer_max_new_tokens=24, top_k=3, max_turns=size.max_turns, max_response_tokens=2048,
                          max_obs_tokens=384)
-        evaluate([spec.display_name, "naive-rag"], held_out_questions(out / "world", size.eval_questions), retriever, searcher.generator,
-                 generator=load_generator(size.model), config=cfg, out_dir=EvalOutput(out / "eval_after", progress=True))
+        after = evaluate([spec.display_name, "naive-rag"], held_out_questions(out / "world", size.eval_questions),
+                         retriever, searcher.generator, generator=load_generator(size.model), config=cfg,
+                         out_dir=EvalOutput(out / "eval_after", progress=True))
+        after_line = headline(after, spec.display_name)
     notes = [n.format(method=method, n_committed=size.committed_questions if committed else 0,
                       traj=traj.get("kept", 0), steps=size.train_steps, prompts=size.prompts_per_step, n=size.n,
                       rl_start="the committed searcher (so that a group's rewards differ and the update carries "
@@ -316,10 +325,15 @@ def run_demo(
              for n in NOTES]
     if committed is None:
         notes.append("No committed GPU-trained searcher was evaluated in this run (see docs/results.md).")
-    report = build_report(out, title=f"sleuth demo: {method} on a synthetic world", notes=notes)
+    # the page and the console end open with the comparison the demo exists to show
+    top = (f"GPU-trained searcher vs naive RAG: {committed_line}" if committed_line
+           else f"searcher trained here vs naive RAG: {after_line}" if after_line else None)
+    report = build_report(out, title=f"sleuth demo: {method} on a synthetic world", notes=notes, headline=top)
     timer.record("eval_and_report_s", t0)
     notes_time = ", ".join(f"{k} {v:.0f}s" for k, v in timer.totals().items())
     console.print(f"[green]report:[/] {report}   checkpoint: {result['checkpoint']}   wall time: {notes_time}")
+    if top:
+        console.print(f"[bold green]{escape(top)}[/]", highlight=False, soft_wrap=True)
     return report
 
 

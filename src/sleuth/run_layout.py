@@ -126,6 +126,8 @@ class SearcherInfo:
     max_response_tokens: int | None = None
     step: int | None = None
     policy_dir: str = POLICY_DIR  # relative to the checkpoint; "." for an export
+    # modules registering the method's loop / reward outside sleuth: loaded again to evaluate or serve it
+    plugins: list[str] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)  # provenance: trained_with, exported_from, dtype ...
 
     def to_json(self) -> dict[str, Any]:
@@ -137,6 +139,8 @@ class SearcherInfo:
         }
         if self.policy_dir != POLICY_DIR:
             out["policy_dir"] = self.policy_dir
+        if self.plugins:
+            out["plugins"] = list(self.plugins)
         out.update(self.extra)
         if self.step is not None:
             out["step"] = self.step

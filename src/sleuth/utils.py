@@ -26,6 +26,29 @@ T = TypeVar("T")
 _log = logging.getLogger("sleuth.retry")
 
 
+def _process_umask() -> int:
+    # os.umask can only be read by setting it; done once at import, before any thread starts writing
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+_UMASK = _process_umask()
+
+
+def give_normal_permissions(path: str | Path) -> None:
+    """chmod `path` (recursively for a directory) to what a plain `open`/`mkdir` would have made:
+    0666 / 0777 minus the umask (0644 / 0755 under the usual 022). `tempfile.mkstemp` and `mkdtemp`
+    create 0600 / 0700, so without this an output written atomically is readable by its owner only."""
+    path = Path(path)
+    if path.is_dir() and not path.is_symlink():
+        for child in path.iterdir():
+            give_normal_permissions(child)
+        path.chmod(0o777 & ~_UMASK)
+    elif path.is_file() and not path.is_symlink():
+        path.chmod(0o666 & ~_UMASK)
+
+
 @contextmanager
 def atomic_path(path: str | Path) -> Iterator[Path]:
     """A temp path next to `path` to write to: renamed over `path` when the block succeeds,
@@ -34,6 +57,7 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     os.close(fd)
+    give_normal_permissions(tmp)
     try:
         yield Path(tmp)
         os.replace(tmp, path)

@@ -119,6 +119,29 @@ def load_plugins(modules: Iterable[str]) -> None:
             ) from err
 
 
+def method_plugins(loop: str, plugins: Iterable[str] = ()) -> list[str]:
+    """The plugin modules a checkpoint of `loop` needs: `plugins` (the recipe's reward.plugins) and the
+    module defining the loop when it is not built in."""
+    module = get_method(loop).loop.__module__
+    extra = [] if module in BUILTIN_MODULES or module.startswith("sleuth.") else [module]
+    return list(dict.fromkeys([*plugins, *extra]))
+
+
+def load_checkpoint_plugins(plugins: Iterable[str], loop: str, where: str) -> None:
+    """Import the plugin modules a checkpoint recorded and check its loop is registered; the error
+    names the modules and `--plugin` (a checkpoint from before plugins were recorded names none)."""
+    plugins = list(plugins)
+    try:
+        load_plugins(plugins)
+        get_method(loop)
+    except ConfigError as err:
+        needs = f"plugin module(s) {', '.join(plugins)}" if plugins else "a plugin module"
+        raise ConfigError(
+            f"{where}: its method {loop!r} comes from {needs}: put the module on PYTHONPATH or pass "
+            f"--plugin MODULE ({err})"
+        ) from err
+
+
 def methods() -> list[Method]:
     """Every registered method, built-in ones first in their order, then plugins in registration order."""
     _ensure_builtins()
@@ -131,7 +154,10 @@ def get_method(name: str) -> Method:
     _ensure_builtins()
     method = _METHODS.get(_key(name))
     if method is None:
-        raise ConfigError(f"unknown agent loop {name!r}; choose one of: {', '.join(loop_names())}")
+        raise ConfigError(
+            f"unknown agent loop {name!r}; choose one of: {', '.join(loop_names())} (a method from a plugin "
+            "module needs it loaded: pass --plugin MODULE, or name it in the recipe's reward.plugins)"
+        )
     return method
 
 

@@ -16,9 +16,18 @@ from pathlib import Path
 from typing import Any
 
 from sleuth.agent import get_loop
+from sleuth.agent.registry import load_checkpoint_plugins
 from sleuth.errors import ConfigError
 from sleuth.llm.registry import resolve_model_path
+from sleuth.llm.special_tokens import (
+    align_chat_special_tokens,
+    align_model_special_ids,
+    disable_bpe_cleanup,
+    peft_deprecation_silenced,
+    write_compatible_files,
+)
 from sleuth.run_layout import SEARCHER_FILE, SearcherInfo, resolve_checkpoint
+from sleuth.utils import give_normal_permissions
 
 __all__ = ["SEARCHER_FILE", "EXPORT_DTYPES", "Searcher", "export_searcher", "load_searcher", "resolve_checkpoint"]
 EXPORT_DTYPES = ("keep", "float32", "bfloat16", "float16")
@@ -41,6 +50,7 @@ def load_searcher(path: str | Path, device: str | None = None, merge_lora: bool 
 
     ckpt = resolve_checkpoint(path)
     info = SearcherInfo.read(ckpt)
+    load_checkpoint_plugins(info.plugins, info.loop, str(ckpt))  # before the weights: fail fast
     # a training checkpoint keeps the policy in policy/; an export is itself the model directory
     policy_dir = ckpt / info.policy_dir
     tokenizer = AutoTokenizer.from_pretrained(policy_dir)
@@ -49,7 +59,8 @@ def load_searcher(path: str | Path, device: str | None = None, merge_lora: bool 
 
         base_path = resolve_model_path(info.base_model)
         base = AutoModelForCausalLM.from_pretrained(base_path)
-        model = PeftModel.from_pretrained(base, policy_dir)
+        with peft_deprecation_silenced():
+            model = PeftModel.from_pretrained(base, policy_dir)
         model.peft_config["default"].base_model_name_or_path = str(base_path)  # not the training machine's path
         if merge_lora:
             model = model.merge_and_unload()
@@ -100,6 +111,10 @@ def export_searcher(
         )
     if dtype != "keep":
         model = model.to(getattr(torch, dtype))
+    # a checkpoint trained from a tokenizer with the wrong eos (<|im_start|>) exports the chat turn end
+    changed = align_chat_special_tokens(tokenizer)
+    disable_bpe_cleanup(tokenizer)
+    align_model_special_ids(model, tokenizer, also_stop_at=changed.get("eos_token", (None,))[0])
     info = replace(searcher.info, lora=False, policy_dir=".", extra={
         **searcher.info.extra,
         "exported_from": str(ckpt.resolve()),
@@ -112,7 +127,9 @@ def export_searcher(
     try:
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
+        write_compatible_files(tmp)
         info.write(tmp)
+        give_normal_permissions(tmp)
         if out.is_dir():
             shutil.rmtree(out)
         elif out.exists():

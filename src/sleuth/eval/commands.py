@@ -77,8 +77,19 @@ def register(app: typer.Typer) -> None:
                  "IRCoT's reader, oracle and direct-generator, so one call compares them fairly.",
         ),
         judge: str | None = typer.Option(None, "--judge", help="LLM judge for GenAcc / judge accuracy (optional)."),
+        judge_rule: str = typer.Option(
+            "strict", "--judge-rule",
+            help="How a judge reply is read: strict (yes only when it clearly says yes) or upstream "
+                 "(s3's code: 'yes' anywhere in the reply).",
+        ),
+        retriever_cache: Path | None = typer.Option(
+            None, "--retriever-cache",
+            help="Directory recording every search (any retriever or search tool); a later run replays them.",
+        ),
         out: Path = typer.Option(Path("eval-results"), "--out", "-o", help="Output directory (resumable)."),
-        limit: int | None = typer.Option(None, "--limit", help="First N questions of each data file."),
+        limit: int | None = typer.Option(
+            None, "--limit", help="First N questions of each data source (dataset) of each data file: a merged "
+                                  "Search-R1 file keeps N of each of its data sources."),
         seed: int = typer.Option(0, "--seed", help="Random seed."),
         top_k: int | None = typer.Option(
             None, "--top-k", help="Documents per search (default: a checkpoint's own, else each method's)."
@@ -117,8 +128,10 @@ def register(app: typer.Typer) -> None:
             EvalConfig,
             EvalOutput,
             checkpoint_budgets,
+            count_by_dataset,
             evaluate,
             load_eval_data,
+            load_model_plugins,
             parse_methods,
             summary_rows,
         )
@@ -126,6 +139,7 @@ def register(app: typer.Typer) -> None:
         console = Console()
         try:
             load_plugins(plugin or [])
+            load_model_plugins(model)  # the plugin modules a checkpoint recorded for its method
             methods = parse_methods(method)
             given = {"top_k": top_k, "max_turns": max_turns, "max_new_tokens": max_new_tokens,
                      "max_obs_tokens": max_obs_tokens, "max_response_tokens": max_response_tokens}
@@ -133,9 +147,13 @@ def register(app: typer.Typer) -> None:
             budgets = {**checkpoint_budgets(model), **{k: v for k, v in given.items() if v is not None}}
             cfg = EvalConfig(
                 batch_size=batch_size, seed=seed, answer_max_new_tokens=answer_max_new_tokens,
-                r_search_evidence=r_search_evidence, keep_token_ids=keep_token_ids, fresh=fresh, **budgets,
+                r_search_evidence=r_search_evidence, keep_token_ids=keep_token_ids, fresh=fresh,
+                judge_rule=judge_rule, retriever_cache=str(retriever_cache) if retriever_cache else None, **budgets,
             )
             examples = load_eval_data(data, limit)
+            if limit:
+                kept = ", ".join(f"{name} {n}" for name, n in count_by_dataset(examples).items())
+                console.print(f"--limit {limit} per data source: {kept}")
         except (SleuthError, OSError) as err:
             _fail(str(err))
         start = time.perf_counter()
@@ -159,4 +177,8 @@ def register(app: typer.Typer) -> None:
                 console, "minus naive-rag on the same questions: points [95% paired bootstrap interval]", header, rows,
                 keys=1,
             )
+        if summary.get("retriever_cache"):
+            cached = summary["retriever_cache"]
+            console.print(f"retriever cache {cached['dir']}: {cached['retriever/cache_hits']:.0f} searches replayed, "
+                          f"{cached['retriever/cache_misses']:.0f} searched and recorded", highlight=False)
         console.print(f"predictions: {out}/<method>/predictions.jsonl   summary: {out}/summary.json, summary.md")

@@ -202,3 +202,33 @@ def paired_markdown(paired: Mapping[str, Any]) -> str:
     ]
     lines += ["| " + " | ".join(r) + " |" for r in rows]
     return "\n".join(lines) + "\n"
+
+
+# The accuracy a one-line comparison quotes: s3's GenAcc (span check, or a judge when one was given), then
+# cover-EM, then EM; the first one both sides were scored on.
+HEADLINE_METRICS = ("genacc", "cover_em", "em")
+
+
+def headline(summary: Mapping[str, Any], method: str) -> str | None:
+    """One line: `method` vs the paired baseline, each accuracy with its 95% interval over questions and
+    the paired difference with its interval; None when the summary has no such comparison."""
+    paired = summary.get("paired") or {}
+    per = (paired.get("methods") or {}).get(method)
+    baseline = paired.get("baseline")
+    if not per or not baseline:
+        return None
+    metric = next((m for m in HEADLINE_METRICS if m in per), None)
+    if metric is None:
+        return None
+    result = per[metric]
+
+    def accuracy(name: str, mean: float) -> str:
+        ci = (summary.get("methods", {}).get(name, {}).get("overall") or {}).get(f"{metric}_ci")
+        interval = f" [{100 * ci[0]:.1f}, {100 * ci[1]:.1f}]" if ci else ""
+        return f"{name} {100 * mean:.1f}%{interval}"
+
+    pct = round(100 * float(paired.get("confidence", 0.95)))
+    return (f"{PAIRED_LABELS.get(metric, metric)} on {result['n']} questions: "
+            f"{accuracy(method, result['mean_a'])} vs {accuracy(baseline, result['mean_b'])}; "
+            f"difference {format_difference(result)} points ({pct}% bootstrap intervals, the difference paired "
+            "over the same questions)")

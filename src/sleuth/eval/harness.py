@@ -50,7 +50,7 @@ from rich.progress import (
 
 from sleuth.agent.base import AgentLoop
 from sleuth.agent.engine import RolloutBudget, rollout
-from sleuth.agent.registry import Method, get_method
+from sleuth.agent.registry import Method, get_method, load_checkpoint_plugins
 from sleuth.agent.registry import methods as registered_methods
 from sleuth.agent.searcher import load_searcher
 from sleuth.agent.trajectory import Trajectory
@@ -75,12 +75,14 @@ from sleuth.eval.stats import DEFAULT_RESAMPLES, bootstrap_ci, bootstrap_cis
 from sleuth.llm.base import Generator, SamplingParams
 from sleuth.llm.registry import open_generator
 from sleuth.retrieval.base import Retriever
+from sleuth.retrieval.cache import CachingRetriever, cache_stats
 from sleuth.retrieval.docstore import passages_by_id
 from sleuth.retrieval.sources import open_retriever
 from sleuth.retrieval.tools import is_tool_spec
 from sleuth.rewards.answerer import (
     DEFAULT_DOC_TEMPLATE,
     DOC_TEMPLATES,
+    JUDGE_RULES,
     answer_from_evidence,
     gen_acc,
     judge_contains,
@@ -166,6 +168,8 @@ class EvalConfig:
     keep_token_ids: bool = False  # store token ids / masks / logprobs in trajectories (large)
     fresh: bool = False  # discard existing predictions instead of resuming
     default_dataset: str = "data"  # dataset name for examples without metadata["dataset"]
+    judge_rule: str = "strict"  # how a judge reply is read: "strict" or s3's "upstream" ("yes" anywhere)
+    retriever_cache: str | None = None  # record every search here, replay it next time (sleuth.retrieval.cache)
 
     def __post_init__(self) -> None:
         for name in ("batch_size", "max_new_tokens", "answer_max_new_tokens", "max_obs_tokens", "max_response_tokens"):
@@ -178,6 +182,8 @@ class EvalConfig:
         if self.answer_template not in DOC_TEMPLATES:
             choices = " or ".join(repr(x) for x in DOC_TEMPLATES)
             raise ConfigError(f"answer_template must be {choices}, got {self.answer_template!r}")
+        if self.judge_rule not in JUDGE_RULES:
+            raise ConfigError(f"judge_rule must be one of {list(JUDGE_RULES)}, got {self.judge_rule!r}")
         if self.default_dataset == "overall":
             raise ConfigError("default_dataset 'overall' collides with the overall summary row")
 
@@ -199,7 +205,8 @@ def canonical_method(name: str) -> str:
     try:
         return get_method(key).display_name
     except ConfigError:
-        raise ConfigError(f"unknown method {name!r}; choose from: {', '.join(all_methods())}") from None
+        raise ConfigError(f"unknown method {name!r}; choose from: {', '.join(all_methods())} (a method from a "
+                          "plugin module: pass --plugin MODULE)") from None
 
 
 def parse_methods(methods: str | Iterable[str]) -> list[str]:
@@ -291,26 +298,38 @@ def checkpoint_budgets(spec: str | Path) -> dict[str, int]:
     return {k: int(v) for k, v in found.items() if isinstance(v, int)}
 
 
+def load_model_plugins(spec: Any) -> None:
+    """Import the plugin modules a checkpoint `spec` recorded for its method (nothing for other specs)."""
+    if isinstance(spec, (str, Path)) and is_sleuth_checkpoint(spec):
+        ckpt = resolve_checkpoint(spec)
+        info = SearcherInfo.read(ckpt)
+        load_checkpoint_plugins(info.plugins, info.loop, str(ckpt))
+
+
 def is_sleuth_checkpoint(spec: str | Path) -> bool:
     """A `sleuth train` checkpoint directory or run directory (holding one)."""
     return is_searcher_checkpoint(spec)
 
 
-def resolve_retriever(spec: Retriever | str | Path | None) -> Retriever | None:
-    """An index directory -> `load_retriever`; an http(s) URL -> `RemoteRetriever`; objects pass through."""
+def resolve_retriever(spec: Retriever | str | Path | None, cache: str | Path | None = None) -> Retriever | None:
+    """An index directory -> `load_retriever`; an http(s) URL -> `RemoteRetriever`; objects pass through.
+    `cache`: a directory recording every search and replaying it next time (`sleuth.retrieval.cache`)."""
     if spec is None:
         return None
     if hasattr(spec, "search") and not isinstance(spec, (str, Path)):
-        return spec  # type: ignore[return-value]
+        if cache is None:
+            return spec  # type: ignore[return-value]
+        return CachingRetriever(spec, cache, f"object:{type(spec).__qualname__}:{spec!r}")  # type: ignore[arg-type]
     text = str(spec)
     if is_tool_spec(text):  # an MCP server's search tool or an HTTP search API
-        return open_retriever(tool=text)
+        return open_retriever(tool=text, cache=cache)
     if text.startswith(("http://", "https://")):
-        return open_retriever(url=text)
+        return open_retriever(url=text, cache=cache)
     return open_retriever(
         index=Path(text).expanduser(),
         missing_index=f"retriever {text!r} is neither an index directory nor an http(s) URL; "
         "build an index with `sleuth index CORPUS --out DIR` or start one with `sleuth serve-retriever`",
+        cache=cache,
     )
 
 
@@ -323,7 +342,9 @@ def dataset_of(ex: QAExample, default: str) -> str:
 
 
 def load_eval_data(paths: Sequence[str | Path], limit: int | None = None) -> list[QAExample]:
-    """Examples of each file (first `limit` of each); a file's examples without a dataset name get its stem."""
+    """Examples of each file; a file's examples without a dataset name get its stem. `limit`: the first
+    `limit` questions of each data source (dataset) of each file, so a merged file (Search-R1's
+    nq + triviaqa + ... test parquet) keeps every data source, not only its first."""
     if not paths:
         raise ConfigError("no data file given; pass --data FILE (.jsonl, .json or .parquet)")
     if limit is not None and limit < 1:
@@ -336,14 +357,28 @@ def load_eval_data(paths: Sequence[str | Path], limit: int | None = None) -> lis
         examples = load_qa(path)
         if not examples:
             raise DataFormatError(str(path), None, "holds no questions")
-        for ex in examples[:limit] if limit else examples:
+        taken: dict[str, int] = {}
+        for ex in examples:
             meta = dict(ex.metadata or {})
             meta.setdefault("source_file", str(path))  # named in errors about a question
             meta.setdefault("dataset", path.stem)
             if meta["dataset"] in (None, ""):
                 meta["dataset"] = path.stem
+            source = str(meta["dataset"])
+            if limit and taken.get(source, 0) >= limit:
+                continue
+            taken[source] = taken.get(source, 0) + 1
             out.append(replace(ex, metadata=meta))
     return out
+
+
+def count_by_dataset(examples: Sequence[QAExample]) -> dict[str, int]:
+    """Questions per data source, in first-seen order (what `--limit` kept of each)."""
+    counts: dict[str, int] = {}
+    for ex in examples:
+        name = str((ex.metadata or {}).get("dataset", ""))
+        counts[name] = counts.get(name, 0) + 1
+    return counts
 
 
 @dataclass
@@ -406,9 +441,11 @@ def score_predictions(
     golden_answers: Sequence[Sequence[str]],
     predictions: Sequence[str | None],
     judge: Generator | None = None,
+    judge_rule: str = "strict",
 ) -> list[dict[str, float | None]]:
     """EM, cover-EM, F1, span_check, judge (None without a judge; 0 for a missing prediction) and
-    GenAcc = span_check OR judge (s3). The judge is asked about every prediction in one call."""
+    GenAcc = span_check OR judge (s3). The judge is asked about every prediction in one call; its
+    replies are read with `judge_rule` (`sleuth.rewards.answerer.JUDGE_RULES`)."""
     verdicts: list[float | None] = [None] * len(predictions)
     if judge is not None:
         ask = [i for i, p in enumerate(predictions) if p is not None and p.strip()]
@@ -416,7 +453,7 @@ def score_predictions(
             verdicts[i] = 0.0
         if ask:
             said = judge_contains(judge, [questions[i] for i in ask], [golden_answers[i] for i in ask],
-                                  [predictions[i] or "" for i in ask])
+                                  [predictions[i] or "" for i in ask], rule=judge_rule)
             for i, ok in zip(ask, said, strict=True):
                 verdicts[i] = float(ok)
     out = []
@@ -658,7 +695,7 @@ def run_method(
             raise RuntimeError(f"method {method} returned {len(outputs)} outputs for {len(batch)} questions")
         metrics = score_predictions(
             [ex.question for ex in examples], [ex.golden_answers for ex in examples],
-            [o.prediction for o in outputs], judge,
+            [o.prediction for o in outputs], judge, cfg.judge_rule,
         )
         records = []
         for it, out, m in zip(batch, outputs, metrics, strict=True):
@@ -869,6 +906,7 @@ def evaluate(
     """
     cfg = config or EvalConfig()
     output = out_dir if isinstance(out_dir, EvalOutput) else EvalOutput(out_dir)
+    load_model_plugins(model)  # a checkpoint's method may come from a plugin it recorded
     method_list = parse_methods(methods)
     items = _items(list(examples), cfg.default_dataset)
     if not items:
@@ -884,7 +922,7 @@ def evaluate(
         )
 
     models = _load_models(model, generator, judge, retriever, bool(needs_retrieval))
-    retriever_obj = resolve_retriever(retriever) if needs_retrieval else None
+    retriever_obj = resolve_retriever(retriever, cfg.retriever_cache) if needs_retrieval else None
     if any(BASELINES[m].needs_gold for m in method_list if m in BASELINES):
         passages_by_id(retriever_obj, [])  # a retriever that cannot look ids up fails before any method runs
     ctx = _Context(models.model, models.generator, retriever_obj, cfg)
@@ -902,6 +940,8 @@ def evaluate(
         "config": _run_config(models.descs, cfg, method_list, items, output.run_info),
         "method_configs": {m: method_configs[m] for m in ordered if m in method_configs},
     }
+    if cache_stats(retriever_obj):  # this call's replayed / searched queries
+        summary["retriever_cache"] = {"dir": cfg.retriever_cache, **cache_stats(retriever_obj)}
     paired = _compare_with_naive_rag(out, ordered, run_records, items, cfg.seed)
     if paired is not None:
         summary["paired"] = paired

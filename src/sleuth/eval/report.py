@@ -1036,8 +1036,8 @@ def _template_env():
 
 
 def render_report(data: RunData, title: str | None = None, notes: list[str] | None = None,
-                  max_trajectories: int = MAX_TRAJECTORIES) -> str:  # fmt: skip
-    """The page as a string (no file written)."""
+                  max_trajectories: int = MAX_TRAJECTORIES, headline: str | None = None) -> str:  # fmt: skip
+    """The page as a string (no file written); `headline`, if given, opens it under the title."""
     training = []
     for run in data.training:
         training.append(
@@ -1094,6 +1094,7 @@ def render_report(data: RunData, title: str | None = None, notes: list[str] | No
         .get_template("report.html")
         .render(
             title=title,
+            headline=headline,
             run_dir=str(data.root),
             generated=datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             notes=[n for n in (notes or []) if n and n.strip()],
@@ -1113,18 +1114,32 @@ def render_report(data: RunData, title: str | None = None, notes: list[str] | No
     return page
 
 
+def without_home(text: str) -> str:
+    """`text` with the home directory written as `~`: a shared report should not show the user's paths
+    (model caches, checkpoints under $HOME)."""
+    home = str(Path.home()).rstrip("/")
+    if len(home) <= 1:  # HOME=/ : nothing to hide
+        return text
+    # data: URIs (the embedded plots) are left alone: base64 may spell the home path by chance
+    pattern = re.compile(r"(data:[^\"'\s]*)|" + re.escape(home) + r"(?=/|\b|$)")
+    return pattern.sub(lambda m: m.group(1) or "~", text)
+
+
 def build_report(
     run_dir: str | Path,
     out: str | Path | None = None,
     title: str | None = None,
     notes: list[str] | None = None,
     max_trajectories: int = MAX_TRAJECTORIES,
+    headline: str | None = None,
 ) -> Path:
-    """Write the HTML report for `run_dir` (default `run_dir/report.html`) atomically; return its path."""
+    """Write the HTML report for `run_dir` (default `run_dir/report.html`) atomically; return its path.
+    `headline`: a line the page opens with (the demo's trained-searcher-vs-naive-RAG comparison)."""
     if max_trajectories < 0:
         raise ConfigError(f"max_trajectories must be >= 0, got {max_trajectories}")
     data = discover(run_dir)
-    page = render_report(data, title=title, notes=notes, max_trajectories=max_trajectories)
+    page = without_home(render_report(data, title=title, notes=notes, max_trajectories=max_trajectories,
+                                      headline=headline))
     out_path = Path(out) if out is not None else Path(run_dir) / "report.html"
     atomic_write_text(out_path, page)
     # The temp file behind the atomic write is private (0600); a report is meant to be shared.

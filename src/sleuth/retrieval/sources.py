@@ -7,10 +7,12 @@ is explicit: the server client's retry policy, the corpus check, and the message
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from sleuth.errors import ConfigError
 from sleuth.retrieval.base import Retriever
+from sleuth.retrieval.cache import CachingRetriever
 from sleuth.retrieval.client import RemoteRetriever
 from sleuth.retrieval.index import load_retriever
 from sleuth.retrieval.tools import ToolRetrieverConfig, load_tool_retriever, tool_retriever
@@ -25,6 +27,7 @@ def open_retriever(
     corpus: str | Path | None = None,
     retry: RetryPolicy | None = None,
     missing_index: str | None = None,
+    cache: str | Path | None = None,
 ) -> Retriever:
     """The retriever of exactly one source.
 
@@ -34,7 +37,29 @@ def open_retriever(
     tool: a search tool, as a `--retriever` spec (`mcp:<url>` or a YAML file) or a parsed config.
     missing_index: if given, an `index` that is not a directory fails at once with this message
         (naming the flag the user typed); otherwise `load_retriever` reports it.
+    cache: a directory recording every search, replayed on the next run (`sleuth.retrieval.cache`).
     """
+    retriever = _open_source(index=index, url=url, tool=tool, corpus=corpus, retry=retry, missing_index=missing_index)
+    if cache is None:
+        return retriever
+    if tool is not None:
+        source = f"tool:{tool.model_dump_json() if isinstance(tool, ToolRetrieverConfig) else tool}"
+    elif url is not None:
+        source = f"url:{json.dumps(url)}"
+    else:
+        source = f"index:{Path(index).expanduser().resolve()}"
+    return CachingRetriever(retriever, cache, source)
+
+
+def _open_source(
+    *,
+    index: str | Path | None,
+    url: str | list[str] | None,
+    tool: str | ToolRetrieverConfig | None,
+    corpus: str | Path | None,
+    retry: RetryPolicy | None,
+    missing_index: str | None,
+) -> Retriever:
     given = [name for name, value in (("index", index), ("url", url), ("tool", tool)) if value is not None]
     if len(given) != 1:
         raise ConfigError(f"a retriever needs exactly one of index, url or tool; got {given or 'none'}")

@@ -83,7 +83,16 @@ class HTTPSearchConfig(RetryConfig):
         return self
 
 
+# A call to an MCP tool may run a whole search agent (sleuth serve-mcp on CPU: tens of seconds to minutes
+# per question under load); the server's own limit is `sleuth serve-mcp --timeout-s` (300 s by default).
+MCP_DEFAULT_TIMEOUT_S = 300.0
+# Array fields of a tool's structured output read as the hits when `response.results` is not set
+# (sleuth serve-mcp's `search` returns them under "context").
+_HIT_LIST_FIELDS = ("results", "hits", "documents", "passages", "context")
+
+
 class MCPToolConfig(RetryConfig):
+    timeout: float = Field(MCP_DEFAULT_TIMEOUT_S, gt=0)
     server: str | None = None  # a streamable HTTP endpoint, e.g. http://127.0.0.1:8101/mcp
     command: list[str] | None = None  # or a stdio server the client launches: [program, arg, ...]
     env: dict[str, str] = Field(default_factory=dict)  # extra environment of a stdio server
@@ -203,14 +212,23 @@ class _PerQueryRetriever:
         raise NotImplementedError
 
     def _with_retries(self, query: str, k: int) -> list[Hit]:
-        return retry(
-            lambda: self._search_one(query, k),
-            attempts=self.cfg.retries,
-            base_delay=self.cfg.base_delay,
-            max_delay=self.cfg.max_delay,
-            retry_on=(_TransientError,),
-            what=f"search {query[:60]!r} on {self.what}",
-        )
+        try:
+            return retry(
+                lambda: self._search_one(query, k),
+                attempts=self.cfg.retries,
+                base_delay=self.cfg.base_delay,
+                max_delay=self.cfg.max_delay,
+                retry_on=(_TransientError,),
+                what=f"search {query[:60]!r} on {self.what}",
+            )
+        except ServiceError as err:
+            if "failed after" not in str(err):
+                raise
+            raise ServiceError(
+                f"{err}; if the tool is slow rather than down (a search agent on CPU), raise `timeout:` "
+                f"(now {self.cfg.timeout:g} s per attempt) in the mcp:/http: section of a --retriever YAML, "
+                "and the server's own limit (sleuth serve-mcp --timeout-s)"
+            ) from err
 
     def search(self, queries: list[str], k: int) -> list[list[Hit]]:
         """Top-k hits per query, in the tool's order (the `Retriever` protocol)."""
@@ -276,9 +294,11 @@ class MCPRetriever(_PerQueryRetriever):
     server/command with any target `mcp.Client` accepts (e.g. an in-process `MCPServer`).
     """
 
-    def __init__(self, cfg: MCPToolConfig, target: Any = None):
+    def __init__(self, cfg: MCPToolConfig, target: Any = None, adapt_to_tool: bool = False):
         super().__init__(cfg, cfg.server or " ".join(cfg.command or []))
         self.config = cfg
+        # `mcp:<url>` gives no arguments or response mapping: read them off the tool's schemas
+        self._adapt_to_tool = adapt_to_tool
         self._target = target
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="sleuth-mcp", daemon=True)
@@ -317,12 +337,16 @@ class MCPRetriever(_PerQueryRetriever):
         try:
             async with self._make_client() as client:
                 if not self._tool_checked:
-                    names = [t.name for t in (await client.list_tools()).tools]
-                    if self.config.tool not in names:
+                    tools = {t.name: t for t in (await client.list_tools()).tools}
+                    problem = None
+                    if self.config.tool not in tools:
+                        problem = (f"MCP server {self.what} has no tool {self.config.tool!r} "
+                                   f"(its tools: {', '.join(tools) or 'none'}); set mcp.tool")
+                    elif self._adapt_to_tool:
+                        problem = self._adapt(tools[self.config.tool])
+                    if problem:
                         # set, not raised: the client's task group would wrap it in an ExceptionGroup
-                        ready.set_exception(ServiceError(
-                            f"MCP server {self.what} has no tool {self.config.tool!r} "
-                            f"(its tools: {', '.join(names) or 'none'}); set mcp.tool"))
+                        ready.set_exception(ServiceError(problem))
                         return
                     self._tool_checked = True
                 ready.set_result(client)
@@ -330,6 +354,29 @@ class MCPRetriever(_PerQueryRetriever):
         except BaseException as err:  # noqa: BLE001 - handed to the caller waiting for the session
             if not ready.done():
                 ready.set_exception(err)
+
+    def _adapt(self, tool: Any) -> str | None:
+        """Fit the default arguments and response mapping to the tool's schemas: the query goes in
+        `query`, else in the tool's one required string argument (sleuth serve-mcp's `question`);
+        the hits are the first known array field of its structured output. Returns a problem, or None."""
+        # mcp 2.x names the schemas input_schema / output_schema (1.x: inputSchema / outputSchema)
+        schema = getattr(tool, "input_schema", None) or getattr(tool, "inputSchema", None) or {}
+        props = schema.get("properties", {})
+        update: dict[str, Any] = {}
+        if "query" not in props:
+            strings = [n for n in schema.get("required", []) if props.get(n, {}).get("type") == "string"]
+            if len(strings) != 1:
+                return (f"MCP tool {self.config.tool!r} on {self.what} takes {sorted(props) or 'no arguments'}, "
+                        "not one query string; name its arguments in a --retriever YAML (mcp.arguments)")
+            update["arguments"] = {strings[0]: "{query}"}
+        output = getattr(tool, "output_schema", None) or getattr(tool, "outputSchema", None) or {}
+        out_props = output.get("properties", {})
+        listed = [f for f in _HIT_LIST_FIELDS if out_props.get(f, {}).get("type") == "array"]
+        if listed and not self.config.response.results:
+            update["response"] = self.config.response.model_copy(update={"results": listed[0]})
+        if update:
+            self.config = self.config.model_copy(update=update)
+        return None
 
     async def _session(self) -> Any:
         async with self._session_lock:
@@ -410,7 +457,7 @@ def load_tool_retriever(spec: str) -> Any:
     """`mcp:http://host/mcp` (its `search` tool, default mapping) or a YAML file with an `mcp:` or `http:` section."""
     if spec.startswith("mcp:"):
         try:
-            return MCPRetriever(MCPToolConfig(server=spec[len("mcp:"):]))
+            return MCPRetriever(MCPToolConfig(server=spec[len("mcp:"):]), adapt_to_tool=True)
         except ValidationError as err:
             raise ConfigError(f"--retriever {spec!r}: {err.errors()[0]['msg']}") from None
     path = Path(spec)

@@ -168,6 +168,22 @@ def answer_from_evidence(
 _WORD_RE = re.compile(r"[a-z]+")
 
 
+# How a judge's reply becomes a verdict. "strict": `parse_yes_no`. "upstream": s3's
+# `check_if_response_is_correct_llm`, yes when "yes" occurs anywhere in the lowercased reply (so
+# "Not yes" or "eyes" count as yes). s3 asks again when the reply holds neither "yes" nor "no"; at
+# temperature 0 the second reply is the first, so that retry is not repeated here.
+JUDGE_RULES = ("strict", "upstream")
+
+
+def judge_verdict(text: str, rule: str = "strict") -> bool:
+    """A judge reply read with one of `JUDGE_RULES`."""
+    if rule == "upstream":
+        return "yes" in text.lower()
+    if rule != "strict":
+        raise ValueError(f"judge rule {rule!r}: choose one of {list(JUDGE_RULES)}")
+    return parse_yes_no(text)
+
+
 def parse_yes_no(text: str) -> bool:
     """A judge's verdict. Yes only when the reply clearly says yes: its first word is "yes", or it
     contains the word "yes" and never the word "no". Anything else, garbage included, is no."""
@@ -185,9 +201,11 @@ def judge_contains(
     golden_answers: Sequence[Sequence[str]],
     responses: Sequence[str],
     params: SamplingParams | None = None,
+    rule: str = "strict",
 ) -> list[bool]:
     """s3 judge_check: "does the response contain any of the golden answers?" (one batched call).
-    `questions` only fixes the batch shape: the s3 prompt does not show the question."""
+    `questions` only fixes the batch shape: the s3 prompt does not show the question. `rule`: how
+    the reply is read (`JUDGE_RULES`)."""
     if not (len(questions) == len(golden_answers) == len(responses)):
         raise ValueError(
             f"judge_contains: {len(questions)} questions, {len(golden_answers)} gold lists, {len(responses)} responses"
@@ -196,7 +214,7 @@ def judge_contains(
         [{"role": "user", "content": S3_JUDGE_PROMPT.format(response=r, golden_answers=str(list(g)))}]
         for g, r in zip(golden_answers, responses, strict=True)
     ]
-    return [parse_yes_no(t) for t in _generate(judge, prompts, params or DEFAULT_JUDGE_PARAMS)]
+    return [judge_verdict(t, rule) for t in _generate(judge, prompts, params or DEFAULT_JUDGE_PARAMS)]
 
 
 def judge_semantic_match(
@@ -235,6 +253,7 @@ def gen_acc_batch(
     golden_answers: Sequence[Sequence[str]],
     predictions: Sequence[str | None],
     params: SamplingParams | None = None,
+    rule: str = "strict",
 ) -> tuple[list[float], list[float], list[float | None]]:
     """GenAcc for a batch, asking the judge only where span_check failed (as s3 does).
 
@@ -251,6 +270,7 @@ def gen_acc_batch(
             [golden_answers[i] for i in ask],
             [predictions[i] or "" for i in ask],
             params,
+            rule,
         )
         for i, ok in zip(ask, answers, strict=True):
             verdicts[i] = float(ok)

@@ -98,21 +98,30 @@ def span_check(pred: str | None, golds: str | Iterable[str]) -> float:
     return float(any(_contains_run(pred_tokens, _tokens(g)) for g in _as_gold_list(golds)))
 
 
-def f1_score(pred: str | None, golds: str | Iterable[str]) -> float:
+def f1_score(pred: str | None, golds: str | Iterable[str], *, yes_no_rule: bool = True,
+             digits: int | None = None) -> float:
     """Token-level F1 over normalised whitespace tokens, max over gold answers.
 
     Follows FlashRAG's `F1_Score.token_level_scores` (also what Search-R1-family evaluations use):
     if either the normalised prediction or the normalised gold is one of "yes", "no", "noanswer"
     and the two differ, that gold scores 0 -- so "yes" vs "yes it is" is 0, not 0.5.
+    `yes_no_rule=False, digits=2` is R-Search's `F1_check` (qa_f1.py): no yes/no rule, and the
+    maximum rounded with `round(score, 2)` (2/3 -> 0.67).
     """
     if pred is None:
         return 0.0
+    best = _f1_max(pred, golds, yes_no_rule)
+    return round(best, digits) if digits is not None else best
+
+
+def _f1_max(pred: str, golds: str | Iterable[str], yes_no_rule: bool) -> float:
     norm_pred = normalize_answer(pred)
     pred_tokens = norm_pred.split()
     best = 0.0
     for g in _as_gold_list(golds):
         norm_gold = normalize_answer(g)
-        if (norm_pred in _SPECIAL_F1_ANSWERS or norm_gold in _SPECIAL_F1_ANSWERS) and norm_pred != norm_gold:
+        special = norm_pred in _SPECIAL_F1_ANSWERS or norm_gold in _SPECIAL_F1_ANSWERS
+        if yes_no_rule and special and norm_pred != norm_gold:
             continue
         gold_tokens = norm_gold.split()
         num_same = sum((Counter(pred_tokens) & Counter(gold_tokens)).values())

@@ -12,6 +12,11 @@ Without a search the paper's formula grants γe whatever the response does with 
 template tells the model to omit it). The public code (qa_f1.py) instead gives a no-search
 response that writes evidence anyway neither γe nor an evidence reward; set
 `strict_no_search_evidence=True` for that behaviour.
+
+`rules: upstream` scores as the public code does (docs/compatibility.md): F1 rounded to two decimals
+and without FlashRAG's yes/no rule (qa_f1.py's `F1_check`: "yes it is" vs "yes" is 0.5, 2/3 is
+0.67), an answer "and" earns no format score (the code skips it: the prompt's own
+`<answer> and </answer>` reads as that answer), and `strict_no_search_evidence` is on.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from dataclasses import dataclass
 from sleuth.agent.trajectory import Trajectory
 from sleuth.llm.base import SamplingParams
 from sleuth.rewards.answerer import answer_from_evidence
-from sleuth.rewards.base import Reward, RewardResult, RewardServices, register_reward
+from sleuth.rewards.base import Reward, RewardResult, RewardServices, check_choice, register_reward
 from sleuth.rewards.metrics import f1_score
 from sleuth.rewards.structure import env_spans, env_wrapper_tag, policy_tag_blocks
 
@@ -51,6 +56,15 @@ class RSearchReward(Reward):
     evidence_max_new_tokens: int = 512
     evidence_temperature: float = 0.1
     evidence_top_p: float = 0.9
+    rules: str = "sleuth"  # "upstream": R-Search's qa_f1.py (see the module docstring)
+
+    def __post_init__(self) -> None:
+        check_choice("rules", self.rules, ("sleuth", "upstream"))
+
+    def _f1(self, pred: str | None, golds: Sequence[str]) -> float:
+        if self.rules == "upstream":
+            return f1_score(pred, golds, yes_no_rule=False, digits=2)
+        return f1_score(pred, golds)
 
     def __call__(
         self, trajs: Sequence[Trajectory], services: RewardServices | None = None
@@ -62,15 +76,18 @@ class RSearchReward(Reward):
             evidences = [e.strip() for e in policy_tag_blocks(traj, "original_evidence")]
             searched = retrieval_triggered(traj)
             answer_ok = len(answers) == 1 and bool(answers[0])
+            if self.rules == "upstream":
+                answer_ok = answer_ok and answers[0] != "and"
             evidence_ok = len(evidences) == 1 and bool(evidences[0])
             evidence = evidences[-1] if evidences and evidences[-1] else None
-            if self.strict_no_search_evidence and not searched and evidences:
+            strict_no_search = self.strict_no_search_evidence or self.rules == "upstream"
+            if strict_no_search and not searched and evidences:
                 # the code scores this as a malformed no-search response: evidence format and reward lost
                 fmt = self.gamma_a * float(answer_ok)
                 evidence = None
             else:
                 fmt = rsearch_format_reward(searched, answer_ok, evidence_ok, self.gamma_e, self.gamma_a)
-            answer_f1 = f1_score(answers[-1], traj.golden_answers) if answers else 0.0
+            answer_f1 = self._f1(answers[-1], traj.golden_answers) if answers else 0.0
             rows.append((traj, answer_f1, evidence, fmt, searched, answer_ok, evidence_ok))
 
         evidence_f1 = [0.0] * len(rows)
@@ -87,7 +104,7 @@ class RSearchReward(Reward):
                     generator, [rows[i][0].question for i in todo], [rows[i][2] for i in todo], params
                 )
                 for i, ans in zip(todo, cf_answers, strict=True):
-                    evidence_f1[i] = f1_score(ans, rows[i][0].golden_answers)
+                    evidence_f1[i] = self._f1(ans, rows[i][0].golden_answers)
 
         results = []
         for (_, answer_f1, _, fmt, searched, answer_ok, evidence_ok), ev_f1 in zip(

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from sleuth.agent.trajectory import Trajectory
 from sleuth.errors import ConfigError
 from sleuth.llm.base import Generator, SamplingParams
-from sleuth.rewards.answerer import DOC_TEMPLATES, answer_from_documents, gen_acc_batch
+from sleuth.rewards.answerer import DOC_TEMPLATES, JUDGE_RULES, answer_from_documents, gen_acc_batch
 from sleuth.rewards.base import Reward, RewardResult, RewardServices, check_choice, register_reward
 
 
@@ -34,9 +34,13 @@ class _S3Base(Reward):
     generator_max_new_tokens: int = 128
     generator_temperature: float = 0.0
     judge_max_new_tokens: int = 16
+    # "strict" (sleuth): yes only when the reply clearly says yes; "upstream": s3's code, "yes"
+    # anywhere in the reply (docs/compatibility.md)
+    judge_rule: str = "strict"
 
     def __post_init__(self) -> None:
         check_choice("template", self.template, DOC_TEMPLATES)
+        check_choice("judge_rule", self.judge_rule, JUDGE_RULES)
 
     def _judge(self, services: RewardServices) -> Generator | None:
         return services.need("judge", self.name) if self.use_judge else None
@@ -54,7 +58,7 @@ class _S3Base(Reward):
     ) -> tuple[list[float], list[float], list[float | None]]:
         generator = services.need("generator", self.name)
         answers = answer_from_documents(generator, questions, docs, self.template, self._gen_params())
-        return gen_acc_batch(self._judge(services), questions, golds, answers, self._judge_params())
+        return gen_acc_batch(self._judge(services), questions, golds, answers, self._judge_params(), self.judge_rule)
 
     def _s3_accuracy(self, trajs: Sequence[Trajectory], services: RewardServices):
         return self._accuracy(

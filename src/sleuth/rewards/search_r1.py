@@ -19,6 +19,11 @@ Defaults 0.2 / 0.1 / 0.1 are the values annotated in that code's comments (0.3 =
 only (the code needs >= 2 `<answer>` matches because its string includes the prompt's example),
 and an inserted span counts as an information block only if it is one; any other inserted text
 (the "invalid action" message) breaks the structure, as it does in the code.
+
+`answer_source: upstream` (both rewards) reads the answer as the code's `extract_solution` does:
+the last `<answer>` block of prompt + response text, and none when there are fewer than two. The
+prompt holds two (`<answer> and </answer>`, `<answer> Beijing </answer>`), so a response without an
+answer is scored as answering "Beijing". `policy` (default) scores it as no answer.
 """
 
 from __future__ import annotations
@@ -28,9 +33,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from sleuth.agent.trajectory import Trajectory
-from sleuth.rewards.base import Reward, RewardResult, RewardServices, register_reward
+from sleuth.rewards.base import Reward, RewardResult, RewardServices, check_choice, register_reward
 from sleuth.rewards.metrics import exact_match, normalize_answer
 from sleuth.rewards.structure import parse_response, policy_answer, symbol_string
+from sleuth.tags import blocks
+
+ANSWER_SOURCES = ("policy", "upstream")
 
 _SEARCH_R1_STRUCTURE = re.compile(r"T(?:SIT)*A")
 
@@ -55,6 +63,20 @@ def _information_contents(traj: Trajectory) -> list[str]:
     return out
 
 
+def search_r1_upstream_answer(traj: Trajectory) -> str | None:
+    """Search-R1's `extract_solution` (qa_em.py, qa_em_format.py) on the decoded prompt + response:
+    `re.finditer(r"<answer>(.*?)</answer>", ..., re.DOTALL)`, None for 0 or 1 matches, else the
+    last match stripped."""
+    matches = blocks(traj.prompt_text + traj.response_text, "answer")
+    return matches[-1].strip() if len(matches) >= 2 else None
+
+
+def search_r1_answer(traj: Trajectory, source: str) -> str | None:
+    """The answer a Search-R1 reward scores: the policy's last `<answer>` ("policy") or the
+    upstream code's reading ("upstream")."""
+    return search_r1_upstream_answer(traj) if source == "upstream" else policy_answer(traj)
+
+
 def retrieval_contains_gold(traj: Trajectory) -> bool:
     golds = [normalize_answer(g) for g in traj.golden_answers]
     golds = [g for g in golds if g]
@@ -64,12 +86,17 @@ def retrieval_contains_gold(traj: Trajectory) -> bool:
 @register_reward("search_r1_em")
 @dataclass
 class SearchR1EM(Reward):
+    answer_source: str = "policy"  # "upstream": the code's extract_solution (module docstring)
+
+    def __post_init__(self) -> None:
+        check_choice("answer_source", self.answer_source, ANSWER_SOURCES)
+
     def __call__(
         self, trajs: Sequence[Trajectory], services: RewardServices | None = None
     ) -> list[RewardResult]:
         results = []
         for traj in trajs:
-            answer = policy_answer(traj)
+            answer = search_r1_answer(traj, self.answer_source)
             em = exact_match(answer, traj.golden_answers)
             results.append(RewardResult(em, {"em": em, "has_answer": float(answer is not None)}))
         return results
@@ -82,13 +109,17 @@ class SearchR1FormatEM(Reward):
     final_format_score: float = 0.1
     retrieval_score: float = 0.1
     score: float = 1.0
+    answer_source: str = "policy"  # "upstream": the code's extract_solution (module docstring)
+
+    def __post_init__(self) -> None:
+        check_choice("answer_source", self.answer_source, ANSWER_SOURCES)
 
     def __call__(
         self, trajs: Sequence[Trajectory], services: RewardServices | None = None
     ) -> list[RewardResult]:
         results = []
         for traj in trajs:
-            answer = policy_answer(traj)
+            answer = search_r1_answer(traj, self.answer_source)
             valid = search_r1_valid_sequence(traj)
             retrieval_correct = valid and retrieval_contains_gold(traj)
             em = exact_match(answer, traj.golden_answers)

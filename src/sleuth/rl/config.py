@@ -72,6 +72,7 @@ class RetrieverConfig(_Strict):
     corpus: str | None = None  # optional: check the index was built from this corpus
     mcp: MCPToolConfig | None = None  # an MCP server's search tool (sleuth.retrieval.tools)
     http: HTTPSearchConfig | None = None  # an HTTP search API (sleuth.retrieval.tools)
+    cache: str | None = None  # a directory recording every search, replayed next time (sleuth.retrieval.cache)
 
     @model_validator(mode="after")
     def _one_source(self) -> RetrieverConfig:
@@ -108,6 +109,20 @@ class KLConfig(_Strict):
     coef: float = Field(0.001, ge=0.0)
     mode: Literal["penalty", "loss"] = "loss"
     estimator: Literal["k1", "abs", "k2", "mse", "k3", "low_var_kl"] = "low_var_kl"
+    # verl's algorithm.kl_ctrl: "fixed" keeps coef; "adaptive" moves the reward penalty's coefficient
+    # toward target_kl after every step (AdaptiveKLController; sleuth.rl.losses.adaptive_kl_coef)
+    type: Literal["fixed", "adaptive"] = "fixed"
+    target_kl: float = Field(0.1, gt=0.0)
+    horizon: int = Field(10000, ge=1)
+
+    @model_validator(mode="after")
+    def _adaptive_needs_penalty(self) -> KLConfig:
+        if self.type == "adaptive" and (self.mode != "penalty" or self.coef <= 0):
+            raise ValueError(
+                "algorithm.kl.type: adaptive adapts the KL reward penalty, as verl's kl_ctrl does: "
+                "set algorithm.kl.mode: penalty and algorithm.kl.coef > 0 (its starting value)"
+            )
+        return self
 
 
 class AlgorithmConfig(_Strict):
@@ -187,11 +202,12 @@ class WandbConfig(_Strict):
     name: str | None = None  # None: the recipe name
     group: str | None = None
     tags: list[str] | None = None
-    mode: Literal["online", "offline", "disabled"] | None = None  # None: wandb's default (WANDB_MODE)
+    # None: offline unless WANDB_MODE / WANDB_API_KEY is set or `wandb login` saved a key (sleuth.rl.loggers)
+    mode: Literal["online", "offline", "disabled"] | None = None
 
 
 class MlflowConfig(_Strict):
-    tracking_uri: str | None = None  # None: MLFLOW_TRACKING_URI or MLflow's default
+    tracking_uri: str | None = None  # None: MLFLOW_TRACKING_URI, else a file store in <run dir>/mlruns
     experiment: str = "sleuth"
     run_name: str | None = None  # None: the recipe name
 

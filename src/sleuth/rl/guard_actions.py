@@ -22,7 +22,7 @@ import torch
 from sleuth.rl.checkpoint import load_optimizer_states, load_training_state, verify_checkpoint
 from sleuth.rl.guards import GuardEvent, GuardMonitor, decide, read_validation
 from sleuth.rl.loggers import JsonlLogger
-from sleuth.rl.models import load_policy, sync_rollout_copy
+from sleuth.rl.models import load_policy, sync_rollout_weights
 from sleuth.rl.run import Run, save
 from sleuth.run_layout import (
     CRITIC,
@@ -208,10 +208,7 @@ def restore_weights_and_optimizers(run: Run, ckpt: Path, lr_scale: float) -> Non
     for name, sched in run.schedulers.items():
         sched.load_state_dict(tensor_state["schedulers"][name])
     apply_lr_scale(run, lr_scale)
-    if run.rollout_model is not None:
-        sync_rollout_copy(run.rollout_model, run.policy)
-    if hasattr(run.generator, "refresh_weights"):  # the decode engine's copy follows the restored weights
-        run.generator.refresh_weights()
+    sync_rollout_weights(run)
 
 
 def apply_lr_scale(run: Run, scale: float) -> None:

@@ -7,14 +7,25 @@ modes, environment variables (WANDB_*, MLFLOW_*) and UIs work as their users exp
 
 A run resumed with `--resume` continues the same W&B / MLflow run: their run ids are kept in
 `trackers.json` in the run directory.
+
+Local by default, so `pip install 'sleuth[trackers]'` works offline with no server or account:
+- MLflow without `tracking_uri` or MLFLOW_TRACKING_URI logs to a file store in `<run>/mlruns`
+  (`mlflow ui --backend-store-uri <run>/mlruns`). MLflow 3's default is `sqlite:///mlflow.db`, which
+  mlflow-skinny cannot open (no SQLAlchemy), and it refuses file stores unless
+  MLFLOW_ALLOW_FILE_STORE is set: sleuth sets it for a local file store it was given or chose,
+  unless the variable is already set.
+- W&B without `mode` runs offline (`<run>/wandb`, `wandb sync` uploads it) unless WANDB_MODE or
+  WANDB_API_KEY is set or `wandb login` stored a key in ~/.netrc.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 from typing import Any, Protocol
+from urllib.parse import urlparse
 
 from sleuth.appendlog import read_appended
 from sleuth.errors import ConfigError
@@ -106,6 +117,8 @@ class WandbLogger:
         except ImportError as err:
             raise ConfigError(f"trainer.loggers has wandb: {_INSTALL_HINT.format(package='wandb')}") from err
         options = dict(options)
+        if options.get("mode") is None:
+            options["mode"] = wandb_default_mode()
         self.run = wandb.init(
             project=options.pop("project"),
             name=options.pop("name", None) or run_name,
@@ -133,6 +146,37 @@ _MLFLOW_BAD_CHARS = re.compile(r"[^A-Za-z0-9_\-. /]")
 _MLFLOW_PARAM_CHARS = 6000  # MLflow's limit on one parameter value
 
 
+def wandb_default_mode() -> str | None:
+    """"offline" unless the user set up W&B (WANDB_MODE / WANDB_API_KEY, or a key `wandb login` saved
+    in ~/.netrc); None leaves the choice to wandb."""
+    if os.environ.get("WANDB_MODE") or os.environ.get("WANDB_API_KEY"):
+        return None
+    netrc = Path(os.environ.get("NETRC", Path.home() / ".netrc"))
+    try:
+        if "api.wandb.ai" in netrc.read_text(errors="replace"):
+            return None
+    except OSError:
+        pass
+    return "offline"
+
+
+def mlflow_tracking_uri(out_dir: Path, configured: str | None) -> str | None:
+    """The tracking URI to set: `configured`, else (no MLFLOW_TRACKING_URI) a file store in
+    `out_dir/mlruns`; None keeps MLFLOW_TRACKING_URI. A local file store gets MLFLOW_ALLOW_FILE_STORE
+    (MLflow 3 refuses file stores without it) unless that variable is already set."""
+    if configured:
+        uri = configured
+    elif os.environ.get("MLFLOW_TRACKING_URI"):
+        uri = os.environ["MLFLOW_TRACKING_URI"]
+        configured = None
+    else:
+        uri = configured = (Path(out_dir).resolve() / "mlruns").as_uri()
+    scheme = urlparse(uri).scheme
+    if scheme in ("", "file") or len(scheme) == 1:  # a path, a file: URI, a Windows drive letter
+        os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+    return configured
+
+
 class MlflowLogger:
     """An MLflow run: params (flattened config), metrics per step, the config and report as JSON artifacts."""
 
@@ -142,8 +186,9 @@ class MlflowLogger:
         except ImportError as err:
             raise ConfigError(f"trainer.loggers has mlflow: {_INSTALL_HINT.format(package='mlflow')}") from err
         self.mlflow = mlflow
-        if options.get("tracking_uri"):
-            mlflow.set_tracking_uri(options["tracking_uri"])
+        uri = mlflow_tracking_uri(out_dir, options.get("tracking_uri"))
+        if uri is not None:
+            mlflow.set_tracking_uri(uri)
         try:
             experiment = mlflow.set_experiment(options["experiment"])
             self.run = mlflow.start_run(

@@ -382,6 +382,24 @@ def kl_penalty(logprob: torch.Tensor, ref_logprob: torch.Tensor, kind: str = "lo
     return value
 
 
+def adaptive_kl_coef(coef: float, current_kl: float, target_kl: float, horizon: int, n_steps: int) -> float:
+    """verl's `AdaptiveKLController.update` (Ziegler et al. 2019): the next KL penalty coefficient.
+
+    coef * (1 + clip(current_kl / target_kl - 1, -0.2, 0.2) * n_steps / horizon), where
+    `current_kl` is the batch mean of each sequence's mean per-token KL (`sequence_mean_kl`) and
+    `n_steps` the number of sequences in the batch."""
+    proportional_error = min(max(current_kl / target_kl - 1.0, -0.2), 0.2)
+    return coef * (1.0 + proportional_error * n_steps / horizon)
+
+
+def sequence_mean_kl(kl: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """Per sequence, the mean KL over its policy tokens (verl's `masked_mean(kld, mask, axis=-1)`);
+    a sequence without policy tokens counts 0."""
+    check_same_shape(kl=kl, response_mask=response_mask)
+    mask = response_mask.to(kl.dtype)
+    return (kl * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)
+
+
 def apply_kl_penalty(
     token_rewards: torch.Tensor, kl: torch.Tensor, beta: float, response_mask: torch.Tensor
 ) -> torch.Tensor:

@@ -13,6 +13,7 @@ from torch import nn
 from sleuth.errors import ConfigError
 from sleuth.llm.decode_engine import supports as engine_supports
 from sleuth.llm.registry import resolve_model_path
+from sleuth.llm.special_tokens import peft_deprecation_silenced
 from sleuth.rl.config import Recipe
 from sleuth.rl.dist import unwrap
 
@@ -62,22 +63,24 @@ def load_policy(recipe: Recipe, device: torch.device, adapter_dir: Path | None =
         from peft import LoraConfig, PeftModel, get_peft_model
 
         if adapter_dir is not None:
-            model = PeftModel.from_pretrained(model, adapter_dir, is_trainable=True)
+            with peft_deprecation_silenced():
+                model = PeftModel.from_pretrained(model, adapter_dir, is_trainable=True)
             # the adapter names the base as found where it was trained (another machine's path); name the
             # base loaded here, so the next save records it and peft finds its config
             model.peft_config["default"].base_model_name_or_path = str(path)
         else:
             lora = recipe.model.lora
-            model = get_peft_model(
-                model,
-                LoraConfig(
-                    r=lora.r,
-                    lora_alpha=lora.alpha,
-                    lora_dropout=lora.dropout,
-                    target_modules=lora.target_modules,
-                    task_type="CAUSAL_LM",
-                ),
-            )
+            with peft_deprecation_silenced():
+                model = get_peft_model(
+                    model,
+                    LoraConfig(
+                        r=lora.r,
+                        lora_alpha=lora.alpha,
+                        lora_dropout=lora.dropout,
+                        target_modules=lora.target_modules,
+                        task_type="CAUSAL_LM",
+                    ),
+                )
     elif adapter_dir is not None:
         model = AutoModelForCausalLM.from_pretrained(adapter_dir, dtype=dtype).to(device)
     return tokenizer, model, path
@@ -168,6 +171,21 @@ def rollout_decoding(recipe: Recipe, generator_model: nn.Module, device: torch.d
 def sync_rollout_copy(rollout: nn.Module, policy: nn.Module) -> None:
     for dst, src in zip(rollout.parameters(), unwrap(policy).parameters(), strict=True):
         dst.copy_(src)
+
+
+def release_rollout_memory(run: Any) -> None:
+    """Before the update: the decode engine frees its KV pool and graphs (captured again at the next rollout)."""
+    if hasattr(run.generator, "release"):
+        run.generator.release()
+
+
+def sync_rollout_weights(run: Any) -> None:
+    """After the policy's weights changed (an update, a rollback): refresh what rollouts decode with, the bf16
+    copy or the decode engine's copy (a collective under FSDP: every rank calls it)."""
+    if run.rollout_model is not None:
+        sync_rollout_copy(run.rollout_model, run.policy)
+    if hasattr(run.generator, "refresh_weights"):
+        run.generator.refresh_weights()
 
 
 def load_reference(model_path: str, policy: nn.Module, device: torch.device) -> nn.Module:

@@ -86,6 +86,7 @@ class Run:
     compile_seconds_logged: float = 0.0
     val_examples: list[QAExample] = field(default_factory=list)  # data.dev's first trainer.eval_examples
     guards: Any = None  # sleuth.rl.guard_actions.GuardState, set by the trainer
+    kl_coef: float = 0.0  # the KL coefficient of the next step (moves under algorithm.kl.type: adaptive)
 
     @property
     def models(self) -> dict[str, nn.Module]:
@@ -188,7 +189,8 @@ def setup(recipe: Recipe, ctx: DistContext, console: Any, resume: bool) -> Run:
     return Run(recipe, ctx, out_dir, console, tokenizer, policy, reference, critic, optimizers, schedulers,
                rollout_model, generator, retriever, loop, reward_fn, services, sampling, examples, cursor,
                local_prompts, algo.minibatch_size // ctx.world_size, log, start_step, start_step,
-               val_examples=load_validation_examples(recipe))
+               val_examples=load_validation_examples(recipe),
+               kl_coef=float(trainer_state.get("kl_coef", algo.kl.coef)))
 
 
 def save(run: Run, done: int, cursor_state: dict[str, int], stage: int) -> None:
@@ -203,7 +205,7 @@ def save(run: Run, done: int, cursor_state: dict[str, int], stage: int) -> None:
         save_checkpoint(
             run.out_dir, done, states,
             trainer_state={"cursor": cursor_state, "stage": stage, "recipe": run.recipe.name,
-                           FINGERPRINT: recipe_fingerprint(run.recipe)},
+                           FINGERPRINT: recipe_fingerprint(run.recipe), "kl_coef": run.kl_coef},
             searcher=searcher_info(run.recipe), keep=run.recipe.trainer.keep_checkpoints,
         )
     run.ctx.barrier()

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from sleuth.agent.engine import RolloutBudget
-from sleuth.agent.registry import get_loop
+from sleuth.agent.registry import get_loop, method_plugins
 from sleuth.data.filters import drop_yes_no, keep_hard
 from sleuth.data.formats import QAExample, load_qa
 from sleuth.data.score_cache import ScoreCache
@@ -64,7 +64,7 @@ def build_retriever(recipe: Recipe) -> Retriever:
     section = recipe.retriever
     tool = ToolRetrieverConfig(mcp=section.mcp, http=section.http) if section.mcp is not None or section.http is not None else None
     return open_retriever(index=section.index, url=section.url, tool=tool, corpus=section.corpus,
-                          retry=recipe.services.retry.policy())
+                          retry=recipe.services.retry.policy(), cache=section.cache)
 
 
 def loop_options(recipe: Recipe) -> dict[str, Any]:
@@ -97,6 +97,7 @@ def searcher_info(recipe: Recipe) -> SearcherInfo:
         max_new_tokens_per_turn=recipe.agent.max_new_tokens_per_turn,
         max_obs_tokens=recipe.agent.max_obs_tokens,
         max_response_tokens=recipe.agent.max_response_tokens,
+        plugins=method_plugins(recipe.agent.loop, recipe.reward.plugins),
     )
 
 

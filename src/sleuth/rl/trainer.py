@@ -51,13 +51,10 @@ from sleuth.rl.dist import (
 )
 from sleuth.rl.guard_actions import act_on_guards, final_message, record_step, start_guards
 from sleuth.rl.health import health_metrics
-from sleuth.rl.models import (
-    autocast,
-    dtype_of,
-    sync_rollout_copy,
-)
+from sleuth.rl.models import autocast, dtype_of, release_rollout_memory, sync_rollout_weights
 from sleuth.rl.run import Run, save, setup
 from sleuth.rl.run_dir import prepare_run_dir, write_failure
+from sleuth.rl.run_metrics import machinery_metrics
 from sleuth.rl.sampling import filter_groups
 from sleuth.rl.setup import check_input_paths, rollout_budget
 from sleuth.rl.sft import run_sft
@@ -67,7 +64,6 @@ from sleuth.rl.step_metrics import (
     dense_group_ids,
     format_line,
     mean_over_ranks,
-    memory_metrics,
     step_metrics,
 )
 from sleuth.rl.validate import already_validated, validate, validation_due
@@ -190,16 +186,12 @@ def train_step(run: Run, step: int) -> dict[str, float]:
     batch.debug_path = run.out_dir / "debug" / f"nonfinite_step_{step + 1:06d}_rank{ctx.rank}.pt"
 
     # 3. K epochs of minibatch updates
-    if hasattr(run.generator, "release"):  # the decode engine's KV pool and graphs make room for the update
-        run.generator.release()
+    release_rollout_memory(run)
     run.policy.train()
     stats = update(run, batch)
     for s in run.schedulers.values():
         s.step()
-    if run.rollout_model is not None:
-        sync_rollout_copy(run.rollout_model, run.policy)
-    if hasattr(run.generator, "refresh_weights"):
-        run.generator.refresh_weights()  # the decode engine's copy (a collective under FSDP)
+    sync_rollout_weights(run)
     t_update = time.perf_counter() - t2
 
     # 4. log (metrics averaged over ranks; every rank holds an equal share of the batch)
@@ -263,13 +255,25 @@ def make_batch(run: Run, trajs: list[Trajectory], scores: list[float]) -> StepBa
         if old_logprobs is not None:
             kl = loss_fns.kl_penalty(old_logprobs, ref_logprobs, algo.kl.estimator)
         if algo.kl.mode == "penalty":
-            token_rewards = loss_fns.apply_kl_penalty(token_rewards, kl, kl_coef, mask)
+            token_rewards = loss_fns.apply_kl_penalty(token_rewards, kl, run.kl_coef, mask)
+            _adapt_kl_coef(run, kl, mask)
     old_values = None
     if run.critic is not None:
         run.critic.eval()
         old_values = batched_values(run.critic, tokens, micro, device)
     advantages, returns = estimate_advantages(run, token_rewards, mask, old_values, trajs)
     return StepBatch(trajs, scores, tokens, advantages, returns, old_logprobs, ref_logprobs, old_values, kl)
+
+
+def _adapt_kl_coef(run: Run, kl: torch.Tensor, mask: torch.Tensor) -> None:
+    """verl's kl_ctrl after a penalised batch: the global batch's mean sequence KL sets the next coef."""
+    kl_cfg = run.recipe.algorithm.kl
+    if kl_cfg.type != "adaptive":
+        return
+    per_seq = loss_fns.sequence_mean_kl(kl.float(), mask)
+    total = run.ctx.all_reduce_sum(torch.stack([per_seq.sum(), torch.tensor(float(len(per_seq)))]).to(kl.device))
+    current_kl, n = total[0].item() / max(total[1].item(), 1.0), int(total[1].item())
+    run.kl_coef = loss_fns.adaptive_kl_coef(run.kl_coef, current_kl, kl_cfg.target_kl, kl_cfg.horizon, n)
 
 
 def estimate_advantages(run: Run, token_rewards: torch.Tensor, mask: torch.Tensor, values: torch.Tensor | None,
@@ -295,7 +299,6 @@ def _log_step(run: Run, step: int, stage: int, collected: Collected, batch: Step
     ctx, recipe, mask = run.ctx, run.recipe, batch.tokens.action_mask
     answers = get_method(recipe.agent.loop).answers
     metrics = step_metrics(batch.trajs, batch.scores, collected.all_rewards, mask, batch.kl, stats, answers=answers)
-    compiled = getattr(run.generator, "compile_seconds", 0.0) + getattr(run.generator, "capture_seconds", 0.0)
     metrics.update({
         "stage": float(stage),
         "sampling_rounds": float(collected.rounds),
@@ -304,11 +307,8 @@ def _log_step(run: Run, step: int, stage: int, collected: Collected, batch: Step
         "time/update": times["update"],
         "time/step": time.perf_counter() - times["start"],
         "tokens/policy_per_s": float(mask.sum()) / max(collected.t_rollout, 1e-9),
-        # one-time compiles of new decode shapes (compiled decoding; part of time/rollout)
-        "time/decode_compile": compiled - run.compile_seconds_logged,
-        **memory_metrics(ctx.device),
+        **machinery_metrics(run),
     })
-    run.compile_seconds_logged = compiled
     failed = failed_trajectories(collected.trajs_all)
     metrics["rollout/errors"] = float(len(failed))
     metrics = mean_over_ranks(metrics, ctx)

@@ -20,7 +20,8 @@ BATCH_WAIT_MS = typer.Option(
     10.0, "--batch-wait-ms",
     help="Longest a request that finds the model idle waits for others to share its rollout; it waits only "
          "while requests have lately overlapped (a lone client never waits). 0: never wait.")
-TIMEOUT_S = typer.Option(60.0, "--timeout-s", help="Per-request time limit (queueing included); 504 after it.")
+# A searcher on CPU under concurrent requests takes tens of seconds to minutes per batched rollout.
+TIMEOUT_S = typer.Option(300.0, "--timeout-s", help="Per-request time limit (queueing included); 504 after it.")
 MAX_TURNS = typer.Option(8, "--max-turns-limit", help="Largest max_turns a request may ask for.")
 MAX_TOP_K = typer.Option(20, "--max-top-k", help="Largest top_k a request may ask for.")
 MAX_CHARS = typer.Option(2000, "--max-question-chars", help="Longest question accepted.")

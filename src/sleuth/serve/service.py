@@ -60,7 +60,7 @@ class ServeLimits:
     max_top_k: int = 20  # the largest per-request top_k accepted
     max_batch: int = 16  # requests merged into one batched rollout
     batch_wait_ms: float = 10.0  # longest a request waits for others to share its rollout (only after overlap)
-    timeout_s: float = 60.0  # per request, queueing included
+    timeout_s: float = 300.0  # per request, queueing included (a CPU searcher takes minutes under load)
 
     def __post_init__(self) -> None:
         for name in ("max_question_chars", "max_turns", "max_top_k", "max_batch"):

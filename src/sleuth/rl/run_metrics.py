@@ -1,0 +1,24 @@
+"""The step's metrics about the machinery rather than the policy: decode compiles and graph captures, the
+retriever cache, the adaptive KL coefficient and device memory (the trainer logs them with the rest)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from sleuth.retrieval.cache import cache_stats
+from sleuth.rl.step_metrics import memory_metrics
+
+if TYPE_CHECKING:
+    from sleuth.rl.run import Run
+
+
+def machinery_metrics(run: Run) -> dict[str, float]:
+    metrics = cache_stats(run.retriever)  # replayed / searched queries with retriever.cache
+    if run.recipe.algorithm.kl.type == "adaptive":
+        metrics["actor/kl_coef_next"] = run.kl_coef  # what adaptive KL set for the next step
+    # one-time compiles of new decode shapes, or the decode engine's graph captures (part of time/rollout)
+    compiled = getattr(run.generator, "compile_seconds", 0.0) + getattr(run.generator, "capture_seconds", 0.0)
+    metrics["time/decode_compile"] = compiled - run.compile_seconds_logged
+    run.compile_seconds_logged = compiled
+    metrics.update(memory_metrics(run.ctx.device))
+    return metrics
