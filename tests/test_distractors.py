@@ -90,7 +90,7 @@ def test_world_answers_stay_findable_with_bm25(world, tmp_path) -> None:
     retriever = load_retriever(tmp_path / "idx")
     singles = [q for q in world.questions if q.metadata["hops"] == 1][:20]
     hits = retriever.search([q.question for q in singles], 5)
-    found = sum(q.metadata["supporting_ids"][0] in {h.doc_id for h in hs} for q, hs in zip(singles, hits))
+    found = sum(q.metadata["supporting_ids"][0] in {h.doc_id for h in hs} for q, hs in zip(singles, hits, strict=True))
     assert found >= 0.7 * len(singles)
     # The distractors are competition: they take some of the top-5 places.
     distractor_hits = sum(int(h.doc_id) >= world.num_passages for hs in hits for h in hs)
