@@ -31,6 +31,8 @@ DEFAULT_BM25_PARAMS: dict[str, Any] = {
     "stopwords": "en",
 }
 _BM25_PARAM_KEYS = set(DEFAULT_BM25_PARAMS)
+# (2, vocabulary) float64: per token its largest weight (floored at 0) and largest |weight|.
+TOKEN_BOUNDS_FILE = "token_bounds.npy"
 
 
 def import_bm25s() -> Any:
@@ -119,8 +121,19 @@ class BM25Retriever:
         self.tokenizer.load_vocab(str(self.index_dir))
         self.tokenizer.load_stopwords(str(self.index_dir))
         self._empty_id = self.tokenizer.word_to_id.get("")
-        # Per token (largest weight, largest |weight|): the kernel's pruning bounds, built on first search.
+        # Per token (largest weight, largest |weight|): the kernel's pruning bounds. Indexes built by
+        # sleuth.retrieval.bm25_build store them (a load reads V x 16 bytes, not the score matrix);
+        # for others they are computed on the first search (one pass over the whole matrix).
         self._token_bounds: tuple[np.ndarray, np.ndarray] | None = None
+        bounds_path = self.index_dir / TOKEN_BOUNDS_FILE
+        if bounds_path.exists():
+            bounds = np.load(bounds_path)
+            if bounds.shape != (2, len(self.model.scores["indptr"]) - 1):
+                raise IndexMismatchError(
+                    f"{bounds_path}: shape {bounds.shape} does not fit the index's vocabulary; rebuild the index "
+                    "with `sleuth index`"
+                )
+            self._token_bounds = (bounds[0], bounds[1])
         self._thread_scratch = threading.local()
         if docstore.num_docs != self.num_indexed:
             raise IndexMismatchError(

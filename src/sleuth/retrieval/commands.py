@@ -61,6 +61,11 @@ def register(app: typer.Typer) -> None:
         k1: float = typer.Option(0.9, "--k1", help="BM25 k1."),
         b: float = typer.Option(0.4, "--b", help="BM25 b."),
         threads: int = typer.Option(1, "--threads", help="CPU threads for encoding."),
+        workers: int = typer.Option(1, "--workers", help="BM25: processes tokenizing and filling shards."),
+        shard_docs: int | None = typer.Option(
+            None, "--shard-docs", help="BM25: passages per build shard (memory per worker grows with it; "
+            "default 250,000)."
+        ),
         overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing index in --out."),
     ) -> None:
         """Build a BM25 or dense index of a corpus (docstore + index + manifest.json)."""
@@ -77,7 +82,9 @@ def register(app: typer.Typer) -> None:
         if not corpus.is_file():
             _fail(f"corpus {corpus} does not exist (expected a jsonl file with 'id' and 'contents')")
         if kind == "bm25":
-            params: dict = {"k1": k1, "b": b}
+            params: dict = {"k1": k1, "b": b, "workers": workers}
+            if shard_docs is not None:
+                params["shard_docs"] = shard_docs
         else:
             if faiss_type not in ("flat", "hnsw", "ivfpq"):
                 _fail(f"--faiss must be flat, hnsw or ivfpq, got {faiss_type!r}")
@@ -117,6 +124,7 @@ def register(app: typer.Typer) -> None:
                 table.add_row("shards", ", ".join(f"[{s['start']}, {s['end']})" for s in manifest["shards"]))
         else:
             table.add_row("bm25", ", ".join(f"{k}={v}" for k, v in manifest["bm25"].items()))
+            table.add_row("build", ", ".join(f"{k}={v}" for k, v in manifest["bm25_build"].items()))
         Console().print(table)
 
     app.command("index")(index_cmd)

@@ -19,7 +19,8 @@ from sleuth import __version__
 from sleuth.data.formats import corpus_fingerprint, iter_corpus
 from sleuth.errors import ConfigError, IndexMismatchError
 from sleuth.retrieval.base import Retriever
-from sleuth.retrieval.bm25 import BM25Retriever, build_bm25
+from sleuth.retrieval.bm25 import BM25Retriever
+from sleuth.retrieval.bm25_build import DEFAULT_SHARD_DOCS, build_bm25_sharded
 from sleuth.retrieval.dense import (
     FAISS_FILE,
     DenseRetriever,
@@ -50,6 +51,8 @@ _FAISS_KEYS = {"faiss", "M", "ef_construction", "ef_search", "nlist", "m", "nbit
 # Any of these selects the sharded dense layout (sleuth.retrieval.sharded), even with shards=1.
 _SHARD_KEYS = {"shards", "train_sample", "keep_vectors"}
 _BM25_KEYS = {"k1", "b", "method", "stemmer", "stopwords"}
+# How a BM25 index is built (sleuth.retrieval.bm25_build), not what it is: recorded apart from its params.
+_BM25_BUILD_KEYS = {"shard_docs", "workers"}
 _LOAD_KEYS = {
     "bm25": {"threads"},
     "dense": {"threads", "ef_search", "nprobe", "batch_size", "device", "encoder", "rerank", "gpus"},
@@ -86,7 +89,7 @@ def build_index(
 
     if kind not in KINDS:
         raise ConfigError(f"unknown index kind {kind!r}; choose one of {list(KINDS)}")
-    allowed = _BM25_KEYS if kind == "bm25" else _ENCODER_KEYS | _FAISS_KEYS | _SHARD_KEYS
+    allowed = _BM25_KEYS | _BM25_BUILD_KEYS if kind == "bm25" else _ENCODER_KEYS | _FAISS_KEYS | _SHARD_KEYS
     unknown = set(params) - allowed
     if unknown:
         raise ConfigError(f"{kind} index: unknown parameter(s) {sorted(unknown)}; allowed: {sorted(allowed)}")
@@ -136,8 +139,12 @@ def _build_into(
         "sleuth_version": __version__,
     }
     if kind == "bm25":
-        texts = (f"{title}\n{text}" for batch in docstore.iter_batches(4096) for _, title, text in batch)
-        manifest["bm25"] = build_bm25(texts, n, out_dir / "bm25", show_progress=show_progress, **params)
+        # Sharded over processes with bounded memory; the files equal bm25s' own single-pass build.
+        build = {k: params.pop(k) for k in list(params) if k in _BM25_BUILD_KEYS}
+        build.setdefault("shard_docs", DEFAULT_SHARD_DOCS)
+        build.setdefault("workers", 1)
+        manifest["bm25"] = build_bm25_sharded(docstore, out_dir / "bm25", **build, **params)
+        manifest["bm25_build"] = build
     else:
         manifest.update(
             _build_dense(docstore, out_dir, threads=threads, show_progress=show_progress, **params)
