@@ -55,6 +55,10 @@ def register(app: typer.Typer) -> None:
         train_sample: int | None = typer.Option(
             None, "--train-sample", help="IVF-PQ (sharded layout): vectors sampled to train the quantizers."
         ),
+        embeddings: Path | None = typer.Option(
+            None, "--embeddings", help="Dense: precomputed float16 [passages x dim] passage embeddings "
+            "(sleuth.retrieval.index.encode_docstore, e.g. made on a GPU) instead of encoding here."
+        ),
         keep_vectors: bool = typer.Option(
             False, "--keep-vectors", help="Dense (sharded layout): keep float16 vectors for exact re-ranking."
         ),
@@ -106,6 +110,8 @@ def register(app: typer.Typer) -> None:
                 params["train_sample"] = train_sample
             if keep_vectors:
                 params["keep_vectors"] = True
+            if embeddings is not None:
+                params["embeddings"] = str(embeddings)
         t0 = time.perf_counter()
         try:
             manifest = build_index(corpus, kind, out, overwrite=overwrite, threads=threads, **params)
