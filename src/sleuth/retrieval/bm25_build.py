@@ -140,6 +140,8 @@ def _fill_shard(job: dict[str, Any]) -> int:
     data.flush()
     indices.flush()
     del data, indices
+    # Free the shard's spool now: disk peaks near index + one spool, not index + every spool (21M: ~12 GB each).
+    shutil.rmtree(spool, ignore_errors=True)
     return len(global_terms)
 
 
