@@ -12,16 +12,18 @@
 # `pack` copies the result JSON and the logs into $OUT (flat, <= 8 files). Rerunning `start` resumes at the
 # first stage without a done-marker. Sizes (env): SIZE (21000000), DENSE_SIZE (1000000: encoding all 21M does
 # not fit the lease; the dense JSON says it is a sample), WORKERS (cores), WORK (runs/scale21m).
-# Tested end to end on a CPU box with: SIZE=20000 DENSE_SIZE=1500 DEVICE=cpu bash bench/retrieval_21m.sh start
+# Tested end to end on a CPU box (2 cores) with the same script: PY=.venv/bin/python SIZE=20000 WORLD_PASSAGES=2000
+#   DENSE_SIZE=1500 DEVICE=cpu WORKERS=2 WORK=/tmp/d21 bash bench/retrieval_21m.sh start; ... wait 240
 set -uo pipefail
 cd "$(dirname "$0")/.."
+PY=${PY:-python3}
+# Cores this process may use (nproc would answer OMP_NUM_THREADS, which is set to 1 below).
+CORES=$("$PY" -c "import os; print(len(os.sched_getaffinity(0)))")
 export PYTHONPATH="$PWD/src:$PWD/.gpusite" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 export SLEUTH_CACHE="$PWD/.gpucache" OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-PY=${PY:-python3}
 WORK=${WORK:-runs/scale21m}
 SIZE=${SIZE:-21000000}
 DENSE_SIZE=${DENSE_SIZE:-1000000}
-CORES=$(nproc)
 WORKERS=${WORKERS:-$CORES}
 DEVICE=${DEVICE:-cuda}
 # Serving: BM25 splits a batch over --threads inside one search; dense encodes queries with torch threads.
@@ -86,7 +88,8 @@ case "${1:-}" in
     sleep 5; tail -5 "$WORK/daemon.log" ;;
   daemon)
     echo "[$(date +%T)] daemon: SIZE=$SIZE DENSE_SIZE=$DENSE_SIZE WORKERS=$WORKERS DEVICE=$DEVICE cores=$CORES"
-    run_stage synth --size "$SIZE" --workers "$WORKERS" || exit 1
+    run_stage synth --size "$SIZE" --world-passages "${WORLD_PASSAGES:-20000}" --questions "${QUESTIONS:-2000}" \
+      --workers "$WORKERS" || exit 1
     # The dense sample's corpus is cut now, so the big corpus can go once the docstore holds its texts.
     "$PY" bench/retrieval_scale.py dense-corpus --work "$WORK" --dense-size "$DENSE_SIZE" >>"$WORK/logs/dense-corpus.log" 2>&1
     run_stage bm25-build --workers "$WORKERS" --shard-docs "${SHARD_DOCS:-250000}" || exit 1
