@@ -68,12 +68,16 @@ def doc_term_counts(tokens, doc_ptr, n_vocab):
 
 
 @njit(cache=True)
-def _fill_postings(terms, tfs, term_ptr, lengths, idf, k1, b, avg_len, atire, first_doc, cursor, data, indices):
+def _fill_postings(shard, scoring, first_doc, out):
     """Write one shard's BM25 weights into the global CSC arrays at `cursor` (advanced per posting).
 
-    The arithmetic is bm25s' `_score_tfc_robertson` (Lucene/Robertson share it) or `_score_tfc_atire`
-    times the float32 IDF, with numpy's types there: float64, except ATIRE's float32 numerator;
-    rounded once to float32 on store."""
+    shard = (terms, tfs, term_ptr, lengths), scoring = (idf, k1, b, avg_len, atire), out = (cursor, data,
+    indices). The arithmetic is bm25s' `_score_tfc_robertson` (Lucene/Robertson share it) or
+    `_score_tfc_atire` times the float32 IDF, with numpy's types there: float64, except ATIRE's float32
+    numerator; rounded once to float32 on store."""
+    terms, tfs, term_ptr, lengths = shard
+    idf, k1, b, avg_len, atire = scoring
+    cursor, data, indices = out
     k1_plus_1 = np.float32(k1 + 1.0)
     for d in range(len(term_ptr) - 1):
         norm = k1 * ((1.0 - b) + b * np.float64(lengths[d]) / avg_len)
@@ -134,8 +138,10 @@ def _fill_shard(job: dict[str, Any]) -> int:
     idf = np.load(job["idf"])
     cursor = np.load(spool / "cursor.npy")
     _fill_postings(
-        global_terms, np.load(spool / "tfs.npy"), np.load(spool / "term_ptr.npy"), np.load(spool / "lengths.npy"),
-        idf, job["k1"], job["b"], job["avg_len"], job["method"] == "atire", job["start"], cursor, np.asarray(data), np.asarray(indices),
+        (global_terms, np.load(spool / "tfs.npy"), np.load(spool / "term_ptr.npy"), np.load(spool / "lengths.npy")),
+        (idf, job["k1"], job["b"], job["avg_len"], job["method"] == "atire"),
+        job["start"],
+        (cursor, np.asarray(data), np.asarray(indices)),
     )
     data.flush()
     indices.flush()

@@ -26,6 +26,27 @@ def dir_size(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
+def _print_index_summary(out: Path, manifest: dict, seconds: float) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"index {out}", show_header=False)
+    table.add_row("kind", manifest["kind"])
+    table.add_row("passages", f"{manifest['num_docs']:,}")
+    table.add_row("build time", f"{seconds:.1f} s")
+    table.add_row("size on disk", _human_bytes(dir_size(out)))
+    if manifest["kind"] == "dense":
+        enc = manifest["encoder"]
+        table.add_row("encoder", f"{enc['name']} (dim {enc['dim']})")
+        table.add_row("faiss", ", ".join(f"{k}={v}" for k, v in manifest["faiss"].items()))
+        if "shards" in manifest:
+            table.add_row("shards", ", ".join(f"[{s['start']}, {s['end']})" for s in manifest["shards"]))
+    else:
+        table.add_row("bm25", ", ".join(f"{k}={v}" for k, v in manifest["bm25"].items()))
+        table.add_row("build", ", ".join(f"{k}={v}" for k, v in manifest["bm25_build"].items()))
+    Console().print(table)
+
+
 def register(app: typer.Typer) -> None:
     def index_cmd(
         corpus: Path = typer.Argument(..., help="Corpus jsonl ({'id', 'contents'} per line)."),
@@ -75,9 +96,6 @@ def register(app: typer.Typer) -> None:
         """Build a BM25 or dense index of a corpus (docstore + index + manifest.json)."""
         import time
 
-        from rich.console import Console
-        from rich.table import Table
-
         from sleuth.errors import SleuthError
         from sleuth.retrieval.index import KINDS, build_index
 
@@ -117,21 +135,7 @@ def register(app: typer.Typer) -> None:
             manifest = build_index(corpus, kind, out, overwrite=overwrite, threads=threads, **params)
         except (SleuthError, FileExistsError, FileNotFoundError, ValueError) as err:
             _fail(str(err))
-        table = Table(title=f"index {out}", show_header=False)
-        table.add_row("kind", kind)
-        table.add_row("passages", f"{manifest['num_docs']:,}")
-        table.add_row("build time", f"{time.perf_counter() - t0:.1f} s")
-        table.add_row("size on disk", _human_bytes(dir_size(out)))
-        if kind == "dense":
-            enc = manifest["encoder"]
-            table.add_row("encoder", f"{enc['name']} (dim {enc['dim']})")
-            table.add_row("faiss", ", ".join(f"{k}={v}" for k, v in manifest["faiss"].items()))
-            if "shards" in manifest:
-                table.add_row("shards", ", ".join(f"[{s['start']}, {s['end']})" for s in manifest["shards"]))
-        else:
-            table.add_row("bm25", ", ".join(f"{k}={v}" for k, v in manifest["bm25"].items()))
-            table.add_row("build", ", ".join(f"{k}={v}" for k, v in manifest["bm25_build"].items()))
-        Console().print(table)
+        _print_index_summary(out, manifest, time.perf_counter() - t0)
 
     app.command("index")(index_cmd)
     # `serve-retriever`'s help names `sleuth build-index`; keep that spelling working.
