@@ -13,7 +13,12 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
-for d in .whl .models .gpu .gpustore; do grep -qx "/$d/" .git/info/exclude 2>/dev/null || echo "/$d/" >> .git/info/exclude; done
+# Only folders .gitignore does not already ignore are added to the exclude list (in a git worktree .git
+# is a file, and the list lives in the common git directory).
+exclude="$(git rev-parse --git-common-dir)/info/exclude"
+for d in .whl .models .gpu .gpustore; do
+  git check-ignore -q "$d/x" || grep -qx "/$d/" "$exclude" 2>/dev/null || echo "/$d/" >> "$exclude"
+done
 
 download_wheels() {
   mkdir -p .whl

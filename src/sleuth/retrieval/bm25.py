@@ -1,7 +1,8 @@
 """BM25 over bm25s (numba backend) with English stemming and stopwords.
 
-The tokenizer streams the corpus, so passage texts are never all held in memory;
-the token-id lists bm25s needs to build its sparse matrix are (a bm25s constraint).
+`sleuth index` builds the index files with `sleuth.retrieval.bm25_build` (sharded over processes,
+bounded memory); `build_bm25` here is bm25s' own single pass, which holds every passage's token-id list
+in memory, kept as the reference the sharded build is tested against (byte-identical files).
 """
 
 from __future__ import annotations
@@ -79,7 +80,10 @@ def bm25_params(**params: Any) -> dict[str, Any]:
 def build_bm25(
     texts: Iterable[str], num_docs: int, out_dir: str | Path, *, show_progress: bool = True, **params: Any
 ) -> dict[str, Any]:
-    """Tokenize a stream of `num_docs` passage texts, index and save to `out_dir`; returns the params used."""
+    """Tokenize a stream of `num_docs` passage texts, index and save to `out_dir`; returns the params used.
+
+    bm25s' single in-memory pass (~36 bytes per token); `sleuth.retrieval.bm25_build` writes the same files
+    with bounded memory."""
     bm25s = import_bm25s()
 
     p = bm25_params(**params)
