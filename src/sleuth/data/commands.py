@@ -28,6 +28,11 @@ def register(app: typer.Typer) -> None:
         hops: str = typer.Option("1-4", "--hops", help="Hop range, e.g. 1-4 or 2."),
         seed: int = typer.Option(0, "--seed", help="Random seed; same arguments give identical files."),
         splits: str = typer.Option("0.8,0.1,0.1", "--splits", help="train,dev,test fractions."),
+        corpus_size: int | None = typer.Option(
+            None, "--corpus-size", help="Grow corpus.jsonl to this many passages with distractors (after the "
+            "world's --passages; e.g. 21000000 for a Wikipedia-size corpus)."
+        ),
+        workers: int = typer.Option(1, "--workers", help="Processes making distractors (same bytes for any count)."),
     ) -> None:
         """Generate a synthetic world: corpus.jsonl, train/dev/test.jsonl and world.json."""
         import time
@@ -51,6 +56,10 @@ def register(app: typer.Typer) -> None:
             _fail(f"--passages must be at least 40, got {passages}")
         if questions < 0:
             _fail(f"--questions must be >= 0, got {questions}")
+        if corpus_size is not None and corpus_size < passages:
+            _fail(f"--corpus-size ({corpus_size}) must be >= --passages ({passages}): it counts the world's passages too")
+        if workers < 1:
+            _fail(f"--workers must be >= 1, got {workers}")
 
         console = Console()
         start = time.perf_counter()
@@ -63,9 +72,10 @@ def register(app: typer.Typer) -> None:
             except ValueError as err:
                 _fail(str(err))
             progress.update(q_task, completed=questions)
-            p_task = progress.add_task("passages", total=passages)
+            p_task = progress.add_task("passages", total=corpus_size or passages)
             summary = write_world(world, out, splits=fractions,  # type: ignore[arg-type]
-                                  progress=lambda n: progress.update(p_task, completed=n))
+                                  progress=lambda n: progress.update(p_task, completed=n),
+                                  corpus_size=corpus_size, workers=workers)
         elapsed = time.perf_counter() - start
 
         table = Table(title=f"synthetic world -> {out}  ({elapsed:.1f} s)")
@@ -73,6 +83,8 @@ def register(app: typer.Typer) -> None:
         table.add_column("value", justify="right")
         table.add_row("seed", str(seed))
         table.add_row("passages", f"{summary['num_passages']:,}")
+        if "corpus" in summary:
+            table.add_row("corpus passages (with distractors)", f"{summary['corpus']['num_passages']:,}")
         table.add_row("entities", ", ".join(f"{k} {v:,}" for k, v in summary["entity_counts"].items()))
         for split, n in summary["splits"].items():
             table.add_row(f"questions: {split}", f"{n:,}")

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from sleuth.data.distractors import BLOCK as DISTRACTOR_BLOCK
 from sleuth.data.formats import Passage, QAExample
 
 GENERATOR_VERSION = "sleuth-synth/1"
@@ -792,32 +793,54 @@ def write_world(
     out_dir: str | Path,
     splits: tuple[float, float, float] = (0.8, 0.1, 0.1),
     progress: Callable[[int], None] | None = None,
+    *,
+    corpus_size: int | None = None,
+    workers: int = 1,
 ) -> dict[str, Any]:
     """Write corpus.jsonl, train/dev/test.jsonl (FlashRAG) and world.json; return the summary.
 
     Questions are already in random order, so splits are consecutive slices. `progress(n)` is
-    called with the number of passages written every 10k passages.
+    called with the number of passages written every 10k passages. `corpus_size` (>= the world's
+    passages) appends distractor passages (`sleuth.data.distractors`) after the world's own until
+    the corpus holds that many, made by `workers` processes; the bytes do not depend on `workers`.
     """
-    from sleuth.data.formats import write_corpus, write_qa_jsonl
+    from sleuth.data.distractors import corpus_line, distractor_pools, write_distractors
+    from sleuth.data.formats import atomic_open_text, write_qa_jsonl
     from sleuth.utils import atomic_write_text
 
     sizes = split_sizes(len(world.questions), splits)
+    n_distractors = 0 if corpus_size is None else corpus_size - world.num_passages
+    if n_distractors < 0:
+        raise ValueError(
+            f"corpus_size {corpus_size} is smaller than the world's {world.num_passages} passages; "
+            "raise it or lower the world's passages"
+        )
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
 
-    def passages() -> Iterator[Passage]:
-        for n, p in enumerate(world.iter_passages(), start=1):
-            yield p
-            if progress is not None and n % 10_000 == 0:
-                progress(n)
-
-    written = write_corpus(out / "corpus.jsonl", passages())
+    written = 0
+    with atomic_open_text(out / "corpus.jsonl") as f:
+        for p in world.iter_passages():
+            f.write(corpus_line(p))
+            written += 1
+            if progress is not None and written % 10_000 == 0:
+                progress(written)
+        if n_distractors:
+            base = written
+            written += write_distractors(
+                f, distractor_pools(world), n_distractors, world.num_passages, workers=workers,
+                progress=None if progress is None else (lambda n: progress(base + n)),
+            )
     if progress is not None:
         progress(written)
     bounds = (0, sizes[0], sizes[0] + sizes[1], len(world.questions))
     for name, lo, hi in zip(("train", "dev", "test"), bounds[:-1], bounds[1:], strict=True):
         write_qa_jsonl(out / f"{name}.jsonl", world.questions[lo:hi])
     summary = world_summary(world, sizes)
+    if n_distractors:
+        # world.json describes the world; the corpus size and how it was grown are recorded beside it.
+        summary["corpus"] = {"num_passages": written, "world_passages": world.num_passages,
+                             "distractor_passages": n_distractors, "distractor_block": DISTRACTOR_BLOCK}
     # sort_keys keeps world.json byte-identical across runs and Python versions.
     atomic_write_text(out / "world.json", json.dumps(summary, indent=2, sort_keys=True) + "\n")
     return summary

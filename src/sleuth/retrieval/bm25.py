@@ -1,7 +1,8 @@
 """BM25 over bm25s (numba backend) with English stemming and stopwords.
 
-The tokenizer streams the corpus, so passage texts are never all held in memory;
-the token-id lists bm25s needs to build its sparse matrix are (a bm25s constraint).
+`sleuth index` builds the index files with `sleuth.retrieval.bm25_build` (sharded over processes,
+bounded memory); `build_bm25` here is bm25s' own single pass, which holds every passage's token-id list
+in memory, kept as the reference the sharded build is tested against (byte-identical files).
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ DEFAULT_BM25_PARAMS: dict[str, Any] = {
     "stopwords": "en",
 }
 _BM25_PARAM_KEYS = set(DEFAULT_BM25_PARAMS)
+# (2, vocabulary) float64: per token its largest weight (floored at 0) and largest |weight|.
+TOKEN_BOUNDS_FILE = "token_bounds.npy"
 
 
 def import_bm25s() -> Any:
@@ -77,7 +80,10 @@ def bm25_params(**params: Any) -> dict[str, Any]:
 def build_bm25(
     texts: Iterable[str], num_docs: int, out_dir: str | Path, *, show_progress: bool = True, **params: Any
 ) -> dict[str, Any]:
-    """Tokenize a stream of `num_docs` passage texts, index and save to `out_dir`; returns the params used."""
+    """Tokenize a stream of `num_docs` passage texts, index and save to `out_dir`; returns the params used.
+
+    bm25s' single in-memory pass (~36 bytes per token); `sleuth.retrieval.bm25_build` writes the same files
+    with bounded memory."""
     bm25s = import_bm25s()
 
     p = bm25_params(**params)
@@ -119,8 +125,19 @@ class BM25Retriever:
         self.tokenizer.load_vocab(str(self.index_dir))
         self.tokenizer.load_stopwords(str(self.index_dir))
         self._empty_id = self.tokenizer.word_to_id.get("")
-        # Per token (largest weight, largest |weight|): the kernel's pruning bounds, built on first search.
+        # Per token (largest weight, largest |weight|): the kernel's pruning bounds. Indexes built by
+        # sleuth.retrieval.bm25_build store them (a load reads V x 16 bytes, not the score matrix);
+        # for others they are computed on the first search (one pass over the whole matrix).
         self._token_bounds: tuple[np.ndarray, np.ndarray] | None = None
+        bounds_path = self.index_dir / TOKEN_BOUNDS_FILE
+        if bounds_path.exists():
+            bounds = np.load(bounds_path)
+            if bounds.shape != (2, len(self.model.scores["indptr"]) - 1):
+                raise IndexMismatchError(
+                    f"{bounds_path}: shape {bounds.shape} does not fit the index's vocabulary; rebuild the index "
+                    "with `sleuth index`"
+                )
+            self._token_bounds = (bounds[0], bounds[1])
         self._thread_scratch = threading.local()
         if docstore.num_docs != self.num_indexed:
             raise IndexMismatchError(

@@ -26,6 +26,27 @@ def dir_size(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
+def _print_index_summary(out: Path, manifest: dict, seconds: float) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"index {out}", show_header=False)
+    table.add_row("kind", manifest["kind"])
+    table.add_row("passages", f"{manifest['num_docs']:,}")
+    table.add_row("build time", f"{seconds:.1f} s")
+    table.add_row("size on disk", _human_bytes(dir_size(out)))
+    if manifest["kind"] == "dense":
+        enc = manifest["encoder"]
+        table.add_row("encoder", f"{enc['name']} (dim {enc['dim']})")
+        table.add_row("faiss", ", ".join(f"{k}={v}" for k, v in manifest["faiss"].items()))
+        if "shards" in manifest:
+            table.add_row("shards", ", ".join(f"[{s['start']}, {s['end']})" for s in manifest["shards"]))
+    else:
+        table.add_row("bm25", ", ".join(f"{k}={v}" for k, v in manifest["bm25"].items()))
+        table.add_row("build", ", ".join(f"{k}={v}" for k, v in manifest["bm25_build"].items()))
+    Console().print(table)
+
+
 def register(app: typer.Typer) -> None:
     def index_cmd(
         corpus: Path = typer.Argument(..., help="Corpus jsonl ({'id', 'contents'} per line)."),
@@ -55,19 +76,25 @@ def register(app: typer.Typer) -> None:
         train_sample: int | None = typer.Option(
             None, "--train-sample", help="IVF-PQ (sharded layout): vectors sampled to train the quantizers."
         ),
+        embeddings: Path | None = typer.Option(
+            None, "--embeddings", help="Dense: precomputed float16 [passages x dim] passage embeddings "
+            "(sleuth.retrieval.index.encode_docstore, e.g. made on a GPU) instead of encoding here."
+        ),
         keep_vectors: bool = typer.Option(
             False, "--keep-vectors", help="Dense (sharded layout): keep float16 vectors for exact re-ranking."
         ),
         k1: float = typer.Option(0.9, "--k1", help="BM25 k1."),
         b: float = typer.Option(0.4, "--b", help="BM25 b."),
         threads: int = typer.Option(1, "--threads", help="CPU threads for encoding."),
+        workers: int = typer.Option(1, "--workers", help="BM25: processes tokenizing and filling shards."),
+        shard_docs: int | None = typer.Option(
+            None, "--shard-docs", help="BM25: passages per build shard (memory per worker grows with it; "
+            "default 250,000)."
+        ),
         overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing index in --out."),
     ) -> None:
         """Build a BM25 or dense index of a corpus (docstore + index + manifest.json)."""
         import time
-
-        from rich.console import Console
-        from rich.table import Table
 
         from sleuth.errors import SleuthError
         from sleuth.retrieval.index import KINDS, build_index
@@ -77,7 +104,9 @@ def register(app: typer.Typer) -> None:
         if not corpus.is_file():
             _fail(f"corpus {corpus} does not exist (expected a jsonl file with 'id' and 'contents')")
         if kind == "bm25":
-            params: dict = {"k1": k1, "b": b}
+            params: dict = {"k1": k1, "b": b, "workers": workers}
+            if shard_docs is not None:
+                params["shard_docs"] = shard_docs
         else:
             if faiss_type not in ("flat", "hnsw", "ivfpq"):
                 _fail(f"--faiss must be flat, hnsw or ivfpq, got {faiss_type!r}")
@@ -99,25 +128,14 @@ def register(app: typer.Typer) -> None:
                 params["train_sample"] = train_sample
             if keep_vectors:
                 params["keep_vectors"] = True
+            if embeddings is not None:
+                params["embeddings"] = str(embeddings)
         t0 = time.perf_counter()
         try:
             manifest = build_index(corpus, kind, out, overwrite=overwrite, threads=threads, **params)
         except (SleuthError, FileExistsError, FileNotFoundError, ValueError) as err:
             _fail(str(err))
-        table = Table(title=f"index {out}", show_header=False)
-        table.add_row("kind", kind)
-        table.add_row("passages", f"{manifest['num_docs']:,}")
-        table.add_row("build time", f"{time.perf_counter() - t0:.1f} s")
-        table.add_row("size on disk", _human_bytes(dir_size(out)))
-        if kind == "dense":
-            enc = manifest["encoder"]
-            table.add_row("encoder", f"{enc['name']} (dim {enc['dim']})")
-            table.add_row("faiss", ", ".join(f"{k}={v}" for k, v in manifest["faiss"].items()))
-            if "shards" in manifest:
-                table.add_row("shards", ", ".join(f"[{s['start']}, {s['end']})" for s in manifest["shards"]))
-        else:
-            table.add_row("bm25", ", ".join(f"{k}={v}" for k, v in manifest["bm25"].items()))
-        Console().print(table)
+        _print_index_summary(out, manifest, time.perf_counter() - t0)
 
     app.command("index")(index_cmd)
     # `serve-retriever`'s help names `sleuth build-index`; keep that spelling working.

