@@ -385,8 +385,12 @@ class DecodeEngine:
             q, k = self._rotate(q, cos, sin), self._rotate(k, cos, sin)
             self.pool_k[i].index_copy_(0, slots, k.reshape(b * width, kvh, hd).index_select(0, flat))
             self.pool_v[i].index_copy_(0, slots, v.reshape(b * width, kvh, hd).index_select(0, flat))
-            a = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                               is_causal=True, scale=self.scale, enable_gqa=heads != kvh)
+            # keys/values repeated per query head (as transformers does): SDPA's flash kernel then applies,
+            # where `enable_gqa` can send it to the math path that materialises every score
+            kx = k.repeat_interleave(heads // kvh, dim=2) if heads != kvh else k
+            vx = v.repeat_interleave(heads // kvh, dim=2) if heads != kvh else v
+            a = F.scaled_dot_product_attention(q.transpose(1, 2), kx.transpose(1, 2), vx.transpose(1, 2),
+                                               is_causal=True, scale=self.scale)
             x = x + F.linear(a.transpose(1, 2).reshape(b, width, heads * hd), layer.w_o)
             _, h = kernels.add_rmsnorm_reference(x, None, layer.ln2, self.eps)
             x = x + F.linear(kernels.silu_mul_reference(F.linear(h, layer.w_gate_up)), layer.w_down)
