@@ -474,3 +474,130 @@ def test_searcher_service_refuses_unusable_questions_at_once(
             assert bad.json()["detail"].startswith(f"question {message}")
     finally:
         service.close()
+
+
+# ----------------------------------------------------------------------------- retriever body memory
+
+
+def test_retriever_default_body_limit_and_budget_follow_the_query_limits() -> None:
+    """Was 4096 x 2000 x 6 + 65536 = 49,217,536 bytes a request and no bound across requests."""
+    from fastapi.testclient import TestClient
+
+    from sleuth.retrieval.server import create_app
+    from toyworld import ToyRetriever
+
+    app = create_app(ToyRetriever())
+    assert app.state.body_budget.total_bytes == 4 * (4096 * (2000 + 4) + 65536) == 33_095_680
+    with TestClient(app) as client:
+        health = client.get("/health").json()
+        assert health["max_body_bytes"] == 8_273_920 and health["stats"]["body_budget_bytes"] == 33_095_680
+        # a full request of ASCII queries at the length limit fits the default per-request limit
+        full = json.dumps({"queries": ["x" * 2000] * 4096, "topk": 1}).encode()
+        assert len(full) <= 8_273_920
+        assert client.post("/retrieve", content=full, headers={"content-type": "application/json"}).status_code == 200
+        assert client.post("/retrieve", content=b" " * 8_273_921).status_code == 413
+    assert create_app(ToyRetriever(), max_queries=10, max_query_chars=100).state.body_budget.total_bytes == (
+        4 * (10 * 104 + 65536))
+    with pytest.raises(ValueError, match="body_budget_bytes .* smaller than max_body_bytes"):
+        from sleuth.http_errors import BodyBudget
+
+        create_app(ToyRetriever(), max_body_bytes=1000, body_budget=BodyBudget(999))
+
+
+def test_concurrent_near_limit_bodies_never_hold_more_than_the_budget() -> None:
+    """16 concurrent bodies just under the limit: each is served or refused with 503 + Retry-After, the
+    body bytes reserved and the bytes actually read by requests in progress never pass the budget."""
+    import threading
+    import time
+
+    import httpx
+
+    from sleuth.http_errors import BodyBudget
+    from sleuth.retrieval.server import create_app
+    from sleuth.serve.threaded import serve_in_thread
+    from toyworld import ToyRetriever
+
+    class SlowRetriever(ToyRetriever):  # keeps each request (and its body) in progress a while
+        def search(self, queries, k):
+            time.sleep(0.4)
+            return super().search(queries, k)
+
+    limit = 200_000
+    body = json.dumps({"queries": ["Varonia " + "x" * 1990] * 99, "topk": 1}).encode()
+    assert limit - 2_000 < len(body) <= limit
+    budget = BodyBudget(2 * limit + limit // 2, wait_s=0.3)  # room for two bodies at once
+    app = create_app(SlowRetriever(), max_body_bytes=limit, body_budget=budget, worker_threads=4, batch_wait_ms=0)
+    responses: list[httpx.Response] = []
+    with serve_in_thread(app) as base:
+        start = threading.Barrier(16)
+
+        def post() -> None:
+            with httpx.Client(timeout=60) as client:
+                start.wait()
+                responses.append(client.post(base + "/retrieve", content=body,
+                                             headers={"content-type": "application/json"}))
+
+        threads = [threading.Thread(target=post) for _ in range(16)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=120)
+    codes = sorted(r.status_code for r in responses)
+    assert len(codes) == 16 and set(codes) <= {200, 503}, codes
+    served = [r for r in responses if r.status_code == 200]
+    refused = [r for r in responses if r.status_code == 503]
+    assert served and refused, codes  # some fit, the rest were turned away instead of piling up
+    assert all(len(r.json()["result"]) == 99 for r in served)
+    assert all(r.headers["retry-after"] == "1" and "budget of 500000 bytes" in r.json()["detail"] for r in refused)
+    assert budget.refused == len(refused)
+    assert 2 * len(body) == budget.peak_held_bytes <= budget.total_bytes  # two held at once, never a third
+    assert len(body) <= budget.peak_received_bytes <= budget.total_bytes  # the counter saw the bodies' bytes
+    assert budget.held_bytes == budget.received_bytes == budget.in_progress == 0  # all released
+
+
+def test_over_limit_body_gets_413_at_once_even_while_the_budget_is_full() -> None:
+    import time
+
+    from fastapi.testclient import TestClient
+
+    from sleuth.http_errors import BodyBudget
+    from sleuth.retrieval.server import create_app
+    from toyworld import ToyRetriever
+
+    budget = BodyBudget(10_000, wait_s=1.5)
+    with TestClient(create_app(ToyRetriever(), max_body_bytes=10_000, body_budget=budget)) as client:
+        budget.held_bytes = budget.total_bytes  # as if other requests held the whole budget
+        began = time.monotonic()
+        big = client.post("/retrieve", json={"queries": ["x" * 20_000], "topk": 1})
+        assert big.status_code == 413 and time.monotonic() - began < 1.0  # not queued behind the budget
+        assert client.get("/health").status_code == 200  # a request without a body needs no budget
+        began = time.monotonic()
+        small = client.post("/retrieve", json={"queries": ["Varonia"], "topk": 1})
+        waited = time.monotonic() - began
+        assert small.status_code == 503 and small.headers["retry-after"] == "1" and 1.5 <= waited < 10
+        budget.held_bytes = 0
+        assert client.post("/retrieve", json={"queries": ["Varonia"], "topk": 1}).status_code == 200
+        assert budget.refused == 1 and budget.held_bytes == 0
+
+
+def test_body_budget_wakes_a_waiter_when_bytes_are_released() -> None:
+    import asyncio
+
+    from sleuth.http_errors import BodyBudget
+
+    async def main() -> tuple[bool, bool, float]:
+        budget = BodyBudget(100, wait_s=2.0)
+        assert await budget.acquire(100)
+        loop = asyncio.get_running_loop()
+        began = loop.time()
+        waiter = asyncio.create_task(budget.acquire(60))
+        await asyncio.sleep(0.05)
+        assert not waiter.done() and budget.held_bytes == 100
+        budget.release(100, 100)
+        got = await waiter
+        waited = loop.time() - began
+        refused = await BodyBudget(10, wait_s=0.0).acquire(11)
+        return got, refused, waited
+
+    got, refused, waited = asyncio.run(main())
+    assert got and not refused and waited < 1.0  # woken by the release, not by the 2 s deadline

@@ -561,6 +561,16 @@ def test_serve_retriever_loads_index_and_warns_on_public_host(tmp_path, monkeypa
     assert result.exit_code == 0 and "WARNING: binding 0.0.0.0" in result.output
     assert runs[1][1]["host"] == "0.0.0.0"
 
+    result = CliRunner().invoke(_cli_app(), [*args, "--max-body-bytes", "5000", "--body-budget-bytes", "12000"])
+    assert result.exit_code == 0, result.output
+    with TestClient(runs[2][0]) as c:
+        health = c.get("/health").json()
+        assert c.post("/retrieve", json={"queries": ["x" * 6000]}).status_code == 413
+    assert (health["max_body_bytes"], health["stats"]["body_budget_bytes"]) == (5000, 12000)
+    result = CliRunner().invoke(_cli_app(), [*args, "--max-body-bytes", "5000", "--body-budget-bytes", "4999"])
+    assert result.exit_code == 2 and "--body-budget-bytes 4999 is smaller than" in result.output
+    assert len(runs) == 3  # refused before serving
+
 
 def test_serve_retriever_rejects_corpus_of_another_index(tmp_path) -> None:
     _, index = _build_bm25_index(tmp_path)

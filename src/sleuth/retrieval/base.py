@@ -10,6 +10,19 @@ from typing import Protocol, runtime_checkable
 DEFAULT_MAX_QUERIES = 4096  # per request; Search-R1's default rollout batch sends up to 2,560 queries
 DEFAULT_MAX_QUERY_CHARS = 2000  # longer queries are truncated to this many characters
 DEFAULT_SEARCH_CHUNK = 512  # queries per retriever.search call (Search-R1: retrieval_batch_size 512)
+# Request bodies: each query may take max_query_chars bytes (1 a character: ASCII JSON; longer
+# non-ASCII queries are cut to max_query_chars anyway) plus its quotes and comma, and the object
+# around the list 64 KiB. The budget is the body bytes held at once over all concurrent requests.
+QUERY_JSON_OVERHEAD_BYTES = 4
+REQUEST_JSON_OVERHEAD_BYTES = 64 * 1024
+BODY_BUDGET_REQUESTS = 4  # default budget: this many bodies at the per-request limit
+BODY_BUDGET_WAIT_S = 1.0  # a request waits this long for budget before its 503
+
+
+def default_max_body_bytes(max_queries: int = DEFAULT_MAX_QUERIES, max_query_chars: int = DEFAULT_MAX_QUERY_CHARS) -> int:
+    """The per-request body limit that fits `max_queries` ASCII queries of `max_query_chars`
+    (4096 x (2000 + 4) + 65536 = 8,273,920 bytes with the defaults)."""
+    return max_queries * (max_query_chars + QUERY_JSON_OVERHEAD_BYTES) + REQUEST_JSON_OVERHEAD_BYTES
 
 
 @dataclass(frozen=True)

@@ -36,13 +36,16 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 
-from sleuth.http_errors import BodyLimitMiddleware, error_response, validation_error_response
+from sleuth.http_errors import BodyBudget, BodyLimitMiddleware, error_response, validation_error_response
 from sleuth.retrieval.base import (
+    BODY_BUDGET_REQUESTS,
+    BODY_BUDGET_WAIT_S,
     DEFAULT_MAX_QUERIES,
     DEFAULT_MAX_QUERY_CHARS,
     DEFAULT_SEARCH_CHUNK,
     Hit,
     Retriever,
+    default_max_body_bytes,
 )
 from sleuth.text import unusable_text
 from sleuth.utils import CONCURRENCY_MEMORY_S, RecentPeak
@@ -382,6 +385,7 @@ def create_app(
     batch_wait_ms: float = 2.0,
     max_batch_queries: int | None = None,
     max_body_bytes: int | None = None,
+    body_budget: BodyBudget | None = None,
 ) -> FastAPI:
     """A FastAPI app serving `retriever` at `POST /retrieve` (Search-R1 API) and `GET /health`.
 
@@ -390,8 +394,10 @@ def create_app(
     `retriever.search` call gets, whether they come from one large request or several merged ones.
     `batch_wait_ms` is the longest a request that finds a worker idle is held for concurrent
     requests to join its call, and only when that can help (see `MicroBatcher`); 0 never holds.
-    A body over `max_body_bytes` gets 413 before it is read; by default the limit is what the
-    largest valid request can take (max_queries x max_query_chars, 6 bytes a JSON-escaped char)."""
+    A body over `max_body_bytes` gets 413 before it is read; by default the limit fits max_queries
+    ASCII queries of max_query_chars (`default_max_body_bytes`). `body_budget` bounds the body bytes
+    held at once over concurrent requests (default: 4 bodies at the limit, 1 s wait, then 503 with
+    Retry-After; see `BodyBudget`); its counters are `app.state.body_budget` and in /health."""
     for label, value in (("max_queries", max_queries), ("max_k", max_k), ("max_query_chars", max_query_chars)):
         if value < 1:
             raise ValueError(f"{label} must be >= 1, got {value}")
@@ -414,7 +420,14 @@ def create_app(
 
     app = FastAPI(title=name, lifespan=lifespan)
     app.state.batcher = batcher
-    app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes or max_queries * max_query_chars * 6 + 65536)
+    max_body_bytes = max_body_bytes or default_max_body_bytes(max_queries, max_query_chars)
+    if body_budget is None:
+        body_budget = BodyBudget(BODY_BUDGET_REQUESTS * max_body_bytes, BODY_BUDGET_WAIT_S)
+    if body_budget.total_bytes < max_body_bytes:
+        raise ValueError(f"body_budget_bytes ({body_budget.total_bytes}) is smaller than max_body_bytes "
+                         f"({max_body_bytes}): a request at the limit could never be served; raise the budget")
+    app.state.body_budget = body_budget
+    app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes, budget=body_budget)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid_request(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -422,7 +435,8 @@ def create_app(
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
-        return {"status": "ok", "name": name, **info, **limits, "stats": batcher.snapshot_stats()}
+        return {"status": "ok", "name": name, **info, **limits, "max_body_bytes": max_body_bytes,
+                "stats": {**batcher.snapshot_stats(), **body_budget.stats()}}
 
     @app.post("/retrieve")
     async def retrieve(req: RetrieveRequest) -> Response:

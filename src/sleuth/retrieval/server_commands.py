@@ -10,7 +10,14 @@ from typing import TYPE_CHECKING, Any
 
 import typer
 
-from sleuth.retrieval.base import DEFAULT_MAX_QUERIES, DEFAULT_MAX_QUERY_CHARS, DEFAULT_SEARCH_CHUNK
+from sleuth.retrieval.base import (
+    BODY_BUDGET_REQUESTS,
+    BODY_BUDGET_WAIT_S,
+    DEFAULT_MAX_QUERIES,
+    DEFAULT_MAX_QUERY_CHARS,
+    DEFAULT_SEARCH_CHUNK,
+    default_max_body_bytes,
+)
 
 if TYPE_CHECKING:  # the CLI must import without the serving stack (GPU images, training-only installs)
     from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -58,10 +65,13 @@ def build_serving_app(options: dict[str, Any]):
     Every response carries the serving process id in `X-Sleuth-Worker-Pid`, so a client or a test
     can see which worker answered.
     """
+    from sleuth.http_errors import BodyBudget
     from sleuth.retrieval import load_retriever
     from sleuth.retrieval.server import create_app
 
     index = Path(options["index"])
+    budget_bytes = options.get("body_budget_bytes")
+    budget = BodyBudget(budget_bytes, BODY_BUDGET_WAIT_S) if budget_bytes else None
     retriever = load_retriever(index, corpus=options.get("corpus"), threads=options.get("threads", 1))
     app = create_app(
         retriever,
@@ -74,6 +84,7 @@ def build_serving_app(options: dict[str, Any]):
         worker_threads=options.get("worker_threads", 1),
         batch_wait_ms=options.get("batch_wait_ms", 2.0),
         max_body_bytes=options.get("max_body_bytes"),
+        body_budget=budget,
     )
     app.add_middleware(WorkerPidHeader, pid=os.getpid())
 
@@ -131,8 +142,13 @@ def register(app: typer.Typer) -> None:
             help="Worker processes behind the one address (each loads the index; mmap'd parts are shared).",
         ),
         max_body_bytes: int | None = typer.Option(
-            None, "--max-body-bytes", help="Largest request body accepted, 413 beyond (default: what the largest "
-            "valid request needs)."
+            None, "--max-body-bytes", help="Largest request body accepted, 413 beyond (default: --max-queries x "
+            "(--max-query-chars + 4) + 65536, i.e. a full request of ASCII queries; 8,273,920 with the defaults)."
+        ),
+        body_budget_bytes: int | None = typer.Option(
+            None, "--body-budget-bytes", help="Most request-body bytes held at once over all concurrent requests of a "
+            f"worker process; a request that does not fit within {BODY_BUDGET_WAIT_S:g} s gets 503 with Retry-After "
+            f"(default: {BODY_BUDGET_REQUESTS} x --max-body-bytes)."
         ),
     ) -> None:
         """Serve a retrieval index at POST /retrieve (Search-R1 compatible) and GET /health."""
@@ -152,6 +168,14 @@ def register(app: typer.Typer) -> None:
             raise typer.Exit(2)
         if workers < 1:
             console.print(f"[red]error:[/red] --workers must be >= 1, got {workers}.")
+            raise typer.Exit(2)
+        if max_body_bytes is not None and max_body_bytes < 1:
+            console.print(f"[red]error:[/red] --max-body-bytes must be >= 1, got {max_body_bytes}.")
+            raise typer.Exit(2)
+        if body_budget_bytes is not None and body_budget_bytes < (max_body_bytes or default_max_body_bytes(
+                max_queries, max_query_chars)):
+            console.print(f"[red]error:[/red] --body-budget-bytes {body_budget_bytes} is smaller than the per-request "
+                          "limit (--max-body-bytes); a request at the limit could never be served: raise it.")
             raise typer.Exit(2)
         if not batch_wait_ms >= 0:
             console.print(f"[red]error:[/red] --batch-wait-ms must be >= 0, got {batch_wait_ms}.")
@@ -173,6 +197,7 @@ def register(app: typer.Typer) -> None:
             "worker_threads": worker_threads,
             "batch_wait_ms": batch_wait_ms,
             "max_body_bytes": max_body_bytes,
+            "body_budget_bytes": body_budget_bytes,
         }
         app = None
         try:
