@@ -9,7 +9,14 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from sleuth.eval.report import discover, guard_thresholds, health_verdict, plot_health, render_report  # noqa: E402
+from sleuth.eval.report import (  # noqa: E402
+    discover,
+    guard_thresholds,
+    health_verdict,
+    plot_health,
+    render_report,
+    training_verdict,
+)
 from test_eval_report import write_training_run  # noqa: E402
 
 EVENTS = [
@@ -19,6 +26,15 @@ EVENTS = [
      "message": "actor/entropy below 0.02 for 2 steps (steps 3-4: 0.01, 0.01)", "values": {}, "healthy_until": 2,
      "outcome": "rolled back to runs/x/checkpoints/step_000002 (learning rate x0.5, now 5e-07)"},
 ]
+
+
+def _sft_run(run_dir: Path) -> None:
+    # what sleuth's SFT stage writes: sft/ metrics, sft.json, no run.json, no guards.jsonl
+    run_dir.mkdir(parents=True)
+    rows = [{"step": s, "sft/loss": 6.0 - 0.1 * s, "sft/grad_norm": 0.3, "sft/tokens": 800, "time/step": 0.3}
+            for s in (1, 2)]
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (run_dir / "sft.json").write_text("{}")
 
 
 def _healthy_run(run_dir: Path, events: list[dict] | None) -> None:
@@ -76,3 +92,40 @@ def test_sleuth_report_prints_one_verdict_per_run(tmp_path: Path) -> None:
     lines = result.output.splitlines()
     assert "calm: healthy (no guard fired)" in lines
     assert any(x.startswith("guarded: rolled back at step 4 because entropy_collapse: ") for x in lines)
+
+
+def test_only_runs_watched_by_guards_are_called_healthy(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from sleuth.cli import app
+
+    _healthy_run(tmp_path / "runs" / "train", None)
+    _sft_run(tmp_path / "runs" / "train" / "sft")
+    write_training_run(tmp_path / "runs" / "old")  # RL steps logged before the health metrics existed
+    _healthy_run(tmp_path / "runs" / "off", None)
+    info = json.loads((tmp_path / "runs" / "off" / "run.json").read_text())
+    info["recipe"]["trainer"]["guards"] = []
+    (tmp_path / "runs" / "off" / "run.json").write_text(json.dumps(info))
+    _healthy_run(tmp_path / "runs" / "unknown", None)
+    (tmp_path / "runs" / "unknown" / "run.json").unlink()
+
+    verdicts = {r.label: training_verdict(r) for r in discover(tmp_path / "runs").training}
+    assert verdicts == {
+        "train": "healthy (no guard fired)",
+        "train/sft": "no RL steps",
+        "old": "not watched by guards (metrics.jsonl has no health/ metrics)",
+        "off": "not watched by guards (trainer.guards: [])",
+        "unknown": "no guard event (which guards watched is unknown: run.json missing or without trainer.guards)",
+    }
+    # guard events are reported whatever else is missing
+    _sft_run(tmp_path / "ev")
+    (tmp_path / "ev" / "guards.jsonl").write_text(json.dumps(EVENTS[0]) + "\n")
+    assert training_verdict(discover(tmp_path / "ev").training[0]) == "warned at step 3 (stopped_searching)"
+
+    page = render_report(discover(tmp_path / "runs"))
+    assert page.count("Health: healthy (no guard fired)") == 1 and "Health: no RL steps" in page
+    result = CliRunner().invoke(app, ["report", str(tmp_path / "runs")], terminal_width=400)
+    assert result.exit_code == 0, result.output
+    assert "train/sft: no RL steps" in result.output.splitlines()
+    assert "train: healthy (no guard fired)" in result.output.splitlines()
+    assert "old: not watched by guards (metrics.jsonl has no health/ metrics)" in result.output.splitlines()

@@ -665,14 +665,30 @@ def health_verdict(events: Sequence[Mapping[str, Any]]) -> str:
     return "; ".join(parts) if parts else "healthy (no guard fired)"
 
 
+def training_verdict(run: TrainingRun) -> str:
+    """The run's verdict line. "healthy" only where guards watched RL steps: a folder without RL steps (SFT)
+    says so, and so does an RL run logged before the health metrics existed or with its guards turned off."""
+    if run.guard_events:
+        return health_verdict(run.guard_events)
+    keys = run.numeric_keys()
+    if not any(k.startswith("health/") for k in keys):
+        if "reward/mean" in keys:  # RL steps, but no health metrics for guards to watch
+            return "not watched by guards (metrics.jsonl has no health/ metrics)"
+        return "no RL steps"
+    guards = (run.recipe.get("trainer") or {}).get("guards")
+    if guards == []:
+        return "not watched by guards (trainer.guards: [])"
+    if not isinstance(guards, list):
+        return "no guard event (which guards watched is unknown: run.json missing or without trainer.guards)"
+    return health_verdict(run.guard_events)
+
+
 def training_verdicts(run_dir: str | Path) -> list[tuple[str, str]]:
-    """(run label, verdict) for every training run under `run_dir` (its guards.jsonl; none: healthy)."""
+    """(run label, verdict) for every training run under `run_dir` (training_verdict)."""
     root = Path(run_dir)
-    out = []
-    for metrics in sorted(root.rglob(METRICS)):
-        events = read_jsonl(metrics.parent / GUARDS)[0] if (metrics.parent / GUARDS).exists() else []
-        out.append((_label(metrics.parent, root), health_verdict(events)))
-    return out
+    warnings: list[str] = []
+    return [(run.label, training_verdict(run))
+            for run in (load_training_run(m, root, warnings) for m in sorted(root.rglob(METRICS)) if m.is_file())]
 
 
 _MEMORY_KEYS = ("memory/device_in_use_gib", "memory/peak_allocated_gib", "memory/host_peak_rss_gib")
@@ -1047,7 +1063,7 @@ def render_report(data: RunData, title: str | None = None, notes: list[str] | No
                 "has_run_json": bool(run.info),
                 "n_steps": len(run.rows),
                 "validation": validation_change(run.validations),
-                "verdict": health_verdict(run.guard_events),
+                "verdict": training_verdict(run),
                 "plots": [
                     (name, uri)
                     for name, uri in (
