@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from sleuth.agent.trajectory import Trajectory
+from sleuth.errors import ConfigError
 from sleuth.rl.batch import collate, critic_values, forward_logprobs
 from sleuth.rl.models import ValueModel
 
@@ -134,24 +135,33 @@ def test_static_cache_with_fp32_rollout_weights_fails_at_start(tiny) -> None:
     assert rollout_decoding(full, rollout_copy(full, model, cuda), cuda)[:2] == ("static", True)  # decodes the bf16 copy
 
 
-def test_rollout_decoding_is_compiled_static_by_default_on_cuda_only(tiny) -> None:
-    from transformers import AutoModelForCausalLM
+def test_rollout_decoding_defaults_to_the_decode_engine_on_cuda_only(tiny) -> None:
+    """auto: the decode engine on CUDA for a model it supports (full, LoRA, FSDP, fp32 or bf16 weights: it keeps
+    its own bf16 copy); the compiled static cache or HF's dynamic cache for other models and explicit choices."""
+    from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
 
     from sleuth.rl.models import master_dtype, rollout_copy, rollout_decoding
 
     model = AutoModelForCausalLM.from_pretrained(tiny[0], dtype=torch.float32)
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     full, lora = _recipe(), _recipe(lora={"enabled": True})
-    assert rollout_decoding(full, rollout_copy(full, model, cuda), cuda)[:2] == ("static", True)
+    assert rollout_decoding(full, model, cuda)[:2] == ("engine", False)
     assert master_dtype(lora, cuda) == torch.bfloat16 and master_dtype(lora, cpu) == torch.float32
-    assert master_dtype(full, cuda) == torch.float32  # full fine-tuning keeps fp32 masters (+ a bf16 copy)
+    assert master_dtype(full, cuda) == torch.float32  # full fine-tuning keeps fp32 masters
     bf16 = AutoModelForCausalLM.from_pretrained(tiny[0], dtype=torch.bfloat16)
-    assert rollout_decoding(lora, bf16, cuda)[:2] == ("static", True)
+    assert rollout_decoding(lora, bf16, cuda)[:2] == ("engine", False)
+    assert rollout_decoding(lora, model, cuda)[:2] == ("engine", False)
     assert rollout_decoding(lora, bf16, cpu)[:2] == ("dynamic", False)
-    assert rollout_decoding(_recipe(parallel="fsdp"), bf16, cuda)[:2] == ("dynamic", False)
-    cache, compiled, why = rollout_decoding(lora, model, cuda)
-    assert (cache, compiled) == ("dynamic", False) and "model.dtype=bfloat16" in why
+    assert rollout_decoding(_recipe(parallel="fsdp"), bf16, cuda)[:2] == ("engine", False)
     assert rollout_decoding(_recipe(compile_generation=False), bf16, cuda)[:2] == ("dynamic", False)
     assert rollout_decoding(_recipe(generation_cache="dynamic"), bf16, cuda)[:2] == ("dynamic", False)
     assert rollout_decoding(_recipe(generation_cache="static", compile_generation=False), bf16, cuda)[:2] == (
         "static", False)
+    # a model the engine does not decode keeps the earlier rules
+    other = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64))
+    assert rollout_decoding(full, rollout_copy(full, other, cuda), cuda)[:2] == ("static", True)
+    assert rollout_decoding(_recipe(parallel="fsdp"), other.to(torch.bfloat16), cuda)[:2] == ("dynamic", False)
+    cache, compiled, why = rollout_decoding(lora, other.float(), cuda)
+    assert (cache, compiled) == ("dynamic", False) and "model.dtype=bfloat16" in why
+    with pytest.raises(ConfigError, match="generation_cache=engine"):
+        rollout_decoding(_recipe(generation_cache="engine"), other, cuda)
