@@ -33,6 +33,7 @@ COMMAND_MODULES = [
     "sleuth.rl.commands",
     "sleuth.serve.commands",
     "sleuth.demo",
+    "sleuth.knowledge",
 ]
 
 
