@@ -322,16 +322,17 @@ def _register_claim(repro: typer.Typer, claim: Claim) -> None:
         out: Path = typer.Option(None, "--out", help="Run directory (default runs/reproduce/<method>); reruns resume"),
     ) -> None:
         from rich.console import Console
+        from rich.markup import escape
 
         from sleuth.errors import SleuthError
 
-        console = Console()
+        console = Console(soft_wrap=True)  # never break a path or the error across lines
         try:
             report = reproduce(claim.method, out or Path("runs/reproduce") / claim.method, profile, console)
         except SleuthError as err:
-            console.print(f"[red]error:[/] {err}")
+            console.print(f"[red]error:[/] {escape(str(err))}", highlight=False)
             raise typer.Exit(2) from None
-        console.print(f"[green]report:[/] {report}")
+        console.print(f"[green]report:[/] {escape(str(report))}", highlight=False)
 
     repro.command(claim.method, help=text, short_help=claim.claim + ("" if claim.needs is None else " (not implemented yet)"))(command)
 
