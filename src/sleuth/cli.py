@@ -33,6 +33,8 @@ COMMAND_MODULES = [
     "sleuth.rl.commands",
     "sleuth.serve.commands",
     "sleuth.demo",
+    "sleuth.knowledge",
+    "sleuth.reproduce",
 ]
 
 

@@ -33,6 +33,11 @@ def register(app: typer.Typer) -> None:
             "world's --passages; e.g. 21000000 for a Wikipedia-size corpus)."
         ),
         workers: int = typer.Option(1, "--workers", help="Processes making distractors (same bytes for any count)."),
+        known_fraction: float | None = typer.Option(
+            None, "--known-fraction", help="Draw a knowledge boundary: this share of facts is known (0-1). Questions "
+            "are labelled per hop known/unknown (all-known, mixed, all-unknown) and knowledge.jsonl holds the known "
+            "facts' closed-book statements (inject them with `sleuth inject-knowledge`)."
+        ),
     ) -> None:
         """Generate a synthetic world: corpus.jsonl, train/dev/test.jsonl and world.json."""
         import time
@@ -60,6 +65,8 @@ def register(app: typer.Typer) -> None:
             _fail(f"--corpus-size ({corpus_size}) must be >= --passages ({passages}): it counts the world's passages too")
         if workers < 1:
             _fail(f"--workers must be >= 1, got {workers}")
+        if known_fraction is not None and not 0.0 <= known_fraction <= 1.0:
+            _fail(f"--known-fraction must be between 0 and 1, got {known_fraction}")
 
         console = Console()
         start = time.perf_counter()
@@ -68,7 +75,8 @@ def register(app: typer.Typer) -> None:
             q_task = progress.add_task("questions", total=questions)
             try:
                 world = generate_world(passages, questions, hops=hop_range, seed=seed,
-                                       progress=lambda n: progress.update(q_task, completed=n))
+                                       progress=lambda n: progress.update(q_task, completed=n),
+                                       known_fraction=known_fraction)
             except ValueError as err:
                 _fail(str(err))
             progress.update(q_task, completed=questions)
@@ -92,6 +100,10 @@ def register(app: typer.Typer) -> None:
             table.add_row(f"{h}-hop", f"{n:,}")
         for t, n in summary["type_distribution"].items():
             table.add_row(f"type {t}", f"{n:,}")
+        for t, n in summary.get("knowledge_distribution", {}).items():
+            table.add_row(f"questions {t}", f"{n:,}")
+        if "known_statements" in summary:
+            table.add_row("closed-book statements (knowledge.jsonl)", f"{summary['known_statements']:,}")
         console.print(table)
 
     @data_app.command("convert")

@@ -14,6 +14,7 @@ generated lazily while the corpus is streamed to disk, so 1M passages fit in mod
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import random
@@ -30,6 +31,7 @@ from sleuth.data.formats import Passage, QAExample
 GENERATOR_VERSION = "sleuth-synth/1"
 MAX_HOPS = 5
 MIN_PASSAGES = 40
+KNOWLEDGE_FILE = "knowledge.jsonl"  # closed-book statements of the known facts (a world with a boundary)
 LATEST_YEAR = 2024
 
 ENTITY_TYPES = ("country", "city", "person", "organization", "film", "book", "band")
@@ -298,6 +300,8 @@ class World:
     country_cities: dict[int, list[int]]  # country gid -> a few of its cities
     extra_passage: dict[int, int]  # gid -> passage number of its second passage
     questions: list[QAExample] = field(default_factory=list)
+    # Share of facts the model is taught closed-book (`knowledge_statements`); None: no knowledge boundary.
+    known_fraction: float | None = None
 
     def __post_init__(self) -> None:
         self._starts = [self.type_start[t] for t in ENTITY_TYPES]
@@ -321,6 +325,16 @@ class World:
         if extra is not None and relation in extra[1] and gid in self.extra_passage:
             return str(self.extra_passage[gid])
         return str(gid)
+
+    def is_known(self, relation: str, gid: int) -> bool:
+        """Whether fact `relation` of entity `gid` is on the known side of the knowledge boundary.
+
+        A fixed function of (seed, relation, gid) through a stable hash, so every fact keeps its side
+        whatever the number of questions, and a fact's side is independent of every other fact's."""
+        if self.known_fraction is None:
+            return False
+        digest = hashlib.blake2b(f"{self.seed}/known/{relation}/{gid}".encode(), digest_size=8).digest()
+        return int.from_bytes(digest, "big") / 2**64 < self.known_fraction
 
     def answers_for(self, gid: int) -> list[str]:
         """Golden answers for an entity: its name, plus the official form for countries."""
@@ -575,6 +589,7 @@ def generate_world(
     hops: tuple[int, int] = (1, 4),
     seed: int = 0,
     progress: Callable[[int], None] | None = None,
+    known_fraction: float | None = None,
 ) -> World:
     """Build a world with exactly `num_passages` passages and `num_questions` distinct questions.
 
@@ -582,11 +597,16 @@ def generate_world(
     passage: compositional questions follow a chain of that many facts; comparisons use 2
     passages (two years) or 4 (two entity->person links and two birth years).
     `progress(n)` is called with the number of questions made so far, now and then.
+    `known_fraction` draws a knowledge boundary: that share of facts is *known* (`World.is_known`),
+    each question records per hop whether it is known (`known_hops`) and its type (`knowledge`:
+    all-known, mixed, all-unknown), and `write_world` writes the known facts' closed-book statements.
     """
     if num_passages < MIN_PASSAGES:
         raise ValueError(f"num_passages must be at least {MIN_PASSAGES}, got {num_passages}")
     if num_questions < 0:
         raise ValueError(f"num_questions must be >= 0, got {num_questions}")
+    if known_fraction is not None and not 0.0 <= known_fraction <= 1.0:
+        raise ValueError(f"known_fraction must be between 0 and 1, got {known_fraction}")
     hops = check_hops(tuple(hops))  # type: ignore[arg-type]
     counts = _entity_counts(num_passages)
     start: dict[str, int] = {}
@@ -618,7 +638,7 @@ def generate_world(
     world = World(
         seed=seed, hops=hops, num_passages=num_passages, names=names, type_start=start, type_count=counts,
         facts=facts, official_names=official, similar=similar, works=works, country_cities=country_cities,
-        extra_passage=extra_passage,
+        extra_passage=extra_passage, known_fraction=known_fraction,
     )
     world.questions = _make_questions(world, num_questions, random.Random(f"{seed}/questions"), progress)
     return world
@@ -672,6 +692,7 @@ def _chain_question(world: World, hops: int, rng: random.Random) -> tuple[tuple,
         "chain": chain_names,
         "relations": [r.name for r in relations],
     }
+    _label_knowledge(world, metadata, [(r.name, g) for r, g in zip(relations, chain[:-1], strict=True)])
     key = ("chain", chain[0], tuple(r.name for r in relations))
     return key, QAExample(id="", question=question, golden_answers=answers, metadata=metadata)
 
@@ -718,8 +739,53 @@ def _comparison_question(world: World, hops: int, rng: random.Random) -> tuple[t
         "compare": "earlier" if earlier else "later",
         "values": [year_a, year_b],
     }
+    if via is None:
+        facts = [(_YEAR_OF[etype], a), (_YEAR_OF[etype], b)]
+    else:
+        facts = [(via, a), ("birth_year", world.fact(via, a)), (via, b), ("birth_year", world.fact(via, b))]
+    _label_knowledge(world, metadata, facts)
     key = ("compare", min(a, b), max(a, b), via)
     return key, QAExample(id="", question=question, golden_answers=[world.names[winner]], metadata=metadata)
+
+
+KNOWLEDGE_TYPES = ("all-known", "mixed", "all-unknown")
+
+
+def knowledge_type(known_hops: list[bool]) -> str:
+    """A question's side of the boundary from its hops: every hop known, none, or some."""
+    if all(known_hops):
+        return "all-known"
+    return "mixed" if any(known_hops) else "all-unknown"
+
+
+def _label_knowledge(world: World, metadata: dict[str, Any], facts: list[tuple[str, int]]) -> None:
+    """Per hop (in `supporting_ids` order) whether its fact is known, and the question's type; only in a
+    world with a knowledge boundary, so a world without one writes the same files as before."""
+    if world.known_fraction is None:
+        return
+    known = [world.is_known(relation, gid) for relation, gid in facts]
+    metadata["known_hops"] = known
+    metadata["knowledge"] = knowledge_type(known)
+
+
+def knowledge_statements(world: World) -> Iterator[dict[str, Any]]:
+    """Closed-book statements of every known fact: the knowledge-injection SFT data.
+
+    One record per known fact and question template of its relation (the phrasings the world's
+    questions use), each with the fact's sentence, so a model can be taught the fact without its
+    passage: {"id", "relation", "subject", "question", "answers", "statement"}."""
+    for etype in ENTITY_TYPES:
+        for gid in range(world.type_start[etype], world.type_start[etype] + world.type_count[etype]):
+            for relation in _RELATIONS_BY_SUBJECT[etype]:
+                if not world.is_known(relation.name, gid):
+                    continue
+                value = world.fact(relation.name, gid)
+                answers = [str(value)] if relation.target == "year" else world.answers_for(value)
+                statement = relation.sentences[0].format(s=world.names[gid], o=answers[0], dir="north")
+                for k, template in enumerate(relation.questions):
+                    yield {"id": f"fact-{relation.name}-{gid}-{k}", "relation": relation.name,
+                           "subject": world.names[gid], "question": template.format(x=world.mention(gid)),
+                           "answers": answers, "statement": statement}
 
 
 def _make_questions(
@@ -783,6 +849,10 @@ def world_summary(world: World, splits: tuple[int, int, int] | None = None) -> d
         "hop_distribution": {str(h): hop_counts[h] for h in sorted(hop_counts)},
         "type_distribution": {t: type_counts[t] for t in sorted(type_counts)},
     }
+    if world.known_fraction is not None:
+        knowledge_counts = Counter(q.metadata["knowledge"] for q in world.questions)
+        summary["known_fraction"] = world.known_fraction
+        summary["knowledge_distribution"] = {t: knowledge_counts[t] for t in KNOWLEDGE_TYPES}
     if splits is not None:
         summary["splits"] = dict(zip(("train", "dev", "test"), splits, strict=True))
     return summary
@@ -797,7 +867,8 @@ def write_world(
     corpus_size: int | None = None,
     workers: int = 1,
 ) -> dict[str, Any]:
-    """Write corpus.jsonl, train/dev/test.jsonl (FlashRAG) and world.json; return the summary.
+    """Write corpus.jsonl, train/dev/test.jsonl (FlashRAG), world.json and, in a world with a knowledge
+    boundary, knowledge.jsonl (`knowledge_statements`); return the summary.
 
     Questions are already in random order, so splits are consecutive slices. `progress(n)` is
     called with the number of passages written every 10k passages. `corpus_size` (>= the world's
@@ -837,6 +908,13 @@ def write_world(
     for name, lo, hi in zip(("train", "dev", "test"), bounds[:-1], bounds[1:], strict=True):
         write_qa_jsonl(out / f"{name}.jsonl", world.questions[lo:hi])
     summary = world_summary(world, sizes)
+    if world.known_fraction is not None:
+        n_statements = 0
+        with atomic_open_text(out / KNOWLEDGE_FILE) as f:
+            for record in knowledge_statements(world):
+                f.write(json.dumps(record, ensure_ascii=False) + "\n")
+                n_statements += 1
+        summary["known_statements"] = n_statements
     if n_distractors:
         # world.json describes the world; the corpus size and how it was grown are recorded beside it.
         summary["corpus"] = {"num_passages": written, "world_passages": world.num_passages,

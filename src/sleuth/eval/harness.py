@@ -69,6 +69,7 @@ from sleuth.eval.baselines import (
     run_naive_rag,
     run_oracle,
 )
+from sleuth.eval.boundary import boundary_markdown, retrieval_boundary
 from sleuth.eval.compare import compare_with_baseline, paired_markdown
 from sleuth.eval.search_o1 import SearchO1Loop
 from sleuth.eval.stats import DEFAULT_RESAMPLES, bootstrap_ci, bootstrap_cis
@@ -716,6 +717,8 @@ def run_method(
             }
             if out.extra:
                 rec["extra"] = out.extra
+            if "knowledge" in it.example.metadata:  # a knowledge-boundary world: over/under-retrieval is scored
+                rec["knowledge"] = it.example.metadata["knowledge"]
             records.append(rec)
             done[it.key] = rec
         append_records(pred_path, records)
@@ -825,7 +828,9 @@ def summary_markdown(summary: Mapping[str, Any]) -> str:
         f"generator; direct with the model.\n"
     )
     paired = summary.get("paired")
-    return "\n".join(lines) + "\n" + notes + ("\n" + paired_markdown(paired) if paired else "")
+    boundary = summary.get("retrieval_boundary")
+    return ("\n".join(lines) + "\n" + notes + ("\n" + paired_markdown(paired) if paired else "")
+            + (boundary_markdown(boundary) if boundary else ""))
 
 
 def write_summary(out_dir: Path, summary: Mapping[str, Any]) -> None:
@@ -945,6 +950,10 @@ def evaluate(
     paired = _compare_with_naive_rag(out, ordered, run_records, items, cfg.seed)
     if paired is not None:
         summary["paired"] = paired
+    boundary = {m: b for m in ordered if m in run_records
+                and (b := retrieval_boundary(run_records[m], cfg.seed)) is not None}
+    if boundary:
+        summary["retrieval_boundary"] = boundary
     write_summary(out, summary)
     return summary
 

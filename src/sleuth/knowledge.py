@@ -1,0 +1,186 @@
+"""A knowledge boundary: teach a model a world's known facts, then measure that it knows them.
+
+`sleuth synth --known-fraction F` marks a share of the facts *known* and writes their closed-book
+statements to `knowledge.jsonl`. `inject_knowledge` fine-tunes a model on them with sleuth's own SFT
+(`sleuth.rl.sft.run_sft`): each statement becomes one record whose prompt is the `direct` baseline's
+closed-book prompt for the fact's question and whose target is `<answer> ANSWER </answer>`, so the
+injected knowledge is what `direct` evaluation asks for. `boundary_check` evaluates `direct` on a
+world's questions grouped by their knowledge type (all-known, mixed, all-unknown): the boundary is
+real when direct accuracy on all-known questions is clearly above all-unknown ones.
+
+This module sits on the top floor (like `demo.py`): it chains the SFT trainer and the evaluation
+harness, the way `sleuth demo` chains them.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import typer
+
+from sleuth.agent.coldstart import SFTRecord, write_records
+from sleuth.data.formats import QAExample, read_qa_jsonl
+from sleuth.data.synth import KNOWLEDGE_FILE, KNOWLEDGE_TYPES
+from sleuth.errors import ConfigError, DataFormatError
+from sleuth.eval.baselines import DIRECT_PROMPT
+from sleuth.utils import atomic_write_json
+
+INJECTION_LOOP = "search_r1"  # the SFT records need a loop label; the direct prompt uses no loop's tags
+INJECTED_FILE = "injected.json"  # out/injected.json: the injected checkpoint and its settings
+BOUNDARY_FILE = "boundary.json"
+
+
+@dataclass(frozen=True)
+class InjectionSettings:
+    model: str = "smollm2-135m-instruct"
+    epochs: int = 3
+    lr: float = 3e-4
+    batch_size: int = 16
+    lora: bool = True
+    seed: int = 0
+
+
+def read_statements(world: Path) -> list[dict[str, Any]]:
+    """The closed-book statements of a world with a knowledge boundary (`knowledge.jsonl`)."""
+    path = Path(world) / KNOWLEDGE_FILE
+    if not path.exists():
+        raise ConfigError(f"{path} does not exist: make the world with `sleuth synth --known-fraction F`")
+    rows = []
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        try:
+            row = json.loads(line)
+            rows.append({"id": str(row["id"]), "question": str(row["question"]), "answers": list(row["answers"])})
+        except (ValueError, KeyError, TypeError) as err:
+            raise DataFormatError(str(path), number, f"not a knowledge statement ({err})") from None
+    if not rows:
+        raise DataFormatError(str(path), None, "no known facts: raise --known-fraction")
+    return rows
+
+
+def injection_records(statements: list[dict[str, Any]], tokenizer: Any) -> list[SFTRecord]:
+    """One SFT record per statement: the direct prompt (chat-formatted as evaluation formats it), then the
+    answer in tags and the end-of-turn token as the only targets."""
+    records = []
+    eos = tokenizer.eos_token_id
+    for row in statements:
+        messages = [{"role": "user", "content": DIRECT_PROMPT.format(question=row["question"].strip())}]
+        prompt_text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        response_text = f"<answer> {row['answers'][0]} </answer>"
+        prompt_ids = list(tokenizer.encode(prompt_text, add_special_tokens=False))
+        response_ids = list(tokenizer.encode(response_text, add_special_tokens=False)) + ([eos] if eos is not None else [])
+        records.append(SFTRecord(
+            loop=INJECTION_LOOP, prompt_ids=prompt_ids, response_ids=response_ids, loss_mask=[1] * len(response_ids),
+            source="knowledge", question_id=row["id"], question=row["question"], golden_answers=row["answers"],
+            prompt_text=prompt_text, response_text=response_text,
+        ))
+    return records
+
+
+def injection_recipe(world: Path, out: Path, settings: InjectionSettings) -> dict[str, Any]:
+    """The SFT recipe of the injection (written next to the run, re-runnable with `sleuth sft`)."""
+    return {
+        "name": "inject-knowledge",
+        "seed": settings.seed,
+        "model": {"policy": settings.model, "lora": {"enabled": settings.lora, "r": 16, "alpha": 32}},
+        "data": {"train": str(Path(world) / "train.jsonl")},
+        "retriever": {"index": str(Path(world) / "bm25")},  # required by the schema; closed-book SFT never searches
+        "agent": {"loop": INJECTION_LOOP},
+        "trainer": {"out_dir": str(out), "total_steps": 1},
+        "sft": {"data": str(out / "knowledge_sft.jsonl"), "epochs": settings.epochs, "lr": settings.lr,
+                "batch_size": settings.batch_size, "micro_batch_size": min(settings.batch_size, 16),
+                "held_out": 0.0, "out_dir": str(out / "sft")},
+    }
+
+
+def inject_knowledge(world: Path, out: Path, settings: InjectionSettings, console: Any = None) -> Path:
+    """SFT `settings.model` on the world's known facts; returns the injected checkpoint. Resumable: a
+    finished injection (out/injected.json) is returned as is, an interrupted one resumes its SFT."""
+    import yaml
+    from transformers import AutoTokenizer
+
+    from sleuth.llm.registry import resolve_model_path
+    from sleuth.rl.config import recipe_from_dict
+    from sleuth.rl.sft import run_sft
+
+    out = Path(out)
+    done = out / INJECTED_FILE
+    if done.exists():
+        return Path(json.loads(done.read_text())["checkpoint"])
+    out.mkdir(parents=True, exist_ok=True)
+    statements = read_statements(world)
+    recipe_dict = injection_recipe(world, out, settings)
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(settings.model))
+    write_records(recipe_dict["sft"]["data"], injection_records(statements, tokenizer))
+    (out / "inject_recipe.yaml").write_text(yaml.safe_dump(recipe_dict, sort_keys=False))
+    result = run_sft(recipe_from_dict(recipe_dict, source=str(out / "inject_recipe.yaml")), resume=True,
+                     console=console)
+    atomic_write_json(done, {"checkpoint": result["checkpoint"], "statements": len(statements),
+                             "settings": settings.__dict__, "final_loss": result["metrics"].get("sft/loss")})
+    return Path(result["checkpoint"])
+
+
+def boundary_questions(world: Path, split: str, limit: int | None) -> list[QAExample]:
+    """A split's questions, each reported under its knowledge type (`synth --known-fraction` labels)."""
+    path = Path(world) / f"{split}.jsonl"
+    questions = read_qa_jsonl(path)[:limit]
+    for ex in questions:
+        kind = ex.metadata.get("knowledge")
+        if kind not in KNOWLEDGE_TYPES:
+            raise ConfigError(f"{path}: question {ex.id} has no knowledge label; make the world with "
+                              "`sleuth synth --known-fraction F`")
+        ex.metadata["dataset"] = kind
+    return questions
+
+
+def boundary_check(world: Path, model: str, out: Path, split: str = "test", limit: int | None = None) -> dict[str, Any]:
+    """`direct` (closed-book) accuracy per knowledge type, with 95% bootstrap intervals; written to
+    out/boundary.json as {type: {"n", "em", "em_ci"}} plus "known_minus_unknown" (EM points)."""
+    from sleuth.eval.harness import EvalConfig, EvalOutput, evaluate
+
+    questions = boundary_questions(world, split, limit)
+    summary = evaluate(["direct"], questions, model=model, config=EvalConfig(answer_max_new_tokens=24),
+                       out_dir=EvalOutput(Path(out) / "eval_direct"))
+    rows = summary["methods"]["direct"]
+    result: dict[str, Any] = {t: {"n": rows[t]["n"], "em": rows[t]["em"], "em_ci": rows[t]["em_ci"]}
+                              for t in KNOWLEDGE_TYPES if t in rows}
+    if "all-known" in result and "all-unknown" in result:
+        result["known_minus_unknown"] = result["all-known"]["em"] - result["all-unknown"]["em"]
+    atomic_write_json(Path(out) / BOUNDARY_FILE, {"model": model, "split": split, **result})
+    return result
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("inject-knowledge")
+    def inject_cmd(
+        world: Path = typer.Argument(..., help="A world made by `sleuth synth --known-fraction F`."),
+        out: Path = typer.Option(..., "--out", help="Run directory (the SFT checkpoint, injected.json, boundary.json)."),
+        model: str = typer.Option("smollm2-135m-instruct", help="Base model (alias, directory)."),
+        epochs: int = typer.Option(3, min=1, help="SFT epochs over the closed-book statements."),
+        lr: float = typer.Option(3e-4, min=0.0, help="SFT learning rate."),
+        batch_size: int = typer.Option(16, min=1, help="Statements per optimizer step."),
+        lora: bool = typer.Option(True, "--lora/--full", help="LoRA adapters (default) or full fine-tuning."),
+        check_split: str = typer.Option("test", help="Split whose questions the boundary check answers closed-book."),
+        check_limit: int = typer.Option(None, help="At most this many questions in the check (default: all)."),
+    ) -> None:
+        """Teach a model a world's known facts (SFT), then check direct accuracy on known vs unknown questions."""
+        from rich.console import Console
+
+        from sleuth.errors import SleuthError
+
+        console = Console()
+        try:
+            settings = InjectionSettings(model=model, epochs=epochs, lr=lr, batch_size=batch_size, lora=lora)
+            ckpt = inject_knowledge(world, out, settings, console)
+            result = boundary_check(world, str(ckpt), out, check_split, check_limit)
+        except SleuthError as err:
+            console.print(f"[red]error:[/] {err}")
+            raise typer.Exit(2) from None
+        for kind in KNOWLEDGE_TYPES:
+            if kind in result:
+                row = result[kind]
+                lo, hi = row["em_ci"]
+                console.print(f"direct EM {kind:12s} n={row['n']:4d}  {100 * row['em']:.1f} [{100 * lo:.1f}, {100 * hi:.1f}]")
+        console.print(f"injected checkpoint: {ckpt}")
