@@ -139,9 +139,9 @@ KERNEL_CHECK = textwrap.dedent("""
     for norm in (None, (torch.randn(dim), torch.randn(dim))):
         kc, vc = torch.zeros(64, kv, dim), torch.zeros(64, kv, dim)
         kc2, vc2 = kc.clone(), vc.clone()
-        qn, kn = norm if norm else (None, None)
-        q1 = K.rope_store_reference(qkv, pos.long(), slots.long(), inv, 1.0, kc, vc, h, kv, qn, kn)
-        q2 = K.rope_store(qkv, pos, slots, inv, 1.0, kc2, vc2, h, kv, qn, kn)
+        layout = K.HeadLayout(h, kv, inv)
+        q1 = K.rope_store_reference(qkv, pos.long(), slots.long(), layout, kc, vc, norm)
+        q2 = K.rope_store(qkv, pos, slots, layout, kc2, vc2, norm)
         worst[f"rope norm={norm is not None}"] = max((q1 - q2).abs().max().item(), (kc - kc2).abs().max().item(),
                                                     (vc - vc2).abs().max().item())
     b, h, kv, dim = 4, 14, 2, 64

@@ -162,6 +162,7 @@ class DecodeEngine:
         rotary = base.model.rotary_emb
         self.inv_freq = rotary.inv_freq.detach().to(self.device, torch.float32).clone()
         self.rope_scale = float(getattr(rotary, "attention_scaling", 1.0))
+        self.layout = kernels.HeadLayout(self.heads, self.kv_heads, self.inv_freq, self.rope_scale, self.eps)
         self.max_batch_size = max_batch_size
         self.min_bucket = min(min_bucket, max_batch_size)
         self.prefill_tokens = prefill_tokens
@@ -269,8 +270,8 @@ class DecodeEngine:
         for i, layer in enumerate(self.layers):
             x, h = kernels.add_rmsnorm(x, delta, layer.ln1, self.eps)
             qkv = F.linear(h, layer.w_qkv, layer.b_qkv)
-            q = kernels.rope_store(qkv, positions, slots, self.inv_freq, self.rope_scale, self.pool_k[i],
-                                   self.pool_v[i], self.heads, self.kv_heads, layer.q_norm, layer.k_norm, self.eps)
+            norms = (layer.q_norm, layer.k_norm) if layer.q_norm is not None else None
+            q = kernels.rope_store(qkv, positions, slots, self.layout, self.pool_k[i], self.pool_v[i], norms)
             a = kernels.decode_attention(q, self.pool_k[i], self.pool_v[i], starts, lengths, self.scale, splits)
             x, h = kernels.add_rmsnorm(x, F.linear(a.view(b, -1), layer.w_o), layer.ln2, self.eps)
             delta = F.linear(kernels.silu_mul(F.linear(h, layer.w_gate_up)), layer.w_down)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 import os
+from dataclasses import dataclass
 
 import torch
 
@@ -40,6 +41,21 @@ def triton_enabled(t: torch.Tensor) -> bool:
     return triton is not None and (t.is_cuda or _INTERPRET)
 
 
+@dataclass(frozen=True)
+class HeadLayout:
+    """How a fused q/k/v projection splits into heads, and the rotary embedding applied to q and k."""
+
+    heads: int
+    kv_heads: int
+    inv_freq: torch.Tensor  # (head_dim / 2,) fp32
+    rope_scale: float = 1.0  # transformers' attention_scaling
+    eps: float = 1e-6  # of the per-head RMSNorm (Qwen3's q_norm / k_norm)
+
+    @property
+    def head_dim(self) -> int:
+        return self.inv_freq.numel() * 2
+
+
 # ---------------------------------------------------------------------------------------------------
 # References (torch): the arithmetic of transformers' Llama/Qwen2 modules, rounding where they round
 
@@ -54,22 +70,23 @@ def add_rmsnorm_reference(x: torch.Tensor, delta: torch.Tensor | None, weight: t
     return x, weight * h.to(x.dtype)
 
 
-def rope_store_reference(qkv: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, inv_freq: torch.Tensor,
-                         rope_scale: float, k_cache: torch.Tensor, v_cache: torch.Tensor, heads: int,
-                         kv_heads: int, q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None,
-                         eps: float = 1e-6) -> torch.Tensor:
+def rope_store_reference(qkv: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, layout: HeadLayout,
+                         k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         norms: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Split a decode step's fused projection (B, (H + 2 KV) * D) into heads, apply the optional per-head
-    RMSNorm (Qwen3) and rotary embedding at `positions`, store k and v at `slots`; return q (B, H, D)."""
+    RMSNorm (Qwen3's q_norm, k_norm) and rotary embedding at `positions`, store k and v at `slots`; return q
+    (B, H, D)."""
+    heads, kv_heads, inv_freq, eps = layout.heads, layout.kv_heads, layout.inv_freq, layout.eps
     b = qkv.shape[0]
     d = inv_freq.numel() * 2
     q, k, v = qkv.view(b, heads + 2 * kv_heads, d).split([heads, kv_heads, kv_heads], dim=1)
-    if q_norm is not None:
-        q = add_rmsnorm_reference(q, None, q_norm, eps)[1]
-        k = add_rmsnorm_reference(k, None, k_norm, eps)[1]
+    if norms is not None:
+        q = add_rmsnorm_reference(q, None, norms[0], eps)[1]
+        k = add_rmsnorm_reference(k, None, norms[1], eps)[1]
     angles = positions.float()[:, None] * inv_freq.float()[None, :]
     emb = torch.cat([angles, angles], dim=-1)
-    cos = (emb.cos() * rope_scale).to(qkv.dtype)[:, None, :]
-    sin = (emb.sin() * rope_scale).to(qkv.dtype)[:, None, :]
+    cos = (emb.cos() * layout.rope_scale).to(qkv.dtype)[:, None, :]
+    sin = (emb.sin() * layout.rope_scale).to(qkv.dtype)[:, None, :]
 
     def rotate(t: torch.Tensor) -> torch.Tensor:
         half = torch.cat([-t[..., d // 2 :], t[..., : d // 2]], dim=-1)
@@ -310,25 +327,22 @@ def add_rmsnorm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tenso
     return x, y
 
 
-def rope_store(qkv: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, inv_freq: torch.Tensor,
-               rope_scale: float, k_cache: torch.Tensor, v_cache: torch.Tensor, heads: int, kv_heads: int,
-               q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None, eps: float = 1e-6,
+def rope_store(qkv: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, layout: HeadLayout,
+               k_cache: torch.Tensor, v_cache: torch.Tensor, norms: tuple[torch.Tensor, torch.Tensor] | None = None,
                q_out: torch.Tensor | None = None) -> torch.Tensor:
     """See `rope_store_reference`; positions and slots are int tensors of shape (B,)."""
     if not triton_enabled(qkv):
-        q = rope_store_reference(qkv, positions, slots, inv_freq, rope_scale, k_cache, v_cache, heads, kv_heads,
-                                 q_norm, k_norm, eps)
+        q = rope_store_reference(qkv, positions, slots, layout, k_cache, v_cache, norms)
         if q_out is not None:
             q_out.copy_(q)
             return q_out
         return q
-    b = qkv.shape[0]
-    d = inv_freq.numel() * 2
-    q = q_out if q_out is not None else qkv.new_empty((b, heads, d))
+    b, heads, kv_heads = qkv.shape[0], layout.heads, layout.kv_heads
+    q = q_out if q_out is not None else qkv.new_empty((b, heads, layout.head_dim))
+    q_norm, k_norm = norms if norms is not None else (layout.inv_freq, layout.inv_freq)  # unread without norms
     _rope_store_kernel[(b, heads + 2 * kv_heads)](
-        qkv, positions, slots, inv_freq, q_norm if q_norm is not None else inv_freq,
-        k_norm if k_norm is not None else inv_freq, q, k_cache, v_cache, rope_scale, eps,
-        HEADS=heads, KV_HEADS=kv_heads, D=d, QK_NORM=q_norm is not None)
+        qkv, positions, slots, layout.inv_freq, q_norm, k_norm, q, k_cache, v_cache, layout.rope_scale, layout.eps,
+        HEADS=heads, KV_HEADS=kv_heads, D=layout.head_dim, QK_NORM=norms is not None)
     return q
 
 
@@ -338,9 +352,12 @@ def attention_splits(batch: int, kv_heads: int, multiprocessors: int = 132) -> i
     return max(1, min(16, triton.next_power_of_2(want) if triton is not None else want))
 
 
+_ATTENTION_BLOCK_N = 64  # keys per inner iteration of the split kernel
+
+
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, starts: torch.Tensor,
-                     lengths: torch.Tensor, scale: float, splits: int = 4, out: torch.Tensor | None = None,
-                     block_n: int = 64) -> torch.Tensor:
+                     lengths: torch.Tensor, scale: float, splits: int = 4,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
     """See `decode_attention_reference`; reads only the live keys of each row."""
     if not triton_enabled(q):
         res = decode_attention_reference(q, k_cache, v_cache, starts, lengths, scale)
@@ -355,7 +372,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     lse = torch.empty((b, heads, splits), dtype=torch.float32, device=q.device)
     _decode_attention_split_kernel[(b, kv_heads, splits)](
         q, k_cache, v_cache, starts, lengths, acc, lse, scale, HEADS=heads, KV_HEADS=kv_heads, D=d, GROUP=group,
-        BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, SPLITS=splits)
+        BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=_ATTENTION_BLOCK_N, SPLITS=splits)
     res = out if out is not None else q.new_empty((b, heads, d))
     _decode_attention_combine_kernel[(b * heads,)](acc, lse, res, D=d, SPLITS=splits)
     return res
