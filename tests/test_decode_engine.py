@@ -250,3 +250,22 @@ def test_the_fsdp_inference_copy_equals_the_sharded_weights_after_an_update(tmp_
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script)]
     proc = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+ENGINE_UNDER_TRITON = textwrap.dedent("""
+    import sys
+    sys.path.insert(0, {tests!r})
+    from sleuth.llm import kernels
+    assert kernels.triton_enabled(__import__("torch").zeros(1))
+    import test_decode_engine as t
+    t.test_greedy_decoding_equals_transformers("qwen3")  # q/k norms, GQA, rows leaving: every kernel runs
+""")
+
+
+@pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed (it is in the dev extra)")
+def test_the_engine_decodes_like_transformers_through_the_triton_kernels() -> None:
+    """The whole decode step with the Triton kernels (CPU interpreter) instead of the torch references."""
+    script = ENGINE_UNDER_TRITON.format(tests=str(Path(__file__).parent))
+    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
