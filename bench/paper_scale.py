@@ -27,17 +27,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
+import re
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH))
 import _common  # noqa: E402
+import scale_step  # noqa: E402
 import train_step  # noqa: E402
 
 PAPER_PROMPTS, PAPER_N, PAPER_STEPS = 512, 5, 1000
@@ -51,17 +50,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--gpus", type=int, nargs="+", default=[1])
     p.add_argument("--parallel", choices=("ddp", "fsdp"), default="ddp")
     p.add_argument("--lora", action="store_true", help="LoRA (r 64) on a bf16 base instead of full fine-tuning")
-    p.add_argument("--prompts", type=int, default=32, help="prompts per step (global)")
-    p.add_argument("--n", type=int, default=PAPER_N)
-    p.add_argument("--turns", type=int, default=4)
-    p.add_argument("--new-tokens", type=int, default=500)
-    p.add_argument("--max-obs-tokens", type=int, default=500)
-    p.add_argument("--steps", type=int, default=2)
-    p.add_argument("--warmup-steps", type=int, default=1)
-    p.add_argument("--micro", type=int, default=4, help="trajectories per forward/backward on each rank")
-    p.add_argument("--lr", type=float, default=1e-6)
-    p.add_argument("--kl-coef", type=float, default=0.0)
-    p.add_argument("--passages", type=int, default=20000)
+    scale_step.add_step_options(p, prompts=32, n=PAPER_N, turns=4, new_tokens=500, max_obs_tokens=500, steps=2,
+                                micro=4, passages=20000)
     p.add_argument("--gradient-checkpointing", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--decoding", default="auto", choices=("auto", "engine", "static", "dynamic"))
     p.add_argument("--seed", type=int, default=0)
@@ -122,8 +112,6 @@ def summarise(args: argparse.Namespace, lines: list[dict[str, Any]], gpus: int) 
 def failure_excerpt(lines: list[str]) -> list[str]:
     """The child's exception (the cause; torchrun's own ChildFailedError report comes after it) with the
     frames above it, and the last lines."""
-    import re
-
     cause = re.compile(r"^\s*[\w.]*(Error|Exception|Interrupt)\b.*:")
     first = next((i for i, line in enumerate(lines) if cause.match(line) and "ChildFailedError" not in line), None)
     head = lines[max(0, first - 30) : first + 3] if first is not None else []
@@ -139,29 +127,12 @@ def run_config(args: argparse.Namespace, shared: dict[str, Any], work: Path, dev
         return json.loads(done.read_text())
     out_dir = work / name
     recipe = recipe_for(args, shared, out_dir, device, gpus)
-    recipe_path = work / f"{name}.yaml"
-    recipe_path.write_text(yaml.safe_dump(recipe, sort_keys=False))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={gpus}",
-           "-m", "sleuth.cli", "train", str(recipe_path)]
-    env = dict(os.environ)
-    extra = [str(_common.REPO / "src"), str(BENCH)]
-    env["PYTHONPATH"] = os.pathsep.join(extra + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
-    env.setdefault("OMP_NUM_THREADS", "1")
-    log_path = work / f"{name}.log"
     row: dict[str, Any] = {"config": name, "model": args.model, "gpus": gpus, "parallel": args.parallel if gpus > 1
                            else "none", "finetune": mode, "prompts_per_step": args.prompts, "n": args.n,
                            "turns": args.turns, "new_tokens_per_turn": args.new_tokens,
                            "max_obs_tokens": args.max_obs_tokens, "recipe": recipe}
-    start = time.perf_counter()
-    try:
-        with open(log_path, "w") as log:
-            code = subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=args.timeout).returncode
-    except subprocess.TimeoutExpired:
-        code = None
-    row["wall_s"] = round(time.perf_counter() - start, 1)
-    metrics = out_dir / "metrics.jsonl"
-    lines = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()] if metrics.exists() else []
-    print(f"{name}: exit {code}, {len(lines)} steps logged in {row['wall_s']:.0f} s", flush=True)
+    code, lines, log_path, wall = scale_step.torchrun_train(recipe, work, name, gpus, args.timeout, [str(BENCH)])
+    row["wall_s"] = round(wall, 1)
     if code != 0 or not any(m["step"] > args.warmup_steps for m in lines):
         row["status"] = "timed out" if code is None else f"failed (exit {code})" if code else "no measured steps"
         row["log_tail"] = failure_excerpt(log_path.read_text(errors="replace").splitlines())

@@ -42,17 +42,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--gpus", type=int, nargs="+", default=[1, 2], help="process counts to compare")
     p.add_argument("--parallel", nargs="+", choices=("ddp", "fsdp"), default=["ddp"],
                    help="data-parallel wrappers for the multi-process rows (1 process always runs plain)")
-    p.add_argument("--prompts", type=int, default=8, help="prompts per step (global)")
-    p.add_argument("--n", type=int, default=4)
-    p.add_argument("--turns", type=int, default=2)
-    p.add_argument("--new-tokens", type=int, default=64)
-    p.add_argument("--max-obs-tokens", type=int, default=256)
-    p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--warmup-steps", type=int, default=1)
-    p.add_argument("--micro", type=int, default=8, help="trajectories per forward/backward on each rank")
-    p.add_argument("--lr", type=float, default=1e-6)
-    p.add_argument("--kl-coef", type=float, default=0.0)
-    p.add_argument("--passages", type=int, default=2000)
+    add_step_options(p, prompts=8, n=4, turns=2, new_tokens=64, max_obs_tokens=256, steps=3, micro=8, passages=2000)
     p.add_argument("--compile", action="store_true",
                    help="static KV cache + compiled decode step in rollouts (not for FSDP rows)")
     p.add_argument("--seed", type=int, default=0)
@@ -67,6 +57,48 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             raise SystemExit(f"--gpus {g}: each process count must divide --prompts {args.prompts} "
                              "(prompt groups are never split across ranks)")
     return args
+
+
+def add_step_options(p: argparse.ArgumentParser, *, prompts: int, n: int, turns: int, new_tokens: int,
+                     max_obs_tokens: int, steps: int, micro: int, passages: int) -> None:
+    """The RL step's shape, shared by this bench and bench/paper_scale.py (defaults differ)."""
+    p.add_argument("--prompts", type=int, default=prompts, help="prompts per step (global)")
+    p.add_argument("--n", type=int, default=n)
+    p.add_argument("--turns", type=int, default=turns)
+    p.add_argument("--new-tokens", type=int, default=new_tokens)
+    p.add_argument("--max-obs-tokens", type=int, default=max_obs_tokens)
+    p.add_argument("--steps", type=int, default=steps)
+    p.add_argument("--warmup-steps", type=int, default=1)
+    p.add_argument("--micro", type=int, default=micro, help="trajectories per forward/backward on each rank")
+    p.add_argument("--lr", type=float, default=1e-6)
+    p.add_argument("--kl-coef", type=float, default=0.0)
+    p.add_argument("--passages", type=int, default=passages)
+
+
+def torchrun_train(recipe: dict[str, Any], work: Path, name: str, gpus: int, timeout: int,
+                   pythonpath: list[str] | None = None) -> tuple[int | None, list[dict[str, Any]], Path, float]:
+    """`sleuth train` of `recipe` as `torch.distributed.run --nproc_per_node gpus`; returns (exit code or None on
+    time-out, the run's metrics.jsonl rows, the log path, wall seconds)."""
+    recipe_path = work / f"{name}.yaml"
+    recipe_path.write_text(yaml.safe_dump(recipe, sort_keys=False))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={gpus}",
+           "-m", "sleuth.cli", "train", str(recipe_path)]
+    env = dict(os.environ)
+    paths = [str(_common.REPO / "src"), *(pythonpath or []), *([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])]
+    env["PYTHONPATH"] = os.pathsep.join(paths)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    log_path = work / f"{name}.log"
+    start = time.perf_counter()
+    try:
+        with open(log_path, "w") as log:
+            code = subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=timeout).returncode
+    except subprocess.TimeoutExpired:
+        code = None
+    wall = time.perf_counter() - start
+    metrics_path = Path(recipe["trainer"]["out_dir"]) / "metrics.jsonl"
+    lines = [json.loads(x) for x in metrics_path.read_text().splitlines() if x.strip()] if metrics_path.exists() else []
+    print(f"{name}: exit {code}, {len(lines)} steps logged in {wall:.0f} s", flush=True)
+    return code, lines, log_path, wall
 
 
 def configurations(args: argparse.Namespace) -> list[tuple[int, str]]:
@@ -88,27 +120,10 @@ def run_config(args: argparse.Namespace, shared: dict[str, Any], work: Path, dev
     compiled = args.compile and not (gpus > 1 and parallel == "fsdp")
     recipe = train_step.bench_recipe(micro_args, shared, out_dir, device, cache="static" if compiled else "dynamic",
                                      compiled=compiled, parallel=parallel)
-    recipe_path = work / f"{name}.yaml"
-    recipe_path.write_text(yaml.safe_dump(recipe, sort_keys=False))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={gpus}",
-           "-m", "sleuth.cli", "train", str(recipe_path)]
-    env = dict(os.environ)
-    src = str(_common.REPO / "src")
-    env["PYTHONPATH"] = src + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    env.setdefault("OMP_NUM_THREADS", "1")
-    log_path = work / f"{name}.log"
     row: dict[str, Any] = {"gpus": gpus, "parallel": parallel if gpus > 1 else "none (1 process)",
                            "trajectories_per_rank": per_rank, "compiled_decoding": compiled}
-    start = time.perf_counter()
-    try:
-        with open(log_path, "w") as log:
-            code = subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=args.timeout).returncode
-    except subprocess.TimeoutExpired:
-        code = None
-    row["wall_s"] = time.perf_counter() - start
+    code, lines, log_path, row["wall_s"] = torchrun_train(recipe, work, name, gpus, args.timeout)
     tail = log_path.read_text(errors="replace").splitlines()[-20:]
-    metrics_path = out_dir / "metrics.jsonl"
-    lines = [json.loads(x) for x in metrics_path.read_text().splitlines() if x.strip()] if metrics_path.exists() else []
     measured = [m for m in lines if m["step"] > args.warmup_steps]
     print(f"{name}: exit {code}, {len(lines)} steps logged in {row['wall_s']:.0f} s", flush=True)
     if code != 0 or not measured:
