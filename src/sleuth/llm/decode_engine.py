@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -130,7 +130,6 @@ class DecodeState:
     top_p: float
     generator: torch.Generator | None
     steps_done: int = 0
-    history: list[tuple[list[int], torch.Tensor, torch.Tensor]] = field(default_factory=list)
 
 
 class DecodeEngine:
@@ -490,6 +489,3 @@ class DecodeEngine:
             self._capture(bucket, state.temperature, inside)
         self._load_rows(bucket, tokens, positions, starts)
         state.bucket = bucket
-
-    def bucket_size(self, live: int) -> int:
-        return self._bucket(live).size
