@@ -93,6 +93,23 @@ def test_the_generator_decodes_the_same_tokens_with_the_engine_and_stops_alike(t
     assert any(g.finish_reason == "stop" for g in engine)  # the stop path ran
 
 
+def test_nucleus_sampling_runs_outside_the_captured_step_and_matches_the_dynamic_path(tmp_path: Path) -> None:
+    """top_p < 1 stops the step at the logits and samples with `select_next_tokens`: with a nucleus of one token
+    both paths are deterministic, so tokens and (untruncated) log-probs must equal the dynamic path's."""
+    from sleuth.llm.base import SamplingParams
+    from sleuth.llm.hf import HFGenerator
+    from sleuth.llm.tiny import build_tiny_model
+
+    path = build_tiny_model(tmp_path / "tiny")
+    prompts = ["the capital of", "x", "answer: the river"]
+    params = SamplingParams(max_new_tokens=12, temperature=0.8, top_p=1e-6, seed=3)
+    dynamic = HFGenerator(path, device="cpu", cache="dynamic").generate(prompts, None, params)
+    engine = HFGenerator(path, device="cpu", cache="engine", sync_every=5).generate(prompts, None, params)
+    for a, b in zip(dynamic, engine, strict=True):
+        assert a.token_ids == b.token_ids
+        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs, strict=True)) < 1e-4
+
+
 def test_unsupported_models_are_named() -> None:
     from transformers import GPT2Config, GPT2LMHeadModel
 

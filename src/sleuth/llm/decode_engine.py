@@ -129,7 +129,16 @@ class DecodeState:
     temperature: float
     top_p: float
     generator: torch.Generator | None
-    steps_done: int = 0
+
+    @property
+    def samples_inside(self) -> bool:
+        """Whether the captured step samples (Gumbel-max, full vocabulary, the engine's seed); else it stops at
+        the logits and `select_next_tokens` samples outside (top_p < 1, or the caller's torch generator)."""
+        return samples_inside(self.top_p, self.generator)
+
+
+def samples_inside(top_p: float, generator: torch.Generator | None) -> bool:
+    return top_p >= 1.0 and generator is None
 
 
 class DecodeEngine:
@@ -159,9 +168,9 @@ class DecodeEngine:
         self.vocab = int(config.vocab_size)
         self.scale = 1.0 / math.sqrt(self.head_dim)
         rotary = base.model.rotary_emb
-        self.inv_freq = rotary.inv_freq.detach().to(self.device, torch.float32).clone()
-        self.rope_scale = float(getattr(rotary, "attention_scaling", 1.0))
-        self.layout = kernels.HeadLayout(self.heads, self.kv_heads, self.inv_freq, self.rope_scale, self.eps)
+        inv_freq = rotary.inv_freq.detach().to(self.device, torch.float32).clone()
+        self.layout = kernels.HeadLayout(self.heads, self.kv_heads, inv_freq,
+                                         float(getattr(rotary, "attention_scaling", 1.0)), self.eps)
         self.max_batch_size = max_batch_size
         self.min_bucket = min(min_bucket, max_batch_size)
         self.prefill_tokens = prefill_tokens
@@ -350,11 +359,6 @@ class DecodeEngine:
 
     # -- prefill -----------------------------------------------------------------------------------
 
-    def _rotate(self, t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        d = t.shape[-1]
-        half = torch.cat([-t[..., d // 2 :], t[..., : d // 2]], dim=-1)
-        return (t * cos) + (half * sin)
-
     def _prefill(self, prompts: list[list[int]], starts: list[int]) -> torch.Tensor:
         """Run the prompts (right-padded, causal), store their keys/values; logits of each last token."""
         b, width = len(prompts), max(len(p) for p in prompts)
@@ -369,10 +373,8 @@ class DecodeEngine:
         flat = torch.tensor(real, device=self.device)
         slots = torch.tensor([st + c for st, p in zip(starts, prompts, strict=True) for c in range(len(p))],
                              device=self.device)
-        angles = cols.float()[:, None] * self.inv_freq[None, :]
-        emb = torch.cat([angles, angles], dim=-1)
-        cos = (emb.cos() * self.rope_scale).to(self.dtype)[None, :, None, :]
-        sin = (emb.sin() * self.rope_scale).to(self.dtype)[None, :, None, :]
+        cos, sin = kernels.rotary_tables(cols, self.layout, self.dtype)
+        cos, sin = cos[None, :, None, :], sin[None, :, None, :]  # (1, width, 1, head_dim): every row and head
         x = self.embed[ids]
         hd, heads, kvh = self.head_dim, self.heads, self.kv_heads
         for i, layer in enumerate(self.layers):
@@ -382,7 +384,7 @@ class DecodeEngine:
             if layer.q_norm is not None:
                 q = kernels.add_rmsnorm_reference(q, None, layer.q_norm, self.eps)[1]
                 k = kernels.add_rmsnorm_reference(k, None, layer.k_norm, self.eps)[1]
-            q, k = self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+            q, k = kernels.apply_rotary(q, cos, sin), kernels.apply_rotary(k, cos, sin)
             self.pool_k[i].index_copy_(0, slots, k.reshape(b * width, kvh, hd).index_select(0, flat))
             self.pool_v[i].index_copy_(0, slots, v.reshape(b * width, kvh, hd).index_select(0, flat))
             # keys/values repeated per query head (as transformers does): SDPA's flash kernel then applies,
@@ -432,16 +434,16 @@ class DecodeEngine:
             logits[torch.tensor(rows, device=self.device)] = lg.to(self.dtype)
         tokens, logprobs = self._sample_eager(logits, temperature, top_p, generator)
         bucket = self._bucket(len(prompts))
-        positions = torch.tensor([len(p) for p in prompts], dtype=torch.int32, device=self.device)
-        self._capture(bucket, temperature, top_p >= 1.0)
-        self._load_rows(bucket, tokens, positions, torch.tensor(starts, dtype=torch.int32, device=self.device))
         state = DecodeState(rows=list(range(len(prompts))), bucket=bucket, temperature=temperature, top_p=top_p,
                             generator=generator)
+        positions = torch.tensor([len(p) for p in prompts], dtype=torch.int32, device=self.device)
+        self._capture(bucket, temperature, state.samples_inside)
+        self._load_rows(bucket, tokens, positions, torch.tensor(starts, dtype=torch.int32, device=self.device))
         return state, tokens, logprobs
 
     def _sample_eager(self, logits: torch.Tensor, temperature: float, top_p: float,
                       generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
-        if top_p >= 1.0 and generator is None:
+        if samples_inside(top_p, generator):
             tokens, logprobs = kernels.sample(logits, temperature, self._seed)
             self._seed.add_(_SEED_STRIDE)
             return tokens, logprobs
@@ -452,8 +454,7 @@ class DecodeEngine:
     @torch.no_grad()
     def steps(self, state: DecodeState, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """k decode steps for the live rows: (tokens, log-probs), each (live rows, k), on the device."""
-        bucket, n = state.bucket, len(state.rows)
-        inside = state.top_p >= 1.0 and state.generator is None
+        bucket, n, inside = state.bucket, len(state.rows), state.samples_inside
         tokens = torch.empty((n, k), dtype=torch.long, device=self.device)
         logprobs = torch.empty((n, k), dtype=torch.float32, device=self.device)
         for t in range(k):
@@ -467,7 +468,6 @@ class DecodeEngine:
                 bucket.logprobs[:n] = lp
             tokens[:, t] = bucket.tokens[:n]
             logprobs[:, t] = bucket.logprobs[:n]
-        state.steps_done += k
         return tokens, logprobs
 
     @torch.no_grad()
@@ -484,8 +484,7 @@ class DecodeEngine:
         tokens, positions, starts = old.tokens[idx].clone(), old.positions[idx].clone(), old.starts[idx].clone()
         state.rows = [state.rows[i] for i in live]
         bucket = self._bucket(len(live))
-        inside = state.top_p >= 1.0 and state.generator is None
         if bucket is not old:
-            self._capture(bucket, state.temperature, inside)
+            self._capture(bucket, state.temperature, state.samples_inside)
         self._load_rows(bucket, tokens, positions, starts)
         state.bucket = bucket

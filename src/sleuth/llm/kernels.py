@@ -83,18 +83,25 @@ def rope_store_reference(qkv: torch.Tensor, positions: torch.Tensor, slots: torc
     if norms is not None:
         q = add_rmsnorm_reference(q, None, norms[0], eps)[1]
         k = add_rmsnorm_reference(k, None, norms[1], eps)[1]
-    angles = positions.float()[:, None] * inv_freq.float()[None, :]
-    emb = torch.cat([angles, angles], dim=-1)
-    cos = (emb.cos() * layout.rope_scale).to(qkv.dtype)[:, None, :]
-    sin = (emb.sin() * layout.rope_scale).to(qkv.dtype)[:, None, :]
-
-    def rotate(t: torch.Tensor) -> torch.Tensor:
-        half = torch.cat([-t[..., d // 2 :], t[..., : d // 2]], dim=-1)
-        return (t * cos) + (half * sin)
-
-    k_cache[slots] = rotate(k)
+    cos, sin = rotary_tables(positions, layout, qkv.dtype)
+    cos, sin = cos[:, None, :], sin[:, None, :]  # one position per row, shared by its heads
+    k_cache[slots] = apply_rotary(k, cos, sin)
     v_cache[slots] = v
-    return rotate(q).contiguous()
+    return apply_rotary(q, cos, sin).contiguous()
+
+
+def rotary_tables(positions: torch.Tensor, layout: HeadLayout, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, sin) of shape positions.shape + (head_dim,), in `dtype` as transformers casts them."""
+    angles = positions.float()[..., None] * layout.inv_freq.float()
+    emb = torch.cat([angles, angles], dim=-1)
+    return (emb.cos() * layout.rope_scale).to(dtype), (emb.sin() * layout.rope_scale).to(dtype)
+
+
+def apply_rotary(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """transformers' `q * cos + rotate_half(q) * sin` over the last dimension, each product in t's dtype."""
+    d = t.shape[-1]
+    half = torch.cat([-t[..., d // 2 :], t[..., : d // 2]], dim=-1)
+    return (t * cos) + (half * sin)
 
 
 def decode_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, starts: torch.Tensor,

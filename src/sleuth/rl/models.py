@@ -140,7 +140,7 @@ def rollout_decoding(recipe: Recipe, generator_model: nn.Module, device: torch.d
     cache under autocast (fp32 keys after RoPE, bf16 values), so that combination fails here with the fix."""
     cache, compiled = recipe.model.generation_cache, recipe.model.compile_generation
     low_precision = next(generator_model.parameters()).dtype in (torch.bfloat16, torch.float16)
-    if device.type == "cuda" and cache == "static" and not low_precision:  # the engine makes its own bf16 copy
+    if device.type == "cuda" and cache == "static" and not low_precision:
         raise ConfigError(
             "model.generation_cache=static on GPU needs bf16 rollout weights: with LoRA set model.dtype=bfloat16 "
             "(a bf16 frozen base; the adapters stay fp32), with FSDP use generation_cache=dynamic"
