@@ -20,7 +20,7 @@ import json
 import math
 import os
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -567,7 +567,9 @@ def plot_rewards(run: TrainingRun) -> str | None:
     return _png_data_uri(fig)
 
 
-def _small_multiples(run: TrainingRun, keys: Sequence[str], title: str, ncols: int = 3) -> str | None:
+def _small_multiples(run: TrainingRun, keys: Sequence[str], title: str, ncols: int = 3,
+                     annotate: Callable[[Any, str], None] | None = None) -> str | None:
+    """One small plot per present key; `annotate(ax, key)` adds to each (thresholds, events)."""
     present = [k for k in keys if k in run.numeric_keys()]
     if not present:
         return None
@@ -591,6 +593,8 @@ def _small_multiples(run: TrainingRun, keys: Sequence[str], title: str, ncols: i
         steps, values = run.series(key)
         _plot_line(ax, steps, values, _COLORS[i % len(_COLORS)], key, weight)
         _mark_stages(ax, switches)
+        if annotate is not None:
+            annotate(ax, key)
         ax.set_title(key, fontsize=9)
         ax.tick_params(labelsize=8)
         ax.grid(alpha=0.3)
@@ -625,19 +629,11 @@ def guard_thresholds(run: TrainingRun) -> dict[str, list[tuple[float, str]]]:
 def plot_health(run: TrainingRun) -> str | None:
     """The health metrics (sleuth.rl.health), each with its guards' thresholds (dashed) and every guard
     event of the run (a red line at its step, labelled with the guard and what was done)."""
-    present = [k for k in HEALTH_KEYS if k in run.numeric_keys()]
-    if not any(k.startswith("health/") for k in present):
+    if not any(k.startswith("health/") for k in run.numeric_keys()):
         return None
-    ncols = min(3, len(present))
-    nrows = math.ceil(len(present) / ncols)
-    fig = _new_figure(3.3 * ncols, 2.5 * nrows + 0.5)
-    fig.suptitle("Health per step: guard thresholds dashed, guard events in red", fontsize=10)
-    weight = smoothing_weight(len(run.rows))
     thresholds = guard_thresholds(run)
-    for i, key in enumerate(present):
-        ax = fig.add_subplot(nrows, ncols, i + 1)
-        steps, values = run.series(key)
-        _plot_line(ax, steps, values, _COLORS[i % len(_COLORS)], key, weight)
+
+    def thresholds_and_events(ax: Any, key: str) -> None:
         for value, name in thresholds.get(key, []):
             ax.axhline(value, color="#d62728", linestyle="--", linewidth=1)
             ax.text(0.01, value, f" {name}", transform=ax.get_yaxis_transform(), fontsize=6, color="#d62728")
@@ -645,10 +641,9 @@ def plot_health(run: TrainingRun) -> str | None:
             ax.axvline(event.get("step", 0), color="#d62728", linewidth=1, alpha=0.7)
             ax.text(event.get("step", 0), 0.98, f" {event.get('guard')}: {event.get('outcome', '').split(' ')[0]}",
                     transform=ax.get_xaxis_transform(), fontsize=6, color="#d62728", va="top", rotation=90)
-        ax.set_title(key, fontsize=9)
-        ax.tick_params(labelsize=8)
-        ax.grid(alpha=0.3)
-    return _png_data_uri(fig)
+
+    return _small_multiples(run, HEALTH_KEYS, "Health per step: guard thresholds dashed, guard events in red",
+                            annotate=thresholds_and_events)
 
 
 def health_verdict(events: Sequence[Mapping[str, Any]]) -> str:
