@@ -15,27 +15,11 @@ import yaml
 from rich.console import Console
 
 from sleuth.errors import CheckpointError, ConfigError
+from tiny_recipe import tiny_grpo_recipe
 
 
 def _recipe(small_world: Path, out_dir: Path, steps: int = 2, **overrides) -> dict:
-    data = {
-        "name": "reliable",
-        "model": {"policy": "tiny"},
-        "data": {"train": str(small_world / "train.jsonl")},
-        "retriever": {"index": str(small_world / "bm25")},
-        "agent": {"loop": "search_r1", "max_turns": 1, "max_new_tokens_per_turn": 8, "max_response_tokens": 64,
-                  "max_obs_tokens": 16},
-        "reward": {"name": "search_r1_em"},
-        "algorithm": {"name": "grpo", "n": 2, "prompts_per_step": 2, "minibatch_size": 4, "micro_batch_size": 4},
-        "trainer": {"total_steps": steps, "save_every": 1, "out_dir": str(out_dir)},
-    }
-    for key, value in overrides.items():
-        section, _, field = key.partition(".")
-        if field:
-            data.setdefault(section, {})[field] = value
-        else:
-            data[section] = value
-    return data
+    return tiny_grpo_recipe(small_world, out_dir, "reliable", steps, **overrides)
 
 
 def _train(data: dict, **kwargs) -> dict:

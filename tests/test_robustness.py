@@ -20,6 +20,7 @@ from sleuth.rewards.base import RewardServices, get_reward
 from sleuth.rewards.metrics import extract_answer
 from sleuth.rewards.structure import policy_answer
 from sleuth.utils import RetryPolicy, retry
+from tiny_recipe import tiny_grpo_recipe
 
 BENCH = Path(__file__).resolve().parent.parent / "bench"
 
@@ -282,21 +283,7 @@ def test_failed_rebuild_keeps_the_old_index(tmp_path: Path) -> None:
 
 
 def _train_recipe(small_world: Path, out_dir: Path, **overrides) -> dict:
-    data = {
-        "name": "robust",
-        "model": {"policy": "tiny"},
-        "data": {"train": str(small_world / "train.jsonl")},
-        "retriever": {"index": str(small_world / "bm25")},
-        "agent": {"loop": "search_r1", "max_turns": 1, "max_new_tokens_per_turn": 8, "max_response_tokens": 64,
-                  "max_obs_tokens": 16},
-        "reward": {"name": "search_r1_em"},
-        "algorithm": {"name": "grpo", "n": 2, "prompts_per_step": 2, "minibatch_size": 4, "micro_batch_size": 4},
-        "trainer": {"total_steps": 2, "save_every": 1, "out_dir": str(out_dir)},
-    }
-    for key, value in overrides.items():
-        section, _, field = key.partition(".")
-        data[section][field] = value
-    return data
+    return tiny_grpo_recipe(small_world, out_dir, "robust", **overrides)
 
 
 @pytest.mark.parametrize(
