@@ -148,11 +148,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     device = _common.pick_device(args.device)
     env = _common.environment(device)
-    if device.startswith("cuda"):
-        import torch
-
-        if max(args.gpus) > torch.cuda.device_count():
-            raise SystemExit(f"--gpus {max(args.gpus)}: this machine has {torch.cuda.device_count()} GPU(s)")
+    scale_step.require_gpus(device, args.gpus)
     tag = f"{args.model.split(':')[-1]}_{'lora' if args.lora else 'full'}_{args.parallel}"
     out = _common.out_path(args.out, f"paper_scale_{tag}.json")
     work = Path(args.work) if args.work else Path(os.environ.get("TMPDIR", "/tmp")) / f"sleuth-paper-scale-{tag}"

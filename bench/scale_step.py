@@ -101,6 +101,16 @@ def torchrun_train(recipe: dict[str, Any], work: Path, name: str, gpus: int, tim
     return code, lines, log_path, wall
 
 
+def require_gpus(device: str, gpus: list[int]) -> None:
+    """Exit with one line when a CUDA run asks for more processes than the machine has GPUs."""
+    if device.startswith("cuda"):
+        import torch
+
+        have = torch.cuda.device_count()
+        if max(gpus) > have:
+            raise SystemExit(f"--gpus {max(gpus)}: this machine has {have} GPU(s)")
+
+
 def configurations(args: argparse.Namespace) -> list[tuple[int, str]]:
     out: list[tuple[int, str]] = []
     for g in args.gpus:
@@ -151,12 +161,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     device = _common.pick_device(args.device)
     env = _common.environment(device)
-    if device.startswith("cuda"):
-        import torch
-
-        have = torch.cuda.device_count()
-        if max(args.gpus) > have:
-            raise SystemExit(f"--gpus {max(args.gpus)}: this machine has {have} GPU(s)")
+    require_gpus(device, args.gpus)
     print(f"device: {env['card']} ({device}), torch {env['torch']}", flush=True)
     out = _common.out_path(args.out, f"scale_step_{device.split(':')[0]}.json")
     rows: list[dict[str, Any]] = []
