@@ -179,6 +179,7 @@ def train_step(run: Run, step: int) -> dict[str, float]:
     # 1. rollout and score (each rank its slice of the prompts)
     run.policy.eval()
     collected = _collect_or_stop(run, step, stage)
+    release_rollout_memory(run)  # before the log-prob passes and the update, which need the memory
 
     # 2. tensors, old/ref log-probs, values, advantages
     t2 = time.perf_counter()
@@ -186,7 +187,6 @@ def train_step(run: Run, step: int) -> dict[str, float]:
     batch.debug_path = run.out_dir / "debug" / f"nonfinite_step_{step + 1:06d}_rank{ctx.rank}.pt"
 
     # 3. K epochs of minibatch updates
-    release_rollout_memory(run)
     run.policy.train()
     stats = update(run, batch)
     for s in run.schedulers.values():
