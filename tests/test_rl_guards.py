@@ -180,6 +180,17 @@ def test_monitor_state_is_rebuilt_from_the_run_directory(tmp_path: Path) -> None
     assert monitor.rollbacks("r") == 1 and monitor.lr_scale() == 0.5
 
 
+def test_monitor_rebuild_drops_torn_last_lines(tmp_path: Path) -> None:
+    """A kill or a full disk during an append leaves a torn last line in metrics.jsonl or guards.jsonl: the
+    resumed run's guards read the complete lines (sleuth.appendlog) instead of failing."""
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 1, "x": 1}) + "\n" + '{"step": 2, "x"')
+    event = GuardEvent(1, "w", "below", "warn", "", outcome="warned")
+    (tmp_path / "guards.jsonl").write_text(json.dumps(event.to_json()) + "\n" + '{"step": 2, "gua')
+    monitor = GuardMonitor.from_run_dir(default_guards(), tmp_path, upto_step=4)
+    assert [r["step"] for r in monitor.rows] == [1]
+    assert [e.guard for e in monitor.events] == ["w"]
+
+
 # -- tiny CPU runs ----------------------------------------------------------------------------------------
 
 def _collapsing_recipe(small_world: Path, out_dir: Path, guard: dict, steps: int) -> dict:

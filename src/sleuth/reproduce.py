@@ -27,6 +27,7 @@ from typing import Any
 
 import typer
 
+from sleuth.appendlog import read_appended
 from sleuth.data.synth import KNOWLEDGE_TYPES
 from sleuth.demo import DemoSize, demo_recipe
 from sleuth.errors import ConfigError
@@ -191,7 +192,7 @@ def _evaluate_arm(out: Path, world: Path, profile: StagedProfile, method: str, c
 
 
 def _read_predictions(path: str) -> dict[str, dict[str, Any]]:
-    return {r["id"]: r for r in map(json.loads, Path(path).read_text().splitlines())}
+    return {r["id"]: r for r in read_appended(path).records}
 
 
 def _paired(a: list[float], b: list[float], seed: int = 0) -> dict[str, Any]:

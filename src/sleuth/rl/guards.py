@@ -10,7 +10,6 @@ metrics.jsonl, validation.jsonl with its per-question files, and guards.jsonl (t
 
 from __future__ import annotations
 
-import json
 import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
@@ -19,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from sleuth.appendlog import read_appended
 from sleuth.rl.guard_config import CountGuard, DropGuard, GuardConfig, ThresholdGuard, ValidationGuard
 from sleuth.rl.health import trends
 from sleuth.run_layout import GUARDS, METRICS, VALIDATION, validation_records
@@ -238,9 +238,8 @@ def read_validation(path: Path, step: int, stage: float) -> ValidationResult:
 
 
 def _read_jsonl(path: Path) -> list[dict[str, Any]]:
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    # append-only files of the run: a torn last line (a kill or a full disk) is dropped, not a crash on resume
+    return read_appended(path).records
 
 
 def decide(events: Sequence[GuardEvent]) -> GuardEvent | None:
