@@ -227,7 +227,8 @@ def _evaluate_committed(out: Path, size: DemoSize, spec: Method, ckpt: Path, ret
                     out_dir=EvalOutput(out / "eval_committed", run_info={"checkpoint": str(ckpt)}, progress=True))
 
 
-def _write_trajectories(out: Path, recipe: Any, size: DemoSize) -> dict[str, int]:
+def write_oracle_trajectories(out: Path, recipe: Any, size: DemoSize) -> dict[str, int]:
+    """The recipe's oracle cold-start trajectories under `out` (the demo's and `sleuth reproduce`'s SFT data)."""
     from sleuth.agent.commands import TrajectorySource, recipe_trajectories
 
     path = out / "trajectories.jsonl"
@@ -297,7 +298,7 @@ def run_demo(
     recipe = recipe_from_dict(recipe_dict, source=str(recipe_path))
     t0 = timer.stage(f"3/4  pipeline: oracle trajectories ({size.sft_questions} questions), SFT, then "
                      f"{size.train_steps} GRPO step(s) x {size.prompts_per_step} questions x {size.n} samples")
-    traj = _write_trajectories(out, recipe, size)
+    traj = write_oracle_trajectories(out, recipe, size)
     sft = run_sft(recipe, resume=True, console=console)
     # RL continues the committed searcher when there is one: a few CPU SFT steps leave a 135M model
     # answering nothing right, so every group would have equal rewards and the update no signal.

@@ -29,7 +29,7 @@ import typer
 
 from sleuth.appendlog import read_appended
 from sleuth.data.synth import KNOWLEDGE_TYPES
-from sleuth.demo import DemoSize, demo_recipe
+from sleuth.demo import DemoSize, demo_recipe, write_oracle_trajectories
 from sleuth.errors import ConfigError
 from sleuth.utils import atomic_write_json, atomic_write_text
 
@@ -153,7 +153,6 @@ def _train_arm(out: Path, world: Path, profile: StagedProfile, method: str, inje
     """Oracle trajectories -> SFT from the injected model -> GRPO; returns the RL checkpoint."""
     import yaml
 
-    from sleuth.demo import _write_trajectories
     from sleuth.rl.config import recipe_from_dict
     from sleuth.rl.sft import run_sft
     from sleuth.rl.trainer import train
@@ -164,7 +163,7 @@ def _train_arm(out: Path, world: Path, profile: StagedProfile, method: str, inje
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(yaml.safe_dump(recipe_dict, sort_keys=False))
     recipe = recipe_from_dict(recipe_dict, source=str(path))
-    kept = _write_trajectories(out / method, recipe, profile.pipeline)
+    kept = write_oracle_trajectories(out / method, recipe, profile.pipeline)
     sft = run_sft(recipe, resume=True, console=console)
     rl_model = recipe.model.model_copy(update={"init_from": sft["checkpoint"]})
     rl_recipe = recipe.model_copy(update={"sft": None, "model": rl_model})
