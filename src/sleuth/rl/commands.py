@@ -32,6 +32,10 @@ def register(app: typer.Typer) -> None:
         except SleuthError as err:
             console.print(f"[red]error:[/] {err}")
             raise typer.Exit(2) from None
+        finally:
+            from sleuth.rl.dist import shutdown_distributed
+
+            shutdown_distributed()
         written = f"checkpoint {result['checkpoint']}" if result["checkpoint"] else "no checkpoint (save_every 0)"
         console.print(f"[green]done[/]: {result['out_dir']}, {result['steps_done']} steps ({written})")
 
