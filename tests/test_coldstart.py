@@ -224,7 +224,7 @@ def _format_adherence(generator, world, tokenizer, examples) -> float:
 
 def test_sft_lowers_heldout_loss_raises_format_adherence_and_resumes(tmp_path, small_world, world, tokenizer,
                                                                     monkeypatch):
-    from sleuth.agent import oracle
+    from sleuth.agent import s3 as s3_method
     from sleuth.llm.hf import HFGenerator
     from sleuth.rl.config import recipe_from_dict
     from sleuth.rl.models import load_policy
@@ -233,7 +233,7 @@ def test_sft_lowers_heldout_loss_raises_format_adherence_and_resumes(tmp_path, s
     retriever, _ = world
     train_q = read_qa_jsonl(small_world / "train.jsonl")
     # the oracle that may stop after the initial search: a format the tiny model learns from 30 examples
-    monkeypatch.setattr(oracle, "S3_MIN_SEARCHES", 0)
+    monkeypatch.setattr(s3_method, "S3_MIN_SEARCHES", 0)
     records, _ = collect_oracle(get_loop("s3", top_k=3), retriever, tokenizer, train_q[:40],
                                 budget=RolloutBudget(max_obs_tokens=128, max_response_tokens=512))
     data = tmp_path / "traj.jsonl"

@@ -35,7 +35,7 @@ def lora_run(small_world: Path, tmp_path_factory: pytest.TempPathFactory) -> Pat
         "data": {"train": str(small_world / "train.jsonl")}, "retriever": {"index": str(small_world / "bm25")},
         "agent": {"loop": "search_r1", "max_turns": 1, "top_k": 2, "max_new_tokens_per_turn": 8,
                   "max_response_tokens": 64, "max_obs_tokens": 16},
-        "reward": {"name": "test_token_fraction", "plugins": ["sleuth_test_rewards"]},
+        "plugins": ["sleuth_test_rewards"], "reward": {"name": "test_token_fraction"},
         "algorithm": {"name": "grpo", "n": 4, "prompts_per_step": 2, "minibatch_size": 8, "micro_batch_size": 8},
         "optim": {"lr": 5e-2}, "trainer": {"total_steps": 2, "save_every": 2, "out_dir": str(out)},
     }

@@ -28,7 +28,7 @@ def _recipe(small_world: Path, out_dir: Path, loggers: list[str], tmp_path: Path
         "retriever": {"index": str(small_world / "bm25")},
         "agent": {"loop": "search_r1", "max_turns": 1, "max_new_tokens_per_turn": 8, "max_response_tokens": 64,
                   "max_obs_tokens": 16},
-        "reward": {"name": "test_token_fraction", "plugins": ["sleuth_test_rewards"]},
+        "plugins": ["sleuth_test_rewards"], "reward": {"name": "test_token_fraction"},
         "algorithm": {"name": "grpo", "n": 2, "prompts_per_step": 1, "minibatch_size": 2, "micro_batch_size": 2},
         "trainer": {"total_steps": STEPS, "save_every": STEPS, "out_dir": str(out_dir), "loggers": loggers,
                     "wandb": {"mode": "offline", "project": "sleuth-test"},

@@ -30,7 +30,7 @@ def trained(small_world: Path, tmp_path_factory: pytest.TempPathFactory) -> Path
         "retriever": {"index": str(small_world / "bm25")},
         "agent": {"loop": "test_lookup", "max_turns": 1, "max_new_tokens_per_turn": 8, "max_response_tokens": 64,
                   "max_obs_tokens": 32},
-        "reward": {"name": "test_lookup_reward", "plugins": ["sleuth_test_method"]},
+        "plugins": ["sleuth_test_method"], "reward": {"name": "test_lookup_reward"},
         "algorithm": {"name": "grpo", "n": 2, "prompts_per_step": 2, "minibatch_size": 4, "micro_batch_size": 4},
         "trainer": {"total_steps": 1, "save_every": 1, "out_dir": str(out)},
     }
@@ -84,6 +84,46 @@ def test_plugin_method_serves_through_the_cli(trained: Path, small_world: Path, 
     (resp,) = answers
     assert resp.status_code == 200, resp.text
     assert resp.json()["loop"] == "test_lookup"
+
+
+def test_plugin_reader_prompt_reads_its_served_documents(trained: Path, small_world: Path, monkeypatch) -> None:
+    """The plugin's own reader prompt (Method.reader) is what the service's /answer hands the frozen
+    generator, and rewards / `sleuth eval --answer-template` can name it: no edit to sleuth."""
+    import uvicorn
+
+    import sleuth.serve.service as service_module
+    from sleuth.rewards.answerer import document_prompt
+
+    handed = []
+    real = service_module.answer_from_documents
+
+    def recording(generator, questions, docs, template, params=None):
+        handed.append((list(questions), [list(d) for d in docs], template))
+        return real(generator, questions, docs, template, params)
+
+    monkeypatch.setattr(service_module, "answer_from_documents", recording)
+    answers = []
+
+    def serve_in_test_client(asgi, **_kwargs):
+        with TestClient(asgi) as client:
+            answers.append(client.post("/answer", json={"question": "Where was Ada born?", "max_turns": 1}))
+
+    monkeypatch.setattr(uvicorn, "run", serve_in_test_client)
+    res = CliRunner().invoke(app, ["serve-searcher", "--plugin", "sleuth_test_method", "--checkpoint", str(trained),
+                                   "--index", str(small_world / "bm25"), "--generator", "tiny"])
+    assert res.exit_code == 0, res.output
+    (resp,) = answers
+    assert resp.status_code == 200, resp.text
+    assert isinstance(resp.json()["answer"], str)
+    import sleuth_test_method
+
+    ((questions, docs, template),) = handed
+    assert template is sleuth_test_method.NOTES_READER
+    (messages,) = [document_prompt(q, d, template) for q, d in zip(questions, docs, strict=True)]
+    assert messages[0]["content"].startswith("Notes:") and messages[0]["content"].endswith(
+        "answer: Where was Ada born?")
+    # by name, like a recipe's reward option or `--answer-template`
+    assert document_prompt("Q?", [], "test-lookup-notes") == sleuth_test_method.notes_prompt("Q?", [])
 
 
 def test_an_unknown_plugin_is_named() -> None:

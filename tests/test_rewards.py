@@ -754,3 +754,15 @@ def test_turnless_trajectory_only_when_nothing_was_inserted() -> None:
     )
     with pytest.raises(ValueError, match="has inserted text but no turns"):
         get_reward("search_r1_em")([inserted])
+
+
+def test_the_stage_is_declared_by_every_reward() -> None:
+    """The trainer reads `Reward.current_stage` (no getattr fallback): one stage unless a reward has a schedule."""
+    from sleuth.rewards.base import Reward
+
+    assert Reward.current_stage.__doc__ and get_reward("search_r1_em").current_stage == 1
+    staged = get_reward("staged", switch_step=3, correctness="em")
+    staged.set_step(2)
+    assert staged.current_stage == 1
+    staged.set_step(3)
+    assert staged.current_stage == 2

@@ -89,3 +89,21 @@ def test_clip_ratio_c_is_off_by_default_and_must_exceed_one() -> None:
     assert AlgorithmConfig(clip_ratio_c=3.0).clip_ratio_c == 3.0
     with pytest.raises(ValidationError, match="clip_ratio_c"):
         AlgorithmConfig(clip_ratio_c=1.0)
+
+
+def test_plugins_have_their_own_section_and_the_old_place_migrates_with_a_warning() -> None:
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parent / "plugins"))
+    new = recipe_from_dict({**MINIMAL, "plugins": ["sleuth_test_rewards"], "reward": {"name": "test_token_fraction"}})
+    assert new.plugins == ["sleuth_test_rewards"] and "plugins" not in new.reward.model_dump()
+    old = {**MINIMAL, "reward": {"name": "test_token_fraction", "plugins": ["sleuth_test_rewards"]}}
+    with pytest.warns(DeprecationWarning, match=r"reward\.plugins is read as the top-level `plugins:`"):
+        migrated = recipe_from_dict(old)
+    assert migrated.plugins == ["sleuth_test_rewards"] and migrated.reward.name == "test_token_fraction"
+    # a saved recipe (run.json) from before: an empty reward.plugins is dropped without a word
+    assert recipe_from_dict({**MINIMAL, "reward": {"plugins": []}}).plugins == []
+    with pytest.raises(ConfigError, match=r"reward\.plugins .* must be a list"):
+        recipe_from_dict({**MINIMAL, "reward": {"plugins": "sleuth_test_rewards"}})
+    with pytest.raises(ConfigError, match="no_such_plugin_module"):
+        recipe_from_dict({**MINIMAL, "plugins": ["no_such_plugin_module"]})

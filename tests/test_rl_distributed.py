@@ -25,8 +25,8 @@ def _recipe(small_world: Path, out_dir: Path, parallel: str = "ddp") -> dict:
         "retriever": {"index": str(small_world / "bm25")},
         "agent": {"loop": "search_r1", "max_turns": 1, "max_new_tokens_per_turn": 8, "max_response_tokens": 64,
                   "max_obs_tokens": 24},
-        "reward": {"name": "test_token_fraction", "plugins": ["sleuth_test_rewards"],
-                   "options": {"mode": "residue", "modulus": 7}},
+        "plugins": ["sleuth_test_rewards"],
+        "reward": {"name": "test_token_fraction", "options": {"mode": "residue", "modulus": 7}},
         "algorithm": {"name": "ppo", "n": 1, "prompts_per_step": 4, "minibatch_size": 4, "micro_batch_size": 2,
                       "kl": {"coef": 0.01, "mode": "penalty", "estimator": "k1"}},
         # a large Adam eps makes the step proportional to the gradient (no per-element sign

@@ -200,7 +200,7 @@ def _collapsing_recipe(small_world: Path, out_dir: Path, guard: dict, steps: int
         "data": {"train": str(small_world / "train.jsonl")}, "retriever": {"index": str(small_world / "bm25")},
         "agent": {"loop": "search_r1", "max_turns": 1, "max_new_tokens_per_turn": 12, "max_response_tokens": 96,
                   "max_obs_tokens": 32},
-        "reward": {"name": "test_token_fraction", "plugins": ["sleuth_test_rewards"]},
+        "plugins": ["sleuth_test_rewards"], "reward": {"name": "test_token_fraction"},
         "algorithm": {"name": "grpo", "n": 4, "prompts_per_step": 2, "minibatch_size": 8, "micro_batch_size": 8},
         "optim": {"lr": 0.5},
         "trainer": {"total_steps": steps, "save_every": 2, "keep_checkpoints": 3, "out_dir": str(out_dir),

@@ -28,7 +28,7 @@ def _recipe(small_world: Path, out_dir: Path, algorithm: dict, steps: int, **ext
         "retriever": {"index": str(small_world / "bm25")},
         "agent": {"loop": "search_r1", "max_turns": 1, "max_new_tokens_per_turn": 12, "max_response_tokens": 96,
                   "max_obs_tokens": 32},
-        "reward": {"name": "test_token_fraction", "plugins": ["sleuth_test_rewards"]},
+        "plugins": ["sleuth_test_rewards"], "reward": {"name": "test_token_fraction"},
         "algorithm": algorithm,
         "optim": {"lr": 1e-2, "critic_lr": 1e-2},
         "trainer": {"total_steps": steps, "save_every": 1000, "out_dir": str(out_dir)},

@@ -99,10 +99,8 @@ def demo_recipe(out: Path, size: DemoSize, method: str = "search_r1") -> dict[st
     """The recipe the demo trains (also written next to the run for re-use with `sleuth train`)."""
     spec = get_method(method)
     reward = dict(spec.default_reward)
-    if reward["name"] == "s3_gbr":  # the naive-RAG baseline is computed once per question
-        reward["baseline_cache"] = str(out / "train" / "naive_rag_cache.jsonl")
-    if reward["name"] == "staged":  # stage 2 for the second half of the run
-        reward["options"] = {**reward["options"], "switch_step": max(1, size.train_steps // 2)}
+    if spec.demo_reward is not None:  # the method's own changes for a demo-sized run
+        reward = spec.demo_reward(reward, out, size.train_steps)
     return {
         "name": f"{method}-demo",
         "description": f"{method} on the synthetic world with the embedded model (demo-sized)",

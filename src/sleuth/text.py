@@ -1,9 +1,10 @@
-"""Answer normalisation shared by every metric and data filter."""
+"""Answer normalisation and exact match, shared by every metric, data filter and the oracle."""
 
 from __future__ import annotations
 
 import re
 import string
+from collections.abc import Iterable
 
 _ARTICLES_RE = re.compile(r"\b(a|an|the)\b")
 _PUNCT_TABLE = str.maketrans("", "", string.punctuation)
@@ -14,6 +15,25 @@ def normalize_answer(text: str) -> str:
     text = text.lower().translate(_PUNCT_TABLE)
     text = _ARTICLES_RE.sub(" ", text)
     return " ".join(text.split())
+
+
+def as_gold_list(golds: str | Iterable[str]) -> list[str]:
+    if isinstance(golds, str):
+        return [golds]
+    gold_list = [g for g in golds]
+    for g in gold_list:
+        if not isinstance(g, str):
+            raise TypeError(f"golden answers must be strings, got {type(g).__name__}: {g!r}")
+    return gold_list
+
+
+def exact_match(pred: str | None, golds: str | Iterable[str]) -> float:
+    """1.0 if the normalised prediction equals any normalised gold answer, else 0.0.
+    A missing prediction (None) scores 0."""
+    if pred is None:
+        return 0.0
+    norm_pred = normalize_answer(pred)
+    return float(any(norm_pred == normalize_answer(g) for g in as_gold_list(golds)))
 
 
 # C0 and C1 control characters other than tab, newline and carriage return

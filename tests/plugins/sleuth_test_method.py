@@ -1,6 +1,6 @@
-"""A method plugin: a new loop and a new reward, registered from outside sleuth.
+"""A method plugin: a new loop, a new reward and its own reader prompt, registered from outside sleuth.
 
-Named in a recipe (`reward.plugins: [sleuth_test_method]`) it trains; passed as `--plugin
+Named in a recipe (`plugins: [sleuth_test_method]`) it trains; passed as `--plugin
 sleuth_test_method` to `sleuth eval` / `sleuth serve-searcher` it evaluates and serves, with no
 edit to sleuth itself (tests/test_method_plugin.py)."""
 
@@ -11,8 +11,9 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from sleuth.agent.base import AgentLoop, RolloutState, StepOutcome, first_action, last_block
-from sleuth.agent.registry import Method, register_method
+from sleuth.agent.registry import Method, Reader, register_method
 from sleuth.agent.trajectory import Trajectory
+from sleuth.retrieval.base import Hit
 from sleuth.rewards.base import Reward, RewardResult, RewardServices, register_reward
 
 PROMPT = (
@@ -63,11 +64,21 @@ class LookupReward(Reward):
         return out
 
 
+def notes_prompt(question: str, hits: Sequence[Hit]) -> list[dict]:
+    """The plugin's reader prompt: how a frozen generator reads the documents this method hands over."""
+    notes = "\n".join(f"[{i}] {h.title}: {h.text}" for i, h in enumerate(hits, 1))
+    return [{"role": "user", "content": f"Notes:\n{notes}\n\nFrom the notes only, answer: {question}"}]
+
+
+NOTES_READER = Reader("test-lookup-notes", notes_prompt)
+
+
 register_method(
     Method(
         loop=LookupLoop,
         title="a test agent with its own tags and reward",
         eval_name="test-lookup",
         default_reward={"name": "test_lookup_reward"},
+        reader=NOTES_READER,  # the service's /answer reads its documents with it; it answers itself in eval
     )
 )

@@ -1,4 +1,4 @@
-"""A reward plugin for the trainer tests (loaded through `reward.plugins` in a recipe)."""
+"""A reward plugin for the trainer tests (loaded through `plugins:` in a recipe)."""
 
 from __future__ import annotations
 

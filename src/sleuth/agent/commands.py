@@ -106,7 +106,7 @@ def recipe_trajectories(recipe: Any, out: Path, src: TrajectorySource) -> dict[s
             raise ConfigError("--source teacher needs --teacher MODEL")
         if recipe.reward.generator == "policy-base" or recipe.reward.judge == "policy-base":
             raise ConfigError("reward services 'policy-base' need a LoRA policy; name a model for reward.generator")
-        for module in recipe.reward.plugins:
+        for module in recipe.plugins:
             __import__(module)
         teacher_gen = load_generator(teacher)
         services = build_reward_services(recipe, teacher_gen, None, retriever)

@@ -10,7 +10,9 @@ the agent serves as a submodule.
 
 from __future__ import annotations
 
+import random
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -22,9 +24,11 @@ from sleuth.agent.base import (
     innermost_blocks,
     tag_sequence,
 )
-from sleuth.agent.oracle import plan_qagent
-from sleuth.agent.registry import Method, register_method
+from sleuth.agent.oracle_plan import Fact, Plan, find_fact, need_phrase, query_wordings
+from sleuth.agent.registry import Method, Reader, register_method
+from sleuth.data.formats import QAExample
 from sleuth.errors import ConfigError
+from sleuth.retrieval.base import Hit, Retriever, passages_to_string
 
 QAGENT_USER_TEMPLATE = """Search for information to answer the given question. You can search as many times as needed if you find you lack some knowledge. You will go through a loop of:
 "<plan>xxx</plan>
@@ -124,11 +128,63 @@ class QAgentLoop(AgentLoop):
         traj.extra["num_passages"] = len(traj.served_context)
 
 
+# QAgent (paper 003) gives no generator prompt; its reader is FlashRAG's default naive-RAG prompt, the
+# toolkit whose generator setup QAgent's baselines follow (an assumption). FlashRAG's reference block
+# keeps `format_reference`'s trailing newline.
+FLASHRAG_SYSTEM_PROMPT = (
+    "Answer the question based on the given document. Only give me the answer and do not output any other words."
+    "\nThe following are given documents.\n\n{context}"
+)
+FLASHRAG_USER_PROMPT = "Question: {question}"
+
+
+
+def qagent_reader_prompt(question: str, hits: Sequence[Hit]) -> list[dict]:
+    return [
+        {"role": "system", "content": FLASHRAG_SYSTEM_PROMPT.format(context=passages_to_string(list(hits)))},
+        {"role": "user", "content": FLASHRAG_USER_PROMPT.format(question=question)},
+    ]
+
+
+QAGENT_READER = Reader("qagent", qagent_reader_prompt)
+
+
+def _qagent_rounds(facts: list[Fact]) -> list[list[int]]:
+    """Facts searched together: independent facts (the two sides of a comparison) share a round."""
+    if len(facts) == 2 and facts[0].subject not in (facts[1].subject,) and facts[0].answer != facts[1].subject:
+        return [[0, 1]]
+    if len(facts) == 4 and facts[1].subject == facts[0].answer and facts[3].subject == facts[2].answer:
+        return [[0, 2], [1, 3]]
+    return [[i] for i in range(len(facts))]
+
+
+def plan_qagent(example: QAExample, facts: list[Fact], retriever: Retriever, loop: QAgentLoop,
+                rng: random.Random) -> Plan:
+    answer = example.golden_answers[0]
+    found = [find_fact(f, retriever, loop.top_k, rng) for f in facts]
+    turns: list[str] = []
+    reflection = ""
+    for r, group in enumerate(_qagent_rounds(facts)):
+        needs = " and ".join(need_phrase(found[i].fact) for i in group)
+        queries = [found[i].query for i in group]
+        for i in group:  # a second wording of a single fact, when the query budget allows
+            alt = [w for w in query_wordings(found[i].fact, rng) if w != found[i].query]
+            if len(queries) < min(2, loop.max_queries) and alt:
+                queries.append(alt[0])
+        plan = f"<plan>I need to find {needs}.</plan>" if r == 0 else f"<plan>Next I need {needs}.</plan>"
+        query_block = "".join(f"<query>{q}</query>\n" for q in queries[: loop.max_queries])
+        turns.append(f"{reflection}{plan}\n<search>\n{query_block}</search>")
+        reflection = "<reflection>" + " ".join(found[i].fact.statement() for i in group) + "</reflection>\n"
+    turns.append(f"{reflection}<answer>{answer}</answer>")
+    return Plan(turns, all(ff.found for ff in found), found)
+
+
 register_method(
     Method(
         loop=QAgentLoop,
         title="a QAgent (plan, several queries, reflect) trained end to end on format x strict EM (stage 1)",
-        reader_template="qagent",
+        reader=QAGENT_READER,
+        evaluated_by_reader=True,
         default_reward={"name": "qagent_stage1"},
         new_tokens_factor=2,
         oracle_planner=plan_qagent,

@@ -8,6 +8,7 @@ hit-shaped record: the "RSTool" result other models consume.
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -20,11 +21,12 @@ from sleuth.agent.base import (
     count_tag,
     last_block,
 )
-from sleuth.agent.oracle import plan_r_search
+from sleuth.agent.oracle_plan import Fact, Plan, evidence_sentence, find_fact, steps_text
 from sleuth.agent.registry import Method, register_method
 from sleuth.agent.search_r1 import search_or_answer
 from sleuth.agent.trajectory import Trajectory
-from sleuth.retrieval.base import Hit, passages_to_string
+from sleuth.data.formats import QAExample
+from sleuth.retrieval.base import Hit, Retriever, passages_to_string
 
 # Paper Table 1; the question is appended after it (as the user turn).
 R_SEARCH_SYSTEM_TEMPLATE = (
@@ -103,6 +105,19 @@ def hand_over_evidence(traj: Trajectory) -> list[dict]:
     if traj.evidence:
         docs.insert(0, {"doc_id": f"{traj.question_id}#evidence", "title": "evidence", "text": traj.evidence})
     return docs
+
+
+def plan_r_search(example: QAExample, facts: list[Fact], retriever: Retriever, loop: RSearchLoop,
+                  rng: random.Random) -> Plan:
+    found = [find_fact(f, retriever, loop.top_k, rng) for f in facts]
+    answer = example.golden_answers[0]
+    turns = [f"{steps_text(found, i, answer, rng)}\n<search>{ff.query}</search>" for i, ff in enumerate(found)]
+    evidence = "\n".join(dict.fromkeys(evidence_sentence(ff.hit, ff.fact) for ff in found))
+    turns.append(
+        f"{steps_text(found, len(found), answer, rng)}\n<original_evidence>\n{evidence}\n</original_evidence>\n"
+        f"<answer>{answer}</answer>"
+    )
+    return Plan(turns, all(ff.found for ff in found), found)
 
 
 register_method(

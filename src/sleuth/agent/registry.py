@@ -2,10 +2,15 @@
 
 A method is what training, evaluation, serving, the demo and the report ask about an agent: its
 names, its loop (prompt and protocol), whether its loop answers and whether its documents are handed
-to a frozen generator (and which ones), the reader prompt, its default reward and its oracle. The
-built-in methods register themselves in sleuth.agent.{search_r1,s3,r_search,staged,qagent}; a
-plugin module (`reward.plugins` in a recipe, `--plugin` on the command line) registers more with
+to a frozen generator (and which ones), its reader prompt, its default reward and its oracle planner.
+The built-in methods register themselves in sleuth.agent.{search_r1,s3,r_search,staged,qagent}; a
+plugin module (`plugins:` in a recipe, `--plugin` on the command line) registers more with
 `register_method` and is then trained, evaluated and served like a built-in one.
+
+A `Reader` is a prompt that asks a frozen generator to answer a question from documents. A method
+names its own (`Method.reader`: registered with the method, by the reader's name); `register_reader`
+adds one on its own. Rewards and evaluation options that name a reader (`template`, `--answer-template`)
+look it up with `get_reader`.
 
     get_loop("s3", top_k=5)   # a loop with the paper's defaults overridden by config
     get_method("search-r1")   # the Method (any alias)
@@ -14,13 +19,16 @@ plugin module (`reward.plugins` in a recipe, `--plugin` on the command line) reg
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from sleuth.agent.base import AgentLoop
+from sleuth.agent.oracle_plan import OraclePlanner
 from sleuth.agent.trajectory import Trajectory
 from sleuth.errors import ConfigError
+from sleuth.retrieval.base import Hit
 
 # Imported on first use, in this order (the order evaluation lists methods in): each module
 # registers its method, and importing them here at the top would be circular.
@@ -39,6 +47,14 @@ def served_context(traj: Trajectory) -> list[dict]:
 
 
 @dataclass(frozen=True)
+class Reader:
+    """A reader prompt: `prompt(question, hits)` -> the chat messages a frozen generator answers."""
+
+    name: str  # how recipes (`reward.options.template`) and `sleuth eval --answer-template` name it
+    prompt: Callable[[str, Sequence[Hit]], list[dict]]
+
+
+@dataclass(frozen=True)
 class Method:
     """Everything outside a method's own modules may ask about it."""
 
@@ -48,9 +64,11 @@ class Method:
     aliases: tuple[str, ...] = ()
     # the loop ends with an answer of its own (training logs its exact match); s3 only searches
     answers: bool = True
-    # evaluated as a searcher: its handed-over documents go to a frozen generator that reads them
-    # with this prompt of sleuth.rewards.answerer (DOC_TEMPLATES); None: its own answer is scored
-    reader_template: str | None = None
+    # the prompt a frozen generator reads this method's handed-over documents with (evaluation of a
+    # searcher, the service's /answer); None: the default reader (sleuth.rewards.answerer.DEFAULT_READER)
+    reader: Reader | None = None
+    # evaluated as a searcher: evaluation scores the reader's answer from its documents, not its own
+    evaluated_by_reader: bool = False
     # its trajectory's `evidence` can be answered from by the frozen generator (R-Search's RSTool)
     reads_evidence: bool = False
     # the documents a downstream LLM is handed when the searcher is served (hit dicts)
@@ -58,8 +76,10 @@ class Method:
     # the reward a recipe for this method names by default (the `reward:` section of a recipe)
     default_reward: Mapping[str, Any] = field(default_factory=lambda: {"name": "search_r1_em"})
     new_tokens_factor: int = 1  # loops that reason before acting write more per turn than s3's queries
-    # the oracle's planner for cold-start trajectories (sleuth.agent.oracle), None: no oracle
-    oracle_planner: Callable[..., Any] | None = None
+    # its oracle planner for cold-start trajectories (sleuth.agent.oracle_plan), None: no oracle
+    oracle_planner: OraclePlanner | None = None
+    # the demo's changes to `default_reward` for a run directory and a number of steps (sleuth.demo)
+    demo_reward: Callable[[Mapping[str, Any], Path, int], dict[str, Any]] | None = None
 
     @property
     def name(self) -> str:
@@ -80,6 +100,7 @@ class Method:
 
 
 _METHODS: dict[str, Method] = {}
+_READERS: dict[str, Reader] = {}
 _builtins_loaded = False
 
 
@@ -95,9 +116,38 @@ def register_method(method: Method) -> Method:
         owner = _METHODS.get(_key(key))
         if owner is not None and owner.loop is not method.loop:
             raise ConfigError(f"method name {key!r} is already taken by {owner.name!r}")
+    if method.evaluated_by_reader and method.reader is None:
+        raise ConfigError(f"method {method.name!r} is evaluated by a reader (evaluated_by_reader) but names none; "
+                          "set Method.reader")
+    if method.reader is not None:
+        register_reader(method.reader)
     for key in {method.name, method.display_name, *method.aliases}:
         _METHODS[_key(key)] = method
     return method
+
+
+def register_reader(reader: Reader) -> Reader:
+    """Register a reader prompt under its name; another reader of that name is an error."""
+    owner = _READERS.get(reader.name)
+    if owner is not None and owner is not reader:
+        raise ConfigError(f"reader name {reader.name!r} is already taken by another reader prompt")
+    _READERS[reader.name] = reader
+    return reader
+
+
+def get_reader(name: str) -> Reader:
+    """A registered reader prompt by name (the methods' readers and any `register_reader` added)."""
+    _ensure_builtins()
+    reader = _READERS.get(name)
+    if reader is None:
+        raise ConfigError(f"unknown reader prompt {name!r}; choose one of: {', '.join(reader_names())} (a reader "
+                          "from a plugin module needs it loaded: --plugin MODULE or the recipe's plugins)")
+    return reader
+
+
+def reader_names() -> list[str]:
+    _ensure_builtins()
+    return sorted(_READERS)
 
 
 def _ensure_builtins() -> None:
@@ -120,7 +170,7 @@ def load_plugins(modules: Iterable[str]) -> None:
 
 
 def method_plugins(loop: str, plugins: Iterable[str] = ()) -> list[str]:
-    """The plugin modules a checkpoint of `loop` needs: `plugins` (the recipe's reward.plugins) and the
+    """The plugin modules a checkpoint of `loop` needs: `plugins` (the recipe's `plugins:`) and the
     module defining the loop when it is not built in."""
     module = get_method(loop).loop.__module__
     extra = [] if module in BUILTIN_MODULES or module.startswith("sleuth.") else [module]
@@ -156,7 +206,7 @@ def get_method(name: str) -> Method:
     if method is None:
         raise ConfigError(
             f"unknown agent loop {name!r}; choose one of: {', '.join(loop_names())} (a method from a plugin "
-            "module needs it loaded: pass --plugin MODULE, or name it in the recipe's reward.plugins)"
+            "module needs it loaded: pass --plugin MODULE, or name it in the recipe's plugins)"
         )
     return method
 

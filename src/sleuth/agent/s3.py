@@ -13,8 +13,11 @@ documents (deduplicated, in order) are served to the generator; a window with no
 from __future__ import annotations
 
 import json
+import random
 import re
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, ClassVar
 
 from sleuth.agent.base import (
@@ -25,11 +28,11 @@ from sleuth.agent.base import (
     dedup_hits,
     innermost_blocks,
 )
-from sleuth.agent.oracle import plan_s3
-from sleuth.agent.registry import Method, register_method
+from sleuth.agent.oracle_plan import Fact, FoundFact, Plan, find_fact
+from sleuth.agent.registry import Method, Reader, register_method
 from sleuth.data.formats import QAExample
 from sleuth.errors import ConfigError
-from sleuth.retrieval.base import Hit
+from sleuth.retrieval.base import Hit, Retriever, s3_generator_context
 
 S3_SEARCHER_PROMPT = """You are a search copilot for a generation model. Based on a user's query and initial searched results, you will first determine if the searched results are enough to produce an answer.
 
@@ -234,17 +237,77 @@ class S3Loop(AgentLoop):
         traj.extra["begin_with_search"] = self.begin_with_search
 
 
+# The s3 reader: the s3 code's `generator_llms/local_inst.py` (system message with the contexts, the
+# question as the user message; the paper's Fig. 12/13 lay them out slightly differently) and its
+# `rag_2.py` context format `Doc {i} (Title: {title})\n{text}\n\n`. sleuth's default reader.
+S3_GENERATOR_SYSTEM_PROMPT = (
+    "Use the following contexts (some might be irrelevant) on demand:\n"
+    "Contexts:\n"
+    "{context}\n"
+    "\n"
+    "Important: You MUST directly answer the question without any other text and thinking."
+)
+
+
+def s3_reader_prompt(question: str, hits: Sequence[Hit]) -> list[dict]:
+    return [
+        {"role": "system", "content": S3_GENERATOR_SYSTEM_PROMPT.format(context=s3_generator_context(list(hits)))},
+        {"role": "user", "content": question},
+    ]
+
+
+S3_READER = Reader("s3", s3_reader_prompt)
+
+
+# An s3 oracle that stops as soon as the initial (naive-RAG) window holds the chain does so on ~60% of
+# synthetic questions, and a model fine-tuned on that learns to stop after the initial search on 97% of
+# questions (measured: accuracy = naive RAG's). Searching at least once teaches the searcher to search.
+S3_MIN_SEARCHES = 1
+
+
+def plan_s3(example: QAExample, facts: list[Fact], retriever: Retriever, loop: S3Loop,
+            rng: random.Random) -> Plan:
+    """Begin with search (the question), then per window: select the needed passages, search the next;
+    at least `S3_MIN_SEARCHES` searches (a needed fact again, in another wording, when none is missing)."""
+    window = retriever.search([example.question.strip()], loop.top_k)[0] if loop.begin_with_search else []
+    needed = {f.doc_id for f in facts}
+    have: set[str] = set()
+    turns: list[str] = []
+    found_facts: list[FoundFact] = []
+    for _ in range(loop.max_turns + 1):
+        ids = [i + 1 for i, h in enumerate(window) if h.doc_id in needed - have][: loop.max_selected]
+        have |= {window[i - 1].doc_id for i in ids}
+        select = f"<important_info>{json.dumps(ids)}</important_info>\n" if window else ""
+        missing = [f for f in facts if f.doc_id not in have]
+        if (not missing and len(turns) >= S3_MIN_SEARCHES) or len(turns) == loop.max_turns:
+            turns.append(f"{select}<search_complete>True</search_complete>")
+            break
+        ff = find_fact(missing[0] if missing else facts[-1], retriever, loop.top_k, rng)
+        found_facts.append(ff)
+        query = json.dumps({"query": ff.query})
+        turns.append(f"{select}<search_complete>False</search_complete>\n<query>{query}</query>")
+        window = ff.hits
+    return Plan(turns, needed <= have, found_facts)
+
+
+def s3_demo_reward(reward: Mapping[str, Any], out: Path, steps: int) -> dict[str, Any]:
+    """The demo computes the naive-RAG baseline of Gain Beyond RAG once per question, in its run directory."""
+    return {**reward, "baseline_cache": str(out / "train" / "naive_rag_cache.jsonl")}
+
+
 register_method(
     Method(
         loop=S3Loop,
         title="an s3 searcher trained against a frozen generator",
         answers=False,
-        reader_template="s3",
+        reader=S3_READER,
+        evaluated_by_reader=True,
         default_reward={
             "name": "s3_gbr",
             "options": {"form": "code", "rag_k": 3, "generator_max_new_tokens": 24, "use_judge": False},
             "generator": "policy-base",
         },
         oracle_planner=plan_s3,
+        demo_reward=s3_demo_reward,
     )
 )

@@ -7,12 +7,15 @@ rounds, one last generation runs with search disabled.
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass
 from typing import ClassVar
 
 from sleuth.agent.base import AgentLoop, RolloutState, StepOutcome, count_tag, first_action
-from sleuth.agent.oracle import plan_search_r1
+from sleuth.agent.oracle_plan import Fact, Plan, find_fact, steps_text
 from sleuth.agent.registry import Method, register_method
+from sleuth.data.formats import QAExample
+from sleuth.retrieval.base import Retriever
 
 SEARCH_R1_USER_TEMPLATE = (
     "Answer the given question. "
@@ -67,6 +70,15 @@ class SearchR1Loop(AgentLoop):
     def finalize(self, state: RolloutState) -> None:
         super().finalize(state)
         state.traj.extra["think_count"] = count_tag(state.policy_text, "think")
+
+
+def plan_search_r1(example: QAExample, facts: list[Fact], retriever: Retriever, loop: SearchR1Loop,
+                   rng: random.Random) -> Plan:
+    found = [find_fact(f, retriever, loop.top_k, rng) for f in facts]
+    answer = example.golden_answers[0]
+    turns = [f"<think>{steps_text(found, i, answer, rng)}</think>\n<search> {ff.query} </search>" for i, ff in enumerate(found)]
+    turns.append(f"<think>{steps_text(found, len(found), answer, rng)}</think>\n<answer> {answer} </answer>")
+    return Plan(turns, all(ff.found for ff in found), found)
 
 
 register_method(

@@ -8,14 +8,19 @@ RC (retrieval count) is `trajectory.retrieval_count`.
 
 from __future__ import annotations
 
+import random
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import ClassVar
+from pathlib import Path
+from typing import Any, ClassVar
 
 from sleuth.agent.base import RolloutState, count_tag, tag_sequence
-from sleuth.agent.oracle import plan_staged
+from sleuth.agent.oracle_plan import Fact, Plan, find_fact, need_phrase, steps_text
 from sleuth.agent.registry import Method, register_method
 from sleuth.agent.search_r1 import SearchR1Loop
+from sleuth.data.formats import QAExample
+from sleuth.retrieval.base import Retriever
 
 STAGED_USER_TEMPLATE = """Please answer the given question by following the structured reasoning protocol below:
 
@@ -58,6 +63,24 @@ class StagedLoop(SearchR1Loop):
         )
 
 
+def plan_staged(example: QAExample, facts: list[Fact], retriever: Retriever, loop: StagedLoop,
+                rng: random.Random) -> Plan:
+    found = [find_fact(f, retriever, loop.top_k, rng, keyword_first=True) for f in facts]
+    answer = example.golden_answers[0]
+    sketch = rng.choice(("I do not know", "My internal knowledge does not cover", "I have no knowledge of"))
+    turns = [f"<think>{sketch} {need_phrase(found[0].fact)}; I need to search.</think>\n<search>{found[0].query}</search>"]
+    for i in range(1, len(found)):
+        reflect = steps_text(found, i, answer, rng)
+        turns.append(f"<reflect>{reflect}</reflect>\n<search>{found[i].query}</search>")
+    turns.append(f"<reflect>{steps_text(found, len(found), answer, rng)}</reflect>\n<answer>{answer}</answer>")
+    return Plan(turns, all(ff.found for ff in found), found)
+
+
+def staged_demo_reward(reward: Mapping[str, Any], out: Path, steps: int) -> dict[str, Any]:
+    """The demo runs stage 2 for the second half of its steps."""
+    return {**reward, "options": {**reward["options"], "switch_step": max(1, steps // 2)}}
+
+
 register_method(
     Method(
         loop=StagedLoop,
@@ -67,5 +90,6 @@ register_method(
         default_reward={"name": "staged", "options": {"beta": 0.3, "correctness": "f1"}, "encoder": "minilm"},
         new_tokens_factor=2,
         oracle_planner=plan_staged,
+        demo_reward=staged_demo_reward,
     )
 )

@@ -36,13 +36,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from sleuth.agent.registry import Reader
 from sleuth.agent.trajectory import Trajectory
 from sleuth.data.formats import QAExample
 from sleuth.errors import ConfigError
 from sleuth.llm.base import Generation, Generator, Prompt, SamplingParams
 from sleuth.retrieval.base import Hit, Retriever, format_docs
 from sleuth.retrieval.docstore import passages_by_id
-from sleuth.rewards.answerer import clean_generation, hand_over_documents
+from sleuth.rewards.answerer import DEFAULT_READER, clean_generation, hand_over_documents
 
 DIRECT_PROMPT = (
     "Answer the following question with a short answer of a few words and nothing else. "
@@ -212,7 +213,7 @@ class BaselineSettings:
     answer_max_new_tokens: int = 64  # direct answers and document readers
     ircot_sentence_tokens: int = 64
     ircot_max_docs: int = 15  # IRCoT caps the paragraphs it keeps at 15
-    answer_template: str = "s3"  # frozen-generator prompt of sleuth.rewards.answerer
+    answer_template: str = DEFAULT_READER  # a registered reader prompt (sleuth.agent.registry.get_reader)
     seed: int | None = 0
 
 
@@ -269,7 +270,7 @@ def read_documents(
     examples: Sequence[QAExample],
     docs: Sequence[Sequence[Hit | Mapping[str, Any]]],
     settings: BaselineSettings,
-    template: str | None = None,
+    template: str | Reader | None = None,
 ) -> tuple[list[str | None], list[str], list[tuple[int, int]]]:
     """A frozen reader answers each question from its documents in one call.
 

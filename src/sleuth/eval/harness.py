@@ -50,7 +50,7 @@ from rich.progress import (
 
 from sleuth.agent.base import AgentLoop
 from sleuth.agent.engine import RolloutBudget, rollout
-from sleuth.agent.registry import Method, get_method, load_checkpoint_plugins
+from sleuth.agent.registry import Method, get_method, load_checkpoint_plugins, reader_names
 from sleuth.agent.registry import methods as registered_methods
 from sleuth.agent.searcher import load_searcher
 from sleuth.agent.trajectory import Trajectory
@@ -81,8 +81,7 @@ from sleuth.retrieval.docstore import passages_by_id
 from sleuth.retrieval.sources import open_retriever
 from sleuth.retrieval.tools import is_tool_spec
 from sleuth.rewards.answerer import (
-    DEFAULT_DOC_TEMPLATE,
-    DOC_TEMPLATES,
+    DEFAULT_READER,
     JUDGE_RULES,
     answer_from_evidence,
     gen_acc,
@@ -115,7 +114,7 @@ def _run_direct_generator(examples: Sequence[QAExample], ctx: _Context) -> list[
     return outs
 
 
-ORACLE_TEMPLATE = DEFAULT_DOC_TEMPLATE
+ORACLE_TEMPLATE = DEFAULT_READER
 # before and after the trained-agent methods, in the order summaries list them
 _BASELINES_FIRST = (
     Baseline("direct", lambda exs, ctx: run_direct(ctx.model, exs, ctx.settings()), needs_retriever=False),
@@ -164,7 +163,7 @@ class EvalConfig:
     answer_max_new_tokens: int = 64  # direct answers and frozen-generator readers
     max_obs_tokens: int = 512
     max_response_tokens: int = 4096
-    answer_template: str = DEFAULT_DOC_TEMPLATE  # frozen-generator prompt for naive-rag and IRCoT's reader
+    answer_template: str = DEFAULT_READER  # frozen-generator prompt for naive-rag and IRCoT's reader
     r_search_evidence: bool = False  # R-Search answered by the frozen generator from its evidence (RSTool)
     keep_token_ids: bool = False  # store token ids / masks / logprobs in trajectories (large)
     fresh: bool = False  # discard existing predictions instead of resuming
@@ -180,8 +179,8 @@ class EvalConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ConfigError(f"{name} must be >= 1, got {value}")
-        if self.answer_template not in DOC_TEMPLATES:
-            choices = " or ".join(repr(x) for x in DOC_TEMPLATES)
+        if self.answer_template not in reader_names():
+            choices = " or ".join(repr(x) for x in reader_names())
             raise ConfigError(f"answer_template must be {choices}, got {self.answer_template!r}")
         if self.judge_rule not in JUDGE_RULES:
             raise ConfigError(f"judge_rule must be one of {list(JUDGE_RULES)}, got {self.judge_rule!r}")
@@ -530,9 +529,9 @@ def _run_agent(loop: AgentLoop, method: Method | None, examples: Sequence[QAExam
     for traj in trajs:
         n_in, n_out = trajectory_tokens(traj)
         outs.append(MethodOutput(traj.answer, traj.retrieval_count, n_in, n_out, traj))
-    if method is not None and method.reader_template is not None:
+    if method is not None and method.evaluated_by_reader:
         preds, texts, counts = read_documents(
-            ctx.generator, examples, [t.served_context for t in trajs], ctx.settings(), method.reader_template
+            ctx.generator, examples, [t.served_context for t in trajs], ctx.settings(), method.reader
         )
         _hand_over(outs, preds, texts, counts)
     elif method is not None and method.reads_evidence and cfg.r_search_evidence:
@@ -582,7 +581,7 @@ def _traits(method: str, cfg: EvalConfig) -> _MethodTraits:
         template = cfg.answer_template if baseline.template == "config" else baseline.template
         return _MethodTraits(baseline.needs_retriever, baseline.reads, baseline.model_free, template, False)
     spec = get_method(method)
-    uses_generator = spec.reader_template is not None or (spec.reads_evidence and cfg.r_search_evidence)
+    uses_generator = spec.evaluated_by_reader or (spec.reads_evidence and cfg.r_search_evidence)
     return _MethodTraits(True, uses_generator, False, None, spec.reads_evidence)
 
 

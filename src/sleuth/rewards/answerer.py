@@ -1,14 +1,13 @@
 """Frozen-generator and judge helpers shared by rewards and evaluation.
 
-Prompts are the papers' own, as their public code writes them:
-- s3 answer generation and judge_check: the s3 code's `generator_llms/local_inst.py` (system message
-  with the contexts, the question as the user message; the paper's Fig. 12/13 lay them out slightly
-  differently) and its `rag_2.py` context format `Doc {i} (Title: {title})\n{text}\n\n`;
+Reader prompts (a question and documents -> messages) belong to the methods: each method's module
+registers its own (`Method.reader`: s3's in sleuth.agent.s3, QAgent's in sleuth.agent.qagent) and
+`document_prompt` looks one up by name. The other prompts are the papers' own, as their public code
+writes them:
+- s3 judge_check: the s3 code's `generator_llms/local_inst.py`;
 - R-Search evidence template (paper 001, Table 5; exact string from the public code's
   scripts/evidence.yaml, which adds the line breaks the PDF loses);
 - staged-reward judge (paper 002, B.4), which is shown the *normalised* prediction and golds;
-- QAgent (paper 003) gives no generator prompt; "qagent" uses FlashRAG's default naive-RAG
-  prompt, the toolkit whose generator setup QAgent's baselines follow (an assumption).
 
 Every prompt goes out as chat messages so the backend applies the model's chat template.
 """
@@ -19,17 +18,12 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from sleuth.agent.registry import Reader, get_reader, reader_names
+from sleuth.errors import ConfigError
 from sleuth.llm.base import Generator, SamplingParams
-from sleuth.retrieval.base import Hit, passages_to_string, s3_generator_context
+from sleuth.retrieval.base import Hit
 from sleuth.rewards.metrics import normalize_answer, span_check
 
-S3_GENERATOR_SYSTEM_PROMPT = (
-    "Use the following contexts (some might be irrelevant) on demand:\n"
-    "Contexts:\n"
-    "{context}\n"
-    "\n"
-    "Important: You MUST directly answer the question without any other text and thinking."
-)
 S3_JUDGE_PROMPT = (
     "Please check if any of the golden answers is contained in the following response: {response}\n\n"
     "Golden answers: {golden_answers}\n\n"
@@ -50,14 +44,9 @@ STAGED_JUDGE_PROMPT = (
     "- NO → otherwise.\n"
     "Only respond with YES or NO."
 )
-FLASHRAG_SYSTEM_PROMPT = (
-    "Answer the question based on the given document. Only give me the answer and do not output any other words."
-    "\nThe following are given documents.\n\n{context}"
-)
-FLASHRAG_USER_PROMPT = "Question: {question}"
-
-DOC_TEMPLATES = ("s3", "qagent")
-DEFAULT_DOC_TEMPLATE = DOC_TEMPLATES[0]
+# The reader prompt naive RAG, the oracle baseline and a method without a reader of its own are read with:
+# the s3 code's generator prompt, registered by its method module (sleuth.agent.s3).
+DEFAULT_READER = "s3"
 DEFAULT_GENERATOR_PARAMS = SamplingParams(max_new_tokens=128, temperature=0.0)
 # R-Search's public code samples the cross-family model at temperature 0.1, top-p 0.9, 512 tokens.
 RSEARCH_EVIDENCE_PARAMS = SamplingParams(max_new_tokens=512, temperature=0.1, top_p=0.9)
@@ -87,22 +76,20 @@ def _as_hits(docs: Sequence[Hit | Mapping[str, Any]]) -> list[Hit]:
 
 
 def document_prompt(
-    question: str, docs: Sequence[Hit | Mapping[str, Any]], template: str = "s3"
+    question: str, docs: Sequence[Hit | Mapping[str, Any]], template: str | Reader = DEFAULT_READER
 ) -> list[dict]:
-    """Chat messages asking a frozen generator to answer `question` from `docs`."""
+    """Chat messages asking a frozen generator to answer `question` from `docs`, with the reader prompt
+    `template` (a `Reader`, or a registered reader's name: each method's module registers its own)."""
     hits = _as_hits(docs)
-    if template == "s3":
-        return [
-            {"role": "system", "content": S3_GENERATOR_SYSTEM_PROMPT.format(context=s3_generator_context(hits))},
-            {"role": "user", "content": question},
-        ]
-    if template == "qagent":
-        # FlashRAG's reference block keeps `format_reference`'s trailing newline
-        return [
-            {"role": "system", "content": FLASHRAG_SYSTEM_PROMPT.format(context=passages_to_string(hits))},
-            {"role": "user", "content": FLASHRAG_USER_PROMPT.format(question=question)},
-        ]
-    raise ValueError(f"unknown document template {template!r}; choose one of {list(DOC_TEMPLATES)}")
+    reader = template if isinstance(template, Reader) else get_reader(template)
+    return reader.prompt(question, hits)
+
+
+def check_reader(field_name: str, name: str) -> None:
+    """A reward option naming a reader prompt: one that is registered (each method registers its own)."""
+    choices = reader_names()
+    if name not in choices:
+        raise ConfigError(f"reward option {field_name}={name!r} is invalid; choose one of {choices}")
 
 
 def _replies(generator: Generator, prompts: list[list[dict]], params: SamplingParams) -> list[str]:
@@ -123,7 +110,7 @@ def hand_over_documents(
     generator: Generator,
     questions: Sequence[str],
     docs_per_question: Sequence[Sequence[Hit | Mapping[str, Any]]],
-    template: str = "s3",
+    template: str | Reader = DEFAULT_READER,
     params: SamplingParams | None = None,
 ) -> list[str]:
     """The hand-over of documents to a frozen generator, written once (rewards, evaluation and serving
@@ -141,7 +128,7 @@ def answer_from_documents(
     generator: Generator,
     questions: Sequence[str],
     docs_per_question: Sequence[Sequence[Hit | Mapping[str, Any]]],
-    template: str = "s3",
+    template: str | Reader = DEFAULT_READER,
     params: SamplingParams | None = None,
 ) -> list[str]:
     """The frozen generator's answer to each question given its documents (reasoning blocks dropped)."""

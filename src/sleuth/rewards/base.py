@@ -88,6 +88,13 @@ class Reward(ABC):
         if step < 0:
             raise ValueError(f"trainer step must be >= 0, got {step}")
 
+    @property
+    def current_stage(self) -> int:
+        """The reward stage at the step last set: what the trainer logs (`stage`, `val/stage`), checkpoints
+        and compares guard windows within. One stage here; a reward with a schedule (the staged reward)
+        overrides it."""
+        return 1
+
     def config(self) -> dict[str, Any]:
         if dataclasses.is_dataclass(self):
             return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.init}

@@ -23,7 +23,8 @@ from typing import Any
 import regex
 
 from sleuth import tags
-from sleuth.text import normalize_answer
+from sleuth.text import as_gold_list, normalize_answer
+from sleuth.text import exact_match as exact_match  # written in sleuth.text: the oracle (agent/) uses it too
 
 # pyserini's SimpleTokenizer (pyserini/eval/evaluate_dpr_retrieval.py): a run of letters, digits and
 # combining marks, or one character that is neither a separator (Z) nor a control/format char (C).
@@ -35,32 +36,13 @@ _SIMPLE_TOKENIZER_RE = regex.compile(
 _SPECIAL_F1_ANSWERS = frozenset({"yes", "no", "noanswer"})
 
 
-def _as_gold_list(golds: str | Iterable[str]) -> list[str]:
-    if isinstance(golds, str):
-        return [golds]
-    gold_list = [g for g in golds]
-    for g in gold_list:
-        if not isinstance(g, str):
-            raise TypeError(f"golden answers must be strings, got {type(g).__name__}: {g!r}")
-    return gold_list
-
-
-def exact_match(pred: str | None, golds: str | Iterable[str]) -> float:
-    """1.0 if the normalised prediction equals any normalised gold answer, else 0.0.
-    A missing prediction (None) scores 0."""
-    if pred is None:
-        return 0.0
-    norm_pred = normalize_answer(pred)
-    return float(any(norm_pred == normalize_answer(g) for g in _as_gold_list(golds)))
-
-
 def cover_exact_match(pred: str | None, golds: str | Iterable[str]) -> float:
     """Sub-EM: 1.0 if any normalised gold answer is a substring of the normalised prediction.
     Empty golds (after normalisation) never match, since "" is a substring of everything."""
     if pred is None:
         return 0.0
     norm_pred = normalize_answer(pred)
-    for g in _as_gold_list(golds):
+    for g in as_gold_list(golds):
         norm_gold = normalize_answer(g)
         if norm_gold and norm_gold in norm_pred:
             return 1.0
@@ -95,7 +77,7 @@ def span_check(pred: str | None, golds: str | Iterable[str]) -> float:
     if pred is None:
         return 0.0
     pred_tokens = _tokens(pred)
-    return float(any(_contains_run(pred_tokens, _tokens(g)) for g in _as_gold_list(golds)))
+    return float(any(_contains_run(pred_tokens, _tokens(g)) for g in as_gold_list(golds)))
 
 
 def f1_score(pred: str | None, golds: str | Iterable[str], *, yes_no_rule: bool = True,
@@ -118,7 +100,7 @@ def _f1_max(pred: str, golds: str | Iterable[str], yes_no_rule: bool) -> float:
     norm_pred = normalize_answer(pred)
     pred_tokens = norm_pred.split()
     best = 0.0
-    for g in _as_gold_list(golds):
+    for g in as_gold_list(golds):
         norm_gold = normalize_answer(g)
         special = norm_pred in _SPECIAL_F1_ANSWERS or norm_gold in _SPECIAL_F1_ANSWERS
         if yes_no_rule and special and norm_pred != norm_gold:

@@ -34,7 +34,7 @@ from sleuth.agent.trajectory import Trajectory
 from sleuth.errors import ConfigError
 from sleuth.llm.base import SamplingParams
 from sleuth.retrieval.base import Hit
-from sleuth.rewards.answerer import DOC_TEMPLATES, answer_from_documents
+from sleuth.rewards.answerer import answer_from_documents, check_reader
 from sleuth.rewards.base import Reward, RewardResult, RewardServices, check_choice, register_reward
 from sleuth.rewards.metrics import cover_exact_match, exact_match, normalize_answer
 from sleuth.rewards.structure import parse_response, policy_answer, policy_spans, symbol_string
@@ -118,7 +118,7 @@ class QAgentStage2(Reward):
 
     def __post_init__(self) -> None:
         check_choice("hit_scope", self.hit_scope, ("retrieved", "response"))
-        check_choice("template", self.template, DOC_TEMPLATES)
+        check_reader("template", self.template)
 
     def __call__(
         self, trajs: Sequence[Trajectory], services: RewardServices | None = None

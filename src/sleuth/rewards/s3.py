@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from sleuth.agent.trajectory import Trajectory
 from sleuth.errors import ConfigError
 from sleuth.llm.base import Generator, SamplingParams
-from sleuth.rewards.answerer import DOC_TEMPLATES, JUDGE_RULES, answer_from_documents, gen_acc_batch
+from sleuth.rewards.answerer import JUDGE_RULES, answer_from_documents, check_reader, gen_acc_batch
 from sleuth.rewards.base import Reward, RewardResult, RewardServices, check_choice, register_reward
 
 
@@ -39,7 +39,7 @@ class _S3Base(Reward):
     judge_rule: str = "strict"
 
     def __post_init__(self) -> None:
-        check_choice("template", self.template, DOC_TEMPLATES)
+        check_reader("template", self.template)
         check_choice("judge_rule", self.judge_rule, JUDGE_RULES)
 
     def _judge(self, services: RewardServices) -> Generator | None:

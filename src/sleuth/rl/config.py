@@ -8,6 +8,7 @@ combinations that cannot run (e.g. GAE without a critic) are refused.
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any, Literal
 
@@ -93,9 +94,6 @@ class AgentConfig(_Strict):
 
 class RewardConfig(_Strict):
     name: str = "search_r1_em"
-    # plugin modules to import first, so the rewards (@register_reward) and methods (register_method)
-    # they register can be named in this recipe
-    plugins: list[str] = Field(default_factory=list)
     options: dict[str, Any] = Field(default_factory=dict)  # the reward's own options (see sleuth.rewards)
     # Frozen models a reward uses: any `load_generator` spec. "policy-base" reuses the policy's base
     # weights with LoRA adapters disabled, which costs no extra memory.
@@ -280,6 +278,9 @@ class Recipe(_Strict):
     name: str
     description: str = ""
     seed: int = 0
+    # plugin modules to import first, so the methods (register_method), readers and rewards
+    # (@register_reward) they register can be named in this recipe
+    plugins: list[str] = Field(default_factory=list)
     model: ModelConfig = Field(default_factory=ModelConfig)
     data: DataConfig
     retriever: RetrieverConfig
@@ -301,9 +302,26 @@ class Recipe(_Strict):
                              "name a question file there (the same formats as data.train), or drop eval_every")
         return self
 
+    @model_validator(mode="before")
+    @classmethod
+    def _plugins_moved(cls, data: Any) -> Any:
+        """`reward.plugins` (before issue 29) is read as the top-level `plugins:` section, with a warning."""
+        reward = data.get("reward") if isinstance(data, dict) else None
+        if isinstance(reward, dict) and "plugins" in reward:
+            reward = dict(reward)
+            old = reward.pop("plugins") or []
+            if not isinstance(old, list):
+                raise ValueError(f"reward.plugins (now the top-level `plugins:`) must be a list of module names, "
+                                 f"got {old!r}")
+            if old:
+                warnings.warn(f"recipe: reward.plugins is read as the top-level `plugins:` section ({old}); "
+                              "move the list there", DeprecationWarning, stacklevel=2)
+            data = {**data, "reward": reward, "plugins": list(dict.fromkeys([*data.get("plugins", []), *old]))}
+        return data
+
     @model_validator(mode="after")
     def _known_loop(self) -> Recipe:
-        load_plugins(self.reward.plugins)
+        load_plugins(self.plugins)
         if find_method(self.agent.loop) is None:
             raise ValueError(f"agent.loop: unknown loop {self.agent.loop!r}; choose one of: {', '.join(loop_names())}")
         return self

@@ -103,7 +103,7 @@ def _decide(run: Run, monitor: GuardMonitor, done: int, validated: bool):
     """Main rank: the events of this step, the one acted on (a rollback that cannot happen becomes a stop),
     and the rollback's target step."""
     if validated and validation_records(run.out_dir, done).exists():
-        stage = float(getattr(run.reward_fn, "current_stage", 1))
+        stage = float(run.reward_fn.current_stage)
         monitor.add_validation(read_validation(validation_records(run.out_dir, done), done, stage))
     events = monitor.check(done, validated=validated)
     chosen = decide(events)
@@ -154,7 +154,7 @@ def _stop(run: Run, done: int, chosen: GuardEvent | None) -> str:
     where = "no checkpoint written (trainer.save_every is 0)"
     if run.recipe.trainer.save_every:
         if run.last_saved != done:
-            save(run, done, run.cursor.state(), getattr(run.reward_fn, "current_stage", 1))
+            save(run, done, run.cursor.state(), run.reward_fn.current_stage)
             run.last_saved = done
         where = f"checkpoint {checkpoint_dir(run.out_dir, done)}"
     if chosen is not None and chosen.healthy_until is not None:

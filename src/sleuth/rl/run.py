@@ -171,7 +171,7 @@ def setup(recipe: Recipe, ctx: DistContext, console: Any, resume: bool) -> Run:
     loop = build_loop(recipe)
     examples = load_examples(recipe)
     cursor = DataCursor(recipe.seed, len(examples), recipe.data.shuffle, **trainer_state.get("cursor", {}))
-    load_plugins(recipe.reward.plugins)
+    load_plugins(recipe.plugins)
     reward_fn = get_reward(recipe.reward.name, **recipe.reward.options)
     services = build_reward_services(recipe, generator, unwrap(policy), retriever)
     sampling = SamplingParams(max_new_tokens=recipe.agent.max_new_tokens_per_turn,

@@ -97,7 +97,7 @@ def searcher_info(recipe: Recipe) -> SearcherInfo:
         max_new_tokens_per_turn=recipe.agent.max_new_tokens_per_turn,
         max_obs_tokens=recipe.agent.max_obs_tokens,
         max_response_tokens=recipe.agent.max_response_tokens,
-        plugins=method_plugins(recipe.agent.loop, recipe.reward.plugins),
+        plugins=method_plugins(recipe.agent.loop, recipe.plugins),
     )
 
 

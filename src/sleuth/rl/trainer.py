@@ -134,7 +134,7 @@ def _train(recipe: Recipe, *, resume: bool = False, console: Any = None) -> dict
         if done < recipe.trainer.total_steps and _past_time_limit(run, started):
             # like a scheduler's wall-time limit: keep every finished step; `--resume` continues
             if recipe.trainer.save_every and run.last_saved != done:  # save_every 0: no checkpoints at all
-                save(run, done, run.cursor.state(), getattr(run.reward_fn, "current_stage", 1))
+                save(run, done, run.cursor.state(), run.reward_fn.current_stage)
                 run.last_saved = done
             # close the validation series at the step reached, so a stopped run's curve has its end point
             if run.val_examples and not validation_due(recipe, done):
@@ -174,7 +174,7 @@ def train_step(run: Run, step: int) -> dict[str, float]:
     recipe, ctx = run.recipe, run.ctx
     t_start = time.perf_counter()
     run.reward_fn.set_step(step)
-    stage = getattr(run.reward_fn, "current_stage", 1)  # two-stage rewards (staged) switch on the step
+    stage = run.reward_fn.current_stage  # a reward with a schedule (Reward.current_stage) switches on the step
 
     # 1. rollout and score (each rank its slice of the prompts)
     run.policy.eval()

@@ -73,7 +73,7 @@ def validate(run: Run, done: int) -> dict[str, float]:
         "val/retrieval_count": sum(r["retrieval_count"] for r in rows) / len(rows),
         "val/answered": sum(r["answer"] is not None for r in rows) / len(rows),
         "val/examples": float(len(rows)),
-        "val/stage": float(getattr(run.reward_fn, "current_stage", 1)),
+        "val/stage": float(run.reward_fn.current_stage),
         "time/validation": seconds,
     }
     if ctx.is_main:

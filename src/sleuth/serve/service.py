@@ -27,7 +27,7 @@ from sleuth.agent.trajectory import Trajectory
 from sleuth.data.formats import QAExample
 from sleuth.llm.base import Generator, SamplingParams
 from sleuth.retrieval.base import Hit, Retriever, format_docs
-from sleuth.rewards.answerer import DEFAULT_DOC_TEMPLATE, answer_from_documents, answer_from_evidence
+from sleuth.rewards.answerer import DEFAULT_READER, answer_from_documents, answer_from_evidence
 from sleuth.text import unusable_text
 from sleuth.utils import CONCURRENCY_MEMORY_S, RecentPeak
 
@@ -448,7 +448,7 @@ class SearcherService:
         by_evidence = [i for i in wanted if _reads_evidence(trajs[i]) and trajs[i].evidence]
         by_docs = [i for i in wanted if i not in by_evidence]
         method = find_method(self.loop.name)
-        template = (method.reader_template if method else None) or DEFAULT_DOC_TEMPLATE
+        template = (method.reader if method else None) or DEFAULT_READER
         started = time.perf_counter()
         try:
             answers: dict[int, str] = {}
