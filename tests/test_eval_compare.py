@@ -305,10 +305,11 @@ def test_cli_eval_prints_the_paired_table(tok, tmp_path, monkeypatch):
     from typer.testing import CliRunner
 
     import sleuth.eval.harness as harness
+    import sleuth.eval.loading as loading
     from sleuth.cli import app
 
     monkeypatch.setattr(harness, "resolve_retriever", lambda spec, cache=None: ToyRetriever())
-    monkeypatch.setattr(harness, "resolve_generator", lambda spec: None if spec is None else trained_model(tok, []))
+    monkeypatch.setattr(loading, "resolve_generator", lambda spec: None if spec is None else trained_model(tok, []))
     data = tmp_path / "mini.jsonl"
     data.write_text("".join(json.dumps(e.to_dict()) + "\n" for e in EXAMPLES))
     res = CliRunner().invoke(app, ["eval", "-m", "direct,naive-rag,oracle", "--data", str(data), "--retriever",

@@ -44,7 +44,8 @@ def _run(tmp: Path, small_world: Path, name: str, nproc: int, parallel: str = "d
     (out / "validation.jsonl").write_text(json.dumps({"step": 0, "val/reward/mean": 9.0}) + "\n")
     cfg = tmp / f"{name}.yaml"
     cfg.write_text(yaml.safe_dump(_recipe(small_world, out, parallel)))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parent / "plugins")}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(
+        p for p in (str(Path(__file__).parent / "plugins"), os.environ.get("PYTHONPATH")) if p)}
     if nproc == 1:
         cmd = [sys.executable, "-m", "sleuth.cli", "train", str(cfg)]
     else:
@@ -97,7 +98,8 @@ def test_two_ranks_match_one_process(small_world: Path, tmp_path: Path, parallel
 def test_checkpoint_from_two_ranks_resumes_on_one(small_world: Path, tmp_path: Path) -> None:
     """Checkpoints hold full (unsharded) state and a global data cursor, so the rank count may change."""
     two = _run(tmp_path, small_world, "two", 2)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parent / "plugins")}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(
+        p for p in (str(Path(__file__).parent / "plugins"), os.environ.get("PYTHONPATH")) if p)}
     proc = subprocess.run(
         [sys.executable, "-m", "sleuth.cli", "train", str(tmp_path / "two.yaml"), "trainer.total_steps=3", "--resume"],
         env=env, capture_output=True, text=True, timeout=600,

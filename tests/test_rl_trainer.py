@@ -78,7 +78,9 @@ def test_resume_after_sigkill(small_world: Path, tmp_path: Path) -> None:
         data["trainer"]["save_every"] = 1
         (out.parent / f"{out.name}.yaml").write_text(yaml.safe_dump(data))
 
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(PLUGINS)}
+    # the plugins beside any PYTHONPATH already set (a checkout run with PYTHONPATH=src imports its own sleuth)
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join(p for p in (str(PLUGINS), os.environ.get("PYTHONPATH")) if p)}
     cmd = [sys.executable, "-m", "sleuth.cli", "train"]
     proc = subprocess.Popen([*cmd, str(tmp_path / "killed.yaml")], env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

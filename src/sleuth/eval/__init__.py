@@ -10,12 +10,12 @@ from typing import Any
 
 _EXPORTS = {
     "evaluate": "sleuth.eval.harness",
-    "EvalConfig": "sleuth.eval.harness",
-    "METHODS": "sleuth.eval.harness",
-    "load_eval_data": "sleuth.eval.harness",
-    "parse_methods": "sleuth.eval.harness",
-    "score_predictions": "sleuth.eval.harness",
-    "summary_markdown": "sleuth.eval.harness",
+    "EvalConfig": "sleuth.eval.config",
+    "METHODS": "sleuth.eval.methods",
+    "load_eval_data": "sleuth.eval.questions",
+    "parse_methods": "sleuth.eval.methods",
+    "score_predictions": "sleuth.eval.predictions",
+    "summary_markdown": "sleuth.eval.summary",
     "SearchO1Loop": "sleuth.eval.search_o1",
 }
 

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from sleuth.errors import ConfigError
+from sleuth.eval.records import load_predictions
 from sleuth.eval.stats import DEFAULT_CONFIDENCE, DEFAULT_RESAMPLES, bootstrap_cis, paired_bootstrap
 
 BASELINE = "naive-rag"
@@ -152,8 +153,6 @@ def compare_with_baseline(
 
 def load_method_records(spec: str | Path) -> tuple[str, list[dict]]:
     """(label, records) of `OUT/<method>` or a predictions.jsonl file, for `sleuth compare`."""
-    from sleuth.eval.harness import load_predictions  # deferred: harness imports this module (cycle)
-
     path = Path(spec)
     file = path / "predictions.jsonl" if path.is_dir() else path
     if not file.is_file():
