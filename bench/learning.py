@@ -165,8 +165,8 @@ def test_questions(out: Path, size: Size):
 
 def make_trajectories(out: Path, method: str, model: str, size: Size) -> dict:
     from sleuth.agent.coldstart import read_records
-    from sleuth.agent.commands import TrajectorySource, recipe_trajectories
     from sleuth.rl.config import recipe_from_dict
+    from sleuth.rl.trajectory_commands import TrajectorySource, recipe_trajectories
 
     recipe = recipe_from_dict(recipe_for(out, method, "full", model, size, None))
     path = out / method / "trajectories.jsonl"

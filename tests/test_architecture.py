@@ -140,24 +140,121 @@ def test_the_size_check_finds_the_rule_breakers() -> None:
     assert _size_violations(command, "s") == [] and _size_violations(method, "s") == []
 
 
-def test_the_agent_floor_does_not_import_the_trainer() -> None:
-    """agent/ reads checkpoints through sleuth.run_layout, not sleuth.rl (its CLI module aside)."""
+# The floors, lowest first: a module imports only from its own floor and the ones below. Modules at the
+# package root are the ground floor (tags, text, utils, errors, run_layout, ...) except the front ends.
+FLOORS = ("data", "retrieval", "llm", "agent", "rewards", "rl", "eval", "serve")
+FRONT_ENDS = ("sleuth.demo", "sleuth.api", "sleuth.cli", "sleuth.knowledge", "sleuth.reproduce")
+
+
+def _floor(module: str) -> int:
+    parts = module.split(".")
+    if module in FRONT_ENDS:
+        return len(FLOORS) + 1
+    return FLOORS.index(parts[1]) + 1 if len(parts) > 1 and parts[1] in FLOORS else 0
+
+
+def _module_names() -> set[str]:
+    return {_module_name(p) for p in SRC.rglob("*.py")}
+
+
+def _imports(source: str, module_names: set[str], top_level_only: bool) -> list[tuple[str, int]]:
+    """The sleuth modules a source imports (`from sleuth.x import y` counts as sleuth.x.y when that is a
+    module); with `top_level_only`, only the imports that run when the module is imported."""
+    tree = ast.parse(source)
+    nodes = []
+    if top_level_only:
+        todo = list(tree.body)
+        while todo:
+            node = todo.pop()
+            nodes.append(node)
+            if isinstance(node, (ast.If, ast.Try)):
+                todo += [*node.body, *node.orelse, *getattr(node, "handlers", []), *getattr(node, "finalbody", [])]
+            if isinstance(node, ast.ExceptHandler):
+                todo += node.body
+    else:
+        nodes = list(ast.walk(tree))
     found = []
-    for path in (SRC / "agent").rglob("*.py"):
-        if path.name == "commands.py":
-            continue
-        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("sleuth.rl"):
-                found.append(f"{path.name}:{node.lineno} imports {node.module}")
+    for node in nodes:
+        if isinstance(node, ast.Import):
+            found += [(a.name, node.lineno) for a in node.names if a.name.startswith("sleuth")]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith("sleuth"):
+            for alias in node.names:
+                sub = f"{node.module}.{alias.name}"
+                found.append((sub if sub in module_names else node.module, node.lineno))
+    return found
+
+
+def _upward_imports(source: str, module: str, module_names: set[str]) -> list[str]:
+    return [f"{module}:{line} imports {target} (floor {_floor(target)} > {_floor(module)})"
+            for target, line in _imports(source, module_names, top_level_only=False) if _floor(target) > _floor(module)]
+
+
+def test_no_upward_import() -> None:
+    """Floors data -> retrieval -> llm -> agent -> rewards -> rl -> eval -> serve (then the front ends): no
+    module imports from a floor above its own, deferred imports inside functions included."""
+    names = _module_names()
+    found = []
+    for path in sorted(SRC.rglob("*.py")):
+        found += _upward_imports(path.read_text(encoding="utf-8"), _module_name(path), names)
     assert not found, found
 
 
-def test_a_method_owns_its_reader_and_oracle_planner() -> None:
-    """Reader prompts and oracle planners are written in the method's own module, not in shared code."""
-    for m in methods():
-        if m.oracle_planner is not None:
-            assert m.oracle_planner.__module__ == m.loop.__module__, m.name
-        if m.reader is not None:
-            assert m.reader.prompt.__module__ == m.loop.__module__, m.name
-    readers = {m.name: m.reader.name for m in methods() if m.evaluated_by_reader and m.reader is not None}
-    assert readers == {"s3": "s3", "qagent": "qagent"}
+def test_the_floor_check_finds_the_rule_breakers() -> None:
+    names = _module_names()
+    snippet = "def f():\n    from sleuth.rl.setup import build_loop\n"
+    assert _upward_imports(snippet, "sleuth.agent.x", names) == [
+        "sleuth.agent.x:2 imports sleuth.rl.setup (floor 6 > 4)"]
+    assert _upward_imports("from sleuth import text\n", "sleuth.agent.x", names) == []
+    assert _floor("sleuth.run_layout") == 0 and _floor("sleuth.serve.service") == 8 and _floor("sleuth.demo") == 9
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_import_circle() -> None:
+    """No two modules import each other, directly or round a longer circle, at import time (the imports a
+    module runs when it is imported; a package's __init__ re-exporting its modules is not a circle)."""
+    names = _module_names()
+    graph: dict[str, set[str]] = {}
+    for path in sorted(SRC.rglob("*.py")):
+        module = _module_name(path)
+        graph[module] = {t for t, _ in _imports(path.read_text(encoding="utf-8"), names, top_level_only=True)
+                         if t != module and not module.startswith(t + ".")}
+    assert not _cycles(graph), _cycles(graph)
+
+
+def test_the_circle_check_finds_circles() -> None:
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert _cycles({"a": {"b"}, "b": set()}) == []

@@ -26,7 +26,7 @@ COMMAND_MODULES = [
     "sleuth.retrieval.commands",
     "sleuth.retrieval.server_commands",
     "sleuth.llm.commands",
-    "sleuth.agent.commands",
+    "sleuth.rl.trajectory_commands",
     "sleuth.eval.commands",
     "sleuth.eval.report_commands",
     "sleuth.eval.compare_commands",

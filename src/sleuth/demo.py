@@ -227,7 +227,7 @@ def _evaluate_committed(out: Path, size: DemoSize, spec: Method, ckpt: Path, ret
 
 def write_oracle_trajectories(out: Path, recipe: Any, size: DemoSize) -> dict[str, int]:
     """The recipe's oracle cold-start trajectories under `out` (the demo's and `sleuth reproduce`'s SFT data)."""
-    from sleuth.agent.commands import TrajectorySource, recipe_trajectories
+    from sleuth.rl.trajectory_commands import TrajectorySource, recipe_trajectories
 
     path = out / "trajectories.jsonl"
     if path.exists():

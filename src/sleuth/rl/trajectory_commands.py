@@ -1,4 +1,7 @@
-"""CLI: `sleuth trajectories RECIPE --out FILE`: cold-start trajectories for `sleuth sft`."""
+"""CLI: `sleuth trajectories RECIPE --out FILE`: cold-start trajectories for `sleuth sft`.
+
+It lives on the training floor because it builds its loop, retriever, data and reward services from a
+recipe (sleuth.rl.setup); the oracle and teacher sources it drives are sleuth.agent.coldstart."""
 
 from __future__ import annotations
 
