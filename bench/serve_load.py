@@ -153,7 +153,7 @@ def main() -> None:
     from sleuth.data.formats import load_qa
     from sleuth.data.synth import generate_world, write_world
     from sleuth.retrieval import build_index
-    from sleuth.serve.loading import build_service
+    from sleuth.serve.loading import ServiceSpec, build_service
     from sleuth.serve.searcher_server import create_app
     from sleuth.serve.service import ServeLimits
     from sleuth.serve.threaded import serve_in_thread
@@ -164,12 +164,12 @@ def main() -> None:
         build_index(world / "corpus.jsonl", "bm25", world / "bm25")
         questions = [ex.question for ex in load_qa(world / "train.jsonl")]
         t0 = time.perf_counter()
-        service = build_service(
+        service = build_service(ServiceSpec(
             model=args.model, loop=args.loop, loop_options={"max_turns": args.max_turns, "top_k": args.top_k}, index=world / "bm25",
             limits=ServeLimits(max_batch=args.max_batch, batch_wait_ms=args.batch_wait_ms, timeout_s=300),
             max_new_tokens_per_turn=args.max_new_tokens_per_turn, max_obs_tokens=args.max_obs_tokens,
             max_response_tokens=args.max_response_tokens, device=args.device,
-        )
+        ))
         load_s = time.perf_counter() - t0
         phases = []
         with serve_in_thread(create_app(service)) as base:

@@ -112,11 +112,11 @@ def test_serve_and_eval_take_the_export_like_the_checkpoint(lora_run: Path, expo
                                                              tmp_path: Path) -> None:
     from sleuth.data.formats import read_qa_jsonl
     from sleuth.eval.harness import EvalConfig, evaluate
-    from sleuth.serve.loading import build_service
+    from sleuth.serve.loading import ServiceSpec, build_service
     from sleuth.serve.service import SearchQuery
 
-    from_export = build_service(checkpoint=exported, index=small_world / "bm25")
-    from_ckpt = build_service(checkpoint=lora_run, index=small_world / "bm25")
+    from_export = build_service(ServiceSpec(checkpoint=exported, index=small_world / "bm25"))
+    from_ckpt = build_service(ServiceSpec(checkpoint=lora_run, index=small_world / "bm25"))
     try:
         assert from_export.max_obs_tokens == from_ckpt.max_obs_tokens == 16
         assert from_export.loop.config() == from_ckpt.loop.config()

@@ -444,10 +444,10 @@ def test_searcher_service_refuses_unusable_questions_at_once(
 
     from fastapi.testclient import TestClient
 
-    from sleuth.serve.loading import build_service
+    from sleuth.serve.loading import ServiceSpec, build_service
     from sleuth.serve.searcher_server import create_app
 
-    service = build_service(checkpoint=full_and_lora_runs["full"], index=small_world / "bm25", generator="tiny")
+    service = build_service(ServiceSpec(checkpoint=full_and_lora_runs["full"], index=small_world / "bm25", generator="tiny"))
     try:
         with TestClient(create_app(service)) as client:
             start = time.perf_counter()

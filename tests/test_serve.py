@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from sleuth.serve.searcher_server import bearer_token_ok, create_app
-from sleuth.serve.service import SearcherService, SearchQuery, ServeLimits
+from sleuth.serve.service import SearcherService, SearcherSettings, SearchQuery, ServeLimits
 from sleuth.serve.threaded import serve_in_thread
 
 QUESTION = "Where was the director of the film born?"
@@ -44,10 +44,11 @@ def checkpoint(small_world: Path, tmp_path_factory: pytest.TempPathFactory) -> P
 
 @pytest.fixture(scope="module")
 def service(checkpoint: Path, small_world: Path) -> Iterator[SearcherService]:
-    from sleuth.serve.loading import build_service
+    from sleuth.serve.loading import ServiceSpec, build_service
 
-    svc = build_service(checkpoint=checkpoint, index=small_world / "bm25", generator="tiny",
-                        limits=ServeLimits(batch_wait_ms=5, max_question_chars=300, max_turns=4, max_top_k=6))
+    svc = build_service(ServiceSpec(checkpoint=checkpoint, index=small_world / "bm25", generator="tiny",
+                                    limits=ServeLimits(batch_wait_ms=5, max_question_chars=300, max_turns=4,
+                                                       max_top_k=6)))
     yield svc
     svc.close()
 
@@ -82,13 +83,12 @@ class BrokenGenerator:
         raise RuntimeError("CUDA out of memory")
 
 
-def _sibling(service: SearcherService, **kw) -> SearcherService:
-    """Another service over the same loaded policy (no model reload)."""
-    args = dict(retriever=service.retriever.inner, answer_generator=None, limits=service.limits,
-                max_new_tokens_per_turn=service.params.max_new_tokens, max_obs_tokens=service.max_obs_tokens,
-                max_response_tokens=service.max_response_tokens)
-    args.update(kw)
-    return SearcherService(service.generator.inner, service.loop, **args)
+def _sibling(service: SearcherService, retriever=None, answer_generator=None, **settings) -> SearcherService:
+    """Another service over the same loaded policy (no model reload); `settings` replace SearcherSettings fields."""
+    base = SearcherSettings(limits=service.limits, max_new_tokens_per_turn=service.params.max_new_tokens,
+                            max_obs_tokens=service.max_obs_tokens, max_response_tokens=service.max_response_tokens)
+    return SearcherService(service.generator.inner, service.loop, retriever or service.retriever.inner,
+                           answer_generator, replace(base, **settings))
 
 
 def test_checkpoint_loop_and_limits(service: SearcherService, url: str) -> None:
@@ -354,7 +354,8 @@ def _scripted_service(tokenizer, small_world: Path, loop: str, turns: list[str],
     answerer = ScriptedGenerator(tokenizer, lambda call: answer_text)
     retriever = load_retriever(small_world / "bm25")
     svc = SearcherService(policy, get_loop(loop), retriever, answer_generator=answerer,
-                          max_new_tokens_per_turn=64, max_obs_tokens=256, max_response_tokens=1024)
+                          settings=SearcherSettings(max_new_tokens_per_turn=64, max_obs_tokens=256,
+                                                    max_response_tokens=1024))
     return svc, answerer, retriever
 
 

@@ -26,11 +26,11 @@ def tiny_dir() -> Path:
 @pytest.fixture(scope="module")
 def service(small_world: Path, tiny_dir: Path) -> Iterator[SearcherService]:
     """An untrained model served with a loop (the --model SPEC --loop NAME path)."""
-    from sleuth.serve.loading import build_service
+    from sleuth.serve.loading import ServiceSpec, build_service
 
-    svc = build_service(model=str(tiny_dir), loop="s3", loop_options={"max_turns": 1},
-                        index=small_world / "bm25", generator=str(tiny_dir), max_new_tokens_per_turn=12,
-                        max_obs_tokens=64, max_response_tokens=96, limits=ServeLimits(max_top_k=5))
+    svc = build_service(ServiceSpec(model=str(tiny_dir), loop="s3", loop_options={"max_turns": 1},
+                                    index=small_world / "bm25", generator=str(tiny_dir), max_new_tokens_per_turn=12,
+                                    max_obs_tokens=64, max_response_tokens=96, limits=ServeLimits(max_top_k=5)))
     yield svc
     svc.close()
 

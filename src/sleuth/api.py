@@ -182,11 +182,11 @@ def open_searcher(
     """A trained searcher (a checkpoint, run directory or `sleuth export` directory) or an untrained
     `model` with a `loop`, over `retriever` (an index directory, URL, search-tool spec or object)."""
     from sleuth.eval.harness import resolve_retriever
-    from sleuth.serve.loading import build_service
+    from sleuth.serve.loading import ServiceSpec, build_service
 
-    service = build_service(checkpoint=checkpoint, model=model, loop=loop, loop_options=loop_options or None,
-                            retriever=resolve_retriever(retriever), generator=generator, device=device,
-                            warm_up=False)
+    spec = ServiceSpec(checkpoint=checkpoint, model=model, loop=loop, loop_options=loop_options or None,
+                       generator=generator, device=device)
+    service = build_service(spec, retriever=resolve_retriever(retriever), warm_up=False)
     return Searcher(service)
 
 

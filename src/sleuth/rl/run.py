@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from sleuth.agent.base import AgentLoop
 from sleuth.agent.registry import load_plugins
 from sleuth.data.formats import QAExample
 from sleuth.errors import ConfigError
@@ -72,7 +73,7 @@ class Run:
     rollout_model: nn.Module | None  # a bf16 copy synced after each update, or None: the policy decodes
     generator: Generator
     retriever: Retriever
-    loop: Any
+    loop: AgentLoop
     reward_fn: Reward
     services: RewardServices
     sampling: SamplingParams
@@ -93,29 +94,50 @@ class Run:
         return {"policy": self.policy, **({"critic": self.critic} if self.critic is not None else {})}
 
 
-def _resume_point(recipe: Recipe, out_dir: Path, resume: bool, console: Any) -> tuple[Path | None, dict, dict]:
+@dataclass
+class ResumePoint:
+    """Where a run starts: the checkpoint it resumes from (None: fresh) and what that checkpoint holds."""
+
+    checkpoint: Path | None = None
+    trainer_state: dict[str, Any] = field(default_factory=dict)  # step, data cursor, stage, kl_coef
+    tensor_state: dict[str, Any] = field(default_factory=dict)  # optimizers, schedulers, RNG
+
+
+@dataclass
+class LoadedModels:
+    """The models of a run and their optimizers, wrapped for DDP/FSDP, loaded by `_load_models`."""
+
+    tokenizer: Any
+    policy: nn.Module
+    model_path: str  # the weights the policy (and the reference) started from
+    reference: nn.Module | None
+    critic: nn.Module | None
+    optimizers: dict[str, torch.optim.Optimizer]
+    schedulers: dict[str, Any]
+
+
+def _resume_point(recipe: Recipe, out_dir: Path, resume: bool, console: Any) -> ResumePoint:
     ckpt = None
     if resume:
         ckpt, skipped = resumable_checkpoint(out_dir)
         for path, reason in skipped:
             console.print(f"[yellow]skipping damaged checkpoint {path}[/]: {reason}")
-    trainer_state: dict[str, Any] = {}
-    tensor_state: dict[str, Any] = {}
     if ckpt is not None:
         check_resume(recipe, ckpt, console)  # another loop, reward, algorithm, model: refused, naming the field
         trainer_state, tensor_state = load_training_state(ckpt)
         console.print(f"[bold]resuming[/] from {ckpt} (step {trainer_state['step']})")
-    elif resume:
+        return ResumePoint(ckpt, trainer_state, tensor_state)
+    if resume:
         refusal = no_usable_checkpoint(out_dir, skipped)
         if refusal is not None:
             raise refusal
         console.print(f"[yellow]--resume: no checkpoint under {out_dir}, starting fresh[/]")
-    return ckpt, trainer_state, tensor_state
+    return ResumePoint()
 
 
-def _load_models(recipe: Recipe, ctx: DistContext, ckpt: Path | None):
-    """Policy, reference, critic (wrapped for DDP/FSDP), their optimizers and schedulers."""
-    device = ctx.device
+def _load_models(recipe: Recipe, ctx: DistContext, point: ResumePoint) -> LoadedModels:
+    """Policy, reference, critic (wrapped for DDP/FSDP), their optimizers and schedulers, restored on resume."""
+    device, ckpt = ctx.device, point.checkpoint
     tokenizer, policy, model_path = load_policy(recipe, device, ckpt / POLICY_DIR if ckpt else initial_weights(recipe))
     reference = None
     if recipe.algorithm.kl.coef > 0 and not hasattr(policy, "disable_adapter"):
@@ -134,28 +156,20 @@ def _load_models(recipe: Recipe, ctx: DistContext, ckpt: Path | None):
     optimizers, schedulers = {"policy": opt}, {"policy": sched}
     if critic is not None:
         optimizers["critic"], schedulers["critic"] = build_optimizer(critic.parameters(), recipe.optim.critic_lr, recipe)
-    return tokenizer, policy, model_path, reference, critic, optimizers, schedulers
-
-
-def setup(recipe: Recipe, ctx: DistContext, console: Any, resume: bool) -> Run:
-    """Recipe -> one Run: models (restored on resume), environment, data, reward, loggers."""
-    out_dir = Path(recipe.trainer.out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    seed_everything(recipe.seed)
-    ckpt, trainer_state, tensor_state = _resume_point(recipe, out_dir, resume, console)
-    if ckpt is None and recipe.model.init_from is not None:
-        check_init_from(recipe, resolve_checkpoint(recipe.model.init_from), console)
-    start_step = int(trainer_state.get("step", 0))
-    tokenizer, policy, model_path, reference, critic, optimizers, schedulers = _load_models(recipe, ctx, ckpt)
-    if tensor_state:
+    if point.tensor_state:
         models = {"policy": policy, **({"critic": critic} if critic is not None else {})}
-        load_optimizer_states(models, optimizers, tensor_state["optimizers"])
+        load_optimizer_states(models, optimizers, point.tensor_state["optimizers"])
         for k, s in schedulers.items():
-            s.load_state_dict(tensor_state["schedulers"][k])
-        set_rng_state(tensor_state["rng"])
-    if ctx.enabled:  # ranks sample different trajectories
-        seed_everything(recipe.seed * 1_000_003 + start_step * 1_009 + ctx.rank)
+            s.load_state_dict(point.tensor_state["schedulers"][k])
+        set_rng_state(point.tensor_state["rng"])
+    return LoadedModels(tokenizer, policy, model_path, reference, critic, optimizers, schedulers)
 
+
+def _rollout_generator(recipe: Recipe, ctx: DistContext, models: LoadedModels,
+                       console: Any) -> tuple[nn.Module | None, HFGenerator]:  # fmt: skip
+    """The rollout model (a bf16 copy, or None: the policy or the decode engine's own copy decodes) and
+    the generator the rollouts call."""
+    policy = models.policy
     cache, compiled, why = rollout_decoding(recipe, unwrap(policy), ctx.device)
     # the decode engine keeps its own bf16 copy (refreshed after every update): no second rollout model
     rollout_model = rollout_copy(recipe, policy, ctx.device) if cache != "engine" else None
@@ -163,17 +177,33 @@ def setup(recipe: Recipe, ctx: DistContext, console: Any, resume: bool) -> Run:
     if rollout_model is not None:
         cache, compiled, why = rollout_decoding(recipe, rollout_weights, ctx.device)
     # the engine's KV pool follows the rows' tokens, so it takes a whole step's rows at once
-    generator = HFGenerator(rollout_weights, tokenizer=tokenizer, cache=cache, compile=compiled,
+    generator = HFGenerator(rollout_weights, tokenizer=models.tokenizer, cache=cache, compile=compiled,
                             max_batch_size=256 if cache == "engine" else 64)
     if ctx.is_main:
         console.print(f"rollout decoding: {cache} KV cache{', compiled decode step' if compiled else ''} ({why})")
+    return rollout_model, generator
+
+
+def setup(recipe: Recipe, ctx: DistContext, console: Any, resume: bool) -> Run:
+    """Recipe -> one Run: models (restored on resume), environment, data, reward, loggers."""
+    out_dir = Path(recipe.trainer.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    seed_everything(recipe.seed)
+    point = _resume_point(recipe, out_dir, resume, console)
+    if point.checkpoint is None and recipe.model.init_from is not None:
+        check_init_from(recipe, resolve_checkpoint(recipe.model.init_from), console)
+    start_step = int(point.trainer_state.get("step", 0))
+    models = _load_models(recipe, ctx, point)
+    if ctx.enabled:  # ranks sample different trajectories
+        seed_everything(recipe.seed * 1_000_003 + start_step * 1_009 + ctx.rank)
+    rollout_model, generator = _rollout_generator(recipe, ctx, models, console)
     retriever = build_retriever(recipe)
     loop = build_loop(recipe)
     examples = load_examples(recipe)
-    cursor = DataCursor(recipe.seed, len(examples), recipe.data.shuffle, **trainer_state.get("cursor", {}))
+    cursor = DataCursor(recipe.seed, len(examples), recipe.data.shuffle, **point.trainer_state.get("cursor", {}))
     load_plugins(recipe.plugins)
     reward_fn = get_reward(recipe.reward.name, **recipe.reward.options)
-    services = build_reward_services(recipe, generator, unwrap(policy), retriever)
+    services = build_reward_services(recipe, generator, unwrap(models.policy), retriever)
     sampling = SamplingParams(max_new_tokens=recipe.agent.max_new_tokens_per_turn,
                               temperature=recipe.sampling.temperature, top_p=recipe.sampling.top_p)
     algo = recipe.algorithm
@@ -182,15 +212,19 @@ def setup(recipe: Recipe, ctx: DistContext, console: Any, resume: bool) -> Run:
         raise ConfigError(f"algorithm.minibatch_size must be divisible by the number of ranks ({ctx.world_size})")
     log = open_recipe_loggers(recipe, out_dir, start_step) if ctx.is_main else None
     if ctx.is_main:
-        run_info = {"recipe": recipe.model_dump(), "model_path": model_path, "device": str(ctx.device),
+        run_info = {"recipe": recipe.model_dump(), "model_path": models.model_path, "device": str(ctx.device),
                     "ranks": ctx.world_size}
         write_run_info(out_dir, run_info)
         log.log_config(run_info)
-    return Run(recipe, ctx, out_dir, console, tokenizer, policy, reference, critic, optimizers, schedulers,
-               rollout_model, generator, retriever, loop, reward_fn, services, sampling, examples, cursor,
-               local_prompts, algo.minibatch_size // ctx.world_size, log, start_step, start_step,
-               val_examples=load_validation_examples(recipe),
-               kl_coef=float(trainer_state.get("kl_coef", algo.kl.coef)))
+    return Run(
+        recipe=recipe, ctx=ctx, out_dir=out_dir, console=console, tokenizer=models.tokenizer, policy=models.policy,
+        reference=models.reference, critic=models.critic, optimizers=models.optimizers,
+        schedulers=models.schedulers, rollout_model=rollout_model, generator=generator, retriever=retriever,
+        loop=loop, reward_fn=reward_fn, services=services, sampling=sampling, examples=examples, cursor=cursor,
+        local_prompts=local_prompts, local_minibatch=algo.minibatch_size // ctx.world_size, log=log,
+        start_step=start_step, last_saved=start_step, val_examples=load_validation_examples(recipe),
+        kl_coef=float(point.trainer_state.get("kl_coef", algo.kl.coef)),
+    )
 
 
 def save(run: Run, done: int, cursor_state: dict[str, int], stage: int) -> None:

@@ -2,36 +2,89 @@
 
 from __future__ import annotations
 
+import functools
+import inspect
 import os
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import typer
 
-CHECKPOINT = typer.Option(None, "--checkpoint", help="A `sleuth train` checkpoint or run directory.")
-MODEL = typer.Option(None, "--model", help="Serve an untrained local model instead (alias, dir or .gguf); needs --loop.")
-LOOP = typer.Option(None, "--loop", help="Agent loop for --model: a registered method (s3, search_r1, ...).")
-LOOP_OPTION = typer.Option(None, "--loop-option", help="Loop option KEY=VALUE (repeatable), e.g. top_k=5.")
-INDEX = typer.Option(None, "--index", help="Local index directory built by `sleuth index`.")
-RETRIEVER_URL = typer.Option(None, "--retriever-url", help="A Search-R1 compatible /retrieve server.")
-GENERATOR = typer.Option(None, "--generator", help="Frozen generator for /answer: model alias/dir or openai:<url>#<model>.")
-MAX_BATCH = typer.Option(16, "--max-batch", help="Most requests merged into one batched rollout.")
-BATCH_WAIT_MS = typer.Option(
-    10.0, "--batch-wait-ms",
-    help="Longest a request that finds the model idle waits for others to share its rollout; it waits only "
-         "while requests have lately overlapped (a lone client never waits). 0: never wait.")
-# A searcher on CPU under concurrent requests takes tens of seconds to minutes per batched rollout.
-TIMEOUT_S = typer.Option(300.0, "--timeout-s", help="Per-request time limit (queueing included); 504 after it.")
-MAX_TURNS = typer.Option(8, "--max-turns-limit", help="Largest max_turns a request may ask for.")
-MAX_TOP_K = typer.Option(20, "--max-top-k", help="Largest top_k a request may ask for.")
-MAX_CHARS = typer.Option(2000, "--max-question-chars", help="Longest question accepted.")
-TOKEN_ENV = typer.Option(
-    "SLEUTH_API_TOKEN", "--token-env", help="Environment variable holding a bearer token; when set, auth is required."
-)
-PLUGIN = typer.Option(
-    None, "--plugin", help="Module registering more methods (repeatable), importable on PYTHONPATH."
-)
-DEVICE = typer.Option(None, "--device", help="Torch device of the searcher (default: cuda if available, else cpu).")
+# The options serve-searcher and serve-mcp share, declared once: (type, typer option) by parameter name.
+SEARCHER_OPTIONS: dict[str, tuple[Any, Any]] = {
+    "checkpoint": (Path | None, typer.Option(None, "--checkpoint", help="A `sleuth train` checkpoint or run directory.")),
+    "model": (str | None, typer.Option(
+        None, "--model", help="Serve an untrained local model instead (alias, dir or .gguf); needs --loop.")),
+    "loop": (str | None, typer.Option(
+        None, "--loop", help="Agent loop for --model: a registered method (s3, search_r1, ...).")),
+    "loop_option": (list[str] | None, typer.Option(
+        None, "--loop-option", help="Loop option KEY=VALUE (repeatable), e.g. top_k=5.")),
+    "index": (Path | None, typer.Option(None, "--index", help="Local index directory built by `sleuth index`.")),
+    "retriever_url": (str | None, typer.Option(
+        None, "--retriever-url", help="A Search-R1 compatible /retrieve server.")),
+    "generator": (str | None, typer.Option(
+        None, "--generator", help="Frozen generator for /answer: model alias/dir or openai:<url>#<model>.")),
+    "max_batch": (int, typer.Option(16, "--max-batch", help="Most requests merged into one batched rollout.")),
+    "batch_wait_ms": (float, typer.Option(
+        10.0, "--batch-wait-ms",
+        help="Longest a request that finds the model idle waits for others to share its rollout; it waits only "
+             "while requests have lately overlapped (a lone client never waits). 0: never wait.")),
+    # A searcher on CPU under concurrent requests takes tens of seconds to minutes per batched rollout.
+    "timeout_s": (float, typer.Option(
+        300.0, "--timeout-s", help="Per-request time limit (queueing included); 504 after it.")),
+    "max_turns_limit": (int, typer.Option(8, "--max-turns-limit", help="Largest max_turns a request may ask for.")),
+    "max_top_k": (int, typer.Option(20, "--max-top-k", help="Largest top_k a request may ask for.")),
+    "max_question_chars": (int, typer.Option(2000, "--max-question-chars", help="Longest question accepted.")),
+    "token_env": (str, typer.Option(
+        "SLEUTH_API_TOKEN", "--token-env",
+        help="Environment variable holding a bearer token; when set, auth is required.")),
+    "device": (str | None, typer.Option(
+        None, "--device", help="Torch device of the searcher (default: cuda if available, else cpu).")),
+    "plugin": (list[str] | None, typer.Option(
+        None, "--plugin", help="Module registering more methods (repeatable), importable on PYTHONPATH.")),
+}
+
+
+@dataclass(frozen=True)
+class SearcherOptions:
+    """The values of SEARCHER_OPTIONS a serve command was called with."""
+
+    checkpoint: Path | None
+    model: str | None
+    loop: str | None
+    loop_option: list[str] | None
+    index: Path | None
+    retriever_url: str | None
+    generator: str | None
+    max_batch: int
+    batch_wait_ms: float
+    timeout_s: float
+    max_turns_limit: int
+    max_top_k: int
+    max_question_chars: int
+    token_env: str
+    device: str | None
+    plugin: list[str] | None
+
+
+def with_searcher_options(command: Callable[..., None]) -> Callable[..., None]:
+    """A serve command taking `options: SearcherOptions` becomes one whose CLI has the shared options after
+    its own (typer reads the signature): the option set is written once for both commands."""
+    own = [p for name, p in inspect.signature(command, eval_str=True).parameters.items() if name != "options"]
+    shared = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=option, annotation=kind)
+              for name, (kind, option) in SEARCHER_OPTIONS.items()]
+
+    @functools.wraps(command)
+    def with_options(**kwargs: Any) -> None:
+        options = SearcherOptions(**{name: kwargs.pop(name) for name in SEARCHER_OPTIONS})
+        command(options=options, **kwargs)
+
+    with_options.__signature__ = inspect.Signature([p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in own]
+                                                   + shared)  # type: ignore[attr-defined]
+    with_options.__annotations__ = {}  # typer reads the types from the signature above
+    return with_options
 
 
 def _fail(message: str) -> None:
@@ -69,26 +122,24 @@ def _check_network(host: str, port: int, token: str | None, what: str) -> None:
         )
 
 
-def _build(**kwargs: Any):
+def _build(options: SearcherOptions):
+    """The service the shared options describe (an error is printed and the command exits 2)."""
     from sleuth.agent.registry import load_plugins
     from sleuth.errors import SleuthError
-    from sleuth.serve.loading import build_service, parse_loop_options
-
-    try:
-        load_plugins(kwargs.pop("plugin") or [])
-        kwargs["loop_options"] = parse_loop_options(kwargs.pop("loop_option"))
-        return build_service(**kwargs)
-    except (SleuthError, ValueError, OSError) as err:
-        _fail(str(err))
-
-
-def _limits(max_batch: int, batch_wait_ms: float, timeout_s: float, max_turns: int, max_top_k: int, max_chars: int):
+    from sleuth.serve.loading import ServiceSpec, build_service, parse_loop_options
     from sleuth.serve.service import ServeLimits
 
     try:
-        return ServeLimits(max_question_chars=max_chars, max_turns=max_turns, max_top_k=max_top_k,
-                           max_batch=max_batch, batch_wait_ms=batch_wait_ms, timeout_s=timeout_s)
-    except ValueError as err:
+        load_plugins(options.plugin or [])
+        limits = ServeLimits(max_question_chars=options.max_question_chars, max_turns=options.max_turns_limit,
+                             max_top_k=options.max_top_k, max_batch=options.max_batch,
+                             batch_wait_ms=options.batch_wait_ms, timeout_s=options.timeout_s)
+        spec = ServiceSpec(checkpoint=options.checkpoint, model=options.model, loop=options.loop,
+                           loop_options=parse_loop_options(options.loop_option), index=options.index,
+                           retriever_url=options.retriever_url, generator=options.generator, limits=limits,
+                           device=options.device)
+        return build_service(spec)
+    except (SleuthError, ValueError, OSError) as err:
         _fail(str(err))
 
 
@@ -112,34 +163,17 @@ def register(app: typer.Typer) -> None:
                    f"serve with `sleuth serve-searcher --checkpoint {path}` or vLLM)")
 
     @app.command("serve-searcher")
+    @with_searcher_options
     def serve_searcher(
-        checkpoint: Path | None = CHECKPOINT,
-        model: str | None = MODEL,
-        loop: str | None = LOOP,
-        loop_option: list[str] | None = LOOP_OPTION,
-        index: Path | None = INDEX,
-        retriever_url: str | None = RETRIEVER_URL,
-        generator: str | None = GENERATOR,
+        options: SearcherOptions,
         host: str = typer.Option("127.0.0.1", "--host", help="Interface to bind; loopback only by default."),
         port: int = typer.Option(8100, "--port", help="TCP port."),
-        max_batch: int = MAX_BATCH,
-        batch_wait_ms: float = BATCH_WAIT_MS,
-        timeout_s: float = TIMEOUT_S,
-        max_turns_limit: int = MAX_TURNS,
-        max_top_k: int = MAX_TOP_K,
-        max_question_chars: int = MAX_CHARS,
-        token_env: str = TOKEN_ENV,
-        device: str | None = DEVICE,
-        plugin: list[str] | None = PLUGIN,
         max_body_bytes: int = typer.Option(1 << 20, "--max-body-bytes", help="Largest request body accepted (413 beyond)."),
     ) -> None:
         """Serve a searcher over HTTP: POST /search, POST /answer, GET /health."""
-        token = _token(token_env)
+        token = _token(options.token_env)
         _check_network(host, port, token, "searcher")
-        limits = _limits(max_batch, batch_wait_ms, timeout_s, max_turns_limit, max_top_k, max_question_chars)
-        service = _build(checkpoint=checkpoint, model=model, loop=loop, loop_option=loop_option, index=index,
-                         retriever_url=retriever_url, generator=generator, limits=limits, device=device,
-                         plugin=plugin)
+        service = _build(options)
         import uvicorn
 
         from sleuth.serve.searcher_server import create_app
@@ -151,37 +185,20 @@ def register(app: typer.Typer) -> None:
         uvicorn.run(create_app(service, token=token, max_body_bytes=max_body_bytes), host=host, port=port, log_level="warning", access_log=False)
 
     @app.command("serve-mcp")
+    @with_searcher_options
     def serve_mcp(
-        checkpoint: Path | None = CHECKPOINT,
-        model: str | None = MODEL,
-        loop: str | None = LOOP,
-        loop_option: list[str] | None = LOOP_OPTION,
-        index: Path | None = INDEX,
-        retriever_url: str | None = RETRIEVER_URL,
-        generator: str | None = GENERATOR,
+        options: SearcherOptions,
         transport: str = typer.Option("stdio", "--transport", help="stdio or http (streamable HTTP at /mcp)."),
         host: str = typer.Option("127.0.0.1", "--host", help="Interface to bind (http); loopback by default."),
         port: int = typer.Option(8101, "--port", help="TCP port (http)."),
-        max_batch: int = MAX_BATCH,
-        batch_wait_ms: float = BATCH_WAIT_MS,
-        timeout_s: float = TIMEOUT_S,
-        max_turns_limit: int = MAX_TURNS,
-        max_top_k: int = MAX_TOP_K,
-        max_question_chars: int = MAX_CHARS,
-        token_env: str = TOKEN_ENV,
-        device: str | None = DEVICE,
-        plugin: list[str] | None = PLUGIN,
     ) -> None:
         """Serve a searcher as MCP tools `search` (and `answer` with --generator) over stdio or HTTP."""
         if transport not in ("stdio", "http"):
             _fail(f"--transport must be stdio or http, got {transport!r}")
-        token = _token(token_env) if transport == "http" else None
+        token = _token(options.token_env) if transport == "http" else None
         if transport == "http":
             _check_network(host, port, token, "MCP server")
-        limits = _limits(max_batch, batch_wait_ms, timeout_s, max_turns_limit, max_top_k, max_question_chars)
-        service = _build(checkpoint=checkpoint, model=model, loop=loop, loop_option=loop_option, index=index,
-                         retriever_url=retriever_url, generator=generator, limits=limits, device=device,
-                         plugin=plugin)
+        service = _build(options)
         from sleuth.serve.mcp_server import create_mcp_server, http_app, run_stdio
 
         server = create_mcp_server(service)

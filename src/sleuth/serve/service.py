@@ -73,6 +73,26 @@ class ServeLimits:
 
 
 @dataclass(frozen=True)
+class SearcherSettings:
+    """How a `SearcherService` runs: its request limits, the rollout's token budgets, the reader's answer
+    length, and the names /health reports."""
+
+    limits: ServeLimits = field(default_factory=ServeLimits)
+    max_new_tokens_per_turn: int = 256
+    max_obs_tokens: int = 512
+    max_response_tokens: int = 2048
+    answer_max_new_tokens: int = 128
+    model_name: str = ""
+    retriever_name: str = ""  # "": the retriever's class name
+    generator_name: str | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("max_new_tokens_per_turn", "max_obs_tokens", "max_response_tokens", "answer_max_new_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+
+@dataclass(frozen=True)
 class SearchQuery:
     """A validated request."""
 
@@ -174,35 +194,17 @@ def response_body(traj: Trajectory, batch_size: int) -> dict[str, Any]:
 class SearcherService:
     """A searcher policy + its loop + a retriever (+ optionally a frozen answer generator)."""
 
-    def __init__(
-        self,
-        generator: Generator,
-        loop: AgentLoop,
-        retriever: Retriever,
-        *,
-        answer_generator: Generator | None = None,
-        limits: ServeLimits | None = None,
-        max_new_tokens_per_turn: int = 256,
-        max_obs_tokens: int = 512,
-        max_response_tokens: int = 2048,
-        answer_max_new_tokens: int = 128,
-        model_name: str = "",
-        retriever_name: str = "",
-        generator_name: str | None = None,
-    ):
+    def __init__(self, generator: Generator, loop: AgentLoop, retriever: Retriever,
+                 answer_generator: Generator | None = None, settings: SearcherSettings | None = None):
         tokenizer = getattr(generator, "tokenizer", None)
         if tokenizer is None:
             raise ValueError(
                 "the searcher model must expose a tokenizer (a local model: alias, checkpoint dir or .gguf); "
                 "the rollout engine works token-in/token-out"
             )
-        for name, value in (("max_new_tokens_per_turn", max_new_tokens_per_turn), ("max_obs_tokens", max_obs_tokens),
-                            ("max_response_tokens", max_response_tokens),
-                            ("answer_max_new_tokens", answer_max_new_tokens)):
-            if value < 1:
-                raise ValueError(f"{name} must be >= 1, got {value}")
+        settings = settings or SearcherSettings()
         self.loop = loop
-        self.limits = limits or ServeLimits()
+        self.limits = settings.limits
         if loop.top_k > self.limits.max_top_k or loop.max_turns > self.limits.max_turns:
             # the loop's own defaults must always be acceptable requests
             self.limits = replace(
@@ -216,13 +218,13 @@ class SearcherService:
         self.answer_generator = (
             _GuardedGenerator(answer_generator, "answer generator", lambda: None) if answer_generator else None
         )
-        self.params = SamplingParams(max_new_tokens=max_new_tokens_per_turn, temperature=0.0)
-        self.answer_params = SamplingParams(max_new_tokens=answer_max_new_tokens, temperature=0.0)
-        self.max_obs_tokens = max_obs_tokens
-        self.max_response_tokens = max_response_tokens
-        self.model_name = model_name
-        self.retriever_name = retriever_name or type(retriever).__name__
-        self.generator_name = generator_name
+        self.params = SamplingParams(max_new_tokens=settings.max_new_tokens_per_turn, temperature=0.0)
+        self.answer_params = SamplingParams(max_new_tokens=settings.answer_max_new_tokens, temperature=0.0)
+        self.max_obs_tokens = settings.max_obs_tokens
+        self.max_response_tokens = settings.max_response_tokens
+        self.model_name = settings.model_name
+        self.retriever_name = settings.retriever_name or type(retriever).__name__
+        self.generator_name = settings.generator_name
         self._stats_lock = threading.Lock()
         self.stats = {
             "requests": 0, "completed": 0, "rejected": 0, "failures": 0, "timeouts": 0,
