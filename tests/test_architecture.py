@@ -91,8 +91,11 @@ MAX_FUNCTION_LINES = 100
 MAX_PARAMETERS = 8
 
 
-def _is_cli_command(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> bool:
-    """A typer command declaration (`@app.command(...)`): its parameters are the CLI's options."""
+def _is_cli_command(fn: ast.FunctionDef | ast.AsyncFunctionDef, registered: set[str] = frozenset()) -> bool:
+    """A typer command declaration (`@app.command(...)`, or registered as `app.command(...)(fn)`): its
+    parameters are the CLI's options."""
+    if fn.name in registered:
+        return True
     for deco in fn.decorator_list:
         call = deco.func if isinstance(deco, ast.Call) else deco
         if isinstance(call, ast.Attribute) and call.attr in ("command", "callback"):
@@ -100,18 +103,38 @@ def _is_cli_command(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> bool:
     return False
 
 
+def _is_compiled_kernel(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> bool:
+    """A numba (`@njit`) or Triton (`@triton.jit`) kernel: compiled code takes flat arrays and scalars, no records."""
+    for deco in fn.decorator_list:
+        call = deco.func if isinstance(deco, ast.Call) else deco
+        name = call.attr if isinstance(call, ast.Attribute) else getattr(call, "id", "")
+        if name in ("jit", "njit"):
+            return True
+    return False
+
+
+def _registered_commands(tree: ast.AST) -> set[str]:
+    """Functions registered as `app.command(...)(fn)`."""
+    return {n.args[0].id for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Call)
+            and isinstance(n.func.func, ast.Attribute) and n.func.func.attr == "command"
+            and n.args and isinstance(n.args[0], ast.Name)}
+
+
 def _size_violations(source: str, where: str) -> list[str]:
     """Functions over MAX_PARAMETERS parameters (self/cls not counted) or MAX_FUNCTION_LINES lines;
     the lines of a nested CLI command do not count towards the function around it."""
     found = []
     functions = (ast.FunctionDef, ast.AsyncFunctionDef)
-    for fn in ast.walk(ast.parse(source)):
-        if not isinstance(fn, functions) or _is_cli_command(fn):
+    tree = ast.parse(source)
+    registered = _registered_commands(tree)
+    for fn in ast.walk(tree):
+        if not isinstance(fn, functions) or _is_cli_command(fn, registered) or _is_compiled_kernel(fn):
             continue
         a = fn.args
         params = [p.arg for p in (*a.posonlyargs, *a.args, *a.kwonlyargs) if p.arg not in ("self", "cls")]
         params += [p.arg for p in (a.vararg, a.kwarg) if p is not None]
-        commands = [n for n in ast.walk(fn) if n is not fn and isinstance(n, functions) and _is_cli_command(n)]
+        commands = [n for n in ast.walk(fn) if n is not fn and isinstance(n, functions)
+                    and _is_cli_command(n, registered)]
         lines = fn.end_lineno - fn.lineno + 1 - sum(c.end_lineno - c.lineno + 1 for c in commands)
         if len(params) > MAX_PARAMETERS:
             found.append(f"{where}:{fn.lineno} {fn.name} takes {len(params)} parameters")
@@ -120,13 +143,30 @@ def _size_violations(source: str, where: str) -> list[str]:
     return found
 
 
+# Constructors of the service floors still over the parameter limit: their options are to become settings
+# records like SearcherSettings; their call sites span bench/, which another change owns now. The test
+# below fails when one of them is fixed and still listed, so the list only shrinks.
+SIZE_RULE_PENDING = {
+    "llm/hf.py:__init__", "llm/openai_http.py:__init__", "retrieval/client.py:__init__",
+    "retrieval/milvus.py:index_corpus", "retrieval/milvus.py:__init__", "retrieval/server.py:create_app",
+    "retrieval/sharded.py:build_sharded_faiss", "retrieval/sharded.py:__init__",
+}
+
+
 def test_no_function_over_100_lines_or_8_parameters() -> None:
-    """In rl/, agent/ and eval/ (CLI command declarations aside): group related arguments into a record."""
-    found = []
-    for floor in ("rl", "agent", "eval"):
-        for path in sorted((SRC / floor).rglob("*.py")):
-            found += _size_violations(path.read_text(encoding="utf-8"), f"{floor}/{path.name}")
+    """In every folder under src/sleuth (CLI command declarations and compiled kernels aside): group related
+    arguments into a record."""
+    found, pending = [], set()
+    for path in sorted(SRC.rglob("*.py")):
+        where = str(path.relative_to(SRC))
+        for violation in _size_violations(path.read_text(encoding="utf-8"), where):
+            key = f"{where}:{violation.split()[1]}"
+            if key in SIZE_RULE_PENDING and violation.endswith("parameters"):
+                pending.add(key)
+            else:
+                found.append(violation)
     assert not found, found
+    assert pending == SIZE_RULE_PENDING, f"fixed, take off SIZE_RULE_PENDING: {SIZE_RULE_PENDING - pending}"
 
 
 def test_the_size_check_finds_the_rule_breakers() -> None:
@@ -135,6 +175,9 @@ def test_the_size_check_finds_the_rule_breakers() -> None:
     command = ("def register(app):\n    @app.command('x')\n    def cmd(a, b, c, d, e, f, g, h, i):\n"
                + "        x = 1\n" * MAX_FUNCTION_LINES)
     method = "class C:\n    def m(self, a, b, c, d, e, f, g, h):\n        pass\n"
+    registered = "def register(app):\n    def cmd(a, b, c, d, e, f, g, h, i):\n        pass\n    app.command('x')(cmd)\n"
+    kernel = "@njit(cache=True)\ndef k(a, b, c, d, e, f, g, h, i):\n    pass\n"
+    assert _size_violations(registered, "s") == [] and _size_violations(kernel, "s") == []
     assert _size_violations(nine, "s") == ["s:1 f takes 9 parameters"]
     assert _size_violations(long, "s") == [f"s:1 g is {MAX_FUNCTION_LINES + 1} lines"]
     assert _size_violations(command, "s") == [] and _size_violations(method, "s") == []

@@ -88,15 +88,17 @@ def evaluate(
     generator: Any = None,
     judge: Any = None,
     out_dir: str | Path = "eval-results",
-    limit: int | None = None,
     **options: Any,
 ) -> dict[str, Any]:
     """Evaluate `methods` as `sleuth eval` does; returns the summary (also written to out_dir/summary.json).
 
-    `data` is QA file path(s) or `QAExample`s; `options` are `EvalConfig` fields (top_k, max_turns, ...).
+    `data` is QA file path(s) or `QAExample`s; `options` are `limit` (the first N questions of each data
+    source, as `--limit`) and `EvalConfig` fields (top_k, max_turns, ...).
     """
     from sleuth.eval.harness import EvalOutput, eval_config
     from sleuth.eval.harness import evaluate as run_eval
+
+    limit = options.pop("limit", None)
 
     return run_eval(methods, _examples(data, limit), retriever=retriever, model=model, generator=generator,
                     judge=judge, out_dir=EvalOutput(out_dir, run_info={"limit": limit}), config=eval_config(**options))

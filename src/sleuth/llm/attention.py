@@ -29,8 +29,7 @@ def grouped_decode_sdpa(
     attention_mask: torch.Tensor | None,
     dropout: float = 0.0,
     scaling: float | None = None,
-    is_causal: bool | None = None,
-    **kwargs: Any,
+    **kwargs: Any,  # is_causal and the rest of transformers' attention keywords: passed on where SDPA runs
 ) -> tuple[torch.Tensor, None]:
     from transformers.integrations.sdpa_attention import sdpa_attention_forward  # deferred: heavy import
 
@@ -40,7 +39,7 @@ def grouped_decode_sdpa(
              or kwargs.get("position_bias") is not None or kwargs.get("output_attentions"))
     if plain:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      is_causal=is_causal, **kwargs)
+                                      **kwargs)
     rows = query.reshape(batch, heads // groups, groups, dim)  # query head h reads key/value head h // groups
     mask = attention_mask
     if mask is not None:
