@@ -8,15 +8,9 @@ import pytest
 from typer.testing import CliRunner
 
 from sleuth.cli import app
-from sleuth.data.synth import (
-    _RELATIONS_BY_SUBJECT,
-    ENTITY_TYPES,
-    KNOWLEDGE_FILE,
-    generate_world,
-    knowledge_statements,
-    knowledge_type,
-    write_world,
-)
+from sleuth.data.synth import KNOWLEDGE_FILE, generate_world, write_world
+from sleuth.data.synth_questions import knowledge_statements, knowledge_type
+from sleuth.data.world_schema import ENTITY_TYPES, RELATIONS_BY_SUBJECT
 from sleuth.eval.baselines import DIRECT_PROMPT
 from sleuth.knowledge import (
     InjectionSettings,
@@ -30,7 +24,7 @@ from sleuth.knowledge import (
 def _all_facts(world):
     for etype in ENTITY_TYPES:
         for gid in range(world.type_start[etype], world.type_start[etype] + world.type_count[etype]):
-            for relation in _RELATIONS_BY_SUBJECT[etype]:
+            for relation in RELATIONS_BY_SUBJECT[etype]:
                 yield relation, gid
 
 

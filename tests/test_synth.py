@@ -12,8 +12,8 @@ from typer.testing import CliRunner
 from sleuth.cli import app
 from sleuth.data.filters import is_yes_no
 from sleuth.data.formats import iter_corpus, read_qa_jsonl
+from sleuth.data.names import RARE_ONSETS
 from sleuth.data.synth import (
-    _RARE_ONSETS,
     GENERATOR_VERSION,
     generate_world,
     parse_hops,
@@ -61,7 +61,7 @@ def test_names_are_fictional_by_construction(world):
     # Every made-up word carries a cluster English never starts a word with; whole names are
     # made-up words plus (for titles/orgs) common nouns, so each name has at least one.
     for name in world.names:
-        assert any(onset in name.lower() for onset in _RARE_ONSETS), name
+        assert any(onset in name.lower() for onset in RARE_ONSETS), name
 
 
 def test_every_question_is_answerable_from_its_supporting_passages(world, passages):

@@ -19,7 +19,7 @@ from typing import Protocol
 
 from sleuth.agent.base import AgentLoop
 from sleuth.data.formats import QAExample
-from sleuth.data.synth import RELATIONS
+from sleuth.data.world_schema import RELATIONS
 from sleuth.errors import ConfigError
 from sleuth.retrieval.base import Hit, Retriever
 

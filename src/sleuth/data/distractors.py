@@ -31,6 +31,7 @@ from typing import TextIO
 import numpy as np
 
 from sleuth.data.formats import Passage
+from sleuth.data.world_schema import RELATIONS
 
 BLOCK = 4096
 LEXICON_SIZE = 50_000
@@ -91,8 +92,6 @@ class _Maker:
     """Makes distractor blocks; built once per process from the pools (the lexicon is derived, not shipped)."""
 
     def __init__(self, pools: DistractorPools):
-        from sleuth.data.synth import RELATIONS
-
         self.pools = pools
         rng = random.Random(f"{pools.seed}/lexicon")
         words: set[str] = set()
