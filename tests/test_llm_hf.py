@@ -9,15 +9,12 @@ import torch
 
 from sleuth.errors import ConfigError
 from sleuth.llm.base import Generator, SamplingParams
+from sleuth.llm.decoding import left_pad, positions_from_mask, select_next_tokens, top_p_filter
 from sleuth.llm.hf import (
     HFGenerator,
     first_stop_in,
-    left_pad,
     normalise_stops,
-    positions_from_mask,
-    select_next_tokens,
     stop_window,
-    top_p_filter,
 )
 from sleuth.llm.tiny import build_tiny_model
 

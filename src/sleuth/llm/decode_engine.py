@@ -33,6 +33,7 @@ import torch.nn.functional as F
 
 from sleuth.errors import ConfigError
 from sleuth.llm import kernels
+from sleuth.llm.decoding import select_next_tokens
 
 log = logging.getLogger(__name__)
 
@@ -447,8 +448,6 @@ class DecodeEngine:
             tokens, logprobs = kernels.sample(logits, temperature, self._seed)
             self._seed.add_(_SEED_STRIDE)
             return tokens, logprobs
-        from sleuth.llm.hf import select_next_tokens  # deferred: hf imports this module
-
         return select_next_tokens(logits.float(), temperature=temperature, top_p=top_p, generator=generator)
 
     @torch.no_grad()
