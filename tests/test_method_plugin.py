@@ -88,7 +88,7 @@ def test_plugin_method_serves_through_the_cli(trained: Path, small_world: Path, 
 
 def test_plugin_reader_prompt_reads_its_served_documents(trained: Path, small_world: Path, monkeypatch) -> None:
     """The plugin's own reader prompt (Method.reader) is what the service's /answer hands the frozen
-    generator, and rewards / `sleuth eval --answer-template` can name it: no edit to sleuth."""
+    generator, and a reward option or EvalConfig.answer_template can name it: no edit to sleuth."""
     import uvicorn
 
     import sleuth.serve.service as service_module

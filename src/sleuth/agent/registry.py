@@ -9,7 +9,7 @@ plugin module (`plugins:` in a recipe, `--plugin` on the command line) registers
 
 A `Reader` is a prompt that asks a frozen generator to answer a question from documents. A method
 names its own (`Method.reader`: registered with the method, by the reader's name); `register_reader`
-adds one on its own. Rewards and evaluation options that name a reader (`template`, `--answer-template`)
+adds one on its own. Rewards and evaluation options that name a reader (`template`, `EvalConfig.answer_template`)
 look it up with `get_reader`.
 
     get_loop("s3", top_k=5)   # a loop with the paper's defaults overridden by config
@@ -50,7 +50,7 @@ def served_context(traj: Trajectory) -> list[dict]:
 class Reader:
     """A reader prompt: `prompt(question, hits)` -> the chat messages a frozen generator answers."""
 
-    name: str  # how recipes (`reward.options.template`) and `sleuth eval --answer-template` name it
+    name: str  # how recipes (`reward.options.template`) and `EvalConfig.answer_template` name it
     prompt: Callable[[str, Sequence[Hit]], list[dict]]
 
 
