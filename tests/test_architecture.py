@@ -143,13 +143,12 @@ def _size_violations(source: str, where: str) -> list[str]:
     return found
 
 
-# Constructors of the service floors still over the parameter limit: their options are to become settings
+# Functions of the service floors still over the parameter limit: their options are to become settings
 # records like SearcherSettings; their call sites span bench/, which another change owns now. The test
 # below fails when one of them is fixed and still listed, so the list only shrinks.
 SIZE_RULE_PENDING = {
     "llm/hf.py:__init__", "llm/openai_http.py:__init__", "retrieval/client.py:__init__",
-    "retrieval/milvus.py:index_corpus", "retrieval/milvus.py:__init__", "retrieval/server.py:create_app",
-    "retrieval/sharded.py:build_sharded_faiss", "retrieval/sharded.py:__init__",
+    "retrieval/milvus.py:__init__", "retrieval/server.py:create_app",
 }
 
 

@@ -20,7 +20,7 @@ from sleuth.errors import ConfigError, IndexMismatchError, ServiceError  # noqa:
 from sleuth.retrieval.base import Retriever  # noqa: E402
 from sleuth.retrieval.dense import passage_text  # noqa: E402
 from sleuth.retrieval.encoders import Encoder, EncoderConfig  # noqa: E402
-from sleuth.retrieval.milvus import MilvusRetriever, connect, index_corpus  # noqa: E402
+from sleuth.retrieval.milvus import MilvusBuild, MilvusRetriever, connect, index_corpus  # noqa: E402
 
 DIM = 32
 N_DOCS = 60
@@ -75,7 +75,7 @@ def milvus_db(tmp_path_factory: pytest.TempPathFactory, encoder: HashEncoder) ->
         connect(uri).close()
     except ServiceError as err:  # pragma: no cover - depends on the machine
         pytest.skip(f"the local Milvus engine (milvus-lite) could not start here: {err}")
-    stats = index_corpus(corpus, uri, "passages", encoder, batch=16)
+    stats = index_corpus(corpus, uri, "passages", encoder, MilvusBuild(batch=16))
     return uri, corpus, stats
 
 

@@ -35,7 +35,7 @@ from sleuth.retrieval.dense import (
 from sleuth.retrieval.docstore import DocStore
 from sleuth.retrieval.encoders import Encoder, EncoderConfig
 from sleuth.retrieval.hybrid import HybridRetriever
-from sleuth.retrieval.sharded import build_sharded_faiss, load_sharded
+from sleuth.retrieval.sharded import ShardBuild, build_sharded_faiss, load_sharded
 from sleuth.utils import (
     atomic_write_json,
     give_normal_permissions,
@@ -252,9 +252,8 @@ def _build_dense(
                 encoder.dim,
                 fparams,
                 out_dir,
-                shards=shard_opts.get("shards", 1),
-                train_sample=shard_opts.get("train_sample"),
-                keep_vectors=bool(shard_opts.get("keep_vectors", False)),
+                ShardBuild(shards=shard_opts.get("shards", 1), train_sample=shard_opts.get("train_sample"),
+                           keep_vectors=bool(shard_opts.get("keep_vectors", False))),
             )
         )
         return meta

@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -138,28 +139,29 @@ def _batches(corpus: str | Path, batch: int) -> Iterator[list[tuple[int, Any]]]:
         yield buf
 
 
-def index_corpus(
-    corpus: str | Path,
-    uri: str | Path,
-    collection: str,
-    encoder: Any,
-    batch: int = 256,
-    *,
-    token: str | None = None,
-    bm25: bool = True,
-    index_params: dict[str, Any] | None = None,
-    num_shards: int | None = None,
-    consistency_level: str = "Bounded",
-    overwrite: bool = False,
-    show_progress: bool = False,
-) -> dict[str, Any]:
-    """Encode a corpus jsonl and insert it into a new Milvus collection; returns counts and timings.
+@dataclass(frozen=True)
+class MilvusBuild:
+    """How `index_corpus` writes a collection. `index_params`: the dense index, e.g. `{"index_type": "IVF_PQ",
+    "params": {"nlist": 16384, "m": 64}}` (metric is always IP: encoders here produce normalised vectors).
+    `num_shards`: Milvus write shards (cluster parallelism for inserts; ignored by milvus-lite). `bm25`: also
+    build the server-side BM25 sparse index (Milvus >= 2.5)."""
 
-    `index_params`: the dense index, e.g. `{"index_type": "IVF_PQ", "params": {"nlist": 16384, "m": 64}}`
-    (metric is always IP: encoders here produce normalised vectors). `num_shards`: Milvus write
-    shards (cluster parallelism for inserts; ignored by milvus-lite). `bm25`: also build the
-    server-side BM25 sparse index (Milvus >= 2.5).
-    """
+    batch: int = 256
+    bm25: bool = True
+    index_params: dict[str, Any] | None = None
+    num_shards: int | None = None
+    consistency_level: str = "Bounded"
+    overwrite: bool = False
+    show_progress: bool = False
+
+
+def index_corpus(corpus: str | Path, uri: str | Path, collection: str, encoder: Any,
+                 build: MilvusBuild | None = None, token: str | None = None) -> dict[str, Any]:
+    """Encode a corpus jsonl and insert it into a new Milvus collection (`build`: how); returns counts and
+    timings."""
+    build = build or MilvusBuild()
+    batch, bm25, index_params, num_shards = build.batch, build.bm25, build.index_params, build.num_shards
+    consistency_level, overwrite, show_progress = build.consistency_level, build.overwrite, build.show_progress
     if batch < 1:
         raise ConfigError(f"batch must be >= 1, got {batch}")
     dense_index = {**DEFAULT_INDEX, **(index_params or {})}
@@ -277,7 +279,7 @@ class MilvusRetriever:
         meta = self._collection_meta()
         if mode in ("bm25", "hybrid") and not meta.get("bm25", False):
             raise IndexMismatchError(
-                f"collection {collection!r} has no BM25 field; rebuild it with index_corpus(..., bm25=True) "
+                f"collection {collection!r} has no BM25 field; rebuild it with index_corpus(..., MilvusBuild(bm25=True)) "
                 "or search with mode='dense'"
             )
         self.encoder = None

@@ -21,7 +21,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -95,23 +95,22 @@ def _rechunk(chunks: Iterable[np.ndarray], bounds: Sequence[int]) -> Iterator[tu
             pos += take
 
 
-def build_sharded_faiss(
-    vectors: Iterable[np.ndarray],
-    num_vectors: int,
-    dim: int,
-    params: dict[str, Any],
-    out_dir: Path,
-    *,
-    shards: int,
-    train_sample: int | None = None,
-    keep_vectors: bool = False,
-    seed: int = 0,
-) -> dict[str, Any]:
-    """Write `shards` faiss indexes over contiguous ranges of a vector stream; returns the manifest part.
+@dataclass(frozen=True)
+class ShardBuild:
+    """How `build_sharded_faiss` shards: `shards` indexes; `train_sample` (IVF-PQ only) caps the vectors held
+    in RAM for training; `keep_vectors` keeps a float16 copy of all vectors for exact re-ranking."""
 
-    `params` come from `dense.faiss_params`. `train_sample` (IVF-PQ only) caps the vectors held in RAM
-    for training; `keep_vectors` keeps a float16 copy of all vectors for exact re-ranking.
-    """
+    shards: int
+    train_sample: int | None = None
+    keep_vectors: bool = False
+    seed: int = 0
+
+
+def build_sharded_faiss(vectors: Iterable[np.ndarray], num_vectors: int, dim: int, params: dict[str, Any],
+                        out_dir: Path, build: ShardBuild) -> dict[str, Any]:
+    """Write `build.shards` faiss indexes over contiguous ranges of a vector stream; returns the manifest
+    part. `params` come from `dense.faiss_params`."""
+    shards, train_sample, keep_vectors, seed = build.shards, build.train_sample, build.keep_vectors, build.seed
     import faiss  # deferred: faiss is heavy; only dense indexes need it
 
 
@@ -256,6 +255,17 @@ def _to_gpu(index: Any, gpu: int) -> Any:
     return gpu_index
 
 
+@dataclass(frozen=True)
+class ShardSearch:
+    """How a `ShardedDenseRetriever` searches (see its docstring)."""
+
+    faiss_type: str = "flat"
+    threads: int = 1
+    rerank: int = 0
+    gpus: Sequence[int] | None = None
+    search_params: dict[str, Any] = field(default_factory=dict)  # ef_search (HNSW), nprobe (IVF)
+
+
 class ShardedDenseRetriever:
     """Encode queries once, search every shard, merge to global top-k, return passages from the docstore.
 
@@ -267,20 +277,10 @@ class ShardedDenseRetriever:
 
     kind = "dense-sharded"
 
-    def __init__(
-        self,
-        shard_indexes: Sequence[Any],
-        specs: Sequence[ShardSpec],
-        encoder: Any,
-        docstore: DocStore,
-        *,
-        faiss_type: str = "flat",
-        threads: int = 1,
-        vectors: np.ndarray | None = None,
-        rerank: int = 0,
-        gpus: Sequence[int] | None = None,
-        **search_params: Any,
-    ):
+    def __init__(self, shard_indexes: Sequence[Any], specs: Sequence[ShardSpec], encoder: Any, docstore: DocStore,
+                 vectors: np.ndarray | None = None, search: ShardSearch | None = None):
+        search = search or ShardSearch()
+        faiss_type, threads, rerank, gpus = search.faiss_type, search.threads, search.rerank, search.gpus
         if len(shard_indexes) != len(specs) or not specs:
             raise ValueError(f"got {len(shard_indexes)} shard indexes for {len(specs)} shard specs")
         expected_start = 0
@@ -311,7 +311,7 @@ class ShardedDenseRetriever:
         self.vectors = vectors
         self.rerank = int(rerank)
         self.indexes = list(shard_indexes)
-        self.set_search_params(**search_params)
+        self.set_search_params(**search.search_params)
         if gpus:
             self.indexes = [_to_gpu(ix, gpus[i % len(gpus)]) for i, ix in enumerate(self.indexes)]
         self.parallel = len(gpus) if gpus else min(self.threads, len(self.indexes))
@@ -429,15 +429,6 @@ def load_sharded(
         vectors = np.memmap(path, dtype=vec_meta["dtype"], mode="r", shape=shape)
     if rerank is None:
         rerank = DEFAULT_RERANK if vectors is not None else 0
-    return ShardedDenseRetriever(
-        indexes,
-        specs,
-        encoder,
-        docstore,
-        faiss_type=manifest["faiss"]["type"],
-        threads=threads,
-        vectors=vectors,
-        rerank=int(rerank),
-        gpus=gpus,
-        **search_params,
-    )
+    search = ShardSearch(faiss_type=manifest["faiss"]["type"], threads=threads, rerank=int(rerank), gpus=gpus,
+                         search_params=dict(search_params))
+    return ShardedDenseRetriever(indexes, specs, encoder, docstore, vectors, search)
