@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse
 
 from sleuth.errors import ConfigError, ServiceError
 from sleuth.llm.base import SamplingParams
-from sleuth.llm.openai_http import OpenAIGenerator, parse_choice, parse_token_ids
+from sleuth.llm.openai_http import OpenAIGenerator, OpenAIOptions, parse_choice, parse_token_ids
 
 
 def _free_port() -> int:
@@ -140,7 +140,7 @@ P = SamplingParams(max_new_tokens=32, temperature=0.0, seed=5)
 
 
 def test_chat_text_and_token_prompts_hit_the_right_endpoints(server):
-    gen = OpenAIGenerator(f"{server.url}/v1", "fake-model", chat=True)
+    gen = OpenAIGenerator(f"{server.url}/v1", "fake-model", options=OpenAIOptions(chat=True))
     outs = gen.generate(["hello", [{"role": "user", "content": "hi there"}], [1, 2, 3]], params=P)
     assert [o.text for o in outs] == [
         "reply to hello </search> tail",
@@ -158,7 +158,7 @@ def test_chat_text_and_token_prompts_hit_the_right_endpoints(server):
 
 
 def test_completions_mode_for_text(server):
-    gen = OpenAIGenerator(f"{server.url}/v1", "fake-model", chat=False)
+    gen = OpenAIGenerator(f"{server.url}/v1", "fake-model", options=OpenAIOptions(chat=False))
     (out,) = gen.generate(["plain"], params=P)
     assert "prompt" in server.requests[0] and out.text.startswith("reply to plain")
 
@@ -171,7 +171,7 @@ def test_stop_string_is_restored_in_text(server):
 
 
 def test_vllm_extensions_give_token_ids_and_stop_reason(server):
-    gen = OpenAIGenerator(f"{server.url}/v1", "fake-model", vllm_extensions=True)
+    gen = OpenAIGenerator(f"{server.url}/v1", "fake-model", options=OpenAIOptions(vllm_extensions=True))
     (out,) = gen.generate(["q"], stop=["</search>", "</answer>"], params=P)
     assert out.text == "reply to q </search>" and out.stop == "</search>" and out.finish_reason == "stop"
     assert out.token_ids == [ord(c) for c in out.text]
@@ -180,26 +180,26 @@ def test_vllm_extensions_give_token_ids_and_stop_reason(server):
 
 def test_retries_a_failing_then_succeeding_endpoint(server):
     server.flaky_failures_left = 2
-    gen = OpenAIGenerator(f"{server.url}/flaky/v1", "fake-model", retries=3, backoff=0.01)
+    gen = OpenAIGenerator(f"{server.url}/flaky/v1", "fake-model", options=OpenAIOptions(retries=3, backoff=0.01))
     (out,) = gen.generate(["x"], params=P)
     assert out.text.startswith("reply to x") and len(server.requests) == 3
 
 
 def test_gives_up_with_service_error(server):
     server.flaky_failures_left = 10
-    gen = OpenAIGenerator(f"{server.url}/flaky/v1", "fake-model", retries=2, backoff=0.01)
+    gen = OpenAIGenerator(f"{server.url}/flaky/v1", "fake-model", options=OpenAIOptions(retries=2, backoff=0.01))
     with pytest.raises(ServiceError, match="failed after 2 attempts.*503"):
         gen.generate(["x"], params=P)
 
 
 def test_dead_server_raises_service_error():
-    gen = OpenAIGenerator(f"http://127.0.0.1:{_free_port()}/v1", "fake-model", retries=2, backoff=0.01, timeout=2)
+    gen = OpenAIGenerator(f"http://127.0.0.1:{_free_port()}/v1", "fake-model", options=OpenAIOptions(retries=2, backoff=0.01, timeout=2))
     with pytest.raises(ServiceError, match=r"POST http://127\.0\.0\.1:\d+/v1/chat/completions failed after 2"):
         gen.generate(["x"], params=P)
 
 
 def test_client_errors_are_not_retried(server):
-    gen = OpenAIGenerator(f"{server.url}/v1", "other-model", retries=4, backoff=0.01)
+    gen = OpenAIGenerator(f"{server.url}/v1", "other-model", options=OpenAIOptions(retries=4, backoff=0.01))
     with pytest.raises(ServiceError, match="HTTP 404.*unknown model other-model"):
         gen.generate(["x"], params=P)
     assert len(server.requests) == 1
@@ -207,7 +207,7 @@ def test_client_errors_are_not_retried(server):
 
 def test_concurrency_is_bounded(server):
     server.delay = 0.1
-    gen = OpenAIGenerator(f"{server.url}/v1", "fake-model", max_concurrency=3)
+    gen = OpenAIGenerator(f"{server.url}/v1", "fake-model", options=OpenAIOptions(max_concurrency=3))
     outs = gen.generate([f"p{i}" for i in range(9)], params=P)
     assert [o.text for o in outs] == [f"reply to p{i} </search> tail" for i in range(9)]
     assert 2 <= server.max_in_flight <= 3
@@ -220,3 +220,13 @@ def test_parsers_and_bad_config():
     assert eos.finish_reason == "eos" and eos.text == "done"
     with pytest.raises(ConfigError, match="base_url"):
         OpenAIGenerator("localhost:8000", "m")
+
+
+def test_an_unknown_openai_spec_option_is_named() -> None:
+    from sleuth.llm.registry import load_generator
+
+    with pytest.raises(ConfigError, match="unknown option.*bogus"):
+        load_generator({"backend": "openai", "base_url": "http://127.0.0.1:9/v1", "model": "m", "bogus": 1})
+    gen = load_generator({"backend": "openai", "base_url": "http://127.0.0.1:9/v1", "model": "m", "chat": False,
+                          "retries": 2})
+    assert isinstance(gen, OpenAIGenerator) and gen.chat is False and gen.retries == 2

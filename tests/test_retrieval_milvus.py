@@ -20,7 +20,7 @@ from sleuth.errors import ConfigError, IndexMismatchError, ServiceError  # noqa:
 from sleuth.retrieval.base import Retriever  # noqa: E402
 from sleuth.retrieval.dense import passage_text  # noqa: E402
 from sleuth.retrieval.encoders import Encoder, EncoderConfig  # noqa: E402
-from sleuth.retrieval.milvus import MilvusBuild, MilvusRetriever, connect, index_corpus  # noqa: E402
+from sleuth.retrieval.milvus import MilvusBuild, MilvusRetriever, MilvusSearch, connect, index_corpus  # noqa: E402
 
 DIM = 32
 N_DOCS = 60
@@ -107,7 +107,7 @@ def test_dense_search_matches_numpy_and_returns_stored_fields(
 def test_bm25_full_text_search(milvus_db: tuple[str, Path, dict]) -> None:
     uri = milvus_db[0]
     # No encoder needed for BM25; each "uniqueN" term occurs in exactly one passage.
-    with MilvusRetriever(uri, "passages", mode="bm25") as r:
+    with MilvusRetriever(uri, "passages", search=MilvusSearch(mode="bm25")) as r:
         assert r.encoder is None
         hits = r.search(["unique7", "unique13 unique31", "Title 5"], 3)
     assert hits[0][0].doc_id == "doc-7"
@@ -125,11 +125,11 @@ def test_hybrid_search_is_rrf_of_dense_and_bm25(
     uri = milvus_db[0]
     docs = _docs()
     query = " ".join(docs[23][2].split()[:3]) + " unique23"
-    with MilvusRetriever(uri, "passages", encoder, mode="hybrid", rrf_k=60) as r:
+    with MilvusRetriever(uri, "passages", encoder, MilvusSearch(mode="hybrid", rrf_k=60)) as r:
         fused = r.search([query], 4)[0]
     with MilvusRetriever(uri, "passages", encoder) as r:
         dense = r.search([query], 4)[0]
-    with MilvusRetriever(uri, "passages", mode="bm25") as r:
+    with MilvusRetriever(uri, "passages", search=MilvusSearch(mode="bm25")) as r:
         bm25 = r.search([query], 4)[0]
     # Reference RRF: score(d) = sum over lists of 1 / (60 + rank), ranks from 1.
     expected: dict[str, float] = {}
@@ -148,7 +148,7 @@ def test_hybrid_search_is_rrf_of_dense_and_bm25(
 def test_batches_larger_than_max_batch(milvus_db: tuple[str, Path, dict], encoder: HashEncoder) -> None:
     uri = milvus_db[0]
     queries = [f"unique{i}" for i in range(N_DOCS)]
-    with MilvusRetriever(uri, "passages", encoder, mode="bm25", max_batch=7) as r:
+    with MilvusRetriever(uri, "passages", encoder, MilvusSearch(mode="bm25", max_batch=7)) as r:
         hits = r.search(queries, 1)
     assert [h[0].doc_id for h in hits] == [f"doc-{i}" for i in range(N_DOCS)]
 
@@ -162,7 +162,7 @@ def test_errors_name_the_problem(
     with pytest.raises(IndexMismatchError, match="name='test-hash-encoder'"):
         MilvusRetriever(uri, "passages", HashEncoder("other-encoder"))
     with pytest.raises(ConfigError, match="unknown Milvus search mode"):
-        MilvusRetriever(uri, "passages", encoder, mode="sparse")
+        MilvusRetriever(uri, "passages", encoder, MilvusSearch(mode="sparse"))
     with pytest.raises(ConfigError, match="already exists"):
         index_corpus(corpus, uri, "passages", encoder)
     with MilvusRetriever(uri, "passages", encoder) as r, pytest.raises(ValueError, match="k must be"):

@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 import re
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
@@ -90,27 +91,33 @@ def parse_choice(choice: dict[str, Any], stops: list[str], chat: bool) -> Genera
                       finish_reason=finish, stop=stop_hit)
 
 
+@dataclass(frozen=True)
+class OpenAIOptions:
+    """How an `OpenAIGenerator` talks to its server (the keys of an openai model spec besides base_url, model,
+    api_key). `retry` (a recipe's services.retry) replaces retries/backoff with a time budget; `service` is
+    named in errors ("judge", "generator", ...)."""
+
+    chat: bool = True
+    max_concurrency: int = 8
+    timeout: float = 60.0
+    retries: int = 4
+    backoff: float = 0.5
+    request_logprobs: bool = True
+    vllm_extensions: bool = False
+    extra_body: dict[str, Any] | None = None
+    retry: RetryPolicy | None = None
+    service: str = "model server"
+
+
 class OpenAIGenerator:
     """Talks to `base_url` (e.g. "http://localhost:8000/v1") with model name `model`."""
 
-    def __init__(
-        self,
-        base_url: str,
-        model: str,
-        api_key: str | None = None,
-        chat: bool = True,
-        max_concurrency: int = 8,
-        timeout: float = 60.0,
-        retries: int = 4,
-        *,
-        backoff: float = 0.5,
-        request_logprobs: bool = True,
-        vllm_extensions: bool = False,
-        extra_body: dict[str, Any] | None = None,
-        tokenizer: Any = None,
-        retry: RetryPolicy | None = None,
-        service: str = "model server",
-    ) -> None:
+    def __init__(self, base_url: str, model: str, api_key: str | None = None, tokenizer: Any = None,
+                 options: OpenAIOptions | None = None) -> None:
+        options = options or OpenAIOptions()
+        chat, max_concurrency, timeout, retries = options.chat, options.max_concurrency, options.timeout, options.retries
+        backoff, retry, service = options.backoff, options.retry, options.service
+        request_logprobs, vllm_extensions, extra_body = options.request_logprobs, options.vllm_extensions, options.extra_body
         if not base_url.startswith(("http://", "https://")):
             raise ConfigError(f"base_url {base_url!r} must start with http:// or https:// (e.g. http://localhost:8000/v1)")
         if max_concurrency < 1 or retries < 1:

@@ -15,13 +15,14 @@ from __future__ import annotations
 import importlib.util
 import os
 from collections.abc import Callable, Mapping
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
 from sleuth.errors import ConfigError
 from sleuth.llm.base import Generator
 from sleuth.llm.gguf import cache_root, converted_dir_for, ensure_converted, is_converted
-from sleuth.llm.openai_http import OpenAIGenerator
+from sleuth.llm.openai_http import OpenAIGenerator, OpenAIOptions
 from sleuth.llm.tiny import build_tiny_model
 from sleuth.llm.vllm_backend import VLLMGenerator
 from sleuth.run_layout import is_searcher_checkpoint
@@ -132,7 +133,14 @@ def _from_dict(spec: dict[str, Any], kw: dict[str, Any]) -> Generator:
             if key_env not in os.environ:
                 raise ConfigError(f"openai model spec: environment variable {key_env} (api_key_env) is not set")
             options["api_key"] = os.environ[key_env]
-        return OpenAIGenerator(**options)
+        base_url, model = options.pop("base_url"), options.pop("model")
+        api_key, tokenizer = options.pop("api_key", None), options.pop("tokenizer", None)
+        known = {f.name for f in fields(OpenAIOptions)}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise ConfigError(f"openai model spec: unknown option(s) {', '.join(unknown)}; known: "
+                              f"{', '.join(sorted(known | {'base_url', 'model', 'api_key', 'api_key_env'}))}")
+        return OpenAIGenerator(base_url, model, api_key, tokenizer, OpenAIOptions(**options))
     if backend == "vllm":
         if not options.get("model"):
             raise ConfigError(f"vllm model spec {spec!r} is missing model")

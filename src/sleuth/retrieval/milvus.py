@@ -234,6 +234,18 @@ def index_corpus(corpus: str | Path, uri: str | Path, collection: str, encoder: 
     }
 
 
+@dataclass(frozen=True)
+class MilvusSearch:
+    """How a `MilvusRetriever` searches: `mode` dense, bm25 (server-side) or hybrid (both, RRF-fused with
+    `rrf_k`); `search_params` of the dense index (e.g. {"nprobe": 64}); queries per request `max_batch`."""
+
+    mode: str = "dense"
+    search_params: dict[str, Any] | None = None
+    consistency_level: str | None = None
+    rrf_k: int = 60
+    max_batch: int = 256
+
+
 class MilvusRetriever:
     """`search(queries, k)` over a Milvus collection written by `index_corpus`.
 
@@ -244,20 +256,11 @@ class MilvusRetriever:
 
     kind = "milvus"
 
-    def __init__(
-        self,
-        uri: str | Path,
-        collection: str,
-        encoder: Any = None,
-        *,
-        mode: str = "dense",
-        token: str | None = None,
-        search_params: dict[str, Any] | None = None,
-        consistency_level: str | None = None,
-        rrf_k: int = 60,
-        max_batch: int = 256,
-        client: Any = None,
-    ):
+    def __init__(self, uri: str | Path, collection: str, encoder: Any = None, search: MilvusSearch | None = None,
+                 token: str | None = None, client: Any = None):
+        search = search or MilvusSearch()
+        mode, search_params, max_batch = search.mode, search.search_params, search.max_batch
+        consistency_level, rrf_k = search.consistency_level, search.rrf_k
         if mode not in MODES:
             raise ConfigError(f"unknown Milvus search mode {mode!r}; choose one of {list(MODES)}")
         if max_batch < 1:
@@ -280,7 +283,7 @@ class MilvusRetriever:
         if mode in ("bm25", "hybrid") and not meta.get("bm25", False):
             raise IndexMismatchError(
                 f"collection {collection!r} has no BM25 field; rebuild it with index_corpus(..., MilvusBuild(bm25=True)) "
-                "or search with mode='dense'"
+                "or search with MilvusSearch(mode='dense')"
             )
         self.encoder = None
         if mode != "bm25":
