@@ -1,11 +1,18 @@
-"""Structural rules of issue 12: what a method is lives in the registry, not in rl/, eval/ or serve/."""
+"""Structural rules (issues 12 and 29): a method lives in its own modules and the registry; the floors, the
+import graph, and the size of functions and modules across src/sleuth."""
 
 from __future__ import annotations
 
 import ast
+from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
-from sleuth.agent.registry import methods
+import pytest
+
+from sleuth.agent.base import AgentLoop
+from sleuth.agent.registry import Method, Reader, get_reader, methods, register_method, register_reader
+from sleuth.errors import ConfigError
 from sleuth.rewards.base import get_reward
 
 SRC = Path(__file__).resolve().parent.parent / "src" / "sleuth"
@@ -314,3 +321,17 @@ def test_no_module_over_600_lines() -> None:
     long = {str(p.relative_to(SRC)): n for p in SRC.rglob("*.py")
             if (n := len(p.read_text(encoding="utf-8").splitlines())) > MAX_MODULE_LINES}
     assert not long, long
+
+
+def test_reader_registration_is_checked() -> None:
+    """A method evaluated by a reader must name one; a reader name is taken once; an unknown one is named."""
+    @dataclass
+    class NoReaderLoop(AgentLoop):
+        name: ClassVar[str] = "arch_test_no_reader"
+
+    with pytest.raises(ConfigError, match="evaluated by a reader .* names none"):
+        register_method(Method(loop=NoReaderLoop, title="t", evaluated_by_reader=True))
+    with pytest.raises(ConfigError, match="reader name 's3' is already taken"):
+        register_reader(Reader("s3", lambda question, hits: []))
+    with pytest.raises(ConfigError, match="unknown reader prompt 'nope'; choose one of: .*qagent.*s3"):
+        get_reader("nope")
