@@ -761,6 +761,10 @@ def test_the_stage_is_declared_by_every_reward() -> None:
     from sleuth.rewards.base import Reward
 
     assert Reward.current_stage.__doc__ and get_reward("search_r1_em").current_stage == 1
+    from sleuth.rewards.base import register_reward
+
+    with pytest.raises(TypeError, match="must subclass sleuth.rewards.base.Reward"):
+        register_reward("not_a_reward")(type("NotAReward", (), {"__call__": lambda self, trajs, services=None: []}))
     staged = get_reward("staged", switch_step=3, correctness="em")
     staged.set_step(2)
     assert staged.current_stage == 1

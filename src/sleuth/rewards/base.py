@@ -107,6 +107,9 @@ R = TypeVar("R", bound=type[Reward])
 
 def register_reward(name: str) -> Callable[[R], R]:
     def deco(cls: R) -> R:
+        if not (isinstance(cls, type) and issubclass(cls, Reward)):
+            # the trainer calls the declared interface (set_step, current_stage) with no fallback
+            raise TypeError(f"reward {name!r}: {cls!r} must subclass sleuth.rewards.base.Reward")
         if name in _REGISTRY and _REGISTRY[name] is not cls:
             raise ValueError(f"reward name {name!r} is already registered by {_REGISTRY[name].__name__}")
         cls.name = name
