@@ -116,6 +116,8 @@ def summarise(args: argparse.Namespace, lines: list[dict[str, Any]], gpus: int) 
         "peak_allocated_gib_per_gpu": max((m.get("memory/peak_allocated_gib", 0) for m in lines), default=None),
         "device_in_use_gib_per_gpu": max((m.get("memory/device_in_use_gib", 0) for m in lines), default=None),
         "compile_s_total": sum(m.get("time/decode_compile", 0.0) for m in lines),
+        # batches decoded eagerly after a failed graph capture (0 when every decode step ran as a CUDA graph)
+        "decode_graph_failures": max((m.get("decode/graph_failures", 0) for m in lines), default=0),
     }
     if step_s:
         row["projected_hours_1000_steps_512_prompts"] = (PAPER_STEPS * PAPER_PROMPTS * PAPER_N / (trajs / step_s)) / 3600

@@ -130,7 +130,7 @@ def run_engine(mode: str, model: Any, tokenizer: Any, model_info: dict[str, Any]
         row["profile"] = profile_summary(profiler, wall)
     row.update(mode=mode, cache=cache, compile=mode == "static+compile", sync_every=sync_every, batch=len(trajs),
                grouped_decode_attention=gen.grouped_decode_attention, cudnn_sdpa=not args.no_cudnn_sdpa,
-               warmup_s=round(warmup_s, 2),
+               warmup_s=round(warmup_s, 2), graph_failures=getattr(gen, "graph_failures", 0),
                turns_mean=sum(t.num_turns for t in trajs) / len(trajs),
                retrievals=sum(t.retrieval_count for t in trajs),
                finish_reasons=_counts(r for t in trajs for r in t.generation_finish_reasons))

@@ -480,6 +480,8 @@ class HFGenerator:
         if engine is None:
             engine = DecodeEngine(self.model, device=self.device, max_batch_size=self.max_batch_size)
             self._engines[base_only] = engine
+        elif not engine.has_weights:  # released without a refresh since (the trainer refreshes after updates)
+            engine.refresh(self.model)
         return engine
 
     def refresh_weights(self) -> None:
@@ -490,11 +492,17 @@ class HFGenerator:
             engine.refresh(self.model)
 
     def release(self) -> None:
-        """Free the engines' KV pools and captured graphs until the next rollout (their weights stay)."""
-        for engine in self._engines.values():
-            engine.release()
+        """Free the engines' KV pools and captured graphs until the next rollout, and the policy engine's bf16
+        copy, which `refresh_weights` rebuilds after the update (at 7B that copy is 15 GB on every rank, which
+        the update needs); the frozen base's copy stays, it never changes."""
+        for base_only, engine in self._engines.items():
+            engine.release(weights=not base_only)
         if self._engines and self.device.type == "cuda":
             torch.cuda.empty_cache()
+
+    @property
+    def graph_failures(self) -> int:
+        return sum(e.graph_failures for e in self._engines.values())
 
     @property
     def capture_seconds(self) -> float:
