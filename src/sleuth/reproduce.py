@@ -86,7 +86,7 @@ CLAIMS: dict[str, Claim] = {c.method: c for c in (
           "stage 2 minus stage 1, read by the other reader: EM interval above 0"),
     Claim("s3", "a searcher trained against a frozen generator needs far less data than end-to-end training",
           "the synthetic world", "a trained reader (sleuth train-reader); oracle-trajectory SFT (s3 and search_r1 loops)",
-          "s3 vs search_r1, one GRPO run per number of RL training questions (cpu: 4 / 8; gpu: 100 / 400 / 1,600 / "
+          "s3 vs search_r1, one GRPO run per number of RL training questions (cpu: 2 / 4; gpu: 100 / 400 / 1,600 / "
           "6,000)",
           "held-out EM against training questions; the same trained reader reads s3's documents at every size",
           "s3 at the smallest size minus search_r1 at the largest: EM interval above -margin"),
@@ -136,7 +136,7 @@ STAGED_ARMS = ("staged", "search_r1")  # the claim's method first, then the base
 CLAIM_PROFILES = {
     "cpu": ClaimProfile(
         pipeline=STAGED_PROFILES["cpu"].pipeline, splits=(0.6, 0.1, 0.3), lora=True, test_questions=30,
-        accuracy_margin=0.02, sizes=(4, 8),
+        accuracy_margin=0.02, sizes=(2, 4),
         reader=ReaderSettings(model="tiny", distractors=1, epochs=2, lr=3e-3, batch_size=8, lora=False)),
     "gpu": ClaimProfile(
         pipeline=replace(STAGED_PROFILES["gpu"].pipeline, questions=8000), splits=(0.8, 0.1, 0.1), lora=True,
@@ -222,11 +222,8 @@ def _cold_start(out: Path, world: Path, profile: ClaimProfile, method: str, init
     return {"sft_checkpoint": sft["checkpoint"], "trajectories": kept.get("kept", 0)}
 
 
-def _train_rl(out: Path, world: Path, profile: ClaimProfile, arm: Arm, init_from: str, console: Any) -> dict:
-    """GRPO of one arm from `init_from` (an SFT or RL checkpoint), resumable; returns its last checkpoint."""
-    from sleuth.rl.trainer import train
-    from sleuth.run_layout import latest_checkpoint
-
+def arm_rl_recipe(out: Path, world: Path, profile: ClaimProfile, arm: Arm, init_from: str) -> dict[str, Any]:
+    """The GRPO recipe of one arm: the demo's recipe for its method with the arm's reward, steps and data."""
     recipe_dict = arm_recipe(out, world, profile, arm.method, init_from, arm.name)
     recipe_dict.pop("sft")
     if arm.reward is not None:
@@ -238,10 +235,19 @@ def _train_rl(out: Path, world: Path, profile: ClaimProfile, arm: Arm, init_from
     trainer["save_every"] = arm.save_every or max(1, min(trainer["total_steps"], 5))
     if arm.train_questions is not None:
         recipe_dict["data"]["max_train_examples"] = arm.train_questions
-    recipe = _write_recipe(recipe_dict, out / arm.name / "rl_recipe.yaml")
+    return recipe_dict
+
+
+def _train_rl(out: Path, world: Path, profile: ClaimProfile, arm: Arm, init_from: str, console: Any) -> dict:
+    """GRPO of one arm from `init_from` (an SFT or RL checkpoint), resumable; returns its last checkpoint."""
+    from sleuth.rl.trainer import train
+    from sleuth.run_layout import latest_checkpoint
+
+    recipe = _write_recipe(arm_rl_recipe(out, world, profile, arm, init_from), out / arm.name / "rl_recipe.yaml")
     resumable = latest_checkpoint(Path(recipe.trainer.out_dir)) is not None
     result = train(recipe, resume=resumable, overwrite=not resumable, console=console)
-    return {"checkpoint": str(result["checkpoint"]), "run": recipe.trainer.out_dir, "steps": trainer["total_steps"]}
+    return {"checkpoint": str(result["checkpoint"]), "run": recipe.trainer.out_dir,
+            "steps": recipe.trainer.total_steps}
 
 
 def _train_arm(out: Path, world: Path, profile: ClaimProfile, method: str, injected: str, console: Any) -> dict:
