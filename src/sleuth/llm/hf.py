@@ -227,6 +227,9 @@ class HFGenerator:
         self._static_caches: dict[tuple[int, int], Any] = {}
         self._compiled_step: Any = None
         self._engines: dict[bool, DecodeEngine] = {}
+        # wall seconds of the engine's prefills (each ends when its first tokens reach the host, a wait the
+        # decode loop needs anyway, so measuring adds no synchronisation)
+        self.prefill_seconds = 0.0
         self.compile_seconds = 0.0  # one-time compiles of new decode shapes so far (a trainer logs it)
         self.sync_every = sync_every
 
@@ -512,9 +515,12 @@ class HFGenerator:
         """Decode with the engine: chunks of `sync_every` steps run on the device while the host checks the
         previous chunk's stops; rows that finished leave the batch once they are half of it."""
         engine, max_new = self.engine, params.max_new_tokens
+        started = time.perf_counter()
         state, tokens, logprobs = engine.start([r.prompt_ids for r in rows], max_new, temperature=params.temperature,
                                                top_p=params.top_p, seed=seed)
-        self._accept_tokens(rows, [[t] for t in tokens.tolist()], [[lp] for lp in logprobs.tolist()], max_new)
+        first, first_lp = tokens.tolist(), logprobs.tolist()
+        self.prefill_seconds += time.perf_counter() - started
+        self._accept_tokens(rows, [[t] for t in first], [[lp] for lp in first_lp], max_new)
         pending: tuple[list[int], tuple[torch.Tensor, torch.Tensor, Any]] | None = None
         remaining = max_new - 1
         while remaining > 0 and any(r.finish_reason is None for r in rows):
