@@ -11,6 +11,10 @@
 #   paper3b  : bench/paper_scale.py, 3B LoRA on 1, 2, 4 GPUs (DDP)
 #   fsdp3b   : bench/paper_scale.py, 3B full fine-tuning on 2 GPUs, DDP then FSDP2 (rollouts from the gathered copy)
 #   paper7b  : bench/paper_scale.py, 7B full fine-tuning, FSDP2 on 4 GPUs (LoRA on 1 and 2 GPUs on a smaller machine)
+# On a 4-GPU machine (and STAGES unset) the daemon runs daemon4's plan instead: weak scaling (PPG prompts per GPU)
+# of 3B LoRA on 1 / 2 / 4 GPUs with rollout.py rows beside them on GPU 3, then 7B FSDP2 on 4, then 3B full
+# fine-tuning DDP vs FSDP2 on 2 GPUs beside 3B full on 1 GPU (LoRA vs base) and the 3B/7B rollout rows; GPU 3
+# is then handed to bench/retrieval_21m.sh's encoder (its CPU stages run beside all of this under taskset).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 WORK=${PAPER_WORK:-/root/paper}
@@ -37,6 +41,25 @@ stage_cmd() {
               --work "$WORK/ps3b_full" --out "$R/paper_scale_3b_full_ddp.json" &&
             python bench/paper_scale.py --model random:qwen2.5-3b --gpus 2 --parallel fsdp --prompts 16 --steps 1 --micro 2 \
               --work "$WORK/ps3b_full" --out "$R/paper_scale_3b_full_fsdp.json" ;;
+    # the 4-GPU plan (daemon4): each configuration in its own work folder, so lanes never share one
+    p3b_1|p3b_2|p3b_4) g=${1#p3b_}
+            python bench/paper_scale.py --model random:qwen2.5-3b --lora --gpus "$g" --prompts-per-gpu "${PPG:-16}" \
+              --steps 1 --micro 2 --timeout 900 --work "$WORK/$1" --out "$R/paper_scale_3b_lora_${g}gpu.json" ;;
+    p3b_full1) python bench/paper_scale.py --model random:qwen2.5-3b --gpus 1 --prompts-per-gpu "${PPG:-16}" --steps 1 \
+              --micro 2 --timeout 900 --work "$WORK/$1" --out "$R/paper_scale_3b_full_1gpu.json" ;;
+    p3b_ddp2|p3b_fsdp2) par=${1#p3b_}; par=${par%2}
+            python bench/paper_scale.py --model random:qwen2.5-3b --gpus 2 --parallel "$par" --prompts-per-gpu "${PPG:-16}" \
+              --steps 1 --micro 2 --timeout 900 --work "$WORK/$1" --out "$R/paper_scale_3b_full_${par}_2gpu.json" ;;
+    p7b_fsdp4) python bench/paper_scale.py --model random:qwen2.5-7b --gpus 4 --parallel fsdp --prompts-per-gpu "${PPG7:-8}" \
+              --steps 1 --micro 2 --timeout 900 --work "$WORK/$1" --out "$R/paper_scale_7b_full_fsdp_4gpu.json" ;;
+    r_short) python bench/rollout.py --model random:qwen2.5-0.5b --device cuda --batch 64 --turns 3 --new-tokens 64 \
+              --modes engine static+compile --baseline-trajectories 0 --out "$R/rollout_0.5b_short.json" ;;
+    r_prof) python bench/rollout.py --model random:qwen2.5-0.5b --device cuda --batch 64 --turns 3 --new-tokens 64 \
+              --modes engine --profile --baseline-trajectories 0 --out "$R/rollout_0.5b_short_profile.json" ;;
+    r_paper05|r_paper3|r_paper7) m=${1#r_paper}; m=${m/05/0.5}
+            python bench/rollout.py --model "random:qwen2.5-${m}b" --device cuda --batch 64 --turns 4 --new-tokens 500 \
+              --max-obs-tokens 500 --modes engine --baseline-trajectories 0 --out "$R/rollout_${m}b_paper.json" ;;
+    encode_go) touch "$WORK/encode_go" ;;  # bench/retrieval_21m.sh (ENCODE_AFTER) may take GPU 3 from here on
     paper7b) if [ "$GPUS" -ge 4 ]; then
                python bench/paper_scale.py --model random:qwen2.5-7b --gpus "$GPUS" --parallel fsdp \
                  --prompts "${PROMPTS:-32}" --steps 1 --micro 2 --work "$WORK/ps7b" --out "$R/paper_scale_7b_full_fsdp.json"
@@ -58,6 +81,24 @@ daemon() {
   echo "$(date +%T) all stages ended" >> "$WORK/progress.log"
 }
 
+stage() {  # stage NAME GPU-LIST: one stage on those GPUs, skipped when done before
+  local s=$1; [ -f "$WORK/done/$s" ] && return 0
+  echo "$(date +%T) stage $s on GPUs $2" >> "$WORK/progress.log"
+  if CUDA_VISIBLE_DEVICES=$2 stage_cmd "$s" > "$WORK/logs/$s.log" 2>&1; then touch "$WORK/done/$s"
+    echo "$(date +%T) done $s" >> "$WORK/progress.log"
+  else echo "$(date +%T) FAILED $s" >> "$WORK/progress.log"; fi
+}
+
+daemon4() {  # 4 GPUs: lanes of independent stages run side by side on disjoint GPUs; phases end together
+  bash bench/gpu_run.sh setup > "$WORK/logs/setup.log" 2>&1
+  { stage p3b_1 0; } & { stage p3b_2 1,2; } & { stage r_short 3; stage r_prof 3; stage r_paper05 3; } & wait
+  stage p3b_4 0,1,2,3
+  stage p7b_fsdp4 0,1,2,3
+  { stage p3b_ddp2 0,1; stage p3b_fsdp2 0,1; } & { stage p3b_full1 2; stage r_paper3 2; stage r_paper7 2; } &
+  { stage encode_go 3; } & wait
+  echo "$(date +%T) all stages ended" >> "$WORK/progress.log"
+}
+
 pack() {
   [ -n "${OUT:-}" ] || return 0
   tar czf "$OUT/results.tgz" -C "$WORK" results logs progress.log 2>/dev/null
@@ -66,19 +107,27 @@ pack() {
 }
 
 case "${1:-}" in
-  daemon) daemon ;;
+  daemon) if [ "$GPUS" -ge 4 ] && [ -z "${STAGES:-}" ]; then daemon4; else daemon; fi ;;
   start|restart)
     for s in ${REDO:-}; do rm -f "$WORK/done/$s"; done
     [ -f "$WORK/progress.log" ] && mv "$WORK/progress.log" "$WORK/progress.$(date +%s).log"
     [ -f "$WORK/pid" ] && kill -- -"$(cat "$WORK/pid")" 2>/dev/null
-    setsid nohup bash "$0" daemon > "$WORK/daemon.log" 2>&1 < /dev/null &
-    echo $! > "$WORK/pid"; sleep 5; nvidia-smi --query-gpu=name,memory.total --format=csv,noheader; cat "$WORK/progress.log" ;;
+    bash bench/gpu_run.sh setup > "$WORK/logs/setup0.log" 2>&1  # wheels once, before either daemon imports them
+    pin=""; [ "$GPUS" -ge 4 ] && [ "$(nproc)" -ge 32 ] && [ "${RETRIEVAL:-0}" = 1 ] && pin="taskset -c 16-$(( $(nproc) - 1 ))"
+    setsid nohup $pin bash "$0" daemon > "$WORK/daemon.log" 2>&1 < /dev/null &
+    echo $! > "$WORK/pid"
+    if [ -n "$pin" ]; then  # issue 24's 21M retrieval on 16 cores of its own; its encoder waits for GPU 3
+      CUDA_VISIBLE_DEVICES=3 ENCODE_AFTER="$WORK/encode_go" WORKERS=16 DENSE_SIZE=${DENSE_SIZE:-3000000} \
+        taskset -c 0-15 bash bench/retrieval_21m.sh start 2>&1 | tail -3
+    fi
+    sleep 5; nvidia-smi --query-gpu=name,memory.total --format=csv,noheader; cat "$WORK/progress.log" ;;
   wait)
+    [ -d .gpu/minilm ] && bash bench/retrieval_21m.sh take
     end=$(( $(date +%s) + ${2:-540} ))
     while [ "$(date +%s)" -lt "$end" ] && ! grep -q "all stages ended" "$WORK/progress.log" 2>/dev/null; do sleep 10; done
     cat "$WORK/progress.log"; for l in "$WORK"/logs/*.log; do echo "== $l"; tail -n 6 "$l" | cut -c1-300; done
     for f in "$R"/paper_scale_*.json; do [ -f "$f" ] && python3 -c "import json,sys; [print(r['config'], r['status'], *r.get('log_tail', [])[:45], sep=chr(10)) for r in json.load(open(sys.argv[1]))['rows'] if r['status'] != 'ok']" "$f"; done
-    pack ;;
+    pack; [ -f runs/scale21m/daemon.log ] && { bash bench/retrieval_21m.sh status; OUT="$OUT/retrieval" bash bench/retrieval_21m.sh pack >/dev/null 2>&1; } ;;
   pack) pack ;;
   *) echo "usage: $0 start|restart|wait SECONDS|pack" >&2; exit 2 ;;
 esac

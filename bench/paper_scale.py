@@ -13,7 +13,9 @@ action, so every turn runs its full token budget and ends in a search whose quer
 (bench/sleuth_rehearsal.py): retrieval, observation insertion and the growing context run as in a real run,
 and every rollout is as long as the budget allows (a real run's turns stop earlier: an upper bound).
 
-Each configuration is a fresh `python -m torch.distributed.run --nproc_per_node G -m sleuth.cli train` of the
+With `--prompts-per-gpu P` every configuration gives each GPU P prompts x n (weak scaling: G GPUs take G x P
+prompts per step, as data-parallel RL adds GPUs to take a larger batch); without it every configuration takes
+the same global `--prompts` (strong scaling). Each configuration is a fresh `python -m torch.distributed.run --nproc_per_node G -m sleuth.cli train` of the
 same recipe with the same global batch; numbers come from the run's metrics.jsonl (means over the measured
 steps, after `--warmup-steps`). Per row: step time split (rollout / reward / update), trajectories/s and
 policy tokens/s per GPU, peak memory per GPU, one-time compile/capture seconds, and the hours that
@@ -52,6 +54,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lora", action="store_true", help="LoRA (r 64) on a bf16 base instead of full fine-tuning")
     scale_step.add_step_options(p, prompts=32, n=PAPER_N, turns=4, new_tokens=500, max_obs_tokens=500, steps=2,
                                 micro=4, passages=20000)
+    p.add_argument("--prompts-per-gpu", type=int, default=None,
+                   help="weak scaling: each configuration takes this many prompts per GPU (x n trajectories), so "
+                        "every GPU decodes the same batch whatever the count (default: --prompts for all, strong scaling)")
     p.add_argument("--gradient-checkpointing", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--decoding", default="auto", choices=("auto", "engine", "static", "dynamic"))
     p.add_argument("--seed", type=int, default=0)
@@ -60,7 +65,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     _common.require_positive(args, "prompts", "n", "turns", "new_tokens", "steps", "micro")
+    if args.prompts_per_gpu is not None:
+        _common.require_positive(args, "prompts_per_gpu")
     return args
+
+
+def config_args(args: argparse.Namespace, gpus: int) -> argparse.Namespace:
+    """The settings of one configuration: under weak scaling the global prompt count grows with the GPUs."""
+    if args.prompts_per_gpu is None:
+        return args
+    return argparse.Namespace(**{**vars(args), "prompts": args.prompts_per_gpu * gpus})
 
 
 def recipe_for(args: argparse.Namespace, shared: dict[str, Any], out_dir: Path, device: str, gpus: int) -> dict:
@@ -102,6 +116,8 @@ def summarise(args: argparse.Namespace, lines: list[dict[str, Any]], gpus: int) 
         "peak_allocated_gib_per_gpu": max((m.get("memory/peak_allocated_gib", 0) for m in lines), default=None),
         "device_in_use_gib_per_gpu": max((m.get("memory/device_in_use_gib", 0) for m in lines), default=None),
         "compile_s_total": sum(m.get("time/decode_compile", 0.0) for m in lines),
+        # batches decoded eagerly after a failed graph capture (0 when every decode step ran as a CUDA graph)
+        "decode_graph_failures": max((m.get("decode/graph_failures", 0) for m in lines), default=0),
     }
     if step_s:
         row["projected_hours_1000_steps_512_prompts"] = (PAPER_STEPS * PAPER_PROMPTS * PAPER_N / (trajs / step_s)) / 3600
@@ -119,6 +135,7 @@ def failure_excerpt(lines: list[str]) -> list[str]:
 
 
 def run_config(args: argparse.Namespace, shared: dict[str, Any], work: Path, device: str, gpus: int) -> dict:
+    args = config_args(args, gpus)
     mode = "lora" if args.lora else "full"
     name = f"{gpus}x-{args.parallel if gpus > 1 else 'single'}-{mode}"
     done = work / f"{name}.done.json"
@@ -129,6 +146,7 @@ def run_config(args: argparse.Namespace, shared: dict[str, Any], work: Path, dev
     recipe = recipe_for(args, shared, out_dir, device, gpus)
     row: dict[str, Any] = {"config": name, "model": args.model, "gpus": gpus, "parallel": args.parallel if gpus > 1
                            else "none", "finetune": mode, "prompts_per_step": args.prompts, "n": args.n,
+                           "scaling": "strong" if args.prompts_per_gpu is None else "weak",
                            "turns": args.turns, "new_tokens_per_turn": args.new_tokens,
                            "max_obs_tokens": args.max_obs_tokens, "recipe": recipe}
     code, lines, log_path, wall = scale_step.torchrun_train(recipe, work, name, gpus, args.timeout, [str(BENCH)])
@@ -157,7 +175,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if shared_path.exists():
         shared = json.loads(shared_path.read_text())
     else:
-        shared = train_step.prepare(args, work, device)
+        shared = train_step.prepare(config_args(args, max(args.gpus)), work, device)
         shared_path.write_text(json.dumps(shared))
     print(f"model dir {shared['model_dir']}, world {shared['train']}", flush=True)
     rows: list[dict[str, Any]] = []
@@ -178,8 +196,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                ("policy_tokens_per_s_per_gpu", "tok/s/GPU"), ("peak_allocated_gib_per_gpu", "peak GiB/GPU"),
                ("compile_s_total", "capture s"), ("speedup_vs_fewest_gpus", "x vs fewest"),
                ("projected_hours_1000_steps_512_prompts", "h per 1000x512")]
+    batch = f"{args.prompts_per_gpu} prompts per GPU" if args.prompts_per_gpu else f"{args.prompts} prompts"
     _common.print_table(f"paper-scale rehearsal: {args.model}", columns, rows,
-                        [f"{env['card']} | {args.prompts} prompts x {args.n} | {args.turns} turns x {args.new_tokens} "
+                        [f"{env['card']} | {batch} x {args.n} | {args.turns} turns x {args.new_tokens} "
                          f"tokens, obs <= {args.max_obs_tokens} | {'LoRA' if args.lora else 'full'} {args.parallel}"])
     print(f"wrote {out}")
     return result

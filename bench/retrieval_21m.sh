@@ -110,6 +110,9 @@ case "${1:-}" in
     # shellcheck disable=SC2086
     run_stage bm25-serve $BM25_SERVE $MEASURE
     until encoder_ready; do echo "[$(date +%T)] waiting for the encoder (.gpu/minilm in a wait call)"; sleep 15; done
+    # ENCODE_AFTER: a file whose existence hands the GPU over (bench/gpu_paper.sh on a shared 4-GPU machine)
+    until [ -z "${ENCODE_AFTER:-}" ] || [ -f "$ENCODE_AFTER" ]; do
+      echo "[$(date +%T)] waiting for $ENCODE_AFTER (the GPU is busy with timed runs)"; sleep 15; done
     export SLEUTH_ENCODER; SLEUTH_ENCODER=$(encoder)
     run_stage encode --dense-size "$DENSE_SIZE" --device "$DEVICE" || exit 1
     # faiss trains and fills with OpenMP threads: all cores for the build.
@@ -139,5 +142,6 @@ case "${1:-}" in
     for s in bm25 dense; do [ -f "$WORK/$s-server.log" ] && tail -c 50000 "$WORK/$s-server.log" >"$dest/$s-server.log"; done
     ls -la "$dest" ;;
   status) status ;;
+  take) take_carried ;;
   *) echo "usage: bash bench/retrieval_21m.sh start | wait SECONDS | pack | status"; exit 2 ;;
 esac

@@ -114,6 +114,7 @@ def run_engine(mode: str, model: Any, tokenizer: Any, model_info: dict[str, Any]
     rollout(loop, counting, retriever, examples, replace(params, seed=args.seed + 1), **kwargs)
     warmup_s = time.perf_counter() - warm
     ledger.calls.clear()
+    gen.prefill_seconds = 0.0
 
     profiler = _profiler(device) if profile else contextlib.nullcontext()
     with profiler:
@@ -130,7 +131,12 @@ def run_engine(mode: str, model: Any, tokenizer: Any, model_info: dict[str, Any]
         row["profile"] = profile_summary(profiler, wall)
     row.update(mode=mode, cache=cache, compile=mode == "static+compile", sync_every=sync_every, batch=len(trajs),
                grouped_decode_attention=gen.grouped_decode_attention, cudnn_sdpa=not args.no_cudnn_sdpa,
-               warmup_s=round(warmup_s, 2),
+               warmup_s=round(warmup_s, 2), graph_failures=getattr(gen, "graph_failures", 0),
+               # the engine's prefills (prompt forward + first token) inside generate; the rest is decode steps
+               # and the host's stop checks
+               prefill_s=round(gen.prefill_seconds, 4) if cache == "engine" else None,
+               prefill_share_of_generate=(gen.prefill_seconds / row["generate_s"]
+                                          if cache == "engine" and row["generate_s"] else None),
                turns_mean=sum(t.num_turns for t in trajs) / len(trajs),
                retrievals=sum(t.retrieval_count for t in trajs),
                finish_reasons=_counts(r for t in trajs for r in t.generation_finish_reasons))

@@ -244,3 +244,28 @@ def test_paper_scale_rehearsal_tiny(tmp_path: Path) -> None:
         1000 * 512 * 5 / row["trajectories_per_s"] / 3600)
     paper.main(argv)  # measured before: kept, not rerun
     assert json.loads(out.read_text())["rows"][0]["wall_s"] == row["wall_s"]
+
+
+def test_paper_scale_weak_scaling_grows_the_global_batch_with_the_gpus() -> None:
+    """--prompts-per-gpu P gives every configuration P prompts per GPU; without it every configuration takes the
+    same global --prompts."""
+    paper = _load("paper_scale")
+    weak = paper.parse_args(["--model", "tiny", "--gpus", "1", "2", "4", "--prompts-per-gpu", "3"])
+    assert [paper.config_args(weak, g).prompts for g in (1, 2, 4)] == [3, 6, 12]
+    strong = paper.parse_args(["--model", "tiny", "--gpus", "1", "4", "--prompts", "8"])
+    assert [paper.config_args(strong, g).prompts for g in (1, 4)] == [8, 8]
+    with pytest.raises(SystemExit):
+        paper.parse_args(["--prompts-per-gpu", "0"])
+
+
+def test_rollout_bench_engine_row_splits_prefill_from_decode(tmp_path: Path) -> None:
+    """The engine row says how much of the time inside generate went to prefills (CPU: the engine runs eagerly,
+    so no graph is captured and none fails)."""
+    rollout = _load("rollout")
+    out = tmp_path / "rollout.json"
+    rollout.main(["--model", "tiny", "--device", "cpu", "--batch", "3", "--turns", "2", "--new-tokens", "4",
+                  "--modes", "engine", "--baseline-trajectories", "0", "--passages", "300", "--out", str(out)])
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["mode"] == "engine" and row["graph_failures"] == 0
+    assert 0 < row["prefill_s"] < row["generate_s"]
+    assert row["prefill_share_of_generate"] == pytest.approx(row["prefill_s"] / row["generate_s"], rel=1e-3)

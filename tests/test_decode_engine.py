@@ -257,7 +257,15 @@ FSDP_CHECK = textwrap.dedent("""
     copies = [torch.zeros_like(full) for _ in range(2)]
     dist.all_gather(copies, engine.layers[0].w_qkv)
     assert torch.equal(copies[0], copies[1]), "ranks hold different copies"
+    # The sharded model's DTensors hold the process group: freed here, not by interpreter exit, where gloo's
+    # threads can abort the process after every check passed
+    del model, opt, engine, attn
+    import gc, sys
+    gc.collect()
+    dist.barrier()
     dist.destroy_process_group()
+    sys.stdout.flush()
+    os._exit(0)  # every check above passed; skip the C++ teardown at exit
 """)
 
 
@@ -286,3 +294,42 @@ def test_the_engine_decodes_like_transformers_through_the_triton_kernels() -> No
     env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+
+
+def test_release_drops_the_copy_and_the_next_refresh_or_use_rebuilds_it(tmp_path: Path) -> None:
+    """The trainer releases the engine after the rollouts (KV pool, graphs and the policy's bf16 copy, which the
+    update needs) and refreshes it after the update; a use without a refresh rebuilds the copy too. Decoding
+    after either equals decoding before."""
+    from sleuth.llm.base import SamplingParams
+    from sleuth.llm.hf import HFGenerator
+    from sleuth.llm.tiny import build_tiny_model
+
+    path = build_tiny_model(tmp_path / "tiny")
+    prompts = ["the capital of", "a search for the", "x"]
+    params = SamplingParams(max_new_tokens=10, temperature=0.0)
+    gen = HFGenerator(path, device="cpu", cache="engine", sync_every=4)
+    first = [g.token_ids for g in gen.generate(prompts, None, params)]
+    engine = gen.engine
+    slots = engine.pool_k.shape[1]
+    gen.release()
+    assert not engine.has_weights and engine.pool_k is None
+    with pytest.raises(RuntimeError, match="released"):
+        engine.start([[1, 2]], 3)
+    gen.refresh_weights()
+    assert engine.has_weights
+    assert [g.token_ids for g in gen.generate(["x"], None, params)] == [first[2]]
+    assert engine.pool_k.shape[1] == slots  # the pool comes back at the size the last rollout reached
+    gen.release()
+    assert [g.token_ids for g in gen.generate(prompts, None, params)] == first  # rebuilt on use
+
+
+def test_growing_the_pool_drops_the_graphs_memory_pool_handle() -> None:
+    """A grown KV pool drops the captured graphs, and with them their private memory pool: capturing the next
+    graph into the freed pool's handle fails inside the caching allocator (seen on H200: every later batch then
+    decoded eagerly), so the handle must go with the graphs."""
+    engine = DecodeEngine(_model("qwen2"), max_batch_size=4)
+    engine._ensure_pool(16)
+    engine._graph_pool = ("a pool handle of graphs captured on the old pool",)
+    engine._buckets[4] = "a graph captured on the old pool"
+    engine._ensure_pool(64)
+    assert engine.pool_k.shape[1] >= 64 and engine._graph_pool is None and not engine._buckets

@@ -11,7 +11,18 @@ from typer.testing import CliRunner
 from sleuth.cli import app
 from sleuth.errors import ConfigError
 from sleuth.eval.stats import paired_bootstrap
-from sleuth.reproduce import CLAIMS, claim_table, reproduce, stage
+from sleuth.reproduce import (
+    CLAIM_PROFILES,
+    CLAIMS,
+    Arm,
+    _paired_on,
+    arm_rl_recipe,
+    claim_table,
+    metric,
+    own_answer_em,
+    reproduce,
+    stage,
+)
 
 
 def _preds(rows: list[tuple[str, str, int, float]]) -> dict[str, dict]:
@@ -24,17 +35,54 @@ def test_help_lists_the_four_claims():
     assert result.exit_code == 0
     for method in ("staged", "r_search", "qagent", "s3"):
         assert re.search(rf"^\W*{method}\s", result.output, re.M), method
+    assert "not implemented" not in result.output.lower()
     assert set(CLAIMS) == {"staged", "r_search", "qagent", "s3"}
     for claim in CLAIMS.values():
         assert claim.world and claim.cold_start and claim.arms and claim.evaluation and claim.test
 
 
-def test_unimplemented_claims_say_what_they_need(tmp_path):
-    result = CliRunner().invoke(app, ["reproduce", "qagent", "--out", str(tmp_path)], terminal_width=300)
-    assert result.exit_code == 2
-    assert "not implemented yet: needs a second, stronger frozen reader" in result.output
+def test_bad_claim_and_profile_are_named(tmp_path):
     with pytest.raises(ConfigError, match="--profile must be cpu or gpu"):
         reproduce("staged", tmp_path, "tpu")
+    with pytest.raises(ConfigError, match="no claim registered for 'ircot'; choose one of staged, r_search"):
+        reproduce("ircot", tmp_path, "cpu")
+    result = CliRunner().invoke(app, ["reproduce", "s3", "--profile", "tpu", "--out", str(tmp_path)],
+                                terminal_width=300)
+    assert result.exit_code == 2 and "--profile must be cpu or gpu, got 'tpu'" in result.output
+
+
+def test_paired_rows_by_hand():
+    first = {q: {"metrics": {"em": em, "f1": f1}, "golden_answers": ["Oslo"], "extra": {"agent_answer": own}}
+             for q, em, f1, own in (("a", 1, 1.0, "Oslo"), ("b", 0, 0.5, "oslo"), ("c", 1, 1.0, "Rome"))}
+    second = {q: {"metrics": {"em": em, "f1": f1}} for q, em, f1 in (("a", 0, 0.0), ("b", 0, 0.5), ("z", 1, 1.0))}
+    row = _paired_on(first, second, metric("f1"))  # questions a and b only: (1.0, 0.5) vs (0.0, 0.5)
+    assert row["n"] == 2 and row["a"] == 0.75 and row["b"] == 0.25 and row["diff"] == 0.5
+    assert row["ci"] == list(paired_bootstrap([1.0, 0.5], [0.0, 0.5])[1:])
+    # the agent's own answer on one side, the reader's EM on the other: a 1, b 1 (normalised), vs a 0, b 0
+    mixed = _paired_on(first, first, own_answer_em, metric("em"))
+    assert mixed["n"] == 3 and mixed["a"] == pytest.approx(2 / 3) and mixed["b"] == pytest.approx(2 / 3)
+    assert own_answer_em({"golden_answers": ["x"]}) == 0.0  # no agent answer recorded: wrong
+    with pytest.raises(ConfigError, match="no common question"):
+        _paired_on(first, {"q": second["z"]}, metric("em"))
+
+
+def test_arm_recipe_applies_the_arm_and_keeps_the_method_defaults(tmp_path):
+    profile = CLAIM_PROFILES["cpu"]
+    world = tmp_path / "world"
+    without = arm_rl_recipe(tmp_path, world, profile, Arm("without_evidence", "r_search",
+                                                          reward={"options": {"use_evidence_reward": False}}), "ck")
+    assert without["reward"]["name"] == "r_search" and without["reward"]["generator"] == "policy-base"
+    assert without["reward"]["options"] == {"gamma_e": 0.2, "gamma_a": 0.2, "use_evidence_reward": False}
+    assert without["model"]["init_from"] == "ck" and "sft" not in without
+    assert without["trainer"]["out_dir"] == str(tmp_path / "without_evidence" / "train")
+    stage2 = arm_rl_recipe(tmp_path, world, profile, Arm("stage2", "qagent", reward={
+        "name": "qagent_stage2", "options": {"hit_weight": 0.5}, "generator": "R"}, steps=3), "ck")
+    assert stage2["reward"] == {"name": "qagent_stage2", "options": {"hit_weight": 0.5}, "generator": "R"}
+    assert stage2["trainer"]["total_steps"] == 3
+    s3 = arm_rl_recipe(tmp_path, world, profile, Arm("s3_4", "s3", reward={"generator": "R"}, steps=2,
+                                                     train_questions=4), "ck")
+    assert s3["reward"]["name"] == "s3_gbr" and s3["reward"]["generator"] == "R"
+    assert s3["data"]["max_train_examples"] == 4 and s3["data"]["train"] == str(world / "train.jsonl")
 
 
 def test_claim_table_by_hand():
@@ -91,3 +139,77 @@ def test_reproduce_staged_cpu_end_to_end_and_resumes(tmp_path):
     assert stages == ["eval_search_r1", "eval_staged", "inject", "train_search_r1", "train_staged", "world"]
     again = runner.invoke(app, ["reproduce", "staged", "--profile", "cpu", "--out", str(out)], terminal_width=300)
     assert again.exit_code == 0 and again.output.count("done earlier, skipped") == 6
+
+
+def _run_twice(tmp_path, method: str) -> tuple[str, dict, list[str], str]:
+    """`sleuth reproduce METHOD --profile cpu` twice: the report page, report.json, the stages, the rerun's output."""
+    out = tmp_path / method
+    runner = CliRunner()
+    argv = ["reproduce", method, "--profile", "cpu", "--out", str(out)]
+    result = runner.invoke(app, argv, terminal_width=300)
+    assert result.exit_code == 0, result.output
+    stages = sorted(p.stem for p in (out / "stages").iterdir())
+    again = runner.invoke(app, argv, terminal_width=300)
+    assert again.exit_code == 0 and again.output.count("done earlier, skipped") == len(stages), again.output
+    return (out / "report.html").read_text(), json.loads((out / "report.json").read_text()), stages, again.output
+
+
+def _claim_html(page: str) -> str:
+    first_table = page.index("<table")
+    assert page.index("<table id='claim'>") == first_table  # the page opens with the claim table
+    return page[first_table : page.index("</table>")]
+
+
+@pytest.mark.slow
+def test_reproduce_r_search_cpu_end_to_end_and_resumes(tmp_path):
+    """SFT, two GRPO arms (with / without the evidence reward), evaluation, report (about 15 s on 2 cores)."""
+    page, report, stages, _ = _run_twice(tmp_path, "r_search")
+    claim = _claim_html(page)
+    assert "F1, all questions" in claim and "EM, all questions" in claim and "with_evidence" in claim
+    rows = report["table"]["rows"]
+    assert rows["F1, all questions"]["n"] == rows["EM, all questions"]["n"] == 30
+    assert isinstance(report["table"]["holds"], bool)
+    assert stages == ["eval_with_evidence", "eval_without_evidence", "sft_r_search", "train_with_evidence",
+                      "train_without_evidence", "world"]
+    recipe = (tmp_path / "r_search" / "without_evidence" / "rl_recipe.yaml").read_text()
+    assert "use_evidence_reward: false" in recipe
+
+
+@pytest.mark.slow
+def test_reproduce_qagent_cpu_end_to_end_and_resumes(tmp_path):
+    """Reader, SFT, stage 1 (2 steps), stage 2 from stage 1's step 1 (1 step), four evaluations (about 25 s)."""
+    page, report, stages, _ = _run_twice(tmp_path, "qagent")
+    claim = _claim_html(page)
+    assert "EM read by the other reader (tiny, the base model)" in claim and "stage 2" in claim
+    rows = report["table"]["rows"]
+    assert len(rows) == 3 and all(row["n"] == 30 for row in rows.values())
+    assert stages == ["eval_stage1_base_reader", "eval_stage1_trained_reader", "eval_stage2_base_reader",
+                      "eval_stage2_trained_reader", "reader", "sft_qagent", "train_stage1", "train_stage2",
+                      "world"]
+    out = tmp_path / "qagent"
+    assert report["train_stage2"]["steps"] == 1 and report["train_stage1"]["steps"] == 2
+    stage2 = (out / "stage2" / "rl_recipe.yaml").read_text()
+    assert "qagent_stage2" in stage2 and str(out / "stage1" / "train" / "checkpoints" / "step_000001") in stage2
+    assert f"generator: {out / 'reader' / 'reader'}" in stage2
+    summary = json.loads((out / "eval" / "stage1_base_reader" / "summary.json").read_text())
+    assert "generator" in json.dumps(summary) and str(out / "reader" / "reader") not in json.dumps(summary)
+
+
+@pytest.mark.slow
+def test_reproduce_s3_cpu_end_to_end_and_resumes(tmp_path):
+    """Reader, SFT per method, s3 and search_r1 on 2 and 4 RL training questions, report with a plot (about 40 s)."""
+    page, report, stages, _ = _run_twice(tmp_path, "s3")
+    claim = _claim_html(page)
+    for row in ("EM: s3 on 2 questions vs search_r1 on 4", "EM after RL on 2 training questions",
+                "EM after RL on 4 training questions"):
+        assert row in claim
+    assert page.index("<img") > page.index("</table>")  # the curve follows the claim table
+    curve = report["table"]["curve"]
+    assert [p["questions"] for p in curve["s3"]] == [p["questions"] for p in curve["search_r1"]] == [2, 4]
+    assert {d: report[f"train_{d}"]["steps"] for d in ("s3_2", "s3_4", "search_r1_2", "search_r1_4")} == {
+        "s3_2": 1, "s3_4": 2, "search_r1_2": 1, "search_r1_4": 2}  # one pass over the questions, 2 per step
+    reader = str(tmp_path / "s3" / "reader" / "reader")
+    for size in (2, 4):  # the same trained reader trains and reads s3 at every size
+        assert f"generator: {reader}" in (tmp_path / "s3" / f"s3_{size}" / "rl_recipe.yaml").read_text()
+        assert reader in (tmp_path / "s3" / "eval" / f"s3_{size}" / "summary.json").read_text()
+    assert "reader" in stages and "sft_s3" in stages and len(stages) == 12

@@ -34,6 +34,7 @@ COMMAND_MODULES = [
     "sleuth.serve.commands",
     "sleuth.demo",
     "sleuth.knowledge",
+    "sleuth.reader",
     "sleuth.reproduce",
 ]
 

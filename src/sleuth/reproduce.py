@@ -1,8 +1,10 @@
 """`sleuth reproduce <method>`: each paper's own claim, end to end, with paired 95% intervals.
 
 A claim is described by its world, its cold start, the arms it compares, the evaluation and the
-test that decides it (`CLAIMS`). `staged` runs end to end; the other three are registered with their
-plan and stop with "not implemented yet: needs ...".
+test that decides it (`CLAIMS`). All four run end to end; each reuses the same pieces: the world
+(`_build_world`), the demo's recipe for an arm (`arm_recipe`), the oracle-trajectory SFT cold start per
+method (`_cold_start`), GRPO for an arm (`_train_rl`), the evaluation of an arm on the same held-out
+questions (`_evaluate`), paired bootstrap rows (`_paired_on`) and the report (`write_report`).
 
 staged ("learning when to search"): on a knowledge-boundary world (`synth --known-fraction`) the base
 model is taught the known facts (`sleuth.knowledge.inject_knowledge`); each arm gets an oracle-trajectory
@@ -10,6 +12,21 @@ SFT cold start from the injected model, then the same number of GRPO steps with 
 the staged reward and one with search_r1's EM reward; both are evaluated on the same held-out questions.
 The claim holds when staged retrieves less on all-known questions (paired difference, 95% interval
 entirely below 0) at an accuracy not lower (the paired EM difference's interval lies above -margin).
+
+r_search: one oracle-trajectory SFT, then two GRPO arms with the same steps and seed, the r_search reward
+with and without its evidence term (`use_evidence_reward`); holds when the with-evidence arm's F1 is higher
+(paired interval above 0).
+
+qagent: a reader is trained (`sleuth.reader.train_reader`). Stage 1 is end to end (qagent_stage1 reward)
+for 2N steps; stage 2 continues stage 1's checkpoint at step N for N steps with the frozen-reader reward
+(qagent_stage2, the trained reader), so both arms have 2N RL steps. Each arm's documents are read by the
+trained reader and by the base model (the other reader); stage 1 is also scored on its own answers. Holds
+when stage 2 beats stage 1 with the reader it did not train with (paired interval above 0).
+
+s3: the same trained reader is s3's reward generator and evaluation reader at every size; s3 and search_r1
+each get one SFT, then one GRPO run per number of RL training questions (`data.max_train_examples`, one
+pass: ceil(size / prompts_per_step) steps). Holds when s3 at the smallest size is not below search_r1 at
+the largest (paired EM interval above -margin).
 
 Every stage writes a marker under OUT/stages/ when it finishes; a rerun skips finished stages.
 The pipeline pieces are sleuth's own, chained as `sleuth demo` chains them.
@@ -21,7 +38,7 @@ import html
 import json
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -29,8 +46,9 @@ import typer
 
 from sleuth.appendlog import read_appended
 from sleuth.data.synth import KNOWLEDGE_TYPES
-from sleuth.demo import DemoSize, demo_recipe, write_oracle_trajectories
+from sleuth.demo import DemoSize, demo_recipe, held_out_questions, write_oracle_trajectories
 from sleuth.errors import ConfigError
+from sleuth.reader import ReaderSettings
 from sleuth.utils import atomic_write_json, atomic_write_text
 
 STAGES_DIR = "stages"
@@ -45,7 +63,6 @@ class Claim:
     arms: str
     evaluation: str
     test: str
-    needs: str | None = None  # what is missing before it runs (None: implemented)
 
 
 CLAIMS: dict[str, Claim] = {c.method: c for c in (
@@ -57,36 +74,42 @@ CLAIMS: dict[str, Claim] = {c.method: c for c in (
           "staged minus search_r1 retrievals on all-known questions: 95% interval below 0; EM difference: "
           "interval above -margin"),
     Claim("r_search", "the evidence reward improves over an answer-only reward (the paper's ablation)",
-          "the synthetic world", "oracle-trajectory SFT (r_search loop)",
+          "the synthetic world", "oracle-trajectory SFT (r_search loop), shared by both arms",
           "r_search reward with vs without the evidence term, same steps and seeds",
-          "held-out questions: F1 and EM, paired", "with-evidence minus without: F1 interval above 0",
-          needs="an r_search reward option that drops the evidence term, wired as a second arm"),
+          "held-out questions: F1 and EM of the agent's answer, paired", "with-evidence minus without: F1 interval above 0"),
     Claim("qagent", "stage 2 (rewarding a frozen generator's answer) transfers to other generators",
-          "the synthetic world", "oracle-trajectory SFT (qagent loop)",
-          "qagent stage 2 vs stage 1 (end to end)",
-          "each arm read by the generator it trained with and by a second reader, paired",
-          "stage 2 minus stage 1 with the other reader: interval above 0",
-          needs="a second, stronger frozen reader (issue 25 item 2: SFT of the base on question + gold passages)"),
+          "the synthetic world", "a trained reader (sleuth train-reader); oracle-trajectory SFT (qagent loop)",
+          "qagent stage 2 (frozen trained reader's EM + hit, continuing stage 1 at half its steps) vs stage 1 "
+          "(end to end), the same total RL steps",
+          "each arm's documents read by the trained reader (stage 2's) and by the base model (the other reader); "
+          "stage 1 also on its own answers; paired",
+          "stage 2 minus stage 1, read by the other reader: EM interval above 0"),
     Claim("s3", "a searcher trained against a frozen generator needs far less data than end-to-end training",
-          "the synthetic world", "oracle-trajectory SFT (s3 and search_r1 loops)",
-          "s3 vs search_r1 trained on 100 / 400 / 1,600 / 6,000 questions",
-          "held-out accuracy against training questions, same reader for s3",
-          "s3 at the smallest size reaches search_r1's accuracy at a larger one (intervals)",
-          needs="a stronger frozen reader (issue 25 item 2) and a data-size sweep runner"),
+          "the synthetic world", "a trained reader (sleuth train-reader); oracle-trajectory SFT (s3 and search_r1 loops)",
+          "s3 vs search_r1, one GRPO run per number of RL training questions (cpu: 2 / 4; gpu: 100 / 400 / 1,600 / "
+          "6,000)",
+          "held-out EM against training questions; the same trained reader reads s3's documents at every size",
+          "s3 at the smallest size minus search_r1 at the largest: EM interval above -margin"),
 )}
 
 
 @dataclass(frozen=True)
-class StagedProfile:
+class ClaimProfile:
     pipeline: DemoSize  # model, world size, SFT and RL sizes (the demo's sizing record)
-    known_fraction: float
     splits: tuple[float, float, float]
-    inject_epochs: int
-    inject_lr: float
-    inject_batch: int
     lora: bool
     test_questions: int
     accuracy_margin: float  # the EM loss (fraction) still called "not lower"
+    known_fraction: float | None = None  # a knowledge-boundary world (staged) or a plain one (None)
+    reader: ReaderSettings | None = None  # the trained reader of qagent and s3
+    sizes: tuple[int, ...] = ()  # s3: numbers of RL training questions
+
+
+@dataclass(frozen=True)
+class StagedProfile(ClaimProfile):
+    inject_epochs: int = 3
+    inject_lr: float = 3e-4
+    inject_batch: int = 16
 
 
 STAGED_PROFILES = {
@@ -108,6 +131,19 @@ STAGED_PROFILES = {
 }
 STAGED_ARMS = ("staged", "search_r1")  # the claim's method first, then the baseline it is compared with
 
+# r_search, qagent and s3: the staged profiles' sizes on a plain world, with LoRA (r_search's evidence model
+# and s3's naive-RAG baseline default to the policy's base, which needs adapters) and a trained reader.
+CLAIM_PROFILES = {
+    "cpu": ClaimProfile(
+        pipeline=STAGED_PROFILES["cpu"].pipeline, splits=(0.6, 0.1, 0.3), lora=True, test_questions=30,
+        accuracy_margin=0.02, sizes=(2, 4),
+        reader=ReaderSettings(model="tiny", distractors=1, epochs=2, lr=3e-3, batch_size=8, lora=False)),
+    "gpu": ClaimProfile(
+        pipeline=replace(STAGED_PROFILES["gpu"].pipeline, questions=8000), splits=(0.8, 0.1, 0.1), lora=True,
+        test_questions=500, accuracy_margin=0.02, sizes=(100, 400, 1600, 6000),
+        reader=ReaderSettings(model="smollm2-135m-instruct", distractors=2, epochs=2, lr=3e-4, batch_size=16)),
+}
+
 
 def stage(out: Path, name: str, run: Callable[[], dict[str, Any]], console: Any = None) -> dict[str, Any]:
     """Run a stage once: its result is kept in OUT/stages/<name>.json, and a rerun returns it unrun."""
@@ -125,7 +161,7 @@ def stage(out: Path, name: str, run: Callable[[], dict[str, Any]], console: Any 
     return result
 
 
-def _build_world(world: Path, profile: StagedProfile) -> dict[str, Any]:
+def _build_world(world: Path, profile: ClaimProfile) -> dict[str, Any]:
     from sleuth.data.synth import generate_world, write_world
     from sleuth.retrieval import build_index
 
@@ -133,47 +169,98 @@ def _build_world(world: Path, profile: StagedProfile) -> dict[str, Any]:
     summary = write_world(generate_world(size.passages, size.questions, hops=size.hops, seed=0,
                                          known_fraction=profile.known_fraction), world, splits=profile.splits)
     build_index(world / "corpus.jsonl", "bm25", world / "bm25")
-    return {"world": str(world), "knowledge_distribution": summary["knowledge_distribution"],
-            "known_statements": summary["known_statements"]}
+    return {"world": str(world), "splits": summary["splits"],
+            **{k: summary[k] for k in ("knowledge_distribution", "known_statements") if k in summary}}
 
 
-def arm_recipe(out: Path, world: Path, profile: StagedProfile, method: str, init_from: str) -> dict[str, Any]:
-    """The demo's recipe for `method`, on the knowledge-boundary world, starting from the injected model."""
-    arm = out / method
+@dataclass(frozen=True)
+class Arm:
+    """One compared arm: GRPO of `method` with the demo's recipe, changed by the fields set here."""
+
+    name: str  # its run directory OUT/<name> and its label
+    method: str
+    reward: dict[str, Any] | None = None  # merged into the method's default reward (options merged too)
+    steps: int | None = None  # RL steps (default: the profile's)
+    train_questions: int | None = None  # data.max_train_examples (default: the whole train split)
+    save_every: int | None = None
+
+
+def arm_recipe(out: Path, world: Path, profile: ClaimProfile, method: str, init_from: str | None,
+               name: str | None = None) -> dict[str, Any]:  # fmt: skip
+    """The demo's recipe for `method` under OUT/<name or method>, on the claim's world, starting from the
+    checkpoint `init_from` (None: the profile's base model)."""
+    arm = out / (name or method)
     recipe = demo_recipe(arm, profile.pipeline, method)
-    recipe["name"] = f"reproduce-staged-{method}"
+    recipe["name"] = f"reproduce-{name or method}"
     recipe["data"]["train"] = str(world / "train.jsonl")
     recipe["retriever"]["index"] = str(world / "bm25")
     recipe["model"]["lora"]["enabled"] = profile.lora
-    recipe["model"]["init_from"] = init_from
+    if init_from is not None:
+        recipe["model"]["init_from"] = init_from
     return recipe
 
 
-def _train_arm(out: Path, world: Path, profile: StagedProfile, method: str, injected: str, console: Any) -> dict:
-    """Oracle trajectories -> SFT from the injected model -> GRPO; returns the RL checkpoint."""
+def _write_recipe(recipe_dict: dict[str, Any], path: Path) -> Any:
     import yaml
 
     from sleuth.rl.config import recipe_from_dict
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(recipe_dict, sort_keys=False))
+    return recipe_from_dict(recipe_dict, source=str(path))
+
+
+def _cold_start(out: Path, world: Path, profile: ClaimProfile, method: str, init_from: str | None,
+                console: Any) -> dict:  # fmt: skip
+    """Oracle trajectories of `method` -> SFT from `init_from` (None: the base model) under OUT/<method>;
+    returns the SFT checkpoint."""
     from sleuth.rl.sft import run_sft
+
+    recipe = _write_recipe(arm_recipe(out, world, profile, method, init_from), out / method / "recipe.yaml")
+    kept = write_oracle_trajectories(out / method, recipe, profile.pipeline)
+    sft = run_sft(recipe, resume=True, console=console)
+    return {"sft_checkpoint": sft["checkpoint"], "trajectories": kept.get("kept", 0)}
+
+
+def arm_rl_recipe(out: Path, world: Path, profile: ClaimProfile, arm: Arm, init_from: str) -> dict[str, Any]:
+    """The GRPO recipe of one arm: the demo's recipe for its method with the arm's reward, steps and data."""
+    recipe_dict = arm_recipe(out, world, profile, arm.method, init_from, arm.name)
+    recipe_dict.pop("sft")
+    if arm.reward is not None:
+        reward = recipe_dict["reward"]
+        options = {**reward.get("options", {}), **arm.reward.get("options", {})}
+        recipe_dict["reward"] = {**reward, **arm.reward, **({"options": options} if options else {})}
+    trainer = recipe_dict["trainer"]
+    trainer["total_steps"] = arm.steps or trainer["total_steps"]
+    trainer["save_every"] = arm.save_every or max(1, min(trainer["total_steps"], 5))
+    if arm.train_questions is not None:
+        recipe_dict["data"]["max_train_examples"] = arm.train_questions
+    return recipe_dict
+
+
+def _train_rl(out: Path, world: Path, profile: ClaimProfile, arm: Arm, init_from: str, console: Any) -> dict:
+    """GRPO of one arm from `init_from` (an SFT or RL checkpoint), resumable; returns its last checkpoint."""
     from sleuth.rl.trainer import train
     from sleuth.run_layout import latest_checkpoint
 
-    recipe_dict = arm_recipe(out, world, profile, method, injected)
-    path = out / method / "recipe.yaml"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(yaml.safe_dump(recipe_dict, sort_keys=False))
-    recipe = recipe_from_dict(recipe_dict, source=str(path))
-    kept = write_oracle_trajectories(out / method, recipe, profile.pipeline)
-    sft = run_sft(recipe, resume=True, console=console)
-    rl_model = recipe.model.model_copy(update={"init_from": sft["checkpoint"]})
-    rl_recipe = recipe.model_copy(update={"sft": None, "model": rl_model})
+    recipe = _write_recipe(arm_rl_recipe(out, world, profile, arm, init_from), out / arm.name / "rl_recipe.yaml")
     resumable = latest_checkpoint(Path(recipe.trainer.out_dir)) is not None
-    result = train(rl_recipe, resume=resumable, overwrite=not resumable, console=console)
-    return {"sft_checkpoint": sft["checkpoint"], "checkpoint": str(result["checkpoint"]),
-            "trajectories": kept.get("kept", 0)}
+    result = train(recipe, resume=resumable, overwrite=not resumable, console=console)
+    return {"checkpoint": str(result["checkpoint"]), "run": recipe.trainer.out_dir,
+            "steps": recipe.trainer.total_steps}
 
 
-def _evaluate_arm(out: Path, world: Path, profile: StagedProfile, method: str, checkpoint: str) -> dict:
+def _train_arm(out: Path, world: Path, profile: ClaimProfile, method: str, injected: str, console: Any) -> dict:
+    """Oracle trajectories -> SFT from the injected model -> GRPO (the staged claim's arm, one stage)."""
+    sft = _cold_start(out, world, profile, method, injected, console)
+    rl = _train_rl(out, world, profile, Arm(method, method), sft["sft_checkpoint"], console)
+    return {**sft, "checkpoint": rl["checkpoint"]}
+
+
+def _evaluate(out: Path, world: Path, profile: ClaimProfile, method: str, checkpoint: str, name: str,
+              reader: str | None = None) -> dict:  # fmt: skip
+    """`method`'s checkpoint on the claim's held-out questions (greedy), under OUT/eval/<name>; a searcher's
+    documents go to `reader` (default: the checkpoint itself)."""
     from sleuth.agent.registry import get_method
     from sleuth.agent.searcher import load_searcher
     from sleuth.eval.harness import EvalConfig, EvalOutput, evaluate
@@ -183,11 +270,16 @@ def _evaluate_arm(out: Path, world: Path, profile: StagedProfile, method: str, c
     cfg = EvalConfig(batch_size=16, max_new_tokens=size.max_new_tokens * spec.new_tokens_factor,
                      answer_max_new_tokens=24, top_k=3, max_turns=size.max_turns, max_response_tokens=2048,
                      max_obs_tokens=384)
-    summary = evaluate([spec.display_name], boundary_questions(world, "test", profile.test_questions),
-                       world / "bm25", load_searcher(checkpoint).generator, config=cfg,
-                       out_dir=EvalOutput(out / "eval" / method))
-    return {"predictions": str(out / "eval" / method / spec.display_name / "predictions.jsonl"),
+    questions = (boundary_questions(world, "test", profile.test_questions) if profile.known_fraction is not None
+                 else held_out_questions(world, profile.test_questions))
+    summary = evaluate([spec.display_name], questions, world / "bm25", load_searcher(checkpoint).generator,
+                       generator=reader, config=cfg, out_dir=EvalOutput(out / "eval" / name))
+    return {"predictions": str(out / "eval" / name / spec.display_name / "predictions.jsonl"), "reader": reader,
             "retrieval_boundary": summary.get("retrieval_boundary", {}).get(spec.display_name)}
+
+
+def _evaluate_arm(out: Path, world: Path, profile: ClaimProfile, method: str, checkpoint: str) -> dict:
+    return _evaluate(out, world, profile, method, checkpoint, method)
 
 
 def _read_predictions(path: str) -> dict[str, dict[str, Any]]:
@@ -226,7 +318,9 @@ def claim_table(first: dict[str, dict[str, Any]], second: dict[str, dict[str, An
     fewer = rows["retrievals per question, all-known"]["ci"]
     accuracy = rows["EM, all questions"]["ci"]
     holds = fewer is not None and fewer[1] < 0 and accuracy[0] >= -margin
-    return {"rows": rows, "holds": holds, "accuracy_margin": margin, "questions": len(ids)}
+    rule = ("The claim holds when the all-known retrieval difference's interval lies below 0 and the EM "
+            f"difference's lower end is at least -{100 * margin:.1f} points. EM in points; retrievals per question.")
+    return {"rows": rows, "holds": holds, "accuracy_margin": margin, "questions": len(ids), "rule": rule}
 
 
 def _fmt(value: float | None, pct: bool) -> str:
@@ -235,12 +329,13 @@ def _fmt(value: float | None, pct: bool) -> str:
     return f"{100 * value:+.1f}" if pct else f"{value:+.2f}"
 
 
-def write_report(out: Path, claim: Claim, table: dict[str, Any], arms: tuple[str, str], details: dict) -> Path:
-    """OUT/report.json and OUT/report.html; the page opens with the claim table."""
+def write_report(out: Path, claim: Claim, table: dict[str, Any], arms: tuple[str, str], details: dict,
+                 figure: str = "") -> Path:  # fmt: skip
+    """OUT/report.json and OUT/report.html; the page opens with the claim table (then `figure`, HTML)."""
     atomic_write_json(out / "report.json", {"claim": asdict(claim), "arms": list(arms), "table": table, **details})
     cells = []
     for name, row in table["rows"].items():
-        pct = name.startswith("EM")
+        pct = not name.startswith("retrievals")  # accuracies in points, retrieval counts as they are
         ci = row["ci"]
         interval = f"[{_fmt(ci[0], pct)}, {_fmt(ci[1], pct)}]" if ci else "-"
         a, b = (("-" if v is None else (f"{100 * v:.1f}" if pct else f"{v:.2f}")) for v in (row["a"], row["b"]))
@@ -253,10 +348,9 @@ def write_report(out: Path, claim: Claim, table: dict[str, Any], arms: tuple[str
         f"<table id='claim'><caption>Claim: {html.escape(claim.claim)} &mdash; {verdict}</caption>\n"
         f"<tr><th>measure</th><th>n</th><th>{html.escape(arms[0])}</th><th>{html.escape(arms[1])}</th>"
         "<th>difference</th><th>95% interval (paired bootstrap)</th></tr>\n" + "\n".join(cells) + "\n</table>\n"
-        f"<p>The claim holds when the all-known retrieval difference's interval lies below 0 and the EM difference's "
-        f"lower end is at least -{100 * table['accuracy_margin']:.1f} points. EM in points; retrievals per question.</p>\n"
+        f"<p>{html.escape(table['rule'])}</p>\n{figure}"
         f"<h2>Plan</h2><ul>" + "".join(f"<li><b>{k}</b>: {html.escape(str(v))}</li>" for k, v in asdict(claim).items()
-                                        if k != "needs") + "</ul>\n"
+                                        ) + "</ul>\n"
         f"<h2>Stages</h2><pre>{html.escape(json.dumps(details, indent=2))}</pre>\n</body></html>\n"
     )
     atomic_write_text(out / "report.html", page)
@@ -290,7 +384,178 @@ def reproduce_staged(out: Path, profile_name: str, console: Any = None) -> Path:
     return write_report(out, CLAIMS["staged"], table, STAGED_ARMS, details)
 
 
-RUNNERS: dict[str, Callable[[Path, str, Any], Path]] = {"staged": reproduce_staged}
+def _paired_on(first: dict[str, dict], second: dict[str, dict], value_a: Callable[[dict], float],
+               value_b: Callable[[dict], float] | None = None) -> dict[str, Any]:  # fmt: skip
+    """A paired row over the questions both prediction sets answered: value_a of the first, value_b of the second."""
+    ids = sorted(set(first) & set(second))
+    if not ids:
+        raise ConfigError("the two arms answered no common question; evaluate both on the same test split")
+    value_b = value_b or value_a
+    return _paired([value_a(first[i]) for i in ids], [value_b(second[i]) for i in ids])
+
+
+def metric(key: str) -> Callable[[dict], float]:
+    """A prediction record's answer metric (as the evaluator scored the answer it reports)."""
+    return lambda record: float(record["metrics"][key])
+
+
+def own_answer_em(record: dict) -> float:
+    """EM of the agent's own answer, where the evaluator handed its documents to a reader (extra.agent_answer)."""
+    from sleuth.rewards.metrics import exact_match
+
+    return exact_match(record.get("extra", {}).get("agent_answer"), record["golden_answers"])
+
+
+def _start(out: Path, profile_name: str, console: Any, reader: bool) -> tuple[ClaimProfile, Path, dict[str, Any]]:
+    """The shared first stages: the profile, the plain world and, when asked, the trained reader."""
+    from sleuth.reader import reader_check, train_reader
+
+    profile = CLAIM_PROFILES[profile_name]
+    out.mkdir(parents=True, exist_ok=True)
+    world = out / "world"
+    details: dict[str, Any] = {"profile": profile_name,
+                               "world": stage(out, "world", lambda: _build_world(world, profile), console)}
+    if reader:
+        assert profile.reader is not None
+
+        def build_reader() -> dict[str, Any]:
+            path = train_reader(world, out / "reader", profile.reader, console)
+            return {"reader": str(path), "gold_passage_em": reader_check(
+                world, str(path), out / "reader", "test", profile.test_questions)}
+
+        details["reader"] = stage(out, "reader", build_reader, console)
+    return profile, world, details
+
+
+def reproduce_r_search(out: Path, profile_name: str, console: Any = None) -> Path:
+    """r_search with vs without the evidence reward (module docstring); returns OUT/report.html."""
+    profile, world, details = _start(out, profile_name, console, reader=False)
+    details["sft_r_search"] = stage(out, "sft_r_search", lambda: _cold_start(
+        out, world, profile, "r_search", None, console), console)
+    arms = (Arm("with_evidence", "r_search"),
+            Arm("without_evidence", "r_search", reward={"options": {"use_evidence_reward": False}}))
+    preds = []
+    for arm in arms:
+        details[f"train_{arm.name}"] = stage(out, f"train_{arm.name}", lambda a=arm: _train_rl(
+            out, world, profile, a, details["sft_r_search"]["sft_checkpoint"], console), console)
+        details[f"eval_{arm.name}"] = stage(out, f"eval_{arm.name}", lambda a=arm: _evaluate(
+            out, world, profile, a.method, details[f"train_{a.name}"]["checkpoint"], a.name), console)
+        preds.append(_read_predictions(details[f"eval_{arm.name}"]["predictions"]))
+    rows = {"F1, all questions": _paired_on(preds[0], preds[1], metric("f1")),
+            "EM, all questions": _paired_on(preds[0], preds[1], metric("em"))}
+    f1 = rows["F1, all questions"]["ci"]
+    table = {"rows": rows, "holds": f1[0] > 0, "questions": rows["F1, all questions"]["n"],
+             "rule": "The claim holds when the with-evidence arm's F1 minus the without-evidence arm's has a 95% "
+                     "interval above 0. F1 and EM in points."}
+    return write_report(out, CLAIMS["r_search"], table, tuple(a.name for a in arms), details)
+
+
+def reproduce_qagent(out: Path, profile_name: str, console: Any = None) -> Path:
+    """qagent stage 2 vs stage 1, each read by both readers (module docstring); returns OUT/report.html."""
+    profile, world, details = _start(out, profile_name, console, reader=True)
+    trained, base = details["reader"]["reader"], profile.pipeline.model
+    half = max(1, profile.pipeline.train_steps // 2)
+    details["sft_qagent"] = stage(out, "sft_qagent", lambda: _cold_start(
+        out, world, profile, "qagent", None, console), console)
+    stage1 = Arm("stage1", "qagent", steps=2 * half, save_every=half)
+    stage2 = Arm("stage2", "qagent", reward={"name": "qagent_stage2", "options": {"hit_weight": 0.5},
+                                             "generator": trained}, steps=half)
+    details["train_stage1"] = stage(out, "train_stage1", lambda: _train_rl(
+        out, world, profile, stage1, details["sft_qagent"]["sft_checkpoint"], console), console)
+    midway = str(Path(details["train_stage1"]["run"]) / "checkpoints" / f"step_{half:06d}")
+    details["train_stage2"] = stage(out, "train_stage2", lambda: _train_rl(
+        out, world, profile, stage2, midway, console), console)
+    preds: dict[tuple[str, str], dict] = {}
+    for arm in (stage2, stage1):
+        for reader_name, reader in (("trained_reader", trained), ("base_reader", base)):
+            name = f"{arm.name}_{reader_name}"
+            details[f"eval_{name}"] = stage(out, f"eval_{name}", lambda a=arm, r=reader, n=name: _evaluate(
+                out, world, profile, a.method, details[f"train_{a.name}"]["checkpoint"], n, r), console)
+            preds[arm.name, reader_name] = _read_predictions(details[f"eval_{name}"]["predictions"])
+    other = f"EM read by the other reader ({base}, the base model)"
+    rows = {
+        other: _paired_on(preds["stage2", "base_reader"], preds["stage1", "base_reader"], metric("em")),
+        "EM read by stage 2's training reader (trained reader)": _paired_on(
+            preds["stage2", "trained_reader"], preds["stage1", "trained_reader"], metric("em")),
+        "EM with the answerer each trained with (stage 2: trained reader; stage 1: its own answer)": _paired_on(
+            preds["stage2", "trained_reader"], preds["stage1", "trained_reader"], metric("em"), own_answer_em),
+    }
+    table = {"rows": rows, "holds": rows[other]["ci"][0] > 0, "questions": rows[other]["n"],
+             "rule": "The claim holds when stage 2 minus stage 1, both read by the reader stage 2 did not train "
+                     "with, has a 95% EM interval above 0. EM in points."}
+    return write_report(out, CLAIMS["qagent"], table, ("stage 2", "stage 1"), details)
+
+
+def reproduce_s3(out: Path, profile_name: str, console: Any = None) -> Path:
+    """s3 vs search_r1 against the number of RL training questions (module docstring); returns OUT/report.html."""
+    import math
+
+    from sleuth.agent.registry import get_method
+    from sleuth.eval.stats import bootstrap_ci
+
+    profile, world, details = _start(out, profile_name, console, reader=True)
+    reader, per_step = details["reader"]["reader"], profile.pipeline.prompts_per_step
+    methods = ("s3", "search_r1")
+    for method in methods:
+        details[f"sft_{method}"] = stage(out, f"sft_{method}", lambda m=method: _cold_start(
+            out, world, profile, m, None, console), console)
+    preds: dict[tuple[str, int], dict] = {}
+    curve: dict[str, list[dict[str, Any]]] = {m: [] for m in methods}
+    for size in profile.sizes:
+        for method in methods:
+            # a searcher that hands its documents to a reader trains and is evaluated with the trained reader
+            read_by = reader if get_method(method).reader_template is not None else None
+            arm = Arm(f"{method}_{size}", method, reward={"generator": read_by} if read_by else None,
+                      steps=math.ceil(size / per_step), train_questions=size)
+            details[f"train_{arm.name}"] = stage(out, f"train_{arm.name}", lambda a=arm: _train_rl(
+                out, world, profile, a, details[f"sft_{a.method}"]["sft_checkpoint"], console), console)
+            details[f"eval_{arm.name}"] = stage(out, f"eval_{arm.name}", lambda a=arm, r=read_by: _evaluate(
+                out, world, profile, a.method, details[f"train_{a.name}"]["checkpoint"], a.name, r), console)
+            preds[method, size] = _read_predictions(details[f"eval_{arm.name}"]["predictions"])
+            em = [metric("em")(r) for r in preds[method, size].values()]
+            curve[method].append({"questions": size, "em": sum(em) / len(em), "em_ci": list(bootstrap_ci(em))})
+    rows = {f"EM after RL on {size} training questions": _paired_on(preds["s3", size], preds["search_r1", size],
+                                                                    metric("em")) for size in profile.sizes}
+    smallest, largest = min(profile.sizes), max(profile.sizes)
+    claim_row = f"EM: s3 on {smallest} questions vs search_r1 on {largest}"
+    rows = {claim_row: _paired_on(preds["s3", smallest], preds["search_r1", largest], metric("em")), **rows}
+    margin = profile.accuracy_margin
+    table = {"rows": rows, "holds": rows[claim_row]["ci"][0] >= -margin, "questions": rows[claim_row]["n"],
+             "accuracy_margin": margin, "curve": curve,
+             "rule": f"The claim holds when s3 trained on {smallest} questions minus search_r1 trained on {largest} "
+                     f"has a 95% EM interval whose lower end is at least -{100 * margin:.1f} points. EM in points; "
+                     f"s3's documents are read by the trained reader at every size."}
+    return write_report(out, CLAIMS["s3"], table, methods, details, figure=_curve_figure(curve))
+
+
+def _curve_figure(curve: dict[str, list[dict[str, Any]]]) -> str:
+    """Held-out EM against RL training questions, one line per method with its 95% intervals (inline PNG)."""
+    import base64
+    import io
+
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(5, 3.2), dpi=100, layout="constrained")
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    for method, points in curve.items():
+        xs = [p["questions"] for p in points]
+        ys = [100 * p["em"] for p in points]
+        errors = [[100 * (p["em"] - p["em_ci"][0]) for p in points], [100 * (p["em_ci"][1] - p["em"]) for p in points]]
+        ax.errorbar(xs, ys, yerr=errors, marker="o", capsize=3, label=method)
+    ax.set_xscale("log")
+    ax.set_xlabel("RL training questions")
+    ax.set_ylabel("held-out EM (%)")
+    ax.legend()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    uri = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode("ascii")
+    return f"<figure id='curve'><img alt='EM against RL training questions' src='{uri}'></figure>\n"
+
+
+RUNNERS: dict[str, Callable[[Path, str, Any], Path]] = {
+    "staged": reproduce_staged, "r_search": reproduce_r_search, "qagent": reproduce_qagent, "s3": reproduce_s3}
 
 
 def reproduce(method: str, out: Path, profile: str, console: Any = None) -> Path:
@@ -299,8 +564,6 @@ def reproduce(method: str, out: Path, profile: str, console: Any = None) -> Path
         raise ConfigError(f"no claim registered for {method!r}; choose one of {', '.join(CLAIMS)}")
     if profile not in ("cpu", "gpu"):
         raise ConfigError(f"--profile must be cpu or gpu, got {profile!r}")
-    if method not in RUNNERS:
-        raise ConfigError(f"sleuth reproduce {method}: not implemented yet: needs {claim.needs}")
     return RUNNERS[method](out, profile, console)
 
 
@@ -313,8 +576,7 @@ def register(app: typer.Typer) -> None:
 
 
 def _register_claim(repro: typer.Typer, claim: Claim) -> None:
-    status = "" if claim.needs is None else f" NOT IMPLEMENTED YET (needs {claim.needs})."
-    text = (f"{claim.claim}.{status}\n\nWorld: {claim.world}. Cold start: {claim.cold_start}. Arms: {claim.arms}. "
+    text = (f"{claim.claim}.\n\nWorld: {claim.world}. Cold start: {claim.cold_start}. Arms: {claim.arms}. "
             f"Evaluation: {claim.evaluation}. Claim test: {claim.test}.")
 
     def command(
@@ -334,5 +596,5 @@ def _register_claim(repro: typer.Typer, claim: Claim) -> None:
             raise typer.Exit(2) from None
         console.print(f"[green]report:[/] {escape(str(report))}", highlight=False)
 
-    repro.command(claim.method, help=text, short_help=claim.claim + ("" if claim.needs is None else " (not implemented yet)"))(command)
+    repro.command(claim.method, help=text, short_help=claim.claim)(command)
 

@@ -183,6 +183,8 @@ class DecodeEngine:
         self.pool_v: torch.Tensor | None = None
         self._buckets: dict[int, _Bucket] = {}
         self._graph_pool: Any = None
+        self._pool_high_water = 0
+        self.graph_failures = 0  # captures that failed: those batches decoded eagerly (slow), see the log
         self._seed = torch.zeros(1, dtype=torch.int64, device=self.device)
         self.capture_seconds = 0.0
         self.weight_bytes = sum(t.numel() * t.element_size() for t in self._tensors())
@@ -252,19 +254,35 @@ class DecodeEngine:
             return
         if self.pool_k is not None:  # grow by doubling: each growth drops the captured graphs
             slots = max(slots, 2 * int(self.pool_k.shape[1]))
+        # after a release, start at the size the last rollout reached: growing mid-rollout recaptures graphs
+        slots = max(slots, self._pool_high_water)
+        self._pool_high_water = slots
         self.pool_k = self.pool_v = None
-        self._buckets.clear()  # graphs hold the old pool's addresses
+        self._drop_graphs()  # graphs hold the old pool's addresses
         shape = (len(self.layers), slots, self.kv_heads, self.head_dim)
         self.pool_k = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.pool_v = torch.zeros(shape, dtype=self.dtype, device=self.device)
         log.info("decode engine: KV pool of %d slots (%.2f GiB)", slots, 2 * self.pool_k.numel()
                  * self.pool_k.element_size() / 2**30)
 
-    def release(self) -> None:
-        """Free the KV pool and the captured graphs (the weights stay)."""
-        self.pool_k = self.pool_v = None
+    def _drop_graphs(self) -> None:
+        # The graphs' private memory pool goes with its last graph: a capture into the handle of a freed pool
+        # fails inside the caching allocator ("use_count > 0"), so the handle is dropped with the graphs.
         self._buckets.clear()
         self._graph_pool = None
+
+    def release(self, weights: bool = False) -> None:
+        """Free the KV pool and the captured graphs; with `weights`, the bf16 copy too (the next `refresh`
+        builds it again: the trainer refreshes after every update anyway, and the update needs the memory)."""
+        self.pool_k = self.pool_v = None
+        self._drop_graphs()
+        if weights:
+            self.layers = []
+            self.embed = self.final_norm = self.lm_head = None
+
+    @property
+    def has_weights(self) -> bool:
+        return bool(self.layers)
 
     # -- the decode step ---------------------------------------------------------------------------
 
@@ -337,7 +355,8 @@ class DecodeEngine:
             log.warning("decode engine: CUDA graph capture failed (%s); decoding batch %d eagerly", err, bucket.size)
             self._seed.copy_(seed)
             bucket.graph, bucket.graph_key = None, key
-            self.use_graphs = False
+            self.graph_failures += 1
+            self._graph_pool = None  # a failed capture may leave the shared pool unusable for the next bucket
             return
         if self._graph_pool is None:
             self._graph_pool = graph.pool()
@@ -410,6 +429,8 @@ class DecodeEngine:
         """Prefill the prompts and sample each one's first token: (state, tokens (B,), log-probs (B,))."""
         if not prompts or len(prompts) > self.max_batch_size:
             raise ConfigError(f"the decode engine takes 1..{self.max_batch_size} prompts, got {len(prompts)}")
+        if not self.has_weights:
+            raise RuntimeError("decode engine: its weights were released; call refresh(model) before decoding")
         self._scratch = max_new + 2
         need = [len(p) + max_new + 1 for p in prompts]
         self._ensure_pool(sum(need) + self._scratch)

@@ -174,6 +174,9 @@ class HFGenerator:
         self._static_caches: dict[tuple[int, int], Any] = {}
         self._compiled_step: Any = None
         self._engines: dict[bool, DecodeEngine] = {}
+        # wall seconds of the engine's prefills (each ends when its first tokens reach the host, a wait the
+        # decode loop needs anyway, so measuring adds no synchronisation)
+        self.prefill_seconds = 0.0
         self.compile_seconds = 0.0  # one-time compiles of new decode shapes so far (a trainer logs it)
         self.sync_every = sync_every
 
@@ -427,6 +430,8 @@ class HFGenerator:
         if engine is None:
             engine = DecodeEngine(self.model, device=self.device, max_batch_size=self.max_batch_size)
             self._engines[base_only] = engine
+        elif not engine.has_weights:  # released without a refresh since (the trainer refreshes after updates)
+            engine.refresh(self.model)
         return engine
 
     def refresh_weights(self) -> None:
@@ -437,11 +442,17 @@ class HFGenerator:
             engine.refresh(self.model)
 
     def release(self) -> None:
-        """Free the engines' KV pools and captured graphs until the next rollout (their weights stay)."""
-        for engine in self._engines.values():
-            engine.release()
+        """Free the engines' KV pools and captured graphs until the next rollout, and the policy engine's bf16
+        copy, which `refresh_weights` rebuilds after the update (at 7B that copy is 15 GB on every rank, which
+        the update needs); the frozen base's copy stays, it never changes."""
+        for base_only, engine in self._engines.items():
+            engine.release(weights=not base_only)
         if self._engines and self.device.type == "cuda":
             torch.cuda.empty_cache()
+
+    @property
+    def graph_failures(self) -> int:
+        return sum(e.graph_failures for e in self._engines.values())
 
     @property
     def capture_seconds(self) -> float:
@@ -451,9 +462,12 @@ class HFGenerator:
         """Decode with the engine: chunks of `sync_every` steps run on the device while the host checks the
         previous chunk's stops; rows that finished leave the batch once they are half of it."""
         engine, max_new = self.engine, params.max_new_tokens
+        started = time.perf_counter()
         state, tokens, logprobs = engine.start([r.prompt_ids for r in rows], max_new, temperature=params.temperature,
                                                top_p=params.top_p, seed=seed)
-        self._accept_tokens(rows, [[t] for t in tokens.tolist()], [[lp] for lp in logprobs.tolist()], max_new)
+        first, first_lp = tokens.tolist(), logprobs.tolist()
+        self.prefill_seconds += time.perf_counter() - started
+        self._accept_tokens(rows, [[t] for t in first], [[lp] for lp in first_lp], max_new)
         pending: tuple[list[int], tuple[torch.Tensor, torch.Tensor, Any]] | None = None
         remaining = max_new - 1
         while remaining > 0 and any(r.finish_reason is None for r in rows):

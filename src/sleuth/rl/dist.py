@@ -15,6 +15,7 @@ torchrun, `DistContext` is a no-op single process.
 
 from __future__ import annotations
 
+import gc
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -85,6 +86,7 @@ def shutdown_distributed() -> None:
     """Leave the process group before the process exits: gloo's threads torn down by interpreter exit instead
     can abort the process after the run finished (seen once in CI: rank 0 SIGABRT with every step logged)."""
     if dist.is_available() and dist.is_initialized():
+        gc.collect()  # modules sharded over the group (DTensors) hold it: free them while the interpreter is whole
         dist.destroy_process_group()
 
 

@@ -20,5 +20,8 @@ def machinery_metrics(run: Run) -> dict[str, float]:
     compiled = getattr(run.generator, "compile_seconds", 0.0) + getattr(run.generator, "capture_seconds", 0.0)
     metrics["time/decode_compile"] = compiled - run.compile_seconds_logged
     run.compile_seconds_logged = compiled
+    failures = getattr(run.generator, "graph_failures", 0)
+    if failures:  # batches the decode engine decoded eagerly since the run began (several times slower)
+        metrics["decode/graph_failures"] = float(failures)
     metrics.update(memory_metrics(run.ctx.device))
     return metrics
