@@ -83,7 +83,7 @@ def recipe_for(args: argparse.Namespace, shared: dict[str, Any], out_dir: Path, 
     recipe = train_step.bench_recipe(micro, shared, out_dir, device, cache=None if args.decoding == "auto"
                                      else args.decoding, compiled=None, parallel=args.parallel)
     recipe["agent"]["loop"] = "search_r1_rehearsal"
-    recipe["reward"]["plugins"] = ["sleuth_rehearsal"]
+    recipe["plugins"] = ["sleuth_rehearsal"]
     recipe["model"]["gradient_checkpointing"] = args.gradient_checkpointing
     if args.lora:
         recipe["model"]["lora"] = {"enabled": True, "r": 64, "alpha": 128, "dropout": 0.0,

@@ -30,10 +30,11 @@ from typing import Any
 import typer
 
 from sleuth.agent.coldstart import SFTRecord, write_records
+from sleuth.agent.registry import reader_names
 from sleuth.data.formats import QAExample, read_qa_jsonl
 from sleuth.errors import ConfigError
 from sleuth.retrieval.base import Hit
-from sleuth.rewards.answerer import DOC_TEMPLATES, document_prompt
+from sleuth.rewards.answerer import document_prompt
 from sleuth.utils import atomic_write_json
 
 READER_LOOP = "s3"  # SFT records and searcher.json need a registered loop; the reader prompt uses no loop tags
@@ -42,10 +43,19 @@ READER_DIR = "reader"  # OUT/reader: the exported reader (a Hugging Face directo
 CHECK_FILE = "reader_check.json"
 
 
+def check_templates(templates: Sequence[str]) -> tuple[str, ...]:
+    """The reader prompts to use: those named (each must be registered), or every registered one."""
+    known = reader_names()
+    unknown = [t for t in templates if t not in known]
+    if unknown:
+        raise ConfigError(f"reader templates {list(templates)}: choose one or more of {known}")
+    return tuple(templates) or tuple(known)
+
+
 @dataclass(frozen=True)
 class ReaderSettings:
     model: str = "smollm2-135m-instruct"
-    templates: tuple[str, ...] = DOC_TEMPLATES  # reader prompts to train on (each question once per template)
+    templates: tuple[str, ...] = ()  # reader prompts to train on, each question once per prompt (): all registered
     distractors: int = 2  # BM25 hits that are not gold, mixed in so the reader learns to pick
     questions: int | None = None  # at most this many training questions (None: the whole train split)
     epochs: int = 3
@@ -55,9 +65,7 @@ class ReaderSettings:
     seed: int = 0
 
     def check(self) -> None:
-        unknown = [t for t in self.templates if t not in DOC_TEMPLATES]
-        if not self.templates or unknown:
-            raise ConfigError(f"reader templates {list(self.templates)}: choose one or more of {list(DOC_TEMPLATES)}")
+        check_templates(self.templates)
         if self.distractors < 0:
             raise ConfigError(f"--distractors must be >= 0, got {self.distractors}")
         if self.questions is not None and self.questions < 1:
@@ -170,7 +178,7 @@ def train_reader(world: Path, out: Path, settings: ReaderSettings, console: Any 
     if not getattr(tokenizer, "chat_template", None):
         raise ConfigError(f"model {settings.model!r} has no chat template; the reader prompts are chat messages")
     docs = reader_documents(resolve_retriever(index), questions, settings.distractors, settings.seed)
-    write_records(recipe_dict["sft"]["data"], reader_records(questions, docs, tokenizer, settings.templates))
+    write_records(recipe_dict["sft"]["data"], reader_records(questions, docs, tokenizer, check_templates(settings.templates)))
     (out / "reader_recipe.yaml").write_text(yaml.safe_dump(recipe_dict, sort_keys=False))
     result = run_sft(recipe_from_dict(recipe_dict, source=str(out / "reader_recipe.yaml")), resume=True,
                      console=console)
@@ -181,7 +189,7 @@ def train_reader(world: Path, out: Path, settings: ReaderSettings, console: Any 
 
 
 def reader_check(world: Path, reader: str, out: Path, split: str = "test", limit: int | None = None,
-                 templates: Sequence[str] = DOC_TEMPLATES) -> dict[str, Any]:  # fmt: skip
+                 templates: Sequence[str] = ()) -> dict[str, Any]:  # fmt: skip
     """EM of `reader` answering from each question's gold passages (what `sleuth eval`'s `oracle` row does,
     here for every reader template), with 95% bootstrap intervals; written to OUT/reader_check.json as
     {template: {"n", "em", "em_ci"}}."""
@@ -190,9 +198,7 @@ def reader_check(world: Path, reader: str, out: Path, split: str = "test", limit
     from sleuth.eval.stats import bootstrap_ci
     from sleuth.rewards.metrics import exact_match
 
-    unknown = [t for t in templates if t not in DOC_TEMPLATES]
-    if not templates or unknown:
-        raise ConfigError(f"reader templates {list(templates)}: choose one or more of {list(DOC_TEMPLATES)}")
+    templates = check_templates(templates)
     data, index = _world_files(world, split)
     questions = gold_questions(data, limit)
     generator = resolve_generator(reader)
@@ -214,7 +220,8 @@ def register(app: typer.Typer) -> None:
         world: Path = typer.Argument(..., help="A world made by `sleuth synth` with its BM25 index (WORLD/bm25)."),
         out: Path = typer.Option(..., "--out", help="Run directory: the SFT checkpoint, OUT/reader, reader.json."),
         model: str = typer.Option("smollm2-135m-instruct", help="Base model (alias, directory)."),
-        templates: str = typer.Option(",".join(DOC_TEMPLATES), help="Reader prompts to train on, comma-separated."),
+        templates: str = typer.Option("", help="Reader prompts to train on, comma-separated (default: every "
+                                      "registered reader: `sleuth methods` lists the methods that bring one)."),
         distractors: int = typer.Option(2, help="Non-gold BM25 hits mixed into each question's passages."),
         questions: int = typer.Option(None, help="At most this many training questions (default: all)."),
         epochs: int = typer.Option(3, min=1, help="SFT epochs."),

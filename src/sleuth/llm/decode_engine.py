@@ -508,3 +508,43 @@ class DecodeEngine:
             self._capture(bucket, state.temperature, state.samples_inside)
         self._load_rows(bucket, tokens, positions, starts)
         state.bucket = bucket
+
+
+class PolicyEngines:
+    """The decode engines of one generator: a LoRA policy and its adapter-disabled base (a frozen generator)
+    get one each, built from the weights on first use, the first with the adapters merged."""
+
+    def __init__(self) -> None:
+        self._engines: dict[bool, DecodeEngine] = {}
+
+    def get(self, model: torch.nn.Module, base_only: bool, device: torch.device, max_batch_size: int) -> DecodeEngine:
+        engine = self._engines.get(base_only)
+        if engine is None:
+            engine = DecodeEngine(model, device=device, max_batch_size=max_batch_size)
+            self._engines[base_only] = engine
+        elif not engine.has_weights:  # released without a refresh since (the trainer refreshes after updates)
+            engine.refresh(model)
+        return engine
+
+    def refresh(self, model: torch.nn.Module) -> None:
+        """After an update: the policy's copy is read again; the adapter-free base of a LoRA policy does not
+        change."""
+        engine = self._engines.get(False)
+        if engine is not None:
+            engine.refresh(model)
+
+    def release(self) -> None:
+        """KV pools and graphs go, and the policy's bf16 copy, which `refresh` rebuilds after the update (at 7B
+        that copy is 15 GB on every rank, which the update needs); the frozen base's copy stays."""
+        for base_only, engine in self._engines.items():
+            engine.release(weights=not base_only)
+        if any(e.device.type == "cuda" for e in self._engines.values()):
+            torch.cuda.empty_cache()
+
+    @property
+    def graph_failures(self) -> int:
+        return sum(e.graph_failures for e in self._engines.values())
+
+    @property
+    def capture_seconds(self) -> float:
+        return sum(e.capture_seconds for e in self._engines.values())

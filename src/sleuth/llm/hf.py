@@ -38,7 +38,7 @@ import torch
 from sleuth.errors import ConfigError
 from sleuth.llm.attention import use_grouped_decode_attention
 from sleuth.llm.base import Generation, Prompt, SamplingParams
-from sleuth.llm.decode_engine import DecodeEngine
+from sleuth.llm.decode_engine import DecodeEngine, PolicyEngines
 from sleuth.llm.decoding import left_pad, positions_from_mask, select_next_tokens
 from sleuth.llm.gguf import ensure_converted
 from sleuth.llm.special_tokens import disable_bpe_cleanup
@@ -173,7 +173,7 @@ class HFGenerator:
         self._cache_kw = "cache" if "cache" in self._param_names else "past_key_values"
         self._static_caches: dict[tuple[int, int], Any] = {}
         self._compiled_step: Any = None
-        self._engines: dict[bool, DecodeEngine] = {}
+        self._engines = PolicyEngines()
         # wall seconds of the engine's prefills (each ends when its first tokens reach the host, a wait the
         # decode loop needs anyway, so measuring adds no synchronisation)
         self.prefill_seconds = 0.0
@@ -422,41 +422,24 @@ class HFGenerator:
 
     @property
     def engine(self) -> DecodeEngine:
-        """The decode engine (cache="engine") for the model's current adapter state, built from its
-        weights on first use: a LoRA policy and its adapter-disabled base (a frozen generator) get one
-        each, the first with the adapters merged."""
-        base_only = _adapters_disabled(self.model)
-        engine = self._engines.get(base_only)
-        if engine is None:
-            engine = DecodeEngine(self.model, device=self.device, max_batch_size=self.max_batch_size)
-            self._engines[base_only] = engine
-        elif not engine.has_weights:  # released without a refresh since (the trainer refreshes after updates)
-            engine.refresh(self.model)
-        return engine
+        """The decode engine (cache="engine") for the model's current adapter state (see `PolicyEngines`)."""
+        return self._engines.get(self.model, _adapters_disabled(self.model), self.device, self.max_batch_size)
 
     def refresh_weights(self) -> None:
-        """Re-read the policy's weights into the engine after an update (every rank calls it under FSDP);
-        the adapter-free base of a LoRA policy does not change."""
-        engine = self._engines.get(False)
-        if engine is not None:
-            engine.refresh(self.model)
+        """Re-read the policy's weights into the engine after an update (every rank calls it under FSDP)."""
+        self._engines.refresh(self.model)
 
     def release(self) -> None:
-        """Free the engines' KV pools and captured graphs until the next rollout, and the policy engine's bf16
-        copy, which `refresh_weights` rebuilds after the update (at 7B that copy is 15 GB on every rank, which
-        the update needs); the frozen base's copy stays, it never changes."""
-        for base_only, engine in self._engines.items():
-            engine.release(weights=not base_only)
-        if self._engines and self.device.type == "cuda":
-            torch.cuda.empty_cache()
+        """Free the engines' KV pools, graphs and the policy's bf16 copy until the next rollout."""
+        self._engines.release()
 
     @property
     def graph_failures(self) -> int:
-        return sum(e.graph_failures for e in self._engines.values())
+        return self._engines.graph_failures
 
     @property
     def capture_seconds(self) -> float:
-        return sum(e.capture_seconds for e in self._engines.values())
+        return self._engines.capture_seconds
 
     def _decode_engine(self, rows: list[_Row], params: SamplingParams, seed: int | None) -> None:
         """Decode with the engine: chunks of `sync_every` steps run on the device while the host checks the
