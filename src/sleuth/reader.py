@@ -1,7 +1,7 @@
 """A stronger frozen reader, built with sleuth: SFT of a base model on (question + gold passages -> answer).
 
 s3 and QAgent hand their documents to a frozen reader (`rewards.answerer.hand_over_documents`, with the
-method's `reader_template`); with the embedded 135M base as that reader, gold passages lift accuracy only a
+method's `Method.reader`); with the embedded 135M base as that reader, gold passages lift accuracy only a
 little, which leaves a searcher little to gain. `train_reader` fine-tunes a base model with sleuth's own SFT
 (`sleuth.rl.sft.run_sft`) on a world's training questions: each record's prompt is exactly what the
 hand-over sends (the chat messages of `document_prompt` for each of `templates`, chat-formatted as the

@@ -504,7 +504,7 @@ def reproduce_s3(out: Path, profile_name: str, console: Any = None) -> Path:
     for size in profile.sizes:
         for method in methods:
             # a searcher that hands its documents to a reader trains and is evaluated with the trained reader
-            read_by = reader if get_method(method).reader_template is not None else None
+            read_by = reader if get_method(method).evaluated_by_reader else None
             arm = Arm(f"{method}_{size}", method, reward={"generator": read_by} if read_by else None,
                       steps=math.ceil(size / per_step), train_questions=size)
             details[f"train_{arm.name}"] = stage(out, f"train_{arm.name}", lambda a=arm: _train_rl(
