@@ -134,7 +134,7 @@ def run_engine(mode: str, model: Any, tokenizer: Any, model_info: dict[str, Any]
                warmup_s=round(warmup_s, 2), graph_failures=getattr(gen, "graph_failures", 0),
                # the engine's prefills (prompt forward + first token) inside generate; the rest is decode steps
                # and the host's stop checks
-               prefill_s=round(gen.prefill_seconds, 4) if cache == "engine" else None,
+               prefill_s=round(gen.prefill_seconds, 6) if cache == "engine" else None,
                prefill_share_of_generate=(gen.prefill_seconds / row["generate_s"]
                                           if cache == "engine" and row["generate_s"] else None),
                turns_mean=sum(t.num_turns for t in trajs) / len(trajs),
