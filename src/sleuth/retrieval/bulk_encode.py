@@ -1,0 +1,324 @@
+"""Encode a docstore's passages into one float16 [N, dim] file with several processes (one per GPU).
+
+The rows are cut into contiguous ranges of whole chunks. Worker processes (one per device) take
+ranges from a queue and write their vectors straight into one preallocated float16 file at the
+range's offset (`<out>.tmp`); a range's done-marker is written after its rows are flushed. The file
+gets its final name only when every range is done, so a reader never sees a partial file, and a
+rerun after a crash (a killed worker, a lease that ended) encodes only the ranges without a marker.
+
+Inside a worker a reader thread fetches a chunk's passages, sorts them by length (so a batch holds
+passages of similar length and little padding) and tokenizes batch after batch ahead of the model,
+with the tokenizer's own thread pool on; the main thread only runs the model. Chunks and batches
+do not depend on the number of workers, so the file is the same for any device list (tested
+bit-exact on CPU).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import shutil
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from sleuth.errors import ConfigError
+from sleuth.retrieval.dense import passage_text
+from sleuth.retrieval.docstore import DocStore
+from sleuth.retrieval.encoders import EncoderConfig
+from sleuth.utils import atomic_write_json, atomic_write_text
+
+PLAN = "plan.json"
+DEFAULT_CHUNK = 16384
+# Ranges of this many chunks: what a crash can lose, and the unit of load balance between workers.
+DEFAULT_RANGE_CHUNKS = 32
+
+
+@dataclass(frozen=True)
+class EncodeJob:
+    """What every worker needs (picklable: workers are spawned, so CUDA starts clean in each)."""
+
+    docstore: str
+    tmp_path: str
+    parts_dir: str
+    num_docs: int
+    dim: int
+    chunk: int
+    encoder: EncoderConfig | None = None
+    # Instead of `encoder`: a picklable callable device -> object with encode_passages / config / dim
+    # (tests: an encoder without a model; the worker then encodes chunk by chunk without a reader thread).
+    factory: Callable[[str], Any] | None = None
+    fp16: bool = True
+    threads_per_worker: int = 1
+    ranges: list[tuple[int, int]] = field(default_factory=list)
+
+
+def parse_devices(devices: str | Sequence[str], visible_gpus: int | None = None) -> list[str]:
+    """`"all"` -> every visible GPU (`cuda:0`, ...); else a comma list of `cpu` (repeatable: one process
+    each) and `cuda` / `cuda:N` (each GPU once). A clear error names what is wrong."""
+    if visible_gpus is None:
+        visible_gpus = _visible_gpus()
+    if isinstance(devices, str):
+        items = [d.strip() for d in devices.split(",") if d.strip()]
+        if devices.strip() == "all":
+            if visible_gpus == 0:
+                raise ConfigError("--devices all: no GPU is visible; pass --devices cpu (or cpu,cpu for two processes)")
+            return [f"cuda:{i}" for i in range(visible_gpus)]
+    else:
+        items = [str(d).strip() for d in devices]
+    if not items:
+        raise ConfigError("--devices is empty; pass 'all', 'cuda:0,cuda:1' or 'cpu,cpu'")
+    out: list[str] = []
+    for item in items:
+        if item == "cpu":
+            out.append(item)
+            continue
+        gpu = _gpu_number(item)
+        if gpu >= visible_gpus:
+            seen = f"cuda:0..cuda:{visible_gpus - 1}" if visible_gpus else "none"
+            raise ConfigError(f"--devices: {item} is not visible ({visible_gpus} GPU(s): {seen}); fix the device list")
+        name = f"cuda:{gpu}"
+        if name in out:
+            raise ConfigError(f"--devices: {name} is listed twice; name each GPU once")
+        out.append(name)
+    return out
+
+
+def _gpu_number(item: str) -> int:
+    if item == "cuda":
+        return 0
+    head, _, number = item.partition(":")
+    if head != "cuda" or not number.isdigit():
+        raise ConfigError(f"--devices: {item!r} is not a device; use cpu, cuda or cuda:N (comma-separated) or all")
+    return int(number)
+
+
+def _visible_gpus() -> int:
+    try:
+        import torch  # deferred: heavy; device_count does not initialise CUDA in this process
+    except ImportError:
+        return 0
+    return int(torch.cuda.device_count()) if torch.cuda.is_available() else 0
+
+
+def plan_ranges(num_docs: int, chunk: int, range_chunks: int) -> list[tuple[int, int]]:
+    """Contiguous [start, end) ranges of whole chunks covering every row."""
+    step = chunk * range_chunks
+    return [(s, min(s + step, num_docs)) for s in range(0, num_docs, step)]
+
+
+def encode_docstore_parallel(
+    docstore: DocStore | str | Path,
+    path: str | Path,
+    encoder: EncoderConfig | Callable[[str], Any],
+    devices: str | Sequence[str] = "all",
+    *,
+    chunk: int = DEFAULT_CHUNK,
+    range_chunks: int = DEFAULT_RANGE_CHUNKS,
+    fp16: bool = True,
+    cores: int | None = None,
+) -> dict[str, Any]:
+    """Encode every passage of `docstore` into the float16 [N, dim] file `path` (the layout
+    `index.open_embeddings` reads), one worker process per device; resumes an interrupted run.
+
+    `encoder`: an EncoderConfig (each worker loads the model; `fp16` casts it on CUDA) or a picklable
+    factory device -> encoder. `cores`: CPU cores shared by the workers (default: this process's).
+    Returns {"rows", "dim", "devices", "ranges", "resumed_ranges", "seconds", "passages_per_second"}.
+    """
+    store = docstore if isinstance(docstore, DocStore) else DocStore(docstore)
+    if chunk < 1 or range_chunks < 1:
+        raise ConfigError(f"chunk ({chunk}) and range_chunks ({range_chunks}) must be >= 1")
+    device_list = parse_devices(devices)
+    path = Path(path)
+    dim = _probe_dim(encoder)
+    cores = cores or len(os.sched_getaffinity(0))
+    job = EncodeJob(
+        docstore=str(store.directory.resolve()), tmp_path=str(path.with_name(path.name + ".tmp")),
+        parts_dir=str(path.with_name(path.name + ".parts")), num_docs=store.num_docs, dim=dim, chunk=chunk,
+        encoder=encoder if isinstance(encoder, EncoderConfig) else None,
+        factory=None if isinstance(encoder, EncoderConfig) else encoder, fp16=fp16,
+        threads_per_worker=max(1, cores // len(device_list)),
+        ranges=plan_ranges(store.num_docs, chunk, range_chunks),
+    )
+    if job.num_docs == 0:
+        path.write_bytes(b"")  # nothing to encode; np.memmap cannot map an empty file
+        return {"rows": 0, "dim": dim, "devices": device_list, "ranges": 0, "resumed_ranges": 0, "seconds": 0.0,
+                "passages_per_second": None}
+    resumed = _prepare(job, store)
+    t0 = time.perf_counter()
+    todo = [i for i in range(len(job.ranges)) if not _marker(job, i).exists()]
+    if todo:
+        _run_workers(job, device_list, todo)
+    missing = [i for i in range(len(job.ranges)) if not _marker(job, i).exists()]
+    if missing:
+        raise RuntimeError(f"encode: ranges {missing} have no done-marker although every worker exited cleanly")
+    seconds = time.perf_counter() - t0
+    Path(job.tmp_path).rename(path)
+    shutil.rmtree(job.parts_dir, ignore_errors=True)
+    encoded = sum(job.ranges[i][1] - job.ranges[i][0] for i in todo)
+    return {"rows": job.num_docs, "dim": dim, "devices": device_list, "ranges": len(job.ranges),
+            "resumed_ranges": resumed, "seconds": round(seconds, 3),
+            "passages_per_second": round(encoded / seconds, 1) if seconds > 0 and encoded else None}
+
+
+def _probe_dim(encoder: EncoderConfig | Callable[[str], Any]) -> int:
+    """The embedding dimension (loads the encoder once on the CPU: seconds, before the workers start)."""
+    if not isinstance(encoder, EncoderConfig):
+        return int(encoder("cpu").dim)
+    from sleuth.retrieval.encoders import Encoder
+
+    return Encoder(encoder, device="cpu").dim
+
+
+def _plan_record(job: EncodeJob, store: DocStore) -> dict[str, Any]:
+    strings = store.directory / "strings.bin"
+    encoder = asdict(job.encoder) if job.encoder is not None else repr(job.factory)
+    return {"num_docs": job.num_docs, "dim": job.dim, "chunk": job.chunk, "ranges": [list(r) for r in job.ranges],
+            "encoder": encoder, "fp16": job.fp16, "docstore": job.docstore,
+            "docstore_bytes": strings.stat().st_size}
+
+
+def _prepare(job: EncodeJob, store: DocStore) -> int:
+    """Keep a previous run's file and markers if it had the same plan; else start over. Returns the
+    number of ranges already done."""
+    parts, tmp = Path(job.parts_dir), Path(job.tmp_path)
+    record = _plan_record(job, store)
+    expected_bytes = job.num_docs * job.dim * 2
+    try:
+        same = json.loads((parts / PLAN).read_text()) == record and tmp.stat().st_size == expected_bytes
+    except (OSError, ValueError):
+        same = False
+    if same:
+        return sum(_marker(job, i).exists() for i in range(len(job.ranges)))
+    shutil.rmtree(parts, ignore_errors=True)
+    parts.mkdir(parents=True)
+    tmp.parent.mkdir(parents=True, exist_ok=True)
+    with open(tmp, "wb") as f:
+        f.truncate(expected_bytes)  # sparse: every worker writes its own rows into it
+    atomic_write_json(parts / PLAN, record)
+    return 0
+
+
+def _marker(job: EncodeJob, i: int) -> Path:
+    return Path(job.parts_dir) / f"range-{i:06d}.done"
+
+
+def _run_workers(job: EncodeJob, devices: list[str], todo: list[int]) -> None:
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")  # CUDA cannot be used in forked children
+    tasks = ctx.Queue()
+    for i in todo:
+        tasks.put(i)
+    for _ in devices:
+        tasks.put(None)
+    procs = [ctx.Process(target=_worker, args=(job, device, w, tasks), name=f"encode-{device}-{w}")
+             for w, device in enumerate(devices)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join()
+    failed = [(w, devices[w], p.exitcode) for w, p in enumerate(procs) if p.exitcode != 0]
+    if failed:
+        undone = [job.ranges[i] for i in todo if not _marker(job, i).exists()]
+        why = "; ".join(f"worker {w} ({d}) exited with code {code}{_worker_error(job, w)}" for w, d, code in failed)
+        raise RuntimeError(
+            f"encode: {why}; {len(undone)} of {len(job.ranges)} row ranges not encoded (first: rows "
+            f"{undone[0][0] if undone else '-'}..); the finished ranges are kept in {job.parts_dir}: "
+            "run the same command again to resume"
+        )
+
+
+def _worker_error(job: EncodeJob, w: int) -> str:
+    path = Path(job.parts_dir) / f"worker-{w}.error"
+    return f": {path.read_text().strip()}" if path.exists() else ""
+
+
+def _worker(job: EncodeJob, device: str, w: int, tasks: Any) -> None:
+    """One process: load the encoder on `device`, encode ranges from `tasks` until a None."""
+    # Set before the tokenizer library loads: its thread pool feeds the model (the bench driver turns
+    # it off for the servers); RAYON_NUM_THREADS splits the cores between the workers.
+    os.environ["TOKENIZERS_PARALLELISM"] = "true"
+    os.environ.setdefault("RAYON_NUM_THREADS", str(job.threads_per_worker))
+    try:
+        encoder = _load_worker_encoder(job, device)
+        store = DocStore(job.docstore)
+        out = np.memmap(job.tmp_path, dtype=np.float16, mode="r+", shape=(job.num_docs, job.dim))
+        while (i := tasks.get()) is not None:
+            start, end = job.ranges[i]
+            _encode_range(encoder, store, out, start, end, job.chunk)
+            out.flush()  # the rows are on disk before the marker says so
+            atomic_write_text(_marker(job, i), f"{start} {end} {device}\n")
+    except BaseException as err:
+        atomic_write_text(Path(job.parts_dir) / f"worker-{w}.error", f"{type(err).__name__}: {err}"[:500])
+        raise
+
+
+def _load_worker_encoder(job: EncodeJob, device: str) -> Any:
+    if job.factory is not None:
+        return job.factory(device)
+    import torch  # deferred: only workers with a real model need it
+
+    from sleuth.retrieval.encoders import Encoder
+
+    torch.set_num_threads(job.threads_per_worker)
+    encoder = Encoder(job.encoder, device=device)
+    if job.fp16 and device.startswith("cuda"):
+        encoder.model.half()  # the file stores float16 anyway
+    return encoder
+
+
+def _encode_range(encoder: Any, store: DocStore, out: np.ndarray, start: int, end: int, chunk: int) -> None:
+    model = getattr(encoder, "model", None)
+    if model is None or not hasattr(model, "forward"):
+        for s in range(start, end, chunk):
+            texts = [passage_text(t, x) for _, t, x in store.get(np.arange(s, min(s + chunk, end)))]
+            out[s : s + len(texts)] = encoder.encode_passages(texts)
+        return
+    _encode_range_pipelined(encoder, store, out, start, end, chunk)
+
+
+def _encode_range_pipelined(encoder: Any, store: DocStore, out: np.ndarray, start: int, end: int,
+                            chunk: int) -> None:
+    """A reader thread tokenizes length-sorted batches ahead; this thread runs the model on them."""
+    import torch  # deferred: heavy
+
+    model, cfg = encoder.model, encoder.config
+    preprocess = getattr(model, "preprocess", None) or model.tokenize
+    ready: queue.Queue = queue.Queue(maxsize=8)
+    failure: list[BaseException] = []
+
+    def read() -> None:
+        try:
+            for s in range(start, end, chunk):
+                texts = [cfg.passage_prefix + passage_text(t, x)
+                         for _, t, x in store.get(np.arange(s, min(s + chunk, end)))]
+                order = np.argsort([-len(t) for t in texts], kind="stable")
+                for b in range(0, len(order), cfg.batch_size):
+                    rows = order[b : b + cfg.batch_size]
+                    ready.put((s + rows, preprocess([texts[r] for r in rows])))
+        except BaseException as err:  # handed to the consumer, which raises it
+            failure.append(err)
+        finally:
+            ready.put(None)
+
+    reader = threading.Thread(target=read, daemon=True, name="encode-reader")
+    reader.start()
+    device = model.device
+    with torch.inference_mode():
+        while (item := ready.get()) is not None:
+            rows, features = item
+            features = {k: v.to(device, non_blocking=True) if hasattr(v, "to") else v for k, v in features.items()}
+            vecs = model(features)["sentence_embedding"]
+            if cfg.normalize:
+                vecs = torch.nn.functional.normalize(vecs.float(), p=2, dim=1)
+            out[rows] = vecs.to(torch.float16).cpu().numpy()
+    reader.join()
+    if failure:
+        raise failure[0]
