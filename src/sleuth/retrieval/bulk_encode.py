@@ -6,8 +6,8 @@ range's offset (`<out>.tmp`); a range's done-marker is written after its rows ar
 gets its final name only when every range is done, so a reader never sees a partial file, and a
 rerun after a crash (a killed worker, a lease that ended) encodes only the ranges without a marker.
 
-Inside a worker a reader thread fetches a chunk's passages, sorts them by length (so a batch holds
-passages of similar length and little padding) and tokenizes batch after batch ahead of the model,
+Inside a worker, reader threads fetch a chunk's passages, sort them by length (so a batch holds
+passages of similar length and little padding) and tokenize batch after batch ahead of the model,
 with the tokenizer's own thread pool on; the main thread only runs the model. Chunks and batches
 do not depend on the number of workers, so the file is the same for any device list (tested
 bit-exact on CPU).
@@ -38,6 +38,9 @@ PLAN = "plan.json"
 DEFAULT_CHUNK = 16384
 # Ranges of this many chunks: what a crash can lose, and the unit of load balance between workers.
 DEFAULT_RANGE_CHUNKS = 32
+# Reader threads per worker: the tokenizer runs without the GIL, the docstore reads and tensor
+# building hold it, so two overlap the two halves.
+READERS = 2
 
 
 @dataclass(frozen=True)
@@ -129,7 +132,10 @@ def encode_docstore_parallel(
 
     `encoder`: an EncoderConfig (each worker loads the model; `fp16` casts it on CUDA) or a picklable
     factory device -> encoder. `cores`: CPU cores shared by the workers (default: this process's).
-    Returns {"rows", "dim", "devices", "ranges", "resumed_ranges", "seconds", "passages_per_second"}.
+    Workers are spawned: a script calling this needs the `if __name__ == "__main__":` guard.
+    Returns {"rows", "dim", "devices", "ranges", "resumed_ranges", "encoded_rows", "seconds" (wall, with
+    the workers' start-up), "encode_seconds" (first range begun to last range ended), "passages_per_second"
+    (encoded_rows / encode_seconds)}.
     """
     store = docstore if isinstance(docstore, DocStore) else DocStore(docstore)
     if chunk < 1 or range_chunks < 1:
@@ -148,8 +154,8 @@ def encode_docstore_parallel(
     )
     if job.num_docs == 0:
         path.write_bytes(b"")  # nothing to encode; np.memmap cannot map an empty file
-        return {"rows": 0, "dim": dim, "devices": device_list, "ranges": 0, "resumed_ranges": 0, "seconds": 0.0,
-                "passages_per_second": None}
+        return {"rows": 0, "dim": dim, "devices": device_list, "ranges": 0, "resumed_ranges": 0, "encoded_rows": 0,
+                "seconds": 0.0, "encode_seconds": 0.0, "passages_per_second": None}
     resumed = _prepare(job, store)
     t0 = time.perf_counter()
     todo = [i for i in range(len(job.ranges)) if not _marker(job, i).exists()]
@@ -159,12 +165,17 @@ def encode_docstore_parallel(
     if missing:
         raise RuntimeError(f"encode: ranges {missing} have no done-marker although every worker exited cleanly")
     seconds = time.perf_counter() - t0
+    # Encoding alone: from the first range this run began to the last it ended (worker start-up,
+    # i.e. importing torch and loading the model, is in `seconds` only).
+    marks = [json.loads(_marker(job, i).read_text()) for i in todo]
+    span = max((m["ended"] for m in marks), default=0.0) - min((m["began"] for m in marks), default=0.0)
     Path(job.tmp_path).rename(path)
     shutil.rmtree(job.parts_dir, ignore_errors=True)
     encoded = sum(job.ranges[i][1] - job.ranges[i][0] for i in todo)
     return {"rows": job.num_docs, "dim": dim, "devices": device_list, "ranges": len(job.ranges),
-            "resumed_ranges": resumed, "seconds": round(seconds, 3),
-            "passages_per_second": round(encoded / seconds, 1) if seconds > 0 and encoded else None}
+            "resumed_ranges": resumed, "encoded_rows": encoded, "seconds": round(seconds, 3),
+            "encode_seconds": round(span, 3),
+            "passages_per_second": round(encoded / span, 1) if span > 0 else None}
 
 
 def _probe_dim(encoder: EncoderConfig | Callable[[str], Any]) -> int:
@@ -252,9 +263,11 @@ def _worker(job: EncodeJob, device: str, w: int, tasks: Any) -> None:
         out = np.memmap(job.tmp_path, dtype=np.float16, mode="r+", shape=(job.num_docs, job.dim))
         while (i := tasks.get()) is not None:
             start, end = job.ranges[i]
+            began = time.time()
             _encode_range(encoder, store, out, start, end, job.chunk)
             out.flush()  # the rows are on disk before the marker says so
-            atomic_write_text(_marker(job, i), f"{start} {end} {device}\n")
+            atomic_write_json(_marker(job, i), {"rows": [start, end], "device": device, "began": began,
+                                                "ended": time.time()})
     except BaseException as err:
         atomic_write_text(Path(job.parts_dir) / f"worker-{w}.error", f"{type(err).__name__}: {err}"[:500])
         raise
@@ -286,17 +299,21 @@ def _encode_range(encoder: Any, store: DocStore, out: np.ndarray, start: int, en
 
 def _encode_range_pipelined(encoder: Any, store: DocStore, out: np.ndarray, start: int, end: int,
                             chunk: int) -> None:
-    """A reader thread tokenizes length-sorted batches ahead; this thread runs the model on them."""
+    """Reader threads tokenize length-sorted batches ahead; this thread runs the model on them.
+
+    Each reader takes every READERS-th chunk: the batches are the same whatever their order, and
+    every batch carries its row numbers, so the order the model sees them in does not matter."""
     import torch  # deferred: heavy
 
     model, cfg = encoder.model, encoder.config
     preprocess = getattr(model, "preprocess", None) or model.tokenize
     ready: queue.Queue = queue.Queue(maxsize=8)
     failure: list[BaseException] = []
+    starts = list(range(start, end, chunk))
 
-    def read() -> None:
+    def read(mine: list[int]) -> None:
         try:
-            for s in range(start, end, chunk):
+            for s in mine:
                 texts = [cfg.passage_prefix + passage_text(t, x)
                          for _, t, x in store.get(np.arange(s, min(s + chunk, end)))]
                 order = np.argsort([-len(t) for t in texts], kind="stable")
@@ -308,17 +325,25 @@ def _encode_range_pipelined(encoder: Any, store: DocStore, out: np.ndarray, star
         finally:
             ready.put(None)
 
-    reader = threading.Thread(target=read, daemon=True, name="encode-reader")
-    reader.start()
+    readers = [threading.Thread(target=read, args=(starts[k::READERS],), daemon=True, name=f"encode-reader-{k}")
+               for k in range(READERS)]
+    for reader in readers:
+        reader.start()
     device = model.device
+    running = len(readers)
     with torch.inference_mode():
-        while (item := ready.get()) is not None:
+        while running:
+            item = ready.get()
+            if item is None:
+                running -= 1
+                continue
+            if failure:
+                break
             rows, features = item
             features = {k: v.to(device, non_blocking=True) if hasattr(v, "to") else v for k, v in features.items()}
             vecs = model(features)["sentence_embedding"]
             if cfg.normalize:
                 vecs = torch.nn.functional.normalize(vecs.float(), p=2, dim=1)
             out[rows] = vecs.to(torch.float16).cpu().numpy()
-    reader.join()
     if failure:
         raise failure[0]
