@@ -145,7 +145,7 @@ def test_a_killed_worker_leaves_no_file_and_a_rerun_resumes(tmp_path: Path) -> N
         f.unlink()
     trap.unlink()
     result = encode_docstore_parallel(store, out, factory, "cpu,cpu", chunk=10, range_chunks=2, cores=2)
-    assert result["resumed_ranges"] == len(done)
+    assert result["resumed_ranges"] == len(done) and result["encoded_rows"] == 100 - 20 * len(done)
     # The rerun encodes only the ranges without a marker.
     done_starts = {int(p.name[6:12]) * 20 for p in done}
     assert _logged_chunks(logs) == sorted(s for r in range(5) if r * 20 not in done_starts for s in (r * 20, r * 20 + 10))
@@ -170,3 +170,42 @@ def test_a_changed_plan_starts_over(tmp_path: Path) -> None:
     result = encode_docstore_parallel(store, out, KillingFactory(str(logs), "none", -1), "cpu", chunk=8,
                                       range_chunks=1, cores=1)
     assert result["resumed_ranges"] == 0 and open_embeddings(out, 40, DIM).shape == (40, DIM)
+
+
+def test_an_empty_docstore_gives_an_empty_file(tmp_path: Path) -> None:
+    store = DocStore.build([], tmp_path / "docstore")
+    result = encode_docstore_parallel(store, tmp_path / "e.f16", KillingFactory(str(tmp_path), "none", -1), "cpu")
+    assert result["rows"] == 0 and (tmp_path / "e.f16").stat().st_size == 0
+
+
+def test_cli_encode_then_ivfpq_from_the_bm25_docstore(tmp_path: Path) -> None:
+    """`sleuth encode` (two CPU workers) writes the file `sleuth index --embeddings --docstore-from` reads,
+    with no corpus file given; bad device lists and missing docstores fail with one clear line."""
+    from typer.testing import CliRunner
+
+    from sleuth.cli import app
+
+    rng = np.random.default_rng(1)
+    words = ["river", "castle", "guild", "north", "salt", "harbour", "tower", "mill", "bridge", "forest"]
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text("".join(
+        f'{{"id": "d{i}", "contents": "\\"T{i}\\"\\n{" ".join(rng.choice(words, 12))}"}}\n' for i in range(300)))
+    runner = CliRunner()
+    assert runner.invoke(app, ["index", str(corpus), "--kind", "bm25", "--out", str(tmp_path / "bm25")]).exit_code == 0
+    res = runner.invoke(app, ["encode", str(tmp_path / "bm25"), "--out", str(tmp_path / "e.f16"), "--devices",
+                              "cpu,cpu", "--batch-size", "32"])
+    assert res.exit_code == 0, res.output
+    assert "300 x 384 float16 on cpu,cpu" in res.output
+    res = runner.invoke(app, ["index", "--kind", "dense", "--faiss", "ivfpq", "--nlist", "16", "--pq-m", "48",
+                              "--nprobe", "16", "--shards", "2", "--keep-vectors", "--embeddings",
+                              str(tmp_path / "e.f16"), "--docstore-from", str(tmp_path / "bm25"), "--out",
+                              str(tmp_path / "ivf")])
+    assert res.exit_code == 0, res.output
+    res = runner.invoke(app, ["search", str(tmp_path / "ivf"), "river castle guild", "-k", "3"])
+    assert res.exit_code == 0 and "d" in res.output, res.output
+    bad = runner.invoke(app, ["encode", str(tmp_path / "bm25"), "--out", str(tmp_path / "x.f16"), "--devices", "gpu"])
+    assert bad.exit_code == 2 and "'gpu' is not a device" in " ".join(bad.output.split())
+    nowhere = runner.invoke(app, ["encode", str(tmp_path / "none"), "--out", str(tmp_path / "x.f16")])
+    assert nowhere.exit_code == 2 and "has no docstore/" in " ".join(nowhere.output.split())
+    neither = runner.invoke(app, ["index", "--kind", "dense", "--out", str(tmp_path / "z")])
+    assert neither.exit_code == 2 and "--docstore-from" in " ".join(neither.output.split())
