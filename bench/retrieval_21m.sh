@@ -12,8 +12,9 @@
 # `pack` copies the result JSON and the logs into $OUT (flat, <= 8 files). Rerunning `start` resumes at the
 # first stage without a done-marker (the encode stage also resumes inside: per-range done-markers). Sizes (env):
 # SIZE (21000000), DENSE_SIZE (default SIZE: the whole corpus, encoded from the BM25 build's docstore; smaller cuts
-# a sample, which the dense JSON says), WORKERS (cores), WORK (runs/scale21m), ENCODE_DEVICES (all: one encoder
-# process per visible GPU; restrict with e.g. cuda:0,cuda:1 or CUDA_VISIBLE_DEVICES; cpu or cpu,cpu on a CPU box).
+# a sample, which the dense JSON says), WORKERS (cores), WORK (runs/scale21m), ENCODE_DEVICES (all: encoder
+# processes on every visible GPU; restrict with e.g. cuda:0,cuda:1 or CUDA_VISIBLE_DEVICES; cpu or cpu,cpu on a
+# CPU box), ENCODE_PROCS_PER_GPU (default CORES / GPUs).
 # Run end to end on a CPU box (2 cores) with the same script: PY=.venv/bin/python SIZE=3000 WORLD_PASSAGES=300
 #   ENCODE_DEVICES=cpu,cpu WORKERS=2 WORK=/tmp/d21 bash bench/retrieval_21m.sh start; ... wait 240
 set -uo pipefail
@@ -119,9 +120,11 @@ case "${1:-}" in
     until [ -z "${ENCODE_AFTER:-}" ] || [ -f "$ENCODE_AFTER" ]; do
       echo "[$(date +%T)] waiting for $ENCODE_AFTER (the GPU is busy with timed runs)"; sleep 15; done
     export SLEUTH_ENCODER; SLEUTH_ENCODER=$(encoder)
-    # One encoder process per GPU; each turns the tokenizer's thread pool back on for itself (exported off above
-    # for the servers) and gets CORES / GPUs threads for it.
-    run_stage encode --dense-size "$DENSE_SIZE" --devices "$ENCODE_DEVICES" || exit 1
+    # Encoder processes on every GPU (ENCODE_PROCS_PER_GPU, default CORES / GPUs: tokenizing needs every core);
+    # each turns the tokenizer's thread pool back on for itself (exported off above for the servers).
+    # shellcheck disable=SC2046
+    run_stage encode --dense-size "$DENSE_SIZE" --devices "$ENCODE_DEVICES" \
+      $( [ -n "${ENCODE_PROCS_PER_GPU:-}" ] && echo --procs-per-gpu "$ENCODE_PROCS_PER_GPU" ) || exit 1
     # faiss trains and fills with OpenMP threads: all cores for the build.
     OMP_NUM_THREADS=$CORES run_stage ivfpq-build --dense-size "$DENSE_SIZE" --threads "$CORES" \
       --shards "${DENSE_SHARDS:-4}" || exit 1

@@ -392,7 +392,7 @@ def _encode_docstore(args: argparse.Namespace):
 
 
 def stage_encode(args: argparse.Namespace) -> dict[str, Any]:
-    from sleuth.retrieval.bulk_encode import encode_docstore_parallel, parse_devices
+    from sleuth.retrieval.bulk_encode import EncodePlan, encode_docstore_parallel, parse_devices
     from sleuth.retrieval.encoders import EncoderConfig
 
     t0, load0 = time.perf_counter(), os.getloadavg()
@@ -403,14 +403,15 @@ def stage_encode(args: argparse.Namespace) -> dict[str, Any]:
         512 if on_gpu else 64))
     out = args.work / "dense" / "embeddings.f16"
     out.parent.mkdir(parents=True, exist_ok=True)
-    run = encode_docstore_parallel(store, out, config, devices, chunk=args.encode_chunk)
+    run = encode_docstore_parallel(store, out, config, devices,
+                                   EncodePlan(chunk=args.encode_chunk, procs_per_gpu=args.procs_per_gpu))
     rows, total = run["rows"], _corpus_passages(args)
     return stage_record(
         "encode", args, t0, load0, passages=rows, corpus_passages=total, sample=rows < total,
         note=(f"dense covers the first {rows:,} of {total:,} passages (a sample: --dense-size)") if rows < total
         else "dense covers the whole corpus",
         docstore=str(store.directory), encoder=config.name, batch_size=config.batch_size, dim=run["dim"],
-        devices=devices, fp16=on_gpu, chunk=args.encode_chunk, seconds=run["seconds"],
+        devices=devices, workers=run["workers"], fp16=on_gpu, chunk=args.encode_chunk, seconds=run["seconds"],
         encode_seconds=run["encode_seconds"], resumed_ranges=run["resumed_ranges"],
         passages_per_second=run["passages_per_second"],
     )
@@ -578,6 +579,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--devices", "--device", dest="devices", default="cpu",
                    help="Encode stage: 'all' (one process per visible GPU), 'cuda:0,cuda:1', or 'cpu' / 'cpu,cpu'.")
     p.add_argument("--encode-batch", type=int, default=None, help="Encoder batch (default 512 on GPUs, 64 on CPU).")
+    p.add_argument("--procs-per-gpu", type=int, default=None,
+                   help="Encode stage: worker processes per GPU (default: cores / GPUs).")
     p.add_argument("--encode-chunk", type=int, default=16384,
                    help="Passages a worker reads and sorts by length at a time.")
     p.add_argument("--nlist", type=int, default=None, help="IVF lists (default: power of 2 near 4 sqrt(N)).")
@@ -587,7 +590,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     for name in ("size", "workers", "shard_docs", "threads", "worker_threads", "server_workers", "batch_requests",
                  "batch_clients", "recall_questions", "dense_size", "pq_m", "nprobe", "shards", "encode_batch",
-                 "encode_chunk"):
+                 "encode_chunk", "procs_per_gpu"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     args.work.mkdir(parents=True, exist_ok=True)

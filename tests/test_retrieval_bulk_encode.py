@@ -14,7 +14,13 @@ import pytest
 
 from sleuth.data.formats import Passage
 from sleuth.errors import ConfigError
-from sleuth.retrieval.bulk_encode import encode_docstore_parallel, parse_devices, plan_ranges
+from sleuth.retrieval.bulk_encode import (
+    EncodePlan,
+    encode_docstore_parallel,
+    parse_devices,
+    plan_ranges,
+    worker_devices,
+)
 from sleuth.retrieval.docstore import DocStore
 from sleuth.retrieval.encoders import Encoder, EncoderConfig
 from sleuth.retrieval.index import encode_docstore, open_embeddings
@@ -93,6 +99,14 @@ def test_parse_devices() -> None:
         parse_devices(" , ", visible_gpus=2)
 
 
+def test_worker_processes_per_device() -> None:
+    """Each GPU gets the cores divided between the GPUs (tokenizing needs them), each cpu entry one."""
+    assert worker_devices(["cuda:0", "cuda:1"], cores=16) == ["cuda:0"] * 8 + ["cuda:1"] * 8
+    assert worker_devices(["cuda:0"], cores=16, procs_per_gpu=3) == ["cuda:0"] * 3
+    assert worker_devices(["cuda:0", "cuda:1", "cuda:2"], cores=2) == ["cuda:0", "cuda:1", "cuda:2"]
+    assert worker_devices(["cpu", "cpu"], cores=16) == ["cpu", "cpu"]
+
+
 def test_plan_ranges_cover_every_row_in_whole_chunks() -> None:
     assert plan_ranges(10, 3, 2) == [(0, 6), (6, 10)]
     assert plan_ranges(12, 3, 2) == [(0, 6), (6, 12)]
@@ -113,10 +127,11 @@ def test_two_processes_write_the_file_one_process_writes(tmp_path: Path) -> None
     padding differs) it agrees to fp16 rounding."""
     store = _store(tmp_path, 150)
     config = EncoderConfig(name="minilm", batch_size=16)
-    one = encode_docstore_parallel(store, tmp_path / "one.f16", config, "cpu", chunk=32, range_chunks=1, cores=1)
-    two = encode_docstore_parallel(store, tmp_path / "two.f16", config, "cpu,cpu", chunk=32, range_chunks=1,
-                                   cores=2)
+    one = encode_docstore_parallel(store, tmp_path / "one.f16", config, "cpu", EncodePlan(chunk=32, range_chunks=1, cores=1))
+    two = encode_docstore_parallel(store, tmp_path / "two.f16", config, "cpu,cpu",
+                                   EncodePlan(chunk=32, range_chunks=1, cores=2))
     assert one["rows"] == two["rows"] == 150 and one["ranges"] == 5 and two["devices"] == ["cpu", "cpu"]
+    assert two["workers"] == 2 and two["encoded_rows"] == 150 and two["passages_per_second"] > 0
     a, b = (open_embeddings(tmp_path / f, 150, 384) for f in ("one.f16", "two.f16"))
     assert np.array_equal(np.asarray(a), np.asarray(b))
     np.testing.assert_allclose(np.linalg.norm(np.asarray(a, np.float32), axis=1), 1.0, atol=2e-3)
@@ -135,7 +150,7 @@ def test_a_killed_worker_leaves_no_file_and_a_rerun_resumes(tmp_path: Path) -> N
     factory = KillingFactory(str(logs), str(trap), kill_at=60)  # dies in range 3 (rows 60..79)
     out = tmp_path / "emb.f16"
     with pytest.raises(RuntimeError, match=r"worker \d \(cpu\) exited with code -9.*run the same command again"):
-        encode_docstore_parallel(store, out, factory, "cpu,cpu", chunk=10, range_chunks=2, cores=2)
+        encode_docstore_parallel(store, out, factory, "cpu,cpu", EncodePlan(chunk=10, range_chunks=2, cores=2))
     assert not out.exists() and (tmp_path / "emb.f16.tmp").exists()
     first_run = _logged_chunks(logs)
     assert 60 not in first_run and 70 not in first_run  # range (60, 80) never finished
@@ -144,13 +159,13 @@ def test_a_killed_worker_leaves_no_file_and_a_rerun_resumes(tmp_path: Path) -> N
     for f in logs.glob("*.log"):
         f.unlink()
     trap.unlink()
-    result = encode_docstore_parallel(store, out, factory, "cpu,cpu", chunk=10, range_chunks=2, cores=2)
+    result = encode_docstore_parallel(store, out, factory, "cpu,cpu", EncodePlan(chunk=10, range_chunks=2, cores=2))
     assert result["resumed_ranges"] == len(done) and result["encoded_rows"] == 100 - 20 * len(done)
     # The rerun encodes only the ranges without a marker.
     done_starts = {int(p.name[6:12]) * 20 for p in done}
     assert _logged_chunks(logs) == sorted(s for r in range(5) if r * 20 not in done_starts for s in (r * 20, r * 20 + 10))
     reference = tmp_path / "ref.f16"
-    encode_docstore_parallel(store, reference, KillingFactory(str(logs), "none", -1), "cpu", chunk=10, cores=1)
+    encode_docstore_parallel(store, reference, KillingFactory(str(logs), "none", -1), "cpu", EncodePlan(chunk=10, cores=1))
     assert np.array_equal(np.fromfile(out, np.float16), np.fromfile(reference, np.float16))
     assert not (tmp_path / "emb.f16.parts").exists()
 
@@ -164,11 +179,11 @@ def test_a_changed_plan_starts_over(tmp_path: Path) -> None:
     trap.touch()
     out = tmp_path / "emb.f16"
     with pytest.raises(RuntimeError):
-        encode_docstore_parallel(store, out, KillingFactory(str(logs), str(trap), 20), "cpu", chunk=10,
-                                 range_chunks=1, cores=1)
+        encode_docstore_parallel(store, out, KillingFactory(str(logs), str(trap), 20), "cpu",
+                                 EncodePlan(chunk=10, range_chunks=1, cores=1))
     trap.unlink()
-    result = encode_docstore_parallel(store, out, KillingFactory(str(logs), "none", -1), "cpu", chunk=8,
-                                      range_chunks=1, cores=1)
+    result = encode_docstore_parallel(store, out, KillingFactory(str(logs), "none", -1), "cpu",
+                                      EncodePlan(chunk=8, range_chunks=1, cores=1))
     assert result["resumed_ranges"] == 0 and open_embeddings(out, 40, DIM).shape == (40, DIM)
 
 
@@ -195,7 +210,7 @@ def test_cli_encode_then_ivfpq_from_the_bm25_docstore(tmp_path: Path) -> None:
     res = runner.invoke(app, ["encode", str(tmp_path / "bm25"), "--out", str(tmp_path / "e.f16"), "--devices",
                               "cpu,cpu", "--batch-size", "32"])
     assert res.exit_code == 0, res.output
-    assert "300 x 384 float16 on cpu,cpu" in res.output
+    assert "300 x 384 float16 on cpu,cpu (2 processes)" in " ".join(res.output.split())
     res = runner.invoke(app, ["index", "--kind", "dense", "--faiss", "ivfpq", "--nlist", "16", "--pq-m", "48",
                               "--nprobe", "16", "--shards", "2", "--keep-vectors", "--embeddings",
                               str(tmp_path / "e.f16"), "--docstore-from", str(tmp_path / "bm25"), "--out",

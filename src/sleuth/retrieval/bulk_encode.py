@@ -1,6 +1,8 @@
 """Encode a docstore's passages into one float16 [N, dim] file with several processes (one per GPU).
 
-The rows are cut into contiguous ranges of whole chunks. Worker processes (one per device) take
+The rows are cut into contiguous ranges of whole chunks. Worker processes (each `cpu` entry one; each
+GPU several by default, one per core, since tokenizing is what limits the rate: measured on CPU,
+one core tokenizes ~2,000 passages of ~230 tokens per second, far below what one GPU encodes) take
 ranges from a queue and write their vectors straight into one preallocated float16 file at the
 range's offset (`<out>.tmp`); a range's done-marker is written after its rows are flushed. The file
 gets its final name only when every range is done, so a reader never sees a partial file, and a
@@ -110,10 +112,33 @@ def _visible_gpus() -> int:
     return int(torch.cuda.device_count()) if torch.cuda.is_available() else 0
 
 
+def worker_devices(devices: list[str], cores: int, procs_per_gpu: int | None = None) -> list[str]:
+    """One entry per worker process: each `cpu` once, each GPU `procs_per_gpu` times (default: the
+    cores divided between the GPUs, at least one each)."""
+    gpus = sum(d != "cpu" for d in devices)
+    per_gpu = procs_per_gpu or max(1, cores // max(gpus, 1))
+    return [d for d in devices for _ in range(per_gpu if d != "cpu" else 1)]
+
+
 def plan_ranges(num_docs: int, chunk: int, range_chunks: int) -> list[tuple[int, int]]:
     """Contiguous [start, end) ranges of whole chunks covering every row."""
     step = chunk * range_chunks
     return [(s, min(s + step, num_docs)) for s in range(0, num_docs, step)]
+
+
+@dataclass(frozen=True)
+class EncodePlan:
+    """How to run an encode: `chunk` passages read and length-sorted at a time, ranges of `range_chunks`
+    chunks (the unit of resume), `fp16` model on CUDA, `cores` shared by the workers (default: this
+    process's), `procs_per_gpu` worker processes on each GPU (default: cores // GPUs, so every core
+    tokenizes: one process's tokenizer output is built under the GIL and tops out at a few thousand
+    passages/s, below what one GPU encodes)."""
+
+    chunk: int = DEFAULT_CHUNK
+    range_chunks: int = DEFAULT_RANGE_CHUNKS
+    fp16: bool = True
+    cores: int | None = None
+    procs_per_gpu: int | None = None
 
 
 def encode_docstore_parallel(
@@ -121,46 +146,45 @@ def encode_docstore_parallel(
     path: str | Path,
     encoder: EncoderConfig | Callable[[str], Any],
     devices: str | Sequence[str] = "all",
-    *,
-    chunk: int = DEFAULT_CHUNK,
-    range_chunks: int = DEFAULT_RANGE_CHUNKS,
-    fp16: bool = True,
-    cores: int | None = None,
+    plan: EncodePlan | None = None,
 ) -> dict[str, Any]:
     """Encode every passage of `docstore` into the float16 [N, dim] file `path` (the layout
-    `index.open_embeddings` reads), one worker process per device; resumes an interrupted run.
+    `index.open_embeddings` reads), with worker processes on the devices (each `cpu` entry one process;
+    each GPU `plan.procs_per_gpu`); resumes an interrupted run.
 
-    `encoder`: an EncoderConfig (each worker loads the model; `fp16` casts it on CUDA) or a picklable
-    factory device -> encoder. `cores`: CPU cores shared by the workers (default: this process's).
+    `encoder`: an EncoderConfig (each worker loads the model) or a picklable factory device -> encoder.
     Workers are spawned: a script calling this needs the `if __name__ == "__main__":` guard.
-    Returns {"rows", "dim", "devices", "ranges", "resumed_ranges", "encoded_rows", "seconds" (wall, with
+    Returns {"rows", "dim", "devices", "workers", "ranges", "resumed_ranges", "encoded_rows", "seconds" (wall, with
     the workers' start-up), "encode_seconds" (first range begun to last range ended), "passages_per_second"
     (encoded_rows / encode_seconds)}.
     """
+    plan = plan or EncodePlan()
     store = docstore if isinstance(docstore, DocStore) else DocStore(docstore)
-    if chunk < 1 or range_chunks < 1:
-        raise ConfigError(f"chunk ({chunk}) and range_chunks ({range_chunks}) must be >= 1")
+    for name in ("chunk", "range_chunks", "cores", "procs_per_gpu"):
+        if getattr(plan, name) is not None and getattr(plan, name) < 1:
+            raise ConfigError(f"encode: {name} must be >= 1, got {getattr(plan, name)}")
     device_list = parse_devices(devices)
+    cores = plan.cores or len(os.sched_getaffinity(0))
+    workers = worker_devices(device_list, cores, plan.procs_per_gpu)
     path = Path(path)
     dim = _probe_dim(encoder)
-    cores = cores or len(os.sched_getaffinity(0))
     job = EncodeJob(
         docstore=str(store.directory.resolve()), tmp_path=str(path.with_name(path.name + ".tmp")),
-        parts_dir=str(path.with_name(path.name + ".parts")), num_docs=store.num_docs, dim=dim, chunk=chunk,
+        parts_dir=str(path.with_name(path.name + ".parts")), num_docs=store.num_docs, dim=dim, chunk=plan.chunk,
         encoder=encoder if isinstance(encoder, EncoderConfig) else None,
-        factory=None if isinstance(encoder, EncoderConfig) else encoder, fp16=fp16,
-        threads_per_worker=max(1, cores // len(device_list)),
-        ranges=plan_ranges(store.num_docs, chunk, range_chunks),
+        factory=None if isinstance(encoder, EncoderConfig) else encoder, fp16=plan.fp16,
+        threads_per_worker=max(1, cores // len(workers)),
+        ranges=plan_ranges(store.num_docs, plan.chunk, plan.range_chunks),
     )
     if job.num_docs == 0:
         path.write_bytes(b"")  # nothing to encode; np.memmap cannot map an empty file
-        return {"rows": 0, "dim": dim, "devices": device_list, "ranges": 0, "resumed_ranges": 0, "encoded_rows": 0,
+        return {"rows": 0, "dim": dim, "devices": device_list, "workers": 0, "ranges": 0, "resumed_ranges": 0, "encoded_rows": 0,
                 "seconds": 0.0, "encode_seconds": 0.0, "passages_per_second": None}
     resumed = _prepare(job, store)
     t0 = time.perf_counter()
     todo = [i for i in range(len(job.ranges)) if not _marker(job, i).exists()]
     if todo:
-        _run_workers(job, device_list, todo)
+        _run_workers(job, workers, todo)
     missing = [i for i in range(len(job.ranges)) if not _marker(job, i).exists()]
     if missing:
         raise RuntimeError(f"encode: ranges {missing} have no done-marker although every worker exited cleanly")
@@ -172,7 +196,8 @@ def encode_docstore_parallel(
     Path(job.tmp_path).rename(path)
     shutil.rmtree(job.parts_dir, ignore_errors=True)
     encoded = sum(job.ranges[i][1] - job.ranges[i][0] for i in todo)
-    return {"rows": job.num_docs, "dim": dim, "devices": device_list, "ranges": len(job.ranges),
+    return {"rows": job.num_docs, "dim": dim, "devices": device_list, "workers": len(workers),
+            "ranges": len(job.ranges),
             "resumed_ranges": resumed, "encoded_rows": encoded, "seconds": round(seconds, 3),
             "encode_seconds": round(span, 3),
             "passages_per_second": round(encoded / span, 1) if span > 0 else None}

@@ -162,11 +162,14 @@ def register(app: typer.Typer) -> None:
         batch_size: int = typer.Option(512, "--batch-size", help="Passages per forward pass."),
         max_length: int | None = typer.Option(None, "--max-length", help="Truncate passages to this many tokens."),
         fp32: bool = typer.Option(False, "--fp32", help="Keep the model in float32 on GPUs (default: float16)."),
+        procs_per_gpu: int | None = typer.Option(
+            None, "--procs-per-gpu", help="Worker processes per GPU (default: cores / GPUs: tokenizing needs the cores)."
+        ),
     ) -> None:
         """Encode an index's passages for `sleuth index --embeddings`, one worker per device; a rerun
         after an interruption resumes."""
         from sleuth.errors import SleuthError
-        from sleuth.retrieval.bulk_encode import encode_docstore_parallel
+        from sleuth.retrieval.bulk_encode import EncodePlan, encode_docstore_parallel
         from sleuth.retrieval.encoders import EncoderConfig
 
         if batch_size <= 0:
@@ -176,11 +179,13 @@ def register(app: typer.Typer) -> None:
         config = EncoderConfig(name=encoder, passage_prefix=passage_prefix, batch_size=batch_size,
                                max_length=max_length)
         try:
-            result = encode_docstore_parallel(index_dir / "docstore", out, config, devices, fp16=not fp32)
+            result = encode_docstore_parallel(index_dir / "docstore", out, config, devices,
+                                              EncodePlan(fp16=not fp32, procs_per_gpu=procs_per_gpu))
         except (SleuthError, FileNotFoundError, ValueError, RuntimeError) as err:
             _fail(str(err))
         rate = result["passages_per_second"]
-        typer.echo(f"wrote {out}: {result['rows']:,} x {result['dim']} float16 on {','.join(result['devices'])} in "
+        typer.echo(f"wrote {out}: {result['rows']:,} x {result['dim']} float16 on {','.join(result['devices'])} "
+                   f"({result['workers']} processes) in "
                    f"{result['seconds']:.1f} s" + (f" ({rate:,.0f} passages/s encoding)" if rate else "")
                    + (f"; {result['resumed_ranges']} ranges kept from an earlier run" if result["resumed_ranges"] else ""))
 
