@@ -46,10 +46,11 @@ def write_vectors(path: Path, n: int, dim: int, seed: int = 0) -> None:
     out.flush()
 
 
-def measure(n: int, dim: int, pq_m: int, shards: int, work: Path) -> dict[str, Any]:
+def measure(n: int, args: argparse.Namespace, work: Path) -> dict[str, Any]:
     import faiss
 
-    params = faiss_params("ivfpq", nlist=nlist_for(n), m=pq_m, nbits=8, nprobe=32)
+    dim, pq_m, shards = args.dim, args.pq_m, args.shards
+    params = faiss_params("ivfpq", nlist=args.nlist or nlist_for(n), m=pq_m, nbits=8, nprobe=32)
     src = work / f"emb-{n}.f16"
     write_vectors(src, n, dim)
     embeddings = np.memmap(src, dtype=np.float16, mode="r", shape=(n, dim))
@@ -61,7 +62,7 @@ def measure(n: int, dim: int, pq_m: int, shards: int, work: Path) -> dict[str, A
     spool.flush()
     t1 = time.perf_counter()
     template = new_faiss_index(dim, params, n)
-    n_train = min(n, default_train_sample(params))
+    n_train = min(n, args.train_sample or default_train_sample(params))
     sample = np.sort(np.random.default_rng(0).choice(n, size=n_train, replace=False))
     template.train(spool[sample].astype(np.float32))
     t2 = time.perf_counter()
@@ -87,6 +88,8 @@ def main() -> None:
     p.add_argument("--pq-m", type=int, default=48)
     p.add_argument("--shards", type=int, default=4)
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--nlist", type=int, default=None, help="Default: retrieval_scale.py's choice for each size.")
+    p.add_argument("--train-sample", type=int, default=None, help="Default: 64 x nlist (the build's default).")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     import faiss
@@ -95,7 +98,7 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory(prefix="ivfpq-cost-") as tmp:
         for n in args.sizes:
-            rows.append(measure(n, args.dim, args.pq_m, args.shards, Path(tmp)))
+            rows.append(measure(n, args, Path(tmp)))
             print(rows[-1], flush=True)
     result = {"bench": "ivfpq_build_cost", "threads": args.threads, "cpu": platform.processor() or platform.machine(),
               "cpus": os.cpu_count(), "load_average_after": os.getloadavg(),

@@ -431,6 +431,7 @@ def stage_ivfpq_build(args: argparse.Namespace) -> dict[str, Any]:
             encoder=_encoder(None).config.name, faiss="ivfpq", nlist=nlist, m=args.pq_m, nbits=8,
             nprobe=args.nprobe, shards=args.shards, keep_vectors=True,
             embeddings=str(args.work / "dense" / "embeddings.f16"), **source,
+            **({"train_sample": args.train_sample} if args.train_sample else {}),
         )
     return stage_record(
         "ivfpq-build", args, t0, load0, passages=manifest["num_docs"], faiss=manifest["faiss"],
@@ -585,12 +586,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="Passages a worker reads and sorts by length at a time.")
     p.add_argument("--nlist", type=int, default=None, help="IVF lists (default: power of 2 near 4 sqrt(N)).")
     p.add_argument("--pq-m", type=int, default=48)
+    p.add_argument("--train-sample", type=int, default=None,
+                   help="IVF-PQ training vectors (default 64 x nlist; training time grows with it x nlist).")
     p.add_argument("--nprobe", type=int, default=32)
     p.add_argument("--shards", type=int, default=1)
     args = p.parse_args(argv)
     for name in ("size", "workers", "shard_docs", "threads", "worker_threads", "server_workers", "batch_requests",
                  "batch_clients", "recall_questions", "dense_size", "pq_m", "nprobe", "shards", "encode_batch",
-                 "encode_chunk", "procs_per_gpu"):
+                 "encode_chunk", "procs_per_gpu", "train_sample"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     args.work.mkdir(parents=True, exist_ok=True)

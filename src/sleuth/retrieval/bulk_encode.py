@@ -154,8 +154,8 @@ def encode_docstore_parallel(
 
     `encoder`: an EncoderConfig (each worker loads the model) or a picklable factory device -> encoder.
     Workers are spawned: a script calling this needs the `if __name__ == "__main__":` guard.
-    Returns {"rows", "dim", "devices", "workers", "ranges", "resumed_ranges", "encoded_rows", "seconds" (wall, with
-    the workers' start-up), "encode_seconds" (first range begun to last range ended), "passages_per_second"
+    Returns {"rows", "dim", "devices", "workers", "ranges", "resumed_ranges", "encoded_rows", "seconds"
+    (wall, with the workers' start-up), "encode_seconds" (first range begun to last range ended), "passages_per_second"
     (encoded_rows / encode_seconds)}.
     """
     plan = plan or EncodePlan()
@@ -178,8 +178,8 @@ def encode_docstore_parallel(
     )
     if job.num_docs == 0:
         path.write_bytes(b"")  # nothing to encode; np.memmap cannot map an empty file
-        return {"rows": 0, "dim": dim, "devices": device_list, "workers": 0, "ranges": 0, "resumed_ranges": 0, "encoded_rows": 0,
-                "seconds": 0.0, "encode_seconds": 0.0, "passages_per_second": None}
+        return {"rows": 0, "dim": dim, "devices": device_list, "workers": 0, "ranges": 0, "resumed_ranges": 0,
+                "encoded_rows": 0, "seconds": 0.0, "encode_seconds": 0.0, "passages_per_second": None}
     resumed = _prepare(job, store)
     t0 = time.perf_counter()
     todo = [i for i in range(len(job.ranges)) if not _marker(job, i).exists()]
@@ -197,9 +197,8 @@ def encode_docstore_parallel(
     shutil.rmtree(job.parts_dir, ignore_errors=True)
     encoded = sum(job.ranges[i][1] - job.ranges[i][0] for i in todo)
     return {"rows": job.num_docs, "dim": dim, "devices": device_list, "workers": len(workers),
-            "ranges": len(job.ranges),
-            "resumed_ranges": resumed, "encoded_rows": encoded, "seconds": round(seconds, 3),
-            "encode_seconds": round(span, 3),
+            "ranges": len(job.ranges), "resumed_ranges": resumed, "encoded_rows": encoded,
+            "seconds": round(seconds, 3), "encode_seconds": round(span, 3),
             "passages_per_second": round(encoded / span, 1) if span > 0 else None}
 
 
