@@ -111,6 +111,10 @@ def test_plan_ranges_cover_every_row_in_whole_chunks() -> None:
     assert plan_ranges(10, 3, 2) == [(0, 6), (6, 10)]
     assert plan_ranges(12, 3, 2) == [(0, 6), (6, 12)]
     assert plan_ranges(0, 3, 2) == []
+    # Default: about 128 ranges of whole chunks, whatever the worker count (21M in 16,384-row chunks: 11 each).
+    ranges = plan_ranges(21_000_000, 16384)
+    assert len(ranges) == 117 and ranges[0] == (0, 180224) and ranges[-1][1] == 21_000_000
+    assert plan_ranges(600, 16384) == [(0, 600)]
 
 
 def test_bad_device_list_fails_before_any_file_is_written(tmp_path: Path) -> None:

@@ -38,8 +38,11 @@ from sleuth.utils import atomic_write_json, atomic_write_text
 
 PLAN = "plan.json"
 DEFAULT_CHUNK = 16384
-# Ranges of this many chunks: what a crash can lose, and the unit of load balance between workers.
-DEFAULT_RANGE_CHUNKS = 32
+# Ranges are what a crash can lose and the unit of load balance: by default about this many ranges
+# (at 21M passages in 16,384-passage chunks: 11 chunks each, ~7 per worker with 16
+# workers, so the last round leaves few workers idle), whatever the worker count, so a rerun with
+# other devices still resumes.
+TARGET_RANGES = 128
 # Reader threads per worker: the tokenizer runs without the GIL, the docstore reads and tensor
 # building hold it, so two overlap the two halves.
 READERS = 2
@@ -120,8 +123,11 @@ def worker_devices(devices: list[str], cores: int, procs_per_gpu: int | None = N
     return [d for d in devices for _ in range(per_gpu if d != "cpu" else 1)]
 
 
-def plan_ranges(num_docs: int, chunk: int, range_chunks: int) -> list[tuple[int, int]]:
-    """Contiguous [start, end) ranges of whole chunks covering every row."""
+def plan_ranges(num_docs: int, chunk: int, range_chunks: int | None = None) -> list[tuple[int, int]]:
+    """Contiguous [start, end) ranges of whole chunks covering every row (`range_chunks` chunks each;
+    default: about TARGET_RANGES ranges)."""
+    if range_chunks is None:
+        range_chunks = max(1, -(-num_docs // (chunk * TARGET_RANGES)))
     step = chunk * range_chunks
     return [(s, min(s + step, num_docs)) for s in range(0, num_docs, step)]
 
@@ -129,13 +135,13 @@ def plan_ranges(num_docs: int, chunk: int, range_chunks: int) -> list[tuple[int,
 @dataclass(frozen=True)
 class EncodePlan:
     """How to run an encode: `chunk` passages read and length-sorted at a time, ranges of `range_chunks`
-    chunks (the unit of resume), `fp16` model on CUDA, `cores` shared by the workers (default: this
+    chunks (the unit of resume; default: about TARGET_RANGES ranges), `fp16` model on CUDA, `cores` shared by the workers (default: this
     process's), `procs_per_gpu` worker processes on each GPU (default: cores // GPUs, so every core
     tokenizes: one process's tokenizer output is built under the GIL and tops out at a few thousand
     passages/s, below what one GPU encodes)."""
 
     chunk: int = DEFAULT_CHUNK
-    range_chunks: int = DEFAULT_RANGE_CHUNKS
+    range_chunks: int | None = None
     fp16: bool = True
     cores: int | None = None
     procs_per_gpu: int | None = None
