@@ -2,7 +2,7 @@
 
 The rows are cut into contiguous ranges of whole chunks. Worker processes (each `cpu` entry one; each
 GPU several by default, one per core, since tokenizing is what limits the rate: measured on CPU,
-one core tokenizes ~2,000 passages of ~230 tokens per second, far below what one GPU encodes) take
+one core tokenizes ~2,000 passages of ~235 tokens per second, far below what one GPU encodes) take
 ranges from a queue and write their vectors straight into one preallocated float16 file at the
 range's offset (`<out>.tmp`); a range's done-marker is written after its rows are flushed. The file
 gets its final name only when every range is done, so a reader never sees a partial file, and a
