@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 BENCH = Path(__file__).resolve().parent.parent / "bench"
 SRC = Path(__file__).resolve().parent.parent / "src"
@@ -85,3 +86,23 @@ def test_dense_stages_reuse_the_bm25_docstore_end_to_end(tmp_path: Path) -> None
     assert len(inodes) == 1
     assert serve["recall_at_5_vs_exact"] >= 0.8 and serve["gold_recall_at_5_single_hop"] > 0
     assert serve["sample"] is False
+
+
+def test_dense_sample_cuts_a_corpus_and_the_whole_corpus_needs_the_bm25_docstore(tmp_path: Path) -> None:
+    """--dense-size below the corpus cuts the first N passages into their own corpus and docstore; the
+    default (whole corpus) reads the BM25 build's docstore and says to run bm25-build when it is missing."""
+    work = tmp_path / "w"
+    (work / "world").mkdir(parents=True)
+    (work / "stages").mkdir()
+    (work / "world" / "corpus.jsonl").write_text(
+        "".join(json.dumps({"id": f"d{i}", "contents": f'"T{i}"\nword{i} text'}) + "\n" for i in range(50)))
+    (work / "stages" / "synth.json").write_text(json.dumps({"passages": 50}))
+    sample = retrieval_scale._encode_docstore(retrieval_scale.parse_args(["encode", "--work", str(work),
+                                                                         "--dense-size", "20"]))
+    assert sample.num_docs == 20 and sample.ids([0, 19]) == ["d0", "d19"]
+    assert retrieval_scale.count_lines(work / "dense" / "corpus.jsonl") == 20
+    for size in ([], ["--dense-size", "50"], ["--dense-size", "80"]):
+        args = retrieval_scale.parse_args(["encode", "--work", str(work), *size])
+        assert retrieval_scale._dense_corpus(args) == (None, 50)
+        with pytest.raises(SystemExit, match="run bm25-build first"):
+            retrieval_scale._encode_docstore(args)
