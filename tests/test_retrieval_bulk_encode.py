@@ -228,3 +228,54 @@ def test_cli_encode_then_ivfpq_from_the_bm25_docstore(tmp_path: Path) -> None:
     assert nowhere.exit_code == 2 and "has no docstore/" in " ".join(nowhere.output.split())
     neither = runner.invoke(app, ["index", "--kind", "dense", "--out", str(tmp_path / "z")])
     assert neither.exit_code == 2 and "--docstore-from" in " ".join(neither.output.split())
+
+
+class _RecordingModel:
+    """Stands in for a SentenceTransformer: 'tokenizes' a passage to its row number (read from its
+    title) and 'encodes' row r to a unit vector [cos r, sin r, 0...]; records which thread tokenized."""
+
+    def __init__(self) -> None:
+        import torch
+
+        self.device = torch.device("cpu")
+        self.threads: list[str] = []
+
+    def preprocess(self, texts: list[str]) -> dict:
+        import threading
+
+        import torch
+
+        self.threads.append(threading.current_thread().name)
+        rows = [int(t.split('"')[1].split()[1]) if t.startswith('"') else -1 for t in texts]
+        return {"rows": torch.tensor(rows, dtype=torch.float32)}
+
+    def forward(self, features: dict) -> dict:
+        return self(features)
+
+    def __call__(self, features: dict) -> dict:
+        import torch
+
+        r = features["rows"]
+        vecs = torch.zeros(len(r), DIM)
+        vecs[:, 0], vecs[:, 1] = torch.cos(r), torch.sin(r)
+        return {"sentence_embedding": vecs}
+
+
+def test_pipelined_readers_put_every_row_in_its_place_after_a_warm_up_call(tmp_path: Path) -> None:
+    """Two reader threads tokenize alternate chunks: every row lands at its own offset. The first
+    tokenizer call happens on the main thread before the readers start (HF tokenizers write their
+    settings on the first call, which fails while another thread encodes)."""
+    from sleuth.retrieval.bulk_encode import _encode_range_pipelined
+
+    store = _store(tmp_path, 45)
+    encoder = _HashEncoder()
+    encoder.config = EncoderConfig(name="recording", batch_size=4)
+    encoder.model = _RecordingModel()
+    out = np.zeros((45, DIM), np.float16)
+    _encode_range_pipelined(encoder, store, out, 5, 45, chunk=8)
+    rows = np.arange(45)
+    expected = np.zeros((45, DIM), np.float16)
+    expected[5:, 0], expected[5:, 1] = np.cos(rows[5:]), np.sin(rows[5:])
+    np.testing.assert_array_equal(out, expected)
+    threads = encoder.model.threads
+    assert threads[0] == "MainThread" and {"encode-reader-0", "encode-reader-1"} == set(threads[1:])

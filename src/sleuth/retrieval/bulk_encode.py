@@ -355,6 +355,10 @@ def _encode_range_pipelined(encoder: Any, store: DocStore, out: np.ndarray, star
         finally:
             ready.put(None)
 
+    # One call before the readers start: the tokenizer stores its truncation/padding settings on the
+    # first call (a write), and a write while another thread encodes fails ("Already borrowed"); later
+    # calls with the same settings only read.
+    preprocess([cfg.passage_prefix + "warm-up"])
     readers = [threading.Thread(target=read, args=(starts[k::READERS],), daemon=True, name=f"encode-reader-{k}")
                for k in range(READERS)]
     for reader in readers:
