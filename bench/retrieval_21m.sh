@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Issue 24 on the lent GPU machine (16 cores, 128 GB, one H100, no network): a 21M-passage synthetic corpus,
-# BM25 built and served, MiniLM encoding on the GPU, IVF-PQ built and served, as a resumable daemon
+# Issue 24 on the lent GPU machine (16 cores, 128 GB, 1-4 H100/H200, no network): a 21M-passage synthetic corpus,
+# BM25 built and served, MiniLM encoding on every GPU, IVF-PQ built and served, as a resumable daemon
 # (`setsid`) that outlives each call. Stages (bench/retrieval_scale.py; each writes $WORK/stages/<stage>.json,
 # its done-marker, and logs to $WORK/logs/<stage>.log):
 #   synth -> bm25-build -> bm25-serve -> encode (GPU) -> ivfpq-build -> dense-serve
@@ -10,10 +10,13 @@
 #   call 2: carry [.gpu/minilm]   bash bench/retrieval_21m.sh wait 540     (the encoder for the dense stages)
 #   call N:                       bash bench/retrieval_21m.sh wait 560     (each call prints progress and packs)
 # `pack` copies the result JSON and the logs into $OUT (flat, <= 8 files). Rerunning `start` resumes at the
-# first stage without a done-marker. Sizes (env): SIZE (21000000), DENSE_SIZE (1000000: encoding all 21M does
-# not fit the lease; the dense JSON says it is a sample), WORKERS (cores), WORK (runs/scale21m).
-# Tested end to end on a CPU box (2 cores) with the same script: PY=.venv/bin/python SIZE=20000 WORLD_PASSAGES=2000
-#   DENSE_SIZE=1500 DEVICE=cpu WORKERS=2 WORK=/tmp/d21 bash bench/retrieval_21m.sh start; ... wait 240
+# first stage without a done-marker (the encode stage also resumes inside: per-range done-markers). Sizes (env):
+# SIZE (21000000), DENSE_SIZE (default SIZE: the whole corpus, encoded from the BM25 build's docstore; smaller cuts
+# a sample, which the dense JSON says), WORKERS (cores), WORK (runs/scale21m), ENCODE_DEVICES (all: encoder
+# processes on every visible GPU; restrict with e.g. cuda:0,cuda:1 or CUDA_VISIBLE_DEVICES; cpu or cpu,cpu on a
+# CPU box), ENCODE_PROCS_PER_GPU (default CORES / GPUs).
+# Run end to end on a CPU box (2 cores) with the same script: PY=.venv/bin/python SIZE=3000 WORLD_PASSAGES=300
+#   ENCODE_DEVICES=cpu,cpu WORKERS=2 WORK=/tmp/d21 bash bench/retrieval_21m.sh start; ... wait 240
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-python3}
@@ -23,9 +26,11 @@ export PYTHONPATH="$PWD/src:$PWD/.gpusite" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 T
 export SLEUTH_CACHE="$PWD/.gpucache" OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 WORK=${WORK:-runs/scale21m}
 SIZE=${SIZE:-21000000}
-DENSE_SIZE=${DENSE_SIZE:-1000000}
+DENSE_SIZE=${DENSE_SIZE:-$SIZE}
 WORKERS=${WORKERS:-$CORES}
-DEVICE=${DEVICE:-cuda}
+# DEVICE=cpu (the older knob) still means a CPU run.
+if [ "${DEVICE:-}" = cpu ]; then ENCODE_DEVICES=${ENCODE_DEVICES:-cpu}; fi
+ENCODE_DEVICES=${ENCODE_DEVICES:-all}
 # Serving: BM25 splits a batch over --threads inside one search; dense encodes queries with torch threads.
 BM25_SERVE=${BM25_SERVE:---server-workers 4 --threads $(( CORES / 4 > 0 ? CORES / 4 : 1 )) --worker-threads 1}
 DENSE_SERVE=${DENSE_SERVE:---server-workers $(( CORES / 2 > 0 ? CORES / 2 : 1 )) --threads 2 --worker-threads 1}
@@ -98,10 +103,11 @@ case "${1:-}" in
     fi
     sleep 5; tail -5 "$WORK/daemon.log" ;;
   daemon)
-    echo "[$(date +%T)] daemon: SIZE=$SIZE DENSE_SIZE=$DENSE_SIZE WORKERS=$WORKERS DEVICE=$DEVICE cores=$CORES"
+    echo "[$(date +%T)] daemon: SIZE=$SIZE DENSE_SIZE=$DENSE_SIZE WORKERS=$WORKERS ENCODE_DEVICES=$ENCODE_DEVICES cores=$CORES"
     run_stage synth --size "$SIZE" --world-passages "${WORLD_PASSAGES:-20000}" --questions "${QUESTIONS:-2000}" \
       --workers "$WORKERS" || exit 1
-    # The dense sample's corpus is cut now, so the big corpus can go once the docstore holds its texts.
+    # A dense sample's corpus (DENSE_SIZE < SIZE) is cut now, so the big corpus can go once the BM25 docstore
+    # holds its texts; the whole corpus needs no cut (the dense stages read the BM25 docstore).
     "$PY" bench/retrieval_scale.py dense-corpus --work "$WORK" --dense-size "$DENSE_SIZE" >>"$WORK/logs/dense-corpus.log" 2>&1
     run_stage bm25-build --workers "$WORKERS" --shard-docs "${SHARD_DOCS:-250000}" || exit 1
     if [ "${KEEP_CORPUS:-0}" != 1 ] && [ -f "$WORK/stages/bm25-build.json" ]; then
@@ -114,10 +120,18 @@ case "${1:-}" in
     until [ -z "${ENCODE_AFTER:-}" ] || [ -f "$ENCODE_AFTER" ]; do
       echo "[$(date +%T)] waiting for $ENCODE_AFTER (the GPU is busy with timed runs)"; sleep 15; done
     export SLEUTH_ENCODER; SLEUTH_ENCODER=$(encoder)
-    run_stage encode --dense-size "$DENSE_SIZE" --device "$DEVICE" || exit 1
+    # Encoder processes on every GPU (ENCODE_PROCS_PER_GPU, default CORES / GPUs: tokenizing needs every core);
+    # each turns the tokenizer's thread pool back on for itself (exported off above for the servers).
+    # shellcheck disable=SC2046
+    run_stage encode --dense-size "$DENSE_SIZE" --devices "$ENCODE_DEVICES" \
+      $( [ -n "${ENCODE_PROCS_PER_GPU:-}" ] && echo --procs-per-gpu "$ENCODE_PROCS_PER_GPU" ) || exit 1
     # faiss trains and fills with OpenMP threads: all cores for the build.
+    # NLIST / TRAIN_SAMPLE (default: a power of 2 near 4 sqrt(N), 16384 at 21M; 64 x NLIST): training and adding
+    # cost grows with NLIST (bench/ivfpq_build_cost.py; docs/retrieval_scale.md has the 21M estimate).
+    # shellcheck disable=SC2046
     OMP_NUM_THREADS=$CORES run_stage ivfpq-build --dense-size "$DENSE_SIZE" --threads "$CORES" \
-      --shards "${DENSE_SHARDS:-4}" || exit 1
+      --shards "${DENSE_SHARDS:-4}" $( [ -n "${NLIST:-}" ] && echo --nlist "$NLIST" ) \
+      $( [ -n "${TRAIN_SAMPLE:-}" ] && echo --train-sample "$TRAIN_SAMPLE" ) || exit 1
     # shellcheck disable=SC2086
     run_stage dense-serve --dense-size "$DENSE_SIZE" $DENSE_SERVE $MEASURE
     "$PY" bench/retrieval_scale.py report --work "$WORK" --out "$WORK/retrieval_scale_21m.json" >"$WORK/logs/report.log" 2>&1

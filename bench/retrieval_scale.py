@@ -7,7 +7,7 @@ writes the result JSON):
     python bench/retrieval_scale.py synth       --work W --size 2000000 --workers 2
     python bench/retrieval_scale.py bm25-build  --work W --workers 2
     python bench/retrieval_scale.py bm25-serve  --work W --threads 2
-    python bench/retrieval_scale.py encode      --work W --dense-size 20000 [--device cuda]
+    python bench/retrieval_scale.py encode      --work W [--dense-size 20000] [--devices all]
     python bench/retrieval_scale.py ivfpq-build --work W --nlist 1024 --pq-m 48
     python bench/retrieval_scale.py dense-serve --work W --threads 2
     python bench/retrieval_scale.py report      --work W [--out results/retrieval_scale.json]
@@ -19,8 +19,11 @@ start of the server (process start to a healthy /health, after its warm-up searc
 batch 256 (one client, and `--batch-clients` at once), p50/p99 latency of one-query requests at
 concurrency 16, the server's resident memory after the load, recall@5 of the gold passage
 (single-hop questions), and for dense recall@5 against exact search over the same vectors.
-The dense index covers the first `--dense-size` passages (the world's gold passages come first):
-a sample when smaller than the corpus, recorded as such in its JSON.
+The dense index covers the whole corpus by default: the encode stage then reads the BM25 build's
+docstore (no second pass over the corpus) with one worker process per device
+(`sleuth.retrieval.bulk_encode`, resumable), and the IVF-PQ build links that docstore. With
+`--dense-size N` it covers the first N passages (the world's gold passages come first), a sample
+recorded as such in its JSON.
 """
 
 from __future__ import annotations
@@ -329,8 +332,21 @@ def stage_bm25_serve(args: argparse.Namespace) -> dict[str, Any]:
     return stage_record("bm25-serve", args, t0, load0, **fields)
 
 
-def _dense_corpus(args: argparse.Namespace) -> tuple[Path, int]:
-    """The first --dense-size passages as their own corpus file (all of the corpus when it is smaller)."""
+def _corpus_passages(args: argparse.Namespace) -> int:
+    synth = args.work / "stages" / "synth.json"
+    # The driver may delete the big corpus once the BM25 docstore holds its texts: synth.json has its size.
+    return json.loads(synth.read_text())["passages"] if synth.exists() else count_lines(args.work / "world" / "corpus.jsonl")
+
+
+def _dense_is_whole_corpus(args: argparse.Namespace) -> bool:
+    return args.dense_size is None or args.dense_size >= _corpus_passages(args)
+
+
+def _dense_corpus(args: argparse.Namespace) -> tuple[Path | None, int]:
+    """The first --dense-size passages as their own corpus file; (None, corpus size) when the dense
+    index covers the whole corpus (no copy: the encoder and the IVF-PQ build reuse the BM25 docstore)."""
+    if _dense_is_whole_corpus(args):
+        return None, _corpus_passages(args)
     src = args.work / "world" / "corpus.jsonl"
     dst = args.work / "dense" / "corpus.jsonl"
     dst.parent.mkdir(parents=True, exist_ok=True)
@@ -357,27 +373,47 @@ def _encoder(device: str | None):
     return enc
 
 
-def stage_encode(args: argparse.Namespace) -> dict[str, Any]:
+def _encode_docstore(args: argparse.Namespace):
+    """The docstore the dense index covers: the BM25 build's when it is the whole corpus (no second
+    pass over 21M passages), else one of the cut sample (kept between reruns)."""
     from sleuth.data.formats import iter_corpus
     from sleuth.retrieval.docstore import DocStore
-    from sleuth.retrieval.index import encode_docstore
+
+    corpus, _ = _dense_corpus(args)
+    if corpus is None:
+        if not (args.work / "bm25" / "manifest.json").exists():
+            raise SystemExit("encode: the dense index covers the whole corpus, so it reuses the BM25 build's "
+                             "docstore; run bm25-build first (or pass --dense-size N for a sample)")
+        return DocStore(args.work / "bm25" / "docstore")
+    directory = args.work / "dense" / "docstore-encode"
+    if (directory / "docstore.json").exists():
+        return DocStore(directory)
+    return DocStore.build(iter_corpus(corpus, unique_ids=True), directory)
+
+
+def stage_encode(args: argparse.Namespace) -> dict[str, Any]:
+    from sleuth.retrieval.bulk_encode import EncodePlan, encode_docstore_parallel, parse_devices
+    from sleuth.retrieval.encoders import EncoderConfig
 
     t0, load0 = time.perf_counter(), os.getloadavg()
-    corpus, n = _dense_corpus(args)
-    store = DocStore.build(iter_corpus(corpus), args.work / "dense" / "docstore-encode")
-    enc = _encoder(args.device)
-    t1 = time.perf_counter()
-    rows = encode_docstore(store, args.work / "dense" / "embeddings.f16", enc, chunk=16384)
-    seconds = time.perf_counter() - t1
-    synth = args.work / "stages" / "synth.json"
-    # The driver may delete the big corpus once the BM25 docstore holds its texts: synth.json has its size.
-    total = json.loads(synth.read_text())["passages"] if synth.exists() else count_lines(args.work / "world" / "corpus.jsonl")
+    devices = parse_devices(args.devices)
+    store = _encode_docstore(args)
+    on_gpu = devices[0].startswith("cuda")
+    config = EncoderConfig(name=os.environ.get("SLEUTH_ENCODER", "minilm"), batch_size=args.encode_batch or (
+        512 if on_gpu else 64))
+    out = args.work / "dense" / "embeddings.f16"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    run = encode_docstore_parallel(store, out, config, devices,
+                                   EncodePlan(chunk=args.encode_chunk, procs_per_gpu=args.procs_per_gpu))
+    rows, total = run["rows"], _corpus_passages(args)
     return stage_record(
         "encode", args, t0, load0, passages=rows, corpus_passages=total, sample=rows < total,
-        note=(f"dense covers the first {rows:,} of {total:,} passages (a sample: encoding all would not fit the "
-              "time budget)") if rows < total else "dense covers the whole corpus",
-        encoder=enc.config.name, dim=enc.dim, device=args.device or "cpu", seconds=round(seconds, 2),
-        passages_per_second=round(rows / seconds, 1),
+        note=(f"dense covers the first {rows:,} of {total:,} passages (a sample: --dense-size)") if rows < total
+        else "dense covers the whole corpus",
+        docstore=str(store.directory), encoder=config.name, batch_size=config.batch_size, dim=run["dim"],
+        devices=devices, workers=run["workers"], fp16=on_gpu, chunk=args.encode_chunk, seconds=run["seconds"],
+        encode_seconds=run["encode_seconds"], resumed_ranges=run["resumed_ranges"],
+        passages_per_second=run["passages_per_second"],
     )
 
 
@@ -387,16 +423,20 @@ def stage_ivfpq_build(args: argparse.Namespace) -> dict[str, Any]:
     t0, load0 = time.perf_counter(), os.getloadavg()
     corpus, n = _dense_corpus(args)
     nlist = args.nlist or max(16, min(65536, 1 << round(math.log2(4 * n**0.5))))
+    # The whole corpus: the index links the BM25 build's docstore (the corpus file may be deleted by now).
+    source = {"docstore_from": args.work / "bm25"} if corpus is None else {}
     with PeakMemory() as mem:
         manifest = build_index(
             corpus, "dense", args.work / "ivf", overwrite=True, show_progress=False, threads=args.threads,
             encoder=_encoder(None).config.name, faiss="ivfpq", nlist=nlist, m=args.pq_m, nbits=8,
             nprobe=args.nprobe, shards=args.shards, keep_vectors=True,
-            embeddings=str(args.work / "dense" / "embeddings.f16"),
+            embeddings=str(args.work / "dense" / "embeddings.f16"), **source,
+            **({"train_sample": args.train_sample} if args.train_sample else {}),
         )
     return stage_record(
         "ivfpq-build", args, t0, load0, passages=manifest["num_docs"], faiss=manifest["faiss"],
         shards=len(manifest["shards"]), train_sample=manifest.get("train_sample"),
+        docstore_reused=corpus is None,
         seconds=round(time.perf_counter() - t0, 2), peak_rss_bytes=mem.peak["rss"], peak_anon_bytes=mem.peak["anon"],
         faiss_bytes=dir_bytes(args.work / "ivf" / "shards"),
         vectors_bytes=(args.work / "ivf" / "vectors.f16").stat().st_size,
@@ -433,8 +473,9 @@ def stage_dense_serve(args: argparse.Namespace) -> dict[str, Any]:
     from sleuth.retrieval.docstore import DocStore
 
     store = DocStore(args.work / "ivf" / "docstore")
-    covered = {i for start in range(0, store.num_docs, 65536)
-               for i in store.ids(range(start, min(start + 65536, store.num_docs)))}
+    # A sample covers only some gold passages; the whole corpus covers all (no 21M-id set in memory).
+    covered = None if store.num_docs >= _corpus_passages(args) else {
+        i for start in range(0, store.num_docs, 65536) for i in store.ids(range(start, min(start + 65536, store.num_docs)))}
     fields, singles, hits = serve_and_measure(args, args.work / "ivf", "dense", covered)
     exact = exact_top5(args, [q["question"] for q in singles])
     overlap = [len({_hit_id(h) for h in hs} & set(e)) / K for hs, e in zip(hits, exact, strict=True)]
@@ -533,16 +574,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--recall-questions", type=int, default=500)
     p.add_argument("--start-timeout", type=float, default=600.0)
     p.add_argument("--drop-cache", action="store_true", help="Drop the page cache before each server start (root).")
-    p.add_argument("--dense-size", type=int, default=20_000, help="Passages the dense index covers (first N).")
-    p.add_argument("--device", default=None, help="Encoder device for the encode stage (cuda on a GPU).")
+    p.add_argument("--dense-size", type=int, default=None,
+                   help="Passages the dense index covers (the first N; default: the whole corpus, which reuses "
+                        "the BM25 build's docstore).")
+    p.add_argument("--devices", "--device", dest="devices", default="cpu",
+                   help="Encode stage: 'all' (one process per visible GPU), 'cuda:0,cuda:1', or 'cpu' / 'cpu,cpu'.")
+    p.add_argument("--encode-batch", type=int, default=None, help="Encoder batch (default 512 on GPUs, 64 on CPU).")
+    p.add_argument("--procs-per-gpu", type=int, default=None,
+                   help="Encode stage: worker processes per GPU (default: cores / GPUs).")
+    p.add_argument("--encode-chunk", type=int, default=16384,
+                   help="Passages a worker reads and sorts by length at a time.")
     p.add_argument("--nlist", type=int, default=None, help="IVF lists (default: power of 2 near 4 sqrt(N)).")
     p.add_argument("--pq-m", type=int, default=48)
+    p.add_argument("--train-sample", type=int, default=None,
+                   help="IVF-PQ training vectors (default 64 x nlist; training time grows with it x nlist).")
     p.add_argument("--nprobe", type=int, default=32)
     p.add_argument("--shards", type=int, default=1)
     args = p.parse_args(argv)
     for name in ("size", "workers", "shard_docs", "threads", "worker_threads", "server_workers", "batch_requests",
-                 "batch_clients", "recall_questions", "dense_size", "pq_m", "nprobe", "shards"):
-        if getattr(args, name) < 1:
+                 "batch_clients", "recall_questions", "dense_size", "pq_m", "nprobe", "shards", "encode_batch",
+                 "encode_chunk", "procs_per_gpu", "train_sample"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     args.work.mkdir(parents=True, exist_ok=True)
     return args

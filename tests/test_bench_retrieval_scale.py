@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 BENCH = Path(__file__).resolve().parent.parent / "bench"
 SRC = Path(__file__).resolve().parent.parent / "src"
@@ -52,3 +53,56 @@ def test_bm25_stages_and_report_end_to_end(tmp_path: Path) -> None:
     assert serve["gold_recall_at_5_single_hop"] > 0.5 and serve["recall_questions"] > 0
     for record in (synth, build, serve):
         assert record["command"] and record["date"] and len(record["load_average_before"]) == 3
+
+
+def test_dense_stages_reuse_the_bm25_docstore_end_to_end(tmp_path: Path) -> None:
+    """Dense over the whole corpus (the default): encode reads the BM25 build's docstore with two CPU
+    worker processes, the IVF-PQ build links it after the corpus file is deleted (as the 21M driver
+    does), and the server answers from it. No sample corpus or second docstore is written."""
+    env = {**os.environ, "PYTHONPATH": str(SRC), "OMP_NUM_THREADS": "1"}
+    work = tmp_path / "w"
+    common = ["--work", str(work), "--size", "500", "--world-passages", "200", "--questions", "40",
+              "--workers", "1", "--shard-docs", "1000", "--batch-requests", "1", "--batch-clients", "1",
+              "--latency-seconds", "1", "--recall-questions", "10", "--devices", "cpu,cpu", "--nlist", "16",
+              "--shards", "2", "--nprobe", "16"]
+
+    def stage(name: str) -> None:
+        subprocess.run([sys.executable, str(BENCH / "retrieval_scale.py"), name, *common], env=env, check=True,
+                       capture_output=True, text=True, timeout=400)
+
+    for name in ("synth", "bm25-build"):
+        stage(name)
+    (work / "world" / "corpus.jsonl").unlink()
+    for name in ("encode", "ivfpq-build", "dense-serve"):
+        stage(name)
+    encode, build, serve = (json.loads((work / "stages" / f"{s}.json").read_text())
+                            for s in ("encode", "ivfpq-build", "dense-serve"))
+    assert encode["passages"] == 500 and encode["sample"] is False and encode["devices"] == ["cpu", "cpu"]
+    assert encode["docstore"] == str(work / "bm25" / "docstore") and encode["passages_per_second"] > 0
+    assert (work / "dense" / "embeddings.f16").stat().st_size == 500 * 384 * 2
+    assert not (work / "dense" / "corpus.jsonl").exists() and not (work / "dense" / "docstore-encode").exists()
+    assert build["docstore_reused"] is True and build["passages"] == 500 and build["shards"] == 2
+    inodes = {(work / d / "docstore" / "strings.bin").stat().st_ino for d in ("bm25", "ivf")}
+    assert len(inodes) == 1
+    assert serve["recall_at_5_vs_exact"] >= 0.8 and serve["gold_recall_at_5_single_hop"] > 0
+    assert serve["sample"] is False
+
+
+def test_dense_sample_cuts_a_corpus_and_the_whole_corpus_needs_the_bm25_docstore(tmp_path: Path) -> None:
+    """--dense-size below the corpus cuts the first N passages into their own corpus and docstore; the
+    default (whole corpus) reads the BM25 build's docstore and says to run bm25-build when it is missing."""
+    work = tmp_path / "w"
+    (work / "world").mkdir(parents=True)
+    (work / "stages").mkdir()
+    (work / "world" / "corpus.jsonl").write_text(
+        "".join(json.dumps({"id": f"d{i}", "contents": f'"T{i}"\nword{i} text'}) + "\n" for i in range(50)))
+    (work / "stages" / "synth.json").write_text(json.dumps({"passages": 50}))
+    sample = retrieval_scale._encode_docstore(retrieval_scale.parse_args(["encode", "--work", str(work),
+                                                                         "--dense-size", "20"]))
+    assert sample.num_docs == 20 and sample.ids([0, 19]) == ["d0", "d19"]
+    assert retrieval_scale.count_lines(work / "dense" / "corpus.jsonl") == 20
+    for size in ([], ["--dense-size", "50"], ["--dense-size", "80"]):
+        args = retrieval_scale.parse_args(["encode", "--work", str(work), *size])
+        assert retrieval_scale._dense_corpus(args) == (None, 50)
+        with pytest.raises(SystemExit, match="run bm25-build first"):
+            retrieval_scale._encode_docstore(args)

@@ -433,3 +433,34 @@ def test_ivfpq_rerank_recall_at_5_from_precomputed_embeddings(tmp_path: Path, en
     with pytest.raises(IndexMismatchError, match="float16"):
         build_index(corpus, "dense", tmp_path / "bad", encoder=HashEncoder(dim=16), faiss="flat", shards=1,
                     embeddings=str(tmp_path / "emb.f16"), show_progress=False)
+
+
+def test_dense_index_reuses_another_index_docstore(
+    tmp_path: Path, world: tuple[Path, list[list[str]]], queries: list[str], encoder: HashEncoder
+) -> None:
+    """Issue 24: at 21M the IVF-PQ build links the BM25 build's docstore (no second 15 GB pass, and the
+    corpus file may be gone); the index searches exactly as one built from the corpus."""
+    corpus, _ = world
+    build_index(corpus, "bm25", tmp_path / "bm25", show_progress=False)
+    linked = build_index(None, "dense", tmp_path / "linked", encoder=encoder, docstore_from=tmp_path / "bm25",
+                         show_progress=False)
+    fresh = build_index(corpus, "dense", tmp_path / "fresh", encoder=encoder, show_progress=False)
+    assert linked["corpus_fingerprint"] == fresh["corpus_fingerprint"] and linked["num_docs"] == 203
+    assert linked["corpus_path"] == fresh["corpus_path"]
+    strings = [tmp_path / d / "docstore" / "strings.bin" for d in ("bm25", "linked")]
+    assert strings[0].stat().st_ino == strings[1].stat().st_ino  # a hard link, not a copy
+    got = load_retriever(tmp_path / "linked", corpus, encoder=encoder).search(queries, 5)
+    want = load_retriever(tmp_path / "fresh", encoder=encoder).search(queries, 5)
+    assert [[(h.doc_id, h.text) for h in q] for q in got] == [[(h.doc_id, h.text) for h in q] for q in want]
+    other = tmp_path / "other.jsonl"
+    _write_corpus(other, 50, seed=2)
+    with pytest.raises(IndexMismatchError, match="a different file"):
+        build_index(other, "dense", tmp_path / "bad", encoder=encoder, docstore_from=tmp_path / "bm25",
+                    show_progress=False)
+    with pytest.raises(ConfigError, match="needs a corpus file, or docstore_from"):
+        build_index(None, "dense", tmp_path / "bad", encoder=encoder, show_progress=False)
+    with pytest.raises(IndexMismatchError, match="not a complete sleuth index"):
+        (tmp_path / "half").mkdir()
+        build_index(None, "dense", tmp_path / "bad", encoder=encoder, docstore_from=tmp_path / "half",
+                    show_progress=False)
+    assert not (tmp_path / "bad").exists()

@@ -49,7 +49,9 @@ def _print_index_summary(out: Path, manifest: dict, seconds: float) -> None:
 
 def register(app: typer.Typer) -> None:
     def index_cmd(
-        corpus: Path = typer.Argument(..., help="Corpus jsonl ({'id', 'contents'} per line)."),
+        corpus: Path | None = typer.Argument(
+            None, help="Corpus jsonl ({'id', 'contents'} per line); optional with --docstore-from."
+        ),
         out: Path = typer.Option(..., "--out", "-o", help="Directory to write the index to."),
         kind: str = typer.Option("bm25", "--kind", help="bm25 or dense."),
         encoder: str = typer.Option(
@@ -91,6 +93,10 @@ def register(app: typer.Typer) -> None:
             None, "--shard-docs", help="BM25: passages per build shard (memory per worker grows with it; "
             "default 250,000)."
         ),
+        docstore_from: Path | None = typer.Option(
+            None, "--docstore-from", help="An index of the same corpus (e.g. its BM25 index) whose docstore is "
+            "hard-linked instead of reading the corpus again (the corpus file may then be omitted)."
+        ),
         overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing index in --out."),
     ) -> None:
         """Build a BM25 or dense index of a corpus (docstore + index + manifest.json)."""
@@ -101,7 +107,9 @@ def register(app: typer.Typer) -> None:
 
         if kind not in KINDS:
             _fail(f"--kind must be one of {', '.join(KINDS)}, got {kind!r}")
-        if not corpus.is_file():
+        if corpus is None and docstore_from is None:
+            _fail("give a corpus file, or --docstore-from an index of the corpus")
+        if corpus is not None and not corpus.is_file():
             _fail(f"corpus {corpus} does not exist (expected a jsonl file with 'id' and 'contents')")
         if kind == "bm25":
             params: dict = {"k1": k1, "b": b, "workers": workers}
@@ -132,7 +140,8 @@ def register(app: typer.Typer) -> None:
                 params["embeddings"] = str(embeddings)
         t0 = time.perf_counter()
         try:
-            manifest = build_index(corpus, kind, out, overwrite=overwrite, threads=threads, **params)
+            manifest = build_index(corpus, kind, out, overwrite=overwrite, threads=threads,
+                                   docstore_from=docstore_from, **params)
         except (SleuthError, FileExistsError, FileNotFoundError, ValueError) as err:
             _fail(str(err))
         _print_index_summary(out, manifest, time.perf_counter() - t0)
@@ -140,6 +149,45 @@ def register(app: typer.Typer) -> None:
     app.command("index")(index_cmd)
     # `serve-retriever`'s help names `sleuth build-index`; keep that spelling working.
     app.command("build-index", hidden=True)(index_cmd)
+
+    @app.command("encode")
+    def encode_cmd(
+        index_dir: Path = typer.Argument(..., help="An index directory (any kind): its docstore is encoded."),
+        out: Path = typer.Option(..., "--out", "-o", help="The float16 [passages x dim] file to write."),
+        devices: str = typer.Option(
+            "all", "--devices", help="all (one process per visible GPU), cuda:0,cuda:1, or cpu / cpu,cpu."
+        ),
+        encoder: str = typer.Option("minilm", "--encoder", help="Alias 'minilm', a model dir or hub name."),
+        passage_prefix: str = typer.Option("", "--passage-prefix", help="Prepended to passages (E5: 'passage: ')."),
+        batch_size: int = typer.Option(512, "--batch-size", help="Passages per forward pass."),
+        max_length: int | None = typer.Option(None, "--max-length", help="Truncate passages to this many tokens."),
+        fp32: bool = typer.Option(False, "--fp32", help="Keep the model in float32 on GPUs (default: float16)."),
+        procs_per_gpu: int | None = typer.Option(
+            None, "--procs-per-gpu", help="Worker processes per GPU (default: cores / GPUs: tokenizing needs the cores)."
+        ),
+    ) -> None:
+        """Encode an index's passages for `sleuth index --embeddings`, one worker per device; a rerun
+        after an interruption resumes."""
+        from sleuth.errors import SleuthError
+        from sleuth.retrieval.bulk_encode import EncodePlan, encode_docstore_parallel
+        from sleuth.retrieval.encoders import EncoderConfig
+
+        if batch_size <= 0:
+            _fail(f"--batch-size must be positive, got {batch_size}")
+        if not (index_dir / "docstore" / "docstore.json").is_file():
+            _fail(f"{index_dir} has no docstore/; build an index of the corpus first (`sleuth index`)")
+        config = EncoderConfig(name=encoder, passage_prefix=passage_prefix, batch_size=batch_size,
+                               max_length=max_length)
+        try:
+            result = encode_docstore_parallel(index_dir / "docstore", out, config, devices,
+                                              EncodePlan(fp16=not fp32, procs_per_gpu=procs_per_gpu))
+        except (SleuthError, FileNotFoundError, ValueError, RuntimeError) as err:
+            _fail(str(err))
+        rate = result["passages_per_second"]
+        typer.echo(f"wrote {out}: {result['rows']:,} x {result['dim']} float16 on {','.join(result['devices'])} "
+                   f"({result['workers']} processes) in "
+                   f"{result['seconds']:.1f} s" + (f" ({rate:,.0f} passages/s encoding)" if rate else "")
+                   + (f"; {result['resumed_ranges']} ranges kept from an earlier run" if result["resumed_ranges"] else ""))
 
     @app.command("search")
     def search_cmd(
