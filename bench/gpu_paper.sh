@@ -11,7 +11,8 @@
 #   paper3b  : bench/paper_scale.py, 3B LoRA on 1, 2, 4 GPUs (DDP)
 #   fsdp3b   : bench/paper_scale.py, 3B full fine-tuning on 2 GPUs, DDP then FSDP2 (rollouts from the gathered copy)
 #   paper7b  : bench/paper_scale.py, 7B full fine-tuning, FSDP2 on 4 GPUs (LoRA on 1 and 2 GPUs on a smaller machine)
-# On a 4-GPU machine (and STAGES unset) the daemon runs daemon4's plan instead: weak scaling (PPG prompts per GPU)
+# On a 4-GPU machine (and STAGES unset) the daemon runs daemon_next (PLAN=next, the default; see it) or, with
+# PLAN=first, daemon4's plan, the one measured on 2026-11-27: weak scaling (PPG prompts per GPU)
 # of 3B LoRA on 1 / 2 / 4 GPUs with rollout.py rows beside them on GPU 3, then 7B FSDP2 on 4, then 3B full
 # fine-tuning DDP vs FSDP2 on 2 GPUs beside 3B full on 1 GPU (LoRA vs base) and the 3B/7B rollout rows; GPU 3
 # is then handed to bench/retrieval_21m.sh's encoder (its CPU stages run beside all of this under taskset).
@@ -59,7 +60,11 @@ stage_cmd() {
     r_paper05|r_paper3|r_paper7) m=${1#r_paper}; m=${m/05/0.5}
             python bench/rollout.py --model "random:qwen2.5-${m}b" --device cuda --batch 64 --turns 4 --new-tokens 500 \
               --max-obs-tokens 500 --modes engine --baseline-trajectories 0 --out "$R/rollout_${m}b_paper.json" ;;
-    encode_go) touch "$WORK/encode_go" ;;  # bench/retrieval_21m.sh (ENCODE_AFTER) may take GPU 3 from here on
+    encode_go) touch "$WORK/encode_go" ;;
+    guard40)  # issue 26: a learning run (SmolLM2-135M, search_r1) of 48 RL steps under the default guards
+            until [ -f .models/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf ]; do sleep 10; done  # carried in 2 calls
+            mkdir -p "$R/guard40" && METHOD=search_r1 STEPS=48 DEMO_TIMEOUT=1500 OUT="$R/guard40" \
+              bash bench/gpu_run.sh demo ;;  # bench/retrieval_21m.sh (ENCODE_AFTER) may take GPU 3 from here on
     paper7b) if [ "$GPUS" -ge 4 ]; then
                python bench/paper_scale.py --model random:qwen2.5-7b --gpus "$GPUS" --parallel fsdp \
                  --prompts "${PROMPTS:-32}" --steps 1 --micro 2 --work "$WORK/ps7b" --out "$R/paper_scale_7b_full_fsdp.json"
@@ -99,6 +104,16 @@ daemon4() {  # 4 GPUs: lanes of independent stages run side by side on disjoint 
   echo "$(date +%T) all stages ended" >> "$WORK/progress.log"
 }
 
+daemon_next() {  # PLAN=next: what the first 4-GPU run left (rollout rows after the graph fix, the 1-GPU rehearsal
+  # row, 7B FSDP2 memory on these cards, issue 26's guarded run); then every GPU goes to issue 24's encoder
+  bash bench/gpu_run.sh setup > "$WORK/logs/setup.log" 2>&1
+  { stage r_short 0; stage r_paper05 0; stage r_paper3 0; stage r_paper7 0; } & { stage p3b_1 1; } &
+  { stage guard40 2; } & { stage r_prof 3; } & wait
+  stage p7b_fsdp4 0,1,2,3
+  stage encode_go 0,1,2,3
+  echo "$(date +%T) all stages ended" >> "$WORK/progress.log"
+}
+
 pack() {
   [ -n "${OUT:-}" ] || return 0
   tar czf "$OUT/results.tgz" -C "$WORK" results logs progress.log 2>/dev/null
@@ -107,7 +122,9 @@ pack() {
 }
 
 case "${1:-}" in
-  daemon) if [ "$GPUS" -ge 4 ] && [ -z "${STAGES:-}" ]; then daemon4; else daemon; fi ;;
+  daemon) if [ "$GPUS" -ge 4 ] && [ -z "${STAGES:-}" ]; then
+            if [ "${PLAN:-next}" = next ]; then daemon_next; else daemon4; fi
+          else daemon; fi ;;
   start|restart)
     for s in ${REDO:-}; do rm -f "$WORK/done/$s"; done
     [ -f "$WORK/progress.log" ] && mv "$WORK/progress.log" "$WORK/progress.$(date +%s).log"
@@ -116,13 +133,14 @@ case "${1:-}" in
     pin=""; [ "$GPUS" -ge 4 ] && [ "$(nproc)" -ge 32 ] && [ "${RETRIEVAL:-0}" = 1 ] && pin="taskset -c 16-$(( $(nproc) - 1 ))"
     setsid nohup $pin bash "$0" daemon > "$WORK/daemon.log" 2>&1 < /dev/null &
     echo $! > "$WORK/pid"
-    if [ -n "$pin" ]; then  # issue 24's 21M retrieval on 16 cores of its own; its encoder waits for GPU 3
-      CUDA_VISIBLE_DEVICES=3 ENCODE_AFTER="$WORK/encode_go" WORKERS=16 DENSE_SIZE=${DENSE_SIZE:-3000000} \
-        taskset -c 0-15 bash bench/retrieval_21m.sh start 2>&1 | tail -3
+    if [ -n "$pin" ]; then  # issue 24's 21M retrieval on 16 cores of its own; its encoder waits for encode_go
+      ENCODE_AFTER="$WORK/encode_go" ENCODE_CPUS="0-$(( $(nproc) - 1 ))" WORKERS=16 taskset -c 0-15 \
+        bash bench/retrieval_21m.sh start 2>&1 | tail -3
     fi
     sleep 5; nvidia-smi --query-gpu=name,memory.total --format=csv,noheader; cat "$WORK/progress.log" ;;
   wait)
     [ -d .gpu/minilm ] && bash bench/retrieval_21m.sh take
+    ls .gpu/p1 .gpu/p2 > /dev/null 2>&1 && bash bench/gpu_run.sh setup > /dev/null 2>&1  # GGUF halves, joined
     end=$(( $(date +%s) + ${2:-540} ))
     while [ "$(date +%s)" -lt "$end" ] && ! grep -q "all stages ended" "$WORK/progress.log" 2>/dev/null; do sleep 10; done
     cat "$WORK/progress.log"; for l in "$WORK"/logs/*.log; do echo "== $l"; tail -n 6 "$l" | cut -c1-300; done

@@ -32,7 +32,7 @@ download_wheels() {
 if [ "${1:-}" = retrieval ]; then
   download_wheels bm25s PyStemmer faiss-cpu pydantic pydantic-core annotated-types typing-inspection \
     typing_extensions fastapi annotated-doc starlette uvicorn h11 httpx httpcore anyio sniffio idna certifi \
-    typer click rich shellingham markdown-it-py mdurl pygments orjson
+    typer click rich shellingham markdown-it-py mdurl pygments orjson opentelemetry-api importlib-metadata zipp
   du -sh .whl
   exit 0
 fi

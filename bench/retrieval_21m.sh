@@ -120,6 +120,11 @@ case "${1:-}" in
     until [ -z "${ENCODE_AFTER:-}" ] || [ -f "$ENCODE_AFTER" ]; do
       echo "[$(date +%T)] waiting for $ENCODE_AFTER (the GPU is busy with timed runs)"; sleep 15; done
     export SLEUTH_ENCODER; SLEUTH_ENCODER=$(encoder)
+    # ENCODE_CPUS: the cores the encode stage may use once the other work is done (tokenizing is its bottleneck);
+    # the BM25 stages above and the IVF-PQ build below keep the daemon's own cores (the issue's 16)
+    if [ -n "${ENCODE_CPUS:-}" ]; then
+      taskset -p -c "$ENCODE_CPUS" $$ > /dev/null && echo "[$(date +%T)] encode may use cores $ENCODE_CPUS"
+    fi
     # Encoder processes on every GPU (ENCODE_PROCS_PER_GPU, default CORES / GPUs: tokenizing needs every core);
     # each turns the tokenizer's thread pool back on for itself (exported off above for the servers).
     # shellcheck disable=SC2046
@@ -128,6 +133,7 @@ case "${1:-}" in
     # faiss trains and fills with OpenMP threads: all cores for the build.
     # NLIST / TRAIN_SAMPLE (default: a power of 2 near 4 sqrt(N), 16384 at 21M; 64 x NLIST): training and adding
     # cost grows with NLIST (bench/ivfpq_build_cost.py; docs/retrieval_scale.md has the 21M estimate).
+    [ -n "${ENCODE_CPUS:-}" ] && taskset -p -c "0-$(( CORES - 1 ))" $$ > /dev/null  # back to the daemon's cores
     # shellcheck disable=SC2046
     OMP_NUM_THREADS=$CORES run_stage ivfpq-build --dense-size "$DENSE_SIZE" --threads "$CORES" \
       --shards "${DENSE_SHARDS:-4}" $( [ -n "${NLIST:-}" ] && echo --nlist "$NLIST" ) \
