@@ -4,6 +4,12 @@
 #   then:   bash bench/gpu_paper.sh wait 540 - progress, and packs results into $OUT (<= 8 files)
 #           bash bench/gpu_paper.sh restart  - after a fix: kills the daemon and starts it again; stages with a
 #                                              done marker are skipped, a failed stage runs again
+# On a 4-GPU machine with issue 24's retrieval beside it (prepare: bash bench/prepare_gpu_assets.sh; ... retrieval;
+# bash bench/gpu_learn.sh minilm), calls follow each other within the machine's idle time (~30 s):
+#   1: carry [.whl, .models]  RETRIEVAL=1 bash bench/gpu_paper.sh start; bash bench/gpu_paper.sh wait 300
+#   2: carry [.gpu/minilm]    bash bench/gpu_paper.sh wait 60      3: carry [.gpu/p1]  bash bench/gpu_paper.sh wait 60
+#   4: carry [.gpu/p2]        bash bench/gpu_paper.sh wait 560     (the GGUF halves: guard40 waits for them)
+#   then wait calls; each packs results.tgz and retrieval/ into $OUT.
 # Stages (STAGES="decode capacity rollout paper3b fsdp3b paper7b" by default), each one command:
 #   decode   : bench/decode.py, 0.5B/3B/7B shapes at batch 64 (HBM-bound fraction of the decode step)
 #   capacity : bench/decode.py, 7B shape, 128 rows x 4,096 tokens (KV memory that fits one card)
