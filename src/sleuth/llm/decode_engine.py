@@ -252,9 +252,10 @@ class DecodeEngine:
     def _ensure_pool(self, slots: int) -> None:
         if self.pool_k is not None and self.pool_k.shape[1] >= slots:
             return
-        if self.pool_k is not None:  # grow by doubling: each growth drops the captured graphs
-            slots = max(slots, 2 * int(self.pool_k.shape[1]))
-        # after a release, start at the size the last rollout reached: growing mid-rollout recaptures graphs
+        if self.pool_k is not None:  # each growth drops the captured graphs: grow with a margin
+            slots = max(slots, int(1.25 * self.pool_k.shape[1]))
+        # after a release, start at the size the last rollout reached: a rollout's later turns need more slots
+        # than its first, and growing mid-rollout recaptures the graphs (so only the first rollout grows)
         slots = max(slots, self._pool_high_water)
         self._pool_high_water = slots
         self.pool_k = self.pool_v = None
