@@ -66,6 +66,8 @@ stage_cmd() {
     r_paper05|r_paper3|r_paper7) m=${1#r_paper}; m=${m/05/0.5}
             python bench/rollout.py --model "random:qwen2.5-${m}b" --device cuda --batch 64 --turns 4 --new-tokens 500 \
               --max-obs-tokens 500 --modes engine --baseline-trajectories 0 --out "$R/rollout_${m}b_paper.json" ;;
+    capacity256) python bench/decode.py --models random:qwen2.5-7b --batches 256 --context 3584 --new-tokens 512 \
+              --out "$R/decode_gpu_capacity_256.json" ;;  # the issue's H200 case: 256 rows x 4,096 tokens at 7B
     encode_go) touch "$WORK/encode_go" ;;
     guard40)  # issue 26: a learning run (SmolLM2-135M, search_r1) of 48 RL steps under the default guards
             until [ -f .models/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf ]; do sleep 10; done  # carried in 2 calls
@@ -114,7 +116,7 @@ daemon_next() {  # PLAN=next: what the first 4-GPU run left (rollout rows after 
   # row, 7B FSDP2 memory on these cards, issue 26's guarded run); then every GPU goes to issue 24's encoder
   bash bench/gpu_run.sh setup > "$WORK/logs/setup.log" 2>&1
   { stage r_short 0; stage r_paper05 0; stage r_paper3 0; stage r_paper7 0; } & { stage p3b_1 1; } &
-  { stage guard40 2; } & { stage r_prof 3; } & wait
+  { stage guard40 2; } & { stage r_prof 3; stage capacity256 3; } & wait
   stage p7b_fsdp4 0,1,2,3
   stage encode_go 0,1,2,3
   echo "$(date +%T) all stages ended" >> "$WORK/progress.log"
