@@ -79,31 +79,56 @@ def injection_records(statements: list[dict[str, Any]], tokenizer: Any) -> list[
     return records
 
 
-def injection_recipe(world: Path, out: Path, settings: InjectionSettings) -> dict[str, Any]:
-    """The SFT recipe of the injection (written next to the run, re-runnable with `sleuth sft`)."""
+@dataclass(frozen=True)
+class WorldSFT:
+    """One supervised fine-tuning job on a world's records (the knowledge injection, the trained reader)."""
+
+    name: str  # the recipe's name
+    loop: str  # the SFT records need a registered loop label; these prompts use no loop's tags
+    records_file: str  # OUT/<records_file>: the records
+    recipe_file: str  # OUT/<recipe_file>: the recipe, re-runnable with `sleuth sft`
+    micro_cap: int  # micro-batch size at most this (the batch size when smaller)
+
+
+INJECTION_SFT = WorldSFT("inject-knowledge", INJECTION_LOOP, "knowledge_sft.jsonl", "inject_recipe.yaml", 16)
+
+
+def world_sft_recipe(world: Path, out: Path, settings: Any, job: WorldSFT) -> dict[str, Any]:
+    """The SFT recipe of `job` with `settings`' model, lora, seed, epochs, lr and batch size."""
     return {
-        "name": "inject-knowledge",
+        "name": job.name,
         "seed": settings.seed,
         "model": {"policy": settings.model, "lora": {"enabled": settings.lora, "r": 16, "alpha": 32}},
         "data": {"train": str(Path(world) / "train.jsonl")},
-        "retriever": {"index": str(Path(world) / "bm25")},  # required by the schema; closed-book SFT never searches
-        "agent": {"loop": INJECTION_LOOP},
+        "retriever": {"index": str(Path(world) / "bm25")},  # required by the schema; these SFTs never search
+        "agent": {"loop": job.loop},
         "trainer": {"out_dir": str(out), "total_steps": 1},
-        "sft": {"data": str(out / "knowledge_sft.jsonl"), "epochs": settings.epochs, "lr": settings.lr,
-                "batch_size": settings.batch_size, "micro_batch_size": min(settings.batch_size, 16),
+        "sft": {"data": str(out / job.records_file), "epochs": settings.epochs, "lr": settings.lr,
+                "batch_size": settings.batch_size, "micro_batch_size": min(settings.batch_size, job.micro_cap),
                 "held_out": 0.0, "out_dir": str(out / "sft")},
     }
+
+
+def run_world_sft(world: Path, out: Path, settings: Any, job: WorldSFT, records: list[SFTRecord],
+                  console: Any = None) -> dict[str, Any]:
+    """Write `records` and `job`'s recipe into OUT, then run (or resume) sleuth's SFT; its result."""
+    import yaml
+
+    from sleuth.rl.config import recipe_from_dict
+    from sleuth.rl.sft import run_sft
+
+    recipe_dict = world_sft_recipe(world, out, settings, job)
+    write_records(recipe_dict["sft"]["data"], records)
+    (out / job.recipe_file).write_text(yaml.safe_dump(recipe_dict, sort_keys=False))
+    return run_sft(recipe_from_dict(recipe_dict, source=str(out / job.recipe_file)), resume=True, console=console)
 
 
 def inject_knowledge(world: Path, out: Path, settings: InjectionSettings, console: Any = None) -> Path:
     """SFT `settings.model` on the world's known facts; returns the injected checkpoint. Resumable: a
     finished injection (out/injected.json) is returned as is, an interrupted one resumes its SFT."""
-    import yaml
     from transformers import AutoTokenizer
 
     from sleuth.llm.registry import resolve_model_path
-    from sleuth.rl.config import recipe_from_dict
-    from sleuth.rl.sft import run_sft
 
     out = Path(out)
     done = out / INJECTED_FILE
@@ -111,12 +136,8 @@ def inject_knowledge(world: Path, out: Path, settings: InjectionSettings, consol
         return Path(json.loads(done.read_text())["checkpoint"])
     out.mkdir(parents=True, exist_ok=True)
     statements = read_statements(world)
-    recipe_dict = injection_recipe(world, out, settings)
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(settings.model))
-    write_records(recipe_dict["sft"]["data"], injection_records(statements, tokenizer))
-    (out / "inject_recipe.yaml").write_text(yaml.safe_dump(recipe_dict, sort_keys=False))
-    result = run_sft(recipe_from_dict(recipe_dict, source=str(out / "inject_recipe.yaml")), resume=True,
-                     console=console)
+    result = run_world_sft(world, out, settings, INJECTION_SFT, injection_records(statements, tokenizer), console)
     atomic_write_json(done, {"checkpoint": result["checkpoint"], "statements": len(statements),
                              "settings": settings.__dict__, "final_loss": result["metrics"].get("sft/loss")})
     return Path(result["checkpoint"])

@@ -29,15 +29,17 @@ from typing import Any
 
 import typer
 
-from sleuth.agent.coldstart import SFTRecord, write_records
+from sleuth.agent.coldstart import SFTRecord
 from sleuth.agent.registry import reader_names
 from sleuth.data.formats import QAExample, read_qa_jsonl
 from sleuth.errors import ConfigError
+from sleuth.knowledge import WorldSFT, run_world_sft
 from sleuth.retrieval.base import Hit
 from sleuth.rewards.answerer import document_prompt
 from sleuth.utils import atomic_write_json
 
 READER_LOOP = "s3"  # SFT records and searcher.json need a registered loop; the reader prompt uses no loop tags
+READER_SFT = WorldSFT("train-reader", READER_LOOP, "reader_sft.jsonl", "reader_recipe.yaml", 8)
 READER_FILE = "reader.json"  # OUT/reader.json: the finished reader, its settings and its SFT loss
 READER_DIR = "reader"  # OUT/reader: the exported reader (a Hugging Face directory)
 CHECK_FILE = "reader_check.json"
@@ -137,33 +139,14 @@ def reader_records(questions: Sequence[QAExample], docs: Sequence[Sequence[Hit]]
     return records
 
 
-def reader_recipe(world: Path, out: Path, settings: ReaderSettings) -> dict[str, Any]:
-    """The SFT recipe of the reader (written next to the run, re-runnable with `sleuth sft`)."""
-    return {
-        "name": "train-reader",
-        "seed": settings.seed,
-        "model": {"policy": settings.model, "lora": {"enabled": settings.lora, "r": 16, "alpha": 32}},
-        "data": {"train": str(Path(world) / "train.jsonl")},
-        "retriever": {"index": str(Path(world) / "bm25")},
-        "agent": {"loop": READER_LOOP},
-        "trainer": {"out_dir": str(out), "total_steps": 1},
-        "sft": {"data": str(out / "reader_sft.jsonl"), "epochs": settings.epochs, "lr": settings.lr,
-                "batch_size": settings.batch_size, "micro_batch_size": min(settings.batch_size, 8),
-                "held_out": 0.0, "out_dir": str(out / "sft")},
-    }
-
-
 def train_reader(world: Path, out: Path, settings: ReaderSettings, console: Any = None) -> Path:
     """SFT `settings.model` as a reader on the world's train split; returns the exported reader directory
     (OUT/reader). Resumable: a finished reader (OUT/reader.json) is returned as is, an interrupted SFT resumes."""
-    import yaml
     from transformers import AutoTokenizer
 
     from sleuth.agent.searcher import export_searcher
     from sleuth.eval.harness import resolve_retriever
     from sleuth.llm.registry import resolve_model_path
-    from sleuth.rl.config import recipe_from_dict
-    from sleuth.rl.sft import run_sft
 
     out = Path(out)
     done = out / READER_FILE
@@ -173,15 +156,12 @@ def train_reader(world: Path, out: Path, settings: ReaderSettings, console: Any 
     data, index = _world_files(world, "train")
     questions = gold_questions(data, settings.questions)
     out.mkdir(parents=True, exist_ok=True)
-    recipe_dict = reader_recipe(world, out, settings)
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(settings.model))
     if not getattr(tokenizer, "chat_template", None):
         raise ConfigError(f"model {settings.model!r} has no chat template; the reader prompts are chat messages")
     docs = reader_documents(resolve_retriever(index), questions, settings.distractors, settings.seed)
-    write_records(recipe_dict["sft"]["data"], reader_records(questions, docs, tokenizer, check_templates(settings.templates)))
-    (out / "reader_recipe.yaml").write_text(yaml.safe_dump(recipe_dict, sort_keys=False))
-    result = run_sft(recipe_from_dict(recipe_dict, source=str(out / "reader_recipe.yaml")), resume=True,
-                     console=console)
+    records = reader_records(questions, docs, tokenizer, check_templates(settings.templates))
+    result = run_world_sft(world, out, settings, READER_SFT, records, console)
     reader = export_searcher(result["checkpoint"], out / READER_DIR, overwrite=True)
     atomic_write_json(done, {"reader": str(reader), "checkpoint": result["checkpoint"], "questions": len(questions),
                              "settings": asdict(settings), "final_loss": result["metrics"].get("sft/loss")})
