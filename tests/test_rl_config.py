@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from sleuth.errors import ConfigError
-from sleuth.rl.config import apply_overrides, load_recipe, recipe_from_dict
+from sleuth.rl.config import apply_overrides, load_recipe, recipe_from_dict, write_recipe
 
 RECIPES_DIR = Path(__file__).parent.parent / "recipes"
 RECIPES = sorted(RECIPES_DIR.rglob("*.yaml"))
@@ -107,3 +107,12 @@ def test_plugins_have_their_own_section_and_the_old_place_migrates_with_a_warnin
         recipe_from_dict({**MINIMAL, "reward": {"plugins": "sleuth_test_rewards"}})
     with pytest.raises(ConfigError, match="no_such_plugin_module"):
         recipe_from_dict({**MINIMAL, "plugins": ["no_such_plugin_module"]})
+
+
+def test_write_recipe_saves_yaml_that_loads_back_and_names_the_file_in_errors(tmp_path: Path) -> None:
+    """A recipe built in code (demo, reproduce, knowledge injection, reader) is saved where a user can rerun it."""
+    path = tmp_path / "run" / "recipe.yaml"
+    written = write_recipe({**MINIMAL, "name": "saved"}, path)
+    assert written.name == "saved" and load_recipe(path) == written
+    with pytest.raises(ConfigError, match=rf"(?s){tmp_path / 'bad.yaml'}: invalid recipe.*agent\.loop"):
+        write_recipe({**MINIMAL, "agent": {"loop": "nope"}}, tmp_path / "bad.yaml")

@@ -24,7 +24,6 @@ from pathlib import Path
 from typing import Any
 
 import typer
-import yaml
 from rich.markup import escape
 
 from sleuth.agent.registry import Method, get_method
@@ -252,7 +251,7 @@ def run_demo(
     from sleuth.eval.report import build_report
     from sleuth.llm.registry import load_generator
     from sleuth.retrieval import load_retriever
-    from sleuth.rl.config import recipe_from_dict
+    from sleuth.rl.config import write_recipe
     from sleuth.rl.sft import run_sft
     from sleuth.rl.trainer import train
 
@@ -291,9 +290,7 @@ def run_demo(
         console.print("[yellow]2/4  no committed GPU-trained searcher for this method/model/world: skipped[/]")
 
     recipe_dict = demo_recipe(out, size, method)
-    recipe_path = out / f"{method}_recipe.yaml"
-    recipe_path.write_text(yaml.safe_dump(recipe_dict, sort_keys=False))
-    recipe = recipe_from_dict(recipe_dict, source=str(recipe_path))
+    recipe = write_recipe(recipe_dict, out / f"{method}_recipe.yaml")
     t0 = timer.stage(f"3/4  pipeline: oracle trajectories ({size.sft_questions} questions), SFT, then "
                      f"{size.train_steps} GRPO step(s) x {size.prompts_per_step} questions x {size.n} samples")
     traj = write_oracle_trajectories(out, recipe, size)

@@ -112,15 +112,12 @@ def world_sft_recipe(world: Path, out: Path, settings: Any, job: WorldSFT) -> di
 def run_world_sft(world: Path, out: Path, settings: Any, job: WorldSFT, records: list[SFTRecord],
                   console: Any = None) -> dict[str, Any]:
     """Write `records` and `job`'s recipe into OUT, then run (or resume) sleuth's SFT; its result."""
-    import yaml
-
-    from sleuth.rl.config import recipe_from_dict
+    from sleuth.rl.config import write_recipe
     from sleuth.rl.sft import run_sft
 
     recipe_dict = world_sft_recipe(world, out, settings, job)
     write_records(recipe_dict["sft"]["data"], records)
-    (out / job.recipe_file).write_text(yaml.safe_dump(recipe_dict, sort_keys=False))
-    return run_sft(recipe_from_dict(recipe_dict, source=str(out / job.recipe_file)), resume=True, console=console)
+    return run_sft(write_recipe(recipe_dict, out / job.recipe_file), resume=True, console=console)
 
 
 def inject_knowledge(world: Path, out: Path, settings: InjectionSettings, console: Any = None) -> Path:

@@ -200,23 +200,14 @@ def arm_recipe(out: Path, world: Path, profile: ClaimProfile, method: str, init_
     return recipe
 
 
-def _write_recipe(recipe_dict: dict[str, Any], path: Path) -> Any:
-    import yaml
-
-    from sleuth.rl.config import recipe_from_dict
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(yaml.safe_dump(recipe_dict, sort_keys=False))
-    return recipe_from_dict(recipe_dict, source=str(path))
-
-
 def _cold_start(out: Path, world: Path, profile: ClaimProfile, method: str, init_from: str | None,
                 console: Any) -> dict:  # fmt: skip
     """Oracle trajectories of `method` -> SFT from `init_from` (None: the base model) under OUT/<method>;
     returns the SFT checkpoint."""
+    from sleuth.rl.config import write_recipe
     from sleuth.rl.sft import run_sft
 
-    recipe = _write_recipe(arm_recipe(out, world, profile, method, init_from), out / method / "recipe.yaml")
+    recipe = write_recipe(arm_recipe(out, world, profile, method, init_from), out / method / "recipe.yaml")
     kept = write_oracle_trajectories(out / method, recipe, profile.pipeline)
     sft = run_sft(recipe, resume=True, console=console)
     return {"sft_checkpoint": sft["checkpoint"], "trajectories": kept.get("kept", 0)}
@@ -240,10 +231,11 @@ def arm_rl_recipe(out: Path, world: Path, profile: ClaimProfile, arm: Arm, init_
 
 def _train_rl(out: Path, world: Path, profile: ClaimProfile, arm: Arm, init_from: str, console: Any) -> dict:
     """GRPO of one arm from `init_from` (an SFT or RL checkpoint), resumable; returns its last checkpoint."""
+    from sleuth.rl.config import write_recipe
     from sleuth.rl.trainer import train
     from sleuth.run_layout import latest_checkpoint
 
-    recipe = _write_recipe(arm_rl_recipe(out, world, profile, arm, init_from), out / arm.name / "rl_recipe.yaml")
+    recipe = write_recipe(arm_rl_recipe(out, world, profile, arm, init_from), out / arm.name / "rl_recipe.yaml")
     resumable = latest_checkpoint(Path(recipe.trainer.out_dir)) is not None
     result = train(recipe, resume=resumable, overwrite=not resumable, console=console)
     return {"checkpoint": str(result["checkpoint"]), "run": recipe.trainer.out_dir,
@@ -295,14 +287,20 @@ def _paired(a: list[float], b: list[float], seed: int = 0) -> dict[str, Any]:
     return {"n": len(a), "a": sum(a) / len(a), "b": sum(b) / len(b), "diff": diff, "ci": [lo, hi]}
 
 
+def common_ids(first: dict[str, Any], second: dict[str, Any]) -> list[str]:
+    """The question ids both arms' predictions hold (sorted): what a paired comparison runs over."""
+    ids = sorted(set(first) & set(second))
+    if not ids:
+        raise ConfigError("the two arms answered no common question; evaluate both on the same test split")
+    return ids
+
+
 def claim_table(first: dict[str, dict[str, Any]], second: dict[str, dict[str, Any]],
                 margin: float) -> dict[str, Any]:  # fmt: skip
     """The staged claim from two arms' predictions by question id: paired retrievals on all-known and on
     other questions, paired EM on all; holds when the all-known retrieval difference's interval is below 0
     and the EM difference's lower end is at least -margin."""
-    ids = sorted(set(first) & set(second))
-    if not ids:
-        raise ConfigError("the two arms answered no common question; evaluate both on the same test split")
+    ids = common_ids(first, second)
 
     def column(arm: dict, ids_: list[str], key: str) -> list[float]:
         return [float(arm[i]["retrieval_count"] if key == "rc" else arm[i]["metrics"]["em"]) for i in ids_]
@@ -387,9 +385,7 @@ def reproduce_staged(out: Path, profile_name: str, console: Any = None) -> Path:
 def _paired_on(first: dict[str, dict], second: dict[str, dict], value_a: Callable[[dict], float],
                value_b: Callable[[dict], float] | None = None) -> dict[str, Any]:  # fmt: skip
     """A paired row over the questions both prediction sets answered: value_a of the first, value_b of the second."""
-    ids = sorted(set(first) & set(second))
-    if not ids:
-        raise ConfigError("the two arms answered no common question; evaluate both on the same test split")
+    ids = common_ids(first, second)
     value_b = value_b or value_a
     return _paired([value_a(first[i]) for i in ids], [value_b(second[i]) for i in ids])
 

@@ -21,7 +21,7 @@ from sleuth.retrieval.tools import HTTPSearchConfig, MCPToolConfig
 from sleuth.rl.advantages import ADVANTAGE_ESTIMATORS, needs_critic, needs_groups
 from sleuth.rl.guard_config import GuardConfig, default_guards
 from sleuth.rl.losses import POLICY_LOSSES
-from sleuth.utils import RetryPolicy, read_yaml, validation_message
+from sleuth.utils import RetryPolicy, atomic_write_text, read_yaml, validation_message
 
 
 class _Strict(BaseModel):
@@ -358,6 +358,15 @@ def recipe_from_dict(data: dict, source: str = "<recipe>") -> Recipe:
         return Recipe.model_validate(data)
     except ValidationError as err:
         raise ConfigError(validation_message(source, "recipe", err)) from None
+
+
+def write_recipe(data: dict, path: str | Path) -> Recipe:
+    """Save a recipe built in code as YAML at `path` (re-runnable with `sleuth train` / `sleuth sft`), then
+    validate it, naming that file in any error."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(path, yaml.safe_dump(data, sort_keys=False))
+    return recipe_from_dict(data, source=str(path))
 
 
 def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
