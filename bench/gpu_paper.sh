@@ -61,6 +61,13 @@ stage_cmd() {
               --steps 1 --micro 2 --timeout 900 --work "$WORK/$1" --out "$R/paper_scale_7b_full_fsdp_4gpu.json" ;;
     r_short) python bench/rollout.py --model random:qwen2.5-0.5b --device cuda --batch 64 --turns 3 --new-tokens 64 \
               --modes engine static+compile --baseline-trajectories 0 --out "$R/rollout_0.5b_short.json" ;;
+    # n_*: the same rows with every turn prefilled whole again (--no-prefix-reuse), the baseline on the same card
+    n_short) python bench/rollout.py --model random:qwen2.5-0.5b --device cuda --batch 64 --turns 3 --new-tokens 64 \
+              --modes engine --no-prefix-reuse --baseline-trajectories 0 --out "$R/rollout_0.5b_short_noreuse.json" ;;
+    n_paper05|n_paper3|n_paper7) m=${1#n_paper}; m=${m/05/0.5}
+            python bench/rollout.py --model "random:qwen2.5-${m}b" --device cuda --batch 64 --turns 4 --new-tokens 500 \
+              --max-obs-tokens 500 --modes engine --no-prefix-reuse --baseline-trajectories 0 \
+              --out "$R/rollout_${m}b_paper_noreuse.json" ;;
     r_prof) python bench/rollout.py --model random:qwen2.5-0.5b --device cuda --batch 64 --turns 3 --new-tokens 64 \
               --modes engine --profile --baseline-trajectories 0 --out "$R/rollout_0.5b_short_profile.json" ;;
     r_paper05|r_paper3|r_paper7) m=${1#r_paper}; m=${m/05/0.5}

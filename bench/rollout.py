@@ -103,6 +103,8 @@ def run_engine(mode: str, model: Any, tokenizer: Any, model_info: dict[str, Any]
                       grouped_decode_attention=args.grouped_decode_attention)
     if args.ignore_eos:
         gen.eos_token_ids = frozenset()
+    if cache == "engine":
+        gen.engine.reuse_prefixes = not args.no_prefix_reuse
     ledger = DecodeLedger(model_info)
     counting = CountingGenerator(gen, device, ledger)
     loop = get_loop("search_r1", max_turns=args.turns, forced_final_answer=False)
@@ -115,6 +117,7 @@ def run_engine(mode: str, model: Any, tokenizer: Any, model_info: dict[str, Any]
     warmup_s = time.perf_counter() - warm
     ledger.calls.clear()
     gen.prefill_seconds = 0.0
+    reused_before = gen.engine.reused_tokens if cache == "engine" else 0
 
     profiler = _profiler(device) if profile else contextlib.nullcontext()
     with profiler:
@@ -137,6 +140,10 @@ def run_engine(mode: str, model: Any, tokenizer: Any, model_info: dict[str, Any]
                prefill_s=round(gen.prefill_seconds, 6) if cache == "engine" else None,
                prefill_share_of_generate=(gen.prefill_seconds / row["generate_s"]
                                           if cache == "engine" and row["generate_s"] else None),
+               # prompt tokens whose keys/values a turn took over from the row's previous turn instead of
+               # prefilling them again (the engine's prefix reuse; --no-prefix-reuse turns it off)
+               prefix_reuse=cache == "engine" and not args.no_prefix_reuse,
+               reused_prompt_tokens=gen.engine.reused_tokens - reused_before if cache == "engine" else None,
                turns_mean=sum(t.num_turns for t in trajs) / len(trajs),
                retrievals=sum(t.retrieval_count for t in trajs),
                finish_reasons=_counts(r for t in trajs for r in t.generation_finish_reasons))
@@ -312,6 +319,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "transformers' per-query-head copy of the cache")
     p.add_argument("--no-cudnn-sdpa", action="store_true",
                    help="turn PyTorch's cuDNN attention backend off (its flash / memory-efficient kernels serve)")
+    p.add_argument("--no-prefix-reuse", action="store_true",
+                   help="engine: prefill every turn's whole prompt again instead of reusing the keys/values of the "
+                        "row's previous turn (the comparison row for the prefix reuse)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="JSON path (default $OUT/rollout_<device>.json or bench/results/)")
     args = p.parse_args(argv)

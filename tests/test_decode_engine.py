@@ -333,3 +333,117 @@ def test_growing_the_pool_drops_the_graphs_memory_pool_handle() -> None:
     engine._buckets[4] = "a graph captured on the old pool"
     engine._ensure_pool(64)
     assert engine.pool_k.shape[1] >= 64 and engine._graph_pool is None and not engine._buckets
+
+
+def _greedy_rows(engine: DecodeEngine, prompts: list[list[int]], n: int) -> tuple[list[list[int]], list[list[float]]]:
+    state, first, first_lp = engine.start(prompts, n, temperature=0.0)
+    tokens, logprobs = engine.steps(state, n - 1)
+    got = [[f] + t for f, t in zip(first.tolist(), tokens.tolist(), strict=True)]
+    lps = [[f] + t for f, t in zip(first_lp.tolist(), logprobs.tolist(), strict=True)]
+    return got, lps
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "llama", "qwen3"])
+def test_a_next_turn_reuses_the_stored_prefix_and_still_decodes_like_transformers(kind: str) -> None:
+    """Turn 2's prompts continue turn 1's rows (prompt + generated + an observation): the matched rows prefill only
+    their new tokens over the moved keys/values, and every row decodes what transformers decodes from the whole
+    prompt. Row 2's history was edited (no match: full prefill); row 3 continues without an observation."""
+    model = _model(kind)
+    engine = DecodeEngine(model, max_batch_size=8, min_bucket=1)
+    turn1 = [[1, 2, 3, 4, 5], [7], [9, 8, 7, 6, 5, 4, 3, 2, 1, 11, 12], [20, 21]]
+    got, _ = _greedy_rows(engine, turn1, 6)
+    engine.remember([p + g for p, g in zip(turn1, got, strict=True)])
+    turn2 = [turn1[0] + got[0] + [40, 41, 42], turn1[1] + got[1] + [50] * 9,
+             [99] + turn1[2][1:] + got[2] + [60, 61], turn1[3] + got[3]]
+    before = engine.reused_tokens
+    got2, lps2 = _greedy_rows(engine, turn2, 7)
+    assert engine.reused_tokens - before == sum(len(turn1[r]) + 6 - 1 for r in (0, 1, 3))
+    for r, prompt in enumerate(turn2):
+        want, want_lp = _hf_greedy(model, prompt, 7)
+        assert got2[r] == want, (kind, r)
+        assert max(abs(a - b) for a, b in zip(lps2[r], want_lp, strict=True)) < 1e-4
+
+
+def test_stored_prefixes_are_forgotten_when_the_weights_change_and_kept_when_the_pool_grows(monkeypatch) -> None:
+    """A policy update makes the stored keys/values stale; a grown pool copies them over, unless the old and the
+    new pool do not fit together (then the new one is allocated alone and nothing is reused)."""
+    model = _model("qwen2")
+    engine = DecodeEngine(model, max_batch_size=4, min_bucket=1)
+    prompts = [[1, 2, 3], [4, 5]]
+    got, _ = _greedy_rows(engine, prompts, 4)
+    rows = [p + g for p, g in zip(prompts, got, strict=True)]
+    engine.remember(rows)
+    engine.refresh(model)
+    assert not engine.prefixes
+    engine.remember(rows)
+    slots = engine.pool_k.shape[1]
+    long = [rows[0] + [7] * 200]
+    got_long, _ = _greedy_rows(engine, long, 3)  # grows the pool: the stored row moves with it
+    assert engine.pool_k.shape[1] > slots and engine.reused_tokens == len(rows[0]) - 1
+    assert got_long[0] == _hf_greedy(model, long[0], 3)[0]
+    engine.remember([long[0] + got_long[0]])
+    real_zeros, calls = torch.zeros, []
+
+    def zeros_without_room_for_two_pools(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise torch.OutOfMemoryError("no room for the old and the new pool at once")
+        return real_zeros(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "zeros", zeros_without_room_for_two_pools)
+    longer = [long[0] + got_long[0] + [8] * 400]
+    got_longer, _ = _greedy_rows(engine, longer, 3)
+    monkeypatch.setattr(torch, "zeros", real_zeros)
+    assert engine.reused_tokens == len(rows[0]) - 1  # nothing reused this time, and still the right tokens
+    assert got_longer[0] == _hf_greedy(model, longer[0], 3)[0]
+
+
+def test_the_prefix_store_finds_the_longest_exact_prefix() -> None:
+    from sleuth.llm.prefix_cache import Prefix, PrefixStore
+
+    store = PrefixStore()
+    store.remember([[1, 2, 3], [1, 2, 3, 4, 5], [9, 9]], [0, 10, 30])
+    assert store.match([1, 2, 3, 4, 5, 6]) == Prefix(start=10, tokens=4)  # the last token's KV was never written
+    assert store.match([1, 2, 3, 4, 7]) == Prefix(start=0, tokens=2)
+    assert store.match([1, 2, 3]) == Prefix(start=0, tokens=2)  # an identical prompt prefills its last token
+    assert store.match([1, 2, 4]) is None and store.match([9]) is None
+    with pytest.raises(ValueError, match="2 sequences for 1 rows"):
+        store.remember([[1, 2], [3, 4]], [0])
+
+
+def test_moving_prefixes_reads_every_source_before_writing() -> None:
+    from sleuth.llm.prefix_cache import move_prefixes
+
+    pool_k = torch.arange(2 * 12 * 2, dtype=torch.float32).view(2, 12, 2)
+    pool_v = -pool_k.clone()
+    want_k, want_v = pool_k.clone(), pool_v.clone()
+    moves = [(0, 4, 5), (4, 0, 3), (9, 9, 3)]  # overlapping: 4..8 <- 0..4 while 0..2 <- 4..6 (old values)
+    for s, d, n in moves:
+        want_k[:, d:d + n], want_v[:, d:d + n] = pool_k[:, s:s + n], pool_v[:, s:s + n]
+    move_prefixes(pool_k, pool_v, moves)
+    assert torch.equal(pool_k, want_k) and torch.equal(pool_v, want_v)
+
+
+def test_the_generator_reuses_each_rows_keys_across_turns_and_decodes_like_the_dynamic_cache(tmp_path: Path) -> None:
+    """Token-in, token-out turns as the agent engine sends them: turn 2 = turn 1's prompt + its generation + an
+    observation, through HFGenerator(cache="engine") against the dynamic-cache path."""
+    from sleuth.llm.base import SamplingParams
+    from sleuth.llm.hf import HFGenerator
+    from sleuth.llm.tiny import build_tiny_model
+
+    path = build_tiny_model(tmp_path / "tiny")
+    params = SamplingParams(max_new_tokens=9, temperature=0.0)
+    dynamic = HFGenerator(path, device="cpu", cache="dynamic")
+    gen = HFGenerator(path, device="cpu", cache="engine", sync_every=4)
+    turn1 = [dynamic.encode(t) for t in ("the capital of", "a search for the", "x")]
+    first = gen.generate(turn1, ["</search>"], params)
+    assert [g.token_ids for g in first] == [g.token_ids for g in dynamic.generate(turn1, ["</search>"], params)]
+    obs = dynamic.encode(" <information> the river </information>")
+    turn2 = [p + g.token_ids + obs for p, g in zip(turn1, first, strict=True)]
+    before = gen.engine.reused_tokens
+    second = gen.generate(turn2, ["</search>"], params)
+    assert gen.engine.reused_tokens - before == sum(len(p) + len(g.token_ids) - 1 for p, g in zip(turn1, first,
+                                                                                                   strict=True))
+    for a, b in zip(dynamic.generate(turn2, ["</search>"], params), second, strict=True):
+        assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason
+        assert max((abs(x - y) for x, y in zip(a.logprobs, b.logprobs, strict=True)), default=0) < 1e-4

@@ -34,6 +34,13 @@ import torch.nn.functional as F
 from sleuth.errors import ConfigError
 from sleuth.llm import kernels
 from sleuth.llm.decoding import select_next_tokens
+from sleuth.llm.prefix_cache import (
+    PrefixStore,
+    attend_over_prefix,
+    move_prefixes,
+    prefill_chunks,
+    prefix_attention_index,
+)
 
 log = logging.getLogger(__name__)
 
@@ -178,6 +185,10 @@ class DecodeEngine:
         self.use_graphs = (self.device.type == "cuda") if use_graphs is None else use_graphs
         self.layers: list[_Layer] = []
         self.embed = self.final_norm = self.lm_head = None
+        self.prefixes = PrefixStore()  # rows of the last decode whose keys/values a next turn can reuse
+        self._last_starts: list[int] = []
+        self.reused_tokens = 0  # prompt tokens not prefilled again thanks to `prefixes` (bench/rollout.py reports it)
+        self.reuse_prefixes = True  # False: every prompt is prefilled whole (bench/rollout.py --no-prefix-reuse)
         self.refresh(model)
         self.pool_k: torch.Tensor | None = None  # (layers, slots, kv_heads, head_dim)
         self.pool_v: torch.Tensor | None = None
@@ -210,6 +221,7 @@ class DecodeEngine:
     def refresh(self, model: torch.nn.Module, merge_adapters: bool = True) -> None:
         """Copy the model's current weights in (LoRA merged unless `merge_adapters` is False; FSDP2 shards
         gathered one matrix at a time, so the extra memory is one layer's weights)."""
+        self.prefixes.clear()  # keys/values computed by the old weights
         base = _base_model(model)
         inner = base.model
         first = not self.layers
@@ -249,22 +261,37 @@ class DecodeEngine:
     def kv_bytes_per_token(self) -> int:
         return 2 * len(self.layers) * self.kv_heads * self.head_dim * torch.empty((), dtype=self.dtype).element_size()
 
-    def _ensure_pool(self, slots: int) -> None:
+    def _ensure_pool(self, slots: int) -> bool:
+        """A pool of at least `slots`; True when the stored prefixes were lost on the way."""
         if self.pool_k is not None and self.pool_k.shape[1] >= slots:
-            return
+            return False
         if self.pool_k is not None:  # each growth drops the captured graphs: grow with a margin
             slots = max(slots, int(1.25 * self.pool_k.shape[1]))
         # after a release, start at the size the last rollout reached: a rollout's later turns need more slots
         # than its first, and growing mid-rollout recaptures the graphs (so only the first rollout grows)
         slots = max(slots, self._pool_high_water)
         self._pool_high_water = slots
+        old = (self.pool_k, self.pool_v) if self.prefixes else None  # a grown pool keeps the stored rows
         self.pool_k = self.pool_v = None
         self._drop_graphs()  # graphs hold the old pool's addresses
         shape = (len(self.layers), slots, self.kv_heads, self.head_dim)
-        self.pool_k = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        self.pool_v = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        try:
+            self.pool_k = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            self.pool_v = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        except torch.OutOfMemoryError:
+            if old is None:
+                raise
+            old = self.pool_k = self.pool_v = None  # both pools do not fit at once: the new one alone must
+            self.pool_k = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            self.pool_v = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        if old is not None:
+            self.pool_k[:, : old[0].shape[1]] = old[0]
+            self.pool_v[:, : old[1].shape[1]] = old[1]
+        else:
+            self.prefixes.clear()
         log.info("decode engine: KV pool of %d slots (%.2f GiB)", slots, 2 * self.pool_k.numel()
                  * self.pool_k.element_size() / 2**30)
+        return old is None
 
     def _drop_graphs(self) -> None:
         # The graphs' private memory pool goes with its last graph: a capture into the handle of a freed pool
@@ -276,6 +303,7 @@ class DecodeEngine:
         """Free the KV pool and the captured graphs; with `weights`, the bf16 copy too (the next `refresh`
         builds it again: the trainer refreshes after every update anyway, and the update needs the memory)."""
         self.pool_k = self.pool_v = None
+        self.prefixes.clear()
         self._drop_graphs()
         if weights:
             self.layers = []
@@ -380,22 +408,27 @@ class DecodeEngine:
 
     # -- prefill -----------------------------------------------------------------------------------
 
-    def _prefill(self, prompts: list[list[int]], starts: list[int]) -> torch.Tensor:
-        """Run the prompts (right-padded, causal), store their keys/values; logits of each last token."""
+    def _prefill(self, prompts: list[list[int]], starts: list[int], offsets: list[int]) -> torch.Tensor:
+        """Run the prompts' tokens (right-padded, causal), store their keys/values; logits of each last token.
+        Row r's first `offsets[r]` tokens are already in the pool (a reused prefix): `prompts[r]` holds only the
+        tokens after them, at positions from offsets[r] on, and attends over the stored ones too."""
         b, width = len(prompts), max(len(p) for p in prompts)
         ids = torch.zeros((b, width), dtype=torch.long)
         for r, p in enumerate(prompts):
             ids[r, : len(p)] = torch.tensor(p, dtype=torch.long)
         ids = ids.to(self.device)
         lengths = torch.tensor([len(p) for p in prompts], device=self.device)
-        cols = torch.arange(width, device=self.device)
         # indices of the real tokens, computed once (a boolean mask per layer would sync with the host each time)
         real = [r * width + c for r, p in enumerate(prompts) for c in range(len(p))]
         flat = torch.tensor(real, device=self.device)
-        slots = torch.tensor([st + c for st, p in zip(starts, prompts, strict=True) for c in range(len(p))],
-                             device=self.device)
-        cos, sin = kernels.rotary_tables(cols, self.layout, self.dtype)
-        cos, sin = cos[None, :, None, :], sin[None, :, None, :]  # (1, width, 1, head_dim): every row and head
+        slots = torch.tensor([st + o + c for st, o, p in zip(starts, offsets, prompts, strict=True)
+                              for c in range(len(p))], device=self.device)
+        positions = torch.tensor(offsets)[:, None] + torch.arange(width)[None, :]
+        cos, sin = kernels.rotary_tables(positions.to(self.device), self.layout, self.dtype)
+        cos, sin = cos[:, :, None, :], sin[:, :, None, :]  # (rows, width, 1, head_dim): every head
+        reused = any(offsets)
+        if reused:
+            key_slots, mask = prefix_attention_index(starts, offsets, [len(p) for p in prompts], width, self.device)
         x = self.embed[ids]
         hd, heads, kvh = self.head_dim, self.heads, self.kv_heads
         for i, layer in enumerate(self.layers):
@@ -408,13 +441,16 @@ class DecodeEngine:
             q, k = kernels.apply_rotary(q, cos, sin), kernels.apply_rotary(k, cos, sin)
             self.pool_k[i].index_copy_(0, slots, k.reshape(b * width, kvh, hd).index_select(0, flat))
             self.pool_v[i].index_copy_(0, slots, v.reshape(b * width, kvh, hd).index_select(0, flat))
-            # keys/values repeated per query head (as transformers does): SDPA's flash kernel then applies,
-            # where `enable_gqa` can send it to the math path that materialises every score
-            kx = k.repeat_interleave(heads // kvh, dim=2) if heads != kvh else k
-            vx = v.repeat_interleave(heads // kvh, dim=2) if heads != kvh else v
-            a = F.scaled_dot_product_attention(q.transpose(1, 2), kx.transpose(1, 2), vx.transpose(1, 2),
-                                               is_causal=True, scale=self.scale)
-            x = x + F.linear(a.transpose(1, 2).reshape(b, width, heads * hd), layer.w_o)
+            if reused:
+                a = attend_over_prefix(q, self.pool_k[i], self.pool_v[i], key_slots, mask, self.scale)
+            else:
+                # keys/values repeated per query head (as transformers does): SDPA's flash kernel then applies,
+                # where `enable_gqa` can send it to the math path that materialises every score
+                kx = k.repeat_interleave(heads // kvh, dim=2) if heads != kvh else k
+                vx = v.repeat_interleave(heads // kvh, dim=2) if heads != kvh else v
+                a = F.scaled_dot_product_attention(q.transpose(1, 2), kx.transpose(1, 2), vx.transpose(1, 2),
+                                                   is_causal=True, scale=self.scale).transpose(1, 2)
+            x = x + F.linear(a.reshape(b, width, heads * hd), layer.w_o)
             _, h = kernels.add_rmsnorm_reference(x, None, layer.ln2, self.eps)
             x = x + F.linear(kernels.silu_mul_reference(F.linear(h, layer.w_gate_up)), layer.w_down)
         last = x[torch.arange(b, device=self.device), lengths - 1]
@@ -427,31 +463,35 @@ class DecodeEngine:
     def start(self, prompts: list[list[int]], max_new: int, *, temperature: float = 1.0, top_p: float = 1.0,
               seed: int | None = None, generator: torch.Generator | None = None
               ) -> tuple[DecodeState, torch.Tensor, torch.Tensor]:
-        """Prefill the prompts and sample each one's first token: (state, tokens (B,), log-probs (B,))."""
+        """Prefill the prompts and sample each one's first token: (state, tokens (B,), log-probs (B,)). A prompt
+        that continues a row `remember`ed after the last decode prefills only its new tokens."""
         if not prompts or len(prompts) > self.max_batch_size:
             raise ConfigError(f"the decode engine takes 1..{self.max_batch_size} prompts, got {len(prompts)}")
         if not self.has_weights:
             raise RuntimeError("decode engine: its weights were released; call refresh(model) before decoding")
         self._scratch = max_new + 2
+        reuse = self.reuse_prefixes and self.prefixes
+        found = [self.prefixes.match(p) for p in prompts] if reuse else [None] * len(prompts)
         need = [len(p) + max_new + 1 for p in prompts]
-        self._ensure_pool(sum(need) + self._scratch)
+        if self._ensure_pool(sum(need) + self._scratch):
+            found = [None] * len(prompts)  # a new pool: the stored keys/values are gone
         starts = [0]
         for n in need[:-1]:
             starts.append(starts[-1] + n)
+        offsets = [0 if f is None else f.tokens for f in found]
+        move_prefixes(self.pool_k, self.pool_v, [(f.start, st, f.tokens) for f, st in zip(found, starts, strict=True)
+                                                 if f is not None])
+        self.prefixes.clear()  # this layout reassigns the slots; `remember` records the rows after the decode
+        self._last_starts = starts
+        self.reused_tokens += sum(offsets)
         if seed is not None:
             self._seed.fill_(int(seed))
         elif generator is None:  # drawn on the host: the CUDA generator's state must not move outside capture
             self._seed.fill_(int(torch.randint(0, 2**31, (1,)).item()))
         logits_rows = []
-        order = sorted(range(len(prompts)), key=lambda r: len(prompts[r]))
-        chunk: list[int] = []
-        for r in order + [None]:  # rows of similar length prefill together, a token budget per chunk
-            if r is not None and (not chunk or (len(chunk) + 1) * len(prompts[r]) <= self.prefill_tokens):
-                chunk.append(r)
-                continue
-            if chunk:
-                logits_rows.append((chunk, self._prefill([prompts[i] for i in chunk], [starts[i] for i in chunk])))
-            chunk = [r] if r is not None else []
+        for chunk in prefill_chunks([len(p) for p in prompts], offsets, self.prefill_tokens):
+            logits_rows.append((chunk, self._prefill([prompts[i][offsets[i]:] for i in chunk],
+                                                     [starts[i] for i in chunk], [offsets[i] for i in chunk])))
         logits = torch.empty((len(prompts), self.vocab), dtype=self.dtype, device=self.device)
         for rows, lg in logits_rows:
             logits[torch.tensor(rows, device=self.device)] = lg.to(self.dtype)
@@ -463,6 +503,11 @@ class DecodeEngine:
         self._capture(bucket, temperature, state.samples_inside)
         self._load_rows(bucket, tokens, positions, torch.tensor(starts, dtype=torch.int32, device=self.device))
         return state, tokens, logprobs
+
+    def remember(self, sequences: list[list[int]]) -> None:
+        """After decoding the rows of the last `start`: row i's prompt and every token it generated, so a
+        later prompt that continues it (the agent's next turn) reuses its keys/values."""
+        self.prefixes.remember(sequences, self._last_starts)
 
     def _sample_eager(self, logits: torch.Tensor, temperature: float, top_p: float,
                       generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -298,6 +298,7 @@ class HFGenerator:
                 if self.cache_kind == "engine":
                     seed = None if params.seed is None else int(params.seed) + 7919 * start
                     self._decode_engine(chunk, params, seed)
+                    self.engine.remember([r.prompt_ids + r.generated for r in chunk])  # the next turn reuses these
                 elif self.cache_kind == "static":
                     self._decode_static(chunk, params, generator)
                 else:
