@@ -78,7 +78,10 @@ stage_cmd() {
     encode_go) touch "$WORK/encode_go" ;;
     guard40)  # issue 26: a learning run (SmolLM2-135M, search_r1) of 48 RL steps under the default guards
             until [ -f .models/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf ]; do sleep 10; done  # carried in 2 calls
-            mkdir -p "$R/guard40" && METHOD=search_r1 STEPS=48 DEMO_TIMEOUT=1500 OUT="$R/guard40" \
+            # 1x H100, 2026-11-27: world + oracle + SFT (600 steps, 370 s) + 48 RL steps (850 s, of which 288 s
+            # compiling decode at steps 1 and 4; ~11.7 s per other step) took 1,290 s, so DEMO_TIMEOUT=1500 cut the
+            # final evaluation at 240 of 500 questions (~210 s); 500 take ~6-7 min, plus naive RAG and the report
+            mkdir -p "$R/guard40" && METHOD=search_r1 STEPS=48 DEMO_TIMEOUT=2400 OUT="$R/guard40" \
               bash bench/gpu_run.sh demo ;;  # bench/retrieval_21m.sh (ENCODE_AFTER) may take GPU 3 from here on
     paper7b) if [ "$GPUS" -ge 4 ]; then
                python bench/paper_scale.py --model random:qwen2.5-7b --gpus "$GPUS" --parallel fsdp \

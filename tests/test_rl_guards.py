@@ -108,7 +108,8 @@ def test_the_most_severe_action_decides() -> None:
 
 def _committed_runs() -> list[tuple[str, list[dict]]]:
     """Every committed learning run's per-step metrics: the reward series of bench/results/learning_*.json
-    (with their reward stages) and the full metrics.jsonl rows under docs/."""
+    (with their reward stages) and the full metrics.jsonl rows under docs/ and bench/results/ (the 48-step
+    guarded H100 run of issue 26, every health metric logged)."""
     runs = []
     stage2_from = {("learning_h100x4.json", "staged"): 8}  # run 1: stage 2 from step 8 (docs/results.md)
     for path in sorted((ROOT / "bench" / "results").glob("learning_*.json")):
@@ -119,7 +120,7 @@ def _committed_runs() -> list[tuple[str, list[dict]]]:
                 rows = [{REWARD_METRIC: r, "stage": 2.0 if switch and i >= switch else 1.0}
                         for i, r in enumerate(series["rewards"], start=1)]
                 runs.append((f"{path.name}:{method}:{lane}", rows))
-    for path in sorted((ROOT / "docs").glob("*/metrics.jsonl")):
+    for path in sorted([*(ROOT / "docs").glob("*/metrics.jsonl"), *(ROOT / "bench" / "results").glob("*/metrics.jsonl")]):
         runs.append((str(path.relative_to(ROOT)), [json.loads(x) for x in path.read_text().splitlines()]))
     return runs
 
@@ -129,6 +130,22 @@ def test_default_guards_raise_no_alarm_on_the_committed_learning_runs() -> None:
     assert len(runs) >= 20 and sum(len(rows) for _, rows in runs) >= 400
     for name, rows in runs:
         assert _feed(GuardMonitor(default_guards()), rows) == {}, name
+
+
+GUARD40 = ROOT / "bench" / "results" / "guard40_h100"
+
+
+def test_the_guarded_gpu_run_is_replayed_with_the_guards_it_ran_under() -> None:
+    """Issue 26's 48-step H100 run ran under the default guards (its run.json) and logged every health metric
+    each step, so replaying it exercises every threshold guard, not only the reward's."""
+    runs = dict(_committed_runs())
+    rows = runs["bench/results/guard40_h100/metrics.jsonl"]
+    assert [r["step"] for r in rows] == list(range(1, 49))
+    watched = {g.metric for g in default_guards() if isinstance(g, ThresholdGuard | CountGuard)}
+    assert watched <= set.intersection(*(set(r) for r in rows))
+    ran_under = json.loads((GUARD40 / "run.json").read_text())["recipe"]["trainer"]["guards"]
+    assert ran_under == [g.model_dump() for g in default_guards()]
+    assert not (GUARD40 / "guards.jsonl").exists()  # no guard fired on the GPU either
 
 
 def test_default_guards_catch_a_collapse() -> None:

@@ -125,7 +125,15 @@ def plot_rewards(run: TrainingRun) -> str | None:
 
 def _small_multiples(run: TrainingRun, keys: Sequence[str], title: str, ncols: int = 3,
                      annotate: Callable[[Any, str], None] | None = None) -> str | None:
-    """One small plot per present key; `annotate(ax, key)` adds to each (thresholds, events)."""
+    """One small plot per present key (`_small_multiples_figure`), as a PNG data URI."""
+    fig = _small_multiples_figure(run, keys, title, ncols, annotate)
+    return png_data_uri(fig) if fig is not None else None
+
+
+def _small_multiples_figure(run: TrainingRun, keys: Sequence[str], title: str, ncols: int = 3,
+                            annotate: Callable[[Any, str], None] | None = None) -> Any:
+    """One small plot per present key; `annotate(ax, key)` adds to each (thresholds, events). None if no key
+    is present."""
     present = [k for k in keys if k in run.numeric_keys()]
     if not present:
         return None
@@ -154,7 +162,7 @@ def _small_multiples(run: TrainingRun, keys: Sequence[str], title: str, ncols: i
         ax.set_title(key, fontsize=9)
         ax.tick_params(labelsize=8)
         ax.grid(alpha=0.3)
-    return png_data_uri(fig)
+    return fig
 
 
 def plot_behaviour(run: TrainingRun) -> str | None:
@@ -183,8 +191,15 @@ def guard_thresholds(run: TrainingRun) -> dict[str, list[tuple[float, str]]]:
 
 
 def plot_health(run: TrainingRun) -> str | None:
+    """The health panel (`health_figure`) as a PNG data URI, None for a run without health metrics."""
+    fig = health_figure(run)
+    return png_data_uri(fig) if fig is not None else None
+
+
+def health_figure(run: TrainingRun) -> Any:
     """The health metrics (sleuth.rl.health), each with its guards' thresholds (dashed) and every guard
-    event of the run (a red line at its step, labelled with the guard and what was done)."""
+    event of the run (a red line at its step, labelled with the guard and what was done): a matplotlib
+    Figure, None for a run without health metrics."""
     if not any(k.startswith("health/") for k in run.numeric_keys()):
         return None
     thresholds = guard_thresholds(run)
@@ -198,8 +213,8 @@ def plot_health(run: TrainingRun) -> str | None:
             ax.text(event.get("step", 0), 0.98, f" {event.get('guard')}: {event.get('outcome', '').split(' ')[0]}",
                     transform=ax.get_xaxis_transform(), fontsize=6, color="#d62728", va="top", rotation=90)
 
-    return _small_multiples(run, HEALTH_KEYS, "Health per step: guard thresholds dashed, guard events in red",
-                            annotate=thresholds_and_events)
+    return _small_multiples_figure(run, HEALTH_KEYS, "Health per step: guard thresholds dashed, guard events in red",
+                                   annotate=thresholds_and_events)
 
 
 def health_verdict(events: Sequence[Mapping[str, Any]]) -> str:
