@@ -447,3 +447,21 @@ def test_the_generator_reuses_each_rows_keys_across_turns_and_decodes_like_the_d
     for a, b in zip(dynamic.generate(turn2, ["</search>"], params), second, strict=True):
         assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason
         assert max((abs(x - y) for x, y in zip(a.logprobs, b.logprobs, strict=True)), default=0) < 1e-4
+
+
+def test_auto_cache_picks_the_engine_on_cuda_for_the_models_it_supports() -> None:
+    """HFGenerator(cache="auto") (evaluation, serving) decodes like the trainer's rollouts: the engine on CUDA
+    where it supports the model, a static cache for other models or to compile, HF's dynamic cache on a CPU.
+    Only the choice is checked here (no GPU): the engine's decoding has its own tests above."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from sleuth.llm.hf import auto_cache
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    supported = _model("llama")
+    other = GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=50))
+    assert supports(supported) is None and supports(other) is not None
+    assert auto_cache(cuda, supported) == "engine"
+    assert auto_cache(cuda, supported, compile=True) == "static"
+    assert auto_cache(cuda, other) == "static"
+    assert auto_cache(cpu, supported) == "dynamic"

@@ -120,14 +120,24 @@ def test_demo_rejects_an_unknown_method(tmp_path: Path) -> None:
     assert "--method 's4'" in proc.stdout and "r_search" in proc.stdout
 
 
-def test_gpu_profile_recipe_compiles_rollouts_over_a_bf16_base(monkeypatch, tmp_path: Path) -> None:
+def test_gpu_profile_recipe_decodes_rollouts_with_the_engine_over_a_bf16_base(monkeypatch, tmp_path: Path) -> None:
+    """The GPU profile leaves rollout decoding to the trainer's "auto" (the decode engine on CUDA, no per-shape
+    compile); `--compile` asks for the compiled static cache, `--no-compile` for HF's dynamic cache."""
+    from dataclasses import replace
+
     import sleuth.demo as demo
     from sleuth.rl.config import recipe_from_dict
 
     monkeypatch.setattr(demo, "_cuda", lambda: True)
     recipe = recipe_from_dict(demo.demo_recipe(tmp_path, demo.GPU, "r_search"))
-    assert (recipe.model.generation_cache, recipe.model.compile_generation) == ("static", True)
-    assert recipe.model.dtype == "bfloat16" and recipe.model.lora.enabled  # static cache needs bf16 rollout weights
+    assert (recipe.model.generation_cache, recipe.model.compile_generation) == ("auto", None)
+    assert recipe.model.dtype == "bfloat16" and recipe.model.lora.enabled  # GPU decoding wants bf16 rollout weights
+    compiled = recipe_from_dict(demo.demo_recipe(tmp_path, replace(demo.GPU, compile_generation=True), "r_search"))
+    assert (compiled.model.generation_cache, compiled.model.compile_generation, compiled.model.dtype) == (
+        "static", True, "bfloat16")
+    plain = recipe_from_dict(demo.demo_recipe(tmp_path, replace(demo.GPU, compile_generation=False), "r_search"))
+    assert (plain.model.generation_cache, plain.model.dtype) == ("dynamic", "auto")
+    assert demo.GPU.eval_batch_size == 128 and demo.FULL.eval_batch_size == 16
     assert recipe.agent.max_new_tokens_per_turn == 128 and recipe.reward.name == "r_search"
     assert recipe.sft is not None and recipe.algorithm.n >= 4
     monkeypatch.setattr(demo, "_cuda", lambda: False)  # on a CPU the same profile keeps fp32 masters

@@ -125,7 +125,7 @@ STAGED_PROFILES = {
         pipeline=DemoSize(model="smollm2-135m-instruct", passages=5000, questions=6000, hops=(1, 3),
                           committed_questions=0, sft_questions=1200, sft_epochs=2, train_steps=30,
                           prompts_per_step=16, n=5, max_new_tokens=64, lr=5e-5, eval_questions=500, max_turns=4,
-                          compile_generation=True),
+                          compile_generation=None, eval_batch_size=128),
         known_fraction=0.5, splits=(0.8, 0.1, 0.1), inject_epochs=3, inject_lr=3e-4, inject_batch=16, lora=True,
         test_questions=500, accuracy_margin=0.02),
 }
@@ -259,7 +259,7 @@ def _evaluate(out: Path, world: Path, profile: ClaimProfile, method: str, checkp
     from sleuth.knowledge import boundary_questions
 
     size, spec = profile.pipeline, get_method(method)
-    cfg = EvalConfig(batch_size=16, max_new_tokens=size.max_new_tokens * spec.new_tokens_factor,
+    cfg = EvalConfig(batch_size=size.eval_batch_size, max_new_tokens=size.max_new_tokens * spec.new_tokens_factor,
                      answer_max_new_tokens=24, top_k=3, max_turns=size.max_turns, max_response_tokens=2048,
                      max_obs_tokens=384)
     questions = (boundary_questions(world, "test", profile.test_questions) if profile.known_fraction is not None

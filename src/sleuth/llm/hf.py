@@ -8,12 +8,11 @@ Decoding:
 - prompts are left-padded; the attention mask hides pads and position ids count only real tokens,
   so a padded row computes the same logits as the prompt alone;
 - "dynamic" cache (default on CPU): rows that finished are dropped from the batch and the KV cache;
-- "static" cache (default on CUDA): a preallocated `StaticCache` with fixed shapes, optionally with the
-  decode step compiled (`compile=True`, CUDA graphs). Finished rows keep their slot (shapes must not
-  change) but their tokens are ignored. HF's dynamic cache decodes only ~15 steps/s on an H200 while the
-  static one is 10-20x faster. The device runs `sync_every` steps between two reads of the sampled
-  tokens; the host checks stops for one chunk while the next computes (exactly step-by-step's result).
-  The RL trainer compiles by default on CUDA (`model.generation_cache: auto`).
+- "engine" (default on CUDA for Llama/Qwen models): sleuth's decode engine (`decode_engine.py`);
+- "static" cache: a preallocated `StaticCache` with fixed shapes, optionally with the decode step compiled
+  (`compile=True`, CUDA graphs); finished rows keep their slot but their tokens are ignored.
+The device runs `sync_every` steps between two reads of the sampled tokens; the host checks stops for one
+chunk while the next computes (exactly step-by-step's result).
 
 Log-probs are `log_softmax(logits / temperature)` at the sampled id (`log_softmax(logits)` when greedy):
 what a trainer recomputes from the same logits. With top_p < 1 the token was drawn from the renormalised
@@ -39,6 +38,7 @@ from sleuth.errors import ConfigError
 from sleuth.llm.attention import use_grouped_decode_attention
 from sleuth.llm.base import Generation, Prompt, SamplingParams
 from sleuth.llm.decode_engine import DecodeEngine, PolicyEngines
+from sleuth.llm.decode_engine import supports as engine_supports
 from sleuth.llm.decoding import left_pad, positions_from_mask, select_next_tokens
 from sleuth.llm.gguf import ensure_converted
 from sleuth.llm.special_tokens import disable_bpe_cleanup
@@ -73,6 +73,14 @@ def _is_token_ids(prompt: Any) -> bool:
 
 def _is_messages(prompt: Any) -> bool:
     return isinstance(prompt, (list, tuple)) and len(prompt) > 0 and all(isinstance(m, dict) for m in prompt)
+
+
+def auto_cache(device: torch.device, model: Any, compile: bool = False) -> str:
+    """cache="auto": sleuth's decode engine on CUDA where it supports the model (as the trainer's rollouts),
+    else (or to compile) a static cache; HF's dynamic cache on a CPU."""
+    if device.type != "cuda":
+        return "dynamic"
+    return "engine" if not compile and engine_supports(model) is None else "static"
 
 
 def _default_device() -> torch.device:
@@ -165,7 +173,7 @@ class HFGenerator:
         # one-token decode steps attend each key/value head once instead of a copy per query head
         # (sleuth.llm.attention); changes nothing else, and nothing where the model has no GQA
         self.grouped_decode_attention = grouped_decode_attention and use_grouped_decode_attention(self.model)
-        self.cache_kind = cache if cache != "auto" else ("static" if self.device.type == "cuda" else "dynamic")
+        self.cache_kind = cache if cache != "auto" else auto_cache(self.device, self.model, compile)
         self.compile = compile
         if compile and self.cache_kind != "static":
             raise ConfigError("compile=True needs cache='static' (a dynamic cache changes shape every step)")
@@ -184,8 +192,6 @@ class HFGenerator:
         self.pad_token_id = self._pick_pad_id()
         self.vocab_size = int(self.model.get_input_embeddings().num_embeddings)
         self.eos_token_ids = self._collect_eos_ids()
-
-    # -- loading --------------------------------------------------------------------------------
 
     def _load(
         self, spec: str, tokenizer: Any, gguf_file: str | None, dtype: torch.dtype, attn: str | None
@@ -230,8 +236,6 @@ class HFGenerator:
             elif isinstance(source, (list, tuple)):
                 ids.update(int(i) for i in source)
         return frozenset(ids)
-
-    # -- text helpers used by the agent engine ---------------------------------------------------
 
     def apply_chat_template(self, messages: list[dict]) -> str:
         """The chat-formatted prompt text, ending with the assistant generation prompt."""
@@ -468,8 +472,6 @@ class HFGenerator:
             pending = chunk
         if pending is not None:
             self._accept_chunk([rows[i] for i in pending[0]], pending[1], max_new)
-
-    # -- static cache ----------------------------------------------------------------------------
 
     def _static_cache(self, batch: int, length: int) -> Any:
         # deferred: transformers takes seconds to import; needed only once a model loads

@@ -134,9 +134,9 @@ def rollout_copy(recipe: Recipe, policy: nn.Module, device: torch.device) -> nn.
 
 
 def rollout_decoding(recipe: Recipe, generator_model: nn.Module, device: torch.device) -> tuple[str, bool, str]:
-    """(cache, compile, why) for rollout decoding. Default ("auto"): on CUDA a static KV cache with a
-    compiled decode step (CUDA graphs, ~4x HF's dynamic cache) when the rollout weights are bf16/fp16 and
-    not FSDP-sharded; else HF's dynamic cache. Explicit recipe values win; fp32 weights cannot fill a static
+    """(cache, compile, why) for rollout decoding. Default ("auto"): on CUDA sleuth's decode engine where it
+    supports the model (unless compile_generation is false), else a static KV cache with a compiled decode
+    step when the rollout weights are bf16/fp16 and not FSDP-sharded; else HF's dynamic cache. Explicit recipe values win; fp32 weights cannot fill a static
     cache under autocast (fp32 keys after RoPE, bf16 values), so that combination fails here with the fix."""
     cache, compiled = recipe.model.generation_cache, recipe.model.compile_generation
     low_precision = next(generator_model.parameters()).dtype in (torch.bfloat16, torch.float16)
