@@ -1,5 +1,6 @@
 """A real checkpoint decoded by sleuth's engine against the transformers static cache, on one GPU: greedy
-tokens compared row by row, and the wall time of each path (`HFGenerator(cache="auto")` picks the engine).
+tokens compared row by row (both also against fp32 through transformers' modules, the reference), and the wall
+time of each path (`HFGenerator(cache="auto")` picks the engine).
 
     PYTHONPATH=src python bench/engine_check.py --model .models/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf \
         --rows 128 --new-tokens 64
@@ -39,8 +40,9 @@ def main(argv: list[str] | None = None) -> dict:
                     "card": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
                     "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "paths": {}}
     outputs = {}
-    for cache in ("engine", "static"):
-        gen = load_generator(args.model, cache=cache, dtype="bfloat16", max_batch_size=args.rows)
+    # fp32 through transformers' own modules is the reference both bf16 paths are compared with
+    for cache, dtype in (("engine", "bfloat16"), ("static", "bfloat16"), ("dynamic", "float32")):
+        gen = load_generator(args.model, cache=cache, dtype=dtype, max_batch_size=args.rows)
         prompts = [[{"role": "user", "content": t}] for t in texts]
         gen.generate(prompts[:8], None, params)  # warm-up: graphs / kernels
         start = time.perf_counter()
@@ -53,11 +55,14 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"{cache}: {seconds:.2f} s, {tokens} tokens, {tokens / seconds:,.0f} tokens/s")
         del gen
         torch.cuda.empty_cache() if torch.cuda.is_available() else None
-    same = sum(a == b for a, b in zip(outputs["engine"], outputs["static"], strict=True))
-    prefix = [next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
-              for a, b in zip(outputs["engine"], outputs["static"], strict=True)]
-    result.update(rows_identical=same, mean_tokens_before_first_difference=sum(prefix) / len(prefix))
-    print(f"identical rows: {same}/{args.rows}; mean agreeing prefix {result['mean_tokens_before_first_difference']:.1f}")
+    for a_name, b_name in (("engine", "static"), ("engine", "dynamic"), ("static", "dynamic")):
+        pairs = list(zip(outputs[a_name], outputs[b_name], strict=True))
+        same = sum(a == b for a, b in pairs)
+        prefix = [next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+                  for a, b in pairs]
+        result[f"{a_name}_vs_{b_name}"] = {"rows_identical": same, "mean_agreeing_prefix": sum(prefix) / len(prefix)}
+        print(f"{a_name} vs {b_name}: identical rows {same}/{args.rows}; mean agreeing prefix "
+              f"{sum(prefix) / len(prefix):.1f} tokens")
     write_json(out_path(args.out, "engine_check.json"), result)
     return result
 
