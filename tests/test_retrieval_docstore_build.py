@@ -77,3 +77,22 @@ def test_an_empty_corpus_is_an_error(tmp_path: Path) -> None:
     (tmp_path / "c.jsonl").write_text("\n\n", encoding="utf-8")
     with pytest.raises(DataFormatError, match="holds no passages"):
         build_docstore_parallel(tmp_path / "c.jsonl", tmp_path / "d", 2)
+
+
+def test_a_docstore_index_feeds_a_dense_build_and_is_not_searchable(tmp_path: Path) -> None:
+    from sleuth.data.formats import corpus_fingerprint
+    from sleuth.errors import IndexMismatchError
+    from sleuth.retrieval.docstore_build import build_docstore_index
+    from sleuth.retrieval.index import build_index, load_retriever
+
+    corpus = _corpus(tmp_path / "c.jsonl", 120)
+    manifest = build_docstore_index(corpus, tmp_path / "store", 2)
+    assert manifest["kind"] == "docstore" and manifest["num_docs"] == 120
+    assert manifest["corpus_fingerprint"] == corpus_fingerprint(corpus)
+    with pytest.raises(IndexMismatchError, match="holds only a docstore"):
+        load_retriever(tmp_path / "store")
+    dense = build_index(None, "dense", tmp_path / "flat", docstore_from=tmp_path / "store", show_progress=False)
+    assert dense["num_docs"] == 120 and dense["corpus_fingerprint"] == manifest["corpus_fingerprint"]
+    hits = load_retriever(tmp_path / "flat").search(["Title 17 body 17"], 3)[0]
+    passages = {p.id: (p.title, p.text) for p in iter_corpus(corpus)}
+    assert len(hits) == 3 and all(passages[h.doc_id] == (h.title, h.text) for h in hits)

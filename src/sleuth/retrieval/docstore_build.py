@@ -21,14 +21,25 @@ import multiprocessing as mp
 import os
 import shutil
 import tempfile
+import threading
+import time
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from sleuth.data.formats import BLANK_LINE, iter_corpus, parse_json_line, passage_from_record
+from sleuth import __version__
+from sleuth.data.formats import (
+    BLANK_LINE,
+    corpus_fingerprint,
+    iter_corpus,
+    parse_json_line,
+    passage_from_record,
+)
 from sleuth.errors import ConfigError, DataFormatError
 from sleuth.retrieval.docstore import DOCSTORE_FORMAT, DocStore
+from sleuth.retrieval.index import DOCSTORE_KIND, MANIFEST, MANIFEST_VERSION
 from sleuth.utils import atomic_write_json, give_normal_permissions
 
 # Ranges per worker: the unit of load balance (a range of long passages costs more than one of short).
@@ -165,3 +176,25 @@ def _build_into(corpus: Path, out: Path, workers: int) -> None:
     shutil.rmtree(parts_dir)
     np.save(out / _OFFSETS, offsets)
     atomic_write_json(out / _META, {"format": DOCSTORE_FORMAT, "num_docs": (offsets.size - 1) // 3})
+
+
+def build_docstore_index(corpus: str | Path, out_dir: str | Path, workers: int) -> dict[str, Any]:
+    """`out_dir/docstore` (built with `workers` processes) and a manifest of kind "docstore": what a dense
+    build's `docstore_from` reads (`sleuth index --kind dense --docstore-from out_dir`) when no BM25 index
+    of the corpus is built. The corpus fingerprint (sha256, serial) is hashed in a thread meanwhile
+    (hashlib releases the GIL). Returns the manifest."""
+    corpus, out_dir = Path(corpus), Path(out_dir)
+    t0 = time.perf_counter()
+    fingerprint: list[str] = []
+    hasher = threading.Thread(target=lambda: fingerprint.append(corpus_fingerprint(corpus)), daemon=True)
+    if corpus.is_file():
+        hasher.start()
+    (out_dir / MANIFEST).unlink(missing_ok=True)  # the manifest, written last, says the directory is complete
+    store = build_docstore_parallel(corpus, out_dir / "docstore", workers)
+    hasher.join()
+    manifest = {"manifest_version": MANIFEST_VERSION, "kind": DOCSTORE_KIND, "corpus_path": str(corpus.resolve()),
+                "corpus_fingerprint": fingerprint[0], "num_docs": store.num_docs, "sleuth_version": __version__,
+                "docstore_build": {"workers": workers}, "build_seconds": round(time.perf_counter() - t0, 3),
+                "created": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+    atomic_write_json(out_dir / MANIFEST, manifest)
+    return manifest
