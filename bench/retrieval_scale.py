@@ -462,7 +462,7 @@ def stage_ivfpq_build(args: argparse.Namespace) -> dict[str, Any]:
             **({"train_sample": args.train_sample} if args.train_sample else {}),
         )
     return stage_record(
-        "ivfpq-build", args, t0, load0, passages=manifest["num_docs"], faiss=manifest["faiss"],
+        "ivfpq-build", args, t0, load0, passages=manifest["num_docs"], faiss=manifest["faiss"], threads=args.threads,
         shards=len(manifest["shards"]), train_sample=manifest.get("train_sample"),
         docstore_reused=corpus is None,
         seconds=round(time.perf_counter() - t0, 2), peak_rss_bytes=mem.peak["rss"], peak_anon_bytes=mem.peak["anon"],

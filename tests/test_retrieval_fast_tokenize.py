@@ -53,7 +53,7 @@ def test_features_equal_sentence_transformers_preprocess(model) -> None:
     for key in ("input_ids", "attention_mask", "token_type_ids"):
         assert torch.equal(ours[key], ref[key]), key
     assert ours["input_ids"].shape[1] == 256  # the long row was truncated at max_seq_length, as preprocess does
-    for i, text in enumerate(EDGE_CASES):  # row by row too (a batch of one pads nothing)
+    for text in EDGE_CASES:  # row by row too (a batch of one pads nothing)
         assert torch.equal(tok([text])["input_ids"], model.preprocess([text])["input_ids"]), text
 
 

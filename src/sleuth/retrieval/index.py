@@ -256,6 +256,7 @@ def _build_dense(
     docstore, out_dir: Path, *, threads: int, show_progress: bool, **params: Any
 ) -> dict[str, Any]:
     _set_torch_threads(threads)
+    _set_faiss_threads(threads)
     embeddings = params.pop(_EMBEDDINGS_KEY, None)
     shard_opts = {k: params.pop(k) for k in list(params) if k in _SHARD_KEYS}
     faiss_kind = params.pop("faiss", "flat")
@@ -341,6 +342,14 @@ def encode_docstore(
         tmp.write_bytes(b"")
     tmp.rename(path)
     return pos
+
+
+def _set_faiss_threads(threads: int) -> None:
+    """faiss' OpenMP threads for k-means training, adding and encoding: `threads` (the build's --threads), not
+    whatever OMP_NUM_THREADS the process started with (1 in the bench drivers, for the servers)."""
+    import faiss  # deferred: faiss is heavy; only dense builds need it
+
+    faiss.omp_set_num_threads(max(1, threads))
 
 
 def _set_torch_threads(threads: int) -> None:
