@@ -17,6 +17,17 @@
 # CPU box), ENCODE_PROCS_PER_GPU (default CORES / GPUs).
 # Run end to end on a CPU box (2 cores) with the same script: PY=.venv/bin/python SIZE=3000 WORLD_PASSAGES=300
 #   ENCODE_DEVICES=cpu,cpu WORKERS=2 WORK=/tmp/d21 bash bench/retrieval_21m.sh start; ... wait 240
+#
+# Dense only on a fresh 4-GPU / 64-core lease (issue 24; ~12-13 min of wall time for the whole chain):
+#   call 1: carry [.whl]          SKIP_BM25=1 ENCODE_DEVICES=all NLIST=8192 bash bench/retrieval_21m.sh start
+#   call 2: carry [.gpu/minilm]   bash bench/retrieval_21m.sh wait 540
+#   call N:                       bash bench/retrieval_21m.sh wait 560      (until "daemon finished"; writes the
+#                                 report $WORK/retrieval_scale_21m.json, packed into $OUT with the logs)
+# synth -> docstore-build (the memory-mapped docstore, every core; no BM25 index, no bm25-serve: both reported
+# as skipped) -> encode -> ivfpq-build -> dense-serve -> report. Rerunning the same `start` line resumes.
+# To leave GPU 0 and the first N cores to another job for its first minutes, add RESERVE_CPUS=N
+# ENCODE_AFTER=/tmp/gpu0.free: synth and docstore-build run on the other cores, encode waits until the other
+# job runs `touch /tmp/gpu0.free`, then encode and the IVF-PQ build use every GPU and core.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-python3}
