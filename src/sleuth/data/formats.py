@@ -74,8 +74,7 @@ def iter_json_lines(path: str | Path, what: str) -> Iterator[tuple[int, Any]]:
         raise DataFormatError(str(path), None, f"{what} does not exist")
     with open(path, "rb") as f:  # decoded line by line, so a bad byte is reported with its line
         for lineno, raw in enumerate(f, start=1):
-            value = parse_json_line(path, lineno, raw, what)
-            if value is not BLANK_LINE:
+            if (value := parse_json_line(path, lineno, raw, what)) is not BLANK_LINE:
                 yield lineno, value
 
 
@@ -83,16 +82,14 @@ BLANK_LINE = object()  # parse_json_line's answer for a blank line
 
 
 def parse_json_line(path: str | Path, lineno: int, raw: bytes, what: str) -> Any:
-    """One jsonl line's bytes -> its value (`BLANK_LINE` for a blank line), errors naming the line (see
-    `iter_json_lines`); shared with readers that split a file into byte ranges."""
+    """One jsonl line's bytes -> its value (BLANK_LINE if blank), errors naming the line (`iter_json_lines`)."""
     from sleuth.errors import DataFormatError
 
     try:
         line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
     except UnicodeDecodeError as err:
-        raise DataFormatError(
-            str(path), lineno, f"not valid UTF-8 (byte {err.start} of the line); re-encode the {what} as UTF-8"
-        ) from None
+        raise DataFormatError(str(path), lineno, f"not valid UTF-8 (byte {err.start} of the line); "
+                              f"re-encode the {what} as UTF-8") from None
     # a byte-order mark opens line 1 of files saved by some editors, and any line of concatenated ones
     line = line.removeprefix("\ufeff")
     if not line.strip():
@@ -100,9 +97,7 @@ def parse_json_line(path: str | Path, lineno: int, raw: bytes, what: str) -> Any
     try:
         return json.loads(line)
     except json.JSONDecodeError as err:
-        raise DataFormatError(
-            str(path), lineno, f"invalid JSON ({err.msg}); each line must be one JSON object"
-        ) from None
+        raise DataFormatError(str(path), lineno, f"invalid JSON ({err.msg}); each line must be one JSON object") from None
     except ValueError as err:  # e.g. an integer longer than Python converts (4,300 digits)
         raise DataFormatError(str(path), lineno, f"unreadable JSON value ({err})") from None
     except RecursionError:
@@ -110,8 +105,7 @@ def parse_json_line(path: str | Path, lineno: int, raw: bytes, what: str) -> Any
 
 
 def _iter_corpus_lines(path: str | Path) -> Iterator[tuple[int, Passage]]:
-    for lineno, rec in iter_json_lines(path, "corpus file"):
-        yield lineno, passage_from_record(path, lineno, rec)
+    return ((lineno, passage_from_record(path, lineno, rec)) for lineno, rec in iter_json_lines(path, "corpus file"))
 
 
 def passage_from_record(path: str | Path, lineno: int, rec: Any) -> Passage:
