@@ -17,6 +17,17 @@
 # CPU box), ENCODE_PROCS_PER_GPU (default CORES / GPUs).
 # Run end to end on a CPU box (2 cores) with the same script: PY=.venv/bin/python SIZE=3000 WORLD_PASSAGES=300
 #   ENCODE_DEVICES=cpu,cpu WORKERS=2 WORK=/tmp/d21 bash bench/retrieval_21m.sh start; ... wait 240
+#
+# Dense only on a fresh 4-GPU / 64-core lease (issue 24; ~12-13 min of wall time for the whole chain):
+#   call 1: carry [.whl]          SKIP_BM25=1 ENCODE_DEVICES=all NLIST=8192 bash bench/retrieval_21m.sh start
+#   call 2: carry [.gpu/minilm]   bash bench/retrieval_21m.sh wait 540
+#   call N:                       bash bench/retrieval_21m.sh wait 560      (until "daemon finished"; writes the
+#                                 report $WORK/retrieval_scale_21m.json, packed into $OUT with the logs)
+# synth -> docstore-build (the memory-mapped docstore, every core; no BM25 index, no bm25-serve: both reported
+# as skipped) -> encode -> ivfpq-build -> dense-serve -> report. Rerunning the same `start` line resumes.
+# To leave GPU 0 and the first N cores to another job for its first minutes, add RESERVE_CPUS=N
+# ENCODE_AFTER=/tmp/gpu0.free: synth and docstore-build run on the other cores, encode waits until the other
+# job runs `touch /tmp/gpu0.free`, then encode and the IVF-PQ build use every GPU and core.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-python3}
@@ -27,7 +38,13 @@ export SLEUTH_CACHE="$PWD/.gpucache" OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 WORK=${WORK:-runs/scale21m}
 SIZE=${SIZE:-21000000}
 DENSE_SIZE=${DENSE_SIZE:-$SIZE}
-WORKERS=${WORKERS:-$CORES}
+# RESERVE_CPUS=N: the first N cores (and, with ENCODE_AFTER, GPU 0) are left to another job until the file
+# ENCODE_AFTER exists: the CPU stages before encode run on the other cores with CORES - N workers.
+RESERVE_CPUS=${RESERVE_CPUS:-0}
+WORKERS=${WORKERS:-$(( CORES - RESERVE_CPUS > 0 ? CORES - RESERVE_CPUS : 1 ))}
+# SKIP_BM25=1: dense only. docstore-build (all workers) writes the docstore the dense stages read instead of
+# bm25-build; bm25-build and bm25-serve are reported as skipped (WORK/stages/<stage>.skipped).
+SKIP_BM25=${SKIP_BM25:-0}
 # DEVICE=cpu (the older knob) still means a CPU run.
 if [ "${DEVICE:-}" = cpu ]; then ENCODE_DEVICES=${ENCODE_DEVICES:-cpu}; fi
 ENCODE_DEVICES=${ENCODE_DEVICES:-all}
@@ -75,8 +92,10 @@ run_stage() {  # run_stage NAME ARGS...: skipped when its done-marker exists
 }
 
 status() {
-  for s in synth bm25-build bm25-serve encode ivfpq-build dense-serve; do
+  for s in synth docstore-build bm25-build bm25-serve encode ivfpq-build dense-serve; do
     if [ -f "$WORK/stages/$s.json" ]; then echo "  $s: done"
+    elif [ -f "$WORK/stages/$s.skipped" ]; then echo "  $s: skipped ($(cat "$WORK/stages/$s.skipped"))"
+    elif [ "$s" = docstore-build ] && [ "$SKIP_BM25" != 1 ]; then continue  # the BM25 build writes the docstore
     elif [ -f "$WORK/logs/$s.log" ]; then echo "  $s: running or failed; last: $(tail -c 300 "$WORK/logs/$s.log" | tr '\r\n' '  ' | tail -c 200)"
     else echo "  $s: waiting"; fi
   done
@@ -103,22 +122,39 @@ case "${1:-}" in
     fi
     sleep 5; tail -5 "$WORK/daemon.log" ;;
   daemon)
-    echo "[$(date +%T)] daemon: SIZE=$SIZE DENSE_SIZE=$DENSE_SIZE WORKERS=$WORKERS ENCODE_DEVICES=$ENCODE_DEVICES cores=$CORES"
+    echo "[$(date +%T)] daemon: SIZE=$SIZE DENSE_SIZE=$DENSE_SIZE WORKERS=$WORKERS ENCODE_DEVICES=$ENCODE_DEVICES" \
+      "SKIP_BM25=$SKIP_BM25 RESERVE_CPUS=$RESERVE_CPUS cores=$CORES"
+    if [ "$RESERVE_CPUS" -gt 0 ] && [ "$RESERVE_CPUS" -lt "$CORES" ] && [ ! -f "${ENCODE_AFTER:-/nonexistent}" ]; then
+      taskset -p -c "$RESERVE_CPUS-$(( CORES - 1 ))" $$ > /dev/null \
+        && echo "[$(date +%T)] cores 0-$(( RESERVE_CPUS - 1 )) left to another job until ${ENCODE_AFTER:-encode}"
+    fi
     run_stage synth --size "$SIZE" --world-passages "${WORLD_PASSAGES:-20000}" --questions "${QUESTIONS:-2000}" \
       --workers "$WORKERS" || exit 1
     # A dense sample's corpus (DENSE_SIZE < SIZE) is cut now, so the big corpus can go once the BM25 docstore
     # holds its texts; the whole corpus needs no cut (the dense stages read the BM25 docstore).
     "$PY" bench/retrieval_scale.py dense-corpus --work "$WORK" --dense-size "$DENSE_SIZE" >>"$WORK/logs/dense-corpus.log" 2>&1
-    run_stage bm25-build --workers "$WORKERS" --shard-docs "${SHARD_DOCS:-250000}" || exit 1
-    if [ "${KEEP_CORPUS:-0}" != 1 ] && [ -f "$WORK/stages/bm25-build.json" ]; then
+    if [ "$SKIP_BM25" = 1 ]; then
+      for s in bm25-build bm25-serve; do
+        [ -f "$WORK/stages/$s.json" ] || echo "SKIP_BM25=1 (dense-only run)" >"$WORK/stages/$s.skipped"; done
+      # The whole corpus: its docstore with every worker (a sample's is built by the encode stage).
+      if [ "$DENSE_SIZE" -ge "$SIZE" ]; then run_stage docstore-build --workers "$WORKERS" || exit 1; fi
+      built=docstore-build; [ "$DENSE_SIZE" -lt "$SIZE" ] && built=synth
+    else
+      rm -f "$WORK"/stages/bm25-*.skipped
+      run_stage bm25-build --workers "$WORKERS" --shard-docs "${SHARD_DOCS:-250000}" || exit 1
+      built=bm25-build
+    fi
+    if [ "${KEEP_CORPUS:-0}" != 1 ] && [ -f "$WORK/stages/$built.json" ] && [ -f "$WORK/world/corpus.jsonl" ]; then
       echo "[$(date +%T)] deleting $WORK/world/corpus.jsonl (disk; KEEP_CORPUS=1 keeps it)"; rm -f "$WORK/world/corpus.jsonl"
     fi
     # shellcheck disable=SC2086
-    run_stage bm25-serve $BM25_SERVE $MEASURE
+    [ "$SKIP_BM25" = 1 ] || run_stage bm25-serve $BM25_SERVE $MEASURE
     until encoder_ready; do echo "[$(date +%T)] waiting for the encoder (.gpu/minilm in a wait call)"; sleep 15; done
     # ENCODE_AFTER: a file whose existence hands the GPU over (bench/gpu_paper.sh on a shared 4-GPU machine)
     until [ -z "${ENCODE_AFTER:-}" ] || [ -f "$ENCODE_AFTER" ]; do
       echo "[$(date +%T)] waiting for $ENCODE_AFTER (the GPU is busy with timed runs)"; sleep 15; done
+    # The other job is done (or there is none): every core from here on.
+    [ "$RESERVE_CPUS" -gt 0 ] && taskset -p -c "0-$(( CORES - 1 ))" $$ > /dev/null
     export SLEUTH_ENCODER; SLEUTH_ENCODER=$(encoder)
     # ENCODE_CPUS: the cores the encode stage may use once the other work is done (tokenizing is its bottleneck);
     # the BM25 stages above and the IVF-PQ build below keep the daemon's own cores (the issue's 16)
@@ -156,7 +192,7 @@ case "${1:-}" in
     { echo "== daemon.log"; cat "$WORK/daemon.log"; echo "== card"; cat "$WORK/card.txt"; echo "== status"; status; } \
       >"$dest/daemon.log" 2>&1
     # One file for every stage's log (tails: progress bars can be long), one per server log.
-    for s in synth dense-corpus bm25-build bm25-serve encode ivfpq-build dense-serve report; do
+    for s in synth dense-corpus docstore-build bm25-build bm25-serve encode ivfpq-build dense-serve report; do
       [ -f "$WORK/logs/$s.log" ] && { echo "== $s"; tail -c 20000 "$WORK/logs/$s.log"; }
     done >"$dest/stages.log" 2>&1
     for s in bm25 dense; do [ -f "$WORK/$s-server.log" ] && tail -c 50000 "$WORK/$s-server.log" >"$dest/$s-server.log"; done

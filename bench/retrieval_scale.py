@@ -5,6 +5,7 @@ Stages (each writes WORK/stages/<stage>.json when done; `report` merges them, pr
 writes the result JSON):
 
     python bench/retrieval_scale.py synth       --work W --size 2000000 --workers 2
+    python bench/retrieval_scale.py docstore-build --work W --workers 2   # dense only: no BM25 build
     python bench/retrieval_scale.py bm25-build  --work W --workers 2
     python bench/retrieval_scale.py bm25-serve  --work W --threads 2
     python bench/retrieval_scale.py encode      --work W [--dense-size 20000] [--devices all]
@@ -47,7 +48,10 @@ from _common import free_port, out_path, wait_up, write_json
 
 BATCH = 256
 K = 5
-STAGES = ("synth", "bm25-build", "bm25-serve", "encode", "ivfpq-build", "dense-serve")
+STAGES = ("synth", "docstore-build", "bm25-build", "bm25-serve", "encode", "ivfpq-build", "dense-serve")
+# A stage the driver left out on purpose (bench/retrieval_21m.sh SKIP_BM25=1) has WORK/stages/<stage>.skipped
+# holding the reason; the report lists it as skipped, not missing.
+SKIPPED = ".skipped"
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -181,6 +185,32 @@ def stage_synth(args: argparse.Namespace) -> dict[str, Any]:
         workers=args.workers, seconds=round(seconds, 2), passages_per_second=round(args.size / seconds),
         corpus_bytes=corpus.stat().st_size, peak_rss_bytes=mem.peak["rss"], peak_anon_bytes=mem.peak["anon"],
     )
+
+
+def stage_docstore_build(args: argparse.Namespace) -> dict[str, Any]:
+    """The dense stages' docstore without a BM25 index (WORK/docstore, kind "docstore"), `--workers` processes;
+    the same files the BM25 build's docstore pass writes (tests/test_retrieval_docstore_build.py)."""
+    from sleuth.retrieval.docstore_build import build_docstore_index
+
+    t0, load0 = time.perf_counter(), os.getloadavg()
+    out = args.work / "docstore"
+    with PeakMemory() as mem:
+        manifest = build_docstore_index(args.work / "world" / "corpus.jsonl", out, args.workers)
+    return stage_record(
+        "docstore-build", args, t0, load0, passages=manifest["num_docs"], workers=args.workers,
+        seconds=round(time.perf_counter() - t0, 2), peak_rss_bytes=mem.peak["rss"], peak_anon_bytes=mem.peak["anon"],
+        docstore_bytes=dir_bytes(out / "docstore"),
+    )
+
+
+def whole_corpus_source(args: argparse.Namespace) -> Path:
+    """The directory whose docstore the whole-corpus dense stages read: the BM25 index if it was built, else
+    the docstore-only build (a dense-only run)."""
+    for name in ("bm25", "docstore"):
+        if (args.work / name / "manifest.json").exists():
+            return args.work / name
+    raise SystemExit("the dense index covers the whole corpus, so it reuses a docstore of it: run bm25-build "
+                     "or docstore-build first (or pass --dense-size N for a sample)")
 
 
 def stage_bm25_build(args: argparse.Namespace) -> dict[str, Any]:
@@ -374,21 +404,18 @@ def _encoder(device: str | None):
 
 
 def _encode_docstore(args: argparse.Namespace):
-    """The docstore the dense index covers: the BM25 build's when it is the whole corpus (no second
-    pass over 21M passages), else one of the cut sample (kept between reruns)."""
-    from sleuth.data.formats import iter_corpus
+    """The docstore the dense index covers: the BM25 build's (or the docstore-only build's) when it is the
+    whole corpus (no second pass over 21M passages), else one of the cut sample (kept between reruns)."""
     from sleuth.retrieval.docstore import DocStore
+    from sleuth.retrieval.docstore_build import build_docstore_parallel
 
     corpus, _ = _dense_corpus(args)
     if corpus is None:
-        if not (args.work / "bm25" / "manifest.json").exists():
-            raise SystemExit("encode: the dense index covers the whole corpus, so it reuses the BM25 build's "
-                             "docstore; run bm25-build first (or pass --dense-size N for a sample)")
-        return DocStore(args.work / "bm25" / "docstore")
+        return DocStore(whole_corpus_source(args) / "docstore")
     directory = args.work / "dense" / "docstore-encode"
     if (directory / "docstore.json").exists():
         return DocStore(directory)
-    return DocStore.build(iter_corpus(corpus, unique_ids=True), directory)
+    return build_docstore_parallel(corpus, directory, args.workers)
 
 
 def stage_encode(args: argparse.Namespace) -> dict[str, Any]:
@@ -423,8 +450,9 @@ def stage_ivfpq_build(args: argparse.Namespace) -> dict[str, Any]:
     t0, load0 = time.perf_counter(), os.getloadavg()
     corpus, n = _dense_corpus(args)
     nlist = args.nlist or max(16, min(65536, 1 << round(math.log2(4 * n**0.5))))
-    # The whole corpus: the index links the BM25 build's docstore (the corpus file may be deleted by now).
-    source = {"docstore_from": args.work / "bm25"} if corpus is None else {}
+    # The whole corpus: the index links the BM25 (or docstore-only) build's docstore (the corpus file may be
+    # deleted by now).
+    source = {"docstore_from": whole_corpus_source(args)} if corpus is None else {}
     with PeakMemory() as mem:
         manifest = build_index(
             corpus, "dense", args.work / "ivf", overwrite=True, show_progress=False, threads=args.threads,
@@ -434,7 +462,7 @@ def stage_ivfpq_build(args: argparse.Namespace) -> dict[str, Any]:
             **({"train_sample": args.train_sample} if args.train_sample else {}),
         )
     return stage_record(
-        "ivfpq-build", args, t0, load0, passages=manifest["num_docs"], faiss=manifest["faiss"],
+        "ivfpq-build", args, t0, load0, passages=manifest["num_docs"], faiss=manifest["faiss"], threads=args.threads,
         shards=len(manifest["shards"]), train_sample=manifest.get("train_sample"),
         docstore_reused=corpus is None,
         seconds=round(time.perf_counter() - t0, 2), peak_rss_bytes=mem.peak["rss"], peak_anon_bytes=mem.peak["anon"],
@@ -491,15 +519,20 @@ def stage_dense_serve(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def report(args: argparse.Namespace) -> dict[str, Any]:
-    stages = {}
+    stages, skipped = {}, {}
     for name in STAGES:
         path = args.work / "stages" / f"{name}.json"
         if path.exists():
             stages[name] = json.loads(path.read_text())
+        elif (args.work / "stages" / f"{name}{SKIPPED}").exists():
+            skipped[name] = (args.work / "stages" / f"{name}{SKIPPED}").read_text().strip()
+    # The docstore-only build is needed only when no BM25 build wrote the docstore.
+    not_needed = {"docstore-build"} if "bm25-build" in stages else set()
     result = {"bench": "retrieval_scale", "machine": machine(),
               "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
               "command": " ".join([Path(sys.executable).name, *sys.argv]), "stages": stages,
-              "missing_stages": [s for s in STAGES if s not in stages]}
+              "skipped_stages": skipped,
+              "missing_stages": [s for s in STAGES if s not in stages and s not in skipped and s not in not_needed]}
     path = out_path(args.out, "retrieval_scale.json")
     write_json(path, result)
     print_table(result)
@@ -521,6 +554,11 @@ def print_table(result: dict[str, Any]) -> None:
         x = s["synth"]
         rows += [("corpus", f"{x['passages']:,} passages, {_gb(x['corpus_bytes'])}, {x['seconds']} s "
                             f"({x['workers']} workers), peak anon {_gb(x['peak_anon_bytes'])}")]
+    if "docstore-build" in s:
+        x = s["docstore-build"]
+        rows += [("docstore build", f"{x['passages']:,} passages, {x['seconds']} s ({x['workers']} workers), "
+                                    f"peak RSS {_gb(x['peak_rss_bytes'])} (anon {_gb(x['peak_anon_bytes'])}), "
+                                    f"docstore {_gb(x['docstore_bytes'])}")]
     for key, label in (("bm25-build", "BM25 build"), ("ivfpq-build", "IVF-PQ build")):
         if key in s:
             x = s[key]
@@ -529,8 +567,8 @@ def print_table(result: dict[str, Any]) -> None:
                              f"(anon {_gb(x['peak_anon_bytes'])}), index {_gb(size)}")]
     if "encode" in s:
         x = s["encode"]
-        rows += [("encode", f"{x['passages']:,} passages on {x['device']}, {x['passages_per_second']:,} /s"
-                            + (" (sample)" if x["sample"] else ""))]
+        rows += [("encode", f"{x['passages']:,} passages on {','.join(x['devices'])} ({x['workers']} processes), "
+                            f"{x['passages_per_second']:,} /s, {x['seconds']} s" + (" (sample)" if x["sample"] else ""))]
     for key, label in (("bm25-serve", "BM25 serve"), ("dense-serve", "IVF-PQ serve")):
         if key in s:
             x = s[key]
@@ -542,6 +580,7 @@ def print_table(result: dict[str, Any]) -> None:
             if "recall_at_5_vs_exact" in x:
                 text += f", R@5 vs exact {x['recall_at_5_vs_exact']}"
             rows += [(label, text)]
+    rows += [(name, f"skipped: {why}") for name, why in result.get("skipped_stages", {}).items()]
     width = max(len(r[0]) for r in rows)
     print("\n".join(f"{a:<{width}}  {b}" for a, b in rows))
 
@@ -549,7 +588,7 @@ def print_table(result: dict[str, Any]) -> None:
 # ---------------------------------------------------------------------------------------------------
 
 
-RUNNERS = {"synth": stage_synth, "bm25-build": stage_bm25_build, "bm25-serve": stage_bm25_serve,
+RUNNERS = {"synth": stage_synth, "docstore-build": stage_docstore_build, "bm25-build": stage_bm25_build, "bm25-serve": stage_bm25_serve,
            "encode": stage_encode, "ivfpq-build": stage_ivfpq_build, "dense-serve": stage_dense_serve}
 
 
@@ -563,7 +602,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--world-passages", type=int, default=20_000, help="The world's own passages (gold).")
     p.add_argument("--questions", type=int, default=2_000)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="Processes for synth and BM25 build.")
+    p.add_argument("--workers", type=int, default=os.cpu_count() or 1,
+                   help="Processes for synth, the docstore and the BM25 build.")
     p.add_argument("--shard-docs", type=int, default=250_000)
     p.add_argument("--threads", type=int, default=1, help="serve-retriever --threads (and IVF-PQ build threads).")
     p.add_argument("--worker-threads", type=int, default=1, help="serve-retriever --worker-threads.")
@@ -608,7 +648,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.stage == "dense-corpus":
         print(_dense_corpus(args))
         return
-    for name in STAGES if args.stage == "all" else [args.stage]:
+    # `all` builds BM25, whose build writes the docstore: the docstore-only stage is for dense-only runs.
+    for name in [s for s in STAGES if s != "docstore-build"] if args.stage == "all" else [args.stage]:
         save_stage(args.work, RUNNERS[name](args))
     if args.stage == "all":
         report(args)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -104,5 +105,44 @@ def test_dense_sample_cuts_a_corpus_and_the_whole_corpus_needs_the_bm25_docstore
     for size in ([], ["--dense-size", "50"], ["--dense-size", "80"]):
         args = retrieval_scale.parse_args(["encode", "--work", str(work), *size])
         assert retrieval_scale._dense_corpus(args) == (None, 50)
-        with pytest.raises(SystemExit, match="run bm25-build first"):
+        with pytest.raises(SystemExit, match="run bm25-build or docstore-build first"):
             retrieval_scale._encode_docstore(args)
+
+
+def test_dense_only_run_builds_the_bm25_docstore_without_bm25_and_reports_bm25_as_skipped(tmp_path: Path) -> None:
+    """The SKIP_BM25=1 path of bench/retrieval_21m.sh: docstore-build writes the same docstore files the
+    BM25 build writes (same ids, titles, texts at the same rows: byte-identical), the dense stages run from
+    it after the corpus is deleted, and the report lists the BM25 stages as skipped, none as missing."""
+    env = {**os.environ, "PYTHONPATH": str(SRC), "OMP_NUM_THREADS": "1"}
+    work, bm25_work = tmp_path / "w", tmp_path / "bm25"
+    common = ["--size", "400", "--world-passages", "200", "--questions", "40", "--workers", "2",
+              "--shard-docs", "1000", "--batch-requests", "1", "--batch-clients", "1", "--latency-seconds", "1",
+              "--recall-questions", "10", "--devices", "cpu", "--nlist", "16", "--shards", "2", "--nprobe", "16"]
+
+    def stage(name: str, where: Path = work, *extra: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, str(BENCH / "retrieval_scale.py"), name, "--work", str(where),
+                               *common, *extra], env=env, check=True, capture_output=True, text=True, timeout=400)
+
+    stage("synth")
+    stage("docstore-build")
+    (bm25_work / "world").mkdir(parents=True)
+    (bm25_work / "world" / "corpus.jsonl").write_bytes((work / "world" / "corpus.jsonl").read_bytes())
+    stage("bm25-build", bm25_work)
+    for name in ("strings.bin", "offsets.npy", "docstore.json"):
+        ours = (work / "docstore" / "docstore" / name).read_bytes()
+        assert ours == (bm25_work / "bm25" / "docstore" / name).read_bytes(), name
+    for name in ("bm25-build", "bm25-serve"):
+        (work / "stages" / f"{name}.skipped").write_text("SKIP_BM25=1\n")
+    (work / "world" / "corpus.jsonl").unlink()
+    for name in ("encode", "ivfpq-build", "dense-serve"):
+        stage(name)
+    out = stage("report", work, "--out", str(tmp_path / "r.json"))
+    encode = json.loads((work / "stages" / "encode.json").read_text())
+    assert encode["docstore"] == str(work / "docstore" / "docstore") and encode["passages"] == 400
+    assert json.loads((work / "stages" / "ivfpq-build.json").read_text())["docstore_reused"] is True
+    result = json.loads((tmp_path / "r.json").read_text())
+    assert result["missing_stages"] == []
+    assert result["skipped_stages"] == {"bm25-build": "SKIP_BM25=1", "bm25-serve": "SKIP_BM25=1"}
+    assert set(result["stages"]) == {"synth", "docstore-build", "encode", "ivfpq-build", "dense-serve"}
+    assert "docstore build" in out.stdout and re.search(r"^bm25-build +skipped: SKIP_BM25=1$", out.stdout, re.M)
+    assert result["stages"]["dense-serve"]["recall_at_5_vs_exact"] >= 0.8

@@ -197,12 +197,16 @@ def test_ivfpq_sharded_end_to_end_reports_recall(
     rng = np.random.default_rng(11)
     picked = rng.choice(len(docs), 100, replace=False)
     queries = [" ".join(rng.choice(docs[i], size=5, replace=False)) for i in picked]
+    import faiss
+
     build_index(corpus, "dense", tmp_path / "flat", encoder=encoder, show_progress=False)
+    faiss.omp_set_num_threads(1)
     manifest = build_index(
         corpus,
         "dense",
         tmp_path / "ivf",
         encoder=encoder,
+        threads=2,  # faiss trains and adds with the build's threads, whatever it had before
         faiss="ivfpq",
         nlist=16,
         m=8,
@@ -214,6 +218,8 @@ def test_ivfpq_sharded_end_to_end_reports_recall(
         show_progress=False,
     )
     assert manifest["train_sample"] == 800
+    assert faiss.omp_get_max_threads() == 2
+    faiss.omp_set_num_threads(1)
     assert manifest["vectors"] == {"file": "vectors.f16", "dtype": "float16", "shape": [2000, DIM]}
     assert (tmp_path / "ivf" / "vectors.f16").stat().st_size == 2000 * DIM * 2
     assert not (tmp_path / "ivf" / "vectors.tmp.f16").exists()

@@ -74,47 +74,59 @@ def iter_json_lines(path: str | Path, what: str) -> Iterator[tuple[int, Any]]:
         raise DataFormatError(str(path), None, f"{what} does not exist")
     with open(path, "rb") as f:  # decoded line by line, so a bad byte is reported with its line
         for lineno, raw in enumerate(f, start=1):
-            try:
-                line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
-            except UnicodeDecodeError as err:
-                raise DataFormatError(
-                    str(path), lineno, f"not valid UTF-8 (byte {err.start} of the line); re-encode the {what} as UTF-8"
-                ) from None
-            # a byte-order mark opens line 1 of files saved by some editors, and any line of concatenated ones
-            line = line.removeprefix("\ufeff")
-            if not line.strip():
-                continue
-            try:
-                yield lineno, json.loads(line)
-            except json.JSONDecodeError as err:
-                raise DataFormatError(
-                    str(path), lineno, f"invalid JSON ({err.msg}); each line must be one JSON object"
-                ) from None
-            except ValueError as err:  # e.g. an integer longer than Python converts (4,300 digits)
-                raise DataFormatError(str(path), lineno, f"unreadable JSON value ({err})") from None
-            except RecursionError:
-                raise DataFormatError(str(path), lineno, "JSON nested too deeply to parse") from None
+            if (value := parse_json_line(path, lineno, raw, what)) is not BLANK_LINE:
+                yield lineno, value
+
+
+BLANK_LINE = object()  # parse_json_line's answer for a blank line
+
+
+def parse_json_line(path: str | Path, lineno: int, raw: bytes, what: str) -> Any:
+    """One jsonl line's bytes -> its value (BLANK_LINE if blank), errors naming the line (`iter_json_lines`)."""
+    from sleuth.errors import DataFormatError
+
+    try:
+        line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
+    except UnicodeDecodeError as err:
+        raise DataFormatError(str(path), lineno, f"not valid UTF-8 (byte {err.start} of the line); "
+                              f"re-encode the {what} as UTF-8") from None
+    # a byte-order mark opens line 1 of files saved by some editors, and any line of concatenated ones
+    line = line.removeprefix("\ufeff")
+    if not line.strip():
+        return BLANK_LINE
+    try:
+        return json.loads(line)
+    except json.JSONDecodeError as err:
+        raise DataFormatError(str(path), lineno, f"invalid JSON ({err.msg}); each line must be one JSON object") from None
+    except ValueError as err:  # e.g. an integer longer than Python converts (4,300 digits)
+        raise DataFormatError(str(path), lineno, f"unreadable JSON value ({err})") from None
+    except RecursionError:
+        raise DataFormatError(str(path), lineno, "JSON nested too deeply to parse") from None
 
 
 def _iter_corpus_lines(path: str | Path) -> Iterator[tuple[int, Passage]]:
+    return ((lineno, passage_from_record(path, lineno, rec)) for lineno, rec in iter_json_lines(path, "corpus file"))
+
+
+def passage_from_record(path: str | Path, lineno: int, rec: Any) -> Passage:
+    """A corpus line's parsed JSON -> Passage; errors name the file and line."""
     from sleuth.errors import DataFormatError
 
-    for lineno, rec in iter_json_lines(path, "corpus file"):
-        if not isinstance(rec, dict):
-            raise DataFormatError(str(path), lineno, "expected a JSON object with 'id' and 'contents'")
-        if "id" not in rec:
-            raise DataFormatError(str(path), lineno, "missing field 'id'")
-        if rec["id"] is None or not str(rec["id"]).strip():
-            raise DataFormatError(str(path), lineno, "empty id; every passage needs a non-empty, unique 'id'")
-        if "contents" in rec:
-            if not isinstance(rec["contents"], str):
-                raise DataFormatError(str(path), lineno, "'contents' must be a string")
-            title, text = split_contents(rec["contents"])
-        elif "text" in rec:
-            title, text = str(rec.get("title", "")), str(rec["text"])
-        else:
-            raise DataFormatError(str(path), lineno, "missing field 'contents' (or 'title'/'text')")
-        yield lineno, Passage(id=str(rec["id"]), title=title, text=text)
+    if not isinstance(rec, dict):
+        raise DataFormatError(str(path), lineno, "expected a JSON object with 'id' and 'contents'")
+    if "id" not in rec:
+        raise DataFormatError(str(path), lineno, "missing field 'id'")
+    if rec["id"] is None or not str(rec["id"]).strip():
+        raise DataFormatError(str(path), lineno, "empty id; every passage needs a non-empty, unique 'id'")
+    if "contents" in rec:
+        if not isinstance(rec["contents"], str):
+            raise DataFormatError(str(path), lineno, "'contents' must be a string")
+        title, text = split_contents(rec["contents"])
+    elif "text" in rec:
+        title, text = str(rec.get("title", "")), str(rec["text"])
+    else:
+        raise DataFormatError(str(path), lineno, "missing field 'contents' (or 'title'/'text')")
+    return Passage(id=str(rec["id"]), title=title, text=text)
 
 
 _EMPTY_CORPUS = "holds no passages; a corpus needs at least one {'id', 'contents'} line"

@@ -65,6 +65,7 @@ class EncodeJob:
     fp16: bool = True
     threads_per_worker: int = 1
     ranges: list[tuple[int, int]] = field(default_factory=list)
+    fast_tokenizer: bool = True
 
 
 def parse_devices(devices: str | Sequence[str], visible_gpus: int | None = None) -> list[str]:
@@ -145,6 +146,9 @@ class EncodePlan:
     fp16: bool = True
     cores: int | None = None
     procs_per_gpu: int | None = None
+    # Tokenize with sleuth.retrieval.fast_tokenize (when it agrees with sentence-transformers' preprocess on
+    # the range's first passages); False: sentence-transformers' preprocess.
+    fast_tokenizer: bool = True
 
 
 def encode_docstore_parallel(
@@ -180,7 +184,7 @@ def encode_docstore_parallel(
         encoder=encoder if isinstance(encoder, EncoderConfig) else None,
         factory=None if isinstance(encoder, EncoderConfig) else encoder, fp16=plan.fp16,
         threads_per_worker=max(1, cores // len(workers)),
-        ranges=plan_ranges(store.num_docs, plan.chunk, plan.range_chunks),
+        ranges=plan_ranges(store.num_docs, plan.chunk, plan.range_chunks), fast_tokenizer=plan.fast_tokenizer,
     )
     if job.num_docs == 0:
         path.write_bytes(b"")  # nothing to encode; np.memmap cannot map an empty file
@@ -294,7 +298,7 @@ def _worker(job: EncodeJob, device: str, w: int, tasks: Any) -> None:
         while (i := tasks.get()) is not None:
             start, end = job.ranges[i]
             began = time.time()
-            _encode_range(encoder, store, out, start, end, job.chunk)
+            _encode_range(encoder, store, out, start, end, job.chunk, job.fast_tokenizer)
             out.flush()  # the rows are on disk before the marker says so
             atomic_write_json(_marker(job, i), {"rows": [start, end], "device": device, "began": began,
                                                 "ended": time.time()})
@@ -317,18 +321,42 @@ def _load_worker_encoder(job: EncodeJob, device: str) -> Any:
     return encoder
 
 
-def _encode_range(encoder: Any, store: DocStore, out: np.ndarray, start: int, end: int, chunk: int) -> None:
+def _encode_range(encoder: Any, store: DocStore, out: np.ndarray, start: int, end: int, chunk: int,
+                  fast_tokenizer: bool = True) -> None:
     model = getattr(encoder, "model", None)
     if model is None or not hasattr(model, "forward"):
         for s in range(start, end, chunk):
             texts = [passage_text(t, x) for _, t, x in store.get(np.arange(s, min(s + chunk, end)))]
             out[s : s + len(texts)] = encoder.encode_passages(texts)
         return
-    _encode_range_pipelined(encoder, store, out, start, end, chunk)
+    _encode_range_pipelined(encoder, store, out, start, end, chunk, fast_tokenizer)
+
+
+# Passages of a range that sleuth.retrieval.fast_tokenize is checked on before it replaces preprocess.
+AGREEMENT_ROWS = 256
+
+
+def _tokenizer_for(model: Any, texts: list[str], fast: bool) -> Callable[[list[str]], dict[str, Any]]:
+    """The fast batch tokenizer if `fast` and its features equal sentence-transformers' preprocess on
+    `texts`, else preprocess. Either way preprocess has been called once before any reader thread: the
+    tokenizer stores its truncation/padding settings on the first call (a write), and a write while
+    another thread encodes fails ("Already borrowed"); later calls with the same settings only read."""
+    from sleuth.retrieval.fast_tokenize import BatchTokenizer, UnsupportedTokenizer
+
+    preprocess = getattr(model, "preprocess", None) or model.tokenize
+    if fast:
+        try:
+            tokenizer = BatchTokenizer(model)
+        except UnsupportedTokenizer:
+            tokenizer = None
+        if tokenizer is not None and tokenizer.agrees_with(preprocess, texts):
+            return tokenizer
+    preprocess(texts[:1])
+    return preprocess
 
 
 def _encode_range_pipelined(encoder: Any, store: DocStore, out: np.ndarray, start: int, end: int,
-                            chunk: int) -> None:
+                            chunk: int, fast_tokenizer: bool = True) -> None:
     """Reader threads tokenize length-sorted batches ahead; this thread runs the model on them.
 
     Each reader takes every READERS-th chunk: the batches are the same whatever their order, and
@@ -336,7 +364,9 @@ def _encode_range_pipelined(encoder: Any, store: DocStore, out: np.ndarray, star
     import torch  # deferred: heavy
 
     model, cfg = encoder.model, encoder.config
-    preprocess = getattr(model, "preprocess", None) or model.tokenize
+    sample = [cfg.passage_prefix + passage_text(t, x)
+              for _, t, x in store.get(np.arange(start, min(start + AGREEMENT_ROWS, end)))]
+    preprocess = _tokenizer_for(model, sample, fast_tokenizer)
     ready: queue.Queue = queue.Queue(maxsize=8)
     failure: list[BaseException] = []
     starts = list(range(start, end, chunk))
@@ -355,10 +385,6 @@ def _encode_range_pipelined(encoder: Any, store: DocStore, out: np.ndarray, star
         finally:
             ready.put(None)
 
-    # One call before the readers start: the tokenizer stores its truncation/padding settings on the
-    # first call (a write), and a write while another thread encodes fails ("Already borrowed"); later
-    # calls with the same settings only read.
-    preprocess([cfg.passage_prefix + "warm-up"])
     readers = [threading.Thread(target=read, args=(starts[k::READERS],), daemon=True, name=f"encode-reader-{k}")
                for k in range(READERS)]
     for reader in readers:

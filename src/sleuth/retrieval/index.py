@@ -47,6 +47,9 @@ from sleuth.utils import (
 MANIFEST = "manifest.json"
 MANIFEST_VERSION = 1
 KINDS = ("bm25", "dense")
+# A directory holding only a docstore and a manifest (sleuth.retrieval.docstore_build.build_docstore_index):
+# not searchable, but a `docstore_from` source for dense builds.
+DOCSTORE_KIND = "docstore"
 _ENCODER_KEYS = {
     "encoder",
     "query_prefix",
@@ -187,7 +190,7 @@ def _docstore_source(corpus_path: str | Path | None, docstore_from: str | Path |
         if corpus_path is None:
             raise ConfigError("build_index needs a corpus file, or docstore_from (an index of the corpus)")
         return None
-    manifest = read_manifest(docstore_from)
+    manifest = read_manifest(docstore_from, kinds=(*KINDS, DOCSTORE_KIND))
     if not (Path(docstore_from) / "docstore" / "docstore.json").is_file():
         raise IndexMismatchError(f"{docstore_from}: has no docstore/ to reuse; rebuild it with `sleuth index`")
     if corpus_path is not None:
@@ -253,6 +256,7 @@ def _build_dense(
     docstore, out_dir: Path, *, threads: int, show_progress: bool, **params: Any
 ) -> dict[str, Any]:
     _set_torch_threads(threads)
+    _set_faiss_threads(threads)
     embeddings = params.pop(_EMBEDDINGS_KEY, None)
     shard_opts = {k: params.pop(k) for k in list(params) if k in _SHARD_KEYS}
     faiss_kind = params.pop("faiss", "flat")
@@ -340,14 +344,22 @@ def encode_docstore(
     return pos
 
 
+def _set_faiss_threads(threads: int) -> None:
+    """faiss' OpenMP threads for k-means training, adding and encoding: `threads` (the build's --threads), not
+    whatever OMP_NUM_THREADS the process started with (1 in the bench drivers, for the servers)."""
+    import faiss  # deferred: faiss is heavy; only dense builds need it
+
+    faiss.omp_set_num_threads(max(1, threads))
+
+
 def _set_torch_threads(threads: int) -> None:
     import torch  # deferred: torch is heavy and this module's other paths run without it
 
     torch.set_num_threads(max(1, threads))
 
 
-def read_manifest(index_dir: str | Path) -> dict[str, Any]:
-    """The manifest of `index_dir`, or a clear error if the directory is not a complete index."""
+def read_manifest(index_dir: str | Path, kinds: tuple[str, ...] = KINDS) -> dict[str, Any]:
+    """The manifest of `index_dir`, or a clear error if the directory is not a complete index (of `kinds`)."""
     index_dir = Path(index_dir)
     if not index_dir.is_dir():
         raise FileNotFoundError(f"{index_dir}: index directory does not exist; build one with `sleuth index`")
@@ -370,7 +382,10 @@ def read_manifest(index_dir: str | Path) -> dict[str, Any]:
     ]
     if missing:
         raise IndexMismatchError(f"{path}: manifest lacks {missing}; rebuild the index with `sleuth index`")
-    if manifest["kind"] not in KINDS:
+    if manifest["kind"] not in kinds:
+        if manifest["kind"] == DOCSTORE_KIND:
+            raise IndexMismatchError(f"{path}: {index_dir} holds only a docstore (no search index); build one "
+                                     f"with `sleuth index --docstore-from {index_dir}`")
         raise IndexMismatchError(
             f"{path}: unknown index kind {manifest['kind']!r}; rebuild with `sleuth index`"
         )
