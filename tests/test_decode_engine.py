@@ -181,6 +181,21 @@ KERNEL_CHECK = textwrap.dedent("""
         tok, lp = K.sample(small, 0.7, torch.tensor([seed]))
         counts += torch.bincount(tok, minlength=6).float()
         worst["sample logprob"] = max(worst.get("sample logprob", 0.0), (lp - (small / 0.7).log_softmax(-1).gather(-1, tok[:, None]).squeeze(-1)).abs().max().item())
+    # a vocabulary split over several programs per row (5 chunks of 1,024 and a partial one) draws the same
+    # noise, so it samples the same tokens as one program per row, with the same log-probs
+    wide = torch.randn(5, 5500) * 3
+    for temperature in (0.0, 0.7):
+        for seed in range(4):
+            t1, l1 = K.sample(wide, temperature, torch.tensor([seed]), chunk=10**9)
+            t2, l2 = K.sample(wide, temperature, torch.tensor([seed]), chunk=1024)
+            assert torch.equal(t1, t2), (temperature, seed, t1, t2)
+            worst["split sampler logprob"] = max(worst.get("split sampler logprob", 0.0), (l1 - l2).abs().max().item())
+    class RejectedByTheCompiler:
+        def __getitem__(self, grid):
+            raise RuntimeError("rejected by the compiler")
+    K._sample_split_kernel = RejectedByTheCompiler()  # falls back to one program per row, same tokens
+    t3, _ = K.sample(wide, 0.7, torch.tensor([1]), chunk=1024)
+    assert torch.equal(t3, K.sample(wide, 0.7, torch.tensor([1]), chunk=10**9)[0]) and K._SPLIT_SAMPLER_FAILED
     from scipy.stats import chisquare
     p = chisquare(counts.numpy(), ((small[0] / 0.7).softmax(-1) * counts.sum()).numpy()).pvalue
     worst["sampling chi-square p (want > 1e-3)"] = -p

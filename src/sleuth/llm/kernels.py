@@ -20,6 +20,7 @@ the batch moves no key or value.
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 from dataclasses import dataclass
@@ -34,6 +35,7 @@ except ImportError:  # pragma: no cover - depends on the install
     tl = None
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+log = logging.getLogger(__name__)
 
 
 def triton_enabled(t: torch.Tensor) -> bool:
@@ -311,6 +313,66 @@ if triton is not None:
         tl.store(tok_ptr + row + one, best_idx.to(tl.int64))
         tl.store(lp_ptr + row + one, best_x - run_m - tl.log(run_s))
 
+    @triton.jit
+    def _sample_split_kernel(logits_ptr, seed_ptr, part_ptr, idx_ptr, vocab, inv_temp, CHUNK: tl.constexpr,
+                             SPLITS: tl.constexpr, GREEDY: tl.constexpr, BLOCK: tl.constexpr):
+        # one program per (row, vocabulary chunk): _sample_kernel's pass over CHUNK columns; the partials
+        # (best score, its logit, running max, running sum) go to part_ptr[row, split, 0:4]
+        row = tl.program_id(0)
+        split = tl.program_id(1)
+        seed = tl.load(seed_ptr)
+        lo = split * CHUNK
+        hi = tl.minimum(lo + CHUNK, vocab)
+        best = tl.full([1], float("-inf"), tl.float32)
+        best_idx = tl.zeros([1], tl.int32)
+        best_x = tl.zeros([1], tl.float32)
+        run_m = tl.full([1], float("-inf"), tl.float32)
+        run_s = tl.zeros([1], tl.float32)
+        for v0 in range(lo, hi, BLOCK):
+            cols = v0 + tl.arange(0, BLOCK)
+            m = cols < hi
+            x = tl.load(logits_ptr + row.to(tl.int64) * vocab + cols, mask=m, other=float("-inf")).to(tl.float32)
+            x = x * inv_temp
+            if GREEDY:
+                score = x
+            else:
+                u = tl.maximum(tl.rand(seed, row * vocab + cols), 1e-20)
+                score = tl.where(m, x - tl.log(-tl.log(u)), float("-inf"))
+            blk_best = tl.max(score, 0)
+            blk_idx = tl.argmax(score, 0)
+            blk_x = tl.sum(tl.where(cols == v0 + blk_idx, x, 0.0), 0)
+            take = blk_best > best
+            best_idx = tl.where(take, v0 + blk_idx, best_idx)
+            best_x = tl.where(take, blk_x, best_x)
+            best = tl.where(take, blk_best, best)
+            new_m = tl.maximum(run_m, tl.max(x, 0))
+            run_s = run_s * tl.exp(run_m - new_m) + tl.sum(tl.exp(x - new_m), 0)
+            run_m = new_m
+        one = tl.arange(0, 1)
+        base = part_ptr + (row * SPLITS + split) * 4
+        tl.store(base + one, best)
+        tl.store(base + 1 + one, best_x)
+        tl.store(base + 2 + one, run_m)
+        tl.store(base + 3 + one, run_s)
+        tl.store(idx_ptr + row * SPLITS + split + one, best_idx)
+
+    @triton.jit
+    def _sample_combine_kernel(part_ptr, idx_ptr, tok_ptr, lp_ptr, SPLITS: tl.constexpr, BLOCK_S: tl.constexpr):
+        # the first chunk holding the row's best score wins (as _sample_kernel's first block does)
+        row = tl.program_id(0)
+        k = tl.arange(0, BLOCK_S)
+        km = k < SPLITS
+        base = part_ptr + (row * SPLITS + k) * 4
+        best = tl.load(base, mask=km, other=float("-inf"))
+        win = tl.argmax(best, 0)
+        x = tl.sum(tl.where(k == win, tl.load(base + 1, mask=km, other=0.0), 0.0), 0)
+        m = tl.load(base + 2, mask=km, other=float("-inf"))
+        total_m = tl.max(m, 0)
+        total_s = tl.sum(tl.load(base + 3, mask=km, other=0.0) * tl.exp(m - total_m), 0)
+        idx = tl.sum(tl.where(k == win, tl.load(idx_ptr + row * SPLITS + k, mask=km, other=0), 0), 0)
+        tl.store(tok_ptr + row, idx.to(tl.int64))
+        tl.store(lp_ptr + row, x - total_m - tl.log(total_s))
+
 
 # ---------------------------------------------------------------------------------------------------
 # Dispatch
@@ -400,11 +462,17 @@ def silu_mul(gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Te
     return res
 
 
+SAMPLE_CHUNK = 8192  # vocabulary columns per program: a 152k vocabulary gives each row 19 programs
+_SPLIT_SAMPLER_FAILED: list[Exception] = []  # set once the split sampler failed to compile on this machine
+
+
 def sample(logits: torch.Tensor, temperature: float, seed: torch.Tensor, tokens: torch.Tensor | None = None,
-           logprobs: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+           logprobs: torch.Tensor | None = None, chunk: int = SAMPLE_CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
     """Tokens (int64) and their log-probs (fp32) for (B, V) logits; see `sample_reference`. The kernel
     draws its Gumbel noise from Philox(seed, row * V + column): `seed` lives on the device so a captured
-    step can advance it between replays."""
+    step can advance it between replays. A vocabulary wider than `chunk` is split over several programs per
+    row and combined (one program per row took 0.27 ms per step at batch 64 on an H100, 13% of a 0.5B
+    decode step); the split draws the same noise, so it samples the same tokens."""
     if not triton_enabled(logits):
         tok, lp = sample_reference(logits, temperature, seed)
         if tokens is not None:
@@ -416,6 +484,18 @@ def sample(logits: torch.Tensor, temperature: float, seed: torch.Tensor, tokens:
     tok = tokens if tokens is not None else torch.empty(b, dtype=torch.int64, device=logits.device)
     lp = logprobs if logprobs is not None else torch.empty(b, dtype=torch.float32, device=logits.device)
     greedy = temperature <= 0
-    _sample_kernel[(b,)](logits, seed, tok, lp, vocab, 1.0 if greedy else 1.0 / temperature, GREEDY=greedy,
-                         BLOCK=4096)
+    inv_temp = 1.0 if greedy else 1.0 / temperature
+    splits = triton.cdiv(vocab, chunk)
+    if splits > 1 and not _SPLIT_SAMPLER_FAILED:
+        parts = torch.empty((b, splits, 4), dtype=torch.float32, device=logits.device)
+        idx = torch.empty((b, splits), dtype=torch.int32, device=logits.device)
+        try:
+            _sample_split_kernel[(b, splits)](logits, seed, parts, idx, vocab, inv_temp, CHUNK=chunk, SPLITS=splits,
+                                              GREEDY=greedy, BLOCK=min(4096, chunk))
+            _sample_combine_kernel[(b,)](parts, idx, tok, lp, SPLITS=splits, BLOCK_S=triton.next_power_of_2(splits))
+            return tok, lp
+        except Exception as err:  # a compiler that rejects it: the one-program sampler draws the same tokens
+            log.warning("split sampler unavailable (%s); sampling with one program per row", err)
+            _SPLIT_SAMPLER_FAILED.append(err)
+    _sample_kernel[(b,)](logits, seed, tok, lp, vocab, inv_temp, GREEDY=greedy, BLOCK=4096)
     return tok, lp
