@@ -7,9 +7,9 @@
 # On a 4-GPU machine with issue 24's retrieval beside it (prepare: bash bench/prepare_gpu_assets.sh; ... retrieval;
 # bash bench/gpu_learn.sh minilm), calls follow each other within the machine's idle time (~30 s):
 #   1: carry [.whl, .models]  RETRIEVAL=1 bash bench/gpu_paper.sh start; bash bench/gpu_paper.sh wait 300
-#   2: carry [.gpu/minilm]    bash bench/gpu_paper.sh wait 60      3: carry [.gpu/p1]  bash bench/gpu_paper.sh wait 60
-#   4: carry [.gpu/p2]        bash bench/gpu_paper.sh wait 560     (the GGUF halves: guard40 waits for them)
-#   then wait calls; each packs results.tgz and retrieval/ into $OUT.
+#   2: carry [.gpu/minilm]    bash bench/gpu_paper.sh wait 560
+#   then wait calls; each packs results.tgz and retrieval/ into $OUT. (The guard40 stage, a GGUF run, needs the
+#   GGUF halves carried in two more calls, [.gpu/p1] then [.gpu/p2]; PLAN=next no longer runs it: measured.)
 # Stages (STAGES="decode capacity rollout paper3b fsdp3b paper7b" by default), each one command:
 #   decode   : bench/decode.py, 0.5B/3B/7B shapes at batch 64 (HBM-bound fraction of the decode step)
 #   capacity : bench/decode.py, 7B shape, 128 rows x 4,096 tokens (KV memory that fits one card)
@@ -61,6 +61,8 @@ stage_cmd() {
               --steps 1 --micro 2 --timeout 900 --work "$WORK/$1" --out "$R/paper_scale_7b_full_fsdp_4gpu.json" ;;
     r_short) python bench/rollout.py --model random:qwen2.5-0.5b --device cuda --batch 64 --turns 3 --new-tokens 64 \
               --modes engine static+compile --baseline-trajectories 0 --out "$R/rollout_0.5b_short.json" ;;
+    s_short) SLEUTH_SAMPLE_CHUNK=0 python bench/rollout.py --model random:qwen2.5-0.5b --device cuda --batch 64 --turns 3 \
+              --new-tokens 64 --modes engine --baseline-trajectories 0 --out "$R/rollout_0.5b_short_one_program_sampler.json" ;;
     # n_*: the same rows with every turn prefilled whole again (--no-prefix-reuse), the baseline on the same card
     n_short) python bench/rollout.py --model random:qwen2.5-0.5b --device cuda --batch 64 --turns 3 --new-tokens 64 \
               --modes engine --no-prefix-reuse --baseline-trajectories 0 --out "$R/rollout_0.5b_short_noreuse.json" ;;
@@ -122,12 +124,13 @@ daemon4() {  # 4 GPUs: lanes of independent stages run side by side on disjoint 
   echo "$(date +%T) all stages ended" >> "$WORK/progress.log"
 }
 
-daemon_next() {  # PLAN=next: what the first 4-GPU run left (rollout rows after the graph fix, the 1-GPU rehearsal
-  # row, 7B FSDP2 memory on these cards, issue 26's guarded run); then every GPU goes to issue 24's encoder
+daemon_next() {  # PLAN=next: what issue 23 still lacks after 2026-11-27 (the split sampler against the one-program
+  # one at the short geometry, same card; 7B 256 x 4,096 on an H200; 2- and 4-GPU rehearsal rows where H100s
+  # came); then every GPU goes to issue 24's encoder
   bash bench/gpu_run.sh setup > "$WORK/logs/setup.log" 2>&1
-  { stage r_short 0; stage r_paper05 0; stage r_paper3 0; stage r_paper7 0; } & { stage p3b_1 1; } &
-  { stage guard40 2; } & { stage r_prof 3; stage capacity256 3; } & wait
-  stage p7b_fsdp4 0,1,2,3
+  { stage r_short 0; stage s_short 0; stage r_prof 0; stage r_paper05 0; } & { stage capacity256 1; } &
+  { stage p3b_2 2,3; } & wait
+  stage p3b_4 0,1,2,3
   stage encode_go 0,1,2,3
   echo "$(date +%T) all stages ended" >> "$WORK/progress.log"
 }

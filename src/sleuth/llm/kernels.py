@@ -462,7 +462,9 @@ def silu_mul(gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Te
     return res
 
 
-SAMPLE_CHUNK = 8192  # vocabulary columns per program: a 152k vocabulary gives each row 19 programs
+# vocabulary columns per program: a 152k vocabulary gives each row 19 programs (SLEUTH_SAMPLE_CHUNK=0: one
+# program per row, the comparison row of bench/gpu_paper.sh's s_short)
+SAMPLE_CHUNK = int(os.environ.get("SLEUTH_SAMPLE_CHUNK", "8192")) or 2**62
 _SPLIT_SAMPLER_FAILED: list[Exception] = []  # set once the split sampler failed to compile on this machine
 
 
