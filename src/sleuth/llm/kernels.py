@@ -279,50 +279,9 @@ if triton is not None:
         tl.store(out_ptr + row * n + cols, (act.to(tl.float32) * up.to(tl.float32)).to(gate.dtype), mask=m)
 
     @triton.jit
-    def _sample_kernel(logits_ptr, seed_ptr, tok_ptr, lp_ptr, vocab, inv_temp, GREEDY: tl.constexpr,
-                       BLOCK: tl.constexpr):
-        row = tl.program_id(0)
-        seed = tl.load(seed_ptr)
-        best = tl.full([1], float("-inf"), tl.float32)
-        best_idx = tl.zeros([1], tl.int32)
-        best_x = tl.zeros([1], tl.float32)
-        run_m = tl.full([1], float("-inf"), tl.float32)
-        run_s = tl.zeros([1], tl.float32)
-        for v0 in range(0, vocab, BLOCK):
-            cols = v0 + tl.arange(0, BLOCK)
-            m = cols < vocab
-            x = tl.load(logits_ptr + row.to(tl.int64) * vocab + cols, mask=m, other=float("-inf")).to(tl.float32)
-            x = x * inv_temp
-            if GREEDY:
-                score = x
-            else:
-                u = tl.maximum(tl.rand(seed, row * vocab + cols), 1e-20)
-                score = tl.where(m, x - tl.log(-tl.log(u)), float("-inf"))
-            blk_best = tl.max(score, 0)
-            blk_idx = tl.argmax(score, 0)
-            blk_x = tl.sum(tl.where(cols == v0 + blk_idx, x, 0.0), 0)
-            take = blk_best > best
-            best_idx = tl.where(take, v0 + blk_idx, best_idx)
-            best_x = tl.where(take, blk_x, best_x)
-            best = tl.where(take, blk_best, best)
-            blk_m = tl.max(x, 0)
-            new_m = tl.maximum(run_m, blk_m)
-            run_s = run_s * tl.exp(run_m - new_m) + tl.sum(tl.exp(x - new_m), 0)
-            run_m = new_m
-        one = tl.arange(0, 1)
-        tl.store(tok_ptr + row + one, best_idx.to(tl.int64))
-        tl.store(lp_ptr + row + one, best_x - run_m - tl.log(run_s))
-
-    @triton.jit
-    def _sample_split_kernel(logits_ptr, seed_ptr, part_ptr, idx_ptr, vocab, inv_temp, CHUNK: tl.constexpr,
-                             SPLITS: tl.constexpr, GREEDY: tl.constexpr, BLOCK: tl.constexpr):
-        # one program per (row, vocabulary chunk): _sample_kernel's pass over CHUNK columns; the partials
-        # (best score, its logit, running max, running sum) go to part_ptr[row, split, 0:4]
-        row = tl.program_id(0)
-        split = tl.program_id(1)
-        seed = tl.load(seed_ptr)
-        lo = split * CHUNK
-        hi = tl.minimum(lo + CHUNK, vocab)
+    def _sample_range(logits_ptr, seed, row, vocab, lo, hi, inv_temp, GREEDY: tl.constexpr, BLOCK: tl.constexpr):
+        """One pass over a row's columns lo..hi: (best Gumbel score, its column, its tempered logit, running max
+        and running sum of exp for the log-softmax). The noise of column c is Philox(seed, row * vocab + c)."""
         best = tl.full([1], float("-inf"), tl.float32)
         best_idx = tl.zeros([1], tl.int32)
         best_x = tl.zeros([1], tl.float32)
@@ -341,13 +300,35 @@ if triton is not None:
             blk_best = tl.max(score, 0)
             blk_idx = tl.argmax(score, 0)
             blk_x = tl.sum(tl.where(cols == v0 + blk_idx, x, 0.0), 0)
-            take = blk_best > best
+            take = blk_best > best  # ties keep the earlier column
             best_idx = tl.where(take, v0 + blk_idx, best_idx)
             best_x = tl.where(take, blk_x, best_x)
             best = tl.where(take, blk_best, best)
             new_m = tl.maximum(run_m, tl.max(x, 0))
             run_s = run_s * tl.exp(run_m - new_m) + tl.sum(tl.exp(x - new_m), 0)
             run_m = new_m
+        return best, best_idx, best_x, run_m, run_s
+
+    @triton.jit
+    def _sample_kernel(logits_ptr, seed_ptr, tok_ptr, lp_ptr, vocab, inv_temp, GREEDY: tl.constexpr,
+                       BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        _, best_idx, best_x, run_m, run_s = _sample_range(logits_ptr, tl.load(seed_ptr), row, vocab, 0, vocab,
+                                                          inv_temp, GREEDY, BLOCK)
+        one = tl.arange(0, 1)
+        tl.store(tok_ptr + row + one, best_idx.to(tl.int64))
+        tl.store(lp_ptr + row + one, best_x - run_m - tl.log(run_s))
+
+    @triton.jit
+    def _sample_split_kernel(logits_ptr, seed_ptr, part_ptr, idx_ptr, vocab, inv_temp, CHUNK: tl.constexpr,
+                             SPLITS: tl.constexpr, GREEDY: tl.constexpr, BLOCK: tl.constexpr):
+        # one program per (row, vocabulary chunk); the partials (best score, its logit, running max, running
+        # sum) go to part_ptr[row, split, 0:4] and the best column to idx_ptr[row, split]
+        row = tl.program_id(0)
+        split = tl.program_id(1)
+        lo = split * CHUNK
+        best, best_idx, best_x, run_m, run_s = _sample_range(logits_ptr, tl.load(seed_ptr), row, vocab, lo,
+                                                             tl.minimum(lo + CHUNK, vocab), inv_temp, GREEDY, BLOCK)
         one = tl.arange(0, 1)
         base = part_ptr + (row * SPLITS + split) * 4
         tl.store(base + one, best)
