@@ -33,8 +33,15 @@ def _offsets_path(d: Path) -> Path:
     return d / "offsets.npy"
 
 
-def _strings_path(d: Path) -> Path:
+def strings_path(d: Path) -> Path:
     return d / "strings.bin"
+
+
+def write_offsets_and_meta(directory: Path, offsets: np.ndarray) -> None:
+    """What follows `strings.bin`: the field end offsets, then (last, so a reader sees a complete docstore)
+    docstore.json. Shared by `DocStore.build` and the parallel builder (`docstore_build`)."""
+    np.save(_offsets_path(directory), offsets)
+    atomic_write_json(directory / "docstore.json", {"format": DOCSTORE_FORMAT, "num_docs": (offsets.size - 1) // _FIELDS})
 
 
 class DocStore:
@@ -61,7 +68,7 @@ class DocStore:
                 f"{self.directory}: offsets.npy has shape {self._offsets.shape}, expected "
                 f"({_FIELDS * self.num_docs + 1},); the docstore is corrupt, rebuild it with `sleuth index`"
             )
-        size = _strings_path(self.directory).stat().st_size
+        size = strings_path(self.directory).stat().st_size
         if int(self._offsets[-1]) != size:
             raise IndexMismatchError(
                 f"{self.directory}: strings.bin is {size} bytes but offsets end at {int(self._offsets[-1])}; "
@@ -69,7 +76,7 @@ class DocStore:
             )
         # np.memmap cannot map an empty file; an empty corpus has no bytes to read anyway.
         mapped = (
-            np.memmap(_strings_path(self.directory), dtype=np.uint8, mode="r")
+            np.memmap(strings_path(self.directory), dtype=np.uint8, mode="r")
             if size
             else np.zeros(0, np.uint8)
         )
@@ -142,7 +149,7 @@ class DocStore:
         # Offsets accumulate in a growable int64 array chunk by chunk to avoid a 21M-element Python list.
         chunks: list[np.ndarray] = []
         pending: list[int] = []
-        with open(_strings_path(directory), "wb") as out:
+        with open(strings_path(directory), "wb") as out:
             for p in passages:
                 for field in (p.id, p.title, p.text):
                     b = field.encode("utf-8")
@@ -153,10 +160,7 @@ class DocStore:
                     chunks.append(np.asarray(pending, dtype=np.int64))
                     pending = []
         chunks.append(np.asarray(pending, dtype=np.int64))
-        all_offsets = np.concatenate([np.asarray(offsets, dtype=np.int64), *chunks])
-        num_docs = (all_offsets.size - 1) // _FIELDS
-        np.save(_offsets_path(directory), all_offsets)
-        atomic_write_json(directory / "docstore.json", {"format": DOCSTORE_FORMAT, "num_docs": num_docs})
+        write_offsets_and_meta(directory, np.concatenate([np.asarray(offsets, dtype=np.int64), *chunks]))
         return DocStore(directory)
 
     @staticmethod

@@ -38,13 +38,12 @@ from sleuth.data.formats import (
     passage_from_record,
 )
 from sleuth.errors import ConfigError, DataFormatError
-from sleuth.retrieval.docstore import DOCSTORE_FORMAT, DocStore
+from sleuth.retrieval.docstore import DocStore, strings_path, write_offsets_and_meta
 from sleuth.retrieval.index import DOCSTORE_KIND, MANIFEST, MANIFEST_VERSION
 from sleuth.utils import atomic_write_json, give_normal_permissions
 
 # Ranges per worker: the unit of load balance (a range of long passages costs more than one of short).
 RANGES_PER_WORKER = 4
-_STRINGS, _OFFSETS, _META = "strings.bin", "offsets.npy", "docstore.json"
 
 
 def line_ranges(path: str | Path, parts: int) -> list[tuple[int, int]]:
@@ -167,15 +166,14 @@ def _build_into(corpus: Path, out: Path, workers: int) -> None:
             for _ in iter_corpus(corpus, unique_ids=True):  # raises the error naming both lines
                 pass
         bases = np.cumsum([0, *(p["bytes"] for p in parts)])
-        strings = out / _STRINGS
+        strings = strings_path(out)
         with open(strings, "wb") as f:
             f.truncate(int(bases[-1]))
         pool.starmap(_copy_part, [(str(parts_dir / f"part-{p['k']:06d}.bin"), str(strings), int(base), p["bytes"])
                                   for p, base in zip(parts, bases[:-1], strict=True)])
     offsets = np.concatenate([np.zeros(1, np.int64), *(p["ends"] + base for p, base in zip(parts, bases, strict=False))])
     shutil.rmtree(parts_dir)
-    np.save(out / _OFFSETS, offsets)
-    atomic_write_json(out / _META, {"format": DOCSTORE_FORMAT, "num_docs": (offsets.size - 1) // 3})
+    write_offsets_and_meta(out, offsets)
 
 
 def build_docstore_index(corpus: str | Path, out_dir: str | Path, workers: int) -> dict[str, Any]:
