@@ -480,3 +480,20 @@ def test_auto_cache_picks_the_engine_on_cuda_for_the_models_it_supports() -> Non
     assert auto_cache(cuda, supported, compile=True) == "static"
     assert auto_cache(cuda, other) == "static"
     assert auto_cache(cpu, supported) == "dynamic"
+
+
+def test_without_prefix_reuse_every_prompt_is_prefilled_whole_and_nothing_is_stored() -> None:
+    """bench/rollout.py --no-prefix-reuse: the comparison row; same tokens as with reuse."""
+    model = _model("qwen2")
+    prompts = [[1, 2, 3], [4, 5]]
+    outputs = []
+    for reuse in (True, False):
+        engine = DecodeEngine(model, max_batch_size=4, min_bucket=1)
+        engine.reuse_prefixes = reuse
+        got, _ = _greedy_rows(engine, prompts, 4)
+        engine.remember([p + g for p, g in zip(prompts, got, strict=True)])
+        assert bool(engine.prefixes) == reuse
+        turn2 = [p + g + [9, 9] for p, g in zip(prompts, got, strict=True)]
+        outputs.append(_greedy_rows(engine, turn2, 4)[0])
+        assert engine.reused_tokens == (sum(len(p) + 4 - 1 for p in prompts) if reuse else 0)
+    assert outputs[0] == outputs[1]

@@ -507,7 +507,8 @@ class DecodeEngine:
     def remember(self, sequences: list[list[int]]) -> None:
         """After decoding the rows of the last `start`: row i's prompt and every token it generated, so a
         later prompt that continues it (the agent's next turn) reuses its keys/values."""
-        self.prefixes.remember(sequences, self._last_starts)
+        if self.reuse_prefixes:  # else nothing would ever be matched: skip building the index
+            self.prefixes.remember(sequences, self._last_starts)
 
     def _sample_eager(self, logits: torch.Tensor, temperature: float, top_p: float,
                       generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -51,7 +51,7 @@ class PrefixStore:
         for seq, start in zip(sequences, starts, strict=True):
             if len(seq) >= 2:
                 by_last = self._by_length.setdefault(len(seq), {})
-                by_last.setdefault(int(seq[-1]), []).append((tuple(int(t) for t in seq), start))
+                by_last.setdefault(int(seq[-1]), []).append((tuple(seq), start))  # ids are ints already
 
     def match(self, prompt: list[int]) -> Prefix | None:
         """The longest remembered sequence the prompt starts with; at least the prompt's last token is left
