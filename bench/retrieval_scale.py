@@ -66,18 +66,32 @@ def _proc_kib(pid: int, key: str) -> int:
     return 0
 
 
-def tree_memory(pid: int) -> dict[str, int]:
-    """RSS and anonymous RSS (bytes) summed over a process and its descendants."""
+def _pss_kib(pid: int) -> int:
+    with contextlib.suppress(OSError):
+        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+            if line.startswith("Pss:"):
+                return int(line.split()[1])
+    return 0
+
+
+def tree_memory(pid: int, pss: bool = False) -> dict[str, int]:
+    """RSS and anonymous RSS (bytes) summed over a process and its descendants; with `pss`, also their
+    proportional set size. Summed RSS counts a page every worker maps (the memory-mapped index, docstore
+    and vectors of a multi-worker server) once per worker; PSS splits each shared page among the processes
+    that map it, so its sum is the memory the service occupies (slower to read: sampled only on demand)."""
     import psutil
 
     try:
         procs = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
     except psutil.NoSuchProcess:
-        return {"rss": 0, "anon": 0}
-    return {
+        return {"rss": 0, "anon": 0, **({"pss": 0} if pss else {})}
+    memory = {
         "rss": sum(_proc_kib(p.pid, "VmRSS") for p in procs) * 1024,
         "anon": sum(_proc_kib(p.pid, "RssAnon") for p in procs) * 1024,
     }
+    if pss:
+        memory["pss"] = sum(_pss_kib(p.pid) for p in procs) * 1024
+    return memory
 
 
 class PeakMemory:
@@ -320,7 +334,7 @@ def serve_and_measure(
     try:
         wait_up(url, proc, timeout=args.start_timeout, log=log)
         cold_start = time.perf_counter() - t0
-        memory_started = tree_memory(proc.pid)
+        memory_started = tree_memory(proc.pid, pss=True)
         singles = [
             q for q in questions if q.get("metadata", {}).get("hops") == 1
             and (covered is None or str(q["metadata"]["supporting_ids"][0]) in covered)
@@ -331,7 +345,7 @@ def serve_and_measure(
         one_client = _batched_qps(url, texts, args.batch_requests, 1)
         many_clients = _batched_qps(url, texts, args.batch_requests, args.batch_clients)
         lat = asyncio.run(_latencies(url, texts, 16, args.latency_seconds))
-        memory_loaded = tree_memory(proc.pid)
+        memory_loaded = tree_memory(proc.pid, pss=True)
     finally:
         proc.terminate()
         with contextlib.suppress(subprocess.TimeoutExpired):
@@ -344,6 +358,7 @@ def serve_and_measure(
         "cold_start_seconds": round(cold_start, 2),
         "rss_after_start_bytes": memory_started["rss"], "anon_after_start_bytes": memory_started["anon"],
         "rss_after_load_bytes": memory_loaded["rss"], "anon_after_load_bytes": memory_loaded["anon"],
+        "pss_after_start_bytes": memory_started["pss"], "pss_after_load_bytes": memory_loaded["pss"],
         "qps_batch256_one_client": round(one_client, 1),
         f"qps_batch256_{args.batch_clients}_clients": round(many_clients, 1),
         "batch_clients": args.batch_clients,
@@ -576,7 +591,9 @@ def print_table(result: dict[str, Any]) -> None:
             text = (f"cold start {x['cold_start_seconds']} s, q/s@256 {x['qps_batch256_one_client']:,} "
                     f"({many:,} with {x['batch_clients']} clients), p50/p99@16 {x['latency_p50_ms']}/"
                     f"{x['latency_p99_ms']} ms, RSS {_gb(x['rss_after_load_bytes'])} (anon "
-                    f"{_gb(x['anon_after_load_bytes'])}), gold R@5 {x['gold_recall_at_5_single_hop']}")
+                    f"{_gb(x['anon_after_load_bytes'])}"
+                    + (f", PSS {_gb(x['pss_after_load_bytes'])}" if "pss_after_load_bytes" in x else "")
+                    + f"), gold R@5 {x['gold_recall_at_5_single_hop']}")
             if "recall_at_5_vs_exact" in x:
                 text += f", R@5 vs exact {x['recall_at_5_vs_exact']}"
             rows += [(label, text)]

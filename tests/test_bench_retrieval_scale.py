@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import psutil
 import pytest
 
 BENCH = Path(__file__).resolve().parent.parent / "bench"
@@ -146,3 +147,31 @@ def test_dense_only_run_builds_the_bm25_docstore_without_bm25_and_reports_bm25_a
     assert set(result["stages"]) == {"synth", "docstore-build", "encode", "ivfpq-build", "dense-serve"}
     assert "docstore build" in out.stdout and re.search(r"^bm25-build +skipped: SKIP_BM25=1$", out.stdout, re.M)
     assert result["stages"]["dense-serve"]["recall_at_5_vs_exact"] >= 0.8
+
+
+def test_pss_counts_a_page_shared_by_two_processes_once(tmp_path: Path) -> None:
+    """A server's workers map the same index files: summed RSS counts each shared page once per process,
+    summed PSS once in all."""
+    data = tmp_path / "shared.bin"
+    data.write_bytes(b"\x01" * (32 * 2**20))
+    mapper = ("import mmap, sys, time\n"
+              "f = open(sys.argv[1], 'rb'); m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)\n"
+              "total = sum(m[i] for i in range(0, len(m), 4096))\n"
+              "print('ready', flush=True); time.sleep(60)\n")
+    # the parent maps the file, then starts a child that maps it too
+    parent_code = ("import subprocess, sys\n"
+                   f"child = subprocess.Popen([sys.executable, '-c', {mapper!r}, sys.argv[1]], stdout=subprocess.PIPE)\n"
+                   "child.stdout.readline()\n"
+                   f"exec({mapper!r})\n")
+    proc = subprocess.Popen([sys.executable, "-c", parent_code, str(data)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+        memory = retrieval_scale.tree_memory(proc.pid, pss=True)
+    finally:
+        for child in psutil.Process(proc.pid).children(recursive=True):
+            child.kill()
+        proc.kill()
+    mib = 2**20
+    assert memory["rss"] >= 64 * mib  # both processes' 32 MiB of mapped pages
+    # PSS: the 32 MiB once, plus both interpreters' own memory (well under 32 MiB more than one copy)
+    assert 32 * mib <= memory["pss"] <= memory["rss"] - 24 * mib
