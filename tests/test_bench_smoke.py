@@ -269,3 +269,14 @@ def test_rollout_bench_engine_row_splits_prefill_from_decode(tmp_path: Path) -> 
     assert row["mode"] == "engine" and row["graph_failures"] == 0
     assert 0 < row["prefill_s"] < row["generate_s"]
     assert row["prefill_share_of_generate"] == pytest.approx(row["prefill_s"] / row["generate_s"], rel=1e-3)
+
+
+def test_stop_check_cost_bench_tiny(tmp_path: Path) -> None:
+    """bench/stop_check_cost.py times both stop-check paths (the tiny tokenizer when the Qwen one is absent)."""
+    bench = _load("stop_check_cost")
+    out = tmp_path / "stop.json"
+    bench.main(["--tokenizer", str(tmp_path / "absent"), "--rows", "4", "--chunk", "3", "--chunks", "2",
+                "--repeats", "1", "--out", str(out)])
+    result = json.loads(out.read_text())
+    assert [r["path"] for r in result["rows"]] == ["tails after every token", "tails after tokens that may end a stop"]
+    assert all(r["ms_per_chunk_median"] > 0 for r in result["rows"]) and result["tokenizer_size"] > 0

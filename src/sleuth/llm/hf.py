@@ -42,7 +42,7 @@ from sleuth.llm.decode_engine import supports as engine_supports
 from sleuth.llm.decoding import left_pad, positions_from_mask, select_next_tokens
 from sleuth.llm.gguf import ensure_converted
 from sleuth.llm.special_tokens import disable_bpe_cleanup
-from sleuth.llm.stops import first_stop_in, normalise_stops, stop_window
+from sleuth.llm.stops import StopEndTokens, first_stop_in, normalise_stops, stop_window
 
 log = logging.getLogger(__name__)
 
@@ -189,6 +189,7 @@ class HFGenerator:
         self.sync_every = sync_every
 
         disable_bpe_cleanup(self.tokenizer)  # a no-op for BPE in transformers 5, but warned about at every decode
+        self._stop_ends = StopEndTokens(self.tokenizer)
         self.pad_token_id = self._pick_pad_id()
         self.vocab_size = int(self.model.get_input_embeddings().num_embeddings)
         self.eos_token_ids = self._collect_eos_ids()
@@ -337,26 +338,27 @@ class HFGenerator:
                        logprobs: Sequence[Sequence[float]], max_new_tokens: int) -> list[bool]:
         """Feed each unfinished row its next sampled tokens, in order, until it finishes (EOS, a stop
         string, the token budget); tokens after the finishing one are dropped. Returns per row whether it
-        is finished. Equal to checking after every token: the decoded tail of the last `window` tokens is
-        searched for the row's stop strings, but all tails of all rows are decoded in one tokenizer call.
+        is finished. Equal to checking after every token: after each token that may complete a stop string
+        (`StopEndTokens`) the decoded tail of the last `window` tokens is searched; one tokenizer call decodes all.
         """
         tails: list[list[int]] = []
+        checked: list[list[bool]] = []  # per row, per new token: is its tail decoded and searched
         for row, new in zip(rows, tokens, strict=True):
-            if row.finish_reason is None and row.stops:
-                seq = row.generated + list(new)
-                base = len(row.generated)
-                tails.extend(seq[max(0, n - row.window) : n] for n in range(base + 1, base + len(new) + 1))
+            live = row.finish_reason is None and bool(row.stops)
+            checked.append(self._stop_ends.checks(row.stops, new) if live else [False] * len(new))
+            seq, base = row.generated + list(new), len(row.generated)
+            tails.extend(seq[max(0, base + k + 1 - row.window) : base + k + 1] for k, c in enumerate(checked[-1]) if c)
         texts = iter(self.tokenizer.batch_decode(tails, skip_special_tokens=False) if tails else ())
         finished = []
-        for row, new, lps in zip(rows, tokens, logprobs, strict=True):
+        for row, new, lps, checks in zip(rows, tokens, logprobs, checked, strict=True):
             if row.finish_reason is None:
-                row_texts = [next(texts) for _ in new] if row.stops else None
+                row_texts = [next(texts) if c else None for c in checks]
                 for k, (token, logprob) in enumerate(zip(new, lps, strict=True)):
                     row.generated.append(token)
                     row.logprobs.append(logprob)
                     if token in self.eos_token_ids:
                         row.finish_reason = "eos"
-                    elif row_texts is not None and (hit := first_stop_in(row_texts[k], row.stops)) is not None:
+                    elif row_texts[k] is not None and (hit := first_stop_in(row_texts[k], row.stops)) is not None:
                         row.finish_reason, row.stop = "stop", hit
                     elif len(row.generated) >= max_new_tokens:
                         row.finish_reason = "length"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 from sleuth.errors import ConfigError
 
@@ -15,6 +16,49 @@ def stop_window(stops: Sequence[str]) -> int:
     at the start of the window.
     """
     return max((len(s.encode("utf-8")) for s in stops), default=0) + 2
+
+
+class StopEndTokens:
+    """Which token ids can complete a stop string, per tokenizer: checking stops only after those tokens finds
+    the same stops as checking after every token, at a fraction of the decoding (the decode loop's host work).
+
+    A stop string not in the text decoded up to token n-1 but in the text up to token n ends inside token n's
+    text, so token n's text holds the stop's last character. That character is looked for in each token's
+    text decoded alone: for byte-level BPE an ASCII byte decodes to itself whatever surrounds it, and a token
+    whose bytes are not whole characters decodes to U+FFFD, which counts as "may end a stop" (as does an id the
+    tokenizer does not know). Stops ending in whitespace are always checked: decoders add and strip spaces
+    around a token decoded alone."""
+
+    def __init__(self, tokenizer: Any):
+        self._tokenizer = tokenizer
+        self._texts: list[str] | None = None
+        self._by_ends: dict[frozenset[str], list[bool]] = {}
+
+    def _token_texts(self) -> list[str]:
+        if self._texts is None:
+            ids = [[i] for i in range(len(self._tokenizer))]
+            backend = getattr(self._tokenizer, "backend_tokenizer", None)  # one Rust call for the whole vocabulary
+            self._texts = (backend.decode_batch(ids, skip_special_tokens=False) if backend is not None
+                           else self._tokenizer.batch_decode(ids, skip_special_tokens=False))
+        return self._texts
+
+    def for_stops(self, stops: Sequence[str]) -> list[bool] | None:
+        """Per token id (up to the tokenizer's size): whether it may complete one of `stops`; None: check
+        after every token."""
+        ends = frozenset(s[-1] for s in stops if s)
+        if not ends or any(c.isspace() for c in ends):
+            return None
+        if ends not in self._by_ends:
+            self._by_ends[ends] = [("\ufffd" in t) or any(c in t for c in ends) for t in self._token_texts()]
+        return self._by_ends[ends]
+
+    def checks(self, stops: Sequence[str], tokens: Sequence[int]) -> list[bool]:
+        """Per token of `tokens`: whether the text ending with it must be searched for `stops`."""
+        may_end = self.for_stops(stops)
+        if may_end is None:
+            return [True] * len(tokens)
+        size = len(may_end)
+        return [not 0 <= t < size or may_end[t] for t in tokens]
 
 
 def first_stop_in(text: str, stops: Sequence[str]) -> str | None:
