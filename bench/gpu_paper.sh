@@ -4,6 +4,9 @@
 #   then:   bash bench/gpu_paper.sh wait 540 - progress, and packs results into $OUT (<= 8 files)
 #           bash bench/gpu_paper.sh restart  - after a fix: kills the daemon and starts it again; stages with a
 #                                              done marker are skipped, a failed stage runs again
+# On a 2-GPU / 32-core machine (next session's lease: issue 23's H100 rows, then issue 24's dense 21M chain):
+#   1: carry [.whl, .models]  SKIP_BM25=1 NLIST=8192 RETRIEVAL=1 bash bench/gpu_paper.sh start; bash bench/gpu_paper.sh wait 300
+#   2: carry [.gpu/minilm]    bash bench/gpu_paper.sh wait 560;   then wait calls (daemon_next2 below)
 # On a 4-GPU machine with issue 24's retrieval beside it (prepare: bash bench/prepare_gpu_assets.sh; ... retrieval;
 # bash bench/gpu_learn.sh minilm), calls follow each other within the machine's idle time (~30 s):
 #   1: carry [.whl, .models]  RETRIEVAL=1 bash bench/gpu_paper.sh start; bash bench/gpu_paper.sh wait 300
@@ -135,6 +138,16 @@ daemon_next() {  # PLAN=next: what issue 23 still lacks after 2026-11-27 (the sp
   echo "$(date +%T) all stages ended" >> "$WORK/progress.log"
 }
 
+daemon_next2() {  # PLAN=next on a 2-GPU machine (the kinds lent on 2026-11-27): the short geometry again on an H100
+  # (the stop check now decodes ~1/8 of the tails: bench/stop_check_cost.py), its profile, then 3B LoRA on 1 and 2
+  # GPUs of one machine (the 2-GPU rehearsal row on H100s), one after another so that each timing has the
+  # machine's GPUs and these cores to itself; then both GPUs go to issue 24's encoder (RETRIEVAL=1)
+  bash bench/gpu_run.sh setup > "$WORK/logs/setup.log" 2>&1
+  stage r_short 0; stage r_prof 0; stage p3b_1 0; stage p3b_2 0,1
+  stage encode_go 0,1
+  echo "$(date +%T) all stages ended" >> "$WORK/progress.log"
+}
+
 pack() {
   [ -n "${OUT:-}" ] || return 0
   tar czf "$OUT/results.tgz" -C "$WORK" results logs progress.log 2>/dev/null
@@ -145,13 +158,16 @@ pack() {
 case "${1:-}" in
   daemon) if [ "$GPUS" -ge 4 ] && [ -z "${STAGES:-}" ]; then
             if [ "${PLAN:-next}" = next ]; then daemon_next; else daemon4; fi
+          elif [ "$GPUS" -eq 2 ] && [ -z "${STAGES:-}" ] && [ "${PLAN:-next}" = next ]; then daemon_next2
           else daemon; fi ;;
   start|restart)
     for s in ${REDO:-}; do rm -f "$WORK/done/$s"; done
     [ -f "$WORK/progress.log" ] && mv "$WORK/progress.log" "$WORK/progress.$(date +%s).log"
     [ -f "$WORK/pid" ] && kill -- -"$(cat "$WORK/pid")" 2>/dev/null
     bash bench/gpu_run.sh setup > "$WORK/logs/setup0.log" 2>&1  # wheels once, before either daemon imports them
-    pin=""; [ "$GPUS" -ge 4 ] && [ "$(nproc)" -ge 32 ] && [ "${RETRIEVAL:-0}" = 1 ] && pin="taskset -c 16-$(( $(nproc) - 1 ))"
+    # RETRIEVAL=1 on 2+ GPUs and 32+ cores: the benches on the cores from 16 up, issue 24's retrieval on cores 0-15
+    # (the issue's 16-core machine; its encoder takes every core and GPU once the benches hand over)
+    pin=""; [ "$GPUS" -ge 2 ] && [ "$(nproc)" -ge 32 ] && [ "${RETRIEVAL:-0}" = 1 ] && pin="taskset -c 16-$(( $(nproc) - 1 ))"
     setsid nohup $pin bash "$0" daemon > "$WORK/daemon.log" 2>&1 < /dev/null &
     echo $! > "$WORK/pid"
     if [ -n "$pin" ]; then  # issue 24's 21M retrieval on 16 cores of its own; its encoder waits for encode_go
