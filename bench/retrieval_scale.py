@@ -9,7 +9,7 @@ writes the result JSON):
     python bench/retrieval_scale.py bm25-build  --work W --workers 2
     python bench/retrieval_scale.py bm25-serve  --work W --threads 2
     python bench/retrieval_scale.py encode      --work W [--dense-size 20000] [--devices all]
-    python bench/retrieval_scale.py ivfpq-build --work W --nlist 1024 --pq-m 48
+    python bench/retrieval_scale.py ivfpq-build --work W --nlist 1024 --pq-m 48 [--ivf-device auto]
     python bench/retrieval_scale.py dense-serve --work W --threads 2
     python bench/retrieval_scale.py report      --work W [--out results/retrieval_scale.json]
     python bench/retrieval_scale.py all         --work W --size 20000 --dense-size 2000   # every stage
@@ -472,14 +472,14 @@ def stage_ivfpq_build(args: argparse.Namespace) -> dict[str, Any]:
         manifest = build_index(
             corpus, "dense", args.work / "ivf", overwrite=True, show_progress=False, threads=args.threads,
             encoder=_encoder(None).config.name, faiss="ivfpq", nlist=nlist, m=args.pq_m, nbits=8,
-            nprobe=args.nprobe, shards=args.shards, keep_vectors=True,
+            nprobe=args.nprobe, shards=args.shards, keep_vectors=True, ivf_device=args.ivf_device,
             embeddings=str(args.work / "dense" / "embeddings.f16"), **source,
             **({"train_sample": args.train_sample} if args.train_sample else {}),
         )
     return stage_record(
         "ivfpq-build", args, t0, load0, passages=manifest["num_docs"], faiss=manifest["faiss"], threads=args.threads,
         shards=len(manifest["shards"]), train_sample=manifest.get("train_sample"),
-        docstore_reused=corpus is None,
+        docstore_reused=corpus is None, ivf_build=manifest.get("ivf_build"),
         seconds=round(time.perf_counter() - t0, 2), peak_rss_bytes=mem.peak["rss"], peak_anon_bytes=mem.peak["anon"],
         faiss_bytes=dir_bytes(args.work / "ivf" / "shards"),
         vectors_bytes=(args.work / "ivf" / "vectors.f16").stat().st_size,
@@ -646,6 +646,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--train-sample", type=int, default=None,
                    help="IVF-PQ training vectors (default 64 x nlist; training time grows with it x nlist).")
     p.add_argument("--nprobe", type=int, default=32)
+    p.add_argument("--ivf-device", default="auto",
+                   help="IVF-PQ build: where the coarse k-means and list assignment run (auto: a GPU when torch "
+                        "sees one; cpu: faiss alone; torch-cpu; cuda[:N]). Phase seconds go in the stage JSON.")
     p.add_argument("--shards", type=int, default=1)
     args = p.parse_args(argv)
     for name in ("size", "workers", "shard_docs", "threads", "worker_threads", "server_workers", "batch_requests",

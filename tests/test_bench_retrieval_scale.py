@@ -60,13 +60,14 @@ def test_bm25_stages_and_report_end_to_end(tmp_path: Path) -> None:
 def test_dense_stages_reuse_the_bm25_docstore_end_to_end(tmp_path: Path) -> None:
     """Dense over the whole corpus (the default): encode reads the BM25 build's docstore with two CPU
     worker processes, the IVF-PQ build links it after the corpus file is deleted (as the 21M driver
-    does), and the server answers from it. No sample corpus or second docstore is written."""
+    does; its k-means and list assignment by torch, as on a GPU), and the server answers from it. No
+    sample corpus or second docstore is written."""
     env = {**os.environ, "PYTHONPATH": str(SRC), "OMP_NUM_THREADS": "1"}
     work = tmp_path / "w"
     common = ["--work", str(work), "--size", "500", "--world-passages", "200", "--questions", "40",
               "--workers", "1", "--shard-docs", "1000", "--batch-requests", "1", "--batch-clients", "1",
               "--latency-seconds", "1", "--recall-questions", "10", "--devices", "cpu,cpu", "--nlist", "16",
-              "--shards", "2", "--nprobe", "16"]
+              "--shards", "2", "--nprobe", "16", "--ivf-device", "torch-cpu"]
 
     def stage(name: str) -> None:
         subprocess.run([sys.executable, str(BENCH / "retrieval_scale.py"), name, *common], env=env, check=True,
@@ -84,6 +85,7 @@ def test_dense_stages_reuse_the_bm25_docstore_end_to_end(tmp_path: Path) -> None
     assert (work / "dense" / "embeddings.f16").stat().st_size == 500 * 384 * 2
     assert not (work / "dense" / "corpus.jsonl").exists() and not (work / "dense" / "docstore-encode").exists()
     assert build["docstore_reused"] is True and build["passages"] == 500 and build["shards"] == 2
+    assert build["ivf_build"]["path"] == "torch-assisted" and build["ivf_build"]["seconds"]["add"] >= 0
     inodes = {(work / d / "docstore" / "strings.bin").stat().st_ino for d in ("bm25", "ivf")}
     assert len(inodes) == 1
     assert serve["recall_at_5_vs_exact"] >= 0.8 and serve["gold_recall_at_5_single_hop"] > 0
@@ -140,7 +142,8 @@ def test_dense_only_run_builds_the_bm25_docstore_without_bm25_and_reports_bm25_a
     out = stage("report", work, "--out", str(tmp_path / "r.json"))
     encode = json.loads((work / "stages" / "encode.json").read_text())
     assert encode["docstore"] == str(work / "docstore" / "docstore") and encode["passages"] == 400
-    assert json.loads((work / "stages" / "ivfpq-build.json").read_text())["docstore_reused"] is True
+    build = json.loads((work / "stages" / "ivfpq-build.json").read_text())
+    assert build["docstore_reused"] is True and build["ivf_build"]["requested"] == "auto"
     result = json.loads((tmp_path / "r.json").read_text())
     assert result["missing_stages"] == []
     assert result["skipped_stages"] == {"bm25-build": "SKIP_BM25=1", "bm25-serve": "SKIP_BM25=1"}

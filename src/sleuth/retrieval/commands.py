@@ -41,6 +41,10 @@ def _print_index_summary(out: Path, manifest: dict, seconds: float) -> None:
         table.add_row("faiss", ", ".join(f"{k}={v}" for k, v in manifest["faiss"].items()))
         if "shards" in manifest:
             table.add_row("shards", ", ".join(f"[{s['start']}, {s['end']})" for s in manifest["shards"]))
+        if "ivf_build" in manifest:
+            ivf = manifest["ivf_build"]
+            phases = ", ".join(f"{k} {v:.1f} s" for k, v in ivf["seconds"].items())
+            table.add_row("ivf build", f"{ivf['path']} on {ivf['device']}: {phases}")
     else:
         table.add_row("bm25", ", ".join(f"{k}={v}" for k, v in manifest["bm25"].items()))
         table.add_row("build", ", ".join(f"{k}={v}" for k, v in manifest["bm25_build"].items()))
@@ -77,6 +81,10 @@ def register(app: typer.Typer) -> None:
         ),
         train_sample: int | None = typer.Option(
             None, "--train-sample", help="IVF-PQ (sharded layout): vectors sampled to train the quantizers."
+        ),
+        ivf_device: str | None = typer.Option(
+            None, "--ivf-device", help="IVF-PQ: where the coarse k-means and list assignment run: auto (a GPU "
+            "when torch sees one, else cpu), cpu (faiss alone), torch-cpu, cuda or cuda:N."
         ),
         embeddings: Path | None = typer.Option(
             None, "--embeddings", help="Dense: precomputed float16 [passages x dim] passage embeddings "
@@ -130,6 +138,10 @@ def register(app: typer.Typer) -> None:
                 params.update(M=hnsw_m, ef_search=ef_search)
             elif faiss_type == "ivfpq":
                 params.update(nlist=nlist, m=pq_m, nprobe=nprobe, nbits=nbits)
+                if ivf_device is not None:
+                    params["ivf_device"] = ivf_device
+            elif ivf_device is not None:
+                _fail(f"--ivf-device applies to --faiss ivfpq, got --faiss {faiss_type}")
             if shards is not None:
                 params["shards"] = shards
             if train_sample is not None:

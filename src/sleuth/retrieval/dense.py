@@ -14,6 +14,7 @@ from sleuth.retrieval._common import hits_from_rows, validate_queries
 from sleuth.retrieval.base import Hit
 from sleuth.retrieval.docstore import DocStore
 from sleuth.retrieval.encoders import Encoder
+from sleuth.retrieval.ivf_build import IvfBuilder
 
 FAISS_FILE = "faiss.index"
 FAISS_DEFAULTS: dict[str, dict[str, Any]] = {
@@ -80,17 +81,24 @@ def build_faiss(
     out_dir: Path,
     *,
     seed: int = 0,
-) -> None:
-    """Stream embedding chunks into a faiss index and write it to `out_dir/faiss.index`.
+    ivf_device: str | None = None,
+) -> dict[str, Any]:
+    """Stream embedding chunks into a faiss index and write it to `out_dir/faiss.index`; returns the
+    manifest part (`ivf_build` for IVF-PQ).
 
     Flat/HNSW add chunks as they come; IVF-PQ needs all vectors for training, so they are spooled
-    to a memory-mapped file first and a random sample trains the quantizers.
+    to a memory-mapped file first and a random sample trains the quantizers, on `ivf_device`
+    (`sleuth.retrieval.ivf_build.resolve_ivf_device`; None = a GPU when torch sees one).
     """
     import faiss  # deferred: faiss is heavy; only dense indexes need it
 
     out_dir.mkdir(parents=True, exist_ok=True)
     index = new_faiss_index(dim, params, num_vectors)
+    info: dict[str, Any] = {}
+    if ivf_device is not None and params["type"] != "ivfpq":
+        raise ConfigError(f"ivf_device applies to ivfpq indexes, this one is {params['type']!r}")
     if params["type"] == "ivfpq":
+        builder = IvfBuilder(ivf_device, seed)  # a bad device fails here, before any encoding
         spool_path = out_dir / "embeddings.tmp.f32"
         spool = np.memmap(spool_path, dtype=np.float32, mode="w+", shape=(num_vectors, dim))
         pos = 0
@@ -103,11 +111,11 @@ def build_faiss(
         # faiss' k-means wants ~39-256 points per centroid; more only slows training.
         n_train = min(num_vectors, max(256 * params["nlist"] // 4, 64 * 2 ** params["nbits"]))
         sample = np.sort(rng.choice(num_vectors, size=n_train, replace=False))
-        index.train(np.ascontiguousarray(spool[sample]))
-        for start in range(0, num_vectors, 65536):
-            index.add(np.ascontiguousarray(spool[start : start + 65536]))
+        builder.train(index, np.ascontiguousarray(spool[sample]))
+        builder.fill(index, spool, 0, num_vectors)
         del spool
         spool_path.unlink()
+        info["ivf_build"] = builder.record()
     else:
         added = 0
         for chunk in vectors:
@@ -116,6 +124,7 @@ def build_faiss(
         if added != num_vectors:
             raise RuntimeError(f"encoded {added} passages, expected {num_vectors}")
     faiss.write_index(index, str(out_dir / FAISS_FILE))
+    return info
 
 
 def read_faiss(path: Path):

@@ -35,6 +35,7 @@ from sleuth.retrieval.dense import (
 from sleuth.retrieval.docstore import DocStore
 from sleuth.retrieval.encoders import Encoder, EncoderConfig
 from sleuth.retrieval.hybrid import HybridRetriever
+from sleuth.retrieval.ivf_build import resolve_ivf_device
 from sleuth.retrieval.sharded import ShardBuild, build_sharded_faiss, load_sharded
 from sleuth.utils import (
     atomic_write_json,
@@ -64,6 +65,8 @@ _FAISS_KEYS = {"faiss", "M", "ef_construction", "ef_search", "nlist", "m", "nbit
 _SHARD_KEYS = {"shards", "train_sample", "keep_vectors"}
 # Precomputed passage embeddings (`encode_docstore`'s float16 file) instead of encoding at build time.
 _EMBEDDINGS_KEY = "embeddings"
+# Where an IVF-PQ build runs its k-means and assignment (sleuth.retrieval.ivf_build): how, not what, it builds.
+_IVF_DEVICE_KEY = "ivf_device"
 _BM25_KEYS = {"k1", "b", "method", "stemmer", "stopwords"}
 # How a BM25 index is built (sleuth.retrieval.bm25_build), not what it is: recorded apart from its params.
 _BM25_BUILD_KEYS = {"shard_docs", "workers"}
@@ -105,16 +108,24 @@ def build_index(
     "ivfpq") and the faiss type's own params (M, ef_construction, ef_search | nlist, m, nbits, nprobe).
     Sharded dense layout (see sleuth.retrieval.sharded): shards (number of contiguous shards),
     train_sample (ivfpq training vectors held in RAM), keep_vectors (float16 copy for exact re-ranking).
+    ivf_device (ivfpq): where the coarse k-means and assignment run: "auto" (default: a GPU when torch
+    sees one, else "cpu"), "cpu" (faiss alone), "torch-cpu", "cuda" or "cuda:N"; the manifest's
+    `ivf_build` records the path taken and the seconds of each phase.
     """
 
     if kind not in KINDS:
         raise ConfigError(f"unknown index kind {kind!r}; choose one of {list(KINDS)}")
     allowed = (
-        _BM25_KEYS | _BM25_BUILD_KEYS if kind == "bm25" else _ENCODER_KEYS | _FAISS_KEYS | _SHARD_KEYS | {_EMBEDDINGS_KEY}
+        _BM25_KEYS | _BM25_BUILD_KEYS if kind == "bm25" else _ENCODER_KEYS | _FAISS_KEYS | _SHARD_KEYS | {_EMBEDDINGS_KEY, _IVF_DEVICE_KEY}
     )
     unknown = set(params) - allowed
     if unknown:
         raise ConfigError(f"{kind} index: unknown parameter(s) {sorted(unknown)}; allowed: {sorted(allowed)}")
+    if params.get(_IVF_DEVICE_KEY) is not None:
+        # Checked before the docstore and the encoding, which take hours at Wikipedia size.
+        if params.get("faiss", "flat") != "ivfpq":
+            raise ConfigError(f"ivf_device applies to ivfpq indexes, this one is {params.get('faiss', 'flat')!r}")
+        resolve_ivf_device(params[_IVF_DEVICE_KEY])
     source = _docstore_source(corpus_path, docstore_from)
     corpus_path = Path(corpus_path) if corpus_path is not None else Path(source["corpus_path"])
     if source is None and not corpus_path.is_file():
@@ -258,6 +269,7 @@ def _build_dense(
     _set_torch_threads(threads)
     _set_faiss_threads(threads)
     embeddings = params.pop(_EMBEDDINGS_KEY, None)
+    ivf_device = params.pop(_IVF_DEVICE_KEY, None)
     shard_opts = {k: params.pop(k) for k in list(params) if k in _SHARD_KEYS}
     faiss_kind = params.pop("faiss", "flat")
     fparams = faiss_params(faiss_kind, **{k: params.pop(k) for k in list(params) if k in _FAISS_KEYS})
@@ -300,11 +312,11 @@ def _build_dense(
                 fparams,
                 out_dir,
                 ShardBuild(shards=shard_opts.get("shards", 1), train_sample=shard_opts.get("train_sample"),
-                           keep_vectors=bool(shard_opts.get("keep_vectors", False))),
+                           keep_vectors=bool(shard_opts.get("keep_vectors", False)), ivf_device=ivf_device),
             )
         )
         return meta
-    build_faiss(vectors(), docstore.num_docs, encoder.dim, fparams, out_dir)
+    meta.update(build_faiss(vectors(), docstore.num_docs, encoder.dim, fparams, out_dir, ivf_device=ivf_device))
     return meta
 
 

@@ -19,6 +19,7 @@ one GPU per shard when faiss has GPU support) and keeps each query's best k over
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -32,10 +33,10 @@ from sleuth.retrieval._common import hits_from_rows, validate_queries
 from sleuth.retrieval.base import Hit
 from sleuth.retrieval.dense import BLAS_BATCH_MIN, _blas_lock, new_faiss_index, read_faiss
 from sleuth.retrieval.docstore import DocStore
+from sleuth.retrieval.ivf_build import IvfBuilder
 
 SHARD_DIR = "shards"
 VECTORS_FILE = "vectors.f16"
-ADD_CHUNK = 65536
 # Candidates re-scored per query when an index kept its vectors and the caller sets no `rerank`.
 DEFAULT_RERANK = 64
 
@@ -98,12 +99,15 @@ def _rechunk(chunks: Iterable[np.ndarray], bounds: Sequence[int]) -> Iterator[tu
 @dataclass(frozen=True)
 class ShardBuild:
     """How `build_sharded_faiss` shards: `shards` indexes; `train_sample` (IVF-PQ only) caps the vectors held
-    in RAM for training; `keep_vectors` keeps a float16 copy of all vectors for exact re-ranking."""
+    in RAM for training; `keep_vectors` keeps a float16 copy of all vectors for exact re-ranking;
+    `ivf_device` (IVF-PQ only) where the coarse k-means and assignment run (`sleuth.retrieval.ivf_build`;
+    None = 'auto': a GPU when torch sees one, else faiss alone on the CPU)."""
 
     shards: int
     train_sample: int | None = None
     keep_vectors: bool = False
     seed: int = 0
+    ivf_device: str | None = None
 
 
 def build_sharded_faiss(vectors: Iterable[np.ndarray], num_vectors: int, dim: int, params: dict[str, Any],
@@ -121,12 +125,17 @@ def build_sharded_faiss(vectors: Iterable[np.ndarray], num_vectors: int, dim: in
     is_ivf = params["type"] == "ivfpq"
     if train_sample is not None and not is_ivf:
         raise ConfigError(f"train_sample applies to ivfpq indexes, this one is {params['type']!r}")
+    if build.ivf_device is not None and not is_ivf:
+        raise ConfigError(f"ivf_device applies to ivfpq indexes, this one is {params['type']!r}")
+    # Resolved before the stream starts: a bad device fails before hours of encoding.
+    builder = IvfBuilder(build.ivf_device, seed) if is_ivf else None
     spool_path = out_dir / (VECTORS_FILE if keep_vectors else "vectors.tmp.f16")
     spool = None
     if is_ivf or keep_vectors:
         spool = np.memmap(spool_path, dtype=np.float16, mode="w+", shape=(num_vectors, dim))
 
     written = 0
+    started = time.perf_counter()
     current: Any = None
     current_shard = -1
 
@@ -151,11 +160,13 @@ def build_sharded_faiss(vectors: Iterable[np.ndarray], num_vectors: int, dim: in
 
     info: dict[str, Any] = {"shards": [s.to_dict() for s in specs]}
     if is_ivf:
-        assert spool is not None
+        assert spool is not None and builder is not None
         spool.flush()
+        builder.clock("spool", started)
         info["train_sample"] = _train_and_fill_ivf(
-            spool, dim, params, out_dir, specs, train_sample=train_sample, seed=seed
+            spool, dim, params, out_dir, specs, train_sample=train_sample, builder=builder
         )
+        info["ivf_build"] = builder.record()
     if spool is not None:
         del spool
         if keep_vectors:
@@ -173,10 +184,9 @@ def _train_and_fill_ivf(
     specs: list[ShardSpec],
     *,
     train_sample: int | None,
-    seed: int,
+    builder: IvfBuilder,
 ) -> int:
     import faiss  # deferred: faiss is heavy; only dense indexes need it
-
 
     num_vectors = spool.shape[0]
     # Every shard is a copy of one trained empty index, so codes from all shards share one codebook.
@@ -188,16 +198,20 @@ def _train_and_fill_ivf(
             f"train_sample={train_sample} is too small: ivfpq with nlist={params['nlist']}, nbits={params['nbits']} "
             f"needs at least {need} training vectors"
         )
-    rng = np.random.default_rng(seed)
+    rng = np.random.default_rng(builder.seed)
+    started = time.perf_counter()
     # Sorted rows read the spool front to back, which matters when it lives on disk.
     sample = np.sort(rng.choice(num_vectors, size=n_train, replace=False))
-    template.train(spool[sample].astype(np.float32))
+    sample_vectors = spool[sample].astype(np.float32)
+    builder.clock("sample", started)
+    builder.train(template, sample_vectors)
+    del sample_vectors
     for spec in specs:
         index = faiss.clone_index(template)
-        for start in range(spec.start, spec.end, ADD_CHUNK):
-            stop = min(start + ADD_CHUNK, spec.end)
-            index.add(np.ascontiguousarray(spool[start:stop], dtype=np.float32))
+        builder.fill(index, spool, spec.start, spec.end)
+        started = time.perf_counter()
         faiss.write_index(index, str(out_dir / spec.file))
+        builder.clock("write", started)
         del index
     return n_train
 
