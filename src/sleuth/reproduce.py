@@ -2,7 +2,7 @@
 
 A claim is described by its world, its cold start, the arms it compares, the evaluation and the
 test that decides it (`CLAIMS`). All four run end to end; each reuses the same pieces: the world
-(`_build_world`), the demo's recipe for an arm (`arm_recipe`), the oracle-trajectory SFT cold start per
+(`build_world`), the demo's recipe for an arm (`arm_recipe`), the oracle-trajectory SFT cold start per
 method (`_cold_start`), GRPO for an arm (`_train_rl`), the evaluation of an arm on the same held-out
 questions (`_evaluate`), paired bootstrap rows (`_paired_on`) and the report (`write_report`).
 
@@ -28,30 +28,29 @@ each get one SFT, then one GRPO run per number of RL training questions (`data.m
 pass: ceil(size / prompts_per_step) steps). Holds when s3 at the smallest size is not below search_r1 at
 the largest (paired EM interval above -margin).
 
-Every stage writes a marker under OUT/stages/ when it finishes; a rerun skips finished stages.
+Every stage writes a marker under OUT/stages/ when it finishes; a rerun skips finished stages
+(`sleuth.claim_stages`). `stage_plan` lists each claim's stages and what they load from earlier ones, so that
+`sleuth.claim_bundle` can carry a run that is part done to another machine.
 The pipeline pieces are sleuth's own, chained as `sleuth demo` chains them.
 """
 
 from __future__ import annotations
 
-import html
-import json
-import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import typer
 
 from sleuth.appendlog import read_appended
+from sleuth.claim_report import curve_figure, write_report
+from sleuth.claim_stages import STAGES_DIR as STAGES_DIR  # importable from here, where it lived
+from sleuth.claim_stages import stage, write_claim_file
 from sleuth.data.synth import KNOWLEDGE_TYPES
 from sleuth.demo import DemoSize, demo_recipe, held_out_questions, write_oracle_trajectories
 from sleuth.errors import ConfigError
 from sleuth.reader import ReaderSettings
-from sleuth.utils import atomic_write_json, atomic_write_text
-
-STAGES_DIR = "stages"
 
 
 @dataclass(frozen=True)
@@ -145,23 +144,9 @@ CLAIM_PROFILES = {
 }
 
 
-def stage(out: Path, name: str, run: Callable[[], dict[str, Any]], console: Any = None) -> dict[str, Any]:
-    """Run a stage once: its result is kept in OUT/stages/<name>.json, and a rerun returns it unrun."""
-    marker = out / STAGES_DIR / f"{name}.json"
-    if marker.exists():
-        if console is not None:
-            console.print(f"[dim]stage {name}: done earlier, skipped[/]")
-        return json.loads(marker.read_text())["result"]
-    if console is not None:
-        console.print(f"[bold cyan]stage {name}[/]")
-    start = time.perf_counter()
-    result = run()
-    marker.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_json(marker, {"result": result, "seconds": time.perf_counter() - start})
-    return result
-
-
-def _build_world(world: Path, profile: ClaimProfile) -> dict[str, Any]:
+def build_world(world: Path, profile: ClaimProfile) -> dict[str, Any]:
+    """The claim's world from its seed (questions, corpus, BM25 index) under `world`: the same bytes every time
+    but for the index manifest's build time and corpus path (a claim bundle rebuilds it rather than carrying it)."""
     from sleuth.data.synth import generate_world, write_world
     from sleuth.retrieval import build_index
 
@@ -321,40 +306,6 @@ def claim_table(first: dict[str, dict[str, Any]], second: dict[str, dict[str, An
     return {"rows": rows, "holds": holds, "accuracy_margin": margin, "questions": len(ids), "rule": rule}
 
 
-def _fmt(value: float | None, pct: bool) -> str:
-    if value is None:
-        return "-"
-    return f"{100 * value:+.1f}" if pct else f"{value:+.2f}"
-
-
-def write_report(out: Path, claim: Claim, table: dict[str, Any], arms: tuple[str, str], details: dict,
-                 figure: str = "") -> Path:  # fmt: skip
-    """OUT/report.json and OUT/report.html; the page opens with the claim table (then `figure`, HTML)."""
-    atomic_write_json(out / "report.json", {"claim": asdict(claim), "arms": list(arms), "table": table, **details})
-    cells = []
-    for name, row in table["rows"].items():
-        pct = not name.startswith("retrievals")  # accuracies in points, retrieval counts as they are
-        ci = row["ci"]
-        interval = f"[{_fmt(ci[0], pct)}, {_fmt(ci[1], pct)}]" if ci else "-"
-        a, b = (("-" if v is None else (f"{100 * v:.1f}" if pct else f"{v:.2f}")) for v in (row["a"], row["b"]))
-        cells.append(f"<tr><td>{html.escape(name)}</td><td>{row['n']}</td><td>{a}</td><td>{b}</td>"
-                     f"<td>{_fmt(row['diff'], pct)}</td><td>{interval}</td></tr>")
-    verdict = "holds" if table["holds"] else "does not hold"
-    page = (
-        "<!doctype html><html><head><meta charset='utf-8'>"
-        f"<title>sleuth reproduce {html.escape(claim.method)}</title></head><body>\n"
-        f"<table id='claim'><caption>Claim: {html.escape(claim.claim)} &mdash; {verdict}</caption>\n"
-        f"<tr><th>measure</th><th>n</th><th>{html.escape(arms[0])}</th><th>{html.escape(arms[1])}</th>"
-        "<th>difference</th><th>95% interval (paired bootstrap)</th></tr>\n" + "\n".join(cells) + "\n</table>\n"
-        f"<p>{html.escape(table['rule'])}</p>\n{figure}"
-        f"<h2>Plan</h2><ul>" + "".join(f"<li><b>{k}</b>: {html.escape(str(v))}</li>" for k, v in asdict(claim).items()
-                                        ) + "</ul>\n"
-        f"<h2>Stages</h2><pre>{html.escape(json.dumps(details, indent=2))}</pre>\n</body></html>\n"
-    )
-    atomic_write_text(out / "report.html", page)
-    return out / "report.html"
-
-
 def reproduce_staged(out: Path, profile_name: str, console: Any = None) -> Path:
     """The staged claim end to end (module docstring); returns OUT/report.html."""
     from sleuth.knowledge import InjectionSettings, boundary_check, inject_knowledge
@@ -362,7 +313,7 @@ def reproduce_staged(out: Path, profile_name: str, console: Any = None) -> Path:
     profile = STAGED_PROFILES[profile_name]
     out.mkdir(parents=True, exist_ok=True)
     world = out / "world"
-    details: dict[str, Any] = {"profile": profile_name, "world": stage(out, "world", lambda: _build_world(world, profile), console)}
+    details: dict[str, Any] = {"profile": profile_name, "world": stage(out, "world", lambda: build_world(world, profile), console)}
     settings = InjectionSettings(model=profile.pipeline.model, epochs=profile.inject_epochs, lr=profile.inject_lr,
                                  batch_size=profile.inject_batch, lora=profile.lora)
 
@@ -410,7 +361,7 @@ def _start(out: Path, profile_name: str, console: Any, reader: bool) -> tuple[Cl
     out.mkdir(parents=True, exist_ok=True)
     world = out / "world"
     details: dict[str, Any] = {"profile": profile_name,
-                               "world": stage(out, "world", lambda: _build_world(world, profile), console)}
+                               "world": stage(out, "world", lambda: build_world(world, profile), console)}
     if reader:
         assert profile.reader is not None
 
@@ -521,33 +472,7 @@ def reproduce_s3(out: Path, profile_name: str, console: Any = None) -> Path:
              "rule": f"The claim holds when s3 trained on {smallest} questions minus search_r1 trained on {largest} "
                      f"has a 95% EM interval whose lower end is at least -{100 * margin:.1f} points. EM in points; "
                      f"s3's documents are read by the trained reader at every size."}
-    return write_report(out, CLAIMS["s3"], table, methods, details, figure=_curve_figure(curve))
-
-
-def _curve_figure(curve: dict[str, list[dict[str, Any]]]) -> str:
-    """Held-out EM against RL training questions, one line per method with its 95% intervals (inline PNG)."""
-    import base64
-    import io
-
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(5, 3.2), dpi=100, layout="constrained")
-    FigureCanvasAgg(fig)
-    ax = fig.add_subplot()
-    for method, points in curve.items():
-        xs = [p["questions"] for p in points]
-        ys = [100 * p["em"] for p in points]
-        errors = [[100 * (p["em"] - p["em_ci"][0]) for p in points], [100 * (p["em_ci"][1] - p["em"]) for p in points]]
-        ax.errorbar(xs, ys, yerr=errors, marker="o", capsize=3, label=method)
-    ax.set_xscale("log")
-    ax.set_xlabel("RL training questions")
-    ax.set_ylabel("held-out EM (%)")
-    ax.legend()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png")
-    uri = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode("ascii")
-    return f"<figure id='curve'><img alt='EM against RL training questions' src='{uri}'></figure>\n"
+    return write_report(out, CLAIMS["s3"], table, methods, details, figure=curve_figure(curve))
 
 
 RUNNERS: dict[str, Callable[[Path, str, Any], Path]] = {
@@ -560,7 +485,47 @@ def reproduce(method: str, out: Path, profile: str, console: Any = None) -> Path
         raise ConfigError(f"no claim registered for {method!r}; choose one of {', '.join(CLAIMS)}")
     if profile not in ("cpu", "gpu"):
         raise ConfigError(f"--profile must be cpu or gpu, got {profile!r}")
+    out = out.resolve()  # one spelling of OUT in every stage's paths, whatever the working directory
+    write_claim_file(out, method, profile)
     return RUNNERS[method](out, profile, console)
+
+
+def claim_profile(method: str, profile_name: str) -> ClaimProfile:
+    """The sizes `method`'s claim runs at under `profile_name` (cpu or gpu)."""
+    return (STAGED_PROFILES if method == "staged" else CLAIM_PROFILES)[profile_name]
+
+
+def stage_plan(method: str, profile_name: str) -> dict[str, tuple[str, ...]]:
+    """A claim's stages in the order its runner above runs them, each with what it loads from earlier stages'
+    results: "stage.key" (a checkpoint path in that result) or "stage.key/sub/path" (a path under it). What a
+    claim bundle must carry for the stages still to run (`sleuth.claim_bundle`); a test holds it to the runners."""
+    profile = claim_profile(method, profile_name)
+    plan: dict[str, tuple[str, ...]] = {"world": ()}
+    if method == "staged":
+        plan["inject"] = ()
+        for m in STAGED_ARMS:
+            plan |= {f"train_{m}": ("inject.checkpoint",), f"eval_{m}": (f"train_{m}.checkpoint",)}
+    elif method == "r_search":
+        plan["sft_r_search"] = ()
+        for arm in ("with_evidence", "without_evidence"):
+            plan |= {f"train_{arm}": ("sft_r_search.sft_checkpoint",), f"eval_{arm}": (f"train_{arm}.checkpoint",)}
+    elif method == "qagent":
+        half = max(1, profile.pipeline.train_steps // 2)  # stage 2 continues stage 1's checkpoint at this step
+        plan |= {"reader": (), "sft_qagent": (), "train_stage1": ("sft_qagent.sft_checkpoint",),
+                 "train_stage2": (f"train_stage1.run/checkpoints/step_{half:06d}", "reader.reader")}
+        for arm in ("stage2", "stage1"):
+            plan |= {f"eval_{arm}_trained_reader": (f"train_{arm}.checkpoint", "reader.reader"),
+                     f"eval_{arm}_base_reader": (f"train_{arm}.checkpoint",)}
+    else:
+        from sleuth.agent.registry import get_method
+
+        plan |= {"reader": (), "sft_s3": (), "sft_search_r1": ()}
+        for size in profile.sizes:
+            for m in ("s3", "search_r1"):
+                reader = ("reader.reader",) if get_method(m).evaluated_by_reader else ()
+                plan |= {f"train_{m}_{size}": (f"sft_{m}.sft_checkpoint", *reader),
+                         f"eval_{m}_{size}": (f"train_{m}_{size}.checkpoint", *reader)}
+    return plan
 
 
 def register(app: typer.Typer) -> None:

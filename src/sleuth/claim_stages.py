@@ -1,0 +1,93 @@
+"""The resumable stages of `sleuth reproduce`: one record per finished stage under OUT/stages/.
+
+A record keeps the stage's result and the directory it was written under (`root`). Results name files
+under OUT by absolute path (checkpoints, predictions, the world), so a run directory that moved (copied
+to another machine, restored from a claim bundle: `sleuth.claim_bundle`) would otherwise hand the next
+stage paths of the old place; `stage` re-roots every such path to where OUT is now when it reads a record.
+
+OUT/claim.json names the claim and profile a run directory holds, so a bundle can rebuild the parts it
+leaves out (the world, from its seed) without being told.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from sleuth.errors import SleuthError
+from sleuth.utils import atomic_write_json
+
+STAGES_DIR = "stages"
+CLAIM_FILE = "claim.json"
+# stop before running a stage once this many stages are done: leaves a run cut at a stage boundary, as a
+# lease that ends would (the claim-bundle tests; rehearsing the bundle round trip on a CPU box)
+STOP_AFTER_ENV = "SLEUTH_REPRODUCE_STOP_AFTER"
+
+
+class StagesStopped(SleuthError):
+    """The run stopped at a stage boundary because SLEUTH_REPRODUCE_STOP_AFTER asked it to."""
+
+
+def reroot(value: Any, old: str, new: str) -> Any:
+    """`value` (JSON: dicts, lists, strings) with every string that is `old` or lies under it moved to `new`."""
+    if isinstance(value, str):
+        if value == old:
+            return new
+        return new + value[len(old):] if value.startswith(old + "/") else value
+    if isinstance(value, dict):
+        return {k: reroot(v, old, new) for k, v in value.items()}
+    if isinstance(value, list):
+        return [reroot(v, old, new) for v in value]
+    return value
+
+
+def read_stage(out: Path, name: str) -> dict[str, Any] | None:
+    """A finished stage's result with its paths re-rooted under OUT as it is now; None if not finished."""
+    marker = out / STAGES_DIR / f"{name}.json"
+    if not marker.exists():
+        return None
+    record = json.loads(marker.read_text())
+    root, here = record.get("root"), str(out.resolve())
+    # a record from before roots were kept names paths where it was written: nothing to re-root against
+    return record["result"] if root in (None, here) else reroot(record["result"], root, here)
+
+
+def finished_stages(out: Path) -> list[str]:
+    return sorted(p.stem for p in (out / STAGES_DIR).glob("*.json"))
+
+
+def stage(out: Path, name: str, run: Callable[[], dict[str, Any]], console: Any = None) -> dict[str, Any]:
+    """Run a stage once: its result is kept in OUT/stages/<name>.json, and a rerun returns it unrun (with
+    its paths re-rooted if OUT moved since)."""
+    done = read_stage(out, name)
+    if done is not None:
+        if console is not None:
+            console.print(f"[dim]stage {name}: done earlier, skipped[/]")
+        return done
+    limit = os.environ.get(STOP_AFTER_ENV)
+    if limit and len(finished_stages(out)) >= int(limit):
+        raise StagesStopped(f"stopped before stage {name}: {limit} stages are done ({STOP_AFTER_ENV}={limit}); "
+                            f"rerun without it to go on")
+    if console is not None:
+        console.print(f"[bold cyan]stage {name}[/]")
+    start = time.perf_counter()
+    result = run()
+    marker = out / STAGES_DIR / f"{name}.json"
+    marker.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(marker, {"result": result, "seconds": time.perf_counter() - start,
+                               "root": str(out.resolve())})
+    return result
+
+
+def write_claim_file(out: Path, method: str, profile: str) -> None:
+    """OUT/claim.json: which claim and profile this run directory holds."""
+    atomic_write_json(out / CLAIM_FILE, {"method": method, "profile": profile})
+
+
+def read_claim_file(out: Path) -> dict[str, str] | None:
+    path = out / CLAIM_FILE
+    return json.loads(path.read_text()) if path.exists() else None

@@ -1,0 +1,196 @@
+"""Claim bundles (issue 25): stage records that move with their run directory, each claim's stage plan, a
+bundle cut into parts and joined back byte for byte, and a claim cut short mid-RL, packed, carried through
+the call limits, restored under another directory and resumed, ending with an uncut run's claim table."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import shutil
+import tarfile
+
+import pytest
+from rich.console import Console
+
+from sleuth.claim_bundle import (
+    MIB,
+    OUT_FILES,
+    BundleError,
+    PartWriter,
+    carry_plan,
+    join_parts,
+    pack,
+    restore,
+    send,
+    take,
+)
+from sleuth.claim_stages import STOP_AFTER_ENV, StagesStopped, reroot, stage
+from sleuth.reproduce import reproduce, stage_plan
+
+
+def test_reroot_moves_only_paths_under_the_old_root():
+    value = {"a": "/old/x", "b": ["/old", "/older/y", 3, None], "c": {"d": "/else/old/z", "e": "/old/"}}
+    assert reroot(value, "/old", "/new") == {"a": "/new/x", "b": ["/new", "/older/y", 3, None],
+                                             "c": {"d": "/else/old/z", "e": "/new/"}}
+
+
+def test_a_stage_record_follows_its_directory(tmp_path):
+    first = tmp_path / "first"
+    calls = []
+    assert stage(first, "s", lambda: calls.append(1) or {"ckpt": str(first / "ck"), "n": 1}) == {
+        "ckpt": str(first / "ck"), "n": 1}
+    moved = tmp_path / "elsewhere" / "moved"
+    moved.parent.mkdir()
+    shutil.move(first, moved)
+    assert stage(moved, "s", lambda: calls.append(1) or {}) == {"ckpt": str(moved / "ck"), "n": 1}
+    assert calls == [1]
+
+
+def test_stop_after_stops_at_a_stage_boundary(tmp_path, monkeypatch):
+    monkeypatch.setenv(STOP_AFTER_ENV, "1")
+    assert stage(tmp_path, "a", lambda: {"x": 1}) == {"x": 1}
+    with pytest.raises(StagesStopped, match="stopped before stage b: 1 stages are done"):
+        stage(tmp_path, "b", lambda: {"x": 2})
+    assert stage(tmp_path, "a", lambda: {"x": 3}) == {"x": 1}  # a finished stage still reads back
+
+
+def test_stage_plans_list_the_stages_the_runners_write():
+    """The same stage names (in the order they run) as the CPU runs write (tests/test_reproduce.py)."""
+    assert list(stage_plan("staged", "cpu")) == ["world", "inject", "train_staged", "eval_staged",
+                                                 "train_search_r1", "eval_search_r1"]
+    assert sorted(stage_plan("r_search", "cpu")) == ["eval_with_evidence", "eval_without_evidence", "sft_r_search",
+                                                     "train_with_evidence", "train_without_evidence", "world"]
+    qagent = stage_plan("qagent", "cpu")
+    assert sorted(qagent) == ["eval_stage1_base_reader", "eval_stage1_trained_reader", "eval_stage2_base_reader",
+                              "eval_stage2_trained_reader", "reader", "sft_qagent", "train_stage1", "train_stage2",
+                              "world"]
+    assert qagent["train_stage2"] == ("train_stage1.run/checkpoints/step_000001", "reader.reader")
+    s3 = stage_plan("s3", "gpu")
+    assert len(s3) == 4 + 4 * 2 * 2 and s3["train_s3_6000"] == ("sft_s3.sft_checkpoint", "reader.reader")
+    assert s3["eval_search_r1_100"] == ("train_search_r1_100.checkpoint",)
+    assert len(stage_plan("s3", "cpu")) == 12
+
+
+def test_parts_join_back_byte_identical(tmp_path):
+    data = os.urandom(300_001)
+    writer = PartWriter(tmp_path, "bundle.", 64 * 1024)
+    for start in range(0, len(data), 10_007):  # writes that straddle part boundaries
+        writer.write(data[start : start + 10_007])
+    parts = writer.close()
+    assert [p["bytes"] for p in parts] == [65536] * 4 + [300_001 - 4 * 65536]
+    assert writer.whole.hexdigest() == hashlib.sha256(data).hexdigest()
+    joined = io.BytesIO()
+    assert join_parts(tmp_path, parts, joined) == hashlib.sha256(data).hexdigest()
+    assert joined.getvalue() == data
+    damaged = bytearray((tmp_path / "bundle.002").read_bytes())
+    damaged[5] ^= 1
+    (tmp_path / "bundle.002").write_bytes(bytes(damaged))
+    with pytest.raises(BundleError, match="bundle.002: 65536 bytes, sha256 .*damaged, or from another bundle"):
+        join_parts(tmp_path, parts, io.BytesIO())
+    (tmp_path / "bundle.004").unlink()
+    with pytest.raises(BundleError, match="part bundle.004 of the bundle is missing"):
+        join_parts(tmp_path, parts[4:], io.BytesIO())
+
+
+def test_carry_plan_fills_the_calls_beside_their_own_paths(tmp_path):
+    """Calls 1-3 of bench/gpu_claims.sh carry the wheels (32 MB) and the GGUF halves (47 MB each): two, one and
+    one 15 MiB parts fit beside them, the rest go four to a call."""
+    for name, size in ((".whl/a.whl", 28_000_000), (".models/m", 5_200_000), (".gpu/p1/x", 47_000_000),
+                       (".gpu/p2/y", 47_000_000)):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_bytes(bytes(size))
+    index = {"parts": [{"name": f"bundle.{i:03d}", "bytes": 15 * MIB} for i in range(9)]}
+    beside = [[str(tmp_path / ".whl"), str(tmp_path / ".models")], [str(tmp_path / ".gpu/p1")],
+              [str(tmp_path / ".gpu/p2")]]
+    plan = [[p.rsplit("/", 1)[-1] for p in call] for call in carry_plan(index, ".claims", beside)]
+    assert plan == [[".whl", ".models", "bundle.json", "bundle.000", "bundle.001"], ["p1", "bundle.002"],
+                    ["p2", "bundle.003"], ["bundle.004", "bundle.005", "bundle.006", "bundle.007"], ["bundle.008"]]
+
+
+def _records(path):
+    """A jsonl file's records without their timings."""
+    return [{k: v for k, v in json.loads(line).items() if k != "latency_s"} for line in path.open()]
+
+
+def _carry(bundle, dev_claims, outs):
+    """What bench/gpu_claims.sh does across calls: send into each call's fresh $OUT (limits counted), then
+    `take` on the development machine, until the carried folder holds every part."""
+    for k in range(10):
+        out = outs / f"call{k}"
+        out.mkdir(parents=True)
+        (out / "claims.tgz").write_bytes(b"reports")  # pack's other file shares the call's limits
+        sent = send(bundle, out)
+        assert len(list(out.iterdir())) <= OUT_FILES
+        state = take(out, dev_claims)
+        if not state["missing"]:
+            return k + 1
+        assert sent
+    raise AssertionError("the bundle never came back whole")
+
+
+@pytest.mark.slow
+def test_a_claim_cut_short_resumes_from_its_bundle_elsewhere(tmp_path, monkeypatch):
+    """qagent on the CPU profile (about 60 s on 2 cores): an uncut run; a run cut in the middle of stage 1's
+    RL, packed into 64 KiB parts, carried in several calls, restored under another directory (the first one
+    gone) and resumed: the same claim table, rollouts and answers, the finished stages skipped, stage 1's RL
+    resumed at step 1."""
+    uncut = reproduce("qagent", tmp_path / "uncut" / "qagent", "cpu")
+    lease1 = tmp_path / "lease1" / "claims"
+    monkeypatch.setenv(STOP_AFTER_ENV, "4")
+    with pytest.raises(StagesStopped, match="before stage train_stage2"):
+        reproduce("qagent", lease1 / "qagent", "cpu")
+    monkeypatch.delenv(STOP_AFTER_ENV)
+    # the lease ends after stage 1's first RL step: its record and its step-2 checkpoint were never written
+    run1 = lease1 / "qagent" / "stage1" / "train"
+    (lease1 / "qagent" / "stages" / "train_stage1.json").unlink()
+    shutil.rmtree(run1 / "checkpoints" / "step_000002")
+    (run1 / "checkpoints" / "latest").write_text("step_000001\n")
+
+    index = pack(lease1, tmp_path / "bundle", part_bytes=64 * 1024)
+    info = index["claims"]["qagent"]
+    assert info["done"] == ["reader", "sft_qagent", "world"] and info["pending"][0] == "train_stage1"
+    assert info["checkpoints"] == {"qagent/train/sft/checkpoints/step_000006": "without optimizer state",
+                                   "reader/sft/checkpoints/step_000030": "without optimizer state",
+                                   "stage1/train/checkpoints/step_000001": "whole"}
+    assert [e["dir"] for e in info["rebuild"]] == ["world", "reader/reader"]
+    assert len(index["parts"]) > 1 and all(p["bytes"] <= 64 * 1024 for p in index["parts"])
+    with tarfile.open(fileobj=io.BytesIO(b"".join((tmp_path / "bundle" / p["name"]).read_bytes()
+                                                 for p in index["parts"]))) as tar:
+        names = tar.getnames()
+    assert "qagent/stage1/train/checkpoints/step_000001/state.pt" in names
+    assert "qagent/qagent/train/sft/checkpoints/step_000006/policy/adapter_model.safetensors" in names
+    assert not any(n.endswith("step_000006/state.pt") or "/world/" in n or n.startswith("qagent/reader/reader/")
+                   or "/rollouts/" in n or n.endswith("reader_sft.jsonl") for n in names)
+
+    dev = tmp_path / "dev" / ".claims"
+    assert _carry(tmp_path / "bundle", dev, tmp_path / "outs") >= 2
+    shutil.rmtree(tmp_path / "lease1")  # nothing may still point there
+    lease2 = tmp_path / "lease2" / "runs" / "claims"
+    assert restore(dev, lease2, tmp_path / "done")["claims"]["qagent"] == {"stages": 3, "complete": False,
+                                                                           "warnings": []}
+    assert restore(dev, lease2)["status"] == "restored earlier" and not (tmp_path / "done").exists()
+    buf = io.StringIO()
+    resumed = reproduce("qagent", lease2 / "qagent", "cpu", Console(file=buf, width=300))
+    output = buf.getvalue()
+    assert output.count("done earlier, skipped") == 3 and "(step 1)" in output, output
+    assert json.loads(resumed.with_suffix(".json").read_text())["table"] == json.loads(
+        uncut.with_suffix(".json").read_text())["table"]
+    # the tiny model's tables are all zeros: hold what they come from to the uncut run too, the step-2 rollouts
+    # of the resumed RL (sampling RNG, data cursor, weights) and every evaluation's answers
+    compared = ["stage1/train/rollouts/step_000002.jsonl", "stage2/train/rollouts/step_000001.jsonl",
+                *(p.relative_to(uncut.parent).as_posix() for p in uncut.parent.glob("eval/*/*/predictions.jsonl"))]
+    assert len(compared) == 6
+    for rel in compared:
+        assert _records(lease2 / "qagent" / rel) == _records(uncut.parent / rel), rel
+    records = "".join(p.read_text() for p in (lease2 / "qagent" / "stages").iterdir())
+    assert str(tmp_path / "lease1") not in records and str(lease2 / "qagent") in records
+
+    # a finished claim: records and evaluations only, and its done-marker on restore
+    again = pack(lease2, tmp_path / "bundle2")
+    assert again["claims"]["qagent"]["checkpoints"] == {} and again["claims"]["qagent"]["pending"] == []
+    restored = restore(tmp_path / "bundle2", tmp_path / "lease3", tmp_path / "done")
+    assert restored["claims"]["qagent"]["complete"] and (tmp_path / "done" / "qagent").exists()
+    assert json.loads((tmp_path / "lease3" / "qagent" / "report.json").read_text())["table"] == json.loads(
+        resumed.with_suffix(".json").read_text())["table"]
