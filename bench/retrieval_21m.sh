@@ -18,6 +18,11 @@
 # Run end to end on a CPU box (2 cores) with the same script: PY=.venv/bin/python SIZE=3000 WORLD_PASSAGES=300
 #   ENCODE_DEVICES=cpu,cpu WORKERS=2 WORK=/tmp/d21 bash bench/retrieval_21m.sh start; ... wait 240
 #
+# Measured on 1x H200 / 16 cores (2026-11-27): synth 175 s, docstore 37 s, encode 702 s (tokenizer-bound), then the
+# faiss CPU IVF-PQ build ran > 12 min and the lease ended; the IVF build now runs its k-means and assignment on
+# the GPU (sleuth.retrieval.ivf_build, --ivf-device auto). On a 2-GPU / 32-core lease the next plan is
+# `SKIP_BM25=1 NLIST=8192 RETRIEVAL=1 bash bench/gpu_paper.sh start` (issue 23's H100 rows on cores 16-31 first,
+# this chain on cores 0-15, its encoder on every core and both GPUs after them; see gpu_paper.sh's header).
 # Dense only on a fresh 4-GPU / 64-core lease (issue 24; ~12-13 min of wall time for the whole chain):
 #   call 1: carry [.whl]          SKIP_BM25=1 ENCODE_DEVICES=all NLIST=8192 bash bench/retrieval_21m.sh start
 #   call 2: carry [.gpu/minilm]   bash bench/retrieval_21m.sh wait 540
