@@ -27,6 +27,7 @@ from sleuth.claim_bundle import (
     take,
 )
 from sleuth.claim_stages import STOP_AFTER_ENV, StagesStopped, reroot, stage
+from sleuth.errors import ConfigError
 from sleuth.reproduce import reproduce, stage_plan
 
 
@@ -54,6 +55,9 @@ def test_stop_after_stops_at_a_stage_boundary(tmp_path, monkeypatch):
     with pytest.raises(StagesStopped, match="stopped before stage b: 1 stages are done"):
         stage(tmp_path, "b", lambda: {"x": 2})
     assert stage(tmp_path, "a", lambda: {"x": 3}) == {"x": 1}  # a finished stage still reads back
+    monkeypatch.setenv(STOP_AFTER_ENV, "two")
+    with pytest.raises(ConfigError, match="SLEUTH_REPRODUCE_STOP_AFTER='two'"):
+        stage(tmp_path, "b", lambda: {"x": 2})
 
 
 def test_stage_plans_list_the_stages_the_runners_write():

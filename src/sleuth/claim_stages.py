@@ -18,7 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from sleuth.errors import SleuthError
+from sleuth.errors import ConfigError, SleuthError
 from sleuth.utils import atomic_write_json
 
 STAGES_DIR = "stages"
@@ -69,6 +69,8 @@ def stage(out: Path, name: str, run: Callable[[], dict[str, Any]], console: Any 
             console.print(f"[dim]stage {name}: done earlier, skipped[/]")
         return done
     limit = os.environ.get(STOP_AFTER_ENV)
+    if limit and not limit.isdigit():
+        raise ConfigError(f"{STOP_AFTER_ENV}={limit!r}: give a number of stages (e.g. 3), or unset it")
     if limit and len(finished_stages(out)) >= int(limit):
         raise StagesStopped(f"stopped before stage {name}: {limit} stages are done ({STOP_AFTER_ENV}={limit}); "
                             f"rerun without it to go on")
