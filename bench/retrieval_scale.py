@@ -509,6 +509,32 @@ def exact_top5(args: argparse.Namespace, queries: list[str]) -> list[list[str]]:
     return [store.ids(row[row >= 0]) for row in best_i]
 
 
+def nprobe_sweep(args: argparse.Namespace, queries: list[str], exact: list[list[str]]) -> list[dict[str, Any]]:
+    """The index searched in this process at each --sweep-nprobe: recall@5 against exact search and the
+    search's own q/s (queries encoded once beforehand, batches of 256, re-ranking included): the recall / speed
+    trade-off a user picks nprobe from, and whether one value meets both targets where the served one did not."""
+    import numpy as np
+
+    from sleuth.retrieval import load_retriever
+
+    cores = len(os.sched_getaffinity(0))
+    retriever = load_retriever(args.work / "ivf", threads=cores)
+    vectors = _encoder(None).encode_queries(queries).astype(np.float32)
+    rows = []
+    for nprobe in args.sweep_nprobe:
+        retriever.set_search_params(nprobe=nprobe)
+        retriever.search_vectors(vectors[:256], K)  # warm-up: touches the probed lists once
+        t0 = time.perf_counter()
+        ids = np.concatenate([retriever.search_vectors(vectors[i : i + 256], K)[1] for i in range(0, len(vectors), 256)])
+        seconds = time.perf_counter() - t0
+        found = [set(retriever.docstore.ids(row[row >= 0])) for row in ids]
+        recall = float(np.mean([len(f & set(e)) / K for f, e in zip(found, exact, strict=True)]))
+        rows.append({"nprobe": nprobe, "recall_at_5_vs_exact": round(recall, 4),
+                     "search_qps_in_process": round(len(vectors) / seconds, 1), "threads": cores})
+    retriever.close()
+    return rows
+
+
 def stage_dense_serve(args: argparse.Namespace) -> dict[str, Any]:
     import numpy as np
 
@@ -524,9 +550,10 @@ def stage_dense_serve(args: argparse.Namespace) -> dict[str, Any]:
     overlap = [len({_hit_id(h) for h in hs} & set(e)) / K for hs, e in zip(hits, exact, strict=True)]
     encode = json.loads((args.work / "stages" / "encode.json").read_text()) if (
         args.work / "stages" / "encode.json").exists() else {}
+    sweep = nprobe_sweep(args, [q["question"] for q in singles], exact) if args.sweep_nprobe else []
     return stage_record("dense-serve", args, t0, load0, **fields,
                         recall_at_5_vs_exact=round(float(np.mean(overlap)), 4), exact_questions=len(exact),
-                        sample=encode.get("sample"), note=encode.get("note"))
+                        nprobe=args.nprobe, nprobe_sweep=sweep, sample=encode.get("sample"), note=encode.get("note"))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -596,6 +623,9 @@ def print_table(result: dict[str, Any]) -> None:
                     + f"), gold R@5 {x['gold_recall_at_5_single_hop']}")
             if "recall_at_5_vs_exact" in x:
                 text += f", R@5 vs exact {x['recall_at_5_vs_exact']}"
+            if x.get("nprobe_sweep"):
+                text += "; nprobe: R@5 vs exact, search q/s: " + ", ".join(
+                    f"{r['nprobe']}: {r['recall_at_5_vs_exact']}, {r['search_qps_in_process']:,}" for r in x["nprobe_sweep"])
             rows += [(label, text)]
     rows += [(name, f"skipped: {why}") for name, why in result.get("skipped_stages", {}).items()]
     width = max(len(r[0]) for r in rows)
@@ -646,6 +676,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--train-sample", type=int, default=None,
                    help="IVF-PQ training vectors (default 64 x nlist; training time grows with it x nlist).")
     p.add_argument("--nprobe", type=int, default=32)
+    p.add_argument("--sweep-nprobe", type=int, nargs="*", default=[16, 32, 64, 128],
+                   help="dense-serve: also search in process at each of these nprobe values (recall@5 vs exact, q/s)")
     p.add_argument("--ivf-device", default="auto",
                    help="IVF-PQ build: where the coarse k-means and list assignment run (auto: a GPU when torch "
                         "sees one; cpu: faiss alone; torch-cpu; cuda[:N]). Phase seconds go in the stage JSON.")
@@ -656,6 +688,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                  "encode_chunk", "procs_per_gpu", "train_sample"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if any(n < 1 for n in args.sweep_nprobe):
+        p.error(f"--sweep-nprobe values must be >= 1, got {args.sweep_nprobe}")
     args.work.mkdir(parents=True, exist_ok=True)
     return args
 

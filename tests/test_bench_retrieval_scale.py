@@ -67,7 +67,7 @@ def test_dense_stages_reuse_the_bm25_docstore_end_to_end(tmp_path: Path) -> None
     common = ["--work", str(work), "--size", "500", "--world-passages", "200", "--questions", "40",
               "--workers", "1", "--shard-docs", "1000", "--batch-requests", "1", "--batch-clients", "1",
               "--latency-seconds", "1", "--recall-questions", "10", "--devices", "cpu,cpu", "--nlist", "16",
-              "--shards", "2", "--nprobe", "16", "--ivf-device", "torch-cpu"]
+              "--shards", "2", "--nprobe", "16", "--ivf-device", "torch-cpu", "--sweep-nprobe", "1", "16"]
 
     def stage(name: str) -> None:
         subprocess.run([sys.executable, str(BENCH / "retrieval_scale.py"), name, *common], env=env, check=True,
@@ -90,6 +90,10 @@ def test_dense_stages_reuse_the_bm25_docstore_end_to_end(tmp_path: Path) -> None
     assert len(inodes) == 1
     assert serve["recall_at_5_vs_exact"] >= 0.8 and serve["gold_recall_at_5_single_hop"] > 0
     assert serve["sample"] is False
+    # the in-process sweep at the served nprobe finds what the server found (same index, other path)
+    assert [r["nprobe"] for r in serve["nprobe_sweep"]] == [1, 16]
+    assert serve["nprobe_sweep"][1]["recall_at_5_vs_exact"] == serve["recall_at_5_vs_exact"]
+    assert all(r["search_qps_in_process"] > 0 for r in serve["nprobe_sweep"])
 
 
 def test_dense_sample_cuts_a_corpus_and_the_whole_corpus_needs_the_bm25_docstore(tmp_path: Path) -> None:
