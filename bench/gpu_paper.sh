@@ -6,7 +6,8 @@
 #                                              done marker are skipped, a failed stage runs again
 # On a 2-GPU / 32-core machine (next session's lease: issue 23's H100 rows, then issue 24's dense 21M chain):
 #   1: carry [.whl, .models]  SKIP_BM25=1 NLIST=8192 RETRIEVAL=1 bash bench/gpu_paper.sh start; bash bench/gpu_paper.sh wait 300
-#   2: carry [.gpu/minilm]    bash bench/gpu_paper.sh wait 560;   then wait calls (daemon_next2 below)
+#   2: carry [.gpu/minilm]    bash bench/gpu_paper.sh wait 560;   then wait calls (daemon_next2 below; the
+#      retrieval chain first, the 3B rows beside its CPU stages; estimate ~20 min of wall time in all)
 # On a 4-GPU machine with issue 24's retrieval beside it (prepare: bash bench/prepare_gpu_assets.sh; ... retrieval;
 # bash bench/gpu_learn.sh minilm), calls follow each other within the machine's idle time (~30 s):
 #   1: carry [.whl, .models]  RETRIEVAL=1 bash bench/gpu_paper.sh start; bash bench/gpu_paper.sh wait 300
@@ -139,12 +140,21 @@ daemon_next() {  # PLAN=next: what issue 23 still lacks after 2026-11-27 (the sp
 }
 
 daemon_next2() {  # PLAN=next on a 2-GPU machine (the kinds lent on 2026-11-27): the short geometry again on an H100
-  # (the stop check now decodes ~1/8 of the tails: bench/stop_check_cost.py), its profile, then 3B LoRA on 1 and 2
-  # GPUs of one machine (the 2-GPU rehearsal row on H100s), one after another so that each timing has the
-  # machine's GPUs and these cores to itself; then both GPUs go to issue 24's encoder (RETRIEVAL=1)
+  # (the stop check now decodes ~1/8 of the tails: bench/stop_check_cost.py) and its profile on GPU 0; then both
+  # GPUs go to issue 24's encoder (RETRIEVAL=1, IVF_DEVICE=cuda:1 for its IVF build); once the encode is done,
+  # 3B LoRA on GPU 0, then on both GPUs (the 2-GPU rehearsal row on H100s) on these cores (16+) while the
+  # retrieval builds and serves on cores 0-15
   bash bench/gpu_run.sh setup > "$WORK/logs/setup.log" 2>&1
-  stage r_short 0; stage r_prof 0; stage p3b_1 0; stage p3b_2 0,1
+  stage r_short 0; stage r_prof 0
   stage encode_go 0,1
+  if [ "${RETRIEVAL:-0}" = 1 ]; then
+    until [ -f runs/scale21m/stages/encode.json ] || [ -f runs/scale21m/daemon.finished ]; do sleep 15; done
+  fi
+  stage p3b_1 0
+  if [ "${RETRIEVAL:-0}" = 1 ]; then  # the IVF build uses GPU 1 for a minute or two
+    until [ -f runs/scale21m/stages/ivfpq-build.json ] || [ -f runs/scale21m/daemon.finished ]; do sleep 15; done
+  fi
+  stage p3b_2 0,1
   echo "$(date +%T) all stages ended" >> "$WORK/progress.log"
 }
 
@@ -171,7 +181,8 @@ case "${1:-}" in
     setsid nohup $pin bash "$0" daemon > "$WORK/daemon.log" 2>&1 < /dev/null &
     echo $! > "$WORK/pid"
     if [ -n "$pin" ]; then  # issue 24's 21M retrieval on 16 cores of its own; its encoder waits for encode_go
-      ENCODE_AFTER="$WORK/encode_go" ENCODE_CPUS="0-$(( $(nproc) - 1 ))" WORKERS=16 taskset -c 0-15 \
+      ivf=auto; [ "$GPUS" -eq 2 ] && ivf=cuda:1  # daemon_next2 runs 3B LoRA on GPU 0 beside the IVF build
+      IVF_DEVICE=${IVF_DEVICE:-$ivf} ENCODE_AFTER="$WORK/encode_go" ENCODE_CPUS="0-$(( $(nproc) - 1 ))" WORKERS=16 taskset -c 0-15 \
         bash bench/retrieval_21m.sh start 2>&1 | tail -3
     fi
     sleep 5; nvidia-smi --query-gpu=name,memory.total --format=csv,noheader; cat "$WORK/progress.log" ;;

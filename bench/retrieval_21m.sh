@@ -176,7 +176,9 @@ case "${1:-}" in
     # cost grows with NLIST (bench/ivfpq_build_cost.py; docs/retrieval_scale.md has the 21M estimate).
     [ -n "${ENCODE_CPUS:-}" ] && taskset -p -c "0-$(( CORES - 1 ))" $$ > /dev/null  # back to the daemon's cores
     # shellcheck disable=SC2046
+    # IVF_DEVICE (default auto: the first visible GPU runs the k-means and the list assignment; cpu: faiss alone)
     OMP_NUM_THREADS=$CORES run_stage ivfpq-build --dense-size "$DENSE_SIZE" --threads "$CORES" \
+      --ivf-device "${IVF_DEVICE:-auto}" \
       --shards "${DENSE_SHARDS:-4}" $( [ -n "${NLIST:-}" ] && echo --nlist "$NLIST" ) \
       $( [ -n "${TRAIN_SAMPLE:-}" ] && echo --train-sample "$TRAIN_SAMPLE" ) || exit 1
     # shellcheck disable=SC2086
