@@ -65,6 +65,9 @@ stage_cmd() {
               --steps 1 --micro 2 --timeout 900 --work "$WORK/$1" --out "$R/paper_scale_7b_full_fsdp_4gpu.json" ;;
     r_short) python bench/rollout.py --model random:qwen2.5-0.5b --device cuda --batch 64 --turns 3 --new-tokens 64 \
               --modes engine static+compile --baseline-trajectories 0 --out "$R/rollout_0.5b_short.json" ;;
+    r_short_every) SLEUTH_STOP_FILTER=0 python bench/rollout.py --model random:qwen2.5-0.5b --device cuda --batch 64 \
+              --turns 3 --new-tokens 64 --modes engine --baseline-trajectories 0 \
+              --out "$R/rollout_0.5b_short_every_token_stop_check.json" ;;  # the stop check before StopEndTokens
     s_short) SLEUTH_SAMPLE_CHUNK=0 python bench/rollout.py --model random:qwen2.5-0.5b --device cuda --batch 64 --turns 3 \
               --new-tokens 64 --modes engine --baseline-trajectories 0 --out "$R/rollout_0.5b_short_one_program_sampler.json" ;;
     # n_*: the same rows with every turn prefilled whole again (--no-prefix-reuse), the baseline on the same card
@@ -145,7 +148,7 @@ daemon_next2() {  # PLAN=next on a 2-GPU machine (the kinds lent on 2026-11-27):
   # 3B LoRA on GPU 0, then on both GPUs (the 2-GPU rehearsal row on H100s) on these cores (16+) while the
   # retrieval builds and serves on cores 0-15
   bash bench/gpu_run.sh setup > "$WORK/logs/setup.log" 2>&1
-  stage r_short 0; stage r_prof 0
+  stage r_short 0; stage r_short_every 0; stage r_prof 0
   stage encode_go 0,1
   if [ "${RETRIEVAL:-0}" = 1 ]; then
     until [ -f runs/scale21m/stages/encode.json ] || [ -f runs/scale21m/daemon.finished ]; do sleep 15; done

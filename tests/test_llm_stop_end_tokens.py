@@ -123,3 +123,12 @@ def test_which_tokens_are_checked(byte_level) -> None:
     # a stop ending in whitespace: decoders add and strip spaces around a lone token, so every token is checked
     assert ends.for_stops(["end\n"]) is None and ends.checks(["end\n"], plain) == [True] * len(plain)
     assert ends.for_stops([]) is None
+
+
+def test_the_filter_can_be_turned_off_for_a_comparison(byte_level, monkeypatch) -> None:
+    """SLEUTH_STOP_FILTER=0 (read at import; patched here) checks after every token, the behaviour before."""
+    from sleuth.llm import stops as stops_module
+
+    monkeypatch.setattr(stops_module, "FILTER", False)
+    plain = byte_level.encode("the", add_special_tokens=False)
+    assert StopEndTokens(byte_level).checks(["</search>"], plain) == [True] * len(plain)

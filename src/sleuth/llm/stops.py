@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -16,6 +17,10 @@ def stop_window(stops: Sequence[str]) -> int:
     at the start of the window.
     """
     return max((len(s.encode("utf-8")) for s in stops), default=0) + 2
+
+
+# SLEUTH_STOP_FILTER=0 searches after every token again (the comparison row of bench/gpu_paper.sh's r_short_every)
+FILTER = os.environ.get("SLEUTH_STOP_FILTER", "1") != "0"
 
 
 class StopEndTokens:
@@ -46,7 +51,7 @@ class StopEndTokens:
         """Per token id (up to the tokenizer's size): whether it may complete one of `stops`; None: check
         after every token."""
         ends = frozenset(s[-1] for s in stops if s)
-        if not ends or any(c.isspace() for c in ends):
+        if not ends or any(c.isspace() for c in ends) or not FILTER:
             return None
         if ends not in self._by_ends:
             self._by_ends[ends] = [("\ufffd" in t) or any(c in t for c in ends) for t in self._token_texts()]
