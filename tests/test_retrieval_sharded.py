@@ -470,3 +470,30 @@ def test_dense_index_reuses_another_index_docstore(
         build_index(None, "dense", tmp_path / "bad", encoder=encoder, docstore_from=tmp_path / "half",
                     show_progress=False)
     assert not (tmp_path / "bad").exists()
+
+
+def test_precomputed_embeddings_are_linked_as_the_kept_vectors(tmp_path: Path, encoder: HashEncoder,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """At 21M the embeddings file is 16 GB: the IVF-PQ build hard-links it as the index's float16 vectors
+    instead of writing a second copy, and searches exactly as a build that writes the copy (the fallback
+    where no hard link can be made)."""
+    corpus = tmp_path / "c.jsonl"
+    docs = _write_corpus(corpus, 600, seed=4, words_per_doc=10)
+    build_index(corpus, "dense", tmp_path / "flat", encoder=encoder, show_progress=False)
+    emb = tmp_path / "emb.f16"
+    encode_docstore(DocStore(tmp_path / "flat" / "docstore"), emb, encoder, chunk=256)
+    before = emb.read_bytes()
+    opts = dict(encoder=encoder, faiss="ivfpq", nlist=8, m=8, nbits=6, nprobe=4, shards=2, keep_vectors=True,
+                embeddings=str(emb), show_progress=False)
+    build_index(corpus, "dense", tmp_path / "linked", **opts)
+    assert read_manifest(tmp_path / "linked")["vectors_source"] == "linked"
+    assert (tmp_path / "linked" / "vectors.f16").stat().st_ino == emb.stat().st_ino
+    monkeypatch.setattr("sleuth.retrieval.sharded.os.link", lambda *a: (_ for _ in ()).throw(OSError("EXDEV")))
+    build_index(corpus, "dense", tmp_path / "written", **opts)
+    assert read_manifest(tmp_path / "written")["vectors_source"] == "written"
+    assert (tmp_path / "written" / "vectors.f16").read_bytes() == emb.read_bytes()
+    queries = [" ".join(d[:3]) for d in docs[:40]]
+    got = [[h.doc_id for h in hs] for hs in load_retriever(tmp_path / "linked", encoder=encoder).search(queries, 5)]
+    want = [[h.doc_id for h in hs] for hs in load_retriever(tmp_path / "written", encoder=encoder).search(queries, 5)]
+    assert got == want
+    assert emb.read_bytes() == before  # the source is read, never written

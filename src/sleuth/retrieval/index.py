@@ -312,7 +312,8 @@ def _build_dense(
                 fparams,
                 out_dir,
                 ShardBuild(shards=shard_opts.get("shards", 1), train_sample=shard_opts.get("train_sample"),
-                           keep_vectors=bool(shard_opts.get("keep_vectors", False)), ivf_device=ivf_device),
+                           keep_vectors=bool(shard_opts.get("keep_vectors", False)), ivf_device=ivf_device,
+                           source_vectors=None if embeddings is None else str(embeddings)),
             )
         )
         return meta

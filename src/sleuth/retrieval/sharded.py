@@ -18,6 +18,7 @@ one GPU per shard when faiss has GPU support) and keeps each query's best k over
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Iterable, Iterator, Sequence
@@ -108,6 +109,10 @@ class ShardBuild:
     keep_vectors: bool = False
     seed: int = 0
     ivf_device: str | None = None
+    # A float16 [N, dim] file holding exactly the streamed vectors (precomputed embeddings): hard-linked as the
+    # spool / kept vectors instead of written again (16 GB and a minute or two at 21M), where the file system
+    # allows; the build reads it and never writes to it.
+    source_vectors: str | None = None
 
 
 def build_sharded_faiss(vectors: Iterable[np.ndarray], num_vectors: int, dim: int, params: dict[str, Any],
@@ -131,19 +136,22 @@ def build_sharded_faiss(vectors: Iterable[np.ndarray], num_vectors: int, dim: in
     builder = IvfBuilder(build.ivf_device, seed) if is_ivf else None
     spool_path = out_dir / (VECTORS_FILE if keep_vectors else "vectors.tmp.f16")
     spool = None
-    if is_ivf or keep_vectors:
-        spool = np.memmap(spool_path, dtype=np.float16, mode="w+", shape=(num_vectors, dim))
-
-    written = 0
     started = time.perf_counter()
+    linked = False
+    if is_ivf or keep_vectors:
+        linked = build.source_vectors is not None and _link_vectors(Path(build.source_vectors), spool_path,
+                                                                    num_vectors * dim * 2)
+        spool = np.memmap(spool_path, dtype=np.float16, mode="r" if linked else "w+", shape=(num_vectors, dim))
+
+    written = num_vectors if linked and is_ivf else 0  # a linked spool is whole: IVF needs nothing streamed
     current: Any = None
     current_shard = -1
 
     def finish(shard: int) -> None:
         faiss.write_index(current, str(out_dir / specs[shard].file))
 
-    for shard, rows in _rechunk(vectors, bounds):
-        if spool is not None:
+    for shard, rows in [] if linked and is_ivf else _rechunk(vectors, bounds):
+        if spool is not None and not linked:
             spool[written : written + len(rows)] = rows
         written += len(rows)
         if is_ivf:
@@ -159,6 +167,8 @@ def build_sharded_faiss(vectors: Iterable[np.ndarray], num_vectors: int, dim: in
         finish(current_shard)
 
     info: dict[str, Any] = {"shards": [s.to_dict() for s in specs]}
+    if spool is not None:
+        info["vectors_source"] = "linked" if linked else "written"
     if is_ivf:
         assert spool is not None and builder is not None
         spool.flush()
@@ -174,6 +184,19 @@ def build_sharded_faiss(vectors: Iterable[np.ndarray], num_vectors: int, dim: in
         else:
             spool_path.unlink()
     return info
+
+
+def _link_vectors(source: Path, spool_path: Path, size: int) -> bool:
+    """Hard-link `source` as `spool_path`; False where it cannot be (another file system, no hard links, a
+    size other than the vectors'), and the caller writes the spool from the stream instead."""
+    try:
+        if source.stat().st_size != size:
+            return False
+        spool_path.unlink(missing_ok=True)
+        os.link(source, spool_path)
+    except OSError:
+        return False
+    return True
 
 
 def _train_and_fill_ivf(
