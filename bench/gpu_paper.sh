@@ -5,7 +5,7 @@
 #           bash bench/gpu_paper.sh restart  - after a fix: kills the daemon and starts it again; stages with a
 #                                              done marker are skipped, a failed stage runs again
 # On a 2-GPU / 32-core machine (next session's lease: issue 23's H100 rows, then issue 24's dense 21M chain):
-#   1: carry [.whl, .models]  SKIP_BM25=1 NLIST=8192 RETRIEVAL=1 bash bench/gpu_paper.sh start; bash bench/gpu_paper.sh wait 300
+#   1: carry [.whl, .models]  FRESH=1 SKIP_BM25=1 NLIST=8192 RETRIEVAL=1 bash bench/gpu_paper.sh start; bash bench/gpu_paper.sh wait 300
 #   2: carry [.gpu/minilm]    bash bench/gpu_paper.sh wait 560;   then wait calls (daemon_next2 below; the
 #      retrieval chain first, the 3B rows beside its CPU stages; estimate ~20 min of wall time in all)
 # On a 4-GPU machine with issue 24's retrieval beside it (prepare: bash bench/prepare_gpu_assets.sh; ... retrieval;
@@ -150,11 +150,11 @@ daemon_next2() {  # PLAN=next on a 2-GPU machine (the kinds lent on 2026-11-27):
   bash bench/gpu_run.sh setup > "$WORK/logs/setup.log" 2>&1
   stage r_short 0; stage r_short_every 0; stage r_prof 0
   stage encode_go 0,1
-  if [ "${RETRIEVAL:-0}" = 1 ]; then
+  if [ -f runs/scale21m/daemon.log ]; then  # the retrieval daemon runs beside (RETRIEVAL=1 on 32+ cores)
     until [ -f runs/scale21m/stages/encode.json ] || [ -f runs/scale21m/daemon.finished ]; do sleep 15; done
   fi
   stage p3b_1 0
-  if [ "${RETRIEVAL:-0}" = 1 ]; then  # the IVF build uses GPU 1 for a minute or two
+  if [ -f runs/scale21m/daemon.log ]; then  # the IVF build uses GPU 1 for a minute or two
     until [ -f runs/scale21m/stages/ivfpq-build.json ] || [ -f runs/scale21m/daemon.finished ]; do sleep 15; done
   fi
   stage p3b_2 0,1
@@ -174,6 +174,10 @@ case "${1:-}" in
           elif [ "$GPUS" -eq 2 ] && [ -z "${STAGES:-}" ] && [ "${PLAN:-next}" = next ]; then daemon_next2
           else daemon; fi ;;
   start|restart)
+    # FRESH=1 (a session's first call): forget stage markers and results a machine kept from an earlier lease
+    # (seen on 2026-11-27: /root/paper survived), so every stage measures this checkout
+    if [ "${FRESH:-0}" = 1 ]; then rm -rf "$WORK/done" "$WORK/results" "$WORK/logs" runs/scale21m
+      mkdir -p "$WORK/done" "$WORK/results" "$WORK/logs"; fi
     for s in ${REDO:-}; do rm -f "$WORK/done/$s"; done
     [ -f "$WORK/progress.log" ] && mv "$WORK/progress.log" "$WORK/progress.$(date +%s).log"
     [ -f "$WORK/pid" ] && kill -- -"$(cat "$WORK/pid")" 2>/dev/null
