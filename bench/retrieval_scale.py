@@ -44,6 +44,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from _common import free_port, out_path, wait_up, write_json
 
 BATCH = 256
@@ -317,8 +319,6 @@ def serve_and_measure(
 
     `covered`: the passage ids the index holds (a dense sample); recall counts only questions whose gold
     passage is among them."""
-    import numpy as np
-
     questions = _questions(args.work)
     texts = [q["question"] for q in questions]
     dropped = drop_page_cache() if args.drop_cache else False
@@ -487,17 +487,15 @@ def stage_ivfpq_build(args: argparse.Namespace) -> dict[str, Any]:
     )
 
 
-def exact_top5(args: argparse.Namespace, queries: list[str]) -> list[list[str]]:
-    """Exact inner-product top-5 over every stored vector (chunked), as passage ids."""
-    import numpy as np
-
+def exact_top5(args: argparse.Namespace, q: np.ndarray) -> list[list[str]]:
+    """Exact inner-product top-5 of the float32 query vectors `q` over every stored vector (chunked), as
+    passage ids."""
     from sleuth.retrieval.docstore import DocStore
     from sleuth.retrieval.sharded import merge_topk
 
     manifest = json.loads((args.work / "ivf" / "manifest.json").read_text())
     shape = tuple(manifest["vectors"]["shape"])
     vectors = np.memmap(args.work / "ivf" / "vectors.f16", dtype=np.float16, mode="r", shape=shape)
-    q = _encoder(None).encode_queries(queries).astype(np.float32)
     best_s = np.full((len(q), K), -np.inf, np.float32)
     best_i = np.full((len(q), K), -1, np.int64)
     for start in range(0, shape[0], 262144):
@@ -509,17 +507,15 @@ def exact_top5(args: argparse.Namespace, queries: list[str]) -> list[list[str]]:
     return [store.ids(row[row >= 0]) for row in best_i]
 
 
-def nprobe_sweep(args: argparse.Namespace, queries: list[str], exact: list[list[str]]) -> list[dict[str, Any]]:
-    """The index searched in this process at each --sweep-nprobe: recall@5 against exact search and the
-    search's own q/s (queries encoded once beforehand, batches of 256, re-ranking included): the recall / speed
-    trade-off a user picks nprobe from, and whether one value meets both targets where the served one did not."""
-    import numpy as np
-
+def nprobe_sweep(args: argparse.Namespace, vectors: np.ndarray, exact: list[list[str]]) -> list[dict[str, Any]]:
+    """The index searched in this process at each --sweep-nprobe for the float32 query `vectors`: recall@5
+    against exact search and the search's own q/s (queries encoded beforehand, batches of 256, re-ranking
+    included): the recall / speed trade-off a user picks nprobe from, and whether one value meets both targets
+    where the served one did not."""
     from sleuth.retrieval import load_retriever
 
     cores = len(os.sched_getaffinity(0))
     retriever = load_retriever(args.work / "ivf", threads=cores)
-    vectors = _encoder(None).encode_queries(queries).astype(np.float32)
     rows = []
     for nprobe in args.sweep_nprobe:
         retriever.set_search_params(nprobe=nprobe)
@@ -536,8 +532,6 @@ def nprobe_sweep(args: argparse.Namespace, queries: list[str], exact: list[list[
 
 
 def stage_dense_serve(args: argparse.Namespace) -> dict[str, Any]:
-    import numpy as np
-
     t0, load0 = time.perf_counter(), os.getloadavg()
     from sleuth.retrieval.docstore import DocStore
 
@@ -546,11 +540,13 @@ def stage_dense_serve(args: argparse.Namespace) -> dict[str, Any]:
     covered = None if store.num_docs >= _corpus_passages(args) else {
         i for start in range(0, store.num_docs, 65536) for i in store.ids(range(start, min(start + 65536, store.num_docs)))}
     fields, singles, hits = serve_and_measure(args, args.work / "ivf", "dense", covered)
-    exact = exact_top5(args, [q["question"] for q in singles])
+    # encoded once, for the exact search and the sweep (the server encodes its own)
+    query_vectors = _encoder(None).encode_queries([q["question"] for q in singles]).astype(np.float32)
+    exact = exact_top5(args, query_vectors)
     overlap = [len({_hit_id(h) for h in hs} & set(e)) / K for hs, e in zip(hits, exact, strict=True)]
     encode = json.loads((args.work / "stages" / "encode.json").read_text()) if (
         args.work / "stages" / "encode.json").exists() else {}
-    sweep = nprobe_sweep(args, [q["question"] for q in singles], exact) if args.sweep_nprobe else []
+    sweep = nprobe_sweep(args, query_vectors, exact) if args.sweep_nprobe else []
     return stage_record("dense-serve", args, t0, load0, **fields,
                         recall_at_5_vs_exact=round(float(np.mean(overlap)), 4), exact_questions=len(exact),
                         nprobe=args.nprobe, nprobe_sweep=sweep, sample=encode.get("sample"), note=encode.get("note"))
