@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from sleuth.llm.stops import StopEndTokens, first_stop_in, stop_window
+from sleuth.llm.stops import StopEndTokens, first_stop_in, stop_tails, stop_window
 from sleuth.llm.tiny import build_tiny_model
 
 TEXTS = [
@@ -132,3 +132,17 @@ def test_the_filter_can_be_turned_off_for_a_comparison(byte_level, monkeypatch) 
     monkeypatch.setattr(stops_module, "FILTER", False)
     plain = byte_level.encode("the", add_special_tokens=False)
     assert StopEndTokens(byte_level).checks(["</search>"], plain) == [True] * len(plain)
+
+
+def test_stop_tails_are_the_windows_ending_at_the_checked_tokens() -> None:
+    """Against slicing the whole sequence, for short and long histories and windows."""
+    rng = random.Random(1)
+    for _ in range(200):
+        generated = [rng.randrange(50) for _ in range(rng.randrange(0, 30))]
+        new = [rng.randrange(50) for _ in range(rng.randrange(1, 9))]
+        window = rng.randrange(1, 12)
+        checks = [rng.random() < 0.5 for _ in new]
+        whole = generated + new
+        want = [whole[max(0, len(generated) + k + 1 - window) : len(generated) + k + 1]
+                for k, c in enumerate(checks) if c]
+        assert stop_tails(generated, new, window, checks) == want

@@ -42,7 +42,7 @@ from sleuth.llm.decode_engine import supports as engine_supports
 from sleuth.llm.decoding import left_pad, positions_from_mask, select_next_tokens
 from sleuth.llm.gguf import ensure_converted
 from sleuth.llm.special_tokens import disable_bpe_cleanup
-from sleuth.llm.stops import StopEndTokens, first_stop_in, normalise_stops, stop_window
+from sleuth.llm.stops import StopEndTokens, first_stop_in, normalise_stops, stop_tails, stop_window
 
 log = logging.getLogger(__name__)
 
@@ -346,8 +346,7 @@ class HFGenerator:
         for row, new in zip(rows, tokens, strict=True):
             live = row.finish_reason is None and bool(row.stops)
             checked.append(self._stop_ends.checks(row.stops, new) if live else [False] * len(new))
-            seq, base = row.generated + list(new), len(row.generated)
-            tails.extend(seq[max(0, base + k + 1 - row.window) : base + k + 1] for k, c in enumerate(checked[-1]) if c)
+            tails.extend(stop_tails(row.generated, new, row.window, checked[-1]))
         texts = iter(self.tokenizer.batch_decode(tails, skip_special_tokens=False) if tails else ())
         finished = []
         for row, new, lps, checks in zip(rows, tokens, logprobs, checked, strict=True):

@@ -66,6 +66,15 @@ class StopEndTokens:
         return [not 0 <= t < size or may_end[t] for t in tokens]
 
 
+def stop_tails(generated: Sequence[int], new: Sequence[int], window: int, checks: Sequence[bool]) -> list[list[int]]:
+    """For each token of `new` whose check is on: the last `window` tokens of generated + new ending with it."""
+    if not any(checks):
+        return []
+    seq = list(generated[-window:]) + list(new)  # a tail reaches back at most `window` tokens: copy only those
+    base = len(seq) - len(new)
+    return [seq[max(0, base + k + 1 - window) : base + k + 1] for k, c in enumerate(checks) if c]
+
+
 def first_stop_in(text: str, stops: Sequence[str]) -> str | None:
     """The stop string that occurs earliest-ending in `text` (ties: the longer one), or None."""
     best: tuple[int, int] | None = None
