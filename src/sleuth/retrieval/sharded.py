@@ -143,14 +143,15 @@ def build_sharded_faiss(vectors: Iterable[np.ndarray], num_vectors: int, dim: in
                                                                     num_vectors * dim * 2)
         spool = np.memmap(spool_path, dtype=np.float16, mode="r" if linked else "w+", shape=(num_vectors, dim))
 
-    written = num_vectors if linked and is_ivf else 0  # a linked spool is whole: IVF needs nothing streamed
+    stream = not (linked and is_ivf)  # a linked spool is whole: IVF needs nothing streamed
+    written = 0 if stream else num_vectors
     current: Any = None
     current_shard = -1
 
     def finish(shard: int) -> None:
         faiss.write_index(current, str(out_dir / specs[shard].file))
 
-    for shard, rows in [] if linked and is_ivf else _rechunk(vectors, bounds):
+    for shard, rows in _rechunk(vectors, bounds) if stream else []:
         if spool is not None and not linked:
             spool[written : written + len(rows)] = rows
         written += len(rows)
