@@ -46,7 +46,7 @@ from sleuth.claim_stages import STAGES_DIR, finished_stages, read_claim_file, re
 from sleuth.errors import SleuthError
 from sleuth.reproduce import build_world, claim_profile, stage_plan
 from sleuth.run_layout import CHECKPOINTS, LATEST, SEARCHER_FILE, TRAINING_STATE, latest_checkpoint
-from sleuth.utils import atomic_write_json
+from sleuth.utils import atomic_write_json, link_or_copy, sha256_file, tree_bytes
 
 FORMAT = "sleuth-claim-bundle/1"
 INDEX = "bundle.json"
@@ -65,16 +65,8 @@ class BundleError(SleuthError):
     """A bundle that cannot be packed or restored: the message names the file and what is wrong."""
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(MIB), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def _digests(folder: Path, unchecked: Iterable[str] = ()) -> dict[str, str]:
-    return {p.relative_to(folder).as_posix(): _sha256(p) for p in sorted(folder.rglob("*"))
+    return {p.relative_to(folder).as_posix(): sha256_file(p) for p in sorted(folder.rglob("*"))
             if p.is_file() and p.relative_to(folder).as_posix() not in unchecked}
 
 
@@ -298,10 +290,7 @@ def _link(src: Path, dest: Path) -> None:
     """A hard link (checkpoint files never change once written, and a link keeps one a pruning run deletes),
     else a copy."""
     dest.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        os.link(src, dest)
-    except OSError:
-        shutil.copy2(src, dest)
+    link_or_copy(src, dest)
 
 
 def pack(runs: Path, dest: Path, part_bytes: int = PART_BYTES) -> dict[str, Any]:
@@ -395,7 +384,7 @@ def take(returned: Path, claims: Path) -> dict[str, Any]:
             old.unlink()
     for part in index["parts"]:
         src = returned / part["name"]
-        if src.is_file() and _sha256(src) == part["sha256"]:
+        if src.is_file() and sha256_file(src) == part["sha256"]:
             shutil.copyfile(src, claims / part["name"])
     shutil.copyfile(returned / INDEX, claims / INDEX)
     return {"snapshot": index["snapshot"], **_completeness(claims, index)}
@@ -412,7 +401,7 @@ def carry_plan(index: dict[str, Any], folder: str, beside: list[list[str]]) -> l
     """The paths each call carries: the calls' own paths (`beside`: the wheels, the GGUF halves...) with as many
     parts as fit next to them in CARRY_BYTES, the index with the first call; then calls of parts alone."""
     calls = [list(paths) for paths in beside] or [[]]
-    room = [CARRY_BYTES - MIB - sum(_tree_bytes(Path(p)) for p in paths) for paths in calls]
+    room = [CARRY_BYTES - MIB - sum(tree_bytes(Path(p)) for p in paths) for paths in calls]
     calls[0].append(f"{folder}/{INDEX}")
     k = 0
     for part in index["parts"]:
@@ -424,12 +413,6 @@ def carry_plan(index: dict[str, Any], folder: str, beside: list[list[str]]) -> l
         calls[k].append(f"{folder}/{part['name']}")
         room[k] -= part["bytes"]
     return calls
-
-
-def _tree_bytes(path: Path) -> int:
-    if path.is_file():
-        return path.stat().st_size
-    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
 def restore(claims: Path, runs: Path, done_dir: Path | None = None) -> dict[str, Any]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import logging
 import math
@@ -117,6 +118,24 @@ def tree_bytes(path: str | Path) -> int:
     if path.is_file():
         return path.stat().st_size
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.is_dir() else 0
+
+
+def sha256_file(path: str | Path) -> str:
+    """Hex sha256 of a file's bytes, read in 1 MiB chunks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def link_or_copy(src: str | Path, dest: str | Path) -> None:
+    """A hard link to `src` at `dest` (for files never written after they are made), else a copy (another file
+    system, or links not allowed)."""
+    try:
+        os.link(src, dest)
+    except OSError:
+        shutil.copy2(src, dest)
 
 
 def output_error(what: str, path: str | Path, err: BaseException, needed: int | None, then: str, *,

@@ -6,7 +6,6 @@ can open the file at the line that is wrong.
 
 from __future__ import annotations
 
-import hashlib
 import json
 from collections.abc import Iterable, Iterator
 from contextlib import AbstractContextManager
@@ -16,7 +15,7 @@ from typing import Any, TextIO
 
 import numpy as np
 
-from sleuth.utils import atomic_open, atomic_path
+from sleuth.utils import atomic_open, atomic_path, sha256_file
 
 
 @dataclass
@@ -183,13 +182,9 @@ def _raise_on_duplicate_id(path: str | Path, suspect_hashes: set[int]) -> None:
         first_line[passage.id] = lineno
 
 
-def corpus_fingerprint(path: str | Path, chunk_size: int = 1 << 22) -> str:
+def corpus_fingerprint(path: str | Path) -> str:
     """sha256 of the corpus file's bytes, streamed; identifies the corpus an index was built from."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(chunk_size):
-            h.update(chunk)
-    return "sha256:" + h.hexdigest()
+    return "sha256:" + sha256_file(path)
 
 
 # ---------------------------------------------------------------------------

@@ -41,6 +41,7 @@ from sleuth.utils import (
     atomic_write_json,
     give_normal_permissions,
     is_write_failure,
+    link_or_copy,
     output_error,
     tree_bytes,
 )
@@ -213,10 +214,7 @@ def _link_docstore(source_dir: Path, out_dir: Path) -> DocStore:
     """Hard links to another index's docstore files (they are never written after their build)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     for f in sorted(source_dir.iterdir()):
-        try:
-            os.link(f, out_dir / f.name)
-        except OSError:  # another file system, or links not allowed: copy
-            shutil.copy2(f, out_dir / f.name)
+        link_or_copy(f, out_dir / f.name)
     return DocStore(out_dir)
 
 

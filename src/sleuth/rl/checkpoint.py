@@ -16,7 +16,6 @@ Only our own tensors and plain Python values are stored; loading uses
 
 from __future__ import annotations
 
-import hashlib
 import json
 import random
 import shutil
@@ -42,7 +41,14 @@ from sleuth.run_layout import (
     checkpoints_dir,
 )
 from sleuth.run_layout import latest_checkpoint as latest_checkpoint  # re-exported for the trainer's callers
-from sleuth.utils import atomic_write_json, atomic_write_text, is_write_failure, output_error, tree_bytes
+from sleuth.utils import (
+    atomic_write_json,
+    atomic_write_text,
+    is_write_failure,
+    output_error,
+    sha256_file,
+    tree_bytes,
+)
 
 
 def rng_state() -> dict[str, Any]:
@@ -201,18 +207,10 @@ def load_optimizer_states(
         set_optimizer_state_dict(models[k], o, optim_state_dict=states[k], options=opts)
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def write_manifest(ckpt: Path) -> None:
     """List every file of `ckpt` (relative path, size, sha256) in `manifest.json`, written last."""
     files = sorted(p for p in ckpt.rglob("*") if p.is_file() and p.name != MANIFEST)
-    entries = {p.relative_to(ckpt).as_posix(): {"size": p.stat().st_size, "sha256": _sha256(p)} for p in files}
+    entries = {p.relative_to(ckpt).as_posix(): {"size": p.stat().st_size, "sha256": sha256_file(p)} for p in files}
     atomic_write_json(ckpt / MANIFEST, {"version": 1, "files": entries})
 
 
@@ -237,7 +235,7 @@ def verify_checkpoint(ckpt: Path) -> None:
         size = path.stat().st_size
         if size != entry.get("size"):
             raise CheckpointError(f"{path}: {size} bytes, {MANIFEST} says {entry.get('size')} (truncated or damaged)")
-        if _sha256(path) != entry.get("sha256"):
+        if sha256_file(path) != entry.get("sha256"):
             raise CheckpointError(f"{path}: content differs from {MANIFEST} (sha256 mismatch; damaged)")
 
 
