@@ -299,6 +299,7 @@ ENGINE_UNDER_TRITON = textwrap.dedent("""
     assert kernels.triton_enabled(__import__("torch").zeros(1))
     import test_decode_engine as t
     t.test_greedy_decoding_equals_transformers("qwen3")  # q/k norms, GQA, rows leaving: every kernel runs
+    t.test_a_next_turn_reuses_the_stored_prefix_and_still_decodes_like_transformers("qwen3")  # packed prefill
 """)
 
 

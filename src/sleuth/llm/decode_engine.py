@@ -409,52 +409,38 @@ class DecodeEngine:
     # -- prefill -----------------------------------------------------------------------------------
 
     def _prefill(self, prompts: list[list[int]], starts: list[int], offsets: list[int]) -> torch.Tensor:
-        """Run the prompts' tokens (right-padded, causal), store their keys/values; logits of each last token.
-        Row r's first `offsets[r]` tokens are already in the pool (a reused prefix): `prompts[r]` holds only the
-        tokens after them, at positions from offsets[r] on, and attends over the stored ones too."""
-        b, width = len(prompts), max(len(p) for p in prompts)
-        ids = torch.zeros((b, width), dtype=torch.long)
-        for r, p in enumerate(prompts):
-            ids[r, : len(p)] = torch.tensor(p, dtype=torch.long)
-        ids = ids.to(self.device)
-        lengths = torch.tensor([len(p) for p in prompts], device=self.device)
-        # indices of the real tokens, computed once (a boolean mask per layer would sync with the host each time)
-        real = [r * width + c for r, p in enumerate(prompts) for c in range(len(p))]
-        flat = torch.tensor(real, device=self.device)
-        slots = torch.tensor([st + o + c for st, o, p in zip(starts, offsets, prompts, strict=True)
-                              for c in range(len(p))], device=self.device)
-        positions = torch.tensor(offsets)[:, None] + torch.arange(width)[None, :]
-        cos, sin = kernels.rotary_tables(positions.to(self.device), self.layout, self.dtype)
-        cos, sin = cos[:, :, None, :], sin[:, :, None, :]  # (rows, width, 1, head_dim): every head
-        reused = any(offsets)
-        if reused:
-            key_slots, mask = prefix_attention_index(starts, offsets, [len(p) for p in prompts], width, self.device)
-        x = self.embed[ids]
-        hd, heads, kvh = self.head_dim, self.heads, self.kv_heads
+        """Run the prompts' tokens (causal), store their keys/values; logits of each last token. Row r's first
+        `offsets[r]` tokens are already in the pool (a reused prefix): `prompts[r]` holds only the tokens after
+        them, at positions from offsets[r] on, and attends over the stored ones too.
+
+        The tokens run packed, one row of activations per real token, through the decode step's fused kernels
+        (norms, rotary + store, SiLU); only attention sees them padded to (rows, width), to attend over each row's
+        keys in the pool. An eager prefill is bound by its kernel launches, and these cut them ~3x."""
+        lengths = [len(p) for p in prompts]
+        b, width = len(prompts), max(lengths)
+        ids = torch.tensor([t for p in prompts for t in p], dtype=torch.long).to(self.device)
+        positions = torch.tensor([o + c for o, n in zip(offsets, lengths, strict=True) for c in range(n)],
+                                 dtype=torch.int32).to(self.device)
+        slots = torch.tensor([st + o + c for st, o, n in zip(starts, offsets, lengths, strict=True) for c in range(n)],
+                             dtype=torch.int32).to(self.device)
+        # where each packed token sits in the padded (rows x width) layout, and each row's last token
+        padded = torch.tensor([r * width + c for r, n in enumerate(lengths) for c in range(n)], device=self.device)
+        last = torch.tensor(lengths).cumsum(0).sub_(1).to(self.device)
+        key_slots, mask = prefix_attention_index(starts, offsets, lengths, width, self.device)
+        x = self.embed.index_select(0, ids)
+        delta = None
         for i, layer in enumerate(self.layers):
-            _, h = kernels.add_rmsnorm_reference(x, None, layer.ln1, self.eps)
-            qkv = F.linear(h, layer.w_qkv, layer.b_qkv).view(b, width, heads + 2 * kvh, hd)
-            q, k, v = qkv.split([heads, kvh, kvh], dim=2)
-            if layer.q_norm is not None:
-                q = kernels.add_rmsnorm_reference(q, None, layer.q_norm, self.eps)[1]
-                k = kernels.add_rmsnorm_reference(k, None, layer.k_norm, self.eps)[1]
-            q, k = kernels.apply_rotary(q, cos, sin), kernels.apply_rotary(k, cos, sin)
-            self.pool_k[i].index_copy_(0, slots, k.reshape(b * width, kvh, hd).index_select(0, flat))
-            self.pool_v[i].index_copy_(0, slots, v.reshape(b * width, kvh, hd).index_select(0, flat))
-            if reused:
-                a = attend_over_prefix(q, self.pool_k[i], self.pool_v[i], key_slots, mask, self.scale)
-            else:
-                # keys/values repeated per query head (as transformers does): SDPA's flash kernel then applies,
-                # where `enable_gqa` can send it to the math path that materialises every score
-                kx = k.repeat_interleave(heads // kvh, dim=2) if heads != kvh else k
-                vx = v.repeat_interleave(heads // kvh, dim=2) if heads != kvh else v
-                a = F.scaled_dot_product_attention(q.transpose(1, 2), kx.transpose(1, 2), vx.transpose(1, 2),
-                                                   is_causal=True, scale=self.scale).transpose(1, 2)
-            x = x + F.linear(a.reshape(b, width, heads * hd), layer.w_o)
-            _, h = kernels.add_rmsnorm_reference(x, None, layer.ln2, self.eps)
-            x = x + F.linear(kernels.silu_mul_reference(F.linear(h, layer.w_gate_up)), layer.w_down)
-        last = x[torch.arange(b, device=self.device), lengths - 1]
-        _, h = kernels.add_rmsnorm_reference(last, None, self.final_norm, self.eps)
+            x, h = kernels.add_rmsnorm(x, delta, layer.ln1, self.eps)
+            qkv = F.linear(h, layer.w_qkv, layer.b_qkv)
+            norms = (layer.q_norm, layer.k_norm) if layer.q_norm is not None else None
+            q = kernels.rope_store(qkv, positions, slots, self.layout, self.pool_k[i], self.pool_v[i], norms)
+            q = q.new_zeros((b * width, self.heads, self.head_dim)).index_copy_(0, padded, q)
+            a = attend_over_prefix(q.view(b, width, self.heads, self.head_dim), self.pool_k[i], self.pool_v[i],
+                                   key_slots, mask, self.scale)
+            a = a.reshape(b * width, self.heads * self.head_dim).index_select(0, padded)
+            x, h = kernels.add_rmsnorm(x, F.linear(a, layer.w_o), layer.ln2, self.eps)
+            delta = F.linear(kernels.silu_mul(F.linear(h, layer.w_gate_up)), layer.w_down)
+        _, h = kernels.add_rmsnorm(x.index_select(0, last), delta.index_select(0, last), self.final_norm, self.eps)
         return F.linear(h, self.lm_head)
 
     # -- public API ---------------------------------------------------------------------------------
