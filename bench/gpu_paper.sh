@@ -65,6 +65,9 @@ stage_cmd() {
               --steps 1 --micro 2 --timeout 900 --work "$WORK/$1" --out "$R/paper_scale_7b_full_fsdp_4gpu.json" ;;
     r_short) python bench/rollout.py --model random:qwen2.5-0.5b --device cuda --batch 64 --turns 3 --new-tokens 64 \
               --modes engine static+compile --baseline-trajectories 0 --out "$R/rollout_0.5b_short.json" ;;
+    r_short_base) [ -d .base/src ] && PYTHONPATH="$PWD/.base/src:$PWD/.gpusite" python bench/rollout.py \
+              --model random:qwen2.5-0.5b --device cuda --batch 64 --turns 3 --new-tokens 64 --modes engine \
+              --baseline-trajectories 0 --out "$R/rollout_0.5b_short_base.json" ;;  # a carried older checkout
     r_short_every) SLEUTH_STOP_FILTER=0 python bench/rollout.py --model random:qwen2.5-0.5b --device cuda --batch 64 \
               --turns 3 --new-tokens 64 --modes engine --baseline-trajectories 0 \
               --out "$R/rollout_0.5b_short_every_token_stop_check.json" ;;  # the stop check before StopEndTokens
@@ -131,14 +134,20 @@ daemon4() {  # 4 GPUs: lanes of independent stages run side by side on disjoint 
   echo "$(date +%T) all stages ended" >> "$WORK/progress.log"
 }
 
-daemon_next() {  # PLAN=next: what issue 23 still lacks after 2026-11-27 (the split sampler against the one-program
-  # one at the short geometry, same card; 7B 256 x 4,096 on an H200; 2- and 4-GPU rehearsal rows where H100s
-  # came); then every GPU goes to issue 24's encoder
+daemon_next() {  # PLAN=next on 4 GPUs (H100 x4 lent on 2026-11-27, afternoon): issue 23's rehearsal rows on H100s
+  # (1 / 2 / 4 GPUs, 3B LoRA, weak scaling) beside the short geometry on GPU 3 (the packed prefill and the stop
+  # check: r_short, the stop check before StopEndTokens, and the checkout before the packed prefill in .base/src);
+  # then every GPU goes to issue 24's encoder (RETRIEVAL=1); once it is done, GPU 0 builds the IVF lists while
+  # GPUs 1-2 run 3B full fine-tuning DDP vs FSDP2 and GPU 3 the paper-geometry rollout rows
   bash bench/gpu_run.sh setup > "$WORK/logs/setup.log" 2>&1
-  { stage r_short 0; stage s_short 0; stage r_prof 0; stage r_paper05 0; } & { stage capacity256 1; } &
-  { stage p3b_2 2,3; } & wait
+  { stage p3b_1 0; } & { stage p3b_2 1,2; } &
+  { stage r_short 3; stage r_short_every 3; stage r_short_base 3; stage r_prof 3; } & wait
   stage p3b_4 0,1,2,3
   stage encode_go 0,1,2,3
+  if [ -f runs/scale21m/daemon.log ]; then
+    until [ -f runs/scale21m/stages/encode.json ] || [ -f runs/scale21m/daemon.finished ]; do sleep 15; done
+  fi
+  { stage p3b_ddp2 1,2; stage p3b_fsdp2 1,2; } & { stage r_paper05 3; stage r_paper3 3; stage r_paper7 3; } & wait
   echo "$(date +%T) all stages ended" >> "$WORK/progress.log"
 }
 
@@ -188,7 +197,7 @@ case "${1:-}" in
     setsid nohup $pin bash "$0" daemon > "$WORK/daemon.log" 2>&1 < /dev/null &
     echo $! > "$WORK/pid"
     if [ -n "$pin" ]; then  # issue 24's 21M retrieval on 16 cores of its own; its encoder waits for encode_go
-      ivf=auto; [ "$GPUS" -eq 2 ] && ivf=cuda:1  # daemon_next2 runs 3B LoRA on GPU 0 beside the IVF build
+      ivf=cuda:0; [ "$GPUS" -eq 2 ] && ivf=cuda:1  # the daemons run benches on the other GPUs beside it
       IVF_DEVICE=${IVF_DEVICE:-$ivf} ENCODE_AFTER="$WORK/encode_go" ENCODE_CPUS="0-$(( $(nproc) - 1 ))" WORKERS=16 taskset -c 0-15 \
         bash bench/retrieval_21m.sh start 2>&1 | tail -3
     fi
