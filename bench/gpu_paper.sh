@@ -193,12 +193,15 @@ case "${1:-}" in
     bash bench/gpu_run.sh setup > "$WORK/logs/setup0.log" 2>&1  # wheels once, before either daemon imports them
     # RETRIEVAL=1 on 2+ GPUs and 32+ cores: the benches on the cores from 16 up, issue 24's retrieval on cores 0-15
     # (the issue's 16-core machine; its encoder takes every core and GPU once the benches hand over)
-    pin=""; [ "$GPUS" -ge 2 ] && [ "$(nproc)" -ge 32 ] && [ "${RETRIEVAL:-0}" = 1 ] && pin="taskset -c 16-$(( $(nproc) - 1 ))"
+    # cores from the affinity mask: `nproc` answers OMP_NUM_THREADS (4, exported above), which on 2026-11-27 kept
+    # RETRIEVAL=1 from ever starting the retrieval chain on a 64-core machine
+    cores=$(python3 -c "import os; print(len(os.sched_getaffinity(0)))")
+    pin=""; [ "$GPUS" -ge 2 ] && [ "$cores" -ge 32 ] && [ "${RETRIEVAL:-0}" = 1 ] && pin="taskset -c 16-$(( cores - 1 ))"
     setsid nohup $pin bash "$0" daemon > "$WORK/daemon.log" 2>&1 < /dev/null &
     echo $! > "$WORK/pid"
     if [ -n "$pin" ]; then  # issue 24's 21M retrieval on 16 cores of its own; its encoder waits for encode_go
       ivf=cuda:0; [ "$GPUS" -eq 2 ] && ivf=cuda:1  # the daemons run benches on the other GPUs beside it
-      IVF_DEVICE=${IVF_DEVICE:-$ivf} ENCODE_AFTER="$WORK/encode_go" ENCODE_CPUS="0-$(( $(nproc) - 1 ))" WORKERS=16 taskset -c 0-15 \
+      IVF_DEVICE=${IVF_DEVICE:-$ivf} ENCODE_AFTER="$WORK/encode_go" ENCODE_CPUS="0-$(( cores - 1 ))" WORKERS=16 taskset -c 0-15 \
         bash bench/retrieval_21m.sh start 2>&1 | tail -3
     fi
     sleep 5; nvidia-smi --query-gpu=name,memory.total --format=csv,noheader; cat "$WORK/progress.log" ;;
