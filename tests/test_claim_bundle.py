@@ -10,6 +10,8 @@ import json
 import os
 import shutil
 import tarfile
+import threading
+import time
 
 import pytest
 from rich.console import Console
@@ -26,9 +28,9 @@ from sleuth.claim_bundle import (
     send,
     take,
 )
-from sleuth.claim_stages import STOP_AFTER_ENV, StagesStopped, reroot, stage
+from sleuth.claim_stages import STOP_AFTER_ENV, StagesStopped, finished_stages, require_stages, reroot, stage
 from sleuth.errors import ConfigError
-from sleuth.reproduce import reproduce, stage_plan
+from sleuth.reproduce import claim_arms, reproduce, stage_plan
 
 
 def test_reroot_moves_only_paths_under_the_old_root():
@@ -198,3 +200,50 @@ def test_a_claim_cut_short_resumes_from_its_bundle_elsewhere(tmp_path, monkeypat
     assert restored["claims"]["qagent"]["complete"] and (tmp_path / "done" / "qagent").exists()
     assert json.loads((tmp_path / "lease3" / "qagent" / "report.json").read_text())["table"] == json.loads(
         resumed.with_suffix(".json").read_text())["table"]
+
+
+def test_a_stage_two_runs_reach_together_runs_once(tmp_path):
+    """Runs sharing OUT (`--arms`): the second to reach a stage waits for the first's record instead of running
+    it again."""
+    calls, started = [], threading.Event()
+
+    def slow() -> dict:
+        started.set()
+        time.sleep(0.5)
+        calls.append("first")
+        return {"by": "first"}
+
+    first = threading.Thread(target=lambda: stage(tmp_path, "world", slow))
+    first.start()
+    started.wait(5)
+    second = stage(tmp_path, "world", lambda: calls.append("second") or {"by": "second"})
+    first.join()
+    assert second == {"by": "first"} and calls == ["first"]
+    assert finished_stages(tmp_path) == ["world"]  # the lock lives beside the records
+
+
+def test_arms_are_checked_and_the_report_waits_for_every_arm(tmp_path):
+    with pytest.raises(ConfigError, match=r"--arms s3_7: the s3 claim's arms are s3_2, search_r1_2, s3_4"):
+        reproduce("s3", tmp_path, "cpu", arms=["s3_7"])
+    with pytest.raises(ConfigError, match="qagent claim's arms run one after another"):
+        reproduce("qagent", tmp_path, "cpu", arms=["stage1"])
+    assert claim_arms("r_search", "gpu") == ("with_evidence", "without_evidence")
+    assert claim_arms("s3", "gpu")[-2:] == ("s3_6000", "search_r1_6000")
+    stage(tmp_path, "eval_a", lambda: {"x": 1})
+    assert require_stages(tmp_path, ["eval_a"]) == {"eval_a": {"x": 1}}
+    with pytest.raises(StagesStopped, match="stages left to other runs: train_b, eval_b"):
+        require_stages(tmp_path, ["eval_a", "train_b", "eval_b"])
+
+
+@pytest.mark.slow
+def test_arms_split_over_two_runs_give_the_report_of_one_run(tmp_path):
+    """r_search's two arms in two runs sharing OUT (as on two GPUs): the first stops once its arm is done, the
+    second writes the report; the claim table equals one run's with every arm (~30 s on 2 cores)."""
+    whole, split = tmp_path / "whole", tmp_path / "split"
+    reproduce("r_search", whole, "cpu")
+    with pytest.raises(StagesStopped, match="stages left to other runs: train_without_evidence, eval_without_e"):
+        reproduce("r_search", split, "cpu", arms=["with_evidence"])
+    assert not (split / "stages" / "train_without_evidence.json").exists()
+    reproduce("r_search", split, "cpu", arms=["without_evidence"])
+    tables = [json.loads((d / "report.json").read_text())["table"] for d in (whole, split)]
+    assert tables[0]["rows"] == tables[1]["rows"] and tables[0]["holds"] == tables[1]["holds"]

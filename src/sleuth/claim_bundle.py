@@ -42,7 +42,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import IO, Any
 
-from sleuth.claim_stages import STAGES_DIR, finished_stages, read_claim_file, reroot
+from sleuth.claim_stages import LOCKS_DIR, STAGES_DIR, finished_stages, read_claim_file, reroot
 from sleuth.errors import SleuthError
 from sleuth.reproduce import build_world, claim_profile, stage_plan
 from sleuth.run_layout import CHECKPOINTS, LATEST, SEARCHER_FILE, TRAINING_STATE, latest_checkpoint
@@ -190,7 +190,7 @@ class _Claim:
     def _small_files(self, sft_data: dict[Path, Path]) -> None:
         """Every other file but the world, checkpoints, exports, rollouts and SFT data (added above if needed);
         the stage records are those read at the start, so the bundle never holds a record without its files."""
-        skipped = {self.root / "world", self.root / STAGES_DIR, *sft_data.values()}
+        skipped = {self.root / "world", self.root / STAGES_DIR, self.root / LOCKS_DIR, *sft_data.values()}
         exports = {p.parent for p in self.root.rglob(SEARCHER_FILE) if _is_export(p.parent)}
         for f in sorted(self.root.rglob("*")):
             if not f.is_file() or f in skipped or any(_under(f, d) for d in skipped | exports):

@@ -7,14 +7,20 @@ stage paths of the old place; `stage` re-roots every such path to where OUT is n
 
 OUT/claim.json names the claim and profile a run directory holds, so a bundle can rebuild the parts it
 leaves out (the world, from its seed) without being told.
+
+Several processes may share one OUT (`sleuth reproduce --arms`: each trains and evaluates its own arms, on its
+own GPU): a stage runs under a lock of its own, so a stage they share (the world, a cold start) runs once and the
+others wait for its record.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +28,7 @@ from sleuth.errors import ConfigError, SleuthError
 from sleuth.utils import atomic_write_json
 
 STAGES_DIR = "stages"
+LOCKS_DIR = ".locks"
 CLAIM_FILE = "claim.json"
 # stop before running a stage once this many stages are done: leaves a run cut at a stage boundary, as a
 # lease that ends would (the claim-bundle tests; rehearsing the bundle round trip on a CPU box)
@@ -29,7 +36,8 @@ STOP_AFTER_ENV = "SLEUTH_REPRODUCE_STOP_AFTER"
 
 
 class StagesStopped(SleuthError):
-    """The run stopped at a stage boundary because SLEUTH_REPRODUCE_STOP_AFTER asked it to."""
+    """The run stopped at a stage boundary: SLEUTH_REPRODUCE_STOP_AFTER asked it to, or stages it needs are left
+    to other `--arms` runs."""
 
 
 def reroot(value: Any, old: str, new: str) -> Any:
@@ -60,14 +68,34 @@ def finished_stages(out: Path) -> list[str]:
     return sorted(p.stem for p in (out / STAGES_DIR).glob("*.json"))
 
 
+@contextlib.contextmanager
+def _stage_lock(out: Path, name: str) -> Iterator[None]:
+    """Held while stage `name` runs: another process that reaches the same stage waits, then finds its record."""
+    path = out / LOCKS_DIR / f"{name}.lock"  # beside the records, not among them
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 def stage(out: Path, name: str, run: Callable[[], dict[str, Any]], console: Any = None) -> dict[str, Any]:
     """Run a stage once: its result is kept in OUT/stages/<name>.json, and a rerun returns it unrun (with
     its paths re-rooted if OUT moved since)."""
     done = read_stage(out, name)
-    if done is not None:
-        if console is not None:
-            console.print(f"[dim]stage {name}: done earlier, skipped[/]")
-        return done
+    if done is None:
+        with _stage_lock(out, name):
+            done = read_stage(out, name)  # another process may have run it while this one waited
+            if done is None:
+                return _run_stage(out, name, run, console)
+    if console is not None:
+        console.print(f"[dim]stage {name}: done earlier, skipped[/]")
+    return done
+
+
+def _run_stage(out: Path, name: str, run: Callable[[], dict[str, Any]], console: Any) -> dict[str, Any]:
     limit = os.environ.get(STOP_AFTER_ENV)
     if limit and not limit.isdigit():
         raise ConfigError(f"{STOP_AFTER_ENV}={limit!r}: give a number of stages (e.g. 3), or unset it")
@@ -83,6 +111,32 @@ def stage(out: Path, name: str, run: Callable[[], dict[str, Any]], console: Any 
     atomic_write_json(marker, {"result": result, "seconds": time.perf_counter() - start,
                                "root": str(out.resolve())})
     return result
+
+
+class ArmSelection:
+    """The arms of a claim that this process trains and evaluates (`sleuth reproduce --arms`); None: all of them.
+    Processes given disjoint arms can share one OUT; the report needs every arm's stages, so it is written by the
+    run that finds them all done (the last of them, or one without --arms)."""
+
+    def __init__(self, wanted: Collection[str] | None, arms: Sequence[str], claim: str) -> None:
+        unknown = sorted(set(wanted or ()) - set(arms))
+        if unknown:
+            raise ConfigError(f"--arms {','.join(unknown)}: the {claim} claim's arms are {', '.join(arms)}")
+        self.wanted = None if wanted is None else frozenset(wanted)
+
+    def runs(self, arm: str) -> bool:
+        return self.wanted is None or arm in self.wanted
+
+
+def require_stages(out: Path, names: Sequence[str]) -> dict[str, dict[str, Any]]:
+    """The records of these stages, in this order; StagesStopped naming those not written yet (arms that
+    another `--arms` run has still to finish)."""
+    records = {name: read_stage(out, name) for name in names}
+    missing = [name for name, record in records.items() if record is None]
+    if missing:
+        raise StagesStopped(f"stages left to other runs: {', '.join(missing)}; the run that finds them done "
+                            f"(or one without --arms) writes the report")
+    return {name: record for name, record in records.items() if record is not None}
 
 
 def write_claim_file(out: Path, method: str, profile: str) -> None:

@@ -36,7 +36,7 @@ The pipeline pieces are sleuth's own, chained as `sleuth demo` chains them.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -46,7 +46,7 @@ import typer
 from sleuth.appendlog import read_appended
 from sleuth.claim_report import curve_figure, write_report
 from sleuth.claim_stages import STAGES_DIR as STAGES_DIR  # importable from here, where it lived
-from sleuth.claim_stages import stage, write_claim_file
+from sleuth.claim_stages import ArmSelection, require_stages, stage, write_claim_file
 from sleuth.data.synth import KNOWLEDGE_TYPES
 from sleuth.demo import DemoSize, demo_recipe, held_out_questions, write_oracle_trajectories
 from sleuth.errors import ConfigError
@@ -168,6 +168,11 @@ class Arm:
     steps: int | None = None  # RL steps (default: the profile's)
     train_questions: int | None = None  # data.max_train_examples (default: the whole train split)
     save_every: int | None = None
+
+
+# r_search's ablation: the same GRPO run with and without the evidence term of its reward
+R_SEARCH_ARMS = (Arm("with_evidence", "r_search"),
+                 Arm("without_evidence", "r_search", reward={"options": {"use_evidence_reward": False}}))
 
 
 def arm_recipe(out: Path, world: Path, profile: ClaimProfile, method: str, init_from: str | None,
@@ -306,7 +311,7 @@ def claim_table(first: dict[str, dict[str, Any]], second: dict[str, dict[str, An
     return {"rows": rows, "holds": holds, "accuracy_margin": margin, "questions": len(ids), "rule": rule}
 
 
-def reproduce_staged(out: Path, profile_name: str, console: Any = None) -> Path:
+def reproduce_staged(out: Path, profile_name: str, console: Any = None, arms: ArmSelection | None = None) -> Path:
     """The staged claim end to end (module docstring); returns OUT/report.html."""
     from sleuth.knowledge import InjectionSettings, boundary_check, inject_knowledge
 
@@ -324,10 +329,13 @@ def reproduce_staged(out: Path, profile_name: str, console: Any = None) -> Path:
 
     details["inject"] = stage(out, "inject", inject, console)
     for method in STAGED_ARMS:
+        if arms is not None and not arms.runs(method):
+            continue
         details[f"train_{method}"] = stage(out, f"train_{method}", lambda m=method: _train_arm(
             out, world, profile, m, details["inject"]["checkpoint"], console), console)
         details[f"eval_{method}"] = stage(out, f"eval_{method}", lambda m=method: _evaluate_arm(
             out, world, profile, m, details[f"train_{m}"]["checkpoint"]), console)
+    details |= require_stages(out, [f"{kind}_{m}" for m in STAGED_ARMS for kind in ("train", "eval")])
     first, second = (_read_predictions(details[f"eval_{m}"]["predictions"]) for m in STAGED_ARMS)
     table = claim_table(first, second, profile.accuracy_margin)
     return write_report(out, CLAIMS["staged"], table, STAGED_ARMS, details)
@@ -374,30 +382,31 @@ def _start(out: Path, profile_name: str, console: Any, reader: bool) -> tuple[Cl
     return profile, world, details
 
 
-def reproduce_r_search(out: Path, profile_name: str, console: Any = None) -> Path:
+def reproduce_r_search(out: Path, profile_name: str, console: Any = None, arms: ArmSelection | None = None) -> Path:
     """r_search with vs without the evidence reward (module docstring); returns OUT/report.html."""
     profile, world, details = _start(out, profile_name, console, reader=False)
     details["sft_r_search"] = stage(out, "sft_r_search", lambda: _cold_start(
         out, world, profile, "r_search", None, console), console)
-    arms = (Arm("with_evidence", "r_search"),
-            Arm("without_evidence", "r_search", reward={"options": {"use_evidence_reward": False}}))
-    preds = []
-    for arm in arms:
+    compared = R_SEARCH_ARMS
+    for arm in compared:
+        if arms is not None and not arms.runs(arm.name):
+            continue
         details[f"train_{arm.name}"] = stage(out, f"train_{arm.name}", lambda a=arm: _train_rl(
             out, world, profile, a, details["sft_r_search"]["sft_checkpoint"], console), console)
         details[f"eval_{arm.name}"] = stage(out, f"eval_{arm.name}", lambda a=arm: _evaluate(
             out, world, profile, a.method, details[f"train_{a.name}"]["checkpoint"], a.name), console)
-        preds.append(_read_predictions(details[f"eval_{arm.name}"]["predictions"]))
+    details |= require_stages(out, [f"{kind}_{a.name}" for a in compared for kind in ("train", "eval")])
+    preds = [_read_predictions(details[f"eval_{arm.name}"]["predictions"]) for arm in compared]
     rows = {"F1, all questions": _paired_on(preds[0], preds[1], metric("f1")),
             "EM, all questions": _paired_on(preds[0], preds[1], metric("em"))}
     f1 = rows["F1, all questions"]["ci"]
     table = {"rows": rows, "holds": f1[0] > 0, "questions": rows["F1, all questions"]["n"],
              "rule": "The claim holds when the with-evidence arm's F1 minus the without-evidence arm's has a 95% "
                      "interval above 0. F1 and EM in points."}
-    return write_report(out, CLAIMS["r_search"], table, tuple(a.name for a in arms), details)
+    return write_report(out, CLAIMS["r_search"], table, tuple(a.name for a in compared), details)
 
 
-def reproduce_qagent(out: Path, profile_name: str, console: Any = None) -> Path:
+def reproduce_qagent(out: Path, profile_name: str, console: Any = None, arms: ArmSelection | None = None) -> Path:
     """qagent stage 2 vs stage 1, each read by both readers (module docstring); returns OUT/report.html."""
     profile, world, details = _start(out, profile_name, console, reader=True)
     trained, base = details["reader"]["reader"], profile.pipeline.model
@@ -433,7 +442,7 @@ def reproduce_qagent(out: Path, profile_name: str, console: Any = None) -> Path:
     return write_report(out, CLAIMS["qagent"], table, ("stage 2", "stage 1"), details)
 
 
-def reproduce_s3(out: Path, profile_name: str, console: Any = None) -> Path:
+def reproduce_s3(out: Path, profile_name: str, console: Any = None, arms: ArmSelection | None = None) -> Path:
     """s3 vs search_r1 against the number of RL training questions (module docstring); returns OUT/report.html."""
     import math
 
@@ -446,10 +455,10 @@ def reproduce_s3(out: Path, profile_name: str, console: Any = None) -> Path:
     for method in methods:
         details[f"sft_{method}"] = stage(out, f"sft_{method}", lambda m=method: _cold_start(
             out, world, profile, m, None, console), console)
-    preds: dict[tuple[str, int], dict] = {}
-    curve: dict[str, list[dict[str, Any]]] = {m: [] for m in methods}
     for size in profile.sizes:
         for method in methods:
+            if arms is not None and not arms.runs(f"{method}_{size}"):
+                continue
             # a searcher that hands its documents to a reader trains and is evaluated with the trained reader
             read_by = reader if get_method(method).evaluated_by_reader else None
             arm = Arm(f"{method}_{size}", method, reward={"generator": read_by} if read_by else None,
@@ -458,7 +467,13 @@ def reproduce_s3(out: Path, profile_name: str, console: Any = None) -> Path:
                 out, world, profile, a, details[f"sft_{a.method}"]["sft_checkpoint"], console), console)
             details[f"eval_{arm.name}"] = stage(out, f"eval_{arm.name}", lambda a=arm, r=read_by: _evaluate(
                 out, world, profile, a.method, details[f"train_{a.name}"]["checkpoint"], a.name, r), console)
-            preds[method, size] = _read_predictions(details[f"eval_{arm.name}"]["predictions"])
+    details |= require_stages(out, [f"{kind}_{m}_{size}" for size in profile.sizes for m in methods
+                                    for kind in ("train", "eval")])
+    preds: dict[tuple[str, int], dict] = {}
+    curve: dict[str, list[dict[str, Any]]] = {m: [] for m in methods}
+    for size in profile.sizes:
+        for method in methods:
+            preds[method, size] = _read_predictions(details[f"eval_{method}_{size}"]["predictions"])
             em = [metric("em")(r) for r in preds[method, size].values()]
             curve[method].append({"questions": size, "em": sum(em) / len(em), "em_ci": list(bootstrap_ci(em))})
     rows = {f"EM after RL on {size} training questions": _paired_on(preds["s3", size], preds["search_r1", size],
@@ -475,19 +490,39 @@ def reproduce_s3(out: Path, profile_name: str, console: Any = None) -> Path:
     return write_report(out, CLAIMS["s3"], table, methods, details, figure=curve_figure(curve))
 
 
-RUNNERS: dict[str, Callable[[Path, str, Any], Path]] = {
+RUNNERS: dict[str, Callable[[Path, str, Any, ArmSelection | None], Path]] = {
     "staged": reproduce_staged, "r_search": reproduce_r_search, "qagent": reproduce_qagent, "s3": reproduce_s3}
 
 
-def reproduce(method: str, out: Path, profile: str, console: Any = None) -> Path:
+def reproduce(method: str, out: Path, profile: str, console: Any = None, arms: Sequence[str] | None = None) -> Path:
+    """Run `method`'s claim in OUT, resuming; `arms`: only these arms (`claim_arms`), for runs sharing OUT."""
     claim = CLAIMS.get(method)
     if claim is None:
         raise ConfigError(f"no claim registered for {method!r}; choose one of {', '.join(CLAIMS)}")
     if profile not in ("cpu", "gpu"):
         raise ConfigError(f"--profile must be cpu or gpu, got {profile!r}")
+    selection = None
+    if arms is not None:
+        independent = claim_arms(method, profile)
+        if not independent:
+            raise ConfigError(f"--arms: the {method} claim's arms run one after another (stage 2 continues stage "
+                              f"1's checkpoint), so they cannot be split over runs; leave --arms out")
+        selection = ArmSelection(arms, independent, method)
     out = out.resolve()  # one spelling of OUT in every stage's paths, whatever the working directory
     write_claim_file(out, method, profile)
-    return RUNNERS[method](out, profile, console)
+    return RUNNERS[method](out, profile, console, selection)
+
+
+def claim_arms(method: str, profile_name: str) -> tuple[str, ...]:
+    """The arms of `method`'s claim that train and evaluate independently of each other after the shared
+    stages (`--arms` takes these names); () where each arm needs the one before it (qagent)."""
+    if method == "staged":
+        return STAGED_ARMS
+    if method == "r_search":
+        return tuple(arm.name for arm in R_SEARCH_ARMS)
+    if method == "s3":
+        return tuple(f"{m}_{size}" for size in claim_profile(method, profile_name).sizes for m in ("s3", "search_r1"))
+    return ()
 
 
 def claim_profile(method: str, profile_name: str) -> ClaimProfile:
@@ -507,7 +542,7 @@ def stage_plan(method: str, profile_name: str) -> dict[str, tuple[str, ...]]:
             plan |= {f"train_{m}": ("inject.checkpoint",), f"eval_{m}": (f"train_{m}.checkpoint",)}
     elif method == "r_search":
         plan["sft_r_search"] = ()
-        for arm in ("with_evidence", "without_evidence"):
+        for arm in claim_arms(method, profile_name):
             plan |= {f"train_{arm}": ("sft_r_search.sft_checkpoint",), f"eval_{arm}": (f"train_{arm}.checkpoint",)}
     elif method == "qagent":
         half = max(1, profile.pipeline.train_steps // 2)  # stage 2 continues stage 1's checkpoint at this step
@@ -543,6 +578,8 @@ def _register_claim(repro: typer.Typer, claim: Claim) -> None:
     def command(
         profile: str = typer.Option("cpu", help="cpu (tiny model, minutes on 2 cores) or gpu (the measured sizes)"),
         out: Path = typer.Option(None, "--out", help="Run directory (default runs/reproduce/<method>); reruns resume"),
+        arms: str = typer.Option(None, help="Only these arms (comma-separated, e.g. s3_100,search_r1_100): runs "
+                                 "on several GPUs share one --out; the one that finds every arm done writes the report"),
     ) -> None:
         from rich.console import Console
         from rich.markup import escape
@@ -551,7 +588,8 @@ def _register_claim(repro: typer.Typer, claim: Claim) -> None:
 
         console = Console(soft_wrap=True)  # never break a path or the error across lines
         try:
-            report = reproduce(claim.method, out or Path("runs/reproduce") / claim.method, profile, console)
+            chosen = None if arms is None else [a.strip() for a in arms.split(",") if a.strip()]
+            report = reproduce(claim.method, out or Path("runs/reproduce") / claim.method, profile, console, chosen)
         except SleuthError as err:
             console.print(f"[red]error:[/] {escape(str(err))}", highlight=False)
             raise typer.Exit(2) from None
