@@ -128,13 +128,17 @@ class ArmSelection:
         return self.wanted is None or arm in self.wanted
 
 
+class ArmsPending(StagesStopped):
+    """A `--arms` run finished its arms; the report waits for stages that other runs write."""
+
+
 def require_stages(out: Path, names: Sequence[str]) -> dict[str, dict[str, Any]]:
     """The records of these stages, in this order; StagesStopped naming those not written yet (arms that
     another `--arms` run has still to finish)."""
     records = {name: read_stage(out, name) for name in names}
     missing = [name for name, record in records.items() if record is None]
     if missing:
-        raise StagesStopped(f"stages left to other runs: {', '.join(missing)}; the run that finds them done "
+        raise ArmsPending(f"stages left to other runs: {', '.join(missing)}; the run that finds them done "
                             f"(or one without --arms) writes the report")
     return {name: record for name, record in records.items() if record is not None}
 

@@ -28,10 +28,9 @@ each get one SFT, then one GRPO run per number of RL training questions (`data.m
 pass: ceil(size / prompts_per_step) steps). Holds when s3 at the smallest size is not below search_r1 at
 the largest (paired EM interval above -margin).
 
-Every stage writes a marker under OUT/stages/ when it finishes; a rerun skips finished stages
-(`sleuth.claim_stages`). `stage_plan` lists each claim's stages and what they load from earlier ones, so that
-`sleuth.claim_bundle` can carry a run that is part done to another machine.
-The pipeline pieces are sleuth's own, chained as `sleuth demo` chains them.
+Every stage writes a marker under OUT/stages/ when it finishes; a rerun skips finished stages, and runs given
+disjoint `--arms` share one OUT (`sleuth.claim_stages`). `stage_plan` lists each claim's stages and what they
+load, so `sleuth.claim_bundle` can carry a part-done run to another machine.
 """
 
 from __future__ import annotations
@@ -46,7 +45,7 @@ import typer
 from sleuth.appendlog import read_appended
 from sleuth.claim_report import curve_figure, write_report
 from sleuth.claim_stages import STAGES_DIR as STAGES_DIR  # importable from here, where it lived
-from sleuth.claim_stages import ArmSelection, require_stages, stage, write_claim_file
+from sleuth.claim_stages import ArmSelection, ArmsPending, require_stages, stage, write_claim_file
 from sleuth.data.synth import KNOWLEDGE_TYPES
 from sleuth.demo import DemoSize, demo_recipe, held_out_questions, write_oracle_trajectories
 from sleuth.errors import ConfigError
@@ -505,8 +504,8 @@ def reproduce(method: str, out: Path, profile: str, console: Any = None, arms: S
     if arms is not None:
         independent = claim_arms(method, profile)
         if not independent:
-            raise ConfigError(f"--arms: the {method} claim's arms run one after another (stage 2 continues stage "
-                              f"1's checkpoint), so they cannot be split over runs; leave --arms out")
+            raise ConfigError(f"--arms: the {method} claim's arms run one after another (stage 2 continues stage 1), "
+                              "so they cannot be split over runs; leave --arms out")
         selection = ArmSelection(arms, independent, method)
     out = out.resolve()  # one spelling of OUT in every stage's paths, whatever the working directory
     write_claim_file(out, method, profile)
@@ -514,8 +513,7 @@ def reproduce(method: str, out: Path, profile: str, console: Any = None, arms: S
 
 
 def claim_arms(method: str, profile_name: str) -> tuple[str, ...]:
-    """The arms of `method`'s claim that train and evaluate independently of each other after the shared
-    stages (`--arms` takes these names); () where each arm needs the one before it (qagent)."""
+    """The names `--arms` takes: arms that train and evaluate independently; () if each needs the last (qagent)."""
     if method == "staged":
         return STAGED_ARMS
     if method == "r_search":
@@ -590,6 +588,9 @@ def _register_claim(repro: typer.Typer, claim: Claim) -> None:
         try:
             chosen = None if arms is None else [a.strip() for a in arms.split(",") if a.strip()]
             report = reproduce(claim.method, out or Path("runs/reproduce") / claim.method, profile, console, chosen)
+        except ArmsPending as err:  # this run's arms are done: the report is another run's to write
+            console.print(f"[green]arms done:[/] {escape(', '.join(chosen or []))}. {escape(str(err))}", highlight=False)
+            return
         except SleuthError as err:
             console.print(f"[red]error:[/] {escape(str(err))}", highlight=False)
             raise typer.Exit(2) from None
