@@ -20,8 +20,11 @@
 # bundle is whole (and the GGUF is there), then starts the claims.
 # A bundle is 1-4 adapters a claim (19.6 MB each in float32) plus 59 MB per run cut short, so late leases may
 # need a few `send`s. A claim restored is skipped stage by stage, a finished one (report) by its done-marker.
-# CLAIMS (default "staged r_search qagent s3"): claim i runs on GPU i mod G, so with fewer GPUs than claims
-# a GPU takes several, one after another. `restart` kills the lanes and starts them again (resuming).
+# CLAIMS (default "staged r_search qagent s3") become jobs, one per independent arm (`sleuth reproduce CLAIM
+# --arms ARM`; qagent whole): s3's 8 arms, staged's and r_search's 2 each, qagent 1 = 13 jobs, s3's largest
+# first; LANES_PER_GPU lanes a GPU (default 2) take them from one queue; once the queue is empty, each claim's
+# run without --arms writes its report. `restart` kills the lanes and starts them again (resuming: finished
+# stages and jobs are skipped).
 # Cost, from the 48-step guarded H100 run (docs/results.md): SFT ~6 min, an RL step ~11 s (rollouts then on the
 # compiled static cache; the engine now decodes them), 500 questions evaluated in ~7 min at batch 16 (now 128,
 # engine: bench/engine_check.py decoded 6.6x faster than the static cache). A two-arm claim is ~20-30 min on
@@ -63,27 +66,60 @@ restore() {  # the carried bundle's claims into runs/claims once every part came
   else echo "$(date +%T) restore FAILED (restore.log): the claims start from zero" >> "$WORK/progress.log"; fi
 }
 
-lane() {  # lane GPU CLAIM...: the claims one after another on that GPU
-  local gpu=$1; shift
-  for c in "$@"; do
-    [ -f "$WORK/done/$c" ] && continue
-    echo "$(date +%T) $c on GPU $gpu" >> "$WORK/progress.log"
-    if CUDA_VISIBLE_DEVICES=$gpu "${PY:-python}" -m sleuth.cli reproduce "$c" --profile "$PROFILE" --out "runs/claims/$c" \
-         > "$WORK/logs/$c.log" 2>&1; then
-      touch "$WORK/done/$c"; echo "$(date +%T) done $c" >> "$WORK/progress.log"
-    else echo "$(date +%T) FAILED $c (see logs/$c.log)" >> "$WORK/progress.log"; fi
-  done
+jobs_plan() {  # one job per independent arm (`sleuth reproduce CLAIM --arms ARM`), the whole claim where its arms
+  # run one after another (qagent); s3's largest sizes first, so the longest jobs start first
+  "${PY:-python}" - "$PROFILE" $CLAIMS <<'PYEOF'
+import sys
+from sleuth.reproduce import claim_arms
+profile, claims = sys.argv[1], sys.argv[2:]
+jobs = []
+for claim in claims:
+    arms = claim_arms(claim, profile)
+    jobs += [(claim, arm) for arm in arms] or [(claim, "")]
+size = lambda arm: int(arm.rsplit("_", 1)[1]) if arm[-1:].isdigit() else 0
+for claim, arm in sorted(jobs, key=lambda j: -size(j[1])):
+    print(f"{claim} {arm}".strip())
+PYEOF
+}
+
+take_job() {  # the next job no lane has taken (one lock for every lane)
+  local job
+  exec 9>"$WORK/jobs.lock"; flock 9
+  job=$(grep -v -x -F -f "$WORK/taken" "$WORK/jobs" | head -1)
+  [ -n "$job" ] && echo "$job" >> "$WORK/taken"
+  flock -u 9; exec 9>&-
+  echo "$job"
+}
+
+run_claim() {  # run_claim GPU CLAIM [ARM]: the claim (or one arm of it) on that GPU; done-marker per job
+  local gpu=$1 claim=$2 arm=${3:-} id
+  id=$claim${arm:+.$arm}
+  [ -f "$WORK/done/$id" ] && return 0
+  echo "$(date +%T) $id on GPU $gpu" >> "$WORK/progress.log"
+  if CUDA_VISIBLE_DEVICES=$gpu "${PY:-python}" -m sleuth.cli reproduce "$claim" --profile "$PROFILE" \
+       --out "runs/claims/$claim" ${arm:+--arms "$arm"} > "$WORK/logs/$id.log" 2>&1; then
+    touch "$WORK/done/$id"; echo "$(date +%T) done $id" >> "$WORK/progress.log"
+  else echo "$(date +%T) FAILED $id (see logs/$id.log)" >> "$WORK/progress.log"; fi
+}
+
+lane() {  # lane GPU: jobs from the shared queue until none is left
+  local job
+  while job=$(take_job) && [ -n "$job" ]; do run_claim "$1" $job; done
 }
 
 daemon() {
-  local gpus i=0; gpus=${GPUS:-$(nvidia-smi -L | wc -l)}
+  local gpus lanes l; gpus=${GPUS:-$(nvidia-smi -L | wc -l)}
   # the model first: restoring exports the trained reader again, from its adapters onto the base model
   if [ "$PROFILE" = gpu ]; then until [ -f "$GGUF" ]; do sleep 10; done; embedded_model; fi
   restore
-  declare -A plan
-  for c in $CLAIMS; do plan[$((i % gpus))]+="$c "; i=$((i + 1)); done
-  for g in "${!plan[@]}"; do lane "$g" ${plan[$g]} & done
-  wait; echo "$(date +%T) all claims ended" >> "$WORK/progress.log"
+  # LANES_PER_GPU (default 2): a 135M policy leaves a GPU mostly idle, so two jobs share one; a stage two
+  # jobs of one claim share (its world, a cold start) runs once, the other waiting (sleuth.claim_stages)
+  jobs_plan > "$WORK/jobs"; : > "$WORK/taken"
+  lanes=$(( gpus * ${LANES_PER_GPU:-2} ))
+  for ((l = 0; l < lanes; l++)); do lane $((l % gpus)) & done
+  wait
+  for c in $CLAIMS; do run_claim 0 "$c"; done  # each claim's report, its arms all done (nothing left to train)
+  echo "$(date +%T) all claims ended" >> "$WORK/progress.log"
 }
 
 pack() {  # claims.tgz (reports, stage results, summaries, logs) and the claim bundle: its index and first parts
