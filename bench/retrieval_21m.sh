@@ -56,7 +56,8 @@ ENCODE_DEVICES=${ENCODE_DEVICES:-all}
 # Serving: BM25 splits a batch over --threads inside one search; dense encodes queries with torch threads.
 BM25_SERVE=${BM25_SERVE:---server-workers 4 --threads $(( CORES / 4 > 0 ? CORES / 4 : 1 )) --worker-threads 1}
 DENSE_SERVE=${DENSE_SERVE:---server-workers $(( CORES / 2 > 0 ? CORES / 2 : 1 )) --threads 2 --worker-threads 1}
-MEASURE=${MEASURE:---batch-requests 40 --batch-clients 4 --latency-seconds 20 --drop-cache}
+# --batch-clients defaults to the server's workers (every worker busy: the saturated batched q/s).
+MEASURE=${MEASURE:---batch-requests 40 --latency-seconds 20 --drop-cache}
 mkdir -p "$WORK/logs" "$WORK/stages" .gpustore
 
 take_carried() {  # the fp16 MiniLM arrives in its own call; the daemon waits for .gpustore/minilm/.done

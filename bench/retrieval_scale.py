@@ -17,9 +17,12 @@ writes the result JSON):
 Measured: build time, peak memory of the build (all its processes: RSS, and anonymous memory, the
 part the kernel cannot drop; memory-mapped files count in RSS only), index size on disk, cold
 start of the server (process start to a healthy /health, after its warm-up search), q/s at
-batch 256 (one client, and `--batch-clients` at once), p50/p99 latency of one-query requests at
-concurrency 16, the server's resident memory after the load, recall@5 of the gold passage
-(single-hop questions), and for dense recall@5 against exact search over the same vectors.
+batch 256 (one client, and `--batch-clients` at once: by default one per server worker, the
+server's saturated rate), p50/p99 latency of one-query requests at concurrency 16, the server's
+resident memory after the load, recall@5 of the gold passage (single-hop questions), and for dense
+recall@5 against exact search over the same vectors, both as set overlap and tie-aware
+(ann-benchmarks' k-NN recall: a returned passage counts when its exact score is within 1e-3 of the
+exact 5th one).
 The dense index covers the whole corpus by default: the encode stage then reads the BM25 build's
 docstore (no second pass over the corpus) with one worker process per device
 (`sleuth.retrieval.bulk_encode`, resumable), and the IVF-PQ build links that docstore. With
@@ -54,6 +57,9 @@ STAGES = ("synth", "docstore-build", "bm25-build", "bm25-serve", "encode", "ivfp
 # A stage the driver left out on purpose (bench/retrieval_21m.sh SKIP_BM25=1) has WORK/stages/<stage>.skipped
 # holding the reason; the report lists it as skipped, not missing.
 SKIPPED = ".skipped"
+# Tie-aware recall against exact search counts a returned passage whose exact inner product is within
+# TIE_EPS of the exact k-th one (ann-benchmarks' k-NN recall: k-th true distance + 1e-3).
+TIE_EPS = 1e-3
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -487,46 +493,107 @@ def stage_ivfpq_build(args: argparse.Namespace) -> dict[str, Any]:
     )
 
 
-def exact_top5(args: argparse.Namespace, q: np.ndarray) -> list[list[str]]:
-    """Exact inner-product top-5 of the float32 query vectors `q` over every stored vector (chunked), as
-    passage ids."""
-    from sleuth.retrieval.docstore import DocStore
+def _stored_vectors(args: argparse.Namespace) -> np.ndarray:
+    manifest = json.loads((args.work / "ivf" / "manifest.json").read_text())
+    return np.memmap(args.work / "ivf" / "vectors.f16", dtype=np.float16, mode="r",
+                     shape=tuple(manifest["vectors"]["shape"]))
+
+
+def exact_search(args: argparse.Namespace, q: np.ndarray, k: int = K + 1) -> tuple[np.ndarray, np.ndarray]:
+    """Exact inner-product top-`k` (scores, rows) of the float32 query vectors `q` over every stored vector
+    (chunked); k = K + 1 by default, so the report can tell how often ranks K and K+1 tie."""
     from sleuth.retrieval.sharded import merge_topk
 
-    manifest = json.loads((args.work / "ivf" / "manifest.json").read_text())
-    shape = tuple(manifest["vectors"]["shape"])
-    vectors = np.memmap(args.work / "ivf" / "vectors.f16", dtype=np.float16, mode="r", shape=shape)
-    best_s = np.full((len(q), K), -np.inf, np.float32)
-    best_i = np.full((len(q), K), -1, np.int64)
-    for start in range(0, shape[0], 262144):
+    vectors = _stored_vectors(args)
+    best_s = np.full((len(q), k), -np.inf, np.float32)
+    best_i = np.full((len(q), k), -1, np.int64)
+    for start in range(0, vectors.shape[0], 262144):
         block = np.asarray(vectors[start : start + 262144], dtype=np.float32)
         scores = q @ block.T
-        top = np.argpartition(-scores, min(K, len(block) - 1), axis=1)[:, :K]
-        best_s, best_i = merge_topk([best_s, np.take_along_axis(scores, top, 1)], [best_i, top + start], K)
-    store = DocStore(args.work / "ivf" / "docstore")
-    return [store.ids(row[row >= 0]) for row in best_i]
+        kk = min(k, block.shape[0])
+        top = np.argpartition(-scores, kk - 1, axis=1)[:, :kk]
+        best_s, best_i = merge_topk([best_s, np.take_along_axis(scores, top, 1)], [best_i, top + start], k)
+    return best_s, best_i
 
 
-def nprobe_sweep(args: argparse.Namespace, vectors: np.ndarray, exact: list[list[str]]) -> list[dict[str, Any]]:
-    """The index searched in this process at each --sweep-nprobe for the float32 query `vectors`: recall@5
-    against exact search and the search's own q/s (queries encoded beforehand, batches of 256, re-ranking
-    included): the recall / speed trade-off a user picks nprobe from, and whether one value meets both targets
-    where the served one did not."""
+def exact_scores(vectors: np.ndarray, q: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """Exact inner products of each query with its `rows` (-1 = no result: -inf), from the stored vectors:
+    the "true distance" of what a search returned, recomputed as ann-benchmarks does, not the score it
+    reported."""
+    rows = np.asarray(rows, dtype=np.int64)
+    valid = rows >= 0
+    gathered = np.asarray(vectors[np.where(valid, rows, 0).reshape(-1)], dtype=np.float32).reshape(*rows.shape, -1)
+    scores = np.einsum("qcd,qd->qc", gathered, np.asarray(q, dtype=np.float32))
+    return np.where(valid, scores, -np.inf).astype(np.float32)
+
+
+def recall_vs_exact(found_rows: np.ndarray, found_scores: np.ndarray, exact_rows: np.ndarray,
+                    exact_scores_: np.ndarray, k: int = K, eps: float = TIE_EPS) -> tuple[float, float]:
+    """(set overlap, tie-aware) recall@k of a search against exact search, averaged over queries.
+
+    Set overlap: the share of the exact top-k rows returned. Tie-aware (ann-benchmarks' k-NN recall): a
+    returned row counts when its exact score (`found_scores`, recomputed from the vectors) is at least the
+    k-th exact score - `eps`, so a passage tied with the exact k-th one counts whichever of them a search
+    keeps; it is never below set overlap when `found_scores` are exact. Rows are (queries, >= k); -1 = none."""
+    found_rows, exact_rows = np.asarray(found_rows)[:, :k], np.asarray(exact_rows)[:, :k]
+    overlap = [len(set(f[f >= 0].tolist()) & set(e[e >= 0].tolist())) / k
+               for f, e in zip(found_rows, exact_rows, strict=True)]
+    kth = np.asarray(exact_scores_, dtype=np.float32)[:, k - 1 : k]
+    hits = (np.asarray(found_scores)[:, :k] >= kth - eps) & (found_rows >= 0)
+    return float(np.mean(overlap)), float(np.mean(hits.sum(axis=1) / k))
+
+
+def rows_of_ids(store: Any, ids: list[list[str]]) -> np.ndarray:
+    """Docstore rows of passage ids (ragged lists padded with -1). A corpus whose ids are the row numbers
+    (every synthetic corpus) needs no id map; any other builds the docstore's (see DocStore.get_by_ids)."""
+    width = max((len(r) for r in ids), default=0)
+    out = np.full((len(ids), max(width, 1)), -1, np.int64)
+    flat = [i for r in ids for i in r]
+    guess = [int(i) if i.isdigit() and int(i) < store.num_docs else -1 for i in flat]
+    if all(g >= 0 for g in guess) and store.ids(guess) == flat:
+        rows = guess
+    else:
+        store.get_by_ids(flat[:1])  # builds the id -> row map
+        rows = [store._row_of_id.get(i, -1) for i in flat]
+    it = iter(rows)
+    for q, r in enumerate(ids):
+        for j in range(len(r)):
+            out[q, j] = next(it)
+    return out
+
+
+def exact_ties(exact_s: np.ndarray, k: int = K, eps: float = TIE_EPS) -> float:
+    """Share of queries whose exact (k+1)-th score is within `eps` of the k-th: set overlap with exact
+    search is then arbitrary for that query, whichever tied passage each search keeps."""
+    return float(np.mean(exact_s[:, k] >= exact_s[:, k - 1] - eps))
+
+
+def nprobe_sweep(args: argparse.Namespace, vectors: np.ndarray, exact: tuple[np.ndarray, np.ndarray]
+                 ) -> list[dict[str, Any]]:
+    """The index searched in this process at each --sweep-nprobe x --sweep-rerank for the float32 query
+    `vectors`: recall@5 against exact search (set overlap and tie-aware) and the search's own q/s (queries
+    encoded beforehand, batches of 256, re-ranking included): the recall / speed trade-off a user picks
+    nprobe and the re-rank depth from, and whether one setting meets both targets where the served one
+    did not."""
     from sleuth.retrieval import load_retriever
 
     cores = len(os.sched_getaffinity(0))
     retriever = load_retriever(args.work / "ivf", threads=cores)
+    stored = _stored_vectors(args)
     rows = []
-    for nprobe in args.sweep_nprobe:
-        retriever.set_search_params(nprobe=nprobe)
-        retriever.search_vectors(vectors[:256], K)  # warm-up: touches the probed lists once
-        t0 = time.perf_counter()
-        ids = np.concatenate([retriever.search_vectors(vectors[i : i + 256], K)[1] for i in range(0, len(vectors), 256)])
-        seconds = time.perf_counter() - t0
-        found = [set(retriever.docstore.ids(row[row >= 0])) for row in ids]
-        recall = float(np.mean([len(f & set(e)) / K for f, e in zip(found, exact, strict=True)]))
-        rows.append({"nprobe": nprobe, "recall_at_5_vs_exact": round(recall, 4),
-                     "search_qps_in_process": round(len(vectors) / seconds, 1), "threads": cores})
+    for rerank in args.sweep_rerank or [retriever.rerank]:
+        retriever.rerank = rerank
+        for nprobe in args.sweep_nprobe:
+            retriever.set_search_params(nprobe=nprobe)
+            retriever.search_vectors(vectors[:256], K)  # warm-up: touches the probed lists once
+            t0 = time.perf_counter()
+            found = np.concatenate([retriever.search_vectors(vectors[i : i + 256], K)[1]
+                                    for i in range(0, len(vectors), 256)])
+            seconds = time.perf_counter() - t0
+            overlap, tie_aware = recall_vs_exact(found, exact_scores(stored, vectors, found), exact[1], exact[0])
+            rows.append({"nprobe": nprobe, "rerank": rerank, "recall_at_5_vs_exact": round(overlap, 4),
+                         "recall_at_5_vs_exact_tie_aware": round(tie_aware, 4),
+                         "search_qps_in_process": round(len(vectors) / seconds, 1), "threads": cores})
     retriever.close()
     return rows
 
@@ -542,13 +609,16 @@ def stage_dense_serve(args: argparse.Namespace) -> dict[str, Any]:
     fields, singles, hits = serve_and_measure(args, args.work / "ivf", "dense", covered)
     # encoded once, for the exact search and the sweep (the server encodes its own)
     query_vectors = _encoder(None).encode_queries([q["question"] for q in singles]).astype(np.float32)
-    exact = exact_top5(args, query_vectors)
-    overlap = [len({_hit_id(h) for h in hs} & set(e)) / K for hs, e in zip(hits, exact, strict=True)]
+    exact = exact_search(args, query_vectors)
+    served = rows_of_ids(store, [[_hit_id(h) for h in hs] for hs in hits])
+    overlap, tie_aware = recall_vs_exact(served, exact_scores(_stored_vectors(args), query_vectors, served), exact[1],
+                                         exact[0])
     encode = json.loads((args.work / "stages" / "encode.json").read_text()) if (
         args.work / "stages" / "encode.json").exists() else {}
     sweep = nprobe_sweep(args, query_vectors, exact) if args.sweep_nprobe else []
     return stage_record("dense-serve", args, t0, load0, **fields,
-                        recall_at_5_vs_exact=round(float(np.mean(overlap)), 4), exact_questions=len(exact),
+                        recall_at_5_vs_exact=round(overlap, 4), recall_at_5_vs_exact_tie_aware=round(tie_aware, 4),
+                        tie_eps=TIE_EPS, exact_ties_at_5=round(exact_ties(exact[0]), 4), exact_questions=len(exact[0]),
                         nprobe=args.nprobe, nprobe_sweep=sweep, sample=encode.get("sample"), note=encode.get("note"))
 
 
@@ -619,9 +689,14 @@ def print_table(result: dict[str, Any]) -> None:
                     + f"), gold R@5 {x['gold_recall_at_5_single_hop']}")
             if "recall_at_5_vs_exact" in x:
                 text += f", R@5 vs exact {x['recall_at_5_vs_exact']}"
+                if "recall_at_5_vs_exact_tie_aware" in x:
+                    text += (f" (tie-aware {x['recall_at_5_vs_exact_tie_aware']}; exact 6th within {x['tie_eps']} "
+                             f"of the 5th for {x['exact_ties_at_5']:.0%} of queries)")
             if x.get("nprobe_sweep"):
-                text += "; nprobe: R@5 vs exact, search q/s: " + ", ".join(
-                    f"{r['nprobe']}: {r['recall_at_5_vs_exact']}, {r['search_qps_in_process']:,}" for r in x["nprobe_sweep"])
+                text += "; nprobe[/rerank]: R@5 vs exact[/tie-aware], search q/s: " + ", ".join(
+                    f"{r['nprobe']}" + (f"/{r['rerank']}" if "rerank" in r else "") + f": {r['recall_at_5_vs_exact']}"
+                    + (f"/{r['recall_at_5_vs_exact_tie_aware']}" if "recall_at_5_vs_exact_tie_aware" in r else "")
+                    + f", {r['search_qps_in_process']:,}" for r in x["nprobe_sweep"])
             rows += [(label, text)]
     rows += [(name, f"skipped: {why}") for name, why in result.get("skipped_stages", {}).items()]
     width = max(len(r[0]) for r in rows)
@@ -652,7 +727,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--worker-threads", type=int, default=1, help="serve-retriever --worker-threads.")
     p.add_argument("--server-workers", type=int, default=1, help="serve-retriever --workers (processes).")
     p.add_argument("--batch-requests", type=int, default=40, help="Requests of 256 queries per q/s measurement.")
-    p.add_argument("--batch-clients", type=int, default=4)
+    p.add_argument("--batch-clients", type=int, default=None,
+                   help="Clients sending batches of 256 at once for the batched q/s (default: --server-workers, "
+                        "so every server worker is busy: the server's saturated rate; one client is measured too).")
     p.add_argument("--latency-seconds", type=float, default=20.0)
     p.add_argument("--recall-questions", type=int, default=500)
     p.add_argument("--start-timeout", type=float, default=600.0)
@@ -674,6 +751,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--nprobe", type=int, default=32)
     p.add_argument("--sweep-nprobe", type=int, nargs="*", default=[16, 32, 64, 128],
                    help="dense-serve: also search in process at each of these nprobe values (recall@5 vs exact, q/s)")
+    p.add_argument("--sweep-rerank", type=int, nargs="*", default=[],
+                   help="dense-serve: the sweep's exact re-rank depths (candidates per query; default: the served "
+                        "one, sleuth.retrieval.sharded.DEFAULT_RERANK); each runs every --sweep-nprobe value")
     p.add_argument("--ivf-device", default="auto",
                    help="IVF-PQ build: where the coarse k-means and list assignment run (auto: a GPU when torch "
                         "sees one; cpu: faiss alone; torch-cpu; cuda[:N]). Phase seconds go in the stage JSON.")
@@ -686,6 +766,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if any(n < 1 for n in args.sweep_nprobe):
         p.error(f"--sweep-nprobe values must be >= 1, got {args.sweep_nprobe}")
+    if any(n < 0 for n in args.sweep_rerank):
+        p.error(f"--sweep-rerank values must be >= 0, got {args.sweep_rerank}")
+    if args.batch_clients is None:
+        args.batch_clients = args.server_workers
     args.work.mkdir(parents=True, exist_ok=True)
     return args
 

@@ -182,3 +182,67 @@ def test_pss_counts_a_page_shared_by_two_processes_once(tmp_path: Path) -> None:
     assert memory["rss"] >= 64 * mib  # both processes' 32 MiB of mapped pages
     # PSS: the 32 MiB once, plus both interpreters' own memory (well under 32 MiB more than one copy)
     assert 32 * mib <= memory["pss"] <= memory["rss"] - 24 * mib
+
+
+def test_tie_aware_recall_counts_a_passage_tied_with_the_exact_fifth() -> None:
+    """Exact top-6 scores .9 .8 .7 .6 .5 .5 (rows 0-5): ranks 5 and 6 tie. A search returning row 5
+    instead of row 4 has set overlap 4/5 but tie-aware recall 5/5; one returning row 9 (exact score
+    0.49, more than 1e-3 below the 5th) gets 4/5 either way; one within 1e-3 (0.4995) counts."""
+    exact_s = np.array([[0.9, 0.8, 0.7, 0.6, 0.5, 0.5]] * 3, np.float32)
+    exact_r = np.array([[0, 1, 2, 3, 4, 5]] * 3)
+    found = np.array([[0, 1, 2, 3, 5], [0, 1, 2, 3, 9], [0, 1, 2, 3, 9]])
+    found_s = np.array([[0.9, 0.8, 0.7, 0.6, 0.5], [0.9, 0.8, 0.7, 0.6, 0.49], [0.9, 0.8, 0.7, 0.6, 0.4995]],
+                       np.float32)
+    for q in range(3):
+        overlap, tie_aware = retrieval_scale.recall_vs_exact(found[q : q + 1], found_s[q : q + 1], exact_r[q : q + 1],
+                                                             exact_s[q : q + 1])
+        assert overlap == pytest.approx(0.8)
+        assert tie_aware == pytest.approx([1.0, 0.8, 1.0][q])
+    overlap, tie_aware = retrieval_scale.recall_vs_exact(found, found_s, exact_r, exact_s)
+    assert overlap == pytest.approx(0.8) and tie_aware == pytest.approx((1.0 + 0.8 + 1.0) / 3)
+    # a missing result (-1) counts for neither, whatever score sits beside it
+    missing = np.array([[0, 1, 2, 3, -1]])
+    assert retrieval_scale.recall_vs_exact(missing, np.full((1, 5), 1.0), exact_r[:1], exact_s[:1]) == (
+        pytest.approx(0.8), pytest.approx(0.8))
+    # the 6th exact score is within 1e-3 of the 5th for every query here, for none when it is 0.49
+    assert retrieval_scale.exact_ties(exact_s) == 1.0
+    assert retrieval_scale.exact_ties(np.array([[0.9, 0.8, 0.7, 0.6, 0.5, 0.49]])) == 0.0
+
+
+def test_exact_scores_and_rows_of_ids_recompute_what_a_search_returned() -> None:
+    """The exact score of a returned row is recomputed from the stored float16 vectors (-inf for -1), and
+    served passage ids map back to docstore rows (padded with -1 where a query got fewer hits)."""
+    vectors = np.array([[1, 0], [0, 1], [0.5, 0.5]], np.float16)
+    q = np.array([[2.0, 1.0], [0.0, 3.0]], np.float32)
+    got = retrieval_scale.exact_scores(vectors, q, np.array([[0, 2], [1, -1]]))
+    assert got[0].tolist() == [2.0, 1.5] and got[1, 0] == 3.0 and got[1, 1] == -np.inf
+
+    class Store:  # ids are row numbers, as in every synthetic corpus
+        num_docs = 3
+
+        def ids(self, rows):
+            return [str(r) for r in rows]
+
+    assert retrieval_scale.rows_of_ids(Store(), [["2", "0"], ["1"]]).tolist() == [[2, 0], [1, -1]]
+
+    class NamedStore(Store):  # other ids: the docstore's own id -> row map
+        names = ["a", "b", "c"]
+        _row_of_id = {"a": 0, "b": 1, "c": 2}
+
+        def ids(self, rows):
+            return [self.names[r] for r in rows]
+
+        def get_by_ids(self, ids):
+            return []
+
+    assert retrieval_scale.rows_of_ids(NamedStore(), [["c", "zz"], ["a"]]).tolist() == [[2, -1], [0, -1]]
+
+
+def test_batched_clients_default_to_the_server_workers(tmp_path: Path) -> None:
+    """The batched q/s keeps every server worker busy unless --batch-clients says otherwise."""
+    args = retrieval_scale.parse_args(["dense-serve", "--work", str(tmp_path), "--server-workers", "8"])
+    assert args.batch_clients == 8
+    args = retrieval_scale.parse_args(["dense-serve", "--work", str(tmp_path), "--server-workers", "8",
+                                       "--batch-clients", "3"])
+    assert args.batch_clients == 3
+    assert retrieval_scale.parse_args(["dense-serve", "--work", str(tmp_path)]).batch_clients == 1
