@@ -173,6 +173,7 @@ case "${1:-}" in
     run_stage encode --dense-size "$DENSE_SIZE" --devices "$ENCODE_DEVICES" \
       $( [ -n "${ENCODE_PROCS_PER_GPU:-}" ] && echo --procs-per-gpu "$ENCODE_PROCS_PER_GPU" ) || exit 1
     # faiss trains and fills with OpenMP threads: all cores for the build.
+    # PQ_M: PQ sub-quantizers (default 48 bytes a vector; 96 halves the PQ score error, doubles the codes).
     # NLIST / TRAIN_SAMPLE (default: a power of 2 near 4 sqrt(N), 16384 at 21M; 64 x NLIST): training and adding
     # cost grows with NLIST (bench/ivfpq_build_cost.py; docs/retrieval_scale.md has the 21M estimate).
     [ -n "${ENCODE_CPUS:-}" ] && taskset -p -c "0-$(( CORES - 1 ))" $$ > /dev/null  # back to the daemon's cores
@@ -181,7 +182,8 @@ case "${1:-}" in
     OMP_NUM_THREADS=$CORES run_stage ivfpq-build --dense-size "$DENSE_SIZE" --threads "$CORES" \
       --ivf-device "${IVF_DEVICE:-auto}" \
       --shards "${DENSE_SHARDS:-4}" $( [ -n "${NLIST:-}" ] && echo --nlist "$NLIST" ) \
-      $( [ -n "${TRAIN_SAMPLE:-}" ] && echo --train-sample "$TRAIN_SAMPLE" ) || exit 1
+      $( [ -n "${TRAIN_SAMPLE:-}" ] && echo --train-sample "$TRAIN_SAMPLE" ) \
+      $( [ -n "${PQ_M:-}" ] && echo --pq-m "$PQ_M" ) || exit 1
     # shellcheck disable=SC2086
     run_stage dense-serve --dense-size "$DENSE_SIZE" $DENSE_SERVE $MEASURE
     "$PY" bench/retrieval_scale.py report --work "$WORK" --out "$WORK/retrieval_scale_21m.json" >"$WORK/logs/report.log" 2>&1
