@@ -7,6 +7,7 @@ no model) stands in for MiniLM; one CLI test uses the real embedded MiniLM.
 from __future__ import annotations
 
 import json
+import mmap
 import zlib
 from pathlib import Path
 
@@ -187,6 +188,23 @@ def test_exact_rerank_matches_numpy() -> None:
         best = sorted(cand, key=lambda c: -exact[c])[:3]
         assert ids[qi].tolist() == best
         np.testing.assert_allclose(scores[qi], [exact[c] for c in best], rtol=1e-5)
+
+
+def test_exact_rerank_over_several_query_chunks_matches_brute_force() -> None:
+    """37 queries: chunks of 16, 16 and 5 (and of 1, and all at once) give the brute-force best rows."""
+    rng = np.random.default_rng(4)
+    vectors = rng.standard_normal((300, 12)).astype(np.float16)
+    queries = rng.standard_normal((37, 12)).astype(np.float32)
+    candidates = np.stack([rng.choice(300, 20, replace=False) for _ in range(37)])  # distinct, as merged shards give
+    candidates[5, 10:] = -1  # a query with fewer candidates
+    brute = vectors.astype(np.float32) @ queries.T  # (rows, queries)
+    for chunk in (16, 1, 64):
+        scores, ids = exact_rerank(vectors, queries, candidates, 4, chunk=chunk)
+        for qi in range(37):
+            cand = [int(c) for c in candidates[qi] if c >= 0]
+            best = sorted(set(cand), key=lambda c: (-brute[c, qi], c))[:4]
+            assert ids[qi].tolist() == best, (chunk, qi)
+            np.testing.assert_allclose(scores[qi], brute[best, qi], rtol=1e-5)
 
 
 def test_ivfpq_sharded_end_to_end_reports_recall(
@@ -425,7 +443,10 @@ def test_ivfpq_rerank_recall_at_5_from_precomputed_embeddings(tmp_path: Path, en
                 nprobe=16, shards=3, keep_vectors=True, embeddings=str(tmp_path / "emb.f16"), show_progress=False)
     assert read_manifest(tmp_path / "ivf")["embeddings"] == str((tmp_path / "emb.f16").resolve())
     ivf = load_retriever(tmp_path / "ivf", encoder=encoder)
-    assert isinstance(ivf.vectors, np.memmap) and ivf.rerank == 64
+    base = ivf.vectors
+    while isinstance(base, np.ndarray):  # the vectors are a view of the mapped file, never a copy in RAM
+        base = base.base
+    assert isinstance(base, memoryview) and isinstance(base.obj, mmap.mmap) and ivf.rerank == 64
     exact = load_retriever(tmp_path / "flat", encoder=encoder).search(queries, 5)
 
     def recall(hits: list) -> float:

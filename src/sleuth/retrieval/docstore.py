@@ -23,6 +23,7 @@ import numpy as np
 from sleuth.data.formats import Passage, iter_corpus
 from sleuth.errors import ConfigError, IndexMismatchError
 from sleuth.retrieval.base import Hit
+from sleuth.retrieval.mapped import MappedFile
 from sleuth.utils import atomic_write_json
 
 DOCSTORE_FORMAT = "sleuth-docstore-v1"
@@ -74,15 +75,11 @@ class DocStore:
                 f"{self.directory}: strings.bin is {size} bytes but offsets end at {int(self._offsets[-1])}; "
                 "the docstore is corrupt, rebuild it with `sleuth index`"
             )
-        # np.memmap cannot map an empty file; an empty corpus has no bytes to read anyway.
-        mapped = (
-            np.memmap(strings_path(self.directory), dtype=np.uint8, mode="r")
-            if size
-            else np.zeros(0, np.uint8)
-        )
-        # Lookups slice a memoryview of the map: slicing the np.memmap itself builds a memmap object
-        # per field (~4 us each), which cost more than the BM25 search of the passages it returns.
-        self._strings = memoryview(mapped)
+        # An empty file cannot be mapped; an empty corpus has no bytes to read anyway. Lookups slice a
+        # memoryview of the map (an np.memmap slice costs ~4 us a field, more than a BM25 search of the
+        # passages) and then let go of the pages they read (sleuth.retrieval.mapped).
+        self._map = MappedFile(strings_path(self.directory)) if size else None
+        self._strings = memoryview(self._map.buffer) if self._map is not None else memoryview(b"")
 
     def __len__(self) -> int:
         return self.num_docs
@@ -100,10 +97,12 @@ class DocStore:
         starts = self._offsets[field_starts]
         ends = self._offsets[field_starts + 1]
         buf = self._strings
-        return [
+        records = [
             (str(buf[s[0] : e[0]], "utf-8"), str(buf[s[1] : e[1]], "utf-8"), str(buf[s[2] : e[2]], "utf-8"))
             for s, e in zip(starts.tolist(), ends.tolist(), strict=True)
         ]
+        self._release()
+        return records
 
     def ids(self, indices: np.ndarray | Iterable[int]) -> list[str]:
         """Passage ids only (cheaper than `get` when texts are not needed)."""
@@ -113,7 +112,13 @@ class DocStore:
         starts = self._offsets[idx * _FIELDS]
         ends = self._offsets[idx * _FIELDS + 1]
         buf = self._strings
-        return [str(buf[s:e], "utf-8") for s, e in zip(starts.tolist(), ends.tolist(), strict=True)]
+        found = [str(buf[s:e], "utf-8") for s, e in zip(starts.tolist(), ends.tolist(), strict=True)]
+        self._release()
+        return found
+
+    def _release(self) -> None:
+        if self._map is not None:
+            self._map.release()
 
     def get_by_ids(self, doc_ids: Sequence[str]) -> list[Hit | None]:
         """Passages by id, in the order given (score 0.0); None for an id the store lacks.

@@ -35,6 +35,7 @@ from sleuth.retrieval.base import Hit
 from sleuth.retrieval.dense import BLAS_BATCH_MIN, _blas_lock, new_faiss_index, read_faiss
 from sleuth.retrieval.docstore import DocStore
 from sleuth.retrieval.ivf_build import IvfBuilder
+from sleuth.retrieval.mapped import MappedFile
 
 SHARD_DIR = "shards"
 VECTORS_FILE = "vectors.f16"
@@ -260,16 +261,21 @@ def merge_topk(
 
 
 def exact_rerank(
-    vectors: np.ndarray, queries: np.ndarray, candidates: np.ndarray, k: int
+    vectors: np.ndarray, queries: np.ndarray, candidates: np.ndarray, k: int, chunk: int = 16
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Re-score each query's candidate rows (-1 = none) with exact inner products; best `k` per query."""
+    """Re-score each query's candidate rows (-1 = none) with exact inner products; best `k` per query.
+
+    `chunk` queries at a time: their candidates are gathered and widened to float32 in a block that stays in
+    cache (all queries at once would build a queries x candidates x dim float32 array, 100 MB at 256 x 256 x
+    384, and moving it cost more than the arithmetic: 2.2-2.7x slower on one thread, the same scores)."""
     valid = candidates >= 0
-    rows = np.unique(candidates[valid])  # sorted: the mmap is read front to back
-    if rows.size == 0:
-        return np.full((len(queries), k), -np.inf, np.float32), np.full((len(queries), k), -1, np.int64)
-    gathered = np.asarray(vectors[rows], dtype=np.float32)
-    where = np.searchsorted(rows, np.where(valid, candidates, rows[0]))
-    exact = np.einsum("qcd,qd->qc", gathered[where], queries.astype(np.float32))
+    safe = np.where(valid, candidates, 0)
+    exact = np.empty(candidates.shape, np.float32)
+    queries = np.asarray(queries, dtype=np.float32)
+    for start in range(0, len(queries), chunk):
+        rows = safe[start : start + chunk]
+        block = np.asarray(vectors[rows.ravel()], dtype=np.float32).reshape(*rows.shape, -1)
+        exact[start : start + chunk] = np.einsum("qcd,qd->qc", block, queries[start : start + chunk])
     exact = np.where(valid, exact, -np.inf).astype(np.float32)
     return merge_topk([exact], [np.where(valid, candidates, -1)], k)
 
@@ -310,13 +316,14 @@ class ShardedDenseRetriever:
     `threads` is the total CPU budget: up to `threads` shards are searched at once, each with the
     remaining threads for faiss' own OpenMP loop. `gpus`: shard i goes to GPU `gpus[i % len(gpus)]`.
     `rerank`: candidates per query re-scored exactly from the float16 vectors (needs `keep_vectors`
-    at build time; 0 = off).
+    at build time; 0 = off). `vectors_map`: the file map `vectors` views, whose pages each re-rank releases.
     """
 
     kind = "dense-sharded"
 
     def __init__(self, shard_indexes: Sequence[Any], specs: Sequence[ShardSpec], encoder: Any, docstore: DocStore,
-                 vectors: np.ndarray | None = None, search: ShardSearch | None = None):
+                 vectors: np.ndarray | None = None, search: ShardSearch | None = None,
+                 vectors_map: MappedFile | None = None):
         search = search or ShardSearch()
         faiss_type, threads, rerank, gpus = search.faiss_type, search.threads, search.rerank, search.gpus
         if len(shard_indexes) != len(specs) or not specs:
@@ -347,6 +354,7 @@ class ShardedDenseRetriever:
         self.faiss_type = faiss_type
         self.threads = max(1, int(threads))
         self.vectors = vectors
+        self._vectors_map = vectors_map  # the map `vectors` views: re-ranking lets go of the pages it read
         self.rerank = int(rerank)
         self.indexes = list(shard_indexes)
         self.set_search_params(**search.search_params)
@@ -418,6 +426,8 @@ class ShardedDenseRetriever:
         if self.rerank:
             assert self.vectors is not None
             scores, ids = exact_rerank(self.vectors, vectors, ids, min(k, self.num_docs))
+            if self._vectors_map is not None:
+                self._vectors_map.release()
         return scores[:, :k], ids[:, :k]
 
     def search_indices(self, queries: list[str], k: int) -> tuple[list[np.ndarray], list[np.ndarray]]:
@@ -452,7 +462,7 @@ def load_sharded(
     """Open every shard memory-mapped (where faiss supports it) and the float16 vectors if kept."""
     specs = [ShardSpec.from_dict(d) for d in manifest["shards"]]
     indexes = [read_faiss_mmap(index_dir / spec.file) for spec in specs]
-    vectors = None
+    vectors, vectors_map = None, None
     vec_meta = manifest.get("vectors")
     if vec_meta:
         path = index_dir / vec_meta["file"]
@@ -464,9 +474,10 @@ def load_sharded(
             raise IndexMismatchError(
                 f"{path}: {path.stat().st_size} bytes, expected {expected}; rebuild the index"
             )
-        vectors = np.memmap(path, dtype=vec_meta["dtype"], mode="r", shape=shape)
+        vectors_map = MappedFile(path)
+        vectors = vectors_map.array(vec_meta["dtype"], shape)
     if rerank is None:
         rerank = DEFAULT_RERANK if vectors is not None else 0
     search = ShardSearch(faiss_type=manifest["faiss"]["type"], threads=threads, rerank=int(rerank), gpus=gpus,
                          search_params=dict(search_params))
-    return ShardedDenseRetriever(indexes, specs, encoder, docstore, vectors, search)
+    return ShardedDenseRetriever(indexes, specs, encoder, docstore, vectors, search, vectors_map)
