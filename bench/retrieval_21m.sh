@@ -56,6 +56,10 @@ ENCODE_DEVICES=${ENCODE_DEVICES:-all}
 # Serving: BM25 splits a batch over --threads inside one search; dense encodes queries with torch threads.
 BM25_SERVE=${BM25_SERVE:---server-workers 4 --threads $(( CORES / 4 > 0 ? CORES / 4 : 1 )) --worker-threads 1}
 DENSE_SERVE=${DENSE_SERVE:---server-workers $(( CORES / 2 > 0 ? CORES / 2 : 1 )) --threads 2 --worker-threads 1}
+# RERANK: the served exact re-rank depth. The library's 64 left recall@5 vs exact at 0.82 at 21M (2026-11-27): PQ
+# scores rank true top-5 passages below the 64th candidate; at 32k passages depth 64 gave 0.98 and 8 gave 0.83,
+# so 21M needs several times 64. The in-process sweep measures 64 / 256 / 512 beside the served depth.
+RERANK=${RERANK:-256}
 # --batch-clients defaults to the server's workers (every worker busy: the saturated batched q/s).
 MEASURE=${MEASURE:---batch-requests 40 --latency-seconds 20 --drop-cache}
 mkdir -p "$WORK/logs" "$WORK/stages" .gpustore
@@ -185,7 +189,8 @@ case "${1:-}" in
       $( [ -n "${TRAIN_SAMPLE:-}" ] && echo --train-sample "$TRAIN_SAMPLE" ) \
       $( [ -n "${PQ_M:-}" ] && echo --pq-m "$PQ_M" ) || exit 1
     # shellcheck disable=SC2086
-    run_stage dense-serve --dense-size "$DENSE_SIZE" $DENSE_SERVE $MEASURE
+    run_stage dense-serve --dense-size "$DENSE_SIZE" --serve-rerank "$RERANK" --sweep-rerank 64 256 512 $DENSE_SERVE \
+      $MEASURE
     "$PY" bench/retrieval_scale.py report --work "$WORK" --out "$WORK/retrieval_scale_21m.json" >"$WORK/logs/report.log" 2>&1
     echo "[$(date +%T)] daemon: finished"; touch "$WORK/daemon.finished" ;;
   wait)

@@ -334,6 +334,9 @@ def serve_and_measure(
     cmd = [sys.executable, "-m", "sleuth.cli", "serve-retriever", "--index", str(index), "--port", str(port),
            "--threads", str(args.threads), "--worker-threads", str(args.worker_threads),
            "--workers", str(args.server_workers)]
+    if name == "dense":  # the served search settings (else the index's nprobe and the library's re-rank depth)
+        cmd += [*(["--nprobe", str(args.serve_nprobe)] if args.serve_nprobe else []),
+                *(["--rerank", str(args.serve_rerank)] if args.serve_rerank is not None else [])]
     t0 = time.perf_counter()
     with open(log, "w") as log_file:
         proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env={**os.environ})
@@ -598,6 +601,12 @@ def nprobe_sweep(args: argparse.Namespace, vectors: np.ndarray, exact: tuple[np.
     return rows
 
 
+def served_rerank(args: argparse.Namespace) -> int:
+    from sleuth.retrieval.sharded import DEFAULT_RERANK
+
+    return DEFAULT_RERANK if args.serve_rerank is None else args.serve_rerank
+
+
 def stage_dense_serve(args: argparse.Namespace) -> dict[str, Any]:
     t0, load0 = time.perf_counter(), os.getloadavg()
     from sleuth.retrieval.docstore import DocStore
@@ -619,7 +628,8 @@ def stage_dense_serve(args: argparse.Namespace) -> dict[str, Any]:
     return stage_record("dense-serve", args, t0, load0, **fields,
                         recall_at_5_vs_exact=round(overlap, 4), recall_at_5_vs_exact_tie_aware=round(tie_aware, 4),
                         tie_eps=TIE_EPS, exact_ties_at_5=round(exact_ties(exact[0]), 4), exact_questions=len(exact[0]),
-                        nprobe=args.nprobe, nprobe_sweep=sweep, sample=encode.get("sample"), note=encode.get("note"))
+                        nprobe=args.serve_nprobe or args.nprobe, rerank=served_rerank(args), nprobe_sweep=sweep,
+                        sample=encode.get("sample"), note=encode.get("note"))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -749,6 +759,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--train-sample", type=int, default=None,
                    help="IVF-PQ training vectors (default 64 x nlist; training time grows with it x nlist).")
     p.add_argument("--nprobe", type=int, default=32)
+    p.add_argument("--serve-nprobe", type=int, default=None,
+                   help="dense-serve: serve-retriever --nprobe (default: the index's, --nprobe at build time)")
+    p.add_argument("--serve-rerank", type=int, default=None,
+                   help="dense-serve: serve-retriever --rerank, exact re-rank depth (default: the library's, 64)")
     p.add_argument("--sweep-nprobe", type=int, nargs="*", default=[16, 32, 64, 128],
                    help="dense-serve: also search in process at each of these nprobe values (recall@5 vs exact, q/s)")
     p.add_argument("--sweep-rerank", type=int, nargs="*", default=[],
@@ -766,6 +780,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if any(n < 1 for n in args.sweep_nprobe):
         p.error(f"--sweep-nprobe values must be >= 1, got {args.sweep_nprobe}")
+    if args.serve_nprobe is not None and args.serve_nprobe < 1 or args.serve_rerank is not None and args.serve_rerank < 0:
+        p.error(f"--serve-nprobe must be >= 1 and --serve-rerank >= 0, got {args.serve_nprobe}, {args.serve_rerank}")
     if any(n < 0 for n in args.sweep_rerank):
         p.error(f"--sweep-rerank values must be >= 0, got {args.sweep_rerank}")
     if args.batch_clients is None:

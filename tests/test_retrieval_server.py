@@ -17,7 +17,7 @@ import uvicorn
 from fastapi.testclient import TestClient
 from typer.testing import CliRunner
 
-from sleuth.errors import ServiceError
+from sleuth.errors import ConfigError, ServiceError
 from sleuth.retrieval import server as server_module
 from sleuth.retrieval.base import Hit, Retriever
 from sleuth.retrieval.client import RemoteRetriever, parse_response
@@ -570,6 +570,45 @@ def test_serve_retriever_loads_index_and_warns_on_public_host(tmp_path, monkeypa
     result = CliRunner().invoke(_cli_app(), [*args, "--max-body-bytes", "5000", "--body-budget-bytes", "4999"])
     assert result.exit_code == 2 and "--body-budget-bytes 4999 is smaller than" in result.output
     assert len(runs) == 3  # refused before serving
+
+
+def test_serve_retriever_passes_nprobe_and_rerank_to_the_index(tmp_path, monkeypatch) -> None:
+    """--nprobe / --rerank reach the loader; an index they do not apply to is refused before serving, also when
+    the workers would load it themselves."""
+    import sleuth.retrieval
+    from sleuth.retrieval import server_commands
+
+    _, index = _build_bm25_index(tmp_path)
+    runs: list[dict] = []
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: runs.append(kw))
+    base = ["serve-retriever", "--index", str(index)]
+    for extra, needle in ((["--nprobe", "48"], "--nprobe applies to IVF-PQ indexes; this one is 'bm25'"),
+                          (["--rerank", "0"], "--rerank needs a dense index with its passage vectors"),
+                          (["--rerank", "64", "--workers", "2"], "this one is 'bm25'"),
+                          (["--nprobe", "0"], "--nprobe must be >= 1, got 0"),
+                          (["--rerank", "-1"], "--rerank must be >= 0, got -1")):
+        result = CliRunner().invoke(_cli_app(), [*base, *extra], terminal_width=300)
+        assert result.exit_code == 2 and needle in result.output, (extra, result.output)
+    assert runs == []
+    loaded: list[dict] = []
+    real = sleuth.retrieval.load_retriever
+    monkeypatch.setattr(sleuth.retrieval, "load_retriever", lambda path, **kw: loaded.append(kw) or real(path))
+    monkeypatch.setattr(server_commands, "check_search_options", lambda manifest, search: None)  # as if dense
+    result = CliRunner().invoke(_cli_app(), [*base, "--nprobe", "48", "--rerank", "256"], terminal_width=300)
+    assert result.exit_code == 0, result.output
+    assert loaded == [{"corpus": None, "threads": 1, "nprobe": 48, "rerank": 256}] and len(runs) == 1
+
+
+def test_search_options_follow_the_index_kind() -> None:
+    from sleuth.retrieval.server_commands import check_search_options
+
+    kept = {"kind": "dense", "faiss": {"type": "ivfpq"}, "vectors": {"file": "vectors.f16"}}
+    check_search_options(kept, {"nprobe": 64, "rerank": 256})  # an IVF-PQ index with its vectors: both apply
+    check_search_options({**kept, "vectors": None}, {"nprobe": 64, "rerank": 0})  # re-ranking off needs none
+    with pytest.raises(ConfigError, match="--rerank needs a dense index with its passage vectors .*kept none"):
+        check_search_options({**kept, "vectors": None}, {"rerank": 64})
+    with pytest.raises(ConfigError, match="--nprobe applies to IVF-PQ indexes; this one is 'hnsw'"):
+        check_search_options({"kind": "dense", "faiss": {"type": "hnsw"}}, {"nprobe": 8})
 
 
 def test_serve_retriever_rejects_corpus_of_another_index(tmp_path) -> None:

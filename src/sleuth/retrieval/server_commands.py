@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import typer
 
+from sleuth.errors import ConfigError
 from sleuth.retrieval.base import (
     BODY_BUDGET_REQUESTS,
     BODY_BUDGET_WAIT_S,
@@ -59,6 +60,17 @@ def is_loopback_host(host: str) -> bool:
         return False  # a host name: it may resolve to a public interface
 
 
+def check_search_options(manifest: dict[str, Any], search: dict[str, int]) -> None:
+    """--nprobe needs an IVF index, --rerank one whose float16 vectors were kept: say so before any worker loads."""
+    kind = manifest.get("kind")
+    faiss_type = (manifest.get("faiss") or {}).get("type") if kind == "dense" else None
+    if "nprobe" in search and faiss_type != "ivfpq":
+        raise ConfigError(f"--nprobe applies to IVF-PQ indexes; this one is {faiss_type or kind!r}")
+    if "rerank" in search and (kind != "dense" or search["rerank"] and not manifest.get("vectors")):
+        raise ConfigError(f"--rerank needs a dense index with its passage vectors (`sleuth index --shards N "
+                          f"--keep-vectors`); this one is {kind!r}{' and kept none' if kind == 'dense' else ''}")
+
+
 def build_serving_app(options: dict[str, Any]):
     """Load the index named in `options` and wrap it in the `/retrieve` app (one per worker process).
 
@@ -67,12 +79,16 @@ def build_serving_app(options: dict[str, Any]):
     """
     from sleuth.http_errors import BodyBudget
     from sleuth.retrieval import load_retriever
+    from sleuth.retrieval.index import read_manifest
     from sleuth.retrieval.server import create_app
 
     index = Path(options["index"])
     budget_bytes = options.get("body_budget_bytes")
     budget = BodyBudget(budget_bytes, BODY_BUDGET_WAIT_S) if budget_bytes else None
-    retriever = load_retriever(index, corpus=options.get("corpus"), threads=options.get("threads", 1))
+    search = options.get("search") or {}
+    if search:
+        check_search_options(read_manifest(index), search)
+    retriever = load_retriever(index, corpus=options.get("corpus"), threads=options.get("threads", 1), **search)
     app = create_app(
         retriever,
         max_queries=options.get("max_queries", DEFAULT_MAX_QUERIES),
@@ -136,6 +152,11 @@ def register(app: typer.Typer) -> None:
             "to share its search call. Held only while requests have lately overlapped and the batch is under "
             "half of --search-chunk; a client sending one request at a time is never held. 0: never hold.",
         ),
+        nprobe: int | None = typer.Option(
+            None, "--nprobe", help="IVF lists searched per query (IVF-PQ indexes; default: the index's own)."),
+        rerank: int | None = typer.Option(
+            None, "--rerank", help="Candidates per query re-scored exactly from the kept float16 vectors (sharded "
+            "IVF-PQ built with --keep-vectors; default 64; 0: off). Deeper buys recall for CPU time."),
         workers: int = typer.Option(
             1,
             "--workers",
@@ -177,6 +198,10 @@ def register(app: typer.Typer) -> None:
             console.print(f"[red]error:[/red] --body-budget-bytes {body_budget_bytes} is smaller than the per-request "
                           "limit (--max-body-bytes); a request at the limit could never be served: raise it.")
             raise typer.Exit(2)
+        for name, value, least in (("--nprobe", nprobe, 1), ("--rerank", rerank, 0)):
+            if value is not None and value < least:
+                console.print(f"[red]error:[/red] {name} must be >= {least}, got {value}.")
+                raise typer.Exit(2)
         if not batch_wait_ms >= 0:
             console.print(f"[red]error:[/red] --batch-wait-ms must be >= 0, got {batch_wait_ms}.")
             raise typer.Exit(2)
@@ -198,6 +223,7 @@ def register(app: typer.Typer) -> None:
             "batch_wait_ms": batch_wait_ms,
             "max_body_bytes": max_body_bytes,
             "body_budget_bytes": body_budget_bytes,
+            "search": {k: v for k, v in (("nprobe", nprobe), ("rerank", rerank)) if v is not None},
         }
         app = None
         try:
@@ -208,6 +234,7 @@ def register(app: typer.Typer) -> None:
                 manifest = read_manifest(index)
                 if corpus is not None:
                     check_corpus(manifest, index, corpus)
+                check_search_options(manifest, options["search"])
         except (SleuthError, ValueError, OSError) as err:
             console.print(f"[red]error:[/red] {err}")
             raise typer.Exit(2) from err
