@@ -5,6 +5,7 @@ corpus, and a server starts from the memory-mapped index."""
 from __future__ import annotations
 
 import json
+import mmap
 import shutil
 import subprocess
 import sys
@@ -92,7 +93,7 @@ def test_served_index_is_memory_mapped_and_bounds_come_from_the_build(world_dir:
     retriever = load_retriever(tmp_path / "idx")
     scores = retriever.model.scores
     assert all(isinstance(scores[k], np.memmap) for k in ("data", "indices", "indptr"))
-    assert isinstance(retriever.docstore._strings.obj, np.memmap)
+    assert isinstance(retriever.docstore._strings.obj, mmap.mmap)  # the docstore's strings: mapped, not read in
     # The kernel's bounds are read from the build's file at load, not computed by scanning the matrix.
     assert retriever._token_bounds is not None
     upper, magnitude, _ = token_weight_bounds(scores["data"], scores["indices"], scores["indptr"])
