@@ -29,7 +29,14 @@ from sleuth.claim_bundle import (
     send,
     take,
 )
-from sleuth.claim_stages import STOP_AFTER_ENV, StagesStopped, finished_stages, require_stages, reroot, stage
+from sleuth.claim_stages import (
+    STOP_AFTER_ENV,
+    StagesStopped,
+    finished_stages,
+    require_arm_stages,
+    reroot,
+    stage,
+)
 from sleuth.cli import app
 from sleuth.errors import ConfigError
 from sleuth.reproduce import claim_arms, reproduce, stage_plan
@@ -231,10 +238,11 @@ def test_arms_are_checked_and_the_report_waits_for_every_arm(tmp_path):
         reproduce("qagent", tmp_path, "cpu", arms=["stage1"])
     assert claim_arms("r_search", "gpu") == ("with_evidence", "without_evidence")
     assert claim_arms("s3", "gpu")[-2:] == ("s3_6000", "search_r1_6000")
+    stage(tmp_path, "train_a", lambda: {"x": 0})
     stage(tmp_path, "eval_a", lambda: {"x": 1})
-    assert require_stages(tmp_path, ["eval_a"]) == {"eval_a": {"x": 1}}
+    assert require_arm_stages(tmp_path, ["a"]) == {"train_a": {"x": 0}, "eval_a": {"x": 1}}
     with pytest.raises(StagesStopped, match="stages left to other runs: train_b, eval_b"):
-        require_stages(tmp_path, ["eval_a", "train_b", "eval_b"])
+        require_arm_stages(tmp_path, ["a", "b"])
 
 
 @pytest.mark.slow

@@ -20,7 +20,7 @@ import fcntl
 import json
 import os
 import time
-from collections.abc import Callable, Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -132,9 +132,10 @@ class ArmsPending(StagesStopped):
     """A `--arms` run finished its arms; the report waits for stages that other runs write."""
 
 
-def require_stages(out: Path, names: Sequence[str]) -> dict[str, dict[str, Any]]:
-    """The records of these stages, in this order; StagesStopped naming those not written yet (arms that
-    another `--arms` run has still to finish)."""
+def require_arm_stages(out: Path, arms: Iterable[str]) -> dict[str, dict[str, Any]]:
+    """The records of each arm's training then evaluation stage (train_<arm>, eval_<arm>, as the runners name
+    them); ArmsPending naming those not written yet (arms that another `--arms` run has still to finish)."""
+    names = [f"{kind}_{arm}" for arm in arms for kind in ("train", "eval")]
     records = {name: read_stage(out, name) for name in names}
     missing = [name for name, record in records.items() if record is None]
     if missing:

@@ -45,7 +45,7 @@ import typer
 from sleuth.appendlog import read_appended
 from sleuth.claim_report import curve_figure, write_report
 from sleuth.claim_stages import STAGES_DIR as STAGES_DIR  # importable from here, where it lived
-from sleuth.claim_stages import ArmSelection, ArmsPending, require_stages, stage, write_claim_file
+from sleuth.claim_stages import ArmSelection, ArmsPending, require_arm_stages, stage, write_claim_file
 from sleuth.data.synth import KNOWLEDGE_TYPES
 from sleuth.demo import DemoSize, demo_recipe, held_out_questions, write_oracle_trajectories
 from sleuth.errors import ConfigError
@@ -310,7 +310,7 @@ def claim_table(first: dict[str, dict[str, Any]], second: dict[str, dict[str, An
     return {"rows": rows, "holds": holds, "accuracy_margin": margin, "questions": len(ids), "rule": rule}
 
 
-def reproduce_staged(out: Path, profile_name: str, console: Any = None, arms: ArmSelection | None = None) -> Path:
+def reproduce_staged(out: Path, profile_name: str, console: Any, arms: ArmSelection) -> Path:
     """The staged claim end to end (module docstring); returns OUT/report.html."""
     from sleuth.knowledge import InjectionSettings, boundary_check, inject_knowledge
 
@@ -328,13 +328,13 @@ def reproduce_staged(out: Path, profile_name: str, console: Any = None, arms: Ar
 
     details["inject"] = stage(out, "inject", inject, console)
     for method in STAGED_ARMS:
-        if arms is not None and not arms.runs(method):
+        if not arms.runs(method):
             continue
         details[f"train_{method}"] = stage(out, f"train_{method}", lambda m=method: _train_arm(
             out, world, profile, m, details["inject"]["checkpoint"], console), console)
         details[f"eval_{method}"] = stage(out, f"eval_{method}", lambda m=method: _evaluate_arm(
             out, world, profile, m, details[f"train_{m}"]["checkpoint"]), console)
-    details |= require_stages(out, [f"{kind}_{m}" for m in STAGED_ARMS for kind in ("train", "eval")])
+    details |= require_arm_stages(out, STAGED_ARMS)
     first, second = (_read_predictions(details[f"eval_{m}"]["predictions"]) for m in STAGED_ARMS)
     table = claim_table(first, second, profile.accuracy_margin)
     return write_report(out, CLAIMS["staged"], table, STAGED_ARMS, details)
@@ -381,31 +381,30 @@ def _start(out: Path, profile_name: str, console: Any, reader: bool) -> tuple[Cl
     return profile, world, details
 
 
-def reproduce_r_search(out: Path, profile_name: str, console: Any = None, arms: ArmSelection | None = None) -> Path:
+def reproduce_r_search(out: Path, profile_name: str, console: Any, arms: ArmSelection) -> Path:
     """r_search with vs without the evidence reward (module docstring); returns OUT/report.html."""
     profile, world, details = _start(out, profile_name, console, reader=False)
     details["sft_r_search"] = stage(out, "sft_r_search", lambda: _cold_start(
         out, world, profile, "r_search", None, console), console)
-    compared = R_SEARCH_ARMS
-    for arm in compared:
-        if arms is not None and not arms.runs(arm.name):
+    for arm in R_SEARCH_ARMS:
+        if not arms.runs(arm.name):
             continue
         details[f"train_{arm.name}"] = stage(out, f"train_{arm.name}", lambda a=arm: _train_rl(
             out, world, profile, a, details["sft_r_search"]["sft_checkpoint"], console), console)
         details[f"eval_{arm.name}"] = stage(out, f"eval_{arm.name}", lambda a=arm: _evaluate(
             out, world, profile, a.method, details[f"train_{a.name}"]["checkpoint"], a.name), console)
-    details |= require_stages(out, [f"{kind}_{a.name}" for a in compared for kind in ("train", "eval")])
-    preds = [_read_predictions(details[f"eval_{arm.name}"]["predictions"]) for arm in compared]
+    details |= require_arm_stages(out, (arm.name for arm in R_SEARCH_ARMS))
+    preds = [_read_predictions(details[f"eval_{arm.name}"]["predictions"]) for arm in R_SEARCH_ARMS]
     rows = {"F1, all questions": _paired_on(preds[0], preds[1], metric("f1")),
             "EM, all questions": _paired_on(preds[0], preds[1], metric("em"))}
     f1 = rows["F1, all questions"]["ci"]
     table = {"rows": rows, "holds": f1[0] > 0, "questions": rows["F1, all questions"]["n"],
              "rule": "The claim holds when the with-evidence arm's F1 minus the without-evidence arm's has a 95% "
                      "interval above 0. F1 and EM in points."}
-    return write_report(out, CLAIMS["r_search"], table, tuple(a.name for a in compared), details)
+    return write_report(out, CLAIMS["r_search"], table, tuple(a.name for a in R_SEARCH_ARMS), details)
 
 
-def reproduce_qagent(out: Path, profile_name: str, console: Any = None, arms: ArmSelection | None = None) -> Path:
+def reproduce_qagent(out: Path, profile_name: str, console: Any, arms: ArmSelection) -> Path:
     """qagent stage 2 vs stage 1, each read by both readers (module docstring); returns OUT/report.html."""
     profile, world, details = _start(out, profile_name, console, reader=True)
     trained, base = details["reader"]["reader"], profile.pipeline.model
@@ -441,7 +440,7 @@ def reproduce_qagent(out: Path, profile_name: str, console: Any = None, arms: Ar
     return write_report(out, CLAIMS["qagent"], table, ("stage 2", "stage 1"), details)
 
 
-def reproduce_s3(out: Path, profile_name: str, console: Any = None, arms: ArmSelection | None = None) -> Path:
+def reproduce_s3(out: Path, profile_name: str, console: Any, arms: ArmSelection) -> Path:
     """s3 vs search_r1 against the number of RL training questions (module docstring); returns OUT/report.html."""
     import math
 
@@ -456,7 +455,7 @@ def reproduce_s3(out: Path, profile_name: str, console: Any = None, arms: ArmSel
             out, world, profile, m, None, console), console)
     for size in profile.sizes:
         for method in methods:
-            if arms is not None and not arms.runs(f"{method}_{size}"):
+            if not arms.runs(f"{method}_{size}"):
                 continue
             # a searcher that hands its documents to a reader trains and is evaluated with the trained reader
             read_by = reader if get_method(method).evaluated_by_reader else None
@@ -466,8 +465,7 @@ def reproduce_s3(out: Path, profile_name: str, console: Any = None, arms: ArmSel
                 out, world, profile, a, details[f"sft_{a.method}"]["sft_checkpoint"], console), console)
             details[f"eval_{arm.name}"] = stage(out, f"eval_{arm.name}", lambda a=arm, r=read_by: _evaluate(
                 out, world, profile, a.method, details[f"train_{a.name}"]["checkpoint"], a.name, r), console)
-    details |= require_stages(out, [f"{kind}_{m}_{size}" for size in profile.sizes for m in methods
-                                    for kind in ("train", "eval")])
+    details |= require_arm_stages(out, claim_arms("s3", profile_name))
     preds: dict[tuple[str, int], dict] = {}
     curve: dict[str, list[dict[str, Any]]] = {m: [] for m in methods}
     for size in profile.sizes:
@@ -489,7 +487,7 @@ def reproduce_s3(out: Path, profile_name: str, console: Any = None, arms: ArmSel
     return write_report(out, CLAIMS["s3"], table, methods, details, figure=curve_figure(curve))
 
 
-RUNNERS: dict[str, Callable[[Path, str, Any, ArmSelection | None], Path]] = {
+RUNNERS: dict[str, Callable[[Path, str, Any, ArmSelection], Path]] = {
     "staged": reproduce_staged, "r_search": reproduce_r_search, "qagent": reproduce_qagent, "s3": reproduce_s3}
 
 
@@ -500,13 +498,11 @@ def reproduce(method: str, out: Path, profile: str, console: Any = None, arms: S
         raise ConfigError(f"no claim registered for {method!r}; choose one of {', '.join(CLAIMS)}")
     if profile not in ("cpu", "gpu"):
         raise ConfigError(f"--profile must be cpu or gpu, got {profile!r}")
-    selection = None
-    if arms is not None:
-        independent = claim_arms(method, profile)
-        if not independent:
-            raise ConfigError(f"--arms: the {method} claim's arms run one after another (stage 2 continues stage 1), "
-                              "so they cannot be split over runs; leave --arms out")
-        selection = ArmSelection(arms, independent, method)
+    independent = claim_arms(method, profile)
+    if arms is not None and not independent:
+        raise ConfigError(f"--arms: the {method} claim's arms run one after another (stage 2 continues stage 1), "
+                          "so they cannot be split over runs; leave --arms out")
+    selection = ArmSelection(arms, independent, method)
     out = out.resolve()  # one spelling of OUT in every stage's paths, whatever the working directory
     write_claim_file(out, method, profile)
     return RUNNERS[method](out, profile, console, selection)
