@@ -519,17 +519,6 @@ def exact_search(args: argparse.Namespace, q: np.ndarray, k: int = K + 1) -> tup
     return best_s, best_i
 
 
-def exact_scores(vectors: np.ndarray, q: np.ndarray, rows: np.ndarray) -> np.ndarray:
-    """Exact inner products of each query with its `rows` (-1 = no result: -inf), from the stored vectors:
-    the "true distance" of what a search returned, recomputed as ann-benchmarks does, not the score it
-    reported."""
-    rows = np.asarray(rows, dtype=np.int64)
-    valid = rows >= 0
-    gathered = np.asarray(vectors[np.where(valid, rows, 0).reshape(-1)], dtype=np.float32).reshape(*rows.shape, -1)
-    scores = np.einsum("qcd,qd->qc", gathered, np.asarray(q, dtype=np.float32))
-    return np.where(valid, scores, -np.inf).astype(np.float32)
-
-
 def recall_vs_exact(found_rows: np.ndarray, found_scores: np.ndarray, exact_rows: np.ndarray,
                     exact_scores_: np.ndarray, k: int = K, eps: float = TIE_EPS) -> tuple[float, float]:
     """(set overlap, tie-aware) recall@k of a search against exact search, averaged over queries.
@@ -556,8 +545,7 @@ def rows_of_ids(store: Any, ids: list[list[str]]) -> np.ndarray:
     if all(g >= 0 for g in guess) and store.ids(guess) == flat:
         rows = guess
     else:
-        store.get_by_ids(flat[:1])  # builds the id -> row map
-        rows = [store._row_of_id.get(i, -1) for i in flat]
+        rows = [-1 if r is None else r for r in store.rows(flat)]
     it = iter(rows)
     for q, r in enumerate(ids):
         for j in range(len(r)):
@@ -579,6 +567,7 @@ def nprobe_sweep(args: argparse.Namespace, vectors: np.ndarray, exact: tuple[np.
     nprobe and the re-rank depth from, and whether one setting meets both targets where the served one
     did not."""
     from sleuth.retrieval import load_retriever
+    from sleuth.retrieval.sharded import exact_scores
 
     cores = len(os.sched_getaffinity(0))
     retriever = load_retriever(args.work / "ivf", threads=cores)
@@ -610,6 +599,7 @@ def served_rerank(args: argparse.Namespace) -> int:
 def stage_dense_serve(args: argparse.Namespace) -> dict[str, Any]:
     t0, load0 = time.perf_counter(), os.getloadavg()
     from sleuth.retrieval.docstore import DocStore
+    from sleuth.retrieval.sharded import exact_scores
 
     store = DocStore(args.work / "ivf" / "docstore")
     # A sample covers only some gold passages; the whole corpus covers all (no 21M-id set in memory).

@@ -20,6 +20,9 @@ SRC = Path(__file__).resolve().parent.parent / "src"
 sys.path.insert(0, str(BENCH))
 
 import retrieval_scale  # noqa: E402  (bench/ is not a package)
+from sleuth.data.formats import Passage  # noqa: E402
+from sleuth.retrieval.docstore import DocStore  # noqa: E402
+from sleuth.retrieval.sharded import exact_scores  # noqa: E402
 
 
 def test_peak_memory_sees_an_allocation() -> None:
@@ -209,12 +212,12 @@ def test_tie_aware_recall_counts_a_passage_tied_with_the_exact_fifth() -> None:
     assert retrieval_scale.exact_ties(np.array([[0.9, 0.8, 0.7, 0.6, 0.5, 0.49]])) == 0.0
 
 
-def test_exact_scores_and_rows_of_ids_recompute_what_a_search_returned() -> None:
+def test_exact_scores_and_rows_of_ids_recompute_what_a_search_returned(tmp_path: Path) -> None:
     """The exact score of a returned row is recomputed from the stored float16 vectors (-inf for -1), and
     served passage ids map back to docstore rows (padded with -1 where a query got fewer hits)."""
     vectors = np.array([[1, 0], [0, 1], [0.5, 0.5]], np.float16)
     q = np.array([[2.0, 1.0], [0.0, 3.0]], np.float32)
-    got = retrieval_scale.exact_scores(vectors, q, np.array([[0, 2], [1, -1]]))
+    got = exact_scores(vectors, q, np.array([[0, 2], [1, -1]]))  # sleuth's, which the bench calls
     assert got[0].tolist() == [2.0, 1.5] and got[1, 0] == 3.0 and got[1, 1] == -np.inf
 
     class Store:  # ids are row numbers, as in every synthetic corpus
@@ -225,17 +228,8 @@ def test_exact_scores_and_rows_of_ids_recompute_what_a_search_returned() -> None
 
     assert retrieval_scale.rows_of_ids(Store(), [["2", "0"], ["1"]]).tolist() == [[2, 0], [1, -1]]
 
-    class NamedStore(Store):  # other ids: the docstore's own id -> row map
-        names = ["a", "b", "c"]
-        _row_of_id = {"a": 0, "b": 1, "c": 2}
-
-        def ids(self, rows):
-            return [self.names[r] for r in rows]
-
-        def get_by_ids(self, ids):
-            return []
-
-    assert retrieval_scale.rows_of_ids(NamedStore(), [["c", "zz"], ["a"]]).tolist() == [[2, -1], [0, -1]]
+    named = DocStore.build([Passage(id=i, title=i, text=i) for i in "abc"], tmp_path / "docstore")  # other ids
+    assert retrieval_scale.rows_of_ids(named, [["c", "zz"], ["a"]]).tolist() == [[2, -1], [0, -1]]
 
 
 def test_batched_clients_default_to_the_server_workers(tmp_path: Path) -> None:

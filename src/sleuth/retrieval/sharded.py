@@ -260,24 +260,30 @@ def merge_topk(
     return top_scores, top_ids
 
 
+def exact_scores(vectors: np.ndarray, queries: np.ndarray, rows: np.ndarray, chunk: int = 16) -> np.ndarray:
+    """Exact inner products of each query with its `rows` of `vectors` (-1 = none: -inf), float32.
+
+    `chunk` queries at a time: their rows are gathered and widened to float32 in a block that stays in cache
+    (all queries at once would build a queries x rows x dim float32 array, 100 MB at 256 x 256 x 384, and
+    moving it cost more than the arithmetic: 2.2-2.7x slower on one thread, the same scores)."""
+    rows = np.asarray(rows, dtype=np.int64)
+    valid = rows >= 0
+    safe = np.where(valid, rows, 0)
+    exact = np.empty(rows.shape, np.float32)
+    queries = np.asarray(queries, dtype=np.float32)
+    for start in range(0, len(queries), chunk):
+        block_rows = safe[start : start + chunk]
+        block = np.asarray(vectors[block_rows.ravel()], dtype=np.float32).reshape(*block_rows.shape, -1)
+        exact[start : start + chunk] = np.einsum("qcd,qd->qc", block, queries[start : start + chunk])
+    return np.where(valid, exact, -np.inf).astype(np.float32)
+
+
 def exact_rerank(
     vectors: np.ndarray, queries: np.ndarray, candidates: np.ndarray, k: int, chunk: int = 16
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Re-score each query's candidate rows (-1 = none) with exact inner products; best `k` per query.
-
-    `chunk` queries at a time: their candidates are gathered and widened to float32 in a block that stays in
-    cache (all queries at once would build a queries x candidates x dim float32 array, 100 MB at 256 x 256 x
-    384, and moving it cost more than the arithmetic: 2.2-2.7x slower on one thread, the same scores)."""
-    valid = candidates >= 0
-    safe = np.where(valid, candidates, 0)
-    exact = np.empty(candidates.shape, np.float32)
-    queries = np.asarray(queries, dtype=np.float32)
-    for start in range(0, len(queries), chunk):
-        rows = safe[start : start + chunk]
-        block = np.asarray(vectors[rows.ravel()], dtype=np.float32).reshape(*rows.shape, -1)
-        exact[start : start + chunk] = np.einsum("qcd,qd->qc", block, queries[start : start + chunk])
-    exact = np.where(valid, exact, -np.inf).astype(np.float32)
-    return merge_topk([exact], [np.where(valid, candidates, -1)], k)
+    """Re-score each query's candidate rows (-1 = none) with exact inner products; best `k` per query."""
+    exact = exact_scores(vectors, queries, candidates, chunk)
+    return merge_topk([exact], [np.where(candidates >= 0, candidates, -1)], k)
 
 
 def read_faiss_mmap(path: Path) -> Any:
