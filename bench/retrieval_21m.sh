@@ -177,7 +177,8 @@ case "${1:-}" in
     run_stage encode --dense-size "$DENSE_SIZE" --devices "$ENCODE_DEVICES" \
       $( [ -n "${ENCODE_PROCS_PER_GPU:-}" ] && echo --procs-per-gpu "$ENCODE_PROCS_PER_GPU" ) || exit 1
     # faiss trains and fills with OpenMP threads: all cores for the build.
-    # PQ_M: PQ sub-quantizers (default 48 bytes a vector; 96 halves the PQ score error, doubles the codes).
+    # PQ_M x PQ_NBITS: the codes (default 96 x 4 bits = 48 bytes a vector in faiss's fast-scan layout: the 8-bit
+    # m 48 codes of the 2026-11-27 run scanned ~6x slower per query at the same bytes; PQ_NBITS=8 PQ_M=48 for those).
     # NLIST / TRAIN_SAMPLE (default: a power of 2 near 4 sqrt(N), 16384 at 21M; 64 x NLIST): training and adding
     # cost grows with NLIST (bench/ivfpq_build_cost.py; docs/retrieval_scale.md has the 21M estimate).
     [ -n "${ENCODE_CPUS:-}" ] && taskset -p -c "0-$(( CORES - 1 ))" $$ > /dev/null  # back to the daemon's cores
@@ -187,7 +188,7 @@ case "${1:-}" in
       --ivf-device "${IVF_DEVICE:-auto}" \
       --shards "${DENSE_SHARDS:-4}" $( [ -n "${NLIST:-}" ] && echo --nlist "$NLIST" ) \
       $( [ -n "${TRAIN_SAMPLE:-}" ] && echo --train-sample "$TRAIN_SAMPLE" ) \
-      $( [ -n "${PQ_M:-}" ] && echo --pq-m "$PQ_M" ) || exit 1
+      --pq-m "${PQ_M:-96}" --pq-nbits "${PQ_NBITS:-4}" || exit 1
     # shellcheck disable=SC2086
     run_stage dense-serve --dense-size "$DENSE_SIZE" --serve-rerank "$RERANK" --sweep-rerank 64 256 512 $DENSE_SERVE \
       $MEASURE

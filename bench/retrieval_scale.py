@@ -480,7 +480,7 @@ def stage_ivfpq_build(args: argparse.Namespace) -> dict[str, Any]:
     with PeakMemory() as mem:
         manifest = build_index(
             corpus, "dense", args.work / "ivf", overwrite=True, show_progress=False, threads=args.threads,
-            encoder=_encoder(None).config.name, faiss="ivfpq", nlist=nlist, m=args.pq_m, nbits=8,
+            encoder=_encoder(None).config.name, faiss="ivfpq", nlist=nlist, m=args.pq_m, nbits=args.pq_nbits,
             nprobe=args.nprobe, shards=args.shards, keep_vectors=True, ivf_device=args.ivf_device,
             embeddings=str(args.work / "dense" / "embeddings.f16"), **source,
             **({"train_sample": args.train_sample} if args.train_sample else {}),
@@ -746,6 +746,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="Passages a worker reads and sorts by length at a time.")
     p.add_argument("--nlist", type=int, default=None, help="IVF lists (default: power of 2 near 4 sqrt(N)).")
     p.add_argument("--pq-m", type=int, default=48)
+    p.add_argument("--pq-nbits", type=int, choices=(4, 8), default=8,
+                   help="Bits per PQ code; 4 stores the codes in faiss's fast-scan layout (SIMD scan: pair it with "
+                        "twice --pq-m for the same bytes a vector).")
     p.add_argument("--train-sample", type=int, default=None,
                    help="IVF-PQ training vectors (default 64 x nlist; training time grows with it x nlist).")
     p.add_argument("--nprobe", type=int, default=32)

@@ -75,7 +75,9 @@ def register(app: typer.Typer) -> None:
         nlist: int = typer.Option(1024, "--nlist", help="IVF-PQ: number of lists."),
         pq_m: int = typer.Option(48, "--pq-m", help="IVF-PQ: sub-quantizers (must divide the dimension)."),
         nprobe: int = typer.Option(16, "--nprobe", help="IVF-PQ: lists probed per query."),
-        nbits: int = typer.Option(8, "--nbits", help="IVF-PQ: bits per sub-quantizer code."),
+        nbits: int = typer.Option(
+            8, "--nbits", help="IVF-PQ: bits per sub-quantizer code; 4 writes faiss's fast-scan layout (several "
+            "times faster to search at the same bytes with twice --pq-m; re-rank with --keep-vectors)."),
         shards: int | None = typer.Option(
             None, "--shards", help="Dense: split the faiss index into this many contiguous shards."
         ),

@@ -73,6 +73,22 @@ def new_faiss_index(dim: int, params: dict[str, Any], num_vectors: int):
     return index
 
 
+def searchable_index(index: Any, params: dict[str, Any]) -> Any:
+    """The index as written to disk: IVF-PQ with 4-bit codes (`nbits` 4) in faiss's fast-scan layout
+    (`IndexIVFPQFastScan`), whose SIMD scan of 32-code blocks is ~6x faster per query than the 8-bit scan at
+    the same bytes (48 of them: m 96 x 4 bits vs m 48 x 8; measured on one core, 1M vectors, nprobe 40);
+    every other index as built. The codes are the same; the fast scan quantizes its look-up tables to 8
+    bits, so scores move by ~1e-3, which an exact re-rank of the candidates takes back."""
+    import faiss  # deferred: faiss is heavy; only dense indexes need it
+
+    if params["type"] != "ivfpq" or params["nbits"] != 4:
+        return index
+    ivf = faiss.downcast_index(faiss.extract_index_ivf(index))
+    fast = faiss.IndexIVFPQFastScan(ivf)
+    fast.nprobe = ivf.nprobe
+    return fast
+
+
 def build_faiss(
     vectors: Iterable[np.ndarray],
     num_vectors: int,
@@ -123,7 +139,7 @@ def build_faiss(
             added += len(chunk)
         if added != num_vectors:
             raise RuntimeError(f"encoded {added} passages, expected {num_vectors}")
-    faiss.write_index(index, str(out_dir / FAISS_FILE))
+    faiss.write_index(searchable_index(index, params), str(out_dir / FAISS_FILE))
     return info
 
 

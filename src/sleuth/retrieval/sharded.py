@@ -32,7 +32,7 @@ import numpy as np
 from sleuth.errors import ConfigError, IndexMismatchError
 from sleuth.retrieval._common import hits_from_rows, validate_queries
 from sleuth.retrieval.base import Hit
-from sleuth.retrieval.dense import BLAS_BATCH_MIN, _blas_lock, new_faiss_index, read_faiss
+from sleuth.retrieval.dense import BLAS_BATCH_MIN, _blas_lock, new_faiss_index, read_faiss, searchable_index
 from sleuth.retrieval.docstore import DocStore
 from sleuth.retrieval.ivf_build import IvfBuilder
 from sleuth.retrieval.mapped import MappedFile
@@ -235,7 +235,7 @@ def _train_and_fill_ivf(
         index = faiss.clone_index(template)
         builder.fill(index, spool, spec.start, spec.end)
         started = time.perf_counter()
-        faiss.write_index(index, str(out_dir / spec.file))
+        faiss.write_index(searchable_index(index, params), str(out_dir / spec.file))
         builder.clock("write", started)
         del index
     return n_train
