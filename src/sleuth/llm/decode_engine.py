@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from sleuth.errors import ConfigError
 from sleuth.llm import kernels
 from sleuth.llm.decoding import select_next_tokens
+from sleuth.llm.policy_weights import SUPPORTED_MODEL_TYPES, base_model, full_tensor, linear_weight, supports
 from sleuth.llm.prefix_cache import (
     PrefixStore,
     attend_over_prefix,
@@ -43,62 +44,9 @@ from sleuth.llm.prefix_cache import (
 )
 
 log = logging.getLogger(__name__)
+__all__ = ["SUPPORTED_MODEL_TYPES", "DecodeEngine", "DecodeState", "PolicyEngines", "supports"]
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 _SEED_STRIDE = 1_000_003  # advances the Philox seed between steps: each step draws a fresh stream
-
-
-def _full(t: torch.Tensor) -> torch.Tensor:
-    """The whole tensor behind an FSDP2 shard (DTensor), or the tensor itself."""
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
-
-
-def _base_model(model: torch.nn.Module) -> torch.nn.Module:
-    seen = model
-    for _ in range(4):
-        if hasattr(seen, "get_base_model"):
-            seen = seen.get_base_model()
-        elif hasattr(seen, "module") and isinstance(seen.module, torch.nn.Module):  # DDP
-            seen = seen.module
-        else:
-            break
-    return seen
-
-
-def supports(model: torch.nn.Module) -> str | None:
-    """None when the engine can decode this model, else why not (one line)."""
-    base = _base_model(model)
-    config = getattr(base, "config", None)
-    kind = getattr(config, "model_type", None)
-    if kind not in SUPPORTED_MODEL_TYPES:
-        return f"model type {kind!r} (the decode engine supports {', '.join(SUPPORTED_MODEL_TYPES)})"
-    if getattr(config, "hidden_act", "silu") != "silu":
-        return f"activation {config.hidden_act!r} (the decode engine supports silu)"
-    if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", False):
-        return "sliding-window attention"
-    inner = getattr(base, "model", None)
-    if inner is None or not hasattr(inner, "layers") or not hasattr(inner, "rotary_emb"):
-        return "no decoder layers / rotary embedding found"
-    return None
-
-
-def _linear_weight(module: torch.nn.Module, merge_adapters: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(weight, bias) of a Linear, with active LoRA adapters merged in (W + scale * B @ A)."""
-    if hasattr(module, "base_layer") and hasattr(module, "lora_A"):
-        base = module.base_layer
-        weight = _full(base.weight.detach()).float()
-        if merge_adapters and not getattr(module, "disable_adapters", False) and not getattr(module, "merged", False):
-            if getattr(module, "fan_in_fan_out", False) or any(getattr(module, "use_dora", {}).values()):
-                raise ConfigError("the decode engine merges plain LoRA only (no DoRA, no fan_in_fan_out)")
-            for name in module.active_adapters:
-                if name in module.lora_A:
-                    a = _full(module.lora_A[name].weight.detach()).float()
-                    b = _full(module.lora_B[name].weight.detach()).float()
-                    weight = weight + (b @ a) * float(module.scaling[name])
-        bias = base.bias
-    else:
-        weight, bias = _full(module.weight.detach()), module.bias
-    return weight, (_full(bias.detach()) if bias is not None else None)
 
 
 @dataclass
@@ -164,7 +112,7 @@ class DecodeEngine:
         why = supports(model)
         if why is not None:
             raise ConfigError(f"the decode engine cannot decode this model: {why}; use model.generation_cache=static")
-        base = _base_model(model)
+        base = base_model(model)
         config = base.config
         self.device = torch.device(device) if device is not None else next(base.parameters()).device
         self.dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
@@ -222,39 +170,39 @@ class DecodeEngine:
         """Copy the model's current weights in (LoRA merged unless `merge_adapters` is False; FSDP2 shards
         gathered one matrix at a time, so the extra memory is one layer's weights)."""
         self.prefixes.clear()  # keys/values computed by the old weights
-        base = _base_model(model)
+        base = base_model(model)
         inner = base.model
         first = not self.layers
         for i, block in enumerate(inner.layers):
             attn, mlp = block.self_attn, block.mlp
-            qkv = [_linear_weight(getattr(attn, n), merge_adapters) for n in ("q_proj", "k_proj", "v_proj")]
+            qkv = [linear_weight(getattr(attn, n), merge_adapters) for n in ("q_proj", "k_proj", "v_proj")]
             w_qkv = torch.cat([w.float() for w, _ in qkv])
             b_qkv = torch.cat([b.float() for _, b in qkv]) if qkv[0][1] is not None else None
-            gate, _ = _linear_weight(mlp.gate_proj, merge_adapters)
-            up, _ = _linear_weight(mlp.up_proj, merge_adapters)
+            gate, _ = linear_weight(mlp.gate_proj, merge_adapters)
+            up, _ = linear_weight(mlp.up_proj, merge_adapters)
             old = None if first else self.layers[i]
             layer = _Layer(
-                ln1=self._put(old and old.ln1, _full(block.input_layernorm.weight.detach())),
-                ln2=self._put(old and old.ln2, _full(block.post_attention_layernorm.weight.detach())),
+                ln1=self._put(old and old.ln1, full_tensor(block.input_layernorm.weight.detach())),
+                ln2=self._put(old and old.ln2, full_tensor(block.post_attention_layernorm.weight.detach())),
                 w_qkv=self._put(old and old.w_qkv, w_qkv),
                 b_qkv=self._put(old and old.b_qkv, b_qkv) if b_qkv is not None else None,
-                w_o=self._put(old and old.w_o, _linear_weight(attn.o_proj, merge_adapters)[0]),
+                w_o=self._put(old and old.w_o, linear_weight(attn.o_proj, merge_adapters)[0]),
                 w_gate_up=self._put(old and old.w_gate_up, torch.cat([gate.float(), up.float()])),
-                w_down=self._put(old and old.w_down, _linear_weight(mlp.down_proj, merge_adapters)[0]),
+                w_down=self._put(old and old.w_down, linear_weight(mlp.down_proj, merge_adapters)[0]),
             )
             if hasattr(attn, "q_norm"):
-                layer.q_norm = self._put(old and old.q_norm, _full(attn.q_norm.weight.detach()))
-                layer.k_norm = self._put(old and old.k_norm, _full(attn.k_norm.weight.detach()))
+                layer.q_norm = self._put(old and old.q_norm, full_tensor(attn.q_norm.weight.detach()))
+                layer.k_norm = self._put(old and old.k_norm, full_tensor(attn.k_norm.weight.detach()))
             if first:
                 self.layers.append(layer)
             del qkv, w_qkv, gate, up
-        self.embed = self._put(self.embed, _full(inner.embed_tokens.weight.detach()))
-        self.final_norm = self._put(self.final_norm, _full(inner.norm.weight.detach()))
+        self.embed = self._put(self.embed, full_tensor(inner.embed_tokens.weight.detach()))
+        self.final_norm = self._put(self.final_norm, full_tensor(inner.norm.weight.detach()))
         tied = base.lm_head.weight is inner.embed_tokens.weight or getattr(base.config, "tie_word_embeddings", False)
         if tied:
             self.lm_head = self.embed
         else:
-            self.lm_head = self._put(None if first else self.lm_head, _linear_weight(base.lm_head, merge_adapters)[0])
+            self.lm_head = self._put(None if first else self.lm_head, linear_weight(base.lm_head, merge_adapters)[0])
 
     # -- KV pool ---------------------------------------------------------------------------------
 
