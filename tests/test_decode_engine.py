@@ -170,6 +170,24 @@ KERNEL_CHECK = textwrap.dedent("""
         worst[f"attention splits={splits}"] = (K.decode_attention(q, kc, vc, starts, lens, 0.125, splits) - ref).abs().max().item()
     gu = torch.randn(3, 200)
     worst["silu"] = (K.silu_mul(gu) - K.silu_mul_reference(gu)).abs().max().item()
+    # fused_kernels: rotary + KV store + attention in one kernel (the new key from registers, one split writing
+    # the output itself, several merged by the combine kernel): the same output and the same pool as the
+    # reference's rope_store then attention, with and without q/k norms, for a row at position 0 (only the new
+    # key), rows whose new key opens or ends a 64-key block, and splits that leave some programs empty
+    from sleuth.llm import fused_kernels as F
+    inv = 1.0 / (10000 ** (torch.arange(0, dim, 2).float() / dim))
+    layout = K.HeadLayout(h, kv, inv, rope_scale=0.9)
+    pos = torch.tensor([0, 149, 256, 9], dtype=torch.int32)
+    qkv = torch.randn(b, (h + 2 * kv) * dim)
+    for norm in (None, (torch.randn(dim), torch.randn(dim))):
+        kc1, vc1 = kc.clone(), vc.clone()
+        ref = F.rope_attention_reference(qkv, pos, starts, layout, (kc1, vc1), norm)
+        for splits in (1, 2, 4, 16):
+            kc2, vc2 = kc.clone(), vc.clone()
+            got = F.rope_attention(qkv, pos, starts, layout, (kc2, vc2), norm, splits)
+            worst[f"rope_attention norm={norm is not None} splits={splits}"] = max(
+                (got - ref).abs().max().item(), (kc2 - kc1).abs().max().item(), (vc2 - vc1).abs().max().item())
+    assert not F._FAILED, F._FAILED  # the fused kernel ran, not the unfused fallback
     lg = torch.randn(6, 5000)
     tok, lp = K.sample(lg, 0.0, torch.tensor([3]))
     assert torch.equal(tok, lg.argmax(-1))
@@ -295,19 +313,33 @@ def test_the_fsdp_inference_copy_equals_the_sharded_weights_after_an_update(tmp_
 ENGINE_UNDER_TRITON = textwrap.dedent("""
     import sys
     sys.path.insert(0, {tests!r})
-    from sleuth.llm import kernels
+    from sleuth.llm import fused_kernels, kernels
     assert kernels.triton_enabled(__import__("torch").zeros(1))
+    calls = {{"rope_attention": 0}}
+    for name in calls:  # count the fused kernels' calls: the step must run the ones its switches ask for
+        def counted(*args, _name=name, _fn=getattr(fused_kernels, name), **kwargs):
+            calls[_name] += 1
+            return _fn(*args, **kwargs)
+        setattr(fused_kernels, name, counted)
     import test_decode_engine as t
     t.test_greedy_decoding_equals_transformers("qwen3")  # q/k norms, GQA, rows leaving: every kernel runs
     t.test_a_next_turn_reuses_the_stored_prefix_and_still_decodes_like_transformers("qwen3")  # packed prefill
+    assert not fused_kernels._FAILED, fused_kernels._FAILED
+    assert (calls["rope_attention"] > 0) == fused_kernels.FUSED_DECODE, calls
 """)
 
 
 @pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed (it is in the dev extra)")
-def test_the_engine_decodes_like_transformers_through_the_triton_kernels() -> None:
-    """The whole decode step with the Triton kernels (CPU interpreter) instead of the torch references."""
+@pytest.mark.parametrize("switches", [{}, {"SLEUTH_FUSED_DECODE": "0"},
+                                      {"SLEUTH_ATTENTION_SPLITS": "4"}],
+                         ids=["fused-attention", "unfused", "fused-attention-4-splits"])
+def test_the_engine_decodes_like_transformers_through_the_triton_kernels(switches: dict[str, str]) -> None:
+    """The whole decode step with the Triton kernels (CPU interpreter) instead of the torch references: the
+    fused attention (default), the one-operation kernels (SLEUTH_FUSED_DECODE=0), and the fused attention split
+    four ways (the combine path)."""
     script = ENGINE_UNDER_TRITON.format(tests=str(Path(__file__).parent))
-    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1", "SLEUTH_FUSED_DECODE": "1",
+           "SLEUTH_ATTENTION_SPLITS": "0", **switches}
     proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
 

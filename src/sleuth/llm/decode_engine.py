@@ -25,14 +25,14 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from sleuth.errors import ConfigError
-from sleuth.llm import kernels
+from sleuth.llm import fused_kernels, kernels
 from sleuth.llm.decoding import select_next_tokens
 from sleuth.llm.policy_weights import SUPPORTED_MODEL_TYPES, base_model, full_tensor, linear_weight, supports
 from sleuth.llm.prefix_cache import (
@@ -71,8 +71,8 @@ class _Bucket:
     positions: torch.Tensor  # int32: this step writes its key/value at start + position
     starts: torch.Tensor  # int32
     logprobs: torch.Tensor
-    graph: Any = None
-    graph_key: tuple | None = None
+    # captured steps by (temperature, sampled inside, attention splits); None: the capture failed, decode eagerly
+    graphs: dict[tuple, Any] = field(default_factory=dict)
     logits: torch.Tensor | None = None
 
 
@@ -85,6 +85,12 @@ class DecodeState:
     temperature: float
     top_p: float
     generator: torch.Generator | None
+    max_len: int = 0  # keys of its longest row at the end (prompt + max_new): what the attention splits follow
+    splits: int = 1  # attention splits of the captured step (its grid is fixed; a smaller bucket may change it)
+
+    @property
+    def graph_key(self) -> tuple:
+        return (self.temperature, self.samples_inside, self.splits)
 
     @property
     def samples_inside(self) -> bool:
@@ -145,6 +151,10 @@ class DecodeEngine:
         self._pool_high_water = 0
         self.graph_failures = 0  # captures that failed: those batches decoded eagerly (slow), see the log
         self._seed = torch.zeros(1, dtype=torch.int64, device=self.device)
+        # the fused decode attention (fused_kernels.py; SLEUTH_FUSED_DECODE=0 turns it off): where Triton runs
+        self.fused_attention = fused_kernels.FUSED_DECODE
+        self._multiprocessors = (torch.cuda.get_device_properties(self.device).multi_processor_count
+                                 if self.device.type == "cuda" else 132)
         self.capture_seconds = 0.0
         self.weight_bytes = sum(t.numel() * t.element_size() for t in self._tensors())
 
@@ -263,29 +273,46 @@ class DecodeEngine:
 
     # -- the decode step ---------------------------------------------------------------------------
 
-    def _forward_step(self, tokens: torch.Tensor, positions: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
-        """Logits (B, V) of one token per row; stores its key and value."""
-        slots = starts + positions
-        lengths = positions + 1
+    def _forward_step(self, tokens: torch.Tensor, positions: torch.Tensor, starts: torch.Tensor,
+                      splits: int = 1) -> torch.Tensor:
+        """Logits (B, V) of one token per row; stores its key and value. Per layer: norm, qkv product,
+        attention (rotary + store + attention fused into one kernel unless SLEUTH_FUSED_DECODE=0), output
+        product, norm, gate/up product, SiLU gate, down product."""
         b = tokens.shape[0]
-        splits = kernels.attention_splits(b, self.kv_heads) if self.device.type == "cuda" else 1
+        fused_attention = self.fused_attention and kernels.triton_enabled(tokens)
+        if not fused_attention:
+            slots = starts + positions
+            lengths = positions + 1
         x = self.embed.index_select(0, tokens)
         delta = None
         for i, layer in enumerate(self.layers):
             x, h = kernels.add_rmsnorm(x, delta, layer.ln1, self.eps)
             qkv = F.linear(h, layer.w_qkv, layer.b_qkv)
             norms = (layer.q_norm, layer.k_norm) if layer.q_norm is not None else None
-            q = kernels.rope_store(qkv, positions, slots, self.layout, self.pool_k[i], self.pool_v[i], norms)
-            a = kernels.decode_attention(q, self.pool_k[i], self.pool_v[i], starts, lengths, self.scale, splits)
+            if fused_attention:
+                a = fused_kernels.rope_attention(qkv, positions, starts, self.layout, (self.pool_k[i], self.pool_v[i]),
+                                                 norms, splits)
+            else:
+                q = kernels.rope_store(qkv, positions, slots, self.layout, self.pool_k[i], self.pool_v[i], norms)
+                a = kernels.decode_attention(q, self.pool_k[i], self.pool_v[i], starts, lengths, self.scale, splits)
             x, h = kernels.add_rmsnorm(x, F.linear(a.view(b, -1), layer.w_o), layer.ln2, self.eps)
             delta = F.linear(kernels.silu_mul(F.linear(h, layer.w_gate_up)), layer.w_down)
         _, h = kernels.add_rmsnorm(x, delta, self.final_norm, self.eps)
         return F.linear(h, self.lm_head)
 
-    def _step(self, bucket: _Bucket, temperature: float, sample_inside: bool) -> None:
-        logits = self._forward_step(bucket.tokens, bucket.positions, bucket.starts)
-        if sample_inside:
-            kernels.sample(logits, temperature, self._seed, bucket.tokens, bucket.logprobs)
+    def _splits(self, batch: int, max_len: int) -> int:
+        """Attention splits for a decode of `batch` rows of at most `max_len` keys (fixed while it runs: the
+        captured step's grid cannot change)."""
+        if self.device.type != "cuda":
+            return fused_kernels.ATTENTION_SPLITS or 1
+        if self.fused_attention:
+            return fused_kernels.attention_splits(batch, self.kv_heads, max_len, self._multiprocessors)
+        return kernels.attention_splits(batch, self.kv_heads)
+
+    def _step(self, bucket: _Bucket, state: DecodeState) -> None:
+        logits = self._forward_step(bucket.tokens, bucket.positions, bucket.starts, state.splits)
+        if state.samples_inside:
+            kernels.sample(logits, state.temperature, self._seed, bucket.tokens, bucket.logprobs)
             self._seed.add_(_SEED_STRIDE)
         elif bucket.logits is None:
             bucket.logits = logits
@@ -305,9 +332,9 @@ class DecodeEngine:
             self._buckets[size] = bucket
         return bucket
 
-    def _capture(self, bucket: _Bucket, temperature: float, sample_inside: bool) -> None:
-        key = (temperature, sample_inside)
-        if not self.use_graphs or bucket.graph_key == key:
+    def _capture(self, bucket: _Bucket, state: DecodeState) -> None:
+        key = state.graph_key
+        if not self.use_graphs or key in bucket.graphs:
             return
         started = time.perf_counter()
         scratch = self.pool_k.shape[1] - self._scratch
@@ -320,29 +347,30 @@ class DecodeEngine:
         with torch.cuda.stream(stream):
             for _ in range(2):  # compiles the Triton kernels and settles cuBLAS workspaces
                 bucket.positions.zero_()
-                self._step(bucket, temperature, sample_inside)
+                self._step(bucket, state)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         bucket.positions.zero_()
         try:
             # the buckets' graphs share the first one's memory pool (they never replay at the same time)
             with torch.cuda.graph(graph, pool=self._graph_pool):
-                self._step(bucket, temperature, sample_inside)
+                self._step(bucket, state)
         except RuntimeError as err:  # decode eagerly (slower, same tokens) rather than fail the rollout
             log.warning("decode engine: CUDA graph capture failed (%s); decoding batch %d eagerly", err, bucket.size)
             self._seed.copy_(seed)
-            bucket.graph, bucket.graph_key = None, key
+            bucket.graphs[key] = None
             self.graph_failures += 1
             self._graph_pool = None  # a failed capture may leave the shared pool unusable for the next bucket
             return
         if self._graph_pool is None:
             self._graph_pool = graph.pool()
         self._seed.copy_(seed)
-        bucket.graph, bucket.graph_key = graph, key
+        bucket.graphs[key] = graph
         torch.cuda.synchronize(self.device)
         seconds = time.perf_counter() - started
         self.capture_seconds += seconds
-        log.info("decode engine: captured the step for batch %d in %.2f s", bucket.size, seconds)
+        log.info("decode engine: captured the step for batch %d (%d attention splits) in %.2f s", bucket.size,
+                 state.splits, seconds)
 
     def _load_rows(self, bucket: _Bucket, tokens: torch.Tensor, positions: torch.Tensor, starts: torch.Tensor) -> None:
         n = tokens.shape[0]
@@ -432,9 +460,10 @@ class DecodeEngine:
         tokens, logprobs = self._sample_eager(logits, temperature, top_p, generator)
         bucket = self._bucket(len(prompts))
         state = DecodeState(rows=list(range(len(prompts))), bucket=bucket, temperature=temperature, top_p=top_p,
-                            generator=generator)
+                            generator=generator, max_len=max(len(p) for p in prompts) + max_new)
+        state.splits = self._splits(bucket.size, state.max_len)
         positions = torch.tensor([len(p) for p in prompts], dtype=torch.int32, device=self.device)
-        self._capture(bucket, temperature, state.samples_inside)
+        self._capture(bucket, state)
         self._load_rows(bucket, tokens, positions, torch.tensor(starts, dtype=torch.int32, device=self.device))
         return state, tokens, logprobs
 
@@ -458,11 +487,12 @@ class DecodeEngine:
         bucket, n, inside = state.bucket, len(state.rows), state.samples_inside
         tokens = torch.empty((n, k), dtype=torch.long, device=self.device)
         logprobs = torch.empty((n, k), dtype=torch.float32, device=self.device)
+        graph = bucket.graphs.get(state.graph_key)
         for t in range(k):
-            if bucket.graph is not None:
-                bucket.graph.replay()
+            if graph is not None:
+                graph.replay()
             else:
-                self._step(bucket, state.temperature, inside)
+                self._step(bucket, state)
             if not inside:
                 tok, lp = self._sample_eager(bucket.logits[:n], state.temperature, state.top_p, state.generator)
                 bucket.tokens[:n] = tok
@@ -486,7 +516,8 @@ class DecodeEngine:
         state.rows = [state.rows[i] for i in live]
         bucket = self._bucket(len(live))
         if bucket is not old:
-            self._capture(bucket, state.temperature, state.samples_inside)
+            state.splits = self._splits(bucket.size, state.max_len)
+            self._capture(bucket, state)
         self._load_rows(bucket, tokens, positions, starts)
         state.bucket = bucket
 
