@@ -187,7 +187,12 @@ KERNEL_CHECK = textwrap.dedent("""
             got = F.rope_attention(qkv, pos, starts, layout, (kc2, vc2), norm, splits)
             worst[f"rope_attention norm={norm is not None} splits={splits}"] = max(
                 (got - ref).abs().max().item(), (kc2 - kc1).abs().max().item(), (vc2 - vc1).abs().max().item())
-    assert not F._FAILED, F._FAILED  # the fused kernel ran, not the unfused fallback
+    # the gate/up product with SiLU(gate) * up in its epilogue, for one partial row block and two
+    for m in (3, 64, 100):
+        hm, w = torch.randn(m, 96), torch.randn(2 * 200, 96) * 0.2
+        want = F.gate_up_silu_reference(hm, w)
+        worst[f"gate_up_silu m={m} (relative)"] = ((F.gate_up_silu(hm, w) - want).abs().max() / want.abs().max()).item()
+    assert not F._FAILED, F._FAILED  # the fused kernels ran, not the unfused fallback
     lg = torch.randn(6, 5000)
     tok, lp = K.sample(lg, 0.0, torch.tensor([3]))
     assert torch.equal(tok, lg.argmax(-1))
@@ -315,7 +320,7 @@ ENGINE_UNDER_TRITON = textwrap.dedent("""
     sys.path.insert(0, {tests!r})
     from sleuth.llm import fused_kernels, kernels
     assert kernels.triton_enabled(__import__("torch").zeros(1))
-    calls = {{"rope_attention": 0}}
+    calls = {{"rope_attention": 0, "gate_up_silu": 0}}
     for name in calls:  # count the fused kernels' calls: the step must run the ones its switches ask for
         def counted(*args, _name=name, _fn=getattr(fused_kernels, name), **kwargs):
             calls[_name] += 1
@@ -326,20 +331,21 @@ ENGINE_UNDER_TRITON = textwrap.dedent("""
     t.test_a_next_turn_reuses_the_stored_prefix_and_still_decodes_like_transformers("qwen3")  # packed prefill
     assert not fused_kernels._FAILED, fused_kernels._FAILED
     assert (calls["rope_attention"] > 0) == fused_kernels.FUSED_DECODE, calls
+    assert (calls["gate_up_silu"] > 0) == fused_kernels.FUSED_MLP, calls
 """)
 
 
 @pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed (it is in the dev extra)")
 @pytest.mark.parametrize("switches", [{}, {"SLEUTH_FUSED_DECODE": "0"},
-                                      {"SLEUTH_ATTENTION_SPLITS": "4"}],
-                         ids=["fused-attention", "unfused", "fused-attention-4-splits"])
+                                      {"SLEUTH_FUSED_MLP": "1", "SLEUTH_ATTENTION_SPLITS": "4"}],
+                         ids=["fused-attention", "unfused", "fused-mlp-4-splits"])
 def test_the_engine_decodes_like_transformers_through_the_triton_kernels(switches: dict[str, str]) -> None:
     """The whole decode step with the Triton kernels (CPU interpreter) instead of the torch references: the
-    fused attention (default), the one-operation kernels (SLEUTH_FUSED_DECODE=0), and the fused attention split
-    four ways (the combine path)."""
+    fused attention (default), the one-operation kernels (SLEUTH_FUSED_DECODE=0), and the fused MLP with the
+    attention split four ways (the combine path)."""
     script = ENGINE_UNDER_TRITON.format(tests=str(Path(__file__).parent))
     env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1", "SLEUTH_FUSED_DECODE": "1",
-           "SLEUTH_ATTENTION_SPLITS": "0", **switches}
+           "SLEUTH_FUSED_MLP": "0", "SLEUTH_ATTENTION_SPLITS": "0", **switches}
     proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
 

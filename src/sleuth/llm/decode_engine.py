@@ -151,8 +151,9 @@ class DecodeEngine:
         self._pool_high_water = 0
         self.graph_failures = 0  # captures that failed: those batches decoded eagerly (slow), see the log
         self._seed = torch.zeros(1, dtype=torch.int64, device=self.device)
-        # the fused decode attention (fused_kernels.py; SLEUTH_FUSED_DECODE=0 turns it off): where Triton runs
+        # the fused decode kernels (fused_kernels.py; SLEUTH_FUSED_DECODE / SLEUTH_FUSED_MLP): where Triton runs
         self.fused_attention = fused_kernels.FUSED_DECODE
+        self.fused_mlp = fused_kernels.FUSED_MLP
         self._multiprocessors = (torch.cuda.get_device_properties(self.device).multi_processor_count
                                  if self.device.type == "cuda" else 132)
         self.capture_seconds = 0.0
@@ -277,9 +278,11 @@ class DecodeEngine:
                       splits: int = 1) -> torch.Tensor:
         """Logits (B, V) of one token per row; stores its key and value. Per layer: norm, qkv product,
         attention (rotary + store + attention fused into one kernel unless SLEUTH_FUSED_DECODE=0), output
-        product, norm, gate/up product, SiLU gate, down product."""
+        product, norm, gate/up product, SiLU gate (fused into the gate/up product with SLEUTH_FUSED_MLP=1),
+        down product."""
         b = tokens.shape[0]
         fused_attention = self.fused_attention and kernels.triton_enabled(tokens)
+        fused_mlp = self.fused_mlp and kernels.triton_enabled(tokens)
         if not fused_attention:
             slots = starts + positions
             lengths = positions + 1
@@ -296,7 +299,11 @@ class DecodeEngine:
                 q = kernels.rope_store(qkv, positions, slots, self.layout, self.pool_k[i], self.pool_v[i], norms)
                 a = kernels.decode_attention(q, self.pool_k[i], self.pool_v[i], starts, lengths, self.scale, splits)
             x, h = kernels.add_rmsnorm(x, F.linear(a.view(b, -1), layer.w_o), layer.ln2, self.eps)
-            delta = F.linear(kernels.silu_mul(F.linear(h, layer.w_gate_up)), layer.w_down)
+            if fused_mlp:
+                act = fused_kernels.gate_up_silu(h, layer.w_gate_up)
+            else:
+                act = kernels.silu_mul(F.linear(h, layer.w_gate_up))
+            delta = F.linear(act, layer.w_down)
         _, h = kernels.add_rmsnorm(x, delta, self.final_norm, self.eps)
         return F.linear(h, self.lm_head)
 

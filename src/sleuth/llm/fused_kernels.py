@@ -8,11 +8,15 @@ bench/results/rollout_0.5b_short_profile_h200x4_run2.json), so each launch saved
   could read them back), and with one split the program normalises and writes the output itself: no
   `rope_store` kernel, no combine kernel, no fp32 scratch. Several splits still write partials that
   `kernels`' combine kernel merges (long contexts at small batch need the extra programs).
+- `gate_up_silu`: the MLP's gate/up product for a decode-sized batch with SiLU(gate) * up in its epilogue,
+  so `silu_mul` and the (B, 2 x intermediate) intermediate disappear. Opt-in (SLEUTH_FUSED_MLP=1) until it
+  is timed against cuBLAS on a GPU.
 
 Switches, read once at import (bench/rollout.py records them in its JSON): SLEUTH_FUSED_DECODE=0 turns the
-fused attention off (the comparison row), SLEUTH_ATTENTION_SPLITS=N fixes the attention splits (default:
-`attention_splits` chooses). Each public function runs the torch references (the same ones `kernels.py` uses)
-where Triton does not run, and falls back to the unfused kernels if this machine's Triton rejects a fused kernel.
+fused attention off (the comparison row), SLEUTH_FUSED_MLP=1 turns the fused MLP on, SLEUTH_ATTENTION_SPLITS=N
+fixes the attention splits (default: `attention_splits` chooses). Each public function runs the torch references
+(the same ones `kernels.py` uses) where Triton does not run, and falls back to the unfused kernels if this
+machine's Triton rejects a fused kernel.
 """
 
 from __future__ import annotations
@@ -30,14 +34,16 @@ tl = kernels.tl
 log = logging.getLogger(__name__)
 
 FUSED_DECODE = os.environ.get("SLEUTH_FUSED_DECODE", "1") != "0"
+FUSED_MLP = os.environ.get("SLEUTH_FUSED_MLP", "0") == "1"
 ATTENTION_SPLITS = int(os.environ.get("SLEUTH_ATTENTION_SPLITS", "0"))  # 0: chosen per batch and length
 _FAILED: dict[str, Exception] = {}  # fused kernels this machine's Triton rejected (the unfused path serves)
 
 
 def settings() -> dict[str, object]:
     """The switches in force (bench/rollout.py records them with each row)."""
-    return {"fused_decode_attention": FUSED_DECODE, "attention_splits": ATTENTION_SPLITS or "auto",
-            "sample_chunk": kernels.SAMPLE_CHUNK, "failed": sorted(_FAILED)}
+    return {"fused_decode_attention": FUSED_DECODE, "fused_mlp": FUSED_MLP,
+            "attention_splits": ATTENTION_SPLITS or "auto", "sample_chunk": kernels.SAMPLE_CHUNK,
+            "failed": sorted(_FAILED)}
 
 
 def attention_splits(batch: int, kv_heads: int, max_len: int, multiprocessors: int = 132) -> int:
@@ -66,6 +72,11 @@ def rope_attention_reference(qkv: torch.Tensor, positions: torch.Tensor, starts:
                                      norms)
     return kernels.decode_attention_reference(q, k_cache, v_cache, starts, positions + 1,
                                               1.0 / math.sqrt(layout.head_dim))
+
+
+def gate_up_silu_reference(h: torch.Tensor, w_gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(h @ W_gate^T) * (h @ W_up^T), each product rounded to h's dtype as the unfused step rounds it."""
+    return kernels.silu_mul_reference(torch.nn.functional.linear(h, w_gate_up))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -164,6 +175,35 @@ if triton is not None:
             tl.store(lse_ptr + out_idx, tl.where(has, m_i + tl.log(tl.where(has, l_i, 1.0)), float("-inf")),
                      mask=gmask)
 
+    @triton.jit
+    def _gate_up_silu_kernel(h_ptr, w_ptr, out_ptr, M, N, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                             BLOCK_K: tl.constexpr):
+        # out[m, n] = silu(h[m] . w[n]) * (h[m] . w[N + n]): the gate and up rows of one column block share
+        # the activation tile, and the product never leaves the program
+        pid_n = tl.program_id(0)
+        pid_m = tl.program_id(1)
+        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        rk = tl.arange(0, BLOCK_K)
+        mmask = rm < M
+        nmask = rn < N
+        acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            kk = k0 + rk
+            kmask = kk < K
+            a = tl.load(h_ptr + rm[:, None] * K + kk[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
+            wmask = nmask[:, None] & kmask[None, :]
+            wg = tl.load(w_ptr + rn[:, None] * K + kk[None, :], mask=wmask, other=0.0)
+            wu = tl.load(w_ptr + (N + rn)[:, None] * K + kk[None, :], mask=wmask, other=0.0)
+            acc_g += tl.dot(a, tl.trans(wg))
+            acc_u += tl.dot(a, tl.trans(wu))
+        dtype = out_ptr.dtype.element_ty  # (not a loop variable: compiled Triton scopes those to the loop)
+        # as the unfused step rounds: gate and up to the model dtype (the GEMM's output), then _silu_mul_kernel
+        gate = acc_g.to(dtype).to(tl.float32)
+        act = (gate / (1.0 + tl.exp(-gate))).to(dtype)
+        out = (act.to(tl.float32) * acc_u.to(dtype).to(tl.float32)).to(dtype)
+        tl.store(out_ptr + rm[:, None] * N + rn[None, :], out, mask=mmask[:, None] & nmask[None, :])
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -208,4 +248,29 @@ def rope_attention(qkv: torch.Tensor, positions: torch.Tensor, starts: torch.Ten
         return rope_attention(qkv, positions, starts, layout, cache, norms, splits, out)
     if splits > 1:
         kernels._decode_attention_combine_kernel[(b * heads,)](acc, lse, res, D=d, SPLITS=splits)
+    return res
+
+
+def gate_up_silu(h: torch.Tensor, w_gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """silu(gate) * up of the fused gate/up projection of h (B, hidden): (B, intermediate); for the decode step's
+    small B (the whole batch is one or two row blocks). See `gate_up_silu_reference`."""
+    if not triton_enabled(h) or "gate_up_silu" in _FAILED:
+        if not triton_enabled(h):
+            res = gate_up_silu_reference(h, w_gate_up)
+            return out.copy_(res) if out is not None else res
+        return kernels.silu_mul(torch.nn.functional.linear(h, w_gate_up), out)
+    m, k = h.shape
+    n = w_gate_up.shape[0] // 2
+    res = out if out is not None else h.new_empty((m, n))
+    # 64 x 32 output tiles: 152 programs for a 4,864-wide MLP at batch 64, two resident per SM (3 stages of
+    # 64 + 2 x 32 rows of 128 columns: 96 KB of shared memory each), so one wave streams the weights
+    block_m = min(128, max(16, triton.next_power_of_2(m)))
+    block_n, block_k = 32, 128
+    try:
+        _gate_up_silu_kernel[(triton.cdiv(n, block_n), triton.cdiv(m, block_m))](
+            h, w_gate_up, res, m, n, k, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+            num_warps=8 if block_m > 64 else 4, num_stages=3)
+    except Exception as err:  # noqa: BLE001 - see rope_attention
+        _failed("gate_up_silu", err)
+        return gate_up_silu(h, w_gate_up, out)
     return res
