@@ -73,6 +73,13 @@ stage_cmd() {
               --out "$R/rollout_0.5b_short_every_token_stop_check.json" ;;  # the stop check before StopEndTokens
     s_short) SLEUTH_SAMPLE_CHUNK=0 python bench/rollout.py --model random:qwen2.5-0.5b --device cuda --batch 64 --turns 3 \
               --new-tokens 64 --modes engine --baseline-trajectories 0 --out "$R/rollout_0.5b_short_one_program_sampler.json" ;;
+    # f_short: the fused decode kernels A/B on one card, interleaved, one process per row (fused_kernels.py):
+    # unfused (SLEUTH_FUSED_DECODE=0), fused attention (auto splits: 1 here), fused attention at 4 splits, and
+    # with the SiLU gate in the gate/up product (SLEUTH_FUSED_MLP=1); each row's JSON records decode_kernels
+    f_short) for rep in 1 2; do for cfg in FUSED_DECODE=0 FUSED_DECODE=1 ATTENTION_SPLITS=4 FUSED_MLP=1; do
+              env "SLEUTH_$cfg" python bench/rollout.py --model random:qwen2.5-0.5b --device cuda --batch 64 --turns 3 \
+                --new-tokens 64 --modes engine --baseline-trajectories 0 \
+                --out "$R/rollout_0.5b_short_fused_${cfg}_run$rep.json" || return 1; done; done ;;
     # n_*: the same rows with every turn prefilled whole again (--no-prefix-reuse), the baseline on the same card
     n_short) python bench/rollout.py --model random:qwen2.5-0.5b --device cuda --batch 64 --turns 3 --new-tokens 64 \
               --modes engine --no-prefix-reuse --baseline-trajectories 0 --out "$R/rollout_0.5b_short_noreuse.json" ;;

@@ -105,6 +105,7 @@ def run_engine(mode: str, model: Any, tokenizer: Any, model_info: dict[str, Any]
         gen.eos_token_ids = frozenset()
     if cache == "engine":
         gen.engine.reuse_prefixes = not args.no_prefix_reuse
+        splits_before = dict(gen.engine.splits_used)
     ledger = DecodeLedger(model_info)
     counting = CountingGenerator(gen, device, ledger)
     loop = get_loop("search_r1", max_turns=args.turns, forced_final_answer=False)
@@ -144,11 +145,22 @@ def run_engine(mode: str, model: Any, tokenizer: Any, model_info: dict[str, Any]
                # prefilling them again (the engine's prefix reuse; --no-prefix-reuse turns it off)
                prefix_reuse=cache == "engine" and not args.no_prefix_reuse,
                reused_prompt_tokens=gen.engine.reused_tokens - reused_before if cache == "engine" else None,
+               # the decode step's kernels (SLEUTH_FUSED_DECODE, SLEUTH_FUSED_MLP, SLEUTH_ATTENTION_SPLITS,
+               # SLEUTH_SAMPLE_CHUNK) and the attention splits the timed rollout's decodes used
+               decode_kernels=_decode_kernels(gen.engine, splits_before) if cache == "engine" else None,
                turns_mean=sum(t.num_turns for t in trajs) / len(trajs),
                retrievals=sum(t.retrieval_count for t in trajs),
                finish_reasons=_counts(r for t in trajs for r in t.generation_finish_reasons))
     del gen, counting, ledger
     return row
+
+
+def _decode_kernels(engine: Any, splits_before: dict[int, int]) -> dict[str, Any]:
+    from sleuth.llm import fused_kernels
+
+    used = {str(k): n - splits_before.get(k, 0) for k, n in sorted(engine.splits_used.items())}
+    return fused_kernels.settings() | {"attention_splits_used": {k: n for k, n in used.items() if n},
+                                       "triton": fused_kernels.triton_enabled(engine.embed)}  # else the references
 
 
 def _profiler(device: str) -> Any:

@@ -156,6 +156,7 @@ class DecodeEngine:
         self.fused_mlp = fused_kernels.FUSED_MLP
         self._multiprocessors = (torch.cuda.get_device_properties(self.device).multi_processor_count
                                  if self.device.type == "cuda" else 132)
+        self.splits_used: dict[int, int] = {}  # attention splits -> decodes (and batch changes) that chose them
         self.capture_seconds = 0.0
         self.weight_bytes = sum(t.numel() * t.element_size() for t in self._tensors())
 
@@ -311,10 +312,13 @@ class DecodeEngine:
         """Attention splits for a decode of `batch` rows of at most `max_len` keys (fixed while it runs: the
         captured step's grid cannot change)."""
         if self.device.type != "cuda":
-            return fused_kernels.ATTENTION_SPLITS or 1
-        if self.fused_attention:
-            return fused_kernels.attention_splits(batch, self.kv_heads, max_len, self._multiprocessors)
-        return kernels.attention_splits(batch, self.kv_heads)
+            splits = fused_kernels.ATTENTION_SPLITS or 1
+        elif self.fused_attention:
+            splits = fused_kernels.attention_splits(batch, self.kv_heads, max_len, self._multiprocessors)
+        else:
+            splits = kernels.attention_splits(batch, self.kv_heads)
+        self.splits_used[splits] = self.splits_used.get(splits, 0) + 1
+        return splits
 
     def _step(self, bucket: _Bucket, state: DecodeState) -> None:
         logits = self._forward_step(bucket.tokens, bucket.positions, bucket.starts, state.splits)
