@@ -536,3 +536,66 @@ def test_without_prefix_reuse_every_prompt_is_prefilled_whole_and_nothing_is_sto
         outputs.append(_greedy_rows(engine, turn2, 4)[0])
         assert engine.reused_tokens == (sum(len(p) + 4 - 1 for p in prompts) if reuse else 0)
     assert outputs[0] == outputs[1]
+
+
+def _decode_engine_before_overlap(self, rows, params, seed) -> None:
+    """HFGenerator._decode_engine as it was before the first chunk overlapped the first tokens' readback: the
+    reference for the schedule of chunks and batch changes (the seeded noise of a row follows its batch slot)."""
+    engine, max_new = self.engine, params.max_new_tokens
+    state, tokens, logprobs = engine.start([r.prompt_ids for r in rows], max_new, temperature=params.temperature,
+                                           top_p=params.top_p, seed=seed)
+    self._accept_tokens(rows, [[t] for t in tokens.tolist()], [[lp] for lp in logprobs.tolist()], max_new)
+    pending, remaining = None, max_new - 1
+    while remaining > 0 and any(r.finish_reason is None for r in rows):
+        k = min(self.sync_every, remaining)
+        chunk = (list(state.rows), self._to_host(*engine.steps(state, k)))
+        remaining -= k
+        if pending is not None:
+            self._accept_chunk([rows[i] for i in pending[0]], pending[1], max_new)
+            live = [j for j, i in enumerate(state.rows) if rows[i].finish_reason is None]
+            if not live:
+                return
+            if len(live) <= state.bucket.size // 2:
+                engine.keep(state, live)
+        pending = chunk
+    if pending is not None:
+        self._accept_chunk([rows[i] for i in pending[0]], pending[1], max_new)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_launching_the_first_chunk_before_reading_the_first_tokens_changes_no_token(tmp_path: Path, monkeypatch,
+                                                                                   temperature: float) -> None:
+    """The engine loop queues the first decode chunk before it reads the first tokens back: greedy and seeded
+    sampling return the same tokens, log-probs, stops and finish reasons as the loop before it, with rows
+    stopping at different chunks and the batch shrinking (a smaller bucket: other noise slots) on the way."""
+    from sleuth.llm.base import SamplingParams
+    from sleuth.llm.decode_engine import DecodeEngine as Engine
+    from sleuth.llm.hf import HFGenerator
+    from sleuth.llm.tiny import build_tiny_model
+
+    path = build_tiny_model(tmp_path / "tiny")
+    prompts = ["the capital of", "a search for the", "x", "answer: the river", "where", "one two", "a", "b c"]
+    params = SamplingParams(max_new_tokens=24, temperature=temperature, seed=11)
+    # greedy repeats one token per row: five rows stop at their first token, the others after 7, 11 and 18
+    stops = [" of", "a", "e", " c c c c c c c", "xxxxxxxxxxx", "oooooooooooooooooo"]
+    keeps: list[list[tuple[int, int]]] = []
+    real_keep = Engine.keep
+
+    def keep(self, state, live):  # when (in steps: the seed advances once a step) and to how many rows
+        keeps[-1].append((len(live), int(self._seed.item())))
+        return real_keep(self, state, live)
+
+    monkeypatch.setattr(Engine, "keep", keep)
+    runs = []
+    for loop in (None, _decode_engine_before_overlap):
+        keeps.append([])
+        gen = HFGenerator(path, device="cpu", cache="engine", sync_every=2, max_batch_size=8)
+        if loop is not None:
+            monkeypatch.setattr(gen, "_decode_engine", loop.__get__(gen))
+        runs.append(gen.generate(prompts, stops, params))
+    new, old = runs
+    assert keeps[0] == keeps[1] and keeps[0], keeps  # the batch shrank, at the same steps
+    assert len({len(g.token_ids) for g in old}) > 2  # rows left at different chunks
+    for a, b in zip(old, new, strict=True):
+        assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason and a.stop == b.stop
+        assert a.logprobs == b.logprobs

@@ -449,30 +449,31 @@ class HFGenerator:
 
     def _decode_engine(self, rows: list[_Row], params: SamplingParams, seed: int | None) -> None:
         """Decode with the engine: chunks of `sync_every` steps run on the device while the host checks the
-        previous chunk's stops; rows that finished leave the batch once they are half of it."""
+        previous chunk's stops (the first chunk too, when the device samples: no host random state to keep);
+        rows that finished leave the batch once they are half of it, at the same chunks either way."""
         engine, max_new = self.engine, params.max_new_tokens
         started = time.perf_counter()
         state, tokens, logprobs = engine.start([r.prompt_ids for r in rows], max_new, temperature=params.temperature,
                                                top_p=params.top_p, seed=seed)
-        first, first_lp = tokens.tolist(), logprobs.tolist()
-        self.prefill_seconds += time.perf_counter() - started
-        self._accept_tokens(rows, [[t] for t in first], [[lp] for lp in first_lp], max_new)
-        pending: tuple[list[int], tuple[torch.Tensor, torch.Tensor, Any]] | None = None
+        pending = first = (list(state.rows), self._to_host(tokens[:, None], logprobs[:, None]))
+        if not state.samples_inside:  # the host samples: launch nothing before the first stop check
+            self._accept_chunk(rows, pending[1], max_new)
+            pending, self.prefill_seconds = None, self.prefill_seconds + time.perf_counter() - started
         remaining = max_new - 1
-        while remaining > 0 and any(r.finish_reason is None for r in rows):
+        while pending is not None or (remaining > 0 and any(r.finish_reason is None for r in rows)):
             k = min(self.sync_every, remaining)
-            chunk = (list(state.rows), self._to_host(*engine.steps(state, k)))
+            chunk = (list(state.rows), self._to_host(*engine.steps(state, k))) if k > 0 else None
             remaining -= k
             if pending is not None:
                 self._accept_chunk([rows[i] for i in pending[0]], pending[1], max_new)
                 live = [j for j, i in enumerate(state.rows) if rows[i].finish_reason is None]
+                if pending is first:  # first tokens on the host (the first chunk queued behind them), no keep
+                    self.prefill_seconds += time.perf_counter() - started
+                elif chunk is not None and live and len(live) <= state.bucket.size // 2:
+                    engine.keep(state, live)  # (rows' seeded noise follows their batch slot: keep where it was)
                 if not live:
                     return  # the chunk in flight is dropped
-                if len(live) <= state.bucket.size // 2:
-                    engine.keep(state, live)
             pending = chunk
-        if pending is not None:
-            self._accept_chunk([rows[i] for i in pending[0]], pending[1], max_new)
 
     def _static_cache(self, batch: int, length: int) -> Any:
         # deferred: transformers takes seconds to import; needed only once a model loads
