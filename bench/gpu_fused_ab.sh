@@ -26,15 +26,15 @@ PY
 }
 for rep in ${REPS:-1 2}; do
   for cfg in FUSED_DECODE=0 FUSED_DECODE=1 ATTENTION_SPLITS=4 FUSED_MLP=1; do
-    f="$OUT/rollout_0.5b_short_fused_${cfg}_run$rep.json"
+    f="$OUT/rollout_0.5b_short_fused_${cfg/=/_}_run$rep.json"
     env "SLEUTH_$cfg" timeout 150 python3 bench/rollout.py --model random:qwen2.5-0.5b --device cuda --batch 64 --turns 3 \
-      --new-tokens 64 --modes engine --baseline-trajectories 0 --out "$f" > "$OUT/log_short_${cfg}_run$rep.txt" 2>&1
+      --new-tokens 64 --modes engine --baseline-trajectories 0 --out "$f" > "$OUT/log_short_${cfg/=/_}_run$rep.txt" 2>&1
     row "$f"
   done
 done
 for cfg in ${PAPER_CFGS:-FUSED_DECODE=0 FUSED_DECODE=1}; do
-  f="$OUT/rollout_3b_paper_fused_${cfg}.json"
+  f="$OUT/rollout_3b_paper_fused_${cfg/=/_}.json"
   env "SLEUTH_$cfg" timeout 200 python3 bench/rollout.py --model random:qwen2.5-3b --device cuda --batch 64 --turns 4 \
-    --new-tokens 500 --max-obs-tokens 500 --modes engine --baseline-trajectories 0 --out "$f" > "$OUT/log_3b_${cfg}.txt" 2>&1
+    --new-tokens 500 --max-obs-tokens 500 --modes engine --baseline-trajectories 0 --out "$f" > "$OUT/log_3b_${cfg/=/_}.txt" 2>&1
   row "$f"
 done
