@@ -60,6 +60,9 @@ DENSE_SERVE=${DENSE_SERVE:---server-workers $(( CORES / 2 > 0 ? CORES / 2 : 1 ))
 # scores rank true top-5 passages below the 64th candidate; at 32k passages depth 64 gave 0.98 and 8 gave 0.83,
 # so 21M needs several times 64. The in-process sweep measures 64 / 256 / 512 beside the served depth.
 RERANK=${RERANK:-256}
+# NPROBE: the served lists probed a query (the fast-scan run of 2026-11-27 lost ~2 points of recall@5 at 32 against
+# 128; 64 halves that at a small cost with fast-scan codes). The sweep covers 16-128 beside it.
+NPROBE=${NPROBE:-64}
 # --batch-clients defaults to the server's workers (every worker busy: the saturated batched q/s).
 MEASURE=${MEASURE:---batch-requests 40 --latency-seconds 20 --drop-cache}
 mkdir -p "$WORK/logs" "$WORK/stages" .gpustore
@@ -177,8 +180,10 @@ case "${1:-}" in
     run_stage encode --dense-size "$DENSE_SIZE" --devices "$ENCODE_DEVICES" \
       $( [ -n "${ENCODE_PROCS_PER_GPU:-}" ] && echo --procs-per-gpu "$ENCODE_PROCS_PER_GPU" ) || exit 1
     # faiss trains and fills with OpenMP threads: all cores for the build.
-    # PQ_M x PQ_NBITS: the codes (default 96 x 4 bits = 48 bytes a vector in faiss's fast-scan layout: the 8-bit
-    # m 48 codes of the 2026-11-27 run scanned ~6x slower per query at the same bytes; PQ_NBITS=8 PQ_M=48 for those).
+    # PQ_M x PQ_NBITS: the codes. Default 192 x 4 bits = 96 bytes a vector in faiss's fast-scan layout: on a 32k cut
+    # with the real MiniLM they rank like m 96 x 8 bits (recall@5 0.99 at depth 16; m 96 x 4 bits, the 2026-11-27
+    # rerun's, 0.88) and scan several times faster; fast-scan lists live in the heap, which pre-forked server
+    # workers share. PQ_NBITS=8 PQ_M=48 gives the first run's memory-mapped 48-byte codes.
     # NLIST / TRAIN_SAMPLE (default: a power of 2 near 4 sqrt(N), 16384 at 21M; 64 x NLIST): training and adding
     # cost grows with NLIST (bench/ivfpq_build_cost.py; docs/retrieval_scale.md has the 21M estimate).
     [ -n "${ENCODE_CPUS:-}" ] && taskset -p -c "0-$(( CORES - 1 ))" $$ > /dev/null  # back to the daemon's cores
@@ -188,9 +193,10 @@ case "${1:-}" in
       --ivf-device "${IVF_DEVICE:-auto}" \
       --shards "${DENSE_SHARDS:-4}" $( [ -n "${NLIST:-}" ] && echo --nlist "$NLIST" ) \
       $( [ -n "${TRAIN_SAMPLE:-}" ] && echo --train-sample "$TRAIN_SAMPLE" ) \
-      --pq-m "${PQ_M:-96}" --pq-nbits "${PQ_NBITS:-4}" || exit 1
+      --pq-m "${PQ_M:-192}" --pq-nbits "${PQ_NBITS:-4}" || exit 1
     # shellcheck disable=SC2086
-    run_stage dense-serve --dense-size "$DENSE_SIZE" --serve-rerank "$RERANK" --sweep-rerank 64 256 512 $DENSE_SERVE \
+    run_stage dense-serve --dense-size "$DENSE_SIZE" --serve-rerank "$RERANK" --serve-nprobe "$NPROBE" \
+      --sweep-rerank 64 256 512 $DENSE_SERVE \
       $MEASURE
     "$PY" bench/retrieval_scale.py report --work "$WORK" --out "$WORK/retrieval_scale_21m.json" >"$WORK/logs/report.log" 2>&1
     echo "[$(date +%T)] daemon: finished"; touch "$WORK/daemon.finished" ;;
