@@ -63,6 +63,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--timeout", type=int, default=1500, help="seconds allowed per configuration")
     p.add_argument("--work", default=None, help="work folder kept between runs (resume); default a temp folder")
     p.add_argument("--out", default=None)
+    p.add_argument("--retriever-url", default=None,
+                   help="search a running /retrieve server (e.g. a 21M index's `sleuth serve-retriever`) instead of "
+                        "the bench world's BM25 index; rows then report the rollouts' retrieval share at that size")
+    p.add_argument("--train", default=None,
+                   help="questions file (jsonl) for the prompts and scripted queries, e.g. the served index's world")
     args = p.parse_args(argv)
     _common.require_positive(args, "prompts", "n", "turns", "new_tokens", "steps", "micro")
     if args.prompts_per_gpu is not None:
@@ -85,6 +90,10 @@ def recipe_for(args: argparse.Namespace, shared: dict[str, Any], out_dir: Path, 
     recipe["agent"]["loop"] = "search_r1_rehearsal"
     recipe["plugins"] = ["sleuth_rehearsal"]
     recipe["model"]["gradient_checkpointing"] = args.gradient_checkpointing
+    if args.retriever_url:
+        recipe["retriever"] = {"url": args.retriever_url}
+    if args.train:
+        recipe["data"]["train"] = str(Path(args.train).resolve())
     if args.lora:
         recipe["model"]["lora"] = {"enabled": True, "r": 64, "alpha": 128, "dropout": 0.0,
                                    "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
@@ -106,6 +115,8 @@ def summarise(args: argparse.Namespace, lines: list[dict[str, Any]], gpus: int) 
         "measured_steps": len(measured),
         "step_s": step_s, "rollout_s": mean("time/rollout"), "reward_s": mean("time/reward"),
         "update_s": mean("time/update"),
+        # time/retrieval: the rollout's seconds inside its retriever (part of rollout_s)
+        "retrieval_s": mean("time/retrieval"), "retrieval_queries_per_step": mean("retrieval/queries"),
         "trajectories_per_step": trajs,
         "trajectories_per_s": trajs / step_s if step_s else None,
         "trajectories_per_s_per_gpu": trajs / step_s / gpus if step_s else None,
@@ -119,6 +130,8 @@ def summarise(args: argparse.Namespace, lines: list[dict[str, Any]], gpus: int) 
         # batches decoded eagerly after a failed graph capture (0 when every decode step ran as a CUDA graph)
         "decode_graph_failures": max((m.get("decode/graph_failures", 0) for m in lines), default=0),
     }
+    if row["retrieval_s"] is not None and row["rollout_s"]:
+        row["retrieval_share_of_rollout"] = row["retrieval_s"] / row["rollout_s"]
     if step_s:
         row["projected_hours_1000_steps_512_prompts"] = (PAPER_STEPS * PAPER_PROMPTS * PAPER_N / (trajs / step_s)) / 3600
         row["projected_gpu_hours"] = row["projected_hours_1000_steps_512_prompts"] * gpus
@@ -192,7 +205,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                   "note": "random weights: every turn runs its full budget and ends in a scripted search"}
         _common.write_json(out, result)
     columns = [("config", "config"), ("status", "status"), ("step_s", "step s"), ("rollout_s", "rollout s"),
-               ("reward_s", "reward s"), ("update_s", "update s"), ("trajectories_per_s", "traj/s"),
+               ("reward_s", "reward s"), ("update_s", "update s"), ("retrieval_s", "retrieval s"), ("trajectories_per_s", "traj/s"),
                ("policy_tokens_per_s_per_gpu", "tok/s/GPU"), ("peak_allocated_gib_per_gpu", "peak GiB/GPU"),
                ("compile_s_total", "capture s"), ("speedup_vs_fewest_gpus", "x vs fewest"),
                ("projected_hours_1000_steps_512_prompts", "h per 1000x512")]

@@ -116,6 +116,35 @@ status() {
   free -g | head -2; df -h "$WORK" | tail -1; uptime
 }
 
+rollout_share() {  # a paper-scale RL step's retrieval share against the served 21M index (SHARE=0 skips it)
+  # bench/paper_scale.py: random-weight Qwen2.5-3B shape with LoRA on GPU 0, Search-R1's geometry, every turn ending
+  # in a scripted search whose query is the 21M world's question; `time/retrieval` / `time/rollout` per step.
+  local out="$WORK/paper_scale_21m_share.json" port=18411 srv cpus
+  [ -f "$out" ] && { echo "[$(date +%T)] rollout-share: done before, skipped"; return 0; }
+  # SHARE_ARGS: the policy (default the 3B shape, LoRA, the carried Qwen tokenizer); a CPU rehearsal of this stage:
+  # SHARE_ARGS="--model tiny --device cpu --n 2 --turns 2 --new-tokens 8 --max-obs-tokens 32" SHARE_PROMPTS=2
+  local policy=${SHARE_ARGS:---model random:qwen2.5-3b --tokenizer .models/qwen3-tokenizer --lora}
+  if [ "${SHARE:-1}" != 1 ] || { [ -z "${SHARE_ARGS:-}" ] && { ! nvidia-smi -L > /dev/null 2>&1 \
+       || [ ! -d .models/qwen3-tokenizer ]; }; }; then
+    echo "[$(date +%T)] rollout-share: skipped (SHARE=0, no GPU or no .models/qwen3-tokenizer carried)"; return 0
+  fi
+  echo "[$(date +%T)] rollout-share: start"
+  "$PY" -m sleuth.cli serve-retriever --index "$WORK/ivf" --port $port --workers $(( CORES / 2 > 0 ? CORES / 2 : 1 )) \
+    --threads 2 --rerank "$RERANK" --nprobe "$NPROBE" > "$WORK/logs/share-server.log" 2>&1 &
+  srv=$!
+  for _ in $(seq 120); do curl -sf "http://127.0.0.1:$port/health" > /dev/null && break; sleep 3; done
+  # the trainer on the next CORES cores where the machine has them (the server keeps the daemon's)
+  cpus=$(( $("$PY" -c "import os; print(os.cpu_count())") >= 2 * CORES ? 1 : 0 ))
+  if [ "$cpus" = 1 ]; then cpus="taskset -c $CORES-$(( 2 * CORES - 1 ))"; else cpus=""; fi
+  # shellcheck disable=SC2086
+  $cpus "$PY" bench/paper_scale.py $policy --gpus 1 \
+    --prompts "${SHARE_PROMPTS:-32}" --steps 2 --warmup-steps 1 --retriever-url "http://127.0.0.1:$port/retrieve" \
+    --train "$WORK/world/train.jsonl" --work "$WORK/share" --out "$out.tmp" > "$WORK/logs/rollout-share.log" 2>&1 \
+    && mv "$out.tmp" "$out" && echo "[$(date +%T)] rollout-share: done" \
+    || echo "[$(date +%T)] rollout-share: FAILED, see logs/rollout-share.log"
+  kill "$srv" 2>/dev/null; wait "$srv" 2>/dev/null
+}
+
 case "${1:-}" in
   start)
     { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || echo "no GPU"; } | tee "$WORK/card.txt"
@@ -198,6 +227,7 @@ case "${1:-}" in
     run_stage dense-serve --dense-size "$DENSE_SIZE" --serve-rerank "$RERANK" --serve-nprobe "$NPROBE" \
       --sweep-rerank 64 256 512 $DENSE_SERVE \
       $MEASURE
+    rollout_share
     "$PY" bench/retrieval_scale.py report --work "$WORK" --out "$WORK/retrieval_scale_21m.json" >"$WORK/logs/report.log" 2>&1
     echo "[$(date +%T)] daemon: finished"; touch "$WORK/daemon.finished" ;;
   wait)
@@ -211,10 +241,11 @@ case "${1:-}" in
     "$PY" bench/retrieval_scale.py report --work "$WORK" --out "$WORK/retrieval_scale_21m.json" >"$WORK/logs/report.log" 2>&1
     dest=${OUT:-/tmp/out}; mkdir -p "$dest"
     cp "$WORK/retrieval_scale_21m.json" "$dest/" 2>/dev/null
+    cp "$WORK/paper_scale_21m_share.json" "$dest/" 2>/dev/null
     { echo "== daemon.log"; cat "$WORK/daemon.log"; echo "== card"; cat "$WORK/card.txt"; echo "== status"; status; } \
       >"$dest/daemon.log" 2>&1
     # One file for every stage's log (tails: progress bars can be long), one per server log.
-    for s in synth dense-corpus docstore-build bm25-build bm25-serve encode ivfpq-build dense-serve report; do
+    for s in synth dense-corpus docstore-build bm25-build bm25-serve encode ivfpq-build dense-serve rollout-share report; do
       [ -f "$WORK/logs/$s.log" ] && { echo "== $s"; tail -c 20000 "$WORK/logs/$s.log"; }
     done >"$dest/stages.log" 2>&1
     for s in bm25 dense; do [ -f "$WORK/$s-server.log" ] && tail -c 50000 "$WORK/$s-server.log" >"$dest/$s-server.log"; done

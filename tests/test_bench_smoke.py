@@ -240,6 +240,10 @@ def test_paper_scale_rehearsal_tiny(tmp_path: Path) -> None:
     assert row["status"] == "ok", row.get("log_tail")
     assert row["retrievals_per_trajectory"] == 2.0  # one scripted search per turn
     assert row["update_s"] > 0 and row["rollout_s"] > 0
+    # the rollout's searches: 2 prompts x 2 samples share a question, so 2 distinct queries a turn, 2 turns
+    assert row["retrieval_queries_per_step"] == 4.0
+    assert 0 < row["retrieval_s"] < row["rollout_s"]
+    assert row["retrieval_share_of_rollout"] == pytest.approx(row["retrieval_s"] / row["rollout_s"])
     assert row["projected_hours_1000_steps_512_prompts"] == pytest.approx(
         1000 * 512 * 5 / row["trajectories_per_s"] / 3600)
     paper.main(argv)  # measured before: kept, not rerun

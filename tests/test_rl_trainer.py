@@ -393,3 +393,38 @@ def test_a_lora_adapter_from_another_machine_names_the_base_loaded_here(tmp_path
         model.save_pretrained(tmp_path / "again")
     assert not [w for w in caught if "Could not find a config file" in str(w.message)]
     assert json.loads((tmp_path / "again" / "adapter_config.json").read_text())["base_model_name_or_path"] == str(base_path)
+
+
+def test_steps_report_the_rollouts_retrieval_time(small_world: Path, tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 24: `time/retrieval` is the seconds the step's rollout spent in its retriever (part of
+    `time/rollout`) and `retrieval/queries` the queries it asked, whatever the retriever is: here one that
+    takes 50 ms a call, under a loop that searches every turn (the paper-scale rehearsal's)."""
+    import sleuth.rl.run as run_module
+    from sleuth.rl.trainer import train
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))  # the rehearsal loop's plugin
+    calls: list[int] = []
+    build = run_module.build_retriever
+
+    class SlowRetriever:
+        def __init__(self, inner):
+            self.inner = inner
+
+        def search(self, queries: list[str], k: int):
+            time.sleep(0.05)
+            calls.append(len(queries))
+            return self.inner.search(queries, k)
+
+    monkeypatch.setattr(run_module, "build_retriever", lambda recipe: SlowRetriever(build(recipe)))
+    algorithm = {"name": "grpo", "n": 2, "prompts_per_step": 2, "minibatch_size": 4, "micro_batch_size": 4}
+    recipe = _recipe(small_world, tmp_path / "run", algorithm, steps=2,
+                     plugins=["sleuth_test_rewards", "sleuth_rehearsal"],
+                     agent={"loop": "search_r1_rehearsal", "max_turns": 2, "max_new_tokens_per_turn": 8,
+                            "max_response_tokens": 96, "max_obs_tokens": 32})
+    train(recipe_from_dict(recipe))
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 2 and calls
+    assert sum(r["retrieval/queries"] for r in rows) == sum(calls)
+    assert sum(r["time/retrieval"] for r in rows) >= 0.05 * len(calls)
+    assert all(0 < r["time/retrieval"] <= r["time/rollout"] for r in rows)

@@ -16,7 +16,7 @@ from sleuth.data.formats import QAExample
 from sleuth.errors import ConfigError
 from sleuth.llm.base import Generator, SamplingParams
 from sleuth.llm.hf import HFGenerator
-from sleuth.retrieval.base import Retriever
+from sleuth.retrieval.timed import TimedRetriever
 from sleuth.rewards.base import Reward, RewardServices, get_reward
 from sleuth.rl.checkpoint import (
     TrainingStates,
@@ -72,7 +72,7 @@ class Run:
     schedulers: dict[str, Any]
     rollout_model: nn.Module | None  # a bf16 copy synced after each update, or None: the policy decodes
     generator: Generator
-    retriever: Retriever
+    retriever: TimedRetriever
     loop: AgentLoop
     reward_fn: Reward
     services: RewardServices
@@ -197,7 +197,7 @@ def setup(recipe: Recipe, ctx: DistContext, console: Any, resume: bool) -> Run:
     if ctx.enabled:  # ranks sample different trajectories
         seed_everything(recipe.seed * 1_000_003 + start_step * 1_009 + ctx.rank)
     rollout_model, generator = _rollout_generator(recipe, ctx, models, console)
-    retriever = build_retriever(recipe)
+    retriever = TimedRetriever(build_retriever(recipe))  # time/retrieval: its share of the rollout
     loop = build_loop(recipe)
     examples = load_examples(recipe)
     cursor = DataCursor(recipe.seed, len(examples), recipe.data.shuffle, **point.trainer_state.get("cursor", {}))
