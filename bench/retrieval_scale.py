@@ -74,31 +74,37 @@ def _proc_kib(pid: int, key: str) -> int:
     return 0
 
 
-def _pss_kib(pid: int) -> int:
+def _pss_kib(pid: int, key: str = "Pss") -> int:
     with contextlib.suppress(OSError):
         for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
-            if line.startswith("Pss:"):
+            if line.startswith(key + ":"):
                 return int(line.split()[1])
     return 0
 
 
 def tree_memory(pid: int, pss: bool = False) -> dict[str, int]:
     """RSS and anonymous RSS (bytes) summed over a process and its descendants; with `pss`, also their
-    proportional set size. Summed RSS counts a page every worker maps (the memory-mapped index, docstore
-    and vectors of a multi-worker server) once per worker; PSS splits each shared page among the processes
-    that map it, so its sum is the memory the service occupies (slower to read: sampled only on demand)."""
+    proportional set size, its anonymous part (`pss_anon`) and the number of processes (`processes`).
+    Summed RSS counts a page every worker maps (the memory-mapped index, docstore and vectors of a
+    multi-worker server) once per worker, and so does summed anonymous RSS for the pages pre-forked
+    workers share copy-on-write with their supervisor (the index read into the heap, torch, the encoder):
+    the tree is the supervisor plus its forked workers, and each of them reports those pages as its own.
+    PSS splits each shared page among the processes that map it, so its sum is the memory the service
+    occupies, and `pss_anon` the anonymous memory (slower to read: sampled only on demand)."""
     import psutil
 
     try:
         procs = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
     except psutil.NoSuchProcess:
-        return {"rss": 0, "anon": 0, **({"pss": 0} if pss else {})}
+        return {"rss": 0, "anon": 0, **({"pss": 0, "pss_anon": 0, "processes": 0} if pss else {})}
     memory = {
         "rss": sum(_proc_kib(p.pid, "VmRSS") for p in procs) * 1024,
         "anon": sum(_proc_kib(p.pid, "RssAnon") for p in procs) * 1024,
     }
     if pss:
         memory["pss"] = sum(_pss_kib(p.pid) for p in procs) * 1024
+        memory["pss_anon"] = sum(_pss_kib(p.pid, "Pss_Anon") for p in procs) * 1024
+        memory["processes"] = len(procs)
     return memory
 
 
@@ -368,6 +374,10 @@ def serve_and_measure(
         "rss_after_start_bytes": memory_started["rss"], "anon_after_start_bytes": memory_started["anon"],
         "rss_after_load_bytes": memory_loaded["rss"], "anon_after_load_bytes": memory_loaded["anon"],
         "pss_after_start_bytes": memory_started["pss"], "pss_after_load_bytes": memory_loaded["pss"],
+        # anon_*: summed anonymous RSS, which counts pages pre-forked workers share once per process;
+        # pss_anon_*: the same memory with each shared page split among its processes (counted once)
+        "pss_anon_after_start_bytes": memory_started["pss_anon"], "pss_anon_after_load_bytes": memory_loaded["pss_anon"],
+        "server_processes": memory_loaded["processes"],  # supervisor + workers (pre-fork), or uvicorn's
         "qps_batch256_one_client": round(one_client, 1),
         f"qps_batch256_{args.batch_clients}_clients": round(many_clients, 1),
         "batch_clients": args.batch_clients,
@@ -686,6 +696,7 @@ def print_table(result: dict[str, Any]) -> None:
                     f"{x['latency_p99_ms']} ms, RSS {_gb(x['rss_after_load_bytes'])} (anon "
                     f"{_gb(x['anon_after_load_bytes'])}"
                     + (f", PSS {_gb(x['pss_after_load_bytes'])}" if "pss_after_load_bytes" in x else "")
+                    + (f", anon PSS {_gb(x['pss_anon_after_load_bytes'])}" if "pss_anon_after_load_bytes" in x else "")
                     + f"), gold R@5 {x['gold_recall_at_5_single_hop']}")
             if "recall_at_5_vs_exact" in x:
                 text += f", R@5 vs exact {x['recall_at_5_vs_exact']}"

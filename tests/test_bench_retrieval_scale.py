@@ -185,6 +185,8 @@ def test_pss_counts_a_page_shared_by_two_processes_once(tmp_path: Path) -> None:
     assert memory["rss"] >= 64 * mib  # both processes' 32 MiB of mapped pages
     # PSS: the 32 MiB once, plus both interpreters' own memory (well under 32 MiB more than one copy)
     assert 32 * mib <= memory["pss"] <= memory["rss"] - 24 * mib
+    # the mapped file is not anonymous memory; the two interpreters' heaps are
+    assert memory["processes"] == 2 and 0 < memory["pss_anon"] <= memory["pss"] - 32 * mib
 
 
 def test_tie_aware_recall_counts_a_passage_tied_with_the_exact_fifth() -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import ipaddress
 import json
 import os
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -71,24 +72,38 @@ def check_search_options(manifest: dict[str, Any], search: dict[str, int]) -> No
                           f"--keep-vectors`); this one is {kind!r}{' and kept none' if kind == 'dense' else ''}")
 
 
-def build_serving_app(options: dict[str, Any]):
-    """Load the index named in `options` and wrap it in the `/retrieve` app (one per worker process).
+def load_serving_retriever(options: dict[str, Any]) -> Any:
+    """Load the retriever `options` name (checking the search options first) without searching it:
+    the pre-fork supervisor calls this before forking, when no thread pool may have run."""
+    from sleuth.retrieval import load_retriever
+    from sleuth.retrieval.index import read_manifest
+
+    index = Path(options["index"])
+    search = options.get("search") or {}
+    if search:
+        check_search_options(read_manifest(index), search)
+    return load_retriever(index, corpus=options.get("corpus"), threads=options.get("threads", 1), **search)
+
+
+def set_search_threads(threads: int) -> None:
+    """torch's and faiss's thread counts for this process (a pre-forked worker sets its own after the fork)."""
+    if "torch" in sys.modules:  # a BM25 server never imports torch: do not pay for it here
+        sys.modules["torch"].set_num_threads(max(1, threads))
+    if "faiss" in sys.modules:
+        sys.modules["faiss"].omp_set_num_threads(max(1, threads))
+
+
+def serving_app(retriever: Any, options: dict[str, Any]) -> ASGIApp:
+    """Wrap a loaded retriever in the `/retrieve` app and run one warm-up search (in the serving process).
 
     Every response carries the serving process id in `X-Sleuth-Worker-Pid`, so a client or a test
     can see which worker answered.
     """
     from sleuth.http_errors import BodyBudget
-    from sleuth.retrieval import load_retriever
-    from sleuth.retrieval.index import read_manifest
     from sleuth.retrieval.server import create_app
 
-    index = Path(options["index"])
     budget_bytes = options.get("body_budget_bytes")
     budget = BodyBudget(budget_bytes, BODY_BUDGET_WAIT_S) if budget_bytes else None
-    search = options.get("search") or {}
-    if search:
-        check_search_options(read_manifest(index), search)
-    retriever = load_retriever(index, corpus=options.get("corpus"), threads=options.get("threads", 1), **search)
     app = create_app(
         retriever,
         max_queries=options.get("max_queries", DEFAULT_MAX_QUERIES),
@@ -96,7 +111,7 @@ def build_serving_app(options: dict[str, Any]):
         max_query_chars=options.get("max_query_chars", DEFAULT_MAX_QUERY_CHARS),
         max_batch_queries=options.get("search_chunk", DEFAULT_SEARCH_CHUNK),
         default_k=options.get("default_k", 3),
-        name=f"sleuth-retriever:{index.name}",
+        name=f"sleuth-retriever:{Path(options['index']).name}",
         worker_threads=options.get("worker_threads", 1),
         batch_wait_ms=options.get("batch_wait_ms", 2.0),
         max_body_bytes=options.get("max_body_bytes"),
@@ -104,16 +119,24 @@ def build_serving_app(options: dict[str, Any]):
     )
     app.add_middleware(WorkerPidHeader, pid=os.getpid())
 
-    # The first search may compile kernels (bm25s/numba: seconds); pay it before clients time out.
+    # The first search may compile kernels (bm25s/numba: seconds) and starts the OpenMP pools; pay
+    # it before clients time out, in the process that serves (never in a pre-fork supervisor).
     retriever.search(["warm up"], 1)
     return app
 
 
-def app_from_env():
-    """uvicorn app factory for `--workers N`: each worker process loads its own copy of the index.
+def build_serving_app(options: dict[str, Any]) -> ASGIApp:
+    """Load the index named in `options` and wrap it in the `/retrieve` app (one process)."""
+    return serving_app(load_serving_retriever(options), options)
 
-    Memory-mapped parts (docstore, faiss shards opened with mmap) share the OS page cache, so N
-    workers cost far less than N times the index size.
+
+def app_from_env() -> ASGIApp:
+    """uvicorn app factory for `--workers N --no-preload` (and where fork is unavailable): uvicorn
+    spawns each worker from an import string, and each loads its own copy of the index and encoder.
+
+    Memory-mapped parts (docstore, faiss indexes opened with mmap) share the OS page cache, but what
+    is read into the heap (a fast-scan IVF-PQ index, torch and the encoder weights) is held once per
+    worker; the default pre-fork workers (`sleuth.retrieval.prefork`) share those copy-on-write.
     """
     raw = os.environ.get(SERVE_ENV)
     if not raw:
@@ -160,7 +183,13 @@ def register(app: typer.Typer) -> None:
         workers: int = typer.Option(
             1,
             "--workers",
-            help="Worker processes behind the one address (each loads the index; mmap'd parts are shared).",
+            help="Worker processes behind the one address. On Linux the index and encoder are loaded once and "
+            "the workers are forked from that process, sharing them copy-on-write (see --preload).",
+        ),
+        preload: bool | None = typer.Option(
+            None, "--preload/--no-preload", help="With --workers N > 1: load once in a supervisor process and fork "
+            "the workers from it (default on Linux), or --no-preload: start each worker as a new process that "
+            "loads its own copy (only memory-mapped parts shared; the default where fork is unsafe, e.g. macOS)."
         ),
         max_body_bytes: int | None = typer.Option(
             None, "--max-body-bytes", help="Largest request body accepted, 413 beyond (default: --max-queries x "
@@ -205,6 +234,12 @@ def register(app: typer.Typer) -> None:
         if not batch_wait_ms >= 0:
             console.print(f"[red]error:[/red] --batch-wait-ms must be >= 0, got {batch_wait_ms}.")
             raise typer.Exit(2)
+        from sleuth.retrieval import prefork
+
+        if preload and not hasattr(os, "fork"):
+            console.print("[red]error:[/red] --preload needs os.fork, which this platform lacks; use --no-preload.")
+            raise typer.Exit(2)
+        forked = workers > 1 and (prefork.prefork_available() if preload is None else preload)
 
         import uvicorn
 
@@ -225,10 +260,14 @@ def register(app: typer.Typer) -> None:
             "body_budget_bytes": body_budget_bytes,
             "search": {k: v for k, v in (("nprobe", nprobe), ("rerank", rerank)) if v is not None},
         }
-        app = None
+        app = retriever = sock = None
         try:
             if workers == 1:
                 app = build_serving_app(options)
+            elif forked:
+                # Bound (not yet listening) before the load, so a taken port fails in a second, not after it.
+                sock = prefork.bind_listener(host, port)
+                retriever = load_serving_retriever(options)  # no search here: see sleuth.retrieval.prefork
             else:
                 # Fail here, once, on a bad index instead of in every worker; workers load it themselves.
                 manifest = read_manifest(index)
@@ -239,6 +278,8 @@ def register(app: typer.Typer) -> None:
             console.print(f"[red]error:[/red] {err}")
             raise typer.Exit(2) from err
         except Exception as err:
+            if sock is not None:
+                sock.close()
             console.print(
                 f"[red]error:[/red] index {index}: loading it or a test search failed: {type(err).__name__}: {err}"
             )
@@ -258,6 +299,14 @@ def register(app: typer.Typer) -> None:
         if app is not None:
             uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False)
             return
+        if sock is not None:
+
+            def worker_app() -> ASGIApp:  # runs in each forked worker
+                set_search_threads(threads)
+                return serving_app(retriever, options)
+
+            prefork.preimport_serving_modules("sleuth.retrieval.server", "sleuth.http_errors")
+            raise typer.Exit(prefork.run_supervisor(sock, workers, worker_app))
         os.environ[SERVE_ENV] = json.dumps(options)
         uvicorn.run(
             f"{__name__}:app_from_env",
