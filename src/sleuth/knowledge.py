@@ -36,9 +36,10 @@ BOUNDARY_FILE = "boundary.json"
 @dataclass(frozen=True)
 class InjectionSettings:
     model: str = "smollm2-135m-instruct"
-    epochs: int = 3
-    lr: float = 3e-4
-    batch_size: int = 16
+    # the staged claim's gpu profile (sleuth.reproduce): 3 epochs at 3e-4 x 16 taught SmolLM2-135M ~10% of its facts
+    epochs: int = 12
+    lr: float = 3e-3
+    batch_size: int = 128
     lora: bool = True
     seed: int = 0
 
@@ -90,11 +91,17 @@ class WorldSFT:
     micro_cap: int  # micro-batch size at most this (the batch size when smaller)
 
 
-INJECTION_SFT = WorldSFT("inject-knowledge", INJECTION_LOOP, "knowledge_sft.jsonl", "inject_recipe.yaml", 16)
+# On a GPU, passes of up to 64 statements (~100 tokens each; the gradient is the same token mean at any size): an
+# H100 step of one 16-statement pass took 0.24 s, mostly per-pass overhead. On a CPU 16: 64 took 18 GB (fp32).
+INJECTION_SFT = WorldSFT("inject-knowledge", INJECTION_LOOP, "knowledge_sft.jsonl", "inject_recipe.yaml", 64)
+CPU_MICRO_CAP = 16
 
 
 def world_sft_recipe(world: Path, out: Path, settings: Any, job: WorldSFT) -> dict[str, Any]:
     """The SFT recipe of `job` with `settings`' model, lora, seed, epochs, lr and batch size."""
+    import torch
+
+    micro = min(settings.batch_size, job.micro_cap if torch.cuda.is_available() else min(job.micro_cap, CPU_MICRO_CAP))
     return {
         "name": job.name,
         "seed": settings.seed,
@@ -104,7 +111,7 @@ def world_sft_recipe(world: Path, out: Path, settings: Any, job: WorldSFT) -> di
         "agent": {"loop": job.loop},
         "trainer": {"out_dir": str(out), "total_steps": 1},
         "sft": {"data": str(out / job.records_file), "epochs": settings.epochs, "lr": settings.lr,
-                "batch_size": settings.batch_size, "micro_batch_size": min(settings.batch_size, job.micro_cap),
+                "batch_size": settings.batch_size, "micro_batch_size": micro,
                 "held_out": 0.0, "out_dir": str(out / "sft")},
     }
 
@@ -176,9 +183,9 @@ def register(app: typer.Typer) -> None:
         world: Path = typer.Argument(..., help="A world made by `sleuth synth --known-fraction F`."),
         out: Path = typer.Option(..., "--out", help="Run directory (the SFT checkpoint, injected.json, boundary.json)."),
         model: str = typer.Option("smollm2-135m-instruct", help="Base model (alias, directory)."),
-        epochs: int = typer.Option(3, min=1, help="SFT epochs over the closed-book statements."),
-        lr: float = typer.Option(3e-4, min=0.0, help="SFT learning rate."),
-        batch_size: int = typer.Option(16, min=1, help="Statements per optimizer step."),
+        epochs: int = typer.Option(12, min=1, help="SFT epochs over the closed-book statements."),
+        lr: float = typer.Option(3e-3, min=0.0, help="SFT learning rate."),
+        batch_size: int = typer.Option(128, min=1, help="Statements per optimizer step."),
         lora: bool = typer.Option(True, "--lora/--full", help="LoRA adapters (default) or full fine-tuning."),
         check_split: str = typer.Option("test", help="Split whose questions the boundary check answers closed-book."),
         check_limit: int = typer.Option(None, help="At most this many questions in the check (default: all)."),
