@@ -28,7 +28,11 @@
 # Cost, from the 48-step guarded H100 run (docs/results.md): SFT ~6 min, an RL step ~11 s (rollouts then on the
 # compiled static cache; the engine now decodes them), 500 questions evaluated in ~7 min at batch 16 (now 128,
 # engine: bench/engine_check.py decoded 6.6x faster than the static cache). A two-arm claim is ~20-30 min on
-# one GPU; s3's eight runs (4 data sizes x 2 arms) several times that. Not yet run.
+# one GPU; s3's eight runs (4 data sizes x 2 arms) several times that.
+# Measured (1x H100, 2026-11-27, CLAIMS=staged, 7 minutes of one lease): the staged world 5.7 s; the knowledge
+# injection, then 3 epochs x 12,498 statements at 16 a step, 0.24 s a step (2,346 steps, ~9.4 min; the loss was
+# still 0.6-0.9 in epoch 2). Now 12 epochs at 128 a step (1,176 steps: bench/results/knowledge_injection_
+# calibration_cpu.json), not yet timed on a GPU.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 WORK=${CLAIMS_WORK:-/root/claims}
