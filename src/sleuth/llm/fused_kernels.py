@@ -132,23 +132,8 @@ if triton is not None:
         lo = split * span
         hi = tl.minimum(lo + span, length)
         pool_hi = tl.minimum(hi, pos)  # keys already in the pool; the new one comes from registers
-        m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_G], tl.float32)
-        acc = tl.zeros([BLOCK_G, D], tl.float32)
-        for n0 in range(lo, pool_hi, BLOCK_N):
-            n = n0 + tl.arange(0, BLOCK_N)
-            nmask = n < pool_hi
-            offs = ((start + n)[:, None] * KV_HEADS + kvh) * D + dd[None, :]
-            kb = tl.load(k_ptr + offs, mask=nmask[:, None], other=0.0)
-            s = tl.dot(q, tl.trans(kb)).to(tl.float32) * scale
-            s = tl.where(nmask[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            p = tl.exp(s - m_new[:, None])
-            alpha = tl.exp(m_i - m_new)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            vb = tl.load(v_ptr + offs, mask=nmask[:, None], other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(p.to(vb.dtype), vb).to(tl.float32)
-            m_i = m_new
+        m_i, l_i, acc = kernels.attend_pool_keys(q, k_ptr, v_ptr, start, kvh, lo, pool_hi, scale, KV_HEADS=KV_HEADS,
+                                                 D=D, BLOCK_G=BLOCK_G, BLOCK_N=BLOCK_N)
         # the new token, in the split whose range holds position `pos` (the last non-empty one)
         mine = (lo <= pos) & (pos < hi)
         s_new = tl.sum(q.to(tl.float32) * k.to(tl.float32)[None, :], 1) * scale

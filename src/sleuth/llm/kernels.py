@@ -215,23 +215,12 @@ if triton is not None:
             tl.store(dst + D // 2 + half, out_hi)
 
     @triton.jit
-    def _decode_attention_split_kernel(q_ptr, k_ptr, v_ptr, start_ptr, len_ptr, acc_ptr, lse_ptr, scale,
-                                       HEADS: tl.constexpr, KV_HEADS: tl.constexpr, D: tl.constexpr,
-                                       GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
-                                       SPLITS: tl.constexpr):
-        row = tl.program_id(0)
-        kvh = tl.program_id(1)
-        split = tl.program_id(2)
-        g = tl.arange(0, BLOCK_G)
+    def attend_pool_keys(q, k_ptr, v_ptr, start, kvh, lo, hi, scale, KV_HEADS: tl.constexpr, D: tl.constexpr,
+                         BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr):
+        """Online softmax of one (row, KV head)'s queries `q` (BLOCK_G, D) over the pool's keys at positions
+        [lo, hi) of the row starting at slot `start`: the running max, the sum of exp and the unnormalised
+        output (shared by the split kernel here and fused_kernels' rope + attention kernel)."""
         dd = tl.arange(0, D)
-        gmask = g < GROUP
-        heads = kvh * GROUP + g
-        q = tl.load(q_ptr + (row * HEADS + heads[:, None]) * D + dd[None, :], mask=gmask[:, None], other=0.0)
-        start = tl.load(start_ptr + row).to(tl.int64)
-        length = tl.load(len_ptr + row)
-        span = tl.cdiv(tl.cdiv(length, SPLITS), BLOCK_N) * BLOCK_N
-        lo = split * span
-        hi = tl.minimum(lo + span, length)
         m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_G], tl.float32)
         acc = tl.zeros([BLOCK_G, D], tl.float32)
@@ -249,6 +238,28 @@ if triton is not None:
             v = tl.load(v_ptr + offs, mask=nmask[:, None], other=0.0)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
             m_i = m_new
+        return m_i, l_i, acc
+
+    @triton.jit
+    def _decode_attention_split_kernel(q_ptr, k_ptr, v_ptr, start_ptr, len_ptr, acc_ptr, lse_ptr, scale,
+                                       HEADS: tl.constexpr, KV_HEADS: tl.constexpr, D: tl.constexpr,
+                                       GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
+                                       SPLITS: tl.constexpr):
+        row = tl.program_id(0)
+        kvh = tl.program_id(1)
+        split = tl.program_id(2)
+        g = tl.arange(0, BLOCK_G)
+        dd = tl.arange(0, D)
+        gmask = g < GROUP
+        heads = kvh * GROUP + g
+        q = tl.load(q_ptr + (row * HEADS + heads[:, None]) * D + dd[None, :], mask=gmask[:, None], other=0.0)
+        start = tl.load(start_ptr + row).to(tl.int64)
+        length = tl.load(len_ptr + row)
+        span = tl.cdiv(tl.cdiv(length, SPLITS), BLOCK_N) * BLOCK_N
+        lo = split * span
+        hi = tl.minimum(lo + span, length)
+        m_i, l_i, acc = attend_pool_keys(q, k_ptr, v_ptr, start, kvh, lo, hi, scale, KV_HEADS=KV_HEADS, D=D,
+                                         BLOCK_G=BLOCK_G, BLOCK_N=BLOCK_N)
         out_idx = (row * HEADS + heads) * SPLITS + split
         has = l_i > 0
         tl.store(acc_ptr + out_idx[:, None] * D + dd[None, :], acc / tl.where(has, l_i, 1.0)[:, None],
