@@ -19,6 +19,7 @@ import numpy as np
 import psutil
 import pytest
 
+from serve_helpers import free_port, wait_for_health
 from sleuth.retrieval import build_index
 from sleuth.retrieval.docstore_build import build_docstore_index
 from sleuth.retrieval.encoders import Encoder, EncoderConfig
@@ -58,27 +59,14 @@ def _random_dense_index(work: Path, n: int, **faiss: object) -> Path:
     return work / "idx"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _start(index: Path, workers: int, *extra: str) -> tuple[subprocess.Popen, str]:
-    port = _free_port()
+    port = free_port()
     cmd = [sys.executable, "-m", "sleuth.cli", "serve-retriever", "--index", str(index), "--port", str(port),
            "--workers", str(workers), *extra]
     proc = subprocess.Popen(cmd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 90
-    while True:
-        assert proc.poll() is None, f"server exited early: {proc.communicate()[1][-3000:]}"
-        assert time.monotonic() < deadline, "server did not answer /health within 90 s"
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            time.sleep(0.2)
+    wait_for_health(proc, url)
+    return proc, url
 
 
 def _stop(proc: subprocess.Popen, sig: int = signal.SIGTERM) -> tuple[str, str]:

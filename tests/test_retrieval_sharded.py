@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from serve_helpers import free_port, wait_for_health
 from sleuth.errors import ConfigError, IndexMismatchError
 from sleuth.retrieval import (
     DenseRetriever,
@@ -346,20 +347,11 @@ def test_cli_builds_sharded_index_with_minilm(tmp_path: Path) -> None:
 # --------------------------------------------------------------------------- serve-retriever --workers N
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_serve_retriever_workers_share_one_address(tmp_path: Path) -> None:
     import os
     import signal
     import subprocess
     import sys
-    import time
     from concurrent.futures import ThreadPoolExecutor
 
     import httpx
@@ -371,7 +363,7 @@ def test_serve_retriever_workers_share_one_address(tmp_path: Path) -> None:
     docs = _write_corpus(corpus, 40, seed=2)
     build_index(corpus, "bm25", tmp_path / "bm25", show_progress=False)
     local = load_retriever(tmp_path / "bm25")
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "sleuth.cli", "serve-retriever", "--index", str(tmp_path / "bm25")]
@@ -383,15 +375,7 @@ def test_serve_retriever_workers_share_one_address(tmp_path: Path) -> None:
         text=True,
     )
     try:
-        deadline = time.monotonic() + 90
-        while True:
-            assert proc.poll() is None, f"server exited early: {proc.communicate()[1][-2000:]}"
-            assert time.monotonic() < deadline, "server did not answer /health within 90 s"
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.2)
+        wait_for_health(proc, url)
 
         queries = [" ".join(words[:4]) for words in docs] * 2
         with RemoteRetriever(url, batch_size=4, concurrency=8) as remote:
