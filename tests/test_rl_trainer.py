@@ -399,7 +399,8 @@ def test_steps_report_the_rollouts_retrieval_time(small_world: Path, tmp_path: P
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """Issue 24: `time/retrieval` is the seconds the step's rollout spent in its retriever (part of
     `time/rollout`) and `retrieval/queries` the queries it asked, whatever the retriever is: here one that
-    takes 50 ms a call, under a loop that searches every turn (the paper-scale rehearsal's)."""
+    takes 50 ms a call, under a loop that searches every turn (the paper-scale rehearsal's). Validation's
+    searches (every step here, before and after) are left out: they are time/validation's."""
     import sleuth.rl.run as run_module
     from sleuth.rl.trainer import train
 
@@ -422,9 +423,26 @@ def test_steps_report_the_rollouts_retrieval_time(small_world: Path, tmp_path: P
                      plugins=["sleuth_test_rewards", "sleuth_rehearsal"],
                      agent={"loop": "search_r1_rehearsal", "max_turns": 2, "max_new_tokens_per_turn": 8,
                             "max_response_tokens": 96, "max_obs_tokens": 32})
+    recipe["data"]["dev"] = str(small_world / "dev.jsonl")
+    recipe["trainer"].update(eval_every=1, eval_examples=3)
+    validation_calls: list[int] = []
+    from sleuth.rl import validate as validate_module
+
+    def counted_validate(run, done):
+        before = len(calls)
+        result = real_validate(run, done)
+        validation_calls.extend(calls[before:])
+        del calls[before:]
+        return result
+
+    real_validate = validate_module.validate
+    monkeypatch.setattr(validate_module, "validate", counted_validate)
+    import sleuth.rl.trainer as trainer_module
+    if hasattr(trainer_module, "validate"):
+        monkeypatch.setattr(trainer_module, "validate", counted_validate)
     train(recipe_from_dict(recipe))
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert len(rows) == 2 and calls
+    assert len(rows) == 2 and calls and validation_calls
     assert sum(r["retrieval/queries"] for r in rows) == sum(calls)
     assert sum(r["time/retrieval"] for r in rows) >= 0.05 * len(calls)
     assert all(0 < r["time/retrieval"] <= r["time/rollout"] for r in rows)

@@ -85,6 +85,7 @@ class Run:
     start_step: int = 0
     last_saved: int = 0
     compile_seconds_logged: float = 0.0
+    retrieval_logged: tuple[float, int] = (0.0, 0)  # the retriever's (seconds, queries) when last logged
     val_examples: list[QAExample] = field(default_factory=list)  # data.dev's first trainer.eval_examples
     guards: Any = None  # sleuth.rl.guard_actions.GuardState, set by the trainer
     kl_coef: float = 0.0  # the KL coefficient of the next step (moves under algorithm.kl.type: adaptive)

@@ -303,8 +303,6 @@ def _log_step(run: Run, step: int, stage: int, collected: Collected, batch: Step
         "stage": float(stage),
         "sampling_rounds": float(collected.rounds),
         "time/rollout": collected.t_rollout,
-        "time/retrieval": collected.t_retrieval,
-        "retrieval/queries": float(collected.retrieval_queries),
         "time/reward": collected.t_reward,
         "time/update": times["update"],
         "time/step": time.perf_counter() - times["start"],
@@ -338,8 +336,6 @@ class Collected:
     rounds: int = 0
     t_rollout: float = 0.0
     t_reward: float = 0.0
-    t_retrieval: float = 0.0  # inside t_rollout: the rollout's searches
-    retrieval_queries: int = 0
 
 
 def collect_rollouts(run: Run) -> Collected:
@@ -354,16 +350,12 @@ def collect_rollouts(run: Run) -> Collected:
         out.rounds += 1
         indices = run.cursor.take(algo.prompts_per_step)[run.local_prompts]  # the same global draw on every rank
         t0 = time.perf_counter()
-        searched_s, searched = run.retriever.totals()
         with autocast(ctx.device):
             trajs = rollout(
                 run.loop, run.generator, run.retriever, [run.examples[i] for i in indices], run.sampling, n=algo.n,
                 budget=rollout_budget(recipe),
             )
         t1 = time.perf_counter()
-        now_s, now = run.retriever.totals()
-        out.t_retrieval += now_s - searched_s
-        out.retrieval_queries += now - searched
         results = guarded_rewards(run.reward_fn, trajs, run.services)
         out.t_rollout += t1 - t0
         out.t_reward += time.perf_counter() - t1

@@ -58,6 +58,7 @@ def validate(run: Run, done: int) -> dict[str, float]:
     with autocast(ctx.device):
         trajs = rollout(run.loop, run.generator, run.retriever, mine, greedy, n=1, budget=rollout_budget(run.recipe))
     results = guarded_rewards(run.reward_fn, trajs, run.services)
+    run.retrieval_logged = run.retriever.totals()  # a step's time/retrieval leaves validation's searches out
     rows = [
         {"id": t.question_id, "question": t.question, "golden_answers": t.golden_answers, "answer": t.answer,
          "reward": r.total, "components": r.components, "retrieval_count": t.retrieval_count,
