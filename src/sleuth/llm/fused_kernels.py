@@ -90,13 +90,7 @@ if triton is not None:
                                KV_HEADS: tl.constexpr, D: tl.constexpr, GROUP: tl.constexpr,
                                BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
                                QK_NORM: tl.constexpr):
-        row = tl.program_id(0)
-        kvh = tl.program_id(1)
-        split = tl.program_id(2)
-        g = tl.arange(0, BLOCK_G)
-        dd = tl.arange(0, D)
-        gmask = g < GROUP
-        heads = kvh * GROUP + g
+        row, kvh, split, dd, gmask, heads = kernels.group_program(GROUP=GROUP, BLOCK_G=BLOCK_G, D=D)
         # rotate_half as a second load: column d pairs with d +- D/2, the first half negated
         partner = (dd + D // 2) % D
         sign = tl.where(dd < D // 2, -1.0, 1.0)

@@ -215,6 +215,16 @@ if triton is not None:
             tl.store(dst + D // 2 + half, out_hi)
 
     @triton.jit
+    def group_program(GROUP: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr):
+        """An attention program's (row, KV head, split) from its grid position, the head-dimension lanes, and
+        the query heads of its KV head's group (padded to BLOCK_G, with their mask)."""
+        row = tl.program_id(0)
+        kvh = tl.program_id(1)
+        split = tl.program_id(2)
+        g = tl.arange(0, BLOCK_G)
+        return row, kvh, split, tl.arange(0, D), g < GROUP, kvh * GROUP + g
+
+    @triton.jit
     def attend_pool_keys(q, k_ptr, v_ptr, start, kvh, lo, hi, scale, KV_HEADS: tl.constexpr, D: tl.constexpr,
                          BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr):
         """Online softmax of one (row, KV head)'s queries `q` (BLOCK_G, D) over the pool's keys at positions
@@ -245,13 +255,7 @@ if triton is not None:
                                        HEADS: tl.constexpr, KV_HEADS: tl.constexpr, D: tl.constexpr,
                                        GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
                                        SPLITS: tl.constexpr):
-        row = tl.program_id(0)
-        kvh = tl.program_id(1)
-        split = tl.program_id(2)
-        g = tl.arange(0, BLOCK_G)
-        dd = tl.arange(0, D)
-        gmask = g < GROUP
-        heads = kvh * GROUP + g
+        row, kvh, split, dd, gmask, heads = group_program(GROUP=GROUP, BLOCK_G=BLOCK_G, D=D)
         q = tl.load(q_ptr + (row * HEADS + heads[:, None]) * D + dd[None, :], mask=gmask[:, None], other=0.0)
         start = tl.load(start_ptr + row).to(tl.int64)
         length = tl.load(len_ptr + row)
