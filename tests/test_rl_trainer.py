@@ -330,6 +330,7 @@ def test_validation_scores_with_the_reward_the_next_step_trains_on(tmp_path: Pat
     from sleuth.agent.trajectory import Trajectory
     from sleuth.data.formats import QAExample
     from sleuth.llm.base import SamplingParams
+    from sleuth.retrieval.timed import TimedRetriever
     from sleuth.rewards.base import RewardResult
     from sleuth.rl import validate as validation
     from sleuth.rl.dist import DistContext
@@ -358,7 +359,8 @@ def test_validation_scores_with_the_reward_the_next_step_trains_on(tmp_path: Pat
     run = SimpleNamespace(
         ctx=DistContext(), val_examples=[QAExample(f"q{i}", f"question {i}", ["a"]) for i in range(3)],
         sampling=SamplingParams(temperature=1.0), policy=torch.nn.Linear(1, 1), loop=None, generator=None,
-        retriever=None, reward_fn=TwoStage(), services=None, out_dir=tmp_path, console=SimpleNamespace(print=print),
+        retriever=TimedRetriever(None), reward_fn=TwoStage(), services=None, out_dir=tmp_path,
+        console=SimpleNamespace(print=print),
         recipe=SimpleNamespace(trainer=SimpleNamespace(total_steps=20),
                                agent=SimpleNamespace(max_obs_tokens=8, max_response_tokens=16)),
         log=SimpleNamespace(write_validation=lambda step, metrics: logged.__setitem__(step, metrics)),
