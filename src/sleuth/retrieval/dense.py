@@ -76,7 +76,9 @@ def new_faiss_index(dim: int, params: dict[str, Any], num_vectors: int):
 def searchable_index(index: Any, params: dict[str, Any]) -> Any:
     """The index as written to disk: IVF-PQ with 4-bit codes (`nbits` 4) in faiss's fast-scan layout
     (`IndexIVFPQFastScan`), whose SIMD scan of 32-code blocks is ~6x faster per query than the 8-bit scan at
-    the same bytes (48 of them: m 96 x 4 bits vs m 48 x 8; measured on one core, 1M vectors, nprobe 40);
+    the same bytes (48 of them: m 96 x 4 bits vs m 48 x 8; measured on one core, 1M vectors, nprobe 40; at 21M
+    the served rate was set by query encoding and re-ranking, not the scan). Faiss reads these lists into the
+    heap rather than mapping them, so pre-forked server workers are what keep one copy;
     every other index as built. The codes are the same; the fast scan quantizes its look-up tables to 8
     bits, so scores move by ~1e-3, which an exact re-rank of the candidates takes back."""
     import faiss  # deferred: faiss is heavy; only dense indexes need it

@@ -13,13 +13,12 @@ from sleuth.retrieval.cache import cache_stats
 
 
 class TimedRetriever:
-    """`inner` with running totals: `seconds` spent in `search`, `queries` asked, `calls` made."""
+    """`inner` with running totals: `seconds` spent in `search` and `queries` asked."""
 
     def __init__(self, inner: Retriever):
         self.inner = inner
         self.seconds = 0.0
         self.queries = 0
-        self.calls = 0
         self._lock = threading.Lock()
 
     def search(self, queries: list[str], k: int) -> list[list[Hit]]:
@@ -31,10 +30,9 @@ class TimedRetriever:
             with self._lock:
                 self.seconds += elapsed
                 self.queries += len(queries)
-                self.calls += 1
 
     def totals(self) -> tuple[float, int]:
-        """(seconds, queries) so far; a step reports the difference across its rollout."""
+        """(seconds, queries) so far; a step reports the difference since the last step logged."""
         with self._lock:
             return self.seconds, self.queries
 
