@@ -24,7 +24,8 @@
 # --arms ARM`; qagent whole): s3's 8 arms, staged's and r_search's 2 each, qagent 1 = 13 jobs, s3's largest
 # first; LANES_PER_GPU lanes a GPU (default 2) take them from one queue; once the queue is empty, each claim's
 # run without --arms writes its report. `restart` kills the lanes and starts them again (resuming: finished
-# stages and jobs are skipped).
+# stages and jobs are skipped). GPU_LIST="1 2 3" puts the lanes on those GPUs only (GPU 0 left to another job,
+# e.g. bench/retrieval_21m.sh on a shared 4-GPU lease; pin the cores with `taskset -c 32-63 bash bench/gpu_claims.sh start`).
 # Cost, from the 48-step guarded H100 run (docs/results.md): SFT ~6 min, an RL step ~11 s (rollouts then on the
 # compiled static cache; the engine now decodes them), 500 questions evaluated in ~7 min at batch 16 (now 128,
 # engine: bench/engine_check.py decoded 6.6x faster than the static cache). A two-arm claim is ~20-30 min on
@@ -112,7 +113,10 @@ lane() {  # lane GPU: jobs from the shared queue until none is left
 }
 
 daemon() {
-  local gpus lanes l; gpus=${GPUS:-$(nvidia-smi -L | wc -l)}
+  local gpus lanes l list
+  # GPU_LIST="1 2 3": lanes on those GPUs only (GPU 0 left to another job, e.g. bench/retrieval_21m.sh)
+  read -r -a list <<< "${GPU_LIST:-$(seq -s ' ' 0 $(( ${GPUS:-$(nvidia-smi -L | wc -l)} - 1 )))}"
+  gpus=${#list[@]}
   # the model first: restoring exports the trained reader again, from its adapters onto the base model
   if [ "$PROFILE" = gpu ]; then until [ -f "$GGUF" ]; do sleep 10; done; embedded_model; fi
   restore
@@ -120,9 +124,9 @@ daemon() {
   # jobs of one claim share (its world, a cold start) runs once, the other waiting (sleuth.claim_stages)
   jobs_plan > "$WORK/jobs"; : > "$WORK/taken"
   lanes=$(( gpus * ${LANES_PER_GPU:-2} ))
-  for ((l = 0; l < lanes; l++)); do lane $((l % gpus)) & done
+  for ((l = 0; l < lanes; l++)); do lane "${list[l % gpus]}" & done
   wait
-  for c in $CLAIMS; do run_claim 0 "$c"; done  # each claim's report, its arms all done (nothing left to train)
+  for c in $CLAIMS; do run_claim "${list[0]}" "$c"; done  # each claim's report, its arms all done (nothing left to train)
   echo "$(date +%T) all claims ended" >> "$WORK/progress.log"
 }
 
