@@ -81,7 +81,7 @@ jobs = []
 for claim in claims:
     arms = claim_arms(claim, profile)
     jobs += [(claim, arm) for arm in arms] or [(claim, "")]
-size = lambda arm: int(arm.rsplit("_", 1)[1]) if arm[-1:].isdigit() else 0
+size = lambda arm: int(arm.rsplit("_", 1)[1]) if arm.rsplit("_", 1)[-1].isdigit() else 0  # s3_1600; not search_r1
 for claim, arm in sorted(jobs, key=lambda j: -size(j[1])):
     print(f"{claim} {arm}".strip())
 PYEOF

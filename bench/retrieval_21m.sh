@@ -56,10 +56,10 @@ ENCODE_DEVICES=${ENCODE_DEVICES:-all}
 # Serving: BM25 splits a batch over --threads inside one search; dense encodes queries with torch threads.
 BM25_SERVE=${BM25_SERVE:---server-workers 4 --threads $(( CORES / 4 > 0 ? CORES / 4 : 1 )) --worker-threads 1}
 DENSE_SERVE=${DENSE_SERVE:---server-workers $(( CORES / 2 > 0 ? CORES / 2 : 1 )) --threads 2 --worker-threads 1}
-# RERANK: the served exact re-rank depth. The library's 64 left recall@5 vs exact at 0.82 at 21M (2026-11-27): PQ
-# scores rank true top-5 passages below the 64th candidate; at 32k passages depth 64 gave 0.98 and 8 gave 0.83,
-# so 21M needs several times 64. The in-process sweep measures 64 / 256 / 512 beside the served depth.
-RERANK=${RERANK:-256}
+# RERANK: the served exact re-rank depth. With m 192 x 4-bit codes at 21M (2026-11-27, 4x H100 host) recall@5 vs
+# exact was 0.924 at depth 64 and 0.939 at 256 (nprobe 64), but depth 256 cost 3.2x the in-process search rate and
+# served 620 q/s; depth 64 keeps the recall target. The in-process sweep measures 64 / 256 / 512 beside it.
+RERANK=${RERANK:-64}
 # NPROBE: the served lists probed a query (the fast-scan run of 2026-11-27 lost ~2 points of recall@5 at 32 against
 # 128; 64 halves that at a small cost with fast-scan codes). The sweep covers 16-128 beside it.
 NPROBE=${NPROBE:-64}
