@@ -159,6 +159,7 @@ case "${1:-}" in
     pack ;;
   pack) pack ;;
   send) send ;;
-  *) echo "usage: $0 start|restart|wait SECONDS|pack|send (on the device) | take FILES_AT (development machine)" >&2
+  plan) jobs_plan ;;  # the jobs the lanes would take, in order (no GPU needed)
+  *) echo "usage: $0 start|restart|wait SECONDS|pack|send|plan (on the device) | take FILES_AT (development machine)" >&2
      exit 2 ;;
 esac

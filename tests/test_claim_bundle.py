@@ -259,3 +259,22 @@ def test_arms_split_over_two_runs_give_the_report_of_one_run(tmp_path):
     reproduce("r_search", split, "cpu", arms=["without_evidence"])
     tables = [json.loads((d / "report.json").read_text())["table"] for d in (whole, split)]
     assert tables[0]["rows"] == tables[1]["rows"] and tables[0]["holds"] == tables[1]["holds"]
+
+
+def test_gpu_claims_plans_one_job_per_arm_with_s3s_largest_first(tmp_path):
+    """bench/gpu_claims.sh's queue: every independent arm once, qagent whole, s3's 6,000-question arms first
+    (an arm named search_r1 is not read as a size)."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "CLAIMS_WORK": str(tmp_path), "CLAIMS": "staged r_search qagent s3", "PY": sys.executable,
+           "PROFILE": "gpu"}
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    jobs = subprocess.run(["bash", "bench/gpu_claims.sh", "plan"], cwd=repo, env=env, capture_output=True,
+                          text=True, check=True).stdout.splitlines()
+    s3 = [f"s3 {m}_{n}" for n in (100, 400, 1600, 6000) for m in ("s3", "search_r1")]
+    expected = ["staged staged", "staged search_r1", "r_search with_evidence", "r_search without_evidence",
+                "qagent", *s3]
+    assert sorted(jobs) == sorted(expected)
+    assert set(jobs[:2]) == {"s3 s3_6000", "s3 search_r1_6000"}
+    assert set(jobs[2:4]) == {"s3 s3_1600", "s3 search_r1_1600"}
