@@ -75,8 +75,10 @@ def test_stage_plans_list_the_stages_the_runners_write():
     """The same stage names (in the order they run) as the CPU runs write (tests/test_reproduce.py)."""
     assert list(stage_plan("staged", "cpu")) == ["world", "inject", "train_staged", "eval_staged",
                                                  "train_search_r1", "eval_search_r1"]
-    assert sorted(stage_plan("r_search", "cpu")) == ["eval_with_evidence", "eval_without_evidence", "sft_r_search",
-                                                     "train_with_evidence", "train_without_evidence", "world"]
+    assert sorted(stage_plan("r_search", "cpu")) == ["eval_with_evidence", "eval_without_evidence", "reader",
+                                                     "sft_r_search", "train_with_evidence", "train_without_evidence",
+                                                     "world"]
+    assert stage_plan("r_search", "gpu")["train_with_evidence"] == ("sft_r_search.sft_checkpoint", "reader.reader")
     qagent = stage_plan("qagent", "cpu")
     assert sorted(qagent) == ["eval_stage1_base_reader", "eval_stage1_trained_reader", "eval_stage2_base_reader",
                               "eval_stage2_trained_reader", "reader", "sft_qagent", "train_stage1", "train_stage2",

@@ -6,6 +6,7 @@ import json
 import re
 
 import pytest
+import yaml
 from typer.testing import CliRunner
 
 from sleuth.cli import app
@@ -169,10 +170,15 @@ def test_reproduce_r_search_cpu_end_to_end_and_resumes(tmp_path):
     rows = report["table"]["rows"]
     assert rows["F1, all questions"]["n"] == rows["EM, all questions"]["n"] == 30
     assert isinstance(report["table"]["holds"], bool)
-    assert stages == ["eval_with_evidence", "eval_without_evidence", "sft_r_search", "train_with_evidence",
+    assert stages == ["eval_with_evidence", "eval_without_evidence", "reader", "sft_r_search", "train_with_evidence",
                       "train_without_evidence", "world"]
     recipe = (tmp_path / "r_search" / "without_evidence" / "rl_recipe.yaml").read_text()
     assert "use_evidence_reward: false" in recipe
+    # both arms' evidence model is the trained reader, not the policy's base
+    reader = json.loads((tmp_path / "r_search" / "stages" / "reader.json").read_text())["result"]["reader"]
+    for arm in ("with_evidence", "without_evidence"):
+        recipe = yaml.safe_load((tmp_path / "r_search" / arm / "rl_recipe.yaml").read_text())
+        assert recipe["reward"]["generator"] == reader != "policy-base"
 
 
 @pytest.mark.slow

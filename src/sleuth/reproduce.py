@@ -13,9 +13,9 @@ the staged reward and one with search_r1's EM reward; both are evaluated on the 
 The claim holds when staged retrieves less on all-known questions (paired difference, 95% interval
 entirely below 0) at an accuracy not lower (the paired EM difference's interval lies above -margin).
 
-r_search: one oracle-trajectory SFT, then two GRPO arms with the same steps and seed, the r_search reward
-with and without its evidence term (`use_evidence_reward`); holds when the with-evidence arm's F1 is higher
-(paired interval above 0).
+r_search: a trained reader is the frozen evidence model (the paper's is a strong model; the base model scored exact
+evidence at F1 0.07-0.29 on a GPU run); one oracle-trajectory SFT, then GRPO arms with the same steps and seed, the
+reward with and without its evidence term (`use_evidence_reward`); holds when with-evidence F1 is higher (paired).
 
 qagent: a reader is trained (`sleuth.reader.train_reader`). Stage 1 is end to end (qagent_stage1 reward)
 for 2N steps; stage 2 continues stage 1's checkpoint at step N for N steps with the frozen-reader reward
@@ -72,7 +72,8 @@ CLAIMS: dict[str, Claim] = {c.method: c for c in (
           "staged minus search_r1 retrievals on all-known questions: 95% interval below 0; EM difference: "
           "interval above -margin"),
     Claim("r_search", "the evidence reward improves over an answer-only reward (the paper's ablation)",
-          "the synthetic world", "oracle-trajectory SFT (r_search loop), shared by both arms",
+          "the synthetic world", "a trained reader (sleuth train-reader) as the frozen evidence model; "
+          "oracle-trajectory SFT (r_search loop), shared by both arms",
           "r_search reward with vs without the evidence term, same steps and seeds",
           "held-out questions: F1 and EM of the agent's answer, paired", "with-evidence minus without: F1 interval above 0"),
     Claim("qagent", "stage 2 (rewarding a frozen generator's answer) transfers to other generators",
@@ -118,10 +119,8 @@ STAGED_PROFILES = {
                           max_new_tokens=16, lr=1e-3, eval_questions=30),
         known_fraction=0.5, splits=(0.6, 0.1, 0.3), inject_epochs=40, inject_lr=3e-3, inject_batch=8, lora=False,
         test_questions=30, accuracy_margin=0.02),
-    # sized like bench/learning.py's GPU runs (not run in this repository's tests). Injection: SmolLM2-135M, 314 known
-    # statements of a 130-passage world, seed 0, CPU (bench/results/knowledge_injection_calibration_cpu.json): direct EM
-    # known vs unknown, 3 epochs at 3e-4 x 16: 0.10 vs 0.03; at 3e-3 x 128 (LoRA r16): 8 epochs 0.66 vs 0.04, 10: 0.94 vs 0.05,
-    # 12: 0.97 vs 0.05 (n 120 vs 80). 12,498 statements: 1,176 steps of 128 (3 x 16: 2,346 steps)
+    # sized like bench/learning.py's GPU runs. Injection calibrated on SmolLM2-135M (knowledge_injection_calibration_cpu.json
+    # in bench/results): direct EM known vs unknown 0.97 vs 0.05 at 12 epochs x 3e-3 x 128 (LoRA r16); 0.10 vs 0.03 at 3 x 3e-4 x 16
     "gpu": StagedProfile(
         pipeline=DemoSize(model="smollm2-135m-instruct", passages=5000, questions=6000, hops=(1, 3),
                           committed_questions=0, sft_questions=1200, sft_epochs=2, train_steps=30,
@@ -386,12 +385,13 @@ def _start(out: Path, profile_name: str, console: Any, reader: bool) -> tuple[Cl
 
 def reproduce_r_search(out: Path, profile_name: str, console: Any, arms: ArmSelection) -> Path:
     """r_search with vs without the evidence reward (module docstring); returns OUT/report.html."""
-    profile, world, details = _start(out, profile_name, console, reader=False)
+    profile, world, details = _start(out, profile_name, console, reader=True)
     details["sft_r_search"] = stage(out, "sft_r_search", lambda: _cold_start(
         out, world, profile, "r_search", None, console), console)
     for arm in R_SEARCH_ARMS:
         if not arms.runs(arm.name):
             continue
+        arm = replace(arm, reward={**(arm.reward or {}), "generator": details["reader"]["reader"]})
         details[f"train_{arm.name}"] = stage(out, f"train_{arm.name}", lambda a=arm: _train_rl(
             out, world, profile, a, details["sft_r_search"]["sft_checkpoint"], console), console)
         details[f"eval_{arm.name}"] = stage(out, f"eval_{arm.name}", lambda a=arm: _evaluate(
@@ -538,9 +538,10 @@ def stage_plan(method: str, profile_name: str) -> dict[str, tuple[str, ...]]:
         for m in STAGED_ARMS:
             plan |= {f"train_{m}": ("inject.checkpoint",), f"eval_{m}": (f"train_{m}.checkpoint",)}
     elif method == "r_search":
-        plan["sft_r_search"] = ()
+        plan |= {"reader": (), "sft_r_search": ()}
         for arm in claim_arms(method, profile_name):
-            plan |= {f"train_{arm}": ("sft_r_search.sft_checkpoint",), f"eval_{arm}": (f"train_{arm}.checkpoint",)}
+            plan |= {f"train_{arm}": ("sft_r_search.sft_checkpoint", "reader.reader"),
+                     f"eval_{arm}": (f"train_{arm}.checkpoint",)}
     elif method == "qagent":
         half = max(1, profile.pipeline.train_steps // 2)  # stage 2 continues stage 1's checkpoint at this step
         plan |= {"reader": (), "sft_qagent": (), "train_stage1": ("sft_qagent.sft_checkpoint",),
