@@ -1,0 +1,95 @@
+"""Issue 25: the figure of a committed GPU claim run (docs/results.md, "Claims"), not a timing.
+
+Reads a claim's result folder as committed under bench/results/claims/<run>/ (report.json, and per arm
+<arm>/per_question.jsonl and <arm>/metrics.jsonl) and draws two panels: held-out EM per question type for each
+arm with 95% percentile-bootstrap intervals, and the training curves of the chosen metrics per RL step.
+
+    PYTHONPATH=src python bench/claims_figure.py bench/results/claims/r_search_gpu_h100 \
+        --curves reward/answer_f1 reward/evidence_f1 --out docs/claims/r_search_gpu_h100.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import numpy as np
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def bootstrap_ci(values: np.ndarray, resamples: int = 2000, seed: int = 0) -> tuple[float, float]:
+    """95% percentile-bootstrap interval of the mean."""
+    rng = np.random.default_rng(seed)
+    means = values[rng.integers(0, len(values), size=(resamples, len(values)))].mean(axis=1)
+    return float(np.percentile(means, 2.5)), float(np.percentile(means, 97.5))
+
+
+def em_by_type(rows: list[dict]) -> dict[str, tuple[float, float, float, int]]:
+    """Question type -> (EM, low, high, n), plus "all"."""
+    groups: dict[str, list[float]] = {}
+    for row in rows:
+        groups.setdefault(row["dataset"], []).append(float(row["em"]))
+        groups.setdefault("all", []).append(float(row["em"]))
+    out = {}
+    for name, values in sorted(groups.items(), key=lambda kv: (kv[0] == "all", kv[0])):
+        arr = np.asarray(values)
+        low, high = bootstrap_ci(arr)
+        out[name] = (float(arr.mean()), low, high, len(arr))
+    return out
+
+
+def draw(run: Path, curves: list[str], out: Path) -> dict:
+    report = json.loads((run / "report.json").read_text())
+    arms = report["arms"]
+    fig = Figure(figsize=(10, 3.6), dpi=110, layout="constrained")
+    FigureCanvasAgg(fig)
+    bars, lines = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
+    summary = {}
+    width = 0.8 / len(arms)
+    for i, arm in enumerate(arms):
+        stats = em_by_type(read_jsonl(run / arm / "per_question.jsonl"))
+        summary[arm] = stats
+        xs = np.arange(len(stats)) + i * width
+        ems = [100 * s[0] for s in stats.values()]
+        errors = [[100 * (s[0] - s[1]) for s in stats.values()], [100 * (s[2] - s[0]) for s in stats.values()]]
+        bars.bar(xs, ems, width, yerr=errors, capsize=3, label=arm)
+        bars.set_xticks(np.arange(len(stats)) + width * (len(arms) - 1) / 2,
+                        [f"{name}\n(n={s[3]})" for name, s in stats.items()])
+        metrics = read_jsonl(run / arm / "metrics.jsonl")
+        for key, style in zip(curves, ("-", "--", ":", "-."), strict=False):
+            steps = [m["step"] for m in metrics if key in m]
+            lines.plot(steps, [m[key] for m in metrics if key in m], style, color=f"C{i}", label=f"{arm}: {key}")
+    bars.set_ylabel("held-out EM (%)")
+    bars.set_ylim(0, 105)
+    bars.legend(loc="lower left", fontsize=8)
+    bars.set_title(f"{report['claim']['method']}: EM by question type, 95% bootstrap")
+    lines.set_xlabel("RL step")
+    lines.set_title("training batch means per step")
+    lines.legend(fontsize=7)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(".tmp.png")
+    fig.savefig(tmp)
+    tmp.replace(out)
+    return summary
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("run", type=Path, help="a claim's result folder (bench/results/claims/<run>)")
+    parser.add_argument("--curves", nargs="+", default=["reward/mean"], help="metrics.jsonl keys to plot per step")
+    parser.add_argument("--out", type=Path, required=True, help="the PNG to write")
+    args = parser.parse_args()
+    for arm, stats in draw(args.run, args.curves, args.out).items():
+        for name, (em, low, high, n) in stats.items():
+            print(f"{arm:>18} {name:>12} n={n:4d} EM {100 * em:5.1f} [{100 * low:5.1f}, {100 * high:5.1f}]")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
