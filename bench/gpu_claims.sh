@@ -33,7 +33,8 @@
 # Measured (1x H100, 2026-11-27, CLAIMS=staged, 7 minutes of one lease): the staged world 5.7 s; the knowledge
 # injection, then 3 epochs x 12,498 statements at 16 a step, 0.24 s a step (2,346 steps, ~9.4 min; the loss was
 # still 0.6-0.9 in epoch 2). Now 12 epochs at 128 a step (1,176 steps: bench/results/knowledge_injection_
-# calibration_cpu.json), not yet timed on a GPU.
+# calibration_cpu.json). Measured (4x H100, 2026-11-27, 3 GPUs, 2 lanes a GPU, beside retrieval_21m.sh on GPU 0):
+# r_search whole in 16 min; the staged injection's 1,176 steps ~14 min; qagent's reader + 1,280 SFT steps 18 min.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 WORK=${CLAIMS_WORK:-/root/claims}
