@@ -1,7 +1,9 @@
-"""`sleuth.retrieval.mapped`: read-only maps whose pages a server lets go of after each read."""
+"""`sleuth.retrieval.mapped`: read-only maps whose pages a server lets go of after each read, and row files read
+with positional reads that map nothing."""
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -9,8 +11,9 @@ import numpy as np
 import pytest
 
 from sleuth.data.formats import Passage
+from sleuth.retrieval import mapped
 from sleuth.retrieval.docstore import DocStore
-from sleuth.retrieval.mapped import MappedFile
+from sleuth.retrieval.mapped import MappedFile, RowFile
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
 
@@ -49,3 +52,53 @@ def test_docstore_lookups_leave_no_pages_of_the_strings_mapped(tmp_path):
     assert [g[0] for g in got[:3]] == ["p0", "p3", "p6"] and got[1][2] == passages[3].text
     assert store.ids([11999]) == ["p11999"]
     assert rss_file_kib() - before < 2 * 1024  # the ~24 MB read are not this process's any more
+
+
+def _vectors(tmp_path, rows=40_000, dim=48):
+    data = np.random.default_rng(0).standard_normal((rows, dim)).astype(np.float16)
+    path = tmp_path / "vectors.f16"
+    data.tofile(path)
+    return path, data
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+def test_row_file_reads_the_rows_numpy_reads(tmp_path, monkeypatch, compiled):
+    """Against numpy's own indexing of the file: any order, repeats, a 2-D id block, negative ids, slices."""
+    path, data = _vectors(tmp_path)
+    if not compiled:  # the pure-Python path (no libc pread for numba)
+        monkeypatch.setattr(mapped, "_gather_kernel", None)
+        monkeypatch.setattr(mapped, "_PREAD", None)
+    rows = RowFile(path, "float16", data.shape)
+    assert (rows._kernel is not None) == compiled and len(rows) == 40_000 and rows.shape == (40_000, 48)
+    ids = np.random.default_rng(1).integers(0, len(data), size=(16, 64))
+    np.testing.assert_array_equal(rows[ids], data[ids])
+    np.testing.assert_array_equal(rows[np.array([5, 5, 39_999, 0])], data[[5, 5, 39_999, 0]])
+    np.testing.assert_array_equal(rows[np.array([-1, -40_000])], data[[-1, -40_000]])
+    np.testing.assert_array_equal(rows[7], data[7])
+    np.testing.assert_array_equal(rows[10:20:3], data[10:20:3])
+    assert rows[np.array([], dtype=np.int64)].shape == (0, 48)
+
+
+def test_row_file_says_what_is_wrong(tmp_path):
+    path, data = _vectors(tmp_path, rows=100)
+    with pytest.raises(ValueError, match=r"vectors.f16: 9600 bytes, expected 9696"):
+        RowFile(path, "float16", (101, 48))
+    rows = RowFile(path, "float16", data.shape)
+    with pytest.raises(IndexError, match=r"row ids must lie in \[0, 100\)"):
+        rows[np.array([3, 100])]
+    with pytest.raises(TypeError, match="integer ids"):
+        rows[np.array([0.5])]
+    os.truncate(path, 50 * 96)  # the file shrank under the reader
+    with pytest.raises(OSError, match="could not read row 60"):
+        rows[np.array([1, 60])]
+
+
+def test_row_file_reads_map_nothing(tmp_path):
+    """Reading every page's rows leaves this process's mapped-file pages as they were (a map would hold them)."""
+    path, data = _vectors(tmp_path, rows=400_000, dim=32)  # 25 MiB
+    rows = RowFile(path, "float16", data.shape)
+    rows[np.arange(0, 1000, 7)]  # the kernel compiled and loaded before measuring
+    before = rss_file_kib()
+    got = rows[np.arange(0, len(data), 11)]
+    assert rss_file_kib() - before < 2 * 1024
+    np.testing.assert_array_equal(got, data[::11])

@@ -7,7 +7,6 @@ no model) stands in for MiniLM; one CLI test uses the real embedded MiniLM.
 from __future__ import annotations
 
 import json
-import mmap
 import zlib
 from pathlib import Path
 
@@ -26,6 +25,7 @@ from sleuth.retrieval import (
 )
 from sleuth.retrieval.docstore import DocStore
 from sleuth.retrieval.index import encode_docstore
+from sleuth.retrieval.mapped import RowFile
 from sleuth.retrieval.sharded import ShardedDenseRetriever, exact_rerank, merge_topk, shard_ranges
 
 DIM = 32
@@ -427,10 +427,9 @@ def test_ivfpq_rerank_recall_at_5_from_precomputed_embeddings(tmp_path: Path, en
                 nprobe=16, shards=3, keep_vectors=True, embeddings=str(tmp_path / "emb.f16"), show_progress=False)
     assert read_manifest(tmp_path / "ivf")["embeddings"] == str((tmp_path / "emb.f16").resolve())
     ivf = load_retriever(tmp_path / "ivf", encoder=encoder)
-    base = ivf.vectors
-    while isinstance(base, np.ndarray):  # the vectors are a view of the mapped file, never a copy in RAM
-        base = base.base
-    assert isinstance(base, memoryview) and isinstance(base.obj, mmap.mmap) and ivf.rerank == 64
+    # the vectors are read row by row from the file (positional reads), never loaded or mapped whole
+    assert isinstance(ivf.vectors, RowFile) and ivf.rerank == 64
+    np.testing.assert_array_equal(ivf.vectors[np.array([0, 2999, 17])], stored[[0, 2999, 17]])
     exact = load_retriever(tmp_path / "flat", encoder=encoder).search(queries, 5)
 
     def recall(hits: list) -> float:

@@ -35,7 +35,7 @@ from sleuth.retrieval.base import Hit
 from sleuth.retrieval.dense import BLAS_BATCH_MIN, _blas_lock, new_faiss_index, read_faiss, searchable_index
 from sleuth.retrieval.docstore import DocStore
 from sleuth.retrieval.ivf_build import IvfBuilder
-from sleuth.retrieval.mapped import MappedFile
+from sleuth.retrieval.mapped import MappedFile, RowFile
 
 SHARD_DIR = "shards"
 VECTORS_FILE = "vectors.f16"
@@ -322,13 +322,14 @@ class ShardedDenseRetriever:
     `threads` is the total CPU budget: up to `threads` shards are searched at once, each with the
     remaining threads for faiss' own OpenMP loop. `gpus`: shard i goes to GPU `gpus[i % len(gpus)]`.
     `rerank`: candidates per query re-scored exactly from the float16 vectors (needs `keep_vectors`
-    at build time; 0 = off). `vectors_map`: the file map `vectors` views, whose pages each re-rank releases.
+    at build time; 0 = off). `vectors`: an array or a `RowFile`; `vectors_map`: the file map an array `vectors`
+    views, whose pages each re-rank releases.
     """
 
     kind = "dense-sharded"
 
     def __init__(self, shard_indexes: Sequence[Any], specs: Sequence[ShardSpec], encoder: Any, docstore: DocStore,
-                 vectors: np.ndarray | None = None, search: ShardSearch | None = None,
+                 vectors: np.ndarray | RowFile | None = None, search: ShardSearch | None = None,
                  vectors_map: MappedFile | None = None):
         search = search or ShardSearch()
         faiss_type, threads, rerank, gpus = search.faiss_type, search.threads, search.rerank, search.gpus
@@ -480,8 +481,11 @@ def load_sharded(
             raise IndexMismatchError(
                 f"{path}: {path.stat().st_size} bytes, expected {expected}; rebuild the index"
             )
-        vectors_map = MappedFile(path)
-        vectors = vectors_map.array(vec_meta["dtype"], shape)
+        if hasattr(os, "pread"):  # positional reads: re-ranking maps no pages (sleuth.retrieval.mapped)
+            vectors = RowFile(path, vec_meta["dtype"], shape)
+        else:
+            vectors_map = MappedFile(path)
+            vectors = vectors_map.array(vec_meta["dtype"], shape)
     if rerank is None:
         rerank = DEFAULT_RERANK if vectors is not None else 0
     search = ShardSearch(faiss_type=manifest["faiss"]["type"], threads=threads, rerank=int(rerank), gpus=gpus,
