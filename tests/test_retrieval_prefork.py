@@ -311,3 +311,27 @@ def test_forked_workers_share_an_index_read_into_the_heap(tmp_path: Path) -> Non
         # A worker holding its own copy would have the index (plus torch and MiniLM) private.
         assert private[pid] < 0.75 * index_bytes, seen
         assert shared_dirty[pid] > index_bytes, seen
+
+
+def test_forked_workers_rerank_from_the_kept_vectors_like_one_process(tmp_path: Path) -> None:
+    """A sharded IVF-PQ index with its float16 vectors kept, served by 2 forked workers that re-rank from the
+    supervisor's open row file (`RowFile`, opened before the fork): the same passages and scores as the index
+    searched in this process."""
+    from sleuth.retrieval import load_retriever
+
+    index = _random_dense_index(tmp_path, 8192, faiss="ivfpq", nlist=16, m=48, nbits=8, nprobe=4, shards=2,
+                                keep_vectors=True)
+    queries = [f"question {i} about passage {i}" for i in range(24)]
+    local = load_retriever(index, rerank=32).search(queries, 5)
+    proc, url = _start(index, 2, "--threads", "1", "--rerank", "32")
+    try:
+        pids = _answering_pids(url, 2, "/retrieve", {"queries": queries[:2], "topk": 5})
+        served = httpx.post(f"{url}/retrieve", json={"queries": queries, "topk": 5, "return_scores": True},
+                            timeout=60).json()["result"]
+    finally:
+        out, err = _stop(proc)
+    assert proc.returncode == 0, err[-3000:]
+    assert len(pids) == 2
+    assert [[hit["document"]["id"] for hit in hits] for hits in served] == [[h.doc_id for h in hits] for hits in local]
+    np.testing.assert_allclose([[hit["score"] for hit in hits] for hits in served],
+                               [[h.score for h in hits] for hits in local], atol=1e-5)
