@@ -1,11 +1,15 @@
-"""Issue 25: the figure of a committed GPU claim run (docs/results.md, "Claims"), not a timing.
+"""Issue 25: the figures of docs/results.md's "Claims" section, not timings.
 
-Reads a claim's result folder as committed under bench/results/claims/<run>/ (report.json, and per arm
-<arm>/per_question.jsonl and <arm>/metrics.jsonl) and draws two panels: held-out EM per question type for each
-arm with 95% percentile-bootstrap intervals, and the training curves of the chosen metrics per RL step.
+`claim RUN`: a claim's result folder as committed under bench/results/claims/<run>/ (report.json, and per arm
+<arm>/per_question.jsonl and <arm>/metrics.jsonl): held-out EM per question type for each arm with 95%
+percentile-bootstrap intervals, and the training curves of the chosen metrics per RL step.
+`injection JSON`: bench/injection_calibration.py's results: closed-book EM on known vs unknown statements against
+injection epochs, one line pair per setting (learning rate x statements a step), with their 95% intervals.
 
-    PYTHONPATH=src python bench/claims_figure.py bench/results/claims/r_search_gpu_h100 \
+    PYTHONPATH=src python bench/claims_figure.py claim bench/results/claims/r_search_gpu_h100 \
         --curves reward/answer_f1 reward/evidence_f1 --out docs/claims/r_search_gpu_h100.png
+    PYTHONPATH=src python bench/claims_figure.py injection bench/results/knowledge_injection_calibration_cpu.json \
+        --out docs/claims/knowledge_boundary_cpu.png
 """
 
 from __future__ import annotations
@@ -79,15 +83,58 @@ def draw(run: Path, curves: list[str], out: Path) -> dict:
     return summary
 
 
+def draw_injection(calibration: Path, out: Path) -> dict[str, list[tuple[int, float, float]]]:
+    """Known and unknown closed-book EM against epochs per setting; returns setting -> [(epochs, known, unknown)]."""
+    data = json.loads(calibration.read_text())
+    series: dict[str, list[dict]] = {}
+    for row in data["results"]:
+        if "epochs" in row:
+            series.setdefault(f"lr {row['lr']:g} x {row['batch_size']}", []).append(row)
+    fig = Figure(figsize=(6, 3.6), dpi=110, layout="constrained")
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    summary = {}
+    for i, (name, rows) in enumerate(sorted(series.items())):
+        rows.sort(key=lambda r: r["epochs"])
+        epochs = [r["epochs"] for r in rows]
+        for part, style in (("known", "-o"), ("unknown", "--s")):
+            ems = [100 * r[part]["em"] for r in rows]
+            errors = [[100 * (r[part]["em"] - r[part]["em_ci"][0]) for r in rows],
+                      [100 * (r[part]["em_ci"][1] - r[part]["em"]) for r in rows]]
+            ax.errorbar(epochs, ems, yerr=errors, fmt=style, color=f"C{i}", capsize=3, label=f"{name}: {part}")
+        summary[name] = [(r["epochs"], r["known"]["em"], r["unknown"]["em"]) for r in rows]
+    eval_sizes = data["eval"]
+    ax.set_xlabel("injection epochs")
+    ax.set_ylabel("closed-book EM (%)")
+    ax.set_ylim(0, 105)
+    ax.set_title(f"{data['model']}: known ({eval_sizes['known']}) vs unknown ({eval_sizes['unknown']}) statements")
+    ax.legend(fontsize=7)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(".tmp.png")
+    fig.savefig(tmp)
+    tmp.replace(out)
+    return summary
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("run", type=Path, help="a claim's result folder (bench/results/claims/<run>)")
-    parser.add_argument("--curves", nargs="+", default=["reward/mean"], help="metrics.jsonl keys to plot per step")
-    parser.add_argument("--out", type=Path, required=True, help="the PNG to write")
+    sub = parser.add_subparsers(dest="figure", required=True)
+    claim = sub.add_parser("claim", help="a committed claim run's figure")
+    claim.add_argument("run", type=Path, help="a claim's result folder (bench/results/claims/<run>)")
+    claim.add_argument("--curves", nargs="+", default=["reward/mean"], help="metrics.jsonl keys to plot per step")
+    claim.add_argument("--out", type=Path, required=True, help="the PNG to write")
+    injection = sub.add_parser("injection", help="the knowledge injection's boundary against epochs")
+    injection.add_argument("calibration", type=Path, help="bench/injection_calibration.py's JSON")
+    injection.add_argument("--out", type=Path, required=True, help="the PNG to write")
     args = parser.parse_args()
-    for arm, stats in draw(args.run, args.curves, args.out).items():
-        for name, (em, low, high, n) in stats.items():
-            print(f"{arm:>18} {name:>12} n={n:4d} EM {100 * em:5.1f} [{100 * low:5.1f}, {100 * high:5.1f}]")
+    if args.figure == "claim":
+        for arm, stats in draw(args.run, args.curves, args.out).items():
+            for name, (em, low, high, n) in stats.items():
+                print(f"{arm:>18} {name:>12} n={n:4d} EM {100 * em:5.1f} [{100 * low:5.1f}, {100 * high:5.1f}]")
+    else:
+        for name, points in draw_injection(args.calibration, args.out).items():
+            for epochs, known, unknown in points:
+                print(f"{name:>16} epochs {epochs:>2}: known EM {100 * known:5.1f}, unknown {100 * unknown:5.1f}")
     print(f"wrote {args.out}")
 
 
