@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from sleuth.data.formats import Passage
+from sleuth.errors import IndexMismatchError
 from sleuth.retrieval import mapped
 from sleuth.retrieval.docstore import DocStore
 from sleuth.retrieval.mapped import MappedFile, RowFile
@@ -102,3 +103,34 @@ def test_row_file_reads_map_nothing(tmp_path):
     got = rows[np.arange(0, len(data), 11)]
     assert rss_file_kib() - before < 2 * 1024
     np.testing.assert_array_equal(got, data[::11])
+
+
+@pytest.mark.parametrize("positional", [True, False])
+def test_docstore_reads_the_same_passages_with_or_without_pread(tmp_path, monkeypatch, positional):
+    """Lookups in any order, repeated rows, runs of consecutive rows (one read) and ids alone return the passages
+    written, non-ASCII and empty fields included, through pread and through the map fallback."""
+    if not positional:
+        monkeypatch.delattr(os, "pread")
+    passages = [Passage(id=f"p{i}", title="" if i % 5 == 0 else f"tïtle {i}", text=f"passage {i} " + "ü" * (i % 7))
+                for i in range(3000)]
+    DocStore.build(passages, tmp_path / "docstore")
+    store = DocStore(tmp_path / "docstore")
+    assert (store._fd >= 0) == positional
+    want = [(p.id, p.title, p.text) for p in passages]
+    rows = np.random.default_rng(0).integers(0, len(passages), 400)
+    assert store.get(rows) == [want[r] for r in rows]
+    assert store.get(np.arange(1000, 1400)) == want[1000:1400]  # consecutive: one read on the pread path
+    assert store.get([7, 7, 2999, 0]) == [want[7], want[7], want[2999], want[0]]
+    assert store.get([5]) == [want[5]] and store.get([]) == []
+    assert store.ids(rows) == [want[r][0] for r in rows]
+    assert [b for b, _ in zip(store.iter_batches(512), range(100), strict=False)][-1] == want[2560:]
+
+
+def test_docstore_says_when_its_strings_file_is_cut_short(tmp_path):
+    passages = [Passage(id=f"p{i}", title="t", text="x" * 100) for i in range(50)]
+    DocStore.build(passages, tmp_path / "docstore")
+    store = DocStore(tmp_path / "docstore")
+    os.truncate(tmp_path / "docstore" / "strings.bin", 1000)  # cut after the store was opened
+    assert store.get([2])[0][0] == "p2"
+    with pytest.raises(IndexMismatchError, match="strings.bin: bytes 4150-4254 are missing"):
+        store.get([40])

@@ -8,12 +8,16 @@ Layout of a docstore directory (built once by streaming the corpus):
 - `docstore.json` {"num_docs", "format"}
 
 At 21M passages the offsets are ~500 MB on disk and the page cache holds only what
-lookups touch; a lookup slices the mmap for just the requested rows.
+lookups touch. A lookup reads just the requested rows' bytes with positional reads (`os.pread`: one a passage,
+or one for a run of consecutive rows), so nothing of the 15 GB strings file stays mapped in the process; where
+there is no `pread` it slices a map of the file and lets go of its pages afterwards (`sleuth.retrieval.mapped`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -75,10 +79,13 @@ class DocStore:
                 f"{self.directory}: strings.bin is {size} bytes but offsets end at {int(self._offsets[-1])}; "
                 "the docstore is corrupt, rebuild it with `sleuth index`"
             )
-        # An empty file cannot be mapped; an empty corpus has no bytes to read anyway. Lookups slice a
-        # memoryview of the map (an np.memmap slice costs ~4 us a field, more than a BM25 search of the
-        # passages) and then let go of the pages they read (sleuth.retrieval.mapped).
-        self._map = MappedFile(strings_path(self.directory)) if size else None
+        # Positional reads where the system has them: through a map every page fault also maps 15 neighbouring
+        # pages (fault-around), which each lookup then had to release (bench/rerank_read_cost.py measures the
+        # same for vectors: 4-5x slower). Elsewhere, slices of a map (an np.memmap slice costs ~4 us a field,
+        # more than a BM25 search of the passages), released after each lookup. An empty file cannot be
+        # mapped; an empty corpus has no bytes to read anyway.
+        self._fd = os.open(strings_path(self.directory), os.O_RDONLY) if size and hasattr(os, "pread") else -1
+        self._map = MappedFile(strings_path(self.directory)) if size and self._fd < 0 else None
         self._strings = memoryview(self._map.buffer) if self._map is not None else memoryview(b"")
 
     def __len__(self) -> int:
@@ -92,15 +99,16 @@ class DocStore:
         if idx.min() < 0 or idx.max() >= self.num_docs:
             bad = int(idx[(idx < 0) | (idx >= self.num_docs)][0])
             raise IndexError(f"passage index {bad} out of range for a docstore of {self.num_docs} passages")
-        # One fancy-indexing gather for all starts/ends, then one slice per field.
+        # One fancy-indexing gather for all starts/ends, then each passage's bytes, then one slice per field.
         field_starts = (idx * _FIELDS)[:, None] + np.arange(_FIELDS)[None, :]
         starts = self._offsets[field_starts]
         ends = self._offsets[field_starts + 1]
-        buf = self._strings
-        records = [
-            (str(buf[s[0] : e[0]], "utf-8"), str(buf[s[1] : e[1]], "utf-8"), str(buf[s[2] : e[2]], "utf-8"))
-            for s, e in zip(starts.tolist(), ends.tolist(), strict=True)
-        ]
+        contiguous = bool(np.array_equal(starts[1:, 0], ends[:-1, -1]))  # consecutive rows: one read
+        records = []
+        for (s, e), (blob, base) in zip(zip(starts.tolist(), ends.tolist(), strict=True),
+                                        self._spans(starts[:, 0], ends[:, -1], contiguous), strict=True):
+            records.append((str(blob[s[0] - base : e[0] - base], "utf-8"), str(blob[s[1] - base : e[1] - base], "utf-8"),
+                            str(blob[s[2] - base : e[2] - base], "utf-8")))
         self._release()
         return records
 
@@ -111,14 +119,47 @@ class DocStore:
             raise IndexError(f"passage index out of range for a docstore of {self.num_docs} passages")
         starts = self._offsets[idx * _FIELDS]
         ends = self._offsets[idx * _FIELDS + 1]
-        buf = self._strings
-        found = [str(buf[s:e], "utf-8") for s, e in zip(starts.tolist(), ends.tolist(), strict=True)]
+        # one read per id (a run of consecutive rows would read their titles and texts too)
+        found = [str(blob[s - base : e - base], "utf-8")
+                 for (blob, base), s, e in zip(self._spans(starts, ends, False), starts.tolist(), ends.tolist(),
+                                               strict=True)]
         self._release()
         return found
+
+    def _spans(self, first: np.ndarray, last: np.ndarray, contiguous: bool) -> Iterator[tuple[Any, int]]:
+        """For each span [first, last) of strings.bin: (a buffer holding it, the buffer's file offset)."""
+        if self._fd < 0:  # the map (or an empty store): every span is in one buffer at offset 0
+            for _ in range(len(first)):
+                yield self._strings, 0
+        elif contiguous and len(first) > 1:
+            start = int(first[0])
+            blob = memoryview(self._pread(int(last[-1]) - start, start))
+            for _ in range(len(first)):
+                yield blob, start
+        else:
+            for begin, end in zip(first.tolist(), last.tolist(), strict=True):
+                yield self._pread(end - begin, begin), begin
+
+    def _pread(self, size: int, offset: int) -> bytes:
+        data = os.pread(self._fd, size, offset)
+        while len(data) < size:  # a regular file returns fewer bytes only at its end
+            more = os.pread(self._fd, size - len(data), offset + len(data))
+            if not more:
+                raise IndexMismatchError(f"{strings_path(self.directory)}: bytes {offset + len(data)}-{offset + size} "
+                                         "are missing (the file is shorter than the offsets say); the docstore is "
+                                         "corrupt, rebuild it with `sleuth index`")
+            data += more
+        return data
 
     def _release(self) -> None:
         if self._map is not None:
             self._map.release()
+
+    def __del__(self) -> None:
+        with contextlib.suppress(AttributeError, OSError):  # a half-built store, or interpreter shutdown
+            if self._fd >= 0:
+                os.close(self._fd)
+                self._fd = -1
 
     def rows(self, doc_ids: Sequence[str]) -> list[int | None]:
         """Row index of each passage id, in the order given; None for an id the store lacks.
