@@ -22,16 +22,18 @@ import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
+from sleuth.appendlog import read_appended
+from sleuth.eval.stats import bootstrap_ci
+from sleuth.utils import atomic_open
+
 
 def read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return read_appended(path).records
 
 
-def bootstrap_ci(values: np.ndarray, resamples: int = 2000, seed: int = 0) -> tuple[float, float]:
-    """95% percentile-bootstrap interval of the mean."""
-    rng = np.random.default_rng(seed)
-    means = values[rng.integers(0, len(values), size=(resamples, len(values)))].mean(axis=1)
-    return float(np.percentile(means, 2.5)), float(np.percentile(means, 97.5))
+def save_png(fig: Figure, out: Path) -> None:
+    with atomic_open(out, "wb") as handle:  # never a half-written figure
+        fig.savefig(handle, format="png")
 
 
 def em_by_type(rows: list[dict]) -> dict[str, tuple[float, float, float, int]]:
@@ -76,10 +78,7 @@ def draw(run: Path, curves: list[str], out: Path) -> dict:
     lines.set_xlabel("RL step")
     lines.set_title("training batch means per step")
     lines.legend(fontsize=7)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(".tmp.png")
-    fig.savefig(tmp)
-    tmp.replace(out)
+    save_png(fig, out)
     return summary
 
 
@@ -109,10 +108,7 @@ def draw_injection(calibration: Path, out: Path) -> dict[str, list[tuple[int, fl
     ax.set_ylim(0, 105)
     ax.set_title(f"{data['model']}: known ({eval_sizes['known']}) vs unknown ({eval_sizes['unknown']}) statements")
     ax.legend(fontsize=7)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(".tmp.png")
-    fig.savefig(tmp)
-    tmp.replace(out)
+    save_png(fig, out)
     return summary
 
 
