@@ -27,7 +27,7 @@ import numpy as np
 from sleuth.data.formats import Passage, iter_corpus
 from sleuth.errors import ConfigError, IndexMismatchError
 from sleuth.retrieval.base import Hit
-from sleuth.retrieval.mapped import MappedFile
+from sleuth.retrieval.mapped import MappedFile, pread_full
 from sleuth.utils import atomic_write_json
 
 DOCSTORE_FORMAT = "sleuth-docstore-v1"
@@ -141,14 +141,11 @@ class DocStore:
                 yield self._pread(end - begin, begin), begin
 
     def _pread(self, size: int, offset: int) -> bytes:
-        data = os.pread(self._fd, size, offset)
-        while len(data) < size:  # a regular file returns fewer bytes only at its end
-            more = os.pread(self._fd, size - len(data), offset + len(data))
-            if not more:
-                raise IndexMismatchError(f"{strings_path(self.directory)}: bytes {offset + len(data)}-{offset + size} "
-                                         "are missing (the file is shorter than the offsets say); the docstore is "
-                                         "corrupt, rebuild it with `sleuth index`")
-            data += more
+        data = pread_full(self._fd, size, offset)
+        if len(data) < size:
+            raise IndexMismatchError(f"{strings_path(self.directory)}: bytes {offset + len(data)}-{offset + size} "
+                                     "are missing (the file is shorter than the offsets say); the docstore is "
+                                     "corrupt, rebuild it with `sleuth index`")
         return data
 
     def _release(self) -> None:

@@ -42,6 +42,18 @@ class MappedFile:
             self.buffer.madvise(mmap.MADV_DONTNEED)
 
 
+def pread_full(fd: int, size: int, offset: int) -> bytes:
+    """`size` bytes of `fd` from `offset`, fewer only where the file ends first (a regular file's pread may
+    return part of a request)."""
+    data = os.pread(fd, size, offset)
+    while len(data) < size:
+        more = os.pread(fd, size - len(data), offset + len(data))
+        if not more:
+            break
+        data += more
+    return data
+
+
 def _libc_pread() -> Any:
     """libc's pread as a ctypes function numba can call (None where there is none, e.g. Windows)."""
     try:
@@ -119,7 +131,11 @@ class RowFile:
         else:
             failed = -1
             for i, row in enumerate(flat.tolist()):
-                out[i] = np.frombuffer(os.pread(self._fd, self.row_bytes, row * self.row_bytes), np.uint8)
+                data = pread_full(self._fd, self.row_bytes, row * self.row_bytes)
+                if len(data) < self.row_bytes:
+                    failed = i
+                    break
+                out[i] = np.frombuffer(data, np.uint8)
         if failed >= 0:
             raise OSError(f"{self.path}: could not read row {int(flat[failed])} (file truncated or unreadable)")
         return out.view(self.dtype).reshape(*ids.shape, *self.shape[1:])
