@@ -73,7 +73,8 @@ restore() {  # the carried bundle's claims into runs/claims once every part came
 }
 
 jobs_plan() {  # one job per independent arm (`sleuth reproduce CLAIM --arms ARM`), the whole claim where its arms
-  # run one after another (qagent); s3's largest sizes first, so the longest jobs start first
+  # run one after another (qagent); claims in CLAIMS' order (a lease's lanes go to the first ones), and within
+  # s3 the largest sizes first, so its longest jobs start first
   "${PY:-python}" - "$PROFILE" $CLAIMS <<'PYEOF'
 import sys
 from sleuth.reproduce import claim_arms
@@ -83,7 +84,7 @@ for claim in claims:
     arms = claim_arms(claim, profile)
     jobs += [(claim, arm) for arm in arms] or [(claim, "")]
 size = lambda arm: int(arm.rsplit("_", 1)[1]) if arm.rsplit("_", 1)[-1].isdigit() else 0  # s3_1600; not search_r1
-for claim, arm in sorted(jobs, key=lambda j: -size(j[1])):
+for claim, arm in sorted(jobs, key=lambda j: (claims.index(j[0]), -size(j[1]))):
     print(f"{claim} {arm}".strip())
 PYEOF
 }

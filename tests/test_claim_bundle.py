@@ -264,8 +264,8 @@ def test_arms_split_over_two_runs_give_the_report_of_one_run(tmp_path):
 
 
 def test_gpu_claims_plans_one_job_per_arm_with_s3s_largest_first(tmp_path):
-    """bench/gpu_claims.sh's queue: every independent arm once, qagent whole, s3's 6,000-question arms first
-    (an arm named search_r1 is not read as a size)."""
+    """bench/gpu_claims.sh's queue: every independent arm once, qagent whole, claims in CLAIMS' order, s3's
+    6,000-question arms first within s3 (an arm named search_r1 is not read as a size)."""
     import subprocess
     import sys
 
@@ -278,5 +278,10 @@ def test_gpu_claims_plans_one_job_per_arm_with_s3s_largest_first(tmp_path):
     expected = ["staged staged", "staged search_r1", "r_search with_evidence", "r_search without_evidence",
                 "qagent", *s3]
     assert sorted(jobs) == sorted(expected)
-    assert set(jobs[:2]) == {"s3 s3_6000", "s3 search_r1_6000"}
-    assert set(jobs[2:4]) == {"s3 s3_1600", "s3 search_r1_1600"}
+    assert set(jobs[:2]) == {"staged staged", "staged search_r1"} and jobs[4] == "qagent"
+    assert set(jobs[5:7]) == {"s3 s3_6000", "s3 search_r1_6000"}
+    assert set(jobs[7:9]) == {"s3 s3_1600", "s3 search_r1_1600"}
+    env["CLAIMS"] = "s3 qagent"
+    jobs = subprocess.run(["bash", "bench/gpu_claims.sh", "plan"], cwd=repo, env=env, capture_output=True,
+                          text=True, check=True).stdout.splitlines()
+    assert set(jobs[:2]) == {"s3 s3_6000", "s3 search_r1_6000"} and jobs[-1] == "qagent"
