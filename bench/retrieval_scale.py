@@ -600,6 +600,53 @@ def nprobe_sweep(args: argparse.Namespace, vectors: np.ndarray, exact: tuple[np.
     return rows
 
 
+def served_batch_phases(args: argparse.Namespace, questions: list[str], batches: int = 4) -> dict[str, Any]:
+    """Where one server worker's 256-query batch goes: the index loaded in this process with the served
+    settings (--threads, nprobe, re-rank depth) and each phase of a request timed on its own (median ms over
+    `batches` batches after a warm-up): query encoding, the IVF-PQ scan, the exact re-rank, the docstore
+    lookups and the response's JSON. Their sum is a worker's CPU time a batch but for HTTP; the cores over it
+    bound the batched q/s the server can reach with every core busy."""
+    import torch
+
+    from sleuth.retrieval import load_retriever
+    from sleuth.retrieval._common import hits_from_rows
+    from sleuth.retrieval.server import encode_result
+
+    torch.set_num_threads(args.threads)  # as each server worker (serve-retriever --threads)
+    retriever = load_retriever(args.work / "ivf", threads=args.threads, rerank=served_rerank(args),
+                               **({"nprobe": args.serve_nprobe} if args.serve_nprobe else {}))
+    depth = retriever.rerank
+    times: dict[str, list[float]] = {k: [] for k in ("encode", "scan", "rerank", "docstore", "json")}
+    for b in range(batches + 1):
+        batch = [questions[(b * 256 + i) % len(questions)] for i in range(256)]
+        t0 = time.perf_counter()
+        vectors = retriever.encoder.encode_queries(batch)
+        t1 = time.perf_counter()
+        retriever.rerank = 0
+        retriever.search_vectors(vectors, max(K, depth))
+        t2 = time.perf_counter()
+        retriever.rerank = depth
+        scores, rows = retriever.search_vectors(vectors, K)
+        t3 = time.perf_counter()
+        hits = hits_from_rows(retriever.docstore, [r[r >= 0] for r in rows],
+                              [s[r >= 0] for s, r in zip(scores, rows, strict=True)])
+        t4 = time.perf_counter()
+        encode_result(hits, True)
+        t5 = time.perf_counter()
+        if b:  # the first batch warms the probed lists, the encoder and the reads
+            for key, seconds in zip(times, (t1 - t0, t2 - t1, (t3 - t2) - (t2 - t1), t4 - t3, t5 - t4), strict=True):
+                times[key].append(seconds)
+    retriever.close()
+    ms = {key: round(1000 * float(np.median(v)), 1) for key, v in times.items()}
+    total = sum(ms.values())
+    cores = len(os.sched_getaffinity(0))
+    return {"threads": args.threads, "rerank": depth, "batches": batches, "phase_ms": ms, "total_ms": round(total, 1),
+            "qps_bound_all_cores": round(cores * 256 / (args.threads * total / 1000), 1), "cores": cores,
+            "note": "median ms a 256-query batch per phase (scan: IVF-PQ search alone; rerank: the search with the "
+                    "exact re-rank minus the scan); qps_bound_all_cores: cores x 256 / (threads x total), "
+                    "a worker's threads counted busy for the whole batch"}
+
+
 def served_rerank(args: argparse.Namespace) -> int:
     from sleuth.retrieval.sharded import DEFAULT_RERANK
 
@@ -625,10 +672,12 @@ def stage_dense_serve(args: argparse.Namespace) -> dict[str, Any]:
     encode = json.loads((args.work / "stages" / "encode.json").read_text()) if (
         args.work / "stages" / "encode.json").exists() else {}
     sweep = nprobe_sweep(args, query_vectors, exact) if args.sweep_nprobe else []
+    phases = served_batch_phases(args, [q["question"] for q in _questions(args.work)])
     return stage_record("dense-serve", args, t0, load0, **fields,
                         recall_at_5_vs_exact=round(overlap, 4), recall_at_5_vs_exact_tie_aware=round(tie_aware, 4),
                         tie_eps=TIE_EPS, exact_ties_at_5=round(exact_ties(exact[0]), 4), exact_questions=len(exact[0]),
                         nprobe=args.serve_nprobe or args.nprobe, rerank=served_rerank(args), nprobe_sweep=sweep,
+                        served_batch_phases=phases,
                         sample=encode.get("sample"), note=encode.get("note"))
 
 
