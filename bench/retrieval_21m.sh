@@ -58,7 +58,8 @@ BM25_SERVE=${BM25_SERVE:---server-workers 4 --threads $(( CORES / 4 > 0 ? CORES 
 DENSE_SERVE=${DENSE_SERVE:---server-workers $(( CORES / 2 > 0 ? CORES / 2 : 1 )) --threads 2 --worker-threads 1}
 # RERANK: the served exact re-rank depth. With m 192 x 4-bit codes at 21M (2026-11-27, 4x H100 host) recall@5 vs
 # exact was 0.924 at depth 64 and 0.939 at 256 (nprobe 64), but depth 256 cost 3.2x the in-process search rate and
-# served 620 q/s; depth 64 keeps the recall target. The in-process sweep measures 64 / 256 / 512 beside it.
+# served 620 q/s; depth 64 keeps the recall target and, with positional reads, served 1,156 q/s (2026-11-28, 4x H100 host:
+# bench/results/retrieval_scale_21m_dense_fs192_rerank64_h100x4host.json). The sweep measures 64 / 256 / 512 beside it.
 RERANK=${RERANK:-64}
 # NPROBE: the served lists probed a query (the fast-scan run of 2026-11-27 lost ~2 points of recall@5 at 32 against
 # 128; 64 halves that at a small cost with fast-scan codes). The sweep covers 16-128 beside it.
