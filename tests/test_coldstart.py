@@ -357,3 +357,35 @@ def test_masked_nll_equals_cross_entropy_over_full_logits(tmp_path, lora):
     torch.testing.assert_close(nll, reference, rtol=1e-10, atol=1e-10)
     for fast, ref in zip(fast_grads, [p.grad for p in model.parameters() if p.requires_grad], strict=True):
         torch.testing.assert_close(fast, ref, rtol=1e-8, atol=1e-10)
+
+
+def test_sft_update_does_not_depend_on_the_micro_batch_size(tmp_path, small_world, world, tokenizer):
+    """The GPU profiles run whole SFT batches in one pass (DemoSize.sft_micro): the summed micro-batch losses are
+    normalised by the whole batch's target tokens, so 1, 2 or 4 trajectories a pass give the same weights."""
+    import torch
+
+    from sleuth.rl.config import recipe_from_dict
+    from sleuth.rl.models import load_policy
+    from sleuth.rl.sft import run_sft
+
+    retriever, _ = world
+    records, _ = collect_oracle(get_loop("s3", top_k=3), retriever, tokenizer, read_qa_jsonl(small_world / "train.jsonl")[:8],
+                                budget=RolloutBudget(max_obs_tokens=128, max_response_tokens=512))
+    data = tmp_path / "traj.jsonl"
+    write_records(data, records)
+    weights = {}
+    for micro in (1, 2, 4):
+        recipe = _sft_recipe(tmp_path / f"m{micro}", small_world, data, epochs=2, lr=1e-2, batch_size=4,
+                             held_out=0.0)
+        recipe["sft"]["micro_batch_size"] = micro
+        result = run_sft(recipe_from_dict(recipe))
+        _, policy, _ = load_policy(recipe_from_dict(recipe), torch.device("cpu"), Path(result["checkpoint"]) / "policy")
+        weights[micro] = {k: v.detach().clone() for k, v in policy.state_dict().items()}
+        assert result["metrics"]["sft/tokens"] > 0
+    base_recipe = recipe_from_dict(_sft_recipe(tmp_path / "base", small_world, data, batch_size=4))
+    _, base, _ = load_policy(base_recipe, torch.device("cpu"))
+    moved = max((weights[1][k] - v).abs().max().item() for k, v in base.state_dict().items())
+    assert moved > 1e-3  # the runs trained: the weights left the base
+    for micro in (2, 4):
+        diff = max((weights[micro][k] - weights[1][k]).abs().max().item() for k in weights[1])
+        assert diff < 1e-5 * max(1.0, moved), (micro, diff)

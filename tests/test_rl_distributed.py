@@ -13,7 +13,7 @@ import torch
 import yaml
 
 
-def _recipe(small_world: Path, out_dir: Path, parallel: str = "ddp") -> dict:
+def _recipe(small_world: Path, out_dir: Path, parallel: str = "ddp", micro: int = 2) -> dict:
     # PPO with greedy rollouts in float64: the trajectories do not depend on how prompts are
     # split over ranks, so both runs see the same data and must compute the same update.
     return {
@@ -27,7 +27,7 @@ def _recipe(small_world: Path, out_dir: Path, parallel: str = "ddp") -> dict:
                   "max_obs_tokens": 24},
         "plugins": ["sleuth_test_rewards"],
         "reward": {"name": "test_token_fraction", "options": {"mode": "residue", "modulus": 7}},
-        "algorithm": {"name": "ppo", "n": 1, "prompts_per_step": 4, "minibatch_size": 4, "micro_batch_size": 2,
+        "algorithm": {"name": "ppo", "n": 1, "prompts_per_step": 4, "minibatch_size": 4, "micro_batch_size": micro,
                       "kl": {"coef": 0.01, "mode": "penalty", "estimator": "k1"}},
         # a large Adam eps makes the step proportional to the gradient (no per-element sign
         # amplification), so the comparison tests the distributed gradient itself
@@ -37,13 +37,13 @@ def _recipe(small_world: Path, out_dir: Path, parallel: str = "ddp") -> dict:
     }
 
 
-def _run(tmp: Path, small_world: Path, name: str, nproc: int, parallel: str = "ddp") -> Path:
+def _run(tmp: Path, small_world: Path, name: str, nproc: int, parallel: str = "ddp", micro: int = 2) -> Path:
     out = tmp / name
     out.mkdir()
     # an earlier run's row: a fresh run drops it and validates anew, and every rank must agree on that
     (out / "validation.jsonl").write_text(json.dumps({"step": 0, "val/reward/mean": 9.0}) + "\n")
     cfg = tmp / f"{name}.yaml"
-    cfg.write_text(yaml.safe_dump(_recipe(small_world, out, parallel)))
+    cfg.write_text(yaml.safe_dump(_recipe(small_world, out, parallel, micro)))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(
         p for p in (str(Path(__file__).parent / "plugins"), os.environ.get("PYTHONPATH")) if p)}
     if nproc == 1:
@@ -110,3 +110,16 @@ def test_checkpoint_from_two_ranks_resumes_on_one(small_world: Path, tmp_path: P
     state = json.loads((two / "checkpoints" / "step_000003" / "trainer_state.json").read_text())
     # 4 prompts per step were drawn by the 2-rank run twice and by the 1-process run once
     assert state["cursor"]["position"] + state["cursor"]["epoch"] * 48 == 12
+
+
+def test_update_does_not_depend_on_the_micro_batch_size(small_world: Path, tmp_path: Path) -> None:
+    """The GPU profiles pass 4 groups at once (DemoSize.rl_micro): each micro-batch's loss is normalised by the
+    minibatch's totals, so one trajectory a pass and the whole minibatch in one pass make the same update."""
+    runs = [_run(tmp_path, small_world, f"micro{m}", 1, micro=m) for m in (1, 4)]
+    m1, m4 = ([json.loads(x) for x in (r / "metrics.jsonl").read_text().splitlines()] for r in runs)
+    assert [m["step"] for m in m1] == [m["step"] for m in m4] == [1, 2]
+    for a, b in zip(m1, m4, strict=True):  # step 2's rollouts come from the updated policy: equal only if step 1's were
+        for key in ("reward/mean", "critic/value_loss", "actor/kl", "response_length/policy_tokens"):
+            assert a[key] == pytest.approx(b[key], rel=1e-9, abs=1e-12), key
+        assert a["actor/grad_norm"] == pytest.approx(b["actor/grad_norm"], rel=1e-6)
+        assert a["actor/pg_loss"] == pytest.approx(b["actor/pg_loss"], abs=1e-9)

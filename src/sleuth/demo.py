@@ -58,6 +58,13 @@ class DemoSize:
     # static cache); True = the compiled static cache (`--compile`)
     compile_generation: bool | None = False
     eval_batch_size: int = 16  # questions per evaluation batch (the GPU profile's 500 in batches of 128)
+    # Trajectories per forward/backward, SFT and GRPO update (0: one group of n). The sum over micro-batches is
+    # normalised by the whole batch, so they change memory and speed, not the update. A 135M LoRA policy's
+    # forward/backward is ~40,000 aten ops whatever its length (CPU profile: SmolLM2-135M, LoRA on 7 projections),
+    # so on a GPU each pass costs its dispatch (~0.25-0.35 s a pass in the 2026-11-28 H100 claim runs):
+    # the GPU profiles take whole batches (4 SFT trajectories, 4 groups of an 80-trajectory GRPO minibatch).
+    sft_micro: int = 2
+    rl_micro: int = 0
 
 
 # Sized for 2 CPU cores in under 10 minutes: the committed searcher's evaluation is most of it.
@@ -69,7 +76,7 @@ FULL = DemoSize(
 GPU = DemoSize(
     model="smollm2-135m-instruct", passages=5000, questions=6000, hops=(1, 3), committed_questions=500,
     sft_questions=1200, sft_epochs=2, train_steps=15, prompts_per_step=16, n=5, max_new_tokens=64, lr=5e-5,
-    eval_questions=500, max_turns=4, compile_generation=None, eval_batch_size=128,
+    eval_questions=500, max_turns=4, compile_generation=None, eval_batch_size=128, sft_micro=4, rl_micro=20,
 )
 FAST = DemoSize(
     model="tiny", passages=400, questions=80, hops=(1, 2), committed_questions=0, sft_questions=8, sft_epochs=2,
@@ -131,7 +138,7 @@ def demo_recipe(out: Path, size: DemoSize, method: str = "search_r1") -> dict[st
             "n": size.n,
             "prompts_per_step": size.prompts_per_step,
             "minibatch_size": size.n * size.prompts_per_step,
-            "micro_batch_size": size.n,
+            "micro_batch_size": size.rl_micro or size.n,
             "kl": {"coef": 0.0},  # RL starts from the SFT adapters; a KL to the base model would undo them
         },
         "optim": {"lr": size.lr},
@@ -146,8 +153,9 @@ def demo_recipe(out: Path, size: DemoSize, method: str = "search_r1") -> dict[st
             "epochs": size.sft_epochs,
             "lr": 3e-4 if size.model != "tiny" else 3e-3,
             "batch_size": 4,
-            "micro_batch_size": 2,
+            "micro_batch_size": size.sft_micro,
             "held_out": 0.0,
+            "save_every": 100,  # a cold start cut short (a lease ended) resumes from its last hundred steps
         },
     }
 

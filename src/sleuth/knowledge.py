@@ -91,9 +91,10 @@ class WorldSFT:
     micro_cap: int  # micro-batch size at most this (the batch size when smaller)
 
 
-# On a GPU, passes of up to 64 statements (~100 tokens each; the gradient is the same token mean at any size): an
-# H100 step of one 16-statement pass took 0.24 s, mostly per-pass overhead. On a CPU 16: 64 took 18 GB (fp32).
-INJECTION_SFT = WorldSFT("inject-knowledge", INJECTION_LOOP, "knowledge_sft.jsonl", "inject_recipe.yaml", 64)
+# On a GPU, passes of up to 128 statements (~100 tokens each; the gradient is the same token mean at any size): an
+# H100 step of one 16-statement pass took 0.24 s, two 64-statement passes 0.49 s (2026-11-28), so the cost is per
+# pass (dispatch: ~40,000 aten ops a forward/backward), not per token. On a CPU 16: 64 took 18 GB (fp32).
+INJECTION_SFT = WorldSFT("inject-knowledge", INJECTION_LOOP, "knowledge_sft.jsonl", "inject_recipe.yaml", 128)
 CPU_MICRO_CAP = 16
 
 

@@ -39,7 +39,8 @@ from sleuth.rewards.answerer import document_prompt
 from sleuth.utils import atomic_write_json
 
 READER_LOOP = "s3"  # SFT records and searcher.json need a registered loop; the reader prompt uses no loop tags
-READER_SFT = WorldSFT("train-reader", READER_LOOP, "reader_sft.jsonl", "reader_recipe.yaml", 8)
+# one pass a 16-record step on a GPU (the cost is per pass: sleuth.knowledge's INJECTION_SFT)
+READER_SFT = WorldSFT("train-reader", READER_LOOP, "reader_sft.jsonl", "reader_recipe.yaml", 16)
 READER_FILE = "reader.json"  # OUT/reader.json: the finished reader, its settings and its SFT loss
 READER_DIR = "reader"  # OUT/reader: the exported reader (a Hugging Face directory)
 CHECK_FILE = "reader_check.json"

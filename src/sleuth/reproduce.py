@@ -125,7 +125,7 @@ STAGED_PROFILES = {
         pipeline=DemoSize(model="smollm2-135m-instruct", passages=5000, questions=6000, hops=(1, 3),
                           committed_questions=0, sft_questions=1200, sft_epochs=2, train_steps=30,
                           prompts_per_step=16, n=5, max_new_tokens=64, lr=5e-5, eval_questions=500, max_turns=4,
-                          compile_generation=None, eval_batch_size=128),
+                          compile_generation=None, eval_batch_size=128, sft_micro=4, rl_micro=20),
         known_fraction=0.5, splits=(0.8, 0.1, 0.1), inject_epochs=12, inject_lr=3e-3, inject_batch=128, lora=True,
         test_questions=500, accuracy_margin=0.02),
 }
