@@ -105,7 +105,8 @@ def test_committed_searcher_is_found_only_for_its_model_and_world(tmp_path: Path
     assert demo.committed_checkpoint("search_r1", demo.FULL, None) == demo.REPO_CHECKPOINTS / "search_r1"
     assert demo.committed_checkpoint("search_r1", demo.FAST, None) is None  # tiny model, small world
     assert demo.committed_checkpoint("search_r1", demo.FULL, "none") is None
-    for committed in sorted(p for p in demo.REPO_CHECKPOINTS.iterdir() if p.is_dir()):
+    # checkpoints/claims holds the claim runs' injected model and reader (tests/test_claim_checkpoints.py)
+    for committed in sorted(p for p in demo.REPO_CHECKPOINTS.iterdir() if p.is_dir() and p.name != "claims"):
         info = json.loads((committed / "searcher.json").read_text())
         assert info["base_model"] == "smollm2-135m-instruct", committed  # loads anywhere, not a GPU box's path
         assert (committed / "recipe.yaml").exists() and (committed / "policy" / "adapter_model.safetensors").exists()
