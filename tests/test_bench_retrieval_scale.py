@@ -157,6 +157,11 @@ def test_dense_only_run_builds_the_bm25_docstore_without_bm25_and_reports_bm25_a
     assert set(result["stages"]) == {"synth", "docstore-build", "encode", "ivfpq-build", "dense-serve"}
     assert "docstore build" in out.stdout and re.search(r"^bm25-build +skipped: SKIP_BM25=1$", out.stdout, re.M)
     assert result["stages"]["dense-serve"]["recall_at_5_vs_exact"] >= 0.8
+    # one served worker's batch, phase by phase: every phase timed, the total their sum
+    phases = result["stages"]["dense-serve"]["served_batch_phases"]
+    assert set(phases["phase_ms"]) == {"encode", "scan", "rerank", "docstore", "json"}
+    assert phases["phase_ms"]["encode"] > 0 and phases["phase_ms"]["scan"] > 0
+    assert phases["total_ms"] == pytest.approx(sum(phases["phase_ms"].values()), abs=0.2)
 
 
 def test_pss_counts_a_page_shared_by_two_processes_once(tmp_path: Path) -> None:
