@@ -7,20 +7,24 @@
 # world and the exported reader are rebuilt on restore and checked against their sha256. 15 MiB parts.
 # Prepare on the development machine: `bash bench/prepare_gpu_assets.sh` (.whl, .models, the GGUF halves in
 # .gpu/p1 and .gpu/p2) and `bash bench/gpu_learn.sh minilm` (.gpu/minilm).
-# Calls follow each other within the machine's idle time (~30 s), 64 MiB carried a call:
-#   1: carry [.whl, .models, .claims/bundle.json, .claims/bundle.000, .claims/bundle.001]
+# The tracked checkpoints/ (~120 MB) stay behind: before the calls `git rm -r -q --cached checkpoints && echo
+# /checkpoints/ >> .git/info/exclude`, after them `git reset -q checkpoints` and delete that line (bench/README.md).
+# Calls follow each other within the machine's idle time (~30 s), 64 MiB a call with the working tree (~8 MB);
+# `take` prints the plan for the bundle in .claims/, e.g.:
+#   1: carry [.whl, .models, .claims/bundle.json, .claims/bundle.000]
 #                                         bash bench/gpu_claims.sh start     (wheels; the daemon waits for the GGUF)
-#   2: carry [.gpu/p1, .claims/bundle.002]  bash bench/gpu_claims.sh wait 20
-#   3: carry [.gpu/p2, .claims/bundle.003]  bash bench/gpu_claims.sh wait 20   (joins the GGUF)
-#   4: carry [.gpu/minilm, .claims/bundle.004]  bash bench/gpu_claims.sh wait 540  (the staged reward's encoder,
-#                                         `bash bench/gpu_learn.sh minilm` here; restores, claims start)
+#   2: carry [.gpu/p1]                    bash bench/gpu_claims.sh wait 5
+#   3: carry [.gpu/p2]                    bash bench/gpu_claims.sh wait 5    (joins the GGUF)
+#   4: carry [.gpu/minilm]                bash bench/gpu_claims.sh wait 5    (the staged reward's encoder,
+#                                         `bash bench/gpu_learn.sh minilm` here)
+#   5..: carry [.claims/bundle.001, ...]  bash bench/gpu_claims.sh wait 5    (3 parts a call; the last call's
+#                                         `wait 540`: the bundle is whole, it restores, the claims start)
 #   then                                  bash bench/gpu_claims.sh wait 540  (each wait packs: claims.tgz + bundle)
 #   last calls of the lease               bash bench/gpu_claims.sh pack; then `send` until every part came back
 # After every call that returned files, on the development machine: `bash bench/gpu_claims.sh take FILES_AT`
 # (copies the bundle into .claims/, ignored through .git/info/exclude; says which parts are still to send and,
 # once whole, what each call of the next lease carries). No .claims/ (the first lease): the claims start from
-# zero. More parts than calls 1-4 hold: carry them in further `wait 5` calls; the daemon restores once the
-# bundle is whole (and the GGUF is there), then starts the claims.
+# zero. The daemon restores once the bundle is whole (and the GGUF and the encoder are there), then starts the claims.
 # A bundle is 1-4 adapters a claim (19.6 MB each in float32) plus 59 MB per run cut short, so late leases may
 # need a few `send`s. A claim restored is skipped stage by stage, a finished one (report) by its done-marker.
 # CLAIMS (default "staged r_search qagent s3") become jobs, one per independent arm (`sleuth reproduce CLAIM
@@ -60,7 +64,11 @@ if [ "${1:-}" = take ]; then  # development machine: a call's returned files (it
     git check-ignore -q "$BUNDLE/x" || grep -qx "/$BUNDLE/" "$common/info/exclude" 2>/dev/null \
       || echo "/$BUNDLE/" >> "$common/info/exclude"
   fi
-  exec "${PY:-.venv/bin/python}" -m sleuth.claim_bundle take "$2" "$BUNDLE" \
+  # the working tree travels with every call and counts in its 64 MiB: tracked and untracked-not-ignored files
+  # but checkpoints/, which GPU calls leave out (bench/README.md: git rm --cached + .git/info/exclude)
+  tree=$(git ls-files -z -co --exclude-standard | grep -zv '^checkpoints/' | xargs -0 stat -c %s 2>/dev/null \
+    | awk '{s += $1} END {print s + 0}')
+  exec "${PY:-.venv/bin/python}" -m sleuth.claim_bundle take "$2" "$BUNDLE" --tree-bytes "$tree" \
     --beside ".whl .models" --beside .gpu/p1 --beside .gpu/p2 --beside .gpu/minilm  # calls 1-4 of the header
 fi
 mkdir -p "$WORK/logs" "$WORK/done"

@@ -124,6 +124,12 @@ def test_carry_plan_fills_the_calls_beside_their_own_paths(tmp_path):
     plan = [[p.rsplit("/", 1)[-1] for p in call] for call in carry_plan(index, ".claims", beside)]
     assert plan == [[".whl", ".models", "bundle.json", "bundle.000", "bundle.001"], ["p1", "bundle.002"],
                     ["p2", "bundle.003"], ["bundle.004", "bundle.005", "bundle.006", "bundle.007"], ["bundle.008"]]
+    # the working tree (8 MB) travels with every call: one part beside the wheels, none beside a GGUF half (47 MB +
+    # 8 MB leave 11 MB), three in a call of parts alone
+    plan = [[p.rsplit("/", 1)[-1] for p in call] for call in carry_plan(index, ".claims", beside, tree=8_000_000)]
+    assert plan == [[".whl", ".models", "bundle.json", "bundle.000"], ["p1"], ["p2"],
+                    ["bundle.001", "bundle.002", "bundle.003"], ["bundle.004", "bundle.005", "bundle.006"],
+                    ["bundle.007", "bundle.008"]]
 
 
 def _records(path):

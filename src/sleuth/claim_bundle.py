@@ -397,11 +397,12 @@ def _completeness(folder: Path, index: dict[str, Any]) -> dict[str, Any]:
             "bytes": index["bytes"]}
 
 
-def carry_plan(index: dict[str, Any], folder: str, beside: list[list[str]]) -> list[list[str]]:
+def carry_plan(index: dict[str, Any], folder: str, beside: list[list[str]], tree: int = 0) -> list[list[str]]:
     """The paths each call carries: the calls' own paths (`beside`: the wheels, the GGUF halves...) with as many
-    parts as fit next to them in CARRY_BYTES, the index with the first call; then calls of parts alone."""
+    parts as fit next to them in CARRY_BYTES, the index with the first call; then calls of parts alone. `tree`:
+    the bytes of the working tree that travels with every call (the limit counts it with the carried paths)."""
     calls = [list(paths) for paths in beside] or [[]]
-    room = [CARRY_BYTES - MIB - sum(tree_bytes(Path(p)) for p in paths) for paths in calls]
+    room = [CARRY_BYTES - MIB - tree - sum(tree_bytes(Path(p)) for p in paths) for paths in calls]
     calls[0].append(f"{folder}/{INDEX}")
     k = 0
     for part in index["parts"]:
@@ -409,7 +410,7 @@ def carry_plan(index: dict[str, Any], folder: str, beside: list[list[str]]) -> l
             k += 1
         if k == len(calls):
             calls.append([])
-            room.append(CARRY_BYTES - MIB)
+            room.append(CARRY_BYTES - MIB - tree)
         calls[k].append(f"{folder}/{part['name']}")
         room[k] -= part["bytes"]
     return calls
@@ -519,6 +520,8 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("claims", type=Path)
     t.add_argument("--beside", action="append", default=[],
                    help="what a call of the next lease carries anyway (space-separated paths), one option a call")
+    t.add_argument("--tree-bytes", type=int, default=0,
+                   help="bytes of the working tree that travels with every call (counted in the 64 MiB)")
     r = sub.add_parser("restore", help="restore the carried bundle's claims under RUNS (exit 3: parts missing)")
     r.add_argument("claims", type=Path)
     r.add_argument("runs", type=Path)
@@ -550,7 +553,8 @@ def _run(args: argparse.Namespace) -> int:
         print(f"bundle {state['snapshot']} in {args.claims}: {len(state['have'])} parts, "
               f"{len(state['missing'])} still to send ({', '.join(state['missing']) or 'complete'})")
         if not state["missing"]:
-            plan = carry_plan(read_index(args.claims), args.claims.as_posix(), [b.split() for b in args.beside])
+            plan = carry_plan(read_index(args.claims), args.claims.as_posix(), [b.split() for b in args.beside],
+                              args.tree_bytes)
             print("next lease, what each call carries:")
             for k, paths in enumerate(plan, 1):
                 print(f"  call {k}: {json.dumps(paths)}")
