@@ -546,3 +546,39 @@ def test_4bit_ivfpq_is_written_in_the_fast_scan_layout(tmp_path: Path, encoder: 
         recalls[nbits] = float(np.mean([len({h.doc_id for h in g} & {h.doc_id for h in e}) / 5
                                         for g, e in zip(got, exact, strict=True)]))
     assert recalls[4] >= 0.9 and recalls[4] >= recalls[8] - 0.05, recalls
+
+
+def test_nprobe_above_nlist_probes_every_list(tmp_path: Path, encoder: HashEncoder) -> None:
+    """faiss's IVF-PQ fast scan returns garbage for nprobe > nlist (one id for every hit, scores ~2e31); sleuth
+    probes at most every list, so a small index served with a large --nprobe (serve-retriever's 64 on a
+    16-list index) answers as with nprobe = nlist, for 4- and 8-bit codes, one index or shards."""
+    import faiss
+
+    from sleuth.retrieval.dense import faiss_params, new_faiss_index, searchable_index, set_nprobe
+
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((2000, DIM)).astype(np.float32)
+    x /= np.linalg.norm(x, axis=1, keepdims=True)
+    faiss.omp_set_num_threads(1)
+    for nbits, m in ((4, 16), (8, 8)):
+        params = faiss_params("ivfpq", nlist=16, m=m, nbits=nbits, nprobe=64)
+        plain = new_faiss_index(DIM, params, len(x))
+        plain.train(x)
+        plain.add(x)
+        index = searchable_index(plain, params)
+        assert faiss.extract_index_ivf(index).nprobe == 16
+        want = index.search(x[:50], 5)
+        set_nprobe(index, 1000)
+        got = index.search(x[:50], 5)
+        np.testing.assert_array_equal(got[1], want[1])
+        assert np.mean(got[1][:, 0] == np.arange(50)) >= 0.9, nbits  # each vector finds itself
+    corpus = tmp_path / "c.jsonl"
+    docs = _write_corpus(corpus, 600, seed=3, words_per_doc=10)
+    queries = [" ".join(rng.choice(docs[i], size=4, replace=False)) for i in range(0, 600, 20)]
+    build_index(corpus, "dense", tmp_path / "ivf", encoder=encoder, faiss="ivfpq", nlist=8, m=16, nbits=4, nprobe=4,
+                shards=2, keep_vectors=True, show_progress=False)
+    every = [[h.doc_id for h in hs] for hs in load_retriever(tmp_path / "ivf", encoder=encoder, nprobe=8).search(queries, 5)]
+    above = load_retriever(tmp_path / "ivf", encoder=encoder, nprobe=64)
+    assert [[h.doc_id for h in hs] for hs in above.search(queries, 5)] == every
+    above.set_search_params(nprobe=65)
+    assert [[h.doc_id for h in hs] for hs in above.search(queries, 5)] == every

@@ -69,8 +69,18 @@ def new_faiss_index(dim: int, params: dict[str, Any], num_vectors: int):
     index = faiss.IndexIVFPQ(
         quantizer, dim, params["nlist"], params["m"], params["nbits"], faiss.METRIC_INNER_PRODUCT
     )
-    index.nprobe = params["nprobe"]
+    set_nprobe(index, params["nprobe"])
     return index
+
+
+def set_nprobe(index: Any, nprobe: int) -> None:
+    """Probe `nprobe` of an IVF index's lists, at most all of them: faiss 1.15's IVF-PQ fast-scan search
+    returns garbage (every id the same, scores ~2e31) when nprobe exceeds nlist, where the other IVF indexes
+    probe every list; probing nlist lists is the same search."""
+    import faiss  # deferred: faiss is heavy; only dense indexes need it
+
+    ivf = faiss.extract_index_ivf(index)
+    ivf.nprobe = min(int(nprobe), int(ivf.nlist))
 
 
 def searchable_index(index: Any, params: dict[str, Any]) -> Any:
@@ -87,7 +97,7 @@ def searchable_index(index: Any, params: dict[str, Any]) -> Any:
         return index
     ivf = faiss.downcast_index(faiss.extract_index_ivf(index))
     fast = faiss.IndexIVFPQFastScan(ivf)
-    fast.nprobe = ivf.nprobe
+    set_nprobe(fast, ivf.nprobe)
     return fast
 
 
@@ -209,8 +219,7 @@ class DenseRetriever:
                 raise ConfigError(f"ef_search applies to HNSW indexes, this one is {self.faiss_type!r}")
             hnsw.hnsw.efSearch = int(ef_search)
         if nprobe is not None:
-            ivf = faiss.extract_index_ivf(self.index)
-            ivf.nprobe = int(nprobe)
+            set_nprobe(self.index, nprobe)
 
     def search_vectors(self, vectors: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
         import faiss  # deferred: faiss is heavy; only dense indexes need it

@@ -32,7 +32,14 @@ import numpy as np
 from sleuth.errors import ConfigError, IndexMismatchError
 from sleuth.retrieval._common import hits_from_rows, validate_queries
 from sleuth.retrieval.base import Hit
-from sleuth.retrieval.dense import BLAS_BATCH_MIN, _blas_lock, new_faiss_index, read_faiss, searchable_index
+from sleuth.retrieval.dense import (
+    BLAS_BATCH_MIN,
+    _blas_lock,
+    new_faiss_index,
+    read_faiss,
+    searchable_index,
+    set_nprobe,
+)
 from sleuth.retrieval.docstore import DocStore
 from sleuth.retrieval.ivf_build import IvfBuilder
 from sleuth.retrieval.mapped import MappedFile, RowFile
@@ -389,7 +396,7 @@ class ShardedDenseRetriever:
                     raise ConfigError(f"ef_search applies to HNSW indexes, this one is {self.faiss_type!r}")
                 hnsw.hnsw.efSearch = int(ef_search)
             if nprobe is not None:
-                faiss.extract_index_ivf(index).nprobe = int(nprobe)
+                set_nprobe(index, nprobe)
 
     def _search_shard(
         self, i: int, vectors: np.ndarray, k: int, omp_threads: int
