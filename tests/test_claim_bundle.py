@@ -85,8 +85,8 @@ def test_stage_plans_list_the_stages_the_runners_write():
                               "world"]
     assert qagent["train_stage2"] == ("train_stage1.run/checkpoints/step_000001", "reader.reader")
     s3 = stage_plan("s3", "gpu")
-    assert len(s3) == 4 + 4 * 2 * 2 and s3["train_s3_6000"] == ("sft_s3.sft_checkpoint", "reader.reader")
-    assert s3["eval_search_r1_100"] == ("train_search_r1_100.checkpoint",)
+    assert len(s3) == 4 + 4 * 2 * 2 and s3["train_s3_1600"] == ("sft_s3.sft_checkpoint", "reader.reader")
+    assert s3["eval_search_r1_25"] == ("train_search_r1_25.checkpoint",)
     assert len(stage_plan("s3", "cpu")) == 12
 
 
@@ -245,7 +245,7 @@ def test_arms_are_checked_and_the_report_waits_for_every_arm(tmp_path):
     with pytest.raises(ConfigError, match="qagent claim's arms run one after another"):
         reproduce("qagent", tmp_path, "cpu", arms=["stage1"])
     assert claim_arms("r_search", "gpu") == ("with_evidence", "without_evidence")
-    assert claim_arms("s3", "gpu")[-2:] == ("s3_6000", "search_r1_6000")
+    assert claim_arms("s3", "gpu")[-2:] == ("s3_1600", "search_r1_1600")
     stage(tmp_path, "train_a", lambda: {"x": 0})
     stage(tmp_path, "eval_a", lambda: {"x": 1})
     assert require_arm_stages(tmp_path, ["a"]) == {"train_a": {"x": 0}, "eval_a": {"x": 1}}
@@ -271,7 +271,7 @@ def test_arms_split_over_two_runs_give_the_report_of_one_run(tmp_path):
 
 def test_gpu_claims_plans_one_job_per_arm_with_s3s_largest_first(tmp_path):
     """bench/gpu_claims.sh's queue: every independent arm once, qagent whole, claims in CLAIMS' order, s3's
-    6,000-question arms first within s3 (an arm named search_r1 is not read as a size)."""
+    1,600-question arms first within s3 (an arm named search_r1 is not read as a size)."""
     import subprocess
     import sys
 
@@ -280,14 +280,14 @@ def test_gpu_claims_plans_one_job_per_arm_with_s3s_largest_first(tmp_path):
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     jobs = subprocess.run(["bash", "bench/gpu_claims.sh", "plan"], cwd=repo, env=env, capture_output=True,
                           text=True, check=True).stdout.splitlines()
-    s3 = [f"s3 {m}_{n}" for n in (100, 400, 1600, 6000) for m in ("s3", "search_r1")]
+    s3 = [f"s3 {m}_{n}" for n in (25, 100, 400, 1600) for m in ("s3", "search_r1")]
     expected = ["staged staged", "staged search_r1", "r_search with_evidence", "r_search without_evidence",
                 "qagent", *s3]
     assert sorted(jobs) == sorted(expected)
     assert set(jobs[:2]) == {"staged staged", "staged search_r1"} and jobs[4] == "qagent"
-    assert set(jobs[5:7]) == {"s3 s3_6000", "s3 search_r1_6000"}
-    assert set(jobs[7:9]) == {"s3 s3_1600", "s3 search_r1_1600"}
+    assert set(jobs[5:7]) == {"s3 s3_1600", "s3 search_r1_1600"}
+    assert set(jobs[7:9]) == {"s3 s3_400", "s3 search_r1_400"}
     env["CLAIMS"] = "s3 qagent"
     jobs = subprocess.run(["bash", "bench/gpu_claims.sh", "plan"], cwd=repo, env=env, capture_output=True,
                           text=True, check=True).stdout.splitlines()
-    assert set(jobs[:2]) == {"s3 s3_6000", "s3 search_r1_6000"} and jobs[-1] == "qagent"
+    assert set(jobs[:2]) == {"s3 s3_1600", "s3 search_r1_1600"} and jobs[-1] == "qagent"

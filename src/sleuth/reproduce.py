@@ -44,6 +44,7 @@ import typer
 
 from sleuth.appendlog import read_appended
 from sleuth.claim_report import curve_figure, write_report
+from sleuth.claim_reuse import inject_stage, reader_stage
 from sleuth.claim_stages import STAGES_DIR as STAGES_DIR  # importable from here, where it lived
 from sleuth.claim_stages import ArmSelection, ArmsPending, require_arm_stages, stage, write_claim_file
 from sleuth.data.synth import KNOWLEDGE_TYPES
@@ -85,8 +86,8 @@ CLAIMS: dict[str, Claim] = {c.method: c for c in (
           "stage 2 minus stage 1, read by the other reader: EM interval above 0"),
     Claim("s3", "a searcher trained against a frozen generator needs far less data than end-to-end training",
           "the synthetic world", "a trained reader (sleuth train-reader); oracle-trajectory SFT (s3 and search_r1 loops)",
-          "s3 vs search_r1, one GRPO run per number of RL training questions (cpu: 2 / 4; gpu: 100 / 400 / 1,600 / "
-          "6,000)",
+          "s3 vs search_r1, one GRPO run per number of RL training questions (cpu: 2 / 4; gpu: 25 / 100 / 400 / "
+          "1,600, a 64-fold range like the paper's 2.4k vs 170k)",
           "held-out EM against training questions; the same trained reader reads s3's documents at every size",
           "s3 at the smallest size minus search_r1 at the largest: EM interval above -margin"),
 )}
@@ -138,7 +139,7 @@ CLAIM_PROFILES = {
         reader=ReaderSettings(model="tiny", distractors=1, epochs=2, lr=3e-3, batch_size=8, lora=False)),
     "gpu": ClaimProfile(
         pipeline=replace(STAGED_PROFILES["gpu"].pipeline, questions=8000), splits=(0.8, 0.1, 0.1), lora=True,
-        test_questions=500, accuracy_margin=0.02, sizes=(100, 400, 1600, 6000),
+        test_questions=500, accuracy_margin=0.02, sizes=(25, 100, 400, 1600),
         reader=ReaderSettings(model="smollm2-135m-instruct", distractors=2, epochs=2, lr=3e-4, batch_size=16)),
 }
 
@@ -310,23 +311,13 @@ def claim_table(first: dict[str, dict[str, Any]], second: dict[str, dict[str, An
     return {"rows": rows, "holds": holds, "accuracy_margin": margin, "questions": len(ids), "rule": rule}
 
 
-def reproduce_staged(out: Path, profile_name: str, console: Any, arms: ArmSelection) -> Path:
+def reproduce_staged(out: Path, profile_name: str, console: Any, arms: ArmSelection, reuse: Path | None) -> Path:
     """The staged claim end to end (module docstring); returns OUT/report.html."""
-    from sleuth.knowledge import InjectionSettings, boundary_check, inject_knowledge
-
     profile = STAGED_PROFILES[profile_name]
     out.mkdir(parents=True, exist_ok=True)
     world = out / "world"
     details: dict[str, Any] = {"profile": profile_name, "world": stage(out, "world", lambda: build_world(world, profile), console)}
-    settings = InjectionSettings(model=profile.pipeline.model, epochs=profile.inject_epochs, lr=profile.inject_lr,
-                                 batch_size=profile.inject_batch, lora=profile.lora)
-
-    def inject() -> dict[str, Any]:
-        ckpt = inject_knowledge(world, out / "inject", settings, console)
-        return {"checkpoint": str(ckpt), "boundary": boundary_check(world, str(ckpt), out / "inject", "test",
-                                                                    profile.test_questions)}
-
-    details["inject"] = stage(out, "inject", inject, console)
+    details["inject"] = stage(out, "inject", lambda: inject_stage(world, out / "inject", profile, reuse, console), console)
     for method in STAGED_ARMS:
         if not arms.runs(method):
             continue
@@ -360,30 +351,23 @@ def own_answer_em(record: dict) -> float:
     return exact_match(record.get("extra", {}).get("agent_answer"), record["golden_answers"])
 
 
-def _start(out: Path, profile_name: str, console: Any, reader: bool) -> tuple[ClaimProfile, Path, dict[str, Any]]:
+def _start(out: Path, profile_name: str, console: Any, reader: bool,
+           reuse: Path | None) -> tuple[ClaimProfile, Path, dict[str, Any]]:  # fmt: skip
     """The shared first stages: the profile, the plain world and, when asked, the trained reader."""
-    from sleuth.reader import reader_check, train_reader
-
     profile = CLAIM_PROFILES[profile_name]
     out.mkdir(parents=True, exist_ok=True)
     world = out / "world"
     details: dict[str, Any] = {"profile": profile_name,
                                "world": stage(out, "world", lambda: build_world(world, profile), console)}
     if reader:
-        assert profile.reader is not None
-
-        def build_reader() -> dict[str, Any]:
-            path = train_reader(world, out / "reader", profile.reader, console)
-            return {"reader": str(path), "gold_passage_em": reader_check(
-                world, str(path), out / "reader", "test", profile.test_questions)}
-
-        details["reader"] = stage(out, "reader", build_reader, console)
+        details["reader"] = stage(out, "reader", lambda: reader_stage(world, out / "reader", profile, reuse, console),
+                                  console)
     return profile, world, details
 
 
-def reproduce_r_search(out: Path, profile_name: str, console: Any, arms: ArmSelection) -> Path:
+def reproduce_r_search(out: Path, profile_name: str, console: Any, arms: ArmSelection, reuse: Path | None) -> Path:
     """r_search with vs without the evidence reward (module docstring); returns OUT/report.html."""
-    profile, world, details = _start(out, profile_name, console, reader=True)
+    profile, world, details = _start(out, profile_name, console, True, reuse)
     details["sft_r_search"] = stage(out, "sft_r_search", lambda: _cold_start(
         out, world, profile, "r_search", None, console), console)
     for arm in R_SEARCH_ARMS:
@@ -405,9 +389,9 @@ def reproduce_r_search(out: Path, profile_name: str, console: Any, arms: ArmSele
     return write_report(out, CLAIMS["r_search"], table, tuple(a.name for a in R_SEARCH_ARMS), details)
 
 
-def reproduce_qagent(out: Path, profile_name: str, console: Any, arms: ArmSelection) -> Path:
+def reproduce_qagent(out: Path, profile_name: str, console: Any, arms: ArmSelection, reuse: Path | None) -> Path:
     """qagent stage 2 vs stage 1, each read by both readers (module docstring); returns OUT/report.html."""
-    profile, world, details = _start(out, profile_name, console, reader=True)
+    profile, world, details = _start(out, profile_name, console, True, reuse)
     trained, base = details["reader"]["reader"], profile.pipeline.model
     half = max(1, profile.pipeline.train_steps // 2)
     details["sft_qagent"] = stage(out, "sft_qagent", lambda: _cold_start(
@@ -441,19 +425,20 @@ def reproduce_qagent(out: Path, profile_name: str, console: Any, arms: ArmSelect
     return write_report(out, CLAIMS["qagent"], table, ("stage 2", "stage 1"), details)
 
 
-def reproduce_s3(out: Path, profile_name: str, console: Any, arms: ArmSelection) -> Path:
+def reproduce_s3(out: Path, profile_name: str, console: Any, arms: ArmSelection, reuse: Path | None) -> Path:
     """s3 vs search_r1 against the number of RL training questions (module docstring); returns OUT/report.html."""
     import math
 
     from sleuth.agent.registry import get_method
     from sleuth.eval.stats import bootstrap_ci
 
-    profile, world, details = _start(out, profile_name, console, reader=True)
+    profile, world, details = _start(out, profile_name, console, True, reuse)
     reader, per_step = details["reader"]["reader"], profile.pipeline.prompts_per_step
     methods = ("s3", "search_r1")
-    for method in methods:
-        details[f"sft_{method}"] = stage(out, f"sft_{method}", lambda m=method: _cold_start(
-            out, world, profile, m, None, console), console)
+    for method in methods:  # only the cold starts this run's arms train from: the two run side by side
+        if any(arms.runs(f"{method}_{size}") for size in profile.sizes):
+            details[f"sft_{method}"] = stage(out, f"sft_{method}", lambda m=method: _cold_start(
+                out, world, profile, m, None, console), console)
     for size in profile.sizes:
         for method in methods:
             if not arms.runs(f"{method}_{size}"):
@@ -488,12 +473,14 @@ def reproduce_s3(out: Path, profile_name: str, console: Any, arms: ArmSelection)
     return write_report(out, CLAIMS["s3"], table, methods, details, figure=curve_figure(curve))
 
 
-RUNNERS: dict[str, Callable[[Path, str, Any, ArmSelection], Path]] = {
+RUNNERS: dict[str, Callable[[Path, str, Any, ArmSelection, Path | None], Path]] = {
     "staged": reproduce_staged, "r_search": reproduce_r_search, "qagent": reproduce_qagent, "s3": reproduce_s3}
 
 
-def reproduce(method: str, out: Path, profile: str, console: Any = None, arms: Sequence[str] | None = None) -> Path:
-    """Run `method`'s claim in OUT, resuming; `arms`: only these arms (`claim_arms`), for runs sharing OUT."""
+def reproduce(method: str, out: Path, profile: str, console: Any = None, arms: Sequence[str] | None = None,
+              reuse: Path | None = None) -> Path:  # fmt: skip
+    """Run `method`'s claim in OUT, resuming; `arms`: only these arms (`claim_arms`), for runs sharing OUT;
+    `reuse`: a folder whose reader/ or injected/ (trained on this world) replaces training one (`sleuth.claim_reuse`)."""
     claim = CLAIMS.get(method)
     if claim is None:
         raise ConfigError(f"no claim registered for {method!r}; choose one of {', '.join(CLAIMS)}")
@@ -506,7 +493,7 @@ def reproduce(method: str, out: Path, profile: str, console: Any = None, arms: S
     selection = ArmSelection(arms, independent, method)
     out = out.resolve()  # one spelling of OUT in every stage's paths, whatever the working directory
     write_claim_file(out, method, profile)
-    return RUNNERS[method](out, profile, console, selection)
+    return RUNNERS[method](out, profile, console, selection, reuse)
 
 
 def claim_arms(method: str, profile_name: str) -> tuple[str, ...]:
@@ -576,6 +563,9 @@ def _register_claim(repro: typer.Typer, claim: Claim) -> None:
         out: Path = typer.Option(None, "--out", help="Run directory (default runs/reproduce/<method>); reruns resume"),
         arms: str = typer.Option(None, help="Only these arms (comma-separated, e.g. s3_100,search_r1_100): runs "
                                  "on several GPUs share one --out; the one that finds every arm done writes the report"),
+        reuse: Path = typer.Option(None, help="A folder whose reader/ (r_search, qagent, s3) or injected/ (staged), "
+                                   "trained on this claim's world, is used instead of training one (e.g. "
+                                   "checkpoints/claims); checked against the world and measured again"),
     ) -> None:
         from rich.console import Console
         from rich.markup import escape
@@ -585,7 +575,8 @@ def _register_claim(repro: typer.Typer, claim: Claim) -> None:
         console = Console(soft_wrap=True)  # never break a path or the error across lines
         try:
             chosen = None if arms is None else [a.strip() for a in arms.split(",") if a.strip()]
-            report = reproduce(claim.method, out or Path("runs/reproduce") / claim.method, profile, console, chosen)
+            report = reproduce(claim.method, out or Path("runs/reproduce") / claim.method, profile, console, chosen,
+                               reuse)
         except ArmsPending as err:  # this run's arms are done: the report is another run's to write
             console.print(f"[green]arms done:[/] {escape(', '.join(chosen or []))}. {escape(str(err))}", highlight=False)
             return

@@ -1,0 +1,106 @@
+"""The shared models of `sleuth reproduce`, trained or reused: the reader (r_search, qagent, s3) and the injected
+model (staged).
+
+Training them is the costliest shared part of a claim (on an H100: the reader's 1,600 SFT steps, the injection's
+1,176), and it gives the same result for the same world. So each is written with a record of the world it learned
+(`claim_world.json`: the sha256 of the world's corpus and splits), and `sleuth reproduce --reuse DIR` takes
+DIR/reader or DIR/injected (e.g. the committed `checkpoints/claims`) in place of training one, after checking that
+record against the run's world: a model that learned another world is refused, never silently reused. Either
+way the stage measures the model on the run's own test questions (the reader on gold passages, the injected
+model closed-book), so a reused model is checked, not trusted.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+from sleuth.errors import ConfigError
+from sleuth.utils import atomic_write_json
+
+WORLD_RECORD = "claim_world.json"
+WORLD_FILES = ("corpus.jsonl", "train.jsonl", "test.jsonl")
+READER = "reader"  # DIR/reader: the trained reader (LoRA checkpoint or exported model)
+INJECTED = "injected"  # DIR/injected: the knowledge-injected model (LoRA checkpoint)
+
+
+def world_fingerprint(world: Path) -> dict[str, str]:
+    """sha256 of the world's corpus and splits: what a model trained on this world learned from."""
+    missing = [name for name in WORLD_FILES if not (world / name).is_file()]
+    if missing:
+        raise ConfigError(f"world {world}: {', '.join(missing)} missing; rebuild it (sleuth synth)")
+    return {name: hashlib.sha256((world / name).read_bytes()).hexdigest() for name in WORLD_FILES}
+
+
+def write_world_record(model: Path, world: Path) -> None:
+    """MODEL/claim_world.json: the world `model` was trained on, so a later run can reuse it (`reused_model`)."""
+    atomic_write_json(Path(model) / WORLD_RECORD, {"files": world_fingerprint(world)})
+
+
+def reused_model(reuse: Path, name: str, world: Path) -> Path:
+    """REUSE/NAME, checked to have been trained on `world`; a ConfigError saying what to fix otherwise."""
+    model = Path(reuse) / name
+    if not (model / "searcher.json").is_file():
+        raise ConfigError(f"--reuse {reuse}: no trained {name} there ({model}/searcher.json missing); pass a folder "
+                          f"holding {name}/ (e.g. checkpoints/claims) or leave --reuse out to train it")
+    record = model / WORLD_RECORD
+    if not record.is_file():
+        raise ConfigError(f"--reuse {reuse}: {model} has no {WORLD_RECORD}, so the world it learned is unknown; "
+                          f"leave --reuse out to train it on this run's world")
+    expected = json.loads(record.read_text()).get("files", {})
+    actual = world_fingerprint(world)
+    differing = [name for name in WORLD_FILES if expected.get(name) != actual[name]]
+    if differing:
+        raise ConfigError(f"--reuse {reuse}: {model} was trained on another world ({', '.join(differing)} differ "
+                          f"from {world}); leave --reuse out to train it on this run's world")
+    return model
+
+
+def _copy_model(model: Path, dest: Path) -> None:
+    """`model`'s directory copied to `dest` (replaced), written under a temporary name and renamed into place."""
+    tmp = dest.with_name(dest.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(model, tmp)
+    shutil.rmtree(dest, ignore_errors=True)
+    tmp.rename(dest)
+
+
+def reader_stage(world: Path, out: Path, profile: Any, reuse: Path | None, console: Any = None) -> dict[str, Any]:
+    """The claim's trained reader under OUT (trained, or REUSE/reader exported there), with its gold-passage EM
+    on the profile's test questions."""
+    from sleuth.agent.searcher import export_searcher
+    from sleuth.reader import READER_DIR, reader_check, train_reader
+
+    if reuse is None:
+        path = train_reader(world, out, profile.reader, console)
+    else:
+        # copied under OUT like a trained one, so the run directory holds all it loads (claim bundles carry it)
+        model = reused_model(reuse, READER, world)
+        path = out / READER_DIR
+        if (model / "config.json").is_file():  # an exported reader (a Hugging Face directory)
+            _copy_model(model, path)
+        else:  # a checkpoint: its adapters merged into the base
+            export_searcher(model, path, overwrite=True)
+    write_world_record(path, world)
+    return {"reader": str(path), "reused": str(reuse / READER) if reuse else None,
+            "gold_passage_em": reader_check(world, str(path), out, "test", profile.test_questions)}
+
+
+def inject_stage(world: Path, out: Path, profile: Any, reuse: Path | None, console: Any = None) -> dict[str, Any]:
+    """The staged claim's knowledge-injected model (trained under OUT, or REUSE/injected), with its closed-book EM
+    per question type on the profile's test questions (the knowledge boundary)."""
+    from sleuth.knowledge import InjectionSettings, boundary_check, inject_knowledge
+
+    if reuse is None:
+        settings = InjectionSettings(model=profile.pipeline.model, epochs=profile.inject_epochs, lr=profile.inject_lr,
+                                     batch_size=profile.inject_batch, lora=profile.lora)
+        checkpoint = inject_knowledge(world, out, settings, console)
+        write_world_record(checkpoint, world)
+    else:
+        checkpoint = out / "reused"
+        _copy_model(reused_model(reuse, INJECTED, world), checkpoint)
+    return {"checkpoint": str(checkpoint), "reused": str(reuse / INJECTED) if reuse else None,
+            "boundary": boundary_check(world, str(checkpoint), out, "test", profile.test_questions)}
