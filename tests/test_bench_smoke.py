@@ -284,3 +284,24 @@ def test_stop_check_cost_bench_tiny(tmp_path: Path) -> None:
     result = json.loads(out.read_text())
     assert [r["path"] for r in result["rows"]] == ["tails after every token", "tails after tokens that may end a stop"]
     assert all(r["ms_per_chunk_median"] > 0 for r in result["rows"]) and result["tokenizer_size"] > 0
+
+
+def test_claims_figure_groups_em_and_retrievals_by_type_and_draws_the_retrieval_panel(tmp_path: Path) -> None:
+    """bench/claims_figure.py: the per-type means by hand (EM and, for the staged claim, retrievals per question),
+    and a three-panel figure from a claim folder laid out as committed."""
+    figure = _load("claims_figure")
+    rows = [{"dataset": "all-known", "em": 1.0, "retrieval_count": 1}, {"dataset": "all-known", "em": 0.0,
+            "retrieval_count": 3}, {"dataset": "mixed", "em": 1.0, "retrieval_count": 2}]
+    em = figure.em_by_type(rows)
+    counts = figure.em_by_type(rows, "retrieval_count")
+    assert list(em) == ["all-known", "mixed", "all"]  # "all" last
+    assert em["all-known"][0] == 0.5 and em["all-known"][3] == 2 and em["all"][0] == 2 / 3
+    assert counts["all-known"][0] == 2.0 and counts["mixed"][0] == 2.0 and counts["all"][0] == 2.0
+    run = tmp_path / "run"
+    for arm in ("staged", "search_r1"):
+        (run / arm).mkdir(parents=True)
+        (run / arm / "per_question.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        (run / arm / "metrics.jsonl").write_text(json.dumps({"step": 1, "retrieval_count": 2.0}) + "\n")
+    (run / "report.json").write_text(json.dumps({"arms": ["staged", "search_r1"], "claim": {"method": "staged"}}))
+    summary = figure.draw(run, ["retrieval_count"], tmp_path / "fig.png", retrievals=True)
+    assert set(summary) == {"staged", "search_r1"} and (tmp_path / "fig.png").read_bytes()[:4] == b"\x89PNG"
