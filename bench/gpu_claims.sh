@@ -48,7 +48,8 @@
 # in two passes of 8), every policy SFT (600 steps, ~0.55 s a step in two passes of 2), staged's search_r1 arm to
 # GRPO step 25 of 30 (~7.7 s a step, 5.8 s of it the update's 16 passes of 5); staged's own arm failed at its first
 # GRPO step (no 'minilm' encoder on the machine: now bench/carried_minilm.sh). A step's time is per pass, not per
-# token, so the GPU profiles now run whole batches (SFT 4 a pass, GRPO 20, reader 16, injection 128).
+# token, so the GPU profiles now run whole batches (SFT 4 a pass, GRPO 20, reader 16, injection 128); GRPO 10 since a
+# pass of 20 peaked at 64-68 GiB (2026-11-28, below).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 WORK=${CLAIMS_WORK:-/root/claims}

@@ -113,7 +113,7 @@ def test_checkpoint_from_two_ranks_resumes_on_one(small_world: Path, tmp_path: P
 
 
 def test_update_does_not_depend_on_the_micro_batch_size(small_world: Path, tmp_path: Path) -> None:
-    """The GPU profiles pass 4 groups at once (DemoSize.rl_micro): each micro-batch's loss is normalised by the
+    """The GPU profiles pass several groups at once (DemoSize.rl_micro): each micro-batch's loss is normalised by the
     minibatch's totals, so one trajectory a pass and the whole minibatch in one pass make the same update."""
     runs = [_run(tmp_path, small_world, f"micro{m}", 1, micro=m) for m in (1, 4)]
     m1, m4 = ([json.loads(x) for x in (r / "metrics.jsonl").read_text().splitlines()] for r in runs)

@@ -62,7 +62,9 @@ class DemoSize:
     # normalised by the whole batch, so they change memory and speed, not the update. A 135M LoRA policy's
     # forward/backward is ~40,000 aten ops whatever its length (CPU profile: SmolLM2-135M, LoRA on 7 projections),
     # so on a GPU each pass costs its dispatch (~0.25-0.35 s a pass in the 2026-11-28 H100 claim runs):
-    # the GPU profiles take whole batches (4 SFT trajectories, 4 groups of an 80-trajectory GRPO minibatch).
+    # the GPU profiles take large batches (4 SFT trajectories; 2 groups of an 80-trajectory GRPO minibatch: 4 groups,
+    # ~40k tokens a pass, peaked at 64-68 GiB allocated on the 2026-11-28 H200 claim runs, too near an H100's 80 GB
+    # for qagent's longer rollouts; activations scale with the pass's tokens, so 10 trajectories need about half).
     sft_micro: int = 2
     rl_micro: int = 0
 
@@ -76,7 +78,7 @@ FULL = DemoSize(
 GPU = DemoSize(
     model="smollm2-135m-instruct", passages=5000, questions=6000, hops=(1, 3), committed_questions=500,
     sft_questions=1200, sft_epochs=2, train_steps=15, prompts_per_step=16, n=5, max_new_tokens=64, lr=5e-5,
-    eval_questions=500, max_turns=4, compile_generation=None, eval_batch_size=128, sft_micro=4, rl_micro=20,
+    eval_questions=500, max_turns=4, compile_generation=None, eval_batch_size=128, sft_micro=4, rl_micro=10,
 )
 FAST = DemoSize(
     model="tiny", passages=400, questions=80, hops=(1, 2), committed_questions=0, sft_questions=8, sft_epochs=2,
