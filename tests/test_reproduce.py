@@ -136,6 +136,9 @@ def test_reproduce_staged_cpu_end_to_end_and_resumes(tmp_path):
     assert rows["retrievals per question, all-known"]["n"] + rows["retrievals per question, mixed / all-unknown"][
         "n"] == 30
     assert report["inject"]["boundary"]["all-known"]["em"] > report["inject"]["boundary"]["mixed"]["em"]
+    by_type = page[page.index("<table id='knowledge'>"):]  # after the claim table: the boundary and retrieval per type
+    assert page.index("<table id='knowledge'>") > page.index("</table>")
+    assert "<td>all-known</td>" in by_type and "staged over-retrieval %" in by_type
     stages = sorted(p.stem for p in (out / "stages").iterdir())
     assert stages == ["eval_search_r1", "eval_staged", "inject", "train_search_r1", "train_staged", "world"]
     again = runner.invoke(app, ["reproduce", "staged", "--profile", "cpu", "--out", str(out)], terminal_width=300)
@@ -219,3 +222,23 @@ def test_reproduce_s3_cpu_end_to_end_and_resumes(tmp_path):
         assert f"generator: {reader}" in (tmp_path / "s3" / f"s3_{size}" / "rl_recipe.yaml").read_text()
         assert reader in (tmp_path / "s3" / "eval" / f"s3_{size}" / "summary.json").read_text()
     assert "reader" in stages and "sft_s3" in stages and len(stages) == 12
+
+
+def test_knowledge_table_by_hand():
+    """The staged report's per-type table: closed-book EM, then per arm EM, retrievals, over- and under-retrieval
+    with their intervals, in points (retrievals as counts); a type neither side measured is left out."""
+    from sleuth.claim_report import knowledge_table
+
+    boundary = {"all-known": {"n": 4, "em": 0.5, "em_ci": [0.25, 0.75]}, "mixed": {"n": 2, "em": 0.0, "em_ci": [0, 0]}}
+    arm = {"all-known": {"n": 4, "em": 0.75, "em_ci": [0.5, 1.0], "retrieval_count": 1.25,
+                         "retrieval_count_ci": [1.0, 1.5], "over_retrieval": 0.5, "over_retrieval_ci": [0.0, 1.0],
+                         "under_retrieval": None},
+           "mixed": {"n": 2, "em": 0.5, "em_ci": None, "retrieval_count": 2.0, "under_retrieval": 0.0,
+                     "under_retrieval_ci": [0.0, 0.0]}}
+    page = knowledge_table(boundary, {"staged": arm, "search_r1": None})
+    assert ("<tr><td>all-known</td><td>4</td><td>50.0 [25.0, 75.0]</td><td>75.0 [50.0, 100.0]</td>"
+            "<td>1.25 [1.00, 1.50]</td><td>50.0 [0.0, 100.0]</td><td>-</td><td>-</td><td>-</td><td>-</td><td>-</td></tr>"
+            ) in page
+    assert "<tr><td>mixed</td><td>2</td><td>0.0 [0.0, 0.0]</td><td>50.0</td><td>2.00</td><td>-</td><td>0.0 [0.0, 0.0]</td>" in page
+    assert "all-unknown" not in page.split("</caption>")[1]
+

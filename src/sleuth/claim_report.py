@@ -71,3 +71,41 @@ def curve_figure(curve: dict[str, list[dict[str, Any]]]) -> str:
     fig.savefig(buf, format="png")
     uri = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode("ascii")
     return f"<figure id='curve'><img alt='EM against RL training questions' src='{uri}'></figure>\n"
+
+
+KNOWLEDGE_ROWS = ("all-known", "mixed", "all-unknown")
+
+
+def _cell(stats: dict[str, Any] | None, key: str, points: bool) -> str:
+    """`key` of one question type's statistics with its 95% interval: points (x100, one decimal) or as it is."""
+    value = None if stats is None else stats.get(key)
+    if value is None:
+        return "-"
+    scale, digits = (100, 1) if points else (1, 2)
+    ci = stats.get(f"{key}_ci")
+    interval = f" [{scale * ci[0]:.{digits}f}, {scale * ci[1]:.{digits}f}]" if ci else ""
+    return f"{scale * value:.{digits}f}{interval}"
+
+
+def knowledge_table(boundary: dict[str, Any], per_arm: dict[str, dict[str, Any] | None]) -> str:
+    """The staged claim's per-type table (HTML): for each knowledge type, the injected model's closed-book EM, then
+    each arm's EM, retrievals per question, over-retrieval (searched on an all-known question) and under-retrieval
+    (answered an unknown-hop question without searching), as the evaluation measured them, with 95% intervals."""
+    head = "<tr><th>questions</th><th>n</th><th>closed-book EM % (injected model)</th>" + "".join(
+        f"<th>{html.escape(arm)} EM %</th><th>{html.escape(arm)} retrievals</th><th>{html.escape(arm)} over-retrieval %"
+        f"</th><th>{html.escape(arm)} under-retrieval %</th>" for arm in per_arm) + "</tr>"
+    rows = []
+    for kind in KNOWLEDGE_ROWS:
+        known = boundary.get(kind)
+        arms = [(stats or {}).get(kind) for stats in per_arm.values()]
+        n = next((s["n"] for s in [known, *arms] if s), None)
+        if n is None:
+            continue
+        cells = "".join(f"<td>{_cell(s, 'em', True)}</td><td>{_cell(s, 'retrieval_count', False)}</td>"
+                        f"<td>{_cell(s, 'over_retrieval', True)}</td><td>{_cell(s, 'under_retrieval', True)}</td>"
+                        for s in arms)
+        rows.append(f"<tr><td>{kind}</td><td>{n}</td><td>{_cell(known, 'em', True)}</td>{cells}</tr>")
+    return ("<table id='knowledge'><caption>By knowledge type: the boundary and each arm's retrieval behaviour "
+            "(over-retrieval: searched on an all-known question; under-retrieval: answered a question with an unknown "
+            "hop without searching)</caption>\n" + head + "\n" + "\n".join(rows) + "\n</table>\n")
+

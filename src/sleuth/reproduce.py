@@ -43,7 +43,7 @@ from typing import Any
 import typer
 
 from sleuth.appendlog import read_appended
-from sleuth.claim_report import curve_figure, write_report
+from sleuth.claim_report import curve_figure, knowledge_table, write_report
 from sleuth.claim_reuse import inject_stage, reader_stage
 from sleuth.claim_stages import STAGES_DIR as STAGES_DIR  # importable from here, where it lived
 from sleuth.claim_stages import ArmSelection, ArmsPending, require_arm_stages, stage, write_claim_file
@@ -328,7 +328,9 @@ def reproduce_staged(out: Path, profile_name: str, console: Any, arms: ArmSelect
     details |= require_arm_stages(out, STAGED_ARMS)
     first, second = (_read_predictions(details[f"eval_{m}"]["predictions"]) for m in STAGED_ARMS)
     table = claim_table(first, second, profile.accuracy_margin)
-    return write_report(out, CLAIMS["staged"], table, STAGED_ARMS, details)
+    by_type = knowledge_table(details["inject"]["boundary"], {m: details[f"eval_{m}"].get("retrieval_boundary")
+                                                              for m in STAGED_ARMS})
+    return write_report(out, CLAIMS["staged"], table, STAGED_ARMS, details, figure=by_type)
 
 
 def _paired_on(first: dict[str, dict], second: dict[str, dict], value_a: Callable[[dict], float],
