@@ -389,3 +389,43 @@ def test_sft_update_does_not_depend_on_the_micro_batch_size(tmp_path, small_worl
     for micro in (2, 4):
         diff = max((weights[micro][k] - weights[1][k]).abs().max().item() for k in weights[1])
         assert diff < 1e-5 * max(1.0, moved), (micro, diff)
+
+
+@pytest.fixture(scope="module")
+def boundary_world(tmp_path_factory: pytest.TempPathFactory):
+    """A knowledge-boundary world (`synth --known-fraction 0.5`): all-known, mixed and all-unknown questions."""
+    from sleuth.data.synth import generate_world, write_world
+    from sleuth.retrieval import build_index
+
+    out = tmp_path_factory.mktemp("boundary")
+    write_world(generate_world(300, 80, hops=(1, 3), seed=0, known_fraction=0.5), out, splits=(1.0, 0.0, 0.0))
+    build_index(out / "corpus.jsonl", "bm25", out / "bm25")
+    return load_retriever(out / "bm25", corpus=out / "corpus.jsonl"), read_qa_jsonl(out / "train.jsonl")
+
+
+@pytest.mark.parametrize("name", ["staged", "search_r1"])
+def test_oracle_answers_all_known_questions_from_memory_and_searches_the_rest(name, boundary_world, tokenizer):
+    """On a knowledge-boundary world the staged and Search-R1 oracles do what their prompts say: an all-known question
+    is answered without a search (the facts stated from memory, then the gold answer), every other question searches
+    each fact; both kinds pass `oracle_check`, a direct answer only when it is right."""
+    import dataclasses
+
+    _, trajs, examples = _oracle_rollout(name, boundary_world, tokenizer)
+    kinds = {ex.metadata["knowledge"] for ex in examples}
+    assert kinds == {"all-known", "mixed", "all-unknown"}
+    for traj, ex in zip(trajs, examples, strict=True):
+        facts = question_facts(ex)
+        if ex.metadata["knowledge"] == "all-known":
+            assert traj.retrieval_count == 0 and "<search>" not in traj.response_text, traj.response_text
+            assert facts[-1].statement().lower() in traj.response_text.lower()  # it states what it knows
+            assert traj.finish_reason == "answer" and traj.invalid_actions == 0
+            assert oracle_check(traj, ex)
+            wrong = dataclasses.replace(traj, answer="not the answer")
+            assert not oracle_check(wrong, ex)
+        else:
+            assert traj.retrieval_count >= len({f.doc_id for f in facts}) - 1, traj.response_text
+        if name == "staged":
+            assert traj.extra["format_ok"], traj.response_text
+    direct = [t for t, ex in zip(trajs, examples, strict=True) if ex.metadata["knowledge"] == "all-known"]
+    searched = [t for t, ex in zip(trajs, examples, strict=True) if ex.metadata["knowledge"] != "all-known"]
+    assert len(direct) >= 5 and len(searched) >= 5

@@ -182,6 +182,35 @@ def steps_text(found: list[FoundFact], i: int, answer: str, rng: random.Random) 
     return rng.choice(_THINK_NEXT).format(statement=statement, statement_lc=_lc(statement), need=need_phrase(found[i].fact))
 
 
+_RECALL_SKETCH = (
+    "My internal knowledge covers this question.",
+    "I know the facts this question needs.",
+    "I can answer this from what I know.",
+)
+_RECALL = (
+    "I know this from memory: {statements} So the answer is {answer}.",
+    "From my own knowledge: {statements} The answer is {answer}.",
+    "I already know that {statements_lc} No search is needed: {answer}.",
+)
+
+
+def known_from_memory(example: QAExample) -> bool:
+    """An all-known question of a knowledge-boundary world (`synth --known-fraction`): the model was taught every fact
+    it needs, so an oracle that does what the staged and Search-R1 prompts say (answer without searching when internal
+    knowledge suffices) answers it directly. False on worlds without knowledge labels."""
+    return (example.metadata or {}).get("knowledge") == "all-known"
+
+
+def recall_sketch(rng: random.Random) -> str:
+    return rng.choice(_RECALL_SKETCH)
+
+
+def recall_text(facts: list[Fact], answer: str, rng: random.Random) -> str:
+    """Reasoning from memory: the question's facts stated, then the answer (a direct answer's think or reflect)."""
+    statements = " ".join(f.statement() for f in facts)
+    return rng.choice(_RECALL).format(statements=statements, statements_lc=_lc(statements), answer=answer)
+
+
 @dataclass
 class Plan:
     turns: list[str]  # one entry per generation turn; the oracle cuts each at the engine's stop strings

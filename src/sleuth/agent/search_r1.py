@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from sleuth.agent.base import AgentLoop, RolloutState, StepOutcome, count_tag, first_action
-from sleuth.agent.oracle_plan import Fact, Plan, find_fact, steps_text
+from sleuth.agent.oracle_plan import Fact, Plan, find_fact, known_from_memory, recall_text, steps_text
 from sleuth.agent.registry import Method, register_method
 from sleuth.data.formats import QAExample
 from sleuth.retrieval.base import Retriever
@@ -74,8 +74,10 @@ class SearchR1Loop(AgentLoop):
 
 def plan_search_r1(example: QAExample, facts: list[Fact], retriever: Retriever, loop: SearchR1Loop,
                    rng: random.Random) -> Plan:
-    found = [find_fact(f, retriever, loop.top_k, rng) for f in facts]
     answer = example.golden_answers[0]
+    if known_from_memory(example):  # the prompt: answer directly when no external knowledge is needed
+        return Plan([f"<think>{recall_text(facts, answer, rng)}</think>\n<answer> {answer} </answer>"], True)
+    found = [find_fact(f, retriever, loop.top_k, rng) for f in facts]
     turns = [f"<think>{steps_text(found, i, answer, rng)}</think>\n<search> {ff.query} </search>" for i, ff in enumerate(found)]
     turns.append(f"<think>{steps_text(found, len(found), answer, rng)}</think>\n<answer> {answer} </answer>")
     return Plan(turns, all(ff.found for ff in found), found)

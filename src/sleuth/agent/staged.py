@@ -16,7 +16,16 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from sleuth.agent.base import RolloutState, count_tag, tag_sequence
-from sleuth.agent.oracle_plan import Fact, Plan, find_fact, need_phrase, steps_text
+from sleuth.agent.oracle_plan import (
+    Fact,
+    Plan,
+    find_fact,
+    known_from_memory,
+    need_phrase,
+    recall_sketch,
+    recall_text,
+    steps_text,
+)
 from sleuth.agent.registry import Method, register_method
 from sleuth.agent.search_r1 import SearchR1Loop
 from sleuth.data.formats import QAExample
@@ -65,8 +74,11 @@ class StagedLoop(SearchR1Loop):
 
 def plan_staged(example: QAExample, facts: list[Fact], retriever: Retriever, loop: StagedLoop,
                 rng: random.Random) -> Plan:
-    found = [find_fact(f, retriever, loop.top_k, rng, keyword_first=True) for f in facts]
     answer = example.golden_answers[0]
+    if known_from_memory(example):  # the prompt: no <search> block when internal knowledge is adequate
+        return Plan([f"<think>{recall_sketch(rng)}</think>\n<reflect>{recall_text(facts, answer, rng)}</reflect>\n"
+                     f"<answer>{answer}</answer>"], True)
+    found = [find_fact(f, retriever, loop.top_k, rng, keyword_first=True) for f in facts]
     sketch = rng.choice(("I do not know", "My internal knowledge does not cover", "I have no knowledge of"))
     turns = [f"<think>{sketch} {need_phrase(found[0].fact)}; I need to search.</think>\n<search>{found[0].query}</search>"]
     for i in range(1, len(found)):
