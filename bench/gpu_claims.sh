@@ -62,6 +62,7 @@ export PYTHONPATH="$PWD/src:$PWD/.gpusite" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 T
 GGUF=.models/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
 # the committed reader and injected model (checkpoints/claims, ~20 MB: carry it, as GPU calls leave checkpoints/
 # behind) replace training them when their world records match (`sleuth reproduce --reuse`); REUSE= trains them
+REUSE_GIVEN=${REUSE+1}  # REUSE= (set, empty): train them even where an earlier start copied them
 REUSE=${REUSE-$( [ "$PROFILE" = gpu ] && [ -f checkpoints/claims/reader/claim_world.json ] && echo checkpoints/claims )}
 
 if [ "${1:-}" = take ]; then  # development machine: a call's returned files (its files_at) -> $BUNDLE
@@ -201,7 +202,7 @@ case "${1:-}" in
     if [ -n "$REUSE" ] && [ -d "$REUSE" ] && [ "$REUSE" != "$WORK/reuse" ]; then
       rm -rf "$WORK/reuse" && cp -r "$REUSE" "$WORK/reuse"
     fi
-    [ -d "$WORK/reuse" ] && export REUSE="$WORK/reuse"
+    if [ -n "$REUSE" ] || [ -z "$REUSE_GIVEN" ]; then [ -d "$WORK/reuse" ] && export REUSE="$WORK/reuse"; fi
     [ "$PROFILE" = gpu ] && bash bench/gpu_run.sh setup > "$WORK/logs/setup.log" 2>&1
     take_carried_minilm
     setsid nohup bash "$0" daemon > "$WORK/daemon.log" 2>&1 < /dev/null &
