@@ -42,6 +42,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import IO, Any
 
+from sleuth.claim_reuse import WORLD_RECORD, write_world_record
 from sleuth.claim_stages import LOCKS_DIR, STAGES_DIR, finished_stages, read_claim_file, reroot
 from sleuth.errors import SleuthError
 from sleuth.reproduce import build_world, claim_profile, stage_plan
@@ -493,6 +494,8 @@ def rebuild(out: Path, info: dict[str, Any]) -> list[str]:
             from sleuth.agent.searcher import export_searcher
 
             export_searcher(out / entry["source"], folder, overwrite=True)
+            if WORLD_RECORD in entry["files"]:  # the reader's record of its world (sleuth.claim_reuse), rebuilt first
+                write_world_record(folder, out / "world")
             unchecked = EXPORT_UNCHECKED
         rebuilt = _digests(folder, unchecked)
         differ = sorted(k for k in set(rebuilt) | set(entry["files"]) if rebuilt.get(k) != entry["files"].get(k))
