@@ -12,14 +12,13 @@ model closed-book), so a reused model is checked, not trusted.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import shutil
 from pathlib import Path
 from typing import Any
 
 from sleuth.errors import ConfigError
-from sleuth.utils import atomic_write_json
+from sleuth.utils import atomic_write_json, sha256_file
 
 WORLD_RECORD = "claim_world.json"
 WORLD_FILES = ("corpus.jsonl", "train.jsonl", "test.jsonl")
@@ -32,7 +31,7 @@ def world_fingerprint(world: Path) -> dict[str, str]:
     missing = [name for name in WORLD_FILES if not (world / name).is_file()]
     if missing:
         raise ConfigError(f"world {world}: {', '.join(missing)} missing; rebuild it (sleuth synth)")
-    return {name: hashlib.sha256((world / name).read_bytes()).hexdigest() for name in WORLD_FILES}
+    return {name: sha256_file(world / name) for name in WORLD_FILES}
 
 
 def write_world_record(model: Path, world: Path) -> None:

@@ -353,23 +353,21 @@ def own_answer_em(record: dict) -> float:
     return exact_match(record.get("extra", {}).get("agent_answer"), record["golden_answers"])
 
 
-def _start(out: Path, profile_name: str, console: Any, reader: bool,
-           reuse: Path | None) -> tuple[ClaimProfile, Path, dict[str, Any]]:  # fmt: skip
-    """The shared first stages: the profile, the plain world and, when asked, the trained reader."""
+def _start(out: Path, profile_name: str, console: Any, reuse: Path | None) -> tuple[ClaimProfile, Path, dict[str, Any]]:
+    """The shared first stages: the profile, the plain world and the trained reader."""
     profile = CLAIM_PROFILES[profile_name]
     out.mkdir(parents=True, exist_ok=True)
     world = out / "world"
     details: dict[str, Any] = {"profile": profile_name,
                                "world": stage(out, "world", lambda: build_world(world, profile), console)}
-    if reader:
-        details["reader"] = stage(out, "reader", lambda: reader_stage(world, out / "reader", profile, reuse, console),
-                                  console)
+    details["reader"] = stage(out, "reader", lambda: reader_stage(world, out / "reader", profile, reuse, console),
+                              console)
     return profile, world, details
 
 
 def reproduce_r_search(out: Path, profile_name: str, console: Any, arms: ArmSelection, reuse: Path | None) -> Path:
     """r_search with vs without the evidence reward (module docstring); returns OUT/report.html."""
-    profile, world, details = _start(out, profile_name, console, True, reuse)
+    profile, world, details = _start(out, profile_name, console, reuse)
     details["sft_r_search"] = stage(out, "sft_r_search", lambda: _cold_start(
         out, world, profile, "r_search", None, console), console)
     for arm in R_SEARCH_ARMS:
@@ -393,7 +391,7 @@ def reproduce_r_search(out: Path, profile_name: str, console: Any, arms: ArmSele
 
 def reproduce_qagent(out: Path, profile_name: str, console: Any, arms: ArmSelection, reuse: Path | None) -> Path:
     """qagent stage 2 vs stage 1, each read by both readers (module docstring); returns OUT/report.html."""
-    profile, world, details = _start(out, profile_name, console, True, reuse)
+    profile, world, details = _start(out, profile_name, console, reuse)
     trained, base = details["reader"]["reader"], profile.pipeline.model
     half = max(1, profile.pipeline.train_steps // 2)
     details["sft_qagent"] = stage(out, "sft_qagent", lambda: _cold_start(
@@ -434,7 +432,7 @@ def reproduce_s3(out: Path, profile_name: str, console: Any, arms: ArmSelection,
     from sleuth.agent.registry import get_method
     from sleuth.eval.stats import bootstrap_ci
 
-    profile, world, details = _start(out, profile_name, console, True, reuse)
+    profile, world, details = _start(out, profile_name, console, reuse)
     reader, per_step = details["reader"]["reader"], profile.pipeline.prompts_per_step
     methods = ("s3", "search_r1")
     for method in methods:  # only the cold starts this run's arms train from: the two run side by side
