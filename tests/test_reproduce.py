@@ -17,13 +17,16 @@ from sleuth.reproduce import (
     CLAIMS,
     Arm,
     _paired_on,
+    _read_predictions,
     arm_rl_recipe,
     claim_table,
     metric,
+    own_answer_cover_em,
     own_answer_em,
     reproduce,
     stage,
 )
+from sleuth.rewards.metrics import cover_exact_match
 
 
 def _preds(rows: list[tuple[str, str, int, float]]) -> dict[str, dict]:
@@ -63,6 +66,11 @@ def test_paired_rows_by_hand():
     mixed = _paired_on(first, first, own_answer_em, metric("em"))
     assert mixed["n"] == 3 and mixed["a"] == pytest.approx(2 / 3) and mixed["b"] == pytest.approx(2 / 3)
     assert own_answer_em({"golden_answers": ["x"]}) == 0.0  # no agent answer recorded: wrong
+    # non-strict EM: "oslo" and "Rome, not Oslo" contain the gold; strict EM takes only the first
+    sentence = {"golden_answers": ["Oslo"], "extra": {"agent_answer": "Rome, not Oslo"}}
+    assert own_answer_cover_em(sentence) == 1.0 and own_answer_em(sentence) == 0.0
+    assert own_answer_cover_em({"golden_answers": ["Oslo"], "extra": {"agent_answer": "Osl"}}) == 0.0
+    assert own_answer_cover_em({"golden_answers": ["x"]}) == 0.0
     with pytest.raises(ConfigError, match="no common question"):
         _paired_on(first, {"q": second["z"]}, metric("em"))
 
@@ -189,9 +197,18 @@ def test_reproduce_qagent_cpu_end_to_end_and_resumes(tmp_path):
     """Reader, SFT, stage 1 (2 steps), stage 2 from stage 1's step 1 (1 step), four evaluations (about 25 s)."""
     page, report, stages, _ = _run_twice(tmp_path, "qagent")
     claim = _claim_html(page)
-    assert "EM read by the other reader (tiny, the base model)" in claim and "stage 2" in claim
+    assert "non-strict EM read by the other reader (tiny, the base model)" in claim
+    assert "stage 2" in claim
     rows = report["table"]["rows"]
-    assert len(rows) == 3 and all(row["n"] == 30 for row in rows.values())
+    assert len(rows) == 5 and all(row["n"] == 30 for row in rows.values())
+    # the claim row is non-strict EM (a gold answer inside the reader's answer), recomputed from the predictions
+    evals = tmp_path / "qagent" / "eval"
+    other = [_read_predictions(str(evals / f"{arm}_base_reader" / "qagent" / "predictions.jsonl"))
+             for arm in ("stage2", "stage1")]
+    claim_row = rows["non-strict EM read by the other reader (tiny, the base model)"]
+    for arm, side in zip(other, ("a", "b"), strict=True):
+        assert claim_row[side] == pytest.approx(sum(cover_exact_match(r["prediction"], r["golden_answers"])
+                                                    for r in arm.values()) / len(arm))
     assert stages == ["eval_stage1_base_reader", "eval_stage1_trained_reader", "eval_stage2_base_reader",
                       "eval_stage2_trained_reader", "reader", "sft_qagent", "train_stage1", "train_stage2",
                       "world"]
