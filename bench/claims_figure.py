@@ -3,6 +3,10 @@
 `claim RUN`: a claim's result folder as committed under bench/results/claims/<run>/ (report.json, and per arm
 <arm>/per_question.jsonl and <arm>/metrics.jsonl): held-out EM per question type for each arm with 95%
 percentile-bootstrap intervals, and the training curves of the chosen metrics per RL step.
+`curve DIR`: a claim folder packed by bench/claims_pack.py (its why.json) whose evaluations are named
+<method>_<training questions> (the s3 claim): EM and the share of questions whose supporting passages all reached
+the answerer, against RL training questions, per method, with 95% intervals.
+`types DIR --evaluations A B .. --key em|cover_em|all_support_served`: why.json's per-type values, bars per evaluation.
 `injection JSON`: bench/injection_calibration.py's results: closed-book EM on known vs unknown statements against
 injection epochs, one line pair per setting (learning rate x statements a step), with their 95% intervals.
 
@@ -97,6 +101,59 @@ def draw(run: Path, curves: list[str], out: Path, retrievals: bool = False) -> d
     return summary
 
 
+def draw_curve(run: Path, out: Path) -> dict[str, list[tuple[int, float, float]]]:
+    """EM and all-support-served against training questions per method (why.json); method -> [(size, em, served)]."""
+    analysis = json.loads((run / "why.json").read_text())
+    series: dict[str, list[tuple[int, dict]]] = {}
+    for name, groups in analysis.items():
+        method, _, size = name.rpartition("_")
+        if size.isdigit():
+            series.setdefault(method, []).append((int(size), groups["all"]))
+    fig = Figure(figsize=(10, 3.6), dpi=110, layout="constrained")
+    FigureCanvasAgg(fig)
+    panels = {"em": fig.add_subplot(1, 2, 1), "all_support_served": fig.add_subplot(1, 2, 2)}
+    for method, points in sorted(series.items()):
+        points.sort(key=lambda p: p[0])
+        for key, ax in panels.items():
+            stats = [p[1][key] for p in points]
+            errors = [[100 * (s["mean"] - s["ci"][0]) for s in stats], [100 * (s["ci"][1] - s["mean"]) for s in stats]]
+            ax.errorbar([p[0] for p in points], [100 * s["mean"] for s in stats], yerr=errors, marker="o", capsize=3,
+                        label=method)
+    for ax in panels.values():
+        ax.set_xscale("log")
+        ax.set_xlabel("RL training questions")
+        ax.set_ylim(0, 105)
+        ax.legend(loc="lower right", fontsize=8)
+    panels["em"].set_ylabel("held-out EM (%)")
+    panels["em"].set_title("EM, 95% bootstrap")
+    panels["all_support_served"].set_ylabel("questions (%)")
+    panels["all_support_served"].set_title("every supporting passage reached the answerer")
+    save_png(fig, out)
+    return {m: [(size, g["em"]["mean"], g["all_support_served"]["mean"]) for size, g in sorted(points)]
+            for m, points in series.items()}
+
+
+def draw_types(run: Path, evaluations: list[str], key: str, out: Path) -> dict[str, dict[str, float]]:
+    """why.json's `key` per question type, bars per evaluation with 95% intervals; evaluation -> type -> mean."""
+    analysis = json.loads((run / "why.json").read_text())
+    missing = [name for name in evaluations if name not in analysis]
+    if missing:
+        raise SystemExit(f"{run / 'why.json'} has no evaluation {', '.join(missing)}: it has {', '.join(analysis)}")
+    fig = Figure(figsize=(8, 3.6), dpi=110, layout="constrained")
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    for i, name in enumerate(evaluations):
+        groups = dict(sorted(analysis[name].items(), key=lambda kv: (kv[0] == "all", kv[0])))
+        stats = {kind: (g[key]["mean"], g[key]["ci"][0], g[key]["ci"][1], g[key]["n"]) for kind, g in groups.items()}
+        _type_bars(ax, stats, i, len(evaluations), name, 100)
+    ax.set_ylabel(f"{key} (%)")
+    ax.set_ylim(0, 105)
+    ax.legend(fontsize=7)
+    ax.set_title(f"{key} by question type, 95% bootstrap")
+    save_png(fig, out)
+    return {name: {kind: g[key]["mean"] for kind, g in analysis[name].items()} for name in evaluations}
+
+
 def draw_injection(calibration: Path, out: Path) -> dict[str, list[tuple[int, float, float]]]:
     """Known and unknown closed-book EM against epochs per setting; returns setting -> [(epochs, known, unknown)]."""
     data = json.loads(calibration.read_text())
@@ -135,6 +192,14 @@ def main() -> None:
     claim.add_argument("--curves", nargs="+", default=["reward/mean"], help="metrics.jsonl keys to plot per step")
     claim.add_argument("--retrievals", action="store_true", help="add retrievals per question by type (staged)")
     claim.add_argument("--out", type=Path, required=True, help="the PNG to write")
+    curve = sub.add_parser("curve", help="EM and supporting passages served against training questions")
+    curve.add_argument("run", type=Path, help="a folder packed by bench/claims_pack.py (why.json)")
+    curve.add_argument("--out", type=Path, required=True, help="the PNG to write")
+    types = sub.add_parser("types", help="a why.json value per question type, bars per evaluation")
+    types.add_argument("run", type=Path, help="a folder packed by bench/claims_pack.py (why.json)")
+    types.add_argument("--evaluations", nargs="+", required=True)
+    types.add_argument("--key", default="em", choices=["em", "cover_em", "all_support_served", "answer_in_served"])
+    types.add_argument("--out", type=Path, required=True, help="the PNG to write")
     injection = sub.add_parser("injection", help="the knowledge injection's boundary against epochs")
     injection.add_argument("calibration", type=Path, help="bench/injection_calibration.py's JSON")
     injection.add_argument("--out", type=Path, required=True, help="the PNG to write")
@@ -143,6 +208,13 @@ def main() -> None:
         for arm, stats in draw(args.run, args.curves, args.out, args.retrievals).items():
             for name, (em, low, high, n) in stats.items():
                 print(f"{arm:>18} {name:>12} n={n:4d} EM {100 * em:5.1f} [{100 * low:5.1f}, {100 * high:5.1f}]")
+    elif args.figure == "curve":
+        for method, points in draw_curve(args.run, args.out).items():
+            for size, em, served in points:
+                print(f"{method:>12} {size:>6} questions: EM {100 * em:5.1f}, all support served {100 * served:5.1f}")
+    elif args.figure == "types":
+        for name, by_type in draw_types(args.run, args.evaluations, args.key, args.out).items():
+            print(name, {kind: round(100 * v, 1) for kind, v in by_type.items()})
     else:
         for name, points in draw_injection(args.calibration, args.out).items():
             for epochs, known, unknown in points:

@@ -305,3 +305,65 @@ def test_claims_figure_groups_em_and_retrievals_by_type_and_draws_the_retrieval_
     (run / "report.json").write_text(json.dumps({"arms": ["staged", "search_r1"], "claim": {"method": "staged"}}))
     summary = figure.draw(run, ["retrieval_count"], tmp_path / "fig.png", retrievals=True)
     assert set(summary) == {"staged", "search_r1"} and (tmp_path / "fig.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def _prediction(qid: str, dataset: str, em: float, served: list[tuple[str, str]], rc: int = 2) -> dict:
+    return {"id": qid, "dataset": dataset, "prediction": "p", "golden_answers": ["Oslo"], "retrieval_count": rc,
+            "metrics": {"em": em, "cover_em": em, "f1": em},
+            "trajectory": {"served_context": [{"doc_id": d, "title": "t", "text": text} for d, text in served]}}
+
+
+def test_claims_pack_rows_and_the_why_analysis_by_hand(tmp_path: Path) -> None:
+    """bench/claims_pack.py: a prediction's supporting passages served and answer found, by hand; pack refuses a
+    world whose sha256 differs from the run's record; why's means and its split by support served, by hand; the
+    curve and per-type figures from the packed folder."""
+    pack = _load("claims_pack")
+    support = {"a": ["1", "2"], "b": ["3"], "c": ["4", "5"]}
+    row = pack.per_question(_prediction("a", "2hop", 1.0, [("1", "capital Oslo"), ("9", "x")]), support)
+    assert row["served_docs"] == 2 and row["support_served"] == 0.5 and row["answer_in_served"] == 1.0
+    assert pack.per_question(_prediction("b", "1hop", 0.0, []), support)["support_served"] == 0.0
+    # a run as `sleuth reproduce` lays it out: an evaluation, an RL arm, its world record
+    run, world = tmp_path / "runs" / "s3", tmp_path / "world"
+    world.mkdir(parents=True)
+    (world / "test.jsonl").write_text("".join(json.dumps({"id": q, "metadata": {"supporting_ids": s}}) + "\n"
+                                              for q, s in support.items()))
+    (run / "stages").mkdir(parents=True)
+    (run / "stages" / "world.json").write_text("{}")
+    (run / "report.json").write_text("{}")
+    for name, preds in (("s3_4", [_prediction("a", "2hop", 1.0, [("1", ""), ("2", "Oslo")]),
+                                  _prediction("b", "1hop", 0.0, [("3", "")]),
+                                  _prediction("c", "2hop", 0.0, [("4", "")], rc=4)]),
+                        ("s3_16", [_prediction(q, "2hop", 1.0, [(d, "") for d in "12345"]) for q in support])):
+        (run / "eval" / name / "s3").mkdir(parents=True)
+        (run / "eval" / name / "s3" / "predictions.jsonl").write_text("".join(json.dumps(p) + "\n" for p in preds))
+        (run / "eval" / name / "summary.json").write_text("{}")
+        (run / name / "train").mkdir(parents=True)
+        (run / name / "rl_recipe.yaml").write_text("algo: grpo\n")
+        (run / name / "train" / "metrics.jsonl").write_text(json.dumps({"step": 1}) + "\n")
+    record = tmp_path / "claim_world.json"
+    record.write_text(json.dumps({"files": {"test.jsonl": "0" * 64}}))
+    dest = tmp_path / "packed"
+    with pytest.raises(SystemExit, match="test.jsonl differ"):
+        pack.pack(run, dest, world, None, record)
+    from sleuth.utils import sha256_file
+
+    record.write_text(json.dumps({"files": {"test.jsonl": sha256_file(world / "test.jsonl")}}))
+    assert pack.pack(run, dest, world, None, record) == ["s3_16", "s3_4"]
+    assert (dest / "s3_4" / "metrics.jsonl").exists() and (dest / "s3_4" / "rl_recipe.yaml").exists()
+    analysis = pack.why(dest)
+    small = analysis["s3_4"]
+    # a: both supporting served, EM 1; b: its one served, EM 0; c: one of two served, EM 0
+    assert small["all"]["em"]["mean"] == pytest.approx(1 / 3) and small["all"]["retrievals"]["mean"] == 8 / 3
+    assert small["all"]["all_support_served"]["mean"] == pytest.approx(2 / 3)
+    assert small["all"]["em_when_all_support_served"]["mean"] == 0.5
+    assert small["all"]["em_when_all_support_served"]["n"] == 2 and small["all"]["em_otherwise"]["mean"] == 0.0
+    assert small["2hop"]["em"]["n"] == 2 and small["1hop"]["em_otherwise"]["n"] == 0
+    assert analysis["s3_16"]["all"]["all_support_served"]["mean"] == 1.0  # every passage served to every question
+    assert "| s3_4 | all | 33.3" in pack.markdown(analysis)
+    figure = _load("claims_figure")
+    curve = figure.draw_curve(dest, tmp_path / "curve.png")
+    assert curve == {"s3": [(4, pytest.approx(1 / 3), pytest.approx(2 / 3)), (16, 1.0, 1.0)]}
+    by_type = figure.draw_types(dest, ["s3_4", "s3_16"], "em", tmp_path / "types.png")
+    assert by_type["s3_4"]["2hop"] == 0.5 and (tmp_path / "types.png").read_bytes()[:4] == b"\x89PNG"
+    with pytest.raises(SystemExit, match="no evaluation s3_99"):
+        figure.draw_types(dest, ["s3_99"], "em", tmp_path / "x.png")

@@ -1,0 +1,158 @@
+"""Issue 25: a claim run (runs/claims/<claim>, as `sleuth reproduce` or bench/gpu_claims.sh wrote it) -> the
+folder committed under bench/results/claims/<name>/, and the per-question analysis of why an arm wins or loses.
+
+`pack RUN DEST --world W [--logs L]`: report.json/html, claim.json, stages/, the logs, and for each evaluation
+stage DEST/<eval name>/per_question.jsonl (id, type, hops, prediction, gold, retrievals, EM, non-strict EM, F1,
+and what the answerer was handed: documents, the share of the question's supporting passages among them, whether
+a gold answer occurs in them), summary.json; for each RL run DEST/<arm>/metrics.jsonl and rl_recipe.yaml.
+W is the run's world (`supporting_ids` per test question): a world rebuilt from the seed is checked against the
+run's world record (sha256 of corpus, train, test).
+`why DEST`: per evaluation, EM and the retrieval quantities above, by question type and overall, with 95%
+intervals, and EM split by whether every supporting passage reached the answerer; writes DEST/why.json, prints
+a Markdown table.
+
+    PYTHONPATH=src python bench/claims_pack.py pack runs/claims/s3 bench/results/claims/s3_gpu_h200_20261128 \
+        --world /tmp/world_gpu --world-record checkpoints/claims/reader/claim_world.json --logs LOGS
+    PYTHONPATH=src python bench/claims_pack.py why bench/results/claims/s3_gpu_h200_20261128
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+from sleuth.appendlog import read_appended
+from sleuth.eval.stats import bootstrap_ci
+from sleuth.rewards.metrics import cover_exact_match
+from sleuth.utils import atomic_write_text, sha256_file
+
+
+def check_world(run: Path, world: Path, record: Path | None) -> None:
+    """The rebuilt world must be the run's: its files' sha256 against the run's world record (claim_world.json)."""
+    records = [record] if record else [*run.glob("reader/**/claim_world.json"), *run.glob("inject/**/claim_world.json")]
+    if not records:
+        raise SystemExit(f"{run}: no claim_world.json under reader/ or inject/ to check the world {world} against; "
+                         f"give --world-record (a reused model's, e.g. checkpoints/claims/reader/claim_world.json)")
+    expected = json.loads(records[0].read_text())["files"]
+    differ = [name for name, digest in expected.items() if sha256_file(world / name) != digest]
+    if differ:
+        raise SystemExit(f"{world}: {', '.join(differ)} differ from the run's world ({records[0]}): rebuild it "
+                         f"from the run's profile (sleuth.reproduce.build_world)")
+
+
+def per_question(pred: dict[str, Any], support: dict[str, list[str]]) -> dict[str, Any]:
+    """One prediction record -> its committed row (module docstring)."""
+    traj = pred.get("trajectory") or {}
+    served = traj.get("served_context") or []
+    served_ids = {doc.get("doc_id") for doc in served}
+    supporting = support.get(pred["id"], [])
+    text = " ".join(f"{doc.get('title', '')} {doc.get('text', '')}" for doc in served)
+    row = {"id": pred["id"], "dataset": pred["dataset"], "prediction": pred["prediction"],
+           "golden_answers": pred["golden_answers"], "retrieval_count": pred["retrieval_count"],
+           "em": pred["metrics"]["em"], "cover_em": pred["metrics"]["cover_em"], "f1": pred["metrics"]["f1"],
+           "served_docs": len(served),
+           "support_served": sum(s in served_ids for s in supporting) / len(supporting) if supporting else None,
+           "answer_in_served": cover_exact_match(text, pred["golden_answers"])}
+    if "knowledge" in pred:
+        row["knowledge"] = pred["knowledge"]
+    return row
+
+
+def pack(run: Path, dest: Path, world: Path, logs: Path | None, record: Path | None = None) -> list[str]:
+    check_world(run, world, record)
+    support = {q["id"]: q["metadata"]["supporting_ids"] for q in read_appended(world / "test.jsonl").records}
+    dest.mkdir(parents=True, exist_ok=True)
+    for name in ("report.json", "report.html", "claim.json"):
+        if (run / name).exists():
+            shutil.copy2(run / name, dest / name)
+    shutil.copytree(run / "stages", dest / "stages", dirs_exist_ok=True)
+    if logs:
+        for log in logs.glob(f"{run.name}*.log"):
+            shutil.copy2(log, dest / log.name)
+    evals = []
+    for summary in sorted((run / "eval").glob("*/summary.json")):
+        name = summary.parent.name
+        (dest / name).mkdir(exist_ok=True)
+        rows = [per_question(p, support) for p in read_appended(next(summary.parent.glob("*/predictions.jsonl")))
+                .records]
+        atomic_write_text(dest / name / "per_question.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
+        shutil.copy2(summary, dest / name / "summary.json")
+        evals.append(name)
+    for recipe in sorted(run.glob("*/rl_recipe.yaml")):
+        arm = recipe.parent.name
+        (dest / arm).mkdir(exist_ok=True)
+        shutil.copy2(recipe, dest / arm / "rl_recipe.yaml")
+        shutil.copy2(recipe.parent / "train" / "metrics.jsonl", dest / arm / "metrics.jsonl")
+    return evals
+
+
+def _mean_ci(values: list[float]) -> dict[str, Any]:
+    if not values:
+        return {"n": 0, "mean": None, "ci": None}
+    low, high = bootstrap_ci(values)
+    return {"n": len(values), "mean": sum(values) / len(values), "ci": [low, high]}
+
+
+def why(dest: Path) -> dict[str, Any]:
+    """Per evaluation and question type: EM, retrievals, documents, supporting passages served, EM given them."""
+    out: dict[str, Any] = {}
+    for path in sorted(dest.glob("*/per_question.jsonl")):
+        rows = read_appended(path).records
+        groups: dict[str, list[dict]] = {"all": rows}
+        for row in rows:
+            groups.setdefault(row["dataset"], []).append(row)
+        out[path.parent.name] = {name: {
+            "em": _mean_ci([r["em"] for r in group]),
+            "cover_em": _mean_ci([r["cover_em"] for r in group]),
+            "retrievals": _mean_ci([float(r["retrieval_count"]) for r in group]),
+            "served_docs": _mean_ci([float(r["served_docs"]) for r in group]),
+            "all_support_served": _mean_ci([float(r["support_served"] == 1.0) for r in group]),
+            "answer_in_served": _mean_ci([r["answer_in_served"] for r in group]),
+            "em_when_all_support_served": _mean_ci([r["em"] for r in group if r["support_served"] == 1.0]),
+            "em_otherwise": _mean_ci([r["em"] for r in group if r["support_served"] != 1.0]),
+        } for name, group in sorted(groups.items())}
+    atomic_write_text(dest / "why.json", json.dumps(out, indent=1) + "\n")
+    return out
+
+
+def markdown(analysis: dict[str, Any]) -> str:
+    def cell(stat: dict[str, Any], scale: float = 100, digits: int = 1) -> str:
+        if not stat["n"]:
+            return "–"
+        low, high = stat["ci"]
+        return f"{scale * stat['mean']:.{digits}f} [{scale * low:.{digits}f}, {scale * high:.{digits}f}] (n={stat['n']})"
+
+    lines = ["| evaluation | type | EM % | non-strict EM % | retrievals | docs served | all support served % | EM % when all served "
+             "| EM % otherwise |", "|---|---|---|---|---|---|---|---|---|"]
+    for name, groups in analysis.items():
+        for kind, s in groups.items():
+            lines.append(f"| {name} | {kind} | {cell(s['em'])} | {cell(s['cover_em'])} | {cell(s['retrievals'], 1, 2)} | "
+                         f"{cell(s['served_docs'], 1, 1)} | {cell(s['all_support_served'])} | "
+                         f"{cell(s['em_when_all_support_served'])} | {cell(s['em_otherwise'])} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    packing = sub.add_parser("pack", help="a claim run -> its committed result folder")
+    packing.add_argument("run", type=Path, help="runs/claims/<claim>")
+    packing.add_argument("dest", type=Path, help="bench/results/claims/<name>")
+    packing.add_argument("--world", type=Path, required=True, help="the run's world (rebuilt: checked by sha256)")
+    packing.add_argument("--world-record", type=Path, help="claim_world.json to check --world against (default: "
+                         "the run's reader's or injected model's; a reused one's where the run copied none)")
+    packing.add_argument("--logs", type=Path, help="gpu_claims.sh's logs folder (<claim>*.log are copied)")
+    analysing = sub.add_parser("why", help="the per-question analysis of a committed result folder")
+    analysing.add_argument("dest", type=Path)
+    args = parser.parse_args()
+    if args.command == "pack":
+        print(f"packed {', '.join(pack(args.run, args.dest, args.world, args.logs, args.world_record))} into {args.dest}")
+    else:
+        print(markdown(why(args.dest)))
+
+
+if __name__ == "__main__":
+    main()
