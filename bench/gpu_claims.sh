@@ -171,7 +171,9 @@ daemon() {
   jobs_plan > "$WORK/jobs"; : > "$WORK/taken"
   # LANES_PER_GPU default 1 (measured 2026-11-28, 4x H200): a GRPO pass of 20 whole rollouts (~2,750-token prompts
   # with their observations) peaks at 64-68 GiB allocated, so 4 lanes a GPU ran out of memory there (8 of 13 jobs
-  # failed at their first steps); alone, a step took 4.0-4.4 s. expandable_segments keeps the cache from fragmenting
+  # failed at their first steps); alone, a step took 4.0-4.4 s. At 10 rollouts a pass, 3 lanes on one H200 held 107 GiB
+  # (2026-11-28: qagent and s3 whole in 20 min, 6-11 s a step): LANES_PER_GPU=3 fits there, 1 on an 80 GB H100.
+  # expandable_segments keeps the cache from fragmenting
   export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
   lanes=$(( gpus * ${LANES_PER_GPU:-1} ))
   export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( $(nproc) / lanes > 1 ? $(nproc) / lanes : 1 ))}
