@@ -3,8 +3,8 @@ folder committed under bench/results/claims/<name>/, and the per-question analys
 
 `pack RUN DEST --world W [--logs L]`: report.json/html, claim.json, stages/, the logs, and for each evaluation
 stage DEST/<eval name>/per_question.jsonl (id, type, hops, prediction, gold, retrievals, EM, non-strict EM, F1,
-and what the answerer was handed: documents, the share of the question's supporting passages among them, whether
-a gold answer occurs in them), summary.json; for each RL run DEST/<arm>/metrics.jsonl and rl_recipe.yaml.
+the share of the question's supporting passages retrieved by any search, and what the answerer was handed:
+documents, the share of supporting passages among them, whether a gold answer occurs in them), summary.json; for each RL run DEST/<arm>/metrics.jsonl and rl_recipe.yaml.
 W is the run's world (`supporting_ids` per test question): a world rebuilt from the seed is checked against the
 run's world record (sha256 of corpus, train, test).
 `why DEST`: per evaluation, EM and the retrieval quantities above, by question type and overall, with 95%
@@ -48,6 +48,7 @@ def per_question(pred: dict[str, Any], support: dict[str, list[str]]) -> dict[st
     traj = pred.get("trajectory") or {}
     served = traj.get("served_context") or []
     served_ids = {doc.get("doc_id") for doc in served}
+    retrieved_ids = {doc.get("doc_id") for window in traj.get("retrieved") or [] for doc in window}
     supporting = support.get(pred["id"], [])
     text = " ".join(f"{doc.get('title', '')} {doc.get('text', '')}" for doc in served)
     row = {"id": pred["id"], "dataset": pred["dataset"], "prediction": pred["prediction"],
@@ -55,6 +56,8 @@ def per_question(pred: dict[str, Any], support: dict[str, list[str]]) -> dict[st
            "em": pred["metrics"]["em"], "cover_em": pred["metrics"]["cover_em"], "f1": pred["metrics"]["f1"],
            "served_docs": len(served),
            "support_served": sum(s in served_ids for s in supporting) / len(supporting) if supporting else None,
+           # retrieved in some search but not served: the searcher's selection (s3) left it out
+           "support_retrieved": sum(s in retrieved_ids for s in supporting) / len(supporting) if supporting else None,
            "answer_in_served": cover_exact_match(text, pred["golden_answers"])}
     if "knowledge" in pred:
         row["knowledge"] = pred["knowledge"]
@@ -110,6 +113,7 @@ def why(dest: Path) -> dict[str, Any]:
             "retrievals": _mean_ci([float(r["retrieval_count"]) for r in group]),
             "served_docs": _mean_ci([float(r["served_docs"]) for r in group]),
             "all_support_served": _mean_ci([float(r["support_served"] == 1.0) for r in group]),
+            "all_support_retrieved": _mean_ci([float(r["support_retrieved"] == 1.0) for r in group]),
             "answer_in_served": _mean_ci([r["answer_in_served"] for r in group]),
             "em_when_all_support_served": _mean_ci([r["em"] for r in group if r["support_served"] == 1.0]),
             "em_otherwise": _mean_ci([r["em"] for r in group if r["support_served"] != 1.0]),
@@ -125,12 +129,13 @@ def markdown(analysis: dict[str, Any]) -> str:
         low, high = stat["ci"]
         return f"{scale * stat['mean']:.{digits}f} [{scale * low:.{digits}f}, {scale * high:.{digits}f}] (n={stat['n']})"
 
-    lines = ["| evaluation | type | EM % | non-strict EM % | retrievals | docs served | all support served % | EM % when all served "
-             "| EM % otherwise |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| evaluation | type | EM % | non-strict EM % | retrievals | docs served | all support retrieved % | all support served % | EM % when all served "
+             "| EM % otherwise |", "|---|---|---|---|---|---|---|---|---|---|"]
     for name, groups in analysis.items():
         for kind, s in groups.items():
             lines.append(f"| {name} | {kind} | {cell(s['em'])} | {cell(s['cover_em'])} | {cell(s['retrievals'], 1, 2)} | "
-                         f"{cell(s['served_docs'], 1, 1)} | {cell(s['all_support_served'])} | "
+                         f"{cell(s['served_docs'], 1, 1)} | {cell(s['all_support_retrieved'])} | "
+                         f"{cell(s['all_support_served'])} | "
                          f"{cell(s['em_when_all_support_served'])} | {cell(s['em_otherwise'])} |")
     return "\n".join(lines)
 

@@ -319,8 +319,11 @@ def test_claims_pack_rows_and_the_why_analysis_by_hand(tmp_path: Path) -> None:
     curve and per-type figures from the packed folder."""
     pack = _load("claims_pack")
     support = {"a": ["1", "2"], "b": ["3"], "c": ["4", "5"]}
-    row = pack.per_question(_prediction("a", "2hop", 1.0, [("1", "capital Oslo"), ("9", "x")]), support)
+    prediction = _prediction("a", "2hop", 1.0, [("1", "capital Oslo"), ("9", "x")])
+    prediction["trajectory"]["retrieved"] = [[{"doc_id": "1"}, {"doc_id": "2"}], [{"doc_id": "9"}]]
+    row = pack.per_question(prediction, support)
     assert row["served_docs"] == 2 and row["support_served"] == 0.5 and row["answer_in_served"] == 1.0
+    assert row["support_retrieved"] == 1.0  # "2" was retrieved but not served: a selection left it out
     assert pack.per_question(_prediction("b", "1hop", 0.0, []), support)["support_served"] == 0.0
     # a run as `sleuth reproduce` lays it out: an evaluation, an RL arm, its world record
     run, world = tmp_path / "runs" / "s3", tmp_path / "world"
@@ -355,6 +358,7 @@ def test_claims_pack_rows_and_the_why_analysis_by_hand(tmp_path: Path) -> None:
     # a: both supporting served, EM 1; b: its one served, EM 0; c: one of two served, EM 0
     assert small["all"]["em"]["mean"] == pytest.approx(1 / 3) and small["all"]["retrievals"]["mean"] == 8 / 3
     assert small["all"]["all_support_served"]["mean"] == pytest.approx(2 / 3)
+    assert small["all"]["all_support_retrieved"]["mean"] == 0.0  # these predictions record no searches
     assert small["all"]["em_when_all_support_served"]["mean"] == 0.5
     assert small["all"]["em_when_all_support_served"]["n"] == 2 and small["all"]["em_otherwise"]["mean"] == 0.0
     assert small["2hop"]["em"]["n"] == 2 and small["1hop"]["em_otherwise"]["n"] == 0
