@@ -183,11 +183,17 @@ daemon() {
   echo "$(date +%T) all claims ended" >> "$WORK/progress.log"
 }
 
-pack() {  # claims.tgz (reports, stage results, summaries, logs) and the claim bundle: its index and first parts
+pack() {  # claims.tgz (reports, stage results, summaries, logs), per finished claim results_<claim>.tgz (its
+  # predictions too, which bench/claims_pack.py turns into the committed per-question rows; 2-4 MB a claim), and the
+  # claim bundle: its index and first parts, in the room left
   [ -n "${OUT:-}" ] && [ -d runs/claims ] || return 0
-  tar czf "$OUT/claims.tgz" --exclude='checkpoints' --exclude='*.safetensors' --exclude='predictions.jsonl' \
-    --exclude='trajectories.jsonl' --exclude='rollouts' --exclude='world' runs/claims "$WORK/logs" "$WORK/progress.log" \
+  local skip=(--exclude='checkpoints' --exclude='*.safetensors' --exclude='trajectories.jsonl' --exclude='rollouts'
+              --exclude='world' --exclude='reader/reader' --exclude='inject/reused')
+  tar czf "$OUT/claims.tgz" "${skip[@]}" --exclude='predictions.jsonl' runs/claims "$WORK/logs" "$WORK/progress.log" \
     2>/dev/null
+  for report in runs/claims/*/report.json; do
+    [ -f "$report" ] && tar czf "$OUT/results_$(basename "$(dirname "$report")").tgz" "${skip[@]}" "$(dirname "$report")"
+  done
   "${PY:-python}" -m sleuth.claim_bundle pack runs/claims "$WORK/bundle" && send
 }
 
