@@ -22,7 +22,6 @@ from sleuth.reproduce import (
     claim_table,
     metric,
     own_answer_cover_em,
-    own_answer_em,
     reproduce,
     stage,
 )
@@ -62,13 +61,12 @@ def test_paired_rows_by_hand():
     row = _paired_on(first, second, metric("f1"))  # questions a and b only: (1.0, 0.5) vs (0.0, 0.5)
     assert row["n"] == 2 and row["a"] == 0.75 and row["b"] == 0.25 and row["diff"] == 0.5
     assert row["ci"] == list(paired_bootstrap([1.0, 0.5], [0.0, 0.5])[1:])
-    # the agent's own answer on one side, the reader's EM on the other: a 1, b 1 (normalised), vs a 0, b 0
-    mixed = _paired_on(first, first, own_answer_em, metric("em"))
+    # own answers on one side (a 1, b 1 normalised, c 0), the reader's EM on the other (a 1, b 0, c 1)
+    mixed = _paired_on(first, first, own_answer_cover_em, metric("em"))
     assert mixed["n"] == 3 and mixed["a"] == pytest.approx(2 / 3) and mixed["b"] == pytest.approx(2 / 3)
-    assert own_answer_em({"golden_answers": ["x"]}) == 0.0  # no agent answer recorded: wrong
-    # non-strict EM: "oslo" and "Rome, not Oslo" contain the gold; strict EM takes only the first
+    # non-strict EM: a sentence containing the gold counts, a prefix of it does not
     sentence = {"golden_answers": ["Oslo"], "extra": {"agent_answer": "Rome, not Oslo"}}
-    assert own_answer_cover_em(sentence) == 1.0 and own_answer_em(sentence) == 0.0
+    assert own_answer_cover_em(sentence) == 1.0
     assert own_answer_cover_em({"golden_answers": ["Oslo"], "extra": {"agent_answer": "Osl"}}) == 0.0
     assert own_answer_cover_em({"golden_answers": ["x"]}) == 0.0
     with pytest.raises(ConfigError, match="no common question"):

@@ -51,7 +51,7 @@ from sleuth.data.synth import KNOWLEDGE_TYPES
 from sleuth.demo import GPU, DemoSize, demo_recipe, held_out_questions, write_oracle_trajectories
 from sleuth.errors import ConfigError
 from sleuth.reader import ReaderSettings
-from sleuth.rewards.metrics import cover_exact_match, exact_match
+from sleuth.rewards.metrics import cover_exact_match
 
 
 @dataclass(frozen=True)
@@ -347,13 +347,9 @@ def metric(key: str) -> Callable[[dict], float]:
     return lambda record: float(record["metrics"][key])
 
 
-def own_answer_em(record: dict) -> float:
-    """EM of the agent's own answer, where the evaluator handed its documents to a reader (extra.agent_answer)."""
-    return exact_match(record.get("extra", {}).get("agent_answer"), record["golden_answers"])
-
-
 def own_answer_cover_em(record: dict) -> float:
-    """Non-strict EM (a gold answer inside the answer) of the agent's own answer (extra.agent_answer)."""
+    """Non-strict EM (a gold answer inside the answer) of the agent's own answer, where the evaluator handed its
+    documents to a reader (extra.agent_answer)."""
     return cover_exact_match(record.get("extra", {}).get("agent_answer"), record["golden_answers"])
 
 
