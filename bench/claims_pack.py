@@ -25,9 +25,11 @@ from pathlib import Path
 from typing import Any
 
 from sleuth.appendlog import read_appended
+from sleuth.claim_reuse import world_differences
+from sleuth.errors import ConfigError
 from sleuth.eval.stats import bootstrap_ci
 from sleuth.rewards.metrics import cover_exact_match
-from sleuth.utils import atomic_write_text, sha256_file
+from sleuth.utils import atomic_write_text
 
 
 def check_world(run: Path, world: Path, record: Path | None) -> None:
@@ -36,8 +38,10 @@ def check_world(run: Path, world: Path, record: Path | None) -> None:
     if not records:
         raise SystemExit(f"{run}: no claim_world.json under reader/ or inject/ to check the world {world} against; "
                          f"give --world-record (a reused model's, e.g. checkpoints/claims/reader/claim_world.json)")
-    expected = json.loads(records[0].read_text())["files"]
-    differ = [name for name, digest in expected.items() if sha256_file(world / name) != digest]
+    try:
+        differ = world_differences(records[0], world)
+    except ConfigError as err:  # a world file missing
+        raise SystemExit(str(err)) from err
     if differ:
         raise SystemExit(f"{world}: {', '.join(differ)} differ from the run's world ({records[0]}): rebuild it "
                          f"from the run's profile (sleuth.reproduce.build_world)")

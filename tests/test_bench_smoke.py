@@ -343,14 +343,17 @@ def test_claims_pack_rows_and_the_why_analysis_by_hand(tmp_path: Path) -> None:
         (run / name / "train").mkdir(parents=True)
         (run / name / "rl_recipe.yaml").write_text("algo: grpo\n")
         (run / name / "train" / "metrics.jsonl").write_text(json.dumps({"step": 1}) + "\n")
+    from sleuth.utils import sha256_file
+
+    for name in ("corpus.jsonl", "train.jsonl"):
+        (world / name).write_text("{}\n")
+    digests = {name: sha256_file(world / name) for name in ("corpus.jsonl", "train.jsonl", "test.jsonl")}
     record = tmp_path / "claim_world.json"
-    record.write_text(json.dumps({"files": {"test.jsonl": "0" * 64}}))
+    record.write_text(json.dumps({"files": {**digests, "test.jsonl": "0" * 64}}))
     dest = tmp_path / "packed"
     with pytest.raises(SystemExit, match="test.jsonl differ"):
         pack.pack(run, dest, world, None, record)
-    from sleuth.utils import sha256_file
-
-    record.write_text(json.dumps({"files": {"test.jsonl": sha256_file(world / "test.jsonl")}}))
+    record.write_text(json.dumps({"files": digests}))
     assert pack.pack(run, dest, world, None, record) == ["s3_16", "s3_4"]
     assert (dest / "s3_4" / "metrics.jsonl").exists() and (dest / "s3_4" / "rl_recipe.yaml").exists()
     analysis = pack.why(dest)

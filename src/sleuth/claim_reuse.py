@@ -39,6 +39,13 @@ def write_world_record(model: Path, world: Path) -> None:
     atomic_write_json(Path(model) / WORLD_RECORD, {"files": world_fingerprint(world)})
 
 
+def world_differences(record: Path, world: Path) -> list[str]:
+    """The world files whose sha256 differs from a `claim_world.json` record's (empty: the same world)."""
+    expected = json.loads(Path(record).read_text()).get("files", {})
+    actual = world_fingerprint(world)
+    return [name for name in WORLD_FILES if expected.get(name) != actual[name]]
+
+
 def reused_model(reuse: Path, name: str, world: Path) -> Path:
     """REUSE/NAME, checked to have been trained on `world`; a ConfigError saying what to fix otherwise."""
     model = Path(reuse) / name
@@ -49,9 +56,7 @@ def reused_model(reuse: Path, name: str, world: Path) -> Path:
     if not record.is_file():
         raise ConfigError(f"--reuse {reuse}: {model} has no {WORLD_RECORD}, so the world it learned is unknown; "
                           f"leave --reuse out to train it on this run's world")
-    expected = json.loads(record.read_text()).get("files", {})
-    actual = world_fingerprint(world)
-    differing = [name for name in WORLD_FILES if expected.get(name) != actual[name]]
+    differing = world_differences(record, world)
     if differing:
         raise ConfigError(f"--reuse {reuse}: {model} was trained on another world ({', '.join(differing)} differ "
                           f"from {world}); leave --reuse out to train it on this run's world")
