@@ -83,8 +83,11 @@ def pack(run: Path, dest: Path, world: Path, logs: Path | None, record: Path | N
     for summary in sorted((run / "eval").glob("*/summary.json")):
         name = summary.parent.name
         (dest / name).mkdir(exist_ok=True)
-        rows = [per_question(p, support) for p in read_appended(next(summary.parent.glob("*/predictions.jsonl")))
-                .records]
+        predictions = next(summary.parent.glob("*/predictions.jsonl"), None)
+        if predictions is None:  # bench/gpu_claims.sh's claims.tgz leaves them out: its results_<claim>.tgz has them
+            raise SystemExit(f"{summary.parent}: no */predictions.jsonl beside summary.json; unpack the claim's "
+                             f"results_<claim>.tgz (bench/gpu_claims.sh pack), which keeps them")
+        rows = [per_question(p, support) for p in read_appended(predictions).records]
         atomic_write_text(dest / name / "per_question.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
         shutil.copy2(summary, dest / name / "summary.json")
         evals.append(name)

@@ -354,6 +354,11 @@ def test_claims_pack_rows_and_the_why_analysis_by_hand(tmp_path: Path) -> None:
     with pytest.raises(SystemExit, match="test.jsonl differ"):
         pack.pack(run, dest, world, None, record)
     record.write_text(json.dumps({"files": digests}))
+    hidden = run / "eval" / "s3_4" / "s3" / "predictions.jsonl"
+    hidden.rename(hidden.with_suffix(".bak"))  # as in claims.tgz, which leaves predictions out
+    with pytest.raises(SystemExit, match="no \\*/predictions.jsonl beside summary.json"):
+        pack.pack(run, tmp_path / "unpacked", world, None, record)
+    hidden.with_suffix(".bak").rename(hidden)
     assert pack.pack(run, dest, world, None, record) == ["s3_16", "s3_4"]
     assert (dest / "s3_4" / "metrics.jsonl").exists() and (dest / "s3_4" / "rl_recipe.yaml").exists()
     analysis = pack.why(dest)
