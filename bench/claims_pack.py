@@ -3,7 +3,8 @@ folder committed under bench/results/claims/<name>/, and the per-question analys
 
 `pack RUN DEST --world W [--logs L]`: report.json/html, claim.json, stages/, the logs, and for each evaluation
 stage DEST/<eval name>/per_question.jsonl (id, type, hops, prediction, gold, retrievals, EM, non-strict EM, F1,
-the share of the question's supporting passages retrieved by any search, and what the answerer was handed:
+the share of the question's supporting passages retrieved by any search (on a knowledge-boundary world also the
+share of the unknown hops' passages), and what the answerer was handed:
 documents, the share of supporting passages among them, whether a gold answer occurs in them), summary.json; for each RL run DEST/<arm>/metrics.jsonl and rl_recipe.yaml.
 W is the run's world (`supporting_ids` per test question): a world rebuilt from the seed is checked against the
 run's world record (sha256 of corpus, train, test).
@@ -47,8 +48,12 @@ def check_world(run: Path, world: Path, record: Path | None) -> None:
                          f"from the run's profile (sleuth.reproduce.build_world)")
 
 
-def per_question(pred: dict[str, Any], support: dict[str, list[str]]) -> dict[str, Any]:
-    """One prediction record -> its committed row (module docstring)."""
+def per_question(pred: dict[str, Any], support: dict[str, list[str]],
+                 known_hops: dict[str, list[bool]] | None = None) -> dict[str, Any]:  # fmt: skip
+    """One prediction record -> its committed row (module docstring). `known_hops` (a knowledge-boundary world: per
+    question, per supporting passage, whether the model knows that hop's fact) adds the share of the passages of
+    the hops it does not know that some search retrieved: all a searcher that answers the known hops from memory
+    needs."""
     traj = pred.get("trajectory") or {}
     served = traj.get("served_context") or []
     served_ids = {doc.get("doc_id") for doc in served}
@@ -63,6 +68,11 @@ def per_question(pred: dict[str, Any], support: dict[str, list[str]]) -> dict[st
            # retrieved in some search but not served: the searcher's selection (s3) left it out
            "support_retrieved": sum(s in retrieved_ids for s in supporting) / len(supporting) if supporting else None,
            "answer_in_served": cover_exact_match(text, pred["golden_answers"])}
+    known = (known_hops or {}).get(pred["id"])
+    if known is not None:
+        unknown = [s for s, is_known in zip(supporting, known, strict=True) if not is_known]
+        row["unknown_support_retrieved"] = (sum(s in retrieved_ids for s in unknown) / len(unknown)
+                                            if unknown else None)
     if "knowledge" in pred:
         row["knowledge"] = pred["knowledge"]
     return row
@@ -70,7 +80,9 @@ def per_question(pred: dict[str, Any], support: dict[str, list[str]]) -> dict[st
 
 def pack(run: Path, dest: Path, world: Path, logs: Path | None, record: Path | None = None) -> list[str]:
     check_world(run, world, record)
-    support = {q["id"]: q["metadata"]["supporting_ids"] for q in read_appended(world / "test.jsonl").records}
+    metadata = {q["id"]: q["metadata"] for q in read_appended(world / "test.jsonl").records}
+    support = {qid: meta["supporting_ids"] for qid, meta in metadata.items()}
+    known = {qid: meta["known_hops"] for qid, meta in metadata.items() if "known_hops" in meta}
     dest.mkdir(parents=True, exist_ok=True)
     for name in ("report.json", "report.html", "claim.json"):
         if (run / name).exists():
@@ -87,7 +99,7 @@ def pack(run: Path, dest: Path, world: Path, logs: Path | None, record: Path | N
         if predictions is None:  # bench/gpu_claims.sh's claims.tgz leaves them out: its results_<claim>.tgz has them
             raise SystemExit(f"{summary.parent}: no */predictions.jsonl beside summary.json; unpack the claim's "
                              f"results_<claim>.tgz (bench/gpu_claims.sh pack), which keeps them")
-        rows = [per_question(p, support) for p in read_appended(predictions).records]
+        rows = [per_question(p, support, known) for p in read_appended(predictions).records]
         atomic_write_text(dest / name / "per_question.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
         shutil.copy2(summary, dest / name / "summary.json")
         evals.append(name)
@@ -118,6 +130,9 @@ def why(dest: Path) -> dict[str, Any]:
             "em": _mean_ci([r["em"] for r in group]),
             "cover_em": _mean_ci([r["cover_em"] for r in group]),
             "retrievals": _mean_ci([float(r["retrieval_count"]) for r in group]),
+            "searched": _mean_ci([float(r["retrieval_count"] > 0) for r in group]),
+            "all_unknown_support_retrieved": _mean_ci([float(r["unknown_support_retrieved"] == 1.0) for r in group
+                                                       if r.get("unknown_support_retrieved") is not None]),
             "served_docs": _mean_ci([float(r["served_docs"]) for r in group]),
             "all_support_served": _mean_ci([float(r["support_served"] == 1.0) for r in group]),
             "all_support_retrieved": _mean_ci([float(r["support_retrieved"] == 1.0) for r in group]),
@@ -136,12 +151,14 @@ def markdown(analysis: dict[str, Any]) -> str:
         low, high = stat["ci"]
         return f"{scale * stat['mean']:.{digits}f} [{scale * low:.{digits}f}, {scale * high:.{digits}f}] (n={stat['n']})"
 
-    lines = ["| evaluation | type | EM % | non-strict EM % | retrievals | docs served | all support retrieved % | all support served % | EM % when all served "
-             "| EM % otherwise |", "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| evaluation | type | EM % | non-strict EM % | retrievals | searched % | docs served | all support retrieved % "
+             "| unknown hops' support retrieved % | all support served % | EM % when all served | EM % otherwise |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, groups in analysis.items():
         for kind, s in groups.items():
             lines.append(f"| {name} | {kind} | {cell(s['em'])} | {cell(s['cover_em'])} | {cell(s['retrievals'], 1, 2)} | "
-                         f"{cell(s['served_docs'], 1, 1)} | {cell(s['all_support_retrieved'])} | "
+                         f"{cell(s['searched'])} | {cell(s['served_docs'], 1, 1)} | {cell(s['all_support_retrieved'])} | "
+                         f"{cell(s['all_unknown_support_retrieved'])} | "
                          f"{cell(s['all_support_served'])} | "
                          f"{cell(s['em_when_all_support_served'])} | {cell(s['em_otherwise'])} |")
     return "\n".join(lines)

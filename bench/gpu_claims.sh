@@ -50,6 +50,8 @@
 # GRPO step (no 'minilm' encoder on the machine: now bench/carried_minilm.sh). A step's time is per pass, not per
 # token, so the GPU profiles now run whole batches (SFT 4 a pass, GRPO 20, reader 16, injection 128); GRPO 10 since a
 # pass of 20 peaked at 64-68 GiB (2026-11-28, below).
+# Measured (1x H200, 2026-11-28, CLAIMS=staged LANES_PER_GPU=2, the injected model reused): both arms (SFT, 30 GRPO
+# steps at 2.5-7 s, evaluation) and the report in 8 min, ~10 min of device time with the machine's start; SEED=1 the same.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 WORK=${CLAIMS_WORK:-/root/claims}
@@ -126,13 +128,24 @@ take_job() {  # the next job no lane has taken (one lock for every lane)
   echo "$job"
 }
 
+# SEED=N: the arms' training seed (`sleuth reproduce --seed`): the run is runs/claims/<claim>-seedN, its jobs'
+# done-markers and logs <claim>-seedN[.ARM] and its results results_<claim>-seedN.tgz, beside seed 0's
+run_name() { echo "$1${SEED:+-seed$SEED}"; }
+
+job_id() {  # job_id "CLAIM [ARM]": the job's done-marker and log name, RUN[.ARM]
+  local claim=${1%% *} arm=
+  [ "$1" != "$claim" ] && arm=${1#* }
+  echo "$(run_name "$claim")${arm:+.$arm}"
+}
+
 run_claim() {  # run_claim GPU CLAIM [ARM]: the claim (or one arm of it) on that GPU; done-marker per job
   local gpu=$1 claim=$2 arm=${3:-} id
-  id=$claim${arm:+.$arm}
+  id=$(job_id "$claim${arm:+ $arm}")
   [ -f "$WORK/done/$id" ] && return 0
   echo "$(date +%T) $id on GPU $gpu" >> "$WORK/progress.log"
   if CUDA_VISIBLE_DEVICES=$gpu "${PY:-python}" -m sleuth.cli reproduce "$claim" --profile "$PROFILE" \
-       --out "runs/claims/$claim" ${arm:+--arms "$arm"} ${REUSE:+--reuse "$REUSE"} > "$WORK/logs/$id.log" 2>&1; then
+       --out "runs/claims/$(run_name "$claim")" ${SEED:+--seed "$SEED"} ${arm:+--arms "$arm"} \
+       ${REUSE:+--reuse "$REUSE"} > "$WORK/logs/$id.log" 2>&1; then
     touch "$WORK/done/$id"; echo "$(date +%T) done $id" >> "$WORK/progress.log"
   else echo "$(date +%T) FAILED $id (see logs/$id.log)" >> "$WORK/progress.log"; fi
 }
@@ -140,7 +153,7 @@ run_claim() {  # run_claim GPU CLAIM [ARM]: the claim (or one arm of it) on that
 report_when_done() {  # report_when_done GPU CLAIM: the claim's report once each of its jobs is done (one lane)
   local gpu=$1 claim=$2 job
   while read -r job; do
-    [ "${job%% *}" = "$claim" ] && [ ! -f "$WORK/done/${job// /.}" ] && return 0
+    [ "${job%% *}" = "$claim" ] && [ ! -f "$WORK/done/$(job_id "$job")" ] && return 0
   done < "$WORK/jobs"
   ( flock 8; run_claim "$gpu" "$claim" ) 8>"$WORK/report_$claim.lock"
 }
@@ -227,6 +240,7 @@ case "${1:-}" in
   pack) pack ;;
   send) send ;;
   plan) jobs_plan ;;  # the jobs the lanes would take, in order (no GPU needed)
+  ids) jobs_plan | while read -r job; do job_id "$job"; done ;;  # their done-markers' and logs' names
   *) echo "usage: $0 start|restart|wait SECONDS|pack|send|plan (on the device) | take FILES_AT (development machine)" >&2
      exit 2 ;;
 esac

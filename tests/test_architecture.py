@@ -192,7 +192,7 @@ def test_the_size_check_finds_the_rule_breakers() -> None:
 # package root are the ground floor (tags, text, utils, errors, run_layout, ...) except the front ends.
 FLOORS = ("data", "retrieval", "llm", "agent", "rewards", "rl", "eval", "serve")
 FRONT_ENDS = ("sleuth.demo", "sleuth.api", "sleuth.cli", "sleuth.knowledge", "sleuth.reader", "sleuth.reproduce",
-              "sleuth.claim_bundle", "sleuth.claim_reuse")
+              "sleuth.reproduce_commands", "sleuth.claim_bundle", "sleuth.claim_reuse")
 
 
 def _floor(module: str) -> int:

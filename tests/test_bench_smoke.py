@@ -325,6 +325,15 @@ def test_claims_pack_rows_and_the_why_analysis_by_hand(tmp_path: Path) -> None:
     assert row["served_docs"] == 2 and row["support_served"] == 0.5 and row["answer_in_served"] == 1.0
     assert row["support_retrieved"] == 1.0  # "2" was retrieved but not served: a selection left it out
     assert pack.per_question(_prediction("b", "1hop", 0.0, []), support)["support_served"] == 0.0
+    assert "unknown_support_retrieved" not in row  # a world without a knowledge boundary
+    # a knowledge-boundary world: hop 1 ("1") known, hop 2 ("2") not; a search that found only "2" has all it needs
+    mixed = _prediction("a", "mixed", 1.0, [("2", "Oslo")], rc=1)
+    mixed["trajectory"]["retrieved"] = [[{"doc_id": "2"}, {"doc_id": "7"}]]
+    boundary = pack.per_question(mixed, support, {"a": [True, False], "b": [True]})
+    assert boundary["support_retrieved"] == 0.5 and boundary["unknown_support_retrieved"] == 1.0
+    assert pack.per_question(_prediction("b", "all-known", 1.0, [], rc=0), support, {"b": [True]})[
+        "unknown_support_retrieved"] is None  # nothing unknown to find
+    assert pack.per_question(mixed, support, {"a": [False, False]})["unknown_support_retrieved"] == 0.5
     # a run as `sleuth reproduce` lays it out: an evaluation, an RL arm, its world record
     run, world = tmp_path / "runs" / "s3", tmp_path / "world"
     world.mkdir(parents=True)
@@ -370,6 +379,7 @@ def test_claims_pack_rows_and_the_why_analysis_by_hand(tmp_path: Path) -> None:
     assert small["all"]["em_when_all_support_served"]["mean"] == 0.5
     assert small["all"]["em_when_all_support_served"]["n"] == 2 and small["all"]["em_otherwise"]["mean"] == 0.0
     assert small["2hop"]["em"]["n"] == 2 and small["1hop"]["em_otherwise"]["n"] == 0
+    assert small["all"]["searched"]["mean"] == 1.0 and small["all"]["all_unknown_support_retrieved"]["n"] == 0
     assert analysis["s3_16"]["all"]["all_support_served"]["mean"] == 1.0  # every passage served to every question
     assert "| s3_4 | all | 33.3" in pack.markdown(analysis)
     figure = _load("claims_figure")

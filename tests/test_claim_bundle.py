@@ -291,3 +291,11 @@ def test_gpu_claims_plans_one_job_per_arm_with_s3s_largest_first(tmp_path):
     jobs = subprocess.run(["bash", "bench/gpu_claims.sh", "plan"], cwd=repo, env=env, capture_output=True,
                           text=True, check=True).stdout.splitlines()
     assert set(jobs[:2]) == {"s3 s3_1600", "s3 search_r1_1600"} and jobs[-1] == "qagent"
+    # each job's done-marker and log: RUN[.ARM], RUN the run directory's name (<claim>-seedN under SEED=N), so a
+    # second seed's jobs on one machine are not taken for the first's
+    ids = subprocess.run(["bash", "bench/gpu_claims.sh", "ids"], cwd=repo, env=env, capture_output=True,
+                         text=True, check=True).stdout.splitlines()
+    assert ids == [j.replace(" ", ".") for j in jobs] and "qagent" in ids
+    seeded = subprocess.run(["bash", "bench/gpu_claims.sh", "ids"], cwd=repo, env={**env, "SEED": "2"},
+                            capture_output=True, text=True, check=True).stdout.splitlines()
+    assert seeded == [j.replace("s3 ", "s3-seed2.").replace("qagent", "qagent-seed2") for j in jobs]

@@ -9,6 +9,7 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
+from sleuth.claim_stages import run_seed, write_claim_file
 from sleuth.cli import app
 from sleuth.errors import ConfigError
 from sleuth.eval.stats import paired_bootstrap
@@ -18,6 +19,7 @@ from sleuth.reproduce import (
     Arm,
     _paired_on,
     _read_predictions,
+    arm_recipe,
     arm_rl_recipe,
     claim_table,
     metric,
@@ -149,6 +151,35 @@ def test_reproduce_staged_cpu_end_to_end_and_resumes(tmp_path):
     assert stages == ["eval_search_r1", "eval_staged", "inject", "train_search_r1", "train_staged", "world"]
     again = runner.invoke(app, ["reproduce", "staged", "--profile", "cpu", "--out", str(out)], terminal_width=300)
     assert again.exit_code == 0 and again.output.count("done earlier, skipped") == 6
+    assert report["seed"] == 0 and "Training seed of the arms: 0." in page
+    assert yaml.safe_load((out / "staged" / "rl_recipe.yaml").read_text())["seed"] == 0
+    other = runner.invoke(app, ["reproduce", "staged", "--profile", "cpu", "--out", str(out), "--seed", "1"],
+                          terminal_width=300)
+    assert other.exit_code == 2 and "seed 0 (asked: 1)" in other.output and "done earlier" not in other.output
+
+
+def test_seed_is_the_run_directory_s_and_reaches_every_arm_recipe(tmp_path):
+    """--seed lands in OUT/claim.json, every arm's SFT and RL recipe takes it from there, and a directory holding
+    another claim, profile or seed is refused (a claim.json from before seeds were recorded counts as seed 0)."""
+    profile, world = CLAIM_PROFILES["cpu"], tmp_path / "world"
+    write_claim_file(tmp_path, "r_search", "cpu", 7)
+    assert json.loads((tmp_path / "claim.json").read_text()) == {"method": "r_search", "profile": "cpu", "seed": 7}
+    assert arm_recipe(tmp_path, world, profile, "r_search", None)["seed"] == 7
+    assert arm_rl_recipe(tmp_path, world, profile, Arm("with_evidence", "r_search"), "init")["seed"] == 7
+    write_claim_file(tmp_path, "r_search", "cpu", 7)  # the same run again: resumes
+    for method, prof, seed, named in (("r_search", "cpu", 8, "seed 7 (asked: 8)"),
+                                      ("r_search", "gpu", 7, "profile 'cpu' (asked: 'gpu')"),
+                                      ("s3", "cpu", 7, "method 'r_search' (asked: 's3')")):
+        with pytest.raises(ConfigError, match=re.escape(named)):
+            write_claim_file(tmp_path, method, prof, seed)
+    legacy = tmp_path / "legacy"
+    legacy.mkdir()
+    (legacy / "claim.json").write_text(json.dumps({"method": "s3", "profile": "gpu"}))
+    assert run_seed(legacy) == 0
+    write_claim_file(legacy, "s3", "gpu", 0)
+    with pytest.raises(ConfigError, match=re.escape("seed 0 (asked: 2)")):
+        write_claim_file(legacy, "s3", "gpu", 2)
+    assert run_seed(tmp_path / "nowhere") == 0
 
 
 def _run_twice(tmp_path, method: str) -> tuple[str, dict, list[str], str]:

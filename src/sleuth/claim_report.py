@@ -9,6 +9,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from sleuth.claim_stages import run_seed
 from sleuth.utils import atomic_write_json, atomic_write_text
 
 
@@ -22,7 +23,9 @@ def write_report(out: Path, claim: Any, table: dict[str, Any], arms: tuple[str, 
                  figure: str = "") -> Path:  # fmt: skip
     """OUT/report.json and OUT/report.html for `claim` (a `sleuth.reproduce.Claim`); the page opens with the claim
     table (then `figure`, HTML)."""
-    atomic_write_json(out / "report.json", {"claim": asdict(claim), "arms": list(arms), "table": table, **details})
+    seed = run_seed(out)
+    atomic_write_json(out / "report.json", {"claim": asdict(claim), "arms": list(arms), "table": table,
+                                            "seed": seed, **details})
     cells = []
     for name, row in table["rows"].items():
         pct = not name.startswith("retrievals")  # accuracies in points, retrieval counts as they are
@@ -38,7 +41,7 @@ def write_report(out: Path, claim: Any, table: dict[str, Any], arms: tuple[str, 
         f"<table id='claim'><caption>Claim: {html.escape(claim.claim)} &mdash; {verdict}</caption>\n"
         f"<tr><th>measure</th><th>n</th><th>{html.escape(arms[0])}</th><th>{html.escape(arms[1])}</th>"
         "<th>difference</th><th>95% interval (paired bootstrap)</th></tr>\n" + "\n".join(cells) + "\n</table>\n"
-        f"<p>{html.escape(table['rule'])}</p>\n{figure}"
+        f"<p>{html.escape(table['rule'])}</p>\n<p>Training seed of the arms: {seed}.</p>\n{figure}"
         f"<h2>Plan</h2><ul>" + "".join(f"<li><b>{k}</b>: {html.escape(str(v))}</li>" for k, v in asdict(claim).items()
                                         ) + "</ul>\n"
         f"<h2>Stages</h2><pre>{html.escape(json.dumps(details, indent=2))}</pre>\n</body></html>\n"

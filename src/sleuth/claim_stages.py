@@ -5,7 +5,7 @@ under OUT by absolute path (checkpoints, predictions, the world), so a run direc
 to another machine, restored from a claim bundle: `sleuth.claim_bundle`) would otherwise hand the next
 stage paths of the old place; `stage` re-roots every such path to where OUT is now when it reads a record.
 
-OUT/claim.json names the claim and profile a run directory holds, so a bundle can rebuild the parts it
+OUT/claim.json names the claim, profile and training seed a run directory holds, so a bundle can rebuild the parts it
 leaves out (the world, from its seed) without being told.
 
 Several processes may share one OUT (`sleuth reproduce --arms`: each trains and evaluates its own arms, on its
@@ -144,11 +144,25 @@ def require_arm_stages(out: Path, arms: Iterable[str]) -> dict[str, dict[str, An
     return {name: record for name, record in records.items() if record is not None}
 
 
-def write_claim_file(out: Path, method: str, profile: str) -> None:
-    """OUT/claim.json: which claim and profile this run directory holds."""
-    atomic_write_json(out / CLAIM_FILE, {"method": method, "profile": profile})
+def write_claim_file(out: Path, method: str, profile: str, seed: int = 0) -> None:
+    """OUT/claim.json: which claim, profile and training seed this run directory holds. A directory that holds
+    another claim, profile or seed is refused: resuming it would mix the two runs' stages."""
+    wanted = {"method": method, "profile": profile, "seed": seed}
+    held = read_claim_file(out)
+    if held is not None:
+        held = {"seed": 0, **held}  # written before the seed was recorded: seed 0, the only one then
+        if held != wanted:
+            differ = ", ".join(f"{k} {held.get(k)!r} (asked: {v!r})" for k, v in wanted.items() if held.get(k) != v)
+            raise ConfigError(f"{out} holds another claim run ({differ}); give another --out, or the same "
+                              f"settings to resume it")
+    atomic_write_json(out / CLAIM_FILE, wanted)
 
 
-def read_claim_file(out: Path) -> dict[str, str] | None:
+def read_claim_file(out: Path) -> dict[str, Any] | None:
     path = out / CLAIM_FILE
     return json.loads(path.read_text()) if path.exists() else None
+
+
+def run_seed(out: Path) -> int:
+    """The training seed of the claim run in OUT (claim.json; 0 where it records none)."""
+    return int((read_claim_file(out) or {}).get("seed", 0))

@@ -35,7 +35,7 @@ COMMAND_MODULES = [
     "sleuth.demo",
     "sleuth.knowledge",
     "sleuth.reader",
-    "sleuth.reproduce",
+    "sleuth.reproduce_commands",
 ]
 
 

@@ -30,7 +30,9 @@ the largest (paired EM interval above -margin).
 
 Every stage writes a marker under OUT/stages/ when it finishes; a rerun skips finished stages, and runs given
 disjoint `--arms` share one OUT (`sleuth.claim_stages`). `stage_plan` lists each claim's stages and what they
-load, so `sleuth.claim_bundle` can carry a part-done run to another machine.
+load, so `sleuth.claim_bundle` can carry a part-done run to another machine. `--seed N` sets the arms' training
+seed (cold-start SFT, RL); OUT/claim.json records it and refuses another. The world, reader and injected model
+stay seed 0's, so every seed's arms start from the same ones.
 """
 
 from __future__ import annotations
@@ -40,13 +42,11 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-import typer
-
 from sleuth.appendlog import read_appended
 from sleuth.claim_report import curve_figure, knowledge_table, write_report
 from sleuth.claim_reuse import inject_stage, reader_stage
 from sleuth.claim_stages import STAGES_DIR as STAGES_DIR  # importable from here, where it lived
-from sleuth.claim_stages import ArmSelection, ArmsPending, require_arm_stages, stage, write_claim_file
+from sleuth.claim_stages import ArmSelection, require_arm_stages, run_seed, stage, write_claim_file
 from sleuth.data.synth import KNOWLEDGE_TYPES
 from sleuth.demo import GPU, DemoSize, demo_recipe, held_out_questions, write_oracle_trajectories
 from sleuth.errors import ConfigError
@@ -183,6 +183,7 @@ def arm_recipe(out: Path, world: Path, profile: ClaimProfile, method: str, init_
     arm = out / (name or method)
     recipe = demo_recipe(arm, profile.pipeline, method)
     recipe["name"] = f"reproduce-{name or method}"
+    recipe["seed"] = run_seed(out)  # the arms' training seed (--seed); the world, reader and injection keep theirs
     recipe["data"]["train"] = str(world / "train.jsonl")
     recipe["retriever"]["index"] = str(world / "bm25")
     recipe["model"]["lora"]["enabled"] = profile.lora
@@ -485,7 +486,7 @@ RUNNERS: dict[str, Callable[[Path, str, Any, ArmSelection, Path | None], Path]] 
 
 
 def reproduce(method: str, out: Path, profile: str, console: Any = None, arms: Sequence[str] | None = None,
-              reuse: Path | None = None) -> Path:  # fmt: skip
+              reuse: Path | None = None, seed: int = 0) -> Path:  # fmt: skip
     """Run `method`'s claim in OUT, resuming; `arms`: only these arms (`claim_arms`), for runs sharing OUT;
     `reuse`: a folder whose reader/ or injected/ (trained on this world) replaces training one (`sleuth.claim_reuse`)."""
     claim = CLAIMS.get(method)
@@ -499,7 +500,7 @@ def reproduce(method: str, out: Path, profile: str, console: Any = None, arms: S
                           "so they cannot be split over runs; leave --arms out")
     selection = ArmSelection(arms, independent, method)
     out = out.resolve()  # one spelling of OUT in every stage's paths, whatever the working directory
-    write_claim_file(out, method, profile)
+    write_claim_file(out, method, profile, seed)
     return RUNNERS[method](out, profile, console, selection, reuse)
 
 
@@ -551,46 +552,3 @@ def stage_plan(method: str, profile_name: str) -> dict[str, tuple[str, ...]]:
                 plan |= {f"train_{m}_{size}": (f"sft_{m}.sft_checkpoint", *reader),
                          f"eval_{m}_{size}": (f"train_{m}_{size}.checkpoint", *reader)}
     return plan
-
-
-def register(app: typer.Typer) -> None:
-    repro = typer.Typer(help="Reproduce each paper's own claim end to end, with paired 95% intervals.",
-                        no_args_is_help=True)
-    app.add_typer(repro, name="reproduce")
-    for claim in CLAIMS.values():
-        _register_claim(repro, claim)
-
-
-def _register_claim(repro: typer.Typer, claim: Claim) -> None:
-    text = (f"{claim.claim}.\n\nWorld: {claim.world}. Cold start: {claim.cold_start}. Arms: {claim.arms}. "
-            f"Evaluation: {claim.evaluation}. Claim test: {claim.test}.")
-
-    def command(
-        profile: str = typer.Option("cpu", help="cpu (tiny model, minutes on 2 cores) or gpu (the measured sizes)"),
-        out: Path = typer.Option(None, "--out", help="Run directory (default runs/reproduce/<method>); reruns resume"),
-        arms: str = typer.Option(None, help="Only these arms (comma-separated, e.g. s3_100,search_r1_100): runs "
-                                 "on several GPUs share one --out; the one that finds every arm done writes the report"),
-        reuse: Path = typer.Option(None, help="A folder whose reader/ (r_search, qagent, s3) or injected/ (staged), "
-                                   "trained on this claim's world, is used instead of training one (e.g. "
-                                   "checkpoints/claims); checked against the world and measured again"),
-    ) -> None:
-        from rich.console import Console
-        from rich.markup import escape
-
-        from sleuth.errors import SleuthError
-
-        console = Console(soft_wrap=True)  # never break a path or the error across lines
-        try:
-            chosen = None if arms is None else [a.strip() for a in arms.split(",") if a.strip()]
-            report = reproduce(claim.method, out or Path("runs/reproduce") / claim.method, profile, console, chosen,
-                               reuse)
-        except ArmsPending as err:  # this run's arms are done: the report is another run's to write
-            console.print(f"[green]arms done:[/] {escape(', '.join(chosen or []))}. {escape(str(err))}", highlight=False)
-            return
-        except SleuthError as err:
-            console.print(f"[red]error:[/] {escape(str(err))}", highlight=False)
-            raise typer.Exit(2) from None
-        console.print(f"[green]report:[/] {escape(str(report))}", highlight=False)
-
-    repro.command(claim.method, help=text, short_help=claim.claim)(command)
-
