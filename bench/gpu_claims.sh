@@ -241,6 +241,6 @@ case "${1:-}" in
   send) send ;;
   plan) jobs_plan ;;  # the jobs the lanes would take, in order (no GPU needed)
   ids) jobs_plan | while read -r job; do job_id "$job"; done ;;  # their done-markers' and logs' names
-  *) echo "usage: $0 start|restart|wait SECONDS|pack|send|plan (on the device) | take FILES_AT (development machine)" >&2
+  *) echo "usage: $0 start|restart|wait SECONDS|pack|send|plan|ids (on the device) | take FILES_AT (development machine)" >&2
      exit 2 ;;
 esac
