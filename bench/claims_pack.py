@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from sleuth.appendlog import read_appended
-from sleuth.claim_reuse import world_differences
+from sleuth.claims.reuse import world_differences
 from sleuth.errors import ConfigError
 from sleuth.eval.stats import bootstrap_ci
 from sleuth.rewards.metrics import cover_exact_match
@@ -45,7 +45,7 @@ def check_world(run: Path, world: Path, record: Path | None) -> None:
         raise SystemExit(str(err)) from err
     if differ:
         raise SystemExit(f"{world}: {', '.join(differ)} differ from the run's world ({records[0]}): rebuild it "
-                         f"from the run's profile (sleuth.reproduce.build_world)")
+                         f"from the run's profile (sleuth.claims.steps.build_world)")
 
 
 def per_question(pred: dict[str, Any], support: dict[str, list[str]],

@@ -77,7 +77,7 @@ if [ "${1:-}" = take ]; then  # development machine: a call's returned files (it
   # but checkpoints/, which GPU calls leave out (bench/README.md: git rm --cached + .git/info/exclude)
   tree=$(git ls-files -z -co --exclude-standard | grep -zv '^checkpoints/' | xargs -0 stat -c %s 2>/dev/null \
     | awk '{s += $1} END {print s + 0}')
-  exec "${PY:-.venv/bin/python}" -m sleuth.claim_bundle take "$2" "$BUNDLE" --tree-bytes "$tree" \
+  exec "${PY:-.venv/bin/python}" -m sleuth.claims.bundle take "$2" "$BUNDLE" --tree-bytes "$tree" \
     --beside ".whl .models checkpoints/claims" --beside .gpu/p1 --beside .gpu/p2 --beside .gpu/minilm  # calls 1-4 of the header
 fi
 mkdir -p "$WORK/logs" "$WORK/done"
@@ -95,7 +95,7 @@ restore() {  # the carried bundle's claims into runs/claims once every part came
   [ -f "$BUNDLE/bundle.json" ] || return 0
   local rc
   while :; do
-    "${PY:-python}" -m sleuth.claim_bundle restore "$BUNDLE" runs/claims --done-dir "$WORK/done" > "$WORK/restore.log" 2>&1
+    "${PY:-python}" -m sleuth.claims.bundle restore "$BUNDLE" runs/claims --done-dir "$WORK/done" > "$WORK/restore.log" 2>&1
     rc=$?; [ $rc -eq 3 ] || break; sleep 10
   done
   if [ $rc -eq 0 ]; then echo "$(date +%T) restored $BUNDLE (restore.log)" >> "$WORK/progress.log"
@@ -104,17 +104,17 @@ restore() {  # the carried bundle's claims into runs/claims once every part came
 
 jobs_plan() {  # one job per independent arm (`sleuth reproduce CLAIM --arms ARM`), the whole claim where its arms
   # run one after another (qagent); claims in CLAIMS' order (a lease's lanes go to the first ones), and within
-  # s3 the largest sizes first, so its longest jobs start first
+  # a claim its costliest arms first (ClaimSpec.arm_cost: s3's largest sizes), so its longest jobs start first
   "${PY:-python}" - "$PROFILE" $CLAIMS <<'PYEOF'
 import sys
-from sleuth.reproduce import claim_arms
+from sleuth.claims.registry import get_claim
 profile, claims = sys.argv[1], sys.argv[2:]
 jobs = []
 for claim in claims:
-    arms = claim_arms(claim, profile)
+    arms = get_claim(claim).arms(profile)
     jobs += [(claim, arm) for arm in arms] or [(claim, "")]
-size = lambda arm: int(arm.rsplit("_", 1)[1]) if arm.rsplit("_", 1)[-1].isdigit() else 0  # s3_1600; not search_r1
-for claim, arm in sorted(jobs, key=lambda j: (claims.index(j[0]), -size(j[1]))):
+cost = lambda job: get_claim(job[0]).arm_cost(job[1], profile) if job[1] else 0  # the claim's own measure
+for claim, arm in sorted(jobs, key=lambda j: (claims.index(j[0]), -cost(j))):
     print(f"{claim} {arm}".strip())
 PYEOF
 }
@@ -180,7 +180,7 @@ daemon() {
   # forward/backward (0.25-0.35 s a pass on the 2026-11-28 H100 runs, whatever the tokens), which leaves a GPU
   # mostly idle: several jobs share one, each with its own cores (OMP_NUM_THREADS: the cores over the lanes);
   # the decode engine's KV pool grows with the rows it serves, so lanes do not reserve GPU memory up front. A
-  # stage two jobs of one claim share (its world, a cold start) runs once, the other waiting (sleuth.claim_stages)
+  # stage two jobs of one claim share (its world, a cold start) runs once, the other waiting (sleuth.claims.stages)
   jobs_plan > "$WORK/jobs"; : > "$WORK/taken"
   # LANES_PER_GPU default 1 (measured 2026-11-28, 4x H200): a GRPO pass of 20 whole rollouts (~2,750-token prompts
   # with their observations) peaks at 64-68 GiB allocated, so 4 lanes a GPU ran out of memory there (8 of 13 jobs
@@ -207,12 +207,12 @@ pack() {  # claims.tgz (reports, stage results, summaries, logs), per finished c
   for report in runs/claims/*/report.json; do
     [ -f "$report" ] && tar czf "$OUT/results_$(basename "$(dirname "$report")").tgz" "${skip[@]}" "$(dirname "$report")"
   done
-  "${PY:-python}" -m sleuth.claim_bundle pack runs/claims "$WORK/bundle" && send
+  "${PY:-python}" -m sleuth.claims.bundle pack runs/claims "$WORK/bundle" && send
 }
 
 send() {  # the bundle's parts not sent yet, as many as $OUT still holds (SEND=0,3: those parts again)
   [ -n "${OUT:-}" ] && [ -f "$WORK/bundle/bundle.json" ] || { echo "nothing to send (pack first)"; return 0; }
-  "${PY:-python}" -m sleuth.claim_bundle send "$WORK/bundle" "$OUT" ${SEND:+--parts "$SEND"}
+  "${PY:-python}" -m sleuth.claims.bundle send "$WORK/bundle" "$OUT" ${SEND:+--parts "$SEND"}
 }
 
 case "${1:-}" in

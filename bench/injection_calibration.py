@@ -1,4 +1,4 @@
-"""Issue 25: calibrate the knowledge injection (`sleuth.knowledge.inject_knowledge`) with the real SmolLM2-135M.
+"""Issue 25: calibrate the knowledge injection (`sleuth.claims.knowledge.inject_knowledge`) with the real SmolLM2-135M.
 
 Builds a small world with a knowledge boundary the way `sleuth reproduce staged` does (its "gpu" profile's
 generator, hops, known fraction and splits, fewer passages and questions), then for each injection setting
@@ -49,12 +49,12 @@ def setting_name(s: dict[str, Any]) -> str:
 
 
 def build_world(world: Path, passages: int, questions: int) -> dict[str, Any]:
-    """`sleuth reproduce staged`'s world stage (reproduce.build_world) with the gpu profile's settings but
+    """`sleuth reproduce staged`'s world stage (sleuth.claims.steps.build_world) with the gpu profile's settings but
     `passages` passages and `questions` questions."""
     from dataclasses import replace
 
-    from sleuth.reproduce import STAGED_PROFILES
-    from sleuth.reproduce import build_world as claim_world
+    from sleuth.claims.staged import PROFILES as STAGED_PROFILES
+    from sleuth.claims.steps import build_world as claim_world
 
     gpu = STAGED_PROFILES["gpu"]
     profile = replace(gpu, pipeline=replace(gpu.pipeline, passages=passages, questions=questions))
@@ -68,9 +68,9 @@ def statement_questions(world: Path, passages: int, questions: int, known_fracti
                         n_unknown: int, seed: int) -> tuple[list[Any], int, int]:
     """A sample of the known statements (knowledge.jsonl) and of the unknown facts' statements (the same
     world's other facts, phrased by the same templates), as QAExamples labelled "known" / "unknown"."""
+    from sleuth.claims.knowledge import read_statements
     from sleuth.data.formats import QAExample
     from sleuth.data.synth import generate_world, knowledge_statements
-    from sleuth.knowledge import read_statements
 
     known = read_statements(world)
     # The same seed with every fact known: the same facts (a fact's side is a hash of seed, relation, entity)
@@ -116,7 +116,7 @@ def run_setting(world: Path, work: Path, setting: dict[str, Any], eval_epochs: l
     from transformers import AutoTokenizer
 
     from sleuth.agent.coldstart import write_records
-    from sleuth.knowledge import (
+    from sleuth.claims.knowledge import (
         INJECTION_SFT,
         InjectionSettings,
         injection_records,

@@ -17,7 +17,7 @@ import pytest
 from rich.console import Console
 from typer.testing import CliRunner
 
-from sleuth.claim_bundle import (
+from sleuth.claims.bundle import (
     MIB,
     OUT_FILES,
     BundleError,
@@ -29,17 +29,16 @@ from sleuth.claim_bundle import (
     send,
     take,
 )
-from sleuth.claim_stages import (
+from sleuth.claims.runner import claim_arms, reproduce, stage_plan
+from sleuth.claims.stages import (
     STOP_AFTER_ENV,
     StagesStopped,
     finished_stages,
-    require_arm_stages,
     reroot,
     stage,
 )
 from sleuth.cli import app
 from sleuth.errors import ConfigError
-from sleuth.reproduce import claim_arms, reproduce, stage_plan
 
 
 def test_reroot_moves_only_paths_under_the_old_root():
@@ -246,11 +245,6 @@ def test_arms_are_checked_and_the_report_waits_for_every_arm(tmp_path):
         reproduce("qagent", tmp_path, "cpu", arms=["stage1"])
     assert claim_arms("r_search", "gpu") == ("with_evidence", "without_evidence")
     assert claim_arms("s3", "gpu")[-2:] == ("s3_1600", "search_r1_1600")
-    stage(tmp_path, "train_a", lambda: {"x": 0})
-    stage(tmp_path, "eval_a", lambda: {"x": 1})
-    assert require_arm_stages(tmp_path, ["a"]) == {"train_a": {"x": 0}, "eval_a": {"x": 1}}
-    with pytest.raises(StagesStopped, match="stages left to other runs: train_b, eval_b"):
-        require_arm_stages(tmp_path, ["a", "b"])
 
 
 @pytest.mark.slow

@@ -10,9 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from sleuth.knowledge import boundary_check
-from sleuth.reader import reader_check
-from sleuth.reproduce import CLAIM_PROFILES, STAGED_PROFILES, build_world
+from sleuth.claims.knowledge import boundary_check
+from sleuth.claims.reader import reader_check
+from sleuth.claims.profiles import PLAIN_PROFILES
+from sleuth.claims.staged import PROFILES as STAGED_PROFILES
+from sleuth.claims.steps import build_world
 
 CLAIMS = Path(__file__).resolve().parent.parent / "checkpoints" / "claims"
 # test.jsonl of the worlds the adapters were trained on (the claim bundle's record of the H100 runs' worlds)
@@ -47,7 +49,7 @@ def test_injected_model_knows_the_known_facts_of_its_world_on_a_cpu(tmp_path: Pa
 
 
 def test_trained_reader_reads_gold_passages_far_better_than_its_base_on_a_cpu(tmp_path: Path) -> None:
-    world = _world(tmp_path, CLAIM_PROFILES["gpu"], PLAIN_TEST_SHA)
+    world = _world(tmp_path, PLAIN_PROFILES["gpu"], PLAIN_TEST_SHA)
     trained = reader_check(world, str(CLAIMS / "reader"), tmp_path / "trained", "test", 32, ("qagent",))["qagent"]
     base = reader_check(world, "smollm2-135m-instruct", tmp_path / "base", "test", 32, ("qagent",))["qagent"]
     # on the H100 (500 questions): trained 92.4% [90.0, 94.6]; the base read gold passages at ~45% (docs/results.md)

@@ -12,7 +12,7 @@ from sleuth.data.synth import KNOWLEDGE_FILE, generate_world, write_world
 from sleuth.data.synth_questions import knowledge_statements, knowledge_type
 from sleuth.data.world_schema import ENTITY_TYPES, RELATIONS_BY_SUBJECT
 from sleuth.eval.baselines import DIRECT_PROMPT
-from sleuth.knowledge import (
+from sleuth.claims.knowledge import (
     InjectionSettings,
     boundary_check,
     inject_knowledge,

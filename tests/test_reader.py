@@ -11,7 +11,7 @@ from sleuth.cli import app
 from sleuth.data.formats import QAExample
 from sleuth.data.synth import generate_world, write_world
 from sleuth.errors import ConfigError
-from sleuth.reader import (
+from sleuth.claims.reader import (
     READER_FILE,
     ReaderSettings,
     gold_questions,

@@ -33,9 +33,9 @@ COMMAND_MODULES = [
     "sleuth.rl.commands",
     "sleuth.serve.commands",
     "sleuth.demo",
-    "sleuth.knowledge",
-    "sleuth.reader",
-    "sleuth.reproduce_commands",
+    "sleuth.claims.knowledge",
+    "sleuth.claims.reader",
+    "sleuth.claims.commands",
 ]
 
 

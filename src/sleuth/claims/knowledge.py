@@ -36,7 +36,7 @@ BOUNDARY_FILE = "boundary.json"
 @dataclass(frozen=True)
 class InjectionSettings:
     model: str = "smollm2-135m-instruct"
-    # the staged claim's gpu profile (sleuth.reproduce): 3 epochs at 3e-4 x 16 taught SmolLM2-135M ~10% of its facts
+    # the staged claim's gpu profile (sleuth.claims.runner): 3 epochs at 3e-4 x 16 taught SmolLM2-135M ~10% of its facts
     epochs: int = 12
     lr: float = 3e-3
     batch_size: int = 128

@@ -2,7 +2,7 @@
 
 A record keeps the stage's result and the directory it was written under (`root`). Results name files
 under OUT by absolute path (checkpoints, predictions, the world), so a run directory that moved (copied
-to another machine, restored from a claim bundle: `sleuth.claim_bundle`) would otherwise hand the next
+to another machine, restored from a claim bundle: `sleuth.claims.bundle`) would otherwise hand the next
 stage paths of the old place; `stage` re-roots every such path to where OUT is now when it reads a record.
 
 OUT/claim.json names the claim, profile and training seed a run directory holds, so a bundle can rebuild the parts it
@@ -20,7 +20,7 @@ import fcntl
 import json
 import os
 import time
-from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -132,30 +132,19 @@ class ArmsPending(StagesStopped):
     """A `--arms` run finished its arms; the report waits for stages that other runs write."""
 
 
-def require_arm_stages(out: Path, arms: Iterable[str]) -> dict[str, dict[str, Any]]:
-    """The records of each arm's training then evaluation stage (train_<arm>, eval_<arm>, as the runners name
-    them); ArmsPending naming those not written yet (arms that another `--arms` run has still to finish)."""
-    names = [f"{kind}_{arm}" for arm in arms for kind in ("train", "eval")]
-    records = {name: read_stage(out, name) for name in names}
-    missing = [name for name, record in records.items() if record is None]
-    if missing:
-        raise ArmsPending(f"stages left to other runs: {', '.join(missing)}; the run that finds them done "
-                            f"(or one without --arms) writes the report")
-    return {name: record for name, record in records.items() if record is not None}
-
-
-def write_claim_file(out: Path, method: str, profile: str, seed: int = 0) -> None:
-    """OUT/claim.json: which claim, profile and training seed this run directory holds. A directory that holds
-    another claim, profile or seed is refused: resuming it would mix the two runs' stages."""
+def write_claim_file(out: Path, method: str, profile: str, seed: int = 0, seeds: int = 1) -> None:
+    """OUT/claim.json: which claim, profile and training seeds (the first, and how many) this run directory holds.
+    A directory that holds another claim, profile or first seed is refused: resuming it would mix two runs' stages.
+    The number of seeds may change: a rerun with more seeds adds their stages, one with fewer reports on those."""
     wanted = {"method": method, "profile": profile, "seed": seed}
     held = read_claim_file(out)
     if held is not None:
         held = {"seed": 0, **held}  # written before the seed was recorded: seed 0, the only one then
-        if held != wanted:
-            differ = ", ".join(f"{k} {held.get(k)!r} (asked: {v!r})" for k, v in wanted.items() if held.get(k) != v)
+        differ = ", ".join(f"{k} {held.get(k)!r} (asked: {v!r})" for k, v in wanted.items() if held.get(k) != v)
+        if differ:
             raise ConfigError(f"{out} holds another claim run ({differ}); give another --out, or the same "
                               f"settings to resume it")
-    atomic_write_json(out / CLAIM_FILE, wanted)
+    atomic_write_json(out / CLAIM_FILE, {**wanted, "seeds": seeds})
 
 
 def read_claim_file(out: Path) -> dict[str, Any] | None:

@@ -10,7 +10,7 @@ sent into $OUT within a call's limits; `take` gathers them on the development ma
 A claim's bundle holds, from its run directory OUT:
   - OUT/claim.json, the stage records (OUT/stages/*.json) and every small output: the evaluations (the
     predictions the report pairs), reports, metrics, recipes;
-  - the checkpoints the stages still to run load (`sleuth.reproduce.stage_plan`) without their optimizer and
+  - the checkpoints the stages still to run load (`sleuth.claims.runner.stage_plan`) without their optimizer and
     RNG state (state.pt): init_from and evaluation read only policy/ and searcher.json, and a finished run is
     not resumed. With LoRA (every gpu profile) policy/ holds the adapters only;
   - the newest checkpoint of each run a stage was still training, whole (resuming needs state.pt), with the
@@ -23,7 +23,7 @@ It leaves out what is rebuilt on restore and checked against the sha256 the inde
     CPU) is written to OUT/restored.json and the claim goes on.
 Rollouts, finished runs' SFT data and older checkpoints stay behind: no stage still to run reads them.
 
-Paths: stage records keep the directory they were written in (`sleuth.claim_stages`); restore re-roots every
+Paths: stage records keep the directory they were written in (`sleuth.claims.stages`); restore re-roots every
 JSON file outside the checkpoints from the packed OUT to the new one (the records, injected.json, reader.json).
 """
 
@@ -42,10 +42,11 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import IO, Any
 
-from sleuth.claim_reuse import WORLD_RECORD, write_world_record
-from sleuth.claim_stages import LOCKS_DIR, STAGES_DIR, finished_stages, read_claim_file, reroot
+from sleuth.claims.reuse import WORLD_RECORD, write_world_record
+from sleuth.claims.runner import claim_profile, run_seeds, stage_plan
+from sleuth.claims.stages import LOCKS_DIR, STAGES_DIR, finished_stages, read_claim_file, reroot
+from sleuth.claims.steps import build_world
 from sleuth.errors import SleuthError
-from sleuth.reproduce import build_world, claim_profile, stage_plan
 from sleuth.run_layout import CHECKPOINTS, LATEST, SEARCHER_FILE, TRAINING_STATE, latest_checkpoint
 from sleuth.utils import atomic_write_json, link_or_copy, sha256_file, tree_bytes
 
@@ -90,7 +91,7 @@ class _Claim:
         if claim is None:
             raise BundleError(f"{out}: no claim.json; not a run directory of `sleuth reproduce`")
         self.method, self.profile = claim["method"], claim["profile"]
-        self.plan = stage_plan(self.method, self.profile)
+        self.plan = stage_plan(self.method, self.profile, run_seeds(out))
         self.done = finished_stages(out)
         self.roots: set[str] = set()
         self.results = {s: self._result(s) for s in self.done}
@@ -494,7 +495,7 @@ def rebuild(out: Path, info: dict[str, Any]) -> list[str]:
             from sleuth.agent.searcher import export_searcher
 
             export_searcher(out / entry["source"], folder, overwrite=True)
-            if WORLD_RECORD in entry["files"]:  # the reader's record of its world (sleuth.claim_reuse), rebuilt first
+            if WORLD_RECORD in entry["files"]:  # the reader's record of its world (sleuth.claims.reuse), rebuilt first
                 write_world_record(folder, out / "world")
             unchecked = EXPORT_UNCHECKED
         rebuilt = _digests(folder, unchecked)
@@ -507,8 +508,8 @@ def rebuild(out: Path, info: dict[str, Any]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m sleuth.claim_bundle pack|send|take|restore ...` (bench/gpu_claims.sh calls it)."""
-    parser = argparse.ArgumentParser(prog="python -m sleuth.claim_bundle", description=__doc__.split("\n")[0])
+    """`python -m sleuth.claims.bundle pack|send|take|restore ...` (bench/gpu_claims.sh calls it)."""
+    parser = argparse.ArgumentParser(prog="python -m sleuth.claims.bundle", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("pack", help="bundle the claims under RUNS into BUNDLE")
     p.add_argument("runs", type=Path)

@@ -76,7 +76,7 @@ def reader_stage(world: Path, out: Path, profile: Any, reuse: Path | None, conso
     """The claim's trained reader under OUT (trained, or REUSE/reader exported there), with its gold-passage EM
     on the profile's test questions."""
     from sleuth.agent.searcher import export_searcher
-    from sleuth.reader import READER_DIR, reader_check, train_reader
+    from sleuth.claims.reader import READER_DIR, reader_check, train_reader
 
     if reuse is None:
         path = train_reader(world, out, profile.reader, console)
@@ -96,7 +96,7 @@ def reader_stage(world: Path, out: Path, profile: Any, reuse: Path | None, conso
 def inject_stage(world: Path, out: Path, profile: Any, reuse: Path | None, console: Any = None) -> dict[str, Any]:
     """The staged claim's knowledge-injected model (trained under OUT, or REUSE/injected), with its closed-book EM
     per question type on the profile's test questions (the knowledge boundary)."""
-    from sleuth.knowledge import InjectionSettings, boundary_check, inject_knowledge
+    from sleuth.claims.knowledge import InjectionSettings, boundary_check, inject_knowledge
 
     if reuse is None:
         settings = InjectionSettings(model=profile.pipeline.model, epochs=profile.inject_epochs, lr=profile.inject_lr,

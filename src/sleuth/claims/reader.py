@@ -31,15 +31,15 @@ import typer
 
 from sleuth.agent.coldstart import SFTRecord
 from sleuth.agent.registry import reader_names
+from sleuth.claims.knowledge import WorldSFT, run_world_sft
 from sleuth.data.formats import QAExample, read_qa_jsonl
 from sleuth.errors import ConfigError
-from sleuth.knowledge import WorldSFT, run_world_sft
 from sleuth.retrieval.base import Hit
 from sleuth.rewards.answerer import document_prompt
 from sleuth.utils import atomic_write_json
 
 READER_LOOP = "s3"  # SFT records and searcher.json need a registered loop; the reader prompt uses no loop tags
-# one pass a 16-record step on a GPU (the cost is per pass: sleuth.knowledge's INJECTION_SFT)
+# one pass a 16-record step on a GPU (the cost is per pass: sleuth.claims.knowledge's INJECTION_SFT)
 READER_SFT = WorldSFT("train-reader", READER_LOOP, "reader_sft.jsonl", "reader_recipe.yaml", 16)
 READER_FILE = "reader.json"  # OUT/reader.json: the finished reader, its settings and its SFT loss
 READER_DIR = "reader"  # OUT/reader: the exported reader (a Hugging Face directory)

@@ -1,0 +1,94 @@
+"""`sleuth reproduce <claim>`: one command per registered claim (`sleuth.claims.registry.CLAIMS`)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import click
+import typer
+from typer.core import TyperGroup
+
+from sleuth.claims.base import ClaimSpec
+from sleuth.claims.registry import CLAIMS
+from sleuth.claims.runner import reproduce
+from sleuth.claims.stages import ArmsPending
+
+
+class ClaimGroup(TyperGroup):
+    """An unknown claim name is one line naming the registered claims, not a usage box."""
+
+    def resolve_command(self, ctx: click.Context, args: list[str]) -> tuple[str | None, Any, list[str]]:
+        name = click.utils.make_str(args[0]) if args else None
+        if name is not None and not name.startswith("-") and self.get_command(ctx, name) is None:
+            typer.echo(f"error: no claim registered for {name!r}; choose one of {', '.join(CLAIMS)}", err=True)
+            ctx.exit(2)
+        return super().resolve_command(ctx, args)
+
+
+def register(app: typer.Typer) -> None:
+    repro = typer.Typer(help="Reproduce each paper's own claim end to end: seeds, a noise floor, paired 95% "
+                             "intervals and a verdict.", no_args_is_help=True, cls=ClaimGroup)
+    app.add_typer(repro, name="reproduce")
+    for claim in CLAIMS.values():
+        _register_claim(repro, claim)
+
+
+def _register_claim(repro: typer.Typer, spec: ClaimSpec) -> None:
+    claim = spec.text
+    text = (f"{claim.claim}.\n\nWorld: {claim.world}. Cold start: {claim.cold_start}. Arms: {claim.arms}. "
+            f"Evaluation: {claim.evaluation}. Claim test: {claim.test}.")
+
+    def command(
+        profile: str = typer.Option("cpu", help="cpu (tiny model, minutes on 2 cores) or gpu (the measured sizes)"),
+        out: Path = typer.Option(None, "--out", help="Run directory (default runs/reproduce/<method>); reruns resume"),
+        arms: str = typer.Option(None, help="Only these arms (comma-separated, e.g. s3_100,search_r1_100): runs "
+                                 "on several GPUs share one --out; the one that finds every arm done writes the report"),
+        reuse: Path = typer.Option(None, help="A folder whose reader/ (r_search, qagent, s3) or injected/ (staged), "
+                                   "trained on this claim's world, is used instead of training one (e.g. "
+                                   "checkpoints/claims); checked against the world and measured again"),
+        seed: int = typer.Option(0, min=0, help="The first training seed of the arms (SFT, RL); the world, reader "
+                                 "and injected model stay seed 0's. Another first seed: another run (default --out "
+                                 ".../<method>-seed<N>)"),
+        seeds: int = typer.Option(None, min=1, help="Train every arm with this many seeds (SEED, SEED+1, ...); the "
+                                  "verdict pools them and needs 2 or more for its noise floor (default: the "
+                                  "profile's, cpu 1, gpu 3). A rerun with more seeds adds them to the same --out"),
+        force: bool = typer.Option(False, "--force", help="Train the arms even when the premise check finds that "
+                                   "they cannot test the claim (the report records the premise)"),
+    ) -> None:
+        from rich.console import Console
+        from rich.markup import escape
+
+        from sleuth.errors import SleuthError
+
+        console = Console(soft_wrap=True)  # never break a path or the error across lines
+        try:
+            chosen = None if arms is None else [a.strip() for a in arms.split(",") if a.strip()]
+            default_out = Path("runs/reproduce") / (claim.method + (f"-seed{seed}" if seed else ""))
+            count = seeds or (spec.profiles[profile].seeds if profile in spec.profiles else 1)
+            wanted = None if seeds is None and seed == 0 else range(seed, seed + count)  # None: OUT's own seeds
+            report = reproduce(claim.method, out or default_out, profile, console, chosen, reuse, wanted, force)
+        except ArmsPending as err:  # this run's arms are done: the report is another run's to write
+            console.print(f"[green]arms done:[/] {escape(', '.join(chosen or []))}. {escape(str(err))}", highlight=False)
+            return
+        except SleuthError as err:
+            console.print(f"[red]error:[/] {escape(str(err))}", highlight=False)
+            raise typer.Exit(2) from None
+        verdict = _verdict_line(report.with_name("report.json"))
+        console.print(f"[green]report:[/] {escape(str(report))}", highlight=False)
+        console.print(verdict, highlight=False, markup=False)
+
+    repro.command(claim.method, help=text, short_help=claim.claim)(command)
+
+
+def _verdict_line(report_json: Path) -> str:
+    """The console's last line: the claim's verdict and its decisive pooled differences."""
+    report = json.loads(report_json.read_text())
+    parts = []
+    for test in report["table"]["seeds"]["tests"]:
+        scale, unit = (100, " points") if test["points"] else (1, "")
+        lo, hi = test["pooled"]["ci"]
+        parts.append(f"{test['row']}: {scale * test['pooled']['diff']:+.2f}{unit} [{scale * lo:+.2f}, "
+                     f"{scale * hi:+.2f}] over {test['pooled']['seeds']} seed(s), {test['verdict']}")
+    return f"verdict: the {report['claim']['method']} claim {report['verdict']} ({'; '.join(parts)})"

@@ -1,0 +1,215 @@
+"""The report of `sleuth reproduce`: OUT/report.json and OUT/report.html, which opens with the verdict, then the
+verdict over seeds with the noise floor, the premise check, every measure, and the claim's figure."""
+
+from __future__ import annotations
+
+import html
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from sleuth.claims.base import PREMISE
+from sleuth.utils import atomic_write_json, atomic_write_text
+
+STYLE = """
+:root { --fg:#1d2330; --muted:#5d6678; --line:#dde1e8; --bg:#f6f7f9; --good:#1f8a3b; --bad:#c0392b; --warn:#b7791f; }
+body { margin:0; font:14px/1.45 system-ui,-apple-system,"Segoe UI",Roboto,sans-serif; color:var(--fg);
+       background:var(--bg); }
+header { background:#1d2330; color:#fff; padding:18px 28px; } header h1 { margin:0 0 4px; font-size:21px; }
+header .sub { color:#b8c0cf; font-size:12px; }
+main { max-width:1100px; margin:0 auto; padding:8px 28px 40px; }
+section { background:#fff; border:1px solid var(--line); border-radius:8px; padding:14px 18px; margin:16px 0; }
+h2 { font-size:17px; margin:0 0 10px; }
+.banner { font-size:18px; font-weight:600; padding:12px 18px; border-radius:8px; margin:16px 0; color:#fff; }
+.banner.holds { background:var(--good); } .banner.does-not-hold { background:var(--bad); }
+.banner.not-shown { background:var(--warn); } .banner .why { font-weight:400; font-size:13px; display:block; }
+table { border-collapse:collapse; margin:6px 0 12px; font-variant-numeric:tabular-nums; }
+caption { text-align:left; font-weight:600; padding:4px 0; }
+th, td { border:1px solid var(--line); padding:3px 9px; text-align:right; } th { background:#f0f2f5; }
+td:first-child, th:first-child { text-align:left; }
+.met { color:var(--good); font-weight:600; } .unmet { color:var(--bad); font-weight:600; }
+.note { color:var(--muted); } code { font-size:12px; }
+"""
+
+
+def _fmt(value: float | None, pct: bool) -> str:
+    if value is None:
+        return "-"
+    return f"{100 * value:+.1f}" if pct else f"{value:+.2f}"
+
+
+def _value(value: float | None, pct: bool) -> str:
+    return "-" if value is None else (f"{100 * value:.1f}" if pct else f"{value:.2f}")
+
+
+def _interval(ci: list[float] | None, pct: bool) -> str:
+    return f"[{_fmt(ci[0], pct)}, {_fmt(ci[1], pct)}]" if ci else "-"
+
+
+def _rows_table(table: dict[str, Any], columns: tuple[str, str], seed: int) -> str:
+    cells = []
+    for name, row in table["rows"].items():
+        pct = not name.startswith("retrievals")  # accuracies in points, retrieval counts as they are
+        cells.append(f"<tr><td>{html.escape(name)}</td><td>{row['n']}</td><td>{_value(row['a'], pct)}</td>"
+                     f"<td>{_value(row['b'], pct)}</td><td>{_fmt(row['diff'], pct)}</td>"
+                     f"<td>{_interval(row['ci'], pct)}</td></tr>")
+    return (f"<table id='claim'><caption>Every measure, training seed {seed} (paired by question)</caption>\n"
+            f"<tr><th>measure</th><th>n</th><th>{html.escape(columns[0])}</th><th>{html.escape(columns[1])}</th>"
+            "<th>difference</th><th>95% interval (paired bootstrap)</th></tr>\n" + "\n".join(cells) + "\n</table>\n")
+
+
+def _seeds_table(seeds: dict[str, Any]) -> str:
+    """Each decisive test: every seed's paired difference, the pooled one, the noise floor, the verdict."""
+    parts = []
+    for test in seeds["tests"]:
+        pct = test["points"]
+        unit = "points" if pct else "per question"
+        rows = [f"<tr><td>seed {r['seed']}</td><td>{r['n']}</td><td>{_value(r['a'], pct)}</td>"
+                f"<td>{_value(r['b'], pct)}</td><td>{_fmt(r['diff'], pct)}</td><td>{_interval(r['ci'], pct)}</td></tr>"
+                for r in test["per_seed"]]
+        pooled = test["pooled"]
+        rows.append(f"<tr><th>pooled ({pooled['seeds']} seeds)</th><td></td><td></td><td></td>"
+                    f"<th>{_fmt(pooled['diff'], pct)}</th><th>{_interval(pooled['ci'], pct)}</th></tr>")
+        floor = test["floor"]
+        if floor is None:
+            rows.append("<tr><td>noise floor</td><td colspan='5' class='note'>not measured: one seed</td></tr>")
+        else:
+            rows.append(f"<tr><td>noise floor: baseline seed {floor['seeds'][1]} vs seed {floor['seeds'][0]}</td>"
+                        f"<td>{floor['n']}</td><td>{_value(floor['a'], pct)}</td><td>{_value(floor['b'], pct)}</td>"
+                        f"<td>{_fmt(floor['diff'], pct)}</td><td>{_interval(floor['ci'], pct)}</td></tr>")
+        side = "above" if test["side"] == "above" else "below"
+        parts.append(
+            f"<table class='seeds'><caption>{html.escape(test['row'])}: {html.escape(test['treated'])} minus "
+            f"{html.escape(test['baseline'])}, claimed {side} {_fmt(test['threshold'], pct)} ({unit}) &mdash; "
+            f"<span class='{_css(test['verdict'])}'>{html.escape(test['verdict'])}</span></caption>\n"
+            "<tr><th>comparison</th><th>n</th><th>treated</th><th>baseline</th><th>difference</th>"
+            "<th>95% interval</th></tr>\n" + "\n".join(rows) + f"\n</table>\n<p class='note'>{html.escape(test['why'])}"
+            "</p>\n")
+    return "<section id='seeds'><h2>Verdict over seeds</h2>\n" + "".join(parts) + "</section>\n"
+
+
+def _premise_section(premise: dict[str, Any] | None) -> str:
+    if premise is None:
+        return ""
+    rows = "".join(f"<tr><td>{html.escape(c['check'])}</td><td>{html.escape(str(c['value']))}</td>"
+                   f"<td>{html.escape(str(c['needed']))}</td><td class='{'met' if c['met'] else 'unmet'}'>"
+                   f"{'met' if c['met'] else 'not met'}</td></tr>" for c in premise["checks"])
+    state = "met" if premise["met"] else "not met (the arms were trained with --force)"
+    table = ("<table id='premise'><tr><th>check</th><th>measured</th><th>needed</th><th></th></tr>" + rows + "</table>"
+             if rows else "")
+    return (f"<section id='premise-check'><h2>Premise: {state}</h2>{table}<p class='note'>"
+            f"{html.escape(premise.get('note', ''))}</p></section>\n")
+
+
+def _css(verdict: str) -> str:
+    return verdict.replace(" ", "-")
+
+
+def _stage_list(out: Path, details: dict[str, Any]) -> str:
+    """The stages' names and the folders they wrote, relative to OUT (the records hold the rest)."""
+    root = str(out)
+    items = []
+    for name, result in details.items():
+        paths = sorted({str(v).replace(root + "/", "") for v in (result or {}).values()
+                        if isinstance(v, str) and v.startswith(root + "/")}) if isinstance(result, dict) else []
+        items.append(f"<li><b>{html.escape(name)}</b>" + (f": <code>{html.escape(', '.join(paths))}</code>"
+                                                           if paths else "") + "</li>")
+    return "<section id='stages'><h2>Stages</h2><ul>" + "".join(items) + \
+        "</ul><p class='note'>Each stage's full record: OUT/stages/&lt;name&gt;.json.</p></section>\n"
+
+
+def write_report(run: Any, table: dict[str, Any]) -> Path:
+    """OUT/report.json and OUT/report.html of a claim run (`sleuth.claims.runner.ClaimRun`): a verdict banner, the
+    verdict over seeds (each seed, pooled, the noise floor), the premise check, every measure of the first seed, then
+    the claim's figure and the plan."""
+    out, spec, seeds = run.out, run.spec, table["seeds"]
+    premise = run.results.get(PREMISE)
+    table["holds"] = seeds["holds"]
+    atomic_write_json(out / "report.json", {
+        "claim": asdict(spec.text), "arms": list(spec.columns), "table": table, "seed": run.base_seed,
+        "seeds": list(run.seeds), "verdict": seeds["verdict"], "premise": premise, "profile": run.profile_name,
+        **run.results})
+    verdict = seeds["verdict"]
+    why = "; ".join(f"{t['row']}: {t['verdict']} ({t['why']})" for t in seeds["tests"])
+    page = (
+        "<!doctype html><html><head><meta charset='utf-8'>"
+        f"<title>sleuth reproduce {html.escape(spec.method)}: {verdict}</title><style>{STYLE}</style></head><body>\n"
+        f"<header><h1>Claim ({html.escape(spec.method)}): {html.escape(spec.text.claim)}</h1>"
+        f"<div class='sub'>profile {html.escape(run.profile_name)}; training seeds "
+        f"{', '.join(map(str, run.seeds))}; {table['questions']} held-out questions</div></header><main>\n"
+        f"<div class='banner {_css(verdict)}' id='verdict'>The claim {html.escape(verdict)}."
+        f"<span class='why'>{html.escape(why)}</span></div>\n"
+        + _seeds_table(seeds) + _premise_section(premise)
+        + "<section><h2>Every measure</h2>" + _rows_table(table, spec.columns, run.base_seed)
+        + f"<p class='note'>{html.escape(table['rule'])}</p><p>Training seed of the arms: {run.base_seed}.</p>"
+        + spec.figure_html(run, table) + "</section>\n"
+        + "<section><h2>Plan</h2><ul>" + "".join(f"<li><b>{k}</b>: {html.escape(str(v))}</li>"
+                                                  for k, v in asdict(spec.text).items()) + "</ul></section>\n"
+        + _stage_list(out, run.results) + "</main></body></html>\n"
+    )
+    atomic_write_text(out / "report.html", page)
+    return out / "report.html"
+
+
+def curve_figure(curve: dict[str, list[dict[str, Any]]]) -> str:
+    """Held-out EM against RL training questions, one line per method with its 95% intervals (inline PNG)."""
+    import base64
+    import io
+
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(5, 3.2), dpi=100, layout="constrained")
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    for method, points in curve.items():
+        xs = [p["questions"] for p in points]
+        ys = [100 * p["em"] for p in points]
+        errors = [[100 * (p["em"] - p["em_ci"][0]) for p in points], [100 * (p["em_ci"][1] - p["em"]) for p in points]]
+        ax.errorbar(xs, ys, yerr=errors, marker="o", capsize=3, label=method)
+    ax.set_xscale("log")
+    ax.set_xlabel("RL training questions")
+    ax.set_ylabel("held-out EM (%)")
+    ax.legend()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    uri = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode("ascii")
+    return f"<figure id='curve'><img alt='EM against RL training questions' src='{uri}'></figure>\n"
+
+
+KNOWLEDGE_ROWS = ("all-known", "mixed", "all-unknown")
+
+
+def _cell(stats: dict[str, Any] | None, key: str, points: bool) -> str:
+    """`key` of one question type's statistics with its 95% interval: points (x100, one decimal) or as it is."""
+    value = None if stats is None else stats.get(key)
+    if value is None:
+        return "-"
+    scale, digits = (100, 1) if points else (1, 2)
+    ci = stats.get(f"{key}_ci")
+    interval = f" [{scale * ci[0]:.{digits}f}, {scale * ci[1]:.{digits}f}]" if ci else ""
+    return f"{scale * value:.{digits}f}{interval}"
+
+
+def knowledge_table(boundary: dict[str, Any], per_arm: dict[str, dict[str, Any] | None]) -> str:
+    """The staged claim's per-type table (HTML): for each knowledge type, the injected model's closed-book EM, then
+    each arm's EM, retrievals per question, over-retrieval (searched on an all-known question) and under-retrieval
+    (answered an unknown-hop question without searching), as the evaluation measured them, with 95% intervals."""
+    head = "<tr><th>questions</th><th>n</th><th>closed-book EM % (injected model)</th>" + "".join(
+        f"<th>{html.escape(arm)} EM %</th><th>{html.escape(arm)} retrievals</th><th>{html.escape(arm)} over-retrieval %"
+        f"</th><th>{html.escape(arm)} under-retrieval %</th>" for arm in per_arm) + "</tr>"
+    rows = []
+    for kind in KNOWLEDGE_ROWS:
+        known = boundary.get(kind)
+        arms = [(stats or {}).get(kind) for stats in per_arm.values()]
+        n = next((s["n"] for s in [known, *arms] if s), None)
+        if n is None:
+            continue
+        cells = "".join(f"<td>{_cell(s, 'em', True)}</td><td>{_cell(s, 'retrieval_count', False)}</td>"
+                        f"<td>{_cell(s, 'over_retrieval', True)}</td><td>{_cell(s, 'under_retrieval', True)}</td>"
+                        for s in arms)
+        rows.append(f"<tr><td>{kind}</td><td>{n}</td><td>{_cell(known, 'em', True)}</td>{cells}</tr>")
+    return ("<table id='knowledge'><caption>By knowledge type: the boundary and each arm's retrieval behaviour "
+            "(over-retrieval: searched on an all-known question; under-retrieval: answered a question with an unknown "
+            "hop without searching)</caption>\n" + head + "\n" + "\n".join(rows) + "\n</table>\n")
+
