@@ -94,7 +94,8 @@ def _premise_section(premise: dict[str, Any] | None) -> str:
     rows = "".join(f"<tr><td>{html.escape(c['check'])}</td><td>{html.escape(str(c['value']))}</td>"
                    f"<td>{html.escape(str(c['needed']))}</td><td class='{'met' if c['met'] else 'unmet'}'>"
                    f"{'met' if c['met'] else 'not met'}</td></tr>" for c in premise["checks"])
-    state = "met" if premise["met"] else "not met (the arms were trained with --force)"
+    state = "met" if premise["met"] else ("not met: the arms were trained anyway (--force, or a rehearsal profile), so "
+                                          "the verdict is at most 'not shown'")
     table = ("<table id='premise'><tr><th>check</th><th>measured</th><th>needed</th><th></th></tr>" + rows + "</table>"
              if rows else "")
     return (f"<section id='premise-check'><h2>Premise: {state}</h2>{table}<p class='note'>"
@@ -131,6 +132,8 @@ def write_report(run: Any, table: dict[str, Any]) -> Path:
         **run.results})
     verdict = seeds["verdict"]
     why = "; ".join(f"{t['row']}: {t['verdict']} ({t['why']})" for t in seeds["tests"])
+    if not seeds.get("premise_met", True):
+        why = f"The premise is not met, so the arms cannot test the claim. {why}"
     page = (
         "<!doctype html><html><head><meta charset='utf-8'>"
         f"<title>sleuth reproduce {html.escape(spec.method)}: {verdict}</title><style>{STYLE}</style></head><body>\n"

@@ -32,6 +32,7 @@ from sleuth.claims.stages import (
 from sleuth.claims.stats import (
     DOES_NOT_HOLD,
     HOLDS,
+    NOT_SHOWN,
     claim_verdict,
     common_ids,
     paired,
@@ -129,7 +130,7 @@ def reproduce(method: str, out: Path, profile: str, console: Any = None, arms: S
             continue
         run.results[name] = stage(out, name, lambda st=st, s=at_seed: st.run(run.at(s)), console)
         if name == PREMISE and not run.results[name]["met"]:
-            _refuse_or_force(run.results[name], force, console)
+            _refuse_or_force(run.results[name], force, run.profile.enforce_premise, console)
     if pending:
         raise ArmsPending(f"stages left to other runs: {', '.join(pending)}; the run that finds them done "
                           f"(or one without --arms) writes the report")
@@ -138,13 +139,14 @@ def reproduce(method: str, out: Path, profile: str, console: Any = None, arms: S
     return write_report(run, table)
 
 
-def _refuse_or_force(premise: dict[str, Any], force: bool, console: Any) -> None:
+def _refuse_or_force(premise: dict[str, Any], force: bool, enforced: bool, console: Any) -> None:
     unmet = "; ".join(f"{c['check']}: {c['value']} (needed: {c['needed']})" for c in premise["checks"] if not c["met"])
-    if not force:
+    if enforced and not force:
         raise PremiseUnmet(f"the claim's premise is not met, so its arms cannot test it: {unmet}. Fix the protocol "
                            f"or rerun with --force to train the arms anyway (the report records the premise)")
     if console is not None:
-        console.print(f"[yellow]premise not met ({unmet}); --force: training the arms anyway[/]")
+        why = "--force" if enforced else "this profile reports the premise without enforcing it"
+        console.print(f"[yellow]premise not met ({unmet}); {why}: training the arms anyway[/]", highlight=False)
 
 
 def verdict_table(run: ClaimRun) -> dict[str, Any]:
@@ -164,8 +166,8 @@ def verdict_table(run: ClaimRun) -> dict[str, Any]:
         diff, lo, hi = pooled_paired_bootstrap(diffs)
         floor = None
         if len(run.seeds) >= 2:
-            second, first = (predictions(run.at(s), test.baseline) for s in run.seeds[:2])
-            a, b = _paired_values(second, first, test)
+            first, second = (predictions(run.at(s), test.baseline) for s in run.seeds[:2])
+            a, b = _paired_values(second, first, test)  # the second seed minus the first
             floor = {"seeds": list(run.seeds[:2]), **paired(a, b)}
         verdict, why = verdict_of_test(diff, (lo, hi), test.side, test.threshold,
                                        None if floor is None else floor["diff"])
@@ -174,8 +176,11 @@ def verdict_table(run: ClaimRun) -> dict[str, Any]:
                       "pooled": {"seeds": len(run.seeds), "diff": diff, "ci": [lo, hi]}, "floor": floor,
                       "verdict": verdict, "why": why})
     verdict = claim_verdict([t["verdict"] for t in tests])
+    premise_met = run.results.get(PREMISE, {"met": True})["met"]
+    if not premise_met:  # the arms could not test the claim: what they measured is reported, not judged
+        verdict = NOT_SHOWN
     return {"seeds": list(run.seeds), "tests": tests, "verdict": verdict, "holds": verdict == HOLDS,
-            "fails": verdict == DOES_NOT_HOLD}
+            "fails": verdict == DOES_NOT_HOLD, "premise_met": premise_met}
 
 
 def _paired_values(first: dict[str, dict], second: dict[str, dict], test: Any) -> tuple[list[float], list[float]]:

@@ -12,19 +12,21 @@ from __future__ import annotations
 
 from typing import Any
 
-from sleuth.claims.base import ClaimSpec, ClaimText, DecisiveTest, Stage, predictions
+from sleuth.claims.base import ClaimSpec, ClaimText, DecisiveTest, Stage, predictions, premise_stage
+from sleuth.claims.knowledge import boundary_questions
 from sleuth.claims.profiles import CPU_PIPELINE, GPU_PIPELINE, StagedProfile
 from sleuth.claims.registry import register_claim
 from sleuth.claims.report import knowledge_table
 from sleuth.claims.reuse import inject_stage
 from sleuth.claims.stats import common_ids, metric, paired
-from sleuth.claims.steps import Arm, build_world, cold_start, evaluate, train_rl
+from sleuth.claims.steps import Arm, arm_recipe, build_world, cold_start, evaluate, train_rl
 from sleuth.data.synth import KNOWLEDGE_TYPES
+from sleuth.rewards.staged import staged_answer_reward
 
 PROFILES = {
     "cpu": StagedProfile(
         pipeline=CPU_PIPELINE, known_fraction=0.5, splits=(0.6, 0.1, 0.3), inject_epochs=40, inject_lr=3e-3,
-        inject_batch=8, lora=False, test_questions=30, accuracy_margin=0.02),
+        inject_batch=8, lora=False, test_questions=30, accuracy_margin=0.02, enforce_premise=False),
     # Injection calibrated on SmolLM2-135M (knowledge_injection_calibration_cpu.json in bench/results): direct EM known
     # vs unknown 0.97 vs 0.05 at 12 epochs x 3e-3 x 128 (LoRA r16); 0.10 vs 0.03 at 3 x 3e-4 x 16
     "gpu": StagedProfile(
@@ -48,6 +50,52 @@ def _train_arm(run: Any, method: str) -> dict[str, Any]:
     sft = cold_start(run, method, run.result("inject")["checkpoint"])
     rl = train_rl(run, Arm(method, method), sft["sft_checkpoint"])
     return {**sft, "checkpoint": rl["checkpoint"]}
+
+
+def expected_rewards(closed_book: float, searched: float, beta: float, retrievals: float = 1.0) -> dict[str, float]:
+    """The staged answer reward (Eqs. 10-11) expected on a known question by a policy that skips search and is right
+    with probability `closed_book`, and by one that searches `retrievals` times and is right with probability
+    `searched`, in each stage. Format and query rewards are the same for both (a well-formed turn, a concise query),
+    so they cancel in the comparison."""
+    def expect(right: float, rc: float, stage: int) -> float:
+        return right * staged_answer_reward(True, rc, stage, beta) + (1 - right) * staged_answer_reward(False, rc,
+                                                                                                       stage, beta)
+    return {f"stage{stage}_{kind}": expect(right, rc, stage) for stage in (1, 2)
+            for kind, right, rc in (("skip", closed_book, 0), ("search", searched, retrievals))}
+
+
+def premise_checks(closed_book: float, searched: float, beta: float, retrievals: float = 1.0) -> dict[str, Any]:
+    """The staged claim's premise on known questions: skipping search must pay at least as much as searching in
+    stage 1 (else RL removes skipping before stage 2 can reward it) and more in stage 2 (where the claim's cut comes
+    from). A world where searching is right more often than memory fails it: there, searching is optimal and the
+    reward is right to keep it."""
+    e = expected_rewards(closed_book, searched, beta, retrievals)
+    checks = [
+        {"check": "stage 1: expected reward of skipping vs searching on known questions",
+         "value": f"{e['stage1_skip']:+.3f} vs {e['stage1_search']:+.3f}", "needed": "skipping >= searching",
+         "met": e["stage1_skip"] >= e["stage1_search"]},
+        {"check": "stage 2: expected reward of skipping vs searching on known questions",
+         "value": f"{e['stage2_skip']:+.3f} vs {e['stage2_search']:+.3f}", "needed": "skipping > searching",
+         "met": e["stage2_skip"] > e["stage2_search"]},
+    ]
+    note = (f"Known (all-known) questions: the injected model answers {100 * closed_book:.1f}% closed-book and "
+            f"{100 * searched:.1f}% after {retrievals:g} search(es) (the probe); staged answer reward with beta "
+            f"{beta:g}, format and query rewards equal for both.")
+    return {"met": all(c["met"] for c in checks), "checks": checks, "expected": e, "note": note,
+            "closed_book": closed_book, "searched": searched}
+
+
+def _search_probe(run: Any) -> dict[str, Any]:
+    """The injected model answering all-known held-out questions from one search (naive RAG, top 3): the accuracy
+    a known question gets by searching once, beside its closed-book accuracy (the inject stage's boundary)."""
+    from sleuth.eval.harness import EvalConfig, EvalOutput, evaluate
+
+    known = [q for q in boundary_questions(run.world, "test", run.profile.test_questions)
+             if q.metadata.get("knowledge") == ALL_KNOWN]
+    summary = evaluate(["naive-rag"], known, run.world / "bm25", model=run.result("inject")["checkpoint"],
+                       config=EvalConfig(answer_max_new_tokens=24, top_k=3),
+                       out_dir=EvalOutput(run.out / "premise" / "search_probe"))
+    return {"n": len(known), "em": summary["methods"]["naive-rag"][ALL_KNOWN]["em"], "retrievals": 1}
 
 
 def claim_table(first: dict[str, dict[str, Any]], second: dict[str, dict[str, Any]]) -> dict[str, Any]:
@@ -78,7 +126,8 @@ class StagedClaim(ClaimSpec):
     def stages(self, profile: str) -> list[Stage]:
         plan = [Stage("world", lambda run: build_world(run.world, run.profile)),
                 Stage("inject", lambda run: inject_stage(run.world, run.out / "inject", run.profile, run.reuse,
-                                                         run.console))]
+                                                         run.console)),
+                premise_stage()]
         for method in ARMS:
             plan += [
                 Stage(f"train_{method}", lambda run, m=method: _train_arm(run, m), ("inject.checkpoint",),
@@ -88,6 +137,15 @@ class StagedClaim(ClaimSpec):
                       arms=(method,), per_seed=True),
             ]
         return plan
+
+    def premise(self, run: Any) -> dict[str, Any]:
+        closed_book = run.result("inject")["boundary"].get(ALL_KNOWN, {}).get("em")
+        if closed_book is None:
+            return {"met": False, "checks": [{"check": "all-known test questions", "value": 0, "needed": ">= 1",
+                                              "met": False}], "note": "the world has no all-known test question"}
+        probe = _search_probe(run)
+        beta = float(arm_recipe(run, ARMS[0], None)["reward"].get("options", {}).get("beta", 0.3))
+        return {**premise_checks(closed_book, probe["em"], beta), "probe": probe}
 
     def tests(self, profile: str) -> list[DecisiveTest]:
         margin = self.profile(profile).accuracy_margin

@@ -1,0 +1,172 @@
+"""The claims runner with a fifth claim registered from this test (one module's worth of code, no edit to sleuth):
+seeds, the noise floor, the pooled verdict, the premise check and its refusal, --arms, resume and the report.
+
+The toy claim's arms write per-question scores drawn from their seed, so every number below is known in advance.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+from typer.testing import CliRunner
+
+from sleuth.claims.base import ClaimSpec, ClaimText, DecisiveTest, Stage, premise_stage
+from sleuth.claims.profiles import CPU_PIPELINE, ClaimProfile
+from sleuth.claims.registry import CLAIMS, register_claim
+from sleuth.claims.runner import PremiseUnmet, reproduce, stage_plan
+from sleuth.claims.staged import expected_rewards, premise_checks
+from sleuth.claims.stages import ArmsPending
+from sleuth.claims.stats import metric
+from sleuth.errors import ConfigError
+
+QUESTIONS = 40
+
+
+def _write_arm(run: Any, arm: str) -> dict[str, Any]:
+    """Question i is right for the treated arm when i < 30 (75%); for the baseline when i < 20 + 2 * (seed % 2),
+    so two baseline seeds differ by 2 questions (5 points): the noise floor."""
+    right = 30 if arm == "treated" else 20 + 2 * (run.seed % 2)
+    path = run.root / "eval" / arm / "predictions.jsonl"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps({"id": f"q{i:02d}", "metrics": {"em": float(i < right)}}) + "\n"
+                            for i in range(QUESTIONS)))
+    return {"predictions": str(path), "seed": run.seed}
+
+
+class ToyClaim(ClaimSpec):
+    premise_met = True
+
+    def arms(self, profile: str) -> tuple[str, ...]:
+        return ("treated", "baseline")
+
+    def stages(self, profile: str) -> list[Stage]:
+        return [Stage("world", lambda run: {"world": str(run.world)}), premise_stage(),
+                *[Stage(f"eval_{arm}", lambda run, a=arm: _write_arm(run, a), arms=(arm,), per_seed=True)
+                  for arm in ("treated", "baseline")]]
+
+    def premise(self, run: Any) -> dict[str, Any]:
+        return {"met": self.premise_met, "checks": [{"check": "toy", "value": 1, "needed": 2,
+                                                     "met": self.premise_met}], "note": "a toy premise"}
+
+    def tests(self, profile: str) -> list[DecisiveTest]:
+        return [DecisiveTest("EM", "eval_treated", "eval_baseline", metric("em"), "above", 0.0)]
+
+    def table(self, run: Any) -> dict[str, Any]:
+        return {"rows": {}, "questions": QUESTIONS, "rule": "toy"}
+
+
+PROFILE = ClaimProfile(pipeline=CPU_PIPELINE, splits=(0.6, 0.1, 0.3), lora=False, test_questions=QUESTIONS,
+                       accuracy_margin=0.02)
+
+
+@pytest.fixture
+def toy():
+    spec = register_claim(ToyClaim(text=ClaimText("toy", "treated beats baseline", "w", "c", "a", "e", "t"),
+                                   profiles={"cpu": PROFILE}, columns=("treated", "baseline")))
+    yield spec
+    del CLAIMS["toy"]
+
+
+def test_three_seeds_pool_with_a_noise_floor_and_the_claim_holds(toy, tmp_path):
+    report_page = reproduce("toy", tmp_path, "cpu", seeds=range(0, 3))
+    report = json.loads((tmp_path / "report.json").read_text())
+    test = report["table"]["seeds"]["tests"][0]
+    # treated 75%; baseline 50% at seeds 0 and 2, 55% at seed 1: differences +25, +20, +25 points
+    assert [round(r["diff"], 4) for r in test["per_seed"]] == [0.25, 0.2, 0.25]
+    assert test["pooled"]["diff"] == pytest.approx((0.25 + 0.2 + 0.25) / 3)
+    assert test["floor"]["seeds"] == [0, 1] and test["floor"]["diff"] == pytest.approx(0.05)  # seed 1 minus seed 0
+    assert test["pooled"]["ci"][0] > 0 and test["verdict"] == "holds" and report["verdict"] == "holds"
+    assert report["seeds"] == [0, 1, 2]
+    # the first seed writes OUT/eval, seed s OUT/seed<s>/eval, each under its own stage record
+    assert (tmp_path / "seed2" / "eval" / "treated" / "predictions.jsonl").is_file()
+    assert sorted(p.stem for p in (tmp_path / "stages").glob("*.json")) == [
+        "eval_baseline", "eval_baseline.seed1", "eval_baseline.seed2", "eval_treated", "eval_treated.seed1",
+        "eval_treated.seed2", "premise", "world"]
+    page = report_page.read_text()
+    assert "The claim holds." in page and "noise floor: baseline seed 1 vs seed 0" in page
+    assert page.index("id='verdict'") < page.index("id='seeds'") < page.index("id='premise-check'")
+    assert stage_plan("toy", "cpu", range(0, 2))["eval_treated.seed1"] == ()
+
+
+def test_one_seed_has_no_floor_and_cannot_hold(toy, tmp_path):
+    reproduce("toy", tmp_path, "cpu")
+    report = json.loads((tmp_path / "report.json").read_text())
+    test = report["table"]["seeds"]["tests"][0]
+    assert test["floor"] is None and test["verdict"] == "not shown" and "no noise floor" in test["why"]
+    # a rerun with more seeds grows the same run directory
+    reproduce("toy", tmp_path, "cpu", seeds=range(0, 2))
+    assert json.loads((tmp_path / "report.json").read_text())["verdict"] == "holds"
+    assert json.loads((tmp_path / "claim.json").read_text())["seeds"] == 2
+
+
+def test_an_effect_within_the_noise_floor_is_not_shown(toy, tmp_path, monkeypatch):
+    """The treated arm 2 questions above baseline seed 0: +5 points, no more than two baseline seeds differ."""
+    def close(run: Any, arm: str) -> dict[str, Any]:
+        path = run.root / "eval" / arm / "predictions.jsonl"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        right = {"treated": 22 + 2 * (run.seed % 2), "baseline": 20 + 2 * (run.seed % 2)}[arm]
+        path.write_text("".join(json.dumps({"id": f"q{i:02d}", "metrics": {"em": float(i < right)}}) + "\n"
+                                for i in range(QUESTIONS)))
+        return {"predictions": str(path)}
+
+    monkeypatch.setattr(f"{__name__}._write_arm", close)
+    reproduce("toy", tmp_path, "cpu", seeds=range(0, 2))
+    test = json.loads((tmp_path / "report.json").read_text())["table"]["seeds"]["tests"][0]
+    assert test["pooled"]["diff"] == pytest.approx(0.05) and test["pooled"]["ci"][0] > 0
+    assert test["verdict"] == "not shown" and "does not exceed the noise floor" in test["why"]
+
+
+def test_an_unmet_premise_refuses_the_arms_unless_forced(toy, tmp_path):
+    toy.premise_met = False
+    with pytest.raises(PremiseUnmet, match=r"toy: 1 \(needed: 2\).*--force"):
+        reproduce("toy", tmp_path, "cpu", seeds=range(0, 2))
+    assert not (tmp_path / "stages" / "eval_treated.json").exists()  # no arm trained
+    assert (tmp_path / "stages" / "premise.json").exists()  # the check is kept: --force goes on from it
+    reproduce("toy", tmp_path, "cpu", seeds=range(0, 2), force=True)
+    report = json.loads((tmp_path / "report.json").read_text())
+    # the arms measure what they measure, but the verdict cannot be more than "not shown"
+    assert report["table"]["seeds"]["tests"][0]["verdict"] == "holds" and report["verdict"] == "not shown"
+    assert report["premise"]["met"] is False
+    assert "The premise is not met" in (tmp_path / "report.html").read_text()
+
+
+def test_arms_split_over_runs_and_the_last_writes_the_report(toy, tmp_path):
+    with pytest.raises(ArmsPending, match="eval_baseline, eval_baseline.seed1"):
+        reproduce("toy", tmp_path, "cpu", arms=["treated"], seeds=range(0, 2))
+    reproduce("toy", tmp_path, "cpu", arms=["baseline"], seeds=range(0, 2))
+    assert json.loads((tmp_path / "report.json").read_text())["verdict"] == "holds"
+    with pytest.raises(ConfigError, match="--arms nope: the toy claim's arms are treated, baseline"):
+        reproduce("toy", tmp_path, "cpu", arms=["nope"], seeds=range(0, 2))
+
+
+def test_cli_prints_the_verdict_last(toy, tmp_path):
+    from sleuth.cli import app
+
+    result = CliRunner().invoke(app, ["reproduce", "staged", "--seeds", "0", "--out", str(tmp_path / "x")],
+                                terminal_width=200)
+    assert result.exit_code == 2 and "greater than or equal to 1" in result.output and not (tmp_path / "x").exists()
+    from sleuth.claims.commands import _verdict_line
+
+    reproduce("toy", tmp_path, "cpu", seeds=range(0, 3))
+    line = _verdict_line(tmp_path / "report.json")
+    assert line.startswith("verdict: the toy claim holds (EM: +23.33 points [") and "over 3 seed(s), holds" in line
+
+
+@pytest.mark.parametrize(("closed_book", "searched", "met"), [
+    # the 2026-11-28 H200 staged world: 45.8% closed-book on all-known questions, ~60% after searching. Stage 1:
+    # skip 2(0.458) - 1 = -0.084; search 0.6 - 0.4 * 0.7 = +0.32. Searching is optimal there: the premise fails
+    (0.458, 0.60, False),
+    # a model that knows its known questions: skip 0.9 >= 0.32 (stage 1) and 0.9 > 0.6 * 0.7 - 0.4 = 0.02 (stage 2)
+    (0.95, 0.60, True),
+    # stage 1 met exactly at equality (skip 2p - 1 = search 1.7 * 0.6 - 0.7 = 0.32 at p = 0.66), stage 2 met
+    (0.66, 0.60, True),
+])
+def test_staged_premise_by_hand(closed_book, searched, met):
+    premise = premise_checks(closed_book, searched, beta=0.3)
+    assert premise["met"] is met
+    e = expected_rewards(closed_book, searched, 0.3)
+    assert e["stage1_skip"] == pytest.approx(2 * closed_book - 1)
+    assert e["stage1_search"] == pytest.approx(searched - (1 - searched) * 0.7)
+    assert e["stage2_search"] == pytest.approx(searched * 0.7 - (1 - searched))
