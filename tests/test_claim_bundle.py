@@ -72,7 +72,7 @@ def test_stop_after_stops_at_a_stage_boundary(tmp_path, monkeypatch):
 
 def test_stage_plans_list_the_stages_the_runners_write():
     """The same stage names (in the order they run) as the CPU runs write (tests/test_reproduce.py)."""
-    assert list(stage_plan("staged", "cpu")) == ["world", "inject", "train_staged", "eval_staged",
+    assert list(stage_plan("staged", "cpu")) == ["world", "inject", "premise", "train_staged", "eval_staged",
                                                  "train_search_r1", "eval_search_r1"]
     assert sorted(stage_plan("r_search", "cpu")) == ["eval_with_evidence", "eval_without_evidence", "reader",
                                                      "sft_r_search", "train_with_evidence", "train_without_evidence",
@@ -84,9 +84,14 @@ def test_stage_plans_list_the_stages_the_runners_write():
                               "world"]
     assert qagent["train_stage2"] == ("train_stage1.run/checkpoints/step_000001", "reader.reader")
     s3 = stage_plan("s3", "gpu")
-    assert len(s3) == 4 + 4 * 2 * 2 and s3["train_s3_1600"] == ("sft_s3.sft_checkpoint", "reader.reader")
+    assert len(s3) == 6 + 4 * 2 * 2 and s3["train_s3_1600"] == ("sft_s3.sft_checkpoint", "reader.reader",
+                                                                 "rag_baseline.cache")
     assert s3["eval_search_r1_25"] == ("train_search_r1_25.checkpoint",)
-    assert len(stage_plan("s3", "cpu")) == 12
+    assert len(stage_plan("s3", "cpu")) == 14
+    # later seeds: every per-seed stage again, loading its own seed's checkpoints and the shared reader
+    seeded = stage_plan("s3", "gpu", range(0, 3))
+    assert len(seeded) == 6 + 3 * (2 + 4 * 2 * 2) and seeded["train_s3_25.seed2"] == (
+        "sft_s3.seed2.sft_checkpoint", "reader.reader", "rag_baseline.cache")
 
 
 def test_parts_join_back_byte_identical(tmp_path):

@@ -170,3 +170,45 @@ def test_staged_premise_by_hand(closed_book, searched, met):
     assert e["stage1_skip"] == pytest.approx(2 * closed_book - 1)
     assert e["stage1_search"] == pytest.approx(searched - (1 - searched) * 0.7)
     assert e["stage2_search"] == pytest.approx(searched * 0.7 - (1 - searched))
+
+
+def test_s3_rl_questions_are_disjoint_from_the_sft_questions(tmp_path):
+    """s3's premise reads what each arm's recipe trains on: SFT on the first sft_questions training questions, RL on
+    those after them (s3's only on those naive RAG gets wrong); a protocol that draws RL questions from the start
+    of the split again (landed main's) shares them with the SFT set and fails the check."""
+    from sleuth.claims import s3
+    from sleuth.claims.base import ClaimRun
+    from sleuth.claims.registry import get_claim
+    from sleuth.claims.steps import build_world
+    from sleuth.data.formats import read_qa_jsonl
+
+    spec = get_claim("s3")
+    run = ClaimRun(out=tmp_path, spec=spec, profile_name="cpu", profile=spec.profile("cpu"))
+    build_world(run.world, run.profile)
+    train = read_qa_jsonl(run.world / "train.jsonl")
+    sft_n = run.profile.pipeline.sft_questions
+    cache = tmp_path / "scores.jsonl"  # naive RAG right on every third question after the SFT ones
+    cache.write_text("".join(json.dumps({"id": q.id, "score": float(i % 3 == 0)}) + "\n"
+                             for i, q in enumerate(train[sft_n:])))
+    run.results.update({"reader": {"reader": "tiny"}, s3.RAG_BASELINE: {
+        "cache": str(cache), "naive_rag_wrong": sum(1 for i in range(len(train) - sft_n) if i % 3)}})
+    premise = s3.premise_checks(run)
+    assert premise["checks"][0]["value"] == 0 and premise["checks"][0]["met"]
+    assert premise["rl_questions"] == {"s3_2": 2, "search_r1_2": 2, "s3_4": 4, "search_r1_4": 4}
+    assert premise["checks"][2] == {"check": "GRPO steps at the smallest size", "value": 1,
+                                    "needed": ">= 20 (the paper's)", "met": False}  # the cpu rehearsal's 1 step
+    s3_recipe = s3._arm(run, "s3", 4).overrides
+    assert f"data.hard_from={json.dumps(str(cache))}" in s3_recipe and "data.skip_train_examples=12" in s3_recipe
+
+    def from_the_start(run: Any, method: str, size: int):  # landed main's pool: the first N training questions
+        arm = original(run, method, size)
+        return s3.Arm(arm.name, arm.method, tuple(
+            o for o in arm.overrides if not o.startswith(("data.skip_train_examples", "data.hard_from"))))
+
+    original = s3._arm
+    s3._arm = from_the_start
+    try:
+        shared = s3.premise_checks(run)["checks"][0]
+    finally:
+        s3._arm = original
+    assert shared["value"] == 4 and not shared["met"]

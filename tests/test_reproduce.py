@@ -138,9 +138,7 @@ def test_reproduce_staged_cpu_end_to_end_and_resumes(tmp_path):
     result = runner.invoke(app, ["reproduce", "staged", "--profile", "cpu", "--out", str(out)], terminal_width=300)
     assert result.exit_code == 0, result.output
     page = (out / "report.html").read_text()
-    first_table = page.index("<table")
-    assert page.index("<table id='claim'>") == first_table
-    claim_html = page[first_table : page.index("</table>")]
+    claim_html = _claim_html(page)
     for row in ("retrievals per question, all-known", "retrievals per question, mixed / all-unknown",
                 "EM, all questions", "95% interval"):
         assert row in claim_html
@@ -151,12 +149,18 @@ def test_reproduce_staged_cpu_end_to_end_and_resumes(tmp_path):
         "n"] == 30
     assert report["inject"]["boundary"]["all-known"]["em"] > report["inject"]["boundary"]["mixed"]["em"]
     by_type = page[page.index("<table id='knowledge'>"):]  # after the claim table: the boundary and retrieval per type
-    assert page.index("<table id='knowledge'>") > page.index("</table>")
+    assert page.index("<table id='knowledge'>") > page.index("<table id='claim'>")
     assert "<td>all-known</td>" in by_type and "staged over-retrieval %" in by_type
     stages = sorted(p.stem for p in (out / "stages").iterdir())
-    assert stages == ["eval_search_r1", "eval_staged", "inject", "train_search_r1", "train_staged", "world"]
+    assert stages == ["eval_search_r1", "eval_staged", "inject", "premise", "train_search_r1", "train_staged", "world"]
+    # the premise is measured and reported (the cpu profile rehearses; it does not enforce it)
+    premise = report["premise"]
+    assert [c["check"].split(":")[0] for c in premise["checks"]] == ["stage 1", "stage 2"]
+    assert premise["closed_book"] == report["inject"]["boundary"]["all-known"]["em"] and premise["probe"]["n"] == 12
+    assert "id='premise-check'" in page and report["table"]["seeds"]["seeds"] == [0]
+    assert result.output.strip().splitlines()[-1].startswith("verdict: the staged claim ")
     again = runner.invoke(app, ["reproduce", "staged", "--profile", "cpu", "--out", str(out)], terminal_width=300)
-    assert again.exit_code == 0 and again.output.count("done earlier, skipped") == 6
+    assert again.exit_code == 0 and again.output.count("done earlier, skipped") == 7
     assert report["seed"] == 0 and "Training seed of the arms: 0." in page
     assert yaml.safe_load((out / "staged" / "rl_recipe.yaml").read_text())["seed"] == 0
     other = runner.invoke(app, ["reproduce", "staged", "--profile", "cpu", "--out", str(out), "--seed", "1"],
@@ -217,9 +221,10 @@ def _run_twice(tmp_path, method: str) -> tuple[str, dict, list[str], str]:
 
 
 def _claim_html(page: str) -> str:
-    first_table = page.index("<table")
-    assert page.index("<table id='claim'>") == first_table  # the page opens with the claim table
-    return page[first_table : page.index("</table>")]
+    """The table of every measure; the page opens with the verdict, then the verdict over seeds."""
+    assert page.index("id='verdict'") < page.index("id='seeds'") < page.index("<table id='claim'>")
+    start = page.index("<table id='claim'>")
+    return page[start : page.index("</table>", start)]
 
 
 @pytest.mark.slow

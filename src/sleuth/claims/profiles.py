@@ -26,6 +26,7 @@ class ClaimProfile:
     # an unmet premise stops the run before its arms (unless --force); the cpu profiles rehearse the pipeline with a
     # tiny model that cannot meet a premise, so there it is measured and reported, not enforced
     enforce_premise: bool = True
+    min_rl_steps: int = 1  # s3: at least this many GRPO steps at every data size (the paper: 20 steps)
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,6 @@ PLAIN_PROFILES = {
         sizes=(2, 4), enforce_premise=False, reader=ReaderSettings(model="tiny", distractors=1, epochs=2, lr=3e-3, batch_size=8, lora=False)),
     "gpu": ClaimProfile(
         pipeline=replace(GPU_PIPELINE, questions=8000), splits=(0.8, 0.1, 0.1), lora=True, test_questions=500,
-        accuracy_margin=0.02, sizes=(25, 100, 400, 1600), seeds=3,
+        accuracy_margin=0.02, sizes=(25, 100, 400, 1600), seeds=3, min_rl_steps=20,
         reader=ReaderSettings(model="smollm2-135m-instruct", distractors=2, epochs=2, lr=3e-4, batch_size=16)),
 }

@@ -1,8 +1,12 @@
 """The s3 claim: a searcher trained against a frozen generator needs far less data than end-to-end training.
 
 The same trained reader is s3's reward generator and evaluation reader at every size; s3 and search_r1 each get one
-SFT, then one GRPO run per number of RL training questions (`data.max_train_examples`, one pass: ceil(size /
-prompts_per_step) steps). Holds when s3 at the smallest size is not below search_r1 at the largest (paired EM
+SFT on the first `sft_questions` training questions, then one GRPO run per number of RL training questions drawn
+from the questions after them (`data.skip_train_examples`: the RL questions are disjoint from the SFT ones, so the
+sizes are the data each arm saw beyond the cold start). s3 trains, as in the paper, on questions naive RAG gets wrong
+(`data.hard_from`: naive RAG read by the same reader, scored as s3's reward scores its baseline; the cache is the
+reward's baseline cache too). Every size gets at least `min_rl_steps` GRPO steps (the paper's 20), one pass over its
+questions where that is longer. Holds when s3 at the smallest size is not below search_r1 at the largest (paired EM
 interval above -margin).
 """
 
@@ -12,13 +16,14 @@ import math
 from typing import Any
 
 from sleuth.agent.registry import get_method
-from sleuth.claims.base import ClaimSpec, ClaimText, DecisiveTest, Stage, predictions
+from sleuth.agent.trajectory import Trajectory
+from sleuth.claims.base import ClaimSpec, ClaimText, DecisiveTest, Stage, predictions, premise_stage
 from sleuth.claims.profiles import PLAIN_PROFILES
 from sleuth.claims.registry import register_claim
 from sleuth.claims.report import curve_figure
 from sleuth.claims.shared import world_and_reader
 from sleuth.claims.stats import metric, paired_on
-from sleuth.claims.steps import Arm, cold_start, evaluate, setting, train_rl
+from sleuth.claims.steps import Arm, arm_recipe, cold_start, evaluate, setting, train_rl
 from sleuth.eval.stats import bootstrap_ci
 
 METHODS = ("s3", "search_r1")
@@ -29,16 +34,84 @@ def _reads_with_reader(method: str) -> bool:
     return get_method(method).evaluated_by_reader
 
 
+def rl_steps(profile: Any, size: int) -> int:
+    """GRPO steps of an arm on `size` questions: one pass, and at least the profile's minimum."""
+    return max(profile.min_rl_steps, math.ceil(size / profile.pipeline.prompts_per_step))
+
+
 def _arm(run: Any, method: str, size: int) -> Arm:
-    steps = math.ceil(size / run.profile.pipeline.prompts_per_step)
-    reader = (setting("reward.generator", run.result("reader")["reader"]),) if _reads_with_reader(method) else ()
-    return Arm(f"{method}_{size}", method, (*reader, setting("trainer.total_steps", steps),
-                                            setting("data.max_train_examples", size)))
+    pool = (setting("data.skip_train_examples", run.profile.pipeline.sft_questions),
+            setting("data.max_train_examples", size), setting("trainer.total_steps", rl_steps(run.profile, size)))
+    if not _reads_with_reader(method):
+        return Arm(f"{method}_{size}", method, pool)
+    cache = run.result(RAG_BASELINE)["cache"]
+    return Arm(f"{method}_{size}", method, (*pool, setting("reward.generator", run.result("reader")["reader"]),
+                                            setting("reward.baseline_cache", cache), setting("data.hard_from", cache)))
+
+
+RAG_BASELINE = "rag_baseline"
+
+
+def _rag_baseline(run: Any) -> dict[str, Any]:
+    """Naive RAG's accuracy on every RL-pool question (the training questions after the SFT ones), read by the trained
+    reader and scored exactly as s3's reward scores its baseline term; written as a score cache for the hard-question
+    filter and the reward."""
+    from sleuth.data.formats import read_qa_jsonl
+    from sleuth.data.score_cache import ScoreCache
+    from sleuth.llm.registry import load_generator
+    from sleuth.retrieval import load_retriever
+    from sleuth.rewards.base import RewardServices, get_reward
+
+    reward_spec = arm_recipe(run, METHODS[0], None)["reward"]
+    reward = get_reward(reward_spec["name"], **reward_spec.get("options", {}))
+    pool = read_qa_jsonl(run.world / "train.jsonl")[run.profile.pipeline.sft_questions:]
+    cache = ScoreCache(run.out / RAG_BASELINE / "naive_rag_scores.jsonl")
+    services = RewardServices(generator=load_generator(run.result("reader")["reader"]), baseline_cache=cache,
+                              retriever=load_retriever(run.world / "bm25"))
+    batch = run.profile.pipeline.eval_batch_size
+    for start in range(0, len(pool), batch):  # the cache is saved after each batch: a cut run resumes
+        reward.baseline_accuracy([Trajectory(q.id, q.question, list(q.golden_answers), METHODS[0])
+                                  for q in pool[start:start + batch]], services)
+    wrong = sum(1 for q in pool if (cache.get(q.id) or 0.0) <= 0.0)
+    return {"cache": str(cache.path), "pool": len(pool), "naive_rag_wrong": wrong}
 
 
 def _evaluate(run: Any, method: str, size: int) -> dict[str, Any]:
     reader = run.result("reader")["reader"] if _reads_with_reader(method) else None
     return evaluate(run, method, run.result(f"train_{method}_{size}")["checkpoint"], f"{method}_{size}", reader)
+
+
+def premise_checks(run: Any) -> dict[str, Any]:
+    """What the arms will train on, read from their own recipes (`load_examples`, as the trainer reads them): every
+    arm's RL questions disjoint from the SFT questions; s3's pool of naive-RAG-wrong questions as large as its largest
+    size (else it repeats questions where search_r1 sees new ones); at least the paper's 20 GRPO steps at every size."""
+    from sleuth.rl.config import recipe_from_dict
+    from sleuth.rl.setup import load_examples
+
+    profile, sft_n = run.profile, run.profile.pipeline.sft_questions
+    sft_ids = {q.id for q in load_examples(recipe_from_dict(arm_recipe(run, METHODS[0], None)))[:sft_n]}
+    overlap, pools = 0, {}
+    for size in profile.sizes:
+        for method in METHODS:
+            recipe = arm_recipe(run, method, None, overrides=_arm(run, method, size).overrides)
+            recipe.pop("sft")
+            rl_ids = {q.id for q in load_examples(recipe_from_dict(recipe))}
+            overlap = max(overlap, len(rl_ids & sft_ids))
+            pools[method, size] = len(rl_ids)
+    hard = run.result(RAG_BASELINE)["naive_rag_wrong"]
+    largest, fewest = max(profile.sizes), min(rl_steps(profile, size) for size in profile.sizes)
+    checks = [
+        {"check": "RL questions shared with the SFT questions (any arm)", "value": overlap, "needed": 0,
+         "met": overlap == 0},
+        {"check": "naive-RAG-wrong questions for s3 (the paper's filter)", "value": hard, "needed": f">= {largest}",
+         "met": hard >= largest},
+        {"check": "GRPO steps at the smallest size", "value": fewest, "needed": ">= 20 (the paper's)",
+         "met": fewest >= 20},
+    ]
+    note = (f"SFT: the first {sft_n} training questions (both arms); RL pools per arm: "
+            + ", ".join(f"{m}_{size} {n}" for (m, size), n in pools.items()) + ".")
+    return {"met": all(c["met"] for c in checks), "checks": checks, "note": note, "rl_questions": {
+        f"{m}_{size}": n for (m, size), n in pools.items()}}
 
 
 class S3Claim(ClaimSpec):
@@ -50,7 +123,7 @@ class S3Claim(ClaimSpec):
 
     def stages(self, profile: str) -> list[Stage]:
         sizes = self.profile(profile).sizes
-        plan = world_and_reader()
+        plan = [*world_and_reader(), Stage(RAG_BASELINE, _rag_baseline, ("reader.reader",)), premise_stage()]
         for method in METHODS:  # each cold start runs where one of its arms does: the two run side by side
             plan.append(Stage(f"sft_{method}", lambda run, m=method: cold_start(run, m, None),
                               arms=tuple(f"{method}_{size}" for size in sizes), per_seed=True))
@@ -61,11 +134,15 @@ class S3Claim(ClaimSpec):
                 plan += [
                     Stage(f"train_{name}", lambda run, m=method, s=size: train_rl(
                         run, _arm(run, m, s), run.result(f"sft_{m}")["sft_checkpoint"]),
-                          (f"sft_{method}.sft_checkpoint", *reader), arms=(name,), per_seed=True),
+                          (f"sft_{method}.sft_checkpoint", *reader, *((f"{RAG_BASELINE}.cache",) if reader else ())),
+                          arms=(name,), per_seed=True),
                     Stage(f"eval_{name}", lambda run, m=method, s=size: _evaluate(run, m, s),
                           (f"train_{name}.checkpoint", *reader), arms=(name,), per_seed=True),
                 ]
         return plan
+
+    def premise(self, run: Any) -> dict[str, Any]:
+        return premise_checks(run)
 
     def _ends(self, profile: str) -> tuple[int, int]:
         sizes = self.profile(profile).sizes

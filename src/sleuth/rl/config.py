@@ -63,6 +63,8 @@ class DataConfig(_Strict):
     dev: str | None = None
     drop_yes_no: bool = False
     hard_from: str | None = None  # score cache: keep questions the baseline gets wrong
+    # leave out the first N questions of data.train (e.g. those an SFT cold start saw), before any filter
+    skip_train_examples: int = Field(0, ge=0)
     max_train_examples: int | None = Field(None, ge=1)
     shuffle: bool = True
 

@@ -113,7 +113,7 @@ def load_validation_examples(recipe: Recipe) -> list[QAExample]:
 
 def load_examples(recipe: Recipe) -> list[QAExample]:
 
-    examples = load_qa(recipe.data.train)
+    examples = load_qa(recipe.data.train)[recipe.data.skip_train_examples:]
     if recipe.data.drop_yes_no:
 
         examples = drop_yes_no(examples)
