@@ -90,7 +90,7 @@ def test_stage_plans_list_the_stages_the_runners_write():
     assert len(stage_plan("s3", "cpu")) == 14
     # later seeds: every per-seed stage again, loading its own seed's checkpoints and the shared reader
     seeded = stage_plan("s3", "gpu", range(0, 3))
-    assert len(seeded) == 6 + 3 * (2 + 4 * 2 * 2) and seeded["train_s3_25.seed2"] == (
+    assert len(seeded) == 4 + 3 * (2 + 4 * 2 * 2) and seeded["train_s3_25.seed2"] == (
         "sft_s3.seed2.sft_checkpoint", "reader.reader", "rag_baseline.cache")
 
 

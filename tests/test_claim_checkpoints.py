@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from sleuth.claims.knowledge import boundary_check
-from sleuth.claims.reader import reader_check
 from sleuth.claims.profiles import PLAIN_PROFILES
+from sleuth.claims.reader import reader_check
 from sleuth.claims.staged import PROFILES as STAGED_PROFILES
 from sleuth.claims.steps import build_world
 

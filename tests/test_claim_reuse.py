@@ -11,10 +11,10 @@ import pytest
 from typer.testing import CliRunner
 
 from sleuth.claims.reuse import WORLD_RECORD, reused_model, world_fingerprint, write_world_record
+from sleuth.claims.runner import reproduce
 from sleuth.claims.stages import STOP_AFTER_ENV, StagesStopped
 from sleuth.cli import app
 from sleuth.errors import ConfigError
-from sleuth.claims.runner import reproduce
 
 CLAIMS = Path(__file__).resolve().parent.parent / "checkpoints" / "claims"
 

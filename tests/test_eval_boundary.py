@@ -58,9 +58,9 @@ def test_markdown_table_shows_each_type():
 def test_evaluate_reports_the_boundary_for_direct_and_naive_rag(tmp_path):
     """direct never searches (over-retrieval 0%, under-retrieval 100%); naive RAG always retrieves once
     (over-retrieval 100%, under-retrieval 0%): the extremes, known without running a model's judgement."""
+    from sleuth.claims.knowledge import boundary_questions
     from sleuth.data.synth import generate_world, write_world
     from sleuth.eval.harness import EvalConfig, evaluate
-    from sleuth.claims.knowledge import boundary_questions
     from sleuth.retrieval import build_index
 
     write_world(generate_world(60, 20, hops=(1, 2), seed=1, known_fraction=0.5), tmp_path, splits=(0.0, 0.0, 1.0))

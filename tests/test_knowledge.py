@@ -7,11 +7,6 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from sleuth.cli import app
-from sleuth.data.synth import KNOWLEDGE_FILE, generate_world, write_world
-from sleuth.data.synth_questions import knowledge_statements, knowledge_type
-from sleuth.data.world_schema import ENTITY_TYPES, RELATIONS_BY_SUBJECT
-from sleuth.eval.baselines import DIRECT_PROMPT
 from sleuth.claims.knowledge import (
     InjectionSettings,
     boundary_check,
@@ -19,6 +14,11 @@ from sleuth.claims.knowledge import (
     injection_records,
     read_statements,
 )
+from sleuth.cli import app
+from sleuth.data.synth import KNOWLEDGE_FILE, generate_world, write_world
+from sleuth.data.synth_questions import knowledge_statements, knowledge_type
+from sleuth.data.world_schema import ENTITY_TYPES, RELATIONS_BY_SUBJECT
+from sleuth.eval.baselines import DIRECT_PROMPT
 
 
 def _all_facts(world):

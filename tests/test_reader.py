@@ -7,10 +7,6 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from sleuth.cli import app
-from sleuth.data.formats import QAExample
-from sleuth.data.synth import generate_world, write_world
-from sleuth.errors import ConfigError
 from sleuth.claims.reader import (
     READER_FILE,
     ReaderSettings,
@@ -20,6 +16,10 @@ from sleuth.claims.reader import (
     reader_records,
     train_reader,
 )
+from sleuth.cli import app
+from sleuth.data.formats import QAExample
+from sleuth.data.synth import generate_world, write_world
+from sleuth.errors import ConfigError
 from sleuth.retrieval.base import Hit
 from sleuth.rewards.answerer import document_prompt
 
