@@ -130,6 +130,7 @@ take_job() {  # the next job no lane has taken (one lock for every lane)
 
 # SEED=N: the arms' training seed (`sleuth reproduce --seed`): the run is runs/claims/<claim>-seedN, its jobs'
 # done-markers and logs <claim>-seedN[.ARM] and its results results_<claim>-seedN.tgz, beside seed 0's
+# SEEDS=N: every arm trained with N seeds in the same run (`--seeds`; the gpu profile's default is 3)
 run_name() { echo "$1${SEED:+-seed$SEED}"; }
 
 job_id() {  # job_id "CLAIM [ARM]": the job's done-marker and log name, RUN[.ARM]
@@ -144,7 +145,7 @@ run_claim() {  # run_claim GPU CLAIM [ARM]: the claim (or one arm of it) on that
   [ -f "$WORK/done/$id" ] && return 0
   echo "$(date +%T) $id on GPU $gpu" >> "$WORK/progress.log"
   if CUDA_VISIBLE_DEVICES=$gpu "${PY:-python}" -m sleuth.cli reproduce "$claim" --profile "$PROFILE" \
-       --out "runs/claims/$(run_name "$claim")" ${SEED:+--seed "$SEED"} ${arm:+--arms "$arm"} \
+       --out "runs/claims/$(run_name "$claim")" ${SEED:+--seed "$SEED"} ${SEEDS:+--seeds "$SEEDS"} ${arm:+--arms "$arm"} \
        ${REUSE:+--reuse "$REUSE"} > "$WORK/logs/$id.log" 2>&1; then
     touch "$WORK/done/$id"; echo "$(date +%T) done $id" >> "$WORK/progress.log"
   else echo "$(date +%T) FAILED $id (see logs/$id.log)" >> "$WORK/progress.log"; fi

@@ -132,10 +132,12 @@ def test_a_finished_stage_is_not_run_again(tmp_path):
 
 
 def test_reproduce_staged_cpu_end_to_end_and_resumes(tmp_path):
-    """The whole staged pipeline with the tiny model (about 35 s on 2 cores); a rerun skips every stage."""
+    """The whole staged pipeline with the tiny model at two training seeds (about 70 s on 2 cores): the verdict over
+    seeds with its noise floor, the premise, one correctness rule; a rerun skips every stage."""
     out = tmp_path / "staged"
     runner = CliRunner()
-    result = runner.invoke(app, ["reproduce", "staged", "--profile", "cpu", "--out", str(out)], terminal_width=300)
+    argv = ["reproduce", "staged", "--profile", "cpu", "--out", str(out), "--seeds", "2"]
+    result = runner.invoke(app, argv, terminal_width=300)
     assert result.exit_code == 0, result.output
     page = (out / "report.html").read_text()
     claim_html = _claim_html(page)
@@ -152,7 +154,19 @@ def test_reproduce_staged_cpu_end_to_end_and_resumes(tmp_path):
     assert page.index("<table id='knowledge'>") > page.index("<table id='claim'>")
     assert "<td>all-known</td>" in by_type and "staged over-retrieval %" in by_type
     stages = sorted(p.stem for p in (out / "stages").iterdir())
-    assert stages == ["eval_search_r1", "eval_staged", "inject", "premise", "train_search_r1", "train_staged", "world"]
+    arm_stages = ["eval_search_r1", "eval_staged", "train_search_r1", "train_staged"]
+    assert stages == sorted([*arm_stages, *(f"{s}.seed1" for s in arm_stages), "inject", "premise", "world"])
+    # two seeds: each seed's paired difference, the pooled one, the noise floor (search_r1 seed 1 vs seed 0)
+    seeds = report["table"]["seeds"]
+    assert seeds["seeds"] == [0, 1] and report["seeds"] == [0, 1]
+    for test in seeds["tests"]:
+        assert [r["seed"] for r in test["per_seed"]] == [0, 1] and test["floor"]["seeds"] == [0, 1]
+        assert test["verdict"] in ("holds", "not shown", "does not hold") and test["pooled"]["seeds"] == 2
+    seed1 = yaml.safe_load((out / "seed1" / "staged" / "rl_recipe.yaml").read_text())
+    assert seed1["seed"] == 1 and seed1["trainer"]["out_dir"] == str(out / "seed1" / "staged" / "train")
+    # one correctness rule in both arms: exact match
+    assert seed1["reward"]["options"]["correctness"] == "em"
+    assert (out / "seed1" / "eval" / "search_r1").is_dir()
     # the premise is measured and reported (the cpu profile rehearses; it does not enforce it)
     premise = report["premise"]
     assert [c["check"].split(":")[0] for c in premise["checks"]] == ["stage 1", "stage 2"]
@@ -160,7 +174,7 @@ def test_reproduce_staged_cpu_end_to_end_and_resumes(tmp_path):
     assert "id='premise-check'" in page and report["table"]["seeds"]["seeds"] == [0]
     assert result.output.strip().splitlines()[-1].startswith("verdict: the staged claim ")
     again = runner.invoke(app, ["reproduce", "staged", "--profile", "cpu", "--out", str(out)], terminal_width=300)
-    assert again.exit_code == 0 and again.output.count("done earlier, skipped") == 7
+    assert again.exit_code == 0 and again.output.count("done earlier, skipped") == 11  # its two seeds, from claim.json
     assert report["seed"] == 0 and "Training seed of the arms: 0." in page
     assert yaml.safe_load((out / "staged" / "rl_recipe.yaml").read_text())["seed"] == 0
     other = runner.invoke(app, ["reproduce", "staged", "--profile", "cpu", "--out", str(out), "--seed", "1"],

@@ -10,6 +10,7 @@ all-known questions (paired difference below 0) at an accuracy not lower (the EM
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from sleuth.claims.base import ClaimSpec, ClaimText, DecisiveTest, Stage, predictions, premise_stage
@@ -19,7 +20,7 @@ from sleuth.claims.registry import register_claim
 from sleuth.claims.report import knowledge_table
 from sleuth.claims.reuse import inject_stage
 from sleuth.claims.stats import common_ids, metric, paired
-from sleuth.claims.steps import Arm, arm_recipe, build_world, cold_start, evaluate, train_rl
+from sleuth.claims.steps import Arm, arm_recipe, build_world, cold_start, evaluate, setting, train_rl
 from sleuth.data.synth import KNOWLEDGE_TYPES
 from sleuth.rewards.staged import staged_answer_reward
 
@@ -29,11 +30,16 @@ PROFILES = {
         inject_batch=8, lora=False, test_questions=30, accuracy_margin=0.02, enforce_premise=False),
     # Injection calibrated on SmolLM2-135M (knowledge_injection_calibration_cpu.json in bench/results): direct EM known
     # vs unknown 0.97 vs 0.05 at 12 epochs x 3e-3 x 128 (LoRA r16); 0.10 vs 0.03 at 3 x 3e-4 x 16
+    # 16 rollouts a prompt (8 prompts a step): skipping search must be sampled often enough to be learned (at 5 a
+    # prompt, the 2026-11-28 runs sampled it in at most 6% of stage-2 rollouts)
     "gpu": StagedProfile(
-        pipeline=GPU_PIPELINE, known_fraction=0.5, splits=(0.8, 0.1, 0.1), inject_epochs=12, inject_lr=3e-3,
+        pipeline=replace(GPU_PIPELINE, n=16, prompts_per_step=8), known_fraction=0.5, splits=(0.8, 0.1, 0.1), inject_epochs=12, inject_lr=3e-3,
         inject_batch=128, lora=True, test_questions=500, accuracy_margin=0.02, seeds=3),
 }
 ARMS = ("staged", "search_r1")  # the claim's method first, then the baseline it is compared with
+# one correctness rule in both arms: search_r1's reward is exact match, so staged's answer term is too (its default,
+# F1 >= 0.5, would pay staged for answers search_r1's reward calls wrong)
+ARM_OVERRIDES = {"staged": (setting("reward.options.correctness", "em"),), "search_r1": ()}
 ALL_KNOWN = "all-known"
 
 
@@ -48,7 +54,7 @@ def _retrievals(record: dict[str, Any]) -> float:
 def _train_arm(run: Any, method: str) -> dict[str, Any]:
     """Oracle trajectories -> SFT from the injected model -> GRPO (one arm, one stage)."""
     sft = cold_start(run, method, run.result("inject")["checkpoint"])
-    rl = train_rl(run, Arm(method, method), sft["sft_checkpoint"])
+    rl = train_rl(run, Arm(method, method, ARM_OVERRIDES[method]), sft["sft_checkpoint"])
     return {**sft, "checkpoint": rl["checkpoint"]}
 
 
@@ -144,7 +150,7 @@ class StagedClaim(ClaimSpec):
             return {"met": False, "checks": [{"check": "all-known test questions", "value": 0, "needed": ">= 1",
                                               "met": False}], "note": "the world has no all-known test question"}
         probe = _search_probe(run)
-        beta = float(arm_recipe(run, ARMS[0], None)["reward"].get("options", {}).get("beta", 0.3))
+        beta = float(arm_recipe(run, ARMS[0], None, overrides=ARM_OVERRIDES[ARMS[0]])["reward"]["options"]["beta"])
         return {**premise_checks(closed_book, probe["em"], beta), "probe": probe}
 
     def tests(self, profile: str) -> list[DecisiveTest]:
