@@ -75,6 +75,12 @@ def per_question(pred: dict[str, Any], support: dict[str, list[str]],
                                             if unknown else None)
     if "knowledge" in pred:
         row["knowledge"] = pred["knowledge"]
+    # every field a report row is computed from: the agent's own answer where a reader answered for it (qagent's
+    # own-answerer row), and the metrics it was scored by
+    extra = pred.get("extra") or {}
+    if "agent_answer" in extra:
+        row["agent_answer"] = extra["agent_answer"]
+    row["metrics"] = pred["metrics"]
     return row
 
 

@@ -326,6 +326,9 @@ def test_claims_pack_rows_and_the_why_analysis_by_hand(tmp_path: Path) -> None:
     assert row["support_retrieved"] == 1.0  # "2" was retrieved but not served: a selection left it out
     assert pack.per_question(_prediction("b", "1hop", 0.0, []), support)["support_served"] == 0.0
     assert "unknown_support_retrieved" not in row  # a world without a knowledge boundary
+    assert "agent_answer" not in row and row["metrics"] == prediction["metrics"]
+    handed = {**prediction, "extra": {"agent_answer": "Oslo, I think"}}  # a reader answered for the agent (qagent)
+    assert pack.per_question(handed, support)["agent_answer"] == "Oslo, I think"
     # a knowledge-boundary world: hop 1 ("1") known, hop 2 ("2") not; a search that found only "2" has all it needs
     mixed = _prediction("a", "mixed", 1.0, [("2", "Oslo")], rc=1)
     mixed["trajectory"]["retrieved"] = [[{"doc_id": "2"}, {"doc_id": "7"}]]
