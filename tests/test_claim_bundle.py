@@ -79,9 +79,11 @@ def test_stage_plans_list_the_stages_the_runners_write():
                                                      "world"]
     assert stage_plan("r_search", "gpu")["train_with_evidence"] == ("sft_r_search.sft_checkpoint", "reader.reader")
     qagent = stage_plan("qagent", "cpu")
-    assert sorted(qagent) == ["eval_stage1_base_reader", "eval_stage1_trained_reader", "eval_stage2_base_reader",
-                              "eval_stage2_trained_reader", "reader", "sft_qagent", "train_stage1", "train_stage2",
+    assert sorted(qagent) == ["eval_stage1_base_reader", "eval_stage1_other_reader", "eval_stage1_trained_reader",
+                              "eval_stage2_base_reader", "eval_stage2_other_reader", "eval_stage2_trained_reader",
+                              "other_reader", "premise", "reader", "sft_qagent", "train_stage1", "train_stage2",
                               "world"]
+    assert qagent["eval_stage1_other_reader"] == ("train_stage1.checkpoint", "other_reader.reader")
     assert qagent["train_stage2"] == ("train_stage1.run/checkpoints/step_000001", "reader.reader")
     s3 = stage_plan("s3", "gpu")
     assert len(s3) == 6 + 4 * 2 * 2 and s3["train_s3_1600"] == ("sft_s3.sft_checkpoint", "reader.reader",

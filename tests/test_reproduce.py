@@ -266,21 +266,25 @@ def test_reproduce_qagent_cpu_end_to_end_and_resumes(tmp_path):
     """Reader, SFT, stage 1 (2 steps), stage 2 from stage 1's step 1 (1 step), four evaluations (about 25 s)."""
     page, report, stages, _ = _run_twice(tmp_path, "qagent")
     claim = _claim_html(page)
-    assert "non-strict EM read by the other reader (tiny, the base model)" in claim
-    assert "stage 2" in claim
+    assert "non-strict EM read by the other reader (trained on another world)" in claim
+    assert "non-strict EM read by the base model (tiny)" in claim and "stage 2" in claim
     rows = report["table"]["rows"]
-    assert len(rows) == 5 and all(row["n"] == 30 for row in rows.values())
+    assert len(rows) == 6 and all(row["n"] == 30 for row in rows.values())
+    other_reader = report["other_reader"]
+    assert other_reader["world_seed"] == 1 and other_reader["reader"] != report["reader"]["reader"]
+    assert {c["check"] for c in report["premise"]["checks"]} == {
+        "the other reader's gold-passage EM here vs on its own world", "the other reader's gold-passage EM here"}
     # the claim row is non-strict EM (a gold answer inside the reader's answer), recomputed from the predictions
     evals = tmp_path / "qagent" / "eval"
-    other = [_read_predictions(str(evals / f"{arm}_base_reader" / "qagent" / "predictions.jsonl"))
+    other = [_read_predictions(str(evals / f"{arm}_other_reader" / "qagent" / "predictions.jsonl"))
              for arm in ("stage2", "stage1")]
-    claim_row = rows["non-strict EM read by the other reader (tiny, the base model)"]
+    claim_row = rows["non-strict EM read by the other reader (trained on another world)"]
     for arm, side in zip(other, ("a", "b"), strict=True):
         assert claim_row[side] == pytest.approx(sum(cover_exact_match(r["prediction"], r["golden_answers"])
                                                     for r in arm.values()) / len(arm))
-    assert stages == ["eval_stage1_base_reader", "eval_stage1_trained_reader", "eval_stage2_base_reader",
-                      "eval_stage2_trained_reader", "reader", "sft_qagent", "train_stage1", "train_stage2",
-                      "world"]
+    assert stages == ["eval_stage1_base_reader", "eval_stage1_other_reader", "eval_stage1_trained_reader",
+                      "eval_stage2_base_reader", "eval_stage2_other_reader", "eval_stage2_trained_reader",
+                      "other_reader", "premise", "reader", "sft_qagent", "train_stage1", "train_stage2", "world"]
     out = tmp_path / "qagent"
     assert report["train_stage2"]["steps"] == 1 and report["train_stage1"]["steps"] == 2
     stage2 = (out / "stage2" / "rl_recipe.yaml").read_text()
@@ -307,7 +311,11 @@ def test_reproduce_s3_cpu_end_to_end_and_resumes(tmp_path):
     for size in (2, 4):  # the same trained reader trains and reads s3 at every size
         assert f"generator: {reader}" in (tmp_path / "s3" / f"s3_{size}" / "rl_recipe.yaml").read_text()
         assert reader in (tmp_path / "s3" / "eval" / f"s3_{size}" / "summary.json").read_text()
-    assert "reader" in stages and "sft_s3" in stages and len(stages) == 12
+    assert "reader" in stages and "sft_s3" in stages and "rag_baseline" in stages and len(stages) == 14
+    report_s3 = yaml.safe_load((tmp_path / "s3" / "s3_4" / "rl_recipe.yaml").read_text())["data"]
+    assert report_s3["skip_train_examples"] == 12 and report_s3["hard_from"].endswith("naive_rag_scores.jsonl")
+    premise = report["premise"]
+    assert premise["checks"][0]["value"] == 0 and premise["met"] is False  # disjoint, but 1 step is not 20
 
 
 def test_knowledge_table_by_hand():

@@ -496,7 +496,9 @@ def rebuild(out: Path, info: dict[str, Any]) -> list[str]:
 
             export_searcher(out / entry["source"], folder, overwrite=True)
             if WORLD_RECORD in entry["files"]:  # the reader's record of its world (sleuth.claims.reuse), rebuilt first
-                write_world_record(folder, out / "world")
+                # a reader trained on a world of its own keeps it beside its folder (qagent's other reader)
+                own = folder.parent / "world"
+                write_world_record(folder, own if (own / "test.jsonl").is_file() else out / "world")
             unchecked = EXPORT_UNCHECKED
         rebuilt = _digests(folder, unchecked)
         differ = sorted(k for k in set(rebuilt) | set(entry["files"]) if rebuilt.get(k) != entry["files"].get(k))

@@ -36,13 +36,14 @@ class Arm:
     overrides: tuple[str, ...] = ()
 
 
-def build_world(world: Path, profile: ClaimProfile) -> dict[str, Any]:
+def build_world(world: Path, profile: ClaimProfile, seed: int = 0) -> dict[str, Any]:
     """The claim's world from its seed (questions, corpus, BM25 index) under `world`: the same bytes every time
-    but for the index manifest's build time and corpus path (a claim bundle rebuilds it rather than carrying it)."""
+    but for the index manifest's build time and corpus path (a claim bundle rebuilds it rather than carrying it).
+    Another seed makes another world of the same sizes: other entities, other facts."""
     from sleuth.retrieval import build_index  # loads bm25s (and its JAX import) only when a world is built
 
     size = profile.pipeline
-    summary = write_world(generate_world(size.passages, size.questions, hops=size.hops, seed=0,
+    summary = write_world(generate_world(size.passages, size.questions, hops=size.hops, seed=seed,
                                          known_fraction=profile.known_fraction), world, splits=profile.splits)
     build_index(world / "corpus.jsonl", "bm25", world / "bm25")
     return {"world": str(world), "splits": summary["splits"],
