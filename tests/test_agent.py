@@ -430,6 +430,19 @@ def test_r_search_without_evidence(tok):
     check_token_view(traj, gen, tok)
 
 
+def test_r_search_without_the_evidence_block_ablation(tok):
+    """evidence_block=False (the paper's "w/o Evidence"): the prompt and the invalid-action hint never mention the
+    evidence block; the rollout searches and answers as before."""
+    script = {Q_CAPITAL: ["<search> capital of Varonia </search>", "<answer> Quellstad </answer>"]}
+    (traj,), gen, _ = run("r_search", script, tok=tok, loop_cfg={"evidence_block": False})
+    check_token_view(traj, gen, tok)
+    assert "original_evidence" not in traj.prompt_text and "<answer> and </answer>" in traj.prompt_text
+    loop = get_loop("r_search", evidence_block=False)
+    assert "evidence" not in loop.invalid_action_message and loop.evidence_block is False
+    assert traj.answer == "Quellstad" and traj.retrieval_count == 1 and traj.evidence is None
+    assert get_loop("r_search").system_template.count("<original_evidence>") == 1  # the default keeps Table 1
+
+
 # ---------------------------------------------------------------------------------------------------
 # staged reward
 

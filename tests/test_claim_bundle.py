@@ -74,10 +74,14 @@ def test_stage_plans_list_the_stages_the_runners_write():
     """The same stage names (in the order they run) as the CPU runs write (tests/test_reproduce.py)."""
     assert list(stage_plan("staged", "cpu")) == ["world", "inject", "premise", "train_staged", "eval_staged",
                                                  "train_search_r1", "eval_search_r1"]
-    assert sorted(stage_plan("r_search", "cpu")) == ["eval_with_evidence", "eval_without_evidence", "reader",
-                                                     "sft_r_search", "train_with_evidence", "train_without_evidence",
+    assert sorted(stage_plan("r_search", "cpu")) == ["eval_no_evidence_block", "eval_with_evidence",
+                                                     "eval_without_evidence", "reader", "sft_no_evidence_block",
+                                                     "sft_r_search", "train_no_evidence_block", "train_with_evidence",
+                                                     "train_without_evidence",
                                                      "world"]
     assert stage_plan("r_search", "gpu")["train_with_evidence"] == ("sft_r_search.sft_checkpoint", "reader.reader")
+    assert stage_plan("r_search", "gpu")["train_no_evidence_block"] == ("sft_no_evidence_block.sft_checkpoint",
+                                                                        "reader.reader")
     qagent = stage_plan("qagent", "cpu")
     assert sorted(qagent) == ["eval_stage1_base_reader", "eval_stage1_other_reader", "eval_stage1_trained_reader",
                               "eval_stage2_base_reader", "eval_stage2_other_reader", "eval_stage2_trained_reader",
@@ -250,14 +254,14 @@ def test_arms_are_checked_and_the_report_waits_for_every_arm(tmp_path):
         reproduce("s3", tmp_path, "cpu", arms=["s3_7"])
     with pytest.raises(ConfigError, match="qagent claim's arms run one after another"):
         reproduce("qagent", tmp_path, "cpu", arms=["stage1"])
-    assert claim_arms("r_search", "gpu") == ("with_evidence", "without_evidence")
+    assert claim_arms("r_search", "gpu") == ("with_evidence", "without_evidence", "no_evidence_block")
     assert claim_arms("s3", "gpu")[-2:] == ("s3_1600", "search_r1_1600")
 
 
 @pytest.mark.slow
 def test_arms_split_over_two_runs_give_the_report_of_one_run(tmp_path):
-    """r_search's two arms in two runs sharing OUT (as on two GPUs): the first stops once its arm is done, the
-    second writes the report; the claim table equals one run's with every arm (~30 s on 2 cores)."""
+    """r_search's arms in two runs sharing OUT (as on two GPUs): the first stops once its arm is done, the
+    second (the other two arms) writes the report; the claim table equals one run's with every arm."""
     whole, split = tmp_path / "whole", tmp_path / "split"
     reproduce("r_search", whole, "cpu")
     first = CliRunner().invoke(app, ["reproduce", "r_search", "--profile", "cpu", "--out", str(split),
@@ -265,7 +269,8 @@ def test_arms_split_over_two_runs_give_the_report_of_one_run(tmp_path):
     assert first.exit_code == 0, first.output  # its arm is done: a success, though the report must wait
     assert "arms done: with_evidence. stages left to other runs: train_without_evidence, eval_without_" in first.output
     assert not (split / "stages" / "train_without_evidence.json").exists() and not (split / "report.json").exists()
-    reproduce("r_search", split, "cpu", arms=["without_evidence"])
+    assert not (split / "stages" / "sft_no_evidence_block.json").exists()  # that arm's own cold start waits too
+    reproduce("r_search", split, "cpu", arms=["without_evidence", "no_evidence_block"])
     tables = [json.loads((d / "report.json").read_text())["table"] for d in (whole, split)]
     assert tables[0]["rows"] == tables[1]["rows"] and tables[0]["holds"] == tables[1]["holds"]
 
@@ -283,11 +288,11 @@ def test_gpu_claims_plans_one_job_per_arm_with_s3s_largest_first(tmp_path):
                           text=True, check=True).stdout.splitlines()
     s3 = [f"s3 {m}_{n}" for n in (25, 100, 400, 1600) for m in ("s3", "search_r1")]
     expected = ["staged staged", "staged search_r1", "r_search with_evidence", "r_search without_evidence",
-                "qagent", *s3]
+                "r_search no_evidence_block", "qagent", *s3]
     assert sorted(jobs) == sorted(expected)
-    assert set(jobs[:2]) == {"staged staged", "staged search_r1"} and jobs[4] == "qagent"
-    assert set(jobs[5:7]) == {"s3 s3_1600", "s3 search_r1_1600"}
-    assert set(jobs[7:9]) == {"s3 s3_400", "s3 search_r1_400"}
+    assert set(jobs[:2]) == {"staged staged", "staged search_r1"} and jobs[5] == "qagent"
+    assert set(jobs[6:8]) == {"s3 s3_1600", "s3 search_r1_1600"}
+    assert set(jobs[8:10]) == {"s3 s3_400", "s3 search_r1_400"}
     env["CLAIMS"] = "s3 qagent"
     jobs = subprocess.run(["bash", "bench/gpu_claims.sh", "plan"], cwd=repo, env=env, capture_output=True,
                           text=True, check=True).stdout.splitlines()

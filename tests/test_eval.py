@@ -554,3 +554,22 @@ def test_limit_applies_per_data_source_of_a_merged_search_r1_file(tiny_dir, tmp_
     assert "--limit 2 per data source: nq 2, triviaqa 2" in res.output
     per_dataset = json.loads((out / "summary.json").read_text())["methods"]["direct"]
     assert per_dataset["nq"]["n"] == per_dataset["triviaqa"]["n"] == 2
+
+
+def test_a_checkpoint_is_evaluated_with_the_loop_it_learned(tmp_path):
+    """searcher.json's loop switches (s3 without selection here) reach the evaluation of that method, and only of
+    that method; budgets still come from the checkpoint."""
+    from sleuth.eval.config import EvalConfig
+    from sleuth.eval.loading import checkpoint_budgets
+    from sleuth.eval.methods import EvalContext
+    from sleuth.run_layout import SearcherInfo
+
+    SearcherInfo(loop="s3", loop_options={"use_selection": False, "top_k": 8}, max_obs_tokens=300).write(tmp_path)
+    found = checkpoint_budgets(tmp_path)
+    assert found == {"max_obs_tokens": 300, "top_k": 8, "loop_method": "s3", "loop_options": {"use_selection": False}}
+    ctx = EvalContext(model=None, generator=None, retriever=None, cfg=EvalConfig(**found))
+    assert ctx.loop_options("s3") == {"use_selection": False, "top_k": 8}
+    assert ctx.loop_options("search_r1") == {"top_k": 8}  # another method: its own defaults
+    from sleuth.agent.registry import get_method
+
+    assert get_method("s3").build_loop(**ctx.loop_options("s3")).use_selection is False

@@ -243,21 +243,35 @@ def _claim_html(page: str) -> str:
 
 @pytest.mark.slow
 def test_reproduce_r_search_cpu_end_to_end_and_resumes(tmp_path):
-    """SFT, two GRPO arms (with / without the evidence reward), evaluation, report (about 15 s on 2 cores)."""
+    """Three GRPO arms (r_search; the paper's ablation without the evidence block, from its own cold start; the
+    evidence reward term off), evaluation, report; a rerun skips every stage."""
     page, report, stages, _ = _run_twice(tmp_path, "r_search")
     claim = _claim_html(page)
-    assert "F1, all questions" in claim and "EM, all questions" in claim and "with_evidence" in claim
+    decisive = "F1 vs the paper's ablation (no evidence block)"
+    assert decisive in claim and "F1 vs the evidence reward term off (block kept)" in claim
     rows = report["table"]["rows"]
-    assert rows["F1, all questions"]["n"] == rows["EM, all questions"]["n"] == 30
-    assert isinstance(report["table"]["holds"], bool)
-    assert stages == ["eval_with_evidence", "eval_without_evidence", "reader", "sft_r_search", "train_with_evidence",
+    assert all(row["n"] == 30 for row in rows.values()) and len(rows) == 4
+    assert report["table"]["seeds"]["tests"][0]["baseline"] == "eval_no_evidence_block"
+    assert stages == ["eval_no_evidence_block", "eval_with_evidence", "eval_without_evidence", "reader",
+                      "sft_no_evidence_block", "sft_r_search", "train_no_evidence_block", "train_with_evidence",
                       "train_without_evidence", "world"]
-    recipe = (tmp_path / "r_search" / "without_evidence" / "rl_recipe.yaml").read_text()
+    out = tmp_path / "r_search"
+    recipe = (out / "without_evidence" / "rl_recipe.yaml").read_text()
     assert "use_evidence_reward: false" in recipe
-    # both arms' evidence model is the trained reader, not the policy's base
-    reader = json.loads((tmp_path / "r_search" / "stages" / "reader.json").read_text())["result"]["reader"]
-    for arm in ("with_evidence", "without_evidence"):
-        recipe = yaml.safe_load((tmp_path / "r_search" / arm / "rl_recipe.yaml").read_text())
+    ablation = yaml.safe_load((out / "no_evidence_block" / "rl_recipe.yaml").read_text())
+    assert ablation["agent"]["options"] == {"evidence_block": False}
+    assert ablation["reward"]["options"]["use_evidence_format"] is False
+    # its cold start learned trajectories without the block, and its evaluation ran the loop it learned
+    sft_data = (out / "sft_no_evidence_block" / "trajectories.jsonl").read_text()
+    assert "<answer>" in sft_data and "original_evidence" not in sft_data
+    evaluated = _read_predictions(str(out / "eval" / "no_evidence_block" / "r-search" / "predictions.jsonl"))
+    assert all("original_evidence" not in r["trajectory"]["prompt_text"] for r in evaluated.values())
+    with_block = _read_predictions(str(out / "eval" / "with_evidence" / "r-search" / "predictions.jsonl"))
+    assert all("original_evidence" in r["trajectory"]["prompt_text"] for r in with_block.values())
+    # every arm's evidence model is the trained reader, not the policy's base
+    reader = json.loads((out / "stages" / "reader.json").read_text())["result"]["reader"]
+    for arm in ("with_evidence", "without_evidence", "no_evidence_block"):
+        recipe = yaml.safe_load((out / arm / "rl_recipe.yaml").read_text())
         assert recipe["reward"]["generator"] == reader != "policy-base"
 
 

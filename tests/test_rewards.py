@@ -485,6 +485,27 @@ def test_rsearch_no_search_evidence_paper_vs_code() -> None:
     assert code.total == pytest.approx(1.2)
 
 
+def test_rsearch_without_evidence_ablation_scores_answers_only() -> None:
+    """The paper's "w/o Evidence" (Sec. 5.2): no evidence reward and no evidence part of the format reward, so a
+    searched, answered response earns F1 + γa whether or not it wrote an evidence block; without an answer, 0."""
+    searched = [("policy", "<search>q</search>"), ("env", "<observation>Doc</observation>")]
+    cases = [
+        (searched + [("policy", "<answer>Countrywide Financial</answer>")], 1.0 + 0.2),
+        (searched + [("policy", "<original_evidence>x</original_evidence><answer>Countrywide</answer>")], 2 / 3 + 0.2),
+        ([("policy", "<answer>Countrywide Financial</answer>")], 1.0 + 0.2),  # no search: γa, not γe + γa
+        (searched + [("policy", "no answer")], 0.0),
+    ]
+    trajs = [make_traj(spans, ["Countrywide Financial"]) for spans, _ in cases]
+    ablated = get_reward("r_search", use_evidence_reward=False, use_evidence_format=False)
+    for result, (_, total) in zip(ablated(trajs, RewardServices()), cases, strict=True):  # no generator needed
+        assert result.total == pytest.approx(total) and result.components["evidence_f1"] == 0.0
+    # the reward-term ablation alone keeps the evidence part of the format: the first case gets γa only (I_E = 0)
+    reward_only = get_reward("r_search", use_evidence_reward=False)(trajs[:1], RewardServices())[0]
+    assert reward_only.components["format"] == pytest.approx(0.2) and reward_only.total == pytest.approx(1.2)
+    both = get_reward("r_search", use_evidence_reward=False)(trajs[1:2], RewardServices())[0]
+    assert both.components["format"] == pytest.approx(0.4)  # γe·I_E + γa·I_A with the block
+
+
 # ---------------------------------------------------------------- staged reward
 
 INFO = "\n<information>Doc 1(Title: Edward Dickinson) died June 16, 1874.</information>\n"

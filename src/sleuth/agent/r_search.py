@@ -40,6 +40,21 @@ R_SEARCH_SYSTEM_TEMPLATE = (
     "the evidence section. Finally, provide the final answer within <answer> and </answer> tags."
 )
 
+# The paper's "w/o Evidence" ablation (Sec. 5.2): the evidence removed from the rollout, so the template's evidence
+# sentences go too
+R_SEARCH_NO_EVIDENCE_TEMPLATE = (
+    "You are a helpful assistant that can solve the given question step by step. For each step, start by "
+    "explaining your thought process. If additional information is needed, provide a specific query "
+    "enclosed in <search> and </search>. The system will return the top search results within "
+    "<observation> and </observation>. You can perform multiple searches as needed. When you know the "
+    "final answer, provide it within <answer> and </answer> tags."
+)
+R_SEARCH_NO_EVIDENCE_INVALID_ACTION = (
+    "\nMy previous action is invalid. If I want to search, I should put the query between <search> and "
+    "</search>. If I want to give the final answer, I should put the answer between <answer> and </answer>. "
+    "Let me try again.\n"
+)
+
 R_SEARCH_INVALID_ACTION = (
     "\nMy previous action is invalid. If I want to search, I should put the query between <search> and "
     "</search>. If I want to give the final answer, I should put the evidence between <original_evidence> "
@@ -56,6 +71,15 @@ class RSearchLoop(AgentLoop):
     system_template: str | None = R_SEARCH_SYSTEM_TEMPLATE
     user_template: str = "{question}"
     invalid_action_message: str = R_SEARCH_INVALID_ACTION
+    evidence_block: bool = True  # False: the paper's "w/o Evidence" ablation (no <original_evidence> in the rollout)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not self.evidence_block:
+            if self.system_template == R_SEARCH_SYSTEM_TEMPLATE:
+                self.system_template = R_SEARCH_NO_EVIDENCE_TEMPLATE
+            if self.invalid_action_message == R_SEARCH_INVALID_ACTION:
+                self.invalid_action_message = R_SEARCH_NO_EVIDENCE_INVALID_ACTION
 
     def stop_strings(self, state: RolloutState) -> list[str]:
         return ["</search>", "</answer>"]
@@ -113,10 +137,8 @@ def plan_r_search(example: QAExample, facts: list[Fact], retriever: Retriever, l
     answer = example.golden_answers[0]
     turns = [f"{steps_text(found, i, answer, rng)}\n<search>{ff.query}</search>" for i, ff in enumerate(found)]
     evidence = "\n".join(dict.fromkeys(evidence_sentence(ff.hit, ff.fact) for ff in found))
-    turns.append(
-        f"{steps_text(found, len(found), answer, rng)}\n<original_evidence>\n{evidence}\n</original_evidence>\n"
-        f"<answer>{answer}</answer>"
-    )
+    block = f"<original_evidence>\n{evidence}\n</original_evidence>\n" if loop.evidence_block else ""
+    turns.append(f"{steps_text(found, len(found), answer, rng)}\n{block}<answer>{answer}</answer>")
     return Plan(turns, all(ff.found for ff in found), found)
 
 

@@ -66,14 +66,15 @@ def arm_recipe(run: ClaimRun, method: str, init_from: str | None, name: str | No
     return apply_overrides(recipe, list(overrides))
 
 
-def cold_start(run: ClaimRun, method: str, init_from: str | None, overrides: tuple[str, ...] = ()) -> dict[str, Any]:
-    """Oracle trajectories of `method` -> SFT from `init_from` (None: the base model) under <root>/<method>;
-    returns the SFT checkpoint."""
+def cold_start(run: ClaimRun, method: str, init_from: str | None, overrides: tuple[str, ...] = (),
+               name: str | None = None) -> dict[str, Any]:  # fmt: skip
+    """Oracle trajectories of `method` (its loop changed by `overrides`, e.g. `agent.options.x=...`) -> SFT from
+    `init_from` (None: the base model) under <root>/<name or method>; returns the SFT checkpoint."""
     from sleuth.rl.sft import run_sft
 
-    recipe = write_recipe(arm_recipe(run, method, init_from, overrides=overrides),
-                          run.root / method / "recipe.yaml")
-    kept = write_oracle_trajectories(run.root / method, recipe, run.profile.pipeline)
+    folder = run.root / (name or method)
+    recipe = write_recipe(arm_recipe(run, method, init_from, name, overrides), folder / "recipe.yaml")
+    kept = write_oracle_trajectories(folder, recipe, run.profile.pipeline)
     sft = run_sft(recipe, resume=True, console=run.console)
     return {"sft_checkpoint": sft["checkpoint"], "trajectories": kept.get("kept", 0)}
 
@@ -104,14 +105,16 @@ def evaluate(run: ClaimRun, method: str, checkpoint: str, name: str, reader: str
     """`method`'s checkpoint on the claim's held-out questions (greedy), under <root>/eval/<name>; a searcher's
     documents go to `reader` (default: the checkpoint itself)."""
     from sleuth.agent.searcher import load_searcher
-    from sleuth.eval.harness import EvalConfig, EvalOutput
+    from sleuth.eval.harness import EvalConfig, EvalOutput, checkpoint_budgets
     from sleuth.eval.harness import evaluate as run_evaluation
 
     profile = run.profile
     size, spec = profile.pipeline, get_method(method)
+    # the loop the checkpoint learned (s3 without selection, r_search without its evidence block), at the claim's budgets
+    switches = {k: v for k, v in checkpoint_budgets(checkpoint).items() if k in ("loop_method", "loop_options")}
     cfg = EvalConfig(batch_size=size.eval_batch_size, max_new_tokens=size.max_new_tokens * spec.new_tokens_factor,
                      answer_max_new_tokens=24, top_k=3, max_turns=size.max_turns, max_response_tokens=2048,
-                     max_obs_tokens=384)
+                     max_obs_tokens=384, **switches)
     questions = (boundary_questions(run.world, "test", profile.test_questions) if profile.known_fraction is not None
                  else held_out_questions(run.world, profile.test_questions))
     folder = run.root / "eval" / name

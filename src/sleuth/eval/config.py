@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from sleuth.agent.registry import reader_names
@@ -41,6 +41,10 @@ class EvalConfig:
     default_dataset: str = "data"  # dataset name for examples without metadata["dataset"]
     judge_rule: str = "strict"  # how a judge reply is read: "strict" or s3's "upstream" ("yes" anywhere)
     retriever_cache: str | None = None  # record every search here, replay it next time (sleuth.retrieval.cache)
+    # a trained checkpoint's loop switches (searcher.json `loop_options`: s3 without selection, r_search without its
+    # evidence block, ...), applied when its own method (`loop_method`) is evaluated
+    loop_method: str | None = None
+    loop_options: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for name in ("batch_size", "max_new_tokens", "answer_max_new_tokens", "max_obs_tokens", "max_response_tokens"):

@@ -80,9 +80,9 @@ def resolve_generator(spec: Generator | str | Mapping | None) -> Generator | Non
     return open_generator(spec, checkpoint=lambda path: load_searcher(path).generator)
 
 
-def checkpoint_budgets(spec: str | Path) -> dict[str, int]:
-    """The token budgets and top-k a checkpoint was trained with (EvalConfig field names), so evaluating it
-    uses the rollout it learned; {} for anything that is not a sleuth checkpoint."""
+def checkpoint_budgets(spec: str | Path) -> dict[str, Any]:
+    """The token budgets, top-k and loop switches a checkpoint was trained with (EvalConfig field names), so
+    evaluating it uses the rollout it learned; {} for anything that is not a sleuth checkpoint."""
     if not isinstance(spec, (str, Path)) or not is_sleuth_checkpoint(spec):
         return {}
     info = SearcherInfo.read(resolve_checkpoint(spec))
@@ -93,7 +93,11 @@ def checkpoint_budgets(spec: str | Path) -> dict[str, int]:
         "top_k": info.loop_options.get("top_k"),
         "max_turns": info.loop_options.get("max_turns"),
     }
-    return {k: int(v) for k, v in found.items() if isinstance(v, int)}
+    budgets: dict[str, Any] = {k: int(v) for k, v in found.items() if isinstance(v, int)}
+    switches = {k: v for k, v in info.loop_options.items() if k not in ("top_k", "max_turns")}
+    if switches:  # the loop it learned, not the method's default one
+        budgets |= {"loop_method": info.loop, "loop_options": switches}
+    return budgets
 
 
 def load_model_plugins(spec: Any) -> None:

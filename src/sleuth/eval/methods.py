@@ -154,8 +154,10 @@ class EvalContext:
             seed=cfg.seed,
         )
 
-    def loop_options(self) -> dict[str, Any]:
-        return {} if self.cfg.top_k is None else {"top_k": self.cfg.top_k}
+    def loop_options(self, method: str | None = None) -> dict[str, Any]:
+        """The loop's options: a checkpoint's own switches when its method is the one evaluated, then top-k."""
+        own = dict(self.cfg.loop_options) if method is not None and method == self.cfg.loop_method else {}
+        return own | ({} if self.cfg.top_k is None else {"top_k": self.cfg.top_k})
 
     def need_retriever(self) -> Retriever:
         if self.retriever is None:
@@ -208,7 +210,7 @@ def run_method_batch(method: str, examples: Sequence[QAExample], ctx: EvalContex
     if baseline is not None:
         return baseline.run(examples, ctx)
     spec = get_method(method)
-    return run_agent(spec.build_loop(**ctx.loop_options()), spec, examples, ctx)
+    return run_agent(spec.build_loop(**ctx.loop_options(spec.name)), spec, examples, ctx)
 
 
 @dataclass(frozen=True)

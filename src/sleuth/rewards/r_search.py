@@ -52,6 +52,9 @@ class RSearchReward(Reward):
     gamma_e: float = 0.2
     gamma_a: float = 0.2
     use_evidence_reward: bool = True  # False: the "w/o evidence" ablation's evidence term
+    # False: the evidence parts of the format reward off too (the paper's "w/o Evidence" disables the evidence-related
+    # rewards "in both the evidence and format reward"): format = gamma_a * I_answer
+    use_evidence_format: bool = True
     strict_no_search_evidence: bool = False
     evidence_max_new_tokens: int = 512
     evidence_temperature: float = 0.1
@@ -81,7 +84,9 @@ class RSearchReward(Reward):
             evidence_ok = len(evidences) == 1 and bool(evidences[0])
             evidence = evidences[-1] if evidences and evidences[-1] else None
             strict_no_search = self.strict_no_search_evidence or self.rules == "upstream"
-            if strict_no_search and not searched and evidences:
+            if not self.use_evidence_format:
+                fmt = self.gamma_a * float(answer_ok)
+            elif strict_no_search and not searched and evidences:
                 # the code scores this as a malformed no-search response: evidence format and reward lost
                 fmt = self.gamma_a * float(answer_ok)
                 evidence = None
