@@ -90,13 +90,16 @@ def test_stage_plans_list_the_stages_the_runners_write():
     assert qagent["eval_stage1_other_reader"] == ("train_stage1.checkpoint", "other_reader.reader")
     assert qagent["train_stage2"] == ("train_stage1.run/checkpoints/step_000001", "reader.reader")
     s3 = stage_plan("s3", "gpu")
-    assert len(s3) == 6 + 4 * 2 * 2 and s3["train_s3_1600"] == ("sft_s3.sft_checkpoint", "reader.reader",
+    assert len(s3) == 4 + 2 + 4 * 2 * 2 + 3 and s3["train_s3_1600"] == ("sft_s3.sft_checkpoint", "reader.reader",
                                                                  "rag_baseline.cache")
     assert s3["eval_search_r1_25"] == ("train_search_r1_25.checkpoint",)
-    assert len(stage_plan("s3", "cpu")) == 14
+    assert len(stage_plan("s3", "cpu")) == 4 + 2 + 2 * 2 * 2 + 3
+    # the two arms that locate a gap: s3 without selection, search_r1's documents read by the trained reader
+    assert s3["eval_search_r1_docs_read_1600"] == ("train_search_r1_1600.checkpoint", "reader.reader")
+    assert s3["train_s3_noselect_25"] == ("sft_s3.sft_checkpoint", "reader.reader", "rag_baseline.cache")
     # later seeds: every per-seed stage again, loading its own seed's checkpoints and the shared reader
     seeded = stage_plan("s3", "gpu", range(0, 3))
-    assert len(seeded) == 4 + 3 * (2 + 4 * 2 * 2) and seeded["train_s3_25.seed2"] == (
+    assert len(seeded) == 4 + 3 * (2 + 4 * 2 * 2 + 3) and seeded["train_s3_25.seed2"] == (
         "sft_s3.seed2.sft_checkpoint", "reader.reader", "rag_baseline.cache")
 
 
@@ -171,7 +174,7 @@ def test_a_claim_cut_short_resumes_from_its_bundle_elsewhere(tmp_path, monkeypat
     resumed at step 1."""
     uncut = reproduce("qagent", tmp_path / "uncut" / "qagent", "cpu")
     lease1 = tmp_path / "lease1" / "claims"
-    monkeypatch.setenv(STOP_AFTER_ENV, "4")
+    monkeypatch.setenv(STOP_AFTER_ENV, "6")
     with pytest.raises(StagesStopped, match="before stage train_stage2"):
         reproduce("qagent", lease1 / "qagent", "cpu")
     monkeypatch.delenv(STOP_AFTER_ENV)
@@ -183,38 +186,43 @@ def test_a_claim_cut_short_resumes_from_its_bundle_elsewhere(tmp_path, monkeypat
 
     index = pack(lease1, tmp_path / "bundle", part_bytes=64 * 1024)
     info = index["claims"]["qagent"]
-    assert info["done"] == ["reader", "sft_qagent", "world"] and info["pending"][0] == "train_stage1"
+    assert info["done"] == ["other_reader", "premise", "reader", "sft_qagent", "world"]
+    assert info["pending"][0] == "train_stage1"
     assert info["checkpoints"] == {"qagent/train/sft/checkpoints/step_000006": "without optimizer state",
                                    "reader/sft/checkpoints/step_000030": "without optimizer state",
+                                   "other_reader/sft/checkpoints/step_000030": "without optimizer state",
                                    "stage1/train/checkpoints/step_000001": "whole"}
-    assert [e["dir"] for e in info["rebuild"]] == ["world", "reader/reader"]
+    assert sorted(e["dir"] for e in info["rebuild"]) == ["other_reader/reader", "reader/reader", "world"]
     assert len(index["parts"]) > 1 and all(p["bytes"] <= 64 * 1024 for p in index["parts"])
     with tarfile.open(fileobj=io.BytesIO(b"".join((tmp_path / "bundle" / p["name"]).read_bytes()
                                                  for p in index["parts"]))) as tar:
         names = tar.getnames()
     assert "qagent/stage1/train/checkpoints/step_000001/state.pt" in names
     assert "qagent/qagent/train/sft/checkpoints/step_000006/policy/adapter_model.safetensors" in names
-    assert not any(n.endswith("step_000006/state.pt") or "/world/" in n or n.startswith("qagent/reader/reader/")
+    # the claim's world is rebuilt from its seed; the other reader's world (another seed) travels as files
+    assert any(n.startswith("qagent/other_reader/world/") for n in names)
+    assert not any(n.endswith("step_000006/state.pt") or n.startswith("qagent/world/")
+                   or n.startswith("qagent/reader/reader/")
                    or "/rollouts/" in n or n.endswith("reader_sft.jsonl") for n in names)
 
     dev = tmp_path / "dev" / ".claims"
     assert _carry(tmp_path / "bundle", dev, tmp_path / "outs") >= 2
     shutil.rmtree(tmp_path / "lease1")  # nothing may still point there
     lease2 = tmp_path / "lease2" / "runs" / "claims"
-    assert restore(dev, lease2, tmp_path / "done")["claims"]["qagent"] == {"stages": 3, "complete": False,
+    assert restore(dev, lease2, tmp_path / "done")["claims"]["qagent"] == {"stages": 5, "complete": False,
                                                                            "warnings": []}
     assert restore(dev, lease2)["status"] == "restored earlier" and not (tmp_path / "done").exists()
     buf = io.StringIO()
     resumed = reproduce("qagent", lease2 / "qagent", "cpu", Console(file=buf, width=300))
     output = buf.getvalue()
-    assert output.count("done earlier, skipped") == 3 and "(step 1)" in output, output
+    assert output.count("done earlier, skipped") == 5 and "(step 1)" in output, output
     assert json.loads(resumed.with_suffix(".json").read_text())["table"] == json.loads(
         uncut.with_suffix(".json").read_text())["table"]
     # the tiny model's tables are all zeros: hold what they come from to the uncut run too, the step-2 rollouts
     # of the resumed RL (sampling RNG, data cursor, weights) and every evaluation's answers
     compared = ["stage1/train/rollouts/step_000002.jsonl", "stage2/train/rollouts/step_000001.jsonl",
                 *(p.relative_to(uncut.parent).as_posix() for p in uncut.parent.glob("eval/*/*/predictions.jsonl"))]
-    assert len(compared) == 6
+    assert len(compared) == 8
     for rel in compared:
         assert _records(lease2 / "qagent" / rel) == _records(uncut.parent / rel), rel
     records = "".join(p.read_text() for p in (lease2 / "qagent" / "stages").iterdir())
@@ -255,7 +263,7 @@ def test_arms_are_checked_and_the_report_waits_for_every_arm(tmp_path):
     with pytest.raises(ConfigError, match="qagent claim's arms run one after another"):
         reproduce("qagent", tmp_path, "cpu", arms=["stage1"])
     assert claim_arms("r_search", "gpu") == ("with_evidence", "without_evidence", "no_evidence_block")
-    assert claim_arms("s3", "gpu")[-2:] == ("s3_1600", "search_r1_1600")
+    assert claim_arms("s3", "gpu")[-3:] == ("s3_1600", "search_r1_1600", "s3_noselect_25")
 
 
 @pytest.mark.slow
@@ -286,7 +294,7 @@ def test_gpu_claims_plans_one_job_per_arm_with_s3s_largest_first(tmp_path):
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     jobs = subprocess.run(["bash", "bench/gpu_claims.sh", "plan"], cwd=repo, env=env, capture_output=True,
                           text=True, check=True).stdout.splitlines()
-    s3 = [f"s3 {m}_{n}" for n in (25, 100, 400, 1600) for m in ("s3", "search_r1")]
+    s3 = [f"s3 {m}_{n}" for n in (25, 100, 400, 1600) for m in ("s3", "search_r1")] + ["s3 s3_noselect_25"]
     expected = ["staged staged", "staged search_r1", "r_search with_evidence", "r_search without_evidence",
                 "r_search no_evidence_block", "qagent", *s3]
     assert sorted(jobs) == sorted(expected)

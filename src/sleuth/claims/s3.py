@@ -81,6 +81,24 @@ def _evaluate(run: Any, method: str, size: int) -> dict[str, Any]:
     return evaluate(run, method, run.result(f"train_{method}_{size}")["checkpoint"], f"{method}_{size}", reader)
 
 
+# Two arms that say where a gap comes from: s3 without selection at the smallest size (the paper's ablation: every
+# retrieved document served), and search_r1's documents at the largest size read by the same trained reader with
+# s3's reader prompt (the searchers compared with one reader, not a searcher-plus-reader against a policy's answers)
+NO_SELECTION = "s3_noselect"
+READ_BY_READER = "search_r1_docs_read"
+
+
+def _no_selection_arm(run: Any, size: int) -> Arm:
+    arm = _arm(run, METHODS[0], size)
+    return Arm(f"{NO_SELECTION}_{size}", arm.method, (*arm.overrides, setting("agent.options.use_selection", False)))
+
+
+def _search_r1_read(run: Any, size: int) -> dict[str, Any]:
+    template = get_method(METHODS[0]).reader
+    return evaluate(run, METHODS[1], run.result(f"train_{METHODS[1]}_{size}")["checkpoint"],
+                    f"{READ_BY_READER}_{size}", run.result("reader")["reader"], hand_over_template=template)
+
+
 def premise_checks(run: Any) -> dict[str, Any]:
     """What the arms will train on, read from their own recipes (`load_examples`, as the trainer reads them): every
     arm's RL questions disjoint from the SFT questions; s3's pool of naive-RAG-wrong questions as large as its largest
@@ -116,17 +134,21 @@ def premise_checks(run: Any) -> dict[str, Any]:
 
 class S3Claim(ClaimSpec):
     def arms(self, profile: str) -> tuple[str, ...]:
-        return tuple(f"{m}_{size}" for size in self.profile(profile).sizes for m in METHODS)
+        sizes = self.profile(profile).sizes
+        return (*(f"{m}_{size}" for size in sizes for m in METHODS), f"{NO_SELECTION}_{min(sizes)}")
 
     def arm_cost(self, arm: str, profile: str) -> int:
         return int(arm.rsplit("_", 1)[1])  # RL questions: the largest sizes train longest
 
     def stages(self, profile: str) -> list[Stage]:
         sizes = self.profile(profile).sizes
+        smallest, largest = min(sizes), max(sizes)
+        no_selection = f"{NO_SELECTION}_{smallest}"
         plan = [*world_and_reader(), Stage(RAG_BASELINE, _rag_baseline, ("reader.reader",)), premise_stage()]
         for method in METHODS:  # each cold start runs where one of its arms does: the two run side by side
+            extra = (no_selection,) if method == METHODS[0] else ()
             plan.append(Stage(f"sft_{method}", lambda run, m=method: cold_start(run, m, None),
-                              arms=tuple(f"{method}_{size}" for size in sizes), per_seed=True))
+                              arms=(*(f"{method}_{size}" for size in sizes), *extra), per_seed=True))
         for size in sizes:
             for method in METHODS:
                 reader = ("reader.reader",) if _reads_with_reader(method) else ()
@@ -139,6 +161,19 @@ class S3Claim(ClaimSpec):
                     Stage(f"eval_{name}", lambda run, m=method, s=size: _evaluate(run, m, s),
                           (f"train_{name}.checkpoint", *reader), arms=(name,), per_seed=True),
                 ]
+        read = f"{READ_BY_READER}_{largest}"
+        plan += [
+            Stage(f"eval_{read}", lambda run: _search_r1_read(run, largest),
+                  (f"train_{METHODS[1]}_{largest}.checkpoint", "reader.reader"), arms=(f"{METHODS[1]}_{largest}",),
+                  per_seed=True),
+            Stage(f"train_{no_selection}", lambda run: train_rl(run, _no_selection_arm(run, smallest), run.result(
+                f"sft_{METHODS[0]}")["sft_checkpoint"]), (f"sft_{METHODS[0]}.sft_checkpoint", "reader.reader",
+                                                          f"{RAG_BASELINE}.cache"), arms=(no_selection,), per_seed=True),
+            Stage(f"eval_{no_selection}", lambda run: evaluate(
+                run, METHODS[0], run.result(f"train_{no_selection}")["checkpoint"], no_selection,
+                run.result("reader")["reader"]), (f"train_{no_selection}.checkpoint", "reader.reader"),
+                  arms=(no_selection,), per_seed=True),
+        ]
         return plan
 
     def premise(self, run: Any) -> dict[str, Any]:
@@ -164,9 +199,15 @@ class S3Claim(ClaimSpec):
                 curve[method].append({"questions": size, "em": sum(em) / len(em), "em_ci": list(bootstrap_ci(em))})
         smallest, largest = self._ends(run.profile_name)
         claim_row = f"EM: s3 on {smallest} questions vs search_r1 on {largest}"
+        read = predictions(run, f"eval_{READ_BY_READER}_{largest}")
+        no_selection = predictions(run, f"eval_{NO_SELECTION}_{smallest}")
         rows = {claim_row: paired_on(preds["s3", smallest], preds["search_r1", largest], metric("em")),
                 **{f"EM after RL on {size} training questions": paired_on(preds["s3", size], preds["search_r1", size],
-                                                                         metric("em")) for size in sizes}}
+                                                                         metric("em")) for size in sizes},
+                f"EM: s3 on {smallest} vs search_r1's documents on {largest} read by the same reader": paired_on(
+                    preds["s3", smallest], read, metric("em")),
+                f"EM: s3 on {smallest} vs s3 without selection on {smallest}": paired_on(
+                    preds["s3", smallest], no_selection, metric("em"))}
         margin = run.profile.accuracy_margin
         return {"rows": rows, "questions": rows[claim_row]["n"], "accuracy_margin": margin, "curve": curve,
                 "rule": f"The claim holds when s3 trained on {smallest} questions minus search_r1 trained on "

@@ -101,9 +101,11 @@ def train_rl(run: ClaimRun, arm: Arm, init_from: str) -> dict[str, Any]:
             "steps": recipe.trainer.total_steps}
 
 
-def evaluate(run: ClaimRun, method: str, checkpoint: str, name: str, reader: str | None = None) -> dict[str, Any]:
+def evaluate(run: ClaimRun, method: str, checkpoint: str, name: str, reader: str | None = None,
+             hand_over_template: str | None = None) -> dict[str, Any]:  # fmt: skip
     """`method`'s checkpoint on the claim's held-out questions (greedy), under <root>/eval/<name>; a searcher's
-    documents go to `reader` (default: the checkpoint itself)."""
+    documents go to `reader` (default: the checkpoint itself); with `hand_over_template`, any method's documents
+    do, read with that prompt."""
     from sleuth.agent.searcher import load_searcher
     from sleuth.eval.harness import EvalConfig, EvalOutput, checkpoint_budgets
     from sleuth.eval.harness import evaluate as run_evaluation
@@ -114,7 +116,7 @@ def evaluate(run: ClaimRun, method: str, checkpoint: str, name: str, reader: str
     switches = {k: v for k, v in checkpoint_budgets(checkpoint).items() if k in ("loop_method", "loop_options")}
     cfg = EvalConfig(batch_size=size.eval_batch_size, max_new_tokens=size.max_new_tokens * spec.new_tokens_factor,
                      answer_max_new_tokens=24, top_k=3, max_turns=size.max_turns, max_response_tokens=2048,
-                     max_obs_tokens=384, **switches)
+                     max_obs_tokens=384, hand_over_template=hand_over_template, **switches)
     questions = (boundary_questions(run.world, "test", profile.test_questions) if profile.known_fraction is not None
                  else held_out_questions(run.world, profile.test_questions))
     folder = run.root / "eval" / name

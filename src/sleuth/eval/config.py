@@ -45,6 +45,9 @@ class EvalConfig:
     # evidence block, ...), applied when its own method (`loop_method`) is evaluated
     loop_method: str | None = None
     loop_options: dict[str, Any] = field(default_factory=dict)
+    # a reader prompt: every searcher's documents (its hand-over) are answered by the frozen reader with it, also for
+    # methods that answer themselves (search_r1's documents read as s3's are: the searchers compared, not the readers)
+    hand_over_template: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("batch_size", "max_new_tokens", "answer_max_new_tokens", "max_obs_tokens", "max_response_tokens"):
@@ -54,6 +57,9 @@ class EvalConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ConfigError(f"{name} must be >= 1, got {value}")
+        if self.hand_over_template is not None and self.hand_over_template not in reader_names():
+            choices = " or ".join(repr(x) for x in reader_names())
+            raise ConfigError(f"hand_over_template must be {choices}, got {self.hand_over_template!r}")
         if self.answer_template not in reader_names():
             choices = " or ".join(repr(x) for x in reader_names())
             raise ConfigError(f"answer_template must be {choices}, got {self.answer_template!r}")

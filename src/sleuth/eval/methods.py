@@ -178,10 +178,9 @@ def run_agent(loop: AgentLoop, method: Method | None, examples: Sequence[QAExamp
     for traj in trajs:
         n_in, n_out = trajectory_tokens(traj)
         outs.append(MethodOutput(traj.answer, traj.retrieval_count, n_in, n_out, traj))
-    if method is not None and method.evaluated_by_reader:
-        preds, texts, counts = read_documents(
-            ctx.generator, examples, [t.served_context for t in trajs], ctx.settings(), method.reader
-        )
+    if method is not None and (method.evaluated_by_reader or cfg.hand_over_template is not None):
+        preds, texts, counts = read_documents(ctx.generator, examples, [method.hand_over(t) for t in trajs],
+                                              ctx.settings(), cfg.hand_over_template or method.reader)
         _hand_over(outs, preds, texts, counts)
     elif method is not None and method.reads_evidence and cfg.r_search_evidence:
         counter = CountingGenerator(ctx.generator)
