@@ -72,8 +72,9 @@ def test_stop_after_stops_at_a_stage_boundary(tmp_path, monkeypatch):
 
 def test_stage_plans_list_the_stages_the_runners_write():
     """The same stage names (in the order they run) as the CPU runs write (tests/test_reproduce.py)."""
-    assert list(stage_plan("staged", "cpu")) == ["world", "inject", "premise", "train_staged", "eval_staged",
-                                                 "train_search_r1", "eval_search_r1"]
+    assert list(stage_plan("staged", "cpu")) == ["world", "inject", "labels", "premise", "train_staged",
+                                                 "eval_staged", "train_search_r1", "eval_search_r1"]
+    assert stage_plan("staged", "cpu")["labels"] == ("inject.checkpoint",)
     assert sorted(stage_plan("r_search", "cpu")) == ["eval_no_evidence_block", "eval_with_evidence",
                                                      "eval_without_evidence", "reader", "sft_no_evidence_block",
                                                      "sft_r_search", "train_no_evidence_block", "train_with_evidence",

@@ -79,7 +79,7 @@ def test_staged_reuses_an_injected_model_and_measures_it_again(tmp_path: Path, m
     shutil.copytree(injected["checkpoint"], tmp_path / "models" / "injected")
     result = CliRunner().invoke(app, ["reproduce", "staged", "--profile", "cpu", "--out", str(second), "--reuse",
                                       str(tmp_path / "models")], terminal_width=300)
-    assert result.exit_code == 2 and "stopped before stage premise" in result.output, result.output
+    assert result.exit_code == 2 and "stopped before stage labels" in result.output, result.output
     reused = json.loads((second / "stages" / "inject.json").read_text())["result"]
     assert reused["reused"] == str(tmp_path / "models" / "injected")
     assert Path(reused["checkpoint"]).parent == second / "inject"  # copied under OUT: the run holds what it loads

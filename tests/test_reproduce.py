@@ -155,7 +155,7 @@ def test_reproduce_staged_cpu_end_to_end_and_resumes(tmp_path):
     assert "<td>all-known</td>" in by_type and "staged over-retrieval %" in by_type
     stages = sorted(p.stem for p in (out / "stages").iterdir())
     arm_stages = ["eval_search_r1", "eval_staged", "train_search_r1", "train_staged"]
-    assert stages == sorted([*arm_stages, *(f"{s}.seed1" for s in arm_stages), "inject", "premise", "world"])
+    assert stages == sorted([*arm_stages, *(f"{s}.seed1" for s in arm_stages), "inject", "labels", "premise", "world"])
     # two seeds: each seed's paired difference, the pooled one, the noise floor (search_r1 seed 1 vs seed 0)
     seeds = report["table"]["seeds"]
     assert seeds["seeds"] == [0, 1] and report["seeds"] == [0, 1]
@@ -170,11 +170,20 @@ def test_reproduce_staged_cpu_end_to_end_and_resumes(tmp_path):
     # the premise is measured and reported (the cpu profile rehearses; it does not enforce it)
     premise = report["premise"]
     assert [c["check"].split(":")[0] for c in premise["checks"]] == ["stage 1", "stage 2"]
-    assert premise["closed_book"] == report["inject"]["boundary"]["all-known"]["em"] and premise["probe"]["n"] == 12
+    assert premise["closed_book"] == premise["closed_book_probe"]["em"] and premise["closed_book_probe"]["samples"] == 4
+    # "known" is what the injected model answers closed-book: the arms train and are evaluated on those labels
+    labels = report["labels"]
+    assert seed1["data"]["train"] == str(out / "labels" / "train.jsonl")
+    known = [json.loads(line) for line in (out / "labels" / "test.jsonl").read_text().splitlines()]
+    closed = {r["id"]: r["metrics"]["em"] for r in map(json.loads, (
+        out / "labels" / "closed_book_test" / "direct" / "predictions.jsonl").read_text().splitlines())}
+    assert all((q["metadata"]["knowledge"] == "all-known") == (closed[q["id"]] > 0) for q in known)
+    assert sum(labels["relabelled"]["test"].values()) == len(known) and premise["probe"]["n"] == premise[
+        "closed_book_probe"]["n"] == sum(q["metadata"]["knowledge"] == "all-known" for q in known[:30])
     assert "id='premise-check'" in page and report["table"]["seeds"]["seeds"] == [0]
     assert result.output.strip().splitlines()[-1].startswith("verdict: the staged claim ")
     again = runner.invoke(app, ["reproduce", "staged", "--profile", "cpu", "--out", str(out)], terminal_width=300)
-    assert again.exit_code == 0 and again.output.count("done earlier, skipped") == 11  # its two seeds, from claim.json
+    assert again.exit_code == 0 and again.output.count("done earlier, skipped") == 12  # its two seeds, from claim.json
     assert report["seed"] == 0 and "Training seed of the arms: 0." in page
     assert yaml.safe_load((out / "staged" / "rl_recipe.yaml").read_text())["seed"] == 0
     other = runner.invoke(app, ["reproduce", "staged", "--profile", "cpu", "--out", str(out), "--seed", "1"],

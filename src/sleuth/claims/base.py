@@ -54,7 +54,15 @@ class ClaimRun:
 
     @property
     def world(self) -> Path:
+        """The claim's world: corpus, index and the world's own question splits."""
         return self.out / "world"
+
+    @property
+    def questions(self) -> Path:
+        """Where the arms' train.jsonl and test.jsonl come from: a stage named QUESTIONS that relabelled them (the
+        staged claim labels knowledge by the injected model's answers), else the world's."""
+        relabelled = self.results.get(QUESTIONS)
+        return Path(relabelled["questions"]) if relabelled else self.world
 
     @property
     def root(self) -> Path:
@@ -85,6 +93,7 @@ class Stage:
 
 
 PREMISE = "premise"
+QUESTIONS = "labels"  # a stage whose result names another folder of question splits (ClaimRun.questions)
 
 
 def premise_stage() -> Stage:

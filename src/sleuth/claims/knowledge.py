@@ -22,7 +22,7 @@ from typing import Any
 import typer
 
 from sleuth.agent.coldstart import SFTRecord, write_records
-from sleuth.data.formats import QAExample, read_qa_jsonl
+from sleuth.data.formats import QAExample, read_qa_jsonl, write_qa_jsonl
 from sleuth.data.synth import KNOWLEDGE_FILE, KNOWLEDGE_TYPES
 from sleuth.errors import ConfigError, DataFormatError
 from sleuth.eval.baselines import DIRECT_PROMPT
@@ -176,6 +176,72 @@ def boundary_check(world: Path, model: str, out: Path, split: str = "test", limi
         result["known_minus_unknown"] = result["all-known"]["em"] - result["all-unknown"]["em"]
     atomic_write_json(Path(out) / BOUNDARY_FILE, {"model": model, "split": split, **result})
     return result
+
+
+LABELLED_SPLITS = ("train", "test")
+KNOWN, NOT_RECALLED = "all-known", "mixed"
+LABEL_FILE = "labels.json"
+
+
+def label_by_model(world: Path, model: str, out: Path, batch_size: int = 64) -> dict[str, Any]:
+    """The world's questions labelled by what `model` answers closed-book (the staged paper labels its questions
+    by the model's own answers): a question the model answers right (greedy, the `direct` prompt, exact match) is
+    all-known; an all-known question of the world's labels that it gets wrong becomes mixed (it holds every fact but
+    cannot recall the answer); the others keep their labels. Writes OUT/train.jsonl and OUT/test.jsonl with
+    `metadata.knowledge` relabelled and the world's label kept as `metadata.knowledge_by_world`; the corpus and index
+    stay the world's. Resumable (the closed-book evaluations resume)."""
+    from sleuth.eval.harness import EvalConfig, EvalOutput, evaluate
+
+    out = Path(out)
+    done = out / LABEL_FILE
+    if done.exists():
+        return json.loads(done.read_text())
+    counts: dict[str, dict[str, int]] = {}
+    for split in LABELLED_SPLITS:
+        questions = read_qa_jsonl(Path(world) / f"{split}.jsonl")
+        folder = out / f"closed_book_{split}"
+        evaluate(["direct"], questions, model=model, config=EvalConfig(answer_max_new_tokens=24, batch_size=batch_size),
+                 out_dir=EvalOutput(folder))
+        right = {}
+        with open(folder / "direct" / "predictions.jsonl", encoding="utf-8") as f:
+            for line in f:
+                record = json.loads(line)
+                right[record["id"]] = record["metrics"]["em"] > 0
+        moved: dict[str, int] = {}
+        for ex in questions:
+            was = ex.metadata.get("knowledge")
+            if was not in KNOWLEDGE_TYPES:
+                raise ConfigError(f"{world}/{split}.jsonl: question {ex.id} has no knowledge label; make the world "
+                                  "with `sleuth synth --known-fraction F`")
+            now = KNOWN if right.get(ex.id) else (NOT_RECALLED if was == KNOWN else was)
+            ex.metadata["knowledge_by_world"], ex.metadata["knowledge"] = was, now
+            moved[f"{was} -> {now}"] = moved.get(f"{was} -> {now}", 0) + 1
+        write_qa_jsonl(out / f"{split}.jsonl", questions)
+        counts[split] = dict(sorted(moved.items()))
+    result = {"questions": str(out), "model": model, "relabelled": counts}
+    atomic_write_json(done, result)
+    return result
+
+
+def sampled_closed_book(model: str, questions: list[QAExample], samples: int, temperature: float,
+                        seed: int = 0) -> dict[str, Any]:  # fmt: skip
+    """Closed-book EM (the `direct` prompt) of `samples` samples per question at `temperature`, as RL samples its
+    rollouts: a greedy label can overstate what a sampling policy recalls."""
+    from sleuth.eval.baselines import parse_answer
+    from sleuth.eval.loading import resolve_generator
+    from sleuth.llm.base import SamplingParams
+    from sleuth.rewards.metrics import exact_match
+
+    if not questions:
+        return {"n": 0, "samples": samples, "em": None}
+    generator = resolve_generator(model)
+    prompts = [[{"role": "user", "content": DIRECT_PROMPT.format(question=q.question.strip())}] for q in questions]
+    right = []
+    for k in range(samples):
+        params = SamplingParams(max_new_tokens=24, temperature=temperature, seed=seed + k)
+        gens = generator.generate(prompts, ["</answer>"], params)
+        right += [exact_match(parse_answer(g.text), q.golden_answers) for g, q in zip(gens, questions, strict=True)]
+    return {"n": len(questions), "samples": samples, "temperature": temperature, "em": sum(right) / len(right)}
 
 
 def register(app: typer.Typer) -> None:

@@ -34,6 +34,9 @@ class StagedProfile(ClaimProfile):
     inject_epochs: int = 3
     inject_lr: float = 3e-4
     inject_batch: int = 16
+    # "known" as the injected model answers closed-book (the paper's labels), not as the world marked the facts
+    label_by_model: bool = True
+    premise_samples: int = 4  # closed-book samples a known question in the premise probe
 
 
 # the tiny random model on a 40-passage world: every stage runs on 2 CPU cores in a few minutes

@@ -58,7 +58,7 @@ def arm_recipe(run: ClaimRun, method: str, init_from: str | None, name: str | No
     recipe = demo_recipe(run.root / (name or method), profile.pipeline, method)
     recipe["name"] = f"reproduce-{name or method}"
     recipe["seed"] = run.seed  # the arms' training seed; the world, reader and injection keep theirs
-    recipe["data"]["train"] = str(run.world / "train.jsonl")
+    recipe["data"]["train"] = str(run.questions / "train.jsonl")
     recipe["retriever"]["index"] = str(run.world / "bm25")
     recipe["model"]["lora"]["enabled"] = profile.lora
     if init_from is not None:
@@ -117,8 +117,8 @@ def evaluate(run: ClaimRun, method: str, checkpoint: str, name: str, reader: str
     cfg = EvalConfig(batch_size=size.eval_batch_size, max_new_tokens=size.max_new_tokens * spec.new_tokens_factor,
                      answer_max_new_tokens=24, top_k=3, max_turns=size.max_turns, max_response_tokens=2048,
                      max_obs_tokens=384, hand_over_template=hand_over_template, **switches)
-    questions = (boundary_questions(run.world, "test", profile.test_questions) if profile.known_fraction is not None
-                 else held_out_questions(run.world, profile.test_questions))
+    questions = (boundary_questions(run.questions, "test", profile.test_questions) if profile.known_fraction is not None
+                 else held_out_questions(run.questions, profile.test_questions))
     folder = run.root / "eval" / name
     summary = run_evaluation([spec.display_name], questions, run.world / "bm25", load_searcher(checkpoint).generator,
                              generator=reader, config=cfg, out_dir=EvalOutput(folder))
