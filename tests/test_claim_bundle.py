@@ -276,7 +276,8 @@ def test_arms_split_over_two_runs_give_the_report_of_one_run(tmp_path):
     first = CliRunner().invoke(app, ["reproduce", "r_search", "--profile", "cpu", "--out", str(split),
                                      "--arms", "with_evidence"], terminal_width=300)
     assert first.exit_code == 0, first.output  # its arm is done: a success, though the report must wait
-    assert "arms done: with_evidence. stages left to other runs: train_without_evidence, eval_without_" in first.output
+    assert "arms done: with_evidence. stages left to other runs: sft_no_evidence_block, train_without_evidence, " \
+           "eval_without_evidence, train_no_evidence_block, eval_no_evidence_block;" in first.output
     assert not (split / "stages" / "train_without_evidence.json").exists() and not (split / "report.json").exists()
     assert not (split / "stages" / "sft_no_evidence_block.json").exists()  # that arm's own cold start waits too
     reproduce("r_search", split, "cpu", arms=["without_evidence", "no_evidence_block"])

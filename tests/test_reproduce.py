@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import html
 import json
 import re
 
@@ -257,7 +258,7 @@ def test_reproduce_r_search_cpu_end_to_end_and_resumes(tmp_path):
     page, report, stages, _ = _run_twice(tmp_path, "r_search")
     claim = _claim_html(page)
     decisive = "F1 vs the paper's ablation (no evidence block)"
-    assert decisive in claim and "F1 vs the evidence reward term off (block kept)" in claim
+    assert html.escape(decisive) in claim and "F1 vs the evidence reward term off (block kept)" in claim
     rows = report["table"]["rows"]
     assert all(row["n"] == 30 for row in rows.values()) and len(rows) == 4
     assert report["table"]["seeds"]["tests"][0]["baseline"] == "eval_no_evidence_block"

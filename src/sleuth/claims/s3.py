@@ -94,7 +94,7 @@ def _no_selection_arm(run: Any, size: int) -> Arm:
 
 
 def _search_r1_read(run: Any, size: int) -> dict[str, Any]:
-    template = get_method(METHODS[0]).reader
+    template = get_method(METHODS[0]).reader.name
     return evaluate(run, METHODS[1], run.result(f"train_{METHODS[1]}_{size}")["checkpoint"],
                     f"{READ_BY_READER}_{size}", run.result("reader")["reader"], hand_over_template=template)
 
