@@ -119,6 +119,20 @@ def _stage_list(out: Path, details: dict[str, Any]) -> str:
         "</ul><p class='note'>Each stage's full record: OUT/stages/&lt;name&gt;.json.</p></section>\n"
 
 
+def _figures(run: Any, seeds: dict[str, Any]) -> str:
+    """The first seed's training curves of every arm and the decisive tests' measures by question type."""
+    from sleuth.claims.base import predictions
+
+    runs = {name.removeprefix("train_"): Path(result["run"]) for name, result in run.results.items()
+            if name.startswith("train_") and "." not in name and isinstance(result, dict) and "run" in result}
+    parts = [training_figure(runs)]
+    for spec_test, test in zip(run.spec.tests(run.profile_name), seeds["tests"], strict=True):
+        parts.append(type_bars_figure(test, predictions(run, spec_test.treated), predictions(run, spec_test.baseline),
+                                      spec_test.value))
+    body = "".join(parts)
+    return f"<section id='figures'><h2>Training and question types (seed {run.base_seed})</h2>{body}</section>\n"
+
+
 def write_report(run: Any, table: dict[str, Any]) -> Path:
     """OUT/report.json and OUT/report.html of a claim run (`sleuth.claims.runner.ClaimRun`): a verdict banner, the
     verdict over seeds (each seed, pooled, the noise floor), the premise check, every measure of the first seed, then
@@ -146,6 +160,7 @@ def write_report(run: Any, table: dict[str, Any]) -> Path:
         + "<section><h2>Every measure</h2>" + _rows_table(table, spec.columns, run.base_seed)
         + f"<p class='note'>{html.escape(table['rule'])}</p><p>Training seed of the arms: {run.base_seed}.</p>"
         + spec.figure_html(run, table) + "</section>\n"
+        + _figures(run, seeds)
         + "<section><h2>Plan</h2><ul>" + "".join(f"<li><b>{k}</b>: {html.escape(str(v))}</li>"
                                                   for k, v in asdict(spec.text).items()) + "</ul></section>\n"
         + _stage_list(out, run.results) + "</main></body></html>\n"
@@ -154,11 +169,79 @@ def write_report(run: Any, table: dict[str, Any]) -> Path:
     return out / "report.html"
 
 
-def curve_figure(curve: dict[str, list[dict[str, Any]]]) -> str:
-    """Held-out EM against RL training questions, one line per method with its 95% intervals (inline PNG)."""
+def _png(fig: Any) -> str:
     import base64
     import io
 
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+def training_figure(runs: dict[str, Path]) -> str:
+    """Each arm's mean reward and retrievals per rollout over its GRPO steps (metrics.jsonl of its run), one line an
+    arm (inline PNG; empty when no run has metrics)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    from sleuth.appendlog import read_appended
+
+    series = {}
+    for arm, run in runs.items():
+        path = Path(run) / "metrics.jsonl"
+        if path.is_file():
+            rows = [r for r in read_appended(path).records if "step" in r]
+            series[arm] = rows
+    if not series:
+        return ""
+    fig = Figure(figsize=(9, 3.2), dpi=100, layout="constrained")
+    FigureCanvasAgg(fig)
+    for i, (key, label) in enumerate((("reward/mean", "mean reward"), ("retrieval_count", "retrievals a rollout"))):
+        ax = fig.add_subplot(1, 2, i + 1)
+        for arm, rows in series.items():
+            points = [(r["step"], r[key]) for r in rows if key in r]
+            if points:
+                ax.plot(*zip(*points, strict=True), marker=".", label=arm)
+        ax.set_xlabel("GRPO step")
+        ax.set_ylabel(label)
+    fig.axes[0].legend(fontsize=8)
+    return f"<figure id='training'><img alt='reward and retrievals per GRPO step, each arm' src='{_png(fig)}'></figure>\n"
+
+
+def type_bars_figure(test: dict[str, Any], treated: dict[str, dict], baseline: dict[str, dict],
+                     value: Any) -> str:  # fmt: skip
+    """The decisive test's measure per question type (the evaluation's dataset label: hops or knowledge type) for
+    its two arms, with 95% bootstrap intervals (inline PNG)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    from sleuth.eval.stats import bootstrap_ci
+
+    kinds = sorted({r.get("dataset", "all") for r in treated.values()})
+    fig = Figure(figsize=(6, 3.2), dpi=100, layout="constrained")
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    scale = 100 if test["points"] else 1
+    width = 0.4
+    for j, (name, preds) in enumerate(((test["treated"], treated), (test["baseline"], baseline))):
+        means, errors = [], [[], []]
+        for kind in kinds:
+            values = [value(r) for r in preds.values() if r.get("dataset", "all") == kind]
+            mean = sum(values) / len(values) if values else 0.0
+            lo, hi = bootstrap_ci(values) if values else (0.0, 0.0)
+            means.append(scale * mean)
+            errors[0].append(scale * (mean - lo))
+            errors[1].append(scale * (hi - mean))
+        ax.bar([i + (j - 0.5) * width for i in range(len(kinds))], means, width, yerr=errors, capsize=3,
+               label=name.removeprefix("eval_"))
+    ax.set_xticks(range(len(kinds)), kinds, fontsize=8)
+    ax.set_ylabel(test["row"][:40])
+    ax.legend(fontsize=8)
+    return f"<figure id='types'><img alt='the decisive measure by question type' src='{_png(fig)}'></figure>\n"
+
+
+def curve_figure(curve: dict[str, list[dict[str, Any]]]) -> str:
+    """Held-out EM against RL training questions, one line per method with its 95% intervals (inline PNG)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -174,10 +257,7 @@ def curve_figure(curve: dict[str, list[dict[str, Any]]]) -> str:
     ax.set_xlabel("RL training questions")
     ax.set_ylabel("held-out EM (%)")
     ax.legend()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png")
-    uri = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode("ascii")
-    return f"<figure id='curve'><img alt='EM against RL training questions' src='{uri}'></figure>\n"
+    return f"<figure id='curve'><img alt='EM against RL training questions' src='{_png(fig)}'></figure>\n"
 
 
 KNOWLEDGE_ROWS = ("all-known", "mixed", "all-unknown")
