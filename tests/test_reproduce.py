@@ -181,7 +181,7 @@ def test_reproduce_staged_cpu_end_to_end_and_resumes(tmp_path):
     assert all((q["metadata"]["knowledge"] == "all-known") == (closed[q["id"]] > 0) for q in known)
     assert sum(labels["relabelled"]["test"].values()) == len(known) and premise["probe"]["n"] == premise[
         "closed_book_probe"]["n"] == sum(q["metadata"]["knowledge"] == "all-known" for q in known[:30])
-    assert "id='premise-check'" in page and report["table"]["seeds"]["seeds"] == [0]
+    assert "id='premise-check'" in page and report["table"]["seeds"]["seeds"] == [0, 1]
     assert result.output.strip().splitlines()[-1].startswith("verdict: the staged claim ")
     again = runner.invoke(app, ["reproduce", "staged", "--profile", "cpu", "--out", str(out)], terminal_width=300)
     assert again.exit_code == 0 and again.output.count("done earlier, skipped") == 12  # its two seeds, from claim.json
@@ -335,7 +335,13 @@ def test_reproduce_s3_cpu_end_to_end_and_resumes(tmp_path):
     for size in (2, 4):  # the same trained reader trains and reads s3 at every size
         assert f"generator: {reader}" in (tmp_path / "s3" / f"s3_{size}" / "rl_recipe.yaml").read_text()
         assert reader in (tmp_path / "s3" / "eval" / f"s3_{size}" / "summary.json").read_text()
-    assert "reader" in stages and "sft_s3" in stages and "rag_baseline" in stages and len(stages) == 14
+    assert "reader" in stages and "sft_s3" in stages and "rag_baseline" in stages and len(stages) == 17
+    assert {"eval_s3_noselect_2", "eval_search_r1_docs_read_4"} <= set(stages)
+    noselect = yaml.safe_load((tmp_path / "s3" / "s3_noselect_2" / "rl_recipe.yaml").read_text())
+    assert noselect["agent"]["options"] == {"use_selection": False}
+    # search_r1's documents read by the trained reader: its answers are the reader's, its own kept beside them
+    read = _read_predictions(str(tmp_path / "s3" / "eval" / "search_r1_docs_read_4" / "search-r1" / "predictions.jsonl"))
+    assert all(r["answer_source"] == "generator" and "agent_answer" in r["extra"] for r in read.values())
     report_s3 = yaml.safe_load((tmp_path / "s3" / "s3_4" / "rl_recipe.yaml").read_text())["data"]
     assert report_s3["skip_train_examples"] == 12 and report_s3["hard_from"].endswith("naive_rag_scores.jsonl")
     premise = report["premise"]

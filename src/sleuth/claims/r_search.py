@@ -50,7 +50,8 @@ class RSearchClaim(ClaimSpec):
         shared = tuple(arm.name for arm in ARMS if arm.name not in COLD_STARTS)
         plan = [*world_and_reader(),
                 Stage(SHARED_SFT, lambda run: cold_start(run, "r_search", None), arms=shared, per_seed=True),
-                *(Stage(sft, lambda run, n=name: cold_start(run, "r_search", None, NO_BLOCK, n), arms=(name,),
+                # its own folder: an arm's RL run directory is its name's
+                *(Stage(sft, lambda run, n=sft: cold_start(run, "r_search", None, NO_BLOCK, n), arms=(name,),
                         per_seed=True) for name, sft in COLD_STARTS.items())]
         for arm in ARMS:
             plan += [
