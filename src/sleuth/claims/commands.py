@@ -91,4 +91,5 @@ def _verdict_line(report_json: Path) -> str:
         lo, hi = test["pooled"]["ci"]
         parts.append(f"{test['row']}: {scale * test['pooled']['diff']:+.2f}{unit} [{scale * lo:+.2f}, "
                      f"{scale * hi:+.2f}] over {test['pooled']['seeds']} seed(s), {test['verdict']}")
-    return f"verdict: the {report['claim']['method']} claim {report['verdict']} ({'; '.join(parts)})"
+    verdict = {"not shown": "is not shown"}.get(report["verdict"], report["verdict"])
+    return f"verdict: the {report['claim']['method']} claim {verdict} ({'; '.join(parts)})"

@@ -102,6 +102,11 @@ def _premise_section(premise: dict[str, Any] | None) -> str:
             f"{html.escape(premise.get('note', ''))}</p></section>\n")
 
 
+def verdict_sentence(verdict: str) -> str:
+    return {"holds": "The claim holds.", "not shown": "The claim is not shown.",
+            "does not hold": "The claim does not hold."}.get(verdict, f"Verdict: {verdict}.")
+
+
 def _css(verdict: str) -> str:
     return verdict.replace(" ", "-")
 
@@ -154,7 +159,7 @@ def write_report(run: Any, table: dict[str, Any]) -> Path:
         f"<header><h1>Claim ({html.escape(spec.method)}): {html.escape(spec.text.claim)}</h1>"
         f"<div class='sub'>profile {html.escape(run.profile_name)}; training seeds "
         f"{', '.join(map(str, run.seeds))}; {table['questions']} held-out questions</div></header><main>\n"
-        f"<div class='banner {_css(verdict)}' id='verdict'>The claim {html.escape(verdict)}."
+        f"<div class='banner {_css(verdict)}' id='verdict'>{verdict_sentence(verdict)}"
         f"<span class='why'>{html.escape(why)}</span></div>\n"
         + _seeds_table(seeds) + _premise_section(premise)
         + "<section><h2>Every measure</h2>" + _rows_table(table, spec.columns, run.base_seed)

@@ -70,7 +70,7 @@ def _train_arm(run: Any, method: str) -> dict[str, Any]:
     """Oracle trajectories -> SFT from the injected model -> GRPO (one arm, one stage)."""
     sft = cold_start(run, method, run.result("inject")["checkpoint"])
     rl = train_rl(run, Arm(method, method, ARM_OVERRIDES[method]), sft["sft_checkpoint"])
-    return {**sft, "checkpoint": rl["checkpoint"]}
+    return {**sft, "checkpoint": rl["checkpoint"], "run": rl["run"]}
 
 
 def expected_rewards(closed_book: float, searched: float, beta: float, retrievals: float = 1.0) -> dict[str, float]:
