@@ -38,7 +38,7 @@ from sleuth.rl.config import Recipe
 from sleuth.rl.loggers import open_recipe_loggers
 from sleuth.rl.models import autocast, load_policy
 from sleuth.rl.setup import build_optimizer, searcher_info
-from sleuth.run_layout import POLICY_DIR, SFT_DIR
+from sleuth.run_layout import POLICY_DIR, SFT_DIR, SFT_INFO
 from sleuth.utils import atomic_write_json, seed_everything
 
 
@@ -221,5 +221,7 @@ def run_sft(recipe: Recipe, *, resume: bool = True, console: Any = None) -> dict
     if final is None:
         raise ConfigError(f"SFT wrote no checkpoint under {out_dir}")
     log.finish({"checkpoint": str(final), "steps": total, "final_metrics": last})
-    atomic_write_json(out_dir / "sft.json", {**info, "final_checkpoint": str(final), "last": last})
+    # The recipe too, as run.json holds it for RL: `sleuth report` names the recipe and model from it.
+    atomic_write_json(out_dir / SFT_INFO, {**info, "kind": "sft", "final_checkpoint": str(final), "last": last,
+                                           "recipe": recipe.model_dump(), "device": str(device)})
     return {"out_dir": str(out_dir), "checkpoint": str(final), "metrics": last}

@@ -38,7 +38,8 @@ from sleuth.utils import atomic_write_text
 def _run_info(run: TrainingRun) -> list[tuple[str, str]]:
     recipe = run.recipe
     steps_done = run.rows[-1]["step"] if run.rows else 0
-    total = (recipe.get("trainer") or {}).get("total_steps")
+    # an SFT folder's steps are sft.json's, not the recipe's RL steps
+    total = run.info.get("steps") if run.info.get("kind") == "sft" else (recipe.get("trainer") or {}).get("total_steps")
     info = [
         ("recipe", recipe.get("name")),
         ("model", (recipe.get("model") or {}).get("policy")),
@@ -48,6 +49,7 @@ def _run_info(run: TrainingRun) -> list[tuple[str, str]]:
         ("algorithm", (recipe.get("algorithm") or {}).get("name")),
         ("steps", f"{steps_done} / {total}" if total else str(steps_done)),
         ("device", run.info.get("device")),
+        ("SFT records", run.info.get("records") if run.info.get("kind") == "sft" else None),
     ]
     return [(k, str(v)) for k, v in info if v not in (None, "")]
 
