@@ -67,17 +67,26 @@ def register(app: typer.Typer) -> None:
         recipe: str = typer.Argument(...),
         overrides: list[str] = typer.Argument(None),
     ) -> None:
-        """Validate a recipe and print it with all defaults filled in."""
+        """Validate a recipe as `sleuth train` does (schema, loop and reward options; no model loads) and print
+        it with all defaults filled in: YAML that `sleuth train` reads back. Inputs that are not there yet
+        (data, index) are named on stderr."""
+        import sys
+
         import yaml
-        from rich.console import Console
 
-        from sleuth.errors import SleuthError
+        from sleuth.errors import ConfigError, SleuthError
         from sleuth.rl.config import load_recipe
+        from sleuth.rl.setup import check_input_paths, check_pieces
 
-        console = Console()
         try:
             cfg = load_recipe(recipe, overrides or [])
+            check_pieces(cfg)
         except SleuthError as err:
-            console.print(f"[red]error:[/] {err}")
+            typer.echo(f"error: {err}", err=True)
             raise typer.Exit(2) from None
-        console.print(yaml.safe_dump(cfg.model_dump(), sort_keys=False))
+        try:
+            check_input_paths(cfg)
+        except ConfigError as err:  # the files may come later (sleuth synth, sleuth index): not an error here
+            typer.echo(f"note: {err}", err=True)
+        # plain text, never wrapped or marked up: redirected to a file, it is a recipe again
+        sys.stdout.write(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False, width=float("inf")))
