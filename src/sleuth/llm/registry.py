@@ -22,6 +22,7 @@ from typing import Any
 from sleuth.errors import ConfigError
 from sleuth.llm.base import Generator
 from sleuth.llm.gguf import cache_root, converted_dir_for, ensure_converted, is_converted
+from sleuth.llm.hub import require_hub_model
 from sleuth.llm.openai_http import OpenAIGenerator, OpenAIOptions
 from sleuth.llm.tiny import build_tiny_model
 from sleuth.llm.vllm_backend import VLLMGenerator
@@ -106,6 +107,7 @@ def resolve_model_path(spec: str) -> str:
             raise ConfigError(f"model directory {spec!r} has no config.json; pass a saved transformers checkpoint")
         return str(path)
     if _looks_like_hub_name(spec):
+        require_hub_model(spec)  # not cached and no network: one line now, not a traceback after retries
         return spec
     raise ConfigError(
         f"unknown model {spec!r}: not an alias ({', '.join(sorted(ALIASES))}), not an existing directory or "

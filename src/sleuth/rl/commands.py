@@ -23,7 +23,7 @@ def register(app: typer.Typer) -> None:
         from sleuth.errors import SleuthError
         from sleuth.rl.config import load_recipe
 
-        console = Console()
+        console = Console(soft_wrap=True)  # a message or path is one line, never broken at the width
         try:
             cfg = load_recipe(recipe, overrides or [])
             from sleuth.rl.trainer import train
@@ -51,7 +51,7 @@ def register(app: typer.Typer) -> None:
         from sleuth.errors import SleuthError
         from sleuth.rl.config import load_recipe
 
-        console = Console()
+        console = Console(soft_wrap=True)  # a message or path is one line, never broken at the width
         try:
             cfg = load_recipe(recipe, overrides or [])
             from sleuth.rl.sft import run_sft
