@@ -314,8 +314,7 @@ def _check_unique_ids(path: str | Path, ids_with_location: Iterable[tuple[str, i
                 str(path),
                 where if unit == "line" else None,
                 f"duplicate id {qid!r} (first at {unit} {seen[qid]}, again at {unit} {where}); ids must be unique "
-                "(a file merging several datasets keeps them apart by each row's data_source / metadata.dataset: "
-                "`sleuth data convert SRC DST --data-source NAME` records it)",
+                "(merged datasets are kept apart by data_source: `sleuth data convert --data-source NAME`)",
             )
         seen[qid] = where
 
@@ -376,6 +375,7 @@ SEARCH_R1_TEMPLATE = (
     "and </answer>, without detailed illustrations. For example, <answer> Beijing </answer>. "
     "Question: {question}\n"
 )
+DEFAULT_DATA_SOURCE = "sleuth"  # the data_source column of examples whose dataset is not known
 
 
 def _question_from_prompt(prompt: Any) -> str | None:
@@ -429,8 +429,7 @@ def _example_from_searchr1_row(row: dict, row_number: int) -> QAExample:
         else:
             qid = str(row_number - 1)
 
-    # write_searchr1_parquet's own column: the example's metadata as JSON text (a FlashRAG `metadata` column
-    # kept by upstream's preprocessing is a struct, read as a dict)
+    # write_searchr1_parquet's own column: metadata as JSON text (upstream's FlashRAG column is a struct)
     from_sleuth = isinstance(row.get("metadata"), str)
     metadata: Any = row.get("metadata")
     if isinstance(metadata, str):
@@ -444,8 +443,7 @@ def _example_from_searchr1_row(row: dict, row_number: int) -> QAExample:
     if not isinstance(metadata, dict):
         raise ValueError(f"'metadata' must be an object, got {type(metadata).__name__}")
     if not from_sleuth or row.get("data_source") != DEFAULT_DATA_SOURCE:
-        # sleuth's files written before the data source went into their metadata too (`--data-source nq`)
-        # keep it in the column only; the placeholder "sleuth" names no dataset
+        # older sleuth files kept `--data-source nq` in the column only; the placeholder "sleuth" names none
         _dataset_from_data_source(metadata, row.get("data_source"))
     return QAExample(id=str(qid), question=question.strip(), golden_answers=answers, metadata=metadata)
 
@@ -486,9 +484,6 @@ def read_searchr1_parquet(path: str | Path) -> list[QAExample]:
     return examples
 
 
-DEFAULT_DATA_SOURCE = "sleuth"  # the data_source column of examples whose dataset is not known
-
-
 def write_searchr1_parquet(
     path: str | Path,
     examples: Iterable[QAExample],
@@ -499,9 +494,8 @@ def write_searchr1_parquet(
 ) -> int:
     """Write examples as a Search-R1 parquet (atomic). Returns the number of rows.
 
-    Columns follow Search-R1's preprocessing: data_source (the example's metadata["dataset"], else
-    `data_source`, which then becomes its metadata["dataset"] too, so a merge of several such files keeps
-    their ids apart; else "sleuth"), prompt [{role: user, content}],
+    Columns follow Search-R1's preprocessing: data_source (the example's metadata["dataset"], else `data_source`,
+    then its metadata["dataset"] too: merged files keep ids apart; else "sleuth"), prompt [{role: user, content}],
     ability, reward_model {style: rule, ground_truth: {target: answers}}, extra_info
     {split, index}, plus the kept id / question / golden_answers columns and metadata as JSON text.
     `template` must contain `{question}`.
