@@ -19,25 +19,36 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Train a search agent with RL as the recipe describes."""
         from rich.console import Console
+        from rich.markup import escape
 
         from sleuth.errors import SleuthError
         from sleuth.rl.config import load_recipe
+        from sleuth.rl.interrupts import SIGTERM_EXIT, interrupted_message, resume_command, stop_on_sigterm
 
         console = Console(soft_wrap=True)  # a message or path is one line, never broken at the width
+        cfg = None
         try:
             cfg = load_recipe(recipe, overrides or [])
             from sleuth.rl.trainer import train
 
-            result = train(cfg, resume=resume, overwrite=overwrite, console=console)
+            with stop_on_sigterm():  # a preempted job saves a checkpoint after the step under way
+                result = train(cfg, resume=resume, overwrite=overwrite, console=console)
         except SleuthError as err:
-            console.print(f"[red]error:[/] {err}")
+            console.print(f"[red]error:[/] {escape(str(err))}")
             raise typer.Exit(2) from None
+        except KeyboardInterrupt:
+            if cfg is not None:
+                console.print(interrupted_message(cfg.trainer.out_dir, recipe, overrides or []), markup=False)
+            raise typer.Exit(130) from None
         finally:
             from sleuth.rl.dist import shutdown_distributed
 
             shutdown_distributed()
         written = f"checkpoint {result['checkpoint']}" if result["checkpoint"] else "no checkpoint (save_every 0)"
         console.print(f"[green]done[/]: {result['out_dir']}, {result['steps_done']} steps ({written})")
+        if result.get("stopped_by_sigterm"):
+            console.print(f"stopped by SIGTERM; resume with: {resume_command(recipe, overrides or [])}", markup=False)
+            raise typer.Exit(SIGTERM_EXIT)
 
     @app.command("sft")
     def sft_cmd(
