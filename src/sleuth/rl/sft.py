@@ -21,11 +21,12 @@ from typing import Any
 
 import torch
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeRemainingColumn
 
 from sleuth.agent.coldstart import SFTRecord, iter_limited, read_records, split_records
 from sleuth.agent.searcher import resolve_checkpoint
 from sleuth.errors import ConfigError, DataFormatError
+from sleuth.progress import progress_bar
 from sleuth.rl.checkpoint import (
     TrainingStates,
     latest_checkpoint,
@@ -181,8 +182,9 @@ def run_sft(recipe: Recipe, *, resume: bool = True, console: Any = None) -> dict
         )
 
     last: dict[str, float] = {}
-    bar = Progress(TextColumn("SFT"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[loss]}"),
-                   TimeRemainingColumn(), console=console, disable=not console.is_terminal)
+    # on a terminal a live bar; in a log a plain line with the loss and the ETA every 30 s (sleuth.progress)
+    bar = progress_bar(console, TextColumn("SFT"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[loss]}"),
+                       TimeRemainingColumn())
     with bar:
         task = bar.add_task("sft", total=total, completed=done, loss="")
         for step in range(done, total):
@@ -211,10 +213,8 @@ def run_sft(recipe: Recipe, *, resume: bool = True, console: Any = None) -> dict
                 policy.eval()
                 last["sft/heldout_loss"] = heldout_loss(policy, held, pad, cfg.micro_batch_size, cfg.max_length, device)
             log.write(step + 1, last)
-            bar.update(task, advance=1, loss=f"loss {last['sft/loss']:.3f}")
-            if not console.is_terminal and ((step + 1) % 10 == 0 or step + 1 == total):
-                console.print(f"sft step {step + 1}/{total} loss {last['sft/loss']:.4f}"
-                              + (f" heldout {last['sft/heldout_loss']:.4f}" if "sft/heldout_loss" in last else ""))
+            held_text = f" heldout {last['sft/heldout_loss']:.4f}" if "sft/heldout_loss" in last else ""
+            bar.update(task, advance=1, loss=f"loss {last['sft/loss']:.4f}{held_text}")
             if (cfg.save_every and (step + 1) % cfg.save_every == 0) or step + 1 == total:
                 save(step + 1, epoch)
     final = latest_checkpoint(out_dir)
