@@ -230,3 +230,42 @@ def test_an_unknown_openai_spec_option_is_named() -> None:
     gen = load_generator({"backend": "openai", "base_url": "http://127.0.0.1:9/v1", "model": "m", "chat": False,
                           "retries": 2})
     assert isinstance(gen, OpenAIGenerator) and gen.chat is False and gen.retries == 2
+
+
+def test_a_slow_answer_is_not_sent_again(server):
+    """A request that times out waiting for its answer is still being computed: resending it would double the
+    server's work, so it fails at once, saying how to wait longer."""
+    server.delay = 1.0
+    gen = OpenAIGenerator(f"{server.url}/v1", "fake-model", options=OpenAIOptions(retries=4, backoff=0.01, timeout=0.3))
+    with pytest.raises(ServiceError, match=r"no answer within 0.3 s; not sent again .* SLEUTH_OPENAI_TIMEOUT"):
+        gen.generate(["x"], params=P)
+    time.sleep(1.2)  # let the server finish what it was computing
+    assert len(server.requests) == 1
+
+
+def test_the_timeout_is_an_option(server, monkeypatch, tmp_path):
+    import json
+
+    from typer.testing import CliRunner
+
+    from sleuth.cli import app
+    from sleuth.llm.registry import load_generator
+
+    spec = f"openai:{server.url}/v1#fake-model"
+    assert load_generator(spec).timeout == 60.0
+    monkeypatch.setenv("SLEUTH_OPENAI_TIMEOUT", "123")
+    gen = load_generator(spec)
+    assert gen.timeout == 123.0 and gen._client.timeout.read == 123.0
+    monkeypatch.setenv("SLEUTH_OPENAI_TIMEOUT", "soon")
+    with pytest.raises(ConfigError, match="SLEUTH_OPENAI_TIMEOUT='soon'"):
+        load_generator(spec)
+    monkeypatch.delenv("SLEUTH_OPENAI_TIMEOUT")
+
+    data = tmp_path / "q.jsonl"
+    data.write_text(json.dumps({"id": "q0", "question": "Where?", "golden_answers": ["x"]}) + "\n")
+    server.delay = 1.0
+    result = CliRunner().invoke(app, ["eval", "-m", "direct", "--data", str(data), "--model", spec, "--out",
+                                      str(tmp_path / "out"), "--openai-timeout", "0.3"], env={"COLUMNS": "300"})
+    assert result.exit_code == 2 and "no answer within 0.3 s" in result.output, result.output
+    time.sleep(1.2)
+    assert len(server.requests) == 1

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -116,6 +117,9 @@ def register(app: typer.Typer) -> None:
         plugin: list[str] | None = typer.Option(
             None, "--plugin", help="Module registering more methods or rewards (repeatable), importable on PYTHONPATH."
         ),
+        openai_timeout: float | None = typer.Option(
+            None, "--openai-timeout", min=0.001, help="Seconds to wait for an openai: model's answer (default "
+            "SLEUTH_OPENAI_TIMEOUT, else 60); a request past it fails, it is not sent again."),
     ) -> None:
         """Evaluate methods on QA data: EM, cover-EM, F1, span, GenAcc, judge, retrievals, tokens, latency."""
         import time
@@ -135,8 +139,11 @@ def register(app: typer.Typer) -> None:
             parse_methods,
             summary_rows,
         )
+        from sleuth.llm.openai_http import TIMEOUT_ENV
 
         console = Console()
+        if openai_timeout is not None:  # every openai: model this command opens (model, generator, judge)
+            os.environ[TIMEOUT_ENV] = str(openai_timeout)
         try:
             load_plugins(plugin or [])
             load_model_plugins(model)  # the plugin modules a checkpoint recorded for its method

@@ -4,7 +4,10 @@
   token ids -> /completions with `prompt` as a list of ids (vLLM and SGLang accept it);
 - up to `max_concurrency` requests in flight (a thread pool over one pooled httpx client);
 - transport errors, 429 and 5xx are retried with exponential backoff (`sleuth.utils.retry`); other 4xx
-  fail at once; after the last attempt a `ServiceError` names the URL and the last error.
+  fail at once; after the last attempt a `ServiceError` names the URL and the last error. A request that
+  timed out waiting for its answer is not sent again: the server is likely still computing it, and a second
+  copy would double its work; the error says how to wait longer (`timeout`, default SLEUTH_OPENAI_TIMEOUT
+  or 60 s; `sleuth eval --openai-timeout`).
 
 The protocol keeps the stop string in `text`, while OpenAI servers cut it off. vLLM reports which one
 matched (`stop_reason`) and we append it; other servers do not say, so we append it only when a
@@ -15,6 +18,7 @@ single stop string was requested. Token ids come back only when the server retur
 from __future__ import annotations
 
 import math
+import os
 import re
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -29,6 +33,22 @@ from sleuth.utils import RetryPolicy, retry
 
 _TOKEN_ID = re.compile(r"^token_id:(\d+)$")
 _MISSING = object()
+TIMEOUT_ENV = "SLEUTH_OPENAI_TIMEOUT"  # seconds to wait for an answer when a spec sets no `timeout`
+DEFAULT_TIMEOUT_S = 60.0
+
+
+def default_timeout() -> float:
+    """SLEUTH_OPENAI_TIMEOUT (seconds) if set, else 60 s."""
+    raw = os.environ.get(TIMEOUT_ENV, "").strip()
+    if not raw:
+        return DEFAULT_TIMEOUT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise ConfigError(f"{TIMEOUT_ENV}={raw!r}: set it to the seconds to wait for a model server's answer, e.g. 300")
+    return value
 
 
 class _RetryableHTTP(Exception):
@@ -99,7 +119,7 @@ class OpenAIOptions:
 
     chat: bool = True
     max_concurrency: int = 8
-    timeout: float = 60.0
+    timeout: float | None = None  # seconds to wait for an answer; None: SLEUTH_OPENAI_TIMEOUT, else 60
     retries: int = 4
     backoff: float = 0.5
     request_logprobs: bool = True
@@ -132,6 +152,7 @@ class OpenAIGenerator:
         # `retry` (a recipe's services.retry) replaces retries/backoff with a time budget
         self.retry_policy = retry or RetryPolicy(max_attempts=retries, initial_delay_s=backoff, budget_s=math.inf)
         self.service = service  # named in errors: "judge", "generator", ...
+        self.timeout = float(timeout) if timeout is not None else default_timeout()
         self.request_logprobs = request_logprobs
         self.vllm_extensions = vllm_extensions
         self.extra_body = dict(extra_body or {})
@@ -140,7 +161,7 @@ class OpenAIGenerator:
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._client = httpx.Client(
             headers=headers,
-            timeout=timeout,
+            timeout=self.timeout,
             limits=httpx.Limits(max_connections=max_concurrency, max_keepalive_connections=max_concurrency),
         )
 
@@ -192,7 +213,15 @@ class OpenAIGenerator:
 
     def _post(self, url: str, body: dict) -> dict:
         def attempt() -> dict:
-            response = self._client.post(url, json=body)
+            try:
+                response = self._client.post(url, json=body)
+            except httpx.ReadTimeout:
+                # sent, and no answer yet: the server is probably still computing it; sending it again would
+                # make it compute twice, so stop and say how to wait longer
+                raise ServiceError(
+                    f"{self.service} POST {url}: no answer within {self.timeout:g} s; not sent again (the server may "
+                    f"still be computing it). Wait longer: {TIMEOUT_ENV}=SECONDS, `sleuth eval --openai-timeout "
+                    "SECONDS`, or `timeout` in the model spec") from None
             if response.status_code == 429 or response.status_code >= 500:
                 raise _RetryableHTTP(f"HTTP {response.status_code}: {response.text[:200]}")
             if response.status_code >= 400:
