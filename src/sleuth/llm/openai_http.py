@@ -55,6 +55,14 @@ class _RetryableHTTP(Exception):
     """A response worth retrying (429 / 5xx)."""
 
 
+class _IdsRefused(ServiceError):
+    """A server that takes text prompts only refused a prompt of token ids (HTTP 400 / 422)."""
+
+
+def _is_ids(prompt: Any) -> bool:
+    return isinstance(prompt, list) and bool(prompt) and all(isinstance(t, int) for t in prompt)
+
+
 def _as_messages(prompt: Prompt, chat: bool) -> list[dict] | None:
     if isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
         return prompt
@@ -96,8 +104,13 @@ def parse_choice(choice: dict[str, Any], stops: list[str], chat: bool) -> Genera
         finish = "length"
     elif reason == "stop":
         stop_reason = choice.get("stop_reason", _MISSING)
+        kept = _first_stop_in(text, stops) if stop_reason is _MISSING else None
         if isinstance(stop_reason, str) and stop_reason:
             stop_hit = stop_reason
+        elif kept is not None:
+            # a server that keeps the stop string in the text (transformers serve) and may run a few characters
+            # past it within the token that completed it: cut after the first one, as vLLM reports it
+            text, stop_hit = text[: kept[0] + len(kept[1])], kept[1]
         elif stop_reason is _MISSING and len(stops) == 1:
             # Servers without stop_reason do not tell EOS from a stop string; with one stop string
             # requested, a stop is the likelier reading and the agent needs the closing tag.
@@ -109,6 +122,11 @@ def parse_choice(choice: dict[str, Any], stops: list[str], chat: bool) -> Genera
         finish = "length" if reason is None else "stop"
     return Generation(text=text, token_ids=parse_token_ids(tokens), logprobs=logprobs,
                       finish_reason=finish, stop=stop_hit)
+
+
+def _first_stop_in(text: str, stops: list[str]) -> tuple[int, str] | None:
+    found = [(text.find(s), s) for s in stops if s and s in text]
+    return min(found) if found else None
 
 
 @dataclass(frozen=True)
@@ -158,6 +176,8 @@ class OpenAIGenerator:
         self.extra_body = dict(extra_body or {})
         # The agent engine reads `.tokenizer`; a remote model has none unless the caller passes it.
         self.tokenizer = tokenizer
+        # set once a server refused token ids (transformers serve takes text): later prompts go as text
+        self.text_prompts = False
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._client = httpx.Client(
             headers=headers,
@@ -174,8 +194,10 @@ class OpenAIGenerator:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def build_request(self, prompt: Prompt, stops: list[str], params: SamplingParams, index: int) -> tuple[str, dict]:
-        """(url, JSON body) for one prompt."""
+    def build_request(self, prompt: Prompt, stops: list[str], params: SamplingParams, index: int,
+                      raw: bool = False) -> tuple[str, dict]:  # fmt: skip
+        """(url, JSON body) for one prompt; `raw`: a text prompt that already holds the chat format (token ids
+        decoded) goes to /completions as it is."""
         body: dict[str, Any] = {
             "model": self.model,
             "max_tokens": params.max_new_tokens,
@@ -187,7 +209,7 @@ class OpenAIGenerator:
             body["seed"] = int(params.seed) + index
         if stops:
             body["stop"] = stops
-        messages = _as_messages(prompt, self.chat)
+        messages = None if raw else _as_messages(prompt, self.chat)
         if messages is not None:
             url = f"{self.base_url}/chat/completions"
             body["messages"] = messages
@@ -224,6 +246,9 @@ class OpenAIGenerator:
                     "SECONDS`, or `timeout` in the model spec") from None
             if response.status_code == 429 or response.status_code >= 500:
                 raise _RetryableHTTP(f"HTTP {response.status_code}: {response.text[:200]}")
+            if response.status_code in (400, 422) and _is_ids(body.get("prompt")):
+                raise _IdsRefused(f"POST {url} refused a prompt of token ids: HTTP {response.status_code}: "
+                                  f"{response.text[:300]}")
             if response.status_code >= 400:
                 raise ServiceError(f"POST {url} was rejected: HTTP {response.status_code}: {response.text[:300]}")
             try:
@@ -239,12 +264,24 @@ class OpenAIGenerator:
         )
 
     def _one(self, prompt: Prompt, stops: list[str], params: SamplingParams, index: int) -> Generation:
-        url, body = self.build_request(prompt, stops, params, index)
-        payload = self._post(url, body)
+        raw = self.text_prompts and _is_ids(prompt)
+        url, body = self.build_request(self._as_text(prompt) if raw else prompt, stops, params, index, raw=raw)
+        try:
+            payload = self._post(url, body)
+        except _IdsRefused as err:
+            if self.tokenizer is None:
+                raise ServiceError(f"{err}; pass the model's tokenizer (a local model directory as the model name, "
+                                   "or `sleuth eval --tokenizer DIR`) so prompts go as text") from None
+            self.text_prompts = True  # the same text the ids decode to, tokenised by the server alike
+            url, body = self.build_request(self._as_text(prompt), stops, params, index, raw=True)
+            payload = self._post(url, body)
         choices = payload.get("choices") if isinstance(payload, dict) else None
         if not choices:
             raise ServiceError(f"POST {url} returned no choices: {str(payload)[:300]}")
         return parse_choice(choices[0], stops, chat=url.endswith("/chat/completions"))
+
+    def _as_text(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
 
     def generate(
         self,
