@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from rich.console import Console
 from rich.progress import (
     BarColumn,
     MofNCompleteColumn,
@@ -106,7 +107,8 @@ class PlainProgress:
 
 def progress_bar(console: Any, *columns: ProgressColumn, every_s: float | None = None) -> Progress | PlainProgress:
     """rich's bar with `columns` (default: description, bar, count, elapsed, remaining) on a terminal, else
-    `PlainProgress` lines."""
+    `PlainProgress` lines. `console` None: a new one on stdout, as rich's own default."""
+    console = console if console is not None else Console()
     if not console.is_terminal:
         return PlainProgress(console, every_s)
     columns = columns or (TextColumn("{task.description:>10}"), BarColumn(), MofNCompleteColumn(),
