@@ -76,3 +76,12 @@ def test_third_party_loading_bars_only_with_verbose() -> None:
     verbose = subprocess.run([*command[:3], "--verbose", *command[3:]], env=env, capture_output=True, text=True,
                              timeout=300)
     assert verbose.returncode == 0 and "Loading weights" in verbose.stderr, verbose.stderr
+
+
+def test_rl_step_lines_say_the_share_done_and_an_eta() -> None:
+    from sleuth.rl.step_metrics import format_line
+
+    m = {"reward/mean": 0.5, "retrieval_count": 1.0, "response_length/policy_tokens": 10.0, "time/rollout": 1.0,
+         "time/reward": 0.0, "time/update": 1.0, "time/step": 30.0}
+    assert format_line(5, 20, m).startswith("[bold]step 5/20[/] (25%, ETA ~7m30s)")
+    assert format_line(20, 20, m).startswith("[bold]step 20/20[/] (100%)")

@@ -28,7 +28,7 @@ EVERY_ENV = "SLEUTH_PROGRESS_EVERY"  # seconds between plain progress lines (def
 DEFAULT_EVERY_S = 30.0
 
 
-def _clock(seconds: float) -> str:
+def clock(seconds: float) -> str:
     seconds = int(round(seconds))
     hours, rest = divmod(seconds, 3600)
     minutes, secs = divmod(rest, 60)
@@ -97,11 +97,11 @@ class PlainProgress:
         text = f"{task.description}: {task.completed:g}"
         if task.total:
             share = task.completed / task.total
-            text += f"/{task.total:g} ({100 * share:.0f}%), {_clock(elapsed)} elapsed"
+            text += f"/{task.total:g} ({100 * share:.0f}%), {clock(elapsed)} elapsed"
             if 0 < share < 1:
-                text += f", ETA {_clock(elapsed * (1 - share) / share)}"
+                text += f", ETA {clock(elapsed * (1 - share) / share)}"
         else:
-            text += f", {_clock(elapsed)} elapsed"
+            text += f", {clock(elapsed)} elapsed"
         return f"{text}{', ' + shown if shown else ''}"
 
 
