@@ -313,3 +313,19 @@ def test_an_openai_model_named_by_a_local_directory_brings_its_tokenizer(tmp_pat
     with pytest.raises(ConfigError, match="tokenizer .*: not a directory holding tokenizer_config.json"):
         load_generator({"backend": "openai", "base_url": "http://127.0.0.1:9/v1", "model": "m",
                         "tokenizer": str(tmp_path)})
+
+
+def test_an_agent_through_a_served_model_without_tokenizer_is_refused_before_any_method(server, small_world, tmp_path):
+    from typer.testing import CliRunner
+
+    from sleuth.cli import app
+
+    result = CliRunner().invoke(app, [
+        "eval", "-m", "naive-rag,search-r1", "--data", str(small_world / "test.jsonl"), "--retriever",
+        str(small_world / "bm25"), "--model", f"openai:{server.url}/v1#fake-model", "--out", str(tmp_path / "out"),
+        "--limit", "1"], env={"COLUMNS": "400"})
+    assert result.exit_code == 2 and "pass --tokenizer DIR" in result.output, result.output
+    assert not (tmp_path / "out" / "naive-rag").exists() and server.requests == []  # refused before naive-rag ran
+    result = CliRunner().invoke(app, ["eval", "-m", "direct", "--data", str(small_world / "test.jsonl"),
+                                      "--model", "tiny", "--tokenizer", str(tmp_path)])
+    assert result.exit_code == 2 and "only an openai: --model needs one" in result.output

@@ -116,6 +116,12 @@ def evaluate(
         )
 
     models = load_models(model, generator, judge, retriever, bool(needs_retrieval))
+    agents = [m for m in method_list if m not in BASELINES]
+    if agents and getattr(models.model, "tokenizer", True) is None:  # before any method runs, not after the first
+        raise ConfigError(
+            f"method(s) {', '.join(agents)} build the agent's prompts with the model's tokenizer, and "
+            f"{models.descs['model']} brings none: pass --tokenizer DIR (the served model's directory), or serve "
+            "the model under its local directory's name (openai:URL#DIR)")
     retriever_obj = resolve_retriever(retriever, cfg.retriever_cache) if needs_retrieval else None
     if any(BASELINES[m].needs_gold for m in method_list if m in BASELINES):
         passages_by_id(retriever_obj, [])  # a retriever that cannot look ids up fails before any method runs
