@@ -499,21 +499,16 @@ def test_validation_change_compares_validations_of_one_reward_stage(tmp_path: Pa
 
 
 def test_report_never_overwrites_a_claim_report(tmp_path: Path):
-    from dataclasses import dataclass
-
     from typer.testing import CliRunner
 
-    from sleuth.claim_report import write_report
     from sleuth.cli import app
-
-    @dataclass
-    class Claim:
-        method: str = "staged"
-        claim: str = "fewer retrievals"
 
     run = tmp_path / "claims"
     write_training_run(run / "arm_a")
-    claim_page = write_report(run, Claim(), {"rows": {}, "holds": True, "rule": "r"}, ("a", "b"), {}).read_text()
+    # the head of the page `sleuth reproduce` writes to OUT/report.html (sleuth.claims.report.write_report)
+    claim_page = ("<!doctype html><html><head><meta charset='utf-8'><title>sleuth reproduce staged: holds</title>"
+                  "</head><body><div class='banner' id='verdict'>The claim holds.</div></body></html>\n")
+    (run / "report.html").write_text(claim_page)
     out = build_report(run)
     assert out == run / "sleuth_report.html" and (run / "report.html").read_text() == claim_page
     assert build_report(run) == out  # its own page it overwrites
