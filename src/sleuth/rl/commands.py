@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import shlex
+
 import typer
 
 
@@ -23,7 +25,13 @@ def register(app: typer.Typer) -> None:
 
         from sleuth.errors import SleuthError
         from sleuth.rl.config import load_recipe
-        from sleuth.rl.interrupts import SIGTERM_EXIT, interrupted_message, resume_command, stop_on_sigterm
+        from sleuth.rl.interrupts import (
+            SIGTERM_EXIT,
+            StoppedBySignal,
+            interrupted_message,
+            resume_command,
+            stop_on_sigterm,
+        )
 
         console = Console(soft_wrap=True)  # a message or path is one line, never broken at the width
         cfg = None
@@ -36,6 +44,10 @@ def register(app: typer.Typer) -> None:
         except SleuthError as err:
             console.print(f"[red]error:[/] {escape(str(err))}")
             raise typer.Exit(2) from None
+        except StoppedBySignal as stop:  # in the SFT stage: the same command goes on from its checkpoint
+            console.print(f"{stop}; resume with: {shlex.join(['sleuth', 'train', recipe, *(overrides or [])])}",
+                          markup=False)
+            raise typer.Exit(SIGTERM_EXIT) from None
         except KeyboardInterrupt:
             if cfg is not None:
                 console.print(interrupted_message(cfg.trainer.out_dir, recipe, overrides or []), markup=False)
@@ -61,16 +73,22 @@ def register(app: typer.Typer) -> None:
 
         from sleuth.errors import SleuthError
         from sleuth.rl.config import load_recipe
+        from sleuth.rl.interrupts import SIGTERM_EXIT, StoppedBySignal, stop_on_sigterm
 
         console = Console(soft_wrap=True)  # a message or path is one line, never broken at the width
         try:
             cfg = load_recipe(recipe, overrides or [])
             from sleuth.rl.sft import run_sft
 
-            result = run_sft(cfg, resume=not fresh, console=console)
+            with stop_on_sigterm():  # a preempted job saves a checkpoint after the step under way
+                result = run_sft(cfg, resume=not fresh, console=console)
         except SleuthError as err:
             console.print(f"[red]error:[/] {err}")
             raise typer.Exit(2) from None
+        except StoppedBySignal as stop:
+            console.print(f"{stop}; resume with: {shlex.join(['sleuth', 'sft', recipe, *(overrides or [])])}",
+                          markup=False)
+            raise typer.Exit(SIGTERM_EXIT) from None
         console.print(f"[green]done[/]: {result['out_dir']} (checkpoint {result['checkpoint']})")
 
     @app.command("check-recipe")

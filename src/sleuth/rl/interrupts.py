@@ -56,6 +56,10 @@ def sigterm_received() -> bool:
     return bool(_received)
 
 
+class StoppedBySignal(Exception):  # noqa: N818 - a stop asked for, not a failure
+    """A run stopped by SIGTERM between two steps, its last step saved (the SFT stage; the RL loop returns)."""
+
+
 @dataclass(frozen=True)
 class StopReason:
     message: str  # "time limit of 30 min reached" / "SIGTERM received"

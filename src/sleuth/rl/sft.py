@@ -36,6 +36,7 @@ from sleuth.rl.checkpoint import (
 )
 from sleuth.rl.checkpoint_compat import FINGERPRINT, check_init_from, recipe_fingerprint
 from sleuth.rl.config import Recipe
+from sleuth.rl.interrupts import StoppedBySignal, sigterm_received
 from sleuth.rl.loggers import open_recipe_loggers
 from sleuth.rl.models import autocast, load_policy
 from sleuth.rl.setup import build_optimizer, searcher_info
@@ -215,8 +216,11 @@ def run_sft(recipe: Recipe, *, resume: bool = True, console: Any = None) -> dict
             log.write(step + 1, last)
             held_text = f" heldout {last['sft/heldout_loss']:.4f}" if "sft/heldout_loss" in last else ""
             bar.update(task, advance=1, loss=f"loss {last['sft/loss']:.4f}{held_text}")
-            if (cfg.save_every and (step + 1) % cfg.save_every == 0) or step + 1 == total:
+            stop = sigterm_received() and step + 1 < total  # a preempted job: keep this step, then stop
+            if stop or (cfg.save_every and (step + 1) % cfg.save_every == 0) or step + 1 == total:
                 save(step + 1, epoch)
+            if stop:
+                raise StoppedBySignal(f"SIGTERM received after SFT step {step + 1} of {total}; checkpoint saved")
     final = latest_checkpoint(out_dir)
     if final is None:
         raise ConfigError(f"SFT wrote no checkpoint under {out_dir}")
