@@ -29,7 +29,7 @@ app = typer.Typer(
     pretty_exceptions_show_locals=False,
 )
 
-_type_column = TyperOption.display_type_rich
+_type_column = getattr(TyperOption, "display_type_rich", None)  # typer >= 0.2x's help type column
 
 
 def _switch_type_column(self: TyperOption, ctx: Any) -> str | None:
@@ -37,7 +37,8 @@ def _switch_type_column(self: TyperOption, ctx: Any) -> str | None:
     return None if self.is_flag and not self.count else _type_column(self, ctx)
 
 
-TyperOption.display_type_rich = _switch_type_column  # type: ignore[method-assign]
+if _type_column is not None:
+    TyperOption.display_type_rich = _switch_type_column  # type: ignore[method-assign]
 
 
 def version_line() -> str:
