@@ -25,7 +25,11 @@ def _fixes(name: str) -> str:
 
 def require_hub_model(name: str) -> None:
     """Raise a one-line ConfigError when hub model `name` is neither cached nor downloadable now."""
-    if isinstance(try_to_load_from_cache(name, "config.json"), str):
+    try:
+        cached = isinstance(try_to_load_from_cache(name, "config.json"), str)
+    except ValueError:  # not a valid repo id (HFValidationError): transformers will say so
+        return
+    if cached:
         return
     if os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in _TRUE:
         raise ConfigError(f"model {name!r} is not a local directory and not in the local Hugging Face cache, and "
