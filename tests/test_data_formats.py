@@ -105,8 +105,13 @@ def test_missing_file_is_a_data_format_error(tmp_path):
 
 def test_searchr1_parquet_round_trip_and_columns(tmp_path):
     path = tmp_path / "train.parquet"
-    assert write_searchr1_parquet(path, EXAMPLES, data_source="nq", split="test") == 3
+    assert write_searchr1_parquet(path, EXAMPLES, split="test") == 3
     assert read_searchr1_parquet(path) == EXAMPLES  # sleuth's own metadata column round-trips as is
+    assert {r["data_source"] for r in pq.read_table(path).to_pylist()} == {"sleuth"}  # no dataset named
+    # `data_source` is the dataset of questions that name none: in their metadata too, so it is read back
+    assert write_searchr1_parquet(path, EXAMPLES, data_source="nq", split="test") == 3
+    assert read_searchr1_parquet(path) == [QAExample(e.id, e.question, e.golden_answers, {**e.metadata, "dataset": "nq"})
+                                           for e in EXAMPLES]
 
     rows = pq.read_table(path).to_pylist()
     row = rows[1]
@@ -356,3 +361,43 @@ def test_r_search_parquet_loads(tmp_path):
         QAExample("data_0", "Who directed Blue Harbor?", ["Mara Ilves"], {"dataset": "2wikimultihopqa"}),
         QAExample("data_1", "Is Tarsk in Varonia?", ["yes"], {"dataset": "2wikimultihopqa"}),
     ]
+
+
+def test_converted_files_merged_keep_their_data_sources(tmp_path):
+    """Two FlashRAG test files converted with `sleuth data convert --data-source`, then concatenated as
+    Search-R1's qa_search_test_merge.py does: each row keeps its dataset, so the colliding ids load apart."""
+    from typer.testing import CliRunner
+
+    from sleuth.cli import app
+
+    parts = []
+    for name, question in (("nq", "a?"), ("popqa", "b?")):
+        (tmp_path / name).mkdir()
+        src = _write_lines(tmp_path / name / "test.jsonl", [
+            json.dumps({"id": f"test_{i}", "question": f"{question} {i}", "golden_answers": ["x"]}) for i in range(2)])
+        dst = tmp_path / f"{name}.parquet"
+        result = CliRunner().invoke(app, ["data", "convert", str(src), str(dst), "--data-source", name,
+                                          "--split", "test"])
+        assert result.exit_code == 0, result.output
+        parts.append(pq.read_table(dst))
+        assert {r["data_source"] for r in parts[-1].to_pylist()} == {name}
+    merged = tmp_path / "test.parquet"
+    pq.write_table(pa.concat_tables(parts), merged)
+    examples = load_qa(merged)
+    assert [e.id for e in examples] == ["nq/test_0", "nq/test_1", "popqa/test_0", "popqa/test_1"]
+    assert {e.metadata["dataset"] for e in examples} == {"nq", "popqa"}
+    # to jsonl and back: the dataset stays with each question
+    result = CliRunner().invoke(app, ["data", "convert", str(merged), str(tmp_path / "merged.jsonl")])
+    assert result.exit_code == 0, result.output
+    assert [e.metadata["dataset"] for e in load_qa(tmp_path / "merged.jsonl")] == ["nq", "nq", "popqa", "popqa"]
+
+    # files sleuth wrote before (the data source only in the column, metadata "{}") merge too
+    old = [t.set_column(t.schema.get_field_index("metadata"), "metadata", pa.array(["{}"] * t.num_rows))
+           for t in parts]
+    pq.write_table(pa.concat_tables(old), merged)
+    assert [e.id for e in load_qa(merged)] == ["nq/test_0", "nq/test_1", "popqa/test_0", "popqa/test_1"]
+    # without a data source, the duplicate is named with the way out
+    pq.write_table(pa.concat_tables([t.set_column(t.schema.get_field_index("data_source"), "data_source",
+                                                  pa.array(["sleuth"] * t.num_rows)) for t in old]), merged)
+    with pytest.raises(DataFormatError, match=r"duplicate id 'test_0'.*--data-source NAME"):
+        load_qa(merged)

@@ -496,3 +496,32 @@ def test_validation_change_compares_validations_of_one_reward_stage(tmp_path: Pa
     assert change["first_step"] == 2 and change["diff"] == pytest.approx(0.5)
     _write_validation(run, 6, {"a": 1.0, "b": 1.0}, stage=3)
     assert validation_change(discover(run).training[0].validations) is None  # one validation of the last stage: no change
+
+
+def test_report_never_overwrites_a_claim_report(tmp_path: Path):
+    from typer.testing import CliRunner
+
+    from sleuth.cli import app
+
+    run = tmp_path / "claims"
+    write_training_run(run / "arm_a")
+    # the head of the page `sleuth reproduce` writes to OUT/report.html (sleuth.claims.report.write_report)
+    claim_page = ("<!doctype html><html><head><meta charset='utf-8'><title>sleuth reproduce staged: holds</title>"
+                  "</head><body><div class='banner' id='verdict'>The claim holds.</div></body></html>\n")
+    (run / "report.html").write_text(claim_page)
+    out = build_report(run)
+    assert out == run / "sleuth_report.html" and (run / "report.html").read_text() == claim_page
+    assert build_report(run) == out  # its own page it overwrites
+    with pytest.raises(ConfigError, match=r"report.html exists and was not written by `sleuth report`.*--out"):
+        build_report(run, out=run / "report.html")
+    assert (run / "report.html").read_text() == claim_page
+    result = CliRunner().invoke(app, ["report", str(run)], terminal_width=400)
+    assert result.exit_code == 0, result.output
+    assert "sleuth_report.html" in result.output and "kept" in result.output
+    result = CliRunner().invoke(app, ["report", str(run), "--out", str(run / "report.html")], terminal_width=400)
+    assert result.exit_code == 2 and "not written by `sleuth report`" in result.output
+    assert (run / "report.html").read_text() == claim_page
+    # a directory whose report.html is sleuth report's own keeps being written there
+    plain = tmp_path / "plain"
+    write_training_run(plain)
+    assert build_report(plain) == plain / "report.html" and build_report(plain) == plain / "report.html"

@@ -37,8 +37,8 @@ def _sft_run(run_dir: Path) -> None:
     (run_dir / "sft.json").write_text("{}")
 
 
-def _healthy_run(run_dir: Path, events: list[dict] | None) -> None:
-    write_training_run(run_dir)
+def _healthy_run(run_dir: Path, events: list[dict] | None, steps: int = 6) -> None:
+    write_training_run(run_dir, steps=steps)  # 6 steps: enough for the guards below to fire
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     for r in rows:
         r.update({"health/no_search": 0.1 * r["step"], "health/invalid_action": 0.0, "health/nonfinite_skips": 0.0})
@@ -129,3 +129,53 @@ def test_only_runs_watched_by_guards_are_called_healthy(tmp_path: Path) -> None:
     assert "train/sft: no RL steps" in result.output.splitlines()
     assert "train: healthy (no guard fired)" in result.output.splitlines()
     assert "old: not watched by guards (metrics.jsonl has no health/ metrics)" in result.output.splitlines()
+
+
+def test_too_few_steps_to_judge_names_the_metrics_past_thresholds(tmp_path: Path) -> None:
+    # the demo's case: 2 RL steps, no search and only invalid actions at both, guards needing 5 steps
+    _healthy_run(tmp_path / "short", None, steps=2)
+    rows = [json.loads(x) for x in (tmp_path / "short" / "metrics.jsonl").read_text().splitlines()]
+    for r in rows:
+        r.update({"health/no_search": 1.0, "health/invalid_action": 1.0})
+    (tmp_path / "short" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    info = json.loads((tmp_path / "short" / "run.json").read_text())
+    info["recipe"]["trainer"]["guards"].append(
+        {"name": "invalid_actions", "kind": "above", "metric": "health/invalid_action", "value": 0.5, "steps": 5})
+    (tmp_path / "short" / "run.json").write_text(json.dumps(info))
+    verdict = training_verdict(discover(tmp_path / "short").training[0])
+    assert verdict == (
+        "too few steps to judge (2 logged; the guards need at least 5); past a guard's threshold: "
+        "health/no_search > 0.95 at 2 of 2 steps (stopped_searching needs 5 in a row); "
+        "health/invalid_action > 0.5 at 2 of 2 steps (invalid_actions needs 5 in a row)")
+    assert "Health: too few steps to judge" in render_report(discover(tmp_path / "short"))
+
+    # enough steps for a guard to fire, none fired: healthy, still naming a metric past its threshold at times
+    _healthy_run(tmp_path / "long", None)
+    rows = [json.loads(x) for x in (tmp_path / "long" / "metrics.jsonl").read_text().splitlines()]
+    rows[-1]["health/no_search"] = 1.0
+    (tmp_path / "long" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert training_verdict(discover(tmp_path / "long").training[0]) == (
+        "healthy (no guard fired); past a guard's threshold: health/no_search > 0.95 at 1 of 6 steps "
+        "(stopped_searching needs 5 in a row)")
+
+
+def test_an_sft_folder_reads_its_sft_json(tmp_path: Path) -> None:
+    ckpt = tmp_path / "sft" / "checkpoints" / "step_000002"
+    ckpt.mkdir(parents=True)
+    (ckpt / "searcher.json").write_text(json.dumps({"recipe": "demo", "loop": "search_r1", "base_model": "tiny"}))
+    _sft_run_files = tmp_path / "sft"
+    rows = [{"step": s, "sft/loss": 6.0 - 0.1 * s} for s in (1, 2)]
+    (_sft_run_files / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    # an sft.json from before it held the recipe: recipe and model come from the final checkpoint
+    (_sft_run_files / "sft.json").write_text(json.dumps(
+        {"records": 12, "held_out_records": 2, "steps": 2, "final_checkpoint": str(ckpt)}))
+    page = render_report(discover(tmp_path))
+    assert "No run.json" not in page
+    for shown in ("<dt>recipe</dt><dd>demo</dd>", "<dt>model</dt><dd>tiny</dd>", "<dt>steps</dt><dd>2 / 2</dd>",
+                  "<dt>SFT records</dt><dd>12</dd>"):
+        assert shown in page, shown
+    # what run_sft writes now: the recipe itself
+    (_sft_run_files / "sft.json").write_text(json.dumps(
+        {"records": 12, "steps": 2, "kind": "sft", "recipe": {"name": "r2", "model": {"policy": "m2"}}}))
+    page = render_report(discover(tmp_path))
+    assert "<dt>recipe</dt><dd>r2</dd>" in page and "<dt>model</dt><dd>m2</dd>" in page

@@ -183,3 +183,65 @@ def test_export_of_a_checkpoint_with_the_wrong_eos_stops_at_the_turn_end(lora_ru
     assert config["eos_token_id"] == end_id and config["rope_theta"] == config["rope_parameters"]["rope_theta"]
     assert json.loads((out / "tokenizer_config.json").read_text())["tokenizer_class"] in KNOWN_TO_TRANSFORMERS_4
     assert_normal_permissions(out)
+
+
+CHAT_IDIOM = """
+import sys
+from transformers import AutoModelForCausalLM, AutoTokenizer
+tok = AutoTokenizer.from_pretrained(sys.argv[1])
+model = AutoModelForCausalLM.from_pretrained(sys.argv[1])
+inputs = tok.apply_chat_template([{"role": "user", "content": "Where is Varonia?"}], add_generation_prompt=True,
+                                 return_tensors="pt", return_dict=True)
+assert sorted(inputs) == ["attention_mask", "input_ids"], sorted(inputs)
+out = model.generate(**inputs, max_new_tokens=4, do_sample=False)
+print("generated", out.shape[1] - inputs["input_ids"].shape[1])
+"""
+
+
+@pytest.fixture(scope="module")
+def committed_export(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The committed Search-R1 searcher (SmolLM2 from its GGUF: a PreTrainedTokenizerFast), exported."""
+    from sleuth.agent.searcher import export_searcher
+    from sleuth.errors import ConfigError
+    from sleuth.llm.registry import embedded_gguf_path
+
+    try:
+        embedded_gguf_path()
+    except ConfigError as err:
+        pytest.skip(str(err))
+    return export_searcher(Path(__file__).resolve().parents[1] / "checkpoints" / "search_r1",
+                           tmp_path_factory.mktemp("committed") / "hf")
+
+
+@pytest.mark.parametrize("which", ["tiny", "committed"])
+def test_export_generates_with_the_chat_template_idiom(which: str, request: pytest.FixtureRequest) -> None:
+    """`model.generate(**tok.apply_chat_template(..., return_dict=True))` works on the export: the tokenizer
+    gives no token_type_ids (transformers 4.56 refused them) and config.json names no GGUF title."""
+    import subprocess
+
+    exported = request.getfixturevalue("exported" if which == "tiny" else "committed_export")
+
+    assert json.loads((exported / "tokenizer_config.json").read_text())["model_input_names"] == [
+        "input_ids", "attention_mask"]
+    assert "_model_name_or_path" not in json.loads((exported / "config.json").read_text())
+    result = subprocess.run([sys.executable, "-c", CHAT_IDIOM, str(exported)], capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0 and "generated" in result.stdout, result.stderr[-2000:]
+
+
+def test_export_generates_with_transformers_4(committed_export: Path) -> None:
+    """The same with transformers 4.56, from a directory holding it (and its huggingface_hub / tokenizers):
+    `pip install --no-deps --target DIR transformers==4.56.2 'huggingface_hub<1.0' 'tokenizers<0.23'`,
+    then SLEUTH_TRANSFORMERS4_DIR=DIR."""
+    import os
+    import subprocess
+
+    target = os.environ.get("SLEUTH_TRANSFORMERS4_DIR")
+    if not target:
+        pytest.skip("SLEUTH_TRANSFORMERS4_DIR is not set (see the docstring)")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([target, os.environ.get("PYTHONPATH", "")]),
+           "OMP_NUM_THREADS": "1"}
+    check = "import transformers; assert transformers.__version__.startswith('4.'), transformers.__version__\n"
+    result = subprocess.run([sys.executable, "-c", check + CHAT_IDIOM, str(committed_export)], capture_output=True,
+                            text=True, timeout=300, env=env)
+    assert result.returncode == 0 and "generated" in result.stdout, result.stderr[-2000:]

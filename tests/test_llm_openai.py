@@ -60,10 +60,12 @@ class FakeServer:
                     choice["logprobs"] = {"tokens": tokens, "token_logprobs": logprobs}
             return {"choices": [choice]}
 
-        async def handle(request: Request, chat: bool, flaky: bool):
+        async def handle(request: Request, chat: bool, flaky: bool, text_only: bool = False):
             import asyncio
 
             body = await request.json()
+            if text_only and not isinstance(body.get("prompt", ""), str):  # as `transformers serve` does
+                return JSONResponse({"detail": "prompt must be a string."}, status_code=400)
             with self._lock:
                 self.requests.append(body)
                 self.in_flight += 1
@@ -88,13 +90,14 @@ class FakeServer:
                 with self._lock:
                     self.in_flight -= 1
 
-        for prefix, flaky in (("/v1", False), ("/flaky/v1", True)):
+        for prefix, flaky, text_only in (("/v1", False, False), ("/flaky/v1", True, False),
+                                         ("/textonly/v1", False, True)):
 
             async def chat_route(request: Request, flaky: bool = flaky):
                 return await handle(request, True, flaky)
 
-            async def completion_route(request: Request, flaky: bool = flaky):
-                return await handle(request, False, flaky)
+            async def completion_route(request: Request, flaky: bool = flaky, text_only: bool = text_only):
+                return await handle(request, False, flaky, text_only)
 
             app.post(f"{prefix}/chat/completions")(chat_route)
             app.post(f"{prefix}/completions")(completion_route)
@@ -230,3 +233,99 @@ def test_an_unknown_openai_spec_option_is_named() -> None:
     gen = load_generator({"backend": "openai", "base_url": "http://127.0.0.1:9/v1", "model": "m", "chat": False,
                           "retries": 2})
     assert isinstance(gen, OpenAIGenerator) and gen.chat is False and gen.retries == 2
+
+
+def test_a_slow_answer_is_not_sent_again(server):
+    """A request that times out waiting for its answer is still being computed: resending it would double the
+    server's work, so it fails at once, saying how to wait longer."""
+    server.delay = 1.0
+    gen = OpenAIGenerator(f"{server.url}/v1", "fake-model", options=OpenAIOptions(retries=4, backoff=0.01, timeout=0.3))
+    with pytest.raises(ServiceError, match=r"no answer within 0.3 s; not sent again .* SLEUTH_OPENAI_TIMEOUT"):
+        gen.generate(["x"], params=P)
+    time.sleep(1.2)  # let the server finish what it was computing
+    assert len(server.requests) == 1
+
+
+def test_the_timeout_is_an_option(server, monkeypatch, tmp_path):
+    import json
+
+    from typer.testing import CliRunner
+
+    from sleuth.cli import app
+    from sleuth.llm.registry import load_generator
+
+    spec = f"openai:{server.url}/v1#fake-model"
+    assert load_generator(spec).timeout == 60.0
+    monkeypatch.setenv("SLEUTH_OPENAI_TIMEOUT", "123")
+    gen = load_generator(spec)
+    assert gen.timeout == 123.0 and gen._client.timeout.read == 123.0
+    monkeypatch.setenv("SLEUTH_OPENAI_TIMEOUT", "soon")
+    with pytest.raises(ConfigError, match="SLEUTH_OPENAI_TIMEOUT='soon'"):
+        load_generator(spec)
+    monkeypatch.delenv("SLEUTH_OPENAI_TIMEOUT")
+
+    data = tmp_path / "q.jsonl"
+    data.write_text(json.dumps({"id": "q0", "question": "Where?", "golden_answers": ["x"]}) + "\n")
+    server.delay = 1.0
+    result = CliRunner().invoke(app, ["eval", "-m", "direct", "--data", str(data), "--model", spec, "--out",
+                                      str(tmp_path / "out"), "--openai-timeout", "0.3"], env={"COLUMNS": "300"})
+    assert result.exit_code == 2 and "no answer within 0.3 s" in result.output, result.output
+    time.sleep(1.2)
+    assert len(server.requests) == 1
+
+
+def test_a_server_taking_text_only_gets_the_prompt_as_text(server):
+    """`transformers serve` refuses token-id prompts: with the model's tokenizer the same prompt goes as the text
+    the ids decode to (and stays text for later requests); without one, the error names what to pass."""
+    from transformers import AutoTokenizer
+
+    from sleuth.llm.registry import tiny_model_dir
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir())
+    ids = tok.encode("hello there", add_special_tokens=False)
+    bare = OpenAIGenerator(f"{server.url}/textonly/v1", "fake-model", options=OpenAIOptions(backoff=0.01))
+    with pytest.raises(ServiceError, match=r"refused a prompt of token ids.*--tokenizer DIR"):
+        bare.generate([ids], params=P)
+    gen = OpenAIGenerator(f"{server.url}/textonly/v1", "fake-model", tokenizer=tok, options=OpenAIOptions(backoff=0.01))
+    (out,) = gen.generate([ids], params=P)
+    assert out.text.startswith("reply to hello there") and gen.text_prompts
+    server.requests.clear()
+    gen.generate([ids], params=P)
+    assert [r["prompt"] for r in server.requests] == ["hello there"]  # no second refusal
+
+
+def test_a_stop_string_kept_in_the_text_ends_the_turn_there():
+    # transformers serve keeps the stop string and may run past it within the token that completed it
+    gen = parse_choice({"finish_reason": "stop", "text": "a <search> q </search>\n\nmore"}, ["</search>", "</answer>"],
+                       chat=False)
+    assert (gen.text, gen.stop, gen.finish_reason) == ("a <search> q </search>", "</search>", "stop")
+
+
+def test_an_openai_model_named_by_a_local_directory_brings_its_tokenizer(tmp_path):
+    from sleuth.llm.registry import load_generator, tiny_model_dir
+
+    served = load_generator(f"openai:http://127.0.0.1:9/v1#{tiny_model_dir()}")
+    assert served.tokenizer is not None and served.model == str(tiny_model_dir())
+    assert load_generator("openai:http://127.0.0.1:9/v1#some-model").tokenizer is None
+    with_tok = load_generator({"backend": "openai", "base_url": "http://127.0.0.1:9/v1", "model": "m",
+                               "tokenizer": str(tiny_model_dir())})
+    assert with_tok.tokenizer is not None
+    with pytest.raises(ConfigError, match="tokenizer .*: not a directory holding tokenizer_config.json"):
+        load_generator({"backend": "openai", "base_url": "http://127.0.0.1:9/v1", "model": "m",
+                        "tokenizer": str(tmp_path)})
+
+
+def test_an_agent_through_a_served_model_without_tokenizer_is_refused_before_any_method(server, small_world, tmp_path):
+    from typer.testing import CliRunner
+
+    from sleuth.cli import app
+
+    result = CliRunner().invoke(app, [
+        "eval", "-m", "naive-rag,search-r1", "--data", str(small_world / "test.jsonl"), "--retriever",
+        str(small_world / "bm25"), "--model", f"openai:{server.url}/v1#fake-model", "--out", str(tmp_path / "out"),
+        "--limit", "1"], env={"COLUMNS": "400"})
+    assert result.exit_code == 2 and "pass --tokenizer DIR" in result.output, result.output
+    assert not (tmp_path / "out" / "naive-rag").exists() and server.requests == []  # refused before naive-rag ran
+    result = CliRunner().invoke(app, ["eval", "-m", "direct", "--data", str(small_world / "test.jsonl"),
+                                      "--model", "tiny", "--tokenizer", str(tmp_path)])
+    assert result.exit_code == 2 and "only an openai: --model needs one" in result.output

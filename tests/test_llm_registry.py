@@ -136,6 +136,13 @@ def test_bad_specs_name_the_spec(tmp_path):
     with pytest.raises(ConfigError, match="SLEUTH_TEST_NO_SUCH_KEY"):
         load_generator({"backend": "openai", "base_url": "http://x/v1", "model": "m",
                         "api_key_env": "SLEUTH_TEST_NO_SUCH_KEY"})
+
+
+
+def test_a_loadable_hub_name_passes_through(monkeypatch):
+    import sleuth.llm.registry
+
+    monkeypatch.setattr(sleuth.llm.registry, "require_hub_model", lambda name: None)  # cached or hub reachable
     assert resolve_model_path("Qwen/Qwen2.5-3B-Instruct") == "Qwen/Qwen2.5-3B-Instruct"
 
 
@@ -203,3 +210,35 @@ def test_cli_models_and_generate(cache):
     assert "finish_reason=length" in generated.output
     bad = runner.invoke(app, ["generate", "no-such-model", "hi"])
     assert bad.exit_code == 2 and "no-such-model" in bad.output
+
+
+def test_hub_model_without_network_is_one_line_naming_it(small_world, tmp_path, monkeypatch):
+    import time
+
+    import yaml
+    from typer.testing import CliRunner
+
+    from sleuth.cli import app
+    from tiny_recipe import tiny_grpo_recipe
+
+    name = "sleuth-test/not-cached-anywhere"
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ConfigError, match=r"model 'sleuth-test/not-cached-anywhere' .* HF_HUB_OFFLINE is set: "
+                                          r"download it .* or set the model \(model.policy / --model\)"):
+        resolve_model_path(name)
+    # no network (nothing listens on the endpoint): said at once, not after transformers' retries
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")
+    started = time.monotonic()
+    with pytest.raises(ConfigError, match=r"the hub \(http://127.0.0.1:9\) is unreachable"):
+        resolve_model_path(name)
+    assert time.monotonic() - started < 10
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(yaml.safe_dump(tiny_grpo_recipe(small_world, tmp_path / "run", "hub", **{"model.policy": name})))
+    result = CliRunner().invoke(app, ["train", str(recipe)])
+    assert result.exit_code == 2, result.output
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: model {name!r}") and "Traceback" not in result.output
+    assert not (tmp_path / "run").exists()

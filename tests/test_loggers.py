@@ -220,3 +220,28 @@ def test_local_defaults_and_what_keeps_them_off(tmp_path: Path, monkeypatch) -> 
     (tmp_path / "netrc").unlink()
     monkeypatch.setenv("WANDB_API_KEY", "x")
     assert wandb_default_mode() is None
+
+
+def test_the_readme_mlflow_read_back_works_in_a_fresh_shell(tmp_path: Path) -> None:
+    """The README's read-back line, run as written (a new shell: no MLFLOW_* variable), on a local file
+    store like the one sleuth writes; and the UI line names the package that has the server."""
+    import os
+    import re
+    import subprocess
+    import sys
+
+    pytest.importorskip("mlflow")
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    (block,) = [b for b in re.findall(r"```bash\n(.*?)```", readme, re.DOTALL) if "search_runs" in b]
+    read_back = next(line for line in block.splitlines() if "search_runs" in line)
+    assert "pip install mlflow " in block and "mlflow ui --backend-store-uri runs/x/mlruns" in block
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
+    store = tmp_path / "runs" / "x" / "mlruns"
+    write = ("import mlflow; mlflow.set_tracking_uri(%r); mlflow.set_experiment('sleuth')\n"
+             "with mlflow.start_run(run_name='readme'): mlflow.log_metric('reward/mean', 0.25, step=1)") % store.as_uri()
+    subprocess.run([sys.executable, "-c", write], env={**env, "MLFLOW_ALLOW_FILE_STORE": "true"}, check=True,
+                   capture_output=True, timeout=300)
+    command = read_back.replace("python -c", f"{sys.executable} -c", 1)
+    result = subprocess.run(command, shell=True, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "readme" in result.stdout and "0.25" in result.stdout

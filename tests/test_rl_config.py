@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -116,3 +117,74 @@ def test_write_recipe_saves_yaml_that_loads_back_and_names_the_file_in_errors(tm
     assert written.name == "saved" and load_recipe(path) == written
     with pytest.raises(ConfigError, match=rf"(?s){tmp_path / 'bad.yaml'}: invalid recipe.*agent\.loop"):
         write_recipe({**MINIMAL, "agent": {"loop": "nope"}}, tmp_path / "bad.yaml")
+
+
+def _check_recipe(*args: str):
+    from typer.testing import CliRunner
+
+    from sleuth.cli import app
+
+    return CliRunner().invoke(app, ["check-recipe", *args])
+
+
+@pytest.mark.parametrize(("recipe", "override", "said"), [
+    ("search_r1.yaml", "reward.options.answer_source=upstrem", "did you mean 'upstream'?"),
+    ("r_search.yaml", "reward.options.rules=upstram", "did you mean 'upstream'?"),
+    ("s3.yaml", "reward.options.judge_rul=em", "did you mean judge_rule?"),
+    ("s3.yaml", "agent.options.no_such=1", "has no option(s) no_such"),
+])
+def test_check_recipe_refuses_what_train_refuses_before_any_model_loads(
+        recipe: str, override: str, said: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    import sleuth.rl.models
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("a model was loaded")
+
+    monkeypatch.setattr(sleuth.rl.models, "load_policy", no_model)
+    result = _check_recipe(str(RECIPES_DIR / recipe), override)
+    assert result.exit_code == 2, result.output
+    assert said in result.output and result.stdout == ""
+    # `train` checks the same pieces before it loads anything (check_input_paths runs first in train)
+    from sleuth.rl.setup import check_input_paths
+
+    with pytest.raises(ConfigError, match=re.escape(said)):
+        check_input_paths(load_recipe(RECIPES_DIR / recipe, [override]))
+
+
+def test_check_recipe_prints_yaml_that_round_trips(tmp_path: Path) -> None:
+    result = _check_recipe(str(RECIPES_DIR / "staged.yaml"), "description=" + "a long description " * 8)
+    assert result.exit_code == 0, result.output
+    assert "\x1b[" not in result.stdout and "data.train: data/2wikimqa/train.jsonl does not exist" in result.stderr
+    (tmp_path / "r.yaml").write_text(result.stdout)
+    again = load_recipe(tmp_path / "r.yaml")
+    assert again.model_dump() == load_recipe(RECIPES_DIR / "staged.yaml",
+                                             ["description=" + "a long description " * 8]).model_dump()
+
+
+def test_unknown_keys_get_did_you_mean_and_verl_names_mapped() -> None:
+    data = {**MINIMAL, "data": {"train": "x", "train_files": ["x"], "trian": "x"},
+            "trainer": {"logger": ["console"]}, "algorithm": {"adv_estimator": "grpo"},
+            "actor_rollout_ref": {"rollout": {"n": 5}}}
+    with pytest.raises(ConfigError) as err:
+        recipe_from_dict(data)
+    lines = str(err.value).splitlines()
+    for line in ("  data.train_files: unknown key; verl's data.train_files is data.train here",
+                 "  data.trian: unknown key; did you mean data.train?",
+                 "  actor_rollout_ref: unknown key; verl's actor_rollout_ref.rollout.n is algorithm.n here"):
+        assert line in lines
+    assert any(x.startswith("  trainer.logger: unknown key; verl's trainer.logger is trainer.loggers here")
+               for x in lines)
+    assert any(x.startswith("  algorithm.adv_estimator: unknown key; verl's algorithm.adv_estimator is "
+                            "algorithm.advantage here") for x in lines)
+
+
+def test_every_verl_name_maps_to_a_recipe_key() -> None:
+    from sleuth.rl.config import Recipe
+    from sleuth.rl.recipe_hints import VERL_NAMES, _models_in
+
+    for verl, target in VERL_NAMES.items():
+        model: object = Recipe
+        for part in target.partition(" : ")[0].split("."):
+            assert part in model.model_fields, (verl, target)
+            inner = _models_in(model.model_fields[part].annotation)
+            model = inner[0] if inner else None

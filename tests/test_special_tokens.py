@@ -110,12 +110,17 @@ def test_write_compatible_files_puts_rope_where_transformers_4_reads_it(tmp_path
     from sleuth.llm.special_tokens import write_compatible_files
 
     (tmp_path / "config.json").write_text(json.dumps(
-        {"rope_parameters": {"rope_theta": 1e6, "rope_type": "yarn", "factor": 4.0}}))
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "TokenizersBackend"}))
+        {"rope_parameters": {"rope_theta": 1e6, "rope_type": "yarn", "factor": 4.0},
+         "_model_name_or_path": "Smollm2 135M 8k Lc100K Mix1 Ep2"}))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "TokenizersBackend", "local_files_only": True, "is_local": True}))
     write_compatible_files(tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())
     assert config["rope_theta"] == 1e6 and config["rope_scaling"] == {"rope_type": "yarn", "factor": 4.0}
-    assert json.loads((tmp_path / "tokenizer_config.json").read_text())["tokenizer_class"] == "PreTrainedTokenizerFast"
+    assert "_model_name_or_path" not in config  # the GGUF file's title, not a model anyone can load
+    # 4.x's PreTrainedTokenizerFast returns token_type_ids unless told, and generate(**inputs) refuses them
+    assert json.loads((tmp_path / "tokenizer_config.json").read_text()) == {
+        "tokenizer_class": "PreTrainedTokenizerFast", "model_input_names": ["input_ids", "attention_mask"]}
 
 
 @pytest.mark.parametrize("policy", CHECKPOINTS, ids=[p.parent.name for p in CHECKPOINTS])

@@ -6,7 +6,7 @@
       validation.jsonl              one line per validation on data.dev (VALIDATION)
       validation/step_000010.jsonl  that validation's question-by-question results (validation_records)
       guards.jsonl                  one line per guard event: step, guard, numbers, what was done (GUARDS)
-      sft/                          a cold-start SFT run, laid out the same way (SFT_DIR)
+      sft/                          a cold-start SFT run, laid out the same way (SFT_DIR), sft.json for run.json
       checkpoints/latest            name of the newest complete checkpoint (LATEST)
       checkpoints/step_000012/      one checkpoint (checkpoint_dir):
         policy/                     weights or LoRA adapters + tokenizer (POLICY_DIR)
@@ -29,6 +29,7 @@ from typing import Any
 from sleuth.errors import ConfigError, DataFormatError
 
 RUN_INFO = "run.json"
+SFT_INFO = "sft.json"  # an SFT run's summary: records, steps, final checkpoint, recipe (its run.json)
 METRICS = "metrics.jsonl"
 VALIDATION = "validation.jsonl"
 VALIDATION_DIR = "validation"

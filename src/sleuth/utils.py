@@ -279,8 +279,12 @@ def read_yaml(path: Path) -> Any:
         raise ConfigError(f"{path}: not valid YAML: {err}") from None
 
 
-def validation_message(source: str, what: str, err: ValidationError) -> str:
-    """`source: invalid <what>`, then one line per wrong field: its dotted path and what is wrong."""
+def validation_message(source: str, what: str, err: ValidationError,
+                       hint: Callable[[dict[str, Any]], str | None] | None = None) -> str:  # fmt: skip
+    """`source: invalid <what>`, then one line per wrong field: its dotted path and what is wrong (`hint`'s
+    text for an error where it returns one: "did you mean ...")."""
     lines = [f"{source}: invalid {what}"]
-    lines += [f"  {'.'.join(str(p) for p in e['loc']) or '(top level)'}: {e['msg']}" for e in err.errors()]
+    for e in err.errors():
+        said = hint(e) if hint is not None else None
+        lines.append(f"  {'.'.join(str(p) for p in e['loc']) or '(top level)'}: {said or e['msg']}")
     return "\n".join(lines)

@@ -40,7 +40,8 @@ def _tokenizer_of(generator: Generator, tokenizer):
     tok = tokenizer if tokenizer is not None else getattr(generator, "tokenizer", None)
     if tok is None:
         raise ConfigError(
-            "rollout needs a tokenizer: pass tokenizer=... or use a generator with a `.tokenizer` attribute"
+            "rollout needs a tokenizer: pass tokenizer=... or use a generator with a `.tokenizer` attribute "
+            "(`sleuth eval --tokenizer DIR` for an openai: model)"
         )
     return tok
 

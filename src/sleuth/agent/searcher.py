@@ -16,7 +16,10 @@ from pathlib import Path
 from typing import Any
 
 from sleuth.agent import get_loop
+from sleuth.agent.base import RolloutState, StepOutcome
 from sleuth.agent.registry import load_checkpoint_plugins
+from sleuth.agent.trajectory import Trajectory
+from sleuth.data.formats import QAExample
 from sleuth.errors import ConfigError
 from sleuth.llm.registry import resolve_model_path
 from sleuth.llm.special_tokens import (
@@ -75,6 +78,24 @@ def load_searcher(path: str | Path, device: str | None = None, merge_lora: bool 
     return Searcher(generator=generator, loop=loop, info=info)
 
 
+def loop_protocol(loop: Any) -> dict[str, Any]:
+    """What a client driving the exported model through an OpenAI-compatible server needs besides the prompt
+    templates: the stop strings to send with each request (`transformers serve` and vLLM stop only at eos
+    otherwise, running past `</answer>`), and the text a search's documents are inserted between. A part
+    that depends on the rollout (a loop whose stops change with the turn) is left out."""
+    probe = QAExample("probe", "probe", ["probe"])
+    state = RolloutState(example=probe, traj=Trajectory("probe", "probe", ["probe"], loop.name), group=0, sample=0,
+                         prompt_ids=[])
+    protocol: dict[str, Any] = {}
+    try:
+        protocol["stop_strings"] = list(loop.stop_strings(state))
+        observation = loop.observe(state, StepOutcome(queries=["probe"]), [[]])
+        protocol["observation"] = {"prefix": observation.prefix, "suffix": observation.suffix}
+    except Exception:  # noqa: BLE001 - a loop whose protocol needs a real rollout: recorded as far as known
+        pass
+    return protocol
+
+
 def checkpoint_identity(ckpt: Path, policy_dir: Path) -> str:
     """The checkpoint's path and its weight files' sizes and modification times: another checkpoint, or
     this one trained again, reads differently (hashing gigabytes of full fine-tunes would take minutes)."""
@@ -121,6 +142,8 @@ def export_searcher(
         "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
         # the loop's full settings, prompt templates included, for users who drive the model elsewhere
         "loop_config": searcher.loop.config(),
+        # and the protocol such a driver follows: where to stop, how documents come back
+        "protocol": loop_protocol(searcher.loop),
     })
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp"))

@@ -110,16 +110,22 @@ def register(app: typer.Typer) -> None:
     def convert(
         src: Path = typer.Argument(..., help="Input: .jsonl/.json (FlashRAG) or .parquet (Search-R1)."),
         dst: Path = typer.Argument(..., help="Output: .jsonl or .parquet."),
-        data_source: str = typer.Option("sleuth", "--data-source", help="Parquet data_source column."),
+        data_source: str = typer.Option(
+            None, "--data-source", help="Dataset of the questions whose metadata names none: the parquet "
+            "data_source column and each question's metadata.dataset (kept through merges and conversions)."),
         split: str = typer.Option("train", "--split", help="Parquet extra_info.split value."),
     ) -> None:
-        """Convert a QA dataset between FlashRAG jsonl and Search-R1 parquet."""
+        """Convert a QA dataset between FlashRAG jsonl and Search-R1 parquet; each question keeps its dataset
+        (data_source), so converted files merged into one (as Search-R1's qa_search_test_merge.py does) load."""
         from sleuth.data.formats import load_qa, save_qa
         from sleuth.errors import SleuthError
 
         try:
             examples = load_qa(src)
-            options = {"data_source": data_source, "split": split} if dst.suffix.lower() == ".parquet" else {}
+            if data_source:  # both formats carry it in the question's metadata; parquet in data_source too
+                for ex in examples:
+                    ex.metadata.setdefault("dataset", data_source)
+            options = {"split": split} if dst.suffix.lower() == ".parquet" else {}
             n = save_qa(dst, examples, **options)
         except SleuthError as err:
             _fail(str(err))

@@ -313,7 +313,8 @@ def _check_unique_ids(path: str | Path, ids_with_location: Iterable[tuple[str, i
             raise DataFormatError(
                 str(path),
                 where if unit == "line" else None,
-                f"duplicate id {qid!r} (first at {unit} {seen[qid]}, again at {unit} {where}); ids must be unique",
+                f"duplicate id {qid!r} (first at {unit} {seen[qid]}, again at {unit} {where}); ids must be unique "
+                "(merged datasets are kept apart by data_source: `sleuth data convert --data-source NAME`)",
             )
         seen[qid] = where
 
@@ -374,6 +375,7 @@ SEARCH_R1_TEMPLATE = (
     "and </answer>, without detailed illustrations. For example, <answer> Beijing </answer>. "
     "Question: {question}\n"
 )
+DEFAULT_DATA_SOURCE = "sleuth"  # the data_source column of examples whose dataset is not known
 
 
 def _question_from_prompt(prompt: Any) -> str | None:
@@ -427,7 +429,8 @@ def _example_from_searchr1_row(row: dict, row_number: int) -> QAExample:
         else:
             qid = str(row_number - 1)
 
-    from_sleuth = "metadata" in row  # write_searchr1_parquet's own column: the example's metadata, whole
+    # write_searchr1_parquet's own column: metadata as JSON text (upstream's FlashRAG column is a struct)
+    from_sleuth = isinstance(row.get("metadata"), str)
     metadata: Any = row.get("metadata")
     if isinstance(metadata, str):
         # write_searchr1_parquet stores metadata as JSON text: free-form dicts do not fit one parquet schema.
@@ -439,7 +442,8 @@ def _example_from_searchr1_row(row: dict, row_number: int) -> QAExample:
         metadata = {}
     if not isinstance(metadata, dict):
         raise ValueError(f"'metadata' must be an object, got {type(metadata).__name__}")
-    if not from_sleuth:
+    if not from_sleuth or row.get("data_source") != DEFAULT_DATA_SOURCE:
+        # older sleuth files kept `--data-source nq` in the column only; the placeholder "sleuth" names none
         _dataset_from_data_source(metadata, row.get("data_source"))
     return QAExample(id=str(qid), question=question.strip(), golden_answers=answers, metadata=metadata)
 
@@ -483,15 +487,15 @@ def read_searchr1_parquet(path: str | Path) -> list[QAExample]:
 def write_searchr1_parquet(
     path: str | Path,
     examples: Iterable[QAExample],
-    data_source: str = "sleuth",
+    data_source: str | None = None,
     template: str = SEARCH_R1_TEMPLATE,
     split: str = "train",
     ability: str = "fact-reasoning",
 ) -> int:
     """Write examples as a Search-R1 parquet (atomic). Returns the number of rows.
 
-    Columns follow Search-R1's preprocessing: data_source (the example's metadata["dataset"], else
-    `data_source`), prompt [{role: user, content}],
+    Columns follow Search-R1's preprocessing: data_source (the example's metadata["dataset"], else `data_source`,
+    then its metadata["dataset"] too: merged files keep ids apart; else "sleuth"), prompt [{role: user, content}],
     ability, reward_model {style: rule, ground_truth: {target: answers}}, extra_info
     {split, index}, plus the kept id / question / golden_answers columns and metadata as JSON text.
     `template` must contain `{question}`.
@@ -507,8 +511,9 @@ def write_searchr1_parquet(
         rows["id"].append(ex.id)
         rows["question"].append(ex.question)
         rows["golden_answers"].append(list(ex.golden_answers))
-        rows["metadata"].append(json.dumps(ex.metadata, ensure_ascii=False))
-        rows["data_source"].append(str(ex.metadata.get("dataset") or data_source))
+        metadata = ex.metadata if ex.metadata.get("dataset") or not data_source else {**ex.metadata, "dataset": data_source}
+        rows["metadata"].append(json.dumps(metadata, ensure_ascii=False))
+        rows["data_source"].append(str(metadata.get("dataset") or DEFAULT_DATA_SOURCE))
         rows["prompt"].append([{"role": "user", "content": template.replace("{question}", ex.question)}])
         rows["ability"].append(ability)
         rows["reward_model"].append({"style": "rule", "ground_truth": {"target": list(ex.golden_answers)}})

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -116,6 +117,12 @@ def register(app: typer.Typer) -> None:
         plugin: list[str] | None = typer.Option(
             None, "--plugin", help="Module registering more methods or rewards (repeatable), importable on PYTHONPATH."
         ),
+        tokenizer: str | None = typer.Option(
+            None, "--tokenizer", help="Tokenizer directory of an openai: --model (agent methods build prompts "
+            "with it; default: the model name's, when it names a local model or export directory)."),
+        openai_timeout: float | None = typer.Option(
+            None, "--openai-timeout", min=0.001, help="Seconds to wait for an openai: model's answer (default "
+            "SLEUTH_OPENAI_TIMEOUT, else 60); a request past it fails, it is not sent again."),
     ) -> None:
         """Evaluate methods on QA data: EM, cover-EM, F1, span, GenAcc, judge, retrievals, tokens, latency."""
         import time
@@ -135,8 +142,18 @@ def register(app: typer.Typer) -> None:
             parse_methods,
             summary_rows,
         )
+        from sleuth.llm.openai_http import TIMEOUT_ENV
+        from sleuth.llm.registry import parse_openai_spec
 
         console = Console()
+        if openai_timeout is not None:  # every openai: model this command opens (model, generator, judge)
+            os.environ[TIMEOUT_ENV] = str(openai_timeout)
+        if tokenizer is not None:
+            if not model.startswith("openai:"):
+                _fail(f"--tokenizer {tokenizer}: only an openai: --model needs one (got --model {model})")
+            model_spec: Any = {**parse_openai_spec(model), "tokenizer": tokenizer}
+        else:
+            model_spec = model
         try:
             load_plugins(plugin or [])
             load_model_plugins(model)  # the plugin modules a checkpoint recorded for its method
@@ -159,7 +176,7 @@ def register(app: typer.Typer) -> None:
         start = time.perf_counter()
         try:
             summary = evaluate(
-                methods, examples, retriever=retriever, model=model, generator=generator, judge=judge, config=cfg,
+                methods, examples, retriever=retriever, model=model_spec, generator=generator, judge=judge, config=cfg,
                 out_dir=EvalOutput(out, run_info={"data": [str(p) for p in data], "limit": limit}, progress=True,
                                    console=console),
             )

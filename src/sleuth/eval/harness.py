@@ -40,15 +40,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from rich.progress import (
-    BarColumn,
-    MofNCompleteColumn,
-    Progress,
-    TextColumn,
-    TimeElapsedColumn,
-    TimeRemainingColumn,
-)
-
 from sleuth.data.formats import QAExample
 from sleuth.errors import ConfigError
 from sleuth.eval.boundary import retrieval_boundary
@@ -72,6 +63,7 @@ from sleuth.eval.summary import previous_summary, summarise_records, write_summa
 from sleuth.eval.summary import summary_markdown as summary_markdown
 from sleuth.eval.summary import summary_rows as summary_rows
 from sleuth.llm.base import Generator
+from sleuth.progress import progress_bar
 from sleuth.retrieval.base import Retriever
 from sleuth.retrieval.cache import cache_stats
 from sleuth.retrieval.docstore import passages_by_id
@@ -124,6 +116,12 @@ def evaluate(
         )
 
     models = load_models(model, generator, judge, retriever, bool(needs_retrieval))
+    agents = [m for m in method_list if m not in BASELINES]
+    if agents and getattr(models.model, "tokenizer", True) is None:  # before any method runs, not after the first
+        raise ConfigError(
+            f"method(s) {', '.join(agents)} build the agent's prompts with the model's tokenizer, and "
+            f"{models.descs['model']} brings none: pass --tokenizer DIR (the served model's directory), or serve "
+            "the model under its local directory's name (openai:URL#DIR)")
     retriever_obj = resolve_retriever(retriever, cfg.retriever_cache) if needs_retrieval else None
     if any(BASELINES[m].needs_gold for m in method_list if m in BASELINES):
         passages_by_id(retriever_obj, [])  # a retriever that cannot look ids up fails before any method runs
@@ -211,9 +209,6 @@ def _compare_with_naive_rag(out_dir: Path, methods: Sequence[str], run_records: 
 
 
 def _progress_bar(console: Any):
-    bar = Progress(
-        TextColumn("{task.description:>10}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-        TimeRemainingColumn(), console=console,
-    )
+    bar = progress_bar(console)  # a plain line with the ETA every 30 s when not a terminal (nohup, SLURM)
     bar.start()
     return bar

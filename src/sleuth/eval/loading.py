@@ -80,12 +80,21 @@ def resolve_generator(spec: Generator | str | Mapping | None) -> Generator | Non
     return open_generator(spec, checkpoint=lambda path: load_searcher(path).generator)
 
 
+def local_checkpoint(spec: Any) -> str | Path | None:
+    """The sleuth checkpoint or export behind a model spec: the spec itself, or the model name of an
+    `openai:URL#DIR` spec when DIR is one (a server started on the export, `transformers serve DIR`)."""
+    if isinstance(spec, str) and spec.startswith("openai:"):
+        spec = spec.rpartition("#")[2]
+    return spec if isinstance(spec, (str, Path)) and spec and is_sleuth_checkpoint(spec) else None
+
+
 def checkpoint_budgets(spec: str | Path) -> dict[str, Any]:
     """The token budgets, top-k and loop switches a checkpoint was trained with (EvalConfig field names), so
-    evaluating it uses the rollout it learned; {} for anything that is not a sleuth checkpoint."""
-    if not isinstance(spec, (str, Path)) or not is_sleuth_checkpoint(spec):
+    evaluating it (loaded here or served from its export) uses the rollout it learned; {} for anything else."""
+    ckpt = local_checkpoint(spec)
+    if ckpt is None:
         return {}
-    info = SearcherInfo.read(resolve_checkpoint(spec))
+    info = SearcherInfo.read(resolve_checkpoint(ckpt))
     found = {
         "max_new_tokens": info.max_new_tokens_per_turn,
         "max_obs_tokens": info.max_obs_tokens,
@@ -101,9 +110,11 @@ def checkpoint_budgets(spec: str | Path) -> dict[str, Any]:
 
 
 def load_model_plugins(spec: Any) -> None:
-    """Import the plugin modules a checkpoint `spec` recorded for its method (nothing for other specs)."""
-    if isinstance(spec, (str, Path)) and is_sleuth_checkpoint(spec):
-        ckpt = resolve_checkpoint(spec)
+    """Import the plugin modules a checkpoint `spec` (or the export an openai: spec serves) recorded for its
+    method (nothing for other specs)."""
+    found = local_checkpoint(spec)
+    if found is not None:
+        ckpt = resolve_checkpoint(found)
         info = SearcherInfo.read(ckpt)
         load_checkpoint_plugins(info.plugins, info.loop, str(ckpt))
 

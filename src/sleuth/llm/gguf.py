@@ -31,8 +31,9 @@ from sleuth.utils import give_normal_permissions
 
 CONVERTED_MARKER = "sleuth_gguf_source.txt"
 # Raised when the converted directory's contents change (2: eos/pad aligned with the chat template,
-# files readable by older transformers, normal permissions), so stale cache entries are redone.
-CONVERSION_VERSION = 2
+# files readable by older transformers, normal permissions; 3: model_input_names for transformers 4.x, no
+# _model_name_or_path), so stale cache entries are redone.
+CONVERSION_VERSION = 3
 
 
 def cache_root() -> Path:

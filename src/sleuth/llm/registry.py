@@ -22,6 +22,7 @@ from typing import Any
 from sleuth.errors import ConfigError
 from sleuth.llm.base import Generator
 from sleuth.llm.gguf import cache_root, converted_dir_for, ensure_converted, is_converted
+from sleuth.llm.hub import require_hub_model
 from sleuth.llm.openai_http import OpenAIGenerator, OpenAIOptions
 from sleuth.llm.tiny import build_tiny_model
 from sleuth.llm.vllm_backend import VLLMGenerator
@@ -106,6 +107,7 @@ def resolve_model_path(spec: str) -> str:
             raise ConfigError(f"model directory {spec!r} has no config.json; pass a saved transformers checkpoint")
         return str(path)
     if _looks_like_hub_name(spec):
+        require_hub_model(spec)  # not cached and no network: one line now, not a traceback after retries
         return spec
     raise ConfigError(
         f"unknown model {spec!r}: not an alias ({', '.join(sorted(ALIASES))}), not an existing directory or "
@@ -113,12 +115,29 @@ def resolve_model_path(spec: str) -> str:
     )
 
 
-def _parse_openai_spec(spec: str) -> dict[str, Any]:
+def parse_openai_spec(spec: str) -> dict[str, Any]:
     rest = spec[len("openai:") :]
     base_url, sep, model = rest.rpartition("#")
     if not sep or not base_url or not model:
         raise ConfigError(f"openai spec {spec!r}: use 'openai:<base_url>#<model>', e.g. openai:http://localhost:8000/v1#qwen")
     return {"backend": "openai", "base_url": base_url, "model": model}
+
+
+def _served_tokenizer(tokenizer: Any, model: str) -> Any:
+    """The tokenizer of a served model: `tokenizer` (an object, or a directory to load it from), else the model
+    name's own when it names a local model directory (what `transformers serve DIR` and vLLM call a model
+    served from an export), else None. Agent rollouts need it to build prompts and read turns."""
+    path = Path(str(tokenizer if tokenizer is not None else model)).expanduser()
+    if tokenizer is not None and not isinstance(tokenizer, (str, Path)):
+        return tokenizer
+    if not (path / "tokenizer_config.json").is_file():
+        if tokenizer is not None:
+            raise ConfigError(f"tokenizer {str(tokenizer)!r}: not a directory holding tokenizer_config.json "
+                              "(pass a model or export directory)")
+        return None
+    from transformers import AutoTokenizer  # deferred: seconds to import, needed only here
+
+    return AutoTokenizer.from_pretrained(path)
 
 
 def _from_dict(spec: dict[str, Any], kw: dict[str, Any]) -> Generator:
@@ -134,7 +153,7 @@ def _from_dict(spec: dict[str, Any], kw: dict[str, Any]) -> Generator:
                 raise ConfigError(f"openai model spec: environment variable {key_env} (api_key_env) is not set")
             options["api_key"] = os.environ[key_env]
         base_url, model = options.pop("base_url"), options.pop("model")
-        api_key, tokenizer = options.pop("api_key", None), options.pop("tokenizer", None)
+        api_key, tokenizer = options.pop("api_key", None), _served_tokenizer(options.pop("tokenizer", None), model)
         known = {f.name for f in fields(OpenAIOptions)}
         unknown = sorted(set(options) - known)
         if unknown:
@@ -168,7 +187,7 @@ def load_generator(spec: str | dict[str, Any], **kw: Any) -> Generator:
         raise ConfigError(f"model spec must be a non-empty string or a dict, got {spec!r}")
     spec = spec.strip()
     if spec.startswith("openai:"):
-        return _from_dict(_parse_openai_spec(spec), kw)
+        return _from_dict(parse_openai_spec(spec), kw)
     if spec.startswith("vllm:"):
         model = spec[len("vllm:") :]
         if not model:

@@ -24,6 +24,8 @@ TURN_END_TOKENS = ("<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|end|>")
 # transformers >= 5 writes this class name; 4.x does not know it and refuses to load the tokenizer.
 _NEW_ONLY_TOKENIZER_CLASSES = frozenset({"TokenizersBackend"})
 COMPATIBLE_TOKENIZER_CLASS = "PreTrainedTokenizerFast"
+CAUSAL_LM_INPUTS = ("input_ids", "attention_mask")  # what a decoder-only model's forward takes
+_LOAD_TIME_TOKENIZER_KEYS = ("local_files_only", "is_local")  # how it was loaded here, not what it is
 
 
 def _template_text(tokenizer: Any) -> str:
@@ -122,8 +124,12 @@ def write_compatible_files(directory: str | Path) -> None:
 
     - tokenizer_config.json: a tokenizer class 4.x knows (`PreTrainedTokenizerFast` reads the same
       tokenizer.json) instead of 5.x's `TokenizersBackend`;
+    - tokenizer_config.json: `model_input_names` [input_ids, attention_mask]: without it 4.x's
+      `PreTrainedTokenizerFast` also returns `token_type_ids`, which `model.generate(**inputs)` refuses for a
+      causal LM; the load-time settings 5.x saves with it (`local_files_only`, `is_local`) are dropped;
     - config.json: `rope_theta` (and `rope_scaling` for a non-default rope) at the top level, where
-      4.x reads them; 5.x nests them in `rope_parameters` and 4.x would fall back to rope_theta 10000.
+      4.x reads them; 5.x nests them in `rope_parameters` and 4.x would fall back to rope_theta 10000;
+      `_model_name_or_path` (the GGUF file's own title, "Smollm2 135M 8k Lc100K Mix1 Ep2") is dropped.
     """
     directory = Path(directory)
     tok_path = directory / "tokenizer_config.json"
@@ -131,14 +137,18 @@ def write_compatible_files(directory: str | Path) -> None:
         tok_config = json.loads(tok_path.read_text())
         if tok_config.get("tokenizer_class") in _NEW_ONLY_TOKENIZER_CLASSES:
             tok_config["tokenizer_class"] = COMPATIBLE_TOKENIZER_CLASS
-            tok_path.write_text(json.dumps(tok_config, indent=2, ensure_ascii=False) + "\n")
+        tok_config.setdefault("model_input_names", list(CAUSAL_LM_INPUTS))
+        for key in _LOAD_TIME_TOKENIZER_KEYS:
+            tok_config.pop(key, None)
+        tok_path.write_text(json.dumps(tok_config, indent=2, ensure_ascii=False) + "\n")
     config_path = directory / "config.json"
     if config_path.is_file():
         config = json.loads(config_path.read_text())
+        config.pop("_model_name_or_path", None)
         rope = config.get("rope_parameters")
         if isinstance(rope, dict) and "rope_theta" in rope and "rope_theta" not in config:
             config["rope_theta"] = rope["rope_theta"]
             scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
             if scaling.get("rope_type", "default") != "default" and "rope_scaling" not in config:
                 config["rope_scaling"] = scaling
-            config_path.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
+        config_path.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")

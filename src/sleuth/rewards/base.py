@@ -10,6 +10,7 @@ papers' values; `get_reward(name, **config)` builds one by registry name.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
@@ -132,8 +133,10 @@ def get_reward(name: str, **config: Any) -> Reward:
         allowed = {f.name for f in dataclasses.fields(cls) if f.init}
         unknown = sorted(set(config) - allowed)
         if unknown:
+            close = [m for u in unknown for m in difflib.get_close_matches(u, sorted(allowed), n=1, cutoff=0.6)]
+            guess = f"did you mean {', '.join(close)}? " if close else ""
             raise ConfigError(
-                f"reward {name!r} has no option(s) {', '.join(unknown)}; valid options: {', '.join(sorted(allowed))}"
+                f"reward {name!r} has no option(s) {', '.join(unknown)}; {guess}valid options: {', '.join(sorted(allowed))}"
             )
     return cls(**config)
 
@@ -199,4 +202,6 @@ def failed_trajectories(trajs: Sequence[Trajectory]) -> list[Trajectory]:
 
 def check_choice(field_name: str, value: Any, choices: Sequence[Any]) -> None:
     if value not in choices:
-        raise ConfigError(f"reward option {field_name}={value!r} is invalid; choose one of {list(choices)}")
+        close = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1, cutoff=0.6)
+        guess = f"did you mean {close[0]!r}? " if close else ""
+        raise ConfigError(f"reward option {field_name}={value!r} is invalid; {guess}choose one of {list(choices)}")

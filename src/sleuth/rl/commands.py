@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import shlex
+
 import typer
 
 
@@ -19,25 +21,46 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Train a search agent with RL as the recipe describes."""
         from rich.console import Console
+        from rich.markup import escape
 
         from sleuth.errors import SleuthError
         from sleuth.rl.config import load_recipe
+        from sleuth.rl.interrupts import (
+            SIGTERM_EXIT,
+            StoppedBySignal,
+            interrupted_message,
+            resume_command,
+            stop_on_sigterm,
+        )
 
-        console = Console()
+        console = Console(soft_wrap=True)  # a message or path is one line, never broken at the width
+        cfg = None
         try:
             cfg = load_recipe(recipe, overrides or [])
             from sleuth.rl.trainer import train
 
-            result = train(cfg, resume=resume, overwrite=overwrite, console=console)
+            with stop_on_sigterm():  # a preempted job saves a checkpoint after the step under way
+                result = train(cfg, resume=resume, overwrite=overwrite, console=console)
         except SleuthError as err:
-            console.print(f"[red]error:[/] {err}")
+            console.print(f"[red]error:[/] {escape(str(err))}")
             raise typer.Exit(2) from None
+        except StoppedBySignal as stop:  # in the SFT stage: the same command goes on from its checkpoint
+            console.print(f"{stop}; resume with: {shlex.join(['sleuth', 'train', recipe, *(overrides or [])])}",
+                          markup=False)
+            raise typer.Exit(SIGTERM_EXIT) from None
+        except KeyboardInterrupt:
+            if cfg is not None:
+                console.print(interrupted_message(cfg.trainer.out_dir, recipe, overrides or []), markup=False)
+            raise typer.Exit(130) from None
         finally:
             from sleuth.rl.dist import shutdown_distributed
 
             shutdown_distributed()
         written = f"checkpoint {result['checkpoint']}" if result["checkpoint"] else "no checkpoint (save_every 0)"
         console.print(f"[green]done[/]: {result['out_dir']}, {result['steps_done']} steps ({written})")
+        if result.get("stopped_by_sigterm"):
+            console.print(f"stopped by SIGTERM; resume with: {resume_command(recipe, overrides or [])}", markup=False)
+            raise typer.Exit(SIGTERM_EXIT)
 
     @app.command("sft")
     def sft_cmd(
@@ -50,16 +73,22 @@ def register(app: typer.Typer) -> None:
 
         from sleuth.errors import SleuthError
         from sleuth.rl.config import load_recipe
+        from sleuth.rl.interrupts import SIGTERM_EXIT, StoppedBySignal, stop_on_sigterm
 
-        console = Console()
+        console = Console(soft_wrap=True)  # a message or path is one line, never broken at the width
         try:
             cfg = load_recipe(recipe, overrides or [])
             from sleuth.rl.sft import run_sft
 
-            result = run_sft(cfg, resume=not fresh, console=console)
+            with stop_on_sigterm():  # a preempted job saves a checkpoint after the step under way
+                result = run_sft(cfg, resume=not fresh, console=console)
         except SleuthError as err:
             console.print(f"[red]error:[/] {err}")
             raise typer.Exit(2) from None
+        except StoppedBySignal as stop:
+            console.print(f"{stop}; resume with: {shlex.join(['sleuth', 'sft', recipe, *(overrides or [])])}",
+                          markup=False)
+            raise typer.Exit(SIGTERM_EXIT) from None
         console.print(f"[green]done[/]: {result['out_dir']} (checkpoint {result['checkpoint']})")
 
     @app.command("check-recipe")
@@ -67,17 +96,26 @@ def register(app: typer.Typer) -> None:
         recipe: str = typer.Argument(...),
         overrides: list[str] = typer.Argument(None),
     ) -> None:
-        """Validate a recipe and print it with all defaults filled in."""
+        """Validate a recipe as `sleuth train` does (schema, loop and reward options; no model loads) and print
+        it with all defaults filled in: YAML that `sleuth train` reads back. Inputs that are not there yet
+        (data, index) are named on stderr."""
+        import sys
+
         import yaml
-        from rich.console import Console
 
-        from sleuth.errors import SleuthError
+        from sleuth.errors import ConfigError, SleuthError
         from sleuth.rl.config import load_recipe
+        from sleuth.rl.setup import check_input_paths, check_pieces
 
-        console = Console()
         try:
             cfg = load_recipe(recipe, overrides or [])
+            check_pieces(cfg)
         except SleuthError as err:
-            console.print(f"[red]error:[/] {err}")
+            typer.echo(f"error: {err}", err=True)
             raise typer.Exit(2) from None
-        console.print(yaml.safe_dump(cfg.model_dump(), sort_keys=False))
+        try:
+            check_input_paths(cfg)
+        except ConfigError as err:  # the files may come later (sleuth synth, sleuth index): not an error here
+            typer.echo(f"note: {err}", err=True)
+        # plain text, never wrapped or marked up: redirected to a file, it is a recipe again
+        sys.stdout.write(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False, width=float("inf")))

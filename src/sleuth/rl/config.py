@@ -21,6 +21,7 @@ from sleuth.retrieval.tools import HTTPSearchConfig, MCPToolConfig
 from sleuth.rl.advantages import ADVANTAGE_ESTIMATORS, needs_critic, needs_groups
 from sleuth.rl.guard_config import GuardConfig, default_guards
 from sleuth.rl.losses import POLICY_LOSSES
+from sleuth.rl.recipe_hints import unknown_key_hint
 from sleuth.utils import RetryPolicy, atomic_write_text, read_yaml, validation_message
 
 
@@ -359,7 +360,7 @@ def recipe_from_dict(data: dict, source: str = "<recipe>") -> Recipe:
     try:
         return Recipe.model_validate(data)
     except ValidationError as err:
-        raise ConfigError(validation_message(source, "recipe", err)) from None
+        raise ConfigError(validation_message(source, "recipe", err, hint=lambda e: unknown_key_hint(Recipe, e))) from None
 
 
 def write_recipe(data: dict, path: str | Path) -> Recipe:

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from sleuth.agent.engine import RolloutBudget
-from sleuth.agent.registry import get_loop, method_plugins
+from sleuth.agent.registry import get_loop, load_plugins, method_plugins
 from sleuth.data.filters import drop_yes_no, keep_hard
 from sleuth.data.formats import QAExample, load_qa
 from sleuth.data.score_cache import ScoreCache
@@ -21,7 +21,7 @@ from sleuth.retrieval.base import Retriever
 from sleuth.retrieval.encoders import Encoder, EncoderConfig
 from sleuth.retrieval.sources import open_retriever
 from sleuth.retrieval.tools import ToolRetrieverConfig
-from sleuth.rewards.base import RewardServices
+from sleuth.rewards.base import RewardServices, get_reward
 from sleuth.rl.config import Recipe
 from sleuth.rl.models import FrozenBaseGenerator
 from sleuth.run_layout import POLICY_DIR, SearcherInfo, resolve_checkpoint
@@ -173,9 +173,19 @@ def initial_weights(recipe: Recipe) -> Path | None:
     return resolve_checkpoint(recipe.model.init_from) / POLICY_DIR
 
 
+def check_pieces(recipe: Recipe) -> None:
+    """The loop and the reward built with the recipe's options, as the trainer builds them after loading
+    the policy: checked before any model loads (`sleuth check-recipe`
+    too), so `reward.options.answer_source=upstrem` costs a second, not a model load."""
+    load_plugins(recipe.plugins)
+    build_loop(recipe)
+    get_reward(recipe.reward.name, **recipe.reward.options)
+
+
 def check_input_paths(recipe: Recipe) -> None:
-    """Every file and directory the recipe names must exist: checked before any model loads, so a
-    typo costs a second, not a model load and a traceback."""
+    """The recipe's pieces (`check_pieces`), and every file and directory it names must exist: checked
+    before any model loads, so a typo costs a second, not a model load and a traceback."""
+    check_pieces(recipe)
 
     named = [
         ("data.train", recipe.data.train),

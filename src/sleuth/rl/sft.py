@@ -21,11 +21,12 @@ from typing import Any
 
 import torch
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeRemainingColumn
 
 from sleuth.agent.coldstart import SFTRecord, iter_limited, read_records, split_records
 from sleuth.agent.searcher import resolve_checkpoint
 from sleuth.errors import ConfigError, DataFormatError
+from sleuth.progress import progress_bar
 from sleuth.rl.checkpoint import (
     TrainingStates,
     latest_checkpoint,
@@ -35,10 +36,11 @@ from sleuth.rl.checkpoint import (
 )
 from sleuth.rl.checkpoint_compat import FINGERPRINT, check_init_from, recipe_fingerprint
 from sleuth.rl.config import Recipe
+from sleuth.rl.interrupts import StoppedBySignal, sigterm_received
 from sleuth.rl.loggers import open_recipe_loggers
 from sleuth.rl.models import autocast, load_policy
 from sleuth.rl.setup import build_optimizer, searcher_info
-from sleuth.run_layout import POLICY_DIR, SFT_DIR
+from sleuth.run_layout import POLICY_DIR, SFT_DIR, SFT_INFO
 from sleuth.utils import atomic_write_json, seed_everything
 
 
@@ -181,8 +183,9 @@ def run_sft(recipe: Recipe, *, resume: bool = True, console: Any = None) -> dict
         )
 
     last: dict[str, float] = {}
-    bar = Progress(TextColumn("SFT"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[loss]}"),
-                   TimeRemainingColumn(), console=console, disable=not console.is_terminal)
+    # on a terminal a live bar; in a log a plain line with the loss and the ETA every 30 s (sleuth.progress)
+    bar = progress_bar(console, TextColumn("SFT"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[loss]}"),
+                       TimeRemainingColumn())
     with bar:
         task = bar.add_task("sft", total=total, completed=done, loss="")
         for step in range(done, total):
@@ -211,15 +214,18 @@ def run_sft(recipe: Recipe, *, resume: bool = True, console: Any = None) -> dict
                 policy.eval()
                 last["sft/heldout_loss"] = heldout_loss(policy, held, pad, cfg.micro_batch_size, cfg.max_length, device)
             log.write(step + 1, last)
-            bar.update(task, advance=1, loss=f"loss {last['sft/loss']:.3f}")
-            if not console.is_terminal and ((step + 1) % 10 == 0 or step + 1 == total):
-                console.print(f"sft step {step + 1}/{total} loss {last['sft/loss']:.4f}"
-                              + (f" heldout {last['sft/heldout_loss']:.4f}" if "sft/heldout_loss" in last else ""))
-            if (cfg.save_every and (step + 1) % cfg.save_every == 0) or step + 1 == total:
+            held_text = f" heldout {last['sft/heldout_loss']:.4f}" if "sft/heldout_loss" in last else ""
+            bar.update(task, advance=1, loss=f"loss {last['sft/loss']:.4f}{held_text}")
+            stop = sigterm_received() and step + 1 < total  # a preempted job: keep this step, then stop
+            if stop or (cfg.save_every and (step + 1) % cfg.save_every == 0) or step + 1 == total:
                 save(step + 1, epoch)
+            if stop:
+                raise StoppedBySignal(f"SIGTERM received after SFT step {step + 1} of {total}; checkpoint saved")
     final = latest_checkpoint(out_dir)
     if final is None:
         raise ConfigError(f"SFT wrote no checkpoint under {out_dir}")
     log.finish({"checkpoint": str(final), "steps": total, "final_metrics": last})
-    atomic_write_json(out_dir / "sft.json", {**info, "final_checkpoint": str(final), "last": last})
+    # The recipe too, as run.json holds it for RL: `sleuth report` names the recipe and model from it.
+    atomic_write_json(out_dir / SFT_INFO, {**info, "kind": "sft", "final_checkpoint": str(final), "last": last,
+                                           "recipe": recipe.model_dump(), "device": str(device)})
     return {"out_dir": str(out_dir), "checkpoint": str(final), "metrics": last}

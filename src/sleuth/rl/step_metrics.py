@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from sleuth.agent.trajectory import Trajectory
+from sleuth.progress import clock
 from sleuth.rewards.metrics import exact_match
 from sleuth.rl.dist import DistContext
 from sleuth.run_layout import REWARD_KEPT, groups_filtered, policy_reward
@@ -96,8 +97,10 @@ def step_metrics(
 
 
 def format_line(step: int, total: int, m: dict[str, float]) -> str:
+    # the share done and an ETA from this step's time: a log under nohup / SLURM says when the run ends
+    eta = f", ETA ~{clock((total - step) * m['time/step'])}" if m.get("time/step") and step < total else ""
     parts = [
-        f"[bold]step {step}/{total}[/]",
+        f"[bold]step {step}/{total}[/] ({100 * step / total:.0f}%{eta})",
         f"reward {policy_reward(m):+.3f}",
         # with dynamic sampling the update trains on the kept groups only; their mean is shown beside
         *([f"(kept groups {m[REWARD_KEPT]:+.3f})"] if groups_filtered(m) else []),

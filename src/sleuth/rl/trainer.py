@@ -51,6 +51,7 @@ from sleuth.rl.dist import (
 )
 from sleuth.rl.guard_actions import act_on_guards, final_message, record_step, start_guards
 from sleuth.rl.health import health_metrics
+from sleuth.rl.interrupts import sigterm_received, stop_reason
 from sleuth.rl.models import autocast, dtype_of, release_rollout_memory, sync_rollout_weights
 from sleuth.rl.run import Run, save, setup
 from sleuth.rl.run_dir import prepare_run_dir, write_failure
@@ -131,16 +132,17 @@ def _train(recipe: Recipe, *, resume: bool = False, console: Any = None) -> dict
             step = done = run.guards.rewound_to
             run.guards.rewound_to = None
             continue
-        if done < recipe.trainer.total_steps and _past_time_limit(run, started):
-            # like a scheduler's wall-time limit: keep every finished step; `--resume` continues
+        stop = stop_reason(run, started) if done < recipe.trainer.total_steps else None
+        if stop is not None:
+            # a scheduler's wall-time limit or a preemption (SIGTERM): keep every finished step; `--resume` continues
             if recipe.trainer.save_every and run.last_saved != done:  # save_every 0: no checkpoints at all
                 save(run, done, run.cursor.state(), run.reward_fn.current_stage)
                 run.last_saved = done
             # close the validation series at the step reached, so a stopped run's curve has its end point
-            if run.val_examples and not validation_due(recipe, done):
+            if run.val_examples and not validation_due(recipe, done) and stop.validate:
                 validate(run, done)
-            console.print(f"time limit of {recipe.trainer.time_limit_minutes} min reached after step {done} of "
-                          f"{recipe.trainer.total_steps}; checkpoint saved, resume to continue")
+            console.print(f"{stop.message} after step {done} of {recipe.trainer.total_steps}; checkpoint saved, "
+                          "resume to continue")
             break
     if run.services.baseline_cache is not None:
         run.services.baseline_cache.save()
@@ -151,22 +153,14 @@ def _train(recipe: Recipe, *, resume: bool = False, console: Any = None) -> dict
         final = latest_checkpoint(run.out_dir)
     guarded = final_message(run.guards)
     result = {"out_dir": str(run.out_dir), "checkpoint": str(final) if final else None, "steps_done": done,
-              "stopped_at_time_limit": done < recipe.trainer.total_steps and not run.guards.stopped,
+              "stopped_at_time_limit": done < recipe.trainer.total_steps and not run.guards.stopped
+              and not sigterm_received(), "stopped_by_sigterm": done < recipe.trainer.total_steps and sigterm_received(),
               "stopped_by_guard": run.guards.stopped, "guards": guarded}
     if guarded:
         console.print(f"[bold]guards[/]: {guarded}")
     if run.log is not None:
         run.log.finish({**result, "steps": recipe.trainer.total_steps, "final_metrics": metrics})
     return result
-
-
-def _past_time_limit(run: Run, started: float) -> bool:
-    limit = run.recipe.trainer.time_limit_minutes
-    if limit is None:
-        return False
-    # every rank must stop after the same step: stop when any rank is past the limit
-    past = float(time.monotonic() - started >= 60 * limit)
-    return run.ctx.all_reduce_sum(torch.tensor([past], dtype=torch.float64)).item() > 0
 
 
 def train_step(run: Run, step: int) -> dict[str, float]:

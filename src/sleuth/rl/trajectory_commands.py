@@ -46,7 +46,7 @@ def register(app: typer.Typer) -> None:
 
         from sleuth.errors import SleuthError
 
-        console = Console()
+        console = Console(soft_wrap=True)  # a message or path is one line, never broken at the width
         try:
             stats = make_trajectories(recipe, overrides or [], out, TrajectorySource(
                 source, teacher, threshold, n, messages, variants, limit, seed))

@@ -38,7 +38,8 @@ from sleuth.utils import atomic_write_text
 def _run_info(run: TrainingRun) -> list[tuple[str, str]]:
     recipe = run.recipe
     steps_done = run.rows[-1]["step"] if run.rows else 0
-    total = (recipe.get("trainer") or {}).get("total_steps")
+    # an SFT folder's steps are sft.json's, not the recipe's RL steps
+    total = run.info.get("steps") if run.info.get("kind") == "sft" else (recipe.get("trainer") or {}).get("total_steps")
     info = [
         ("recipe", recipe.get("name")),
         ("model", (recipe.get("model") or {}).get("policy")),
@@ -48,6 +49,7 @@ def _run_info(run: TrainingRun) -> list[tuple[str, str]]:
         ("algorithm", (recipe.get("algorithm") or {}).get("name")),
         ("steps", f"{steps_done} / {total}" if total else str(steps_done)),
         ("device", run.info.get("device")),
+        ("SFT records", run.info.get("records") if run.info.get("kind") == "sft" else None),
     ]
     return [(k, str(v)) for k, v in info if v not in (None, "")]
 
@@ -159,6 +161,36 @@ def without_home(text: str) -> str:
     return pattern.sub(lambda m: m.group(1) or "~", text)
 
 
+GENERATOR_MARK = '<meta name="generator" content="sleuth report">'
+FALLBACK_NAME = "sleuth_report.html"
+
+
+def _written_by_us(path: Path) -> bool:
+    """Whether `path` is absent or a page this function wrote (its generator mark in the head), so
+    overwriting it loses nothing another command made (a claim report of `sleuth reproduce`)."""
+    try:
+        with path.open("rb") as fh:
+            head = fh.read(4096).decode("utf-8", errors="replace")
+    except FileNotFoundError:
+        return True
+    except IsADirectoryError:
+        return False
+    return GENERATOR_MARK in head
+
+
+def _report_path(run_dir: Path, out: str | Path | None) -> Path:
+    """Where the page goes: `out`, else RUN_DIR/report.html, else (that file being another command's report,
+    e.g. `sleuth reproduce`'s claim table) RUN_DIR/sleuth_report.html. Never over another command's page."""
+    candidates = [Path(out)] if out is not None else [run_dir / "report.html", run_dir / FALLBACK_NAME]
+    for path in candidates:
+        if _written_by_us(path):
+            return path
+    raise ConfigError(
+        f"{candidates[-1]} exists and was not written by `sleuth report` (another command's report, e.g. "
+        "`sleuth reproduce`'s claim table); pass another --out or move that file away"
+    )
+
+
 def build_report(
     run_dir: str | Path,
     out: str | Path | None = None,
@@ -167,14 +199,16 @@ def build_report(
     max_trajectories: int = MAX_TRAJECTORIES,
     headline: str | None = None,
 ) -> Path:
-    """Write the HTML report for `run_dir` (default `run_dir/report.html`) atomically; return its path.
+    """Write the HTML report for `run_dir` (default `run_dir/report.html`, or `run_dir/sleuth_report.html`
+    where report.html is another command's page) atomically; return its path. Never overwrites a page
+    another command wrote (ConfigError naming it).
     `headline`: a line the page opens with (the demo's trained-searcher-vs-naive-RAG comparison)."""
     if max_trajectories < 0:
         raise ConfigError(f"max_trajectories must be >= 0, got {max_trajectories}")
     data = discover(run_dir)
     page = without_home(render_report(data, title=title, notes=notes, max_trajectories=max_trajectories,
                                       headline=headline))
-    out_path = Path(out) if out is not None else Path(run_dir) / "report.html"
+    out_path = _report_path(Path(run_dir), out)
     atomic_write_text(out_path, page)
     # The temp file behind the atomic write is private (0600); a report is meant to be shared.
     umask = os.umask(0)

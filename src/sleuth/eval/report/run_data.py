@@ -18,6 +18,8 @@ from sleuth.run_layout import (
     GUARDS,
     METRICS,
     RUN_INFO,
+    SEARCHER_FILE,
+    SFT_INFO,
     VALIDATION,
     validation_records,
 )
@@ -108,10 +110,28 @@ def load_training_run(metrics_path: Path, root: Path, warnings: list[str]) -> Tr
         if not isinstance(loaded, dict):
             raise DataFormatError(str(run_dir / RUN_INFO), None, "expected a JSON object")
         info = loaded
+    elif (run_dir / SFT_INFO).exists():
+        info = sft_run_info(run_dir / SFT_INFO)
     rollouts = sorted((run_dir / "rollouts").glob("step_*.jsonl"))
     events = read_jsonl(run_dir / GUARDS)[0] if (run_dir / GUARDS).exists() else []
     return TrainingRun(run_dir, _label(run_dir, root), rows, info, rollouts, load_validations(run_dir, warnings),
                        events)
+
+
+def sft_run_info(path: Path) -> dict:
+    """An SFT folder's run.json stand-in from its sft.json (records, steps, recipe); an sft.json written before
+    it held the recipe names recipe, base model and loop from its final checkpoint's searcher.json."""
+    loaded = _read_json(path)
+    if not isinstance(loaded, dict):
+        raise DataFormatError(str(path), None, "expected a JSON object")
+    info = {**loaded, "kind": "sft"}
+    if not isinstance(info.get("recipe"), dict):
+        searcher = Path(str(info.get("final_checkpoint", ""))) / SEARCHER_FILE
+        known = _read_json(searcher) if info.get("final_checkpoint") and searcher.is_file() else {}
+        known = known if isinstance(known, dict) else {}
+        info["recipe"] = {"name": known.get("recipe"), "model": {"policy": known.get("base_model")},
+                          "agent": {"loop": known.get("loop")}}
+    return info
 
 
 def load_validations(run_dir: Path, warnings: list[str]) -> list[Validation]:

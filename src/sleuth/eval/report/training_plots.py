@@ -8,10 +8,13 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from pydantic import TypeAdapter, ValidationError
+
 from sleuth.eval.report.figures import COLORS, new_figure, png_data_uri
 from sleuth.eval.report.format import ema_smooth, is_number, smoothing_weight
 from sleuth.eval.report.run_data import TrainingRun, load_training_run
 from sleuth.eval.stats import bootstrap_ci
+from sleuth.rl.guard_config import DropGuard, GuardConfig, ThresholdGuard
 from sleuth.run_layout import (
     METRICS,
     REWARD_EVERY_ROLLOUT,
@@ -246,7 +249,54 @@ def training_verdict(run: TrainingRun) -> str:
         return "not watched by guards (trainer.guards: [])"
     if not isinstance(guards, list):
         return "no guard event (which guards watched is unknown: run.json missing or without trainer.guards)"
-    return health_verdict(run.guard_events)
+    parsed = _parse_guards(guards)
+    past = "; ".join(_past_thresholds(run, parsed))
+    watching = [g for g in parsed if isinstance(g, (ThresholdGuard, DropGuard))]
+    if watching and all(_steps_watched(run, g) < _steps_to_fire(g) for g in watching):
+        # No guard had the steps it needs to fire: "healthy" would claim what nobody checked.
+        need = min(_steps_to_fire(g) for g in watching)
+        line = f"too few steps to judge ({len(run.rows)} logged; the guards need at least {need})"
+    else:
+        line = health_verdict(run.guard_events)
+    return f"{line}; past a guard's threshold: {past}" if past else line
+
+
+def _parse_guards(guards: list[Any]) -> list[Any]:
+    """The recipe's guards as their models (defaults filled); an entry that does not parse is left out."""
+    adapter = TypeAdapter(GuardConfig)
+    parsed = []
+    for g in guards:
+        try:
+            parsed.append(adapter.validate_python(g))
+        except ValidationError:
+            continue
+    return parsed
+
+
+def _steps_to_fire(guard: ThresholdGuard | DropGuard) -> int:
+    """Steps a guard must see before it can fire (`sleuth.rl.guards`: a threshold for `steps` consecutive
+    steps; a drop compares the last `window` steps with an earlier window, so `window + 1`)."""
+    return guard.steps if isinstance(guard, ThresholdGuard) else guard.window + 1
+
+
+def _steps_watched(run: TrainingRun, guard: ThresholdGuard | DropGuard) -> int:
+    return sum(1 for r in run.rows if r["step"] > guard.after_step and is_number(r.get(guard.metric)))
+
+
+def _past_thresholds(run: TrainingRun, guards: Sequence[Any]) -> list[str]:
+    """"health/no_search > 0.95 at 3 of 3 steps (stopped_searching needs 5)" for each threshold guard whose
+    metric was past its value at some logged step: what the guard would see with more steps."""
+    out = []
+    for g in guards:
+        if not isinstance(g, ThresholdGuard):
+            continue
+        values = [float(r[g.metric]) for r in run.rows if r["step"] > g.after_step and is_number(r.get(g.metric))]
+        hits = sum(1 for v in values if (v < g.value if g.kind == "below" else v > g.value))
+        if hits:
+            sign = "<" if g.kind == "below" else ">"
+            out.append(f"{g.metric} {sign} {g.value:g} at {hits} of {len(values)} steps ({g.name} needs {g.steps} "
+                       "in a row)")
+    return out
 
 
 def training_verdicts(run_dir: str | Path) -> list[tuple[str, str]]:
