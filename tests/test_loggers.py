@@ -237,8 +237,8 @@ def test_the_readme_mlflow_read_back_works_in_a_fresh_shell(tmp_path: Path) -> N
     assert "pip install mlflow " in block and "mlflow ui --backend-store-uri runs/x/mlruns" in block
     env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
     store = tmp_path / "runs" / "x" / "mlruns"
-    write = ("import mlflow; mlflow.set_tracking_uri(%r); mlflow.set_experiment('sleuth')\n"
-             "with mlflow.start_run(run_name='readme'): mlflow.log_metric('reward/mean', 0.25, step=1)") % store.as_uri()
+    write = (f"import mlflow; mlflow.set_tracking_uri({store.as_uri()!r}); mlflow.set_experiment('sleuth')\n"
+             "with mlflow.start_run(run_name='readme'): mlflow.log_metric('reward/mean', 0.25, step=1)")
     subprocess.run([sys.executable, "-c", write], env={**env, "MLFLOW_ALLOW_FILE_STORE": "true"}, check=True,
                    capture_output=True, timeout=300)
     command = read_back.replace("python -c", f"{sys.executable} -c", 1)
