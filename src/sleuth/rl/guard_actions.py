@@ -24,6 +24,7 @@ from sleuth.rl.guards import GuardEvent, GuardMonitor, decide, read_validation
 from sleuth.rl.loggers import JsonlLogger
 from sleuth.rl.models import load_policy, sync_rollout_weights
 from sleuth.rl.run import Run, save
+from sleuth.rl.setup import apply_optim_recipe
 from sleuth.run_layout import (
     CRITIC,
     GUARDS,
@@ -213,14 +214,7 @@ def restore_weights_and_optimizers(run: Run, ckpt: Path, lr_scale: float) -> Non
 
 def apply_lr_scale(run: Run, scale: float) -> None:
     """Set every optimizer's learning rate to the recipe's times `scale`, keeping the schedule's position."""
-    bases = {"policy": run.recipe.optim.lr, "critic": run.recipe.optim.critic_lr}
-    for name, sched in run.schedulers.items():
-        ratio = bases[name] * scale / sched.base_lrs[0]
-        sched.base_lrs = [b * ratio for b in sched.base_lrs]
-        for group in run.optimizers[name].param_groups:
-            group["lr"] *= ratio
-            group["initial_lr"] = group.get("initial_lr", group["lr"]) * ratio
-        sched._last_lr = [g["lr"] for g in run.optimizers[name].param_groups]
+    apply_optim_recipe(run.optimizers, run.schedulers, run.recipe, scale)
 
 
 def _write_events(out_dir: Path, events: list[GuardEvent]) -> None:

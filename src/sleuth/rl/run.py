@@ -28,7 +28,13 @@ from sleuth.rl.checkpoint import (
     set_rng_state,
     write_run_info,
 )
-from sleuth.rl.checkpoint_compat import FINGERPRINT, check_init_from, check_resume, recipe_fingerprint
+from sleuth.rl.checkpoint_compat import (
+    FINGERPRINT,
+    check_init_from,
+    check_resume,
+    recipe_fingerprint,
+    resumed_kl_coef,
+)
 from sleuth.rl.config import Recipe
 from sleuth.rl.dist import DistContext, shard_range, unwrap, wrap_model
 from sleuth.rl.loggers import open_recipe_loggers
@@ -43,6 +49,7 @@ from sleuth.rl.models import (
 from sleuth.rl.run_dir import no_usable_checkpoint
 from sleuth.rl.setup import (
     DataCursor,
+    apply_optim_recipe,
     build_loop,
     build_optimizer,
     build_retriever,
@@ -163,6 +170,9 @@ def _load_models(recipe: Recipe, ctx: DistContext, point: ResumePoint) -> Loaded
         for k, s in schedulers.items():
             s.load_state_dict(point.tensor_state["schedulers"][k])
         set_rng_state(point.tensor_state["rng"])
+        # the loaded states hold the checkpoint's lr, betas, ...: the recipe's apply (a guard's rollback
+        # factor is applied on top by sleuth.rl.guard_actions.start_guards)
+        apply_optim_recipe(optimizers, schedulers, recipe)
     return LoadedModels(tokenizer, policy, model_path, reference, critic, optimizers, schedulers)
 
 
@@ -224,7 +234,7 @@ def setup(recipe: Recipe, ctx: DistContext, console: Any, resume: bool) -> Run:
         loop=loop, reward_fn=reward_fn, services=services, sampling=sampling, examples=examples, cursor=cursor,
         local_prompts=local_prompts, local_minibatch=algo.minibatch_size // ctx.world_size, log=log,
         start_step=start_step, last_saved=start_step, val_examples=load_validation_examples(recipe),
-        kl_coef=float(point.trainer_state.get("kl_coef", algo.kl.coef)),
+        kl_coef=resumed_kl_coef(recipe, point.trainer_state),
     )
 
 

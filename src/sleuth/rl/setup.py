@@ -165,6 +165,25 @@ def build_optimizer(params, lr: float, recipe: Recipe):
     return opt, sched
 
 
+def apply_optim_recipe(optimizers: dict[str, torch.optim.Optimizer], schedulers: dict[str, Any], recipe: Recipe,
+                       lr_scale: float = 1.0) -> None:  # fmt: skip
+    """Set the optimizers' hyperparameters to the recipe's, the learning rate times `lr_scale` (a guard's
+    rollbacks), at the schedule's position. Needed after loading a checkpoint's states: an optimizer's state dict
+    brings back its param groups (lr, betas, eps, weight decay) and LambdaLR's its base rates, so a changed
+    `optim.*` would otherwise be printed on resume and not used. The warm-up is the recipe's lambda (lambdas are
+    not saved), read at the step reached."""
+    optim = recipe.optim
+    bases = {"policy": optim.lr, "critic": optim.critic_lr}
+    for name, opt in optimizers.items():
+        sched = schedulers[name]
+        base = bases[name] * lr_scale
+        sched.base_lrs = [base] * len(opt.param_groups)
+        for group, factor in zip(opt.param_groups, sched.lr_lambdas, strict=True):
+            group.update(initial_lr=base, lr=base * factor(sched.last_epoch), betas=tuple(optim.betas), eps=optim.eps,
+                         weight_decay=optim.weight_decay)
+        sched._last_lr = [g["lr"] for g in opt.param_groups]  # what get_last_lr() (the logged lr) returns
+
+
 def initial_weights(recipe: Recipe) -> Path | None:
     """The policy directory of `model.init_from` (a checkpoint or run directory), if set."""
     if recipe.model.init_from is None:
