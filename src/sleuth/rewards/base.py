@@ -77,6 +77,9 @@ class Reward(ABC):
     """Base class. Subclasses are dataclasses whose fields are their config."""
 
     name: ClassVar[str] = ""
+    # The component names its results may carry, logged as `reward/<name>`: a guard on `reward/x` is checked
+    # against them when the recipe loads (sleuth.rl.guard_metrics). None: not declared, any `reward/...` passes.
+    components: ClassVar[tuple[str, ...] | None] = None
 
     @abstractmethod
     def __call__(
@@ -122,6 +125,11 @@ def register_reward(name: str) -> Callable[[R], R]:
 
 def available_rewards() -> list[str]:
     return sorted(_REGISTRY)
+
+
+def reward_class(name: str) -> type[Reward] | None:
+    """The class registered under `name` (None: not registered, e.g. its plugin is not imported)."""
+    return _REGISTRY.get(name)
 
 
 def get_reward(name: str, **config: Any) -> Reward:

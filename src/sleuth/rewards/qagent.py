@@ -28,6 +28,7 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import ClassVar
 
 from sleuth import tags
 from sleuth.agent.trajectory import Trajectory
@@ -89,6 +90,7 @@ def trajectory_hit(traj: Trajectory, scope: str = "retrieved") -> bool:
 @register_reward("qagent_stage1")
 @dataclass
 class QAgentStage1(Reward):
+    components: ClassVar[tuple[str, ...] | None] = ("format_ok", "em")
     max_queries: int = 3
     format_pattern: str = r"(?:PSIR)*P?A"
 
@@ -110,6 +112,7 @@ class QAgentStage1(Reward):
 @register_reward("qagent_stage2")
 @dataclass
 class QAgentStage2(Reward):
+    components: ClassVar[tuple[str, ...] | None] = ("generator_cover_em", "hit")
     hit_weight: float = 0.5
     hit_scope: str = "retrieved"  # "retrieved" | "response"
     template: str = "qagent"

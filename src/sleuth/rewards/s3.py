@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from sleuth.agent.trajectory import Trajectory
 from sleuth.errors import ConfigError
@@ -72,6 +73,7 @@ class _S3Base(Reward):
 @register_reward("s3_genacc")
 @dataclass
 class S3GenAcc(_S3Base):
+    components: ClassVar[tuple[str, ...] | None] = ("acc_s3", "span_s3", "judge_s3")
     def __call__(
         self, trajs: Sequence[Trajectory], services: RewardServices | None = None
     ) -> list[RewardResult]:
@@ -88,6 +90,7 @@ class S3GenAcc(_S3Base):
 @register_reward("s3_gbr")
 @dataclass
 class S3GBR(_S3Base):
+    components: ClassVar[tuple[str, ...] | None] = ("acc_s3", "acc_rag", "gbr", "span_s3", "judge_s3")
     form: str = "paper"  # "paper": GBR; "code": GBR + Acc_s3
     rag_k: int = 3
     _memo: dict[str, float] = field(default_factory=dict, init=False, repr=False)

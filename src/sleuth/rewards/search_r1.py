@@ -31,6 +31,7 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import ClassVar
 
 from sleuth.agent.trajectory import Trajectory
 from sleuth.rewards.base import Reward, RewardResult, RewardServices, check_choice, register_reward
@@ -86,6 +87,7 @@ def retrieval_contains_gold(traj: Trajectory) -> bool:
 @register_reward("search_r1_em")
 @dataclass
 class SearchR1EM(Reward):
+    components: ClassVar[tuple[str, ...] | None] = ("em", "has_answer")
     answer_source: str = "policy"  # "upstream": the code's extract_solution (module docstring)
 
     def __post_init__(self) -> None:
@@ -105,6 +107,7 @@ class SearchR1EM(Reward):
 @register_reward("search_r1_format_em")
 @dataclass
 class SearchR1FormatEM(Reward):
+    components: ClassVar[tuple[str, ...] | None] = ("em", "format_valid", "retrieval_hit", "has_answer")
     structure_format_score: float = 0.2
     final_format_score: float = 0.1
     retrieval_score: float = 0.1

@@ -34,6 +34,7 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import numpy as np
 
@@ -124,6 +125,7 @@ _STAGED_SYMBOLS = {"think": "T", "search": "S", "reflect": "R", "answer": "A"}
 @register_reward("staged")
 @dataclass
 class StagedReward(Reward):
+    components: ClassVar[tuple[str, ...] | None] = ("r_a", "r_s", "r_f", "correct", "rc", "stage", "concise", "avg_sim")
     stage: int = 1
     switch_step: int | None = None
     beta: float = 0.3

@@ -27,7 +27,8 @@ REWARD_METRIC = "reward/mean_before_filter"
 
 
 class _GuardBase(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # finite numbers only: a NaN threshold compares false with every value, so its guard never fires
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     name: str = Field(min_length=1)
     action: Literal["warn", "stop", "rollback"] = "warn"

@@ -15,7 +15,7 @@ Conventions shared by every function here (the same as verl's `core_algos`):
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -192,16 +192,22 @@ PolicyLossFn = Callable[..., tuple[torch.Tensor, dict[str, float]]]
 # name -> policy loss; each takes (old_logprob, logprob, advantages, response_mask, *, clip, agg) and
 # returns (loss, stats), like verl's core_algos. A recipe names one in algorithm.policy_loss.
 POLICY_LOSSES: dict[str, PolicyLossFn] = {}
+# name -> the stats its loss returns (logged as `actor/<stat>`), when declared: a guard on `actor/x` is checked
+# against them when the recipe loads (sleuth.rl.guard_metrics); an undeclared loss lets any `actor/...` pass
+POLICY_LOSS_STATS: dict[str, tuple[str, ...]] = {}
 
 
-def register_policy_loss(name: str) -> Callable[[PolicyLossFn], PolicyLossFn]:
-    """Decorator registering a policy loss under `name` (a name can be taken once)."""
+def register_policy_loss(name: str, stats: Sequence[str] | None = None) -> Callable[[PolicyLossFn], PolicyLossFn]:
+    """Decorator registering a policy loss under `name` (a name can be taken once), with the names of the
+    stats it returns if known."""
 
     def decorator(fn: PolicyLossFn) -> PolicyLossFn:
         existing = POLICY_LOSSES.get(name)
         if existing is not None and existing is not fn:
             raise ValueError(f"policy loss {name!r} is already registered ({existing.__qualname__})")
         POLICY_LOSSES[name] = fn
+        if stats is not None:
+            POLICY_LOSS_STATS[name] = tuple(stats)
         return fn
 
     return decorator
@@ -214,7 +220,8 @@ def get_policy_loss(name: str) -> PolicyLossFn:
         raise ValueError(f"unknown policy loss {name!r}; known: {', '.join(sorted(POLICY_LOSSES))}") from None
 
 
-@register_policy_loss("ppo_clip")
+@register_policy_loss("ppo_clip", stats=("clipfrac", "clipfrac_lower", "approx_kl", "approx_kl_k3", "ratio_mean",
+                                          "ratio_min", "ratio_max"))
 def policy_loss(
     old_logprob: torch.Tensor,
     logprob: torch.Tensor,
@@ -499,6 +506,7 @@ def entropy_from_logits(logits: torch.Tensor, chunk_rows: int | None = None) -> 
 
 __all__ = [
     "POLICY_LOSSES",
+    "POLICY_LOSS_STATS",
     "LossAgg",
     "PolicyClip",
     "get_policy_loss",

@@ -23,6 +23,7 @@ from sleuth.retrieval.sources import open_retriever
 from sleuth.retrieval.tools import ToolRetrieverConfig
 from sleuth.rewards.base import RewardServices, get_reward
 from sleuth.rl.config import Recipe
+from sleuth.rl.guard_metrics import check_guard_metrics
 from sleuth.rl.models import FrozenBaseGenerator
 from sleuth.run_layout import POLICY_DIR, SearcherInfo, resolve_checkpoint
 
@@ -194,11 +195,12 @@ def initial_weights(recipe: Recipe) -> Path | None:
 
 def check_pieces(recipe: Recipe) -> None:
     """The loop and the reward built with the recipe's options, as the trainer builds them after loading
-    the policy: checked before any model loads (`sleuth check-recipe`
+    the policy, and every guard's metric one the run logs: checked before any model loads (`sleuth check-recipe`
     too), so `reward.options.answer_source=upstrem` costs a second, not a model load."""
     load_plugins(recipe.plugins)
     build_loop(recipe)
     get_reward(recipe.reward.name, **recipe.reward.options)
+    check_guard_metrics(recipe, f"recipe {recipe.name!r}")  # a guard on a metric no step logs never fires
 
 
 def check_input_paths(recipe: Recipe) -> None:
