@@ -14,9 +14,10 @@ import torch
 
 from sleuth.agent.search_r1 import SEARCH_R1_USER_TEMPLATE
 from sleuth.errors import ConfigError
+from sleuth.llm.base import SamplingParams
 from sleuth.rewards import RewardServices, get_reward
-from sleuth.rewards.answerer import judge_verdict
-from sleuth.rewards.metrics import f1_score
+from sleuth.rewards.answerer import judge_contains, judge_verdict
+from sleuth.rewards.metrics import extract_answer, f1_score
 from test_rewards import OBS, FakeGenerator, hit, make_traj
 
 PROMPT = SEARCH_R1_USER_TEMPLATE.format(question="What is the capital of Varonia?")
@@ -97,6 +98,86 @@ def test_s3_genacc_and_eval_take_the_upstream_judge_rule() -> None:
     assert (strict[0]["genacc"], upstream[0]["genacc"]) == (0.0, 1.0)
     with pytest.raises(ConfigError, match="judge_rule"):
         EvalConfig(judge_rule="lenient")
+
+
+class ReplayJudge(FakeGenerator):
+    """Replies from a queue per prompt (the first call's reply, then the second's), recording the params."""
+
+    def __init__(self, replies: list[str]):
+        super().__init__(lambda p: "")
+        self.queue = list(replies)
+        self.params: list[SamplingParams | None] = []
+
+    def generate(self, batch, stop=None, params=None):
+        self.params.append(params)
+        self.rule = lambda p: self.queue.pop(0)
+        return super().generate(batch, stop, params)
+
+
+def s3_reference(first: str, second: str) -> bool:
+    """s3's `check_if_response_is_correct_llm` on its judge's two possible replies (the second asked only when
+    the first holds neither word), as docs/compatibility.md describes it: "yes" anywhere lowercased, else "no"
+    anywhere, else ask again and read the second reply the same way (neither: no). The reply is what its
+    `call_llm` returns: the message text stripped, reasoning included."""
+    for reply in (first.strip(), second.strip()):
+        if "yes" in reply.lower():
+            return True
+        if "no" in reply.lower():
+            return False
+    return False
+
+
+JUDGE_PAIRS = [  # (first reply, second reply if asked again)
+    ("<think>yes</think> no", ""),              # the issue's case: 1 upstream, 0 in sleuth on main
+    ("<think>no</think> Yes", ""),
+    ("<think>The answer is there", ""),         # an unterminated reasoning block
+    ("maybe", "yes"),                           # neither word: asked again
+    ("maybe", "NO"),
+    ("", "Yes."),
+    ("I cannot tell", "still unsure"),
+    ("  Yes  ", ""),
+    *[(reply, "") for reply, _, _ in JUDGE_REPLIES],
+]
+
+
+@pytest.mark.parametrize(("first", "second"), JUDGE_PAIRS)
+def test_upstream_judge_reads_the_raw_reply_and_asks_again_like_s3(first: str, second: str) -> None:
+    judge = ReplayJudge([first, second])
+    said = judge_contains(judge, ["q"], [["Countrywide"]], ["Lehman"], rule="upstream")
+    assert said == [s3_reference(first, second)]
+    asked_again = "yes" not in first.lower() and "no" not in first.lower()
+    assert len(judge.batches) == 1 + asked_again
+    # s3's call: at most 10 tokens, temperature 0
+    assert all(p.max_new_tokens == 10 and p.temperature == 0.0 for p in judge.params)
+
+
+def test_the_strict_judge_drops_reasoning_and_asks_once() -> None:
+    judge = ReplayJudge(["<think>yes</think> no", "maybe"])
+    assert judge_contains(judge, ["q", "q"], [["a"], ["a"]], ["b", "b"]) == [False, False]
+    assert len(judge.batches) == 1 and judge.params[0].max_new_tokens == 16
+
+
+def test_s3_reward_under_the_upstream_judge_rule_scores_the_reasoning_yes() -> None:
+    """Through the reward: on main s3_genacc with judge_rule: upstream scored `<think>yes</think> no` as 0."""
+    traj = make_traj([("policy", "<search_complete>True</search_complete>")], ["Countrywide"],
+                     served_context=[hit("1", "T", "Bank of America bought Countrywide.")])
+    services = RewardServices(generator=FakeGenerator(lambda p: "Lehman"),
+                              judge=FakeGenerator(lambda p: "<think>yes</think> no"))
+    assert get_reward("s3_genacc", judge_rule="upstream")([traj], services)[0].total == 1.0
+    assert get_reward("s3_genacc")([traj], services)[0].total == 0.0
+
+
+@pytest.mark.parametrize("response", [*RESPONSES, "<answer>Quellstad</answer>"])
+def test_extract_answer_upstream_rule_is_extract_solution(response: str) -> None:
+    """The public helper `sleuth.rewards.extract_answer` has Search-R1's reading as a switch: on the decoded
+    prompt + response, as the rewards' `answer_source: upstream` reads it; on main it had none."""
+    assert extract_answer(PROMPT + response, "upstream") == upstream_extract(PROMPT + response)
+    # without the prompt's two example blocks, a response's lone answer is no answer upstream
+    assert extract_answer(response, "upstream") == upstream_extract(response)
+    found = re.findall(r"<answer>(.*?)</answer>", response, re.DOTALL)
+    assert extract_answer(response) == (found[-1].strip() if found else None)
+    with pytest.raises(ValueError, match="answer rule"):
+        extract_answer(response, "prompt")
 
 
 def test_r_search_upstream_f1_rounding_and_yes_no() -> None:

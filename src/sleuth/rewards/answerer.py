@@ -51,6 +51,8 @@ DEFAULT_GENERATOR_PARAMS = SamplingParams(max_new_tokens=128, temperature=0.0)
 # R-Search's public code samples the cross-family model at temperature 0.1, top-p 0.9, 512 tokens.
 RSEARCH_EVIDENCE_PARAMS = SamplingParams(max_new_tokens=512, temperature=0.1, top_p=0.9)
 DEFAULT_JUDGE_PARAMS = SamplingParams(max_new_tokens=16, temperature=0.0)
+# s3's judge call (`generator_llms/local_inst.py` `call_llm`): temperature 0, at most 10 tokens
+UPSTREAM_JUDGE_PARAMS = SamplingParams(max_new_tokens=10, temperature=0.0)
 
 _THINK_RE = re.compile(r"<think>.*?(</think>|$)", re.DOTALL)
 
@@ -155,10 +157,11 @@ def answer_from_evidence(
 _WORD_RE = re.compile(r"[a-z]+")
 
 
-# How a judge's reply becomes a verdict. "strict": `parse_yes_no`. "upstream": s3's
-# `check_if_response_is_correct_llm`, yes when "yes" occurs anywhere in the lowercased reply (so
-# "Not yes" or "eyes" count as yes). s3 asks again when the reply holds neither "yes" nor "no"; at
-# temperature 0 the second reply is the first, so that retry is not repeated here.
+# How a judge's reply becomes a verdict. "strict": `parse_yes_no` on the reply without its reasoning blocks.
+# "upstream": s3's `check_if_response_is_correct_llm`, switch-exact: the raw reply (a `<think>` block included,
+# so "<think>yes</think> no" is yes) of at most 10 tokens is yes when "yes" occurs anywhere in it lowercased
+# ("Not yes" and "eyes" count), and a reply holding neither "yes" nor "no" is asked once more, the second
+# reply deciding (`judge_contains`).
 JUDGE_RULES = ("strict", "upstream")
 
 
@@ -201,7 +204,14 @@ def judge_contains(
         [{"role": "user", "content": S3_JUDGE_PROMPT.format(response=r, golden_answers=str(list(g)))}]
         for g, r in zip(golden_answers, responses, strict=True)
     ]
-    return [judge_verdict(t, rule) for t in _generate(judge, prompts, params or DEFAULT_JUDGE_PARAMS)]
+    if rule != "upstream":
+        return [judge_verdict(t, rule) for t in _generate(judge, prompts, params or DEFAULT_JUDGE_PARAMS)]
+    params = params or UPSTREAM_JUDGE_PARAMS
+    replies = _replies(judge, prompts, params)  # raw: s3 reads the reply with its reasoning, stripped only
+    undecided = [i for i, r in enumerate(replies) if "yes" not in r.lower() and "no" not in r.lower()]
+    for i, again in zip(undecided, _replies(judge, [prompts[i] for i in undecided], params), strict=True):
+        replies[i] = again
+    return [judge_verdict(t, "upstream") for t in replies]
 
 
 def judge_semantic_match(

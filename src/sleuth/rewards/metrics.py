@@ -129,11 +129,24 @@ def extract_tag(text: str, tag: str, last: bool = True) -> str | None:
     return (blocks[-1] if last else blocks[0]).strip()
 
 
-def extract_answer(text: str) -> str | None:
-    """The last `<answer>...</answer>` in `text`, stripped; None if there is none.
+# How an answer is read out of text: "sleuth" (the last block of the policy's own text) or "upstream" (Search-R1's
+# `extract_solution`, verl/utils/reward_score/qa_em.py and qa_em_format.py: over the decoded prompt + response,
+# None for fewer than two blocks, since the prompt holds two of its own, else the last one stripped)
+ANSWER_RULES = ("sleuth", "upstream")
 
-    Callers must pass *policy* text only: a prompt's few-shot example or an `<answer>` that
-    happens to sit in a retrieved document must never be taken for the agent's answer."""
+
+def extract_answer(text: str, rule: str = "sleuth") -> str | None:
+    """The answer in `text` read with one of `ANSWER_RULES`.
+
+    "sleuth": the last `<answer>...</answer>`, stripped; None if there is none. Callers must pass *policy* text
+    only: a prompt's few-shot example or an `<answer>` that happens to sit in a retrieved document must never be
+    taken for the agent's answer. "upstream": pass the whole decoded prompt + response, as Search-R1 does; one
+    block (the prompt's, or a response's lone answer in a prompt without examples) reads as no answer."""
+    if rule == "upstream":
+        found = extract_tags(text, "answer")
+        return found[-1].strip() if len(found) >= 2 else None
+    if rule != "sleuth":
+        raise ValueError(f"answer rule {rule!r}: choose one of {list(ANSWER_RULES)}")
     return extract_tag(text, "answer", last=True)
 
 

@@ -34,7 +34,7 @@ class _S3Base(Reward):
     use_judge: bool = True  # False: GenAcc is span_check alone (no judge model needed)
     generator_max_new_tokens: int = 128
     generator_temperature: float = 0.0
-    judge_max_new_tokens: int = 16
+    judge_max_new_tokens: int | None = None  # None: 16, or s3's 10 under judge_rule: upstream
     # "strict" (sleuth): yes only when the reply clearly says yes; "upstream": s3's code, "yes"
     # anywhere in the reply (docs/compatibility.md)
     judge_rule: str = "strict"
@@ -51,7 +51,10 @@ class _S3Base(Reward):
             max_new_tokens=self.generator_max_new_tokens, temperature=self.generator_temperature
         )
 
-    def _judge_params(self) -> SamplingParams:
+    def _judge_params(self) -> SamplingParams | None:
+        """None: the rule's own (`answerer.judge_contains`)."""
+        if self.judge_max_new_tokens is None:
+            return None
         return SamplingParams(max_new_tokens=self.judge_max_new_tokens, temperature=0.0)
 
     def _accuracy(

@@ -35,9 +35,8 @@ from typing import ClassVar
 
 from sleuth.agent.trajectory import Trajectory
 from sleuth.rewards.base import Reward, RewardResult, RewardServices, check_choice, register_reward
-from sleuth.rewards.metrics import exact_match, normalize_answer
+from sleuth.rewards.metrics import exact_match, extract_answer, normalize_answer
 from sleuth.rewards.structure import parse_response, policy_answer, symbol_string
-from sleuth.tags import blocks
 
 ANSWER_SOURCES = ("policy", "upstream")
 
@@ -68,8 +67,7 @@ def search_r1_upstream_answer(traj: Trajectory) -> str | None:
     """Search-R1's `extract_solution` (qa_em.py, qa_em_format.py) on the decoded prompt + response:
     `re.finditer(r"<answer>(.*?)</answer>", ..., re.DOTALL)`, None for 0 or 1 matches, else the
     last match stripped."""
-    matches = blocks(traj.prompt_text + traj.response_text, "answer")
-    return matches[-1].strip() if len(matches) >= 2 else None
+    return extract_answer(traj.prompt_text + traj.response_text, "upstream")
 
 
 def search_r1_answer(traj: Trajectory, source: str) -> str | None:
