@@ -10,8 +10,9 @@ depends on re-tokenising decoded text.
 
 from __future__ import annotations
 
+import time
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 from sleuth.agent.base import AgentLoop, Observation, RolloutState, StepOutcome
@@ -29,11 +30,17 @@ _MAX_TRACEBACK_CHARS = 4000
 @dataclass(frozen=True)
 class RolloutBudget:
     """Limits of one rollout: an inserted observation is cut to `max_obs_tokens`, a trajectory's
-    response to `max_response_tokens`; `max_turns` overrides the loop's own turn limit (None keeps it)."""
+    response to `max_response_tokens`; `max_turns` overrides the loop's own turn limit (None keeps it).
+    `deadline_s`: wall-clock seconds from the rollout's start; a trajectory still running at a turn boundary
+    past it ends with finish_reason "time_limit" (a turn itself is bounded by its max_new_tokens), so one
+    trajectory that keeps searching cannot hold the others of its batch for long (the searcher service)."""
 
     max_obs_tokens: int = 512
     max_response_tokens: int = 4096
     max_turns: int | None = None
+    deadline_s: float | None = None
+
+TIME_LIMIT = "time_limit"  # finish_reason of a trajectory stopped by RolloutBudget.deadline_s
 
 
 def _tokenizer_of(generator: Generator, tokenizer):
@@ -279,11 +286,21 @@ class _Engine:
             else:
                 self.finish(state, "max_turns")
 
-    def run(self, states: list[RolloutState]) -> list[Trajectory]:
+    def run(self, states: list[RolloutState], deadline_s: float | None = None,
+            on_done: Callable[[int, Trajectory], None] | None = None) -> list[Trajectory]:
+        """Turns until every trajectory is done (or past `deadline_s`); `on_done(index, traj)` is told of each
+        trajectory as soon as it is finished, before the others are."""
         loop = self.loop
+        started = time.monotonic()
+        released: set[int] = set()
         while True:
+            self._release(states, released, on_done)
             active = [s for s in states if not s.done]
             if not active:
+                break
+            if deadline_s is not None and time.monotonic() - started >= deadline_s:
+                for state in active:
+                    self.finish(state, TIME_LIMIT)
                 break
             gens = self.generate(active)
             pending: list[tuple[RolloutState, StepOutcome]] = []
@@ -304,12 +321,22 @@ class _Engine:
                     self.answer_one(state, outcome, results[i] if outcome.queries else None)
                 except Exception as err:
                     self.fail(state, err)
-        for state in states:
+        self._release(states, released, on_done)
+        return [s.traj for s in states]
+
+    def _release(self, states: list[RolloutState], released: set[int],
+                 on_done: Callable[[int, Trajectory], None] | None) -> None:
+        """Summarise each newly finished trajectory (and tell `on_done`); it is not touched again."""
+        for i, state in enumerate(states):
+            if not state.done or i in released:
+                continue
+            released.add(i)
             try:
                 self.summarise(state)
             except Exception as err:
                 self.fail(state, err)
-        return [s.traj for s in states]
+            if on_done is not None:
+                on_done(i, state.traj)
 
     def summarise(self, state: RolloutState) -> None:
         traj = state.traj
@@ -328,19 +355,23 @@ def rollout(
     *,
     budget: RolloutBudget | None = None,
     tokenizer=None,
+    on_done: Callable[[int, Trajectory], None] | None = None,
 ) -> list[Trajectory]:
     """Run `loop` on every example `n` times; the n samples of an example are adjacent.
 
     `traj.group` is the example's index and `traj.sample` the sample's index
-    (GRPO groups). `budget` bounds observations, responses and turns (default: RolloutBudget()).
+    (GRPO groups). `budget` bounds observations, responses, turns and time (default: RolloutBudget()).
     `tokenizer` defaults to `generator.tokenizer`. Malformed generations never raise: they end
-    as scored trajectories (answer None or the loop's fallback).
+    as scored trajectories (answer None or the loop's fallback). `on_done(i, traj)` is called (in this
+    thread) as soon as the i-th trajectory is finished, so a caller can hand it on before the slowest is done.
     """
     budget = budget or RolloutBudget()
     if n < 1:
         raise ConfigError(f"n must be >= 1, got {n}")
     if budget.max_obs_tokens < 1 or budget.max_response_tokens < 1:
         raise ConfigError("max_obs_tokens and max_response_tokens must be >= 1")
+    if budget.deadline_s is not None and not budget.deadline_s > 0:
+        raise ConfigError(f"deadline_s must be > 0, got {budget.deadline_s}")
     if budget.max_turns is not None:
         if budget.max_turns < 1:
             raise ConfigError(f"max_turns must be >= 1, got {budget.max_turns}")
@@ -350,4 +381,4 @@ def rollout(
         loop, generator, retriever, tok, params or SamplingParams(), budget.max_obs_tokens, budget.max_response_tokens
     )
     states = engine.start(list(examples), n)
-    return engine.run(states)
+    return engine.run(states, budget.deadline_s, on_done)

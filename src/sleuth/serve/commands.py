@@ -37,6 +37,14 @@ SEARCHER_OPTIONS: dict[str, tuple[Any, Any]] = {
     "max_turns_limit": (int, typer.Option(8, "--max-turns-limit", help="Largest max_turns a request may ask for.")),
     "max_top_k": (int, typer.Option(20, "--max-top-k", help="Largest top_k a request may ask for.")),
     "max_question_chars": (int, typer.Option(2000, "--max-question-chars", help="Longest question accepted.")),
+    "max_question_tokens": (int, typer.Option(
+        512, "--max-question-tokens",
+        help="Most tokens a question may have for the searcher's tokenizer; 422 above it (every row of a batched "
+             "turn pays for the longest prompt).")),
+    "max_generation_s": (float, typer.Option(
+        120.0, "--max-generation-s",
+        help="Longest a search's rollout may run; past it the search stops at the next turn and its request "
+             "gets 504, so it does not hold the requests batched with it. 0: no limit.")),
     "token_env": (str, typer.Option(
         "SLEUTH_API_TOKEN", "--token-env",
         help="Environment variable holding a bearer token; when set, auth is required.")),
@@ -64,6 +72,8 @@ class SearcherOptions:
     max_turns_limit: int
     max_top_k: int
     max_question_chars: int
+    max_question_tokens: int
+    max_generation_s: float
     token_env: str
     device: str | None
     plugin: list[str] | None
@@ -133,7 +143,9 @@ def _build(options: SearcherOptions):
         load_plugins(options.plugin or [])
         limits = ServeLimits(max_question_chars=options.max_question_chars, max_turns=options.max_turns_limit,
                              max_top_k=options.max_top_k, max_batch=options.max_batch,
-                             batch_wait_ms=options.batch_wait_ms, timeout_s=options.timeout_s)
+                             batch_wait_ms=options.batch_wait_ms, timeout_s=options.timeout_s,
+                             max_question_tokens=options.max_question_tokens,
+                             max_generation_s=options.max_generation_s or None)
         spec = ServiceSpec(checkpoint=options.checkpoint, model=options.model, loop=options.loop,
                            loop_options=parse_loop_options(options.loop_option), index=options.index,
                            retriever_url=options.retriever_url, generator=options.generator, limits=limits,

@@ -8,6 +8,13 @@ share one rollout (one `generate` call per turn for all of them)
 on a single worker thread: the policy is one model, and running two rollouts at once on it would
 only make both slower. A batch is split by (max_turns, top_k), since one rollout runs one loop
 configuration.
+
+A request's cost is bounded so that one pathological question cannot hold the requests batched with it: a
+question of more than `max_question_tokens` tokens (2,000 `[` are 1,000 tokens for SmolLM2, an ordinary
+2,000-character question about 400) is refused with 422 before it joins a batch, since every row of a batched
+turn pays for the longest prompt; a search still running after `max_generation_s` of its rollout stops at the
+next turn and gets 504 of its own; and every search is answered as soon as its own trajectory is finished,
+not when the slowest one of its batch is.
 """
 
 from __future__ import annotations
@@ -21,7 +28,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from sleuth.agent.base import AgentLoop
-from sleuth.agent.engine import RolloutBudget, rollout
+from sleuth.agent.engine import TIME_LIMIT, RolloutBudget, encode_text, rollout
 from sleuth.agent.registry import find_method
 from sleuth.agent.trajectory import Trajectory
 from sleuth.data.formats import QAExample
@@ -61,15 +68,21 @@ class ServeLimits:
     max_batch: int = 16  # requests merged into one batched rollout
     batch_wait_ms: float = 10.0  # longest a request waits for others to share its rollout (only after overlap)
     timeout_s: float = 300.0  # per request, queueing included (a CPU searcher takes minutes under load)
+    # a question's tokens for the searcher's tokenizer: an ordinary question at max_question_chars is ~400
+    max_question_tokens: int = 512
+    # a search's rollout time; past it the search stops at the next turn and its request gets 504 (None: no limit)
+    max_generation_s: float | None = 120.0
 
     def __post_init__(self) -> None:
-        for name in ("max_question_chars", "max_turns", "max_top_k", "max_batch"):
+        for name in ("max_question_chars", "max_turns", "max_top_k", "max_batch", "max_question_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.batch_wait_ms < 0:
             raise ValueError(f"batch_wait_ms must be >= 0, got {self.batch_wait_ms}")
         if self.timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
+        if self.max_generation_s is not None and not self.max_generation_s > 0:
+            raise ValueError(f"max_generation_s must be > 0 (or None: no limit), got {self.max_generation_s}")
 
 
 @dataclass(frozen=True)
@@ -145,6 +158,16 @@ class _GuardedGenerator:
             return self.inner.generate(batch, stop, params)
         except Exception as err:
             raise ServiceFailure(f"{self.label} failed: {type(err).__name__}: {err}") from err
+
+
+def _settle(future: asyncio.Future, outcome: Any) -> None:
+    """Resolve a request's future once (event-loop thread); a request already answered or timed out is left."""
+    if future.done():
+        return
+    if isinstance(outcome, BaseException):
+        future.set_exception(outcome)
+    else:
+        future.set_result(outcome)
 
 
 def _doc(hit: dict[str, Any]) -> dict[str, str]:
@@ -266,6 +289,8 @@ class SearcherService:
                 "max_batch": self.limits.max_batch,
                 "batch_wait_ms": self.limits.batch_wait_ms,
                 "timeout_s": self.limits.timeout_s,
+                "max_question_tokens": self.limits.max_question_tokens,
+                "max_generation_s": self.limits.max_generation_s,
             },
         }
 
@@ -285,6 +310,13 @@ class SearcherService:
             raise RequestError(
                 "question",
                 f"question has {len(question)} characters; this server accepts at most {self.limits.max_question_chars}",
+            )
+        tokens = len(encode_text(self.tokenizer, question.strip()))
+        if tokens > self.limits.max_question_tokens:  # every row of a batched turn would pay for its prompt
+            raise RequestError(
+                "question",
+                f"question is {tokens} tokens for this searcher's tokenizer; this server accepts at most "
+                f"{self.limits.max_question_tokens} (--max-question-tokens): shorten it",
             )
         turns = self._bounded_int("max_turns", max_turns, self.loop.max_turns, self.limits.max_turns)
         k = self._bounded_int("top_k", top_k, self.loop.top_k, self.limits.max_top_k)
@@ -319,6 +351,9 @@ class SearcherService:
         self._overlap.record(self._outstanding, submitted)
         try:
             outcome: _Outcome = await asyncio.wait_for(future, self.limits.timeout_s)
+        except SearchTimeout:  # this search ran past max_generation_s (a TimeoutError too: caught first)
+            self.count("timeouts")
+            raise
         except asyncio.TimeoutError as err:
             self.count("timeouts")
             raise SearchTimeout(
@@ -368,54 +403,72 @@ class SearcherService:
             live = [job for job in batch if not job.future.done()]  # timed-out requests are not run
             if not live:
                 continue
+            futures = [job.future for job in live]
+
+            def release(i: int, outcome: _Outcome | Exception, futures: list[asyncio.Future] = futures) -> None:
+                loop.call_soon_threadsafe(_settle, futures[i], outcome)  # from the worker thread
+
             try:
-                outcomes = await loop.run_in_executor(self._executor, self.run_batch, [j.query for j in live])
+                outcomes = await loop.run_in_executor(self._executor, self.run_batch, [j.query for j in live], release)
             except Exception as err:  # executor shut down: fail the waiting jobs rather than leave them hanging
                 outcomes = [ServiceFailure(f"search worker unavailable: {err!r}") for _ in live]
-            for job, outcome in zip(live, outcomes, strict=True):
-                if job.future.done():
-                    continue
-                if isinstance(outcome, BaseException):
-                    job.future.set_exception(outcome)
-                else:
-                    job.future.set_result(outcome)
+            for future, outcome in zip(futures, outcomes, strict=True):
+                _settle(future, outcome)  # those released early are done already
 
     # -- the batched work (worker thread) ------------------------------------------------------------
-    def run_batch(self, queries: Sequence[SearchQuery]) -> list[_Outcome | ServiceFailure]:
-        """One rollout per distinct (max_turns, top_k), then one answer call per prompt kind."""
+    def run_batch(self, queries: Sequence[SearchQuery],
+                  release: Callable[[int, _Outcome | Exception], None] | None = None) -> list[_Outcome | Exception]:
+        """One rollout per distinct (max_turns, top_k), then one answer call per prompt kind. A search
+        without an answer is handed to `release(i, outcome)` as soon as its trajectory is finished."""
         self.count("batches")
-        outcomes: list[_Outcome | ServiceFailure] = [ServiceFailure("not run")] * len(queries)
+        outcomes: list[_Outcome | Exception] = [ServiceFailure("not run")] * len(queries)
         trajs: dict[int, Trajectory] = {}
         groups: dict[tuple[int, int], list[int]] = {}
         for i, q in enumerate(queries):
             groups.setdefault((q.max_turns, q.top_k), []).append(i)
+        finished: set[int] = set()  # requests whose trajectory the rollout handed back
         for (turns, k), members in groups.items():
             started = time.perf_counter()
+
+            def done(row: int, traj: Trajectory, members: list[int] = members, started: float = started) -> None:
+                i = members[row]
+                finished.add(i)
+                outcomes[i] = self._outcome(traj, len(members), started)
+                if traj.finish_reason != TIME_LIMIT:
+                    trajs[i] = traj
+                if release is not None and not queries[i].want_answer:
+                    release(i, outcomes[i])
+
             try:
-                group_trajs = self._rollout([queries[i].question for i in members], turns, k)
+                self._rollout([queries[i].question for i in members], turns, k, done)
             except ServiceFailure as err:
-                for i in members:
+                for i in set(members) - finished:
                     outcomes[i] = err
-                continue
             except Exception as err:
-                if len(members) > 1:
+                left = [i for i in members if i not in finished]
+                if len(left) > 1:
                     # one bad request must not fail the others it was batched with: run each alone
-                    for i in members:
+                    for i in left:
                         self._run_alone(queries, i, outcomes, trajs)
-                    continue
-                outcomes[members[0]] = ServiceFailure(f"search failed: {type(err).__name__}: {err}")
-                continue
-            search_s = time.perf_counter() - started
-            for i, traj in zip(members, group_trajs, strict=True):
-                trajs[i] = traj
-                outcomes[i] = _Outcome(response_body(traj, len(members)), started, search_s)
+                elif left:
+                    outcomes[left[0]] = ServiceFailure(f"search failed: {type(err).__name__}: {err}")
         wanted = [i for i, q in enumerate(queries) if q.want_answer and i in trajs]
         if wanted:
             self._answer_into(outcomes, trajs, wanted)
         return outcomes
 
+    def _outcome(self, traj: Trajectory, batch_size: int, started: float) -> _Outcome | SearchTimeout:
+        """A finished search's response, or, stopped at max_generation_s, its request's own 504."""
+        if traj.finish_reason == TIME_LIMIT:
+            return SearchTimeout(
+                f"this question's search ran past the server's budget of {self.limits.max_generation_s:g} s of "
+                f"generation per request (--max-generation-s) after {traj.num_turns} turn(s); ask with fewer "
+                "max_turns or a simpler question"
+            )
+        return _Outcome(response_body(traj, batch_size), started, time.perf_counter() - started)
+
     def _run_alone(
-        self, queries: Sequence[SearchQuery], i: int, outcomes: list[_Outcome | ServiceFailure],
+        self, queries: Sequence[SearchQuery], i: int, outcomes: list[_Outcome | Exception],
         trajs: dict[int, Trajectory],
     ) -> None:
         started = time.perf_counter()
@@ -427,23 +480,24 @@ class SearcherService:
         except Exception as err:
             outcomes[i] = ServiceFailure(f"search failed: {type(err).__name__}: {err}")
             return
-        trajs[i] = traj
-        outcomes[i] = _Outcome(response_body(traj, 1), started, time.perf_counter() - started)
+        outcomes[i] = self._outcome(traj, 1, started)
+        if traj.finish_reason != TIME_LIMIT:
+            trajs[i] = traj
 
-    def _rollout(self, questions: list[str], max_turns: int, top_k: int) -> list[Trajectory]:
+    def _rollout(self, questions: list[str], max_turns: int, top_k: int,
+                 on_done: Callable[[int, Trajectory], None] | None = None) -> list[Trajectory]:
         loop = self.loop if top_k == self.loop.top_k else replace(self.loop, top_k=top_k)
         with self._stats_lock:
             first = self._next_id
             self._next_id += len(questions)
             self.stats["rollouts"] += 1
         examples = [QAExample(id=f"req{first + j}", question=q, golden_answers=[]) for j, q in enumerate(questions)]
-        return rollout(
-            loop, self.generator, self.retriever, examples, self.params,
-            budget=RolloutBudget(self.max_obs_tokens, self.max_response_tokens, max_turns), tokenizer=self.tokenizer,
-        )
+        budget = RolloutBudget(self.max_obs_tokens, self.max_response_tokens, max_turns, self.limits.max_generation_s)
+        return rollout(loop, self.generator, self.retriever, examples, self.params, budget=budget,
+                       tokenizer=self.tokenizer, on_done=on_done)
 
     def _answer_into(
-        self, outcomes: list[_Outcome | ServiceFailure], trajs: dict[int, Trajectory], wanted: list[int]
+        self, outcomes: list[_Outcome | Exception], trajs: dict[int, Trajectory], wanted: list[int]
     ) -> None:
         """Ask the frozen generator, batched: R-Search evidence with its evidence prompt, the rest from docs."""
         assert self.answer_generator is not None
