@@ -40,6 +40,7 @@ class RolloutBudget:
     max_turns: int | None = None
     deadline_s: float | None = None
 
+
 TIME_LIMIT = "time_limit"  # finish_reason of a trajectory stopped by RolloutBudget.deadline_s
 
 
@@ -355,17 +356,41 @@ def rollout(
     *,
     budget: RolloutBudget | None = None,
     tokenizer=None,
-    on_done: Callable[[int, Trajectory], None] | None = None,
 ) -> list[Trajectory]:
     """Run `loop` on every example `n` times; the n samples of an example are adjacent.
 
     `traj.group` is the example's index and `traj.sample` the sample's index
     (GRPO groups). `budget` bounds observations, responses, turns and time (default: RolloutBudget()).
     `tokenizer` defaults to `generator.tokenizer`. Malformed generations never raise: they end
-    as scored trajectories (answer None or the loop's fallback). `on_done(i, traj)` is called (in this
-    thread) as soon as the i-th trajectory is finished, so a caller can hand it on before the slowest is done.
+    as scored trajectories (answer None or the loop's fallback).
     """
     budget = budget or RolloutBudget()
+    engine, states = _prepared(loop, generator, retriever, examples, params, n, budget, tokenizer)
+    return engine.run(states, budget.deadline_s)
+
+
+def rollout_each(
+    loop: AgentLoop,
+    generator: Generator,
+    retriever: Retriever,
+    examples: Sequence[QAExample],
+    params: SamplingParams,
+    on_done: Callable[[int, Trajectory], None],
+    *,
+    budget: RolloutBudget | None = None,
+    tokenizer=None,
+) -> list[Trajectory]:
+    """`rollout` with one sample per example, calling `on_done(i, traj)` (in this thread) as soon as the i-th
+    trajectory is finished: a server hands each search on before the slowest one of its batch is done."""
+    budget = budget or RolloutBudget()
+    engine, states = _prepared(loop, generator, retriever, examples, params, 1, budget, tokenizer)
+    return engine.run(states, budget.deadline_s, on_done)
+
+
+def _prepared(loop: AgentLoop, generator: Generator, retriever: Retriever, examples: Sequence[QAExample],
+              params: SamplingParams | None, n: int, budget: RolloutBudget,
+              tokenizer) -> tuple[_Engine, list[RolloutState]]:  # fmt: skip
+    """The engine of a rollout (its budget checked) and its started trajectories (initial searches done)."""
     if n < 1:
         raise ConfigError(f"n must be >= 1, got {n}")
     if budget.max_obs_tokens < 1 or budget.max_response_tokens < 1:
@@ -380,5 +405,4 @@ def rollout(
     engine = _Engine(
         loop, generator, retriever, tok, params or SamplingParams(), budget.max_obs_tokens, budget.max_response_tokens
     )
-    states = engine.start(list(examples), n)
-    return engine.run(states, budget.deadline_s, on_done)
+    return engine, engine.start(list(examples), n)

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from sleuth.agent.base import AgentLoop
-from sleuth.agent.engine import TIME_LIMIT, RolloutBudget, encode_text, rollout
+from sleuth.agent.engine import TIME_LIMIT, RolloutBudget, encode_text, rollout, rollout_each
 from sleuth.agent.registry import find_method
 from sleuth.agent.trajectory import Trajectory
 from sleuth.data.formats import QAExample
@@ -493,8 +493,11 @@ class SearcherService:
             self.stats["rollouts"] += 1
         examples = [QAExample(id=f"req{first + j}", question=q, golden_answers=[]) for j, q in enumerate(questions)]
         budget = RolloutBudget(self.max_obs_tokens, self.max_response_tokens, max_turns, self.limits.max_generation_s)
-        return rollout(loop, self.generator, self.retriever, examples, self.params, budget=budget,
-                       tokenizer=self.tokenizer, on_done=on_done)
+        if on_done is None:
+            return rollout(loop, self.generator, self.retriever, examples, self.params, budget=budget,
+                           tokenizer=self.tokenizer)
+        return rollout_each(loop, self.generator, self.retriever, examples, self.params, on_done, budget=budget,
+                            tokenizer=self.tokenizer)
 
     def _answer_into(
         self, outcomes: list[_Outcome | Exception], trajs: dict[int, Trajectory], wanted: list[int]
