@@ -94,6 +94,12 @@ def test_arm_recipe_applies_the_arm_and_keeps_the_method_defaults(tmp_path):
     assert stage2["reward"]["name"] == "qagent_stage2" and stage2["reward"]["generator"] == "R: a path, with a colon"
     assert stage2["reward"]["options"]["hit_weight"] == 0.5
     assert stage2["trainer"]["total_steps"] == 3 and stage2["trainer"]["save_every"] == 3
+    # the registry's defaults are untouched by an arm's overrides (a later arm gets the method's own options)
+    from sleuth.agent.registry import get_method
+
+    assert "use_evidence_reward" not in get_method("r_search").default_reward["options"]
+    assert arm_rl_recipe(run, Arm("with_evidence", "r_search"), "ck")["reward"]["options"] == {"gamma_e": 0.2,
+                                                                                             "gamma_a": 0.2}
     s3 = arm_rl_recipe(run, Arm("s3_4", "s3", (setting("reward.generator", "R"), setting("trainer.total_steps", 2),
                                                setting("data.max_train_examples", 4))), "ck")
     assert s3["reward"]["name"] == "s3_gbr" and s3["reward"]["generator"] == "R"

@@ -7,6 +7,7 @@ An arm's recipe is the demo's recipe for its method (`sleuth.demo.demo_recipe`) 
 
 from __future__ import annotations
 
+import copy
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,7 +56,8 @@ def arm_recipe(run: ClaimRun, method: str, init_from: str | None, name: str | No
     """The demo's recipe for `method` under <root>/<name or method>, on the claim's world, at the run's seed,
     starting from the checkpoint `init_from` (None: the profile's base model), then `overrides`."""
     profile = run.profile
-    recipe = demo_recipe(run.root / (name or method), profile.pipeline, method)
+    # a copy: the demo's recipe shares nested dicts with the method registry's defaults, which overrides must not touch
+    recipe = copy.deepcopy(demo_recipe(run.root / (name or method), profile.pipeline, method))
     recipe["name"] = f"reproduce-{name or method}"
     recipe["seed"] = run.seed  # the arms' training seed; the world, reader and injection keep theirs
     recipe["data"]["train"] = str(run.questions / "train.jsonl")
