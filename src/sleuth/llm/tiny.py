@@ -8,8 +8,14 @@ real checkpoint.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import shutil
+import tempfile
 from pathlib import Path
+
+from sleuth.errors import ConfigError
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
@@ -47,11 +53,6 @@ def build_tiny_model(
 
     Reuses an existing build in `out_dir` if its config matches, so tests can share one.
     """
-    # deferred: torch, tokenizers and transformers are heavy; only building the model needs them
-    import torch
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
-
     out = Path(out_dir)
     spec = {
         "vocab_size": vocab_size,
@@ -61,10 +62,57 @@ def build_tiny_model(
         "extra_text": extra_text or [],
         "seed": seed,
     }
-    stamp = out / "sleuth_tiny.json"
-    if stamp.exists() and json.loads(stamp.read_text()) == spec:
+    if _built(out, spec):
         return out
-    out.mkdir(parents=True, exist_ok=True)
+    if out.is_dir() and any(out.iterdir()) and not (out / STAMP).exists():
+        raise ConfigError(f"{out}: not empty and not a tiny model built by sleuth; give a new or empty directory")
+    # built under a temporary name and renamed into place: processes sharing the cache (parallel test workers)
+    # never read a half-written model, and the first finished build is the one kept
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp"))
+    try:
+        _build(tmp, spec)
+        _move_into_place(tmp, out, spec)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+STAMP = "sleuth_tiny.json"
+
+
+def _built(out: Path, spec: dict) -> bool:
+    stamp = out / STAMP
+    try:
+        return stamp.exists() and json.loads(stamp.read_text()) == spec
+    except ValueError:
+        return False
+
+
+def _move_into_place(tmp: Path, out: Path, spec: dict) -> None:
+    if _built(out, spec):
+        return  # another process finished first
+    if out.exists():  # empty, or another spec built here before: set it aside, then replace it
+        aside = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.", suffix=".old"))
+        with contextlib.suppress(OSError):  # gone meanwhile, or replaced by another process
+            os.replace(out, aside / "old")
+        shutil.rmtree(aside, ignore_errors=True)
+    try:
+        os.replace(tmp, out)
+    except OSError:
+        if not _built(out, spec):  # another process put its own build there first: keep theirs
+            raise
+
+
+def _build(out: Path, spec: dict) -> None:
+    """The tokenizer and model of `spec` written into `out` (the stamp last)."""
+    # deferred: torch, tokenizers and transformers are heavy; only building the model needs them
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+    vocab_size, hidden_size, num_layers, num_heads, extra_text, seed = (
+        spec["vocab_size"], spec["hidden_size"], spec["num_layers"], spec["num_heads"], spec["extra_text"], spec["seed"])
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -105,5 +153,4 @@ def build_tiny_model(
     model.generation_config.eos_token_id = config.eos_token_id
     model.generation_config.pad_token_id = config.pad_token_id
     model.save_pretrained(out)
-    stamp.write_text(json.dumps(spec))
-    return out
+    (out / STAMP).write_text(json.dumps(spec))
