@@ -98,6 +98,18 @@ def pack(run: Path, dest: Path, world: Path, logs: Path | None, record: Path | N
         for log in logs.glob(f"{run.name}*.log"):
             shutil.copy2(log, dest / log.name)
     evals = []
+    # the run's first seed lies in RUN, each later one in RUN/seed<s> (`sleuth reproduce --seeds`): packed alike
+    for root in [run, *sorted(p for p in run.glob("seed*") if p.is_dir())]:
+        target = dest / root.relative_to(run)
+        target.mkdir(parents=True, exist_ok=True)
+        evals += [f"{root.relative_to(run) / name}".removeprefix("./") for name in _pack_root(root, target, support,
+                                                                                              known)]
+    return evals
+
+
+def _pack_root(run: Path, dest: Path, support: dict, known: dict) -> list[str]:
+    """One seed's evaluations (per-question rows, summaries) and RL arms (recipe, training metrics) into DEST."""
+    evals = []
     for summary in sorted((run / "eval").glob("*/summary.json")):
         name = summary.parent.name
         (dest / name).mkdir(exist_ok=True)

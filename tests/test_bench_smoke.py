@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -373,6 +374,14 @@ def test_claims_pack_rows_and_the_why_analysis_by_hand(tmp_path: Path) -> None:
     hidden.with_suffix(".bak").rename(hidden)
     assert pack.pack(run, dest, world, None, record) == ["s3_16", "s3_4"]
     assert (dest / "s3_4" / "metrics.jsonl").exists() and (dest / "s3_4" / "rl_recipe.yaml").exists()
+    # a second training seed (`--seeds 2`) lies in RUN/seed1: packed beside the first, under seed1/
+    seeded = tmp_path / "seeded"
+    shutil.copytree(run, seeded)
+    shutil.copytree(run / "eval", seeded / "seed1" / "eval")
+    assert pack.pack(seeded, tmp_path / "packed_seeds", world, None, record) == [
+        "s3_16", "s3_4", "seed1/s3_16", "seed1/s3_4"]
+    assert (tmp_path / "packed_seeds" / "seed1" / "s3_4" / "per_question.jsonl").read_text() == (
+        dest / "s3_4" / "per_question.jsonl").read_text()
     analysis = pack.why(dest)
     small = analysis["s3_4"]
     # a: both supporting served, EM 1; b: its one served, EM 0; c: one of two served, EM 0
