@@ -14,7 +14,9 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from sleuth.appendlog import read_appended
 from sleuth.claims.profiles import ClaimProfile
+from sleuth.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -103,8 +105,6 @@ def premise_stage() -> Stage:
 
 def predictions(run: ClaimRun, eval_stage: str) -> dict[str, dict[str, Any]]:
     """The per-question records an evaluation stage wrote, by question id (of the run's current seed)."""
-    from sleuth.appendlog import read_appended
-
     return {r["id"]: r for r in read_appended(run.result(eval_stage)["predictions"]).records}
 
 
@@ -143,8 +143,6 @@ class ClaimSpec:
         return self.text.method
 
     def profile(self, name: str) -> ClaimProfile:
-        from sleuth.errors import ConfigError
-
         if name not in self.profiles:
             raise ConfigError(f"--profile must be {' or '.join(self.profiles)}, got {name!r}")
         return self.profiles[name]

@@ -30,6 +30,7 @@ from typing import Any
 
 import numpy as np
 
+from sleuth.errors import ConfigError
 from sleuth.eval.stats import DEFAULT_CONFIDENCE, DEFAULT_RESAMPLES, paired_bootstrap, resample_means
 from sleuth.rewards.metrics import cover_exact_match
 
@@ -46,8 +47,6 @@ def paired(a: Sequence[float], b: Sequence[float], seed: int = 0) -> dict[str, A
 
 def common_ids(first: dict[str, Any], second: dict[str, Any]) -> list[str]:
     """The question ids both arms' predictions hold (sorted): what a paired comparison runs over."""
-    from sleuth.errors import ConfigError
-
     ids = sorted(set(first) & set(second))
     if not ids:
         raise ConfigError("the two arms answered no common question; evaluate both on the same test split")

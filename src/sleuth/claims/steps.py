@@ -19,7 +19,6 @@ from sleuth.claims.knowledge import boundary_questions
 from sleuth.claims.profiles import ClaimProfile
 from sleuth.data.synth import generate_world, write_world
 from sleuth.demo import demo_recipe, held_out_questions, write_oracle_trajectories
-from sleuth.rl.config import apply_overrides, write_recipe
 from sleuth.run_layout import latest_checkpoint
 
 
@@ -55,6 +54,9 @@ def arm_recipe(run: ClaimRun, method: str, init_from: str | None, name: str | No
                overrides: tuple[str, ...] = ()) -> dict[str, Any]:  # fmt: skip
     """The demo's recipe for `method` under <root>/<name or method>, on the claim's world, at the run's seed,
     starting from the checkpoint `init_from` (None: the profile's base model), then `overrides`."""
+    # deferred here and below: the recipe schema loads torch, which `sleuth --help` (it lists the claims) need not
+    from sleuth.rl.config import apply_overrides
+
     profile = run.profile
     # a copy: the demo's recipe shares nested dicts with the method registry's defaults, which overrides must not touch
     recipe = copy.deepcopy(demo_recipe(run.root / (name or method), profile.pipeline, method))
@@ -72,6 +74,7 @@ def cold_start(run: ClaimRun, method: str, init_from: str | None, overrides: tup
                name: str | None = None) -> dict[str, Any]:  # fmt: skip
     """Oracle trajectories of `method` (its loop changed by `overrides`, e.g. `agent.options.x=...`) -> SFT from
     `init_from` (None: the base model) under <root>/<name or method>; returns the SFT checkpoint."""
+    from sleuth.rl.config import write_recipe
     from sleuth.rl.sft import run_sft
 
     folder = run.root / (name or method)
@@ -83,6 +86,8 @@ def cold_start(run: ClaimRun, method: str, init_from: str | None, overrides: tup
 
 def arm_rl_recipe(run: ClaimRun, arm: Arm, init_from: str) -> dict[str, Any]:
     """The GRPO recipe of one arm: the demo's recipe for its method, changed by the arm's overrides."""
+    from sleuth.rl.config import apply_overrides
+
     recipe = arm_recipe(run, arm.method, init_from, arm.name)
     recipe.pop("sft")
     apply_overrides(recipe, list(arm.overrides))
@@ -94,6 +99,7 @@ def arm_rl_recipe(run: ClaimRun, arm: Arm, init_from: str) -> dict[str, Any]:
 
 def train_rl(run: ClaimRun, arm: Arm, init_from: str) -> dict[str, Any]:
     """GRPO of one arm from `init_from` (an SFT or RL checkpoint), resumable; returns its last checkpoint."""
+    from sleuth.rl.config import write_recipe
     from sleuth.rl.trainer import train
 
     recipe = write_recipe(arm_rl_recipe(run, arm, init_from), run.root / arm.name / "rl_recipe.yaml")
