@@ -212,3 +212,13 @@ def test_s3_rl_questions_are_disjoint_from_the_sft_questions(tmp_path):
     finally:
         s3._arm = original
     assert shared["value"] == 4 and not shared["met"]
+
+
+def test_the_command_line_lists_the_claims_without_loading_torch():
+    """`sleuth --help` registers every claim's command: that must not load the recipe schema's torch."""
+    import subprocess
+    import sys
+
+    code = "import sys, sleuth.cli; print('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          check=True).stdout.strip() == "False"
