@@ -27,17 +27,24 @@ def trained(small_world: Path, tmp_path_factory: pytest.TempPathFactory) -> Path
         "name": "plugin-method",
         "model": {"policy": "tiny"},
         "data": {"train": str(small_world / "train.jsonl")},
-        "retriever": {"index": str(small_world / "bm25")},
+        # a retriever backend, an advantage estimator and a policy loss from a plugin module, named in the recipe
+        "retriever": {"location": f"test_counted:{small_world / 'bm25'}"},
         "agent": {"loop": "test_lookup", "max_turns": 1, "max_new_tokens_per_turn": 8, "max_response_tokens": 64,
                   "max_obs_tokens": 32},
-        "plugins": ["sleuth_test_method"], "reward": {"name": "test_lookup_reward"},
-        "algorithm": {"name": "grpo", "n": 2, "prompts_per_step": 2, "minibatch_size": 4, "micro_batch_size": 4},
+        "plugins": ["sleuth_test_method", "sleuth_test_parts"],  # no reward: section: the method's default reward
+        "algorithm": {"name": "grpo", "n": 2, "prompts_per_step": 2, "minibatch_size": 4, "micro_batch_size": 4,
+                      "advantage": "test_counted_grpo", "policy_loss": "test_counted_ppo"},
         "trainer": {"total_steps": 1, "save_every": 1, "out_dir": str(out)},
     }
     path = out.parent / "recipe.yaml"
     path.write_text(yaml.safe_dump(recipe))
+    import sleuth_test_parts  # the recipe imports it again (a no-op): its counters are the ones below
+
+    before = dict(sleuth_test_parts.CALLS)
     res = CliRunner().invoke(app, ["train", str(path)])
     assert res.exit_code == 0, res.output
+    used = {k: v - before.get(k, 0) for k, v in sleuth_test_parts.CALLS.items()}
+    assert used["advantage"] >= 1 and used["policy_loss"] >= 1 and used["open"] == 1, used
     return out
 
 
@@ -53,10 +60,36 @@ def test_plugin_method_trains_one_step(trained: Path) -> None:
     assert "<lookup>" in json.loads(rollouts[0])["prompt_text"]  # the plugin's own prompt
 
 
+def test_train_without_a_reward_section_uses_the_methods_reward(trained: Path) -> None:
+    """`sleuth train` of a recipe with no `reward:` trains on `Method.default_reward` (not search_r1_em)."""
+    from sleuth.rl.config import recipe_from_dict
+
+    assert json.loads((trained / "run.json").read_text())["recipe"]["reward"]["name"] == "test_lookup_reward"
+    assert recipe_from_dict({"name": "x", "data": {"train": "t"}, "retriever": {"index": "i"},
+                             "agent": {"loop": "s3"}}).reward.name == "s3_gbr"
+
+
+def test_plugin_parts_are_refused_without_their_module() -> None:
+    """Named without the module on the recipe's plugins, each part is refused at load with its own field."""
+    from sleuth.errors import ConfigError
+    from sleuth.retrieval.backends import parse_location
+    from sleuth.rl.config import recipe_from_dict
+
+    base = {"name": "x", "data": {"train": "t"}, "retriever": {"index": "i"}}
+    with pytest.raises(ConfigError, match="algorithm.advantage: unknown estimator 'no_such_estimator'"):
+        recipe_from_dict({**base, "algorithm": {"advantage": "no_such_estimator"}})
+    with pytest.raises(ConfigError, match="unknown backend 'no_such_backend'.*--plugin MODULE"):
+        parse_location("no_such_backend:somewhere")
+
+
 def test_plugin_method_evaluates_through_the_cli(trained: Path, small_world: Path, tmp_path: Path) -> None:
     out = tmp_path / "eval"
-    args = ["eval", "--plugin", "sleuth_test_method", "-m", "test-lookup,naive-rag", "--data",
-            str(small_world / "test.jsonl"), "--retriever", str(small_world / "bm25"), "--model", str(trained),
+    import sleuth_test_parts
+
+    searched = sleuth_test_parts.CALLS["search"]
+    args = ["eval", "--plugin", "sleuth_test_method", "--plugin", "sleuth_test_parts", "-m", "test-lookup,naive-rag",
+            "--data", str(small_world / "test.jsonl"), "--retriever", f"test_counted:{small_world / 'bm25'}",
+            "--model", str(trained),
             "--generator", "tiny", "--out", str(out), "--limit", "3", "--batch-size", "3"]
     res = CliRunner().invoke(app, args, env={"COLUMNS": "200"})
     assert res.exit_code == 0, res.output
@@ -65,6 +98,7 @@ def test_plugin_method_evaluates_through_the_cli(trained: Path, small_world: Pat
     records = [json.loads(r) for r in (out / "test-lookup" / "predictions.jsonl").read_text().splitlines()]
     assert len(records) == 3 and all(r["trajectory"]["method"] == "test_lookup" for r in records)
     assert all(r["answer_source"] != "generator" for r in records)  # it answers itself: no hand-over
+    assert sleuth_test_parts.CALLS["search"] > searched  # the plugin's retriever backend, by its location
 
 
 def test_plugin_method_serves_through_the_cli(trained: Path, small_world: Path, monkeypatch) -> None:
@@ -77,10 +111,14 @@ def test_plugin_method_serves_through_the_cli(trained: Path, small_world: Path, 
             answers.append(client.post("/search", json={"question": "Where was Ada born?"}))
 
     monkeypatch.setattr(uvicorn, "run", serve_in_test_client)
-    res = CliRunner().invoke(app, ["serve-searcher", "--plugin", "sleuth_test_method", "--checkpoint", str(trained),
-                                   "--index", str(small_world / "bm25")])
+    import sleuth_test_parts
+
+    opened = sleuth_test_parts.CALLS["open"]
+    res = CliRunner().invoke(app, ["serve-searcher", "--plugin", "sleuth_test_method", "--plugin", "sleuth_test_parts",
+                                   "--checkpoint", str(trained), "--retriever", f"test_counted:{small_world / 'bm25'}"])
     assert res.exit_code == 0, res.output
     assert "test_lookup searcher" in res.output
+    assert sleuth_test_parts.CALLS["open"] == opened + 1  # the plugin's retriever backend, by its location
     (resp,) = answers
     assert resp.status_code == 200, resp.text
     assert resp.json()["loop"] == "test_lookup"
@@ -146,7 +184,7 @@ def test_checkpoint_records_its_plugin_and_eval_loads_it_without_plugin_flag(tra
                                                                              tmp_path: Path) -> None:
     from sleuth.run_layout import SearcherInfo, resolve_checkpoint
 
-    assert SearcherInfo.read(resolve_checkpoint(trained)).plugins == ["sleuth_test_method"]
+    assert SearcherInfo.read(resolve_checkpoint(trained)).plugins == ["sleuth_test_method", "sleuth_test_parts"]
     args = ["eval", "-m", "test-lookup", "--data", str(small_world / "test.jsonl"), "--retriever",
             str(small_world / "bm25"), "--model", str(trained), "--out", str(tmp_path / "eval"), "--limit", "2",
             "--batch-size", "2"]

@@ -84,7 +84,7 @@ def test_eval_replays_the_recorded_searches(small_world: Path, tmp_path: Path, m
         retriever.search = lambda *_: (_ for _ in ()).throw(AssertionError("searched despite the cache"))
         return retriever
 
-    monkeypatch.setattr("sleuth.retrieval.sources.load_retriever", load_failing)
+    monkeypatch.setattr("sleuth.retrieval.backends.load_retriever", load_failing)
     second = CliRunner().invoke(app, [*args, "--out", str(tmp_path / "b")], env={"COLUMNS": "200"})
     assert second.exit_code == 0, second.output
     summary = json.loads((tmp_path / "b" / "summary.json").read_text())

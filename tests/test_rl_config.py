@@ -43,7 +43,7 @@ def test_invalid_value_is_named() -> None:
         recipe_from_dict({**MINIMAL, "agent": {"loop": "nope"}})
     with pytest.raises(ConfigError, match=r"algorithm\.n >= 2"):
         recipe_from_dict({**MINIMAL, "algorithm": {"name": "grpo", "n": 1}})
-    with pytest.raises(ConfigError, match="exactly one of retriever.index, retriever.url, retriever.mcp or retriever.http"):
+    with pytest.raises(ConfigError, match="exactly one of retriever.index, retriever.url, retriever.mcp, retriever.http or retriever.location"):
         recipe_from_dict({**MINIMAL, "retriever": {"index": "a", "url": "http://x"}})
 
 

@@ -46,7 +46,7 @@ class EchoGenerator:
 
 
 def test_open_retriever_takes_exactly_one_source(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match="exactly one of index, url or tool; got none"):
+    with pytest.raises(ConfigError, match="exactly one of index, url, tool or location; got none"):
         open_retriever()
     with pytest.raises(ConfigError, match=r"got \['index', 'url'\]"):
         open_retriever(index=tmp_path, url="http://127.0.0.1:1")
@@ -58,8 +58,8 @@ def test_each_caller_keeps_its_own_missing_index_message(tmp_path: Path) -> None
         resolve_retriever(missing)
     with pytest.raises(ConfigError, match=f"--index {missing} does not exist"):
         load_retriever_from(missing, None)
-    with pytest.raises(FileNotFoundError, match="index directory does not exist"):
-        open_retriever(index=missing)  # no message given: load_retriever's own error
+    with pytest.raises(ConfigError, match="neither an index directory nor an http"):
+        open_retriever(index=missing)  # no message given: the index backend's own
 
 
 def test_training_evaluation_and_serving_open_the_same_index(small_world: Path) -> None:

@@ -66,8 +66,10 @@ def register(app: typer.Typer) -> None:
         ),
         data: list[Path] = typer.Option(..., "--data", "-d", help="QA file(s): .jsonl/.json (FlashRAG) or .parquet."),
         retriever: str | None = typer.Option(
-            None, "--retriever", "-r", help="Index directory, retrieval server URL, mcp:<MCP server URL> or a search-tool YAML "
-                                 "(mcp:/http: section, see sleuth.retrieval.tools); not needed for direct/cot."
+            None, "--retriever", "-r", help="A retriever location: index directory, retrieval server URL, mcp:<MCP server "
+            "URL>, a search-tool YAML (mcp:/http: section), bm25:|dense:|sharded:DIR, hybrid:DIR1,DIR2, "
+            "milvus:URI?collection=C, or a plugin backend's NAME:... (sleuth.retrieval.backends); not needed for "
+            "direct/cot."
         ),
         model: str = typer.Option(
             "smollm2-135m-instruct", "--model", help="Policy / prompted model: alias, checkpoint dir or openai:URL#model."

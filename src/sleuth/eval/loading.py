@@ -16,7 +16,6 @@ from sleuth.llm.registry import open_generator
 from sleuth.retrieval.base import Retriever
 from sleuth.retrieval.cache import CachingRetriever
 from sleuth.retrieval.sources import open_retriever
-from sleuth.retrieval.tools import is_tool_spec
 from sleuth.run_layout import SearcherInfo, is_searcher_checkpoint, resolve_checkpoint
 
 
@@ -125,7 +124,8 @@ def is_sleuth_checkpoint(spec: str | Path) -> bool:
 
 
 def resolve_retriever(spec: Retriever | str | Path | None, cache: str | Path | None = None) -> Retriever | None:
-    """An index directory -> `load_retriever`; an http(s) URL -> `RemoteRetriever`; objects pass through.
+    """A retriever location (an index directory, an http(s) URL, `mcp:URL`, a tool YAML, `NAME:...` of any
+    registered backend: `sleuth.retrieval.backends`) -> its retriever; objects pass through.
     `cache`: a directory recording every search and replaying it next time (`sleuth.retrieval.cache`)."""
     if spec is None:
         return None
@@ -133,17 +133,7 @@ def resolve_retriever(spec: Retriever | str | Path | None, cache: str | Path | N
         if cache is None:
             return spec  # type: ignore[return-value]
         return CachingRetriever(spec, cache, f"object:{type(spec).__qualname__}:{spec!r}")  # type: ignore[arg-type]
-    text = str(spec)
-    if is_tool_spec(text):  # an MCP server's search tool or an HTTP search API
-        return open_retriever(tool=text, cache=cache)
-    if text.startswith(("http://", "https://")):
-        return open_retriever(url=text, cache=cache)
-    return open_retriever(
-        index=Path(text).expanduser(),
-        missing_index=f"retriever {text!r} is neither an index directory nor an http(s) URL; "
-        "build an index with `sleuth index CORPUS --out DIR` or start one with `sleuth serve-retriever`",
-        cache=cache,
-    )
+    return open_retriever(location=str(spec), cache=cache)
 
 
 @dataclass

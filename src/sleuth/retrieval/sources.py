@@ -1,21 +1,20 @@
-"""A retriever from where it lives: a local index, a /retrieve server, or a search tool (written once).
+"""A retriever from where it lives: a local index, a /retrieve server, a search tool, or any location a
+backend reads (written once: `sleuth.retrieval.backends.parse_location`).
 
-Training (a recipe's `retriever:` section), evaluation (`--retriever SPEC`) and serving (`--index` /
-`--retriever-url`) parse their own inputs and all open the retriever here; what differs between them
-is explicit: the server client's retry policy, the corpus check, and the message for a missing index.
+Training (a recipe's `retriever:` section), evaluation (`--retriever LOCATION`) and serving (`--retriever`,
+`--index`, `--retriever-url`) all open the retriever here; what differs between them is explicit: the
+server client's retry policy, the corpus check, and the message for a missing index.
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from sleuth.errors import ConfigError
+from sleuth.retrieval.backends import open_location
 from sleuth.retrieval.base import Retriever
 from sleuth.retrieval.cache import CachingRetriever
-from sleuth.retrieval.client import RemoteRetriever
-from sleuth.retrieval.index import load_retriever
-from sleuth.retrieval.tools import ToolRetrieverConfig, load_tool_retriever, tool_retriever
+from sleuth.retrieval.tools import ToolRetrieverConfig, tool_retriever
 from sleuth.utils import RetryPolicy
 
 
@@ -28,48 +27,33 @@ def open_retriever(
     retry: RetryPolicy | None = None,
     missing_index: str | None = None,
     cache: str | Path | None = None,
+    location: str | None = None,
 ) -> Retriever:
-    """The retriever of exactly one source.
+    """The retriever of exactly one source, each opened by its backend (`sleuth.retrieval.backends`).
 
+    location: any retriever location (`bm25:DIR`, `milvus:URI?collection=C`, a plugin backend's, ...).
     index: a `sleuth index` directory; `corpus`, if given, is checked against its manifest.
     url: one or more Search-R1-compatible /retrieve servers; `retry` is the client's policy
         (None: `RemoteRetriever`'s default).
     tool: a search tool, as a `--retriever` spec (`mcp:<url>` or a YAML file) or a parsed config.
     missing_index: if given, an `index` that is not a directory fails at once with this message
-        (naming the flag the user typed); otherwise `load_retriever` reports it.
+        (naming the flag the user typed); otherwise the index backend reports it.
     cache: a directory recording every search, replayed on the next run (`sleuth.retrieval.cache`).
     """
-    retriever = _open_source(index=index, url=url, tool=tool, corpus=corpus, retry=retry, missing_index=missing_index)
-    if cache is None:
-        return retriever
-    if tool is not None:
-        source = f"tool:{tool.model_dump_json() if isinstance(tool, ToolRetrieverConfig) else tool}"
-    elif url is not None:
-        source = f"url:{json.dumps(url)}"
-    else:
-        source = f"index:{Path(index).expanduser().resolve()}"
-    return CachingRetriever(retriever, cache, source)
-
-
-def _open_source(
-    *,
-    index: str | Path | None,
-    url: str | list[str] | None,
-    tool: str | ToolRetrieverConfig | None,
-    corpus: str | Path | None,
-    retry: RetryPolicy | None,
-    missing_index: str | None,
-) -> Retriever:
-    given = [name for name, value in (("index", index), ("url", url), ("tool", tool)) if value is not None]
+    given = [name for name, value in (("index", index), ("url", url), ("tool", tool), ("location", location))
+             if value is not None]
     if len(given) != 1:
-        raise ConfigError(f"a retriever needs exactly one of index, url or tool; got {given or 'none'}")
-    if tool is not None:
-        if isinstance(tool, ToolRetrieverConfig):
-            return tool_retriever(tool.mcp, tool.http)
-        return load_tool_retriever(tool)
-    if url is not None:
-        return RemoteRetriever(url, retry=retry)
-    assert index is not None
-    if missing_index is not None and not Path(index).is_dir():
-        raise ConfigError(missing_index)
-    return load_retriever(index, corpus=corpus)
+        raise ConfigError(f"a retriever needs exactly one of index, url, tool or location; got {given or 'none'}")
+    if isinstance(tool, ToolRetrieverConfig):
+        retriever = tool_retriever(tool.mcp, tool.http)
+        return retriever if cache is None else CachingRetriever(retriever, cache, f"tool:{tool.model_dump_json()}")
+    if index is not None:
+        if missing_index is not None and not Path(index).is_dir():
+            raise ConfigError(missing_index)
+        location = f"index:{index}"
+    elif url is not None:
+        location = f"url:{url if isinstance(url, str) else ','.join(url)}"
+    elif tool is not None:
+        location = tool if tool.startswith("mcp:") else f"tool:{tool}"
+    assert location is not None
+    return open_location(location, corpus=corpus, retry=retry, cache=cache)

@@ -8,6 +8,7 @@ combinations that cannot run (e.g. GAE without a critic) are refused.
 
 from __future__ import annotations
 
+import copy
 import warnings
 from pathlib import Path
 from typing import Any, Literal
@@ -17,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from sleuth.agent.registry import find_method, load_plugins, loop_names
 from sleuth.errors import ConfigError
+from sleuth.retrieval.backends import parse_location
 from sleuth.retrieval.tools import HTTPSearchConfig, MCPToolConfig
 from sleuth.rl.advantages import ADVANTAGE_ESTIMATORS, needs_critic, needs_groups
 from sleuth.rl.guard_config import GuardConfig, default_guards
@@ -77,11 +79,20 @@ class RetrieverConfig(_Strict):
     mcp: MCPToolConfig | None = None  # an MCP server's search tool (sleuth.retrieval.tools)
     http: HTTPSearchConfig | None = None  # an HTTP search API (sleuth.retrieval.tools)
     cache: str | None = None  # a directory recording every search, replayed next time (sleuth.retrieval.cache)
+    # any retriever location: bm25:DIR, hybrid:DIR1,DIR2, milvus:URI?collection=C, a plugin backend's NAME:...
+    # (sleuth.retrieval.backends; the recipe's plugins are loaded before this is read)
+    location: str | None = None
 
     @model_validator(mode="after")
     def _one_source(self) -> RetrieverConfig:
-        if sum(x is not None for x in (self.index, self.url, self.mcp, self.http)) != 1:
-            raise ValueError("set exactly one of retriever.index, retriever.url, retriever.mcp or retriever.http")
+        if sum(x is not None for x in (self.index, self.url, self.mcp, self.http, self.location)) != 1:
+            raise ValueError("set exactly one of retriever.index, retriever.url, retriever.mcp, retriever.http "
+                             "or retriever.location")
+        if self.location is not None:
+            try:
+                parse_location(self.location)
+            except ConfigError as err:
+                raise ValueError(f"retriever.location: {err}") from None
         return self
 
 
@@ -288,7 +299,7 @@ class Recipe(_Strict):
     data: DataConfig
     retriever: RetrieverConfig
     agent: AgentConfig = Field(default_factory=AgentConfig)
-    reward: RewardConfig = Field(default_factory=RewardConfig)
+    reward: RewardConfig = Field(default_factory=RewardConfig)  # no section: the method's default_reward
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
     optim: OptimConfig = Field(default_factory=OptimConfig)
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
@@ -307,27 +318,45 @@ class Recipe(_Strict):
 
     @model_validator(mode="before")
     @classmethod
-    def _plugins_moved(cls, data: Any) -> Any:
-        """`reward.plugins` (before issue 29) is read as the top-level `plugins:` section, with a warning."""
-        reward = data.get("reward") if isinstance(data, dict) else None
-        if isinstance(reward, dict) and "plugins" in reward:
-            reward = dict(reward)
-            old = reward.pop("plugins") or []
-            if not isinstance(old, list):
-                raise ValueError(f"reward.plugins (now the top-level `plugins:`) must be a list of module names, "
-                                 f"got {old!r}")
-            if old:
-                warnings.warn(f"recipe: reward.plugins is read as the top-level `plugins:` section ({old}); "
-                              "move the list there", DeprecationWarning, stacklevel=2)
-            data = {**data, "reward": reward, "plugins": list(dict.fromkeys([*data.get("plugins", []), *old]))}
+    def _plugins_then_defaults(cls, data: Any) -> Any:
+        """Before any section is validated: read `reward.plugins` (before issue 29) as the top-level
+        `plugins:` (with a warning), import the plugins, so an estimator, loss, reward, loop, reader or
+        retriever backend they register can be named anywhere in the recipe, then fill a missing `reward:`
+        section with the method's `default_reward` (a plugin method's included)."""
+        if not isinstance(data, dict):
+            return data
+        data = _moved_reward_plugins(data)
+        plugins = data.get("plugins") or []
+        if not isinstance(plugins, list) or not all(isinstance(p, str) for p in plugins):
+            raise ValueError(f"plugins: a list of module names, got {plugins!r}")
+        load_plugins(plugins)
+        agent = data.get("agent")
+        loop = agent.get("loop", AgentConfig.model_fields["loop"].default) if isinstance(agent, dict) else None
+        method = find_method(loop) if isinstance(loop, str) else None
+        if data.get("reward") is None and method is not None:
+            data = {**data, "reward": copy.deepcopy(dict(method.default_reward))}
         return data
 
     @model_validator(mode="after")
     def _known_loop(self) -> Recipe:
-        load_plugins(self.plugins)
         if find_method(self.agent.loop) is None:
             raise ValueError(f"agent.loop: unknown loop {self.agent.loop!r}; choose one of: {', '.join(loop_names())}")
         return self
+
+
+def _moved_reward_plugins(data: dict[str, Any]) -> dict[str, Any]:
+    """`reward.plugins` (before issue 29) is read as the top-level `plugins:` section, with a warning."""
+    reward = data.get("reward")
+    if not (isinstance(reward, dict) and "plugins" in reward):
+        return data
+    reward = dict(reward)
+    old = reward.pop("plugins") or []
+    if not isinstance(old, list):
+        raise ValueError(f"reward.plugins (now the top-level `plugins:`) must be a list of module names, got {old!r}")
+    if old:
+        warnings.warn(f"recipe: reward.plugins is read as the top-level `plugins:` section ({old}); "
+                      "move the list there", DeprecationWarning, stacklevel=3)
+    return {**data, "reward": reward, "plugins": list(dict.fromkeys([*(data.get("plugins") or []), *old]))}
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:

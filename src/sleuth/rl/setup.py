@@ -64,8 +64,8 @@ def build_retriever(recipe: Recipe) -> Retriever:
     """The recipe's retriever; a /retrieve server is called with the recipe's service retry policy."""
     section = recipe.retriever
     tool = ToolRetrieverConfig(mcp=section.mcp, http=section.http) if section.mcp is not None or section.http is not None else None
-    return open_retriever(index=section.index, url=section.url, tool=tool, corpus=section.corpus,
-                          retry=recipe.services.retry.policy(), cache=section.cache)
+    return open_retriever(index=section.index, url=section.url, tool=tool, location=section.location,
+                          corpus=section.corpus, retry=recipe.services.retry.policy(), cache=section.cache)
 
 
 def loop_options(recipe: Recipe) -> dict[str, Any]:

@@ -24,6 +24,9 @@ SEARCHER_OPTIONS: dict[str, tuple[Any, Any]] = {
     "index": (Path | None, typer.Option(None, "--index", help="Local index directory built by `sleuth index`.")),
     "retriever_url": (str | None, typer.Option(
         None, "--retriever-url", help="A Search-R1 compatible /retrieve server.")),
+    "retriever": (str | None, typer.Option(
+        None, "--retriever", help="Any retriever location: bm25:DIR, hybrid:DIR1,DIR2, milvus:URI?collection=C, "
+        "mcp:URL, a tool YAML, or a plugin backend's NAME:... (sleuth.retrieval.backends).")),
     "generator": (str | None, typer.Option(
         None, "--generator", help="Frozen generator for /answer: model alias/dir or openai:<url>#<model>.")),
     "max_batch": (int, typer.Option(16, "--max-batch", help="Most requests merged into one batched rollout.")),
@@ -65,6 +68,7 @@ class SearcherOptions:
     loop_option: list[str] | None
     index: Path | None
     retriever_url: str | None
+    retriever: str | None
     generator: str | None
     max_batch: int
     batch_wait_ms: float
@@ -148,8 +152,8 @@ def _build(options: SearcherOptions):
                              max_generation_s=options.max_generation_s or None)
         spec = ServiceSpec(checkpoint=options.checkpoint, model=options.model, loop=options.loop,
                            loop_options=parse_loop_options(options.loop_option), index=options.index,
-                           retriever_url=options.retriever_url, generator=options.generator, limits=limits,
-                           device=options.device)
+                           retriever_url=options.retriever_url, retriever=options.retriever,
+                           generator=options.generator, limits=limits, device=options.device)
         return build_service(spec)
     except (SleuthError, ValueError, OSError) as err:
         _fail(str(err))

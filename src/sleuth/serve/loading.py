@@ -34,13 +34,19 @@ def parse_loop_options(items: list[str] | None) -> dict[str, Any]:
     return options
 
 
-def load_retriever_from(index: str | Path | None, retriever_url: str | None) -> tuple[Any, str]:
-    if (index is None) == (retriever_url is None):
-        raise ConfigError("pass exactly one of --index DIR (a local index) or --retriever-url URL (a /retrieve server)")
+def load_retriever_from(index: str | Path | None, retriever_url: str | None,
+                        location: str | None = None) -> tuple[Any, str]:
+    """The retriever of exactly one of --index, --retriever-url or --retriever (any location), and its name."""
+    if sum(x is not None for x in (index, retriever_url, location)) != 1:
+        raise ConfigError("pass exactly one of --index DIR (a local index), --retriever-url URL (a /retrieve server) "
+                          "or --retriever LOCATION (any retriever backend, e.g. hybrid:DIR1,DIR2)")
     if index is not None:
         missing = f"--index {index} does not exist or is not a directory; build one with `sleuth index`"
         return open_retriever(index=index, missing_index=missing), f"index:{index}"
-    return open_retriever(url=retriever_url), f"url:{retriever_url}"
+    if retriever_url is not None:
+        return open_retriever(url=retriever_url), f"url:{retriever_url}"
+    assert location is not None
+    return open_retriever(location=location), location
 
 
 @dataclass(frozen=True)
@@ -56,6 +62,7 @@ class ServiceSpec:
     loop_options: dict[str, Any] | None = None
     index: str | Path | None = None
     retriever_url: str | None = None
+    retriever: str | None = None  # any retriever location (sleuth.retrieval.backends)
     generator: str | None = None
     limits: ServeLimits | None = None
     device: str | None = None
@@ -91,14 +98,14 @@ def _searcher(spec: ServiceSpec) -> tuple[Any, AgentLoop, Any, str]:
 
 def build_service(spec: ServiceSpec, retriever: Any = None, warm_up: bool = True) -> SearcherService:
     """Load the searcher of `spec` (a `sleuth train` checkpoint or export, or a model + loop), its retriever
-    (`spec.index`, `spec.retriever_url`, or `retriever`: any object with `search(queries, k)`) and generator."""
+    (`spec.index`, `spec.retriever_url`, `spec.retriever`, or `retriever`: any object with `search(queries, k)`) and generator."""
     if (spec.checkpoint is None) == (spec.model is None):
         raise ConfigError("pass exactly one of --checkpoint DIR (a trained searcher) or --model SPEC with --loop NAME")
 
     # The retriever first: a wrong --index fails in a second, before any model is loaded.
     if retriever is None:
-        retriever, retriever_name = load_retriever_from(spec.index, spec.retriever_url)
-    elif spec.index is not None or spec.retriever_url is not None:
+        retriever, retriever_name = load_retriever_from(spec.index, spec.retriever_url, spec.retriever)
+    elif spec.index is not None or spec.retriever_url is not None or spec.retriever is not None:
         raise ConfigError("pass a retriever object or index/retriever_url, not both")
     else:
         retriever_name = repr(retriever)
