@@ -204,6 +204,7 @@ def _sft_recipe(tmp_path: Path, world_dir: Path, data: Path, **sft) -> dict:
         "retriever": {"index": str(world_dir / "bm25")},
         "agent": {"loop": "s3", "top_k": 3, "max_new_tokens_per_turn": 48, "max_obs_tokens": 128,
                   "max_response_tokens": 512},
+        "reward": {"name": "search_r1_em"},  # not s3's default (it needs a frozen generator)
         "algorithm": {"name": "grpo", "n": 4, "prompts_per_step": 2, "minibatch_size": 8, "micro_batch_size": 4,
                       "kl": {"coef": 0.0}},
         "optim": {"lr": 1e-4},
