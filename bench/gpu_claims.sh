@@ -2,7 +2,7 @@
 # Issue 25's GPU claim runs: `sleuth reproduce <claim> --profile gpu` (SmolLM2-135M-Instruct, 500 test
 # questions, paired 95% intervals), one lane per GPU, as a daemon (setsid) that outlives each <= 10 min call.
 # A claim outlasts a lease (30 min on a fresh bare machine), so each lease goes on from the last one's claim
-# bundle (src/sleuth/claim_bundle.py): stage records, evaluations, the checkpoints the stages still to run load
+# bundle (bench/claim_bundle.py): stage records, evaluations, the checkpoints the stages still to run load
 # (LoRA adapters, no optimizer state), the newest checkpoint of a run cut short (whole: it resumes there); the
 # world and the exported reader are rebuilt on restore and checked against their sha256. 15 MiB parts.
 # Prepare on the development machine: `bash bench/prepare_gpu_assets.sh` (.whl, .models, the GGUF halves in
@@ -60,6 +60,10 @@ CLAIMS=${CLAIMS:-staged r_search qagent s3}
 # SLEUTH_REPRODUCE_STOP_AFTER=N each claim stops after N stages, to rehearse a bundle's round trip
 PROFILE=${PROFILE:-gpu}
 BUNDLE=${CLAIMS_BUNDLE:-.claims}  # the carried bundle (restored on the device, filled by `take` on the dev machine)
+# The lender's call limits (bench/claim_bundle.py takes them as arguments; sleuth names none): a returned file
+# under 16 MiB (parts of 15), 8 files and 64 MiB handed back, 64 MiB carried in (the working tree counted)
+PART_MIB=15
+CALL_LIMITS=(--out-files 8 --out-mib 64 --carry-mib 64)
 export PYTHONPATH="$PWD/src:$PWD/.gpusite" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 GGUF=.models/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
 # the committed reader and injected model (checkpoints/claims, ~20 MB: carry it, as GPU calls leave checkpoints/
@@ -77,7 +81,7 @@ if [ "${1:-}" = take ]; then  # development machine: a call's returned files (it
   # but checkpoints/, which GPU calls leave out (bench/README.md: git rm --cached + .git/info/exclude)
   tree=$(git ls-files -z -co --exclude-standard | grep -zv '^checkpoints/' | xargs -0 stat -c %s 2>/dev/null \
     | awk '{s += $1} END {print s + 0}')
-  exec "${PY:-.venv/bin/python}" -m sleuth.claims.bundle take "$2" "$BUNDLE" --tree-bytes "$tree" \
+  exec "${PY:-.venv/bin/python}" bench/claim_bundle.py take "$2" "$BUNDLE" --tree-bytes "$tree" "${CALL_LIMITS[@]}" \
     --beside ".whl .models checkpoints/claims" --beside .gpu/p1 --beside .gpu/p2 --beside .gpu/minilm  # calls 1-4 of the header
 fi
 mkdir -p "$WORK/logs" "$WORK/done"
@@ -95,7 +99,7 @@ restore() {  # the carried bundle's claims into runs/claims once every part came
   [ -f "$BUNDLE/bundle.json" ] || return 0
   local rc
   while :; do
-    "${PY:-python}" -m sleuth.claims.bundle restore "$BUNDLE" runs/claims --done-dir "$WORK/done" > "$WORK/restore.log" 2>&1
+    "${PY:-python}" bench/claim_bundle.py restore "$BUNDLE" runs/claims --done-dir "$WORK/done" > "$WORK/restore.log" 2>&1
     rc=$?; [ $rc -eq 3 ] || break; sleep 10
   done
   if [ $rc -eq 0 ]; then echo "$(date +%T) restored $BUNDLE (restore.log)" >> "$WORK/progress.log"
@@ -208,12 +212,12 @@ pack() {  # claims.tgz (reports, stage results, summaries, logs), per finished c
   for report in runs/claims/*/report.json; do
     [ -f "$report" ] && tar czf "$OUT/results_$(basename "$(dirname "$report")").tgz" "${skip[@]}" "$(dirname "$report")"
   done
-  "${PY:-python}" -m sleuth.claims.bundle pack runs/claims "$WORK/bundle" && send
+  "${PY:-python}" bench/claim_bundle.py pack runs/claims "$WORK/bundle" --part-mib "$PART_MIB" && send
 }
 
 send() {  # the bundle's parts not sent yet, as many as $OUT still holds (SEND=0,3: those parts again)
   [ -n "${OUT:-}" ] && [ -f "$WORK/bundle/bundle.json" ] || { echo "nothing to send (pack first)"; return 0; }
-  "${PY:-python}" -m sleuth.claims.bundle send "$WORK/bundle" "$OUT" ${SEND:+--parts "$SEND"}
+  "${PY:-python}" bench/claim_bundle.py send "$WORK/bundle" "$OUT" "${CALL_LIMITS[@]}" ${SEND:+--parts "$SEND"}
 }
 
 case "${1:-}" in

@@ -17,18 +17,7 @@ import pytest
 from rich.console import Console
 from typer.testing import CliRunner
 
-from sleuth.claims.bundle import (
-    MIB,
-    OUT_FILES,
-    BundleError,
-    PartWriter,
-    carry_plan,
-    join_parts,
-    pack,
-    restore,
-    send,
-    take,
-)
+from bench_loading import load_bench
 from sleuth.claims.runner import claim_arms, reproduce, stage_plan
 from sleuth.claims.stages import (
     STOP_AFTER_ENV,
@@ -39,6 +28,16 @@ from sleuth.claims.stages import (
 )
 from sleuth.cli import app
 from sleuth.errors import ConfigError
+
+claim_bundle = load_bench("claim_bundle")  # lease tooling lives in bench/, outside the package
+MIB, BundleError, CallLimits, PartWriter = (claim_bundle.MIB, claim_bundle.BundleError, claim_bundle.CallLimits,
+                                            claim_bundle.PartWriter)
+carry_plan, join_parts, pack, restore, send, take = (claim_bundle.carry_plan, claim_bundle.join_parts,
+                                                     claim_bundle.pack, claim_bundle.restore, claim_bundle.send,
+                                                     claim_bundle.take)
+# a lender's call limits, as bench/gpu_claims.sh passes them: 8 files of under 16 MiB, 64 MiB back and in
+LIMITS = CallLimits(out_files=8, out_bytes=64 * MIB, carry_bytes=64 * MIB)
+PART_BYTES = 15 * MIB
 
 
 def test_reroot_moves_only_paths_under_the_old_root():
@@ -135,12 +134,12 @@ def test_carry_plan_fills_the_calls_beside_their_own_paths(tmp_path):
     index = {"parts": [{"name": f"bundle.{i:03d}", "bytes": 15 * MIB} for i in range(9)]}
     beside = [[str(tmp_path / ".whl"), str(tmp_path / ".models")], [str(tmp_path / ".gpu/p1")],
               [str(tmp_path / ".gpu/p2")]]
-    plan = [[p.rsplit("/", 1)[-1] for p in call] for call in carry_plan(index, ".claims", beside)]
+    plan = [[p.rsplit("/", 1)[-1] for p in call] for call in carry_plan(index, ".claims", beside, LIMITS)]
     assert plan == [[".whl", ".models", "bundle.json", "bundle.000", "bundle.001"], ["p1", "bundle.002"],
                     ["p2", "bundle.003"], ["bundle.004", "bundle.005", "bundle.006", "bundle.007"], ["bundle.008"]]
     # the working tree (8 MB) travels with every call: one part beside the wheels, none beside a GGUF half (47 MB +
     # 8 MB leave 11 MB), three in a call of parts alone
-    plan = [[p.rsplit("/", 1)[-1] for p in call] for call in carry_plan(index, ".claims", beside, tree=8_000_000)]
+    plan = [[p.rsplit("/", 1)[-1] for p in call] for call in carry_plan(index, ".claims", beside, LIMITS, tree=8_000_000)]
     assert plan == [[".whl", ".models", "bundle.json", "bundle.000"], ["p1"], ["p2"],
                     ["bundle.001", "bundle.002", "bundle.003"], ["bundle.004", "bundle.005", "bundle.006"],
                     ["bundle.007", "bundle.008"]]
@@ -158,8 +157,8 @@ def _carry(bundle, dev_claims, outs):
         out = outs / f"call{k}"
         out.mkdir(parents=True)
         (out / "claims.tgz").write_bytes(b"reports")  # pack's other file shares the call's limits
-        sent = send(bundle, out)
-        assert len(list(out.iterdir())) <= OUT_FILES
+        sent = send(bundle, out, LIMITS)
+        assert len(list(out.iterdir())) <= LIMITS.out_files
         state = take(out, dev_claims)
         if not state["missing"]:
             return k + 1
@@ -230,7 +229,7 @@ def test_a_claim_cut_short_resumes_from_its_bundle_elsewhere(tmp_path, monkeypat
     assert str(tmp_path / "lease1") not in records and str(lease2 / "qagent") in records
 
     # a finished claim: records and evaluations only, and its done-marker on restore
-    again = pack(lease2, tmp_path / "bundle2")
+    again = pack(lease2, tmp_path / "bundle2", PART_BYTES)
     assert again["claims"]["qagent"]["checkpoints"] == {} and again["claims"]["qagent"]["pending"] == []
     restored = restore(tmp_path / "bundle2", tmp_path / "lease3", tmp_path / "done")
     assert restored["claims"]["qagent"]["complete"] and (tmp_path / "done" / "qagent").exists()

@@ -3,7 +3,7 @@
 A claim module (one per paper: `sleuth.claims.staged`, `.r_search`, `.qagent`, `.s3`) subclasses `ClaimSpec` and
 registers an instance (`sleuth.claims.registry.register_claim`). Everything else reads the spec: the runner runs
 `stages()` in order (`sleuth.claims.runner`), `--arms` picks stages by their `arm`, a rerun skips recorded stages,
-a claim bundle carries what `Stage.loads` names (`sleuth.claims.bundle`), and the report pools `tests()` over seeds
+a claim bundle carries what `Stage.loads` names (`bench/claim_bundle.py`), and the report pools `tests()` over seeds
 (`sleuth.claims.stats`). A fifth claim is one module and one registration.
 """
 

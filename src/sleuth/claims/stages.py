@@ -2,7 +2,7 @@
 
 A record keeps the stage's result and the directory it was written under (`root`). Results name files
 under OUT by absolute path (checkpoints, predictions, the world), so a run directory that moved (copied
-to another machine, restored from a claim bundle: `sleuth.claims.bundle`) would otherwise hand the next
+to another machine, restored from a claim bundle: `bench/claim_bundle.py`) would otherwise hand the next
 stage paths of the old place; `stage` re-roots every such path to where OUT is now when it reads a record.
 
 OUT/claim.json names the claim, profile and training seed a run directory holds, so a bundle can rebuild the parts it

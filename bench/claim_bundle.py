@@ -1,10 +1,10 @@
 """Claim bundles: a `sleuth reproduce` run carried from one lent GPU machine to the next (issue 25).
 
-A lease holds a machine for at most 30 minutes and a claim's GPU profile runs longer, so each lease must go on
+A lease holds a machine for a limited time and a claim's GPU profile runs longer, so each lease must go on
 where the last one stopped. `pack` writes what the stages still to run need as one gzipped tar cut into parts
-of at most PART_BYTES (a call hands back at most 8 files of 16 MiB, 64 MiB in all, and carries at most 64 MiB),
-with an index, bundle.json, of every part's size and sha256. `send` copies the index and the parts not yet
-sent into $OUT within a call's limits; `take` gathers them on the development machine into the carried folder;
+of at most `--part-mib`, with an index, bundle.json, of every part's size and sha256. `send` copies the index
+and the parts not yet sent into $OUT within a call's limits (`CallLimits`: the files and bytes a call hands
+back and carries in; the lender's numbers are arguments, given by bench/gpu_claims.sh, and sleuth names none); `take` gathers them on the development machine into the carried folder;
 `restore` joins and checks them on the next machine and lays each claim out again under its run directory.
 
 A claim's bundle holds, from its run directory OUT:
@@ -39,6 +39,7 @@ import sys
 import tarfile
 import time
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
@@ -54,9 +55,6 @@ FORMAT = "sleuth-claim-bundle/1"
 INDEX = "bundle.json"
 PART_PREFIX = "bundle."
 MIB = 1 << 20
-PART_BYTES = 15 * MIB  # under the 16 MiB a returned file may have
-OUT_FILES, OUT_BYTES = 8, 64 * MIB  # what one call hands back
-CARRY_BYTES = 64 * MIB  # what one call carries in
 RESTORED = "restored.json"
 WORLD_UNCHECKED = ("bm25/manifest.json",)  # the index's build time and corpus path: the rest is bit-identical
 EXPORT_UNCHECKED = (SEARCHER_FILE,)  # names the checkpoint it came from: where it now is
@@ -65,6 +63,20 @@ SKIPPED_DIRS = ("rollouts",)  # per-step rollout dumps: read by people, never by
 
 class BundleError(SleuthError):
     """A bundle that cannot be packed or restored: the message names the file and what is wrong."""
+
+
+@dataclass(frozen=True)
+class CallLimits:
+    """What one call of a machine lender hands back (`out_files` files, `out_bytes` in all) and carries in
+    (`carry_bytes`, the working tree counted); the lender's, given by the caller (bench/gpu_claims.sh)."""
+
+    out_files: int
+    out_bytes: int
+    carry_bytes: int
+
+    def __post_init__(self) -> None:
+        if min(self.out_files, self.out_bytes, self.carry_bytes) < 1:
+            raise BundleError(f"call limits must be positive, got {self}")
 
 
 def _digests(folder: Path, unchecked: Iterable[str] = ()) -> dict[str, str]:
@@ -295,7 +307,7 @@ def _link(src: Path, dest: Path) -> None:
     link_or_copy(src, dest)
 
 
-def pack(runs: Path, dest: Path, part_bytes: int = PART_BYTES) -> dict[str, Any]:
+def pack(runs: Path, dest: Path, part_bytes: int) -> dict[str, Any]:
     """Bundle every claim run directory under `runs` (those with claim.json) into DEST/bundle.json and
     DEST/bundle.NNN; runs may go on meanwhile (the files are linked into a staging folder first)."""
     dest.mkdir(parents=True, exist_ok=True)
@@ -347,8 +359,8 @@ def read_index(folder: Path) -> dict[str, Any] | None:
     return index
 
 
-def send(bundle: Path, out: Path, only: list[int] | None = None) -> list[str]:
-    """Copy the index and the parts not sent yet (or those `only` names) into OUT within one call's limits,
+def send(bundle: Path, out: Path, limits: CallLimits, only: list[int] | None = None) -> list[str]:
+    """Copy the index and the parts not sent yet (or those `only` names) into OUT within one call's `limits`,
     counting what OUT already holds; returns the parts sent."""
     index = read_index(bundle)
     if index is None:
@@ -356,12 +368,12 @@ def send(bundle: Path, out: Path, only: list[int] | None = None) -> list[str]:
     sent_file = bundle / "sent.json"
     sent = set(json.loads(sent_file.read_text())) if sent_file.exists() and only is None else set()
     present = [p for p in out.iterdir() if p.is_file()]
-    files, room = len(present) + 1, OUT_BYTES - sum(p.stat().st_size for p in present) - MIB
+    files, room = len(present) + 1, limits.out_bytes - sum(p.stat().st_size for p in present) - MIB
     shutil.copy2(bundle / INDEX, out / INDEX)
     wanted = [p for i, p in enumerate(index["parts"]) if (i in only if only is not None else p["name"] not in sent)]
     now = []
     for part in wanted:
-        if files + 1 > OUT_FILES or part["bytes"] > room:
+        if files + 1 > limits.out_files or part["bytes"] > room:
             break
         shutil.copy2(bundle / part["name"], out / part["name"])
         files, room = files + 1, room - part["bytes"]
@@ -399,12 +411,13 @@ def _completeness(folder: Path, index: dict[str, Any]) -> dict[str, Any]:
             "bytes": index["bytes"]}
 
 
-def carry_plan(index: dict[str, Any], folder: str, beside: list[list[str]], tree: int = 0) -> list[list[str]]:
+def carry_plan(index: dict[str, Any], folder: str, beside: list[list[str]], limits: CallLimits,
+               tree: int = 0) -> list[list[str]]:
     """The paths each call carries: the calls' own paths (`beside`: the wheels, the GGUF halves...) with as many
-    parts as fit next to them in CARRY_BYTES, the index with the first call; then calls of parts alone. `tree`:
+    parts as fit next to them in `limits.carry_bytes`, the index with the first call; then calls of parts alone. `tree`:
     the bytes of the working tree that travels with every call (the limit counts it with the carried paths)."""
     calls = [list(paths) for paths in beside] or [[]]
-    room = [CARRY_BYTES - MIB - tree - sum(tree_bytes(Path(p)) for p in paths) for paths in calls]
+    room = [limits.carry_bytes - MIB - tree - sum(tree_bytes(Path(p)) for p in paths) for paths in calls]
     calls[0].append(f"{folder}/{INDEX}")
     k = 0
     for part in index["parts"]:
@@ -412,7 +425,7 @@ def carry_plan(index: dict[str, Any], folder: str, beside: list[list[str]], tree
             k += 1
         if k == len(calls):
             calls.append([])
-            room.append(CARRY_BYTES - MIB - tree)
+            room.append(limits.carry_bytes - MIB - tree)
         calls[k].append(f"{folder}/{part['name']}")
         room[k] -= part["bytes"]
     return calls
@@ -509,25 +522,38 @@ def rebuild(out: Path, info: dict[str, Any]) -> list[str]:
     return warnings
 
 
+def _limit_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--out-files", type=int, required=True, help="files one call hands back")
+    parser.add_argument("--out-mib", type=float, required=True, help="MiB one call hands back in all")
+    parser.add_argument("--carry-mib", type=float, required=True, help="MiB one call carries in (tree counted)")
+
+
+def _limits(args: argparse.Namespace) -> CallLimits:
+    return CallLimits(args.out_files, int(args.out_mib * MIB), int(args.carry_mib * MIB))
+
+
 def main(argv: list[str] | None = None) -> int:
-    """`python -m sleuth.claims.bundle pack|send|take|restore ...` (bench/gpu_claims.sh calls it)."""
-    parser = argparse.ArgumentParser(prog="python -m sleuth.claims.bundle", description=__doc__.split("\n")[0])
+    """`python bench/claim_bundle.py pack|send|take|restore ...` (bench/gpu_claims.sh calls it with its
+    lender's limits)."""
+    parser = argparse.ArgumentParser(prog="python bench/claim_bundle.py", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("pack", help="bundle the claims under RUNS into BUNDLE")
     p.add_argument("runs", type=Path)
     p.add_argument("bundle", type=Path)
-    p.add_argument("--part-mib", type=float, default=PART_BYTES / MIB)
+    p.add_argument("--part-mib", type=float, required=True, help="largest part, under the largest file a call hands back")
     s = sub.add_parser("send", help="copy the index and the parts not sent yet into OUT")
     s.add_argument("bundle", type=Path)
     s.add_argument("out", type=Path)
     s.add_argument("--parts", default=None, help="comma-separated part numbers to send (again)")
+    _limit_options(s)
     t = sub.add_parser("take", help="copy a call's returned bundle files into the carried folder")
     t.add_argument("returned", type=Path)
     t.add_argument("claims", type=Path)
     t.add_argument("--beside", action="append", default=[],
                    help="what a call of the next lease carries anyway (space-separated paths), one option a call")
     t.add_argument("--tree-bytes", type=int, default=0,
-                   help="bytes of the working tree that travels with every call (counted in the 64 MiB)")
+                   help="bytes of the working tree that travels with every call (counted in --carry-mib)")
+    _limit_options(t)
     r = sub.add_parser("restore", help="restore the carried bundle's claims under RUNS (exit 3: parts missing)")
     r.add_argument("claims", type=Path)
     r.add_argument("runs", type=Path)
@@ -549,7 +575,7 @@ def _run(args: argparse.Namespace) -> int:
                   f"{c['checkpoints'] or '-'}, rebuilt {[e['dir'] for e in c['rebuild']] or '-'}")
     elif args.command == "send":
         only = [int(x) for x in args.parts.split(",")] if args.parts else None
-        now = send(args.bundle, args.out, only)
+        now = send(args.bundle, args.out, _limits(args), only)
         total = len(read_index(args.bundle)["parts"])
         left = total - len(json.loads((args.bundle / "sent.json").read_text()))
         print(f"sent {INDEX} and {len(now)} of {total} parts ({', '.join(now) or 'none'}); {left} not sent yet"
@@ -560,7 +586,7 @@ def _run(args: argparse.Namespace) -> int:
               f"{len(state['missing'])} still to send ({', '.join(state['missing']) or 'complete'})")
         if not state["missing"]:
             plan = carry_plan(read_index(args.claims), args.claims.as_posix(), [b.split() for b in args.beside],
-                              args.tree_bytes)
+                              _limits(args), args.tree_bytes)
             print("next lease, what each call carries:")
             for k, paths in enumerate(plan, 1):
                 print(f"  call {k}: {json.dumps(paths)}")

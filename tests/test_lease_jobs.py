@@ -1,0 +1,95 @@
+"""bench/lease_jobs.py, the one background-job runner of the GPU lease scripts, on CPU: a plan's jobs run in
+lanes in order, after their dependencies, leave done-markers, resume after a stop, fail alone, and pack."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+import pytest
+
+from bench_loading import BENCH, load_bench
+
+lease_jobs = load_bench("lease_jobs")
+
+
+def _plan(tmp_path: Path, jobs: list[dict], **extra) -> Path:
+    path = tmp_path / "demo.json"
+    path.write_text(json.dumps({"work": str(tmp_path / "work"), "jobs": jobs, **extra}))
+    return path
+
+
+def _cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, str(BENCH / "lease_jobs.py"), *args], capture_output=True, text=True,
+                          timeout=60, env=env)
+
+
+def test_jobs_run_in_lanes_after_their_dependencies_and_resume(tmp_path: Path) -> None:
+    order = tmp_path / "order.txt"
+    path = _plan(tmp_path, [
+        {"id": "a", "run": f"sleep 0.3; echo a >> {order}"},
+        {"id": "b", "run": f"echo b:$CUDA_VISIBLE_DEVICES:$LANE_TEST >> {order}", "gpus": "7"},
+        {"id": "c", "run": f"echo c >> {order}", "after": ["a"]},
+        {"id": "bad", "run": "echo broken; exit 3"},
+    ], lanes=["0", "1"], env={"LANE_TEST": "$WORK"}, pack=["logs", "progress.log", "missing"])
+    plan = lease_jobs.load_plan(path)
+    lease_jobs.POLL_S = 0.05
+    assert lease_jobs.daemon(plan) == 1  # one job failed
+    lines = order.read_text().split()
+    assert lines.index("a") < lines.index("c")  # c waited for a, though a lane was free
+    assert f"b:7:{tmp_path / 'work'}" in lines  # the job's own GPUs, $WORK expanded
+    done = {p.name for p in (tmp_path / "work" / "done").iterdir()}
+    assert done == {"a", "b", "c"}
+    progress = (tmp_path / "work" / "progress.log").read_text()
+    assert "FAILED bad (exit 3, see logs/bad.log)" in progress and "all jobs ended; failed: bad" in progress
+    assert "broken" in (tmp_path / "work" / "logs" / "bad.log").read_text()
+    # resumed: the done jobs are skipped, only the failed one runs again
+    order.write_text("")
+    lease_jobs.daemon(plan)
+    assert order.read_text() == ""
+    assert [s.split(": ")[1] for s in lease_jobs.status(plan)] == ["done", "done", "done", "FAILED"]
+    packed = lease_jobs.pack(plan, tmp_path / "out")
+    with tarfile.open(packed) as tar:
+        names = tar.getnames()
+    assert packed.name == "demo.tgz" and "progress.log" in names and "logs/bad.log" in names
+
+
+def test_start_detaches_a_daemon_that_wait_sees_end_and_stop_ends_it(tmp_path: Path) -> None:
+    path = _plan(tmp_path, [{"id": "quick", "run": "echo hi"}], pack=["progress.log"])
+    started = _cli("start", str(path))
+    assert started.returncode == 0 and "daemon started" in started.stdout
+    waited = _cli("wait", str(path), "30", "--out", str(tmp_path / "out"))
+    assert "done quick" in waited.stdout and "all jobs ended" in waited.stdout, waited.stdout + waited.stderr
+    assert (tmp_path / "out" / "demo.tgz").is_file()
+    # a long job: start twice is one daemon; stop ends the job with it (its session)
+    long_plan = _plan(tmp_path, [{"id": "long", "run": "sleep 60"}])
+    assert "daemon started" in _cli("start", str(long_plan)).stdout
+    assert "already running" in _cli("start", str(long_plan)).stdout
+    time.sleep(0.5)
+    assert "stopped daemon" in _cli("stop", str(long_plan)).stdout
+    assert lease_jobs._pid(lease_jobs.load_plan(long_plan)) is None
+    assert not (tmp_path / "work" / "done" / "long").exists()
+
+
+@pytest.mark.parametrize(("jobs", "message"), [
+    ([{"id": "a"}], r"jobs\[0\] needs an `id` and a `run`"),
+    ([{"id": "a", "run": "x"}, {"id": "a", "run": "y"}], "job id 'a' is repeated"),
+    ([{"id": "a", "run": "x", "after": ["b"]}, {"id": "b", "run": "y"}], r"runs after \['b'\]"),
+])
+def test_a_wrong_plan_is_named(tmp_path: Path, jobs: list, message: str) -> None:
+    with pytest.raises(lease_jobs.PlanError, match=message):
+        lease_jobs.load_plan(_plan(tmp_path, jobs))
+    res = _cli("status", str(_plan(tmp_path, jobs)))
+    assert res.returncode == 2 and "error: plan" in res.stderr
+
+
+def test_the_gpu_scripts_plans_load() -> None:
+    """Every committed plan is valid (the scripts' jobs, named once)."""
+    plans = sorted((BENCH / "plans").glob("*.json"))
+    assert plans
+    for plan in plans:
+        assert lease_jobs.load_plan(plan).jobs
