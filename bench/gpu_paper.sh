@@ -112,69 +112,31 @@ stage_cmd() {
   esac
 }
 
-daemon() {
-  bash bench/gpu_run.sh setup > "$WORK/logs/setup.log" 2>&1
-  for s in ${STAGES:-smoke decode capacity rollout paper3b fsdp3b paper7b}; do
-    [ -f "$WORK/done/$s" ] && continue
-    echo "$(date +%T) stage $s" >> "$WORK/progress.log"
-    if stage_cmd "$s" > "$WORK/logs/$s.log" 2>&1; then touch "$WORK/done/$s"; echo "$(date +%T) done $s" >> "$WORK/progress.log"
-    else echo "$(date +%T) FAILED $s" >> "$WORK/progress.log"; fi
-  done
-  echo "$(date +%T) all stages ended" >> "$WORK/progress.log"
+# The daemon is bench/lease_jobs.py's, running one of these plans (each stage a job: `stage NAME` below, its
+# done-marker $WORK/done/NAME; a job after others waits for them to end, as a phase did):
+#   4 GPUs, STAGES unset: bench/plans/paper_next4.json (PLAN=next, the default) or paper_first4.json (PLAN=first)
+#   2 GPUs, STAGES unset, PLAN=next: bench/plans/paper_next2.json
+#   otherwise: $WORK/paper_stages.json, STAGES one after another on every GPU
+choose_plan() {
+  if [ "$GPUS" -ge 4 ] && [ -z "${STAGES:-}" ]; then
+    if [ "${PLAN:-next}" = next ]; then echo bench/plans/paper_next4.json; else echo bench/plans/paper_first4.json; fi
+  elif [ "$GPUS" -eq 2 ] && [ -z "${STAGES:-}" ] && [ "${PLAN:-next}" = next ]; then echo bench/plans/paper_next2.json
+  else
+    python3 - "$WORK/paper_stages.json" ${STAGES:-smoke decode capacity rollout paper3b fsdp3b paper7b} <<'PYEOF'
+import json, sys
+jobs = [{"id": "setup", "run": "bash bench/gpu_run.sh setup"}]
+jobs += [{"id": s, "run": f"bash bench/gpu_paper.sh stage {s}", "after": ["setup"]} for s in sys.argv[2:]]
+plan = {"work": "$PAPER_WORK", "lanes": 1, "jobs": jobs, "pack": ["results", "logs", "progress.log"]}
+open(sys.argv[1], "w").write(json.dumps(plan, indent=1))
+PYEOF
+    echo "$WORK/paper_stages.json"
+  fi
 }
 
-stage() {  # stage NAME GPU-LIST: one stage on those GPUs, skipped when done before
-  local s=$1; [ -f "$WORK/done/$s" ] && return 0
-  echo "$(date +%T) stage $s on GPUs $2" >> "$WORK/progress.log"
-  if CUDA_VISIBLE_DEVICES=$2 stage_cmd "$s" > "$WORK/logs/$s.log" 2>&1; then touch "$WORK/done/$s"
-    echo "$(date +%T) done $s" >> "$WORK/progress.log"
-  else echo "$(date +%T) FAILED $s" >> "$WORK/progress.log"; fi
-}
-
-daemon4() {  # 4 GPUs: lanes of independent stages run side by side on disjoint GPUs; phases end together
-  bash bench/gpu_run.sh setup > "$WORK/logs/setup.log" 2>&1
-  { stage p3b_1 0; } & { stage p3b_2 1,2; } & { stage r_short 3; stage r_prof 3; stage r_paper05 3; } & wait
-  stage p3b_4 0,1,2,3
-  stage p7b_fsdp4 0,1,2,3
-  { stage p3b_ddp2 0,1; stage p3b_fsdp2 0,1; } & { stage p3b_full1 2; stage r_paper3 2; stage r_paper7 2; } &
-  { stage encode_go 3; } & wait
-  echo "$(date +%T) all stages ended" >> "$WORK/progress.log"
-}
-
-daemon_next() {  # PLAN=next on 4 GPUs (H100 x4 lent on 2026-11-27, afternoon): issue 23's rehearsal rows on H100s
-  # (1 / 2 / 4 GPUs, 3B LoRA, weak scaling) beside the short geometry on GPU 3 (the packed prefill and the stop
-  # check: r_short, the stop check before StopEndTokens, and the checkout before the packed prefill in .base/src);
-  # then every GPU goes to issue 24's encoder (RETRIEVAL=1); once it is done, GPU 0 builds the IVF lists while
-  # GPUs 1-2 run 3B full fine-tuning DDP vs FSDP2 and GPU 3 the paper-geometry rollout rows
-  bash bench/gpu_run.sh setup > "$WORK/logs/setup.log" 2>&1
-  { stage p3b_1 0; } & { stage p3b_2 1,2; } &
-  { stage r_short 3; stage r_short_every 3; stage r_short_base 3; stage r_prof 3; } & wait
-  stage p3b_4 0,1,2,3
-  stage encode_go 0,1,2,3
+retrieval_reached() {  # retrieval_reached STAGE: when bench/retrieval_21m.sh runs beside, until it passed STAGE
   if [ -f runs/scale21m/daemon.log ]; then
-    until [ -f runs/scale21m/stages/encode.json ] || [ -f runs/scale21m/daemon.finished ]; do sleep 15; done
+    until [ -f "runs/scale21m/stages/$1.json" ] || [ -f runs/scale21m/daemon.finished ]; do sleep 15; done
   fi
-  { stage p3b_ddp2 1,2; stage p3b_fsdp2 1,2; } & { stage r_paper05 3; stage r_paper3 3; stage r_paper7 3; } & wait
-  echo "$(date +%T) all stages ended" >> "$WORK/progress.log"
-}
-
-daemon_next2() {  # PLAN=next on a 2-GPU machine (the kinds lent on 2026-11-27): the short geometry again on an H100
-  # (the stop check now decodes ~1/8 of the tails: bench/stop_check_cost.py) and its profile on GPU 0; then both
-  # GPUs go to issue 24's encoder (RETRIEVAL=1, IVF_DEVICE=cuda:1 for its IVF build); once the encode is done,
-  # 3B LoRA on GPU 0, then on both GPUs (the 2-GPU rehearsal row on H100s) on these cores (16+) while the
-  # retrieval builds and serves on cores 0-15
-  bash bench/gpu_run.sh setup > "$WORK/logs/setup.log" 2>&1
-  stage r_short 0; stage r_short_every 0; stage r_prof 0
-  stage encode_go 0,1
-  if [ -f runs/scale21m/daemon.log ]; then  # the retrieval daemon runs beside (RETRIEVAL=1 on 32+ cores)
-    until [ -f runs/scale21m/stages/encode.json ] || [ -f runs/scale21m/daemon.finished ]; do sleep 15; done
-  fi
-  stage p3b_1 0
-  if [ -f runs/scale21m/daemon.log ]; then  # the IVF build uses GPU 1 for a minute or two
-    until [ -f runs/scale21m/stages/ivfpq-build.json ] || [ -f runs/scale21m/daemon.finished ]; do sleep 15; done
-  fi
-  stage p3b_2 0,1
-  echo "$(date +%T) all stages ended" >> "$WORK/progress.log"
 }
 
 pack() {
@@ -184,11 +146,10 @@ pack() {
     > "$OUT/gpu_paper_log.txt" 2>/dev/null
 }
 
+export PAPER_WORK=$WORK
 case "${1:-}" in
-  daemon) if [ "$GPUS" -ge 4 ] && [ -z "${STAGES:-}" ]; then
-            if [ "${PLAN:-next}" = next ]; then daemon_next; else daemon4; fi
-          elif [ "$GPUS" -eq 2 ] && [ -z "${STAGES:-}" ] && [ "${PLAN:-next}" = next ]; then daemon_next2
-          else daemon; fi ;;
+  stage) stage_cmd "$2" ;;  # one job of the plan
+  retrieval_reached) retrieval_reached "$2" ;;
   start|restart)
     # FRESH=1 (a session's first call): forget stage markers and results a machine kept from an earlier lease
     # (seen on 2026-11-27: /root/paper survived), so every stage measures this checkout
@@ -196,7 +157,6 @@ case "${1:-}" in
       mkdir -p "$WORK/done" "$WORK/results" "$WORK/logs"; fi
     for s in ${REDO:-}; do rm -f "$WORK/done/$s"; done
     [ -f "$WORK/progress.log" ] && mv "$WORK/progress.log" "$WORK/progress.$(date +%s).log"
-    [ -f "$WORK/pid" ] && kill -- -"$(cat "$WORK/pid")" 2>/dev/null
     bash bench/gpu_run.sh setup > "$WORK/logs/setup0.log" 2>&1  # wheels once, before either daemon imports them
     # RETRIEVAL=1 on 2+ GPUs and 32+ cores: the benches on the cores from 16 up, issue 24's retrieval on cores 0-15
     # (the issue's 16-core machine; its encoder takes every core and GPU once the benches hand over)
@@ -204,8 +164,8 @@ case "${1:-}" in
     # RETRIEVAL=1 from ever starting the retrieval chain on a 64-core machine
     cores=$(python3 -c "import os; print(len(os.sched_getaffinity(0)))")
     pin=""; [ "$GPUS" -ge 2 ] && [ "$cores" -ge 32 ] && [ "${RETRIEVAL:-0}" = 1 ] && pin="taskset -c 16-$(( cores - 1 ))"
-    setsid nohup $pin bash "$0" daemon > "$WORK/daemon.log" 2>&1 < /dev/null &
-    echo $! > "$WORK/pid"
+    choose_plan > "$WORK/plan_path"
+    $pin python3 bench/lease_jobs.py restart "$(cat "$WORK/plan_path")"  # the daemon keeps the pinned cores
     if [ -n "$pin" ]; then  # issue 24's 21M retrieval on 16 cores of its own; its encoder waits for encode_go
       ivf=cuda:0; [ "$GPUS" -eq 2 ] && ivf=cuda:1  # the daemons run benches on the other GPUs beside it
       IVF_DEVICE=${IVF_DEVICE:-$ivf} ENCODE_AFTER="$WORK/encode_go" ENCODE_CPUS="0-$(( cores - 1 ))" WORKERS=16 taskset -c 0-15 \
@@ -215,11 +175,10 @@ case "${1:-}" in
   wait)
     [ -d .gpu/minilm ] && bash bench/retrieval_21m.sh take
     ls .gpu/p1 .gpu/p2 > /dev/null 2>&1 && bash bench/gpu_run.sh setup > /dev/null 2>&1  # GGUF halves, joined
-    end=$(( $(date +%s) + ${2:-540} ))
-    while [ "$(date +%s)" -lt "$end" ] && ! grep -q "all stages ended" "$WORK/progress.log" 2>/dev/null; do sleep 10; done
-    cat "$WORK/progress.log"; for l in "$WORK"/logs/*.log; do echo "== $l"; tail -n 6 "$l" | cut -c1-300; done
+    OUT= python3 bench/lease_jobs.py wait "$(cat "$WORK/plan_path")" "${2:-540}" | cut -c1-300
     for f in "$R"/paper_scale_*.json; do [ -f "$f" ] && python3 -c "import json,sys; [print(r['config'], r['status'], *r.get('log_tail', [])[:45], sep=chr(10)) for r in json.load(open(sys.argv[1]))['rows'] if r['status'] != 'ok']" "$f"; done
     pack; [ -f runs/scale21m/daemon.log ] && { bash bench/retrieval_21m.sh status; OUT="$OUT/retrieval" bash bench/retrieval_21m.sh pack >/dev/null 2>&1; } ;;
   pack) pack ;;
-  *) echo "usage: $0 start|restart|wait SECONDS|pack" >&2; exit 2 ;;
+  status|stop) python3 bench/lease_jobs.py "$1" "$(cat "$WORK/plan_path")" ;;
+  *) echo "usage: $0 start|restart|wait SECONDS|pack|status|stop" >&2; exit 2 ;;
 esac

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 24 on the lent GPU machine (16 cores, 128 GB, 1-4 H100/H200, no network): a 21M-passage synthetic corpus,
 # BM25 built and served, MiniLM encoding on every GPU, IVF-PQ built and served, as a resumable daemon
-# (`setsid`) that outlives each call. Stages (bench/retrieval_scale.py; each writes $WORK/stages/<stage>.json,
+# (bench/lease_jobs.py, `setsid`) that outlives each call. Stages (bench/retrieval_scale.py; each writes $WORK/stages/<stage>.json,
 # its done-marker, and logs to $WORK/logs/<stage>.log):
 #   synth -> bm25-build -> bm25-serve -> encode (GPU) -> ivfpq-build -> dense-serve
 # Prepare on the development machine: `bash bench/prepare_gpu_assets.sh retrieval` (wheels in .whl/) and
@@ -40,7 +40,7 @@ PY=${PY:-python3}
 CORES=$("$PY" -c "import os; print(len(os.sched_getaffinity(0)))")
 export PYTHONPATH="$PWD/src:$PWD/.gpusite" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 export SLEUTH_CACHE="$PWD/.gpucache" OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-WORK=${WORK:-runs/scale21m}
+export WORK=${WORK:-runs/scale21m}  # the plan (bench/plans/retrieval_21m.json) reads it
 SIZE=${SIZE:-21000000}
 DENSE_SIZE=${DENSE_SIZE:-$SIZE}
 # RESERVE_CPUS=N: the first N cores (and, with ENCODE_AFTER, GPU 0) are left to another job until the file
@@ -140,13 +140,10 @@ case "${1:-}" in
     take_carried_minilm
     "$PY" -c "import bm25s, Stemmer, faiss, fastapi, uvicorn, httpx, typer, psutil, numba; import sleuth.cli" \
       || { echo "missing modules: carry the wheels of bench/prepare_gpu_assets.sh retrieval"; exit 1; }
-    if [ -f "$WORK/daemon.pid" ] && kill -0 "$(cat "$WORK/daemon.pid")" 2>/dev/null; then
-      echo "daemon already running (pid $(cat "$WORK/daemon.pid"))"
-    else
-      rm -f "$WORK/daemon.finished"
-      setsid nohup bash bench/retrieval_21m.sh daemon >>"$WORK/daemon.log" 2>&1 </dev/null &
-      echo $! >"$WORK/daemon.pid"
-    fi
+    # the daemon: bench/lease_jobs.py running bench/plans/retrieval_21m.json's one job, the chain below (`daemon`);
+    # each stage's JSON is its done-marker, so a later `start` resumes at the first stage without one
+    rm -f "$WORK/daemon.finished" "$WORK/done/chain"
+    "$PY" bench/lease_jobs.py start bench/plans/retrieval_21m.json
     sleep 5; tail -5 "$WORK/daemon.log" ;;
   daemon)
     echo "[$(date +%T)] daemon: SIZE=$SIZE DENSE_SIZE=$DENSE_SIZE WORKERS=$WORKERS ENCODE_DEVICES=$ENCODE_DEVICES" \
@@ -217,11 +214,8 @@ case "${1:-}" in
     echo "[$(date +%T)] daemon: finished"; touch "$WORK/daemon.finished" ;;
   wait)
     take_carried_minilm
-    limit=${2:-540}; start=$(date +%s)
-    while [ $(( $(date +%s) - start )) -lt "$limit" ] && [ ! -f "$WORK/daemon.finished" ]; do
-      sleep 20; echo "[$(date +%T)] $(tail -1 "$WORK/daemon.log")"
-    done
-    status; bash bench/retrieval_21m.sh pack ;;
+    OUT= "$PY" bench/lease_jobs.py wait bench/plans/retrieval_21m.json "${2:-540}" | grep -v "^== \|^  chain" | tail -5
+    tail -3 "$WORK/daemon.log"; status; bash bench/retrieval_21m.sh pack ;;
   pack)
     "$PY" bench/retrieval_scale.py report --work "$WORK" --out "$WORK/retrieval_scale_21m.json" >"$WORK/logs/report.log" 2>&1
     dest=${OUT:-/tmp/out}; mkdir -p "$dest"
@@ -236,6 +230,7 @@ case "${1:-}" in
     for s in bm25 dense; do [ -f "$WORK/$s-server.log" ] && tail -c 50000 "$WORK/$s-server.log" >"$dest/$s-server.log"; done
     ls -la "$dest" ;;
   status) status ;;
+  stop) "$PY" bench/lease_jobs.py stop bench/plans/retrieval_21m.json ;;
   take) take_carried_minilm ;;
-  *) echo "usage: bash bench/retrieval_21m.sh start | wait SECONDS | pack | status"; exit 2 ;;
+  *) echo "usage: bash bench/retrieval_21m.sh start | wait SECONDS | pack | status | stop"; exit 2 ;;
 esac
