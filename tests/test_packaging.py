@@ -6,7 +6,13 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import pytest
 from packaging.requirements import Requirement
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10: the same parser as a package
+    tomllib = pytest.importorskip("tomli")
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -33,3 +39,17 @@ def test_makefile_install_is_constrained_to_the_tested_cpu_torch() -> None:
     makefile = (REPO / "Makefile").read_text()
     installs = re.findall(r"pip install[^\n]*-e \"\.\[dev\]\"", makefile)
     assert installs and all("-c constraints-cpu.txt" in line for line in installs)
+
+
+def test_package_data_names_exactly_the_files_that_ship() -> None:
+    """pyproject's package-data patterns each match a file under src/sleuth, and every non-Python file there is
+    matched: a pattern for a folder that does not exist, or a template left out of the wheel, fails here."""
+    root = Path(__file__).resolve().parents[1]
+    patterns = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["sleuth"]
+    package = root / "src" / "sleuth"
+    for pattern in patterns:
+        assert list(package.glob(pattern)), f"package-data {pattern!r} matches no file under src/sleuth"
+    shipped = {p for pattern in patterns for p in package.glob(pattern)}
+    data = {p for p in package.rglob("*") if p.is_file() and p.suffix not in (".py", ".pyc")
+            and "__pycache__" not in p.parts}
+    assert data <= shipped, f"not in package-data: {sorted(str(p.relative_to(package)) for p in data - shipped)}"

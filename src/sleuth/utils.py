@@ -21,7 +21,7 @@ from typing import IO, Any, TypeVar
 import yaml
 from pydantic import ValidationError
 
-from sleuth.errors import ConfigError, OutputError
+from sleuth.errors import ConfigError, OutputError, ServiceError
 
 T = TypeVar("T")
 _log = logging.getLogger("sleuth.retry")
@@ -205,8 +205,6 @@ def retry(
     """Call `fn`, retrying `retry_on` errors under `policy` (default: `attempts` attempts backing off
     from `base_delay`, no time budget). Each retry and each recovery is logged; past the policy a
     ServiceError names `what`, the attempts, the time spent and the last error."""
-    from sleuth.errors import ServiceError
-
     if policy is None:
         policy = RetryPolicy(max_attempts=attempts, initial_delay_s=base_delay, max_delay_s=max_delay,
                              budget_s=math.inf)

@@ -15,6 +15,7 @@ from typing import Any, TextIO
 
 import numpy as np
 
+from sleuth.errors import DataFormatError
 from sleuth.utils import atomic_open, atomic_path, sha256_file
 
 
@@ -66,7 +67,6 @@ def iter_json_lines(path: str | Path, what: str) -> Iterator[tuple[int, Any]]:
     `what` names the file in errors ("corpus file", "QA file"); every error names the line:
     invalid UTF-8, invalid JSON, numbers too long to convert, nesting too deep to parse.
     """
-    from sleuth.errors import DataFormatError
 
     path = Path(path)
     if not path.exists():
@@ -82,7 +82,6 @@ BLANK_LINE = object()  # parse_json_line's answer for a blank line
 
 def parse_json_line(path: str | Path, lineno: int, raw: bytes, what: str) -> Any:
     """One jsonl line's bytes -> its value (BLANK_LINE if blank), errors naming the line (`iter_json_lines`)."""
-    from sleuth.errors import DataFormatError
 
     try:
         line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
@@ -109,7 +108,6 @@ def _iter_corpus_lines(path: str | Path) -> Iterator[tuple[int, Passage]]:
 
 def passage_from_record(path: str | Path, lineno: int, rec: Any) -> Passage:
     """A corpus line's parsed JSON -> Passage; errors name the file and line."""
-    from sleuth.errors import DataFormatError
 
     if not isinstance(rec, dict):
         raise DataFormatError(str(path), lineno, "expected a JSON object with 'id' and 'contents'")
@@ -139,7 +137,6 @@ def iter_corpus(path: str | Path, *, unique_ids: bool = False) -> Iterator[Passa
     `unique_ids`, a repeated id raises DataFormatError naming both lines once the stream ends
     (8 bytes per passage are kept, so a 21M-passage corpus costs ~170 MB, not its ids).
     """
-    from sleuth.errors import DataFormatError
 
     count = 0
     if not unique_ids:
@@ -168,7 +165,6 @@ def iter_corpus(path: str | Path, *, unique_ids: bool = False) -> Iterator[Passa
 
 def _raise_on_duplicate_id(path: str | Path, suspect_hashes: set[int]) -> None:
     """Second pass, only when hashes repeat: find the first id seen twice (hashes may collide)."""
-    from sleuth.errors import DataFormatError
 
     first_line: dict[str, int] = {}
     for lineno, passage in _iter_corpus_lines(path):
@@ -284,7 +280,6 @@ def qualify_ids_by_dataset(examples: list[QAExample]) -> list[QAExample]:
 
 
 def _iter_qa_jsonl_numbered(path: str | Path) -> Iterator[tuple[int, QAExample]]:
-    from sleuth.errors import DataFormatError
 
     for lineno, rec in iter_json_lines(path, "QA file"):
         try:
@@ -305,7 +300,6 @@ def iter_qa_jsonl(path: str | Path) -> Iterator[QAExample]:
 
 def _check_unique_ids(path: str | Path, ids_with_location: Iterable[tuple[str, int]], unit: str) -> None:
     """Score caches and splits are keyed by id, so a repeated id is a data error."""
-    from sleuth.errors import DataFormatError
 
     seen: dict[str, int] = {}
     for qid, where in ids_with_location:
@@ -341,7 +335,6 @@ def write_qa_jsonl(path: str | Path, examples: Iterable[QAExample]) -> int:
 
 def _read_json_array(path: Path) -> list[QAExample]:
     """A `.json` file holding one JSON array of records (some dataset dumps use this)."""
-    from sleuth.errors import DataFormatError
 
     try:
         records = json.loads(path.read_text(encoding="utf-8"))
@@ -461,7 +454,6 @@ def read_searchr1_parquet(path: str | Path) -> list[QAExample]:
     """
     import pyarrow.parquet as pq
 
-    from sleuth.errors import DataFormatError
 
     path = Path(path)
     if not path.exists():
@@ -566,7 +558,6 @@ QA_PARQUET_SUFFIXES = (".parquet",)
 
 def load_qa(path: str | Path) -> list[QAExample]:
     """Load QA examples by extension: .jsonl (FlashRAG lines), .json (lines or one array), .parquet (Search-R1)."""
-    from sleuth.errors import DataFormatError
 
     path = Path(path)
     suffix = path.suffix.lower()
@@ -587,7 +578,6 @@ def load_qa(path: str | Path) -> list[QAExample]:
 
 def save_qa(path: str | Path, examples: Iterable[QAExample], **parquet_options: Any) -> int:
     """Write QA examples by extension (.jsonl/.json lines or .parquet); options go to the parquet writer."""
-    from sleuth.errors import DataFormatError
 
     suffix = Path(path).suffix.lower()
     if suffix == ".parquet":

@@ -14,6 +14,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 from sleuth.errors import DataFormatError
+from sleuth.utils import atomic_write_text
 
 
 def _check_score(qid: str, score: object) -> float:
@@ -84,8 +85,6 @@ class ScoreCache:
 
     def save(self) -> None:
         """Rewrite the whole file atomically, ids in insertion order."""
-        from sleuth.utils import atomic_write_text
-
         lines = [json.dumps({"id": k, "score": v}, ensure_ascii=False) for k, v in self._scores.items()]
         atomic_write_text(self.path, "".join(line + "\n" for line in lines))
 

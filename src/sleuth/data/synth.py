@@ -27,6 +27,8 @@ from pathlib import Path
 from typing import Any
 
 from sleuth.data.distractors import BLOCK as DISTRACTOR_BLOCK
+from sleuth.data.distractors import corpus_line, distractor_pools, write_distractors
+from sleuth.data.formats import atomic_open_text, write_qa_jsonl
 from sleuth.data.names import (
     BAND_NOUNS,
     CITY_ENDINGS,
@@ -40,6 +42,7 @@ from sleuth.data.names import (
 from sleuth.data.synth_questions import KNOWLEDGE_TYPES, knowledge_statements, make_questions
 from sleuth.data.world import World
 from sleuth.data.world_schema import ENTITY_TYPES, EXTRA_PASSAGE, RELATIONS, RELATIONS_BY_SUBJECT
+from sleuth.utils import atomic_write_text
 
 GENERATOR_VERSION = "sleuth-synth/1"
 
@@ -324,10 +327,6 @@ def write_world(
     passages) appends distractor passages (`sleuth.data.distractors`) after the world's own until
     the corpus holds that many, made by `workers` processes; the bytes do not depend on `workers`.
     """
-    from sleuth.data.distractors import corpus_line, distractor_pools, write_distractors
-    from sleuth.data.formats import atomic_open_text, write_qa_jsonl
-    from sleuth.utils import atomic_write_text
-
     sizes = split_sizes(len(world.questions), splits)
     n_distractors = 0 if corpus_size is None else corpus_size - world.num_passages
     if n_distractors < 0:
