@@ -133,6 +133,10 @@ PYEOF
   fi
 }
 
+plan_file() {  # the plan `start` chose (before any start: the one it would choose)
+  if [ -f "$WORK/plan_path" ]; then cat "$WORK/plan_path"; else choose_plan; fi
+}
+
 retrieval_reached() {  # retrieval_reached STAGE: when bench/retrieval_21m.sh runs beside, until it passed STAGE
   if [ -f runs/scale21m/daemon.log ]; then
     until [ -f "runs/scale21m/stages/$1.json" ] || [ -f runs/scale21m/daemon.finished ]; do sleep 15; done
@@ -175,10 +179,10 @@ case "${1:-}" in
   wait)
     [ -d .gpu/minilm ] && bash bench/retrieval_21m.sh take
     ls .gpu/p1 .gpu/p2 > /dev/null 2>&1 && bash bench/gpu_run.sh setup > /dev/null 2>&1  # GGUF halves, joined
-    OUT= python3 bench/lease_jobs.py wait "$(cat "$WORK/plan_path")" "${2:-540}" | cut -c1-300
+    OUT= python3 bench/lease_jobs.py wait "$(plan_file)" "${2:-540}" | cut -c1-300
     for f in "$R"/paper_scale_*.json; do [ -f "$f" ] && python3 -c "import json,sys; [print(r['config'], r['status'], *r.get('log_tail', [])[:45], sep=chr(10)) for r in json.load(open(sys.argv[1]))['rows'] if r['status'] != 'ok']" "$f"; done
     pack; [ -f runs/scale21m/daemon.log ] && { bash bench/retrieval_21m.sh status; OUT="$OUT/retrieval" bash bench/retrieval_21m.sh pack >/dev/null 2>&1; } ;;
   pack) pack ;;
-  status|stop) python3 bench/lease_jobs.py "$1" "$(cat "$WORK/plan_path")" ;;
+  status|stop) python3 bench/lease_jobs.py "$1" "$(plan_file)" ;;
   *) echo "usage: $0 start|restart|wait SECONDS|pack|status|stop" >&2; exit 2 ;;
 esac
