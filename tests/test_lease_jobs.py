@@ -111,3 +111,12 @@ def test_gpu_claims_writes_a_plan_of_arms_then_reports(tmp_path: Path) -> None:
     report = plan.jobs[ids.index("staged")]
     assert set(report.after) == {"prepare", "staged.staged", "staged.search_r1"}
     assert report.run == "bash bench/gpu_claims.sh job staged"
+
+
+def test_the_package_names_no_lenders_limits() -> None:
+    """The GPU lender's call limits live in bench/ (gpu_claims.sh passes them to claim_bundle.py), not in sleuth."""
+    package = BENCH.parent / "src" / "sleuth"
+    for path in package.rglob("*.py"):
+        text = path.read_text(encoding="utf-8")
+        for name in ("PART_BYTES", "OUT_FILES", "OUT_BYTES", "CARRY_BYTES", "CallLimits"):
+            assert name not in text, f"{path} names {name}: lease limits belong to bench/claim_bundle.py"
