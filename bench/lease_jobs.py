@@ -232,13 +232,14 @@ def stop(plan: Plan) -> str:
 def status(plan: Plan) -> list[str]:
     """One line a job: done, running (its log's last line), failed or waiting."""
     progress = (plan.work / "progress.log").read_text() if (plan.work / "progress.log").exists() else ""
+    events = {tuple(line.split()[1:3]) for line in progress.splitlines()}  # ("start", id), ("FAILED", id), ...
     lines = []
     for job in plan.jobs:
         if _done(plan, job.id).exists():
             state = "done"
-        elif f"FAILED {job.id} " in progress:
+        elif ("FAILED", job.id) in events:
             state = "FAILED"
-        elif f"start {job.id}" in progress:
+        elif ("start", job.id) in events:
             log = plan.work / "logs" / f"{job.id}.log"
             last = log.read_text(errors="replace").strip().splitlines()[-1:] if log.exists() else []
             state = "running" + (f": {last[0][:200]}" if last else "")

@@ -53,6 +53,11 @@ def test_jobs_run_in_lanes_after_their_dependencies_and_resume(tmp_path: Path) -
     lease_jobs.daemon(plan)
     assert order.read_text() == ""
     assert [s.split(": ")[1] for s in lease_jobs.status(plan)] == ["done", "done", "done", "FAILED"]
+    # a job whose id begins another's is not taken for it
+    prefixed = lease_jobs.load_plan(_plan(tmp_path, [{"id": "a.x", "run": "true"}, {"id": "a", "run": "true"}]))
+    (tmp_path / "work" / "progress.log").write_text("00:00:01 start a.x on GPU 0\n")
+    (tmp_path / "work" / "done" / "a").unlink()
+    assert lease_jobs.status(prefixed) == ["  a.x: running", "  a: waiting"]
     packed = lease_jobs.pack(plan, tmp_path / "out")
     with tarfile.open(packed) as tar:
         names = tar.getnames()
