@@ -28,6 +28,7 @@ from sleuth.retrieval.base import Retriever
 from sleuth.retrieval.cache import CachingRetriever
 from sleuth.retrieval.client import RemoteRetriever
 from sleuth.retrieval.index import load_hybrid, load_retriever, read_manifest
+from sleuth.retrieval.milvus import MilvusRetriever, MilvusSearch  # pymilvus itself loads on first use
 from sleuth.retrieval.tools import load_tool_retriever
 from sleuth.utils import RetryPolicy
 
@@ -172,9 +173,6 @@ def _url(rest: str, ctx: OpenContext) -> Retriever:
 
 
 def _milvus(rest: str, ctx: OpenContext) -> Retriever:
-    # deferred: pymilvus is optional, and its module is only needed for this backend
-    from sleuth.retrieval.milvus import MilvusRetriever, MilvusSearch
-
     uri, _, query = rest.rpartition("?") if "?" in rest else (rest, "", "")
     params = dict(parse_qsl(query))
     collection = params.pop("collection", None)
