@@ -182,7 +182,7 @@ def open_searcher(
     **loop_options: Any,
 ) -> Searcher:
     """A trained searcher (a checkpoint, run directory or `sleuth export` directory) or an untrained
-    `model` with a `loop`, over `retriever` (an index directory, URL, search-tool spec or object)."""
+    `model` with a `loop`, over `retriever` (any retriever location: sleuth.retrieval.backends; or an object)."""
     from sleuth.eval.harness import resolve_retriever
     from sleuth.serve.loading import ServiceSpec, build_service
 
