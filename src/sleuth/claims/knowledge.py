@@ -110,6 +110,9 @@ def world_sft_recipe(world: Path, out: Path, settings: Any, job: WorldSFT) -> di
         "data": {"train": str(Path(world) / "train.jsonl")},
         "retriever": {"index": str(Path(world) / "bm25")},  # required by the schema; these SFTs never search
         "agent": {"loop": job.loop},
+        # these SFTs never score a rollout: the reward is named only so the checkpoint records what it always did
+        # (a recipe without one takes the loop's method reward, s3's for the reader)
+        "reward": {"name": "search_r1_em"},
         "trainer": {"out_dir": str(out), "total_steps": 1},
         "sft": {"data": str(out / job.records_file), "epochs": settings.epochs, "lr": settings.lr,
                 "batch_size": settings.batch_size, "micro_batch_size": micro,
