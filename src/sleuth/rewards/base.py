@@ -25,8 +25,13 @@ from sleuth.retrieval.base import Retriever
 
 @dataclass
 class RewardResult:
+    """`total`: the outcome, put on the trajectory's last policy token. `turn_rewards`: optional per-turn
+    rewards, one per policy turn (`Trajectory.turns` with role "policy", in order), each put on the last
+    token of its turn in addition to `total` (sleuth.rl.advantages.turn_token_rewards); empty: outcome only."""
+
     total: float
     components: dict[str, float] = field(default_factory=dict)
+    turn_rewards: list[float] = field(default_factory=list)
 
 
 @runtime_checkable
@@ -160,6 +165,7 @@ def score_batch(
         )
     for traj, res in zip(trajs, results, strict=True):
         traj.rewards = {"total": float(res.total), **{k: float(v) for k, v in res.components.items()}}
+        traj.turn_rewards = [float(v) for v in res.turn_rewards]
     return results
 
 
@@ -196,10 +202,12 @@ def guarded_rewards(
                     trajs[i].extra["reward_error"] = f"{type(err).__name__}: {err}"[:500]
                     pairs.append((i, RewardResult(0.0)))
         for i, res in pairs:
-            if not math.isfinite(float(res.total)):
-                trajs[i].extra["reward_error"] = f"non-finite reward {res.total!r}"
+            if not all(math.isfinite(float(v)) for v in [res.total, *res.turn_rewards]):
+                trajs[i].extra["reward_error"] = f"non-finite reward {res.total!r} (turns {res.turn_rewards!r})"
                 res = RewardResult(0.0)
             results[i] = res
+            # the trainer places them at the turns' ends (sleuth.rl.batch.token_rewards)
+            trajs[i].turn_rewards = [float(v) for v in res.turn_rewards]
     return [r if r is not None else RewardResult(0.0) for r in results]
 
 

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from sleuth.agent.trajectory import Trajectory
+from sleuth.rl import advantages as adv_fns
 from sleuth.rl import losses as loss_fns
 from sleuth.rl.models import ValueModel, autocast
 from sleuth.rl.sampling import overlong_mask
@@ -62,6 +63,15 @@ def collate(trajs: list[Trajectory], pad_id: int, drop_truncated: bool = False) 
         if n:
             action[i, :n] = torch.tensor(t.loss_mask, dtype=torch.float32)
     return TokenBatch(input_ids, starts, action)
+
+
+def token_rewards(trajs: list[Trajectory], scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """(B, R) rewards: each score on its row's last policy token and each trajectory's `turn_rewards` on the
+    last token of its policy turns (outcome-only rewards give exactly `outcome_to_token_rewards`)."""
+    if not any(t.turn_rewards for t in trajs):
+        return adv_fns.outcome_to_token_rewards(scores, mask)
+    return adv_fns.turn_token_rewards(scores, mask, [t.policy_turn_ends() for t in trajs],
+                                      [t.turn_rewards for t in trajs])
 
 
 def response_columns(batch: TokenBatch, first: int) -> torch.Tensor:
