@@ -20,7 +20,7 @@ from sleuth.agent.trajectory import Trajectory, Turn
 from sleuth.data.formats import QAExample
 from sleuth.errors import ConfigError
 from sleuth.llm.base import Generation, Generator, SamplingParams
-from sleuth.retrieval.base import Hit, Retriever
+from sleuth.retrieval.base import Hit, RetrievalContext, Retriever, wants_context
 from sleuth.tags import neutralise_tags
 
 # How much of an unexpected error's traceback a trajectory keeps for debugging.
@@ -75,15 +75,35 @@ def _append(state: RolloutState, ids: list[int], logprobs: list[float], role: st
     traj.turns.append(Turn(start=start, end=start + len(ids), role=role, text=text))
 
 
+def _context(state: RolloutState, turn: int) -> RetrievalContext:
+    ex = state.example
+    return RetrievalContext(str(ex.id), ex.question, tuple(ex.golden_answers), turn)
+
+
 def _search_batched(
-    retriever: Retriever, requests: list[tuple[int, list[str], int]]
+    retriever: Retriever, requests: list[tuple[int, list[str], int]],
+    contexts: dict[int, RetrievalContext] | None = None,
 ) -> dict[int, list[list[Hit]]]:
-    """Serve (request id, queries, k) requests with one `search` call per distinct k; identical queries once."""
+    """Serve (request id, queries, k) requests with one `search` call per distinct k; identical queries once.
+    A retriever that wants context (`RetrievalContext`) gets `contexts[request id]` with each of its queries,
+    and identical queries of different requests are asked apart (their contexts differ)."""
     by_k: dict[int, list[tuple[int, list[str]]]] = {}
     for rid, queries, k in requests:
         by_k.setdefault(k, []).append((rid, queries))
+    with_context = contexts is not None and wants_context(retriever)
     out: dict[int, list[list[Hit]]] = {}
     for k, reqs in by_k.items():
+        if with_context:
+            assert contexts is not None
+            flat = [(rid, q) for rid, queries in reqs for q in queries]
+            results = retriever.search([q for _, q in flat], k, contexts=[contexts[rid] for rid, _ in flat])
+            if len(results) != len(flat):
+                raise ConfigError(f"retriever returned {len(results)} result lists for {len(flat)} queries; "
+                                  "Retriever.search must return one list per query")
+            it = iter(results)
+            for rid, queries in reqs:
+                out[rid] = [list(next(it))[:k] for _ in queries]
+            continue
         unique: list[str] = []
         index: dict[str, int] = {}
         for _, queries in reqs:
@@ -128,7 +148,9 @@ class _Engine:
         initial_hits: dict[int, list[list[Hit]]] = {}
         requests = [(i, qs, loop.top_k) for i, qs in enumerate(initial) if qs]
         if requests:
-            initial_hits = _search_batched(self.retriever, requests)
+            contexts = {i: RetrievalContext(str(ex.id), ex.question, tuple(ex.golden_answers), -1)
+                        for i, ex in enumerate(examples)}  # before the first generation: turn -1
+            initial_hits = _search_batched(self.retriever, requests, contexts)
         states: list[RolloutState] = []
         for i, ex in enumerate(examples):
             hits = initial_hits.get(i, [])
@@ -316,7 +338,8 @@ class _Engine:
 
             # service failures (the retriever past its retry budget) are not one trajectory's fault
             requests = [(i, o.queries, o.k or loop.top_k) for i, (_, o) in enumerate(pending) if o.queries]
-            results = _search_batched(self.retriever, requests) if requests else {}
+            contexts = {i: _context(state, state.turns_taken) for i, (state, _) in enumerate(pending)}
+            results = _search_batched(self.retriever, requests, contexts) if requests else {}
             for i, (state, outcome) in enumerate(pending):
                 try:
                     self.answer_one(state, outcome, results[i] if outcome.queries else None)

@@ -93,9 +93,18 @@ class Reward(ABC):
         """Score a batch; one result per trajectory, in order."""
 
     def set_step(self, step: int) -> None:
-        """Told the current trainer step before each batch; rewards with a schedule override it."""
+        """Told the current trainer step before each batch; rewards with a schedule override it (calling
+        `super().set_step(step)`, which tells the listeners added with `on_step`)."""
         if step < 0:
             raise ValueError(f"trainer step must be >= 0, got {step}")
+        for listener in getattr(self, "_step_listeners", ()):
+            listener(step)
+
+    def on_step(self, listener: Callable[[int], None]) -> None:
+        """Call `listener(step)` whenever the trainer sets the step: the one step signal a training step
+        sends, which a retriever that wants context hears this way (sleuth.retrieval.base.StepStamped)."""
+        # not a dataclass field: it is wiring, not config (config() and get_reward never see it)
+        self.__dict__.setdefault("_step_listeners", []).append(listener)
 
     @property
     def current_stage(self) -> int:
