@@ -51,6 +51,17 @@ class ScoreCacheLike(Protocol):
     def save(self) -> None: ...
 
 
+@runtime_checkable
+class PolicyScorer(Protocol):
+    """Teacher-forced scoring with the policy being trained (IGPO's information gain: the policy's probability
+    of the gold answer after each turn). `sleuth.rl.batch.PolicyScorer` is the trainer's."""
+
+    def logprobs(self, prefixes: Sequence[Sequence[int]], continuations: Sequence[str]) -> list[list[float]]:
+        """Per-token log-probs of each continuation (tokenised alone, no special tokens) given its prefix token ids
+        (a trajectory's `prompt_ids + response_ids[:end]`), one batched no-grad pass; temperature 1."""
+        ...
+
+
 @dataclass
 class RewardServices:
     """Frozen models and resources a reward may need; each is None when not configured.
@@ -60,6 +71,7 @@ class RewardServices:
     encoder: sentence encoder, `encode(list[str]) -> np.ndarray` (staged query diversity).
     retriever: used for s3's naive-RAG baseline (top-k for the question itself).
     baseline_cache: persistent per-question baseline accuracy (s3 GBR).
+    policy: the policy itself, scoring strings teacher-forced (`PolicyScorer`); None outside training.
     """
 
     generator: Generator | None = None
@@ -67,6 +79,7 @@ class RewardServices:
     encoder: Encoder | None = None
     retriever: Retriever | None = None
     baseline_cache: ScoreCacheLike | None = None
+    policy: PolicyScorer | None = None
 
     def need(self, what: str, reward_name: str) -> Any:
         value = getattr(self, what)
