@@ -55,3 +55,21 @@ def test_tree_ids_and_samples(gen) -> None:
     assert [t.extra["tree"] for t in trajs] == [0, 1, 0, 1] and "forked_at_turn" not in trajs[0].extra
     with pytest.raises(ConfigError, match="TreeSpec"):
         rollout_tree(get_loop("search_r1"), gen, ToyRetriever(), EXAMPLES, GREEDY, TreeSpec(trees=0))
+
+
+def test_tree_grpo_advantage_by_hand(gen) -> None:
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "plugins"))
+    import sleuth_tree_grpo as tg
+
+    # rewards (1, 0, 1, 1), one question, trees (0, 0, 1, 1). Inter: mean 0.75, unbiased std 0.5 ->
+    # (0.5, -1.5, 0.5, 0.5); intra: tree 0 {1, 0} mean 0.5 std 0.7071 -> (0.7071, -0.7071), tree 1 equal -> 0
+    mask = torch.ones(4, 2)
+    adv, _ = tg.tree_grpo_advantages(torch.tensor([1.0, 0.0, 1.0, 1.0]), [0, 0, 0, 0], [0, 0, 1, 1], mask)
+    want = torch.tensor([0.5 + 2**-0.5, -1.5 - 2**-0.5, 0.5, 0.5])
+    torch.testing.assert_close(adv, want[:, None].expand(4, 2).float(), atol=1e-5, rtol=0)
+    trajs = rollout_tree(get_loop("tree_search", max_turns=2), gen, ToyRetriever(), EXAMPLES[:1], GREEDY,
+                         TreeSpec(trees=2, expansions=1, branches=1))
+    assert tg.tree_ids(trajs) == [(1, 0, 0), (1, 0, 1), (1, 0, 0), (1, 0, 1)]
