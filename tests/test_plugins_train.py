@@ -4,17 +4,18 @@ per-turn rewards go through the trainer's make_batch, and the simulated engine h
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
+from transformers import AutoTokenizer
 from typer.testing import CliRunner
 
+import sleuth.rl.run as run_module
+from plugin_install import installed
 from sleuth.cli import app
-
-PLUGINS = Path(__file__).parents[1] / "plugins"
-sys.path.insert(0, str(PLUGINS))  # where a user's plugin would sit on PYTHONPATH
+from sleuth.llm.scripted import ScriptedGenerator
+from sleuth.llm.tiny import build_tiny_model
 
 SMALL = {"agent": {"max_turns": 2, "top_k": 2, "max_new_tokens_per_turn": 8, "max_response_tokens": 96,
                    "max_obs_tokens": 48},
@@ -32,12 +33,8 @@ def train(out: Path, recipe: dict, **agent) -> Path:
 
 
 def test_stepsearch_trains_one_ppo_step(small_world: Path, tmp_path: Path) -> None:
-    import sleuth_stepsearch
-
-    recipe = sleuth_stepsearch.recipe(str(small_world / "train.jsonl"))
-    recipe["retriever"] = {"index": str(small_world / "bm25")}
-    recipe["algorithm"].update(n=2, prompts_per_step=2, minibatch_size=4, micro_batch_size=4)
-    run = train(tmp_path, recipe)
+    with installed("sleuth_stepsearch") as sleuth_stepsearch:
+        run = _train_stepsearch(sleuth_stepsearch, small_world, tmp_path)
     (line,) = (run / "metrics.jsonl").read_text().splitlines()
     metrics = json.loads(line)
     assert {"reward/f1", "reward/information_gain", "reward/redundancy"} <= set(metrics)
@@ -46,18 +43,24 @@ def test_stepsearch_trains_one_ppo_step(small_world: Path, tmp_path: Path) -> No
     assert all(r["extra"].get("supporting_ids") for r in rollouts)  # the synthetic world's gold passages
 
 
+def _train_stepsearch(sleuth_stepsearch, small_world: Path, tmp_path: Path) -> Path:
+    recipe = sleuth_stepsearch.recipe(str(small_world / "train.jsonl"))
+    recipe["retriever"] = {"index": str(small_world / "bm25")}
+    recipe["algorithm"].update(n=2, prompts_per_step=2, minibatch_size=4, micro_batch_size=4)
+    return train(tmp_path, recipe)
+
+
 def test_zerosearch_trains_one_step_against_its_simulated_engine(small_world: Path, tmp_path: Path,
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """The recipe cannot name a plugin's retriever until the retriever registry exists (issue 44); the run's
     `build_retriever` is replaced by the simulated engine here, the rest is `sleuth train`."""
-    import sleuth_zerosearch as zs
-    from transformers import AutoTokenizer
-
-    import sleuth.rl.run as run_module
-    from sleuth.llm.scripted import ScriptedGenerator
-    from sleuth.llm.tiny import build_tiny_model
-
     prompts: list[str] = []
+    with installed("sleuth_zerosearch") as zs:
+        _train_zerosearch(zs, small_world, tmp_path, monkeypatch, prompts)
+
+
+def _train_zerosearch(zs, small_world: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                      prompts: list[str]) -> None:
 
     def write(call) -> str:
         prompts.append(call.prompt_text)

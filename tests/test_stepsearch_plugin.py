@@ -4,12 +4,11 @@ the last token of the step's search turn (per-turn rewards), against hand-comput
 from __future__ import annotations
 
 import math
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
+from plugin_install import installed
 from sleuth.agent import get_loop
 from sleuth.agent.engine import rollout
 from sleuth.data.formats import QAExample
@@ -19,10 +18,14 @@ from sleuth.rewards.base import RewardServices, get_reward, guarded_rewards
 from sleuth.rl.batch import collate, token_rewards
 from toyworld import ToyRetriever
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "plugins"))
-import sleuth_stepsearch as ss  # noqa: E402
-
 Q = "What is the capital of Varonia?"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ss():
+    """The plugin installed (imported) for this module only, as a recipe's `plugins:` list does."""
+    with installed("sleuth_stepsearch") as module:
+        yield module
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +37,7 @@ def tok(tmp_path_factory):
     return AutoTokenizer.from_pretrained(build_tiny_model(tmp_path_factory.mktemp("tiny")))
 
 
-def test_tfidf_cosine_by_hand_and_as_scikit_learn() -> None:
+def test_tfidf_cosine_by_hand_and_as_scikit_learn(ss) -> None:
     # fitted on ["aa bb", "aa cc"]: idf(aa) = ln(3/3) + 1 = 1, idf(bb) = idf(cc) = ln(3/2) + 1 = 1.405465;
     # cos = 1 / (1 + 1.405465^2) = 0.336097
     assert ss.tfidf_cosines("aa bb", ["aa cc"]) == pytest.approx([1 / (1 + (math.log(1.5) + 1) ** 2)])
@@ -47,7 +50,7 @@ def test_tfidf_cosine_by_hand_and_as_scikit_learn() -> None:
     assert ss.tfidf_cosines(text, golds) == pytest.approx(cosine_similarity(m[0], m[1:]).flatten().tolist())
 
 
-def test_information_gain_and_redundancy_by_hand() -> None:
+def test_information_gain_and_redundancy_by_hand(ss) -> None:
     # step 0 finds gold 0 (cos 1) and nothing of gold 1: gain (1 + 0) / 2 = 0.5; step 1 adds gold 1: gain
     # (0 + 1) / 2 = 0.5, and one of its two documents was seen in step 0: redundancy 1/2
     gains, redundancy = ss.information_gain_and_redundancy([["aa bb"], ["aa bb", "cc dd"]], ["aa bb", "cc dd"])
@@ -55,7 +58,7 @@ def test_information_gain_and_redundancy_by_hand() -> None:
     assert ss.information_gain_and_redundancy([["aa"]], []) == ([], [])
 
 
-def test_search_key_score_by_hand() -> None:
+def test_search_key_score_by_hand(ss) -> None:
     # "capital Varonia" vs "capital of Varonia": p 1, r 2/3 -> F1 0.8 (group 0); "Varonia river" vs "Tarsk river":
     # p 1/2, r 1/2 -> 0.5 beats 0.4 with group 0 (group 1); (0.8 + 0.5) / 2 = 0.65
     keys = [["capital of Varonia"], ["Tarsk river"]]
@@ -63,7 +66,7 @@ def test_search_key_score_by_hand() -> None:
     assert ss.search_key_score([], keys) == 0.0
 
 
-def test_ends_with_answer() -> None:
+def test_ends_with_answer(ss) -> None:
     assert ss.ends_with_answer("<search> x </search> <answer> y </answer>\n<|im_end|>")
     assert not ss.ends_with_answer("<answer> y </answer> more")
     assert not ss.ends_with_answer("no answer")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from plugin_install import installed
 from sleuth.agent import get_loop
 from sleuth.agent.engine import TreeSpec, rollout, rollout_tree
 from sleuth.data.formats import QAExample
@@ -58,12 +59,11 @@ def test_tree_ids_and_samples(gen) -> None:
 
 
 def test_tree_grpo_advantage_by_hand(gen) -> None:
-    import sys
-    from pathlib import Path
+    with installed("sleuth_tree_grpo") as tg:
+        _check_tree_grpo(tg, gen)
 
-    sys.path.insert(0, str(Path(__file__).parents[1] / "plugins"))
-    import sleuth_tree_grpo as tg
 
+def _check_tree_grpo(tg, gen) -> None:
     # rewards (1, 0, 1, 1), one question, trees (0, 0, 1, 1). Inter: mean 0.75, unbiased std 0.5 ->
     # (0.5, -1.5, 0.5, 0.5); intra: tree 0 {1, 0} mean 0.5 std 0.7071 -> (0.7071, -0.7071), tree 1 equal -> 0
     mask = torch.ones(4, 2)

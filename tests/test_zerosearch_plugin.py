@@ -3,11 +3,9 @@ question, answers, turn and training step (RetrievalContext), and follows the pa
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
+from plugin_install import installed
 from sleuth.agent import get_loop
 from sleuth.agent.engine import rollout
 from sleuth.data.formats import QAExample
@@ -18,13 +16,18 @@ from sleuth.retrieval.base import StepStamped, wants_context
 from sleuth.retrieval.timed import TimedRetriever
 from sleuth.rewards.base import get_reward
 from sleuth.rl.run import _stepped
-
-sys.path.insert(0, str(Path(__file__).parents[1] / "plugins"))  # where a user's plugin sits on PYTHONPATH
-import sleuth_zerosearch as zs  # noqa: E402
+from toyworld import ToyRetriever
 
 Q1, Q2 = "What is the capital of Varonia?", "Where was the director of Blue Harbor born?"
 EXAMPLES = [QAExample(id="q1", question=Q1, golden_answers=["Quellstad", "Q-stad"]),
             QAExample(id="q2", question=Q2, golden_answers=["Tarsk"])]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def zs():
+    """The plugin installed (imported) for this module only, as a recipe's `plugins:` list does."""
+    with installed("sleuth_zerosearch") as module:
+        yield module
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +39,7 @@ def tok(tmp_path_factory):
     return AutoTokenizer.from_pretrained(build_tiny_model(tmp_path_factory.mktemp("tiny")))
 
 
-def test_noise_curriculum_by_hand() -> None:
+def test_noise_curriculum_by_hand(zs) -> None:
     # p = 0 + (4^(i/100) - 1) / 3 * 0.5: step 0 -> 0, step 50 -> (2 - 1) / 3 * 0.5 = 1/6, step 100 -> 0.5
     assert zs.noise_probability(0, 100) == 0.0
     assert zs.noise_probability(50, 100) == pytest.approx(1 / 6)
@@ -45,7 +48,7 @@ def test_noise_curriculum_by_hand() -> None:
     assert zs.noise_probability(25, 100, start=0.2, end=0.8, base=10) == pytest.approx(0.2 + (10**0.25 - 1) / 9 * 0.6)
 
 
-def test_parse_documents_cuts_at_doc_k_plus_one() -> None:
+def test_parse_documents_cuts_at_doc_k_plus_one(zs) -> None:
     text = "Doc 1: alpha one\n\nDoc 2: beta two\nDoc 3: gamma"
     assert zs.parse_documents(text, 2) == ["alpha one", "beta two"]
     assert zs.parse_documents("just prose", 3) == ["just prose"]
@@ -65,7 +68,7 @@ def policy(tok) -> ScriptedGenerator:
                                    Q2: ["<search> Varonia capital </search>", "<answer> Tarsk </answer>"]})
 
 
-def test_the_simulated_engine_receives_question_answer_and_step_in_training(tok) -> None:
+def test_the_simulated_engine_receives_question_answer_and_step_in_training(zs, tok) -> None:
     seen: list[str] = []
     engine = zs.SimulatedSearchEngine(simulator(tok, seen), total_steps=10, start_threshold=0.0, end_threshold=1.0)
     reward = get_reward("zerosearch_f1")
@@ -88,7 +91,7 @@ def test_the_simulated_engine_receives_question_answer_and_step_in_training(tok)
     assert [r.total for r in reward(trajs)] == [1.0, 1.0]  # F1 of the exact answers
 
 
-def test_the_curriculum_draws_noise_at_its_rate(tok) -> None:
+def test_the_curriculum_draws_noise_at_its_rate(zs, tok) -> None:
     from sleuth.retrieval.base import RetrievalContext
 
     engine = zs.SimulatedSearchEngine(simulator(tok, []), total_steps=100, seed=3)
@@ -98,11 +101,10 @@ def test_the_curriculum_draws_noise_at_its_rate(tok) -> None:
     assert abs(noisy - 1 / 6) < 0.05
 
 
-def test_a_plain_search_is_refused_and_a_plain_retriever_is_not_stamped(tok) -> None:
+def test_a_plain_search_is_refused_and_a_plain_retriever_is_not_stamped(zs, tok) -> None:
     engine = zs.SimulatedSearchEngine(simulator(tok, []), total_steps=10)
     with pytest.raises(ConfigError, match="RetrievalContext"):
         engine.search(["q"], 3)
-    from toyworld import ToyRetriever
 
     plain = ToyRetriever()
     assert _stepped(plain, get_reward("zerosearch_f1")) is plain and isinstance(_stepped(engine, get_reward(
