@@ -10,6 +10,8 @@ depends on re-tokenising decoded text.
 
 from __future__ import annotations
 
+import copy
+import random
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -20,7 +22,7 @@ from sleuth.agent.trajectory import Trajectory, Turn
 from sleuth.data.formats import QAExample
 from sleuth.errors import ConfigError
 from sleuth.llm.base import Generation, Generator, SamplingParams
-from sleuth.retrieval.base import Hit, Retriever
+from sleuth.retrieval.base import Hit, RetrievalContext, Retriever, wants_context
 from sleuth.tags import neutralise_tags
 
 # How much of an unexpected error's traceback a trajectory keeps for debugging.
@@ -75,15 +77,35 @@ def _append(state: RolloutState, ids: list[int], logprobs: list[float], role: st
     traj.turns.append(Turn(start=start, end=start + len(ids), role=role, text=text))
 
 
+def _context(state: RolloutState, turn: int) -> RetrievalContext:
+    ex = state.example
+    return RetrievalContext(str(ex.id), ex.question, tuple(ex.golden_answers), turn)
+
+
 def _search_batched(
-    retriever: Retriever, requests: list[tuple[int, list[str], int]]
+    retriever: Retriever, requests: list[tuple[int, list[str], int]],
+    contexts: dict[int, RetrievalContext] | None = None,
 ) -> dict[int, list[list[Hit]]]:
-    """Serve (request id, queries, k) requests with one `search` call per distinct k; identical queries once."""
+    """Serve (request id, queries, k) requests with one `search` call per distinct k; identical queries once.
+    A retriever that wants context (`RetrievalContext`) gets `contexts[request id]` with each of its queries,
+    and identical queries of different requests are asked apart (their contexts differ)."""
     by_k: dict[int, list[tuple[int, list[str]]]] = {}
     for rid, queries, k in requests:
         by_k.setdefault(k, []).append((rid, queries))
+    with_context = contexts is not None and wants_context(retriever)
     out: dict[int, list[list[Hit]]] = {}
     for k, reqs in by_k.items():
+        if with_context:
+            assert contexts is not None
+            flat = [(rid, q) for rid, queries in reqs for q in queries]
+            results = retriever.search([q for _, q in flat], k, contexts=[contexts[rid] for rid, _ in flat])
+            if len(results) != len(flat):
+                raise ConfigError(f"retriever returned {len(results)} result lists for {len(flat)} queries; "
+                                  "Retriever.search must return one list per query")
+            it = iter(results)
+            for rid, queries in reqs:
+                out[rid] = [list(next(it))[:k] for _ in queries]
+            continue
         unique: list[str] = []
         index: dict[str, int] = {}
         for _, queries in reqs:
@@ -120,6 +142,8 @@ class _Engine:
         self.params = params
         self.max_obs_tokens = max_obs_tokens
         self.max_response_tokens = max_response_tokens
+        # turn boundaries a tree rollout may fork at (None: not kept); see rollout_tree
+        self.fork_points: list[RolloutState] | None = None
 
     # -- setup ---------------------------------------------------------------------------------
     def start(self, examples: Sequence[QAExample], n: int) -> list[RolloutState]:
@@ -128,7 +152,9 @@ class _Engine:
         initial_hits: dict[int, list[list[Hit]]] = {}
         requests = [(i, qs, loop.top_k) for i, qs in enumerate(initial) if qs]
         if requests:
-            initial_hits = _search_batched(self.retriever, requests)
+            contexts = {i: RetrievalContext(str(ex.id), ex.question, tuple(ex.golden_answers), -1)
+                        for i, ex in enumerate(examples)}  # before the first generation: turn -1
+            initial_hits = _search_batched(self.retriever, requests, contexts)
         states: list[RolloutState] = []
         for i, ex in enumerate(examples):
             hits = initial_hits.get(i, [])
@@ -286,6 +312,10 @@ class _Engine:
                 state.traj.forced_final = True
             else:
                 self.finish(state, "max_turns")
+        if self.fork_points is not None and not state.done:
+            # a turn boundary: everything the next generation depends on is in the state, so a copy
+            # continued later generates what this one would (the HF/CPU path re-reads the prefix)
+            self.fork_points.append(copy.deepcopy(state))
 
     def run(self, states: list[RolloutState], deadline_s: float | None = None,
             on_done: Callable[[int, Trajectory], None] | None = None) -> list[Trajectory]:
@@ -316,7 +346,8 @@ class _Engine:
 
             # service failures (the retriever past its retry budget) are not one trajectory's fault
             requests = [(i, o.queries, o.k or loop.top_k) for i, (_, o) in enumerate(pending) if o.queries]
-            results = _search_batched(self.retriever, requests) if requests else {}
+            contexts = {i: _context(state, state.turns_taken) for i, (state, _) in enumerate(pending)}
+            results = _search_batched(self.retriever, requests, contexts) if requests else {}
             for i, (state, outcome) in enumerate(pending):
                 try:
                     self.answer_one(state, outcome, results[i] if outcome.queries else None)
@@ -385,6 +416,54 @@ def rollout_each(
     budget = budget or RolloutBudget()
     engine, states = _prepared(loop, generator, retriever, examples, params, 1, budget, tokenizer)
     return engine.run(states, budget.deadline_s, on_done)
+
+
+@dataclass(frozen=True)
+class TreeSpec:
+    """Tree-GRPO's sampling (2509.21240): `trees` independent chains per question, then `expansions` rounds in
+    each of which `branches` nodes (turn boundaries: after an inserted observation) of every tree are drawn at
+    random (`seed`) and continued to the end as new trajectories sharing that prefix."""
+
+    trees: int = 2
+    expansions: int = 1
+    branches: int = 2
+    seed: int = 0
+
+
+def rollout_tree(loop: AgentLoop, generator: Generator, retriever: Retriever, examples: Sequence[QAExample],
+                 params: SamplingParams | None, tree: TreeSpec, *, budget: RolloutBudget | None = None,
+                 tokenizer=None) -> list[Trajectory]:  # fmt: skip
+    """Tree rollouts: every trajectory of a question, chain or branch, in order of (group, sample); each has
+    `extra["tree"]` (its tree within the question) and a branch `extra["forked_at_turn"]`. A branch is a
+    copy of the trajectory state at a turn boundary continued by the same engine: on the HF/CPU path its
+    prefix is prefilled again (no KV sharing), so with greedy decoding a branch equals the chain it forked
+    from, token for token."""
+    if min(tree.trees, tree.branches) < 1 or tree.expansions < 0:
+        raise ConfigError(f"TreeSpec needs trees >= 1, branches >= 1, expansions >= 0; got {tree}")
+    budget = budget or RolloutBudget()
+    engine, states = _prepared(loop, generator, retriever, examples, params, tree.trees, budget, tokenizer)
+    for state in states:
+        state.traj.extra["tree"] = state.sample
+    engine.fork_points = []
+    engine.run(states, budget.deadline_s)
+    rng = random.Random(tree.seed)
+    next_sample = {g: tree.trees for g in range(len(examples))}
+    every = list(states)
+    for _ in range(tree.expansions):
+        nodes: dict[tuple[int, int], list[RolloutState]] = {}
+        for point in engine.fork_points:
+            nodes.setdefault((point.group, point.traj.extra["tree"]), []).append(point)
+        branches = []
+        for (group, _), points in sorted(nodes.items()):
+            for point in rng.sample(points, min(tree.branches, len(points))):
+                branch = copy.deepcopy(point)  # the point itself stays a node later rounds may draw again
+                branch.sample = branch.traj.sample = next_sample[group]
+                next_sample[group] += 1
+                branch.traj.extra["forked_at_turn"] = branch.turns_taken
+                branches.append(branch)
+        engine.run(branches, budget.deadline_s)
+        every += branches
+    return [s.traj for s in sorted(every, key=lambda s: (s.group, s.sample))]
 
 
 def _prepared(loop: AgentLoop, generator: Generator, retriever: Retriever, examples: Sequence[QAExample],

@@ -66,6 +66,8 @@ class Trajectory:
     generation_finish_reasons: list[str] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)  # loop-specific flags (format checks...)
     rewards: dict[str, float] = field(default_factory=dict)  # filled by the reward function
+    # one per policy turn when the reward gives per-turn rewards (RewardResult.turn_rewards); else empty
+    turn_rewards: list[float] = field(default_factory=list)
 
     @property
     def num_policy_tokens(self) -> int:
@@ -77,6 +79,10 @@ class Trajectory:
 
     def policy_text_spans(self) -> list[str]:
         return [t.text for t in self.turns if t.role == "policy"]
+
+    def policy_turn_ends(self) -> list[int]:
+        """The exclusive end, in `response_ids`, of each policy turn: where a turn's reward is put."""
+        return [t.end for t in self.turns if t.role == "policy" and t.end > t.start]
 
     def to_dict(self) -> dict:
         return asdict(self)

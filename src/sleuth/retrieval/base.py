@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
-from typing import Protocol, runtime_checkable
+import threading
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, replace
+from typing import Any, Protocol, runtime_checkable
 
 # Limits of the `/retrieve` API as sleuth serves it (sleuth.retrieval.server, `sleuth serve-retriever`);
 # here so the CLI can show them without importing the web stack.
@@ -52,6 +54,72 @@ class Retriever(Protocol):
     """Batched retrieval: one list of hits per query, best first."""
 
     def search(self, queries: list[str], k: int) -> list[list[Hit]]: ...
+
+
+@dataclass(frozen=True)
+class RetrievalContext:
+    """Who asks a query, for a retriever that declares `wants_context = True` (a simulated search engine
+    writes documents for the question and its answer; ZeroSearch's noise grows with the training step).
+
+    question_id, question, golden_answers: the example being rolled out; turn: the action round (0 = the
+    first generation, -1 = the loop's initial searches before it); step: the trainer's step (None outside
+    training, e.g. evaluation or serving)."""
+
+    question_id: str
+    question: str
+    golden_answers: tuple[str, ...]
+    turn: int
+    step: int | None = None
+
+
+@runtime_checkable
+class ContextRetriever(Protocol):
+    """A retriever that wants to know who asks: `wants_context = True` and `search(queries, k, contexts)`
+    with one `RetrievalContext` per query. The rollout engine then sends each trajectory's queries with its
+    context (identical queries of different questions are not merged)."""
+
+    wants_context: bool
+
+    def search(self, queries: list[str], k: int, contexts: Sequence[RetrievalContext] | None = None
+               ) -> list[list[Hit]]: ...
+
+
+def wants_context(retriever: Any) -> bool:
+    """True for a retriever that declares `wants_context = True` (wrappers forward the attribute)."""
+    return bool(getattr(retriever, "wants_context", False))
+
+
+class StepStamped:
+    """A context-wanting retriever told the trainer's step (`set_step`, called from `Reward.set_step` by
+    the trainer's setup): every context without a step gets the current one. The engine does not know the
+    step; the trainer tells the reward it before each batch, and this is how the retriever hears of it."""
+
+    wants_context = True
+
+    def __init__(self, inner: Any):
+        if not wants_context(inner):
+            raise TypeError(f"{inner!r} does not declare wants_context = True")
+        self.inner = inner
+        self.step: int | None = None
+        self._lock = threading.Lock()
+
+    def set_step(self, step: int) -> None:
+        with self._lock:
+            self.step = step
+
+    def search(self, queries: list[str], k: int, contexts: Sequence[RetrievalContext] | None = None
+               ) -> list[list[Hit]]:
+        with self._lock:
+            step = self.step
+        if contexts is not None:
+            contexts = [c if c.step is not None else replace(c, step=step) for c in contexts]
+        return self.inner.search(queries, k, contexts=contexts)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def __repr__(self) -> str:
+        return f"StepStamped({self.inner!r})"
 
 
 def passages_to_string(hits: list[Hit], numbered: bool = True) -> str:

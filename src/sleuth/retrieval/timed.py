@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Sequence
 from typing import Any
 
-from sleuth.retrieval.base import Hit, Retriever
+from sleuth.retrieval.base import Hit, RetrievalContext, Retriever
 from sleuth.retrieval.cache import cache_stats
 
 
@@ -21,10 +22,12 @@ class TimedRetriever:
         self.queries = 0
         self._lock = threading.Lock()
 
-    def search(self, queries: list[str], k: int) -> list[list[Hit]]:
+    def search(self, queries: list[str], k: int, contexts: Sequence[RetrievalContext] | None = None
+               ) -> list[list[Hit]]:
         started = time.perf_counter()
         try:
-            return self.inner.search(queries, k)
+            # contexts only for a retriever that asked for them (RetrievalContext): the others keep (queries, k)
+            return self.inner.search(queries, k) if contexts is None else self.inner.search(queries, k, contexts=contexts)
         finally:
             elapsed = time.perf_counter() - started
             with self._lock:

@@ -25,8 +25,13 @@ from sleuth.retrieval.base import Retriever
 
 @dataclass
 class RewardResult:
+    """`total`: the outcome, put on the trajectory's last policy token. `turn_rewards`: optional per-turn
+    rewards, one per policy turn (`Trajectory.turns` with role "policy", in order), each put on the last
+    token of its turn in addition to `total` (sleuth.rl.advantages.turn_token_rewards); empty: outcome only."""
+
     total: float
     components: dict[str, float] = field(default_factory=dict)
+    turn_rewards: list[float] = field(default_factory=list)
 
 
 @runtime_checkable
@@ -46,6 +51,17 @@ class ScoreCacheLike(Protocol):
     def save(self) -> None: ...
 
 
+@runtime_checkable
+class PolicyScorer(Protocol):
+    """Teacher-forced scoring with the policy being trained (IGPO's information gain: the policy's probability
+    of the gold answer after each turn). `sleuth.rl.batch.PolicyScorer` is the trainer's."""
+
+    def logprobs(self, prefixes: Sequence[Sequence[int]], continuations: Sequence[str]) -> list[list[float]]:
+        """Per-token log-probs of each continuation (tokenised alone, no special tokens) given its prefix token ids
+        (a trajectory's `prompt_ids + response_ids[:end]`), one batched no-grad pass; temperature 1."""
+        ...
+
+
 @dataclass
 class RewardServices:
     """Frozen models and resources a reward may need; each is None when not configured.
@@ -55,6 +71,7 @@ class RewardServices:
     encoder: sentence encoder, `encode(list[str]) -> np.ndarray` (staged query diversity).
     retriever: used for s3's naive-RAG baseline (top-k for the question itself).
     baseline_cache: persistent per-question baseline accuracy (s3 GBR).
+    policy: the policy itself, scoring strings teacher-forced (`PolicyScorer`); None outside training.
     """
 
     generator: Generator | None = None
@@ -62,6 +79,7 @@ class RewardServices:
     encoder: Encoder | None = None
     retriever: Retriever | None = None
     baseline_cache: ScoreCacheLike | None = None
+    policy: PolicyScorer | None = None
 
     def need(self, what: str, reward_name: str) -> Any:
         value = getattr(self, what)
@@ -88,9 +106,18 @@ class Reward(ABC):
         """Score a batch; one result per trajectory, in order."""
 
     def set_step(self, step: int) -> None:
-        """Told the current trainer step before each batch; rewards with a schedule override it."""
+        """Told the current trainer step before each batch; rewards with a schedule override it (calling
+        `super().set_step(step)`, which tells the listeners added with `on_step`)."""
         if step < 0:
             raise ValueError(f"trainer step must be >= 0, got {step}")
+        for listener in getattr(self, "_step_listeners", ()):
+            listener(step)
+
+    def on_step(self, listener: Callable[[int], None]) -> None:
+        """Call `listener(step)` whenever the trainer sets the step: the one step signal a training step
+        sends, which a retriever that wants context hears this way (sleuth.retrieval.base.StepStamped)."""
+        # not a dataclass field: it is wiring, not config (config() and get_reward never see it)
+        self.__dict__.setdefault("_step_listeners", []).append(listener)
 
     @property
     def current_stage(self) -> int:
@@ -160,6 +187,7 @@ def score_batch(
         )
     for traj, res in zip(trajs, results, strict=True):
         traj.rewards = {"total": float(res.total), **{k: float(v) for k, v in res.components.items()}}
+        traj.turn_rewards = [float(v) for v in res.turn_rewards]
     return results
 
 
@@ -196,10 +224,12 @@ def guarded_rewards(
                     trajs[i].extra["reward_error"] = f"{type(err).__name__}: {err}"[:500]
                     pairs.append((i, RewardResult(0.0)))
         for i, res in pairs:
-            if not math.isfinite(float(res.total)):
-                trajs[i].extra["reward_error"] = f"non-finite reward {res.total!r}"
+            if not all(math.isfinite(float(v)) for v in [res.total, *res.turn_rewards]):
+                trajs[i].extra["reward_error"] = f"non-finite reward {res.total!r} (turns {res.turn_rewards!r})"
                 res = RewardResult(0.0)
             results[i] = res
+            # the trainer places them at the turns' ends (sleuth.rl.batch.token_rewards)
+            trajs[i].turn_rewards = [float(v) for v in res.turn_rewards]
     return [r if r is not None else RewardResult(0.0) for r in results]
 
 

@@ -10,6 +10,13 @@ Estimators are registered by name in `ADVANTAGE_ESTIMATORS`:
   - "drgrpo": Dr.GRPO, group mean subtracted, no std division.
   - "rloo": leave-one-out group baseline.
   - "reinforce_plus_plus": discounted return whitened over the batch (no critic, no groups).
+  - "turn_grpo": IGPO's turn-level estimator: every turn reward of a group normalised together,
+    then the discounted sum over the turns that follow (one advantage per turn).
+  - "turn_reinforce": discounted turn-level return-to-go with a group-mean baseline per turn index.
+
+Turn-level rewards come from `turn_token_rewards` (a reward's `RewardResult.turn_rewards`, each put
+on the last policy token of its turn). In the token view a turn is a run of policy tokens: the
+environment's inserted tokens separate turns (`policy_turn_ids`).
 
 A trainer can call any of them through one entry point:
 
@@ -179,6 +186,78 @@ def outcome_to_token_rewards(scores: torch.Tensor, response_mask: torch.Tensor) 
     return out
 
 
+def turn_token_rewards(
+    scores: torch.Tensor, response_mask: torch.Tensor, turn_ends: Sequence[Sequence[int]],
+    turn_rewards: Sequence[Sequence[float]],
+) -> torch.Tensor:
+    """Outcome scores (B,) on each row's last policy token, plus per-turn rewards on the last
+    policy token of their turn -> (B, T).
+
+    `turn_ends[i]` are the response positions (exclusive ends) of row i's policy turns and
+    `turn_rewards[i]` one reward per such turn (empty: outcome only). A turn reward on the last turn
+    adds to the outcome score there. A row whose mask is all zero (DAPO's overlong filter) or a turn
+    whose last token is masked raises ValueError, as a reward there would be lost.
+    """
+    out = outcome_to_token_rewards(scores, response_mask)
+    if len(turn_ends) != out.shape[0] or len(turn_rewards) != out.shape[0]:
+        raise ValueError(f"turn_ends and turn_rewards need one entry per row ({out.shape[0]}), "
+                         f"got {len(turn_ends)} and {len(turn_rewards)}")
+    selected = response_mask != 0
+    for row, (ends, rewards) in enumerate(zip(turn_ends, turn_rewards, strict=True)):
+        if not rewards:
+            continue
+        if len(rewards) != len(ends):
+            raise ValueError(f"row {row}: {len(rewards)} turn rewards for {len(ends)} policy turns; a reward "
+                             "returns one value per policy turn (Trajectory.turns with role 'policy')")
+        for end, value in zip(ends, rewards, strict=True):
+            if not 0 < end <= out.shape[1] or not selected[row, end - 1]:
+                raise ValueError(f"row {row}: the turn ending at response position {end} has no policy token "
+                                 "there; its reward would be lost")
+            out[row, end - 1] += float(value)
+    return out
+
+
+def policy_turn_ids(response_mask: torch.Tensor) -> torch.Tensor:
+    """(B, T) long: the index (0, 1, ...) of the policy turn each token belongs to, -1 on masked tokens.
+    A turn is a maximal run of policy tokens: tokens the environment inserted end it."""
+    selected = _check_mask(response_mask)
+    starts = selected.clone()
+    starts[:, 1:] &= ~selected[:, :-1]  # a policy token right after a masked one (or at 0) opens a turn
+    ids = starts.long().cumsum(dim=-1) - 1
+    return torch.where(selected, ids, torch.full_like(ids, -1))
+
+
+def _turn_rewards_matrix(token_rewards: torch.Tensor, response_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, K) sum of each turn's token rewards and (B, K) bool of the turns that exist; K = most turns in a row."""
+    check_same_shape(token_rewards=token_rewards, response_mask=response_mask)
+    selected = _check_mask(response_mask)
+    _check_no_masked_rewards(token_rewards, selected)
+    ids = policy_turn_ids(response_mask)
+    num_turns = int(ids.max()) + 1 if ids.numel() else 0
+    k = max(num_turns, 1)
+    per_turn = torch.zeros((ids.shape[0], k), dtype=torch.float64, device=ids.device)
+    per_turn.scatter_add_(1, ids.clamp_min(0), torch.where(selected, token_rewards.double(), 0.0))
+    # counted, not scattered as booleans: a masked token (clamped to turn 0) must not erase turn 0
+    tokens = torch.zeros_like(per_turn).scatter_add_(1, ids.clamp_min(0), selected.double())
+    return per_turn, tokens > 0
+
+
+def _discounted_turn_sums(values: torch.Tensor, exists: torch.Tensor, gamma: float) -> torch.Tensor:
+    """(B, K) sum over turns k' >= k of gamma^(k'-k) values[k'] (missing turns add nothing)."""
+    out = torch.zeros_like(values)
+    running = torch.zeros(values.shape[0], dtype=values.dtype, device=values.device)
+    for k in reversed(range(values.shape[1])):
+        running = torch.where(exists[:, k], values[:, k] + gamma * running, running)
+        out[:, k] = running
+    return out
+
+
+def _spread_over_turns(per_turn: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    ids = policy_turn_ids(response_mask)
+    spread = per_turn.gather(1, ids.clamp_min(0)).float()
+    return torch.where(ids >= 0, spread, torch.zeros_like(spread))
+
+
 # --------------------------------------------------------------------------- estimators
 
 
@@ -323,6 +402,53 @@ def reinforce_plus_plus_advantages(
     return masked_whiten(returns, response_mask), returns
 
 
+@register_advantage("turn_grpo")
+@torch.no_grad()
+def turn_grpo_advantages(
+    token_rewards: torch.Tensor, group_ids: GroupIds, response_mask: torch.Tensor, *, gamma: float = 1.0,
+    epsilon: float = 1e-6,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """IGPO (2510.14967)'s turn-level advantage. Each turn's reward r_{i,t} is the sum of its token
+    rewards (the outcome sits on the last turn). All turn rewards of a group are normalised together,
+    r^_{i,t} = (r_{i,t} - mean_G) / (std_G + epsilon) over every turn of every sample of the group
+    (unbiased std; a group whose turn rewards are all equal gets 0), then A_{i,t} = sum_{t'>=t}
+    gamma^(t'-t) r^_{i,t'}, given to every token of turn t. Returns (advantages, advantages)."""
+    per_turn, exists = _turn_rewards_matrix(token_rewards, response_mask)
+    index, num_groups = group_index(group_ids, per_turn.shape[0])
+    normed = torch.zeros_like(per_turn)
+    for g in range(num_groups):
+        rows = (index == g).nonzero()[:, 0].to(per_turn.device)
+        values = per_turn[rows][exists[rows]]
+        if values.numel() < 2 or bool((values == values[0]).all()):
+            continue  # no spread: no relative signal inside the group
+        centred = (per_turn[rows] - values.mean()) / (values.std() + epsilon)
+        normed[rows] = torch.where(exists[rows], centred, torch.zeros_like(centred))
+    adv = _spread_over_turns(_discounted_turn_sums(normed, exists, gamma), response_mask)
+    return adv, adv
+
+
+@register_advantage("turn_reinforce")
+@torch.no_grad()
+def turn_reinforce_advantages(
+    token_rewards: torch.Tensor, group_ids: GroupIds, response_mask: torch.Tensor, *, gamma: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Turn-level REINFORCE with a group baseline: G_{i,t} = sum_{t'>=t} gamma^(t'-t) r_{i,t'} (turn rewards
+    as in `turn_grpo_advantages`), A_{i,t} = G_{i,t} - mean of G_{j,t} over the samples j of i's group that
+    have a turn t (a turn index only one sample reached gets 0). Returns (advantages, returns G)."""
+    per_turn, exists = _turn_rewards_matrix(token_rewards, response_mask)
+    returns = _discounted_turn_sums(per_turn, exists, gamma)
+    index, num_groups = group_index(group_ids, per_turn.shape[0])
+    adv = torch.zeros_like(returns)
+    for g in range(num_groups):
+        rows = (index == g).nonzero()[:, 0].to(returns.device)
+        present = exists[rows].double()
+        count = present.sum(0)
+        mean = (returns[rows] * present).sum(0) / count.clamp_min(1)
+        centred = torch.where((count > 1) & exists[rows], returns[rows] - mean, torch.zeros_like(returns[rows]))
+        adv[rows] = centred
+    return _spread_over_turns(adv, response_mask), _spread_over_turns(returns, response_mask)
+
+
 # --------------------------------------------------------------------------- dispatch
 
 
@@ -373,6 +499,10 @@ __all__ = [
     "needs_groups",
     "grpo_advantages",
     "outcome_to_token_rewards",
+    "policy_turn_ids",
+    "turn_grpo_advantages",
+    "turn_reinforce_advantages",
+    "turn_token_rewards",
     "register_advantage",
     "reinforce_plus_plus_advantages",
     "rloo_advantages",

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from sleuth.agent.trajectory import Trajectory
+from sleuth.rl import advantages as adv_fns
 from sleuth.rl import losses as loss_fns
 from sleuth.rl.models import ValueModel, autocast
 from sleuth.rl.sampling import overlong_mask
@@ -62,6 +63,49 @@ def collate(trajs: list[Trajectory], pad_id: int, drop_truncated: bool = False) 
         if n:
             action[i, :n] = torch.tensor(t.loss_mask, dtype=torch.float32)
     return TokenBatch(input_ids, starts, action)
+
+
+def token_rewards(trajs: list[Trajectory], scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """(B, R) rewards: each score on its row's last policy token and each trajectory's `turn_rewards` on the
+    last token of its policy turns (outcome-only rewards give exactly `outcome_to_token_rewards`)."""
+    if not any(t.turn_rewards for t in trajs):
+        return adv_fns.outcome_to_token_rewards(scores, mask)
+    return adv_fns.turn_token_rewards(scores, mask, [t.policy_turn_ends() for t in trajs],
+                                      [t.turn_rewards for t in trajs])
+
+
+class PolicyScorer:
+    """`sleuth.rewards.base.PolicyScorer` over the policy in training: prefix + continuation rows packed as the
+    update packs them (`TokenBatch`: the continuation is the "response"), scored by `batched_logprobs`.
+
+    Multi-rank note: each rank scores its own trajectories; a sharded (FSDP) policy needs every rank to run
+    the same number of forwards, which a reward's call count does not guarantee, so it is refused there."""
+
+    def __init__(self, model: nn.Module, tokenizer, micro_batch_size: int = 8, sharded: bool = False):
+        self.model, self.tokenizer, self.micro, self.sharded = model, tokenizer, micro_batch_size, sharded
+
+    def logprobs(self, prefixes, continuations) -> list[list[float]]:
+        if self.sharded:
+            raise RuntimeError("scoring with the policy is not supported on a sharded (FSDP) policy yet")
+        if len(prefixes) != len(continuations):
+            raise ValueError(f"{len(prefixes)} prefixes for {len(continuations)} continuations")
+        if not prefixes:
+            return []
+        conts = [list(self.tokenizer.encode(c, add_special_tokens=False)) for c in continuations]
+        if any(not c for c in conts) or any(not p for p in prefixes):
+            raise ValueError("each prefix and each continuation needs at least one token")
+        width = max(len(c) for c in conts)
+        longest = max(len(p) for p in prefixes)
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        ids = torch.full((len(conts), longest + width), pad, dtype=torch.long)
+        mask = torch.zeros((len(conts), width), dtype=torch.float32)
+        for i, (p, c) in enumerate(zip(prefixes, conts, strict=True)):
+            ids[i, : len(p) + len(c)] = torch.tensor(list(p) + c, dtype=torch.long)
+            mask[i, : len(c)] = 1.0
+        batch = TokenBatch(ids, torch.tensor([len(p) for p in prefixes], dtype=torch.long), mask)
+        device = next(self.model.parameters()).device
+        out = batched_logprobs(self.model, batch, 1.0, self.micro, device)
+        return [out[i, : len(c)].tolist() for i, c in enumerate(conts)]
 
 
 def response_columns(batch: TokenBatch, first: int) -> torch.Tensor:

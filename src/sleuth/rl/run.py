@@ -16,6 +16,7 @@ from sleuth.data.formats import QAExample
 from sleuth.errors import ConfigError
 from sleuth.llm.base import Generator, SamplingParams
 from sleuth.llm.hf import HFGenerator
+from sleuth.retrieval.base import Retriever, StepStamped, wants_context
 from sleuth.retrieval.timed import TimedRetriever
 from sleuth.rewards.base import Reward, RewardServices, get_reward
 from sleuth.rl.checkpoint import (
@@ -195,6 +196,16 @@ def _rollout_generator(recipe: Recipe, ctx: DistContext, models: LoadedModels,
     return rollout_model, generator
 
 
+def _stepped(retriever: Retriever, reward_fn: Reward) -> Retriever:
+    """A retriever that wants context (question, answers, turn) hears the training step through the reward's
+    `set_step`, the step signal the trainer sends (sleuth.retrieval.base.StepStamped)."""
+    if not wants_context(retriever):
+        return retriever
+    stamped = StepStamped(retriever)
+    reward_fn.on_step(stamped.set_step)
+    return stamped
+
+
 def setup(recipe: Recipe, ctx: DistContext, console: Any, resume: bool) -> Run:
     """Recipe -> one Run: models (restored on resume), environment, data, reward, loggers."""
     out_dir = Path(recipe.trainer.out_dir)
@@ -208,12 +219,12 @@ def setup(recipe: Recipe, ctx: DistContext, console: Any, resume: bool) -> Run:
     if ctx.enabled:  # ranks sample different trajectories
         seed_everything(recipe.seed * 1_000_003 + start_step * 1_009 + ctx.rank)
     rollout_model, generator = _rollout_generator(recipe, ctx, models, console)
-    retriever = TimedRetriever(build_retriever(recipe))  # time/retrieval: its share of the rollout
+    load_plugins(recipe.plugins)
+    reward_fn = get_reward(recipe.reward.name, **recipe.reward.options)
+    retriever = TimedRetriever(_stepped(build_retriever(recipe), reward_fn))  # time/retrieval: its share of the rollout
     loop = build_loop(recipe)
     examples = load_examples(recipe)
     cursor = DataCursor(recipe.seed, len(examples), recipe.data.shuffle, **point.trainer_state.get("cursor", {}))
-    load_plugins(recipe.plugins)
-    reward_fn = get_reward(recipe.reward.name, **recipe.reward.options)
     services = build_reward_services(recipe, generator, unwrap(models.policy), retriever)
     sampling = SamplingParams(max_new_tokens=recipe.agent.max_new_tokens_per_turn,
                               temperature=recipe.sampling.temperature, top_p=recipe.sampling.top_p)

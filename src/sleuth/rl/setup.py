@@ -22,6 +22,7 @@ from sleuth.retrieval.encoders import Encoder, EncoderConfig
 from sleuth.retrieval.sources import open_retriever
 from sleuth.retrieval.tools import ToolRetrieverConfig
 from sleuth.rewards.base import RewardServices, get_reward
+from sleuth.rl.batch import PolicyScorer
 from sleuth.rl.config import Recipe
 from sleuth.rl.guard_metrics import check_guard_metrics
 from sleuth.rl.models import FrozenBaseGenerator
@@ -153,6 +154,9 @@ def build_reward_services(recipe: Recipe, policy_gen: Any, policy: nn.Module, re
         encoder=encoder,
         baseline_cache=cache,
         retriever=retriever,
+        # scoring with the policy itself (teacher-forced log-probs); none where no policy is trained
+        policy=PolicyScorer(policy, policy_gen.tokenizer, recipe.algorithm.micro_batch_size,
+                            sharded=recipe.model.parallel == "fsdp") if policy is not None else None,
     )
 
 

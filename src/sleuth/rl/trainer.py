@@ -41,6 +41,7 @@ from sleuth.rl.batch import (
     reference_logprobs,
     to_device,
 )
+from sleuth.rl.batch import token_rewards as token_rewards_of
 from sleuth.rl.config import Recipe
 from sleuth.rl.dist import (
     DistContext,
@@ -243,7 +244,7 @@ def make_batch(run: Run, trajs: list[Trajectory], scores: list[float]) -> StepBa
                 ref_logprobs = batched_logprobs(run.policy, tokens, temperature, micro, device)
     mask = tokens.action_mask
     score_t = torch.tensor(scores, dtype=torch.promote_types(dtype_of(run.policy), torch.float32))
-    token_rewards = adv_fns.outcome_to_token_rewards(score_t, mask)
+    token_rewards = token_rewards_of(trajs, score_t, mask)
     kl = None
     if ref_logprobs is not None:
         if old_logprobs is not None:

@@ -1,0 +1,33 @@
+"""Install a plugin from plugins/ for one test module, as a recipe's `plugins:` list does (import it), and take
+its registrations back afterwards, so tests that list the built-in methods see only those."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from types import ModuleType
+
+import sleuth.agent.registry as method_registry
+import sleuth.rewards  # noqa: F401  (the built-in rewards registered before the snapshot)
+import sleuth.rewards.base as reward_registry
+
+PLUGINS = Path(__file__).parents[1] / "plugins"
+
+
+@contextmanager
+def installed(name: str) -> Iterator[ModuleType]:
+    if str(PLUGINS) not in sys.path:
+        sys.path.insert(0, str(PLUGINS))  # where a user's plugin sits on PYTHONPATH
+    method_registry.loop_names()  # the built-in methods load lazily: registered before the snapshot, kept after it
+    saved = (dict(method_registry._METHODS), dict(method_registry._READERS), dict(reward_registry._REGISTRY))
+    try:
+        yield importlib.import_module(name)
+    finally:
+        for live, before in zip((method_registry._METHODS, method_registry._READERS, reward_registry._REGISTRY),
+                                saved, strict=True):
+            live.clear()
+            live.update(before)
+        sys.modules.pop(name, None)
