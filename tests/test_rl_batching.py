@@ -59,10 +59,12 @@ def test_batched_logprobs_and_values_equal_single_sequences(tiny) -> None:
             logits = model(input_ids=ids).logits[0, :-1] / 0.7
             hidden = critic.backbone(input_ids=ids).last_hidden_state
         P, R = len(t.prompt_ids), len(t.response_ids)
+        # log-probs and entropy at policy tokens only (issue 43); 0 at inserted tokens, which every loss masks
+        policy = torch.tensor(t.loss_mask, dtype=torch.float64)
         expected = torch.log_softmax(logits, -1)[P - 1 :].gather(-1, ids[0, P:, None]).squeeze(-1)
-        torch.testing.assert_close(logprobs[i, :R], expected, rtol=1e-9, atol=1e-9)
+        torch.testing.assert_close(logprobs[i, :R], expected * policy, rtol=1e-9, atol=1e-9)
         probs = torch.softmax(logits[P - 1 :], -1)
-        torch.testing.assert_close(entropy[i, :R], -(probs * probs.log()).sum(-1), rtol=1e-9, atol=1e-9)
+        torch.testing.assert_close(entropy[i, :R], -(probs * probs.log()).sum(-1) * policy, rtol=1e-9, atol=1e-9)
         expected_v = critic.value_head(hidden[0, P - 1 : P + R - 1]).squeeze(-1)
         torch.testing.assert_close(values[i, :R], expected_v, rtol=1e-9, atol=1e-9)
 

@@ -29,21 +29,32 @@ class TokenBatch:
     after them. (Left padding needs a mask whose pad rows attend to nothing; CUDA's
     memory-efficient attention backward has produced NaN gradients for such masks while the forward
     stayed finite.) Without a mask SDPA can pick its flash kernel. Per-token tensors cover only
-    response positions: column j of `action_mask` is response token j of that row."""
+    response positions: column j of `action_mask` is response token j of that row. `lengths` holds each
+    row's real token count (prompt + response), which the padding-free forward packs by."""
 
     input_ids: torch.Tensor  # (B, L), L = longest prompt + R
     response_start: torch.Tensor  # (B,) long: the column where each row's response begins
     action_mask: torch.Tensor  # (B, R) float: 1 where response token j is a policy token
+    lengths: torch.Tensor | None = None  # (B,) long; None: every row runs to its last policy token
 
     @property
     def response_width(self) -> int:
         return self.action_mask.shape[1]
 
+    def row_lengths(self) -> torch.Tensor:
+        if self.lengths is not None:
+            return self.lengths
+        # no recorded lengths: up to the last policy token (what the log-probs need), at least the prompt
+        cols = torch.arange(1, self.response_width + 1, device=self.action_mask.device)
+        last = ((self.action_mask != 0) * cols).amax(dim=1) if self.response_width else 0
+        return self.response_start + last
+
     def index(self, idx: torch.Tensor) -> TokenBatch:
         """The rows `idx`, cut to the columns they use (their longest prompt + R)."""
         starts = self.response_start[idx]
         width = int(starts.max()) + self.response_width if len(starts) else 0
-        return TokenBatch(self.input_ids[idx, :width], starts, self.action_mask[idx])
+        lengths = None if self.lengths is None else self.lengths[idx]
+        return TokenBatch(self.input_ids[idx, :width], starts, self.action_mask[idx], lengths)
 
 
 def collate(trajs: list[Trajectory], pad_id: int, drop_truncated: bool = False) -> TokenBatch:
@@ -52,6 +63,7 @@ def collate(trajs: list[Trajectory], pad_id: int, drop_truncated: bool = False) 
     B = len(trajs)
     input_ids = torch.full((B, S + R), pad_id, dtype=torch.long)
     starts = torch.zeros(B, dtype=torch.long)
+    lengths = torch.tensor([len(t.prompt_ids) + len(t.response_ids) for t in trajs], dtype=torch.long)
     action = torch.zeros((B, R), dtype=torch.float32)
     keep = overlong_mask([t.finish_reason for t in trajs]) if drop_truncated else torch.ones(B, dtype=torch.bool)
     for i, t in enumerate(trajs):
@@ -62,7 +74,7 @@ def collate(trajs: list[Trajectory], pad_id: int, drop_truncated: bool = False) 
             continue  # DAPO overlong filtering: a truncated response teaches nothing reliable
         if n:
             action[i, :n] = torch.tensor(t.loss_mask, dtype=torch.float32)
-    return TokenBatch(input_ids, starts, action)
+    return TokenBatch(input_ids, starts, action, lengths)
 
 
 def token_rewards(trajs: list[Trajectory], scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -115,23 +127,88 @@ def response_columns(batch: TokenBatch, first: int) -> torch.Tensor:
     return (batch.response_start.to(batch.input_ids.device) - 1 - first)[:, None] + offsets[None, :]
 
 
+# rows of the output layer's logits turned into float32 at a time (forward and backward): 1,024 x a 151,936-word
+# vocabulary is 0.6 GB of float32 working memory, whatever the micro-batch
+LOGIT_CHUNK_ROWS = 1024
+
+
 def forward_logprobs(
-    model: nn.Module, batch: TokenBatch, temperature: float, with_entropy: bool = False
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Log-prob (B, R) of each response token under `model`, logits scaled by the sampling
-    temperature. Only positions from the earliest response start on go through the LM head: prompt
-    positions never materialise (B, L, V) logits, which dominate memory and time at a 150k vocabulary."""
-    first = int(batch.response_start.min()) - 1  # the position predicting the earliest response token
-    L = batch.input_ids.shape[1]
-    out = model(input_ids=batch.input_ids, logits_to_keep=L - first, use_cache=False)
-    logits = loss_fns.at_least_fp32(out.logits[:, :-1])  # positions first .. L-2
-    if temperature > 0 and temperature != 1.0:
-        logits = logits / temperature
-    cols = response_columns(batch, first)
-    per_position = loss_fns.logprobs_from_logits(logits, batch.input_ids[:, first + 1 :])
-    logprobs = per_position.gather(1, cols)
-    entropy = loss_fns.entropy_from_logits(logits).gather(1, cols) if with_entropy else None
-    return logprobs, entropy
+    model: nn.Module, batch: TokenBatch, temperature: float, with_entropy: bool = False, packed: bool = False,
+    chunk_rows: int = LOGIT_CHUNK_ROWS,
+) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
+    """Log-prob (B, R) of each policy token (action_mask != 0) under `model`, logits scaled by the sampling
+    temperature; 0 at every other response position, which every loss masks out. Only the positions that
+    predict a policy token go through the output layer (`logits_to_keep` with their indices), so neither the
+    prompt nor inserted documents ever produce a vocabulary-wide row, and the float32 log-softmax and entropy
+    run `chunk_rows` rows at a time (`losses.token_logprobs_and_entropy`).
+
+    `packed`: the rows run as one padding-free sequence with per-row position ids (transformers then builds a
+    block-diagonal causal mask, or passes cu_seqlens to flash attention), so no compute goes to padding;
+    otherwise right-padded rows under causal attention alone (no mask)."""
+    rows, cols = torch.nonzero(batch.action_mask, as_tuple=True)
+    keep_rows = rows
+    target = batch.response_start[rows] + cols  # column of each scored token in its row
+    if len(rows) == 0:  # no policy token: one dummy position keeps the graph (and DDP's hooks) intact
+        rows = torch.zeros(1, dtype=torch.long, device=batch.input_ids.device)
+        target = batch.row_lengths()[:1].clamp(max=batch.input_ids.shape[1]) - 1
+    if packed:
+        logits, labels = _packed_logits(model, batch, rows, target)
+    else:
+        logits, labels = _padded_logits(model, batch, rows, target)
+    logp, ent = loss_fns.token_logprobs_and_entropy(logits, labels, temperature, chunk_rows)
+    logprobs = _scatter(logp, batch, keep_rows, cols)
+    return logprobs, (_scatter(ent, batch, keep_rows, cols) if with_entropy else None)
+
+
+def _padded_logits(model: nn.Module, batch: TokenBatch, rows: torch.Tensor,
+                   target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """(K, V) logits at the positions predicting `target` columns, from right-padded rows: the output layer
+    runs on the union of those positions over the rows."""
+    keep, where = torch.unique(target - 1, sorted=True, return_inverse=True)
+    out = model(input_ids=batch.input_ids, logits_to_keep=keep, use_cache=False)
+    return out.logits[rows, where], batch.input_ids[rows, target]
+
+
+def _packed_logits(model: nn.Module, batch: TokenBatch, rows: torch.Tensor,
+                   target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    lengths = batch.row_lengths()
+    device = batch.input_ids.device
+    width = torch.arange(batch.input_ids.shape[1], device=device)
+    real = width[None, :] < lengths[:, None]
+    ids = batch.input_ids[real][None, :]  # (1, T): the rows' real tokens, one after the other
+    positions = width.expand_as(real)[real][None, :]  # each row's positions start at 0 again
+    offsets = torch.cumsum(lengths, 0) - lengths
+    flat = offsets[rows] + target
+    out = model(input_ids=ids, position_ids=positions, logits_to_keep=flat - 1, use_cache=False)
+    return out.logits[0], ids[0, flat]
+
+
+def _scatter(values: torch.Tensor, batch: TokenBatch, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+    """(K,) per-token values -> (B, R), zero off the policy positions (differentiable)."""
+    out = values.new_zeros(batch.action_mask.shape)
+    if len(rows) == 0:
+        return out + 0 * values.sum()  # still connected to the graph
+    return out.index_put((rows, cols), values)
+
+
+def micro_batches(lengths: torch.Tensor, max_rows: int, max_tokens: int | None, packed: bool) -> list[torch.Tensor]:
+    """Split rows 0..B-1 (in order) into micro-batches of at most `max_rows` rows and, with a token budget, at
+    most `max_tokens` tokens: the sum of lengths when packed, rows x the longest row when padded (what the
+    forward computes on). A row longer than the budget goes alone. The loss is normalised by the minibatch's
+    totals, so any split gives the same gradient."""
+    out: list[torch.Tensor] = []
+    current: list[int] = []
+    longest = total = 0
+    for i, n in enumerate(lengths.tolist()):
+        cost = total + n if packed else (len(current) + 1) * max(longest, n)
+        if current and (len(current) >= max_rows or (max_tokens is not None and cost > max_tokens)):
+            out.append(torch.tensor(current, dtype=torch.long))
+            current, longest, total = [], 0, 0
+        current.append(i)
+        longest, total = max(longest, n), total + n
+    if current:
+        out.append(torch.tensor(current, dtype=torch.long))
+    return out
 
 
 def critic_values(critic: nn.Module, batch: TokenBatch) -> torch.Tensor:
@@ -145,17 +222,33 @@ def chunks(n: int, size: int) -> Iterator[slice]:
         yield slice(start, min(n, start + size))
 
 
+@dataclass(frozen=True)
+class ForwardPlan:
+    """How a batch goes through the model: at most `max_rows` rows and `max_tokens` tokens (None: no token
+    budget) per micro-batch, packed without padding or right-padded."""
+
+    max_rows: int
+    max_tokens: int | None = None
+    packed: bool = False
+
+    def split(self, batch: TokenBatch) -> list[torch.Tensor]:
+        return micro_batches(batch.row_lengths().cpu(), self.max_rows, self.max_tokens, self.packed)
+
+
 @torch.no_grad()
 def batched_logprobs(
-    model: nn.Module, batch: TokenBatch, temperature: float, micro: int, device: torch.device
+    model: nn.Module, batch: TokenBatch, temperature: float, plan: ForwardPlan | int, device: torch.device
 ) -> torch.Tensor:
-    """Log-probs (B, L-1) without gradients, in micro-batches, returned on the CPU."""
-    out = []
-    for sl in chunks(batch.input_ids.shape[0], micro):
-        mb = to_device(batch.index(torch.arange(sl.start, sl.stop)), device)
+    """Policy-token log-probs (B, R) without gradients, in micro-batches, returned on the CPU."""
+    plan = ForwardPlan(plan) if isinstance(plan, int) else plan
+    out = torch.zeros(batch.action_mask.shape, dtype=torch.float32)
+    for idx in plan.split(batch):
+        mb = to_device(batch.index(idx), device)
         with autocast(device):
-            out.append(forward_logprobs(model, mb, temperature)[0].cpu())
-    return torch.cat(out)
+            logprobs = forward_logprobs(model, mb, temperature, packed=plan.packed)[0].cpu()
+        out = out.to(torch.promote_types(out.dtype, logprobs.dtype))
+        out[idx] = logprobs
+    return out
 
 
 @torch.no_grad()
@@ -170,18 +263,19 @@ def batched_values(critic: ValueModel, batch: TokenBatch, micro: int, device: to
 
 
 def to_device(batch: TokenBatch, device: torch.device) -> TokenBatch:
-    return TokenBatch(*(t.to(device) for t in (batch.input_ids, batch.response_start, batch.action_mask)))
+    lengths = None if batch.lengths is None else batch.lengths.to(device)
+    return TokenBatch(*(t.to(device) for t in (batch.input_ids, batch.response_start, batch.action_mask)), lengths)
 
 
 @torch.no_grad()
 def reference_logprobs(
-    ref_model: nn.Module, batch: TokenBatch, temperature: float, micro: int, device: torch.device
+    ref_model: nn.Module, batch: TokenBatch, temperature: float, plan: ForwardPlan | int, device: torch.device
 ) -> torch.Tensor:
     """Reference log-probs; an offloaded reference visits the GPU only for this pass."""
     home = next(ref_model.parameters()).device
     ref_model.to(device)
     try:
-        return batched_logprobs(ref_model, batch, temperature, micro, device)
+        return batched_logprobs(ref_model, batch, temperature, plan, device)
     finally:
         ref_model.to(home)
 

@@ -504,6 +504,62 @@ def entropy_from_logits(logits: torch.Tensor, chunk_rows: int | None = None) -> 
     return out.reshape(logits.shape[:-1])
 
 
+
+class _ChunkedTokenStats(torch.autograd.Function):
+    """Log-prob of the label and entropy of softmax(logits / T) for each row of (K, V) logits, computed
+    `chunk` rows at a time in at least float32, forward and backward: the largest float32 temporary is
+    (chunk, V), and the gradient is written into one (K, V) tensor of the logits' dtype. (Autograd through
+    per-chunk slices and upcasts would keep a float32 copy of every chunk and add a (K, V) zero tensor per
+    chunk in the backward.)"""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, labels: torch.Tensor, temperature: float, chunk: int):  # type: ignore[override]
+        logp = torch.empty(logits.shape[0], dtype=torch.promote_types(logits.dtype, torch.float32),
+                           device=logits.device)
+        ent = torch.empty_like(logp)
+        for start in range(0, logits.shape[0], chunk):
+            z = at_least_fp32(logits[start : start + chunk]) / temperature
+            lse = torch.logsumexp(z, dim=-1)
+            logp[start : start + chunk] = z.gather(-1, labels[start : start + chunk, None]).squeeze(-1) - lse
+            ent[start : start + chunk] = lse - (torch.softmax(z, dim=-1) * z).sum(-1)
+        ctx.save_for_backward(logits, labels, ent)
+        ctx.temperature, ctx.chunk = temperature, chunk
+        return logp, ent
+
+    @staticmethod
+    def backward(ctx, grad_logp: torch.Tensor, grad_ent: torch.Tensor):  # type: ignore[override]
+        logits, labels, ent = ctx.saved_tensors
+        temperature, chunk = ctx.temperature, ctx.chunk
+        grad = torch.empty_like(logits)
+        for start in range(0, logits.shape[0], chunk):
+            sl = slice(start, start + chunk)
+            z = at_least_fp32(logits[sl]) / temperature
+            log_p = torch.log_softmax(z, dim=-1)
+            p = log_p.exp()
+            # d logp[label] / dz = onehot - p;  d H / dz = -p * (log p + H)
+            g = -grad_ent[sl, None] * p * (log_p + ent[sl, None]) - grad_logp[sl, None] * p
+            g.scatter_add_(-1, labels[sl, None], grad_logp[sl, None].to(g.dtype))
+            grad[sl] = (g / temperature).to(grad.dtype)
+        return grad, None, None, None
+
+
+def token_logprobs_and_entropy(
+    logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0, chunk_rows: int = 1024
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log p(label), entropy) of softmax(logits / temperature) per row of (K, V) logits, both (K,) in at
+    least float32, differentiable, with float32 working memory bounded by (chunk_rows, V) in the forward and
+    the backward. Temperature 0 (greedy sampling) means 1: the sampler's log-probs are then untempered."""
+    if logits.dim() != 2 or labels.shape != logits.shape[:1]:
+        raise ValueError(f"logits must be (K, V) and labels (K,), got {tuple(logits.shape)} and {tuple(labels.shape)}")
+    if chunk_rows < 1:
+        raise ValueError(f"chunk_rows must be >= 1, got {chunk_rows}")
+    labels = labels.long()
+    if labels.numel() and (int(labels.min()) < 0 or int(labels.max()) >= logits.shape[1]):
+        raise ValueError(f"labels must be token ids in [0, {logits.shape[1]})")
+    scale = temperature if temperature > 0 else 1.0
+    return _ChunkedTokenStats.apply(logits, labels, scale, chunk_rows)
+
+
 __all__ = [
     "POLICY_LOSSES",
     "POLICY_LOSS_STATS",
@@ -520,6 +576,7 @@ __all__ = [
     "kl_loss",
     "kl_penalty",
     "logprobs_from_logits",
+    "token_logprobs_and_entropy",
     "masked_mean",
     "masked_sum",
     "masked_var",
