@@ -3,7 +3,7 @@
 - `filter_groups` keeps only groups (samples of one prompt) whose metric differs between
   samples. In a group where every sample has the same reward, GRPO-style advantages are all 0,
   so the group adds no gradient but still dilutes the batch.
-  The trainer refills over several rounds itself (sleuth.rl.trainer.collect_rollouts: ranks agree
+  The trainer refills over several rounds itself (sleuth.rl.rollouts.collect_rollouts: ranks agree
   on when to stop).
 - `overlong_mask` drops truncated responses from the loss (DAPO overlong filtering).
 """

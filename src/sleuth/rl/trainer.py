@@ -2,8 +2,8 @@
 
     rollout -> score -> advantages -> update -> log (-> checkpoint) (-> validation on data.dev)
 
-The pieces live one floor down: models (sleuth.rl.models), token batches and no-grad passes
-(sleuth.rl.batch), recipe -> retriever/loop/data/reward services (sleuth.rl.setup), step metrics
+The pieces live one floor down: rollouts and scores (sleuth.rl.rollouts), models (sleuth.rl.models), token
+batches, the policy-token forward and no-grad passes (sleuth.rl.batch), recipe -> retriever/loop/data/reward services (sleuth.rl.setup), step metrics
 (sleuth.rl.step_metrics), validation on data.dev (sleuth.rl.validate), and the pure numerics in the
 registries of sleuth.rl.advantages (estimators) and sleuth.rl.losses (policy losses).
 """
@@ -15,7 +15,7 @@ import logging
 import math
 import shutil
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -23,11 +23,9 @@ import torch
 from rich.console import Console
 from torch import nn
 
-from sleuth.agent.engine import rollout
 from sleuth.agent.registry import get_method
 from sleuth.agent.trajectory import Trajectory, write_trajectories
-from sleuth.errors import ServiceError
-from sleuth.rewards.base import failed_trajectories, guarded_rewards
+from sleuth.rewards.base import failed_trajectories
 from sleuth.rl import advantages as adv_fns
 from sleuth.rl import losses as loss_fns
 from sleuth.rl.batch import (
@@ -54,11 +52,11 @@ from sleuth.rl.guard_actions import act_on_guards, final_message, record_step, s
 from sleuth.rl.health import health_metrics
 from sleuth.rl.interrupts import sigterm_received, stop_reason
 from sleuth.rl.models import autocast, dtype_of, release_rollout_memory, sync_rollout_weights
+from sleuth.rl.rollouts import Collected, collect_or_stop
 from sleuth.rl.run import Run, save, setup
 from sleuth.rl.run_dir import prepare_run_dir, write_failure
 from sleuth.rl.run_metrics import machinery_metrics
-from sleuth.rl.sampling import filter_groups
-from sleuth.rl.setup import check_input_paths, rollout_budget
+from sleuth.rl.setup import check_input_paths
 from sleuth.rl.sft import run_sft
 from sleuth.rl.step_metrics import (
     acc_stat,
@@ -173,7 +171,7 @@ def train_step(run: Run, step: int) -> dict[str, float]:
 
     # 1. rollout and score (each rank its slice of the prompts)
     run.policy.eval()
-    collected = _collect_or_stop(run, step, stage)
+    collected = collect_or_stop(run, step, stage)
     release_rollout_memory(run)  # before the log-prob passes and the update, which need the memory
 
     # 2. tensors, old/ref log-probs, values, advantages
@@ -207,22 +205,6 @@ def train_step(run: Run, step: int) -> dict[str, float]:
     # 7. guards (sleuth.rl.guard_actions): warn, stop with a checkpoint, or roll back
     act_on_guards(run, done, validated)
     return metrics
-
-
-def _collect_or_stop(run: Run, step: int, stage: int) -> Collected:
-    """Rollouts of this step; a service past its retry budget keeps every finished step, then stops naming it."""
-    cursor_before = run.cursor.state()
-    try:
-        return collect_rollouts(run)
-    except ServiceError as err:
-        where = "no new checkpoint (nothing done since the last one)"
-        if step > run.last_saved and not run.ctx.enabled:  # a lone rank cannot run the collective save
-            save(run, step, cursor_before, stage)
-            where = f"checkpoint of step {step} written"
-        raise ServiceError(
-            f"{err}\nstopped at step {step + 1} of {run.recipe.trainer.total_steps}: {where} under {run.out_dir}; "
-            f"when the service is back, rerun with --resume (or raise services.retry.budget_s)"
-        ) from err
 
 
 def make_batch(run: Run, trajs: list[Trajectory], scores: list[float]) -> StepBatch:
@@ -320,63 +302,6 @@ def _log_step(run: Run, step: int, stage: int, collected: Collected, batch: Step
     if failed:  # one example per step is enough to debug; the count is in the metrics
         write_trajectories(run.out_dir / "debug" / f"failed_step_{step + 1:06d}_rank{ctx.rank}.jsonl", failed[:1])
     return metrics
-
-
-@dataclass
-class Collected:
-    trajs: list[Trajectory] = field(default_factory=list)
-    scores: list[float] = field(default_factory=list)
-    all_rewards: list[float] = field(default_factory=list)  # before DAPO's filter
-    trajs_all: list[Trajectory] = field(default_factory=list)  # every rollout of the step, before DAPO's filter
-    rounds: int = 0
-    t_rollout: float = 0.0
-    t_reward: float = 0.0
-
-
-def collect_rollouts(run: Run) -> Collected:
-    """Roll out this rank's prompts and score them. With DAPO dynamic sampling, groups whose
-    rewards are all equal carry no signal: they are dropped and new prompts are drawn until every
-    rank holds its share of groups, or `max_sampling_rounds` is reached (ranks agree on when to stop)."""
-    recipe, ctx, algo = run.recipe, run.ctx, run.recipe.algorithm
-    target = (run.local_prompts.stop - run.local_prompts.start) * algo.n
-    out = Collected()
-    last_round: tuple[list[Trajectory], list[float]] = ([], [])
-    while out.rounds < algo.max_sampling_rounds:
-        out.rounds += 1
-        indices = run.cursor.take(algo.prompts_per_step)[run.local_prompts]  # the same global draw on every rank
-        t0 = time.perf_counter()
-        with autocast(ctx.device):
-            trajs = rollout(
-                run.loop, run.generator, run.retriever, [run.examples[i] for i in indices], run.sampling, n=algo.n,
-                budget=rollout_budget(recipe),
-            )
-        t1 = time.perf_counter()
-        results = guarded_rewards(run.reward_fn, trajs, run.services)
-        out.t_rollout += t1 - t0
-        out.t_reward += time.perf_counter() - t1
-        for t, r in zip(trajs, results, strict=True):
-            t.rewards = {"total": r.total, **r.components}
-            t.sampling_round = out.rounds
-        round_scores = torch.tensor([r.total for r in results], dtype=torch.float32)
-        out.trajs_all += trajs
-        out.all_rewards += round_scores.tolist()
-        last_round = (list(trajs), round_scores.tolist())
-        if algo.dynamic_sampling:
-            keep = filter_groups(round_scores, dense_group_ids(trajs))
-            trajs = [t for t, k in zip(trajs, keep.tolist(), strict=True) if k]
-            round_scores = round_scores[keep]
-        out.trajs += trajs
-        out.scores += round_scores.tolist()
-        if not algo.dynamic_sampling:
-            break
-        short = torch.tensor([float(len(out.trajs) < target)])
-        if ctx.all_reduce_sum(short).item() == 0:
-            break
-    if not out.trajs:
-        # every group stayed uniform: train on the last round (zero group advantages) so all ranks step
-        out.trajs, out.scores = last_round
-    out.trajs, out.scores = out.trajs[:target], out.scores[:target]
-    return out
 
 
 def update(run: Run, batch: StepBatch) -> dict[str, list[float]]:
