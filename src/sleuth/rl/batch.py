@@ -18,6 +18,8 @@ from torch import nn
 from sleuth.agent.trajectory import Trajectory
 from sleuth.rl import advantages as adv_fns
 from sleuth.rl import losses as loss_fns
+from sleuth.rl.config import Recipe
+from sleuth.rl.dist import unwrap
 from sleuth.rl.models import ValueModel, autocast
 from sleuth.rl.sampling import overlong_mask
 
@@ -233,6 +235,22 @@ class ForwardPlan:
 
     def split(self, batch: TokenBatch) -> list[torch.Tensor]:
         return micro_batches(batch.row_lengths().cpu(), self.max_rows, self.max_tokens, self.packed)
+
+
+def forward_plan(recipe: Recipe, model: nn.Module) -> ForwardPlan:
+    """The update's micro-batches: `algorithm.micro_batch_size` rows and, when set, `micro_batch_tokens`
+    tokens; packed where the model's attention honours packed position ids (transformers' causal mask builds
+    a block-diagonal mask from them, flash attention takes cu_seqlens), else padded."""
+    algo, packing = recipe.algorithm, recipe.model.packing
+    packed = packing == "packed" or (packing == "auto" and supports_packing(unwrap(model)))
+    return ForwardPlan(algo.micro_batch_size, algo.micro_batch_tokens, packed)
+
+
+def supports_packing(model: nn.Module) -> bool:
+    """A transformers causal LM whose attention is one of the implementations that read packed position ids."""
+    config = getattr(model, "config", None)
+    impl = getattr(config, "_attn_implementation", None)
+    return impl in ("sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention")
 
 
 @torch.no_grad()

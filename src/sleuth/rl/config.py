@@ -43,7 +43,12 @@ class ModelConfig(_Strict):
     policy: str = "smollm2-135m-instruct"  # alias, hub name or local directory
     dtype: Literal["auto", "float32", "bfloat16", "float16", "float64"] = "auto"  # float64: numerical checks
     lora: LoraConfig = Field(default_factory=LoraConfig)
-    gradient_checkpointing: bool = False
+    # activation checkpointing: True = "full", False = "off"; "selective" checkpoints half the layers; "auto"
+    # picks off/selective/full from the measured free memory and the micro-batch's tokens (sleuth.rl.memory_plan)
+    gradient_checkpointing: bool | Literal["auto", "off", "selective", "full"] = False
+    # the update's forward: "packed" (padding-free rows with per-row position ids), "padded", or "auto" (packed
+    # where the model's attention reads packed position ids: transformers' sdpa/eager/flash/flex)
+    packing: Literal["auto", "packed", "padded"] = "auto"
     device: str | None = None  # None: cuda if available else cpu (under torchrun: this rank's GPU)
     # Under torchrun: "ddp" keeps a full replica per rank (LoRA on a 7B model fits an 80 GB card);
     # "fsdp" shards parameters, gradients and optimizer state over ranks (FSDP2 fully_shard).
@@ -146,6 +151,9 @@ class AlgorithmConfig(_Strict):
     ppo_epochs: int = Field(1, ge=1)
     minibatch_size: int = Field(16, ge=1)  # trajectories per optimizer step
     micro_batch_size: int = Field(4, ge=1)  # trajectories per forward/backward
+    # tokens per forward/backward (prompt + response of every row, or rows x longest when padded); None: rows
+    # only. A row longer than the budget goes alone
+    micro_batch_tokens: int | None = Field(None, ge=1)
     clip_low: float = Field(0.2, gt=0.0)
     clip_high: float = Field(0.2, gt=0.0)
     # Dual-clip PPO (verl's `clip_ratio_c`): a negative-advantage token's loss is capped at -A * c.

@@ -77,7 +77,7 @@ GuardConfig = Annotated[ThresholdGuard | DropGuard | ValidationGuard | CountGuar
 
 def default_guards() -> list[GuardConfig]:
     """Warnings for the collapses users report (entropy, searching stops, reward falls, malformed actions,
-    validation falls) and a stop for a run whose updates keep being skipped; thresholds checked against the
+    validation falls, rollouts decoding other weights than the trainer's) and a stop for a run whose updates keep being skipped; thresholds checked against the
     committed learning runs (tests/test_rl_guards.py: no alarm there, an alarm on a collapse)."""
     return [
         ThresholdGuard(name="entropy_collapse", kind="below", metric="actor/entropy", value=0.02, steps=5),
@@ -85,6 +85,10 @@ def default_guards() -> list[GuardConfig]:
         ThresholdGuard(name="invalid_actions", kind="above", metric="health/invalid_action", value=0.5, steps=5),
         DropGuard(name="reward_collapse", kind="drop", window=5, by_noise=4.0),
         ValidationGuard(name="validation_drop", kind="validation_drop"),
+        # rollouts that did not decode with the trainer's weights (e.g. LoRA adapters never merged into the
+        # rollout copy): healthy runs stay near 1e-2 (bf16 decoding) or far below (float32), sleuth.rl.agreement
+        ThresholdGuard(name="rollout_mismatch", kind="above", metric="rollout/logprob_diff_mean", value=0.1,
+                       steps=2),
         CountGuard(name="nonfinite_updates", kind="count", metric="health/nonfinite_skips", value=5, steps=10,
                    action="stop"),
     ]

@@ -16,6 +16,7 @@ from sleuth.llm.registry import resolve_model_path
 from sleuth.llm.special_tokens import peft_deprecation_silenced
 from sleuth.rl.config import Recipe
 from sleuth.rl.dist import unwrap
+from sleuth.rl.memory_plan import apply_checkpointing
 
 
 class ValueModel(nn.Module):
@@ -55,9 +56,7 @@ def load_policy(recipe: Recipe, device: torch.device, adapter_dir: Path | None =
     # KV cache) while peft keeps the trained adapters in fp32.
     dtype = master_dtype(recipe, device)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
-    if recipe.model.gradient_checkpointing:
-        model.gradient_checkpointing_enable()
-        model.config.use_cache = False
+    apply_checkpointing(recipe, model, device)  # off, selective or full; "auto" from the free memory
     if recipe.model.lora.enabled:
         # deferred: heavy, and only LoRA models need it
         from peft import LoraConfig, PeftModel, get_peft_model
@@ -83,6 +82,7 @@ def load_policy(recipe: Recipe, device: torch.device, adapter_dir: Path | None =
                 )
     elif adapter_dir is not None:
         model = AutoModelForCausalLM.from_pretrained(adapter_dir, dtype=dtype).to(device)
+        apply_checkpointing(recipe, model, device)  # the reloaded weights are a new module
     return tokenizer, model, path
 
 

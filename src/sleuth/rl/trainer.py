@@ -15,7 +15,7 @@ import logging
 import math
 import shutil
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +28,9 @@ from sleuth.agent.trajectory import Trajectory, write_trajectories
 from sleuth.rewards.base import failed_trajectories
 from sleuth.rl import advantages as adv_fns
 from sleuth.rl import losses as loss_fns
+from sleuth.rl.agreement import rollout_agreement
 from sleuth.rl.batch import (
+    ForwardPlan,
     TokenBatch,
     batched_logprobs,
     batched_values,
@@ -36,6 +38,7 @@ from sleuth.rl.batch import (
     collate,
     critic_values,
     forward_logprobs,
+    forward_plan,
     reference_logprobs,
     to_device,
 )
@@ -51,6 +54,7 @@ from sleuth.rl.dist import (
 from sleuth.rl.guard_actions import act_on_guards, final_message, record_step, start_guards
 from sleuth.rl.health import health_metrics
 from sleuth.rl.interrupts import sigterm_received, stop_reason
+from sleuth.rl.memory_plan import update_plan_metrics
 from sleuth.rl.models import autocast, dtype_of, release_rollout_memory, sync_rollout_weights
 from sleuth.rl.rollouts import Collected, collect_or_stop
 from sleuth.rl.run import Run, save, setup
@@ -104,6 +108,10 @@ class StepBatch:
     old_values: torch.Tensor | None = None
     kl: torch.Tensor | None = None  # per-token KL(old || ref) for the log
     debug_path: Path | None = None
+    plan: ForwardPlan = field(default_factory=lambda: ForwardPlan(1))  # micro-batches: rows, tokens, packed
+    # the trainer's log-probs under the weights that rolled out (the old ones, or filled by the on-policy
+    # update's own forward), set beside the rollout's for the agreement metric
+    policy_logprobs: torch.Tensor | None = None
 
 
 def _train(recipe: Recipe, *, resume: bool = False, console: Any = None) -> dict[str, Any]:
@@ -211,19 +219,19 @@ def make_batch(run: Run, trajs: list[Trajectory], scores: list[float]) -> StepBa
     """Token tensors, the no-grad passes the update needs, token rewards (KL penalty) and advantages."""
     recipe, algo, device = run.recipe, run.recipe.algorithm, run.ctx.device
     tokens = collate(trajs, run.tokenizer.pad_token_id, drop_truncated=algo.overlong_filter)
-    micro, temperature, kl_coef = algo.micro_batch_size, recipe.sampling.temperature, algo.kl.coef
+    plan, temperature, kl_coef = forward_plan(recipe, run.policy), recipe.sampling.temperature, algo.kl.coef
     # One update over the whole batch is on-policy: the old log-probs are the ones the update's own
     # forward computes, so the extra no-grad pass is skipped (unless a KL reward penalty needs them).
     on_policy = algo.ppo_epochs == 1 and run.local_minibatch >= len(trajs)
     needs_old = not on_policy or (kl_coef > 0 and algo.kl.mode == "penalty")
-    old_logprobs = batched_logprobs(run.policy, tokens, temperature, micro, device) if needs_old else None
+    old_logprobs = batched_logprobs(run.policy, tokens, temperature, plan, device) if needs_old else None
     ref_logprobs = None
     if kl_coef > 0:
         if run.reference is not None:
-            ref_logprobs = reference_logprobs(run.reference, tokens, temperature, micro, device)
+            ref_logprobs = reference_logprobs(run.reference, tokens, temperature, plan, device)
         else:
             with unwrap(run.policy).disable_adapter():  # LoRA: the base model is the reference
-                ref_logprobs = batched_logprobs(run.policy, tokens, temperature, micro, device)
+                ref_logprobs = batched_logprobs(run.policy, tokens, temperature, plan, device)
     mask = tokens.action_mask
     score_t = torch.tensor(scores, dtype=torch.promote_types(dtype_of(run.policy), torch.float32))
     token_rewards = token_rewards_of(trajs, score_t, mask)
@@ -237,9 +245,11 @@ def make_batch(run: Run, trajs: list[Trajectory], scores: list[float]) -> StepBa
     old_values = None
     if run.critic is not None:
         run.critic.eval()
-        old_values = batched_values(run.critic, tokens, micro, device)
+        old_values = batched_values(run.critic, tokens, algo.micro_batch_size, device)
     advantages, returns = estimate_advantages(run, token_rewards, mask, old_values, trajs)
-    return StepBatch(trajs, scores, tokens, advantages, returns, old_logprobs, ref_logprobs, old_values, kl)
+    policy_logprobs = old_logprobs if old_logprobs is not None else torch.zeros(mask.shape)
+    return StepBatch(trajs, scores, tokens, advantages, returns, old_logprobs, ref_logprobs, old_values, kl,
+                     plan=plan, policy_logprobs=policy_logprobs)
 
 
 def _adapt_kl_coef(run: Run, kl: torch.Tensor, mask: torch.Tensor) -> None:
@@ -285,6 +295,8 @@ def _log_step(run: Run, step: int, stage: int, collected: Collected, batch: Step
         "time/step": time.perf_counter() - times["start"],
         "tokens/policy_per_s": float(mask.sum()) / max(collected.t_rollout, 1e-9),
         **machinery_metrics(run),
+        **rollout_agreement(batch.trajs, mask, batch.policy_logprobs),  # LoRA weights that never reached rollouts
+        **update_plan_metrics(run.policy, batch.plan),
     })
     failed = failed_trajectories(collected.trajs_all)
     metrics["rollout/errors"] = float(len(failed))
@@ -320,7 +332,9 @@ def update(run: Run, batch: StepBatch) -> dict[str, list[float]]:
                       "num_seqs": counts[1].item() / ctx.world_size}
             for o in run.optimizers.values():
                 o.zero_grad(set_to_none=True)
-            micro_slices = list(chunks(len(mb_idx), algo.micro_batch_size))
+            # micro-batches by rows and tokens (ForwardPlan): positions within the minibatch
+            micro_slices = batch.plan.split(batch.tokens.index(mb_idx))
+            add_stat(stats, "update/micro_batches", float(len(micro_slices)))
             # losses are summed over micro-batches: each is normalised by the minibatch totals, so the
             # sum is this rank's share of the minibatch loss (averaged over ranks when logged)
             mb_losses: dict[str, float] = {}
@@ -341,8 +355,14 @@ def _micro_step(run: Run, batch: StepBatch, idx: torch.Tensor, totals: dict[str,
     mi = to_device(batch.tokens.index(idx), device)
     m = mi.action_mask
     with _maybe_no_sync(run.policy, sync), autocast(device):
-        logprobs, entropy = forward_logprobs(run.policy, mi, run.recipe.sampling.temperature, with_entropy=True)
-        old = logprobs.detach() if batch.old_logprobs is None else batch.old_logprobs[idx].to(device)
+        logprobs, entropy = forward_logprobs(run.policy, mi, run.recipe.sampling.temperature, with_entropy=True,
+                                             packed=batch.plan.packed)
+        if batch.old_logprobs is None:  # one on-policy epoch: the ratio's old side is this forward, detached
+            old = logprobs.detach()
+            if batch.policy_logprobs is not None:
+                batch.policy_logprobs[idx] = old.to(batch.policy_logprobs)
+        else:
+            old = batch.old_logprobs[idx].to(device)
         agg = loss_fns.LossAgg(algo.loss_agg, **totals)
         clip = loss_fns.PolicyClip(algo.clip_low, algo.clip_high, algo.clip_ratio_c)
         pg_loss, pg_stats = loss_fns.get_policy_loss(algo.policy_loss)(
