@@ -101,7 +101,8 @@ def apply_checkpointing(recipe: Recipe, model: nn.Module, device: torch.device) 
         plan = CheckpointPlan(mode, k, layers, need, None)
     model.checkpoint_plan = plan  # read back for the run's metrics (`checkpoint_plan_of`)
     if plan.layers:
-        model.gradient_checkpointing_enable()
+        # transformers 5 renamed it (the old name warns); older versions have only the old one
+        (getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable)()
         model.config.use_cache = False
         chosen = {round(i * layers / plan.layers) for i in range(plan.layers)}
         for index, layer in enumerate(_decoder_layers(model)):
