@@ -162,3 +162,11 @@ def test_fused_ratio_equals_the_separate_old_logprob_pass(model) -> None:
     assert s1["clipfrac"] == s2["clipfrac"] == 0.0 and abs(s2["ratio_mean"] - 1.0) < 1e-12
     for a, b in zip(g1, g2, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-13)
+
+
+def test_padded_split_groups_rows_of_similar_length() -> None:
+    trajs = [_traj([1] * p, [2] * 3, [1, 1, 1]) for p in (2, 30, 3, 28)]
+    batch = collate(trajs, pad_id=0)
+    padded = ForwardPlan(2, packed=False).split(batch)
+    assert sorted(sorted(p.tolist()) for p in padded) == [[0, 2], [1, 3]]  # long with long, short with short
+    assert [p.tolist() for p in ForwardPlan(2, packed=True).split(batch)] == [[0, 1], [2, 3]]  # no padding: in order

@@ -234,23 +234,30 @@ class ForwardPlan:
     packed: bool = False
 
     def split(self, batch: TokenBatch) -> list[torch.Tensor]:
-        return micro_batches(batch.row_lengths().cpu(), self.max_rows, self.max_tokens, self.packed)
+        """Row indices of each micro-batch. Padded rows go longest first, so rows of similar length share a
+        micro-batch and little goes to padding (any split gives the same gradient: the loss is normalised by
+        the minibatch's totals)."""
+        lengths = batch.row_lengths().cpu()
+        order = torch.arange(len(lengths)) if self.packed else torch.argsort(lengths, descending=True, stable=True)
+        return [order[idx] for idx in micro_batches(lengths[order], self.max_rows, self.max_tokens, self.packed)]
 
 
 def forward_plan(recipe: Recipe, model: nn.Module) -> ForwardPlan:
     """The update's micro-batches: `algorithm.micro_batch_size` rows and, when set, `micro_batch_tokens`
-    tokens; packed where the model's attention honours packed position ids (transformers' causal mask builds
-    a block-diagonal mask from them, flash attention takes cu_seqlens), else padded."""
+    tokens; packed (`model.packing`) where the attention runs packed rows without a dense mask, else padded."""
     algo, packing = recipe.algorithm, recipe.model.packing
     packed = packing == "packed" or (packing == "auto" and supports_packing(unwrap(model)))
     return ForwardPlan(algo.micro_batch_size, algo.micro_batch_tokens, packed)
 
 
 def supports_packing(model: nn.Module) -> bool:
-    """A transformers causal LM whose attention is one of the implementations that read packed position ids."""
+    """A transformers model whose attention runs packed rows without a dense mask: flash attention (cu_seqlens
+    from the position ids) or flex attention (a block mask that skips cross-row blocks). SDPA and eager would get
+    a dense (T, T) block-diagonal mask over the whole micro-batch: correct, but attention then computes (and on
+    the CPU's math kernel stores, per layer) every cross-row pair, more than the padded rows cost."""
     config = getattr(model, "config", None)
     impl = getattr(config, "_attn_implementation", None)
-    return impl in ("sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention")
+    return impl in ("flash_attention_2", "flash_attention_3", "flex_attention")
 
 
 @torch.no_grad()

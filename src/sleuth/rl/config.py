@@ -47,7 +47,7 @@ class ModelConfig(_Strict):
     # picks off/selective/full from the measured free memory and the micro-batch's tokens (sleuth.rl.memory_plan)
     gradient_checkpointing: bool | Literal["auto", "off", "selective", "full"] = False
     # the update's forward: "packed" (padding-free rows with per-row position ids), "padded", or "auto" (packed
-    # where the model's attention reads packed position ids: transformers' sdpa/eager/flash/flex)
+    # where attention runs packed rows without a dense mask: flash or flex attention; sleuth.rl.batch)
     packing: Literal["auto", "packed", "padded"] = "auto"
     device: str | None = None  # None: cuda if available else cpu (under torchrun: this rank's GPU)
     # Under torchrun: "ddp" keeps a full replica per rank (LoRA on a 7B model fits an 80 GB card);
