@@ -42,6 +42,12 @@ import scale_step  # noqa: E402
 import train_step  # noqa: E402
 
 PAPER_PROMPTS, PAPER_N, PAPER_STEPS = 512, 5, 1000
+# Search-R1's trained (late) trajectory: 2-3 turns, ~118 generated tokens (48 a turn over 2.5 turns on average),
+# ~690 passage tokens (460 per search over 1.5 searches on average); the prompt is the real template + question
+SHAPES: dict[str, dict[str, Any]] = {
+    "full": {},
+    "search-r1-late": {"turns": 3, "new_tokens": 48, "max_obs_tokens": 460, "turns_drawn": [2, 3]},
+}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -57,7 +63,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prompts-per-gpu", type=int, default=None,
                    help="weak scaling: each configuration takes this many prompts per GPU (x n trajectories), so "
                         "every GPU decodes the same batch whatever the count (default: --prompts for all, strong scaling)")
-    p.add_argument("--gradient-checkpointing", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--gradient-checkpointing", default="true", choices=("true", "false", "auto", "selective", "full"),
+                   help="model.gradient_checkpointing (auto: chosen from the free memory and the token budget)")
+    p.add_argument("--micro-tokens", type=int, default=None, help="algorithm.micro_batch_tokens (a token budget)")
+    p.add_argument("--shape", default="full", choices=tuple(SHAPES),
+                   help="full: every turn runs its whole budget (an upper bound); search-r1-late: Search-R1's "
+                        "late-training trajectory (~154 prompt + ~118 generated + ~690 passage tokens, 2-3 turns, "
+                        "the turn count drawn per trajectory), to set beside the peers' published step times")
     p.add_argument("--decoding", default="auto", choices=("auto", "engine", "static", "dynamic"))
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=int, default=1500, help="seconds allowed per configuration")
@@ -69,6 +81,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--train", default=None,
                    help="questions file (jsonl) for the prompts and scripted queries, e.g. the served index's world")
     args = p.parse_args(argv)
+    shape = {k: v for k, v in SHAPES[args.shape].items() if k != "turns_drawn"}
+    vars(args).update(shape)  # the shape sets turns, new tokens per turn and the observation cap
     _common.require_positive(args, "prompts", "n", "turns", "new_tokens", "steps", "micro")
     if args.prompts_per_gpu is not None:
         _common.require_positive(args, "prompts_per_gpu")
@@ -89,7 +103,13 @@ def recipe_for(args: argparse.Namespace, shared: dict[str, Any], out_dir: Path, 
                                      else args.decoding, compiled=None, parallel=args.parallel)
     recipe["agent"]["loop"] = "search_r1_rehearsal"
     recipe["plugins"] = ["sleuth_rehearsal"]
-    recipe["model"]["gradient_checkpointing"] = args.gradient_checkpointing
+    recipe["model"]["gradient_checkpointing"] = {"true": True, "false": False}.get(args.gradient_checkpointing,
+                                                                                  args.gradient_checkpointing)
+    if args.micro_tokens is not None:
+        recipe["algorithm"]["micro_batch_tokens"] = args.micro_tokens
+    drawn = SHAPES[args.shape].get("turns_drawn")
+    if drawn:
+        recipe["agent"].setdefault("options", {})["turns_drawn"] = drawn
     if args.retriever_url:
         recipe["retriever"] = {"url": args.retriever_url}
     if args.train:
@@ -124,6 +144,15 @@ def summarise(args: argparse.Namespace, lines: list[dict[str, Any]], gpus: int) 
         "policy_tokens_per_trajectory": mean("response_length/policy_tokens"),
         "tokens_per_trajectory": mean("response_length/total_tokens"),
         "retrievals_per_trajectory": mean("retrieval_count"),
+        # how the update ran and whether rollouts decoded the trainer's weights (issue 43)
+        "checkpointed_layers": mean("memory/checkpointed_layers"), "update_packed": mean("update/packed"),
+        "micro_batches_per_minibatch": mean("update/micro_batches"),
+        "rollout_logprob_diff_mean": mean("rollout/logprob_diff_mean"),
+        "rollout_logprob_diff_max": mean("rollout/logprob_diff_max"),
+        # the issue's counter: every token of the rank's trajectories (prompt + response) / the update's seconds
+        # (old/reference log-prob passes included)
+        "update_tokens_per_s_per_gpu": (mean("update/tokens") / mean("time/update")
+                                        if mean("update/tokens") and mean("time/update") else None),
         "peak_allocated_gib_per_gpu": max((m.get("memory/peak_allocated_gib", 0) for m in lines), default=None),
         "device_in_use_gib_per_gpu": max((m.get("memory/device_in_use_gib", 0) for m in lines), default=None),
         "compile_s_total": sum(m.get("time/decode_compile", 0.0) for m in lines),
@@ -150,7 +179,7 @@ def failure_excerpt(lines: list[str]) -> list[str]:
 def run_config(args: argparse.Namespace, shared: dict[str, Any], work: Path, device: str, gpus: int) -> dict:
     args = config_args(args, gpus)
     mode = "lora" if args.lora else "full"
-    name = f"{gpus}x-{args.parallel if gpus > 1 else 'single'}-{mode}"
+    name = f"{gpus}x-{args.parallel if gpus > 1 else 'single'}-{mode}" + ("" if args.shape == "full" else f"-{args.shape}")
     done = work / f"{name}.done.json"
     if done.exists():
         print(f"{name}: measured before, kept ({done})", flush=True)
@@ -159,7 +188,7 @@ def run_config(args: argparse.Namespace, shared: dict[str, Any], work: Path, dev
     recipe = recipe_for(args, shared, out_dir, device, gpus)
     row: dict[str, Any] = {"config": name, "model": args.model, "gpus": gpus, "parallel": args.parallel if gpus > 1
                            else "none", "finetune": mode, "prompts_per_step": args.prompts, "n": args.n,
-                           "scaling": "strong" if args.prompts_per_gpu is None else "weak",
+                           "scaling": "strong" if args.prompts_per_gpu is None else "weak", "shape": args.shape,
                            "turns": args.turns, "new_tokens_per_turn": args.new_tokens,
                            "max_obs_tokens": args.max_obs_tokens, "recipe": recipe}
     code, lines, log_path, wall = scale_step.torchrun_train(recipe, work, name, gpus, args.timeout, [str(BENCH)])
@@ -180,7 +209,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     device = _common.pick_device(args.device)
     env = _common.environment(device)
     scale_step.require_gpus(device, args.gpus)
-    tag = f"{args.model.split(':')[-1]}_{'lora' if args.lora else 'full'}_{args.parallel}"
+    tag = f"{args.model.split(':')[-1]}_{'lora' if args.lora else 'full'}_{args.parallel}" + (
+        "" if args.shape == "full" else f"_{args.shape.replace('-', '_')}")
     out = _common.out_path(args.out, f"paper_scale_{tag}.json")
     work = Path(args.work) if args.work else Path(os.environ.get("TMPDIR", "/tmp")) / f"sleuth-paper-scale-{tag}"
     work.mkdir(parents=True, exist_ok=True)

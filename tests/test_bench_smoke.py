@@ -251,6 +251,23 @@ def test_paper_scale_rehearsal_tiny(tmp_path: Path) -> None:
     assert json.loads(out.read_text())["rows"][0]["wall_s"] == row["wall_s"]
 
 
+def test_paper_scale_search_r1_late_shape_tiny(tmp_path: Path) -> None:
+    """--shape search-r1-late (issue 43 item 7): 2-3 turns drawn per trajectory (ragged across the batch), every
+    turn but the last searching, 48 new tokens a turn; the row carries the shape and the update's counters."""
+    paper = _load("paper_scale")
+    out = tmp_path / "late.json"
+    paper.main(["--model", "tiny", "--device", "cpu", "--gpus", "1", "--prompts", "2", "--n", "4", "--steps", "1",
+                "--micro", "4", "--micro-tokens", "4096", "--passages", "300", "--shape", "search-r1-late",
+                "--work", str(tmp_path / "work"), "--out", str(out)])
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["status"] == "ok", row.get("log_tail")
+    assert row["shape"] == "search-r1-late" and row["turns"] == 3 and row["new_tokens_per_turn"] == 48
+    assert 1.0 < row["retrievals_per_trajectory"] < 2.0  # one or two searches: turn counts differ in the batch
+    assert 96 <= row["policy_tokens_per_trajectory"] <= 144
+    assert row["update_tokens_per_s_per_gpu"] > 0 and row["micro_batches_per_minibatch"] >= 1
+    assert row["recipe"]["algorithm"]["micro_batch_tokens"] == 4096
+
+
 def test_paper_scale_weak_scaling_grows_the_global_batch_with_the_gpus() -> None:
     """--prompts-per-gpu P gives every configuration P prompts per GPU; without it every configuration takes the
     same global --prompts."""

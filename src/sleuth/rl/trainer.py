@@ -321,7 +321,7 @@ def update(run: Run, batch: StepBatch) -> dict[str, list[float]]:
     minibatch's global totals divided by the number of ranks, so DDP's gradient mean equals the
     gradient of one process's loss over the whole minibatch."""
     algo, ctx, mask = run.recipe.algorithm, run.ctx, batch.tokens.action_mask
-    stats: dict[str, list[float]] = {}
+    stats: dict[str, list[float]] = {"update/tokens": [float(batch.tokens.row_lengths().sum())]}  # prompt + response
     n_traj = batch.tokens.input_ids.shape[0]
     for _epoch in range(algo.ppo_epochs):
         perm = torch.randperm(n_traj)
