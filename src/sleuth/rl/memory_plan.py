@@ -10,10 +10,11 @@ only its input (h values) and recomputes the rest in the backward (about a third
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal
 
-import psutil
 import torch
 from torch import nn
 
@@ -66,10 +67,16 @@ def choose_checkpointing(config: Any, tokens: int, free_bytes: float, dtype_byte
 
 
 def free_memory(device: torch.device) -> float:
-    """Bytes free now: the GPU's free memory (other processes' use counted), else the host's available RAM."""
+    """Bytes free now: the GPU's free memory (other processes' use counted), else the host's available RAM
+    (Linux's MemAvailable, which counts reclaimable page cache; elsewhere the free pages)."""
     if device.type == "cuda":
         return float(torch.cuda.mem_get_info(device)[0])
-    return float(psutil.virtual_memory().available)
+    meminfo = Path("/proc/meminfo")
+    if meminfo.is_file():
+        for line in meminfo.read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return float(line.split()[1]) * 1024
+    return float(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
 
 
 def micro_batch_tokens(recipe: Recipe) -> int:
