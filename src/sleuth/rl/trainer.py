@@ -3,9 +3,10 @@
     rollout -> score -> advantages -> update -> log (-> checkpoint) (-> validation on data.dev)
 
 The pieces live one floor down: rollouts and scores (sleuth.rl.rollouts), models (sleuth.rl.models), token
-batches, the policy-token forward and no-grad passes (sleuth.rl.batch), recipe -> retriever/loop/data/reward services (sleuth.rl.setup), step metrics
-(sleuth.rl.step_metrics), validation on data.dev (sleuth.rl.validate), and the pure numerics in the
-registries of sleuth.rl.advantages (estimators) and sleuth.rl.losses (policy losses).
+batches, micro-batch plans, the policy-token forward and no-grad passes (sleuth.rl.batch), activation
+checkpointing (sleuth.rl.memory_plan), recipe -> retriever/loop/data/reward services (sleuth.rl.setup), step
+metrics (sleuth.rl.step_metrics, sleuth.rl.agreement), validation on data.dev (sleuth.rl.validate), and the pure
+numerics in the registries of sleuth.rl.advantages (estimators) and sleuth.rl.losses (policy losses).
 """
 
 from __future__ import annotations
