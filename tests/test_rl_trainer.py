@@ -448,3 +448,28 @@ def test_steps_report_the_rollouts_retrieval_time(small_world: Path, tmp_path: P
     assert sum(r["retrieval/queries"] for r in rows) == sum(calls)
     assert sum(r["time/retrieval"] for r in rows) >= 0.05 * len(calls)
     assert all(0 < r["time/retrieval"] <= r["time/rollout"] for r in rows)
+
+
+def test_packed_token_budget_step_equals_the_padded_step(small_world: Path, tmp_path: Path) -> None:
+    """Issue 43: one GRPO step (float64, seeded sampling, so both runs roll out the same trajectories) with the 8
+    trajectories padded into one micro-batch, and packed under a token budget that splits them: the same losses,
+    gradient norm and entropy. The step also logs the rollout/trainer agreement, ~0 when both decode one model."""
+    from sleuth.rl.trainer import train
+
+    algorithm = {"name": "grpo", "n": 4, "prompts_per_step": 2, "minibatch_size": 8, "micro_batch_size": 8}
+    rows = {}
+    for name, packing, budget in (("padded", "padded", None), ("packed", "packed", 150)):
+        recipe = _recipe(small_world, tmp_path / name, {**algorithm, "micro_batch_tokens": budget}, steps=1)
+        recipe["model"].update(dtype="float64", packing=packing)
+        train(recipe_from_dict(recipe))
+        rows[name] = json.loads((tmp_path / name / "metrics.jsonl").read_text().splitlines()[0])
+    padded, packed = rows["padded"], rows["packed"]
+    assert padded["reward/std"] > 0  # advantages are not all zero: the gradient carries signal
+    assert packed["reward/mean"] == padded["reward/mean"] and packed["update/tokens"] == padded["update/tokens"]
+    assert (padded["update/packed"], packed["update/packed"]) == (0.0, 1.0)
+    assert padded["update/micro_batches"] == 1 and packed["update/micro_batches"] > 1
+    for key in ("actor/pg_loss", "actor/grad_norm", "actor/entropy"):
+        assert packed[key] == pytest.approx(padded[key], rel=1e-9, abs=1e-12), key
+    assert padded["actor/grad_norm"] > 0
+    for row in rows.values():
+        assert row["rollout/logprob_diff_tokens"] > 0 and row["rollout/logprob_diff_mean"] < 1e-6
