@@ -27,6 +27,8 @@ def _recipe(**overrides):
 def test_per_token_activations_by_hand() -> None:
     full, kept = memory_plan.activation_bytes_per_token(QWEN3B, dtype_bytes=2)
     assert full == (8 * 2048 + 2 * 256 + 4 * 11008) * 2 and kept == 2048 * 2
+    # kernels that store attention probabilities (the CPU's) add 2 x heads x row length values a token
+    assert memory_plan.activation_bytes_per_token(QWEN3B, 2, score_len=1000)[0] == full + 2 * 16 * 1000 * 2
 
 
 @pytest.mark.parametrize(("free_gib", "mode", "layers"), [(200.0, "off", 0), (40.0, "selective", 27), (2.0, "full", 36)])

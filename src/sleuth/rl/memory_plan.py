@@ -42,21 +42,24 @@ class CheckpointPlan:
         return self.layers / max(self.total_layers, 1)
 
 
-def activation_bytes_per_token(config: Any, dtype_bytes: int) -> tuple[int, int]:
-    """(bytes one layer keeps per token without checkpointing, with it): see the module's docstring."""
+def activation_bytes_per_token(config: Any, dtype_bytes: int, score_len: int = 0) -> tuple[int, int]:
+    """(bytes one layer keeps per token without checkpointing, with it): see the module's docstring.
+    `score_len`: the row length when attention stores its probabilities (the CPU's kernels: 2 x heads x row length
+    values a token, which the measurement in docs/scaling.md needed), 0 under a fused GPU kernel."""
     h = config.hidden_size
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or h // heads
     kv = (getattr(config, "num_key_value_heads", None) or heads) * head_dim
     inter = getattr(config, "intermediate_size", 4 * h)
-    return (8 * h + 2 * kv + 4 * inter) * dtype_bytes, h * dtype_bytes
+    return (8 * h + 2 * kv + 4 * inter + 2 * heads * score_len) * dtype_bytes, h * dtype_bytes
 
 
-def choose_checkpointing(config: Any, tokens: int, free_bytes: float, dtype_bytes: int) -> CheckpointPlan:
+def choose_checkpointing(config: Any, tokens: int, free_bytes: float, dtype_bytes: int,
+                         score_len: int = 0) -> CheckpointPlan:
     """Off when every layer's activations for `tokens` fit ACTIVATION_SHARE of the free memory; else the
     fewest layers checkpointed that make them fit (selective); all of them when even that does not (full)."""
     layers = config.num_hidden_layers
-    full, kept = activation_bytes_per_token(config, dtype_bytes)
+    full, kept = activation_bytes_per_token(config, dtype_bytes, score_len)
     budget = ACTIVATION_SHARE * free_bytes
     for k in range(layers + 1):
         need = tokens * ((layers - k) * full + k * kept)
@@ -79,13 +82,18 @@ def free_memory(device: torch.device) -> float:
     return float(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
 
 
+def row_tokens(recipe: Recipe) -> int:
+    """The longest row the update is planned for: a prompt guess + the response limit."""
+    return PROMPT_TOKENS_GUESS + recipe.agent.max_response_tokens
+
+
 def micro_batch_tokens(recipe: Recipe) -> int:
     """The most tokens one micro-batch's forward holds: the token budget, else rows x (a prompt guess + the
     response limit)."""
     algo = recipe.algorithm
     if algo.micro_batch_tokens is not None:
         return algo.micro_batch_tokens
-    return algo.micro_batch_size * (PROMPT_TOKENS_GUESS + recipe.agent.max_response_tokens)
+    return algo.micro_batch_size * row_tokens(recipe)
 
 
 def apply_checkpointing(recipe: Recipe, model: nn.Module, device: torch.device) -> CheckpointPlan:
@@ -95,16 +103,18 @@ def apply_checkpointing(recipe: Recipe, model: nn.Module, device: torch.device) 
     config = model.config
     dtype_bytes = 2 if device.type == "cuda" else next(model.parameters()).element_size()
     layers = config.num_hidden_layers
+    tokens = micro_batch_tokens(recipe)
+    score_len = 0 if device.type == "cuda" else min(tokens, row_tokens(recipe))
     if setting == "auto":
         # full fine-tuning adds Adam's two fp32 moments (and fp32 gradients) after this measurement
         trainable = 0 if recipe.model.lora.enabled else sum(p.numel() for p in model.parameters())
         free = max(free_memory(device) - 12 * trainable, 0.0)
-        plan = choose_checkpointing(config, micro_batch_tokens(recipe), free, dtype_bytes)
+        plan = choose_checkpointing(config, tokens, free, dtype_bytes, score_len)
     else:
         mode: CheckpointMode = {True: "full", False: "off"}.get(setting, setting)  # type: ignore[arg-type]
         k = {"off": 0, "full": layers}.get(mode, layers // 2)
-        full, kept = activation_bytes_per_token(config, dtype_bytes)
-        need = micro_batch_tokens(recipe) * ((layers - k) * full + k * kept) / 2**30
+        full, kept = activation_bytes_per_token(config, dtype_bytes, score_len)
+        need = tokens * ((layers - k) * full + k * kept) / 2**30
         plan = CheckpointPlan(mode, k, layers, need, None)
     model.checkpoint_plan = plan  # read back for the run's metrics (`checkpoint_plan_of`)
     if plan.layers:
