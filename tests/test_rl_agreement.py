@@ -73,10 +73,10 @@ def test_agreement_flags_adapters_that_did_not_reach_the_rollout_generator(lora_
     assert metrics["rollout/logprob_diff_mean"] > 0.1
     monitor = GuardMonitor(default_guards())
     fired = []
-    for step in (1, 2):
+    for step in (1, 2, 3):
         monitor.record(step, metrics)
         fired += [e.guard for e in monitor.check(step)]
-    assert fired == ["rollout_mismatch"]
+    assert fired == ["rollout_mismatch"]  # after 3 steps past 0.1
 
 
 def test_agreement_skips_trajectories_without_log_probs() -> None:

@@ -88,7 +88,7 @@ def default_guards() -> list[GuardConfig]:
         # rollouts that did not decode with the trainer's weights (e.g. LoRA adapters never merged into the
         # rollout copy): healthy runs stay near 1e-2 (bf16 decoding) or far below (float32), sleuth.rl.agreement
         ThresholdGuard(name="rollout_mismatch", kind="above", metric="rollout/logprob_diff_mean", value=0.1,
-                       steps=2),
+                       steps=3),
         CountGuard(name="nonfinite_updates", kind="count", metric="health/nonfinite_skips", value=5, steps=10,
                    action="stop"),
     ]
