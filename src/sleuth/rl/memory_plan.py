@@ -6,6 +6,7 @@ layer with SwiGLU and a fused attention kernel that stores no score matrix): the
 MLP, q/k/v, the attention output, the residuals, and the MLP's gate, up, activation and product, about
 `8 h + 2 kv + 4 I` values (h hidden, kv the key/value width, I the MLP width). Under checkpointing a layer keeps
 only its input (h values) and recomputes the rest in the backward (about a third more compute for that layer).
+Attention kernels that store their probabilities (the CPU's) keep 2 x heads x row length values a token more.
 """
 
 from __future__ import annotations
