@@ -10,7 +10,7 @@ import torch
 
 from sleuth.agent.trajectory import Trajectory
 from sleuth.errors import ConfigError
-from sleuth.rl.batch import collate, critic_values, forward_logprobs
+from sleuth.rl.batch import collate, critic_values, forward_logprobs, token_rewards
 from sleuth.rl.models import ValueModel
 
 
@@ -44,6 +44,19 @@ def test_collate_layout_by_hand() -> None:
     truncated = _traj([5], [8], [1])
     truncated.finish_reason = "length"
     assert collate([truncated], pad_id=0, drop_truncated=True).action_mask.tolist() == [[0.0]]
+
+
+def test_a_response_the_overlong_filter_dropped_gets_no_reward_tokens() -> None:
+    """DAPO's overlong filter (recipes/staged.yaml) drops a truncated response's tokens: its reward goes nowhere,
+    the other rows get theirs on their last policy token; a row empty for any other reason is still refused."""
+    kept, truncated = _traj([5], [8, 9], [1, 1]), _traj([5], [8, 9, 10], [1, 1, 1])
+    truncated.finish_reason = "length"
+    batch = collate([kept, truncated], pad_id=0, drop_truncated=True)
+    rewards = token_rewards([kept, truncated], torch.tensor([0.5, -1.0]), batch.action_mask)
+    assert rewards.tolist() == [[0.0, 0.5, 0.0], [0.0, 0.0, 0.0]]
+    empty = _traj([5], [8], [0])  # ended normally, yet no policy token
+    with pytest.raises(ValueError, match="have no policy token"):
+        token_rewards([kept, empty], torch.tensor([0.5, 1.0]), collate([kept, empty], pad_id=0).action_mask)
 
 
 def test_batched_logprobs_and_values_equal_single_sequences(tiny) -> None:

@@ -81,7 +81,18 @@ def collate(trajs: list[Trajectory], pad_id: int, drop_truncated: bool = False) 
 
 def token_rewards(trajs: list[Trajectory], scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """(B, R) rewards: each score on its row's last policy token and each trajectory's `turn_rewards` on the
-    last token of its policy turns (outcome-only rewards give exactly `outcome_to_token_rewards`)."""
+    last token of its policy turns (outcome-only rewards give exactly `outcome_to_token_rewards`).
+
+    A truncated response that DAPO's overlong filter dropped (`collate(drop_truncated=True)`: no policy token left
+    in its mask) gets no reward tokens: nothing of it is trained, as the filter means. Any other row without a
+    policy token is still an error (its reward would be lost silently)."""
+    dropped = ~(mask > 0).any(dim=-1) & ~overlong_mask([t.finish_reason for t in trajs])
+    if dropped.any():
+        kept = (~dropped).nonzero()[:, 0].tolist()
+        out = torch.zeros(mask.shape, dtype=scores.dtype, device=mask.device)
+        if kept:
+            out[kept] = token_rewards([trajs[i] for i in kept], scores[kept], mask[kept])
+        return out
     if not any(t.turn_rewards for t in trajs):
         return adv_fns.outcome_to_token_rewards(scores, mask)
     return adv_fns.turn_token_rewards(scores, mask, [t.policy_turn_ends() for t in trajs],
