@@ -17,3 +17,13 @@ def small_world(tmp_path_factory: pytest.TempPathFactory) -> Path:
     write_world(generate_world(300, 60, hops=(1, 2), seed=0), out)
     build_index(out / "corpus.jsonl", "bm25", out / "bm25")
     return out
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer(tmp_path_factory: pytest.TempPathFactory):
+    """The tiny test model's tokenizer (built once a worker)."""
+    from transformers import AutoTokenizer
+
+    from sleuth.llm.tiny import build_tiny_model
+
+    return AutoTokenizer.from_pretrained(build_tiny_model(tmp_path_factory.mktemp("tiny")))

@@ -29,12 +29,8 @@ def ss():
 
 
 @pytest.fixture(scope="module")
-def tok(tmp_path_factory):
-    from transformers import AutoTokenizer
-
-    from sleuth.llm.tiny import build_tiny_model
-
-    return AutoTokenizer.from_pretrained(build_tiny_model(tmp_path_factory.mktemp("tiny")))
+def tok(tiny_tokenizer):
+    return tiny_tokenizer
 
 
 def test_tfidf_cosine_by_hand_and_as_scikit_learn(ss) -> None:

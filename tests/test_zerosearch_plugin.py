@@ -31,12 +31,8 @@ def zs():
 
 
 @pytest.fixture(scope="module")
-def tok(tmp_path_factory):
-    from transformers import AutoTokenizer
-
-    from sleuth.llm.tiny import build_tiny_model
-
-    return AutoTokenizer.from_pretrained(build_tiny_model(tmp_path_factory.mktemp("tiny")))
+def tok(tiny_tokenizer):
+    return tiny_tokenizer
 
 
 def test_noise_curriculum_by_hand(zs) -> None:
