@@ -16,10 +16,16 @@ import yaml
 from tiny_recipe import tiny_grpo_recipe
 
 
+def _interruptible() -> None:
+    # a shell starts a background job (`make test &`, CI under nohup) with SIGINT ignored, and Python then never
+    # turns SIGINT into KeyboardInterrupt: the child gets the default back, as a terminal's foreground job has it
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _start(args: list[str]) -> subprocess.Popen:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.Popen([sys.executable, "-m", "sleuth.cli", "train", *args], env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, preexec_fn=_interruptible)
 
 
 def _steps_logged(run: Path) -> int:
