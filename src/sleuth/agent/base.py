@@ -43,6 +43,10 @@ class Observation:
     # False: the body is outside text (documents) whose tag-like text the engine neutralises;
     # True: the loop's own words (feedback messages), inserted as written
     trusted: bool = False
+    # several queries' documents (a multi-query turn): (header, documents) per query in query order, used
+    # instead of `body`; the engine keeps each header whole and shares the token limit fairly among the
+    # documents (`fair_shares`)
+    parts: list[tuple[str, str]] = field(default_factory=list)
 
 
 @dataclass
@@ -92,6 +96,30 @@ def tag_sequence(text: str, names: tuple[str, ...]) -> list[str]:
     return tags.tag_sequence(text, names)
 
 
+QUERY_SEPARATOR = "##"  # ParallelSearch (2508.09303): <search> sub-question 1 ## sub-question 2 </search>
+
+
+def split_queries(content: str, max_queries: int) -> list[str]:
+    """The queries of one `<search>` block: the whole stripped content when `max_queries` is 1 (today's rule),
+    else its `##`-separated parts, stripped, empty ones dropped."""
+    if max_queries <= 1:
+        return [content.strip()]
+    return [q.strip() for q in content.split(QUERY_SEPARATOR) if q.strip()]
+
+
+def fair_shares(lengths: list[int], room: int) -> list[int]:
+    """How many tokens each of several parts keeps when together they may use `room`: a part shorter than an
+    equal share keeps all of it and what it leaves is shared by the others (water-filling), so no query's
+    documents are dropped because an earlier query's were long."""
+    shares = [0] * len(lengths)
+    left = max(room, 0)
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    for j, i in enumerate(order):
+        shares[i] = min(lengths[i], left // (len(order) - j))
+        left -= shares[i]
+    return shares
+
+
 def dedup_hits(hits: list[dict]) -> list[dict]:
     """Drop repeated documents (same id, or same title and text), keeping first occurrences in order."""
     seen: set = set()
@@ -123,6 +151,11 @@ class AgentLoop:
     invalid_action_message: str = ""
     # how many times one turn may be resumed without inserting anything (see StepOutcome.continue_generation)
     max_continuations: int = 0
+    # ParallelSearch: one `<search>` may hold up to this many `##`-separated queries, searched together and
+    # answered in one observation with a header per query; 1 = one query a turn (the whole block)
+    max_queries_per_turn: int = 1
+    # whether `act` honours max_queries_per_turn (the search-or-answer loops: `search_r1.search_or_answer`)
+    multi_query_turns: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
         if self.top_k < 1:
@@ -131,6 +164,11 @@ class AgentLoop:
             raise ConfigError(f"{self.name}: max_turns must be >= 1, got {self.max_turns}")
         if "{question}" not in self.user_template:
             raise ConfigError(f"{self.name}: user_template must contain '{{question}}'")
+        if self.max_queries_per_turn < 1:
+            raise ConfigError(f"{self.name}: max_queries_per_turn must be >= 1, got {self.max_queries_per_turn}")
+        if self.max_queries_per_turn > 1 and not self.multi_query_turns:
+            raise ConfigError(f"{self.name}: max_queries_per_turn > 1 needs a loop whose action reads several "
+                              "queries a turn (the search-or-answer loops); this one does not")
 
     # -- what the loop declares -------------------------------------------------------------
     def stop_strings(self, state: RolloutState) -> list[str]:
@@ -157,8 +195,19 @@ class AgentLoop:
 
     def observe(self, state: RolloutState, outcome: StepOutcome, hits: list[list[Hit]]) -> Observation:
         """The environment's answer to a search: one `<information>` block with every query's documents."""
+        return self.documents_observation(outcome, hits, "\n\n<information>", "</information>\n\n")
+
+    def documents_observation(self, outcome: StepOutcome, hits: list[list[Hit]], prefix: str,
+                              suffix: str) -> Observation:  # fmt: skip
+        """`prefix`, the documents, `suffix`. A multi-query turn (max_queries_per_turn > 1, several queries) gets
+        a "Query i: q" header before each query's documents, in query order; otherwise all documents in one body."""
+        if self.max_queries_per_turn > 1 and len(hits) > 1:
+            pairs = enumerate(zip(outcome.queries, hits, strict=True))
+            parts = [(("\n\n" if i else "") + f"Query {i + 1}: {q}\n", self.format_documents(per_query).strip())
+                     for i, (q, per_query) in pairs]
+            return Observation(prefix, "", suffix, parts=parts)
         flat = [h for per_query in hits for h in per_query]
-        return Observation("\n\n<information>", self.format_documents(flat).strip(), "</information>\n\n")
+        return Observation(prefix, self.format_documents(flat).strip(), suffix)
 
     def feedback(self, state: RolloutState, message: str) -> Observation:
         return Observation("", message, "", trusted=True)

@@ -17,7 +17,7 @@ import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
-from sleuth.agent.base import AgentLoop, Observation, RolloutState, StepOutcome
+from sleuth.agent.base import AgentLoop, Observation, RolloutState, StepOutcome, fair_shares
 from sleuth.agent.trajectory import Trajectory, Turn
 from sleuth.data.formats import QAExample
 from sleuth.errors import ConfigError
@@ -235,12 +235,15 @@ class _Engine:
 
         An untrusted body (documents) has its tag-like text neutralised first, so a passage can never
         open, close or fake a block of the policy's protocol (e.g. close `<information>` early)."""
-        body_text = obs.body if obs.trusted else neutralise_tags(obs.body)
-        pre, body, suf = (encode_text(self.tok, x) for x in (obs.prefix, body_text, obs.suffix))
+        pre, suf = encode_text(self.tok, obs.prefix), encode_text(self.tok, obs.suffix)
         room = max(0, self.max_obs_tokens - len(pre) - len(suf))
-        if len(body) > room:
-            state.traj.obs_truncated_tokens += len(body) - room
-            body = body[:room]
+        if obs.parts:
+            body = self._fair_parts(state, obs, room)
+        else:
+            body = encode_text(self.tok, obs.body if obs.trusted else neutralise_tags(obs.body))
+            if len(body) > room:
+                state.traj.obs_truncated_tokens += len(body) - room
+                body = body[:room]
         ids = pre + body + suf
         left = self.response_left(state)
         fits = len(ids) < left
@@ -248,6 +251,25 @@ class _Engine:
         if ids:
             _append(state, ids, [], "env", self.tok.decode(ids))
         return fits
+
+    def _fair_parts(self, state: RolloutState, obs: Observation, room: int) -> list[int]:
+        """A multi-query observation's body within `room` tokens: every header whole, the documents cut by
+        `fair_shares` (each query's documents keep an equal share, a shorter one all of it); if the headers
+        alone do not fit, everything in order cut at `room`."""
+        def enc(text: str) -> list[int]:
+            return encode_text(self.tok, text if obs.trusted else neutralise_tags(text))
+
+        heads = [enc(h) for h, _ in obs.parts]
+        docs = [enc(d) for _, d in obs.parts]
+        total = sum(map(len, heads)) + sum(map(len, docs))
+        head_room = room - sum(map(len, heads))
+        if head_room < 0:
+            body = [t for h, d in zip(heads, docs, strict=True) for t in h + d][:room]
+        else:
+            shares = fair_shares([len(d) for d in docs], head_room)
+            body = [t for h, d, n in zip(heads, docs, shares, strict=True) for t in h + d[:n]]
+        state.traj.obs_truncated_tokens += total - len(body)
+        return body
 
     def finish(self, state: RolloutState, reason: str) -> None:
         state.done = True

@@ -72,6 +72,7 @@ class RSearchLoop(AgentLoop):
     user_template: str = "{question}"
     invalid_action_message: str = R_SEARCH_INVALID_ACTION
     evidence_block: bool = True  # False: the paper's "w/o Evidence" ablation (no <original_evidence> in the rollout)
+    multi_query_turns: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -85,15 +86,14 @@ class RSearchLoop(AgentLoop):
         return ["</search>", "</answer>"]
 
     def act(self, state: RolloutState, text: str) -> StepOutcome:
-        return search_or_answer(state, text, self.invalid_action_message)
+        return search_or_answer(state, text, self.invalid_action_message, max_queries=self.max_queries_per_turn)
 
     def format_documents(self, hits: list[Hit]) -> str:
         # R-Search's public code (src/train/generation.py) writes no "Doc i" before each "(Title: ...)"
         return passages_to_string(hits, numbered=False)
 
     def observe(self, state: RolloutState, outcome: StepOutcome, hits: list[list[Hit]]) -> Observation:
-        flat = [h for per_query in hits for h in per_query]
-        return Observation("\n\n<observation>", self.format_documents(flat).strip(), "</observation>\n\n")
+        return self.documents_observation(outcome, hits, "\n\n<observation>", "</observation>\n\n")
 
     def finalize(self, state: RolloutState) -> None:
         super().finalize(state)

@@ -11,7 +11,7 @@ import random
 from dataclasses import dataclass
 from typing import ClassVar
 
-from sleuth.agent.base import AgentLoop, RolloutState, StepOutcome, count_tag, first_action
+from sleuth.agent.base import AgentLoop, RolloutState, StepOutcome, count_tag, first_action, split_queries
 from sleuth.agent.oracle_plan import Fact, Plan, find_fact, known_from_memory, recall_text, steps_text
 from sleuth.agent.registry import Method, register_method
 from sleuth.data.formats import QAExample
@@ -35,20 +35,25 @@ SEARCH_R1_INVALID_ACTION = (
 
 
 def search_or_answer(
-    state: RolloutState, text: str, invalid_message: str, answer_tag: str = "answer"
+    state: RolloutState, text: str, invalid_message: str, answer_tag: str = "answer", max_queries: int = 1
 ) -> StepOutcome:
-    """The Search-R1 family's action rule: first complete <search> or <answer> block; empty query is invalid."""
+    """The Search-R1 family's action rule: first complete <search> or <answer> block; empty query is invalid.
+    With `max_queries` > 1 the block holds up to that many `##`-separated queries (ParallelSearch); more is an
+    invalid action (`extra["too_many_queries"]` counts such turns)."""
     action = first_action(text, ("search", answer_tag))
     if action is None:
         return StepOutcome(feedback=invalid_message, invalid=True)
     tag, content = action
     if tag == answer_tag:
         return StepOutcome(done=True, finish_reason="answer")
-    query = content.strip()
-    if not query:
+    queries = split_queries(content, max_queries)
+    if not queries or not queries[0]:
         state.traj.extra["empty_queries"] = state.traj.extra.get("empty_queries", 0) + 1
         return StepOutcome(feedback=invalid_message, invalid=True)
-    return StepOutcome(queries=[query])
+    if len(queries) > max_queries:
+        state.traj.extra["too_many_queries"] = state.traj.extra.get("too_many_queries", 0) + 1
+        return StepOutcome(feedback=invalid_message, invalid=True)
+    return StepOutcome(queries=queries)
 
 
 @dataclass
@@ -60,12 +65,13 @@ class SearchR1Loop(AgentLoop):
     system_template: str | None = None
     user_template: str = SEARCH_R1_USER_TEMPLATE
     invalid_action_message: str = SEARCH_R1_INVALID_ACTION
+    multi_query_turns: ClassVar[bool] = True
 
     def stop_strings(self, state: RolloutState) -> list[str]:
         return ["</search>", "</answer>"]
 
     def act(self, state: RolloutState, text: str) -> StepOutcome:
-        return search_or_answer(state, text, self.invalid_action_message)
+        return search_or_answer(state, text, self.invalid_action_message, max_queries=self.max_queries_per_turn)
 
     def finalize(self, state: RolloutState) -> None:
         super().finalize(state)
