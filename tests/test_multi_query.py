@@ -4,6 +4,8 @@ header per query, in query order; the default (1) keeps every loop exactly as be
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -178,3 +180,13 @@ def test_rewards_read_the_retrieval_count_as_queries(tok) -> None:
     assert search_r1_valid_sequence(traj)
     res = get_reward("search_r1_format_em")([traj])[0]
     assert res.components["format_valid"] == 1.0 and res.components["retrieval_hit"] == 1.0 and res.total == 1.0
+
+
+def test_a_recipe_sets_it_through_agent_options() -> None:
+    from sleuth.agent.registry import get_method
+    from sleuth.rl.config import load_recipe
+    from sleuth.rl.setup import loop_options
+
+    recipe = load_recipe(Path(__file__).resolve().parents[1] / "recipes" / "staged.yaml", ["agent.options.max_queries_per_turn=3"])
+    loop = get_method(recipe.agent.loop).build_loop(**loop_options(recipe))
+    assert loop.name == "staged" and loop.max_queries_per_turn == 3
