@@ -252,6 +252,9 @@ class TrainerConfig(_Strict):
     time_limit_minutes: float | None = Field(None, gt=0)
     # conditions over the health metrics or validation, each with an action (sleuth.rl.guard_config)
     guards: list[GuardConfig] = Field(default_factory=default_guards)
+    # one_step: step k+1's rollouts are made from the weights step k started with, before step k's update (one
+    # step stale; the generator's recorded log-probs are the ratio's old side); sleuth.rl.overlap
+    overlap: Literal["off", "one_step"] = "off"
 
     @model_validator(mode="after")
     def _unique_guard_names(self) -> TrainerConfig:
