@@ -177,3 +177,14 @@ def test_overlap_is_refused_on_several_ranks(small_world: Path) -> None:
     with pytest.raises(ConfigError, match="2 ranks"):
         check_overlap(recipe, ctx)
     check_overlap(recipe.model_copy(update={"trainer": recipe.trainer.model_copy(update={"overlap": "off"})}), ctx)
+
+
+def test_overlap_reads_yaml_off_and_refuses_other_values(small_world: Path) -> None:
+    import yaml
+
+    recipe = _recipe(small_world, small_world / "unused", 2)
+    recipe["trainer"].update(yaml.safe_load("overlap: off"))  # YAML 1.1: false
+    assert recipe_from_dict(recipe).trainer.overlap == "off"
+    recipe["trainer"]["overlap"] = "two_step"
+    with pytest.raises(Exception, match="overlap"):
+        recipe_from_dict(recipe)

@@ -5,7 +5,8 @@
 The pieces live one floor down: rollouts and scores (sleuth.rl.rollouts), models (sleuth.rl.models), token
 batches, micro-batch plans, the policy-token forward and no-grad passes (sleuth.rl.batch), activation
 checkpointing (sleuth.rl.memory_plan), recipe -> retriever/loop/data/reward services (sleuth.rl.setup), step
-metrics (sleuth.rl.step_metrics, sleuth.rl.agreement), validation on data.dev (sleuth.rl.validate), and the pure
+metrics (sleuth.rl.step_metrics, sleuth.rl.agreement), validation on data.dev (sleuth.rl.validate), the next step's
+rollouts made before this step's update under `trainer.overlap: one_step` (sleuth.rl.overlap), and the pure
 numerics in the registries of sleuth.rl.advantages (estimators) and sleuth.rl.losses (policy losses).
 """
 
