@@ -188,3 +188,32 @@ def test_overlap_reads_yaml_off_and_refuses_other_values(small_world: Path) -> N
     recipe["trainer"]["overlap"] = "two_step"
     with pytest.raises(Exception, match="overlap"):
         recipe_from_dict(recipe)
+
+
+def test_a_service_failure_in_the_next_steps_rollout_checkpoints_this_steps_start(
+        small_world: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """Step 2 rolls step 3 out before its update; a retriever past its retry budget there saves step 1's end (the
+    weights and data cursor step 2 started from), as the synchronous trainer does when step 2's own rollout fails."""
+    from sleuth.errors import ServiceError
+    from sleuth.rl import rollouts
+    from sleuth.rl.trainer import train
+
+    train(recipe_from_dict(_recipe(small_world, tmp_path / "one", 1, overlap="one_step")))
+    real, calls = rollouts.collect_rollouts, []
+
+    def collect(run):
+        calls.append(run.cursor.state())
+        if len(calls) == 3:  # step 1's own, step 2's (made in step 1), step 3's (made in step 2): fails
+            raise ServiceError("retriever down")
+        return real(run)
+
+    monkeypatch.setattr(rollouts, "collect_rollouts", collect)
+    data = _recipe(small_world, tmp_path / "run", 3, overlap="one_step")
+    data["trainer"]["save_every"] = 1000  # no checkpoint but the failure's
+    with pytest.raises(ServiceError, match="checkpoint of step 1 written"):
+        train(recipe_from_dict(data))
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").glob("step_*")) == ["step_000001"]
+    assert _cursor(tmp_path / "run", 1) == _cursor(tmp_path / "one", 1) == calls[1]
+    a, b = _weights(tmp_path / "run", 1), _weights(tmp_path / "one", 1)
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-12)
