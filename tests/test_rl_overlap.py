@@ -153,6 +153,25 @@ def test_overlap_resume_keeps_the_data_cursor(small_world: Path, tmp_path: Path)
         assert _cursor(whole, step) == _cursor(resumed, step), step
 
 
+def test_a_time_limit_stop_with_overlap_saves_the_cursor_before_the_pending_draw(small_world: Path,
+                                                                                  tmp_path: Path) -> None:  # fmt: skip
+    """Stopped after step 1 with step 2's rollouts already made: the checkpoint's cursor is the one before their
+    draw (an uninterrupted run's after step 1), so the resumed run trains the same prompts at step 2."""
+    from sleuth.rl.trainer import train
+
+    whole, stopped = tmp_path / "whole", tmp_path / "stopped"
+    train(recipe_from_dict(_recipe(small_world, whole, 2, overlap="one_step")))
+    data = _recipe(small_world, stopped, 2, overlap="one_step")
+    data["trainer"].update(time_limit_minutes=1e-6, save_every=1000)  # past the limit after the first step
+    result = train(recipe_from_dict(data))
+    assert result["steps_done"] == 1 and result["stopped_at_time_limit"]
+    assert _cursor(stopped, 1) == _cursor(whole, 1)
+    data["trainer"]["time_limit_minutes"] = None
+    assert train(recipe_from_dict(data), resume=True)["steps_done"] == 2
+    assert sorted(_questions(stopped, 2)) == sorted(_questions(whole, 2))
+    assert [r["rollout/staleness"] for r in _rows(stopped)] == [0.0, 0.0]
+
+
 @pytest.mark.parametrize("algorithm, why", [
     ({"dynamic_sampling": True, "max_sampling_rounds": 2}, "algorithm.dynamic_sampling"),
     ({"ppo_epochs": 2}, "algorithm.ppo_epochs 2"),
