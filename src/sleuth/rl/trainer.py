@@ -243,9 +243,10 @@ def make_batch(run: Run, trajs: list[Trajectory], scores: list[float], behaviour
     # forward computes, so the extra no-grad pass is skipped (unless a KL reward penalty needs them).
     on_policy = algo.ppo_epochs == 1 and run.local_minibatch >= len(trajs)
     needs_old = not on_policy or (kl_coef > 0 and algo.kl.mode == "penalty")
-    old_logprobs = batched_logprobs(run.policy, tokens, temperature, plan, device) if needs_old else None
     if behaviour:
         old_logprobs = behaviour_logprobs(trajs, tokens.action_mask.shape, dtype_of(run.policy))
+    else:
+        old_logprobs = batched_logprobs(run.policy, tokens, temperature, plan, device) if needs_old else None
     ref_logprobs = None
     if kl_coef > 0:
         if run.reference is not None:
