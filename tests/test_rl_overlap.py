@@ -172,6 +172,24 @@ def test_a_time_limit_stop_with_overlap_saves_the_cursor_before_the_pending_draw
     assert [r["rollout/staleness"] for r in _rows(stopped)] == [0.0, 0.0]
 
 
+@pytest.mark.parametrize("algorithm", [
+    {"minibatch_size": 4, "micro_batch_size": 4, "kl": {"coef": 0.05, "mode": "penalty"}},
+    {"name": "ppo", "kl": {"coef": 0.0}},
+], ids=["grpo_two_minibatches_kl_penalty", "ppo_critic"])
+def test_overlap_runs_with_minibatches_kl_penalty_and_a_critic(small_world: Path, tmp_path: Path,
+                                                             algorithm: dict) -> None:  # fmt: skip
+    """Smoke: the stale steps' old log-probs (the recorded ones) serve several minibatches, the KL reward penalty
+    and PPO's critic; every logged loss is finite."""
+    import math
+
+    from sleuth.rl.trainer import train
+
+    train(recipe_from_dict(_recipe(small_world, tmp_path / "run", 2, overlap="one_step", **algorithm)))
+    rows = _rows(tmp_path / "run")
+    assert [r["rollout/staleness"] for r in rows] == [0.0, 1.0]
+    assert all(math.isfinite(v) for r in rows for k, v in r.items() if k.startswith(("actor/", "critic/")))
+
+
 @pytest.mark.parametrize("algorithm, why", [
     ({"dynamic_sampling": True, "max_sampling_rounds": 2}, "algorithm.dynamic_sampling"),
     ({"ppo_epochs": 2}, "algorithm.ppo_epochs 2"),
