@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from sleuth.agent.registry import find_method, load_plugins, loop_names
 from sleuth.errors import ConfigError
@@ -252,6 +252,14 @@ class TrainerConfig(_Strict):
     time_limit_minutes: float | None = Field(None, gt=0)
     # conditions over the health metrics or validation, each with an action (sleuth.rl.guard_config)
     guards: list[GuardConfig] = Field(default_factory=default_guards)
+    # one_step: step k+1's rollouts are made from the weights step k started with, before step k's update (one
+    # step stale; the generator's recorded log-probs are the ratio's old side); sleuth.rl.overlap
+    overlap: Literal["off", "one_step"] = "off"
+
+    @field_validator("overlap", mode="before")
+    @classmethod
+    def _yaml_off(cls, value: Any) -> Any:
+        return "off" if value is False else value  # YAML reads a bare `off` as false
 
     @model_validator(mode="after")
     def _unique_guard_names(self) -> TrainerConfig:

@@ -23,7 +23,7 @@ from sleuth.rl.checkpoint import load_optimizer_states, load_training_state, ver
 from sleuth.rl.guards import GuardEvent, GuardMonitor, decide, read_validation
 from sleuth.rl.loggers import JsonlLogger
 from sleuth.rl.models import load_policy, sync_rollout_weights
-from sleuth.rl.run import Run, save
+from sleuth.rl.run import Run, resume_cursor, save
 from sleuth.rl.setup import apply_optim_recipe
 from sleuth.run_layout import (
     CRITIC,
@@ -155,7 +155,7 @@ def _stop(run: Run, done: int, chosen: GuardEvent | None) -> str:
     where = "no checkpoint written (trainer.save_every is 0)"
     if run.recipe.trainer.save_every:
         if run.last_saved != done:
-            save(run, done, run.cursor.state(), run.reward_fn.current_stage)
+            save(run, done, resume_cursor(run), run.reward_fn.current_stage)
             run.last_saved = done
         where = f"checkpoint {checkpoint_dir(run.out_dir, done)}"
     if chosen is not None and chosen.healthy_until is not None:

@@ -76,17 +76,18 @@ def collect_rollouts(run: Run) -> Collected:
     return out
 
 
-def collect_or_stop(run: Run, step: int, stage: int) -> Collected:
-    """Rollouts of this step; a service past its retry budget keeps every finished step, then stops naming it."""
-    cursor_before = run.cursor.state()
+def collect_or_stop(run: Run, step: int, stage: int, resume_at: tuple[int, dict] | None = None) -> Collected:
+    """Rollouts of this step; a service past its retry budget keeps every finished step, then stops naming it.
+    `resume_at`: (steps done, data cursor) to checkpoint then, when not (step, the cursor now) (overlap's next step)."""
+    done, cursor_before = resume_at or (step, run.cursor.state())
     try:
         return collect_rollouts(run)
     except ServiceError as err:
         where = "no new checkpoint (nothing done since the last one)"
-        if step > run.last_saved and not run.ctx.enabled:  # a lone rank cannot run the collective save
-            save(run, step, cursor_before, stage)
-            where = f"checkpoint of step {step} written"
+        if done > run.last_saved and not run.ctx.enabled:  # a lone rank cannot run the collective save
+            save(run, done, cursor_before, stage)
+            where = f"checkpoint of step {done} written"
         raise ServiceError(
-            f"{err}\nstopped at step {step + 1} of {run.recipe.trainer.total_steps}: {where} under {run.out_dir}; "
+            f"{err}\nstopped at step {done + 1} of {run.recipe.trainer.total_steps}: {where} under {run.out_dir}; "
             f"when the service is back, rerun with --resume (or raise services.retry.budget_s)"
         ) from err

@@ -97,6 +97,7 @@ class Run:
     val_examples: list[QAExample] = field(default_factory=list)  # data.dev's first trainer.eval_examples
     guards: Any = None  # sleuth.rl.guard_actions.GuardState, set by the trainer
     kl_coef: float = 0.0  # the KL coefficient of the next step (moves under algorithm.kl.type: adaptive)
+    pending: Any = None  # trainer.overlap: the next step's rollouts (sleuth.rl.overlap.Pending), made during this one
 
     @property
     def models(self) -> dict[str, nn.Module]:
@@ -247,6 +248,12 @@ def setup(recipe: Recipe, ctx: DistContext, console: Any, resume: bool) -> Run:
         start_step=start_step, last_saved=start_step, val_examples=load_validation_examples(recipe),
         kl_coef=resumed_kl_coef(recipe, point.trainer_state),
     )
+
+
+def resume_cursor(run: Run) -> dict[str, int]:
+    """The data cursor a checkpoint saves: with overlap, from before the pending rollouts drew their prompts (a
+    resumed run draws them again, rolling them out from the checkpoint's weights)."""
+    return run.pending.cursor_before if run.pending is not None else run.cursor.state()
 
 
 def save(run: Run, done: int, cursor_state: dict[str, int], stage: int) -> None:

@@ -5,7 +5,8 @@
 The pieces live one floor down: rollouts and scores (sleuth.rl.rollouts), models (sleuth.rl.models), token
 batches, micro-batch plans, the policy-token forward and no-grad passes (sleuth.rl.batch), activation
 checkpointing (sleuth.rl.memory_plan), recipe -> retriever/loop/data/reward services (sleuth.rl.setup), step
-metrics (sleuth.rl.step_metrics, sleuth.rl.agreement), validation on data.dev (sleuth.rl.validate), and the pure
+metrics (sleuth.rl.step_metrics, sleuth.rl.agreement), validation on data.dev (sleuth.rl.validate), the next step's
+rollouts made before this step's update under `trainer.overlap: one_step` (sleuth.rl.overlap), and the pure
 numerics in the registries of sleuth.rl.advantages (estimators) and sleuth.rl.losses (policy losses).
 """
 
@@ -29,6 +30,7 @@ from sleuth.agent.trajectory import Trajectory, write_trajectories
 from sleuth.rewards.base import failed_trajectories
 from sleuth.rl import advantages as adv_fns
 from sleuth.rl import losses as loss_fns
+from sleuth.rl import overlap
 from sleuth.rl.agreement import rollout_agreement
 from sleuth.rl.batch import (
     ForwardPlan,
@@ -57,8 +59,9 @@ from sleuth.rl.health import health_metrics
 from sleuth.rl.interrupts import sigterm_received, stop_reason
 from sleuth.rl.memory_plan import update_plan_metrics
 from sleuth.rl.models import autocast, dtype_of, release_rollout_memory, sync_rollout_weights
+from sleuth.rl.overlap import behaviour_logprobs, check_overlap, collect_next
 from sleuth.rl.rollouts import Collected, collect_or_stop
-from sleuth.rl.run import Run, save, setup
+from sleuth.rl.run import Run, resume_cursor, save, setup
 from sleuth.rl.run_dir import prepare_run_dir, write_failure
 from sleuth.rl.run_metrics import machinery_metrics
 from sleuth.rl.setup import check_input_paths
@@ -113,6 +116,7 @@ class StepBatch:
     # the trainer's log-probs under the weights that rolled out (the old ones, or filled by the on-policy
     # update's own forward), set beside the rollout's for the agreement metric
     policy_logprobs: torch.Tensor | None = None
+    staleness: int | None = None  # trainer.overlap: updates between the weights that rolled out and these (else None)
 
 
 def _train(recipe: Recipe, *, resume: bool = False, console: Any = None) -> dict[str, Any]:
@@ -122,6 +126,7 @@ def _train(recipe: Recipe, *, resume: bool = False, console: Any = None) -> dict
         sft = run_sft(recipe, resume=True, console=console)
         recipe = recipe.model_copy(update={"model": recipe.model.model_copy(update={"init_from": sft["checkpoint"]})})
     ctx = init_distributed(recipe.model.device)
+    check_overlap(recipe, ctx)
     if not ctx.is_main:
         console = Console(quiet=True)
     run = setup(recipe, ctx, console, resume)
@@ -139,12 +144,13 @@ def _train(recipe: Recipe, *, resume: bool = False, console: Any = None) -> dict
         if run.guards.rewound_to is not None:  # a guard rolled back: go on from its checkpoint
             step = done = run.guards.rewound_to
             run.guards.rewound_to = None
+            run.pending = None  # rolled out by the abandoned weights
             continue
         stop = stop_reason(run, started) if done < recipe.trainer.total_steps else None
         if stop is not None:
             # a scheduler's wall-time limit or a preemption (SIGTERM): keep every finished step; `--resume` continues
             if recipe.trainer.save_every and run.last_saved != done:  # save_every 0: no checkpoints at all
-                save(run, done, run.cursor.state(), run.reward_fn.current_stage)
+                save(run, done, resume_cursor(run), run.reward_fn.current_stage)
                 run.last_saved = done
             # close the validation series at the step reached, so a stopped run's curve has its end point
             if run.val_examples and not validation_due(recipe, done) and stop.validate:
@@ -178,14 +184,23 @@ def train_step(run: Run, step: int) -> dict[str, float]:
     run.reward_fn.set_step(step)
     stage = run.reward_fn.current_stage  # a reward with a schedule (Reward.current_stage) switches on the step
 
-    # 1. rollout and score (each rank its slice of the prompts)
-    run.policy.eval()
-    collected = collect_or_stop(run, step, stage)
+    # 1. rollout and score (each rank its slice of the prompts); with trainer.overlap, step k-1 made them from the
+    # weights it started with (sleuth.rl.overlap), and this step makes step k+1's now, before its own update
+    staleness, cursor_now, pending = 0, run.cursor.state(), run.pending
+    if pending is not None:
+        collected, staleness, cursor_now, run.pending = pending.collected, pending.staleness, pending.cursor_before, None
+    else:
+        run.policy.eval()
+        collected = collect_or_stop(run, step, stage)
+    overlapped = recipe.trainer.overlap == "one_step"
+    if overlapped and not overlap.WAIT_FOR_UPDATE:
+        run.pending = collect_next(run, step, cursor_now, staleness=1)
     release_rollout_memory(run)  # before the log-prob passes and the update, which need the memory
 
     # 2. tensors, old/ref log-probs, values, advantages
     t2 = time.perf_counter()
-    batch = make_batch(run, collected.trajs, collected.scores)
+    batch = make_batch(run, collected.trajs, collected.scores, behaviour=staleness > 0)
+    batch.staleness = staleness if overlapped else None
     batch.debug_path = run.out_dir / "debug" / f"nonfinite_step_{step + 1:06d}_rank{ctx.rank}.pt"
 
     # 3. K epochs of minibatch updates
@@ -195,6 +210,8 @@ def train_step(run: Run, step: int) -> dict[str, float]:
         s.step()
     sync_rollout_weights(run)
     t_update = time.perf_counter() - t2
+    if overlapped and overlap.WAIT_FOR_UPDATE:  # tests: the overlapped path at staleness 0
+        run.pending = collect_next(run, step, cursor_now, staleness=0)
 
     # 4. log (metrics averaged over ranks; every rank holds an equal share of the batch)
     metrics = _log_step(run, step, stage, collected, batch, stats, {"update": t_update, "start": t_start})
@@ -203,7 +220,7 @@ def train_step(run: Run, step: int) -> dict[str, float]:
     done = step + 1
     every = recipe.trainer.save_every
     if every and (done % every == 0 or done == recipe.trainer.total_steps):
-        save(run, done, run.cursor.state(), stage)
+        save(run, done, resume_cursor(run), stage)
         run.last_saved = done
 
     # 6. validation on data.dev (after the checkpoint: a failure here loses no training)
@@ -216,8 +233,9 @@ def train_step(run: Run, step: int) -> dict[str, float]:
     return metrics
 
 
-def make_batch(run: Run, trajs: list[Trajectory], scores: list[float]) -> StepBatch:
-    """Token tensors, the no-grad passes the update needs, token rewards (KL penalty) and advantages."""
+def make_batch(run: Run, trajs: list[Trajectory], scores: list[float], behaviour: bool = False) -> StepBatch:
+    """Token tensors, the no-grad passes the update needs, token rewards (KL penalty) and advantages.
+    `behaviour`: rolled out by older weights (overlap): the generator's recorded log-probs are the old ones."""
     recipe, algo, device = run.recipe, run.recipe.algorithm, run.ctx.device
     tokens = collate(trajs, run.tokenizer.pad_token_id, drop_truncated=algo.overlong_filter)
     plan, temperature, kl_coef = forward_plan(recipe, run.policy), recipe.sampling.temperature, algo.kl.coef
@@ -225,7 +243,10 @@ def make_batch(run: Run, trajs: list[Trajectory], scores: list[float]) -> StepBa
     # forward computes, so the extra no-grad pass is skipped (unless a KL reward penalty needs them).
     on_policy = algo.ppo_epochs == 1 and run.local_minibatch >= len(trajs)
     needs_old = not on_policy or (kl_coef > 0 and algo.kl.mode == "penalty")
-    old_logprobs = batched_logprobs(run.policy, tokens, temperature, plan, device) if needs_old else None
+    if behaviour:
+        old_logprobs = behaviour_logprobs(trajs, tokens.action_mask.shape, dtype_of(run.policy))
+    else:
+        old_logprobs = batched_logprobs(run.policy, tokens, temperature, plan, device) if needs_old else None
     ref_logprobs = None
     if kl_coef > 0:
         if run.reference is not None:
@@ -248,7 +269,8 @@ def make_batch(run: Run, trajs: list[Trajectory], scores: list[float]) -> StepBa
         run.critic.eval()
         old_values = batched_values(run.critic, tokens, algo.micro_batch_size, device)
     advantages, returns = estimate_advantages(run, token_rewards, mask, old_values, trajs)
-    policy_logprobs = old_logprobs if old_logprobs is not None else torch.zeros(mask.shape)
+    # the agreement metric needs the trainer's forward of the rollout's weights: not kept under overlap
+    policy_logprobs = None if behaviour else old_logprobs if old_logprobs is not None else torch.zeros(mask.shape)
     return StepBatch(trajs, scores, tokens, advantages, returns, old_logprobs, ref_logprobs, old_values, kl,
                      plan=plan, policy_logprobs=policy_logprobs)
 
@@ -299,6 +321,8 @@ def _log_step(run: Run, step: int, stage: int, collected: Collected, batch: Step
         **rollout_agreement(batch.trajs, mask, batch.policy_logprobs),  # LoRA weights that never reached rollouts
         **update_plan_metrics(run.policy, batch.plan),
     })
+    if batch.staleness is not None:
+        metrics["rollout/staleness"] = float(batch.staleness)
     failed = failed_trajectories(collected.trajs_all)
     metrics["rollout/errors"] = float(len(failed))
     metrics = mean_over_ranks(metrics, ctx)
