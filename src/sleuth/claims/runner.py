@@ -34,8 +34,8 @@ from sleuth.claims.stats import (
     HOLDS,
     NOT_SHOWN,
     claim_verdict,
-    common_ids,
     paired,
+    paired_values,
     pooled_paired_bootstrap,
     verdict_of_test,
 )
@@ -154,21 +154,21 @@ def verdict_table(run: ClaimRun) -> dict[str, Any]:
     each other) and its verdict; then the claim's verdict (`sleuth.claims.stats`)."""
     tests = []
     for test in run.spec.tests(run.profile_name):
-        per_seed = []
+        per_seed, diffs = [], []
+        baselines = {s: predictions(run.at(s), test.baseline) for s in run.seeds}
         for s in run.seeds:
-            seen = run.at(s)
-            treated, baseline = predictions(seen, test.treated), predictions(seen, test.baseline)
-            a, b = _paired_values(treated, baseline, test)
-            per_seed.append({"seed": s, **paired(a, b), "diffs": [x - y for x, y in zip(a, b, strict=True)]})
-        diffs = [row.pop("diffs") for row in per_seed]
+            a, b = paired_values(predictions(run.at(s), test.treated), baselines[s], test.value, keep=test.keep)
+            per_seed.append({"seed": s, **paired(a, b)})
+            diffs.append([x - y for x, y in zip(a, b, strict=True)])
         if any(not d for d in diffs):
             raise ConfigError(f"test {test.row!r}: a seed has no question to compare; check the evaluation split")
         diff, lo, hi = pooled_paired_bootstrap(diffs)
         floor = None
         if len(run.seeds) >= 2:
-            first, second = (predictions(run.at(s), test.baseline) for s in run.seeds[:2])
-            a, b = _paired_values(second, first, test)  # the second seed minus the first
-            floor = {"seeds": list(run.seeds[:2]), **paired(a, b)}
+            first, second = run.seeds[:2]
+            # the second seed's baseline minus the first's
+            floor = {"seeds": [first, second], **paired(*paired_values(baselines[second], baselines[first],
+                                                                        test.value, keep=test.keep))}
         verdict, why = verdict_of_test(diff, (lo, hi), test.side, test.threshold,
                                        None if floor is None else floor["diff"])
         tests.append({"row": test.row, "treated": test.treated, "baseline": test.baseline, "side": test.side,
@@ -182,7 +182,3 @@ def verdict_table(run: ClaimRun) -> dict[str, Any]:
     return {"seeds": list(run.seeds), "tests": tests, "verdict": verdict, "holds": verdict == HOLDS,
             "fails": verdict == DOES_NOT_HOLD, "premise_met": premise_met}
 
-
-def _paired_values(first: dict[str, dict], second: dict[str, dict], test: Any) -> tuple[list[float], list[float]]:
-    ids = [i for i in common_ids(first, second) if test.keep is None or test.keep(first[i])]
-    return [test.value(first[i]) for i in ids], [test.value(second[i]) for i in ids]

@@ -34,7 +34,7 @@ from sleuth.claims.profiles import CPU_PIPELINE, GPU_PIPELINE, StagedProfile
 from sleuth.claims.registry import register_claim
 from sleuth.claims.report import knowledge_table
 from sleuth.claims.reuse import inject_stage
-from sleuth.claims.stats import common_ids, metric, paired
+from sleuth.claims.stats import metric, paired_on
 from sleuth.claims.steps import Arm, arm_recipe, build_world, cold_start, evaluate, setting, train_rl
 from sleuth.data.synth import KNOWLEDGE_TYPES
 from sleuth.rewards.staged import staged_answer_reward
@@ -129,22 +129,15 @@ def _search_probe(run: Any) -> dict[str, Any]:
 def claim_table(first: dict[str, dict[str, Any]], second: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """The staged claim's rows from two arms' predictions by question id: paired retrievals on all-known and on
     other questions, paired EM on all."""
-    ids = common_ids(first, second)
-    known = [i for i in ids if _all_known(first[i])]
-    unknown = [i for i in ids if first[i].get("knowledge") in KNOWLEDGE_TYPES and i not in set(known)]
+    def mixed_or_unknown(record: dict[str, Any]) -> bool:
+        return record.get("knowledge") in KNOWLEDGE_TYPES and not _all_known(record)
 
-    def column(arm: dict, ids_: list[str], value: Any) -> list[float]:
-        return [value(arm[i]) for i in ids_]
-
-    em = metric("em")
     rows = {
-        "retrievals per question, all-known": paired(column(first, known, _retrievals),
-                                                     column(second, known, _retrievals)),
-        "retrievals per question, mixed / all-unknown": paired(column(first, unknown, _retrievals),
-                                                               column(second, unknown, _retrievals)),
-        "EM, all questions": paired(column(first, ids, em), column(second, ids, em)),
+        "retrievals per question, all-known": paired_on(first, second, _retrievals, keep=_all_known),
+        "retrievals per question, mixed / all-unknown": paired_on(first, second, _retrievals, keep=mixed_or_unknown),
+        "EM, all questions": paired_on(first, second, metric("em")),
     }
-    return {"rows": rows, "questions": len(ids)}
+    return {"rows": rows, "questions": rows["EM, all questions"]["n"]}
 
 
 class StagedClaim(ClaimSpec):

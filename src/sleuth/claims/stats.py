@@ -53,14 +53,21 @@ def common_ids(first: dict[str, Any], second: dict[str, Any]) -> list[str]:
     return ids
 
 
+def paired_values(first: dict[str, dict], second: dict[str, dict], value_a: Callable[[dict], float],
+                  value_b: Callable[[dict], float] | None = None,
+                  keep: Callable[[dict], bool] | None = None) -> tuple[list[float], list[float]]:  # fmt: skip
+    """value_a of the first and value_b (default value_a) of the second prediction set, over the questions both
+    answered that `keep` admits (judged on the first's record), in sorted id order."""
+    ids = [i for i in common_ids(first, second) if keep is None or keep(first[i])]
+    value_b = value_b or value_a
+    return [value_a(first[i]) for i in ids], [value_b(second[i]) for i in ids]
+
+
 def paired_on(first: dict[str, dict], second: dict[str, dict], value_a: Callable[[dict], float],
               value_b: Callable[[dict], float] | None = None,
               keep: Callable[[dict], bool] | None = None) -> dict[str, Any]:  # fmt: skip
-    """A paired row over the questions both prediction sets answered (those `keep` admits, judged on the first's
-    record): value_a of the first, value_b of the second."""
-    ids = [i for i in common_ids(first, second) if keep is None or keep(first[i])]
-    value_b = value_b or value_a
-    return paired([value_a(first[i]) for i in ids], [value_b(second[i]) for i in ids])
+    """A paired row (`paired`) over `paired_values`."""
+    return paired(*paired_values(first, second, value_a, value_b, keep))
 
 
 def metric(key: str) -> Callable[[dict], float]:
