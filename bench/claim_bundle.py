@@ -44,8 +44,8 @@ from pathlib import Path
 from typing import IO, Any
 
 from sleuth.claims.reuse import WORLD_RECORD, write_world_record
-from sleuth.claims.runner import claim_profile, run_seeds, stage_plan
-from sleuth.claims.stages import LOCKS_DIR, STAGES_DIR, finished_stages, read_claim_file, reroot
+from sleuth.claims.runner import claim_profile, stage_plan
+from sleuth.claims.stages import LOCKS_DIR, STAGES_DIR, finished_stages, read_claim_file, reroot, run_seeds
 from sleuth.claims.steps import build_world
 from sleuth.errors import SleuthError
 from sleuth.run_layout import CHECKPOINTS, LATEST, SEARCHER_FILE, TRAINING_STATE, latest_checkpoint

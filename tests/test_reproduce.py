@@ -12,9 +12,9 @@ from typer.testing import CliRunner
 
 from sleuth.appendlog import read_appended
 from sleuth.claims.registry import CLAIMS, get_claim
-from sleuth.claims.runner import ClaimRun, reproduce, run_seeds
+from sleuth.claims.runner import ClaimRun, reproduce
 from sleuth.claims.staged import claim_table
-from sleuth.claims.stages import run_seed, stage, write_claim_file
+from sleuth.claims.stages import run_seeds, stage, write_claim_file
 from sleuth.claims.stats import metric, own_answer_cover_em
 from sleuth.claims.stats import paired_on as _paired_on
 from sleuth.claims.steps import Arm, arm_recipe, arm_rl_recipe, setting
@@ -210,7 +210,7 @@ def test_seed_is_the_run_directory_s_and_reaches_every_arm_recipe(tmp_path):
     assert arm_rl_recipe(run, Arm("with_evidence", "r_search"), "init")["seed"] == 7
     write_claim_file(tmp_path, "r_search", "cpu", 7)  # the same run again: resumes
     write_claim_file(tmp_path, "r_search", "cpu", 7, 3)  # more seeds: the same run, grown
-    assert run_seed(tmp_path) == 7 and run_seeds(tmp_path) == (7, 8, 9)
+    assert run_seeds(tmp_path) == range(7, 10)
     for method, prof, seed, named in (("r_search", "cpu", 8, "seed 7 (asked: 8)"),
                                       ("r_search", "gpu", 7, "profile 'cpu' (asked: 'gpu')"),
                                       ("s3", "cpu", 7, "method 'r_search' (asked: 's3')")):
@@ -219,11 +219,11 @@ def test_seed_is_the_run_directory_s_and_reaches_every_arm_recipe(tmp_path):
     legacy = tmp_path / "legacy"
     legacy.mkdir()
     (legacy / "claim.json").write_text(json.dumps({"method": "s3", "profile": "gpu"}))
-    assert run_seed(legacy) == 0 and run_seeds(legacy) == (0,)
+    assert run_seeds(legacy) == range(0, 1)
     write_claim_file(legacy, "s3", "gpu", 0)
     with pytest.raises(ConfigError, match=re.escape("seed 0 (asked: 2)")):
         write_claim_file(legacy, "s3", "gpu", 2)
-    assert run_seed(tmp_path / "nowhere") == 0
+    assert run_seeds(tmp_path / "nowhere") == range(0, 1)
     with pytest.raises(ConfigError, match="--seed -1: give a non-negative"):
         reproduce("staged", tmp_path / "neg", "cpu", seeds=range(-1, 0))
     result = CliRunner().invoke(app, ["reproduce", "staged", "--seed", "-1", "--out", str(tmp_path / "neg")])

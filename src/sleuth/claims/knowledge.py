@@ -22,6 +22,7 @@ from typing import Any
 import typer
 
 from sleuth.agent.coldstart import SFTRecord, write_records
+from sleuth.appendlog import read_appended
 from sleuth.data.formats import QAExample, read_qa_jsonl, write_qa_jsonl
 from sleuth.data.synth import KNOWLEDGE_FILE, KNOWLEDGE_TYPES
 from sleuth.errors import ConfigError, DataFormatError
@@ -205,11 +206,8 @@ def label_by_model(world: Path, model: str, out: Path, batch_size: int = 64) -> 
         folder = out / f"closed_book_{split}"
         evaluate(["direct"], questions, model=model, config=EvalConfig(answer_max_new_tokens=24, batch_size=batch_size),
                  out_dir=EvalOutput(folder))
-        right = {}
-        with open(folder / "direct" / "predictions.jsonl", encoding="utf-8") as f:
-            for line in f:
-                record = json.loads(line)
-                right[record["id"]] = record["metrics"]["em"] > 0
+        right = {r["id"]: r["metrics"]["em"] > 0
+                 for r in read_appended(folder / "direct" / "predictions.jsonl").records}
         moved: dict[str, int] = {}
         for ex in questions:
             was = ex.metadata.get("knowledge")

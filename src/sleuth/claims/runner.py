@@ -19,13 +19,14 @@ from typing import Any
 
 from sleuth.claims.base import PREMISE, ClaimRun, Stage, predictions, seeded_name
 from sleuth.claims.profiles import ClaimProfile
-from sleuth.claims.registry import CLAIMS, get_claim
+from sleuth.claims.registry import get_claim
 from sleuth.claims.report import write_report
 from sleuth.claims.stages import (
     ArmSelection,
     ArmsPending,
     read_claim_file,
     read_stage,
+    run_seeds,
     stage,
     write_claim_file,
 )
@@ -82,26 +83,16 @@ def claim_profile(method: str, profile_name: str) -> ClaimProfile:
     return get_claim(method).profile(profile_name)
 
 
-def run_seeds(out: Path) -> tuple[int, ...]:
-    """The training seeds of the claim run in OUT (claim.json: its first seed and how many; 1 where unrecorded)."""
-    held = read_claim_file(out) or {}
-    first = int(held.get("seed", 0))
-    return tuple(range(first, first + int(held.get("seeds", 1))))
-
-
 def reproduce(method: str, out: Path, profile: str, console: Any = None, arms: Sequence[str] | None = None,
               reuse: Path | None = None, seeds: range | None = None, force: bool = False) -> Path:  # fmt: skip
     """Run `method`'s claim in OUT, resuming; `arms`: only these arms (`claim_arms`), for runs sharing OUT; `reuse`: a
     folder whose reader/ or injected/ (trained on this world) replaces training one (`sleuth.claims.reuse`); `seeds`:
     the arms' training seeds, consecutive (default: OUT's, or range(profile.seeds) for a new OUT); `force`: train the arms though the premise
     is unmet."""
-    if method not in CLAIMS:
-        raise ConfigError(f"no claim registered for {method!r}; choose one of {', '.join(CLAIMS)}")
     spec = get_claim(method)
     sizes = spec.profile(profile)
     if seeds is None:  # a run directory keeps its seeds; a new one takes the profile's
-        held = run_seeds(out) if read_claim_file(out.resolve()) is not None else range(sizes.seeds)
-        seeds = range(held[0], held[-1] + 1)
+        seeds = run_seeds(out.resolve()) if read_claim_file(out.resolve()) is not None else range(sizes.seeds)
     if seeds.start < 0:
         raise ConfigError(f"--seed {seeds.start}: give a non-negative training seed (0, 1, ...)")
     if len(seeds) < 1 or seeds.step != 1:

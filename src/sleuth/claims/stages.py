@@ -152,6 +152,9 @@ def read_claim_file(out: Path) -> dict[str, Any] | None:
     return json.loads(path.read_text()) if path.exists() else None
 
 
-def run_seed(out: Path) -> int:
-    """The training seed of the claim run in OUT (claim.json; 0 where it records none)."""
-    return int((read_claim_file(out) or {}).get("seed", 0))
+def run_seeds(out: Path) -> range:
+    """The training seeds of the claim run in OUT: claim.json's first seed and how many (seed 0 and 1 seed where it
+    records none, as before seeds were recorded)."""
+    held = read_claim_file(out) or {}
+    first = int(held.get("seed", 0))
+    return range(first, first + int(held.get("seeds", 1)))
