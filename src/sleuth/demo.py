@@ -17,6 +17,7 @@ qagent); `--profile gpu` sizes the pipeline like the measured GPU runs of bench/
 
 from __future__ import annotations
 
+import copy
 import json
 import time
 from dataclasses import dataclass, replace
@@ -109,7 +110,9 @@ def _cuda() -> bool:
 def demo_recipe(out: Path, size: DemoSize, method: str = "search_r1") -> dict[str, Any]:
     """The recipe the demo trains (also written next to the run for re-use with `sleuth train`)."""
     spec = get_method(method)
-    reward = dict(spec.default_reward)
+    # a deep copy: a caller that edits the recipe (overrides, `sleuth reproduce`'s arms) must never edit the method
+    # registry's default reward through shared nested dicts
+    reward = copy.deepcopy(spec.default_reward)
     if spec.demo_reward is not None:  # the method's own changes for a demo-sized run
         reward = spec.demo_reward(reward, out, size.train_steps)
     return {

@@ -7,7 +7,6 @@ An arm's recipe is the demo's recipe for its method (`sleuth.demo.demo_recipe`) 
 
 from __future__ import annotations
 
-import copy
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,8 +57,7 @@ def arm_recipe(run: ClaimRun, method: str, init_from: str | None, name: str | No
     from sleuth.rl.config import apply_overrides
 
     profile = run.profile
-    # a copy: the demo's recipe shares nested dicts with the method registry's defaults, which overrides must not touch
-    recipe = copy.deepcopy(demo_recipe(run.root / (name or method), profile.pipeline, method))
+    recipe = demo_recipe(run.root / (name or method), profile.pipeline, method)
     recipe["name"] = f"reproduce-{name or method}"
     recipe["seed"] = run.seed  # the arms' training seed; the world, reader and injection keep theirs
     recipe["data"]["train"] = str(run.questions / "train.jsonl")
