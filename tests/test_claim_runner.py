@@ -222,3 +222,13 @@ def test_the_command_line_lists_the_claims_without_loading_torch():
     code = "import sys, sleuth.cli; print('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           check=True).stdout.strip() == "False"
+
+
+def test_each_evaluation_is_read_once_for_the_table_the_verdict_and_the_figures(toy, tmp_path, monkeypatch):
+    import sleuth.claims.base as base
+
+    reads: list[str] = []
+    real = base.read_appended
+    monkeypatch.setattr(base, "read_appended", lambda path: reads.append(str(path)) or real(path))
+    reproduce("toy", tmp_path, "cpu", seeds=range(0, 2))
+    assert sorted(reads) == sorted(set(reads)) and len(reads) == 4  # two arms, two seeds

@@ -53,6 +53,9 @@ class ClaimRun:
     seeds: tuple[int, ...] = (0,)
     per_seed: frozenset[str] = frozenset()
     results: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # predictions files read so far, by path: the table, the verdict and the figures read the same evaluations
+    # (shared by every `at(seed)` view)
+    read_predictions: dict[str, dict[str, dict[str, Any]]] = field(default_factory=dict, repr=False)
 
     @property
     def world(self) -> Path:
@@ -104,8 +107,11 @@ def premise_stage() -> Stage:
 
 
 def predictions(run: ClaimRun, eval_stage: str) -> dict[str, dict[str, Any]]:
-    """The per-question records an evaluation stage wrote, by question id (of the run's current seed)."""
-    return {r["id"]: r for r in read_appended(run.result(eval_stage)["predictions"]).records}
+    """The per-question records an evaluation stage wrote, by question id (of the run's current seed); read once."""
+    path = run.result(eval_stage)["predictions"]
+    if path not in run.read_predictions:
+        run.read_predictions[path] = {r["id"]: r for r in read_appended(path).records}
+    return run.read_predictions[path]
 
 
 @dataclass(frozen=True)
