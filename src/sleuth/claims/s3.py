@@ -24,6 +24,9 @@ from sleuth.claims.report import curve_figure
 from sleuth.claims.shared import world_and_reader
 from sleuth.claims.stats import metric, paired_on
 from sleuth.claims.steps import Arm, arm_recipe, cold_start, evaluate, setting, train_rl
+from sleuth.data.filters import keep_hard
+from sleuth.data.formats import read_qa_jsonl
+from sleuth.data.score_cache import ScoreCache
 from sleuth.eval.stats import bootstrap_ci
 
 METHODS = ("s3", "search_r1")
@@ -56,15 +59,15 @@ def _rag_baseline(run: Any) -> dict[str, Any]:
     """Naive RAG's accuracy on every RL-pool question (the training questions after the SFT ones), read by the trained
     reader and scored exactly as s3's reward scores its baseline term; written as a score cache for the hard-question
     filter and the reward."""
-    from sleuth.data.formats import read_qa_jsonl
-    from sleuth.data.score_cache import ScoreCache
-    from sleuth.llm.registry import load_generator
+    from sleuth.llm.registry import (
+        load_generator,  # deferred with the two below: `sleuth --help` loads no model code
+    )
     from sleuth.retrieval import load_retriever
     from sleuth.rewards.base import RewardServices, get_reward
 
     reward_spec = arm_recipe(run, METHODS[0], None)["reward"]
     reward = get_reward(reward_spec["name"], **reward_spec.get("options", {}))
-    pool = read_qa_jsonl(run.world / "train.jsonl")[run.profile.pipeline.sft_questions:]
+    pool = read_qa_jsonl(run.questions / "train.jsonl")[run.profile.pipeline.sft_questions:]
     cache = ScoreCache(run.out / RAG_BASELINE / "naive_rag_scores.jsonl")
     services = RewardServices(generator=load_generator(run.result("reader")["reader"]), baseline_cache=cache,
                               retriever=load_retriever(run.world / "bm25"))
@@ -72,8 +75,8 @@ def _rag_baseline(run: Any) -> dict[str, Any]:
     for start in range(0, len(pool), batch):  # the cache is saved after each batch: a cut run resumes
         reward.baseline_accuracy([Trajectory(q.id, q.question, list(q.golden_answers), METHODS[0])
                                   for q in pool[start:start + batch]], services)
-    wrong = sum(1 for q in pool if (cache.get(q.id) or 0.0) <= 0.0)
-    return {"cache": str(cache.path), "pool": len(pool), "naive_rag_wrong": wrong}
+    # counted by the filter the trainer applies (`data.hard_from`), so the premise sees what the arms will train on
+    return {"cache": str(cache.path), "pool": len(pool), "naive_rag_wrong": len(keep_hard(pool, cache))}
 
 
 def _evaluate(run: Any, method: str, size: int) -> dict[str, Any]:
