@@ -77,8 +77,7 @@ def _append(state: RolloutState, ids: list[int], logprobs: list[float], role: st
     traj.turns.append(Turn(start=start, end=start + len(ids), role=role, text=text))
 
 
-def _context(state: RolloutState, turn: int) -> RetrievalContext:
-    ex = state.example
+def _context(ex: QAExample, turn: int) -> RetrievalContext:
     return RetrievalContext(str(ex.id), ex.question, tuple(ex.golden_answers), turn)
 
 
@@ -152,8 +151,7 @@ class _Engine:
         initial_hits: dict[int, list[list[Hit]]] = {}
         requests = [(i, qs, loop.top_k) for i, qs in enumerate(initial) if qs]
         if requests:
-            contexts = {i: RetrievalContext(str(ex.id), ex.question, tuple(ex.golden_answers), -1)
-                        for i, ex in enumerate(examples)}  # before the first generation: turn -1
+            contexts = {i: _context(ex, -1) for i, ex in enumerate(examples)}  # before the first generation
             initial_hits = _search_batched(self.retriever, requests, contexts)
         states: list[RolloutState] = []
         for i, ex in enumerate(examples):
@@ -368,7 +366,7 @@ class _Engine:
 
             # service failures (the retriever past its retry budget) are not one trajectory's fault
             requests = [(i, o.queries, o.k or loop.top_k) for i, (_, o) in enumerate(pending) if o.queries]
-            contexts = {i: _context(state, state.turns_taken) for i, (state, _) in enumerate(pending)}
+            contexts = {i: _context(state.example, state.turns_taken) for i, (state, _) in enumerate(pending)}
             results = _search_batched(self.retriever, requests, contexts) if requests else {}
             for i, (state, outcome) in enumerate(pending):
                 try:
