@@ -47,6 +47,10 @@ CARD_BANDWIDTH_GBS: list[tuple[str, float]] = [
     ("A100", 1555.0),
 ]
 
+# Dense bf16 peak (TFLOP/s) by card-name fragment, the denominator of verl's MFU (its get_device_flops: 989 for
+# H100/H800/H200)
+CARD_BF16_TFLOPS: list[tuple[str, float]] = [("H100", 989.0), ("H200", 989.0), ("H800", 989.0), ("A100", 312.0)]
+
 # Modules a GPU run must not need (not in the image, or slow to import); recorded in the JSON as a check.
 WATCHED_MODULES = ("jax", "faiss", "fastapi", "uvicorn", "orjson", "mcp", "llama_cpp", "sentence_transformers", "trl",
                    "datasets", "bm25s", "Stemmer", "pydantic", "gguf")
@@ -63,6 +67,26 @@ def default_bandwidth_gbs(card_name: str) -> float | None:
         if fragment in upper:
             return gbs
     return None
+
+
+def default_bf16_tflops(card_name: str) -> float | None:
+    """Dense bf16 peak of a known card from its `torch.cuda.get_device_name()`, else None."""
+    upper = card_name.upper()
+    return next((tflops for fragment, tflops in CARD_BF16_TFLOPS if fragment.upper() in upper), None)
+
+
+def verl_flops(arch: dict[str, Any], seqlens: list[int]) -> float:
+    """A training pass's FLOPs by verl's counter for Qwen2/Llama (flops_counter.py): 6 x dense parameters x tokens
+    (the embedding and output layer counted twice, as verl does, tied or not) plus 12 x sum(seqlen^2) x head_dim x
+    heads x layers for attention. It counts a full fine-tuning pass whatever is trained (LoRA included), as verl's
+    `perf/mfu/actor` does."""
+    hidden, layers, heads = arch["hidden_size"], arch["num_hidden_layers"], arch["num_attention_heads"]
+    head_dim = hidden // heads
+    kv = arch["num_key_value_heads"] * head_dim
+    mlp = hidden * arch["intermediate_size"] * 3
+    attn_linear = hidden * (heads * head_dim + 2 * kv + heads * head_dim)
+    dense = (mlp + attn_linear) * layers + arch["vocab_size"] * hidden * 2
+    return 6.0 * dense * sum(seqlens) + 12.0 * sum(n * n for n in seqlens) * head_dim * heads * layers
 
 
 def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, element_size: int) -> int:

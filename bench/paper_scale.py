@@ -159,12 +159,28 @@ def summarise(args: argparse.Namespace, lines: list[dict[str, Any]], gpus: int) 
         # batches decoded eagerly after a failed graph capture (0 when every decode step ran as a CUDA graph)
         "decode_graph_failures": max((m.get("decode/graph_failures", 0) for m in lines), default=0),
     }
+    row.update(update_mfu(args, row))
     if row["retrieval_s"] is not None and row["rollout_s"]:
         row["retrieval_share_of_rollout"] = row["retrieval_s"] / row["rollout_s"]
     if step_s:
         row["projected_hours_1000_steps_512_prompts"] = (PAPER_STEPS * PAPER_PROMPTS * PAPER_N / (trajs / step_s)) / 3600
         row["projected_gpu_hours"] = row["projected_hours_1000_steps_512_prompts"] * gpus
     return row
+
+
+def update_mfu(args: argparse.Namespace, row: dict[str, Any]) -> dict[str, Any]:
+    """The update's model FLOPs utilisation by verl's counter (`perf/mfu/actor`): verl_flops over the rank's
+    trajectories per update second, over the card's dense bf16 peak. Every trajectory is counted at the measured
+    mean length (the rows' own lengths are not in the metrics), which undercounts the attention term of ragged
+    lengths slightly."""
+    arch = _common.RANDOM_ARCHS.get(args.model.removeprefix("random:"))
+    length, tokens = row.get("tokens_per_trajectory"), row.get("update_tokens_per_s_per_gpu")
+    peak = _common.default_bf16_tflops(getattr(args, "card", "") or "")
+    if not (arch and length and tokens and peak):
+        return {}
+    rows = tokens / length  # trajectories updated per second on one GPU
+    flops = _common.verl_flops(arch, [round(length)]) * rows
+    return {"update_tflops_per_gpu_verl": flops / 1e12, "update_mfu_verl": flops / (peak * 1e12)}
 
 
 def failure_excerpt(lines: list[str]) -> list[str]:
@@ -208,6 +224,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     device = _common.pick_device(args.device)
     env = _common.environment(device)
+    args.card = env.get("card", "")
     scale_step.require_gpus(device, args.gpus)
     tag = f"{args.model.split(':')[-1]}_{'lora' if args.lora else 'full'}_{args.parallel}" + (
         "" if args.shape == "full" else f"_{args.shape.replace('-', '_')}")
@@ -235,7 +252,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                   "note": "random weights: every turn runs its full budget and ends in a scripted search"}
         _common.write_json(out, result)
     columns = [("config", "config"), ("status", "status"), ("step_s", "step s"), ("rollout_s", "rollout s"),
-               ("reward_s", "reward s"), ("update_s", "update s"), ("retrieval_s", "retrieval s"), ("trajectories_per_s", "traj/s"),
+               ("reward_s", "reward s"), ("update_s", "update s"),
+               ("update_tokens_per_s_per_gpu", "update tok/s/GPU"), ("update_mfu_verl", "update MFU (verl)"),
+               ("retrieval_s", "retrieval s"), ("trajectories_per_s", "traj/s"),
                ("policy_tokens_per_s_per_gpu", "tok/s/GPU"), ("peak_allocated_gib_per_gpu", "peak GiB/GPU"),
                ("compile_s_total", "capture s"), ("speedup_vs_fewest_gpus", "x vs fewest"),
                ("projected_hours_1000_steps_512_prompts", "h per 1000x512")]

@@ -40,6 +40,18 @@ def test_kv_bytes_and_hbm_fraction() -> None:
     assert common.hbm_fraction(1.0, 1.0, None) is None
 
 
+def test_verl_flops_counter_by_hand() -> None:
+    # Qwen2.5-3B: head_dim 128, K/V 2 x 256; per layer MLP 2048 x 11008 x 3 = 67,633,152 and attention linears
+    # 2048 x (2048 + 512 + 2048) = 9,437,184; x 36 layers + 151,936 x 2048 x 2 (embedding and output) = 3,396,861,952
+    arch = common.RANDOM_ARCHS["qwen2.5-3b"]
+    dense = 6 * 3_396_861_952 * (1000 + 3000)
+    attention = 12 * (1000**2 + 3000**2) * 128 * 16 * 36
+    assert common.verl_flops(arch, [1000, 3000]) == dense + attention
+    assert common.default_bf16_tflops("NVIDIA H200") == 989.0
+    assert common.default_bf16_tflops("NVIDIA A100-SXM4-80GB") == 312.0
+    assert common.default_bf16_tflops("cpu") is None
+
+
 def test_bandwidth_from_card_name() -> None:
     assert common.default_bandwidth_gbs("NVIDIA H100 80GB HBM3") == 3350.0
     assert common.default_bandwidth_gbs("NVIDIA H100 PCIe") == 2000.0
