@@ -135,6 +135,8 @@ def summarise(args: argparse.Namespace, lines: list[dict[str, Any]], gpus: int) 
         "measured_steps": len(measured),
         "step_s": step_s, "rollout_s": mean("time/rollout"), "reward_s": mean("time/reward"),
         "update_s": mean("time/update"),
+        # parts of update_s: tensors and advantages before the passes, the decode engine's weight refresh after
+        "make_batch_s": mean("time/make_batch"), "weight_sync_s": mean("time/weight_sync"),
         # time/retrieval: the rollout's seconds inside its retriever (part of rollout_s)
         "retrieval_s": mean("time/retrieval"), "retrieval_queries_per_step": mean("retrieval/queries"),
         "trajectories_per_step": trajs,

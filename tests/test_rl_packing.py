@@ -170,3 +170,43 @@ def test_padded_split_groups_rows_of_similar_length() -> None:
     padded = ForwardPlan(2, packed=False).split(batch)
     assert sorted(sorted(p.tolist()) for p in padded) == [[0, 2], [1, 3]]  # long with long, short with short
     assert [p.tolist() for p in ForwardPlan(2, packed=True).split(batch)] == [[0, 1], [2, 3]]  # no padding: in order
+
+
+def test_adapter_inputs_stay_bf16_under_autocast_with_the_same_values_and_gradients(tmp_path) -> None:
+    """peft casts an adapter layer's input to its float32 weights' dtype and keeps that copy for the backward;
+    under autocast the products run in bf16 either way, so skipping the cast changes no value or gradient."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from sleuth.llm.tiny import build_tiny_model
+    from sleuth.rl.batch import adapter_inputs_uncast
+
+    base = AutoModelForCausalLM.from_pretrained(build_tiny_model(tmp_path / "tiny"), dtype=torch.bfloat16)
+    torch.manual_seed(0)
+    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"],
+                                            init_lora_weights=False))
+    adapters = [m for m in model.modules() if hasattr(m, "cast_input_dtype_enabled")]
+    assert adapters and all(p.dtype == torch.float32 for p in model.parameters() if p.requires_grad)
+    ids = torch.tensor([[11, 12, 13, 14, 20, 21, 22]])
+
+    def run(uncast: bool) -> tuple[torch.Tensor, list[torch.Tensor], list[bool]]:
+        model.zero_grad(set_to_none=True)
+        seen: list[bool] = []
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            if uncast:
+                with adapter_inputs_uncast(model, "cpu"):
+                    seen = [m.cast_input_dtype_enabled for m in adapters]
+                    logits = model(input_ids=ids).logits
+            else:
+                logits = model(input_ids=ids).logits
+        logits.float().logsumexp(-1).sum().backward()
+        return logits.detach(), [p.grad.clone() for p in model.parameters() if p.requires_grad], seen
+
+    cast_logits, cast_grads, _ = run(False)
+    logits, grads, seen = run(True)
+    assert seen and not any(seen)  # the casts were off inside
+    assert all(m.cast_input_dtype_enabled for m in adapters)  # and restored after
+    assert torch.equal(logits, cast_logits)
+    assert all(torch.equal(a, b) for a, b in zip(grads, cast_grads, strict=True))
+    with adapter_inputs_uncast(model, "cpu"):  # outside autocast nothing changes
+        assert all(m.cast_input_dtype_enabled for m in adapters)

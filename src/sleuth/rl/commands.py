@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shlex
 
 import typer
@@ -20,6 +21,10 @@ def register(app: typer.Typer) -> None:
         ),
     ) -> None:
         """Train a search agent with RL as the recipe describes."""
+        # The update's activations and the decode engine's KV pool take turns in the same memory in blocks of
+        # other sizes; expandable segments keep freed blocks usable (read at the first CUDA allocation, so a
+        # user's own setting wins)
+        os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
         from rich.console import Console
         from rich.markup import escape
 

@@ -36,7 +36,7 @@ ALWAYS = (
     "memory/host_peak_rss_gib", "memory/peak_allocated_gib", "memory/device_in_use_gib", "decode/graph_failures",
     # how the update ran, and whether the rollouts decoded with the trainer's weights (issue 43)
     "memory/checkpointed_layers", "update/packed", "update/micro_batch_tokens", "update/micro_batches",
-    "update/tokens",
+    "update/tokens", "time/make_batch", "time/weight_sync",
     "rollout/logprob_diff_mean", "rollout/logprob_diff_max", "rollout/logprob_diff_tokens",
 )
 CRITIC = ("critic/value_loss", "critic/clipfrac", "critic/skipped_nonfinite_grad")

@@ -204,12 +204,15 @@ def train_step(run: Run, step: int) -> dict[str, float]:
     batch.debug_path = run.out_dir / "debug" / f"nonfinite_step_{step + 1:06d}_rank{ctx.rank}.pt"
 
     # 3. K epochs of minibatch updates
+    t3 = time.perf_counter()
     run.policy.train()
     stats = update(run, batch)
     for s in run.schedulers.values():
         s.step()
+    t4 = time.perf_counter()
     sync_rollout_weights(run)
     t_update = time.perf_counter() - t2
+    stats["time/make_batch"], stats["time/weight_sync"] = [t3 - t2], [time.perf_counter() - t4]  # parts of update
     if overlapped and overlap.WAIT_FOR_UPDATE:  # tests: the overlapped path at staleness 0
         run.pending = collect_next(run, step, cursor_now, staleness=0)
 
