@@ -4,6 +4,9 @@ import graph, the size of functions, and the imports deferred into functions acr
 from __future__ import annotations
 
 import ast
+import json
+import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
@@ -365,3 +368,93 @@ def test_reader_registration_is_checked() -> None:
         register_reader(Reader("s3", lambda question, hits: []))
     with pytest.raises(ConfigError, match="unknown reader prompt 'nope'; choose one of: .*qagent.*s3"):
         get_reader("nope")
+
+
+# The modules that may import sleuth modules inside a function, and why; everywhere else a sleuth import sits at
+# the module's top. Most are imported by `sleuth --help` (the CLI registers every area's commands): a command
+# body imports what loads torch, transformers, huggingface_hub, fastapi or mcp only when it runs.
+HELP = "`sleuth --help` imports it"
+DEFERRED_IMPORTS = {
+    "sleuth.agent.searcher": "HFGenerator loads torch, only once a searcher's model loads; exporting needs none",
+    "sleuth.llm.registry": "HFGenerator loads torch; the OpenAI, vLLM and GGUF backends and lookups need none",
+    "sleuth.claims.knowledge": f"{HELP}: SFT and the recipe schema (torch), the harness and model loading",
+    "sleuth.claims.reader": f"{HELP}: the export, the harness and model loading",
+    "sleuth.claims.reuse": f"{HELP}: the export (model loading)",
+    "sleuth.claims.s3": f"{HELP}: the recipe schema (torch), model loading",
+    "sleuth.claims.staged": f"{HELP}: the harness",
+    "sleuth.claims.steps": f"{HELP}: the recipe schema, SFT and the trainer (torch), the harness",
+    "sleuth.demo": f"{HELP}: the recipe schema, SFT and the trainer (torch), the harness, the report",
+    "sleuth.eval.commands": f"{HELP}: the harness, the OpenAI client (httpx)",
+    "sleuth.eval.compare_commands": f"{HELP}: the harness",
+    "sleuth.eval.report_commands": f"{HELP}: the report (jinja2)",
+    "sleuth.llm.commands": f"{HELP}: model loading (huggingface_hub)",
+    "sleuth.retrieval.server_commands": f"{HELP}: the /retrieve server (fastapi)",
+    "sleuth.rl.commands": f"{HELP}: the recipe schema, the trainer and SFT (torch)",
+    "sleuth.rl.trajectory_commands": f"{HELP}: the recipe schema and its pieces (torch), model loading",
+    "sleuth.serve.commands": f"{HELP}: the service, the export, the HTTP (fastapi) and MCP (mcp) servers",
+}
+
+
+def _deferred_imports(source: str, module: str, module_names: set[str],
+                      package: bool = False) -> list[tuple[int, str]]:
+    """(line, imported module) of each sleuth import inside a function, relative imports included."""
+    found = []
+
+    def visit(node: ast.AST, in_function: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            if in_function and isinstance(child, ast.Import):
+                found.extend((child.lineno, a.name) for a in child.names if a.name.split(".")[0] == "sleuth")
+            elif in_function and isinstance(child, ast.ImportFrom):
+                if child.level:
+                    base = module.split(".")[: len(module.split(".")) - child.level + package]
+                    target = ".".join([*base, *([child.module] if child.module else [])])
+                else:
+                    target = child.module or ""
+                if target.split(".")[0] == "sleuth":
+                    found.extend((child.lineno, f"{target}.{a.name}" if f"{target}.{a.name}" in module_names
+                                  else target) for a in child.names)
+            visit(child, in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)))
+
+    visit(ast.parse(source), False)
+    return found
+
+
+def _all_deferred_imports() -> dict[str, list[tuple[int, str]]]:
+    names = _module_names()
+    return {module: found for path in sorted(SRC.rglob("*.py"))
+            if (found := _deferred_imports(path.read_text(encoding="utf-8"), module := _module_name(path), names,
+                                           package=path.name == "__init__.py"))}
+
+
+def test_sleuth_imports_sit_at_the_module_top() -> None:
+    """A sleuth module imports sleuth modules at its top, but for the modules on DEFERRED_IMPORTS (each with its
+    reason); an entry whose module defers nothing any more comes off, so the list only shrinks."""
+    deferred = _all_deferred_imports()
+    stray = [f"sleuth/{m.removeprefix('sleuth.').replace('.', '/')}.py:{line} imports {target} inside a function"
+             for m, found in deferred.items() if m not in DEFERRED_IMPORTS for line, target in found]
+    assert not stray, ("import these at the module's top (or put the module on DEFERRED_IMPORTS with the reason "
+                       "it must defer):\n" + "\n".join(stray))
+    idle = set(DEFERRED_IMPORTS) - set(deferred)
+    assert not idle, f"defer nothing now, take off DEFERRED_IMPORTS: {sorted(idle)}"
+
+
+def test_a_deferred_import_defers_something() -> None:
+    """A module that `sleuth --help` loads anyway gains nothing from a deferred import: import it at the top."""
+    code = "import json, sys, sleuth.cli; print(json.dumps(sorted(sys.modules)))"
+    loaded = set(json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                                           check=True).stdout))
+    assert "sleuth.cli" in loaded and "torch" not in loaded
+    pointless = [f"{m}:{line} defers {target}, which `sleuth --help` loads anyway" for m, found in
+                 _all_deferred_imports().items() for line, target in found if target in loaded]
+    assert not pointless, pointless
+
+
+def test_the_deferred_import_check_finds_the_rule_breakers() -> None:
+    names = _module_names()
+    snippet = ("from sleuth.errors import ConfigError\n"
+               "def f():\n    import sleuth.rl.config\n    from sleuth.retrieval import load_retriever\n"
+               "class C:\n    def m(self):\n        from . import trainer\n        import json\n")
+    assert _deferred_imports(snippet, "sleuth.rl.x", names) == [
+        (3, "sleuth.rl.config"), (4, "sleuth.retrieval"), (7, "sleuth.rl.trainer")]
+    assert _deferred_imports("def f():\n    from .base import Hit\n", "sleuth.retrieval", names, package=True) == [
+        (2, "sleuth.retrieval.base")]
