@@ -575,7 +575,6 @@ def test_serve_retriever_loads_index_and_warns_on_public_host(tmp_path, monkeypa
 def test_serve_retriever_passes_nprobe_and_rerank_to_the_index(tmp_path, monkeypatch) -> None:
     """--nprobe / --rerank reach the loader; an index they do not apply to is refused before serving, also when
     the workers would load it themselves."""
-    import sleuth.retrieval
     from sleuth.retrieval import server_commands
 
     _, index = _build_bm25_index(tmp_path)
@@ -591,8 +590,8 @@ def test_serve_retriever_passes_nprobe_and_rerank_to_the_index(tmp_path, monkeyp
         assert result.exit_code == 2 and needle in result.output, (extra, result.output)
     assert runs == []
     loaded: list[dict] = []
-    real = sleuth.retrieval.load_retriever
-    monkeypatch.setattr(sleuth.retrieval, "load_retriever", lambda path, **kw: loaded.append(kw) or real(path))
+    real = server_commands.load_retriever
+    monkeypatch.setattr(server_commands, "load_retriever", lambda path, **kw: loaded.append(kw) or real(path))
     monkeypatch.setattr(server_commands, "check_search_options", lambda manifest, search: None)  # as if dense
     result = CliRunner().invoke(_cli_app(), [*base, "--nprobe", "48", "--rerank", "256"], terminal_width=300)
     assert result.exit_code == 0, result.output

@@ -20,10 +20,16 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from sleuth.agent.searcher import export_searcher
 from sleuth.data.formats import QAExample
 from sleuth.errors import ConfigError
+from sleuth.eval.harness import EvalOutput, eval_config, load_eval_data, resolve_retriever
+from sleuth.eval.harness import evaluate as run_eval
 from sleuth.rl.config import Recipe, apply_overrides, recipe_from_dict
 from sleuth.rl.config import load_recipe as _load_recipe_file
+from sleuth.rl.trainer import train as run_training
+from sleuth.serve.loading import ServiceSpec, build_service
+from sleuth.serve.service import ServiceFailure
 
 Overrides = Mapping[str, Any] | Sequence[str] | None
 
@@ -61,8 +67,6 @@ def train(recipe: Recipe | str | Path, *, resume: bool = False, quiet: bool = Fa
     """Train as `sleuth train` does; returns {"out_dir", "checkpoint"} (the newest checkpoint, or None)."""
     from rich.console import Console
 
-    from sleuth.rl.trainer import train as run_training
-
     if not isinstance(recipe, Recipe):
         recipe = load_recipe(recipe)
     return run_training(recipe, resume=resume, console=Console(quiet=quiet))
@@ -74,7 +78,6 @@ def _examples(data: Any, limit: int | None) -> list[QAExample]:
     items = list(data)
     if items and all(isinstance(x, QAExample) for x in items):
         return items[:limit] if limit else items
-    from sleuth.eval.harness import load_eval_data
 
     return load_eval_data([Path(x) for x in items], limit)
 
@@ -95,9 +98,6 @@ def evaluate(
     `data` is QA file path(s) or `QAExample`s; `options` are `limit` (the first N questions of each data
     source, as `--limit`) and `EvalConfig` fields (top_k, max_turns, ...).
     """
-    from sleuth.eval.harness import EvalOutput, eval_config
-    from sleuth.eval.harness import evaluate as run_eval
-
     limit = options.pop("limit", None)
 
     return run_eval(methods, _examples(data, limit), retriever=retriever, model=model, generator=generator,
@@ -134,8 +134,6 @@ class Searcher:
 
     def _run(self, questions: Sequence[str], want_answer: bool, max_turns: int | None,
              top_k: int | None) -> list[dict[str, Any]]:
-        from sleuth.serve.service import ServiceFailure
-
         queries = [self.service.validate(q, max_turns, top_k, want_answer=want_answer) for q in questions]
         outcomes = self.service.run_batch(queries)
         failed = [o for o in outcomes if isinstance(o, ServiceFailure)]
@@ -183,9 +181,6 @@ def open_searcher(
 ) -> Searcher:
     """A trained searcher (a checkpoint, run directory or `sleuth export` directory) or an untrained
     `model` with a `loop`, over `retriever` (any retriever location: sleuth.retrieval.backends; or an object)."""
-    from sleuth.eval.harness import resolve_retriever
-    from sleuth.serve.loading import ServiceSpec, build_service
-
     spec = ServiceSpec(checkpoint=checkpoint, model=model, loop=loop, loop_options=loop_options or None,
                        generator=generator, device=device)
     service = build_service(spec, retriever=resolve_retriever(retriever), warm_up=False)
@@ -194,6 +189,4 @@ def open_searcher(
 
 def export(checkpoint: str | Path, out: str | Path, *, dtype: str = "keep", overwrite: bool = False) -> Path:
     """`sleuth export`: a Hugging Face model directory (LoRA merged) that keeps the searcher's loop."""
-    from sleuth.agent.searcher import export_searcher
-
     return export_searcher(checkpoint, out, dtype=dtype, overwrite=overwrite)

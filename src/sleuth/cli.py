@@ -1,10 +1,10 @@
 """The `sleuth` command line.
 
 Each area of the package owns its commands in a `commands.py` module with a
-`register(app)` function. Imports inside the command bodies (and their helpers in
-those modules) are deliberate: they stay deferred so that `sleuth --help` stays
-fast. Everywhere else a module imports at its top, except a heavy optional
-dependency deferred with a one-line reason.
+`register(app)` function. `sleuth --help` imports them all, so a command body
+imports what loads torch, model or hub code, fastapi or mcp when it runs, with a
+one-line reason; everything light sits at the module's top. The modules that defer
+and why: tests/test_architecture.py::DEFERRED_IMPORTS.
 """
 
 from __future__ import annotations

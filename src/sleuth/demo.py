@@ -28,8 +28,12 @@ import typer
 from rich.markup import escape
 
 from sleuth.agent.registry import Method, get_method
-from sleuth.errors import ConfigError
+from sleuth.data.formats import read_qa_jsonl
+from sleuth.data.synth import generate_world, write_world
+from sleuth.errors import ConfigError, SleuthError
 from sleuth.eval.compare import headline
+from sleuth.retrieval import build_index, load_retriever
+from sleuth.rl.trajectory_commands import TrajectorySource, recipe_trajectories
 from sleuth.run_layout import SEARCHER_FILE, SearcherInfo, latest_checkpoint
 from sleuth.utils import atomic_write_json
 
@@ -209,9 +213,6 @@ def committed_checkpoint(method: str, size: DemoSize, option: str | None) -> Pat
 
 
 def _build_world(out: Path, size: DemoSize) -> None:
-    from sleuth.data.synth import generate_world, write_world
-    from sleuth.retrieval import build_index
-
     world = out / "world"
     if not (world / "corpus.jsonl").exists():
         write_world(generate_world(size.passages, size.questions, hops=size.hops, seed=LEARNING_WORLD["seed"]), world)
@@ -221,14 +222,13 @@ def _build_world(out: Path, size: DemoSize) -> None:
 
 def held_out_questions(world: Path, count: int) -> list:
     """The first `count` test questions of a synthetic world, each reported under its hop count."""
-    from sleuth.data.formats import read_qa_jsonl
-
     test = read_qa_jsonl(world / "test.jsonl")[:count]
     for ex in test:
         ex.metadata["dataset"] = f"synth-{ex.metadata.get('hops', '?')}hop"
     return test
 
 def _evaluate_committed(out: Path, size: DemoSize, spec: Method, ckpt: Path, retriever: Any) -> dict[str, Any]:
+    # deferred: the harness loads model and hub code; `sleuth --help` imports this module
     from sleuth.agent.searcher import load_searcher
     from sleuth.eval.harness import EvalConfig, EvalOutput, checkpoint_budgets, evaluate
     from sleuth.llm.registry import load_generator
@@ -242,8 +242,6 @@ def _evaluate_committed(out: Path, size: DemoSize, spec: Method, ckpt: Path, ret
 
 def write_oracle_trajectories(out: Path, recipe: Any, size: DemoSize) -> dict[str, int]:
     """The recipe's oracle cold-start trajectories under `out` (the demo's and `sleuth reproduce`'s SFT data)."""
-    from sleuth.rl.trajectory_commands import TrajectorySource, recipe_trajectories
-
     path = out / "trajectories.jsonl"
     if path.exists():
         return {"kept": sum(1 for _ in path.open())}
@@ -262,11 +260,11 @@ def run_demo(
 ) -> Path:
     import torch
 
+    # deferred: the harness, the report and training load torch; `sleuth --help` imports this module
     from sleuth.agent.searcher import load_searcher
     from sleuth.eval.harness import EvalConfig, EvalOutput, evaluate
     from sleuth.eval.report import build_report
     from sleuth.llm.registry import load_generator
-    from sleuth.retrieval import load_retriever
     from sleuth.rl.config import write_recipe
     from sleuth.rl.sft import run_sft
     from sleuth.rl.trainer import train
@@ -373,8 +371,6 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Run the embedded default end to end: world, indexes, baselines, training, report."""
         from rich.console import Console
-
-        from sleuth.errors import SleuthError
 
         console = Console()
         try:

@@ -14,6 +14,7 @@ from sleuth.claims.base import ClaimSpec
 from sleuth.claims.registry import CLAIMS
 from sleuth.claims.runner import reproduce
 from sleuth.claims.stages import ArmsPending
+from sleuth.errors import SleuthError
 
 
 class ClaimGroup(TyperGroup):
@@ -59,8 +60,6 @@ def _register_claim(repro: typer.Typer, spec: ClaimSpec) -> None:
     ) -> None:
         from rich.console import Console
         from rich.markup import escape
-
-        from sleuth.errors import SleuthError
 
         console = Console(soft_wrap=True)  # never break a path or the error across lines
         try:

@@ -25,8 +25,10 @@ from sleuth.agent.coldstart import SFTRecord, write_records
 from sleuth.appendlog import read_appended
 from sleuth.data.formats import QAExample, read_qa_jsonl, write_qa_jsonl
 from sleuth.data.synth import KNOWLEDGE_FILE, KNOWLEDGE_TYPES
-from sleuth.errors import ConfigError, DataFormatError
-from sleuth.eval.baselines import DIRECT_PROMPT
+from sleuth.errors import ConfigError, DataFormatError, SleuthError
+from sleuth.eval.baselines import DIRECT_PROMPT, parse_answer
+from sleuth.llm.base import SamplingParams
+from sleuth.rewards.metrics import exact_match
 from sleuth.utils import atomic_write_json
 
 INJECTION_LOOP = "search_r1"  # the SFT records need a loop label; the direct prompt uses no loop's tags
@@ -124,6 +126,7 @@ def world_sft_recipe(world: Path, out: Path, settings: Any, job: WorldSFT) -> di
 def run_world_sft(world: Path, out: Path, settings: Any, job: WorldSFT, records: list[SFTRecord],
                   console: Any = None) -> dict[str, Any]:
     """Write `records` and `job`'s recipe into OUT, then run (or resume) sleuth's SFT; its result."""
+    # deferred: the recipe schema and SFT load torch; `sleuth --help` imports this module
     from sleuth.rl.config import write_recipe
     from sleuth.rl.sft import run_sft
 
@@ -137,6 +140,7 @@ def inject_knowledge(world: Path, out: Path, settings: InjectionSettings, consol
     finished injection (out/injected.json) is returned as is, an interrupted one resumes its SFT."""
     from transformers import AutoTokenizer
 
+    # deferred: model loading (huggingface_hub); `sleuth --help` imports this module
     from sleuth.llm.registry import resolve_model_path
 
     out = Path(out)
@@ -168,6 +172,7 @@ def boundary_questions(world: Path, split: str, limit: int | None) -> list[QAExa
 def boundary_check(world: Path, model: str, out: Path, split: str = "test", limit: int | None = None) -> dict[str, Any]:
     """`direct` (closed-book) accuracy per knowledge type, with 95% bootstrap intervals; written to
     out/boundary.json as {type: {"n", "em", "em_ci"}} plus "known_minus_unknown" (EM points)."""
+    # deferred: the harness loads model and hub code; `sleuth --help` imports this module
     from sleuth.eval.harness import EvalConfig, EvalOutput, evaluate
 
     questions = boundary_questions(world, split, limit)
@@ -194,6 +199,7 @@ def label_by_model(world: Path, model: str, out: Path, batch_size: int = 64) -> 
     cannot recall the answer); the others keep their labels. Writes OUT/train.jsonl and OUT/test.jsonl with
     `metadata.knowledge` relabelled and the world's label kept as `metadata.knowledge_by_world`; the corpus and index
     stay the world's. Resumable (the closed-book evaluations resume)."""
+    # deferred: the harness loads model and hub code; `sleuth --help` imports this module
     from sleuth.eval.harness import EvalConfig, EvalOutput, evaluate
 
     out = Path(out)
@@ -228,10 +234,8 @@ def sampled_closed_book(model: str, questions: list[QAExample], samples: int, te
                         seed: int = 0) -> dict[str, Any]:  # fmt: skip
     """Closed-book EM (the `direct` prompt) of `samples` samples per question at `temperature`, as RL samples its
     rollouts: a greedy label can overstate what a sampling policy recalls."""
-    from sleuth.eval.baselines import parse_answer
+    # deferred: the harness loads model and hub code; `sleuth --help` imports this module
     from sleuth.eval.loading import resolve_generator
-    from sleuth.llm.base import SamplingParams
-    from sleuth.rewards.metrics import exact_match
 
     if not questions:
         return {"n": 0, "samples": samples, "em": None}
@@ -260,8 +264,6 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Teach a model a world's known facts (SFT), then check direct accuracy on known vs unknown questions."""
         from rich.console import Console
-
-        from sleuth.errors import SleuthError
 
         console = Console()
         try:

@@ -33,9 +33,12 @@ from sleuth.agent.coldstart import SFTRecord
 from sleuth.agent.registry import reader_names
 from sleuth.claims.knowledge import WorldSFT, run_world_sft
 from sleuth.data.formats import QAExample, read_qa_jsonl
-from sleuth.errors import ConfigError
+from sleuth.errors import ConfigError, SleuthError
+from sleuth.eval.baselines import BaselineSettings, gold_passages, read_documents
+from sleuth.eval.stats import bootstrap_ci
 from sleuth.retrieval.base import Hit
 from sleuth.rewards.answerer import document_prompt
+from sleuth.rewards.metrics import exact_match
 from sleuth.utils import atomic_write_json
 
 READER_LOOP = "s3"  # SFT records and searcher.json need a registered loop; the reader prompt uses no loop tags
@@ -100,8 +103,6 @@ def gold_questions(path: Path, limit: int | None) -> list[QAExample]:
 def reader_documents(retriever: Any, questions: Sequence[QAExample], distractors: int, seed: int) -> list[list[Hit]]:
     """Each question's gold passages plus up to `distractors` of its BM25 hits that are not gold, shuffled
     with a generator seeded by `seed` (the same documents every run)."""
-    from sleuth.eval.baselines import gold_passages
-
     golds = gold_passages(retriever, questions)
     extra: list[list[Hit]] = [[] for _ in questions]
     if distractors:
@@ -145,6 +146,7 @@ def train_reader(world: Path, out: Path, settings: ReaderSettings, console: Any 
     (OUT/reader). Resumable: a finished reader (OUT/reader.json) is returned as is, an interrupted SFT resumes."""
     from transformers import AutoTokenizer
 
+    # deferred: the export, the harness and model loading load hub code; `sleuth --help` imports this module
     from sleuth.agent.searcher import export_searcher
     from sleuth.eval.harness import resolve_retriever
     from sleuth.llm.registry import resolve_model_path
@@ -174,10 +176,8 @@ def reader_check(world: Path, reader: str, out: Path, split: str = "test", limit
     """EM of `reader` answering from each question's gold passages (what `sleuth eval`'s `oracle` row does,
     here for every reader template), with 95% bootstrap intervals; written to OUT/reader_check.json as
     {template: {"n", "em", "em_ci"}}."""
-    from sleuth.eval.baselines import BaselineSettings, gold_passages, read_documents
+    # deferred: the harness loads model and hub code; `sleuth --help` imports this module
     from sleuth.eval.harness import resolve_generator, resolve_retriever
-    from sleuth.eval.stats import bootstrap_ci
-    from sleuth.rewards.metrics import exact_match
 
     templates = check_templates(templates)
     data, index = _world_files(world, split)
@@ -214,8 +214,6 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Train a frozen reader (question + gold passages -> answer), then check its EM from gold passages."""
         from rich.console import Console
-
-        from sleuth.errors import SleuthError
 
         console = Console()
         try:

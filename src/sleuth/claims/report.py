@@ -8,7 +8,9 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from sleuth.claims.base import PREMISE
+from sleuth.appendlog import read_appended
+from sleuth.claims.base import PREMISE, predictions
+from sleuth.eval.stats import bootstrap_ci
 from sleuth.utils import atomic_write_json, atomic_write_text
 
 STYLE = """
@@ -127,8 +129,6 @@ def _stage_list(out: Path, details: dict[str, Any]) -> str:
 
 def _figures(run: Any, seeds: dict[str, Any]) -> str:
     """The first seed's training curves of every arm and the decisive tests' measures by question type."""
-    from sleuth.claims.base import predictions
-
     runs = {name.removeprefix("train_"): Path(result["run"]) for name, result in run.results.items()
             if name.startswith("train_") and "." not in name and isinstance(result, dict) and "run" in result}
     parts = [training_figure(runs)]
@@ -190,8 +190,6 @@ def training_figure(runs: dict[str, Path]) -> str:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    from sleuth.appendlog import read_appended
-
     series = {}
     for arm, run in runs.items():
         path = Path(run) / "metrics.jsonl"
@@ -220,8 +218,6 @@ def type_bars_figure(test: dict[str, Any], treated: dict[str, dict], baseline: d
     its two arms, with 95% bootstrap intervals (inline PNG)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
-
-    from sleuth.eval.stats import bootstrap_ci
 
     kinds = sorted({r.get("dataset", "all") for r in treated.values()})
     fig = Figure(figsize=(6, 3.2), dpi=100, layout="constrained")

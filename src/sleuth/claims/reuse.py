@@ -17,6 +17,8 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from sleuth.claims.knowledge import InjectionSettings, boundary_check, inject_knowledge
+from sleuth.claims.reader import READER_DIR, reader_check, train_reader
 from sleuth.errors import ConfigError
 from sleuth.utils import atomic_write_json, sha256_file
 
@@ -75,8 +77,8 @@ def _copy_model(model: Path, dest: Path) -> None:
 def reader_stage(world: Path, out: Path, profile: Any, reuse: Path | None, console: Any = None) -> dict[str, Any]:
     """The claim's trained reader under OUT (trained, or REUSE/reader exported there), with its gold-passage EM
     on the profile's test questions."""
+    # deferred: the export loads model and hub code; `sleuth --help` imports this module
     from sleuth.agent.searcher import export_searcher
-    from sleuth.claims.reader import READER_DIR, reader_check, train_reader
 
     if reuse is None:
         path = train_reader(world, out, profile.reader, console)
@@ -96,8 +98,6 @@ def reader_stage(world: Path, out: Path, profile: Any, reuse: Path | None, conso
 def inject_stage(world: Path, out: Path, profile: Any, reuse: Path | None, console: Any = None) -> dict[str, Any]:
     """The staged claim's knowledge-injected model (trained under OUT, or REUSE/injected), with its closed-book EM
     per question type on the profile's test questions (the knowledge boundary)."""
-    from sleuth.claims.knowledge import InjectionSettings, boundary_check, inject_knowledge
-
     if reuse is None:
         settings = InjectionSettings(model=profile.pipeline.model, epochs=profile.inject_epochs, lr=profile.inject_lr,
                                      batch_size=profile.inject_batch, lora=profile.lora)

@@ -28,6 +28,8 @@ from sleuth.data.filters import keep_hard
 from sleuth.data.formats import read_qa_jsonl
 from sleuth.data.score_cache import ScoreCache
 from sleuth.eval.stats import bootstrap_ci
+from sleuth.retrieval import load_retriever
+from sleuth.rewards.base import RewardServices, get_reward
 
 METHODS = ("s3", "search_r1")
 
@@ -59,11 +61,8 @@ def _rag_baseline(run: Any) -> dict[str, Any]:
     """Naive RAG's accuracy on every RL-pool question (the training questions after the SFT ones), read by the trained
     reader and scored exactly as s3's reward scores its baseline term; written as a score cache for the hard-question
     filter and the reward."""
-    from sleuth.llm.registry import (
-        load_generator,  # deferred with the two below: `sleuth --help` loads no model code
-    )
-    from sleuth.retrieval import load_retriever
-    from sleuth.rewards.base import RewardServices, get_reward
+    # deferred: model loading (huggingface_hub); `sleuth --help` imports this module
+    from sleuth.llm.registry import load_generator
 
     reward_spec = arm_recipe(run, METHODS[0], None)["reward"]
     reward = get_reward(reward_spec["name"], **reward_spec.get("options", {}))
@@ -106,6 +105,7 @@ def premise_checks(run: Any) -> dict[str, Any]:
     """What the arms will train on, read from their own recipes (`load_examples`, as the trainer reads them): every
     arm's RL questions disjoint from the SFT questions; s3's pool of naive-RAG-wrong questions as large as its largest
     size (else it repeats questions where search_r1 sees new ones); at least the paper's 20 GRPO steps at every size."""
+    # deferred: the recipe schema loads torch; `sleuth --help` imports this module
     from sleuth.rl.config import recipe_from_dict
     from sleuth.rl.setup import load_examples
 

@@ -115,6 +115,7 @@ def _known_test_questions(run: Any) -> list:
 def _search_probe(run: Any) -> dict[str, Any]:
     """The injected model answering all-known held-out questions from one search (naive RAG, top 3, greedy): the
     accuracy a known question gets by searching once. Greedy favours searching over the sampled closed-book side."""
+    # deferred: the harness loads model and hub code; `sleuth --help` imports this module
     from sleuth.eval.harness import EvalConfig, EvalOutput, evaluate
 
     known = _known_test_questions(run)

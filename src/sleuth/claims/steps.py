@@ -18,6 +18,7 @@ from sleuth.claims.knowledge import boundary_questions
 from sleuth.claims.profiles import ClaimProfile
 from sleuth.data.synth import generate_world, write_world
 from sleuth.demo import demo_recipe, held_out_questions, write_oracle_trajectories
+from sleuth.retrieval import build_index
 from sleuth.run_layout import latest_checkpoint
 
 
@@ -39,8 +40,6 @@ def build_world(world: Path, profile: ClaimProfile, seed: int = 0) -> dict[str, 
     """The claim's world from its seed (questions, corpus, BM25 index) under `world`: the same bytes every time
     but for the index manifest's build time and corpus path (a claim bundle rebuilds it rather than carrying it).
     Another seed makes another world of the same sizes: other entities, other facts."""
-    from sleuth.retrieval import build_index  # loads bm25s (and its JAX import) only when a world is built
-
     size = profile.pipeline
     summary = write_world(generate_world(size.passages, size.questions, hops=size.hops, seed=seed,
                                          known_fraction=profile.known_fraction), world, splits=profile.splits)
@@ -112,6 +111,7 @@ def evaluate(run: ClaimRun, method: str, checkpoint: str, name: str, reader: str
     """`method`'s checkpoint on the claim's held-out questions (greedy), under <root>/eval/<name>; a searcher's
     documents go to `reader` (default: the checkpoint itself); with `hand_over_template`, any method's documents
     do, read with that prompt."""
+    # deferred: the harness loads model and hub code; `sleuth --help` imports this module
     from sleuth.agent.searcher import load_searcher
     from sleuth.eval.harness import EvalConfig, EvalOutput, checkpoint_budgets
     from sleuth.eval.harness import evaluate as run_evaluation

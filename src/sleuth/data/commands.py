@@ -6,6 +6,13 @@ from pathlib import Path
 
 import typer
 
+from sleuth.data.filters import drop_yes_no as drop_yn
+from sleuth.data.filters import keep_hard
+from sleuth.data.formats import load_qa, save_qa
+from sleuth.data.score_cache import ScoreCache
+from sleuth.data.synth import generate_world, parse_hops, split_sizes, write_world
+from sleuth.errors import SleuthError
+
 
 def _fail(message: str) -> None:
     from rich.console import Console
@@ -45,8 +52,6 @@ def register(app: typer.Typer) -> None:
         from rich.console import Console
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
         from rich.table import Table
-
-        from sleuth.data.synth import generate_world, parse_hops, split_sizes, write_world
 
         try:
             hop_range = parse_hops(hops)
@@ -117,9 +122,6 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Convert a QA dataset between FlashRAG jsonl and Search-R1 parquet; each question keeps its dataset
         (data_source), so converted files merged into one (as Search-R1's qa_search_test_merge.py does) load."""
-        from sleuth.data.formats import load_qa, save_qa
-        from sleuth.errors import SleuthError
-
         try:
             examples = load_qa(src)
             if data_source:  # both formats carry it in the question's metadata; parquet in data_source too
@@ -143,12 +145,6 @@ def register(app: typer.Typer) -> None:
         missing: str = typer.Option("error", "--missing", help="Questions absent from the cache: error|keep|drop."),
     ) -> None:
         """Apply s3's training-set filters."""
-        from sleuth.data.filters import drop_yes_no as drop_yn
-        from sleuth.data.filters import keep_hard
-        from sleuth.data.formats import load_qa, save_qa
-        from sleuth.data.score_cache import ScoreCache
-        from sleuth.errors import SleuthError
-
         if missing not in ("error", "keep", "drop"):
             _fail(f"--missing must be error, keep or drop, got {missing!r}")
         if hard_from is not None and not hard_from.exists():

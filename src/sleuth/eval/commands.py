@@ -8,6 +8,10 @@ from typing import Any
 
 import typer
 
+from sleuth.agent.registry import load_plugins
+from sleuth.errors import SleuthError
+from sleuth.eval.compare import CONSOLE_PAIRED_METRICS, paired_rows
+
 
 def _fail(message: str) -> None:
     from rich.console import Console
@@ -131,8 +135,7 @@ def register(app: typer.Typer) -> None:
 
         from rich.console import Console
 
-        from sleuth.agent.registry import load_plugins
-        from sleuth.errors import SleuthError
+        # deferred: the harness loads model and hub code; `sleuth --help` imports this module
         from sleuth.eval.harness import (
             EvalConfig,
             EvalOutput,
@@ -189,8 +192,6 @@ def register(app: typer.Typer) -> None:
         header, rows = summary_rows(summary)
         print_summary(console, f"sleuth eval -> {out}  ({elapsed:.1f} s)", header, rows)
         if summary.get("paired"):
-            from sleuth.eval.compare import CONSOLE_PAIRED_METRICS, paired_rows
-
             header, rows = paired_rows(summary["paired"], CONSOLE_PAIRED_METRICS)
             print_summary(
                 console, "minus naive-rag on the same questions: points [95% paired bootstrap interval]", header, rows,

@@ -6,6 +6,15 @@ from pathlib import Path
 
 import typer
 
+from sleuth.errors import ConfigError, SleuthError
+from sleuth.eval.compare import (
+    PAIRED_METRICS,
+    compare_records,
+    format_difference,
+    load_method_records,
+)
+from sleuth.utils import atomic_write_json
+
 
 def register(app: typer.Typer) -> None:
     @app.command("compare")
@@ -23,15 +32,8 @@ def register(app: typer.Typer) -> None:
         from rich.markup import escape
         from rich.table import Table
 
-        from sleuth.errors import ConfigError, SleuthError
-        from sleuth.eval.compare import (
-            PAIRED_METRICS,
-            compare_records,
-            format_difference,
-            load_method_records,
-        )
+        # deferred: the harness loads model and hub code; `sleuth --help` imports this module
         from sleuth.eval.harness import ANSWER_METRICS
-        from sleuth.utils import atomic_write_json
 
         console = Console()
         metrics = metric or list(PAIRED_METRICS)

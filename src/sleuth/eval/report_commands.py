@@ -6,6 +6,8 @@ from pathlib import Path
 
 import typer
 
+from sleuth.errors import SleuthError
+
 
 def register(app: typer.Typer) -> None:
     @app.command("report")
@@ -24,7 +26,7 @@ def register(app: typer.Typer) -> None:
         """Write one self-contained HTML report (plots, tables, trajectory viewer) for a run directory."""
         from rich.console import Console
 
-        from sleuth.errors import SleuthError
+        # deferred: the report loads jinja2 and pydantic; `sleuth --help` imports this module
         from sleuth.eval.report import build_report, training_verdicts
 
         console = Console(soft_wrap=True)  # paths whole, never broken at the terminal's width

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import typer
 
+from sleuth.errors import SleuthError
+from sleuth.llm.base import SamplingParams
+from sleuth.llm.gguf import cache_root
+
 
 def register(app: typer.Typer) -> None:
     @app.command("generate")
@@ -21,8 +25,7 @@ def register(app: typer.Typer) -> None:
         """Generate one completion with any backend."""
         from rich.console import Console
 
-        from sleuth.errors import SleuthError
-        from sleuth.llm.base import SamplingParams
+        # deferred: model loading (huggingface_hub); `sleuth --help` imports this module
         from sleuth.llm.registry import load_generator
 
         console = Console()
@@ -47,7 +50,7 @@ def register(app: typer.Typer) -> None:
         from rich.console import Console
         from rich.table import Table
 
-        from sleuth.llm.gguf import cache_root
+        # deferred: model loading (huggingface_hub); `sleuth --help` imports this module
         from sleuth.llm.registry import EMBEDDED_MODEL, list_models
 
         table = Table(title=f"sleuth models (default: {EMBEDDED_MODEL}; cache: {cache_root()})")

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from sleuth.errors import ConfigError, IndexMismatchError
+from sleuth.retrieval._bm25_kernel import bm25_topk, token_weight_bounds
 from sleuth.retrieval._common import hits_from_rows, validate_queries
 from sleuth.retrieval.base import Hit
 from sleuth.retrieval.docstore import DocStore
@@ -171,9 +172,6 @@ class BM25Retriever:
         return rows, scores
 
     def _topk(self, batch: list[list[int]], k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        # deferred: importing numba is slow; only searches need the kernel
-        from sleuth.retrieval._bm25_kernel import bm25_topk, token_weight_bounds
-
         m = self.model.scores
         if self._token_bounds is None:
             # One pass over the score matrix on the first search, not at load: loading stays a memory map.

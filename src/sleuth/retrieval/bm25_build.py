@@ -35,6 +35,7 @@ import numpy as np
 from numba import njit
 
 from sleuth.errors import ConfigError
+from sleuth.retrieval._bm25_kernel import token_weight_bounds
 from sleuth.retrieval.bm25 import TOKEN_BOUNDS_FILE, _make_tokenizer, bm25_params, import_bm25s
 from sleuth.retrieval.docstore import DocStore
 
@@ -225,8 +226,6 @@ def build_bm25_sharded(
 def _save_token_bounds(out_dir: Path, indptr: np.ndarray) -> None:
     """The search kernel's per-token bounds, computed once here so that a server's start reads
     16 bytes a token instead of scanning the whole score matrix on its first search."""
-    from sleuth.retrieval._bm25_kernel import token_weight_bounds  # deferred: compiles/loads numba kernels
-
     data = np.load(out_dir / "data.csc.index.npy", mmap_mode="r")
     indices = np.load(out_dir / "indices.csc.index.npy", mmap_mode="r")
     upper, magnitude, ascending = token_weight_bounds(data, indices, indptr)

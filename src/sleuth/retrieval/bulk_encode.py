@@ -33,7 +33,8 @@ import numpy as np
 from sleuth.errors import ConfigError
 from sleuth.retrieval.dense import passage_text
 from sleuth.retrieval.docstore import DocStore
-from sleuth.retrieval.encoders import EncoderConfig
+from sleuth.retrieval.encoders import Encoder, EncoderConfig
+from sleuth.retrieval.fast_tokenize import BatchTokenizer, UnsupportedTokenizer
 from sleuth.utils import atomic_write_json, atomic_write_text
 
 PLAN = "plan.json"
@@ -216,7 +217,6 @@ def _probe_dim(encoder: EncoderConfig | Callable[[str], Any]) -> int:
     """The embedding dimension (loads the encoder once on the CPU: seconds, before the workers start)."""
     if not isinstance(encoder, EncoderConfig):
         return int(encoder("cpu").dim)
-    from sleuth.retrieval.encoders import Encoder
 
     return Encoder(encoder, device="cpu").dim
 
@@ -312,8 +312,6 @@ def _load_worker_encoder(job: EncodeJob, device: str) -> Any:
         return job.factory(device)
     import torch  # deferred: only workers with a real model need it
 
-    from sleuth.retrieval.encoders import Encoder
-
     torch.set_num_threads(job.threads_per_worker)
     encoder = Encoder(job.encoder, device=device)
     if job.fp16 and device.startswith("cuda"):
@@ -341,8 +339,6 @@ def _tokenizer_for(model: Any, texts: list[str], fast: bool) -> Callable[[list[s
     `texts`, else preprocess. Either way preprocess has been called once before any reader thread: the
     tokenizer stores its truncation/padding settings on the first call (a write), and a write while
     another thread encodes fails ("Already borrowed"); later calls with the same settings only read."""
-    from sleuth.retrieval.fast_tokenize import BatchTokenizer, UnsupportedTokenizer
-
     preprocess = getattr(model, "preprocess", None) or model.tokenize
     if fast:
         try:

@@ -6,6 +6,11 @@ from pathlib import Path
 
 import typer
 
+from sleuth.errors import SleuthError
+from sleuth.retrieval.bulk_encode import EncodePlan, encode_docstore_parallel
+from sleuth.retrieval.encoders import EncoderConfig
+from sleuth.retrieval.index import KINDS, build_index, load_retriever
+
 
 def _fail(message: str) -> None:
     from rich.console import Console
@@ -112,9 +117,6 @@ def register(app: typer.Typer) -> None:
         """Build a BM25 or dense index of a corpus (docstore + index + manifest.json)."""
         import time
 
-        from sleuth.errors import SleuthError
-        from sleuth.retrieval.index import KINDS, build_index
-
         if kind not in KINDS:
             _fail(f"--kind must be one of {', '.join(KINDS)}, got {kind!r}")
         if corpus is None and docstore_from is None:
@@ -182,10 +184,6 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Encode an index's passages for `sleuth index --embeddings`, one worker per device; a rerun
         after an interruption resumes."""
-        from sleuth.errors import SleuthError
-        from sleuth.retrieval.bulk_encode import EncodePlan, encode_docstore_parallel
-        from sleuth.retrieval.encoders import EncoderConfig
-
         if batch_size <= 0:
             _fail(f"--batch-size must be positive, got {batch_size}")
         if not (index_dir / "docstore" / "docstore.json").is_file():
@@ -216,9 +214,6 @@ def register(app: typer.Typer) -> None:
         """Search an index and print the top-k passages."""
         from rich.console import Console
         from rich.table import Table
-
-        from sleuth.errors import SleuthError
-        from sleuth.retrieval.index import load_retriever
 
         if k <= 0:
             _fail(f"-k must be a positive integer, got {k}")

@@ -11,7 +11,8 @@ from typing import TYPE_CHECKING, Any
 
 import typer
 
-from sleuth.errors import ConfigError
+from sleuth.errors import ConfigError, SleuthError
+from sleuth.retrieval import load_retriever, prefork
 from sleuth.retrieval.base import (
     BODY_BUDGET_REQUESTS,
     BODY_BUDGET_WAIT_S,
@@ -20,6 +21,7 @@ from sleuth.retrieval.base import (
     DEFAULT_SEARCH_CHUNK,
     default_max_body_bytes,
 )
+from sleuth.retrieval.index import check_corpus, read_manifest
 
 if TYPE_CHECKING:  # the CLI must import without the serving stack (GPU images, training-only installs)
     from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -75,9 +77,6 @@ def check_search_options(manifest: dict[str, Any], search: dict[str, int]) -> No
 def load_serving_retriever(options: dict[str, Any]) -> Any:
     """Load the retriever `options` name (checking the search options first) without searching it:
     the pre-fork supervisor calls this before forking, when no thread pool may have run."""
-    from sleuth.retrieval import load_retriever
-    from sleuth.retrieval.index import read_manifest
-
     index = Path(options["index"])
     search = options.get("search") or {}
     if search:
@@ -99,6 +98,7 @@ def serving_app(retriever: Any, options: dict[str, Any]) -> ASGIApp:
     Every response carries the serving process id in `X-Sleuth-Worker-Pid`, so a client or a test
     can see which worker answered.
     """
+    # deferred: the server loads fastapi; `sleuth --help` imports this module
     from sleuth.http_errors import BodyBudget
     from sleuth.retrieval.server import create_app
 
@@ -204,8 +204,6 @@ def register(app: typer.Typer) -> None:
         """Serve a retrieval index at POST /retrieve (Search-R1 compatible) and GET /health."""
         from rich.console import Console
 
-        from sleuth.errors import SleuthError
-
         console = Console(stderr=True, soft_wrap=True)
         if not index.exists():
             console.print(f"[red]error:[/red] --index {index} does not exist; build one with `sleuth index`.")
@@ -234,7 +232,6 @@ def register(app: typer.Typer) -> None:
         if not batch_wait_ms >= 0:
             console.print(f"[red]error:[/red] --batch-wait-ms must be >= 0, got {batch_wait_ms}.")
             raise typer.Exit(2)
-        from sleuth.retrieval import prefork
 
         if preload and not hasattr(os, "fork"):
             console.print("[red]error:[/red] --preload needs os.fork, which this platform lacks; use --no-preload.")
@@ -242,8 +239,6 @@ def register(app: typer.Typer) -> None:
         forked = workers > 1 and (prefork.prefork_available() if preload is None else preload)
 
         import uvicorn
-
-        from sleuth.retrieval.index import check_corpus, read_manifest
 
         options = {
             "index": str(index.resolve()),

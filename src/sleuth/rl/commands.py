@@ -7,6 +7,8 @@ import shlex
 
 import typer
 
+from sleuth.errors import ConfigError, SleuthError
+
 
 def register(app: typer.Typer) -> None:
     @app.command("train")
@@ -28,7 +30,7 @@ def register(app: typer.Typer) -> None:
         from rich.console import Console
         from rich.markup import escape
 
-        from sleuth.errors import SleuthError
+        # deferred (and below): recipe schema and training load torch; `sleuth --help` imports this module
         from sleuth.rl.config import load_recipe
         from sleuth.rl.interrupts import (
             SIGTERM_EXIT,
@@ -76,7 +78,7 @@ def register(app: typer.Typer) -> None:
         """Supervised fine-tuning on trajectories; checkpoints load like RL ones (sleuth train model.init_from=...)."""
         from rich.console import Console
 
-        from sleuth.errors import SleuthError
+        # deferred (and below): the recipe schema and SFT load torch; `sleuth --help` imports this module
         from sleuth.rl.config import load_recipe
         from sleuth.rl.interrupts import SIGTERM_EXIT, StoppedBySignal, stop_on_sigterm
 
@@ -108,7 +110,7 @@ def register(app: typer.Typer) -> None:
 
         import yaml
 
-        from sleuth.errors import ConfigError, SleuthError
+        # deferred: the recipe schema loads torch; `sleuth --help` imports this module
         from sleuth.rl.config import load_recipe
         from sleuth.rl.setup import check_input_paths, check_pieces
 

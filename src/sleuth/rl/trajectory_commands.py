@@ -11,6 +11,17 @@ from typing import Any
 
 import typer
 
+from sleuth.agent.coldstart import (
+    RejectionSampling,
+    collect_oracle,
+    collect_teacher,
+    records_from_messages,
+    write_records,
+)
+from sleuth.errors import ConfigError, SleuthError
+from sleuth.llm.base import SamplingParams
+from sleuth.rewards.base import get_reward
+
 
 @dataclass(frozen=True)
 class TrajectorySource:
@@ -44,8 +55,6 @@ def register(app: typer.Typer) -> None:
         """Write SFT trajectories (token ids + loss mask exactly as the RL rollout builds them, plus text)."""
         from rich.console import Console
 
-        from sleuth.errors import SleuthError
-
         console = Console(soft_wrap=True)  # a message or path is one line, never broken at the width
         try:
             stats = make_trajectories(recipe, overrides or [], out, TrajectorySource(
@@ -68,17 +77,8 @@ def recipe_trajectories(recipe: Any, out: Path, src: TrajectorySource) -> dict[s
     # deferred so that `sleuth --help` does not load torch and transformers
     from transformers import AutoTokenizer
 
-    from sleuth.agent.coldstart import (
-        RejectionSampling,
-        collect_oracle,
-        collect_teacher,
-        records_from_messages,
-        write_records,
-    )
-    from sleuth.errors import ConfigError
-    from sleuth.llm.base import SamplingParams
+    # deferred: model loading and the recipe's pieces load torch; `sleuth --help` imports this module
     from sleuth.llm.registry import load_generator, resolve_model_path
-    from sleuth.rewards.base import get_reward
     from sleuth.rl.setup import (
         build_loop,
         build_retriever,

@@ -12,6 +12,10 @@ from typing import Any
 
 import typer
 
+from sleuth.agent.registry import load_plugins
+from sleuth.errors import SleuthError
+from sleuth.retrieval.server_commands import is_loopback_host
+
 # The options serve-searcher and serve-mcp share, declared once: (type, typer option) by parameter name.
 SEARCHER_OPTIONS: dict[str, tuple[Any, Any]] = {
     "checkpoint": (Path | None, typer.Option(None, "--checkpoint", help="A `sleuth train` checkpoint or run directory.")),
@@ -124,8 +128,6 @@ def _token(token_env: str) -> str | None:
 
 
 def _check_network(host: str, port: int, token: str | None, what: str) -> None:
-    from sleuth.retrieval.server_commands import is_loopback_host
-
     if not 1 <= port <= 65535:
         _fail(f"--port must be in 1..65535, got {port}")
     if not is_loopback_host(host):
@@ -138,8 +140,7 @@ def _check_network(host: str, port: int, token: str | None, what: str) -> None:
 
 def _build(options: SearcherOptions):
     """The service the shared options describe (an error is printed and the command exits 2)."""
-    from sleuth.agent.registry import load_plugins
-    from sleuth.errors import SleuthError
+    # deferred: the service loads model code; `sleuth --help` imports this module
     from sleuth.serve.loading import ServiceSpec, build_service, parse_loop_options
     from sleuth.serve.service import ServeLimits
 
@@ -168,8 +169,8 @@ def register(app: typer.Typer) -> None:
         overwrite: bool = typer.Option(False, "--overwrite", help="Replace a non-empty --out."),
     ) -> None:
         """Merge a trained searcher (LoRA folded in) into a Hugging Face model directory for vLLM/SGLang/TGI."""
+        # deferred: the export loads model and hub code; `sleuth --help` imports this module
         from sleuth.agent.searcher import export_searcher
-        from sleuth.errors import SleuthError
 
         try:
             path = export_searcher(checkpoint, out, dtype=dtype, overwrite=overwrite)
@@ -192,6 +193,7 @@ def register(app: typer.Typer) -> None:
         service = _build(options)
         import uvicorn
 
+        # deferred: the server loads fastapi; `sleuth --help` imports this module
         from sleuth.serve.searcher_server import create_app
 
         shown = f"[{host}]" if ":" in host else host
@@ -215,6 +217,7 @@ def register(app: typer.Typer) -> None:
         if transport == "http":
             _check_network(host, port, token, "MCP server")
         service = _build(options)
+        # deferred: the MCP server loads mcp; `sleuth --help` imports this module
         from sleuth.serve.mcp_server import create_mcp_server, http_app, run_stdio
 
         server = create_mcp_server(service)
