@@ -116,6 +116,8 @@ def test_fork_copies_a_state_at_a_turn_boundary(gen) -> None:
     copies = fork(point, 3, first_sample=5)
     assert [c.sample for c in copies] == [5, 6, 7] and [c.traj.sample for c in copies] == [5, 6, 7]
     assert all(c.traj.extra["forked_at_turn"] == point.turns_taken == 1 for c in copies)
+    assert all(c.traj.extra["shared_policy_tokens"] == sum(point.traj.loss_mask) > 0 for c in copies)
+    assert all(c.traj.extra["shared_retrievals"] == point.traj.retrieval_count for c in copies)
     copies[0].traj.response_ids.append(-1)  # independent: the state and the other copies are untouched
     assert copies[1].traj.response_ids == point.traj.response_ids and "forked_at_turn" not in point.traj.extra
     with pytest.raises(ConfigError, match="finished"):
@@ -163,3 +165,21 @@ def _check_tree_grpo(tg, gen) -> None:
     trajs = rollout_tree(get_loop("tree_search", max_turns=2), gen, ToyRetriever(), EXAMPLES[:1], GREEDY,
                          TreeSpec(trees=2, expansions=1, branches=1))
     assert tg.tree_ids(trajs) == [(1, 0, 0), (1, 0, 1), (1, 0, 0), (1, 0, 1)]
+
+
+def test_budget_counts_charge_a_branch_only_what_it_generated_after_its_fork() -> None:
+    from sleuth.agent.trajectory import Trajectory
+
+    def traj(mask, retrievals, initial=0, **extra):
+        return Trajectory(question_id="q", question="?", golden_answers=[], method="tree_search",
+                          response_ids=list(range(len(mask))), loss_mask=mask, retrieval_count=retrievals,
+                          initial_queries=initial, extra=extra)
+
+    chain = traj([1, 1, 1, 0, 0, 1, 1, 0, 1], 3, initial=1)  # 6 policy tokens, 2 of the policy's own searches
+    branch = traj([1, 1, 1, 0, 0, 1, 1, 1], 3, forked_at_turn=1, shared_policy_tokens=3, shared_retrievals=2)
+    with installed("sleuth_tree_grpo") as tg:
+        got = tg.budget_counts([chain, branch])
+    # tokens 6 + (6 - 3) = 9; searches 2 + (3 - 2) = 3; per 1k tokens: 2 / 9 * 1000 and 3 / 9 * 1000
+    assert got == {"trajectories": 2.0, "generated_tokens": 9.0, "tool_calls": 3.0,
+                   "trajectories_per_1k_tokens": pytest.approx(2000 / 9), "tool_calls_per_1k_tokens": pytest.approx(
+                       3000 / 9), "tool_calls_per_trajectory": 1.5}

@@ -455,7 +455,9 @@ def fork(state: RolloutState, k: int, first_sample: int) -> list[RolloutState]:
     """The fork hook: `k` independent copies of a trajectory's state at a turn boundary (after an inserted
     observation: everything its next generation reads is in the state), numbered `first_sample`, ...; each
     continues on its own when given to the engine. The state itself is left as it was (a node a later round may
-    fork again). `extra["forked_at_turn"]` records the boundary."""
+    fork again). `extra` records the boundary: `forked_at_turn`, and what the copy shares with its parent rather
+    than generating or executing again, `shared_policy_tokens` and `shared_retrievals` (bench/tree_grpo_budget.py
+    counts a tree's cost with them)."""
     if k < 0:
         raise ConfigError(f"fork needs k >= 0 copies, got {k}")
     if state.done:
@@ -465,6 +467,8 @@ def fork(state: RolloutState, k: int, first_sample: int) -> list[RolloutState]:
         branch = copy.deepcopy(state)
         branch.sample = branch.traj.sample = first_sample + i
         branch.traj.extra["forked_at_turn"] = branch.turns_taken
+        branch.traj.extra["shared_policy_tokens"] = sum(branch.traj.loss_mask)
+        branch.traj.extra["shared_retrievals"] = branch.traj.retrieval_count
         copies.append(branch)
     return copies
 
