@@ -53,12 +53,13 @@ def test_tree_grpo_trains_two_steps_with_the_hand_computed_advantages(small_worl
                                max_obs_tokens=48, options={"tree_expansions": 1, "tree_branches": 1})
         recipe.update(retriever={"index": str(small_world / "bm25")}, model={"policy": "tiny"},
                       reward={"name": "test_tree_pattern"},
-                      trainer={"total_steps": 2, "save_every": 0, "out_dir": str(tmp_path / "run")})
+                      trainer={"total_steps": 2, "save_every": 2, "out_dir": str(tmp_path / "run")})
         recipe["algorithm"].update(n=2, prompts_per_step=2, minibatch_size=8, micro_batch_size=4)
         path = tmp_path / "recipe.yaml"
         path.write_text(yaml.safe_dump(recipe))
         res = CliRunner().invoke(app, ["train", str(path)])
-    assert res.exit_code == 0, res.output
+        assert res.exit_code == 0, res.output
+        _evaluate_and_serve(tmp_path / "run", small_world, tmp_path / "eval", monkeypatch)
     assert len(batches) == 2
     for batch in batches:
         trajs = batch.trajs
@@ -74,3 +75,54 @@ def test_tree_grpo_trains_two_steps_with_the_hand_computed_advantages(small_worl
         assert torch.all(batch.advantages[~mask] == 0)
     lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
     assert len(lines) == 2 and all(json.loads(x)["reward/mean"] == pytest.approx(0.75) for x in lines)
+
+
+def _evaluate_and_serve(run: Path, small_world: Path, out: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The trained searcher is evaluated and served like any method: one chain per question."""
+    import uvicorn
+    from fastapi.testclient import TestClient
+
+    args = ["eval", "--plugin", "sleuth_tree_grpo", "-m", "tree-search", "--data", str(small_world / "test.jsonl"),
+            "--retriever", str(small_world / "bm25"), "--model", str(run), "--out", str(out), "--limit", "2",
+            "--batch-size", "2"]
+    res = CliRunner().invoke(app, args, env={"COLUMNS": "200"})
+    assert res.exit_code == 0, res.output
+    records = [json.loads(r) for r in (out / "tree-search" / "predictions.jsonl").read_text().splitlines()]
+    assert len(records) == 2 and all(r["trajectory"]["method"] == "tree_search" for r in records)
+    answers = []
+
+    def serve_in_test_client(asgi, **_kwargs):  # instead of binding a port
+        with TestClient(asgi) as client:
+            answers.append(client.post("/search", json={"question": "Where was Ada born?"}))
+
+    monkeypatch.setattr(uvicorn, "run", serve_in_test_client)
+    res = CliRunner().invoke(app, ["serve-searcher", "--plugin", "sleuth_tree_grpo", "--checkpoint", str(run),
+                                   "--index", str(small_world / "bm25")])
+    assert res.exit_code == 0, res.output
+    (resp,) = answers
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["loop"] == "tree_search"
+
+
+def test_the_trainer_keeps_whole_groups_of_any_size_and_a_methods_rollout_on_one_process() -> None:
+    from types import SimpleNamespace
+
+    from sleuth.errors import ConfigError
+    from sleuth.rl import rollouts
+
+    def trajs(groups):  # (sampling round, question) of each trajectory, adjacent per group
+        return [Trajectory(question_id="q", question="?", golden_answers=[], method="m", group=g, sampling_round=r)
+                for r, g in groups]
+
+    batch = trajs([(1, 0)] * 6 + [(1, 1)] * 4 + [(2, 0)] * 5)  # a tree group of 6, one of 4, a refill round's 5
+    assert [rollouts._rows_of_first_groups(batch, k) for k in (0, 1, 2, 3, 4)] == [0, 6, 10, 15, 15]
+    assert rollouts._groups(batch) == 3
+    with installed("sleuth_tree_grpo") as tg:
+        run = SimpleNamespace(recipe=SimpleNamespace(agent=SimpleNamespace(loop="tree_search")),
+                              ctx=SimpleNamespace(enabled=False, world_size=1))
+        assert rollouts.method_rollout(run) is tg.tree_rollout
+        run.ctx = SimpleNamespace(enabled=True, world_size=2)
+        with pytest.raises(ConfigError, match="one process only.*2 ranks"):
+            rollouts.method_rollout(run)
+    run.recipe.agent.loop = "search_r1"
+    assert rollouts.method_rollout(run) is rollouts.rollout  # the engine's, on any number of ranks
