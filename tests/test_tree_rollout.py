@@ -69,36 +69,40 @@ def test_a_greedy_branch_equals_the_chain_it_forked_from(gen) -> None:
 
 def test_on_the_decode_engine_a_branch_reuses_its_parents_keys_and_equals_the_chain(engine_gen, gen,
                                                                                      monkeypatch) -> None:
-    """The decode engine on CPU: every generation of a branch prefills one token (its prefix, the parent's, is
-    held in the pool, not computed again), and the branch still equals its chain; the chain equals the plain
-    rollout of the engine and of the dynamic-cache fallback."""
-    prefilled: list[tuple[str, int]] = []  # (phase, new tokens of one prefilled row)
-    phase = ["chains"]
-    real_prefill, real_run = DecodeEngine._prefill, agent_engine._Engine.run
+    """The decode engine on CPU: a branch's first generation prefills one token (its prefix, the parent's, is held in
+    the pool, not computed again), its later ones only their own new observation, and the branch still equals its
+    chain; the chain equals the plain rollout of the engine and of the dynamic-cache fallback."""
+    starts: list[tuple[int, list[int]]] = []  # (engine run: 0 the chains, 1.. the expansion rounds, new tokens per row)
+    phase = [0]
+    real_start, real_run = DecodeEngine.start, agent_engine._Engine.run
 
-    def recording_prefill(self, prompts, starts, offsets):
-        prefilled.extend((phase[0], len(p)) for p in prompts)
-        return real_prefill(self, prompts, starts, offsets)
+    def recording_start(self, prompts, max_new, **kwargs):
+        offsets = [f.tokens if f is not None else 0 for f in map(self.prefixes.match, prompts)]
+        starts.append((phase[0], [len(p) - o for p, o in zip(prompts, offsets, strict=True)]))
+        return real_start(self, prompts, max_new, **kwargs)
 
-    def run_marking_the_phase(self, states, *args, **kwargs):
+    def run_counting_the_phase(self, states, *args, **kwargs):
         out = real_run(self, states, *args, **kwargs)
-        phase[0] = "branches"  # the first run is the chains'; every later one continues forks
+        phase[0] += 1
         return out
 
-    monkeypatch.setattr(DecodeEngine, "_prefill", recording_prefill)
-    monkeypatch.setattr(agent_engine._Engine, "run", run_marking_the_phase)
+    monkeypatch.setattr(DecodeEngine, "start", recording_start)
+    monkeypatch.setattr(agent_engine._Engine, "run", run_counting_the_phase)
     loop = get_loop("search_r1", max_turns=3)
     reused_before = engine_gen.engine.reused_tokens
     trajs = rollout_tree(loop, engine_gen, ToyRetriever(), EXAMPLES, GREEDY,
                          TreeSpec(trees=1, expansions=2, branches=2))
     monkeypatch.setattr(agent_engine._Engine, "run", real_run)
+    monkeypatch.setattr(DecodeEngine, "start", real_start)
     _check_branches_equal_chains(trajs, 1e-5)
-    branch_rows = [n for p, n in prefilled if p == "branches"]
-    # one row per branch generation (8 branches, each at least one turn), each prefilling only its last token
-    assert len(branch_rows) >= 8 and set(branch_rows) == {1}
-    assert max(n for p, n in prefilled if p == "chains") > 20  # the chains' prompts were prefilled whole
-    shared = sum(len(b.prompt_ids) + len(b.response_ids) for b in trajs if "forked_at_turn" in b.extra)
-    assert engine_gen.engine.reused_tokens - reused_before > shared / 2
+    chains_first = starts[0][1]
+    assert starts[0][0] == 0 and min(chains_first) > 250  # the chains' prompts were prefilled whole
+    for round_ in (1, 2):
+        first, *later = [rows for p, rows in starts if p == round_]
+        assert first == [1, 1, 1, 1]  # 2 questions x 2 forks: only each prompt's last token
+        assert all(0 < n < 130 for rows in later for n in rows)  # a next turn: the observation and a token
+    shared = sum(b.extra["shared_policy_tokens"] for b in trajs if "forked_at_turn" in b.extra)
+    assert engine_gen.engine.reused_tokens - reused_before > len(trajs[0].prompt_ids) * 8 + shared
     assert not engine_gen.engine.prefixes.hold and not engine_gen.engine.prefixes.rows()  # the hold ended
     plain_engine = rollout(loop, engine_gen, ToyRetriever(), EXAMPLES, GREEDY)
     plain_dynamic = rollout(loop, gen, ToyRetriever(), EXAMPLES, GREEDY)

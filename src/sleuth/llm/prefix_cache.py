@@ -91,8 +91,14 @@ class PrefixStore:
         """The longest remembered sequence the prompt starts with (in hold mode: the longest prefix the prompt
         has in common with any held row); at least the prompt's last token is left to prefill (its logits
         sample the next token)."""
-        if self.hold:
-            return self._common_prefix(prompt)
+        whole = self._whole_row(prompt)
+        # a row continued whole (a trajectory's next turn) is taken without scanning the held rows: another row could
+        # share at most a few more tokens (an identical sibling's), and the scan is for a branch's first turn
+        if whole is not None or not self.hold:
+            return whole
+        return self._common_prefix(prompt)  # a branch's first turn: a prefix of a held row
+
+    def _whole_row(self, prompt: list[int]) -> Prefix | None:
         for length in sorted(self._by_length, reverse=True):
             if length > len(prompt):
                 continue
