@@ -13,6 +13,7 @@ from types import ModuleType
 import sleuth.agent.registry as method_registry
 import sleuth.rewards  # noqa: F401  (the built-in rewards registered before the snapshot)
 import sleuth.rewards.base as reward_registry
+import sleuth.rl.advantages as advantage_registry
 
 PLUGINS = Path(__file__).parents[1] / "plugins"
 
@@ -22,12 +23,13 @@ def installed(name: str) -> Iterator[ModuleType]:
     if str(PLUGINS) not in sys.path:
         sys.path.insert(0, str(PLUGINS))  # where a user's plugin sits on PYTHONPATH
     method_registry.loop_names()  # the built-in methods load lazily: registered before the snapshot, kept after it
-    saved = (dict(method_registry._METHODS), dict(method_registry._READERS), dict(reward_registry._REGISTRY))
+    registries = (method_registry._METHODS, method_registry._READERS, reward_registry._REGISTRY,
+                  advantage_registry.ADVANTAGE_ESTIMATORS)
+    saved = tuple(dict(r) for r in registries)
     try:
         yield importlib.import_module(name)
     finally:
-        for live, before in zip((method_registry._METHODS, method_registry._READERS, reward_registry._REGISTRY),
-                                saved, strict=True):
+        for live, before in zip(registries, saved, strict=True):
             live.clear()
             live.update(before)
         sys.modules.pop(name, None)

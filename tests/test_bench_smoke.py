@@ -430,3 +430,34 @@ def test_claims_pack_rows_and_the_why_analysis_by_hand(tmp_path: Path) -> None:
     assert by_type["s3_4"]["2hop"] == 0.5 and (tmp_path / "types.png").read_bytes()[:4] == b"\x89PNG"
     with pytest.raises(SystemExit, match="no evaluation s3_99"):
         figure.draw_types(dest, ["s3_99"], "em", tmp_path / "x.png")
+
+
+def test_tree_grpo_budget_compares_at_grpo_budget_by_hand() -> None:
+    bench = _load("tree_grpo_budget")
+    grpo = {"trajectories": 8.0, "generated_tokens": 1000.0, "tool_calls": 12.0, "trajectories_per_1k_tokens": 8.0,
+            "tool_calls_per_1k_tokens": 12.0, "tool_calls_per_trajectory": 1.5}
+    tree = {"trajectories": 10.0, "generated_tokens": 800.0, "tool_calls": 8.0, "trajectories_per_1k_tokens": 12.5,
+            "tool_calls_per_1k_tokens": 10.0, "tool_calls_per_trajectory": 0.8}
+    bench.compare(grpo, tree)
+    # at GRPO's 1000 tokens the tree gives 10 x 1000 / 800 = 12.5 trajectories and 8 x 1.25 = 10 tool calls
+    assert tree["trajectories_at_grpo_budget"] == 12.5 and tree["tool_calls_at_grpo_budget"] == 10.0
+    assert tree["trajectories_per_1k_tokens_vs_grpo"] == 12.5 / 8 and tree["tool_calls_per_trajectory_vs_grpo"] == 0.8 / 1.5
+    assert grpo["trajectories_at_grpo_budget"] == 8.0
+
+
+def test_tree_grpo_budget_bench_tiny_on_the_decode_engine(tmp_path: Path) -> None:
+    from plugin_install import installed
+
+    bench = _load("tree_grpo_budget")
+    out = tmp_path / "tree.json"
+    with installed("sleuth_tree_grpo"):
+        bench.main(["--model", "tiny", "--device", "cpu", "--cache", "engine", "--questions", "2", "--n", "3",
+                    "--trees", "2", "--expansions", "1", "--branches", "2", "--max-turns", "3", "--new-tokens", "4",
+                    "--out", str(out)])
+    grpo, tree = json.loads(out.read_text())["rows"]
+    assert grpo["trajectories"] == 2 * 3 and 2 * 2 < tree["trajectories"] <= 2 * 2 * (1 + 2)
+    # the rehearsal loop searches in every turn but its last: each trajectory runs 0..2 of its own searches
+    assert 0 < grpo["tool_calls"] <= 2 * grpo["trajectories"] and tree["tool_calls"] <= 2 * tree["trajectories"]
+    assert 0 < tree["generated_tokens"] <= tree["trajectories"] * 3 * 4
+    assert tree["prefix_tokens_reused"] > 0  # branches continued from their parents' keys/values
+    assert tree["trajectories_per_1k_tokens"] == pytest.approx(1000 * tree["trajectories"] / tree["generated_tokens"])

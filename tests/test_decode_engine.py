@@ -599,3 +599,39 @@ def test_launching_the_first_chunk_before_reading_the_first_tokens_changes_no_to
     for a, b in zip(old, new, strict=True):
         assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason and a.stop == b.stop
         assert a.logprobs == b.logprobs
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "llama"])
+def test_held_rows_survive_later_starts_and_a_fork_of_one_decodes_like_transformers(kind: str) -> None:
+    """`holding` (forked trajectories): row B of turn 1 is not in turn 2's batch, yet stays in the pool (behind turn
+    2's rows); turn 3 forks B at an earlier point (a prompt sharing only B's head, then new tokens) and A's turn 2 row
+    at its end: each prefills only what it does not share, and every row decodes what transformers decodes."""
+    model = _model(kind)
+    engine = DecodeEngine(model, max_batch_size=8, min_bucket=1)
+    with engine.holding():
+        a, b = [1, 2, 3, 4, 5], [9, 8, 7, 6, 5, 4, 3, 2, 1, 11, 12]
+        got, _ = _greedy_rows(engine, [a, b], 6)
+        engine.remember([a + got[0], b + got[1]])
+        a2 = a + got[0] + [40, 41, 42]
+        got2, _ = _greedy_rows(engine, [a2], 5)  # B is not decoded this turn
+        engine.remember([a2 + got2[0]])
+        assert sorted(len(seq) for seq, _ in engine.prefixes.rows()) == [len(b) + 6, len(a2) + 5]  # A's turn 1 row went
+        fork_b = b[:7] + [50, 51]  # shares B's first 7 tokens
+        fork_a = a2 + got2[0][:2] + [60]  # shares A's turn 2 row up to its second generated token
+        other = list(range(70, 110))  # a long new row last: held rows placed over it would be overwritten
+        before = engine.reused_tokens
+        got3, lps3 = _greedy_rows(engine, [fork_b, fork_a, other], 6)
+        assert engine.reused_tokens - before == 7 + len(a2) + 2
+        for r, prompt in enumerate([fork_b, fork_a, other]):
+            want, want_lp = _hf_greedy(model, prompt, 6)
+            assert got3[r] == want, (kind, r)
+            assert max(abs(x - y) for x, y in zip(lps3[r], want_lp, strict=True)) < 1e-4
+        engine.remember([fork_b + got3[0], fork_a + got3[1], other + got3[2]])
+        # B's row was held through turn 3 (behind its rows, none of which wrote over it): fork it once more
+        fork_b2 = b[:9] + [80]
+        before = engine.reused_tokens
+        got4, lps4 = _greedy_rows(engine, [fork_b2], 6)
+        assert engine.reused_tokens - before == 9
+        want, want_lp = _hf_greedy(model, fork_b2, 6)
+        assert got4[0] == want and max(abs(x - y) for x, y in zip(lps4[0], want_lp, strict=True)) < 1e-4
+    assert not engine.prefixes.hold and not engine.prefixes

@@ -22,6 +22,7 @@ from sleuth.agent.trajectory import Trajectory, Turn
 from sleuth.data.formats import QAExample
 from sleuth.errors import ConfigError
 from sleuth.llm.base import Generation, Generator, SamplingParams
+from sleuth.llm.prefix_cache import shared_prefixes
 from sleuth.retrieval.base import Hit, RetrievalContext, Retriever, wants_context
 from sleuth.tags import neutralise_tags
 
@@ -334,7 +335,7 @@ class _Engine:
                 self.finish(state, "max_turns")
         if self.fork_points is not None and not state.done:
             # a turn boundary: everything the next generation depends on is in the state, so a copy
-            # continued later generates what this one would (the HF/CPU path re-reads the prefix)
+            # continued later generates what this one would (`fork`)
             self.fork_points.append(copy.deepcopy(state))
 
     def run(self, states: list[RolloutState], deadline_s: float | None = None,
@@ -450,39 +451,61 @@ class TreeSpec:
     seed: int = 0
 
 
+def fork(state: RolloutState, k: int, first_sample: int) -> list[RolloutState]:
+    """The fork hook: `k` independent copies of a trajectory's state at a turn boundary (after an inserted
+    observation: everything its next generation reads is in the state), numbered `first_sample`, ...; each
+    continues on its own when given to the engine. The state itself is left as it was (a node a later round may
+    fork again). `extra` records the boundary: `forked_at_turn`, and what the copy shares with its parent rather
+    than generating or executing again, `shared_policy_tokens` and `shared_retrievals` (bench/tree_grpo_budget.py
+    counts a tree's cost with them)."""
+    if k < 0:
+        raise ConfigError(f"fork needs k >= 0 copies, got {k}")
+    if state.done:
+        raise ConfigError("fork: the trajectory is finished; fork it at a turn boundary before it ends")
+    copies = []
+    for i in range(k):
+        branch = copy.deepcopy(state)
+        branch.sample = branch.traj.sample = first_sample + i
+        branch.traj.extra["forked_at_turn"] = branch.turns_taken
+        branch.traj.extra["shared_policy_tokens"] = sum(branch.traj.loss_mask)
+        branch.traj.extra["shared_retrievals"] = branch.traj.retrieval_count
+        copies.append(branch)
+    return copies
+
+
 def rollout_tree(loop: AgentLoop, generator: Generator, retriever: Retriever, examples: Sequence[QAExample],
                  params: SamplingParams | None, tree: TreeSpec, *, budget: RolloutBudget | None = None,
                  tokenizer=None) -> list[Trajectory]:  # fmt: skip
     """Tree rollouts: every trajectory of a question, chain or branch, in order of (group, sample); each has
     `extra["tree"]` (its tree within the question) and a branch `extra["forked_at_turn"]`. A branch is a
-    copy of the trajectory state at a turn boundary continued by the same engine: on the HF/CPU path its
-    prefix is prefilled again (no KV sharing), so with greedy decoding a branch equals the chain it forked
-    from, token for token."""
+    `fork` of the trajectory state at a turn boundary continued by the same engine. On the decode engine the
+    branches reuse their parent's keys/values (`llm.prefix_cache.shared_prefixes`: every row is held until the
+    tree is done, and a branch's prompt prefills only what it does not share); elsewhere (HF dynamic/static
+    cache, CPU, vLLM) its prefix is prefilled again. Either way, with greedy decoding a branch equals the chain
+    it forked from, token for token."""
     if min(tree.trees, tree.branches) < 1 or tree.expansions < 0:
         raise ConfigError(f"TreeSpec needs trees >= 1, branches >= 1, expansions >= 0; got {tree}")
     budget = budget or RolloutBudget()
-    engine, states = _prepared(loop, generator, retriever, examples, params, tree.trees, budget, tokenizer)
-    for state in states:
-        state.traj.extra["tree"] = state.sample
-    engine.fork_points = []
-    engine.run(states, budget.deadline_s)
-    rng = random.Random(tree.seed)
-    next_sample = {g: tree.trees for g in range(len(examples))}
-    every = list(states)
-    for _ in range(tree.expansions):
-        nodes: dict[tuple[int, int], list[RolloutState]] = {}
-        for point in engine.fork_points:
-            nodes.setdefault((point.group, point.traj.extra["tree"]), []).append(point)
-        branches = []
-        for (group, _), points in sorted(nodes.items()):
-            for point in rng.sample(points, min(tree.branches, len(points))):
-                branch = copy.deepcopy(point)  # the point itself stays a node later rounds may draw again
-                branch.sample = branch.traj.sample = next_sample[group]
-                next_sample[group] += 1
-                branch.traj.extra["forked_at_turn"] = branch.turns_taken
-                branches.append(branch)
-        engine.run(branches, budget.deadline_s)
-        every += branches
+    with shared_prefixes(generator):
+        engine, states = _prepared(loop, generator, retriever, examples, params, tree.trees, budget, tokenizer)
+        for state in states:
+            state.traj.extra["tree"] = state.sample
+        engine.fork_points = []
+        engine.run(states, budget.deadline_s)
+        rng = random.Random(tree.seed)
+        next_sample = {g: tree.trees for g in range(len(examples))}
+        every = list(states)
+        for _ in range(tree.expansions):
+            nodes: dict[tuple[int, int], list[RolloutState]] = {}
+            for point in engine.fork_points:
+                nodes.setdefault((point.group, point.traj.extra["tree"]), []).append(point)
+            branches = []
+            for (group, _), points in sorted(nodes.items()):
+                for point in rng.sample(points, min(tree.branches, len(points))):
+                    branches += fork(point, 1, next_sample[group])
+                    next_sample[group] += 1
+            engine.run(branches, budget.deadline_s)
+            every += branches
     return [s.traj for s in sorted(every, key=lambda s: (s.group, s.sample))]
 
 

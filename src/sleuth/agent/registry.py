@@ -80,6 +80,11 @@ class Method:
     oracle_planner: OraclePlanner | None = None
     # the demo's changes to `default_reward` for a run directory and a number of steps (sleuth.demo)
     demo_reward: Callable[[Mapping[str, Any], Path, int], dict[str, Any]] | None = None
+    # its own training rollout, called by the trainer instead of `sleuth.agent.engine.rollout` with the same
+    # arguments (loop, generator, retriever, examples, params, n, *, budget): e.g. tree rollouts that fork
+    # trajectories (`engine.rollout_tree`), any number of trajectories per question, adjacent, `group` = the
+    # question's index. None: `engine.rollout` (evaluation and serving always roll out with it)
+    rollout: Callable[..., list[Trajectory]] | None = None
 
     @property
     def name(self) -> str:

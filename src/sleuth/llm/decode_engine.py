@@ -25,6 +25,8 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -445,16 +447,20 @@ class DecodeEngine:
         self._scratch = max_new + 2
         reuse = self.reuse_prefixes and self.prefixes
         found = [self.prefixes.match(p) for p in prompts] if reuse else [None] * len(prompts)
+        held = self.prefixes.rows()  # rows kept for forks (hold mode), placed behind this start's rows
         need = [len(p) + max_new + 1 for p in prompts]
-        if self._ensure_pool(sum(need) + self._scratch):
-            found = [None] * len(prompts)  # a new pool: the stored keys/values are gone
+        if self._ensure_pool(sum(need) + sum(len(seq) - 1 for seq, _ in held) + self._scratch):
+            found, held = [None] * len(prompts), []  # a new pool: the stored keys/values are gone
         starts = [0]
-        for n in need[:-1]:
+        for n in (need + [len(seq) - 1 for seq, _ in held])[:-1]:  # held rows go behind the new ones
             starts.append(starts[-1] + n)
+        starts, held_starts = starts[: len(prompts)], starts[len(prompts):]
         offsets = [0 if f is None else f.tokens for f in found]
         move_prefixes(self.pool_k, self.pool_v, [(f.start, st, f.tokens) for f, st in zip(found, starts, strict=True)
-                                                 if f is not None])
+                                                 if f is not None]
+                      + [(old, new, len(seq) - 1) for (seq, old), new in zip(held, held_starts, strict=True)])
         self.prefixes.clear()  # this layout reassigns the slots; `remember` records the rows after the decode
+        self.prefixes.remember([list(seq) for seq, _ in held], held_starts)
         self._last_starts = starts
         self.reused_tokens += sum(offsets)
         if seed is not None:
@@ -477,6 +483,19 @@ class DecodeEngine:
         self._capture(bucket, state)
         self._load_rows(bucket, tokens, positions, torch.tensor(starts, dtype=torch.int32, device=self.device))
         return state, tokens, logprobs
+
+    @contextmanager
+    def holding(self) -> Iterator[None]:
+        """Within it, every remembered row stays in the pool across later starts and a prompt reuses the longest
+        prefix it shares with any of them (`PrefixStore.hold`): a trajectory forked at an earlier turn boundary
+        continues from its parent's keys/values instead of prefilling them again. They are dropped at the end."""
+        self.prefixes.clear()  # rows remembered outside the hold would be matched as whole prefixes only
+        self.prefixes.hold = True
+        try:
+            yield
+        finally:
+            self.prefixes.hold = False
+            self.prefixes.clear()
 
     def remember(self, sequences: list[list[int]]) -> None:
         """After decoding the rows of the last `start`: row i's prompt and every token it generated, so a

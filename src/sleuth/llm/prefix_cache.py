@@ -11,12 +11,22 @@ prefills only its new tokens, attending over the moved prefix.
 What is reused was computed by the same weights: `DecodeEngine.refresh` (a policy update), `release` and a
 pool reallocation forget everything, and any `start` forgets what it does not move (it reassigns the
 pool's slots).
+
+Forked trajectories (`sleuth.agent.engine.rollout_tree`: a branch continues a trajectory from one of its earlier
+turn boundaries) share their parent's prefix through the `hold` mode (`DecodeEngine.holding`): every remembered
+row stays in the pool across later starts (moved behind the new rows, not computed again) until the hold ends,
+and a prompt reuses the longest prefix it has in common with any held row, not only a row it continues whole.
+A row that a newer row continues whole is dropped (the newer one holds its keys), so the held rows are at most
+one per trajectory.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -36,12 +46,21 @@ class PrefixStore:
         # length -> token at position length-1 -> [(sequence, pool start)]: a candidate length is ruled out
         # by one lookup, and a tuple is built only for sequences that end like the prompt's prefix
         self._by_length: dict[int, dict[int, list[tuple[tuple[int, ...], int]]]] = {}
+        self.hold = False  # keep rows across starts and match common prefixes (forked trajectories)
+        self._rows: list[tuple[tuple[int, ...], int]] = []  # every stored (sequence, start), in hold mode
+        self._arrays: dict[tuple[int, ...], np.ndarray] = {}  # a held row's tokens, compared at once
 
     def __bool__(self) -> bool:
         return bool(self._by_length)
 
     def clear(self) -> None:
         self._by_length = {}
+        self._rows = []
+        self._arrays = {}
+
+    def rows(self) -> list[tuple[tuple[int, ...], int]]:
+        """The held (sequence, pool start) rows (empty unless `hold`); their first len - 1 keys are in the pool."""
+        return list(self._rows)
 
     def remember(self, sequences: list[list[int]], starts: list[int]) -> None:
         """Row i's `sequences[i]` (its prompt and every generated token) starts at pool slot `starts[i]`; the
@@ -50,12 +69,36 @@ class PrefixStore:
             raise ValueError(f"remember: {len(sequences)} sequences for {len(starts)} rows of the last start")
         for seq, start in zip(sequences, starts, strict=True):
             if len(seq) >= 2:
+                if self.hold:
+                    self._drop_prefixes_of(seq)
+                    self._rows.append((tuple(seq), start))
+                    self._arrays[tuple(seq)] = np.asarray(seq, dtype=np.int64)
                 by_last = self._by_length.setdefault(len(seq), {})
                 by_last.setdefault(int(seq[-1]), []).append((tuple(seq), start))  # ids are ints already
 
+    def _drop_prefixes_of(self, seq: list[int]) -> None:
+        """Forget held rows that `seq` continues whole: its keys cover theirs, and holding both would double
+        the pool a tree of forks needs."""
+        for length in [n for n in self._by_length if n <= len(seq)]:
+            candidates = self._by_length[length].get(int(seq[length - 1]), [])
+            head = tuple(seq[:length])
+            gone = [c for c in candidates if c[0] == head]
+            if gone:
+                self._by_length[length][int(seq[length - 1])] = [c for c in candidates if c[0] != head]
+                self._rows = [r for r in self._rows if r not in gone]
+
     def match(self, prompt: list[int]) -> Prefix | None:
-        """The longest remembered sequence the prompt starts with; at least the prompt's last token is left
-        to prefill (its logits sample the next token)."""
+        """The longest remembered sequence the prompt starts with (in hold mode: the longest prefix the prompt
+        has in common with any held row); at least the prompt's last token is left to prefill (its logits
+        sample the next token)."""
+        whole = self._whole_row(prompt)
+        # a row continued whole (a trajectory's next turn) is taken without scanning the held rows: another row could
+        # share at most a few more tokens (an identical sibling's), and the scan is for a branch's first turn
+        if whole is not None or not self.hold:
+            return whole
+        return self._common_prefix(prompt)  # a branch's first turn: a prefix of a held row
+
+    def _whole_row(self, prompt: list[int]) -> Prefix | None:
         for length in sorted(self._by_length, reverse=True):
             if length > len(prompt):
                 continue
@@ -67,6 +110,19 @@ class PrefixStore:
                 if seq == head:
                     return Prefix(start=start, tokens=min(length - 1, len(prompt) - 1))
         return None
+
+    def _common_prefix(self, prompt: list[int]) -> Prefix | None:
+        best: Prefix | None = None
+        want = np.asarray(prompt, dtype=np.int64)
+        for seq, start in self._rows:
+            n = min(len(seq) - 1, len(prompt) - 1)  # keys of a row's last token were never written
+            if n < 1 or seq[0] != prompt[0] or (best is not None and n <= best.tokens):
+                continue
+            differ = np.flatnonzero(self._arrays[seq][:n] != want[:n])
+            common = int(differ[0]) if differ.size else n
+            if common >= 1 and (best is None or common > best.tokens):
+                best = Prefix(start=start, tokens=common)
+        return best
 
 
 def move_prefixes(pool_k: torch.Tensor, pool_v: torch.Tensor, moves: list[tuple[int, int, int]]) -> None:
@@ -132,3 +188,16 @@ def prefill_chunks(lengths: list[int], offsets: list[int], budget: int) -> list[
     if chunk:
         chunks.append(chunk)
     return chunks
+
+
+@contextmanager
+def shared_prefixes(generator: object) -> Iterator[bool]:
+    """While forked trajectories are generated: a generator on the decode engine (`HFGenerator(cache="engine")`)
+    holds every row's keys/values so a branch continues from its parent's (`DecodeEngine.holding`); yields True
+    then. Any other generator (HF dynamic/static cache, vLLM, HTTP) yields False: a branch's prompt is prefilled
+    whole again, which gives the same tokens, only slower."""
+    if getattr(generator, "cache_kind", None) != "engine":
+        yield False
+        return
+    with generator.engine.holding():  # type: ignore[attr-defined]
+        yield True

@@ -25,7 +25,9 @@ A trainer can call any of them through one entry point:
     )
 
 which passes each estimator only what it declares (outcome estimators get
-`scores = token_rewards.sum(-1)`) and rejects unknown hyper-parameters by name.
+`scores = token_rewards.sum(-1)`) and rejects unknown hyper-parameters by name. An estimator that
+declares `trajectories` is given the batch's `Trajectory` objects by the trainer, one per row (a plugin's
+estimator that reads the rollouts' structure: Tree-GRPO's trees in plugins/sleuth_tree_grpo.py).
 """
 
 from __future__ import annotations

@@ -1,16 +1,20 @@
 """Step 1 of a training step: this rank's rollouts, scored, with DAPO's dynamic sampling refilling groups that
-carry no signal; a service past its retry budget stops the run with every finished step kept."""
+carry no signal; a service past its retry budget stops the run with every finished step kept. A method with its
+own rollout (`Method.rollout`, e.g. Tree-GRPO's tree rollouts in plugins/sleuth_tree_grpo.py) is rolled out with
+it; its groups may hold any number of trajectories."""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
 from sleuth.agent.engine import rollout
+from sleuth.agent.registry import get_method
 from sleuth.agent.trajectory import Trajectory
-from sleuth.errors import ServiceError
+from sleuth.errors import ConfigError, ServiceError
 from sleuth.rewards.base import guarded_rewards
 from sleuth.rl.models import autocast
 from sleuth.rl.run import Run, save
@@ -35,7 +39,8 @@ def collect_rollouts(run: Run) -> Collected:
     rewards are all equal carry no signal: they are dropped and new prompts are drawn until every
     rank holds its share of groups, or `max_sampling_rounds` is reached (ranks agree on when to stop)."""
     recipe, ctx, algo = run.recipe, run.ctx, run.recipe.algorithm
-    target = (run.local_prompts.stop - run.local_prompts.start) * algo.n
+    target = run.local_prompts.stop - run.local_prompts.start  # groups (prompts) this rank trains on
+    roll = method_rollout(run)
     out = Collected()
     last_round: tuple[list[Trajectory], list[float]] = ([], [])
     while out.rounds < algo.max_sampling_rounds:
@@ -43,7 +48,7 @@ def collect_rollouts(run: Run) -> Collected:
         indices = run.cursor.take(algo.prompts_per_step)[run.local_prompts]  # the same global draw on every rank
         t0 = time.perf_counter()
         with autocast(ctx.device):
-            trajs = rollout(
+            trajs = roll(
                 run.loop, run.generator, run.retriever, [run.examples[i] for i in indices], run.sampling, n=algo.n,
                 budget=rollout_budget(recipe),
             )
@@ -66,14 +71,39 @@ def collect_rollouts(run: Run) -> Collected:
         out.scores += round_scores.tolist()
         if not algo.dynamic_sampling:
             break
-        short = torch.tensor([float(len(out.trajs) < target)])
+        short = torch.tensor([float(_groups(out.trajs) < target)])
         if ctx.all_reduce_sum(short).item() == 0:
             break
     if not out.trajs:
         # every group stayed uniform: train on the last round (zero group advantages) so all ranks step
         out.trajs, out.scores = last_round
-    out.trajs, out.scores = out.trajs[:target], out.scores[:target]
+    keep_rows = _rows_of_first_groups(out.trajs, target)
+    out.trajs, out.scores = out.trajs[:keep_rows], out.scores[:keep_rows]
     return out
+
+
+def method_rollout(run: Run) -> Callable[..., list[Trajectory]]:
+    """The training rollout of the run's method: its own (`Method.rollout`) or the engine's `rollout`."""
+    own = get_method(run.recipe.agent.loop).rollout
+    if own is not None and run.ctx.enabled:
+        # its groups may differ in size between ranks, and so would the ranks' minibatches and collectives
+        raise ConfigError(f"method {run.recipe.agent.loop!r} rolls out with its own rollout (trajectories per "
+                          f"question vary), which trains on one process only for now; got {run.ctx.world_size} ranks")
+    return own or rollout
+
+
+def _groups(trajs: list[Trajectory]) -> int:
+    return len(set(dense_group_ids(trajs)))
+
+
+def _rows_of_first_groups(trajs: list[Trajectory], groups: int) -> int:
+    """How many leading trajectories make up the first `groups` groups (a group's trajectories are adjacent)."""
+    seen: set[int] = set()
+    for i, g in enumerate(dense_group_ids(trajs)):
+        if g not in seen and len(seen) == groups:
+            return i
+        seen.add(g)
+    return len(trajs)
 
 
 def collect_or_stop(run: Run, step: int, stage: int, resume_at: tuple[int, dict] | None = None) -> Collected:

@@ -296,6 +296,8 @@ def estimate_advantages(run: Run, token_rewards: torch.Tensor, mask: torch.Tenso
     algo = run.recipe.algorithm
     inputs = adv_fns.estimator_inputs(algo.advantage)
     options: dict[str, Any] = {k: getattr(algo, k) for k in ("gamma", "lam") if k in inputs}
+    if "trajectories" in inputs:  # an estimator that reads the rollouts' structure (Tree-GRPO's trees)
+        options["trajectories"] = trajs
     if "whiten" in inputs:
         options["whiten"] = False
     advantages, returns = adv_fns.compute_advantages(
