@@ -21,8 +21,7 @@ from sleuth.agent.base import AgentLoop, Observation, RolloutState, StepOutcome,
 from sleuth.agent.trajectory import Trajectory, Turn
 from sleuth.data.formats import QAExample
 from sleuth.errors import ConfigError
-from sleuth.llm.base import Generation, Generator, SamplingParams
-from sleuth.llm.prefix_cache import shared_prefixes
+from sleuth.llm.base import Generation, Generator, SamplingParams, shared_prefixes
 from sleuth.retrieval.base import Hit, RetrievalContext, Retriever, wants_context
 from sleuth.tags import neutralise_tags
 
@@ -479,7 +478,7 @@ def rollout_tree(loop: AgentLoop, generator: Generator, retriever: Retriever, ex
     """Tree rollouts: every trajectory of a question, chain or branch, in order of (group, sample); each has
     `extra["tree"]` (its tree within the question) and a branch `extra["forked_at_turn"]`. A branch is a
     `fork` of the trajectory state at a turn boundary continued by the same engine. On the decode engine the
-    branches reuse their parent's keys/values (`llm.prefix_cache.shared_prefixes`: every row is held until the
+    branches reuse their parent's keys/values (`llm.base.shared_prefixes`: every row is held until the
     tree is done, and a branch's prompt prefills only what it does not share); elsewhere (HF dynamic/static
     cache, CPU, vLLM) its prefix is prefilled again. Either way, with greedy decoding a branch equals the chain
     it forked from, token for token."""

@@ -10,6 +10,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
@@ -51,3 +53,17 @@ class Generator(Protocol):
         kept in `text` and `token_ids`) while the others continue.
         """
         ...
+
+
+@contextmanager
+def shared_prefixes(generator: object) -> Iterator[bool]:
+    """While forked trajectories are generated: a generator on the decode engine (`HFGenerator(cache="engine")`)
+    holds every row's keys/values so a branch continues from its parent's (`sleuth.llm.decode_engine.DecodeEngine.holding`); yields True
+    then. Any other generator (HF dynamic/static cache, vLLM, HTTP) yields False: a branch's prompt is prefilled
+    whole again, which gives the same tokens, only slower."""
+    if getattr(generator, "cache_kind", None) != "engine":
+        yield False
+        return
+    with generator.engine.holding():  # type: ignore[attr-defined]
+        yield True
+

@@ -22,8 +22,6 @@ one per trajectory.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -188,16 +186,3 @@ def prefill_chunks(lengths: list[int], offsets: list[int], budget: int) -> list[
     if chunk:
         chunks.append(chunk)
     return chunks
-
-
-@contextmanager
-def shared_prefixes(generator: object) -> Iterator[bool]:
-    """While forked trajectories are generated: a generator on the decode engine (`HFGenerator(cache="engine")`)
-    holds every row's keys/values so a branch continues from its parent's (`DecodeEngine.holding`); yields True
-    then. Any other generator (HF dynamic/static cache, vLLM, HTTP) yields False: a branch's prompt is prefilled
-    whole again, which gives the same tokens, only slower."""
-    if getattr(generator, "cache_kind", None) != "engine":
-        yield False
-        return
-    with generator.engine.holding():  # type: ignore[attr-defined]
-        yield True
