@@ -140,6 +140,19 @@ def test_token_budget_micro_batches_give_the_same_log_probs(model) -> None:
         torch.testing.assert_close(batched_logprobs(model, batch, 0.7, plan, torch.device("cpu")), whole)
 
 
+def test_a_micro_batch_is_as_wide_as_its_longest_row() -> None:
+    """The token budget counts rows x longest row: the micro-batch's tensor must be that wide, not its longest
+    prompt + the whole batch's longest response (ragged late-training rows ran out of memory on an H200)."""
+    trajs = _trajs()
+    batch = collate(trajs, pad_id=0)  # lengths 9, 5, 5, 9; response width 7
+    short = batch.index(torch.tensor([1, 2]))
+    assert short.input_ids.shape == (2, 5) and short.action_mask.shape == (2, 7)
+    assert torch.equal(short.input_ids, batch.input_ids[[1, 2], :5])
+    assert batch.index(torch.tensor([3, 1])).input_ids.shape == (2, 9)
+    plan = ForwardPlan(4, max_tokens=10, packed=False)
+    assert all(len(idx) * batch.index(idx).input_ids.shape[1] <= 10 or len(idx) == 1 for idx in plan.split(batch))
+
+
 def test_fused_ratio_equals_the_separate_old_logprob_pass(model) -> None:
     """One on-policy epoch: the old log-probs taken as the update's own forward, detached, give the loss and
     gradients of a separate no-grad pass over the same weights (what the trainer skips)."""

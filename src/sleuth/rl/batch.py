@@ -53,11 +53,16 @@ class TokenBatch:
         return self.response_start + last
 
     def index(self, idx: torch.Tensor) -> TokenBatch:
-        """The rows `idx`, cut to the columns they use (their longest prompt + R)."""
+        """The rows `idx`, cut to the columns they use: their longest row (the token budget's count), not their
+        longest prompt + the whole batch's longest response, which on ragged rows made a budgeted micro-batch
+        of short rows as wide as the batch's longest and ran out of memory (the late-training rehearsal on an
+        H200). Per-token tensors keep the batch's response width R."""
         starts = self.response_start[idx]
-        width = int(starts.max()) + self.response_width if len(starts) else 0
         lengths = None if self.lengths is None else self.lengths[idx]
-        return TokenBatch(self.input_ids[idx, :width], starts, self.action_mask[idx], lengths)
+        sub = TokenBatch(self.input_ids[idx], starts, self.action_mask[idx], lengths)
+        width = int(sub.row_lengths().max()) if len(starts) else 0
+        sub.input_ids = sub.input_ids[:, : max(width, 1)]
+        return sub
 
 
 def collate(trajs: list[Trajectory], pad_id: int, drop_truncated: bool = False) -> TokenBatch:
@@ -248,7 +253,8 @@ def micro_batches(lengths: torch.Tensor, max_rows: int, max_tokens: int | None, 
 def critic_values(critic: nn.Module, batch: TokenBatch) -> torch.Tensor:
     """Values (B, R): entry j is the value of the state just before response token j."""
     values = critic(batch.input_ids)
-    return values.gather(1, response_columns(batch, 0))
+    # response positions past a row's end (rows are cut to their longest) read the last column: masked anyway
+    return values.gather(1, response_columns(batch, 0).clamp(max=values.shape[1] - 1))
 
 
 def chunks(n: int, size: int) -> Iterator[slice]:
