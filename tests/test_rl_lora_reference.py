@@ -8,6 +8,7 @@ epoch); the KL reward penalty keeps its pass before the advantages; the rollout 
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -208,3 +209,53 @@ def test_rollout_agreement_after_the_fused_update(lora_policy) -> None:
     assert metrics["rollout/logprob_diff_max"] < 1e-6  # float32 storage of the trainer's side
     stale = rollout_agreement(trajs, batch.tokens.action_mask, batch.ref_logprobs)  # what the base model gives
     assert stale["rollout/logprob_diff_mean"] > 1e-2
+
+
+def test_a_lora_training_step_with_a_kl_loss_equals_the_separate_pass_step(small_world, tmp_path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """End to end (train(): rollouts, make_batch, update, log), float64 and seeded sampling so both runs roll out
+    the same trajectories: two GRPO steps of a LoRA policy with a KL loss log the same losses, gradient norms and
+    KL whether the reference log-probs come from the update's micro-batches or from a pass before the update (the
+    second step's: peft starts at the base model, so the first step's KL is 0)."""
+    import json
+
+    from sleuth.rl.batch import batched_logprobs
+    from sleuth.rl.dist import unwrap
+
+    sys_path = str(Path(__file__).parent / "plugins")
+    monkeypatch.syspath_prepend(sys_path)
+    real_make_batch = trainer.make_batch
+
+    def separate_pass(run, trajs, scores, behaviour=False):  # make_batch before issue 43 item 3
+        batch = real_make_batch(run, trajs, scores, behaviour=behaviour)
+        with unwrap(run.policy).disable_adapter():
+            batch.ref_logprobs = batched_logprobs(run.policy, batch.tokens, TEMPERATURE, batch.plan, run.ctx.device)
+        batch.ref_rows, batch.kl = None, None
+        return batch
+
+    rows = {}
+    for name in ("fused", "separate"):
+        if name == "separate":
+            monkeypatch.setattr(trainer, "make_batch", separate_pass)
+        recipe = {
+            "name": "t", "seed": 0,
+            "model": {"policy": "tiny", "dtype": "float64", "lora": {"enabled": True, "r": 4, "alpha": 8}},
+            "data": {"train": str(small_world / "train.jsonl")}, "retriever": {"index": str(small_world / "bm25")},
+            "agent": {"loop": "search_r1", "max_turns": 1, "max_new_tokens_per_turn": 12, "max_response_tokens": 96,
+                      "max_obs_tokens": 32},
+            "plugins": ["sleuth_test_rewards"], "reward": {"name": "test_token_fraction"},
+            "sampling": {"temperature": TEMPERATURE}, "optim": {"lr": 1e-2},
+            "algorithm": {"name": "grpo", "n": 4, "prompts_per_step": 2, "minibatch_size": 8, "micro_batch_size": 4,
+                          "kl": {"coef": 0.5, "mode": "loss", "estimator": "low_var_kl"}},
+            "trainer": {"total_steps": 2, "save_every": 1000, "out_dir": str(tmp_path / name)},
+        }
+        trainer.train(recipe_from_dict(recipe))
+        rows[name] = [json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+    for fused, separate in zip(rows["fused"], rows["separate"], strict=True):
+        assert fused["reward/std"] > 0 and fused["update/micro_batches"] == 2
+        for key in ("actor/pg_loss", "actor/kl_loss", "actor/grad_norm", "actor/entropy", "reward/mean"):
+            assert fused[key] == pytest.approx(separate[key], rel=1e-9, abs=1e-12), key
+        # the logged KL: the token mean of KL(old || ref), where the separate pass falls back to the loss term
+        assert fused["actor/kl"] == pytest.approx(separate["actor/kl"], rel=1e-9, abs=1e-15)
+        assert fused["rollout/logprob_diff_tokens"] > 0 and fused["rollout/logprob_diff_mean"] < 1e-6
+    assert rows["fused"][1]["actor/kl"] > 1e-6 and rows["fused"][1]["actor/kl_loss"] > 1e-6
