@@ -176,7 +176,7 @@ def train_case(args: argparse.Namespace, name: str, overrides: list[str]) -> dic
                 rss, now = tree_rss(proc), time.perf_counter() - t0
                 if rss > peak:
                     peak, peak_at = rss, now
-                if not timeline or now - timeline[-1][0] >= 10 * args.interval:
+                if not timeline or now - timeline[-1][0] >= 20 * args.interval:
                     timeline.append((round(now, 1), round(rss / 2**30, 2)))
                 if rss > args.cap_gib * 2**30:  # would take the shared box: stop it (its own session only)
                     os.killpg(child.pid, signal.SIGKILL)
