@@ -9,15 +9,28 @@ runs in a fresh process, so its peak RSS (ru_maxrss) is its own; a child is capp
 space, so a path that would need more fails with MemoryError instead of taking the box (reported as such).
 `legacy` is the forward before issue 43 (kept here, verbatim in effect: the output layer over every position
 from the earliest response start, float32 log-softmax and entropy over all of them).
+
+`--recipe` measures real training instead: each `--case NAME key=value...` runs `sleuth train RECIPE` with the
+`--set` overrides, then the case's, in a fresh process whose tree's RSS is sampled every `--interval` s (killed
+above `--cap-gib`, so a case that would take the box is reported instead); rows go under "train" in the JSON,
+beside the synthetic rows. E.g. one GRPO step of s3 from the Search-R1 checkpoint at micro-batch 8:
+
+    PYTHONPATH=src python bench/update_memory.py --recipe recipes/cpu/s3.yaml \
+        --set model.init_from=checkpoints/search_r1 algorithm.name=grpo trainer.total_steps=1 \
+        --case micro8 algorithm.micro_batch_size=8 --case micro8_tokens4096 algorithm.micro_batch_tokens=4096
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import resource
+import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -43,6 +56,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="activation checkpointing of the policy-tokens path (auto: sleuth.rl.memory_plan)")
     p.add_argument("--cap-gib", type=float, default=12.0, help="address-space cap of each child (GiB)")
     p.add_argument("--out", default=None)
+    p.add_argument("--recipe", default=None, help="measure `sleuth train RECIPE` runs (the --case's) instead")
+    p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="overrides of every --case")
+    p.add_argument("--case", nargs="+", action="append", default=[], metavar="NAME [KEY=VALUE ...]",
+                   help="one training run: a name and its own overrides (after --set)")
+    p.add_argument("--interval", type=float, default=0.5, help="seconds between RSS samples (--recipe)")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
@@ -129,8 +147,81 @@ def child(args: argparse.Namespace, path: str, micro: int) -> dict[str, Any]:
             "policy_tokens": int(mask.sum())}
 
 
+def tree_rss(proc: Any) -> int:
+    """Resident bytes of a process and its descendants (0 once it is gone)."""
+    import psutil
+
+    total = 0
+    try:
+        for p in [proc, *proc.children(recursive=True)]:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                total += p.memory_info().rss
+    except psutil.NoSuchProcess:
+        pass
+    return total
+
+
+def train_case(args: argparse.Namespace, name: str, overrides: list[str]) -> dict[str, Any]:
+    """One `sleuth train` run with its tree's RSS sampled: peak, when it was reached, and the step's metrics."""
+    import psutil
+
+    with tempfile.TemporaryDirectory(prefix="update_memory_") as tmp:
+        cmd = [sys.executable, "-m", "sleuth.cli", "train", args.recipe, *args.set, *overrides,
+               f"trainer.out_dir={tmp}/run"]
+        t0, peak, peak_at, timeline, killed = time.perf_counter(), 0, 0.0, [], False
+        with open(Path(tmp) / "log.txt", "w") as log:
+            child = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            proc = psutil.Process(child.pid)
+            while child.poll() is None:
+                rss, now = tree_rss(proc), time.perf_counter() - t0
+                if rss > peak:
+                    peak, peak_at = rss, now
+                if not timeline or now - timeline[-1][0] >= 20 * args.interval:
+                    timeline.append((round(now, 1), round(rss / 2**30, 2)))
+                if rss > args.cap_gib * 2**30:  # would take the shared box: stop it (its own session only)
+                    os.killpg(child.pid, signal.SIGKILL)
+                    killed = True
+                time.sleep(args.interval)
+        wall = time.perf_counter() - t0
+        log_tail = (Path(tmp) / "log.txt").read_text(errors="replace").splitlines()[-5:]
+        metrics_path = Path(tmp) / "run" / "metrics.jsonl"
+        first = json.loads(metrics_path.read_text().splitlines()[0]) if metrics_path.exists() else {}
+    kept = {k: v for k, v in first.items() if k.split("/")[0] in ("time", "update", "memory") or k in (
+        "actor/kl", "actor/pg_loss", "actor/grad_norm", "rollout/logprob_diff_mean", "reward/mean")}
+    status = f"killed over the {args.cap_gib:g} GiB cap" if killed else "ok" if child.returncode == 0 and first \
+        else f"failed (exit {child.returncode})"
+    return {"case": name, "overrides": overrides, "status": status, "peak_rss_gib": round(peak / 2**30, 2),
+            "peak_at_s": round(peak_at, 1), "wall_s": round(wall, 1), "metrics": kept, "rss_timeline_gib": timeline,
+            **({"log_tail": log_tail} if status != "ok" else {})}
+
+
+def train_main(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
+    rows = []
+    print(f"{'case':<22} {'status':<28} {'peak RSS GiB':>12} {'at s':>7} {'wall s':>7} {'update s':>9} {'micro':>6}")
+    for name, *overrides in args.case:
+        row = train_case(args, name, overrides)
+        rows.append(row)
+        m = row["metrics"]
+        print(f"{name:<22} {row['status']:<28} {row['peak_rss_gib']:>12.2f} {row['peak_at_s']:>7.1f} "
+              f"{row['wall_s']:>7.1f} {m.get('time/update', float('nan')):>9.1f} "
+              f"{m.get('update/micro_batches', float('nan')):>6.0f}", flush=True)
+    path = _common.out_path(args.out, "update_memory_cpu.json")
+    result = json.loads(path.read_text()) if path.exists() else {"bench": "update_memory"}
+    result["train"] = {"environment": _common.environment("cpu"), "date": time.strftime("%Y-%m-%d"),
+                       "command": " ".join(["bench/update_memory.py", *argv]), "recipe": args.recipe,
+                       "overrides": args.set, "cap_gib": args.cap_gib, "rows": rows,
+                       # glibc's allocator settings change a CPU run's RSS (see docs/scaling.md): recorded when set
+                       "malloc_env": {k: v for k, v in os.environ.items() if k.startswith("MALLOC_")}}
+    _common.write_json(path, result)
+    return result
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
+    if args.recipe:
+        if not args.case:
+            raise SystemExit("--recipe needs at least one --case NAME [KEY=VALUE ...]")
+        return train_main(args, argv if argv is not None else sys.argv[1:])
     if args.child:
         path, micro = args.child.split(":")
         print(json.dumps(child(args, path, int(micro))))

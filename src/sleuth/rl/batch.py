@@ -315,6 +315,21 @@ def batched_logprobs(
 
 
 @torch.no_grad()
+def adapter_free_logprobs(model: nn.Module, batch: TokenBatch, temperature: float, packed: bool) -> torch.Tensor:
+    """Policy-token log-probs (B, R) of a LoRA (peft) model's base weights, adapters disabled, without gradients:
+    the reference of a LoRA policy on one update micro-batch (`forward_logprobs`: policy positions only, the
+    output layer chunked). In eval mode, so dropout cannot touch the reference; the model's mode is restored."""
+    peft_model = unwrap(model)
+    training = peft_model.training
+    peft_model.eval()
+    try:
+        with peft_model.disable_adapter():
+            return forward_logprobs(model, batch, temperature, packed=packed)[0]
+    finally:
+        peft_model.train(training)
+
+
+@torch.no_grad()
 def batched_values(critic: ValueModel, batch: TokenBatch, micro: int, device: torch.device) -> torch.Tensor:
     """Critic values (B, R) without gradients, in micro-batches, returned on the CPU."""
     out = []

@@ -35,6 +35,7 @@ from sleuth.rl.agreement import rollout_agreement
 from sleuth.rl.batch import (
     ForwardPlan,
     TokenBatch,
+    adapter_free_logprobs,
     batched_logprobs,
     batched_values,
     chunks,
@@ -109,6 +110,9 @@ class StepBatch:
     returns: torch.Tensor
     old_logprobs: torch.Tensor | None = None  # None: on-policy, the update's own forward gives them
     ref_logprobs: torch.Tensor | None = None
+    # LoRA with a KL loss: (B,) True for the rows whose ref_logprobs (and kl) the update's micro-batches have
+    # filled from the base model's forward; None: ref_logprobs came from a pass of their own in make_batch
+    ref_rows: torch.Tensor | None = None
     old_values: torch.Tensor | None = None
     kl: torch.Tensor | None = None  # per-token KL(old || ref) for the log
     debug_path: Path | None = None
@@ -250,18 +254,22 @@ def make_batch(run: Run, trajs: list[Trajectory], scores: list[float], behaviour
         old_logprobs = behaviour_logprobs(trajs, tokens.action_mask.shape, dtype_of(run.policy))
     else:
         old_logprobs = batched_logprobs(run.policy, tokens, temperature, plan, device) if needs_old else None
-    ref_logprobs = None
+    mask, float_t = tokens.action_mask, torch.promote_types(dtype_of(run.policy), torch.float32)
+    ref_logprobs = ref_rows = kl = None
     if kl_coef > 0:
         if run.reference is not None:
             ref_logprobs = reference_logprobs(run.reference, tokens, temperature, plan, device)
-        else:
-            with unwrap(run.policy).disable_adapter():  # LoRA: the base model is the reference
+        elif algo.kl.mode == "penalty":
+            # LoRA: the base model (adapters off) is the reference. A reward penalty shapes the advantages, which
+            # the update needs from its first micro-batch on: its log-probs take a pass of their own, here
+            with unwrap(run.policy).disable_adapter():
                 ref_logprobs = batched_logprobs(run.policy, tokens, temperature, plan, device)
-    mask = tokens.action_mask
-    score_t = torch.tensor(scores, dtype=torch.promote_types(dtype_of(run.policy), torch.float32))
+        else:  # LoRA, KL loss: each update micro-batch runs the base model over its own tokens (_micro_step)
+            ref_logprobs, kl = torch.zeros(mask.shape, dtype=float_t), torch.zeros(mask.shape, dtype=float_t)
+            ref_rows = torch.zeros(len(trajs), dtype=torch.bool)
+    score_t = torch.tensor(scores, dtype=float_t)
     token_rewards = token_rewards_of(trajs, score_t, mask)
-    kl = None
-    if ref_logprobs is not None:
+    if ref_logprobs is not None and ref_rows is None:
         if old_logprobs is not None:
             kl = loss_fns.kl_penalty(old_logprobs, ref_logprobs, algo.kl.estimator)
         if algo.kl.mode == "penalty":
@@ -274,8 +282,8 @@ def make_batch(run: Run, trajs: list[Trajectory], scores: list[float], behaviour
     advantages, returns = estimate_advantages(run, token_rewards, mask, old_values, trajs)
     # the agreement metric needs the trainer's forward of the rollout's weights: not kept under overlap
     policy_logprobs = None if behaviour else old_logprobs if old_logprobs is not None else torch.zeros(mask.shape)
-    return StepBatch(trajs, scores, tokens, advantages, returns, old_logprobs, ref_logprobs, old_values, kl,
-                     plan=plan, policy_logprobs=policy_logprobs)
+    return StepBatch(trajs, scores, tokens, advantages, returns, old_logprobs, ref_logprobs, ref_rows, old_values,
+                     kl, plan=plan, policy_logprobs=policy_logprobs)
 
 
 def _adapt_kl_coef(run: Run, kl: torch.Tensor, mask: torch.Tensor) -> None:
@@ -384,7 +392,14 @@ def _micro_step(run: Run, batch: StepBatch, idx: torch.Tensor, totals: dict[str,
     algo, device = run.recipe.algorithm, run.ctx.device
     mi = to_device(batch.tokens.index(idx), device)
     m = mi.action_mask
+    # LoRA with a KL loss: the reference log-probs of these rows, once (later epochs reuse them), from the base
+    # model over this same micro-batch; before the policy's forward, so its activations are not held meanwhile
+    fresh_ref = batch.ref_rows is not None and not bool(batch.ref_rows[idx].all())
     with _maybe_no_sync(run.policy, sync), autocast(device):
+        if fresh_ref:
+            batch.ref_logprobs[idx] = adapter_free_logprobs(run.policy, mi, run.recipe.sampling.temperature,
+                                                            batch.plan.packed).to(batch.ref_logprobs)
+            batch.ref_rows[idx] = True
         logprobs, entropy = forward_logprobs(run.policy, mi, run.recipe.sampling.temperature, with_entropy=True,
                                              packed=batch.plan.packed)
         if batch.old_logprobs is None:  # one on-policy epoch: the ratio's old side is this forward, detached
@@ -402,8 +417,10 @@ def _micro_step(run: Run, batch: StepBatch, idx: torch.Tensor, totals: dict[str,
         if algo.entropy_coef:
             loss = loss - algo.entropy_coef * agg(entropy, m)
         if batch.ref_logprobs is not None and algo.kl.mode == "loss":
-            kl_term = loss_fns.kl_loss(logprobs, batch.ref_logprobs[idx].to(device), m, kind=algo.kl.estimator,
-                                       agg=agg)
+            ref = batch.ref_logprobs[idx].to(device)
+            if fresh_ref:  # KL(old || ref) for the log, as make_batch's separate passes give it
+                batch.kl[idx] = loss_fns.kl_penalty(old, ref, algo.kl.estimator).to(batch.kl)
+            kl_term = loss_fns.kl_loss(logprobs, ref, m, kind=algo.kl.estimator, agg=agg)
             loss = loss + algo.kl.coef * kl_term
             acc_stat(mb_losses, "actor/kl_loss", kl_term.item())
         loss.backward()
