@@ -11,7 +11,10 @@ BENCH = Path(__file__).resolve().parents[1] / "bench"
 
 
 def load_bench(name: str) -> ModuleType:
-    """bench/NAME.py as the module `bench_NAME` (registered in sys.modules, which dataclasses need)."""
+    """bench/NAME.py as the module `bench_NAME` (registered in sys.modules, which dataclasses need); bench/ joins
+    sys.path, as when the script runs, so its `import _common` resolves."""
+    if str(BENCH) not in sys.path:
+        sys.path.insert(0, str(BENCH))
     key = f"bench_{name}"
     if key in sys.modules:
         return sys.modules[key]

@@ -2,28 +2,15 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parent.parent / "bench"
+from bench_loading import load_bench
 
-
-def _load(name: str):
-    if str(BENCH) not in sys.path:
-        sys.path.insert(0, str(BENCH))
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
-
-
-common = _load("_common")
+common = load_bench("_common")
 
 
 def test_decode_call_bytes_by_hand() -> None:
@@ -77,7 +64,7 @@ def test_random_model_sizes_match_the_published_counts() -> None:
 
 
 def test_rollout_bench_tiny(tmp_path: Path) -> None:
-    rollout = _load("rollout")
+    rollout = load_bench("rollout")
     out = tmp_path / "rollout.json"
     rollout.main(["--model", "tiny", "--device", "cpu", "--batch", "3", "--turns", "2", "--new-tokens", "4",
                   "--baseline-trajectories", "1", "--passages", "300", "--out", str(out)])
@@ -95,7 +82,7 @@ def test_rollout_bench_tiny(tmp_path: Path) -> None:
 
 
 def test_train_step_bench_tiny_sleuth(tmp_path: Path) -> None:
-    train_step = _load("train_step")
+    train_step = load_bench("train_step")
     out = tmp_path / "train.json"
     train_step.main(["--model", "tiny", "--device", "cpu", "--prompts", "2", "--n", "2", "--new-tokens", "4",
                      "--steps", "1", "--warmup-steps", "1", "--passages", "300", "--variants", "sleuth",
@@ -113,7 +100,7 @@ def test_train_step_bench_tiny_sleuth(tmp_path: Path) -> None:
 
 
 def test_scale_step_bench_one_vs_two_processes(tmp_path: Path) -> None:
-    scale_step = _load("scale_step")
+    scale_step = load_bench("scale_step")
     out = tmp_path / "scale.json"
     scale_step.main(["--model", "tiny", "--device", "cpu", "--gpus", "1", "2", "--parallel", "ddp", "--prompts", "2",
                      "--n", "2", "--turns", "1", "--new-tokens", "4", "--steps", "1", "--passages", "300",
@@ -126,7 +113,7 @@ def test_scale_step_bench_one_vs_two_processes(tmp_path: Path) -> None:
 
 
 def test_scale_step_rejects_a_rank_count_that_splits_groups() -> None:
-    scale_step = _load("scale_step")
+    scale_step = load_bench("scale_step")
     with pytest.raises(SystemExit, match="must divide --prompts"):
         scale_step.parse_args(["--gpus", "1", "3", "--prompts", "4"])
 
@@ -135,7 +122,7 @@ def test_bench_scripts_name_a_flag_below_one() -> None:
     for name, argv, flag in (("train_step", ["--steps", "0"], "--steps"), ("rollout", ["--new-tokens", "0"], "--new-tokens"),
                              ("scale_step", ["--micro", "0"], "--micro")):
         with pytest.raises(SystemExit, match=f"{flag} must be >= 1, got 0"):
-            _load(name).parse_args(argv)
+            load_bench(name).parse_args(argv)
 
 
 def _write_metrics(path: Path, rows: list[dict]) -> Path:
@@ -144,7 +131,7 @@ def _write_metrics(path: Path, rows: list[dict]) -> Path:
 
 
 def test_learning_reward_slope_by_hand(tmp_path: Path) -> None:
-    learning = _load("learning")
+    learning = load_bench("learning")
     # rewards 0.2, 0.3, 0.5, 0.6 at steps 1-4: x mean 2.5, y mean 0.4; Sxy = (-1.5)(-0.2) + (-0.5)(-0.1)
     # + (0.5)(0.1) + (1.5)(0.2) = 0.7, Sxx = 5: slope 0.14, intercept 0.05. Residuals 0.01, -0.03, 0.03, -0.01
     # -> SSE 0.002; stderr = sqrt(0.002 / 2 / 5) = 0.0141421; t(0.975, 2) = 4.302653 -> half-width 0.060849.
@@ -161,7 +148,7 @@ def test_learning_reward_slope_by_hand(tmp_path: Path) -> None:
 
 
 def test_learning_reward_slope_per_stage(tmp_path: Path) -> None:
-    learning = _load("learning")
+    learning = load_bench("learning")
     # stage 1 rises by 0.1 a step from 1.0, stage 2 (a reward on another scale) by 0.05 from 0.2
     rows = [{"step": s, "stage": 1, "reward/mean": 1.0 + 0.1 * (s - 1), "accuracy/em": 0.5} for s in (1, 2, 3)]
     rows += [{"step": s, "stage": 2, "reward/mean": 0.2 + 0.05 * (s - 4), "accuracy/em": 0.5} for s in (4, 5, 6, 7)]
@@ -176,7 +163,7 @@ def test_learning_reward_slope_per_stage(tmp_path: Path) -> None:
 
 
 def test_learning_rl_steps_override(monkeypatch: pytest.MonkeyPatch) -> None:
-    learning = _load("learning")
+    learning = load_bench("learning")
     size = learning.Size()
     monkeypatch.setenv("LEARN_RL_STEPS", "r_search=20,qagent=12")
     assert learning.rl_steps("r_search", size) == 20
@@ -187,7 +174,7 @@ def test_learning_rl_steps_override(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_learning_validation_size_override(monkeypatch: pytest.MonkeyPatch) -> None:
-    learning = _load("learning")
+    learning = load_bench("learning")
     assert (learning.run_size(False).val_examples, learning.run_size(False).val_every) == (200, 10)
     monkeypatch.setenv("LEARN_VAL_EXAMPLES", "300")
     monkeypatch.setenv("LEARN_VAL_EVERY", "5")
@@ -197,7 +184,7 @@ def test_learning_validation_size_override(monkeypatch: pytest.MonkeyPatch) -> N
 
 
 def test_learning_validation_reward_pairs_first_and_last(tmp_path: Path) -> None:
-    learning = _load("learning")
+    learning = load_bench("learning")
     assert learning.validation_reward(tmp_path) is None  # a run without data.dev
     (tmp_path / "validation").mkdir()
     rewards = {0: [0.0, 1.0, 0.0], 10: [1.0, 1.0, 0.0], 20: [1.0, 1.0, 1.0]}
@@ -216,7 +203,7 @@ def test_learning_validation_reward_pairs_first_and_last(tmp_path: Path) -> None
 
 
 def test_learning_eval_off_runs_training_stages_only(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    learning = _load("learning")
+    learning = load_bench("learning")
     ran: list[str] = []
     monkeypatch.setattr(learning, "stage", lambda out, name, fn, *args: ran.append(name) or {"checkpoint": "c"})
     learning.run_job(tmp_path, "r_search:full", "m", learning.CPU_SIZE, None)
@@ -230,7 +217,7 @@ def test_learning_eval_off_runs_training_stages_only(monkeypatch: pytest.MonkeyP
 
 def test_decode_bench_tiny(tmp_path: Path) -> None:
     """bench/decode.py runs the engine end to end and books bytes per step from its own arithmetic."""
-    decode = _load("decode")
+    decode = load_bench("decode")
     out = tmp_path / "decode.json"
     decode.main(["--models", "tiny", "--device", "cpu", "--batches", "3", "--context", "16", "--new-tokens", "6",
                  "--out", str(out)])
@@ -243,7 +230,7 @@ def test_decode_bench_tiny(tmp_path: Path) -> None:
 def test_paper_scale_rehearsal_tiny(tmp_path: Path) -> None:
     """bench/paper_scale.py trains one step under torchrun with the rehearsal loop: every turn ends in a search
     (the scripted query), the step split and the 1,000 x 512 projection are reported, and a rerun resumes."""
-    paper = _load("paper_scale")
+    paper = load_bench("paper_scale")
     out, work = tmp_path / "paper.json", tmp_path / "work"
     argv = ["--model", "tiny", "--device", "cpu", "--gpus", "1", "--prompts", "2", "--n", "2", "--turns", "2",
             "--new-tokens", "6", "--max-obs-tokens", "24", "--steps", "1", "--micro", "2", "--passages", "300",
@@ -266,7 +253,7 @@ def test_paper_scale_rehearsal_tiny(tmp_path: Path) -> None:
 def test_paper_scale_search_r1_late_shape_tiny(tmp_path: Path) -> None:
     """--shape search-r1-late (issue 43 item 7): 2-3 turns drawn per trajectory (ragged across the batch), every
     turn but the last searching, 48 new tokens a turn; the row carries the shape and the update's counters."""
-    paper = _load("paper_scale")
+    paper = load_bench("paper_scale")
     out = tmp_path / "late.json"
     paper.main(["--model", "tiny", "--device", "cpu", "--gpus", "1", "--prompts", "2", "--n", "4", "--steps", "1",
                 "--micro", "4", "--micro-tokens", "4096", "--passages", "300", "--shape", "search-r1-late",
@@ -283,7 +270,7 @@ def test_paper_scale_search_r1_late_shape_tiny(tmp_path: Path) -> None:
 def test_paper_scale_weak_scaling_grows_the_global_batch_with_the_gpus() -> None:
     """--prompts-per-gpu P gives every configuration P prompts per GPU; without it every configuration takes the
     same global --prompts."""
-    paper = _load("paper_scale")
+    paper = load_bench("paper_scale")
     weak = paper.parse_args(["--model", "tiny", "--gpus", "1", "2", "4", "--prompts-per-gpu", "3"])
     assert [paper.config_args(weak, g).prompts for g in (1, 2, 4)] == [3, 6, 12]
     strong = paper.parse_args(["--model", "tiny", "--gpus", "1", "4", "--prompts", "8"])
@@ -295,7 +282,7 @@ def test_paper_scale_weak_scaling_grows_the_global_batch_with_the_gpus() -> None
 def test_rollout_bench_engine_row_splits_prefill_from_decode(tmp_path: Path) -> None:
     """The engine row says how much of the time inside generate went to prefills (CPU: the engine runs eagerly,
     so no graph is captured and none fails)."""
-    rollout = _load("rollout")
+    rollout = load_bench("rollout")
     out = tmp_path / "rollout.json"
     rollout.main(["--model", "tiny", "--device", "cpu", "--batch", "3", "--turns", "2", "--new-tokens", "4",
                   "--modes", "engine", "--baseline-trajectories", "0", "--passages", "300", "--out", str(out)])
@@ -307,7 +294,7 @@ def test_rollout_bench_engine_row_splits_prefill_from_decode(tmp_path: Path) -> 
 
 def test_stop_check_cost_bench_tiny(tmp_path: Path) -> None:
     """bench/stop_check_cost.py times both stop-check paths (the tiny tokenizer when the Qwen one is absent)."""
-    bench = _load("stop_check_cost")
+    bench = load_bench("stop_check_cost")
     out = tmp_path / "stop.json"
     bench.main(["--tokenizer", str(tmp_path / "absent"), "--rows", "4", "--chunk", "3", "--chunks", "2",
                 "--repeats", "1", "--out", str(out)])
@@ -319,7 +306,7 @@ def test_stop_check_cost_bench_tiny(tmp_path: Path) -> None:
 def test_claims_figure_groups_em_and_retrievals_by_type_and_draws_the_retrieval_panel(tmp_path: Path) -> None:
     """bench/claims_figure.py: the per-type means by hand (EM and, for the staged claim, retrievals per question),
     and a three-panel figure from a claim folder laid out as committed."""
-    figure = _load("claims_figure")
+    figure = load_bench("claims_figure")
     rows = [{"dataset": "all-known", "em": 1.0, "retrieval_count": 1}, {"dataset": "all-known", "em": 0.0,
             "retrieval_count": 3}, {"dataset": "mixed", "em": 1.0, "retrieval_count": 2}]
     em = figure.em_by_type(rows)
@@ -347,7 +334,7 @@ def test_claims_pack_rows_and_the_why_analysis_by_hand(tmp_path: Path) -> None:
     """bench/claims_pack.py: a prediction's supporting passages served and answer found, by hand; pack refuses a
     world whose sha256 differs from the run's record; why's means and its split by support served, by hand; the
     curve and per-type figures from the packed folder."""
-    pack = _load("claims_pack")
+    pack = load_bench("claims_pack")
     support = {"a": ["1", "2"], "b": ["3"], "c": ["4", "5"]}
     prediction = _prediction("a", "2hop", 1.0, [("1", "capital Oslo"), ("9", "x")])
     prediction["trajectory"]["retrieved"] = [[{"doc_id": "1"}, {"doc_id": "2"}], [{"doc_id": "9"}]]
@@ -423,7 +410,7 @@ def test_claims_pack_rows_and_the_why_analysis_by_hand(tmp_path: Path) -> None:
     assert small["all"]["searched"]["mean"] == 1.0 and small["all"]["all_unknown_support_retrieved"]["n"] == 0
     assert analysis["s3_16"]["all"]["all_support_served"]["mean"] == 1.0  # every passage served to every question
     assert "| s3_4 | all | 33.3" in pack.markdown(analysis)
-    figure = _load("claims_figure")
+    figure = load_bench("claims_figure")
     curve = figure.draw_curve(dest, tmp_path / "curve.png")
     assert curve == {"s3": [(4, pytest.approx(1 / 3), pytest.approx(2 / 3)), (16, 1.0, 1.0)]}
     by_type = figure.draw_types(dest, ["s3_4", "s3_16"], "em", tmp_path / "types.png")
@@ -433,7 +420,7 @@ def test_claims_pack_rows_and_the_why_analysis_by_hand(tmp_path: Path) -> None:
 
 
 def test_tree_grpo_budget_compares_at_grpo_budget_by_hand() -> None:
-    bench = _load("tree_grpo_budget")
+    bench = load_bench("tree_grpo_budget")
     grpo = {"trajectories": 8.0, "generated_tokens": 1000.0, "tool_calls": 12.0, "trajectories_per_1k_tokens": 8.0,
             "tool_calls_per_1k_tokens": 12.0, "tool_calls_per_trajectory": 1.5}
     tree = {"trajectories": 10.0, "generated_tokens": 800.0, "tool_calls": 8.0, "trajectories_per_1k_tokens": 12.5,
@@ -448,7 +435,7 @@ def test_tree_grpo_budget_compares_at_grpo_budget_by_hand() -> None:
 def test_tree_grpo_budget_bench_tiny_on_the_decode_engine(tmp_path: Path) -> None:
     from plugin_install import installed
 
-    bench = _load("tree_grpo_budget")
+    bench = load_bench("tree_grpo_budget")
     out = tmp_path / "tree.json"
     with installed("sleuth_tree_grpo"):
         bench.main(["--model", "tiny", "--device", "cpu", "--cache", "engine", "--questions", "2", "--n", "3",

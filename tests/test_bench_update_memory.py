@@ -3,28 +3,16 @@ merged beside the synthetic ones in the results JSON; a case over the cap is sto
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import yaml
 
-BENCH = Path(__file__).resolve().parent.parent / "bench"
-
-
-def _load(name: str):
-    if str(BENCH) not in sys.path:
-        sys.path.insert(0, str(BENCH))
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+from bench_loading import load_bench
 
 
 def test_update_memory_measures_training_runs_and_stops_one_over_the_cap(small_world: Path, tmp_path: Path) -> None:
-    bench = _load("update_memory")
+    bench = load_bench("update_memory")
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(yaml.safe_dump({
         "name": "t", "model": {"policy": "tiny", "lora": {"enabled": True, "r": 2, "alpha": 4}},
