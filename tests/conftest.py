@@ -27,3 +27,22 @@ def tiny_tokenizer(tmp_path_factory: pytest.TempPathFactory):
     from sleuth.llm.tiny import build_tiny_model
 
     return AutoTokenizer.from_pretrained(build_tiny_model(tmp_path_factory.mktemp("tiny")))
+
+
+@pytest.fixture(scope="session")
+def one_layer_minilm(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The embedded MiniLM cut to its first transformer layer, saved as a sentence-transformers model dir
+    (built once a worker, in its own temporary folder; nothing shared). Same tokenizer, pooling,
+    normalisation and 384-dim vectors at about a fifth of the encoding cost: for tests of what the
+    encoding pipeline does with vectors (files, indexes, servers), not of MiniLM's retrieval quality."""
+    from sentence_transformers import SentenceTransformer
+
+    from sleuth.retrieval.encoders import resolve_encoder_path
+
+    model = SentenceTransformer(resolve_encoder_path("minilm"), device="cpu")
+    bert = model[0].auto_model
+    bert.encoder.layer = bert.encoder.layer[:1]
+    bert.config.num_hidden_layers = 1
+    out = tmp_path_factory.mktemp("minilm-one-layer") / "model"
+    model.save(str(out))
+    return str(out)

@@ -60,12 +60,13 @@ def test_bm25_stages_and_report_end_to_end(tmp_path: Path) -> None:
         assert record["command"] and record["date"] and len(record["load_average_before"]) == 3
 
 
-def test_dense_stages_reuse_the_bm25_docstore_end_to_end(tmp_path: Path) -> None:
+def test_dense_stages_reuse_the_bm25_docstore_end_to_end(tmp_path: Path, one_layer_minilm: str) -> None:
     """Dense over the whole corpus (the default): encode reads the BM25 build's docstore with two CPU
     worker processes, the IVF-PQ build links it after the corpus file is deleted (as the 21M driver
     does; its k-means and list assignment by torch, as on a GPU), and the server answers from it. No
-    sample corpus or second docstore is written."""
-    env = {**os.environ, "PYTHONPATH": str(SRC), "OMP_NUM_THREADS": "1"}
+    sample corpus or second docstore is written. (The encoder is MiniLM cut to one layer, through the
+    bench's SLEUTH_ENCODER: the stages' plumbing is under test, and encoding is most of their time.)"""
+    env = {**os.environ, "PYTHONPATH": str(SRC), "OMP_NUM_THREADS": "1", "SLEUTH_ENCODER": one_layer_minilm}
     work = tmp_path / "w"
     common = ["--work", str(work), "--size", "500", "--world-passages", "200", "--questions", "40",
               "--workers", "1", "--shard-docs", "1000", "--batch-requests", "1", "--batch-clients", "1",
@@ -119,11 +120,14 @@ def test_dense_sample_cuts_a_corpus_and_the_whole_corpus_needs_the_bm25_docstore
             retrieval_scale._encode_docstore(args)
 
 
-def test_dense_only_run_builds_the_bm25_docstore_without_bm25_and_reports_bm25_as_skipped(tmp_path: Path) -> None:
+def test_dense_only_run_builds_the_bm25_docstore_without_bm25_and_reports_bm25_as_skipped(
+    tmp_path: Path, one_layer_minilm: str
+) -> None:
     """The SKIP_BM25=1 path of bench/retrieval_21m.sh: docstore-build writes the same docstore files the
     BM25 build writes (same ids, titles, texts at the same rows: byte-identical), the dense stages run from
-    it after the corpus is deleted, and the report lists the BM25 stages as skipped, none as missing."""
-    env = {**os.environ, "PYTHONPATH": str(SRC), "OMP_NUM_THREADS": "1"}
+    it after the corpus is deleted, and the report lists the BM25 stages as skipped, none as missing.
+    (MiniLM cut to one layer encodes, as in the test above.)"""
+    env = {**os.environ, "PYTHONPATH": str(SRC), "OMP_NUM_THREADS": "1", "SLEUTH_ENCODER": one_layer_minilm}
     work, bm25_work = tmp_path / "w", tmp_path / "bm25"
     common = ["--size", "400", "--world-passages", "200", "--questions", "40", "--workers", "2",
               "--shard-docs", "1000", "--batch-requests", "1", "--batch-clients", "1", "--latency-seconds", "1",

@@ -65,13 +65,13 @@ def test_a_disagreeing_fast_tokenizer_is_not_used(model, monkeypatch: pytest.Mon
     assert not isinstance(_tokenizer_for(model, texts, True), BatchTokenizer)
 
 
-def test_bulk_encoder_vectors_equal_the_preprocess_path(tmp_path: Path) -> None:
+def test_bulk_encoder_vectors_equal_the_preprocess_path(tmp_path: Path, one_layer_minilm: str) -> None:
     """Same batches, same token tensors, same model: the float16 files are bit-identical (tolerance 0;
     any difference in padding would show as float32 rounding ~1e-7, below float16's step but able to flip
-    a rounding)."""
+    a rounding). The model is MiniLM cut to one layer: its tokenizer, the part under test, is MiniLM's."""
     texts = _synthetic(300, seed=1) + EDGE_CASES
     store = DocStore.build([Passage(id=f"p{i}", title="", text=t) for i, t in enumerate(texts)], tmp_path / "ds")
-    config = EncoderConfig(name="minilm", batch_size=32)
+    config = EncoderConfig(name=one_layer_minilm, batch_size=32)
     files = {}
     for fast in (False, True):
         files[fast] = tmp_path / f"fast{fast}.f16"
