@@ -6,6 +6,32 @@ from pathlib import Path
 
 import pytest
 
+# The slowest test modules, slowest first (their tests' seconds summed from `make test`'s durations on the
+# 2-core box, 2026-11-29): they run before all others. pytest-xdist's loadfile hands out whole modules in
+# collection order, by default reordered by test count, which puts these few-test, slow modules last, where
+# one of them could run alone on one worker while the other idled. Longest first, the run ends on
+# short modules and both workers finish together. Refresh the list from a run's durations when it drifts.
+SLOWEST_MODULES_FIRST = (
+    "test_reproduce.py", "test_decode_engine.py", "test_bench_retrieval_scale.py", "test_claim_bundle.py",
+    "test_claim_checkpoints.py", "test_coldstart.py", "test_export_serving.py", "test_rl_distributed.py",
+    "test_retrieval_prefork.py", "test_llm_hf.py", "test_demo.py", "test_export.py", "test_rl_interrupts.py",
+    "test_retrieval_bulk_encode.py", "test_robustness.py", "test_rl_trainer.py", "test_retrieval_fast_tokenize.py",
+    "test_llm_registry.py", "test_bench_smoke.py", "test_knowledge.py", "test_bm25_build.py",
+)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # keep the module order set below (xdist would sort modules by their number of tests)
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The slowest modules first, the rest in collection order (a stable sort: each module's tests keep
+    their order and stay together)."""
+    rank = {name: i for i, name in enumerate(SLOWEST_MODULES_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
+
 
 @pytest.fixture(scope="session")
 def small_world(tmp_path_factory: pytest.TempPathFactory) -> Path:
