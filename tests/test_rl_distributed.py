@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -56,10 +57,23 @@ def _run(tmp: Path, small_world: Path, name: str, nproc: int, parallel: str = "d
     return out
 
 
+@pytest.fixture(scope="module")
+def one_process_run(small_world: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The one-process run both parity tests compare against (the same recipe for either: one run, read only)."""
+    return _run(tmp_path_factory.mktemp("one"), small_world, "one", 1)
+
+
+@pytest.fixture(scope="module")
+def two_rank_ddp_run(small_world: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The 2-rank DDP run: compared with one process, and (a copy) resumed on one. Read only."""
+    return _run(tmp_path_factory.mktemp("two"), small_world, "two", 2, "ddp")
+
+
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
-def test_two_ranks_match_one_process(small_world: Path, tmp_path: Path, parallel: str) -> None:
-    one = _run(tmp_path, small_world, "one", 1)
-    two = _run(tmp_path, small_world, "two", 2, parallel)
+def test_two_ranks_match_one_process(small_world: Path, tmp_path: Path, parallel: str, one_process_run: Path,
+                                     two_rank_ddp_run: Path) -> None:
+    one = one_process_run
+    two = two_rank_ddp_run if parallel == "ddp" else _run(tmp_path, small_world, "two", 2, parallel)
 
     m1 = [json.loads(x) for x in (one / "metrics.jsonl").read_text().splitlines()]
     m2 = [json.loads(x) for x in (two / "metrics.jsonl").read_text().splitlines()]
@@ -95,9 +109,14 @@ def test_two_ranks_match_one_process(small_world: Path, tmp_path: Path, parallel
     assert moved > 0, "training changed no weights, so the comparison proves nothing"
 
 
-def test_checkpoint_from_two_ranks_resumes_on_one(small_world: Path, tmp_path: Path) -> None:
-    """Checkpoints hold full (unsharded) state and a global data cursor, so the rank count may change."""
-    two = _run(tmp_path, small_world, "two", 2)
+def test_checkpoint_from_two_ranks_resumes_on_one(tmp_path: Path, two_rank_ddp_run: Path) -> None:
+    """Checkpoints hold full (unsharded) state and a global data cursor, so the rank count may change.
+    (A copy of the module's 2-rank run is resumed, under its own recipe file naming the copy.)"""
+    two = tmp_path / "two"
+    shutil.copytree(two_rank_ddp_run, two)
+    recipe = yaml.safe_load((two_rank_ddp_run.parent / "two.yaml").read_text())
+    recipe["trainer"]["out_dir"] = str(two)
+    (tmp_path / "two.yaml").write_text(yaml.safe_dump(recipe))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(
         p for p in (str(Path(__file__).parent / "plugins"), os.environ.get("PYTHONPATH")) if p)}
     proc = subprocess.run(
