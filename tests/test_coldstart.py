@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -281,14 +282,17 @@ def test_sft_refuses_bad_data_before_writing_anything(tmp_path, small_world):
     assert not (tmp_path / "run").exists()
 
 
-def _cli(*args: str):
-    import os
-    import subprocess
-    import sys
+def _cli(*args: str) -> SimpleNamespace:
+    """`sleuth ARGS` in this process (Typer's runner: the command, its messages and exit codes, without a
+    fresh interpreter importing torch for each call); returncode/stdout/stderr as subprocess.run gives them."""
+    from typer.testing import CliRunner
 
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-m", "sleuth.cli", *args], env=env, capture_output=True, text=True,
-                          timeout=600)
+    from sleuth.cli import app
+
+    result = CliRunner().invoke(app, list(args), terminal_width=300)
+    if result.exception is not None and not isinstance(result.exception, SystemExit):
+        raise result.exception
+    return SimpleNamespace(returncode=result.exit_code, stdout=result.stdout, stderr=result.stderr)
 
 
 def test_trajectories_cli_oracle_teacher_and_messages(tmp_path, small_world):
