@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import json
+import os
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -72,3 +77,28 @@ def one_layer_minilm(tmp_path_factory: pytest.TempPathFactory) -> str:
     out = tmp_path_factory.mktemp("minilm-one-layer") / "model"
     model.save(str(out))
     return str(out)
+
+
+@pytest.fixture(scope="session")
+def fast_demo_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
+    """`sleuth demo --fast --out DIR` run once a test session, shared by the xdist workers (the first to
+    ask runs it under a lock in the session's common temporary folder; the others wait for it and read
+    it): (DIR, {"returncode", "stdout", "stderr"} of that run). Read only: tests assert on its files."""
+    import fcntl  # Linux, as the suite (pre-fork workers, /proc)
+
+    shared = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        shared = shared.parent  # pytest-N/, above each worker's popen-gwK/
+    out, record = shared / "fast-demo" / "demo", shared / "fast-demo.json"
+    with open(shared / "fast-demo.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not record.exists():
+            shutil.rmtree(out.parent, ignore_errors=True)
+            out.parent.mkdir()
+            proc = subprocess.run([sys.executable, "-m", "sleuth.cli", "demo", "--fast", "--out", str(out)],
+                                  env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+                                  timeout=900, check=False)
+            tmp = record.with_suffix(".tmp")
+            tmp.write_text(json.dumps({"returncode": proc.returncode, "stdout": proc.stdout, "stderr": proc.stderr}))
+            tmp.replace(record)
+    return out, json.loads(record.read_text())

@@ -9,12 +9,11 @@ import sys
 from pathlib import Path
 
 
-def test_demo_fast_end_to_end(tmp_path: Path) -> None:
-    out = tmp_path / "demo"
+def test_demo_fast_end_to_end(tmp_path: Path, fast_demo_run: tuple[Path, dict]) -> None:
+    # the run (a subprocess) is shared with the browser test of its report (tests/conftest.py)
+    out, demo = fast_demo_run
+    assert demo["returncode"] == 0, demo["stdout"][-2000:] + demo["stderr"][-2000:]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-m", "sleuth.cli", "demo", "--fast", "--out", str(out)],
-                          env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
 
     # the pipeline: oracle trajectories -> SFT -> RL with groups of 4 from the SFT checkpoint
     records = [json.loads(x) for x in (out / "trajectories.jsonl").read_text().splitlines()]
@@ -51,12 +50,12 @@ def test_demo_fast_end_to_end(tmp_path: Path) -> None:
     # 2 RL steps cannot judge guards that need 5: the verdict says so, naming what was past a threshold
     assert "Health: too few steps to judge (2 logged" in html and "Health: no RL steps" in html
     # the comparison the demo exists to show: the console's last line and the top of the report
-    last = [line for line in proc.stdout.splitlines() if line.strip()][-1]
+    last = [line for line in demo["stdout"].splitlines() if line.strip()][-1]
     assert last.startswith("searcher trained here vs naive RAG: ") and "% [" in last and "difference" in last
     assert 'id="headline"' in html and html.index('id="headline"') < html.index('id="training"')
     assert str(Path.home()) + "/" not in html  # the model cache under $HOME shows as ~
     # third-party warnings are silenced where sleuth triggers them
-    assert "is_gradient_checkpointing" not in proc.stderr and "clean_up_tokenization_spaces" not in proc.stderr
+    assert "is_gradient_checkpointing" not in demo["stderr"] and "clean_up_tokenization_spaces" not in demo["stderr"]
 
     # the trained checkpoint evaluates through the CLI like any model
     proc = subprocess.run(

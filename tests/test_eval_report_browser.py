@@ -8,7 +8,6 @@ Needs a chromium binary (Debian: `apt-get install -y chromium`); skipped, with t
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import subprocess
@@ -146,12 +145,10 @@ def test_every_plot_decodes_in_the_browser(report: Path, tmp_path: Path):
 
 
 @pytest.fixture(scope="module")
-def demo_report(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("browser_demo") / "demo"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-m", "sleuth.cli", "demo", "--fast", "--out", str(out)],
-                          env=env, capture_output=True, text=True, timeout=900, check=False)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+def demo_report(fast_demo_run: tuple[Path, dict]) -> Path:
+    """The report of `sleuth demo --fast` (the run tests/test_demo.py checks; tests/conftest.py runs it once)."""
+    out, demo = fast_demo_run
+    assert demo["returncode"] == 0, demo["stdout"][-2000:] + demo["stderr"][-2000:]
     return out / "report.html"
 
 
