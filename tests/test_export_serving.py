@@ -67,15 +67,22 @@ def committed_export(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return export_searcher(REPO / "checkpoints" / "search_r1", tmp_path_factory.mktemp("served") / "hf")
 
 
+@pytest.fixture(scope="module")
+def served_export(committed_export: Path) -> Iterator[str]:
+    """One `transformers serve` of the export for both tests (each request stands alone: greedy, no state)."""
+    with transformers_serve(committed_export) as base:
+        yield base
+
+
 @pytest.mark.slow
-def test_exported_searcher_stops_at_the_end_of_the_answer_in_transformers_serve(committed_export: Path) -> None:
-    out = committed_export
+def test_exported_searcher_stops_at_the_end_of_the_answer_in_transformers_serve(committed_export: Path,
+                                                                                 served_export: str) -> None:
+    out, base = committed_export, served_export
     max_tokens = 96
-    with transformers_serve(out) as base:
-        reply = httpx.post(f"{base}/v1/chat/completions", timeout=300, json={
-            "model": str(out), "max_tokens": max_tokens,
-            "messages": [{"role": "user", "content": "What is the capital of France? Answer in one word."}],
-        }).json()
+    reply = httpx.post(f"{base}/v1/chat/completions", timeout=300, json={
+        "model": str(out), "max_tokens": max_tokens,
+        "messages": [{"role": "user", "content": "What is the capital of France? Answer in one word."}],
+    }).json()
     (choice,) = reply["choices"]
     text = choice["message"]["content"]
     assert choice["finish_reason"] == "stop", reply
@@ -84,7 +91,8 @@ def test_exported_searcher_stops_at_the_end_of_the_answer_in_transformers_serve(
 
 
 @pytest.mark.slow
-def test_the_export_served_by_transformers_serve_is_the_search_r1_agent(committed_export: Path, tmp_path: Path) -> None:
+def test_the_export_served_by_transformers_serve_is_the_search_r1_agent(committed_export: Path, served_export: str,
+                                                                        tmp_path: Path) -> None:
     """`sleuth eval -m naive-rag,search-r1 --model openai:URL#EXPORT`: the served export acts as the agent (its
     tokenizer from the export, the loop's stop strings sent, text prompts where the server takes no token
     ids) and answers as the local checkpoint does (greedy; wording may drift, the server re-tokenises text)."""
@@ -111,7 +119,6 @@ def test_the_export_served_by_transformers_serve_is_the_search_r1_agent(committe
         assert all(r["trajectory"]["retrieval_count"] >= 1 for r in rows)  # it searched, then answered
         return {r["id"]: r["prediction"] for r in rows}
 
-    with transformers_serve(committed_export) as base:
-        served = evaluate(f"openai:{base}/v1#{committed_export}", tmp_path / "served")
+    served = evaluate(f"openai:{served_export}/v1#{committed_export}", tmp_path / "served")
     local = evaluate(str(REPO / "checkpoints" / "search_r1"), tmp_path / "local")
     assert served == local and all(served.values()), (served, local)
