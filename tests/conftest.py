@@ -64,7 +64,7 @@ def tiny_tokenizer(tmp_path_factory: pytest.TempPathFactory):
 def one_layer_minilm(tmp_path_factory: pytest.TempPathFactory) -> str:
     """The embedded MiniLM cut to its first transformer layer, saved as a sentence-transformers model dir
     (built once a worker, in its own temporary folder; nothing shared). Same tokenizer, pooling,
-    normalisation and 384-dim vectors at about a fifth of the encoding cost: for tests of what the
+    normalisation and 384-dim vectors at about a third of the encoding time: for tests of what the
     encoding pipeline does with vectors (files, indexes, servers), not of MiniLM's retrieval quality."""
     from sentence_transformers import SentenceTransformer
 
