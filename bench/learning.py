@@ -3,13 +3,17 @@
     PYTHONPATH=src python bench/learning.py run --out runs/learn --model MODEL --gpus 4
     PYTHONPATH=src python bench/learning.py status --out runs/learn
 
-Per method (s3, search_r1, staged, r_search, qagent) it writes oracle trajectories of the training
+Per method (by registered name: s3, search_r1, staged, r_search, qagent by default; a plugin's with
+`--plugins MODULE,...`, e.g. stepsearch, zerosearch, tree_search) it writes oracle trajectories of the training
 questions, fine-tunes the model on them (`full`: every trajectory; `warm`: a small format warm-up of
 `--warm` trajectories, s3 and search_r1 only), runs RL from each SFT checkpoint, and evaluates every
-checkpoint on the same held-out questions. Shared rows: naive RAG and the oracle (gold passages) with
-the frozen base model as reader, and the base model's direct answer. Every stage writes a marker when
-it is complete, so rerunning the same command continues where an interrupted run stopped (RL and SFT
-resume from their checkpoints). Work is spread over `--gpus` lanes (one process per GPU).
+checkpoint on the same held-out questions. A method's recipe sections are its own: its `default_reward`, the
+budget of BUILTIN (else Search-R1's) and what it adds (`Method.recipe_sections`); its cold start is its oracle
+(`Method.oracle_planner`, or the one its `oracle_format` names). Shared rows: naive RAG and the oracle (gold
+passages) with the frozen base model as reader, and the base model's direct answer. Every stage writes a marker
+when it is complete, so rerunning the same command continues where an interrupted run stopped (RL and SFT
+resume from their checkpoints). Work is spread over `--gpus` lanes (one process per GPU; LEARN_LANES may give
+more lanes than GPUs, which then share them round-robin).
 Results: OUT/<method>/<variant>/{sft,checkpoints,metrics.jsonl}, OUT/<method>/eval_<variant>_{sft,rl}/,
 OUT/shared/eval_*, OUT/status.json.
 """
@@ -347,8 +351,8 @@ def run(args) -> None:
     procs = []
     for i, jobs in enumerate(lanes):
         env = dict(os.environ)
-        if not args.cpu:
-            env["CUDA_VISIBLE_DEVICES"] = str(i)
+        if not args.cpu:  # more lanes than GPUs (LEARN_LANES) share them round-robin
+            env["CUDA_VISIBLE_DEVICES"] = str(i % args.gpus)
         cmd = [sys.executable, __file__, "lane", "--out", str(out), "--model", args.model, "--jobs", ",".join(jobs)]
         cmd += ["--encoder", args.encoder] if args.encoder else []
         cmd += ["--cpu"] if args.cpu else []

@@ -10,11 +10,12 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import yaml
 
-from bench_loading import BENCH
+from bench_loading import BENCH, load_bench
 from plugin_install import PLUGINS, installed
 from sleuth.agent.registry import RunShape, get_method
 
@@ -84,3 +85,29 @@ def test_plugin_methods_describe_their_runs() -> None:
         assert step.run_sections(shape)["algorithm"] == {"name": "ppo", "advantage": "gae", "gamma": 1.0, "lam": 1.0,
                                                          "n": 1, "prompts_per_step": 80, "minibatch_size": 80}
     assert get_method("search_r1").recipe_sections is None and get_method("search_r1").oracle_format == ""
+
+
+def test_more_lanes_than_gpus_share_them_round_robin(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """LEARN_LANES with four lanes on one GPU (bench/plans/plugins45.json): every lane's process sees GPU 0."""
+    learning = load_bench("learning")
+    devices: list[str] = []
+
+    class Lane:
+        def __init__(self, cmd: list[str], env: dict[str, str], **_: object) -> None:
+            devices.append(env["CUDA_VISIBLE_DEVICES"])
+
+        def wait(self) -> int:
+            return 0
+
+    monkeypatch.setattr(learning, "stage", lambda *a: {})
+    monkeypatch.setattr(learning, "status", lambda args: None)
+    monkeypatch.setattr(learning.subprocess, "Popen", Lane)
+    monkeypatch.setenv("LEARN_LANES", "shared,search_r1:full;s3:full;staged:full;qagent:full")
+    args = SimpleNamespace(out=str(tmp_path), cpu=False, methods="search_r1", plugins="", gpus=1, model="m",
+                           encoder=None)
+    learning.run(args)
+    assert devices == ["0", "0", "0", "0"]
+    args.gpus = 2
+    devices.clear()
+    learning.run(args)
+    assert devices == ["0", "1", "0", "1"]
