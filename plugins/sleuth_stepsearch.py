@@ -36,6 +36,8 @@ from sleuth.agent.base import RolloutState, StepOutcome
 from sleuth.agent.registry import Method, RunShape, register_method
 from sleuth.agent.search_r1 import SearchR1Loop
 from sleuth.agent.trajectory import Trajectory
+from sleuth.errors import ConfigError
+from sleuth.retrieval.docstore import passages_by_id
 from sleuth.rewards.base import Reward, RewardResult, RewardServices, register_reward
 from sleuth.text import normalize_answer
 
@@ -153,9 +155,12 @@ def _gold_documents(traj: Trajectory, services: RewardServices | None) -> list[s
     if not ids:
         return []
     retriever = services.need("retriever", "stepsearch") if services is not None else None
-    if retriever is None or not hasattr(retriever, "get_by_ids"):
-        raise ValueError("stepsearch: supporting_ids need a retriever with get_by_ids (an index) to read them")
-    return [h.text for h in retriever.get_by_ids(list(ids)) if h is not None]
+    if retriever is None:
+        raise ValueError("stepsearch: supporting_ids need the run's retriever (an index) to read them")
+    try:  # the retriever's own store: a `sleuth index` directory's, behind the trainer's wrappers
+        return [h.text for h in passages_by_id(retriever, list(ids)) if h is not None]
+    except ConfigError as err:
+        raise ValueError(f"stepsearch: supporting_ids need a retriever that reads passages by id ({err})") from None
 
 
 @register_reward("stepsearch")
