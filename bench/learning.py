@@ -135,12 +135,14 @@ def recipe_for(out: Path, method: str, variant: str, model: str, size: Size, enc
     if not training:
         own.pop("retriever", None)
     world = out / "shared" / "world"
-    data = {
+    data: dict[str, Any] = {
         "name": f"learn-{method}-{variant}",
+        "plugins": own.pop("plugins"),
         "seed": 0,
         "model": {"policy": model, "lora": {"enabled": True, "r": 16, "alpha": 32}},
         "data": {"train": str(world / "train.jsonl"), "dev": str(world / "dev.jsonl")},
         "retriever": {"index": str(world / "bm25")},
+        "agent": own.pop("agent"),
         "reward": reward,
         # From the warm-up most groups have equal rewards (measured: 3-5% correct); DAPO's dynamic sampling
         # refills the step with groups that carry signal.
