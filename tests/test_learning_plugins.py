@@ -17,7 +17,9 @@ import yaml
 
 from bench_loading import BENCH, load_bench
 from plugin_install import PLUGINS, installed
-from sleuth.agent.registry import RunShape, get_method
+from sleuth.agent.registry import Method, RunShape, get_method
+from sleuth.agent.search_r1 import SearchR1Loop
+from sleuth.errors import ConfigError
 
 ROOT = BENCH.parent
 PLUGIN_MODULES = "sleuth_stepsearch,sleuth_zerosearch,sleuth_tree_grpo"
@@ -85,6 +87,9 @@ def test_plugin_methods_describe_their_runs() -> None:
         assert step.run_sections(shape)["algorithm"] == {"name": "ppo", "advantage": "gae", "gamma": 1.0, "lam": 1.0,
                                                          "n": 1, "prompts_per_step": 80, "minibatch_size": 80}
     assert get_method("search_r1").recipe_sections is None and get_method("search_r1").oracle_format == ""
+    # an oracle format naming no registered method says so when the cold start asks for it
+    with pytest.raises(ConfigError, match="unknown agent loop 'no_such_method'"):
+        Method(loop=SearchR1Loop, title="t", oracle_format="no_such_method").oracle()
 
 
 def test_more_lanes_than_gpus_share_them_round_robin(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
