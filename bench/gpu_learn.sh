@@ -6,11 +6,12 @@
 #   call 2: carry [.gpu/p2]           bash bench/gpu_learn.sh wait 540       (the daemon joins the GGUF, runs)
 #   call 3: carry [.gpu/minilm]       bash bench/gpu_learn.sh wait 560
 #   call N:                           bash bench/gpu_learn.sh wait 560       (each call packs results into $OUT)
+# METHODS=a,b picks methods; PLUGINS=sleuth_stepsearch,... lets METHODS name a plugin's (plugins/ is on PYTHONPATH).
 # Each call must follow the previous one within the machine's idle time, or the machine (and the run) is gone;
 # rerunning from `start` then redoes the run (every stage is resumable on a machine that keeps runs/).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-export PYTHONPATH="$PWD/src:$PWD/.gpusite" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+export PYTHONPATH="$PWD/src:$PWD/.gpusite:$PWD/plugins" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 export SLEUTH_CACHE="$PWD/.gpucache" OMP_NUM_THREADS=${OMP_NUM_THREADS:-8}
 RUN=${RUN:-runs/learn}
 GGUF=.models/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
@@ -70,7 +71,7 @@ EOF
         done >"$RUN/extra.log" 2>&1 ) &
     fi
     python3 bench/learning.py run --out "$RUN" --model "$GGUF" --gpus "$(nvidia-smi -L | wc -l)" \
-      --encoder "$PWD/.gpustore/minilm" ${METHODS:+--methods "$METHODS"} ;;
+      --encoder "$PWD/.gpustore/minilm" ${METHODS:+--methods "$METHODS"} ${PLUGINS:+--plugins "$PLUGINS"} ;;
   wait)
     take_carried
     python3 bench/lease_jobs.py wait "$PLAN" "${2:-540}" | tail -12

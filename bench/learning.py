@@ -3,13 +3,17 @@
     PYTHONPATH=src python bench/learning.py run --out runs/learn --model MODEL --gpus 4
     PYTHONPATH=src python bench/learning.py status --out runs/learn
 
-Per method (s3, search_r1, staged, r_search, qagent) it writes oracle trajectories of the training
+Per method (by registered name: s3, search_r1, staged, r_search, qagent by default; a plugin's with
+`--plugins MODULE,...`, e.g. stepsearch, zerosearch, tree_search) it writes oracle trajectories of the training
 questions, fine-tunes the model on them (`full`: every trajectory; `warm`: a small format warm-up of
 `--warm` trajectories, s3 and search_r1 only), runs RL from each SFT checkpoint, and evaluates every
-checkpoint on the same held-out questions. Shared rows: naive RAG and the oracle (gold passages) with
-the frozen base model as reader, and the base model's direct answer. Every stage writes a marker when
-it is complete, so rerunning the same command continues where an interrupted run stopped (RL and SFT
-resume from their checkpoints). Work is spread over `--gpus` lanes (one process per GPU).
+checkpoint on the same held-out questions. A method's recipe sections are its own: its `default_reward`, the
+budget of BUILTIN (else Search-R1's) and what it adds (`Method.recipe_sections`); its cold start is its oracle
+(`Method.oracle_planner`, or the one its `oracle_format` names). Shared rows: naive RAG and the oracle (gold
+passages) with the frozen base model as reader, and the base model's direct answer. Every stage writes a marker
+when it is complete, so rerunning the same command continues where an interrupted run stopped (RL and SFT
+resume from their checkpoints). Work is spread over `--gpus` lanes (one process per GPU; LEARN_LANES may give
+more lanes than GPUs, which then share them round-robin).
 Results: OUT/<method>/<variant>/{sft,checkpoints,metrics.jsonl}, OUT/<method>/eval_<variant>_{sft,rl}/,
 OUT/shared/eval_*, OUT/status.json.
 """
@@ -17,40 +21,38 @@ OUT/shared/eval_*, OUT/status.json.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import subprocess
 import sys
 import time
 import traceback
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from sleuth.agent.registry import RunShape, get_method, load_plugins, method_plugins
 from sleuth.run_layout import REWARD_EVERY_ROLLOUT, REWARD_KEPT, groups_filtered, policy_reward
 from sleuth.utils import atomic_write_json
 
-METHODS = ("s3", "search_r1", "staged", "r_search", "qagent")
-EVAL_NAMES = {"s3": "s3", "search_r1": "search-r1", "staged": "staged", "r_search": "r-search", "qagent": "qagent"}
-# Per loop: tokens per turn (the oracle's turns are far shorter), documents per search and their budget.
-AGENT = {
-    "s3": {"max_new_tokens_per_turn": 80, "top_k": 5, "max_obs_tokens": 480, "max_response_tokens": 2048},
-    "search_r1": {"max_new_tokens_per_turn": 96, "top_k": 3, "max_obs_tokens": 384, "max_response_tokens": 2048},
-    "staged": {"max_new_tokens_per_turn": 96, "top_k": 3, "max_obs_tokens": 384, "max_response_tokens": 2048},
-    "r_search": {"max_new_tokens_per_turn": 160, "top_k": 3, "max_obs_tokens": 384, "max_response_tokens": 2048},
-    "qagent": {"max_new_tokens_per_turn": 128, "top_k": 1, "max_obs_tokens": 384, "max_response_tokens": 2048},
+METHODS = ("s3", "search_r1", "staged", "r_search", "qagent")  # the default --methods
+# The built-in methods' budgets on this world and model (tokens per turn: the oracle's turns are far shorter;
+# documents per search and their budget), and which also get a small warm-up SFT (`warm`): bench choices, one table.
+# Every method's reward is its own `default_reward`; a method not in this table (a plugin's) gets Search-R1's
+# budget and the sections it gives itself (`Method.recipe_sections`).
+BUILTIN: dict[str, dict[str, Any]] = {
+    "s3": {"agent": {"max_new_tokens_per_turn": 80, "top_k": 5, "max_obs_tokens": 480}, "warm": True, "cost": 4},
+    "search_r1": {"agent": {"max_new_tokens_per_turn": 96, "top_k": 3, "max_obs_tokens": 384}, "warm": True, "cost": 3},
+    "staged": {"agent": {"max_new_tokens_per_turn": 96, "top_k": 3, "max_obs_tokens": 384}, "cost": 3},
+    "r_search": {"agent": {"max_new_tokens_per_turn": 160, "top_k": 3, "max_obs_tokens": 384}, "cost": 4},
+    "qagent": {"agent": {"max_new_tokens_per_turn": 128, "top_k": 1, "max_obs_tokens": 384}, "cost": 3},
 }
-REWARD = {
-    "s3": {"name": "s3_gbr", "generator": "policy-base",
-           "options": {"form": "code", "rag_k": 3, "generator_max_new_tokens": 24, "use_judge": False}},
-    "search_r1": {"name": "search_r1_em"},
-    "staged": {"name": "staged", "options": {"beta": 0.3, "correctness": "f1"}, "encoder": "minilm"},
-    "r_search": {"name": "r_search", "options": {"gamma_e": 0.2, "gamma_a": 0.2}, "generator": "policy-base"},
-    "qagent": {"name": "qagent_stage1"},
-}
-WARM_METHODS = ("s3", "search_r1")
+OTHER = {"agent": {"max_new_tokens_per_turn": 96, "top_k": 3, "max_obs_tokens": 384}, "cost": 3}
+MAX_RESPONSE_TOKENS = 2048
 
 
 @dataclass
@@ -91,23 +93,56 @@ def rl_steps(method: str, size: Size) -> int:
     return {name: int(steps) for name, steps in pairs}.get(method, size.rl_steps)
 
 
-def recipe_for(out: Path, method: str, variant: str, model: str, size: Size, encoder: str | None) -> dict[str, Any]:
-    agent = {"loop": method, **AGENT[method]}
-    reward = json.loads(json.dumps(REWARD[method]))
+def merged(base: dict[str, Any], extra: Mapping[str, Any]) -> dict[str, Any]:
+    """`extra` over `base`, section by section (a None value keeps its key, as a recipe's unset field)."""
+    out = copy.deepcopy(base)
+    for key, value in extra.items():
+        out[key] = merged(out[key], value) if isinstance(value, Mapping) and isinstance(out.get(key), dict) \
+            else copy.deepcopy(value)
+    return out
+
+
+def method_sections(method: str, model: str, size: Size) -> dict[str, Any]:
+    """The method's own recipe sections for this run: its loop and budget (BUILTIN, else Search-R1's), its
+    `default_reward`, its plugin module and whatever it adds itself (`Method.recipe_sections`: algorithm
+    overrides, loop options, a training retriever)."""
+    m = get_method(method)
+    settings = BUILTIN.get(m.name, OTHER)
+    sections: dict[str, Any] = {
+        "plugins": method_plugins(m.name),
+        "agent": {"loop": m.name, **settings["agent"], "max_response_tokens": MAX_RESPONSE_TOKENS},
+        "reward": copy.deepcopy(dict(m.default_reward)),
+    }
+    if m.recipe_sections is not None:
+        shape = RunShape(model=model, total_steps=rl_steps(m.name, size), prompts_per_step=size.prompts_per_step,
+                         n=size.n)
+        sections = merged(sections, m.recipe_sections(shape))
+    return sections
+
+
+def recipe_for(out: Path, method: str, variant: str, model: str, size: Size, encoder: str | None,
+               training: bool = False) -> dict[str, Any]:
+    """The run's recipe of `method`; `training`: RL's (a method's own training retriever, e.g. a simulated one,
+    replaces the world's index; the cold start and SFT read the index)."""
+    own = method_sections(method, model, size)
+    reward = own.pop("reward")
     if reward["name"] == "s3_gbr":
         reward["baseline_cache"] = str(out / method / variant / "naive_rag_cache.jsonl")
     if reward["name"] == "staged":
         reward["encoder"] = encoder
         # stage 2 from step 11 (runs under LEARN_RL_MINUTES may stop before rl_steps)
         reward["options"]["switch_step"] = max(1, min(10, rl_steps(method, size) // 2))
+    if not training:
+        own.pop("retriever", None)
     world = out / "shared" / "world"
-    return {
+    data: dict[str, Any] = {
         "name": f"learn-{method}-{variant}",
+        "plugins": own.pop("plugins"),
         "seed": 0,
         "model": {"policy": model, "lora": {"enabled": True, "r": 16, "alpha": 32}},
         "data": {"train": str(world / "train.jsonl"), "dev": str(world / "dev.jsonl")},
         "retriever": {"index": str(world / "bm25")},
-        "agent": agent,
+        "agent": own.pop("agent"),
         "reward": reward,
         # From the warm-up most groups have equal rewards (measured: 3-5% correct); DAPO's dynamic sampling
         # refills the step with groups that carry signal.
@@ -124,6 +159,10 @@ def recipe_for(out: Path, method: str, variant: str, model: str, size: Size, enc
                 else size.warm_epochs, "lr": 3e-4, "batch_size": 16 if variant == "full" else 8,
                 "micro_batch_size": size.sft_micro, "held_out": 0.05, "limit": None if variant == "full" else size.warm},
     }
+    data = merged(data, own)
+    if not data["plugins"]:
+        del data["plugins"]
+    return data
 
 
 # -- stages ---------------------------------------------------------------------------------------------------
@@ -189,7 +228,7 @@ def rl(out: Path, method: str, variant: str, model: str, size: Size, sft_ckpt: s
     from sleuth.rl.config import recipe_from_dict
     from sleuth.rl.trainer import train
 
-    data = recipe_for(out, method, variant, model, size, encoder)
+    data = recipe_for(out, method, variant, model, size, encoder, training=True)
     data["model"]["init_from"] = sft_ckpt
     recipe_path = out / method / variant / "recipe.yaml"
     recipe_path.parent.mkdir(parents=True, exist_ok=True)
@@ -200,12 +239,13 @@ def rl(out: Path, method: str, variant: str, model: str, size: Size, sft_ckpt: s
     return {"checkpoint": result["checkpoint"]}
 
 
-def eval_config(method: str, size: Size):
+def eval_config(agent: Mapping[str, Any], size: Size):
+    """Evaluation with a recipe's `agent` budget (tokens per turn, documents per search and their budget)."""
     from sleuth.eval.harness import EvalConfig
 
-    a = AGENT[method]
-    return EvalConfig(batch_size=size.eval_batch, max_new_tokens=a["max_new_tokens_per_turn"], answer_max_new_tokens=24,
-                      top_k=a["top_k"], max_obs_tokens=a["max_obs_tokens"], max_response_tokens=a["max_response_tokens"])
+    return EvalConfig(batch_size=size.eval_batch, max_new_tokens=agent["max_new_tokens_per_turn"],
+                      answer_max_new_tokens=24, top_k=agent["top_k"], max_obs_tokens=agent["max_obs_tokens"],
+                      max_response_tokens=agent["max_response_tokens"])
 
 
 def evaluate_checkpoint(out: Path, method: str, ckpt: str, name: str, model: str, size: Size) -> dict:
@@ -218,8 +258,10 @@ def evaluate_checkpoint(out: Path, method: str, ckpt: str, name: str, model: str
     retriever = load_retriever(world / "bm25", corpus=world / "corpus.jsonl")
     searcher = load_searcher(ckpt)
     frozen = load_generator(model)
-    summary = evaluate([EVAL_NAMES[method], "direct"], test_questions(out, size), retriever, searcher.generator,
-                       generator=frozen, out_dir=out / method / f"eval_{name}", config=eval_config(method, size))
+    agent = method_sections(method, model, size)["agent"]
+    summary = evaluate([get_method(method).display_name, "direct"], test_questions(out, size), retriever,
+                       searcher.generator, generator=frozen, out_dir=out / method / f"eval_{name}",
+                       config=eval_config(agent, size))
     return {"summary": {m: s.get("overall") or next(iter(s.values())) for m, s in summary["methods"].items()}}
 
 
@@ -232,13 +274,14 @@ def evaluate_shared(out: Path, model: str, size: Size) -> dict:
     world = out / "shared" / "world"
     retriever = load_retriever(world / "bm25", corpus=world / "corpus.jsonl")
     summary = evaluate(["direct", "naive-rag", "oracle"], test_questions(out, size), retriever, load_generator(model),
-                       out_dir=out / "shared" / "eval_base", config=eval_config("s3", size))
+                       out_dir=out / "shared" / "eval_base",
+                       config=eval_config({**BUILTIN["s3"]["agent"], "max_response_tokens": MAX_RESPONSE_TOKENS}, size))
     overall = {k: v.get("overall") or next(iter(v.values())) for k, v in summary["methods"].items()}
     return {"summary": overall, "oracle_span": overall["oracle"]["span_check"]}
 
 
 def method_jobs(method: str) -> list[str]:
-    variants = ("full", "warm") if method in WARM_METHODS else ("full",)
+    variants = ("full", "warm") if BUILTIN.get(method, OTHER).get("warm") else ("full",)
     return [f"{method}:{v}" for v in variants]
 
 
@@ -288,13 +331,12 @@ def lane(args) -> None:
 def plan_lanes(methods: list[str], gpus: int) -> list[list[str]]:
     jobs = ["shared"] + [j for m in methods for j in method_jobs(m)]
     # longest first onto the least-loaded lane; s3 and search_r1 jobs are the ones the bars need
-    cost = {"shared": 1, "s3": 4, "search_r1": 3, "staged": 3, "r_search": 4, "qagent": 3}
     lanes: list[list[str]] = [[] for _ in range(gpus)]
     load = [0] * gpus
     for job in jobs:
         i = load.index(min(load))
         lanes[i].append(job)
-        load[i] += cost[job.split(":")[0]]
+        load[i] += 1 if job == "shared" else BUILTIN.get(job.split(":")[0], OTHER)["cost"]
     return lanes
 
 
@@ -302,7 +344,8 @@ def run(args) -> None:
     out = Path(args.out)
     size = run_size(args.cpu)
     stage(out, "world", make_world, out, size)
-    methods = [m for m in args.methods.split(",") if m]
+    methods = [get_method(m).name for m in args.methods.split(",") if m]
+    atomic_write_json(out / "methods.json", {"methods": methods, "plugins": plugin_list(args)})
     # LEARN_LANES="shared,s3:full;search_r1:warm;..." places jobs by hand (one lane per ';')
     lanes = ([lane.split(",") for lane in os.environ["LEARN_LANES"].split(";")] if os.environ.get("LEARN_LANES")
              else plan_lanes(methods, args.gpus))
@@ -310,11 +353,12 @@ def run(args) -> None:
     procs = []
     for i, jobs in enumerate(lanes):
         env = dict(os.environ)
-        if not args.cpu:
-            env["CUDA_VISIBLE_DEVICES"] = str(i)
+        if not args.cpu:  # more lanes than GPUs (LEARN_LANES) share them round-robin
+            env["CUDA_VISIBLE_DEVICES"] = str(i % args.gpus)
         cmd = [sys.executable, __file__, "lane", "--out", str(out), "--model", args.model, "--jobs", ",".join(jobs)]
         cmd += ["--encoder", args.encoder] if args.encoder else []
         cmd += ["--cpu"] if args.cpu else []
+        cmd += ["--plugins", args.plugins] if args.plugins else []
         with open(out / f"lane{i}.log", "a") as log:  # the child keeps its own copy of the descriptor
             procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT))
     for p in procs:
@@ -336,7 +380,23 @@ def status(args) -> None:
     print("failed:", failed)
 
 
-CKPT_PRIORITY = ("s3:full", "search_r1:full", "staged:full", "r_search:full", "qagent:full", "s3:warm", "search_r1:warm")
+def plugin_list(args) -> list[str]:
+    return [p for p in args.plugins.split(",") if p]
+
+
+def run_methods(out: Path) -> list[str]:
+    """The methods `run` was given (OUT/methods.json, its plugins imported); before that file: METHODS."""
+    path = out / "methods.json"
+    if not path.exists():
+        return list(METHODS)
+    recorded = json.loads(path.read_text())
+    load_plugins(recorded["plugins"])
+    return list(recorded["methods"])
+
+
+def checkpoint_priority(methods: list[str]) -> list[str]:
+    """Which RL checkpoints `pack` carries first: every method's from full SFT, then the warm-ups'."""
+    return [f"{m}:full" for m in methods] + [j for m in methods for j in method_jobs(m) if j.endswith(":warm")]
 
 
 def _bf16_policy(policy: Path, dest: Path) -> None:
@@ -375,7 +435,7 @@ def pack(args) -> None:
             if "rollouts" in rel.parts and f.name != "step_000001.jsonl" and f not in last_rollouts:
                 continue
             tar.add(f, arcname=str(rel))
-        for method in METHODS:  # a sample of each method's SFT data, for the docs
+        for method in run_methods(out):  # a sample of each method's SFT data, for the docs
             traj = out / method / "trajectories.jsonl"
             if traj.exists():
                 with open(traj, encoding="utf-8") as fh, tempfile.NamedTemporaryFile("w", delete=False) as tmp:
@@ -387,7 +447,7 @@ def pack(args) -> None:
         staged = Path(tmpdir)
         from sleuth.rl.checkpoint import latest_checkpoint
 
-        for job in CKPT_PRIORITY:
+        for job in checkpoint_priority(run_methods(out)):
             method, variant = job.split(":")
             if not marker(out, f"{method}_{variant}_rl").exists():
                 continue
@@ -520,10 +580,12 @@ def report(args) -> None:
                                          "direct": acc(_records(base / "direct" / "predictions.jsonl"))},
                               "methods": {}}
     records: dict[str, dict[str, list[dict]]] = {}
-    for method in METHODS:
+    methods = run_methods(out)
+    for method in methods:
         rows, rec_of = {}, {}
         for variant, kind, label in ROWS:
-            recs = _records(out / method / f"eval_{variant}_{kind}" / EVAL_NAMES[method] / "predictions.jsonl")
+            recs = _records(out / method / f"eval_{variant}_{kind}" / get_method(method).display_name
+                            / "predictions.jsonl")
             if recs is None:
                 continue
             direct = _records(out / method / f"eval_{variant}_{kind}" / "direct" / "predictions.jsonl")
@@ -538,6 +600,12 @@ def report(args) -> None:
         result["methods"][method] = {"rows": rows, "reward_slope": {k: v for k, v in slopes.items() if v},
                                      "validation_reward": {k: v for k, v in validations.items() if v}}
         records[method] = rec_of
+    # Every other method against search_r1 trained on the same SFT data and RL steps, row by row, paired
+    for method, rec_of in records.items():
+        for label, recs in rec_of.items():
+            base = records.get("search_r1", {}).get(label) if method != "search_r1" else None
+            if base:
+                result["methods"][method]["rows"][label]["vs_search_r1"] = diff(recs, base)
     # Staged's claim: fewer retrievals than search_r1 trained on as many SFT trajectories and RL steps,
     # at an accuracy within the interval. Paired on the same test questions, row by row.
     result["staged_vs_search_r1"] = {}
@@ -551,7 +619,7 @@ def report(args) -> None:
             }
     atomic_write_json(dest / "learning.json", result)
 
-    trained = [m for m in METHODS if result["methods"][m]["reward_slope"]] or list(METHODS[:1])
+    trained = [m for m in methods if result["methods"][m]["reward_slope"]] or methods[:1]
     fig, axes = plt.subplots(1, len(trained), figsize=(4.5 * len(trained), 3.2), squeeze=False)
     for ax, method in zip(axes[0], trained, strict=True):
         for variant, slope in result["methods"][method]["reward_slope"].items():
@@ -567,7 +635,7 @@ def report(args) -> None:
     fig.tight_layout()
     fig.savefig(dest / "reward_curves.png", dpi=110)
 
-    validated = [m for m in METHODS if result["methods"][m]["validation_reward"]]
+    validated = [m for m in methods if result["methods"][m]["validation_reward"]]
     if validated:
         fig, axes = plt.subplots(1, len(validated), figsize=(4.5 * len(validated), 3.2), squeeze=False)
         for ax, method in zip(axes[0], validated, strict=True):
@@ -594,7 +662,7 @@ def report(args) -> None:
         r = result["shared"][key]
         values.append(r["acc"])
         errs.append([r["acc"] - r["ci"][0], r["ci"][1] - r["acc"]])
-    for method in METHODS:
+    for method in methods:
         for label, r in result["methods"][method]["rows"].items():
             labels.append(f"{method}\n{label}")
             values.append(r["acc"])
@@ -620,8 +688,11 @@ def main() -> None:
         p.add_argument("--gpus", type=int, default=1)
         p.add_argument("--methods", default=",".join(METHODS))
         p.add_argument("--jobs", default="")
+        p.add_argument("--plugins", default="", help="plugin modules whose methods --methods may name, comma-separated "
+                       "(imported as a recipe's `plugins:`; their directory on PYTHONPATH)")
         p.add_argument("--dest", default="runs/learn_packed")
     args = parser.parse_args()
+    load_plugins(plugin_list(args))
     {"run": run, "lane": lane, "status": status, "pack": pack, "report": report}[args.cmd](args)
 
 

@@ -19,7 +19,8 @@ Behaviour matched to the public code (StepSearch's verl/utils/reward_score/qa_st
   effective factor is 1.6; `step_reward_scale=1.6` reproduces that, the default is the stated 0.6.
 Gold documents: `metadata["support_docs"]` (texts, or dicts with `paragraph_text`) or `metadata["supporting_ids"]`
 (sleuth's synthetic world) fetched from the run's retriever; search keys: `metadata["search_keys"]`.
-Not GPU-measured yet (docs/results.md has no StepSearch run).
+Cold start: Search-R1's oracle (`oracle_format`; the loop is Search-R1's). A generated run (bench/learning.py) takes
+its algorithm from `run_sections`. Not GPU-measured yet (docs/results.md has no StepSearch run).
 """
 
 from __future__ import annotations
@@ -32,9 +33,11 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from sleuth.agent.base import RolloutState, StepOutcome
-from sleuth.agent.registry import Method, register_method
+from sleuth.agent.registry import Method, RunShape, register_method
 from sleuth.agent.search_r1 import SearchR1Loop
 from sleuth.agent.trajectory import Trajectory
+from sleuth.errors import ConfigError
+from sleuth.retrieval.docstore import passages_by_id
 from sleuth.rewards.base import Reward, RewardResult, RewardServices, register_reward
 from sleuth.text import normalize_answer
 
@@ -152,9 +155,12 @@ def _gold_documents(traj: Trajectory, services: RewardServices | None) -> list[s
     if not ids:
         return []
     retriever = services.need("retriever", "stepsearch") if services is not None else None
-    if retriever is None or not hasattr(retriever, "get_by_ids"):
-        raise ValueError("stepsearch: supporting_ids need a retriever with get_by_ids (an index) to read them")
-    return [h.text for h in retriever.get_by_ids(list(ids)) if h is not None]
+    if retriever is None:
+        raise ValueError("stepsearch: supporting_ids need the run's retriever (an index) to read them")
+    try:  # the retriever's own store: a `sleuth index` directory's, behind the trainer's wrappers
+        return [h.text for h in passages_by_id(retriever, list(ids)) if h is not None]
+    except ConfigError as err:
+        raise ValueError(f"stepsearch: supporting_ids need a retriever that reads passages by id ({err})") from None
 
 
 @register_reward("stepsearch")
@@ -192,9 +198,21 @@ class StepSearchReward(Reward):
                                     "redundancy": sum(redundancy), "answer_last": 1.0}, turn_rewards)
 
 
+# StePPO: PPO with a critic, GAE over the token rewards (gamma = lam = 1): the step rewards need it
+ALGORITHM: dict[str, Any] = {"name": "ppo", "advantage": "gae", "gamma": 1.0, "lam": 1.0}
+
+
+def run_sections(shape: RunShape) -> dict[str, Any]:
+    """A generated run's StepSearch sections (`Method.recipe_sections`, bench/learning.py): StePPO with one sample
+    per question (PPO needs no group) on n times the questions, as many trajectories a step as the GRPO runs."""
+    trajectories = shape.prompts_per_step * shape.n
+    return {"algorithm": {**ALGORITHM, "n": 1, "prompts_per_step": trajectories, "minibatch_size": trajectories}}
+
+
 register_method(Method(loop=StepSearchLoop, title="a Search-R1 agent with per-step information-gain and redundancy "
                        "rewards (StepSearch), PPO with GAE", eval_name="stepsearch",
-                       default_reward={"name": "stepsearch"}, new_tokens_factor=2))
+                       default_reward={"name": "stepsearch"}, new_tokens_factor=2, oracle_format="search_r1",
+                       recipe_sections=run_sections))
 
 
 def recipe(train: str, **overrides: Any) -> dict[str, Any]:
@@ -205,6 +223,6 @@ def recipe(train: str, **overrides: Any) -> dict[str, Any]:
         "data": {"train": train},
         "agent": {"loop": "stepsearch", "max_turns": 4, "top_k": 3},
         "reward": {"name": "stepsearch"},
-        "algorithm": {"name": "ppo", "advantage": "gae", "gamma": 1.0, "lam": 1.0},
+        "algorithm": dict(ALGORITHM),
     }
     return {**base, **overrides}

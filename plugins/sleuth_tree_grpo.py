@@ -12,7 +12,8 @@ advantage, trained by `sleuth train` with no edit to sleuth (CPU-tested; not GPU
   ray_trainer_ts.py): the sum of two GRPO advantages of the same outcome reward, one normalised over the
   question's trajectories (inter-tree), one over the trajectory's own tree (intra-tree): `tree_grpo_advantages`.
   The registered estimator reads the trees from the batch's trajectories (`tree_ids`).
-- evaluation and serving roll out one chain per question (Search-R1's protocol, `tree-search`).
+- evaluation and serving roll out one chain per question (Search-R1's protocol, `tree-search`); the cold start
+  is Search-R1's oracle (`oracle_format`), and `run_sections` gives a generated run (bench/learning.py) its tree.
 - the paper's claim (more trajectories and fewer tool calls for the same tokens) as a measure:
   `bench/tree_grpo_budget.py` counts trajectories and tool calls per 1k generated tokens of tree rollouts against
   plain GRPO rollouts at an equal generated-token budget (tiny model on CPU, or `--model` on a GPU).
@@ -30,7 +31,7 @@ import torch
 
 from sleuth.agent.base import AgentLoop
 from sleuth.agent.engine import RolloutBudget, TreeSpec, rollout_tree
-from sleuth.agent.registry import Method, register_method
+from sleuth.agent.registry import Method, RunShape, register_method
 from sleuth.agent.search_r1 import SearchR1Loop
 from sleuth.agent.trajectory import Trajectory
 from sleuth.data.formats import QAExample
@@ -66,9 +67,22 @@ def tree_rollout(loop: AgentLoop, generator: Generator, retriever: Retriever, ex
     return rollout_tree(loop, generator, retriever, examples, params, spec, budget=budget, tokenizer=tokenizer)
 
 
+TREES, EXPANSIONS, BRANCHES = 2, 1, 2  # M, L, N of `recipe` and of a generated run (`run_sections`)
+
+
+def run_sections(shape: RunShape) -> dict[str, Any]:
+    """A generated run's Tree-GRPO sections (`Method.recipe_sections`, bench/learning.py): the tree advantage, M
+    trees per question of L rounds of N forks, and one optimizer step over a step's M (1 + L N) trajectories per
+    question at most, as GRPO's minibatch holds all of its n per question."""
+    return {"algorithm": {"advantage": "tree_grpo", "n": TREES,
+                          "minibatch_size": shape.prompts_per_step * TREES * (1 + EXPANSIONS * BRANCHES)},
+            "agent": {"options": {"tree_expansions": EXPANSIONS, "tree_branches": BRANCHES}}}
+
+
 register_method(Method(loop=TreeSearchLoop, title="Tree-GRPO: tree rollouts of a Search-R1 agent, intra + "
                        "inter-tree advantages", eval_name="tree-search", default_reward={"name": "search_r1_em"},
-                       new_tokens_factor=2, rollout=tree_rollout))
+                       new_tokens_factor=2, rollout=tree_rollout, oracle_format="search_r1",
+                       recipe_sections=run_sections))
 
 
 def tree_ids(trajs: Sequence[Trajectory]) -> list[tuple[int, int, int]]:
@@ -124,8 +138,8 @@ def recipe(train: str, **overrides: Any) -> dict[str, Any]:
         "plugins": ["sleuth_tree_grpo"],
         "data": {"train": train},
         "agent": {"loop": "tree_search", "max_turns": 4, "top_k": 3,
-                  "options": {"tree_expansions": 1, "tree_branches": 2}},
+                  "options": {"tree_expansions": EXPANSIONS, "tree_branches": BRANCHES}},
         "reward": {"name": "search_r1_em"},
-        "algorithm": {"name": "grpo", "n": 2, "advantage": "tree_grpo"},
+        "algorithm": {"name": "grpo", "n": TREES, "advantage": "tree_grpo"},
     }
     return {**base, **overrides}

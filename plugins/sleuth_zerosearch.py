@@ -10,7 +10,11 @@ One module, outside sleuth (the method plugin mechanism, docs/architecture.md "H
   (`Doc i: text`).
 - the reward: F1 of the answer against the gold answers (ZeroSearch trains on F1, not EM, which it found
   rewarded over-long answers less).
-- the recipe: `recipe(train, total_steps)`.
+- the recipe: `recipe(train, total_steps)`; a recipe names the simulator as its retriever location
+  `zerosearch:MODEL?total_steps=N` (a registered backend). A generated run (bench/learning.py, `run_sections`)
+  uses the policy's frozen base model as the simulator, with no served LLM: a 135M model writes poor documents
+  (the paper's simulators are 3B-14B models), so that run measures the machinery, not the paper's claim.
+- the cold start: Search-R1's oracle on the real index (`oracle_format`).
 
 Behaviour matched to the public code (Alibaba-NLP/ZeroSearch, llm_agent/generation.py):
 - one draw per query: the five documents are all useful when `random() > p`, else all noisy;
@@ -30,12 +34,15 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
+from urllib.parse import parse_qsl
 
-from sleuth.agent.registry import Method, register_method
+from sleuth.agent.registry import Method, RunShape, register_method
 from sleuth.agent.search_r1 import SearchR1Loop
 from sleuth.agent.trajectory import Trajectory
 from sleuth.errors import ConfigError
 from sleuth.llm.base import Generator, SamplingParams
+from sleuth.llm.registry import load_generator
+from sleuth.retrieval.backends import OpenContext, RetrieverBackend, register_backend
 from sleuth.retrieval.base import Hit, RetrievalContext
 from sleuth.rewards.base import Reward, RewardResult, RewardServices, register_reward
 from sleuth.rewards.metrics import f1_score
@@ -148,7 +155,8 @@ class SimulatedSearchEngine:
                 self.draws.append((ctx.question_id, ctx.step, kinds[-1]))
         messages = [[{"role": "user", "content": self.prompt(q, c, kind)}]
                     for q, c, kind in zip(queries, contexts, kinds, strict=True)]
-        gens = self.generator.generate(messages, None, self.params) if messages else []
+        # the text is cut before `Doc k+1` anyway: stopping there spares a local simulator the rest of its tokens
+        gens = self.generator.generate(messages, [f"Doc {k + 1}"], self.params) if messages else []
         out = []
         for q, ctx, kind, gen in zip(queries, contexts, kinds, gens, strict=True):
             docs = parse_documents(gen.text, k)
@@ -184,9 +192,52 @@ class ZeroSearchReward(Reward):
         return out
 
 
+_ENGINE_OPTIONS = {"total_steps": int, "start_threshold": float, "end_threshold": float, "exp_base": float,
+                   "mode": str, "temperature": float, "max_new_tokens": int, "seed": int}
+
+
+def open_simulator(rest: str, context: OpenContext) -> SimulatedSearchEngine:
+    """`zerosearch:MODEL?total_steps=N&...`: a `SimulatedSearchEngine` whose documents the generator MODEL writes
+    (any `load_generator` spec: a served `openai:<url>` LLM, a local model or GGUF path); the query options are
+    its keyword arguments (total_steps, start_threshold, end_threshold, exp_base, mode, temperature,
+    max_new_tokens, seed)."""
+    model, _, query = rest.partition("?")
+    options: dict[str, Any] = {}
+    for key, value in parse_qsl(query, keep_blank_values=True):
+        if key not in _ENGINE_OPTIONS:
+            raise ConfigError(f"{context.where} zerosearch:{rest}: unknown option {key!r}; "
+                              f"known: {', '.join(_ENGINE_OPTIONS)}")
+        try:
+            options[key] = _ENGINE_OPTIONS[key](value)
+        except ValueError:
+            raise ConfigError(f"{context.where} zerosearch:{rest}: {key}={value!r} is not a "
+                              f"{_ENGINE_OPTIONS[key].__name__}") from None
+    if not model or "total_steps" not in options:
+        raise ConfigError(f"{context.where} zerosearch:{rest}: write zerosearch:MODEL?total_steps=N (the generator "
+                          "that writes the documents and the curriculum's length in RL steps)")
+    return SimulatedSearchEngine(load_generator(model), **options)
+
+
+register_backend(RetrieverBackend("zerosearch", open_simulator, "zerosearch:MODEL?total_steps=N"))
+
+# A generated run's simulator: the policy's own frozen base model (the same weights as the policy with its adapters
+# off, loaded once more as a generator), writing up to `top_k` documents of ~30 words each
+SIMULATOR_NEW_TOKENS = 192
+
+
+def run_sections(shape: RunShape) -> dict[str, Any]:
+    """A generated run's ZeroSearch sections (`Method.recipe_sections`, bench/learning.py): RL against documents the
+    frozen base model writes, the paper's curriculum (p from 0 to 0.5, base 4) over the run's RL steps. A 135M
+    simulator writes poor documents (the paper's is a 3B-14B model fine-tuned to simulate search), so such a run
+    measures the machinery, not the paper's claim. The cold start and the held-out evaluation use the real index."""
+    return {"retriever": {"index": None, "location": f"zerosearch:{shape.model}?total_steps={shape.total_steps}"
+                          f"&max_new_tokens={SIMULATOR_NEW_TOKENS}"}}
+
+
 register_method(Method(loop=ZeroSearchLoop, title="a Search-R1 agent trained against a simulated search engine "
                        "(ZeroSearch: LLM-written documents, noise curriculum), F1 reward", eval_name="zerosearch",
-                       default_reward={"name": "zerosearch_f1"}, new_tokens_factor=2))
+                       default_reward={"name": "zerosearch_f1"}, new_tokens_factor=2, oracle_format="search_r1",
+                       recipe_sections=run_sections))
 
 
 def recipe(train: str, total_steps: int = 203, **overrides: Any) -> dict[str, Any]:

@@ -11,6 +11,7 @@ from pathlib import Path
 from types import ModuleType
 
 import sleuth.agent.registry as method_registry
+import sleuth.retrieval.backends as backend_registry
 import sleuth.rewards  # noqa: F401  (the built-in rewards registered before the snapshot)
 import sleuth.rewards.base as reward_registry
 import sleuth.rl.advantages as advantage_registry
@@ -24,7 +25,7 @@ def installed(name: str) -> Iterator[ModuleType]:
         sys.path.insert(0, str(PLUGINS))  # where a user's plugin sits on PYTHONPATH
     method_registry.loop_names()  # the built-in methods load lazily: registered before the snapshot, kept after it
     registries = (method_registry._METHODS, method_registry._READERS, reward_registry._REGISTRY,
-                  advantage_registry.ADVANTAGE_ESTIMATORS)
+                  advantage_registry.ADVANTAGE_ESTIMATORS, backend_registry._BACKENDS)
     saved = tuple(dict(r) for r in registries)
     try:
         yield importlib.import_module(name)

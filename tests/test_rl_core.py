@@ -19,6 +19,7 @@ from sleuth.rl.advantages import (
     reinforce_plus_plus_advantages,
     rloo_advantages,
 )
+from sleuth.rl.dist import DistContext, dist_masked_whiten
 from sleuth.rl.losses import (
     LossAgg,
     PolicyClip,
@@ -65,6 +66,15 @@ def test_masked_sum_mean_var_by_hand():
 def test_masked_mean_of_empty_selection_is_zero_not_nan():
     values = T([[1.0, 2.0]])
     assert masked_mean(values, torch.zeros(1, 2)).item() == 0.0
+
+
+def test_dist_whiten_of_equal_values_is_real_zero():
+    """Equal advantages (every GAE return alike) give a variance a rounding error below 0 in float32 (2.9 x 111:
+    sum of squares minus count x mean^2 < 0); it is clamped, so whitening gives zeros, not a complex tensor."""
+    values = torch.full((3, 37), 2.9)
+    whitened = dist_masked_whiten(values, torch.ones_like(values), DistContext())
+    assert whitened.dtype == torch.float32
+    assert whitened.abs().max().item() < 0.01
 
 
 def test_masked_whiten_by_hand_and_zero_at_masked():

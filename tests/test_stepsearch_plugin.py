@@ -3,6 +3,7 @@ the last token of the step's search turn (per-turn rewards), against hand-comput
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -14,6 +15,8 @@ from sleuth.agent.engine import rollout
 from sleuth.data.formats import QAExample
 from sleuth.llm.base import SamplingParams
 from sleuth.llm.scripted import ScriptedGenerator
+from sleuth.retrieval.sources import open_retriever
+from sleuth.retrieval.timed import TimedRetriever
 from sleuth.rewards.base import RewardServices, get_reward, guarded_rewards
 from sleuth.rl.batch import collate, token_rewards
 from toyworld import ToyRetriever
@@ -107,3 +110,16 @@ def test_supporting_ids_are_read_from_the_retriever(tok) -> None:
     (res,) = get_reward("stepsearch", step_reward_scale=1.6)([traj], RewardServices(retriever=ToyRetriever()))
     # gain 1 x 1.6 (the published code's effective scale); outcome 1 + 0.618 x F1("capital Varonia", key) = 0.8
     assert res.turn_rewards == pytest.approx([1.6, 0.0]) and res.total == pytest.approx(1 + 0.618 * 0.8)
+
+
+def test_supporting_ids_are_read_from_a_sleuth_index_behind_the_trainers_wrapper(ss, tok, small_world) -> None:
+    """The trainer hands the reward its index behind TimedRetriever (a BM25 index has no get_by_ids of its own:
+    its DocStore has): the gold documents are the world's passages of those ids."""
+    example = json.loads((small_world / "train.jsonl").read_text().splitlines()[0])
+    ids = example["metadata"]["supporting_ids"]
+    retriever = TimedRetriever(open_retriever(index=str(small_world / "bm25")))
+    traj = run(tok, ["<answer> x </answer>"], {"supporting_ids": ids})
+    golds = ss._gold_documents(traj, RewardServices(retriever=retriever))
+    corpus = {json.loads(x)["id"]: json.loads(x)["contents"] for x in (small_world / "corpus.jsonl").open()}
+    assert len(golds) == len(ids) >= 1
+    assert all(gold and gold in corpus[i] for gold, i in zip(golds, ids, strict=True))

@@ -8,11 +8,13 @@ import pytest
 from plugin_install import installed
 from sleuth.agent import get_loop
 from sleuth.agent.engine import rollout
+from sleuth.agent.registry import RunShape, get_method
 from sleuth.data.formats import QAExample
 from sleuth.errors import ConfigError
 from sleuth.llm.base import SamplingParams
 from sleuth.llm.scripted import ScriptCall, ScriptedGenerator
-from sleuth.retrieval.base import StepStamped, wants_context
+from sleuth.retrieval.backends import open_location
+from sleuth.retrieval.base import RetrievalContext, StepStamped, wants_context
 from sleuth.retrieval.timed import TimedRetriever
 from sleuth.rewards.base import get_reward
 from sleuth.rl.run import _stepped
@@ -107,3 +109,27 @@ def test_a_plain_search_is_refused_and_a_plain_retriever_is_not_stamped(zs, tok)
         "zerosearch_f1")), StepStamped)
     with pytest.raises(ConfigError, match="mode"):
         zs.SimulatedSearchEngine(simulator(tok, []), total_steps=10, mode="google")
+
+
+def test_the_simulator_is_a_retriever_location_written_by_a_local_model(zs) -> None:
+    """`zerosearch:MODEL?total_steps=N&...` (a generated run's training retriever, `run_sections`) opens a simulated
+    engine over a local generator (the tiny model here, the policy's frozen base on a GPU) with those options."""
+    engine = open_location("zerosearch:tiny?total_steps=4&max_new_tokens=6&seed=1&end_threshold=1.0")
+    assert isinstance(engine, zs.SimulatedSearchEngine)
+    assert (engine.total_steps, engine.end, engine.params.max_new_tokens) == (4, 1.0, 6)
+    ctx = RetrievalContext(question=Q1, golden_answers=("Quellstad",), question_id="q1", turn=0, step=4)
+    (hits,) = engine.search(["capital of Varonia"], 3, [ctx])
+    assert engine.draws == [("q1", 4, zs.NOISY)]  # from step total_steps on, p = end_threshold = 1: noisy
+    assert len(hits) <= 3 and all(h.doc_id.startswith("zerosearch:noisy:q1:") for h in hits)
+    with pytest.raises(ConfigError, match="unknown option 'steps'.*total_steps"):
+        open_location("zerosearch:tiny?steps=4")
+    with pytest.raises(ConfigError, match=r"zerosearch:MODEL\?total_steps=N"):
+        open_location("zerosearch:tiny")
+    with pytest.raises(ConfigError, match="total_steps='x' is not a int"):
+        open_location("zerosearch:tiny?total_steps=x")
+
+
+def test_a_generated_run_trains_against_the_frozen_base_and_cold_starts_from_search_r1(zs) -> None:
+    sections = zs.run_sections(RunShape(model="m.gguf", total_steps=30, prompts_per_step=16, n=5))
+    assert sections == {"retriever": {"index": None, "location": "zerosearch:m.gguf?total_steps=30&max_new_tokens=192"}}
+    assert get_method("zerosearch").oracle() is get_method("search_r1").oracle_planner

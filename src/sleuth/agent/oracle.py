@@ -4,8 +4,8 @@ The oracle is a `Generator`: the real rollout engine drives it, the real retriev
 queries and the real environment inserts the documents, so its trajectories carry exactly the token
 ids and loss masks an RL rollout builds. Before the rollout it plans every question with the
 method's own planner (`Method.oracle_planner`, an `OraclePlanner` of sleuth.agent.oracle_plan
-written in the method's module); at generation time it replays the plan one stop string at a time,
-as a model that stops at `</search>` would.
+written in the method's module, or the planner of the method its `oracle_format` names); at generation
+time it replays the plan one stop string at a time, as a model that stops at `</search>` would.
 
 `oracle_check` says whether a finished trajectory is worth training on: the needed passages were
 retrieved (a searcher that does not answer: selected) and the answer is correct.
@@ -34,10 +34,11 @@ class OracleGenerator:
     """Replays per-question plans through the rollout engine (token-in/token-out, like a model)."""
 
     def __init__(self, loop: AgentLoop, retriever: Retriever, tokenizer, examples: Sequence[QAExample], seed: int = 0):
-        planner = get_method(loop.name).oracle_planner
+        planner = get_method(loop.name).oracle()
         if planner is None:
-            with_oracle = [m.name for m in methods() if m.oracle_planner is not None]
-            raise ConfigError(f"no oracle for loop {loop.name!r}; oracles exist for: {', '.join(sorted(with_oracle))}")
+            with_oracle = [m.name for m in methods() if m.oracle() is not None]
+            raise ConfigError(f"no oracle for loop {loop.name!r}; oracles exist for: {', '.join(sorted(with_oracle))} "
+                              "(a loop with one of their protocols names it: Method.oracle_format)")
         self.tokenizer = tokenizer
         self.loop = loop
         self.plans: dict[tuple[int, ...], Plan] = {}

@@ -41,6 +41,17 @@ BUILTIN_MODULES = (
 )
 
 
+@dataclass(frozen=True)
+class RunShape:
+    """What a method's `recipe_sections` may size its sections by: the policy's model spec, the run's RL steps,
+    its questions per step and the samples per question of its GRPO runs (a method may match their trajectories)."""
+
+    model: str
+    total_steps: int
+    prompts_per_step: int
+    n: int
+
+
 def served_context(traj: Trajectory) -> list[dict]:
     """The default hand-over: the documents the loop put in `served_context` (hit dicts)."""
     return list(traj.served_context)
@@ -78,6 +89,13 @@ class Method:
     new_tokens_factor: int = 1  # loops that reason before acting write more per turn than s3's queries
     # its oracle planner for cold-start trajectories (sleuth.agent.oracle_plan), None: no oracle
     oracle_planner: OraclePlanner | None = None
+    # a registered method whose oracle writes this method's cold start, used when `oracle_planner` is None: a
+    # loop with the same protocol (a plugin's Search-R1-shaped loop names "search_r1"); "": no such method
+    oracle_format: str = ""
+    # the recipe sections a run of this method needs beyond `agent.loop` and `default_reward`, given the run's
+    # shape (`RunShape`: a simulated retriever or a tree's batch is sized by it) and merged over a generated recipe
+    # (bench/learning.py): e.g. `algorithm.advantage`, `agent.options`, a training `retriever`. None: nothing more
+    recipe_sections: Callable[[RunShape], dict[str, Any]] | None = None
     # the demo's changes to `default_reward` for a run directory and a number of steps (sleuth.demo)
     demo_reward: Callable[[Mapping[str, Any], Path, int], dict[str, Any]] | None = None
     # its own training rollout, called by the trainer instead of `sleuth.agent.engine.rollout` with the same
@@ -93,6 +111,12 @@ class Method:
     @property
     def display_name(self) -> str:
         return self.eval_name or self.name.replace("_", "-")
+
+    def oracle(self) -> OraclePlanner | None:
+        """The planner of this method's cold-start oracle: its own, else that of the method `oracle_format` names."""
+        if self.oracle_planner is not None or not self.oracle_format:
+            return self.oracle_planner
+        return get_method(self.oracle_format).oracle_planner
 
     def build_loop(self, **cfg: Any) -> AgentLoop:
         allowed = self.loop.config_fields()

@@ -130,7 +130,8 @@ def dist_masked_whiten(
     stats = torch.stack([(values * m).sum(), (values * values * m).sum(), m.sum()]).double()
     total, total_sq, count = ctx.all_reduce_sum(stats).tolist()
     mean = total / max(count, 1.0)
-    var = (total_sq - count * mean * mean) / max(count - 1.0, 1.0)
+    # equal values can give a variance a rounding error below 0, whose ** 0.5 is a complex number: clamp it
+    var = max((total_sq - count * mean * mean) / max(count - 1.0, 1.0), 0.0)
     return ((values - mean) * (1.0 / (var + eps) ** 0.5)) * m
 
 
