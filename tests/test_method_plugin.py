@@ -14,10 +14,19 @@ import yaml
 from fastapi.testclient import TestClient
 from typer.testing import CliRunner
 
+from plugin_install import registrations_taken_back
 from sleuth.cli import app
 
 PLUGINS = Path(__file__).parent / "plugins"
 sys.path.insert(0, str(PLUGINS))  # where a user's plugin would sit on PYTHONPATH
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _plugins_taken_back_after():
+    # the CLI commands run in-process, so the recipe's plugins register into this worker's registries: later test
+    # modules (which list the built-in methods) must not see them
+    with registrations_taken_back("sleuth_test_method", "sleuth_test_parts"):
+        yield
 
 
 @pytest.fixture(scope="module")
