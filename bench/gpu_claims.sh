@@ -109,17 +109,21 @@ restore() {  # the carried bundle's claims into runs/claims once every part came
 jobs_plan() {  # one job per independent arm (`sleuth reproduce CLAIM --arms ARM`), the whole claim where its arms
   # run one after another (qagent); claims in CLAIMS' order (a lease's lanes go to the first ones), and within
   # a claim its costliest arms first (ClaimSpec.arm_cost: s3's largest sizes), so its longest jobs start first
-  "${PY:-python}" - "$PROFILE" $CLAIMS <<'PYEOF'
+  # SPLIT_SEEDS=1: one job per arm and training seed ("CLAIM [ARM] @SEED", `--only-seed`), seed by seed, so a
+  # claim's seeds fill more lanes (qagent's too: its arms follow one another within a seed, not across seeds)
+  "${PY:-python}" - "$PROFILE" "${SPLIT_SEEDS:-0}" "${SEED:-0}" "${SEEDS:-}" $CLAIMS <<'PYEOF'
 import sys
 from sleuth.claims.registry import get_claim
-profile, claims = sys.argv[1], sys.argv[2:]
+profile, split, first, count, claims = sys.argv[1], sys.argv[2] == "1", int(sys.argv[3]), sys.argv[4], sys.argv[5:]
 jobs = []
 for claim in claims:
-    arms = get_claim(claim).arms(profile)
-    jobs += [(claim, arm) for arm in arms] or [(claim, "")]
+    spec = get_claim(claim)
+    arms = spec.arms(profile) or ("",)
+    seeds = range(first, first + (int(count) if count else spec.profile(profile).seeds)) if split else (None,)
+    jobs += [(claim, arm, seed) for seed in seeds for arm in arms]
 cost = lambda job: get_claim(job[0]).arm_cost(job[1], profile) if job[1] else 0  # the claim's own measure
-for claim, arm in sorted(jobs, key=lambda j: (claims.index(j[0]), -cost(j))):
-    print(f"{claim} {arm}".strip())
+for claim, arm, seed in sorted(jobs, key=lambda j: (claims.index(j[0]), j[2] or 0, -cost(j))):
+    print(" ".join(part for part in (claim, arm, "" if seed is None else f"@{seed}") if part))
 PYEOF
 }
 
@@ -128,17 +132,20 @@ PYEOF
 # SEEDS=N: every arm trained with N seeds in the same run (`--seeds`; the gpu profile's default is 3)
 run_name() { echo "$1${SEED:+-seed$SEED}"; }
 
-job_id() {  # job_id "CLAIM [ARM]": the job's done-marker and log name, RUN[.ARM]
-  local claim=${1%% *} arm=
-  [ "$1" != "$claim" ] && arm=${1#* }
-  echo "$(run_name "$claim")${arm:+.$arm}"
+job_id() {  # job_id "CLAIM [ARM] [@SEED]": the job's done-marker and log name, RUN[.ARM][.sSEED]
+  local claim arm= seed= part
+  read -r claim part2 <<< "$1"
+  for part in $part2; do case "$part" in @*) seed=${part#@} ;; *) arm=$part ;; esac; done
+  echo "$(run_name "$claim")${arm:+.$arm}${seed:+.s$seed}"
 }
 
-run_claim() {  # run_claim CLAIM [ARM]: the claim (or one arm of it) on the job's GPU (CUDA_VISIBLE_DEVICES)
-  local claim=$1 arm=${2:-}
+run_claim() {  # run_claim CLAIM [ARM] [@SEED]: the claim (or one arm, or one seed of it) on the job's GPU
+  local claim=$1 arm= seed= part
+  shift
+  for part in "$@"; do case "$part" in @*) seed=${part#@} ;; *) arm=$part ;; esac; done
   "${PY:-python}" -m sleuth.cli reproduce "$claim" --profile "$PROFILE" \
     --out "runs/claims/$(run_name "$claim")" ${SEED:+--seed "$SEED"} ${SEEDS:+--seeds "$SEEDS"} ${arm:+--arms "$arm"} \
-    ${REUSE:+--reuse "$REUSE"}
+    ${seed:+--only-seed "$seed"} ${REUSE:+--reuse "$REUSE"}
 }
 
 prepare() {  # job `prepare`, before every claim: the carried model and encoder in place, the bundle restored
@@ -162,14 +169,14 @@ write_plan() {  # $WORK/claims.json, the plan bench/lease_jobs.py runs: `prepare
 import json, sys
 work, per_gpu, gpus = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
 lines = [line.split() for line in open(f"{work}/jobs") if line.strip()]
-jobs, arms = [{"id": "prepare", "run": "bash bench/gpu_claims.sh prepare"}], {}
-for job_id, claim, *arm in lines:
-    jobs.append({"id": job_id, "run": f"bash bench/gpu_claims.sh job {claim} {' '.join(arm)}".strip(),
+jobs, parts = [{"id": "prepare", "run": "bash bench/gpu_claims.sh prepare"}], {}
+for job_id, claim, *rest in lines:
+    jobs.append({"id": job_id, "run": f"bash bench/gpu_claims.sh job {claim} {' '.join(rest)}".strip(),
                  "after": ["prepare"]})
-    if arm:
-        arms.setdefault(claim, []).append(job_id)
-for claim, ids in arms.items():  # the claim's report: its run without --arms, once each arm ended
-    report = ids[0].rsplit(".", 1)[0]
+    if rest:
+        parts.setdefault(claim, []).append(job_id)
+for claim, ids in parts.items():  # the claim's report: its run without --arms or --only-seed, once each part ended
+    report = ids[0].split(".", 1)[0]
     jobs.append({"id": report, "run": f"bash bench/gpu_claims.sh job {claim}", "after": ["prepare", *ids]})
 lanes = [gpus[k % len(gpus)] for k in range(len(gpus) * per_gpu)]
 plan = {"work": work, "lanes": lanes, "jobs": jobs, "pack": ["progress.log", "logs"]}
@@ -220,7 +227,7 @@ case "${1:-}" in
     # LANES_PER_GPU=3 fits there, 1 on an 80 GB H100. expandable_segments keeps the cache from fragmenting
     export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
     export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( $(nproc) / lanes > 1 ? $(nproc) / lanes : 1 ))}
-    export REUSE PROFILE CLAIMS SEED SEEDS WAIT_MINILM
+    export REUSE PROFILE CLAIMS SEED SEEDS SPLIT_SEEDS WAIT_MINILM
     "${PY:-python}" bench/lease_jobs.py restart "$WORK/claims.json"
     sleep 3; nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null
     [ -f "$BUNDLE/bundle.json" ] && echo "bundle: $(ls "$BUNDLE" | tr '\n' ' ')"; true ;;  # no bundle is no error

@@ -141,6 +141,22 @@ def test_arms_split_over_runs_and_the_last_writes_the_report(toy, tmp_path):
         reproduce("toy", tmp_path, "cpu", arms=["nope"], seeds=range(0, 2))
 
 
+def test_seeds_split_over_runs_and_the_last_writes_the_report(toy, tmp_path):
+    """Runs sharing OUT take one seed each (`--only-seed`): each runs the shared stages once and its own seed's,
+    leaves the rest pending, and the run that finds every seed recorded writes the same report as one run."""
+    with pytest.raises(ArmsPending, match="eval_treated.seed1, eval_baseline.seed1"):
+        reproduce("toy", tmp_path / "split", "cpu", seeds=range(0, 2), only_seed=0)
+    assert not (tmp_path / "split" / "report.json").exists()
+    with pytest.raises(ArmsPending, match="^stages left to other runs: eval_baseline.seed1;"):
+        reproduce("toy", tmp_path / "split", "cpu", arms=["treated"], seeds=range(0, 2), only_seed=1)
+    reproduce("toy", tmp_path / "split", "cpu", arms=["baseline"], seeds=range(0, 2), only_seed=1)
+    reproduce("toy", tmp_path / "whole", "cpu", seeds=range(0, 2))
+    split, whole = (json.loads((tmp_path / d / "report.json").read_text()) for d in ("split", "whole"))
+    assert split["verdict"] == whole["verdict"] and split["table"]["seeds"] == whole["table"]["seeds"]
+    with pytest.raises(ConfigError, match="--only-seed 5: this run's training seeds are 0..1"):
+        reproduce("toy", tmp_path / "split", "cpu", seeds=range(0, 2), only_seed=5)
+
+
 def test_cli_prints_the_verdict_last(toy, tmp_path):
     from sleuth.cli import app
 

@@ -118,6 +118,26 @@ def test_gpu_claims_writes_a_plan_of_arms_then_reports(tmp_path: Path) -> None:
     assert report.run == "bash bench/gpu_claims.sh job staged"
 
 
+def test_gpu_claims_splits_seeds_into_jobs_and_reports_after_all(tmp_path: Path) -> None:
+    """SPLIT_SEEDS=1: one job per arm and seed (`--only-seed`), seed by seed, qagent a job per seed; each claim's
+    report after every one of its jobs."""
+    env = {**os.environ, "CLAIMS_WORK": str(tmp_path), "PROFILE": "cpu", "GPUS": "1", "LANES_PER_GPU": "3",
+           "CLAIMS": "staged qagent", "SPLIT_SEEDS": "1", "SEEDS": "2", "PY": sys.executable}
+    res = subprocess.run(["bash", str(BENCH / "gpu_claims.sh"), "plan-file"], capture_output=True, text=True,
+                         env=env, timeout=120, cwd=BENCH.parent)
+    assert res.returncode == 0, res.stderr
+    plan = lease_jobs.load_plan(tmp_path / "claims.json")
+    runs = {j.id: j.run for j in plan.jobs}
+    parts = [f"staged.{arm}.s{seed}" for seed in (0, 1) for arm in ("staged", "search_r1")]
+    assert set(runs) == {"prepare", *parts, "qagent.s0", "qagent.s1", "staged", "qagent"}
+    assert runs["staged.search_r1.s1"] == "bash bench/gpu_claims.sh job staged search_r1 @1"
+    assert runs["qagent.s0"] == "bash bench/gpu_claims.sh job qagent @0"
+    after = {j.id: set(j.after) for j in plan.jobs}
+    assert after["staged"] == {"prepare", *parts} and after["qagent"] == {"prepare", "qagent.s0", "qagent.s1"}
+    ids = [j.id for j in plan.jobs]
+    assert max(ids.index(p) for p in parts if p.endswith("s0")) < min(ids.index(p) for p in parts if p.endswith("s1"))
+
+
 def test_the_package_names_no_lenders_limits() -> None:
     """The GPU lender's call limits live in bench/ (gpu_claims.sh passes them to claim_bundle.py), not in sleuth."""
     package = BENCH.parent / "src" / "sleuth"

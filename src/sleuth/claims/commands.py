@@ -57,6 +57,9 @@ def _register_claim(repro: typer.Typer, spec: ClaimSpec) -> None:
                                   "profile's, cpu 1, gpu 3). A rerun with more seeds adds them to the same --out"),
         force: bool = typer.Option(False, "--force", help="Train the arms even when the premise check finds that "
                                    "they cannot test the claim (the report records the premise)"),
+        only_seed: int = typer.Option(None, "--only-seed", min=0, help="Only this training seed's stages (and the "
+                                      "shared ones): runs that spread the seeds over GPUs share one --out and give "
+                                      "the same --seed/--seeds; the one that finds every seed done writes the report"),
     ) -> None:
         from rich.console import Console
         from rich.markup import escape
@@ -67,9 +70,11 @@ def _register_claim(repro: typer.Typer, spec: ClaimSpec) -> None:
             default_out = Path("runs/reproduce") / (claim.method + (f"-seed{seed}" if seed else ""))
             count = seeds or (spec.profiles[profile].seeds if profile in spec.profiles else 1)
             wanted = None if seeds is None and seed == 0 else range(seed, seed + count)  # None: OUT's own seeds
-            report = reproduce(claim.method, out or default_out, profile, console, chosen, reuse, wanted, force)
+            report = reproduce(claim.method, out or default_out, profile, console, chosen, reuse, wanted, force,
+                               only_seed)
         except ArmsPending as err:  # this run's arms are done: the report is another run's to write
-            console.print(f"[green]arms done:[/] {escape(', '.join(chosen or []))}. {escape(str(err))}", highlight=False)
+            done = ", ".join(chosen or ["every arm"]) + ("" if only_seed is None else f" at seed {only_seed}")
+            console.print(f"[green]arms done:[/] {escape(done)}. {escape(str(err))}", highlight=False)
             return
         except SleuthError as err:
             console.print(f"[red]error:[/] {escape(str(err))}", highlight=False)

@@ -84,11 +84,13 @@ def claim_profile(method: str, profile_name: str) -> ClaimProfile:
 
 
 def reproduce(method: str, out: Path, profile: str, console: Any = None, arms: Sequence[str] | None = None,
-              reuse: Path | None = None, seeds: range | None = None, force: bool = False) -> Path:  # fmt: skip
+              reuse: Path | None = None, seeds: range | None = None, force: bool = False,
+              only_seed: int | None = None) -> Path:  # fmt: skip
     """Run `method`'s claim in OUT, resuming; `arms`: only these arms (`claim_arms`), for runs sharing OUT; `reuse`: a
     folder whose reader/ or injected/ (trained on this world) replaces training one (`sleuth.claims.reuse`); `seeds`:
     the arms' training seeds, consecutive (default: OUT's, or range(profile.seeds) for a new OUT); `force`: train the arms though the premise
-    is unmet."""
+    is unmet; `only_seed`: of the per-seed stages only this seed's (the shared ones too), for runs that spread a
+    claim's seeds over processes sharing OUT (each seed's arms are independent of the other seeds')."""
     spec = get_claim(method)
     sizes = spec.profile(profile)
     if seeds is None:  # a run directory keeps its seeds; a new one takes the profile's
@@ -98,6 +100,9 @@ def reproduce(method: str, out: Path, profile: str, console: Any = None, arms: S
     if len(seeds) < 1 or seeds.step != 1:
         raise ConfigError(f"--seeds {len(seeds)}: give at least 1 training seed")
     seed, count = seeds.start, len(seeds)
+    if only_seed is not None and only_seed not in seeds:
+        raise ConfigError(f"--only-seed {only_seed}: this run's training seeds are {seeds.start}..{seeds.stop - 1}; "
+                          "give one of them, or more --seeds")
     independent = spec.arms(profile)
     if arms is not None and not independent:
         raise ConfigError(f"--arms: the {method} claim's arms run one after another (stage 2 continues stage 1), "
@@ -112,7 +117,8 @@ def reproduce(method: str, out: Path, profile: str, console: Any = None, arms: S
     out.mkdir(parents=True, exist_ok=True)
     pending = []
     for st, at_seed, name in expanded(stages, run.seeds, seed):
-        if st.arms and not any(selection.runs(a) for a in st.arms):
+        other_seed = only_seed is not None and st.per_seed and at_seed != only_seed
+        if other_seed or (st.arms and not any(selection.runs(a) for a in st.arms)):
             recorded = read_stage(out, name)
             if recorded is None:
                 pending.append(name)
