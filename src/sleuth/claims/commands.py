@@ -15,6 +15,9 @@ from sleuth.claims.registry import CLAIMS
 from sleuth.claims.runner import reproduce
 from sleuth.claims.stages import ArmsPending
 
+FROM_COMMITTED = "--from-committed"
+NEWEST = "newest"  # a bare --from-committed: the newest committed gpu run of the claim that holds adapters
+
 
 class ClaimGroup(TyperGroup):
     """An unknown claim name is one line naming the registered claims, not a usage box."""
@@ -24,7 +27,17 @@ class ClaimGroup(TyperGroup):
         if name is not None and not name.startswith("-") and self.get_command(ctx, name) is None:
             typer.echo(f"error: no claim registered for {name!r}; choose one of {', '.join(CLAIMS)}", err=True)
             ctx.exit(2)
-        return super().resolve_command(ctx, args)
+        return super().resolve_command(ctx, _optional_value(args))
+
+
+def _optional_value(args: list[str]) -> list[str]:
+    """`--from-committed` takes an optional DIR: given bare (last, or before another option) it means NEWEST."""
+    out = []
+    for i, arg in enumerate(args):
+        out.append(arg)
+        if arg == FROM_COMMITTED and (i + 1 == len(args) or args[i + 1].startswith("-")):
+            out.append(NEWEST)
+    return out
 
 
 def register(app: typer.Typer) -> None:
@@ -56,6 +69,12 @@ def _register_claim(repro: typer.Typer, spec: ClaimSpec) -> None:
                                   "profile's, cpu 1, gpu 3). A rerun with more seeds adds them to the same --out"),
         force: bool = typer.Option(False, "--force", help="Train the arms even when the premise check finds that "
                                    "they cannot test the claim (the report records the premise)"),
+        from_committed: str = typer.Option(None, FROM_COMMITTED, metavar="[DIR]", help="Train nothing: evaluate the "
+                                           "committed arms of one seed (bfloat16 LoRA adapters in DIR/adapters) on "
+                                           "this machine, a CPU will do, and print the claim's tests beside the "
+                                           "committed GPU numbers. DIR: a committed run (default: the newest under "
+                                           "bench/results/claims packed with adapters)"),
+        questions: int = typer.Option(100, min=1, help="--from-committed: the first N held-out questions"),
     ) -> None:
         from rich.console import Console
         from rich.markup import escape
@@ -63,6 +82,9 @@ def _register_claim(repro: typer.Typer, spec: ClaimSpec) -> None:
         from sleuth.errors import SleuthError
 
         console = Console(soft_wrap=True)  # never break a path or the error across lines
+        if from_committed is not None:
+            _check_committed(claim.method, from_committed, out, questions, console)
+            return
         try:
             chosen = None if arms is None else [a.strip() for a in arms.split(",") if a.strip()]
             default_out = Path("runs/reproduce") / (claim.method + (f"-seed{seed}" if seed else ""))
@@ -80,6 +102,23 @@ def _register_claim(repro: typer.Typer, spec: ClaimSpec) -> None:
         console.print(verdict, highlight=False, markup=False)
 
     repro.command(claim.method, help=text, short_help=claim.claim)(command)
+
+
+def _check_committed(method: str, folder: str, out: Path | None, questions: int, console: Any) -> None:
+    """`--from-committed`: the committed adapters evaluated here, the table printed, check.json/html written."""
+    from rich.markup import escape
+
+    from sleuth.claims.committed import CHECK_FILE, check_committed, check_text
+    from sleuth.errors import SleuthError
+
+    try:
+        page = check_committed(method, None if folder == NEWEST else Path(folder),
+                               out or Path("runs/from-committed") / f"{method}-q{questions}", questions, console)
+    except SleuthError as err:
+        console.print(f"[red]error:[/] {escape(str(err))}", highlight=False)
+        raise typer.Exit(2) from None
+    console.print(check_text(json.loads(page.with_name(CHECK_FILE).read_text())), highlight=False, markup=False)
+    console.print(f"[green]report:[/] {escape(str(page))}", highlight=False)
 
 
 def _verdict_line(report_json: Path) -> str:
