@@ -234,7 +234,7 @@ def test_sft_lowers_heldout_loss_raises_format_adherence_and_resumes(tmp_path, s
     retriever, _ = world
     train_q = read_qa_jsonl(small_world / "train.jsonl")
     # the oracle that may stop after the initial search: a format the tiny model learns from 30 examples
-    monkeypatch.setattr(s3_method, "S3_SEARCH_EVERY_FACT", False)
+    monkeypatch.setattr(s3_method, "S3_FULL_ORACLE", False)
     records, _ = collect_oracle(get_loop("s3", top_k=3), retriever, tokenizer, train_q[:40],
                                 budget=RolloutBudget(max_obs_tokens=128, max_response_tokens=512))
     data = tmp_path / "traj.jsonl"

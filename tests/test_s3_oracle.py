@@ -51,7 +51,7 @@ def test_every_fact_is_searched_and_selections_follow_the_passages_not_rank_one(
 
 
 def test_the_short_oracle_searches_only_what_the_first_window_lacks(monkeypatch) -> None:
-    monkeypatch.setattr(s3_method, "S3_SEARCH_EVERY_FACT", False)
+    monkeypatch.setattr(s3_method, "S3_FULL_ORACLE", False)
     loop = get_loop("s3", top_k=5, max_turns=3)
     plan = plan_s3(QUESTION, question_facts(QUESTION), Ranked(), loop, random.Random(0))
     assert len(plan.turns) == 1 and _selections(plan.turns) == [[3, 5]] and plan.found_all

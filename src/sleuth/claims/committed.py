@@ -12,9 +12,10 @@ decisive arms of that seed needs, and nothing else:
   decisive evaluations with their committed rows, and the models by the stage result each stands for.
 
 The check rebuilds the world, puts each model back together on the base model (the adapter cast to float32, the
-tokenizer files rebuilt from the base where the pack left them out), runs each decisive evaluation stage's own code on the first
-`questions` held-out questions, and computes each decisive test with the claim's stats code beside the committed GPU
-numbers on the same questions (recomputed from the committed rows) and on all of them (the committed report).
+tokenizer files rebuilt from the base where the pack left them out), runs each decisive evaluation stage's own code
+on the first `questions` held-out questions, and computes each decisive test with the claim's stats code beside the
+committed GPU numbers on the same questions (recomputed from the committed rows) and on all of them (the committed
+report). The verdict on N questions is judged against the committed noise floor (one seed has none of its own).
 """
 
 from __future__ import annotations
@@ -104,11 +105,14 @@ def _source_checkpoint(model: Path, run: Path, root: str | None) -> Path:
     if info.lora or info.policy_dir != "." or not record.is_file():
         return model
     source = json.loads(record.read_text()).get("checkpoint")
-    if source and root and source.startswith(root + "/"):
+    if not source:
+        return model
+    if root and source.startswith(root + "/"):
         source = str(run.resolve()) + source[len(root):]
-    if source and (Path(source) / SEARCHER_FILE).is_file() and SearcherInfo.read(source).lora:
-        return Path(source)
-    return model
+    if not (Path(source) / SEARCHER_FILE).is_file():
+        raise ConfigError(f"{model} is an export (the full model); its checkpoint {source}, whose LoRA adapters are "
+                          f"what is committed, is not in {run}: unpack the run's reader checkpoints there")
+    return Path(source) if SearcherInfo.read(source).lora else model
 
 
 def _base_tokenizer(base_model: str | None, scratch: Path) -> dict[str, Path]:
@@ -266,9 +270,10 @@ def newest_committed(method: str, root: Path = COMMITTED_ROOT) -> Path:
             packed.append((committed["packed_at"], claim_file.parent))
     if not packed:
         held = ", ".join(runs) if runs else "none"
-        raise ConfigError(f"{root}: no committed gpu run of {method} holds adapters ({ADAPTERS_DIR}/{COMMITTED_FILE}); "
-                          f"committed runs of {method}: {held}. Pack one with `python bench/claims_pack.py pack RUN DEST "
-                          f"--world W --adapters SEED`, or pass a packed folder: --from-committed DIR")
+        raise ConfigError(f"{root}: no committed gpu run of {method} holds adapters ({ADAPTERS_DIR}/"
+                          f"{COMMITTED_FILE}); committed runs of {method}: {held}. Pack one with `python "
+                          f"bench/claims_pack.py pack RUN DEST --world W --adapters SEED`, or pass a packed folder: "
+                          f"--from-committed DIR")
     return max(packed)[1]
 
 
@@ -391,7 +396,8 @@ def compare(run: ClaimRun, folder: Path, committed: dict[str, Any]) -> dict[str,
     here = {name: predictions(run, name) for name in committed["evaluations"]}
     there = {name: committed_records(folder / rows) for name, rows in committed["evaluations"].items()}
     same = {name: {i: there[name][i] for i in here[name] if i in there[name]} for name in here}
-    missing = {name: sorted(set(here[name]) - set(same[name]))[:3] for name in here if len(same[name]) < len(here[name])}
+    missing = {name: sorted(set(here[name]) - set(same[name]))[:3] for name in here
+               if len(same[name]) < len(here[name])}
     if missing:
         raise ConfigError(f"{folder}: the committed rows lack questions this check answered ({missing}); the "
                           f"committed evaluation ran on fewer questions than --questions")
@@ -465,8 +471,9 @@ def check_text(check: dict[str, Any]) -> str:
     if all(a["same_response"] is not None for a in check["agreement"].values()):
         decoded = ", ".join(f"{name} {a['same_response']}/{a['n']}" for name, a in check["agreement"].items())
         lines.append(f"whole responses decoded identically: {decoded}")
-    lines.append("the committed rows give the committed report's claim table: "
-                 f"{ {True: 'yes', False: 'NO', None: 'not checked (rows missing)'}[check['committed_rows_reproduce_report']]}")
+    reproduced = {True: "yes", False: "NO", None: "not checked (rows missing)"}[
+        check["committed_rows_reproduce_report"]]
+    lines.append(f"the committed rows give the committed report's claim table: {reproduced}")
     lines.append("verdicts here and on the same questions use the committed noise floor; the committed claim "
                  f"verdict (every question, pooled over seeds): {check['committed_verdict']}")
     return "\n".join(lines)
@@ -493,6 +500,7 @@ def check_html(check: dict[str, Any]) -> str:
             f"the committed arms evaluated again</h1><div class='sub'>{html.escape(check['committed'])}, seed "
             f"{check['seed']}, first {check['questions']} held-out questions</div></header><main><section>"
             + "".join(parts) + "<table><caption>answers identical to the committed run's</caption><tr><th>evaluation"
-            "</th><th>n</th><th>same answer</th><th>same EM</th><th>same whole response</th></tr>" + agreement + "</table><p class='note'>"
+            "</th><th>n</th><th>same answer</th><th>same EM</th><th>same whole response</th></tr>" + agreement
+            + "</table><p class='note'>"
             f"The committed claim verdict (every question, pooled over seeds): "
             f"{html.escape(str(check['committed_verdict']))}.</p></section></main></body></html>\n")
