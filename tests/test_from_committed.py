@@ -111,10 +111,15 @@ def test_qagent_committed_rows_give_the_report_table_own_answers_included(tmp_pa
     assert all(r["response_sha256"] == response_digest(stage1[r["id"]]) for r in rows)
     report = json.loads((run / "report.json").read_text())
     assert committed_table(dest)["rows"] == report["table"]["rows"]
-    for row in rows:  # without the agent's own answers the own-answer row could not be recomputed
-        row.pop("agent_answer")
+    # the own-answer row reads the committed agent_answer: stage 1's own answers made right make its side 1.0
+    for row in rows:
+        row["agent_answer"] = row["golden_answers"][0]
     (dest / "stage1_trained_reader" / "per_question.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    assert committed_table(dest)["rows"] != report["table"]["rows"]
+    own = next(name for name in report["table"]["rows"] if "its own answer" in name)
+    changed = committed_table(dest)["rows"]
+    assert changed[own]["b"] == 1.0 != report["table"]["rows"][own]["b"]
+    assert {k: v for k, v in changed.items() if k != own} == {k: v for k, v in report["table"]["rows"].items()
+                                                               if k != own}
 
 
 def test_the_newest_packed_gpu_run_is_the_default_and_none_is_a_clear_error(tmp_path: Path, monkeypatch) -> None:

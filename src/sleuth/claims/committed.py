@@ -484,9 +484,14 @@ def check_html(check: dict[str, Any]) -> str:
     for t in check["tests"]:
         pct = t["points"]
         rows = [paired_row("this machine, committed adapters", t["here"], pct),
-                paired_row("committed GPU run, the same questions", t["committed_same_questions"], pct)]
+                paired_row("committed run, the same questions", t["committed_same_questions"], pct)]
         if t["committed_seed"] is not None:
-            rows.append(paired_row(f"committed GPU run, seed {check['seed']}, every question", t["committed_seed"],
+            rows.append(paired_row(f"committed run, seed {check['seed']}, every question", t["committed_seed"], pct))
+        pooled = t["committed_pooled"]
+        if pooled is not None:
+            rows.append(paired_row(f"committed run, pooled over {pooled['seeds']} seed(s): "
+                                   f"{html.escape(pooled['verdict'])}", {"n": "", "a": None, "b": None,
+                                                                         "diff": pooled["diff"], "ci": pooled["ci"]},
                                    pct))
         parts.append(f"<table><caption>{html.escape(t['row'])}: {html.escape(t['treated'])} minus "
                      f"{html.escape(t['baseline'])} (claimed {t['side']} {t['threshold']:+g}); here: "
