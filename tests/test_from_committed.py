@@ -140,3 +140,31 @@ def test_the_newest_packed_gpu_run_is_the_default_and_none_is_a_clear_error(tmp_
         (root / name / ADAPTERS_DIR).mkdir()
         (root / name / ADAPTERS_DIR / COMMITTED_FILE).write_text(json.dumps({"profile": profile, "packed_at": when}))
     assert newest_committed("r_search", Path("bench/results/claims")).name == "r_search_new"
+
+
+@pytest.mark.slow
+def test_a_lora_reader_export_is_packed_as_its_adapter_and_reads_alike(tmp_path: Path) -> None:
+    """The gpu profiles' readers are LoRA checkpoints exported merged (the full model): what is committed is the
+    checkpoint's bf16 adapter, and the model rebuilt from it on the base answers as the export does."""
+    from sleuth.claims.committed import materialize, pack_model
+    from sleuth.claims.profiles import PLAIN_PROFILES
+    from sleuth.claims.reader import ReaderSettings, train_reader
+    from sleuth.claims.steps import build_world
+    from sleuth.data.formats import read_qa_jsonl
+    from sleuth.eval.baselines import BaselineSettings, gold_passages, read_documents
+    from sleuth.eval.harness import resolve_generator, resolve_retriever
+
+    run = tmp_path / "run"
+    build_world(run / "world", PLAIN_PROFILES["cpu"])
+    export = train_reader(run / "world", run / "reader", ReaderSettings(model="tiny", distractors=1, epochs=1,
+                                                                        lr=3e-3, batch_size=8, questions=8))
+    packed = pack_model(export, tmp_path / "packed", run, str(run.resolve()))
+    assert packed["lora"] and packed["base_model"] == "tiny"
+    assert {p.name for p in (tmp_path / "packed" / "policy").iterdir()} == {"adapter_config.json",
+                                                                           "adapter_model.safetensors"}
+    rebuilt = materialize(tmp_path / "packed", tmp_path / "rebuilt")
+    questions = read_qa_jsonl(run / "world" / "test.jsonl")[:6]
+    docs = gold_passages(resolve_retriever(run / "world" / "bm25"), questions)
+    texts = [read_documents(resolve_generator(str(model)), questions, docs, BaselineSettings(answer_max_new_tokens=16),
+                            "s3")[1] for model in (export, rebuilt)]
+    assert texts[0] == texts[1] and any(texts[0])
