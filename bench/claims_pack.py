@@ -8,6 +8,9 @@ share of the unknown hops' passages), and what the answerer was handed:
 documents, the share of supporting passages among them, whether a gold answer occurs in them), summary.json; for each RL run DEST/<arm>/metrics.jsonl and rl_recipe.yaml.
 W is the run's world (`supporting_ids` per test question): a world rebuilt from the seed is checked against the
 run's world record (sha256 of corpus, train, test).
+`--adapters SEED`: also DEST/adapters/, what `sleuth reproduce <claim> --from-committed DEST` needs to evaluate the
+claim's decisive arms of that training seed again on a CPU: each model they load as a bfloat16 LoRA adapter, the
+world's sha256, committed.json (sleuth.claims.committed).
 `why DEST`: per evaluation, EM and the retrieval quantities above, by question type and overall, with 95%
 intervals, and EM split by whether every supporting passage reached the answerer; writes DEST/why.json, prints
 a Markdown table.
@@ -26,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from sleuth.appendlog import read_appended
+from sleuth.claims.committed import pack_committed, response_digest
 from sleuth.claims.reuse import world_differences
 from sleuth.errors import ConfigError
 from sleuth.eval.stats import bootstrap_ci
@@ -81,6 +85,11 @@ def per_question(pred: dict[str, Any], support: dict[str, list[str]],
     if "agent_answer" in extra:
         row["agent_answer"] = extra["agent_answer"]
     row["metrics"] = pred["metrics"]
+    # the whole decoded response, hashed: `sleuth reproduce --from-committed` tells a re-evaluation that decoded
+    # alike from one that merely answered alike
+    digest = response_digest(pred)
+    if digest is not None:
+        row["response_sha256"] = digest
     return row
 
 
@@ -192,11 +201,20 @@ def main() -> None:
     packing.add_argument("--world-record", type=Path, help="claim_world.json to check --world against (default: "
                          "the run's reader's or injected model's; a reused one's where the run copied none)")
     packing.add_argument("--logs", type=Path, help="gpu_claims.sh's logs folder (<claim>*.log are copied)")
+    packing.add_argument("--adapters", type=int, metavar="SEED", help="also pack the decisive arms' models of this "
+                         "training seed (bfloat16 LoRA adapters) for `sleuth reproduce <claim> --from-committed`")
     analysing = sub.add_parser("why", help="the per-question analysis of a committed result folder")
     analysing.add_argument("dest", type=Path)
     args = parser.parse_args()
     if args.command == "pack":
         print(f"packed {', '.join(pack(args.run, args.dest, args.world, args.logs, args.world_record))} into {args.dest}")
+        if args.adapters is not None:
+            try:
+                committed = pack_committed(args.run, args.dest, args.adapters, args.world)
+            except ConfigError as err:
+                raise SystemExit(f"--adapters {args.adapters}: {err}") from None
+            sizes = ", ".join(f"{name} {m['bytes'] / 2**20:.1f} MB" for name, m in committed["packed"].items())
+            print(f"packed seed {args.adapters}'s models for --from-committed into {args.dest}/adapters: {sizes}")
     else:
         print(markdown(why(args.dest)))
 

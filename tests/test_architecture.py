@@ -200,8 +200,8 @@ CLAIMS_FLOORS = (
     ("profiles", "base", "registry", "report", "reuse", "steps", "shared"),
     # one module per paper's claim; the package itself imports them all (each registers its claim)
     ("staged", "r_search", "qagent", "s3", ""),
-    # running any registered claim, and its command
-    ("runner", "commands"),
+    # running any registered claim, checking a committed one again, and their command
+    ("runner", "committed", "commands"),
 )
 CLAIMS_FLOOR = len(FLOORS) + 2
 CLI_FLOOR = CLAIMS_FLOOR + len(CLAIMS_FLOORS)
@@ -377,6 +377,7 @@ HELP = "`sleuth --help` imports it"
 DEFERRED_IMPORTS = {
     "sleuth.agent.searcher": "HFGenerator loads torch, only once a searcher's model loads; exporting needs none",
     "sleuth.llm.registry": "HFGenerator loads torch; the OpenAI, vLLM and GGUF backends and lookups need none",
+    "sleuth.claims.committed": f"{HELP}: transformers and model loading (the GGUF conversion)",
     "sleuth.claims.knowledge": f"{HELP}: SFT and the recipe schema (torch), the harness and model loading",
     "sleuth.claims.reader": f"{HELP}: the export, the harness and model loading",
     "sleuth.claims.reuse": f"{HELP}: the export (model loading)",

@@ -18,7 +18,7 @@ from rich.console import Console
 from typer.testing import CliRunner
 
 from bench_loading import load_bench
-from sleuth.claims.runner import claim_arms, reproduce, stage_plan
+from sleuth.claims.runner import RunPart, claim_arms, reproduce, stage_plan
 from sleuth.claims.stages import (
     STOP_AFTER_ENV,
     StagesStopped,
@@ -259,9 +259,9 @@ def test_a_stage_two_runs_reach_together_runs_once(tmp_path):
 
 def test_arms_are_checked_and_the_report_waits_for_every_arm(tmp_path):
     with pytest.raises(ConfigError, match=r"--arms s3_7: the s3 claim's arms are s3_2, search_r1_2, s3_4"):
-        reproduce("s3", tmp_path, "cpu", arms=["s3_7"])
+        reproduce("s3", tmp_path, "cpu", part=RunPart(["s3_7"]))
     with pytest.raises(ConfigError, match="qagent claim's arms run one after another"):
-        reproduce("qagent", tmp_path, "cpu", arms=["stage1"])
+        reproduce("qagent", tmp_path, "cpu", part=RunPart(["stage1"]))
     assert claim_arms("r_search", "gpu") == ("with_evidence", "without_evidence", "no_evidence_block")
     assert claim_arms("s3", "gpu")[-3:] == ("s3_1600", "search_r1_1600", "s3_noselect_25")
 
@@ -279,7 +279,7 @@ def test_arms_split_over_two_runs_give_the_report_of_one_run(tmp_path):
            "eval_without_evidence, train_no_evidence_block, eval_no_evidence_block;" in first.output
     assert not (split / "stages" / "train_without_evidence.json").exists() and not (split / "report.json").exists()
     assert not (split / "stages" / "sft_no_evidence_block.json").exists()  # that arm's own cold start waits too
-    reproduce("r_search", split, "cpu", arms=["without_evidence", "no_evidence_block"])
+    reproduce("r_search", split, "cpu", part=RunPart(["without_evidence", "no_evidence_block"]))
     tables = [json.loads((d / "report.json").read_text())["table"] for d in (whole, split)]
     assert tables[0]["rows"] == tables[1]["rows"] and tables[0]["holds"] == tables[1]["holds"]
 

@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 from sleuth.claims.base import ClaimSpec, ClaimText, DecisiveTest, Stage, premise_stage
 from sleuth.claims.profiles import CPU_PIPELINE, ClaimProfile
 from sleuth.claims.registry import CLAIMS, register_claim
-from sleuth.claims.runner import PremiseUnmet, reproduce, stage_plan
+from sleuth.claims.runner import PremiseUnmet, RunPart, reproduce, stage_plan
 from sleuth.claims.staged import expected_rewards, premise_checks
 from sleuth.claims.stages import ArmsPending
 from sleuth.claims.stats import metric
@@ -134,27 +134,27 @@ def test_an_unmet_premise_refuses_the_arms_unless_forced(toy, tmp_path):
 
 def test_arms_split_over_runs_and_the_last_writes_the_report(toy, tmp_path):
     with pytest.raises(ArmsPending, match="eval_baseline, eval_baseline.seed1"):
-        reproduce("toy", tmp_path, "cpu", arms=["treated"], seeds=range(0, 2))
-    reproduce("toy", tmp_path, "cpu", arms=["baseline"], seeds=range(0, 2))
+        reproduce("toy", tmp_path, "cpu", part=RunPart(["treated"]), seeds=range(0, 2))
+    reproduce("toy", tmp_path, "cpu", part=RunPart(["baseline"]), seeds=range(0, 2))
     assert json.loads((tmp_path / "report.json").read_text())["verdict"] == "holds"
     with pytest.raises(ConfigError, match="--arms nope: the toy claim's arms are treated, baseline"):
-        reproduce("toy", tmp_path, "cpu", arms=["nope"], seeds=range(0, 2))
+        reproduce("toy", tmp_path, "cpu", part=RunPart(["nope"]), seeds=range(0, 2))
 
 
 def test_seeds_split_over_runs_and_the_last_writes_the_report(toy, tmp_path):
     """Runs sharing OUT take one seed each (`--only-seed`): each runs the shared stages once and its own seed's,
     leaves the rest pending, and the run that finds every seed recorded writes the same report as one run."""
     with pytest.raises(ArmsPending, match="eval_treated.seed1, eval_baseline.seed1"):
-        reproduce("toy", tmp_path / "split", "cpu", seeds=range(0, 2), only_seed=0)
+        reproduce("toy", tmp_path / "split", "cpu", part=RunPart(seed=0), seeds=range(0, 2))
     assert not (tmp_path / "split" / "report.json").exists()
     with pytest.raises(ArmsPending, match="^stages left to other runs: eval_baseline.seed1;"):
-        reproduce("toy", tmp_path / "split", "cpu", arms=["treated"], seeds=range(0, 2), only_seed=1)
-    reproduce("toy", tmp_path / "split", "cpu", arms=["baseline"], seeds=range(0, 2), only_seed=1)
+        reproduce("toy", tmp_path / "split", "cpu", part=RunPart(["treated"], 1), seeds=range(0, 2))
+    reproduce("toy", tmp_path / "split", "cpu", part=RunPart(["baseline"], 1), seeds=range(0, 2))
     reproduce("toy", tmp_path / "whole", "cpu", seeds=range(0, 2))
     split, whole = (json.loads((tmp_path / d / "report.json").read_text()) for d in ("split", "whole"))
     assert split["verdict"] == whole["verdict"] and split["table"]["seeds"] == whole["table"]["seeds"]
     with pytest.raises(ConfigError, match="--only-seed 5: this run's training seeds are 0..1"):
-        reproduce("toy", tmp_path / "split", "cpu", seeds=range(0, 2), only_seed=5)
+        reproduce("toy", tmp_path / "split", "cpu", part=RunPart(seed=5), seeds=range(0, 2))
 
 
 def test_cli_prints_the_verdict_last(toy, tmp_path):

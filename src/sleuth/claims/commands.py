@@ -11,10 +11,14 @@ import typer
 from typer.core import TyperGroup
 
 from sleuth.claims.base import ClaimSpec
+from sleuth.claims.committed import CHECK_FILE, check_committed, check_text
 from sleuth.claims.registry import CLAIMS
-from sleuth.claims.runner import reproduce
+from sleuth.claims.runner import RunPart, reproduce
 from sleuth.claims.stages import ArmsPending
 from sleuth.errors import SleuthError
+
+FROM_COMMITTED = "--from-committed"
+NEWEST = "newest"  # a bare --from-committed: the newest committed gpu run of the claim that holds adapters
 
 
 class ClaimGroup(TyperGroup):
@@ -25,7 +29,17 @@ class ClaimGroup(TyperGroup):
         if name is not None and not name.startswith("-") and self.get_command(ctx, name) is None:
             typer.echo(f"error: no claim registered for {name!r}; choose one of {', '.join(CLAIMS)}", err=True)
             ctx.exit(2)
-        return super().resolve_command(ctx, args)
+        return super().resolve_command(ctx, _optional_value(args))
+
+
+def _optional_value(args: list[str]) -> list[str]:
+    """`--from-committed` takes an optional DIR: given bare (last, or before another option) it means NEWEST."""
+    out = []
+    for i, arg in enumerate(args):
+        out.append(arg)
+        if arg == FROM_COMMITTED and (i + 1 == len(args) or args[i + 1].startswith("-")):
+            out.append(NEWEST)
+    return out
 
 
 def register(app: typer.Typer) -> None:
@@ -60,18 +74,27 @@ def _register_claim(repro: typer.Typer, spec: ClaimSpec) -> None:
         only_seed: int = typer.Option(None, "--only-seed", min=0, help="Only this training seed's stages (and the "
                                       "shared ones): runs that spread the seeds over GPUs share one --out and give "
                                       "the same --seed/--seeds; the one that finds every seed done writes the report"),
+        from_committed: str = typer.Option(None, FROM_COMMITTED, metavar="[DIR]", help="Train nothing: evaluate the "
+                                           "committed arms of one seed (bfloat16 LoRA adapters in DIR/adapters) on "
+                                           "this machine, a CPU will do, and print the claim's tests beside the "
+                                           "committed GPU numbers. DIR: a committed run (default: the newest under "
+                                           "bench/results/claims packed with adapters)"),
+        questions: int = typer.Option(100, min=1, help="--from-committed: the first N held-out questions"),
     ) -> None:
         from rich.console import Console
         from rich.markup import escape
 
         console = Console(soft_wrap=True)  # never break a path or the error across lines
+        if from_committed is not None:
+            _check_committed(claim.method, from_committed, out, questions, console)
+            return
         try:
             chosen = None if arms is None else [a.strip() for a in arms.split(",") if a.strip()]
             default_out = Path("runs/reproduce") / (claim.method + (f"-seed{seed}" if seed else ""))
             count = seeds or (spec.profiles[profile].seeds if profile in spec.profiles else 1)
             wanted = None if seeds is None and seed == 0 else range(seed, seed + count)  # None: OUT's own seeds
-            report = reproduce(claim.method, out or default_out, profile, console, chosen, reuse, wanted, force,
-                               only_seed)
+            report = reproduce(claim.method, out or default_out, profile, console, RunPart(chosen, only_seed), reuse,
+                               wanted, force)
         except ArmsPending as err:  # this run's arms are done: the report is another run's to write
             done = ", ".join(chosen or ["every arm"]) + ("" if only_seed is None else f" at seed {only_seed}")
             console.print(f"[green]arms done:[/] {escape(done)}. {escape(str(err))}", highlight=False)
@@ -84,6 +107,20 @@ def _register_claim(repro: typer.Typer, spec: ClaimSpec) -> None:
         console.print(verdict, highlight=False, markup=False)
 
     repro.command(claim.method, help=text, short_help=claim.claim)(command)
+
+
+def _check_committed(method: str, folder: str, out: Path | None, questions: int, console: Any) -> None:
+    """`--from-committed`: the committed adapters evaluated here, the table printed, check.json/html written."""
+    from rich.markup import escape
+
+    try:
+        page = check_committed(method, None if folder == NEWEST else Path(folder),
+                               out or Path("runs/from-committed") / f"{method}-q{questions}", questions, console)
+    except SleuthError as err:
+        console.print(f"[red]error:[/] {escape(str(err))}", highlight=False)
+        raise typer.Exit(2) from None
+    console.print(check_text(json.loads(page.with_name(CHECK_FILE).read_text())), highlight=False, markup=False)
+    console.print(f"[green]report:[/] {escape(str(page))}", highlight=False)
 
 
 def _verdict_line(report_json: Path) -> str:

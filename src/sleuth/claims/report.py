@@ -48,7 +48,7 @@ def _interval(ci: list[float] | None, pct: bool) -> str:
     return f"[{_fmt(ci[0], pct)}, {_fmt(ci[1], pct)}]" if ci else "-"
 
 
-def _paired_row(label: str, row: dict[str, Any], pct: bool) -> str:
+def paired_row(label: str, row: dict[str, Any], pct: bool) -> str:
     """One paired row (`sleuth.claims.stats.paired`): n, each side, the difference and its interval."""
     return (f"<tr><td>{label}</td><td>{row['n']}</td><td>{_value(row['a'], pct)}</td><td>{_value(row['b'], pct)}</td>"
             f"<td>{_fmt(row['diff'], pct)}</td><td>{_interval(row['ci'], pct)}</td></tr>")
@@ -58,7 +58,7 @@ def _rows_table(table: dict[str, Any], columns: tuple[str, str], seed: int) -> s
     cells = []
     for name, row in table["rows"].items():
         pct = not name.startswith("retrievals")  # accuracies in points, retrieval counts as they are
-        cells.append(_paired_row(html.escape(name), row, pct))
+        cells.append(paired_row(html.escape(name), row, pct))
     return (f"<table id='claim'><caption>Every measure, training seed {seed} (paired by question)</caption>\n"
             f"<tr><th>measure</th><th>n</th><th>{html.escape(columns[0])}</th><th>{html.escape(columns[1])}</th>"
             "<th>difference</th><th>95% interval (paired bootstrap)</th></tr>\n" + "\n".join(cells) + "\n</table>\n")
@@ -70,7 +70,7 @@ def _seeds_table(seeds: dict[str, Any]) -> str:
     for test in seeds["tests"]:
         pct = test["points"]
         unit = "points" if pct else "per question"
-        rows = [_paired_row(f"seed {r['seed']}", r, pct) for r in test["per_seed"]]
+        rows = [paired_row(f"seed {r['seed']}", r, pct) for r in test["per_seed"]]
         pooled = test["pooled"]
         rows.append(f"<tr><th>pooled ({pooled['seeds']} seeds)</th><td></td><td></td><td></td>"
                     f"<th>{_fmt(pooled['diff'], pct)}</th><th>{_interval(pooled['ci'], pct)}</th></tr>")
@@ -78,7 +78,7 @@ def _seeds_table(seeds: dict[str, Any]) -> str:
         if floor is None:
             rows.append("<tr><td>noise floor</td><td colspan='5' class='note'>not measured: one seed</td></tr>")
         else:
-            rows.append(_paired_row(f"noise floor: baseline seed {floor['seeds'][1]} vs seed {floor['seeds'][0]}",
+            rows.append(paired_row(f"noise floor: baseline seed {floor['seeds'][1]} vs seed {floor['seeds'][0]}",
                                     floor, pct))
         side = "above" if test["side"] == "above" else "below"
         parts.append(

@@ -14,6 +14,7 @@ The report pools the claim's decisive tests over seeds, with the noise floor (`s
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -83,14 +84,27 @@ def claim_profile(method: str, profile_name: str) -> ClaimProfile:
     return get_claim(method).profile(profile_name)
 
 
-def reproduce(method: str, out: Path, profile: str, console: Any = None, arms: Sequence[str] | None = None,
-              reuse: Path | None = None, seeds: range | None = None, force: bool = False,
-              only_seed: int | None = None) -> Path:  # fmt: skip
-    """Run `method`'s claim in OUT, resuming; `arms`: only these arms (`claim_arms`), for runs sharing OUT; `reuse`: a
+@dataclass(frozen=True)
+class RunPart:
+    """The part of a claim run one process takes when several share OUT (the rest is left pending for the others;
+    the one that finds every stage recorded writes the report): only these `arms` (`claim_arms`), and of the
+    per-seed stages only training seed `seed`'s (each seed's arms are independent of the other seeds'). The
+    shared stages (world, reader, premise) run in whichever process comes first, once."""
+
+    arms: Sequence[str] | None = None
+    seed: int | None = None
+
+
+WHOLE = RunPart()
+
+
+def reproduce(method: str, out: Path, profile: str, console: Any = None, part: RunPart = WHOLE,
+              reuse: Path | None = None, seeds: range | None = None, force: bool = False) -> Path:  # fmt: skip
+    """Run `method`'s claim in OUT, resuming; `part`: this process's share of a run split over processes; `reuse`: a
     folder whose reader/ or injected/ (trained on this world) replaces training one (`sleuth.claims.reuse`); `seeds`:
-    the arms' training seeds, consecutive (default: OUT's, or range(profile.seeds) for a new OUT); `force`: train the arms though the premise
-    is unmet; `only_seed`: of the per-seed stages only this seed's (the shared ones too), for runs that spread a
-    claim's seeds over processes sharing OUT (each seed's arms are independent of the other seeds')."""
+    the arms' training seeds, consecutive (default: OUT's, or range(profile.seeds) for a new OUT); `force`: train
+    the arms though the premise is unmet."""
+    arms, only_seed = part.arms, part.seed
     spec = get_claim(method)
     sizes = spec.profile(profile)
     if seeds is None:  # a run directory keeps its seeds; a new one takes the profile's
