@@ -18,7 +18,7 @@ import pytest
 # short modules and both workers finish together. Refresh the list from a run's durations when it drifts.
 SLOWEST_MODULES_FIRST = (
     "test_reproduce.py", "test_decode_engine.py", "test_bench_retrieval_scale.py", "test_claim_bundle.py",
-    "test_claim_checkpoints.py", "test_coldstart.py", "test_export_serving.py", "test_rl_distributed.py",
+    "test_claim_checkpoints.py", "test_coldstart.py", "test_learning_plugins.py", "test_from_committed.py", "test_export_serving.py", "test_rl_distributed.py",
     "test_retrieval_prefork.py", "test_llm_hf.py", "test_demo.py", "test_export.py", "test_rl_interrupts.py",
     "test_retrieval_bulk_encode.py", "test_robustness.py", "test_rl_trainer.py", "test_retrieval_fast_tokenize.py",
     "test_llm_registry.py", "test_bench_smoke.py", "test_knowledge.py", "test_bm25_build.py",
@@ -79,6 +79,31 @@ def one_layer_minilm(tmp_path_factory: pytest.TempPathFactory) -> str:
     return str(out)
 
 
+def _session_shared(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A folder every xdist worker of this test session sees (pytest-N/, above each worker's popen-gwK/)."""
+    shared = tmp_path_factory.getbasetemp()
+    return shared.parent if os.environ.get("PYTEST_XDIST_WORKER") else shared
+
+
+@pytest.fixture(scope="session")
+def qagent_cpu_claim(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """`sleuth reproduce qagent --profile cpu`, run once a test session under a lock shared by the xdist workers
+    (three modules compare against it; about 25 s a run on 2 cores): its report.html. Read only."""
+    import fcntl  # Linux, as the suite (pre-fork workers, /proc)
+
+    from sleuth.claims.runner import reproduce
+
+    shared = _session_shared(tmp_path_factory)
+    out, done = shared / "qagent-cpu-claim" / "qagent", shared / "qagent-cpu-claim.done"
+    with open(shared / "qagent-cpu-claim.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not done.exists():
+            shutil.rmtree(out.parent, ignore_errors=True)
+            reproduce("qagent", out, "cpu")
+            done.write_text("ok\n")
+    return out / "report.html"
+
+
 @pytest.fixture(scope="session")
 def fast_demo_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
     """`sleuth demo --fast --out DIR` run once a test session, shared by the xdist workers (the first to
@@ -86,9 +111,7 @@ def fast_demo_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]
     it): (DIR, {"returncode", "stdout", "stderr"} of that run). Read only: tests assert on its files."""
     import fcntl  # Linux, as the suite (pre-fork workers, /proc)
 
-    shared = tmp_path_factory.getbasetemp()
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        shared = shared.parent  # pytest-N/, above each worker's popen-gwK/
+    shared = _session_shared(tmp_path_factory)
     out, record = shared / "fast-demo" / "demo", shared / "fast-demo.json"
     with open(shared / "fast-demo.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)

@@ -167,12 +167,12 @@ def _carry(bundle, dev_claims, outs):
 
 
 @pytest.mark.slow
-def test_a_claim_cut_short_resumes_from_its_bundle_elsewhere(tmp_path, monkeypatch):
+def test_a_claim_cut_short_resumes_from_its_bundle_elsewhere(tmp_path, monkeypatch, qagent_cpu_claim):
     """qagent on the CPU profile (about 60 s on 2 cores): an uncut run; a run cut in the middle of stage 1's
     RL, packed into 64 KiB parts, carried in several calls, restored under another directory (the first one
     gone) and resumed: the same claim table, rollouts and answers, the finished stages skipped, stage 1's RL
     resumed at step 1."""
-    uncut = reproduce("qagent", tmp_path / "uncut" / "qagent", "cpu")
+    uncut = qagent_cpu_claim  # the uncut run, shared with other modules
     lease1 = tmp_path / "lease1" / "claims"
     monkeypatch.setenv(STOP_AFTER_ENV, "6")
     with pytest.raises(StagesStopped, match="before stage train_stage2"):

@@ -98,11 +98,10 @@ def test_from_committed_evaluates_the_packed_adapters_again_and_decodes_alike(tm
 
 
 @pytest.mark.slow
-def test_qagent_committed_rows_give_the_report_table_own_answers_included(tmp_path: Path) -> None:
+def test_qagent_committed_rows_give_the_report_table_own_answers_included(tmp_path: Path, qagent_cpu_claim: Path) -> None:
     """Item 2 (b): every row of qagent's table, the own-answer row (extra.agent_answer) included, recomputed from
     the committed per-question rows alone equals the report's."""
-    run, dest = tmp_path / "run", tmp_path / "committed"
-    reproduce("qagent", run, "cpu")
+    run, dest = qagent_cpu_claim.parent, tmp_path / "committed"
     _claims_pack().pack(run, dest, run / "world", None)
     rows = [json.loads(line) for line in (dest / "stage1_trained_reader" / "per_question.jsonl").read_text()
             .splitlines()]
