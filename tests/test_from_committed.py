@@ -4,16 +4,15 @@ alone; and the committed rows carry every field the claim's table is computed fr
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
 from safetensors import safe_open
 from typer.testing import CliRunner
 
+from bench_loading import load_bench
 from sleuth.appendlog import read_appended
 from sleuth.claims.committed import (
     ADAPTERS_DIR,
@@ -27,17 +26,9 @@ from sleuth.claims.runner import reproduce
 from sleuth.cli import app
 from sleuth.errors import ConfigError
 
-BENCH = Path(__file__).resolve().parent.parent / "bench"
-
 
 def _claims_pack():
-    if str(BENCH) not in sys.path:
-        sys.path.insert(0, str(BENCH))
-    spec = importlib.util.spec_from_file_location("bench_claims_pack", BENCH / "claims_pack.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_bench("claims_pack")
 
 
 def _predictions(path: Path) -> dict[str, dict]:
