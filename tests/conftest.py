@@ -7,6 +7,7 @@ import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -79,49 +80,48 @@ def one_layer_minilm(tmp_path_factory: pytest.TempPathFactory) -> str:
     return str(out)
 
 
-def _session_shared(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A folder every xdist worker of this test session sees (pytest-N/, above each worker's popen-gwK/)."""
+def _once_a_session(tmp_path_factory: pytest.TempPathFactory, name: str, make: Callable[[Path], dict]) -> tuple[Path, dict]:
+    """`make(folder)` run once a test session, shared by the xdist workers: the first to ask runs it under a lock
+    in the session's common temporary folder (pytest-N/, above each worker's popen-gwK/), the others wait for it.
+    Returns (folder, the record `make` returned), the record written atomically once `make` is done."""
+    import fcntl  # Linux, as the suite (pre-fork workers, /proc)
+
     shared = tmp_path_factory.getbasetemp()
-    return shared.parent if os.environ.get("PYTEST_XDIST_WORKER") else shared
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        shared = shared.parent
+    folder, record = shared / name, shared / f"{name}.json"
+    with open(shared / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not record.exists():
+            shutil.rmtree(folder, ignore_errors=True)
+            folder.mkdir()
+            tmp = record.with_suffix(".tmp")
+            tmp.write_text(json.dumps(make(folder)))
+            tmp.replace(record)
+    return folder, json.loads(record.read_text())
 
 
 @pytest.fixture(scope="session")
 def qagent_cpu_claim(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """`sleuth reproduce qagent --profile cpu`, run once a test session under a lock shared by the xdist workers
-    (three modules compare against it; about 25 s a run on 2 cores): its report.html. Read only."""
-    import fcntl  # Linux, as the suite (pre-fork workers, /proc)
-
+    """`sleuth reproduce qagent --profile cpu`, run once a test session (`_once_a_session`; three modules compare
+    against it, about 25 s a run on 2 cores): its report.html. Read only."""
     from sleuth.claims.runner import reproduce
 
-    shared = _session_shared(tmp_path_factory)
-    out, done = shared / "qagent-cpu-claim" / "qagent", shared / "qagent-cpu-claim.done"
-    with open(shared / "qagent-cpu-claim.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not done.exists():
-            shutil.rmtree(out.parent, ignore_errors=True)
-            reproduce("qagent", out, "cpu")
-            done.write_text("ok\n")
-    return out / "report.html"
+    folder, _ = _once_a_session(tmp_path_factory, "qagent-cpu-claim",
+                                lambda folder: {"report": str(reproduce("qagent", folder / "qagent", "cpu"))})
+    return folder / "qagent" / "report.html"
 
 
 @pytest.fixture(scope="session")
 def fast_demo_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
-    """`sleuth demo --fast --out DIR` run once a test session, shared by the xdist workers (the first to
-    ask runs it under a lock in the session's common temporary folder; the others wait for it and read
-    it): (DIR, {"returncode", "stdout", "stderr"} of that run). Read only: tests assert on its files."""
-    import fcntl  # Linux, as the suite (pre-fork workers, /proc)
+    """`sleuth demo --fast --out DIR` run once a test session (`_once_a_session`): (DIR, {"returncode", "stdout",
+    "stderr"} of that run). Read only: tests assert on its files."""
 
-    shared = _session_shared(tmp_path_factory)
-    out, record = shared / "fast-demo" / "demo", shared / "fast-demo.json"
-    with open(shared / "fast-demo.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not record.exists():
-            shutil.rmtree(out.parent, ignore_errors=True)
-            out.parent.mkdir()
-            proc = subprocess.run([sys.executable, "-m", "sleuth.cli", "demo", "--fast", "--out", str(out)],
-                                  env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
-                                  timeout=900, check=False)
-            tmp = record.with_suffix(".tmp")
-            tmp.write_text(json.dumps({"returncode": proc.returncode, "stdout": proc.stdout, "stderr": proc.stderr}))
-            tmp.replace(record)
-    return out, json.loads(record.read_text())
+    def demo(folder: Path) -> dict:
+        proc = subprocess.run([sys.executable, "-m", "sleuth.cli", "demo", "--fast", "--out", str(folder / "demo")],
+                              env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+                              timeout=900, check=False)
+        return {"returncode": proc.returncode, "stdout": proc.stdout, "stderr": proc.stderr}
+
+    folder, record = _once_a_session(tmp_path_factory, "fast-demo", demo)
+    return folder / "demo", record
