@@ -133,9 +133,9 @@ PYEOF
 run_name() { echo "$1${SEED:+-seed$SEED}"; }
 
 job_id() {  # job_id "CLAIM [ARM] [@SEED]": the job's done-marker and log name, RUN[.ARM][.sSEED]
-  local claim arm= seed= part
-  read -r claim part2 <<< "$1"
-  for part in $part2; do case "$part" in @*) seed=${part#@} ;; *) arm=$part ;; esac; done
+  local claim rest arm= seed= part
+  read -r claim rest <<< "$1"
+  for part in $rest; do case "$part" in @*) seed=${part#@} ;; *) arm=$part ;; esac; done
   echo "$(run_name "$claim")${arm:+.$arm}${seed:+.s$seed}"
 }
 
