@@ -32,4 +32,5 @@ test: $(VENV)/.installed
 	OMP_NUM_THREADS=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 $(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --durations=30
 
 lint: $(VENV)/.installed
-	$(VENV)/bin/ruff check src tests bench
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .

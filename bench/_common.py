@@ -23,18 +23,49 @@ DEFAULT_TOKENIZER = REPO / ".models" / "qwen3-tokenizer"
 
 # Real shapes of the Qwen2.5 searchers that Search-R1 / s3 train, for random-weight models (no download).
 RANDOM_ARCHS: dict[str, dict[str, Any]] = {
-    "qwen2.5-0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-                         num_key_value_heads=2, vocab_size=151936),
-    "qwen2.5-1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
-                         num_key_value_heads=2, vocab_size=151936),
+    "qwen2.5-0.5b": dict(
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        vocab_size=151936,
+    ),
+    "qwen2.5-1.5b": dict(
+        hidden_size=1536,
+        intermediate_size=8960,
+        num_hidden_layers=28,
+        num_attention_heads=12,
+        num_key_value_heads=2,
+        vocab_size=151936,
+    ),
     # The papers' searchers (Search-R1, s3, R-Search: Qwen2.5-3B/7B; 7B does not tie its output embedding)
-    "qwen2.5-3b": dict(hidden_size=2048, intermediate_size=11008, num_hidden_layers=36, num_attention_heads=16,
-                       num_key_value_heads=2, vocab_size=151936),
-    "qwen2.5-7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
-                       num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False),
+    "qwen2.5-3b": dict(
+        hidden_size=2048,
+        intermediate_size=11008,
+        num_hidden_layers=36,
+        num_attention_heads=16,
+        num_key_value_heads=2,
+        vocab_size=151936,
+    ),
+    "qwen2.5-7b": dict(
+        hidden_size=3584,
+        intermediate_size=18944,
+        num_hidden_layers=28,
+        num_attention_heads=28,
+        num_key_value_heads=4,
+        vocab_size=152064,
+        tie_word_embeddings=False,
+    ),
     # Same vocabulary and layout, tiny body: exercises the random:* path (Qwen3 tokenizer, save/load) on a CPU.
-    "qwen-tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, vocab_size=151936),
+    "qwen-tiny": dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=151936,
+    ),
 }
 
 # Peak HBM bandwidth (GB/s) by card-name fragment; first match wins, so the specific names come first.
@@ -49,11 +80,30 @@ CARD_BANDWIDTH_GBS: list[tuple[str, float]] = [
 
 # Dense bf16 peak (TFLOP/s) by card-name fragment, the denominator of verl's MFU (its get_device_flops: 989 for
 # H100/H800/H200)
-CARD_BF16_TFLOPS: list[tuple[str, float]] = [("H100", 989.0), ("H200", 989.0), ("H800", 989.0), ("A100", 312.0)]
+CARD_BF16_TFLOPS: list[tuple[str, float]] = [
+    ("H100", 989.0),
+    ("H200", 989.0),
+    ("H800", 989.0),
+    ("A100", 312.0),
+]
 
 # Modules a GPU run must not need (not in the image, or slow to import); recorded in the JSON as a check.
-WATCHED_MODULES = ("jax", "faiss", "fastapi", "uvicorn", "orjson", "mcp", "llama_cpp", "sentence_transformers", "trl",
-                   "datasets", "bm25s", "Stemmer", "pydantic", "gguf")
+WATCHED_MODULES = (
+    "jax",
+    "faiss",
+    "fastapi",
+    "uvicorn",
+    "orjson",
+    "mcp",
+    "llama_cpp",
+    "sentence_transformers",
+    "trl",
+    "datasets",
+    "bm25s",
+    "Stemmer",
+    "pydantic",
+    "gguf",
+)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -135,8 +185,14 @@ def pick_device(requested: str | None) -> str:
 
 
 def pick_dtype(requested: str | None, device: str) -> str:
-    names = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp32": "float32", "float32": "float32",
-             "fp16": "float16", "float16": "float16"}
+    names = {
+        "bf16": "bfloat16",
+        "bfloat16": "bfloat16",
+        "fp32": "float32",
+        "float32": "float32",
+        "fp16": "float16",
+        "float16": "float16",
+    }
     if requested is None:
         return "bfloat16" if device.startswith("cuda") else "float32"
     if requested not in names:
@@ -204,7 +260,9 @@ def _torch_dtype(name: str):
     return getattr(torch, name)
 
 
-def build_model(spec: str, tokenizer_dir: str | None, device: str, dtype: str) -> tuple[Any, Any, dict[str, Any]]:
+def build_model(
+    spec: str, tokenizer_dir: str | None, device: str, dtype: str
+) -> tuple[Any, Any, dict[str, Any]]:
     """(model in eval mode on `device`, tokenizer, description) for a model spec.
 
     `random:<arch>` builds random weights with a real architecture (RANDOM_ARCHS) and takes its
@@ -217,15 +275,22 @@ def build_model(spec: str, tokenizer_dir: str | None, device: str, dtype: str) -
     if spec.startswith("random:"):
         arch = spec.split(":", 1)[1]
         if arch not in RANDOM_ARCHS:
-            raise SystemExit(f"--model {spec}: unknown architecture {arch!r}; choose random:{' | random:'.join(RANDOM_ARCHS)}")
+            raise SystemExit(
+                f"--model {spec}: unknown architecture {arch!r}; choose random:{' | random:'.join(RANDOM_ARCHS)}"
+            )
         tok_dir = Path(tokenizer_dir) if tokenizer_dir else DEFAULT_TOKENIZER
         if not (tok_dir / "tokenizer_config.json").exists():
-            raise SystemExit(f"--tokenizer {tok_dir}: no tokenizer there (expected tokenizer_config.json); "
-                             "pass --tokenizer DIR with a saved Hugging Face tokenizer")
+            raise SystemExit(
+                f"--tokenizer {tok_dir}: no tokenizer there (expected tokenizer_config.json); "
+                "pass --tokenizer DIR with a saved Hugging Face tokenizer"
+            )
         from transformers import Qwen2Config
 
-        config = Qwen2Config(**({"tie_word_embeddings": True} | RANDOM_ARCHS[arch]), max_position_embeddings=32768,
-                             rope_theta=1_000_000.0)
+        config = Qwen2Config(
+            **({"tie_word_embeddings": True} | RANDOM_ARCHS[arch]),
+            max_position_embeddings=32768,
+            rope_theta=1_000_000.0,
+        )
         torch.manual_seed(0)
         # Initialising directly on the device: a 1.5B model's random init takes seconds there, a minute on CPU.
         with torch.device(device):
@@ -353,7 +418,9 @@ def fmt(value: Any, digits: int = 2) -> str:
     return str(value)
 
 
-def print_table(title: str, columns: list[tuple[str, str]], rows: list[dict[str, Any]], notes: list[str]) -> None:
+def print_table(
+    title: str, columns: list[tuple[str, str]], rows: list[dict[str, Any]], notes: list[str]
+) -> None:
     """A rich table; `columns` are (row key, header)."""
     from rich.console import Console
     from rich.table import Table

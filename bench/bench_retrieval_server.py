@@ -39,7 +39,9 @@ class FakeRetriever:
 
     def __init__(self) -> None:
         rng = random.Random(0)
-        self.passages = [(str(i), f"Title {i}", " ".join(rng.choices(WORDS, k=94))) for i in range(self.num_docs)]
+        self.passages = [
+            (str(i), f"Title {i}", " ".join(rng.choices(WORDS, k=94))) for i in range(self.num_docs)
+        ]
 
     def search(self, queries: list[str], k: int) -> list[list[Hit]]:
         out = []
@@ -136,7 +138,16 @@ def bench_kind(kind: str, index_dir: Path | None, k: int, batch_wait_ms: float) 
 
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    cmd = [sys.executable, __file__, "--_serve", kind, "--_port", str(port), "--batch-wait-ms", str(batch_wait_ms)]
+    cmd = [
+        sys.executable,
+        __file__,
+        "--_serve",
+        kind,
+        "--_port",
+        str(port),
+        "--batch-wait-ms",
+        str(batch_wait_ms),
+    ]
     if index_dir:
         cmd += ["--_index", str(index_dir)]
     proc = subprocess.Popen(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"})
@@ -203,13 +214,22 @@ def main() -> None:
         "http_single_p50_ms",
         "single_clients_requests_per_search_call",
     ]
-    short = ["inproc q/s b256", "http q/s b256", "http q/s 4x256", "http q/s 64x1", "http p50 ms (1q)", "reqs/call 64x1"]
+    short = [
+        "inproc q/s b256",
+        "http q/s b256",
+        "http q/s 4x256",
+        "http q/s 64x1",
+        "http p50 ms (1q)",
+        "reqs/call 64x1",
+    ]
     print(f"{'kind':6} " + " ".join(f"{c:>17}" for c in short))
     for r in rows:
         print(f"{r['kind']:6} " + " ".join(f"{r[c]:>17.1f}" for c in cols))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"k": args.k, "docs": args.docs, "cpus": os.cpu_count(), "rows": rows}, indent=2) + "\n")
+    out.write_text(
+        json.dumps({"k": args.k, "docs": args.docs, "cpus": os.cpu_count(), "rows": rows}, indent=2) + "\n"
+    )
     print(f"wrote {out}")
 
 

@@ -42,15 +42,18 @@ def main() -> None:
     rows = []
     for n in args.sizes:
         q = max(1, int(n * args.questions_ratio))
-        proc = subprocess.run([sys.executable, "-c", CHILD, str(n), str(q)], check=True,
-                              capture_output=True, text=True)
+        proc = subprocess.run(
+            [sys.executable, "-c", CHILD, str(n), str(q)], check=True, capture_output=True, text=True
+        )
         rows.append(json.loads(proc.stdout.strip().splitlines()[-1]))
 
     header = f"{'passages':>10} {'questions':>10} {'generate s':>11} {'write s':>8} {'total s':>8} {'corpus MB':>10} {'peak RSS MB':>12}"
     print(header)
     for r in rows:
-        print(f"{r['passages']:>10,} {r['questions']:>10,} {r['generate_s']:>11.2f} {r['write_s']:>8.2f} "
-              f"{r['total_s']:>8.2f} {r['corpus_mb']:>10.1f} {r['peak_rss_mb']:>12.0f}")
+        print(
+            f"{r['passages']:>10,} {r['questions']:>10,} {r['generate_s']:>11.2f} {r['write_s']:>8.2f} "
+            f"{r['total_s']:>8.2f} {r['corpus_mb']:>10.1f} {r['peak_rss_mb']:>12.0f}"
+        )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"benchmark": "synth", "results": rows}, indent=2) + "\n")
     print(f"wrote {args.out}")

@@ -80,8 +80,11 @@ class CallLimits:
 
 
 def _digests(folder: Path, unchecked: Iterable[str] = ()) -> dict[str, str]:
-    return {p.relative_to(folder).as_posix(): sha256_file(p) for p in sorted(folder.rglob("*"))
-            if p.is_file() and p.relative_to(folder).as_posix() not in unchecked}
+    return {
+        p.relative_to(folder).as_posix(): sha256_file(p)
+        for p in sorted(folder.rglob("*"))
+        if p.is_file() and p.relative_to(folder).as_posix() not in unchecked
+    }
 
 
 def _is_export(folder: Path) -> bool:
@@ -127,25 +130,36 @@ class _Claim:
 
     def select(self) -> _Claim:
         pending = [s for s in self.plan if s not in self.done]
-        needed = [self._needed(ref) for s in pending for ref in self.plan[s] if ref.split(".")[0] in self.done]
+        needed = [
+            self._needed(ref) for s in pending for ref in self.plan[s] if ref.split(".")[0] in self.done
+        ]
         referenced = [self.here(v) for r in self.results.values() for v in _strings(r) if v.startswith("/")]
         for path in dict.fromkeys(p for p in needed if p is not None):
             if _is_export(path):
                 source = self.here(json.loads((path / SEARCHER_FILE).read_text())["exported_from"])
                 self._add_checkpoint(source, whole=False)
-                self.rebuild.append({"kind": "export", "dir": self._rel(path), "source": self._rel(source),
-                                     "files": _digests(path, EXPORT_UNCHECKED)})
+                self.rebuild.append(
+                    {
+                        "kind": "export",
+                        "dir": self._rel(path),
+                        "source": self._rel(source),
+                        "files": _digests(path, EXPORT_UNCHECKED),
+                    }
+                )
             else:
                 self._add_checkpoint(path, whole=False)
         exports = [p for p in referenced if p.is_dir() and _is_export(p)]
-        referenced += [self.here(json.loads((p / SEARCHER_FILE).read_text())["exported_from"]) for p in exports]
+        referenced += [
+            self.here(json.loads((p / SEARCHER_FILE).read_text())["exported_from"]) for p in exports
+        ]
         sft_data = self._sft_data()
         for run in self._runs():
             if not any(p == run or _under(p, run / CHECKPOINTS) for p in referenced):
                 self._in_flight(run, sft_data)
         if "world" in self.done and (self.out / "world").is_dir():
-            self.rebuild.insert(0, {"kind": "world", "dir": "world",
-                                    "files": _digests(self.out / "world", WORLD_UNCHECKED)})
+            self.rebuild.insert(
+                0, {"kind": "world", "dir": "world", "files": _digests(self.out / "world", WORLD_UNCHECKED)}
+            )
         self._small_files(sft_data)
         self.file_bytes = sum(f.stat().st_size for f in self.files.values())
         return self
@@ -161,8 +175,10 @@ class _Claim:
 
     def _rel(self, path: Path) -> str:
         if not _under(path, self.root):
-            raise BundleError(f"{path}: a stage still to run loads it, and it lies outside {self.root}; a bundle "
-                              "carries only what is under the run directory")
+            raise BundleError(
+                f"{path}: a stage still to run loads it, and it lies outside {self.root}; a bundle "
+                "carries only what is under the run directory"
+            )
         return path.relative_to(self.root).as_posix()
 
     def _add(self, path: Path) -> None:
@@ -217,10 +233,18 @@ class _Claim:
             self._add(self.root / STAGES_DIR / f"{name}.json")
 
     def info(self) -> dict[str, Any]:
-        return {"method": self.method, "profile": self.profile, "root": str(self.root), "done": self.done,
-                "pending": [s for s in self.plan if s not in self.done], "checkpoints": self.checkpoints,
-                "rebuild": self.rebuild, "missing": self.missing, "files": len(self.files),
-                "file_bytes": self.file_bytes}
+        return {
+            "method": self.method,
+            "profile": self.profile,
+            "root": str(self.root),
+            "done": self.done,
+            "pending": [s for s in self.plan if s not in self.done],
+            "checkpoints": self.checkpoints,
+            "rebuild": self.rebuild,
+            "missing": self.missing,
+            "files": len(self.files),
+            "file_bytes": self.file_bytes,
+        }
 
 
 def _strings(value: Any) -> Iterable[str]:
@@ -295,8 +319,10 @@ def join_parts(folder: Path, parts: list[dict[str, Any]], dest: IO[bytes]) -> st
                 whole.update(chunk)
                 dest.write(chunk)
         if path.stat().st_size != part["bytes"] or digest.hexdigest() != part["sha256"]:
-            raise BundleError(f"{path}: {path.stat().st_size} bytes, sha256 {digest.hexdigest()[:12]}; the index "
-                              f"says {part['bytes']} bytes, {part['sha256'][:12]} (damaged, or from another bundle)")
+            raise BundleError(
+                f"{path}: {path.stat().st_size} bytes, sha256 {digest.hexdigest()[:12]}; the index "
+                f"says {part['bytes']} bytes, {part['sha256'][:12]} (damaged, or from another bundle)"
+            )
     return whole.hexdigest()
 
 
@@ -315,7 +341,9 @@ def pack(runs: Path, dest: Path, part_bytes: int) -> dict[str, Any]:
     staging = dest / f".staging-{snapshot}"
     for attempt in range(3):
         try:
-            claims = {d.name: _Claim(d).select() for d in sorted(runs.iterdir()) if read_claim_file(d) is not None}
+            claims = {
+                d.name: _Claim(d).select() for d in sorted(runs.iterdir()) if read_claim_file(d) is not None
+            }
             for name, claim in claims.items():
                 for rel, src in claim.files.items():
                     _link(src, staging / name / rel)
@@ -329,17 +357,24 @@ def pack(runs: Path, dest: Path, part_bytes: int) -> dict[str, Any]:
     writer = PartWriter(dest, PART_PREFIX, part_bytes)
     try:
         # level 1: the weights barely compress at any level, and packing runs beside the training
-        with gzip.GzipFile(fileobj=writer, mode="wb", compresslevel=1, mtime=0) as gz, \
-                tarfile.open(fileobj=gz, mode="w|") as tar:
+        with (
+            gzip.GzipFile(fileobj=writer, mode="wb", compresslevel=1, mtime=0) as gz,
+            tarfile.open(fileobj=gz, mode="w|") as tar,
+        ):
             for name in sorted(claims):
                 if (staging / name).is_dir():
                     tar.add(staging / name, arcname=name)
     finally:
         parts = writer.close()
         shutil.rmtree(staging, ignore_errors=True)
-    index = {"format": FORMAT, "snapshot": snapshot, "bytes": sum(p["bytes"] for p in parts),
-             "sha256": writer.whole.hexdigest(), "parts": parts,
-             "claims": {name: c.info() for name, c in claims.items()}}
+    index = {
+        "format": FORMAT,
+        "snapshot": snapshot,
+        "bytes": sum(p["bytes"] for p in parts),
+        "sha256": writer.whole.hexdigest(),
+        "parts": parts,
+        "claims": {name: c.info() for name, c in claims.items()},
+    }
     atomic_write_json(dest / INDEX, index)
     (dest / "sent.json").unlink(missing_ok=True)
     return index
@@ -370,7 +405,9 @@ def send(bundle: Path, out: Path, limits: CallLimits, only: list[int] | None = N
     present = [p for p in out.iterdir() if p.is_file()]
     files, room = len(present) + 1, limits.out_bytes - sum(p.stat().st_size for p in present) - MIB
     shutil.copy2(bundle / INDEX, out / INDEX)
-    wanted = [p for i, p in enumerate(index["parts"]) if (i in only if only is not None else p["name"] not in sent)]
+    wanted = [
+        p for i, p in enumerate(index["parts"]) if (i in only if only is not None else p["name"] not in sent)
+    ]
     now = []
     for part in wanted:
         if files + 1 > limits.out_files or part["bytes"] > room:
@@ -392,8 +429,10 @@ def take(returned: Path, claims: Path) -> dict[str, Any]:
     held = read_index(claims)
     if held is not None and held["snapshot"] != index["snapshot"]:
         if held["snapshot"] > index["snapshot"]:
-            raise BundleError(f"{returned}: snapshot {index['snapshot']} is older than {claims}'s "
-                              f"{held['snapshot']}; not taken")
+            raise BundleError(
+                f"{returned}: snapshot {index['snapshot']} is older than {claims}'s "
+                f"{held['snapshot']}; not taken"
+            )
         for old in _part_files(claims):
             old.unlink()
     for part in index["parts"]:
@@ -405,14 +444,21 @@ def take(returned: Path, claims: Path) -> dict[str, Any]:
 
 
 def _completeness(folder: Path, index: dict[str, Any]) -> dict[str, Any]:
-    have = [p["name"] for p in index["parts"] if (folder / p["name"]).is_file()
-            and (folder / p["name"]).stat().st_size == p["bytes"]]
-    return {"have": have, "missing": [p["name"] for p in index["parts"] if p["name"] not in have],
-            "bytes": index["bytes"]}
+    have = [
+        p["name"]
+        for p in index["parts"]
+        if (folder / p["name"]).is_file() and (folder / p["name"]).stat().st_size == p["bytes"]
+    ]
+    return {
+        "have": have,
+        "missing": [p["name"] for p in index["parts"] if p["name"] not in have],
+        "bytes": index["bytes"],
+    }
 
 
-def carry_plan(index: dict[str, Any], folder: str, beside: list[list[str]], limits: CallLimits,
-               tree: int = 0) -> list[list[str]]:
+def carry_plan(
+    index: dict[str, Any], folder: str, beside: list[list[str]], limits: CallLimits, tree: int = 0
+) -> list[list[str]]:
     """The paths each call carries: the calls' own paths (`beside`: the wheels, the GGUF halves...) with as many
     parts as fit next to them in `limits.carry_bytes`, the index with the first call; then calls of parts alone. `tree`:
     the bytes of the working tree that travels with every call (the limit counts it with the carried paths)."""
@@ -450,12 +496,15 @@ def restore(claims: Path, runs: Path, done_dir: Path | None = None) -> dict[str,
         with open(joined, "wb") as f:
             whole = join_parts(claims, index["parts"], f)
         if whole != index["sha256"]:
-            raise BundleError(f"{claims}: the joined parts' sha256 {whole[:12]} is not the index's "
-                              f"{index['sha256'][:12]}")
+            raise BundleError(
+                f"{claims}: the joined parts' sha256 {whole[:12]} is not the index's {index['sha256'][:12]}"
+            )
         with tarfile.open(joined, "r:gz") as tar:
             tar.extractall(unpacked, filter="data")
-        result = {name: _restore_claim(unpacked / name, runs / name, info, index["snapshot"])
-                  for name, info in index["claims"].items()}
+        result = {
+            name: _restore_claim(unpacked / name, runs / name, info, index["snapshot"])
+            for name, info in index["claims"].items()
+        }
     finally:
         joined.unlink(missing_ok=True)
         shutil.rmtree(unpacked, ignore_errors=True)
@@ -480,8 +529,10 @@ def _restore_claim(unpacked: Path, target: Path, info: dict[str, Any], snapshot:
         # a claim half restored would pair new answers with old ones: start it again instead
         shutil.rmtree(target, ignore_errors=True)
         return {"failed": f"{type(err).__name__}: {err}", "starts again": True}
-    atomic_write_json(target / RESTORED, {"snapshot": snapshot, "from": info["root"], "stages": info["done"],
-                                          "warnings": warnings})
+    atomic_write_json(
+        target / RESTORED,
+        {"snapshot": snapshot, "from": info["root"], "stages": info["done"], "warnings": warnings},
+    )
     complete = not info["pending"] and (target / "report.json").is_file()
     return {"stages": len(info["done"]), "complete": complete, "warnings": warnings}
 
@@ -508,24 +559,34 @@ def rebuild(out: Path, info: dict[str, Any]) -> list[str]:
             from sleuth.agent.searcher import export_searcher
 
             export_searcher(out / entry["source"], folder, overwrite=True)
-            if WORLD_RECORD in entry["files"]:  # the reader's record of its world (sleuth.claims.reuse), rebuilt first
+            if (
+                WORLD_RECORD in entry["files"]
+            ):  # the reader's record of its world (sleuth.claims.reuse), rebuilt first
                 # a reader trained on a world of its own keeps it beside its folder (qagent's other reader)
                 own = folder.parent / "world"
                 write_world_record(folder, own if (own / "test.jsonl").is_file() else out / "world")
             unchecked = EXPORT_UNCHECKED
         rebuilt = _digests(folder, unchecked)
-        differ = sorted(k for k in set(rebuilt) | set(entry["files"]) if rebuilt.get(k) != entry["files"].get(k))
+        differ = sorted(
+            k for k in set(rebuilt) | set(entry["files"]) if rebuilt.get(k) != entry["files"].get(k)
+        )
         if differ and entry["kind"] == "world":
-            raise BundleError(f"{folder}: the rebuilt world differs from the packed one in {', '.join(differ)}")
+            raise BundleError(
+                f"{folder}: the rebuilt world differs from the packed one in {', '.join(differ)}"
+            )
         if differ:
-            warnings.append(f"{entry['dir']}: exported again, differs from the packed export in {', '.join(differ)}")
+            warnings.append(
+                f"{entry['dir']}: exported again, differs from the packed export in {', '.join(differ)}"
+            )
     return warnings
 
 
 def _limit_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out-files", type=int, required=True, help="files one call hands back")
     parser.add_argument("--out-mib", type=float, required=True, help="MiB one call hands back in all")
-    parser.add_argument("--carry-mib", type=float, required=True, help="MiB one call carries in (tree counted)")
+    parser.add_argument(
+        "--carry-mib", type=float, required=True, help="MiB one call carries in (tree counted)"
+    )
 
 
 def _limits(args: argparse.Namespace) -> CallLimits:
@@ -540,7 +601,9 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("pack", help="bundle the claims under RUNS into BUNDLE")
     p.add_argument("runs", type=Path)
     p.add_argument("bundle", type=Path)
-    p.add_argument("--part-mib", type=float, required=True, help="largest part, under the largest file a call hands back")
+    p.add_argument(
+        "--part-mib", type=float, required=True, help="largest part, under the largest file a call hands back"
+    )
     s = sub.add_parser("send", help="copy the index and the parts not sent yet into OUT")
     s.add_argument("bundle", type=Path)
     s.add_argument("out", type=Path)
@@ -549,12 +612,22 @@ def main(argv: list[str] | None = None) -> int:
     t = sub.add_parser("take", help="copy a call's returned bundle files into the carried folder")
     t.add_argument("returned", type=Path)
     t.add_argument("claims", type=Path)
-    t.add_argument("--beside", action="append", default=[],
-                   help="what a call of the next lease carries anyway (space-separated paths), one option a call")
-    t.add_argument("--tree-bytes", type=int, default=0,
-                   help="bytes of the working tree that travels with every call (counted in --carry-mib)")
+    t.add_argument(
+        "--beside",
+        action="append",
+        default=[],
+        help="what a call of the next lease carries anyway (space-separated paths), one option a call",
+    )
+    t.add_argument(
+        "--tree-bytes",
+        type=int,
+        default=0,
+        help="bytes of the working tree that travels with every call (counted in --carry-mib)",
+    )
     _limit_options(t)
-    r = sub.add_parser("restore", help="restore the carried bundle's claims under RUNS (exit 3: parts missing)")
+    r = sub.add_parser(
+        "restore", help="restore the carried bundle's claims under RUNS (exit 3: parts missing)"
+    )
     r.add_argument("claims", type=Path)
     r.add_argument("runs", type=Path)
     r.add_argument("--done-dir", type=Path, default=None)
@@ -571,22 +644,33 @@ def _run(args: argparse.Namespace) -> int:
         index = pack(args.runs, args.bundle, int(args.part_mib * MIB))
         print(f"bundle {index['snapshot']}: {index['bytes'] / MIB:.1f} MiB in {len(index['parts'])} parts")
         for name, c in index["claims"].items():
-            print(f"  {name}: {len(c['done'])} stages done, {len(c['pending'])} to run, checkpoints "
-                  f"{c['checkpoints'] or '-'}, rebuilt {[e['dir'] for e in c['rebuild']] or '-'}")
+            print(
+                f"  {name}: {len(c['done'])} stages done, {len(c['pending'])} to run, checkpoints "
+                f"{c['checkpoints'] or '-'}, rebuilt {[e['dir'] for e in c['rebuild']] or '-'}"
+            )
     elif args.command == "send":
         only = [int(x) for x in args.parts.split(",")] if args.parts else None
         now = send(args.bundle, args.out, _limits(args), only)
         total = len(read_index(args.bundle)["parts"])
         left = total - len(json.loads((args.bundle / "sent.json").read_text()))
-        print(f"sent {INDEX} and {len(now)} of {total} parts ({', '.join(now) or 'none'}); {left} not sent yet"
-              + (": `bash bench/gpu_claims.sh send` again" if left else ""))
+        print(
+            f"sent {INDEX} and {len(now)} of {total} parts ({', '.join(now) or 'none'}); {left} not sent yet"
+            + (": `bash bench/gpu_claims.sh send` again" if left else "")
+        )
     elif args.command == "take":
         state = take(args.returned, args.claims)
-        print(f"bundle {state['snapshot']} in {args.claims}: {len(state['have'])} parts, "
-              f"{len(state['missing'])} still to send ({', '.join(state['missing']) or 'complete'})")
+        print(
+            f"bundle {state['snapshot']} in {args.claims}: {len(state['have'])} parts, "
+            f"{len(state['missing'])} still to send ({', '.join(state['missing']) or 'complete'})"
+        )
         if not state["missing"]:
-            plan = carry_plan(read_index(args.claims), args.claims.as_posix(), [b.split() for b in args.beside],
-                              _limits(args), args.tree_bytes)
+            plan = carry_plan(
+                read_index(args.claims),
+                args.claims.as_posix(),
+                [b.split() for b in args.beside],
+                _limits(args),
+                args.tree_bytes,
+            )
             print("next lease, what each call carries:")
             for k, paths in enumerate(plan, 1):
                 print(f"  call {k}: {json.dumps(paths)}")

@@ -60,9 +60,14 @@ def _type_bars(ax: Any, stats: dict[str, tuple[float, float, float, int]], i: in
     """One arm's bars (mean and 95% interval per question type) beside the other arms' on `ax`."""
     width = 0.8 / arms
     values = [scale * s[0] for s in stats.values()]
-    errors = [[scale * (s[0] - s[1]) for s in stats.values()], [scale * (s[2] - s[0]) for s in stats.values()]]
+    errors = [
+        [scale * (s[0] - s[1]) for s in stats.values()],
+        [scale * (s[2] - s[0]) for s in stats.values()],
+    ]
     ax.bar(np.arange(len(stats)) + i * width, values, width, yerr=errors, capsize=3, label=arm)
-    ax.set_xticks(np.arange(len(stats)) + width * (arms - 1) / 2, [f"{name}\n(n={s[3]})" for name, s in stats.items()])
+    ax.set_xticks(
+        np.arange(len(stats)) + width * (arms - 1) / 2, [f"{name}\n(n={s[3]})" for name, s in stats.items()]
+    )
 
 
 def draw(run: Path, curves: list[str], out: Path, retrievals: bool = False) -> dict:
@@ -85,7 +90,9 @@ def draw(run: Path, curves: list[str], out: Path, retrievals: bool = False) -> d
         metrics = read_jsonl(run / arm / "metrics.jsonl")
         for key, style in zip(curves, ("-", "--", ":", "-."), strict=False):
             steps = [m["step"] for m in metrics if key in m]
-            lines.plot(steps, [m[key] for m in metrics if key in m], style, color=f"C{i}", label=f"{arm}: {key}")
+            lines.plot(
+                steps, [m[key] for m in metrics if key in m], style, color=f"C{i}", label=f"{arm}: {key}"
+            )
     bars.set_ylabel("held-out EM (%)")
     bars.set_ylim(0, 105)
     bars.legend(loc="lower left", fontsize=8)
@@ -116,9 +123,18 @@ def draw_curve(run: Path, out: Path) -> dict[str, list[tuple[int, float, float]]
         points.sort(key=lambda p: p[0])
         for key, ax in panels.items():
             stats = [p[1][key] for p in points]
-            errors = [[100 * (s["mean"] - s["ci"][0]) for s in stats], [100 * (s["ci"][1] - s["mean"]) for s in stats]]
-            ax.errorbar([p[0] for p in points], [100 * s["mean"] for s in stats], yerr=errors, marker="o", capsize=3,
-                        label=method)
+            errors = [
+                [100 * (s["mean"] - s["ci"][0]) for s in stats],
+                [100 * (s["ci"][1] - s["mean"]) for s in stats],
+            ]
+            ax.errorbar(
+                [p[0] for p in points],
+                [100 * s["mean"] for s in stats],
+                yerr=errors,
+                marker="o",
+                capsize=3,
+                label=method,
+            )
     for ax in panels.values():
         ax.set_xscale("log")
         ax.set_xlabel("RL training questions")
@@ -129,8 +145,10 @@ def draw_curve(run: Path, out: Path) -> dict[str, list[tuple[int, float, float]]
     panels["all_support_served"].set_ylabel("questions (%)")
     panels["all_support_served"].set_title("every supporting passage reached the answerer")
     save_png(fig, out)
-    return {m: [(size, g["em"]["mean"], g["all_support_served"]["mean"]) for size, g in sorted(points)]
-            for m, points in series.items()}
+    return {
+        m: [(size, g["em"]["mean"], g["all_support_served"]["mean"]) for size, g in sorted(points)]
+        for m, points in series.items()
+    }
 
 
 def draw_types(run: Path, evaluations: list[str], key: str, out: Path) -> dict[str, dict[str, float]]:
@@ -138,13 +156,18 @@ def draw_types(run: Path, evaluations: list[str], key: str, out: Path) -> dict[s
     analysis = json.loads((run / "why.json").read_text())
     missing = [name for name in evaluations if name not in analysis]
     if missing:
-        raise SystemExit(f"{run / 'why.json'} has no evaluation {', '.join(missing)}: it has {', '.join(analysis)}")
+        raise SystemExit(
+            f"{run / 'why.json'} has no evaluation {', '.join(missing)}: it has {', '.join(analysis)}"
+        )
     fig = Figure(figsize=(8, 3.6), dpi=110, layout="constrained")
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
     for i, name in enumerate(evaluations):
         groups = dict(sorted(analysis[name].items(), key=lambda kv: (kv[0] == "all", kv[0])))
-        stats = {kind: (g[key]["mean"], g[key]["ci"][0], g[key]["ci"][1], g[key]["n"]) for kind, g in groups.items()}
+        stats = {
+            kind: (g[key]["mean"], g[key]["ci"][0], g[key]["ci"][1], g[key]["n"])
+            for kind, g in groups.items()
+        }
         _type_bars(ax, stats, i, len(evaluations), name, 100)
     ax.set_ylabel(f"{key} (%)")
     ax.set_ylim(0, 105)
@@ -170,15 +193,21 @@ def draw_injection(calibration: Path, out: Path) -> dict[str, list[tuple[int, fl
         epochs = [r["epochs"] for r in rows]
         for part, style in (("known", "-o"), ("unknown", "--s")):
             ems = [100 * r[part]["em"] for r in rows]
-            errors = [[100 * (r[part]["em"] - r[part]["em_ci"][0]) for r in rows],
-                      [100 * (r[part]["em_ci"][1] - r[part]["em"]) for r in rows]]
-            ax.errorbar(epochs, ems, yerr=errors, fmt=style, color=f"C{i}", capsize=3, label=f"{name}: {part}")
+            errors = [
+                [100 * (r[part]["em"] - r[part]["em_ci"][0]) for r in rows],
+                [100 * (r[part]["em_ci"][1] - r[part]["em"]) for r in rows],
+            ]
+            ax.errorbar(
+                epochs, ems, yerr=errors, fmt=style, color=f"C{i}", capsize=3, label=f"{name}: {part}"
+            )
         summary[name] = [(r["epochs"], r["known"]["em"], r["unknown"]["em"]) for r in rows]
     eval_sizes = data["eval"]
     ax.set_xlabel("injection epochs")
     ax.set_ylabel("closed-book EM (%)")
     ax.set_ylim(0, 105)
-    ax.set_title(f"{data['model']}: known ({eval_sizes['known']}) vs unknown ({eval_sizes['unknown']}) statements")
+    ax.set_title(
+        f"{data['model']}: known ({eval_sizes['known']}) vs unknown ({eval_sizes['unknown']}) statements"
+    )
     ax.legend(fontsize=7)
     save_png(fig, out)
     return summary
@@ -189,8 +218,12 @@ def main() -> None:
     sub = parser.add_subparsers(dest="figure", required=True)
     claim = sub.add_parser("claim", help="a committed claim run's figure")
     claim.add_argument("run", type=Path, help="a claim's result folder (bench/results/claims/<run>)")
-    claim.add_argument("--curves", nargs="+", default=["reward/mean"], help="metrics.jsonl keys to plot per step")
-    claim.add_argument("--retrievals", action="store_true", help="add retrievals per question by type (staged)")
+    claim.add_argument(
+        "--curves", nargs="+", default=["reward/mean"], help="metrics.jsonl keys to plot per step"
+    )
+    claim.add_argument(
+        "--retrievals", action="store_true", help="add retrievals per question by type (staged)"
+    )
     claim.add_argument("--out", type=Path, required=True, help="the PNG to write")
     curve = sub.add_parser("curve", help="EM and supporting passages served against training questions")
     curve.add_argument("run", type=Path, help="a folder packed by bench/claims_pack.py (why.json)")
@@ -198,7 +231,9 @@ def main() -> None:
     types = sub.add_parser("types", help="a why.json value per question type, bars per evaluation")
     types.add_argument("run", type=Path, help="a folder packed by bench/claims_pack.py (why.json)")
     types.add_argument("--evaluations", nargs="+", required=True)
-    types.add_argument("--key", default="em", choices=["em", "cover_em", "all_support_served", "answer_in_served"])
+    types.add_argument(
+        "--key", default="em", choices=["em", "cover_em", "all_support_served", "answer_in_served"]
+    )
     types.add_argument("--out", type=Path, required=True, help="the PNG to write")
     injection = sub.add_parser("injection", help="the knowledge injection's boundary against epochs")
     injection.add_argument("calibration", type=Path, help="bench/injection_calibration.py's JSON")
@@ -207,18 +242,24 @@ def main() -> None:
     if args.figure == "claim":
         for arm, stats in draw(args.run, args.curves, args.out, args.retrievals).items():
             for name, (em, low, high, n) in stats.items():
-                print(f"{arm:>18} {name:>12} n={n:4d} EM {100 * em:5.1f} [{100 * low:5.1f}, {100 * high:5.1f}]")
+                print(
+                    f"{arm:>18} {name:>12} n={n:4d} EM {100 * em:5.1f} [{100 * low:5.1f}, {100 * high:5.1f}]"
+                )
     elif args.figure == "curve":
         for method, points in draw_curve(args.run, args.out).items():
             for size, em, served in points:
-                print(f"{method:>12} {size:>6} questions: EM {100 * em:5.1f}, all support served {100 * served:5.1f}")
+                print(
+                    f"{method:>12} {size:>6} questions: EM {100 * em:5.1f}, all support served {100 * served:5.1f}"
+                )
     elif args.figure == "types":
         for name, by_type in draw_types(args.run, args.evaluations, args.key, args.out).items():
             print(name, {kind: round(100 * v, 1) for kind, v in by_type.items()})
     else:
         for name, points in draw_injection(args.calibration, args.out).items():
             for epochs, known, unknown in points:
-                print(f"{name:>16} epochs {epochs:>2}: known EM {100 * known:5.1f}, unknown {100 * unknown:5.1f}")
+                print(
+                    f"{name:>16} epochs {epochs:>2}: known EM {100 * known:5.1f}, unknown {100 * unknown:5.1f}"
+                )
     print(f"wrote {args.out}")
 
 

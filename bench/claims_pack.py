@@ -39,17 +39,25 @@ from sleuth.utils import atomic_write_text
 
 def check_world(run: Path, world: Path, record: Path | None) -> None:
     """The rebuilt world must be the run's: its files' sha256 against the run's world record (claim_world.json)."""
-    records = [record] if record else [*run.glob("reader/**/claim_world.json"), *run.glob("inject/**/claim_world.json")]
+    records = (
+        [record]
+        if record
+        else [*run.glob("reader/**/claim_world.json"), *run.glob("inject/**/claim_world.json")]
+    )
     if not records:
-        raise SystemExit(f"{run}: no claim_world.json under reader/ or inject/ to check the world {world} against; "
-                         f"give --world-record (a reused model's, e.g. checkpoints/claims/reader/claim_world.json)")
+        raise SystemExit(
+            f"{run}: no claim_world.json under reader/ or inject/ to check the world {world} against; "
+            f"give --world-record (a reused model's, e.g. checkpoints/claims/reader/claim_world.json)"
+        )
     try:
         differ = world_differences(records[0], world)
     except ConfigError as err:  # a world file missing
         raise SystemExit(str(err)) from err
     if differ:
-        raise SystemExit(f"{world}: {', '.join(differ)} differ from the run's world ({records[0]}): rebuild it "
-                         f"from the run's profile (sleuth.claims.steps.build_world)")
+        raise SystemExit(
+            f"{world}: {', '.join(differ)} differ from the run's world ({records[0]}): rebuild it "
+            f"from the run's profile (sleuth.claims.steps.build_world)"
+        )
 
 
 def per_question(pred: dict[str, Any], support: dict[str, list[str]],
@@ -64,19 +72,29 @@ def per_question(pred: dict[str, Any], support: dict[str, list[str]],
     retrieved_ids = {doc.get("doc_id") for window in traj.get("retrieved") or [] for doc in window}
     supporting = support.get(pred["id"], [])
     text = " ".join(f"{doc.get('title', '')} {doc.get('text', '')}" for doc in served)
-    row = {"id": pred["id"], "dataset": pred["dataset"], "prediction": pred["prediction"],
-           "golden_answers": pred["golden_answers"], "retrieval_count": pred["retrieval_count"],
-           "em": pred["metrics"]["em"], "cover_em": pred["metrics"]["cover_em"], "f1": pred["metrics"]["f1"],
-           "served_docs": len(served),
-           "support_served": sum(s in served_ids for s in supporting) / len(supporting) if supporting else None,
-           # retrieved in some search but not served: the searcher's selection (s3) left it out
-           "support_retrieved": sum(s in retrieved_ids for s in supporting) / len(supporting) if supporting else None,
-           "answer_in_served": cover_exact_match(text, pred["golden_answers"])}
+    row = {
+        "id": pred["id"],
+        "dataset": pred["dataset"],
+        "prediction": pred["prediction"],
+        "golden_answers": pred["golden_answers"],
+        "retrieval_count": pred["retrieval_count"],
+        "em": pred["metrics"]["em"],
+        "cover_em": pred["metrics"]["cover_em"],
+        "f1": pred["metrics"]["f1"],
+        "served_docs": len(served),
+        "support_served": sum(s in served_ids for s in supporting) / len(supporting) if supporting else None,
+        # retrieved in some search but not served: the searcher's selection (s3) left it out
+        "support_retrieved": sum(s in retrieved_ids for s in supporting) / len(supporting)
+        if supporting
+        else None,
+        "answer_in_served": cover_exact_match(text, pred["golden_answers"]),
+    }
     known = (known_hops or {}).get(pred["id"])
     if known is not None:
         unknown = [s for s, is_known in zip(supporting, known, strict=True) if not is_known]
-        row["unknown_support_retrieved"] = (sum(s in retrieved_ids for s in unknown) / len(unknown)
-                                            if unknown else None)
+        row["unknown_support_retrieved"] = (
+            sum(s in retrieved_ids for s in unknown) / len(unknown) if unknown else None
+        )
     if "knowledge" in pred:
         row["knowledge"] = pred["knowledge"]
     # every field a report row is computed from: the agent's own answer where a reader answered for it (qagent's
@@ -111,8 +129,10 @@ def pack(run: Path, dest: Path, world: Path, logs: Path | None, record: Path | N
     for root in [run, *sorted(p for p in run.glob("seed*") if p.is_dir())]:
         target = dest / root.relative_to(run)
         target.mkdir(parents=True, exist_ok=True)
-        evals += [f"{root.relative_to(run) / name}".removeprefix("./") for name in _pack_root(root, target, support,
-                                                                                              known)]
+        evals += [
+            f"{root.relative_to(run) / name}".removeprefix("./")
+            for name in _pack_root(root, target, support, known)
+        ]
     return evals
 
 
@@ -123,9 +143,13 @@ def _pack_root(run: Path, dest: Path, support: dict, known: dict) -> list[str]:
         name = summary.parent.name
         (dest / name).mkdir(exist_ok=True)
         predictions = next(summary.parent.glob("*/predictions.jsonl"), None)
-        if predictions is None:  # bench/gpu_claims.sh's claims.tgz leaves them out: its results_<claim>.tgz has them
-            raise SystemExit(f"{summary.parent}: no */predictions.jsonl beside summary.json; unpack the claim's "
-                             f"results_<claim>.tgz (bench/gpu_claims.sh pack), which keeps them")
+        if (
+            predictions is None
+        ):  # bench/gpu_claims.sh's claims.tgz leaves them out: its results_<claim>.tgz has them
+            raise SystemExit(
+                f"{summary.parent}: no */predictions.jsonl beside summary.json; unpack the claim's "
+                f"results_<claim>.tgz (bench/gpu_claims.sh pack), which keeps them"
+            )
         rows = [per_question(p, support, known) for p in read_appended(predictions).records]
         atomic_write_text(dest / name / "per_question.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
         shutil.copy2(summary, dest / name / "summary.json")
@@ -153,20 +177,30 @@ def why(dest: Path) -> dict[str, Any]:
         groups: dict[str, list[dict]] = {"all": rows}
         for row in rows:
             groups.setdefault(row["dataset"], []).append(row)
-        out[path.parent.name] = {name: {
-            "em": _mean_ci([r["em"] for r in group]),
-            "cover_em": _mean_ci([r["cover_em"] for r in group]),
-            "retrievals": _mean_ci([float(r["retrieval_count"]) for r in group]),
-            "searched": _mean_ci([float(r["retrieval_count"] > 0) for r in group]),
-            "all_unknown_support_retrieved": _mean_ci([float(r["unknown_support_retrieved"] == 1.0) for r in group
-                                                       if r.get("unknown_support_retrieved") is not None]),
-            "served_docs": _mean_ci([float(r["served_docs"]) for r in group]),
-            "all_support_served": _mean_ci([float(r["support_served"] == 1.0) for r in group]),
-            "all_support_retrieved": _mean_ci([float(r["support_retrieved"] == 1.0) for r in group]),
-            "answer_in_served": _mean_ci([r["answer_in_served"] for r in group]),
-            "em_when_all_support_served": _mean_ci([r["em"] for r in group if r["support_served"] == 1.0]),
-            "em_otherwise": _mean_ci([r["em"] for r in group if r["support_served"] != 1.0]),
-        } for name, group in sorted(groups.items())}
+        out[path.parent.name] = {
+            name: {
+                "em": _mean_ci([r["em"] for r in group]),
+                "cover_em": _mean_ci([r["cover_em"] for r in group]),
+                "retrievals": _mean_ci([float(r["retrieval_count"]) for r in group]),
+                "searched": _mean_ci([float(r["retrieval_count"] > 0) for r in group]),
+                "all_unknown_support_retrieved": _mean_ci(
+                    [
+                        float(r["unknown_support_retrieved"] == 1.0)
+                        for r in group
+                        if r.get("unknown_support_retrieved") is not None
+                    ]
+                ),
+                "served_docs": _mean_ci([float(r["served_docs"]) for r in group]),
+                "all_support_served": _mean_ci([float(r["support_served"] == 1.0) for r in group]),
+                "all_support_retrieved": _mean_ci([float(r["support_retrieved"] == 1.0) for r in group]),
+                "answer_in_served": _mean_ci([r["answer_in_served"] for r in group]),
+                "em_when_all_support_served": _mean_ci(
+                    [r["em"] for r in group if r["support_served"] == 1.0]
+                ),
+                "em_otherwise": _mean_ci([r["em"] for r in group if r["support_served"] != 1.0]),
+            }
+            for name, group in sorted(groups.items())
+        }
     atomic_write_text(dest / "why.json", json.dumps(out, indent=1) + "\n")
     return out
 
@@ -178,16 +212,20 @@ def markdown(analysis: dict[str, Any]) -> str:
         low, high = stat["ci"]
         return f"{scale * stat['mean']:.{digits}f} [{scale * low:.{digits}f}, {scale * high:.{digits}f}] (n={stat['n']})"
 
-    lines = ["| evaluation | type | EM % | non-strict EM % | retrievals | searched % | docs served | all support retrieved % "
-             "| unknown hops' support retrieved % | all support served % | EM % when all served | EM % otherwise |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| evaluation | type | EM % | non-strict EM % | retrievals | searched % | docs served | all support retrieved % "
+        "| unknown hops' support retrieved % | all support served % | EM % when all served | EM % otherwise |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for name, groups in analysis.items():
         for kind, s in groups.items():
-            lines.append(f"| {name} | {kind} | {cell(s['em'])} | {cell(s['cover_em'])} | {cell(s['retrievals'], 1, 2)} | "
-                         f"{cell(s['searched'])} | {cell(s['served_docs'], 1, 1)} | {cell(s['all_support_retrieved'])} | "
-                         f"{cell(s['all_unknown_support_retrieved'])} | "
-                         f"{cell(s['all_support_served'])} | "
-                         f"{cell(s['em_when_all_support_served'])} | {cell(s['em_otherwise'])} |")
+            lines.append(
+                f"| {name} | {kind} | {cell(s['em'])} | {cell(s['cover_em'])} | {cell(s['retrievals'], 1, 2)} | "
+                f"{cell(s['searched'])} | {cell(s['served_docs'], 1, 1)} | {cell(s['all_support_retrieved'])} | "
+                f"{cell(s['all_unknown_support_retrieved'])} | "
+                f"{cell(s['all_support_served'])} | "
+                f"{cell(s['em_when_all_support_served'])} | {cell(s['em_otherwise'])} |"
+            )
     return "\n".join(lines)
 
 
@@ -197,24 +235,41 @@ def main() -> None:
     packing = sub.add_parser("pack", help="a claim run -> its committed result folder")
     packing.add_argument("run", type=Path, help="runs/claims/<claim>")
     packing.add_argument("dest", type=Path, help="bench/results/claims/<name>")
-    packing.add_argument("--world", type=Path, required=True, help="the run's world (rebuilt: checked by sha256)")
-    packing.add_argument("--world-record", type=Path, help="claim_world.json to check --world against (default: "
-                         "the run's reader's or injected model's; a reused one's where the run copied none)")
+    packing.add_argument(
+        "--world", type=Path, required=True, help="the run's world (rebuilt: checked by sha256)"
+    )
+    packing.add_argument(
+        "--world-record",
+        type=Path,
+        help="claim_world.json to check --world against (default: "
+        "the run's reader's or injected model's; a reused one's where the run copied none)",
+    )
     packing.add_argument("--logs", type=Path, help="gpu_claims.sh's logs folder (<claim>*.log are copied)")
-    packing.add_argument("--adapters", type=int, metavar="SEED", help="also pack the decisive arms' models of this "
-                         "training seed (bfloat16 LoRA adapters) for `sleuth reproduce <claim> --from-committed`")
+    packing.add_argument(
+        "--adapters",
+        type=int,
+        metavar="SEED",
+        help="also pack the decisive arms' models of this "
+        "training seed (bfloat16 LoRA adapters) for `sleuth reproduce <claim> --from-committed`",
+    )
     analysing = sub.add_parser("why", help="the per-question analysis of a committed result folder")
     analysing.add_argument("dest", type=Path)
     args = parser.parse_args()
     if args.command == "pack":
-        print(f"packed {', '.join(pack(args.run, args.dest, args.world, args.logs, args.world_record))} into {args.dest}")
+        print(
+            f"packed {', '.join(pack(args.run, args.dest, args.world, args.logs, args.world_record))} into {args.dest}"
+        )
         if args.adapters is not None:
             try:
                 committed = pack_committed(args.run, args.dest, args.adapters, args.world)
             except ConfigError as err:
                 raise SystemExit(f"--adapters {args.adapters}: {err}") from None
-            sizes = ", ".join(f"{name} {m['bytes'] / 2**20:.1f} MB" for name, m in committed["packed"].items())
-            print(f"packed seed {args.adapters}'s models for --from-committed into {args.dest}/adapters: {sizes}")
+            sizes = ", ".join(
+                f"{name} {m['bytes'] / 2**20:.1f} MB" for name, m in committed["packed"].items()
+            )
+            print(
+                f"packed seed {args.adapters}'s models for --from-committed into {args.dest}/adapters: {sizes}"
+            )
     else:
         print(markdown(why(args.dest)))
 

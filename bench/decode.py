@@ -32,7 +32,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common  # noqa: E402
 
 
-def timed_run(engine: Any, prompts: list[list[int]], args: argparse.Namespace, device: str) -> tuple[float, float]:
+def timed_run(
+    engine: Any, prompts: list[list[int]], args: argparse.Namespace, device: str
+) -> tuple[float, float]:
     """(prefill seconds, decode seconds) of one call: prefill + first token, then the decode steps."""
     steps = args.new_tokens - 1
     start = _common.timer(device)
@@ -71,17 +73,28 @@ def measure(spec: str, batch: int, args: argparse.Namespace, device: str, dtype:
     warmup_s = time.perf_counter() - warm
     prefill_s, decode_s = timed_run(engine, prompts, args, device)
     kv_token = engine.kv_bytes_per_token()
-    weight_bytes = engine.weight_bytes - (0 if engine.lm_head is engine.embed else engine.embed.numel() * engine.embed.element_size())
+    weight_bytes = engine.weight_bytes - (
+        0 if engine.lm_head is engine.embed else engine.embed.numel() * engine.embed.element_size()
+    )
     mean_live = args.context + (args.new_tokens + 1) / 2
     step_bytes = weight_bytes + batch * mean_live * kv_token
     step_s = decode_s / steps
     row: dict[str, Any] = {
-        "model": spec, "params": info["params"], "batch": batch, "context": args.context, "new_tokens": args.new_tokens,
-        "engine_copy_s": round(copy_s, 2), "warmup_s": round(warmup_s, 2),
-        "capture_s": round(engine.capture_seconds, 2), "prefill_s": round(prefill_s, 3),
-        "decode_s": round(decode_s, 3), "steps_per_s": round(1 / step_s, 1),
-        "tokens_per_s": round(batch / step_s, 1), "weight_bytes_per_step": weight_bytes,
-        "kv_bytes_per_token": kv_token, "bytes_per_step": int(step_bytes),
+        "model": spec,
+        "params": info["params"],
+        "batch": batch,
+        "context": args.context,
+        "new_tokens": args.new_tokens,
+        "engine_copy_s": round(copy_s, 2),
+        "warmup_s": round(warmup_s, 2),
+        "capture_s": round(engine.capture_seconds, 2),
+        "prefill_s": round(prefill_s, 3),
+        "decode_s": round(decode_s, 3),
+        "steps_per_s": round(1 / step_s, 1),
+        "tokens_per_s": round(batch / step_s, 1),
+        "weight_bytes_per_step": weight_bytes,
+        "kv_bytes_per_token": kv_token,
+        "bytes_per_step": int(step_bytes),
         "achieved_gbs": round(step_bytes / step_s / 1e9, 1),
         "hbm_fraction": _common.hbm_fraction(step_bytes, step_s, args.bandwidth_gbs),
         "kv_pool_gib": round(2 * engine.pool_k.numel() * engine.pool_k.element_size() / 2**30, 2),
@@ -98,8 +111,10 @@ def measure(spec: str, batch: int, args: argparse.Namespace, device: str, dtype:
         room = 0.9 * free
         row["capacity_tokens_per_row"] = args.capacity_tokens
         row["max_batch_at_capacity"] = int(room // (args.capacity_tokens * kv_token))
-        row["capacity_arithmetic"] = (f"0.9 x {free / 2**30:.1f} GiB free after weights / ({args.capacity_tokens} "
-                                      f"tokens x {kv_token} B/token)")
+        row["capacity_arithmetic"] = (
+            f"0.9 x {free / 2**30:.1f} GiB free after weights / ({args.capacity_tokens} "
+            f"tokens x {kv_token} B/token)"
+        )
     del engine
     gc.collect()
     if device.startswith("cuda"):
@@ -117,7 +132,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--context", type=int, default=512, help="prompt tokens per row")
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--sync-every", type=int, default=8)
-    p.add_argument("--capacity-tokens", type=int, default=4096, help="tokens per row for the fits-in-memory column")
+    p.add_argument(
+        "--capacity-tokens", type=int, default=4096, help="tokens per row for the fits-in-memory column"
+    )
     p.add_argument("--bandwidth-gbs", type=float, default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None)
@@ -143,20 +160,47 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 import traceback
 
                 traceback.print_exc()
-                row = {"model": spec, "batch": batch, "status": f"failed: {type(err).__name__}: {str(err)[:300]}"}
+                row = {
+                    "model": spec,
+                    "batch": batch,
+                    "status": f"failed: {type(err).__name__}: {str(err)[:300]}",
+                }
                 gc.collect()
             rows.append(row)
             print({k: v for k, v in row.items() if k != "capacity_arithmetic"}, flush=True)
-            result = {"bench": "decode", "environment": env, "settings": vars(args) | {"dtype": dtype}, "rows": rows,
-                      "date": time.strftime("%Y-%m-%d"), "command": " ".join(["bench/decode.py", *(argv or sys.argv[1:])])}
+            result = {
+                "bench": "decode",
+                "environment": env,
+                "settings": vars(args) | {"dtype": dtype},
+                "rows": rows,
+                "date": time.strftime("%Y-%m-%d"),
+                "command": " ".join(["bench/decode.py", *(argv or sys.argv[1:])]),
+            }
             _common.write_json(out, result)
-    columns = [("model", "model"), ("batch", "batch"), ("context", "ctx"), ("steps_per_s", "steps/s"),
-               ("tokens_per_s", "tok/s"), ("achieved_gbs", "GB/s"), ("hbm_fraction", "of HBM bound"),
-               ("prefill_s", "prefill s"), ("capture_s", "capture s"), ("kv_pool_gib", "KV GiB"),
-               ("peak_allocated_gib", "peak GiB"), ("max_batch_at_capacity", "max batch @cap"), ("status", "status")]
-    _common.print_table("sleuth decode engine vs the HBM bound", columns, rows,
-                        [f"{env['card']} | {args.bandwidth_gbs} GB/s | {args.new_tokens} new tokens, sync every "
-                         f"{args.sync_every}"])
+    columns = [
+        ("model", "model"),
+        ("batch", "batch"),
+        ("context", "ctx"),
+        ("steps_per_s", "steps/s"),
+        ("tokens_per_s", "tok/s"),
+        ("achieved_gbs", "GB/s"),
+        ("hbm_fraction", "of HBM bound"),
+        ("prefill_s", "prefill s"),
+        ("capture_s", "capture s"),
+        ("kv_pool_gib", "KV GiB"),
+        ("peak_allocated_gib", "peak GiB"),
+        ("max_batch_at_capacity", "max batch @cap"),
+        ("status", "status"),
+    ]
+    _common.print_table(
+        "sleuth decode engine vs the HBM bound",
+        columns,
+        rows,
+        [
+            f"{env['card']} | {args.bandwidth_gbs} GB/s | {args.new_tokens} new tokens, sync every "
+            f"{args.sync_every}"
+        ],
+    )
     print(f"wrote {out}")
     return result
 

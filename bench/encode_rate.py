@@ -61,7 +61,10 @@ def tokenize_rate(docstore: str, rows: int, procs: int, fast: bool = False) -> f
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     bounds = np.linspace(0, rows, procs + 1).astype(int)
-    workers = [ctx.Process(target=_tokenize, args=(docstore, bounds[i], bounds[i + 1], results, fast)) for i in range(procs)]
+    workers = [
+        ctx.Process(target=_tokenize, args=(docstore, bounds[i], bounds[i + 1], results, fast))
+        for i in range(procs)
+    ]
     for w in workers:
         w.start()
     done = [results.get() for _ in workers]
@@ -70,20 +73,29 @@ def tokenize_rate(docstore: str, rows: int, procs: int, fast: bool = False) -> f
     return sum(d[0] for d in done) / (max(d[2] for d in done) - min(d[1] for d in done))
 
 
-def encode_rates(docstore: DocStore, rows: int, device_lists: list[str], batch: int, fast: bool) -> dict[str, float]:
+def encode_rates(
+    docstore: DocStore, rows: int, device_lists: list[str], batch: int, fast: bool
+) -> dict[str, float]:
     config = EncoderConfig(name="minilm", batch_size=batch)
     with tempfile.TemporaryDirectory(prefix="encode-rate-") as tmp:
-        sample = DocStore.build([Passage(id=i, title=t, text=x) for i, t, x in docstore.get(range(rows))],
-                                Path(tmp) / "docstore")
+        sample = DocStore.build(
+            [Passage(id=i, title=t, text=x) for i, t, x in docstore.get(range(rows))], Path(tmp) / "docstore"
+        )
         encoder = Encoder(config)
         t0 = time.perf_counter()
         encoder.encode_passages([passage_text(t, x) for _, t, x in sample.get(range(rows))])
         out = {"sentence_transformers_encode_1_process": rows / (time.perf_counter() - t0)}
         for devices in device_lists:
-            run = encode_docstore_parallel(sample, Path(tmp) / f"{devices}.f16", config, devices,
-                                           EncodePlan(chunk=256, range_chunks=1, cores=len(devices.split(",")),
-                                                      fast_tokenizer=fast))
-            out[f"encode_docstore_parallel_{devices}" + ("_fast_tokenizer" if fast else "")] = run["passages_per_second"]
+            run = encode_docstore_parallel(
+                sample,
+                Path(tmp) / f"{devices}.f16",
+                config,
+                devices,
+                EncodePlan(chunk=256, range_chunks=1, cores=len(devices.split(",")), fast_tokenizer=fast),
+            )
+            out[f"encode_docstore_parallel_{devices}" + ("_fast_tokenizer" if fast else "")] = run[
+                "passages_per_second"
+            ]
     return out
 
 
@@ -95,26 +107,39 @@ def main() -> None:
     p.add_argument("--encode-devices", nargs="*", default=["cpu", "cpu,cpu"])
     p.add_argument("--encode-rows", type=int, default=1024)
     p.add_argument("--batch", type=int, default=64)
-    p.add_argument("--tokenizers", nargs="*", default=["preprocess", "fast"], choices=["preprocess", "fast"],
-                   help="preprocess: sentence-transformers' (the bulk encoder before issue 24's fix); fast: "
-                        "sleuth.retrieval.fast_tokenize (the bulk encoder's default now).")
+    p.add_argument(
+        "--tokenizers",
+        nargs="*",
+        default=["preprocess", "fast"],
+        choices=["preprocess", "fast"],
+        help="preprocess: sentence-transformers' (the bulk encoder before issue 24's fix); fast: "
+        "sleuth.retrieval.fast_tokenize (the bulk encoder's default now).",
+    )
     p.add_argument("--out", default=None)
     args = p.parse_args()
     store = DocStore(args.docstore)
-    result: dict[str, Any] = {"bench": "encode_rate", "cpus": os.cpu_count(),
-                              "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-                              "load_average_before": os.getloadavg(), "tokenize": {}, "encode": {}}
+    result: dict[str, Any] = {
+        "bench": "encode_rate",
+        "cpus": os.cpu_count(),
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "load_average_before": os.getloadavg(),
+        "tokenize": {},
+        "encode": {},
+    }
     for procs in args.tokenize_procs:
         for name in args.tokenizers:
-            rate = tokenize_rate(args.docstore, min(args.tokenize_rows, store.num_docs), procs, name == "fast")
+            rate = tokenize_rate(
+                args.docstore, min(args.tokenize_rows, store.num_docs), procs, name == "fast"
+            )
             key = f"{procs}_processes" + ("_fast_tokenizer" if name == "fast" else "")
             result["tokenize"][key] = round(rate, 1)
             print(f"tokenize ({name}), {procs} process(es): {rate:,.0f} passages/s", flush=True)
     if args.encode_devices:
         rates = {}
         for name in args.tokenizers:
-            rates |= encode_rates(store, min(args.encode_rows, store.num_docs), args.encode_devices, args.batch,
-                                  name == "fast")
+            rates |= encode_rates(
+                store, min(args.encode_rows, store.num_docs), args.encode_devices, args.batch, name == "fast"
+            )
         result["encode"] = {k: round(v, 1) for k, v in rates.items()}
         print("\n".join(f"{k}: {v:,.1f} passages/s" for k, v in rates.items()))
     result["load_average_after"] = os.getloadavg()

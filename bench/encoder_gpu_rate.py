@@ -44,9 +44,15 @@ def main(argv: list[str] | None = None) -> dict:
                 torch.cuda.synchronize()
                 seconds = time.perf_counter() - start
             rows.append({"length": length, "batch": batch, "passages_per_s": round(n * batch / seconds)})
-            print(f"{args.model} fp16, length {length}, batch {batch}: {rows[-1]['passages_per_s']:,} passages/s")
-    result = {"bench": "encoder_gpu_rate", "card": torch.cuda.get_device_name(),
-              "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "rows": rows}
+            print(
+                f"{args.model} fp16, length {length}, batch {batch}: {rows[-1]['passages_per_s']:,} passages/s"
+            )
+    result = {
+        "bench": "encoder_gpu_rate",
+        "card": torch.cuda.get_device_name(),
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "rows": rows,
+    }
     write_json(out_path(args.out, "encoder_gpu_rate.json"), result)
     return result
 

@@ -22,8 +22,12 @@ from _common import out_path, write_json
 from sleuth.llm.base import SamplingParams
 from sleuth.llm.registry import load_generator
 
-QUESTIONS = ["Who founded the {}?", "Where is the {} located?", "Who is the employer of the founder of the {}?",
-             "In which year was the {} established?"]
+QUESTIONS = [
+    "Who founded the {}?",
+    "Where is the {} located?",
+    "Who is the employer of the founder of the {}?",
+    "In which year was the {} established?",
+]
 NAMES = ["Vrarnny Society", "Loukdzae Laboratories", "Brimmel Institute", "Oskarva Museum", "Tellune Archive"]
 
 
@@ -34,11 +38,19 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
-    texts = [QUESTIONS[i % len(QUESTIONS)].format(NAMES[i % len(NAMES)]) + f" (case {i})" for i in range(args.rows)]
+    texts = [
+        QUESTIONS[i % len(QUESTIONS)].format(NAMES[i % len(NAMES)]) + f" (case {i})" for i in range(args.rows)
+    ]
     params = SamplingParams(max_new_tokens=args.new_tokens, temperature=0.0)
-    result: dict = {"bench": "engine_check", "model": args.model, "rows": args.rows, "new_tokens": args.new_tokens,
-                    "card": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-                    "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "paths": {}}
+    result: dict = {
+        "bench": "engine_check",
+        "model": args.model,
+        "rows": args.rows,
+        "new_tokens": args.new_tokens,
+        "card": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "paths": {},
+    }
     outputs = {}
     # fp32 through transformers' own modules is the reference both bf16 paths are compared with
     for cache, dtype in (("engine", "bfloat16"), ("static", "bfloat16"), ("dynamic", "float32")):
@@ -50,19 +62,29 @@ def main(argv: list[str] | None = None) -> dict:
         seconds = time.perf_counter() - start
         outputs[cache] = [o.token_ids for o in outs]
         tokens = sum(len(o.token_ids) for o in outs)
-        result["paths"][cache] = {"seconds": round(seconds, 3), "generated_tokens": tokens,
-                                  "tokens_per_s": round(tokens / seconds, 1)}
+        result["paths"][cache] = {
+            "seconds": round(seconds, 3),
+            "generated_tokens": tokens,
+            "tokens_per_s": round(tokens / seconds, 1),
+        }
         print(f"{cache}: {seconds:.2f} s, {tokens} tokens, {tokens / seconds:,.0f} tokens/s")
         del gen
         torch.cuda.empty_cache() if torch.cuda.is_available() else None
     for a_name, b_name in (("engine", "static"), ("engine", "dynamic"), ("static", "dynamic")):
         pairs = list(zip(outputs[a_name], outputs[b_name], strict=True))
         same = sum(a == b for a, b in pairs)
-        prefix = [next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
-                  for a, b in pairs]
-        result[f"{a_name}_vs_{b_name}"] = {"rows_identical": same, "mean_agreeing_prefix": sum(prefix) / len(prefix)}
-        print(f"{a_name} vs {b_name}: identical rows {same}/{args.rows}; mean agreeing prefix "
-              f"{sum(prefix) / len(prefix):.1f} tokens")
+        prefix = [
+            next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+            for a, b in pairs
+        ]
+        result[f"{a_name}_vs_{b_name}"] = {
+            "rows_identical": same,
+            "mean_agreeing_prefix": sum(prefix) / len(prefix),
+        }
+        print(
+            f"{a_name} vs {b_name}: identical rows {same}/{args.rows}; mean agreeing prefix "
+            f"{sum(prefix) / len(prefix):.1f} tokens"
+        )
     write_json(out_path(args.out, "engine_check.json"), result)
     return result
 

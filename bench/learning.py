@@ -45,8 +45,16 @@ METHODS = ("s3", "search_r1", "staged", "r_search", "qagent")  # the default --m
 # Every method's reward is its own `default_reward`; a method not in this table (a plugin's) gets Search-R1's
 # budget and the sections it gives itself (`Method.recipe_sections`).
 BUILTIN: dict[str, dict[str, Any]] = {
-    "s3": {"agent": {"max_new_tokens_per_turn": 80, "top_k": 5, "max_obs_tokens": 480}, "warm": True, "cost": 4},
-    "search_r1": {"agent": {"max_new_tokens_per_turn": 96, "top_k": 3, "max_obs_tokens": 384}, "warm": True, "cost": 3},
+    "s3": {
+        "agent": {"max_new_tokens_per_turn": 80, "top_k": 5, "max_obs_tokens": 480},
+        "warm": True,
+        "cost": 4,
+    },
+    "search_r1": {
+        "agent": {"max_new_tokens_per_turn": 96, "top_k": 3, "max_obs_tokens": 384},
+        "warm": True,
+        "cost": 3,
+    },
     "staged": {"agent": {"max_new_tokens_per_turn": 96, "top_k": 3, "max_obs_tokens": 384}, "cost": 3},
     "r_search": {"agent": {"max_new_tokens_per_turn": 160, "top_k": 3, "max_obs_tokens": 384}, "cost": 4},
     "qagent": {"agent": {"max_new_tokens_per_turn": 128, "top_k": 1, "max_obs_tokens": 384}, "cost": 3},
@@ -74,16 +82,33 @@ class Size:
     val_every: int = 10
 
 
-CPU_SIZE = Size(passages=400, questions=200, test=12, sft_questions=24, warm=6, rl_steps=2, prompts_per_step=2,
-                n=4, eval_batch=12, sft_epochs=1, warm_epochs=1, sft_micro=2, val_examples=4, val_every=2)
+CPU_SIZE = Size(
+    passages=400,
+    questions=200,
+    test=12,
+    sft_questions=24,
+    warm=6,
+    rl_steps=2,
+    prompts_per_step=2,
+    n=4,
+    eval_batch=12,
+    sft_epochs=1,
+    warm_epochs=1,
+    sft_micro=2,
+    val_examples=4,
+    val_every=2,
+)
 
 
 def run_size(cpu: bool) -> Size:
     """The run's size; LEARN_VAL_EXAMPLES / LEARN_VAL_EVERY change validation (more questions resolve a smaller
     change of the reward, fewer validations leave more of a lease to training)."""
     size = CPU_SIZE if cpu else Size()
-    overrides = {field: int(os.environ[var]) for field, var in (("val_examples", "LEARN_VAL_EXAMPLES"),
-                                                                 ("val_every", "LEARN_VAL_EVERY")) if os.environ.get(var)}
+    overrides = {
+        field: int(os.environ[var])
+        for field, var in (("val_examples", "LEARN_VAL_EXAMPLES"), ("val_every", "LEARN_VAL_EVERY"))
+        if os.environ.get(var)
+    }
     return replace(size, **overrides)
 
 
@@ -97,8 +122,11 @@ def merged(base: dict[str, Any], extra: Mapping[str, Any]) -> dict[str, Any]:
     """`extra` over `base`, section by section (a None value keeps its key, as a recipe's unset field)."""
     out = copy.deepcopy(base)
     for key, value in extra.items():
-        out[key] = merged(out[key], value) if isinstance(value, Mapping) and isinstance(out.get(key), dict) \
+        out[key] = (
+            merged(out[key], value)
+            if isinstance(value, Mapping) and isinstance(out.get(key), dict)
             else copy.deepcopy(value)
+        )
     return out
 
 
@@ -114,14 +142,16 @@ def method_sections(method: str, model: str, size: Size) -> dict[str, Any]:
         "reward": copy.deepcopy(dict(m.default_reward)),
     }
     if m.recipe_sections is not None:
-        shape = RunShape(model=model, total_steps=rl_steps(m.name, size), prompts_per_step=size.prompts_per_step,
-                         n=size.n)
+        shape = RunShape(
+            model=model, total_steps=rl_steps(m.name, size), prompts_per_step=size.prompts_per_step, n=size.n
+        )
         sections = merged(sections, m.recipe_sections(shape))
     return sections
 
 
-def recipe_for(out: Path, method: str, variant: str, model: str, size: Size, encoder: str | None,
-               training: bool = False) -> dict[str, Any]:
+def recipe_for(
+    out: Path, method: str, variant: str, model: str, size: Size, encoder: str | None, training: bool = False
+) -> dict[str, Any]:
     """The run's recipe of `method`; `training`: RL's (a method's own training retriever, e.g. a simulated one,
     replaces the world's index; the cold start and SFT read the index)."""
     own = method_sections(method, model, size)
@@ -146,18 +176,36 @@ def recipe_for(out: Path, method: str, variant: str, model: str, size: Size, enc
         "reward": reward,
         # From the warm-up most groups have equal rewards (measured: 3-5% correct); DAPO's dynamic sampling
         # refills the step with groups that carry signal.
-        "algorithm": {"name": "grpo", "n": size.n, "prompts_per_step": size.prompts_per_step,
-                      "minibatch_size": size.n * size.prompts_per_step, "micro_batch_size": 4,
-                      "kl": {"coef": 0.0}, "dynamic_sampling": variant == "warm"},
+        "algorithm": {
+            "name": "grpo",
+            "n": size.n,
+            "prompts_per_step": size.prompts_per_step,
+            "minibatch_size": size.n * size.prompts_per_step,
+            "micro_batch_size": 4,
+            "kl": {"coef": 0.0},
+            "dynamic_sampling": variant == "warm",
+        },
         "optim": {"lr": 5e-5, "warmup_steps": 0},
         "sampling": {"temperature": 1.0},
-        "trainer": {"total_steps": rl_steps(method, size), "save_every": 5, "out_dir": str(out / method / variant),
-                    "eval_every": size.val_every, "eval_examples": size.val_examples,
-                    "time_limit_minutes": float(os.environ["LEARN_RL_MINUTES"]) if os.environ.get("LEARN_RL_MINUTES")
-                    else None},
-        "sft": {"data": str(out / method / "trajectories.jsonl"), "epochs": size.sft_epochs if variant == "full"
-                else size.warm_epochs, "lr": 3e-4, "batch_size": 16 if variant == "full" else 8,
-                "micro_batch_size": size.sft_micro, "held_out": 0.05, "limit": None if variant == "full" else size.warm},
+        "trainer": {
+            "total_steps": rl_steps(method, size),
+            "save_every": 5,
+            "out_dir": str(out / method / variant),
+            "eval_every": size.val_every,
+            "eval_examples": size.val_examples,
+            "time_limit_minutes": float(os.environ["LEARN_RL_MINUTES"])
+            if os.environ.get("LEARN_RL_MINUTES")
+            else None,
+        },
+        "sft": {
+            "data": str(out / method / "trajectories.jsonl"),
+            "epochs": size.sft_epochs if variant == "full" else size.warm_epochs,
+            "lr": 3e-4,
+            "batch_size": 16 if variant == "full" else 8,
+            "micro_batch_size": size.sft_micro,
+            "held_out": 0.05,
+            "limit": None if variant == "full" else size.warm,
+        },
     }
     data = merged(data, own)
     if not data["plugins"]:
@@ -202,6 +250,7 @@ def test_questions(out: Path, size: Size):
 
     return held_out_questions(out / "shared" / "world", size.test)
 
+
 def make_trajectories(out: Path, method: str, model: str, size: Size) -> dict:
     from sleuth.agent.coldstart import read_records
     from sleuth.rl.config import recipe_from_dict
@@ -223,7 +272,9 @@ def sft(out: Path, method: str, variant: str, model: str, size: Size) -> dict:
     return {"checkpoint": result["checkpoint"], **result["metrics"]}
 
 
-def rl(out: Path, method: str, variant: str, model: str, size: Size, sft_ckpt: str, encoder: str | None) -> dict:
+def rl(
+    out: Path, method: str, variant: str, model: str, size: Size, sft_ckpt: str, encoder: str | None
+) -> dict:
     from sleuth.rl.checkpoint import latest_checkpoint
     from sleuth.rl.config import recipe_from_dict
     from sleuth.rl.trainer import train
@@ -243,9 +294,14 @@ def eval_config(agent: Mapping[str, Any], size: Size):
     """Evaluation with a recipe's `agent` budget (tokens per turn, documents per search and their budget)."""
     from sleuth.eval.harness import EvalConfig
 
-    return EvalConfig(batch_size=size.eval_batch, max_new_tokens=agent["max_new_tokens_per_turn"],
-                      answer_max_new_tokens=24, top_k=agent["top_k"], max_obs_tokens=agent["max_obs_tokens"],
-                      max_response_tokens=agent["max_response_tokens"])
+    return EvalConfig(
+        batch_size=size.eval_batch,
+        max_new_tokens=agent["max_new_tokens_per_turn"],
+        answer_max_new_tokens=24,
+        top_k=agent["top_k"],
+        max_obs_tokens=agent["max_obs_tokens"],
+        max_response_tokens=agent["max_response_tokens"],
+    )
 
 
 def evaluate_checkpoint(out: Path, method: str, ckpt: str, name: str, model: str, size: Size) -> dict:
@@ -259,9 +315,15 @@ def evaluate_checkpoint(out: Path, method: str, ckpt: str, name: str, model: str
     searcher = load_searcher(ckpt)
     frozen = load_generator(model)
     agent = method_sections(method, model, size)["agent"]
-    summary = evaluate([get_method(method).display_name, "direct"], test_questions(out, size), retriever,
-                       searcher.generator, generator=frozen, out_dir=out / method / f"eval_{name}",
-                       config=eval_config(agent, size))
+    summary = evaluate(
+        [get_method(method).display_name, "direct"],
+        test_questions(out, size),
+        retriever,
+        searcher.generator,
+        generator=frozen,
+        out_dir=out / method / f"eval_{name}",
+        config=eval_config(agent, size),
+    )
     return {"summary": {m: s.get("overall") or next(iter(s.values())) for m, s in summary["methods"].items()}}
 
 
@@ -273,9 +335,14 @@ def evaluate_shared(out: Path, model: str, size: Size) -> dict:
 
     world = out / "shared" / "world"
     retriever = load_retriever(world / "bm25", corpus=world / "corpus.jsonl")
-    summary = evaluate(["direct", "naive-rag", "oracle"], test_questions(out, size), retriever, load_generator(model),
-                       out_dir=out / "shared" / "eval_base",
-                       config=eval_config({**BUILTIN["s3"]["agent"], "max_response_tokens": MAX_RESPONSE_TOKENS}, size))
+    summary = evaluate(
+        ["direct", "naive-rag", "oracle"],
+        test_questions(out, size),
+        retriever,
+        load_generator(model),
+        out_dir=out / "shared" / "eval_base",
+        config=eval_config({**BUILTIN["s3"]["agent"], "max_response_tokens": MAX_RESPONSE_TOKENS}, size),
+    )
     overall = {k: v.get("overall") or next(iter(v.values())) for k, v in summary["methods"].items()}
     return {"summary": overall, "oracle_span": overall["oracle"]["span_check"]}
 
@@ -295,8 +362,17 @@ def run_job(out: Path, job: str, model: str, size: Size, encoder: str | None) ->
     stage(out, f"{method}_trajectories", make_trajectories, out, method, model, size)
     s = stage(out, f"{method}_{variant}_sft", sft, out, method, variant, model, size)
     if held_out:
-        stage(out, f"{method}_{variant}_eval_sft", evaluate_checkpoint, out, method, s["checkpoint"],
-              f"{variant}_sft", model, size)
+        stage(
+            out,
+            f"{method}_{variant}_eval_sft",
+            evaluate_checkpoint,
+            out,
+            method,
+            s["checkpoint"],
+            f"{variant}_sft",
+            model,
+            size,
+        )
     if method == "staged" and encoder and not Path(encoder).exists() and encoder != "minilm":
         for _ in range(120):  # the encoder arrives with a later call (carry limit); wait for it
             if Path(encoder).exists():
@@ -304,8 +380,17 @@ def run_job(out: Path, job: str, model: str, size: Size, encoder: str | None) ->
             time.sleep(10)
     r = stage(out, f"{method}_{variant}_rl", rl, out, method, variant, model, size, s["checkpoint"], encoder)
     if held_out:
-        stage(out, f"{method}_{variant}_eval_rl", evaluate_checkpoint, out, method, r["checkpoint"],
-              f"{variant}_rl", model, size)
+        stage(
+            out,
+            f"{method}_{variant}_eval_rl",
+            evaluate_checkpoint,
+            out,
+            method,
+            r["checkpoint"],
+            f"{variant}_rl",
+            model,
+            size,
+        )
 
 
 def lane(args) -> None:
@@ -347,15 +432,28 @@ def run(args) -> None:
     methods = [get_method(m).name for m in args.methods.split(",") if m]
     atomic_write_json(out / "methods.json", {"methods": methods, "plugins": plugin_list(args)})
     # LEARN_LANES="shared,s3:full;search_r1:warm;..." places jobs by hand (one lane per ';')
-    lanes = ([lane.split(",") for lane in os.environ["LEARN_LANES"].split(";")] if os.environ.get("LEARN_LANES")
-             else plan_lanes(methods, args.gpus))
+    lanes = (
+        [lane.split(",") for lane in os.environ["LEARN_LANES"].split(";")]
+        if os.environ.get("LEARN_LANES")
+        else plan_lanes(methods, args.gpus)
+    )
     atomic_write_json(out / "lanes.json", lanes)
     procs = []
     for i, jobs in enumerate(lanes):
         env = dict(os.environ)
         if not args.cpu:  # more lanes than GPUs (LEARN_LANES) share them round-robin
             env["CUDA_VISIBLE_DEVICES"] = str(i % args.gpus)
-        cmd = [sys.executable, __file__, "lane", "--out", str(out), "--model", args.model, "--jobs", ",".join(jobs)]
+        cmd = [
+            sys.executable,
+            __file__,
+            "lane",
+            "--out",
+            str(out),
+            "--model",
+            args.model,
+            "--jobs",
+            ",".join(jobs),
+        ]
         cmd += ["--encoder", args.encoder] if args.encoder else []
         cmd += ["--cpu"] if args.cpu else []
         cmd += ["--plugins", args.plugins] if args.plugins else []
@@ -376,7 +474,9 @@ def status(args) -> None:
         brief = {k: v for k, v in r.items() if k not in ("summary",)}
         print(name, json.dumps(brief)[:300])
         for m, s in (r.get("summary") or {}).items():
-            print(f"    {m}: span {s.get('span_check')} cem {s.get('cover_em')} em {s.get('em')} rc {s.get('retrieval_count')}")
+            print(
+                f"    {m}: span {s.get('span_check')} cem {s.get('cover_em')} em {s.get('em')} rc {s.get('retrieval_count')}"
+            )
     print("failed:", failed)
 
 
@@ -396,7 +496,9 @@ def run_methods(out: Path) -> list[str]:
 
 def checkpoint_priority(methods: list[str]) -> list[str]:
     """Which RL checkpoints `pack` carries first: every method's from full SFT, then the warm-ups'."""
-    return [f"{m}:full" for m in methods] + [j for m in methods for j in method_jobs(m) if j.endswith(":warm")]
+    return [f"{m}:full" for m in methods] + [
+        j for m in methods for j in method_jobs(m) if j.endswith(":warm")
+    ]
 
 
 def _bf16_policy(policy: Path, dest: Path) -> None:
@@ -409,8 +511,11 @@ def _bf16_policy(policy: Path, dest: Path) -> None:
     dest.mkdir(parents=True, exist_ok=True)
     for f in policy.iterdir():
         if f.name == "adapter_model.safetensors":
-            save_file({k: v.to(torch.bfloat16).contiguous() for k, v in load_file(f).items()}, dest / f.name,
-                      metadata={"format": "pt"})
+            save_file(
+                {k: v.to(torch.bfloat16).contiguous() for k, v in load_file(f).items()},
+                dest / f.name,
+                metadata={"format": "pt"},
+            )
         elif f.is_file():
             shutil.copy2(f, dest / f.name)
 
@@ -426,7 +531,9 @@ def pack(args) -> None:
     skip = ("trajectories.jsonl", "state.pt", ".safetensors", "naive_rag_cache")
     results = dest / "results.tgz"
     # of each run's step rollouts, the first and the last step's (a run may stop early at its time limit)
-    last_rollouts = {max(d.glob("step_*.jsonl")) for d in out.rglob("rollouts") if any(d.glob("step_*.jsonl"))}
+    last_rollouts = {
+        max(d.glob("step_*.jsonl")) for d in out.rglob("rollouts") if any(d.glob("step_*.jsonl"))
+    }
     with tarfile.open(results, "w:gz") as tar:
         for f in sorted(out.rglob("*")):
             rel = f.relative_to(out)
@@ -438,7 +545,10 @@ def pack(args) -> None:
         for method in run_methods(out):  # a sample of each method's SFT data, for the docs
             traj = out / method / "trajectories.jsonl"
             if traj.exists():
-                with open(traj, encoding="utf-8") as fh, tempfile.NamedTemporaryFile("w", delete=False) as tmp:
+                with (
+                    open(traj, encoding="utf-8") as fh,
+                    tempfile.NamedTemporaryFile("w", delete=False) as tmp,
+                ):
                     for _, line in zip(range(5), fh, strict=False):
                         tmp.write(line)
                 tar.add(tmp.name, arcname=f"{method}/trajectories_sample.jsonl")
@@ -475,8 +585,12 @@ def pack(args) -> None:
         print("packed", f.name, f.stat().st_size)
 
 
-ROWS = (("full", "sft", "SFT only"), ("full", "rl", "SFT + RL"), ("warm", "sft", "warm-up only"),
-        ("warm", "rl", "warm-up + RL"))
+ROWS = (
+    ("full", "sft", "SFT only"),
+    ("full", "rl", "SFT + RL"),
+    ("warm", "sft", "warm-up only"),
+    ("warm", "rl", "warm-up + RL"),
+)
 
 
 def _records(path: Path) -> list[dict] | None:
@@ -491,7 +605,11 @@ def _ols(x, y) -> dict[str, Any]:
 
     fit = st.linregress(np.asarray(x, dtype=float), np.asarray(y, dtype=float))
     half = st.t.ppf(0.975, len(x) - 2) * fit.stderr
-    return {"steps": len(x), "slope": float(fit.slope), "ci": [float(fit.slope - half), float(fit.slope + half)]}
+    return {
+        "steps": len(x),
+        "slope": float(fit.slope),
+        "ci": [float(fit.slope - half), float(fit.slope + half)],
+    }
 
 
 def reward_slope(path: Path) -> dict[str, Any] | None:
@@ -509,15 +627,23 @@ def reward_slope(path: Path) -> dict[str, Any] | None:
     key = REWARD_EVERY_ROLLOUT if all(REWARD_EVERY_ROLLOUT in r for r in rows) else REWARD_KEPT
     steps = [r["step"] for r in rows]
     rewards = [policy_reward(r) for r in rows]
-    result = {**_ols(steps, rewards), "reward": key, "first": sum(rewards[:3]) / 3, "last": sum(rewards[-3:]) / 3,
-              "rewards": rewards}
+    result = {
+        **_ols(steps, rewards),
+        "reward": key,
+        "first": sum(rewards[:3]) / 3,
+        "last": sum(rewards[-3:]) / 3,
+        "rewards": rewards,
+    }
     stages = sorted({int(r.get("stage", 1)) for r in rows})
     if len(stages) > 1:
         result["per_stage"] = {}
         for stage_no in stages:
             part = [(r["step"], policy_reward(r)) for r in rows if int(r.get("stage", 1)) == stage_no]
             if len(part) >= 3:
-                result["per_stage"][str(stage_no)] = {**_ols(*zip(*part, strict=True)), "first_step": part[0][0]}
+                result["per_stage"][str(stage_no)] = {
+                    **_ols(*zip(*part, strict=True)),
+                    "first_step": part[0][0],
+                }
     # the answers' exact match (a stage-free measure), where no group was filtered out of the logged mean
     if all("accuracy/em" in r and not groups_filtered(r) for r in rows):
         result["em_slope"] = _ols(steps, [r["accuracy/em"] for r in rows])
@@ -533,10 +659,14 @@ def validation_reward(run_dir: Path) -> dict[str, Any] | None:
     validations = load_validations(run_dir, [])
     if not validations:
         return None
-    return {"steps": [v.step for v in validations], "means": [v.mean for v in validations],
-            "cis": [list(bootstrap_ci(v.rewards)) for v in validations],
-            "stages": [v.stage for v in validations], "n": len(validations[-1].rewards),
-            "change": validation_change(validations)}
+    return {
+        "steps": [v.step for v in validations],
+        "means": [v.mean for v in validations],
+        "cis": [list(bootstrap_ci(v.rewards)) for v in validations],
+        "stages": [v.stage for v in validations],
+        "n": len(validations[-1].rewards),
+        "change": validation_change(validations),
+    }
 
 
 def _steps_done(path: Path) -> int:
@@ -545,7 +675,9 @@ def _steps_done(path: Path) -> int:
 
 def _with_retrievals(recs: list[dict]) -> list[dict]:
     """Records whose retrieval count is one of their metrics (for a paired difference)."""
-    return [{**r, "metrics": {**r["metrics"], "retrievals": float(r.get("retrieval_count", 0))}} for r in recs]
+    return [
+        {**r, "metrics": {**r["metrics"], "retrievals": float(r.get("retrieval_count", 0))}} for r in recs
+    ]
 
 
 def report(args) -> None:
@@ -561,7 +693,10 @@ def report(args) -> None:
     out, dest = Path(args.out), Path(args.dest)
     dest.mkdir(parents=True, exist_ok=True)
     base = out / "shared" / "eval_base"
-    naive, oracle = _records(base / "naive-rag" / "predictions.jsonl"), _records(base / "oracle" / "predictions.jsonl")
+    naive, oracle = (
+        _records(base / "naive-rag" / "predictions.jsonl"),
+        _records(base / "oracle" / "predictions.jsonl"),
+    )
     metric = "span_check"
 
     def acc(recs):
@@ -574,31 +709,47 @@ def report(args) -> None:
         d = paired_difference(a, b, metric)
         return {"diff": d["diff"], "ci": d["ci"], "n": d["n"]}
 
-    result: dict[str, Any] = {"metric": metric, "card": (out / "card.txt").read_text().splitlines()[0]
-                              if (out / "card.txt").exists() else None,
-                              "shared": {"naive-rag": acc(naive), "oracle": acc(oracle),
-                                         "direct": acc(_records(base / "direct" / "predictions.jsonl"))},
-                              "methods": {}}
+    result: dict[str, Any] = {
+        "metric": metric,
+        "card": (out / "card.txt").read_text().splitlines()[0] if (out / "card.txt").exists() else None,
+        "shared": {
+            "naive-rag": acc(naive),
+            "oracle": acc(oracle),
+            "direct": acc(_records(base / "direct" / "predictions.jsonl")),
+        },
+        "methods": {},
+    }
     records: dict[str, dict[str, list[dict]]] = {}
     methods = run_methods(out)
     for method in methods:
         rows, rec_of = {}, {}
         for variant, kind, label in ROWS:
-            recs = _records(out / method / f"eval_{variant}_{kind}" / get_method(method).display_name
-                            / "predictions.jsonl")
+            recs = _records(
+                out
+                / method
+                / f"eval_{variant}_{kind}"
+                / get_method(method).display_name
+                / "predictions.jsonl"
+            )
             if recs is None:
                 continue
             direct = _records(out / method / f"eval_{variant}_{kind}" / "direct" / "predictions.jsonl")
             rec_of[label] = recs
-            rows[label] = {**acc(recs), "vs_naive_rag": diff(recs, naive),
-                           "own_direct_answer": acc(direct) if direct else None}
+            rows[label] = {
+                **acc(recs),
+                "vs_naive_rag": diff(recs, naive),
+                "own_direct_answer": acc(direct) if direct else None,
+            }
         for a, b in (("SFT + RL", "SFT only"), ("warm-up + RL", "warm-up only")):
             if a in rec_of and b in rec_of:
                 rows[a]["vs_" + b.replace(" ", "_")] = diff(rec_of[a], rec_of[b])
         slopes = {v: reward_slope(out / method / v / "metrics.jsonl") for v in ("full", "warm")}
         validations = {v: validation_reward(out / method / v) for v in ("full", "warm")}
-        result["methods"][method] = {"rows": rows, "reward_slope": {k: v for k, v in slopes.items() if v},
-                                     "validation_reward": {k: v for k, v in validations.items() if v}}
+        result["methods"][method] = {
+            "rows": rows,
+            "reward_slope": {k: v for k, v in slopes.items() if v},
+            "validation_reward": {k: v for k, v in validations.items() if v},
+        }
         records[method] = rec_of
     # Every other method against search_r1 trained on the same SFT data and RL steps, row by row, paired
     for method, rec_of in records.items():
@@ -614,8 +765,11 @@ def report(args) -> None:
         if a and b:
             d_rc = paired_difference(_with_retrievals(a), _with_retrievals(b), "retrievals")
             result["staged_vs_search_r1"][label] = {
-                "accuracy": diff(a, b), "retrievals": {"diff": d_rc["diff"], "ci": d_rc["ci"], "n": d_rc["n"]},
-                "rl_steps": {m: _steps_done(out / m / "full" / "metrics.jsonl") for m in ("staged", "search_r1")},
+                "accuracy": diff(a, b),
+                "retrievals": {"diff": d_rc["diff"], "ci": d_rc["ci"], "n": d_rc["n"]},
+                "rl_steps": {
+                    m: _steps_done(out / m / "full" / "metrics.jsonl") for m in ("staged", "search_r1")
+                },
             }
     atomic_write_json(dest / "learning.json", result)
 
@@ -623,8 +777,13 @@ def report(args) -> None:
     fig, axes = plt.subplots(1, len(trained), figsize=(4.5 * len(trained), 3.2), squeeze=False)
     for ax, method in zip(axes[0], trained, strict=True):
         for variant, slope in result["methods"][method]["reward_slope"].items():
-            ax.plot(range(1, slope["steps"] + 1), slope["rewards"], marker="o", ms=3,
-                    label=f"from {'SFT' if variant == 'full' else 'warm-up'} (slope {slope['slope']:+.3f}/step)")
+            ax.plot(
+                range(1, slope["steps"] + 1),
+                slope["rewards"],
+                marker="o",
+                ms=3,
+                label=f"from {'SFT' if variant == 'full' else 'warm-up'} (slope {slope['slope']:+.3f}/step)",
+            )
             for stage_no, part in slope.get("per_stage", {}).items():
                 if stage_no != "1":
                     ax.axvline(part["first_step"] - 0.5, color="grey", lw=0.8, ls=":")
@@ -643,12 +802,24 @@ def report(args) -> None:
                 change = val["change"] or {}
                 for stage_no in sorted(set(val["stages"])):  # a two-stage reward: one line per stage
                     idx = [i for i, s in enumerate(val["stages"]) if s == stage_no]
-                    err = [[val["means"][i] - val["cis"][i][0] for i in idx], [val["cis"][i][1] - val["means"][i] for i in idx]]
-                    label = f"from {'SFT' if variant == 'full' else 'warm-up'}" + (f", stage {stage_no}" if len(set(val["stages"])) > 1 else "")
+                    err = [
+                        [val["means"][i] - val["cis"][i][0] for i in idx],
+                        [val["cis"][i][1] - val["means"][i] for i in idx],
+                    ]
+                    label = f"from {'SFT' if variant == 'full' else 'warm-up'}" + (
+                        f", stage {stage_no}" if len(set(val["stages"])) > 1 else ""
+                    )
                     if stage_no == val["stages"][-1] and change:
                         label += f" (last - first {change['diff']:+.3f} [{change['ci'][0]:+.3f}, {change['ci'][1]:+.3f}])"
-                    ax.errorbar([val["steps"][i] for i in idx], [val["means"][i] for i in idx], yerr=err, marker="o",
-                                ms=3, capsize=3, label=label)
+                    ax.errorbar(
+                        [val["steps"][i] for i in idx],
+                        [val["means"][i] for i in idx],
+                        yerr=err,
+                        marker="o",
+                        ms=3,
+                        capsize=3,
+                        label=label,
+                    )
             ax.set_title(f"{method} (n={val['n']} dev questions)")
             ax.set_xlabel("RL updates")
             ax.legend(fontsize=6)
@@ -667,8 +838,13 @@ def report(args) -> None:
             labels.append(f"{method}\n{label}")
             values.append(r["acc"])
             errs.append([r["acc"] - r["ci"][0], r["ci"][1] - r["acc"]])
-    ax.bar(range(len(values)), [100 * v for v in values], yerr=[[100 * e[0] for e in errs], [100 * e[1] for e in errs]],
-           color=["grey", "black"] + ["tab:blue"] * (len(values) - 2), capsize=3)
+    ax.bar(
+        range(len(values)),
+        [100 * v for v in values],
+        yerr=[[100 * e[0] for e in errs], [100 * e[1] for e in errs]],
+        color=["grey", "black"] + ["tab:blue"] * (len(values) - 2),
+        capsize=3,
+    )
     ax.set_xticks(range(len(values)), labels, fontsize=6)
     ax.set_ylabel(f"{metric} % (95% CI)")
     fig.tight_layout()
@@ -677,7 +853,9 @@ def report(args) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = parser.add_subparsers(dest="cmd", required=True)
     for name in ("run", "lane", "status", "pack", "report"):
         p = sub.add_parser(name)
@@ -688,8 +866,12 @@ def main() -> None:
         p.add_argument("--gpus", type=int, default=1)
         p.add_argument("--methods", default=",".join(METHODS))
         p.add_argument("--jobs", default="")
-        p.add_argument("--plugins", default="", help="plugin modules whose methods --methods may name, comma-separated "
-                       "(imported as a recipe's `plugins:`; their directory on PYTHONPATH)")
+        p.add_argument(
+            "--plugins",
+            default="",
+            help="plugin modules whose methods --methods may name, comma-separated "
+            "(imported as a recipe's `plugins:`; their directory on PYTHONPATH)",
+        )
         p.add_argument("--dest", default="runs/learn_packed")
     args = parser.parse_args()
     load_plugins(plugin_list(args))

@@ -86,10 +86,16 @@ def load_plan(path: str | Path) -> Plan:
     for k, raw in enumerate(data["jobs"]):
         if not isinstance(raw, dict) or not raw.get("id") or not raw.get("run"):
             raise PlanError(f"plan {path}: jobs[{k}] needs an `id` and a `run` command")
-        job = Job(str(raw["id"]), _expand(str(raw["run"]), work), tuple(raw.get("after") or ()),
-                  None if raw.get("gpus") is None else _expand(str(raw["gpus"]), work))
+        job = Job(
+            str(raw["id"]),
+            _expand(str(raw["run"]), work),
+            tuple(raw.get("after") or ()),
+            None if raw.get("gpus") is None else _expand(str(raw["gpus"]), work),
+        )
         if "/" in job.id or job.id in {j.id for j in jobs}:
-            raise PlanError(f"plan {path}: job id {job.id!r} is repeated or has a '/'; give each job its own name")
+            raise PlanError(
+                f"plan {path}: job id {job.id!r} is repeated or has a '/'; give each job its own name"
+            )
         unknown = [a for a in job.after if a not in {j.id for j in jobs}]
         if unknown:
             raise PlanError(f"plan {path}: job {job.id!r} runs after {unknown}, which no earlier job is")
@@ -99,10 +105,14 @@ def load_plan(path: str | Path) -> Plan:
         lanes = [None] * lanes
     if not lanes:
         raise PlanError(f"plan {path}: `lanes` is empty; give a number or one entry per lane")
-    return Plan(name=path.stem, work=work, jobs=tuple(jobs),
-                lanes=tuple(None if lane is None else _expand(str(lane), work) for lane in lanes),
-                env={str(k): _expand(str(v), work) for k, v in (data.get("env") or {}).items()},
-                pack=tuple(_expand(str(p), work) for p in data.get("pack") or ()))
+    return Plan(
+        name=path.stem,
+        work=work,
+        jobs=tuple(jobs),
+        lanes=tuple(None if lane is None else _expand(str(lane), work) for lane in lanes),
+        env={str(k): _expand(str(v), work) for k, v in (data.get("env") or {}).items()},
+        pack=tuple(_expand(str(p), work) for p in data.get("pack") or ()),
+    )
 
 
 def _log(plan: Plan, line: str) -> None:
@@ -151,8 +161,9 @@ def run_job(plan: Plan, job: Job, lane_gpus: str | None) -> bool:
         env["CUDA_VISIBLE_DEVICES"] = gpus
     _log(plan, f"start {job.id}" + (f" on GPU {gpus}" if gpus is not None else ""))
     with open(plan.work / "logs" / f"{job.id}.log", "ab") as log:
-        code = subprocess.call(["bash", "-c", job.run], stdout=log, stderr=subprocess.STDOUT, env=env,
-                               stdin=subprocess.DEVNULL)
+        code = subprocess.call(
+            ["bash", "-c", job.run], stdout=log, stderr=subprocess.STDOUT, env=env, stdin=subprocess.DEVNULL
+        )
     if code == 0:
         _done(plan, job.id).touch()
         _log(plan, f"done {job.id}")
@@ -206,9 +217,13 @@ def start(plan: Plan, plan_file: Path) -> str:
         return f"daemon already running (pid {pid})"
     (plan.work / "daemon.finished").unlink(missing_ok=True)
     with open(plan.work / "daemon.log", "ab") as log:
-        proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "daemon", str(plan_file)],
-                                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            [sys.executable, str(Path(__file__).resolve()), "daemon", str(plan_file)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
     (plan.work / "pid").write_text(str(proc.pid))
     return f"daemon started (pid {proc.pid}): {len(plan.jobs)} jobs, {len(plan.lanes)} lanes, in {plan.work}"
 
@@ -232,7 +247,9 @@ def stop(plan: Plan) -> str:
 def status(plan: Plan) -> list[str]:
     """One line a job: done, running (its log's last line), failed or waiting."""
     progress = (plan.work / "progress.log").read_text() if (plan.work / "progress.log").exists() else ""
-    events = {tuple(line.split()[1:3]) for line in progress.splitlines()}  # ("start", id), ("FAILED", id), ...
+    events = {
+        tuple(line.split()[1:3]) for line in progress.splitlines()
+    }  # ("start", id), ("FAILED", id), ...
     lines = []
     for job in plan.jobs:
         if _done(plan, job.id).exists():

@@ -23,11 +23,25 @@ from typing import Any
 
 ARCHS = {
     # SmolLM2-135M's shape (Llama): what the embedded default model costs per token.
-    "smollm2-135m": dict(arch="llama", hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-                         num_attention_heads=9, num_key_value_heads=3, vocab_size=49152),
+    "smollm2-135m": dict(
+        arch="llama",
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        vocab_size=49152,
+    ),
     # Qwen2.5-3B's shape: the searcher size used by Search-R1 and s3.
-    "qwen2.5-3b": dict(arch="qwen2", hidden_size=2048, intermediate_size=11008, num_hidden_layers=36,
-                       num_attention_heads=16, num_key_value_heads=2, vocab_size=151936),
+    "qwen2.5-3b": dict(
+        arch="qwen2",
+        hidden_size=2048,
+        intermediate_size=11008,
+        num_hidden_layers=36,
+        num_attention_heads=16,
+        num_key_value_heads=2,
+        vocab_size=151936,
+    ),
 }
 
 
@@ -52,13 +66,24 @@ def build_generator(model: str, device: str, dtype: str, mode: str, max_batch: i
         tok_dir = build_tiny_model(Path("/tmp/sleuth-bench-tiny"))
         from transformers import AutoTokenizer
 
-        gen = HFGenerator(net, tokenizer=AutoTokenizer.from_pretrained(tok_dir), cache=cache,
-                          compile=compile_step, max_batch_size=max_batch)
+        gen = HFGenerator(
+            net,
+            tokenizer=AutoTokenizer.from_pretrained(tok_dir),
+            cache=cache,
+            compile=compile_step,
+            max_batch_size=max_batch,
+        )
     else:
         from sleuth.llm.registry import resolve_model_path
 
-        gen = HFGenerator(resolve_model_path(model), device=device, dtype=dtype, cache=cache,
-                          compile=compile_step, max_batch_size=max_batch)
+        gen = HFGenerator(
+            resolve_model_path(model),
+            device=device,
+            dtype=dtype,
+            cache=cache,
+            compile=compile_step,
+            max_batch_size=max_batch,
+        )
     gen.eos_token_ids = frozenset()  # decode the full length on every row
     return gen
 
@@ -68,17 +93,23 @@ def prompts_for(batch: int, prompt_len: int, vocab: int, seed: int) -> list[list
 
     rng = random.Random(seed)
     # Mixed lengths (half to full) exercise left padding like real agent batches.
-    return [[rng.randrange(100, min(vocab, 30000)) for _ in range(rng.randint(prompt_len // 2, prompt_len))]
-            for _ in range(batch)]
+    return [
+        [rng.randrange(100, min(vocab, 30000)) for _ in range(rng.randint(prompt_len // 2, prompt_len))]
+        for _ in range(batch)
+    ]
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--device", default=None)
     parser.add_argument("--dtype", default=None, help="float32 (CPU default) or bfloat16 (CUDA default)")
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
-    parser.add_argument("--modes", nargs="+", default=["dynamic"], choices=["dynamic", "static", "static+compile"])
+    parser.add_argument(
+        "--modes", nargs="+", default=["dynamic"], choices=["dynamic", "static", "static+compile"]
+    )
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=2)
@@ -114,22 +145,44 @@ def main() -> None:
             match = sum(a == b for a, b in zip(ids, reference[batch], strict=True)) / batch
             best = min(times)
             generated = sum(len(i) for i in ids)
-            rows.append({"mode": mode, "batch": batch, "seconds": round(best, 4),
-                         "tokens_per_s": round(generated / best, 1),
-                         "steps_per_s": round(args.new_tokens / best, 1), "match_dynamic": match})
-            print(f"{mode:15s} batch {batch:4d}: {generated / best:9.1f} tok/s  {args.new_tokens / best:7.1f} steps/s"
-                  f"  ({best:.3f} s)  match={match:.2f}", flush=True)
+            rows.append(
+                {
+                    "mode": mode,
+                    "batch": batch,
+                    "seconds": round(best, 4),
+                    "tokens_per_s": round(generated / best, 1),
+                    "steps_per_s": round(args.new_tokens / best, 1),
+                    "match_dynamic": match,
+                }
+            )
+            print(
+                f"{mode:15s} batch {batch:4d}: {generated / best:9.1f} tok/s  {args.new_tokens / best:7.1f} steps/s"
+                f"  ({best:.3f} s)  match={match:.2f}",
+                flush=True,
+            )
         del gen
         if device == "cuda":
             torch.cuda.empty_cache()
 
     print("\n| mode | batch | tokens/s | steps/s | s | match dynamic |\n|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['mode']} | {r['batch']} | {r['tokens_per_s']} | {r['steps_per_s']} | {r['seconds']} | {r['match_dynamic']:.2f} |")
-    device_name = torch.cuda.get_device_name() if device == "cuda" else platform.processor() or platform.machine()
-    result = {"model": args.model, "device": device, "device_name": device_name, "dtype": dtype,
-              "new_tokens": args.new_tokens, "prompt_len": args.prompt_len, "torch": torch.__version__,
-              "threads": torch.get_num_threads(), "rows": rows}
+        print(
+            f"| {r['mode']} | {r['batch']} | {r['tokens_per_s']} | {r['steps_per_s']} | {r['seconds']} | {r['match_dynamic']:.2f} |"
+        )
+    device_name = (
+        torch.cuda.get_device_name() if device == "cuda" else platform.processor() or platform.machine()
+    )
+    result = {
+        "model": args.model,
+        "device": device,
+        "device_name": device_name,
+        "dtype": dtype,
+        "new_tokens": args.new_tokens,
+        "prompt_len": args.prompt_len,
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "rows": rows,
+    }
     out = Path(args.out) if args.out else Path(__file__).parent / "results" / f"llm_generate_{device}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")

@@ -57,29 +57,62 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", default=None)
     p.add_argument("--gpus", type=int, nargs="+", default=[1])
     p.add_argument("--parallel", choices=("ddp", "fsdp"), default="ddp")
-    p.add_argument("--lora", action="store_true", help="LoRA (r 64) on a bf16 base instead of full fine-tuning")
-    scale_step.add_step_options(p, prompts=32, n=PAPER_N, turns=4, new_tokens=500, max_obs_tokens=500, steps=2,
-                                micro=4, passages=20000)
-    p.add_argument("--prompts-per-gpu", type=int, default=None,
-                   help="weak scaling: each configuration takes this many prompts per GPU (x n trajectories), so "
-                        "every GPU decodes the same batch whatever the count (default: --prompts for all, strong scaling)")
-    p.add_argument("--gradient-checkpointing", default="true", choices=("true", "false", "auto", "selective", "full"),
-                   help="model.gradient_checkpointing (auto: chosen from the free memory and the token budget)")
-    p.add_argument("--micro-tokens", type=int, default=None, help="algorithm.micro_batch_tokens (a token budget)")
-    p.add_argument("--shape", default="full", choices=tuple(SHAPES),
-                   help="full: every turn runs its whole budget (an upper bound); search-r1-late: Search-R1's "
-                        "late-training trajectory (~154 prompt + ~118 generated + ~690 passage tokens, 2-3 turns, "
-                        "the turn count drawn per trajectory), to set beside the peers' published step times")
+    p.add_argument(
+        "--lora", action="store_true", help="LoRA (r 64) on a bf16 base instead of full fine-tuning"
+    )
+    scale_step.add_step_options(
+        p,
+        prompts=32,
+        n=PAPER_N,
+        turns=4,
+        new_tokens=500,
+        max_obs_tokens=500,
+        steps=2,
+        micro=4,
+        passages=20000,
+    )
+    p.add_argument(
+        "--prompts-per-gpu",
+        type=int,
+        default=None,
+        help="weak scaling: each configuration takes this many prompts per GPU (x n trajectories), so "
+        "every GPU decodes the same batch whatever the count (default: --prompts for all, strong scaling)",
+    )
+    p.add_argument(
+        "--gradient-checkpointing",
+        default="true",
+        choices=("true", "false", "auto", "selective", "full"),
+        help="model.gradient_checkpointing (auto: chosen from the free memory and the token budget)",
+    )
+    p.add_argument(
+        "--micro-tokens", type=int, default=None, help="algorithm.micro_batch_tokens (a token budget)"
+    )
+    p.add_argument(
+        "--shape",
+        default="full",
+        choices=tuple(SHAPES),
+        help="full: every turn runs its whole budget (an upper bound); search-r1-late: Search-R1's "
+        "late-training trajectory (~154 prompt + ~118 generated + ~690 passage tokens, 2-3 turns, "
+        "the turn count drawn per trajectory), to set beside the peers' published step times",
+    )
     p.add_argument("--decoding", default="auto", choices=("auto", "engine", "static", "dynamic"))
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=int, default=1500, help="seconds allowed per configuration")
-    p.add_argument("--work", default=None, help="work folder kept between runs (resume); default a temp folder")
+    p.add_argument(
+        "--work", default=None, help="work folder kept between runs (resume); default a temp folder"
+    )
     p.add_argument("--out", default=None)
-    p.add_argument("--retriever-url", default=None,
-                   help="search a running /retrieve server (e.g. a 21M index's `sleuth serve-retriever`) instead of "
-                        "the bench world's BM25 index; rows then report the rollouts' retrieval share at that size")
-    p.add_argument("--train", default=None,
-                   help="questions file (jsonl) for the prompts and scripted queries, e.g. the served index's world")
+    p.add_argument(
+        "--retriever-url",
+        default=None,
+        help="search a running /retrieve server (e.g. a 21M index's `sleuth serve-retriever`) instead of "
+        "the bench world's BM25 index; rows then report the rollouts' retrieval share at that size",
+    )
+    p.add_argument(
+        "--train",
+        default=None,
+        help="questions file (jsonl) for the prompts and scripted queries, e.g. the served index's world",
+    )
     args = p.parse_args(argv)
     shape = {k: v for k, v in SHAPES[args.shape].items() if k != "turns_drawn"}
     vars(args).update(shape)  # the shape sets turns, new tokens per turn and the observation cap
@@ -96,15 +129,25 @@ def config_args(args: argparse.Namespace, gpus: int) -> argparse.Namespace:
     return argparse.Namespace(**{**vars(args), "prompts": args.prompts_per_gpu * gpus})
 
 
-def recipe_for(args: argparse.Namespace, shared: dict[str, Any], out_dir: Path, device: str, gpus: int) -> dict:
+def recipe_for(
+    args: argparse.Namespace, shared: dict[str, Any], out_dir: Path, device: str, gpus: int
+) -> dict:
     per_rank = args.prompts * args.n // gpus
     micro = argparse.Namespace(**{**vars(args), "micro": min(args.micro, per_rank)})
-    recipe = train_step.bench_recipe(micro, shared, out_dir, device, cache=None if args.decoding == "auto"
-                                     else args.decoding, compiled=None, parallel=args.parallel)
+    recipe = train_step.bench_recipe(
+        micro,
+        shared,
+        out_dir,
+        device,
+        cache=None if args.decoding == "auto" else args.decoding,
+        compiled=None,
+        parallel=args.parallel,
+    )
     recipe["agent"]["loop"] = "search_r1_rehearsal"
     recipe["plugins"] = ["sleuth_rehearsal"]
-    recipe["model"]["gradient_checkpointing"] = {"true": True, "false": False}.get(args.gradient_checkpointing,
-                                                                                  args.gradient_checkpointing)
+    recipe["model"]["gradient_checkpointing"] = {"true": True, "false": False}.get(
+        args.gradient_checkpointing, args.gradient_checkpointing
+    )
     if args.micro_tokens is not None:
         recipe["algorithm"]["micro_batch_tokens"] = args.micro_tokens
     drawn = SHAPES[args.shape].get("turns_drawn")
@@ -115,9 +158,13 @@ def recipe_for(args: argparse.Namespace, shared: dict[str, Any], out_dir: Path, 
     if args.train:
         recipe["data"]["train"] = str(Path(args.train).resolve())
     if args.lora:
-        recipe["model"]["lora"] = {"enabled": True, "r": 64, "alpha": 128, "dropout": 0.0,
-                                   "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
-                                                      "down_proj"]}
+        recipe["model"]["lora"] = {
+            "enabled": True,
+            "r": 64,
+            "alpha": 128,
+            "dropout": 0.0,
+            "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        }
         recipe["optim"]["lr"] = 1e-5
     return recipe
 
@@ -133,12 +180,16 @@ def summarise(args: argparse.Namespace, lines: list[dict[str, Any]], gpus: int) 
     step_s = mean("time/step")
     row = {
         "measured_steps": len(measured),
-        "step_s": step_s, "rollout_s": mean("time/rollout"), "reward_s": mean("time/reward"),
+        "step_s": step_s,
+        "rollout_s": mean("time/rollout"),
+        "reward_s": mean("time/reward"),
         "update_s": mean("time/update"),
         # parts of update_s: tensors and advantages before the passes, the decode engine's weight refresh after
-        "make_batch_s": mean("time/make_batch"), "weight_sync_s": mean("time/weight_sync"),
+        "make_batch_s": mean("time/make_batch"),
+        "weight_sync_s": mean("time/weight_sync"),
         # time/retrieval: the rollout's seconds inside its retriever (part of rollout_s)
-        "retrieval_s": mean("time/retrieval"), "retrieval_queries_per_step": mean("retrieval/queries"),
+        "retrieval_s": mean("time/retrieval"),
+        "retrieval_queries_per_step": mean("retrieval/queries"),
         "trajectories_per_step": trajs,
         "trajectories_per_s": trajs / step_s if step_s else None,
         "trajectories_per_s_per_gpu": trajs / step_s / gpus if step_s else None,
@@ -147,15 +198,21 @@ def summarise(args: argparse.Namespace, lines: list[dict[str, Any]], gpus: int) 
         "tokens_per_trajectory": mean("response_length/total_tokens"),
         "retrievals_per_trajectory": mean("retrieval_count"),
         # how the update ran and whether rollouts decoded the trainer's weights (issue 43)
-        "checkpointed_layers": mean("memory/checkpointed_layers"), "update_packed": mean("update/packed"),
+        "checkpointed_layers": mean("memory/checkpointed_layers"),
+        "update_packed": mean("update/packed"),
         "micro_batches_per_minibatch": mean("update/micro_batches"),
         "rollout_logprob_diff_mean": mean("rollout/logprob_diff_mean"),
         "rollout_logprob_diff_max": mean("rollout/logprob_diff_max"),
         # the issue's counter: every token of the rank's trajectories (prompt + response) / the update's seconds
         # (old/reference log-prob passes included)
-        "update_tokens_per_s_per_gpu": (mean("update/tokens") / mean("time/update")
-                                        if mean("update/tokens") and mean("time/update") else None),
-        "peak_allocated_gib_per_gpu": max((m.get("memory/peak_allocated_gib", 0) for m in lines), default=None),
+        "update_tokens_per_s_per_gpu": (
+            mean("update/tokens") / mean("time/update")
+            if mean("update/tokens") and mean("time/update")
+            else None
+        ),
+        "peak_allocated_gib_per_gpu": max(
+            (m.get("memory/peak_allocated_gib", 0) for m in lines), default=None
+        ),
         "device_in_use_gib_per_gpu": max((m.get("memory/device_in_use_gib", 0) for m in lines), default=None),
         "compile_s_total": sum(m.get("time/decode_compile", 0.0) for m in lines),
         # batches decoded eagerly after a failed graph capture (0 when every decode step ran as a CUDA graph)
@@ -165,7 +222,9 @@ def summarise(args: argparse.Namespace, lines: list[dict[str, Any]], gpus: int) 
     if row["retrieval_s"] is not None and row["rollout_s"]:
         row["retrieval_share_of_rollout"] = row["retrieval_s"] / row["rollout_s"]
     if step_s:
-        row["projected_hours_1000_steps_512_prompts"] = (PAPER_STEPS * PAPER_PROMPTS * PAPER_N / (trajs / step_s)) / 3600
+        row["projected_hours_1000_steps_512_prompts"] = (
+            PAPER_STEPS * PAPER_PROMPTS * PAPER_N / (trajs / step_s)
+        ) / 3600
         row["projected_gpu_hours"] = row["projected_hours_1000_steps_512_prompts"] * gpus
     return row
 
@@ -189,7 +248,9 @@ def failure_excerpt(lines: list[str]) -> list[str]:
     """The child's exception (the cause; torchrun's own ChildFailedError report comes after it) with the
     frames above it, and the last lines."""
     cause = re.compile(r"^\s*[\w.]*(Error|Exception|Interrupt)\b.*:")
-    first = next((i for i, line in enumerate(lines) if cause.match(line) and "ChildFailedError" not in line), None)
+    first = next(
+        (i for i, line in enumerate(lines) if cause.match(line) and "ChildFailedError" not in line), None
+    )
     head = lines[max(0, first - 30) : first + 3] if first is not None else []
     return head + ["..."] + lines[-8:]
 
@@ -197,22 +258,38 @@ def failure_excerpt(lines: list[str]) -> list[str]:
 def run_config(args: argparse.Namespace, shared: dict[str, Any], work: Path, device: str, gpus: int) -> dict:
     args = config_args(args, gpus)
     mode = "lora" if args.lora else "full"
-    name = f"{gpus}x-{args.parallel if gpus > 1 else 'single'}-{mode}" + ("" if args.shape == "full" else f"-{args.shape}")
+    name = f"{gpus}x-{args.parallel if gpus > 1 else 'single'}-{mode}" + (
+        "" if args.shape == "full" else f"-{args.shape}"
+    )
     done = work / f"{name}.done.json"
     if done.exists():
         print(f"{name}: measured before, kept ({done})", flush=True)
         return json.loads(done.read_text())
     out_dir = work / name
     recipe = recipe_for(args, shared, out_dir, device, gpus)
-    row: dict[str, Any] = {"config": name, "model": args.model, "gpus": gpus, "parallel": args.parallel if gpus > 1
-                           else "none", "finetune": mode, "prompts_per_step": args.prompts, "n": args.n,
-                           "scaling": "strong" if args.prompts_per_gpu is None else "weak", "shape": args.shape,
-                           "turns": args.turns, "new_tokens_per_turn": args.new_tokens,
-                           "max_obs_tokens": args.max_obs_tokens, "recipe": recipe}
-    code, lines, log_path, wall = scale_step.torchrun_train(recipe, work, name, gpus, args.timeout, [str(BENCH)])
+    row: dict[str, Any] = {
+        "config": name,
+        "model": args.model,
+        "gpus": gpus,
+        "parallel": args.parallel if gpus > 1 else "none",
+        "finetune": mode,
+        "prompts_per_step": args.prompts,
+        "n": args.n,
+        "scaling": "strong" if args.prompts_per_gpu is None else "weak",
+        "shape": args.shape,
+        "turns": args.turns,
+        "new_tokens_per_turn": args.new_tokens,
+        "max_obs_tokens": args.max_obs_tokens,
+        "recipe": recipe,
+    }
+    code, lines, log_path, wall = scale_step.torchrun_train(
+        recipe, work, name, gpus, args.timeout, [str(BENCH)]
+    )
     row["wall_s"] = round(wall, 1)
     if code != 0 or not any(m["step"] > args.warmup_steps for m in lines):
-        row["status"] = "timed out" if code is None else f"failed (exit {code})" if code else "no measured steps"
+        row["status"] = (
+            "timed out" if code is None else f"failed (exit {code})" if code else "no measured steps"
+        )
         row["log_tail"] = failure_excerpt(log_path.read_text(errors="replace").splitlines())
         row.update(summarise(args, lines, gpus) if lines else {})
         print("\n".join("    " + line for line in row["log_tail"]), flush=True)
@@ -229,9 +306,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args.card = env.get("card", "")
     scale_step.require_gpus(device, args.gpus)
     tag = f"{args.model.split(':')[-1]}_{'lora' if args.lora else 'full'}_{args.parallel}" + (
-        "" if args.shape == "full" else f"_{args.shape.replace('-', '_')}")
+        "" if args.shape == "full" else f"_{args.shape.replace('-', '_')}"
+    )
     out = _common.out_path(args.out, f"paper_scale_{tag}.json")
-    work = Path(args.work) if args.work else Path(os.environ.get("TMPDIR", "/tmp")) / f"sleuth-paper-scale-{tag}"
+    work = (
+        Path(args.work) if args.work else Path(os.environ.get("TMPDIR", "/tmp")) / f"sleuth-paper-scale-{tag}"
+    )
     work.mkdir(parents=True, exist_ok=True)
     shared_path = work / "shared.json"
     if shared_path.exists():
@@ -248,22 +328,44 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         for r in rows:
             if one and r.get("trajectories_per_s"):
                 r["speedup_vs_fewest_gpus"] = r["trajectories_per_s"] / one["trajectories_per_s"]
-        result = {"bench": "paper_scale", "environment": env, "model": shared["model"], "date": time.strftime("%Y-%m-%d"),
-                  "command": " ".join(["bench/paper_scale.py", *(argv if argv is not None else sys.argv[1:])]),
-                  "settings": vars(args) | {"device": device}, "rows": rows,
-                  "note": "random weights: every turn runs its full budget and ends in a scripted search"}
+        result = {
+            "bench": "paper_scale",
+            "environment": env,
+            "model": shared["model"],
+            "date": time.strftime("%Y-%m-%d"),
+            "command": " ".join(["bench/paper_scale.py", *(argv if argv is not None else sys.argv[1:])]),
+            "settings": vars(args) | {"device": device},
+            "rows": rows,
+            "note": "random weights: every turn runs its full budget and ends in a scripted search",
+        }
         _common.write_json(out, result)
-    columns = [("config", "config"), ("status", "status"), ("step_s", "step s"), ("rollout_s", "rollout s"),
-               ("reward_s", "reward s"), ("update_s", "update s"),
-               ("update_tokens_per_s_per_gpu", "update tok/s/GPU"), ("update_mfu_verl", "update MFU (verl)"),
-               ("retrieval_s", "retrieval s"), ("trajectories_per_s", "traj/s"),
-               ("policy_tokens_per_s_per_gpu", "tok/s/GPU"), ("peak_allocated_gib_per_gpu", "peak GiB/GPU"),
-               ("compile_s_total", "capture s"), ("speedup_vs_fewest_gpus", "x vs fewest"),
-               ("projected_hours_1000_steps_512_prompts", "h per 1000x512")]
+    columns = [
+        ("config", "config"),
+        ("status", "status"),
+        ("step_s", "step s"),
+        ("rollout_s", "rollout s"),
+        ("reward_s", "reward s"),
+        ("update_s", "update s"),
+        ("update_tokens_per_s_per_gpu", "update tok/s/GPU"),
+        ("update_mfu_verl", "update MFU (verl)"),
+        ("retrieval_s", "retrieval s"),
+        ("trajectories_per_s", "traj/s"),
+        ("policy_tokens_per_s_per_gpu", "tok/s/GPU"),
+        ("peak_allocated_gib_per_gpu", "peak GiB/GPU"),
+        ("compile_s_total", "capture s"),
+        ("speedup_vs_fewest_gpus", "x vs fewest"),
+        ("projected_hours_1000_steps_512_prompts", "h per 1000x512"),
+    ]
     batch = f"{args.prompts_per_gpu} prompts per GPU" if args.prompts_per_gpu else f"{args.prompts} prompts"
-    _common.print_table(f"paper-scale rehearsal: {args.model}", columns, rows,
-                        [f"{env['card']} | {batch} x {args.n} | {args.turns} turns x {args.new_tokens} "
-                         f"tokens, obs <= {args.max_obs_tokens} | {'LoRA' if args.lora else 'full'} {args.parallel}"])
+    _common.print_table(
+        f"paper-scale rehearsal: {args.model}",
+        columns,
+        rows,
+        [
+            f"{env['card']} | {batch} x {args.n} | {args.turns} turns x {args.new_tokens} "
+            f"tokens, obs <= {args.max_obs_tokens} | {'LoRA' if args.lora else 'full'} {args.parallel}"
+        ],
+    )
     print(f"wrote {out}")
     return result
 

@@ -158,9 +158,21 @@ def build_lucene_index(corpus: Path, index_dir: Path, threads: int = 1) -> None:
     (staging / "corpus.jsonl").symlink_to(corpus.resolve())  # JsonCollection reads every file in a folder
     try:
         loaded["autoclass"]("io.anserini.index.IndexCollection").main(
-            ["-collection", "JsonCollection", "-input", str(staging), "-index", str(index_dir),
-             "-generator", "DefaultLuceneDocumentGenerator", "-threads", str(threads),
-             "-storePositions", "-storeDocvectors", "-storeRaw"]
+            [
+                "-collection",
+                "JsonCollection",
+                "-input",
+                str(staging),
+                "-index",
+                str(index_dir),
+                "-generator",
+                "DefaultLuceneDocumentGenerator",
+                "-threads",
+                str(threads),
+                "-storePositions",
+                "-storeDocvectors",
+                "-storeRaw",
+            ]
         )
     finally:
         shutil.rmtree(staging, ignore_errors=True)
@@ -192,7 +204,9 @@ class SeedSearcher:
         self.threads = threads
 
     def passages(self, hits: list[Any]) -> tuple[list[dict[str, str]], list[float]]:
-        return [passage_from_raw(h.docid, self.searcher.doc(h.docid).raw()) for h in hits], [h.score for h in hits]
+        return [passage_from_raw(h.docid, self.searcher.doc(h.docid).raw()) for h in hits], [
+            h.score for h in hits
+        ]
 
     def search(self, queries: list[str], k: int) -> list[tuple[list[dict[str, str]], list[float]]]:
         if self.mode == "serial":
@@ -218,8 +232,12 @@ def create_seed_app(searcher: SeedSearcher, default_k: int = 3):
         k = request.topk or default_k
         per_query = searcher.search(request.queries, k)
         if request.return_scores:
-            return {"result": [[{"document": d, "score": s} for d, s in zip(docs, scores, strict=True)]
-                               for docs, scores in per_query]}
+            return {
+                "result": [
+                    [{"document": d, "score": s} for d, s in zip(docs, scores, strict=True)]
+                    for docs, scores in per_query
+                ]
+            }
         return {"result": [docs for docs, _ in per_query]}
 
     return app
@@ -229,7 +247,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--index", type=Path, required=True, help="Lucene index directory")
     ap.add_argument("--build-index", action="store_true", help="build --index from --corpus, then exit")
-    ap.add_argument("--corpus", type=Path, help='corpus jsonl ({"id", "contents"} per line) for --build-index')
+    ap.add_argument(
+        "--corpus", type=Path, help='corpus jsonl ({"id", "contents"} per line) for --build-index'
+    )
     ap.add_argument("--mode", choices=["serial", "batch"], default="serial")
     ap.add_argument("--threads", type=int, default=1, help="Java threads for batch_search / indexing")
     ap.add_argument("--host", default="127.0.0.1")
@@ -248,8 +268,13 @@ def main() -> None:
     import uvicorn  # deferred: only the server process needs it
 
     searcher.search(["warm up"], 1)
-    uvicorn.run(create_seed_app(searcher, args.topk), host=args.host, port=args.port, log_level="warning",
-                access_log=False)
+    uvicorn.run(
+        create_seed_app(searcher, args.topk),
+        host=args.host,
+        port=args.port,
+        log_level="warning",
+        access_log=False,
+    )
 
 
 if __name__ == "__main__":

@@ -38,9 +38,15 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=21_000_000)
     parser.add_argument("--dim", type=int, default=384)
     parser.add_argument("--depths", type=int, nargs="+", default=[64, 256])
-    parser.add_argument("--batches", type=int, default=8, help="timed batches per setting (the first 3 are warm-up)")
-    parser.add_argument("--file", type=Path, help="an existing float16 vectors file (default: a sparse temp file)")
-    parser.add_argument("--out", help="the JSON to write (default $OUT or bench/results/rerank_read_cost_cpu.json)")
+    parser.add_argument(
+        "--batches", type=int, default=8, help="timed batches per setting (the first 3 are warm-up)"
+    )
+    parser.add_argument(
+        "--file", type=Path, help="an existing float16 vectors file (default: a sparse temp file)"
+    )
+    parser.add_argument(
+        "--out", help="the JSON to write (default $OUT or bench/results/rerank_read_cost_cpu.json)"
+    )
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         path = args.file or Path(tmp) / "vectors.f16"
@@ -67,15 +73,33 @@ def main() -> None:
                         mapped.release()
                     times.append(time.perf_counter() - start)
                 timed = times[3:] or times
-                results.append({"depth": depth, "path": name, "ms_per_batch_median": 1000 * float(np.median(timed)),
-                                "rows_per_batch": 256 * depth, "mapped_mib_left_per_batch": float(np.median(left))})
+                results.append(
+                    {
+                        "depth": depth,
+                        "path": name,
+                        "ms_per_batch_median": 1000 * float(np.median(timed)),
+                        "rows_per_batch": 256 * depth,
+                        "mapped_mib_left_per_batch": float(np.median(left)),
+                    }
+                )
     print(f"{'depth':>6} {'path':>12} {'ms / 256 queries':>17} {'RssFile MiB a batch maps':>25}")
     for r in results:
-        print(f"{r['depth']:>6} {r['path']:>12} {r['ms_per_batch_median']:>17.1f} {r['mapped_mib_left_per_batch']:>25.0f}")
-    write_json(out_path(args.out, "rerank_read_cost_cpu.json"), {
-        "bench": "rerank_read_cost", "environment": environment("cpu"), "rows": args.rows, "dim": args.dim,
-        "sparse_file": args.file is None, "omp_threads": os.environ.get("OMP_NUM_THREADS"),
-        "load_average": os.getloadavg(), "results": results})
+        print(
+            f"{r['depth']:>6} {r['path']:>12} {r['ms_per_batch_median']:>17.1f} {r['mapped_mib_left_per_batch']:>25.0f}"
+        )
+    write_json(
+        out_path(args.out, "rerank_read_cost_cpu.json"),
+        {
+            "bench": "rerank_read_cost",
+            "environment": environment("cpu"),
+            "rows": args.rows,
+            "dim": args.dim,
+            "sparse_file": args.file is None,
+            "omp_threads": os.environ.get("OMP_NUM_THREADS"),
+            "load_average": os.getloadavg(),
+            "results": results,
+        },
+    )
 
 
 if __name__ == "__main__":

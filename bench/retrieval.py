@@ -81,8 +81,13 @@ def span_queries(corpus: Path, n: int, seed: int, span: int = 8, drop: int = 2) 
             continue
         start = rng.randrange(len(words) - span + 1)
         kept = sorted(rng.sample(range(start, start + span), span - drop))
-        out.append({"question": " ".join(words[i] for i in kept), "set": "passage spans",
-                    "metadata": {"supporting_ids": [doc_id]}})
+        out.append(
+            {
+                "question": " ".join(words[i] for i in kept),
+                "set": "passage spans",
+                "metadata": {"supporting_ids": [doc_id]},
+            }
+        )
     return out
 
 
@@ -207,8 +212,10 @@ def bench_pyserini(corpus: Path, questions: list[dict], work: Path, n_single: in
     searcher = SeedSearcher(out, "batch", threads=1)
 
     def search(queries: list[str], k: int) -> list[list[Hit]]:
-        return [[Hit(d["id"], d["title"], d["text"], s) for d, s in zip(docs, scores, strict=True)]
-                for docs, scores in searcher.search(queries, k)]
+        return [
+            [Hit(d["id"], d["title"], d["text"], s) for d, s in zip(docs, scores, strict=True)]
+            for docs, scores in searcher.search(queries, k)
+        ]
 
     row = measure_search(search, questions, n_single)
     row.update(build_s=build_s, index_bytes=dir_size(out), rss_delta_bytes=rss_bytes() - rss0)
@@ -245,9 +252,19 @@ def build_lucene_index(corpus: Path, out: Path, threads: int) -> float:
     script = Path(__file__).with_name("pyserini_seed_server.py")
     t0 = time.perf_counter()
     done = subprocess.run(
-        [sys.executable, str(script), "--build-index", "--corpus", str(corpus), "--index", str(out),
-         "--threads", str(threads)],
-        capture_output=True, text=True,
+        [
+            sys.executable,
+            str(script),
+            "--build-index",
+            "--corpus",
+            str(corpus),
+            "--index",
+            str(out),
+            "--threads",
+            str(threads),
+        ],
+        capture_output=True,
+        text=True,
     )
     if done.returncode != 0:
         raise RuntimeError(f"Lucene indexing of {corpus} failed:\n{done.stderr[-3000:]}")
@@ -310,8 +327,13 @@ def goal(sleuth: SearchPath, base: SearchPath | None, target: float) -> dict[str
     ratio = statistics.median(sleuth.qps) / statistics.median(base.qps)
     met = ratio >= target and sleuth.recall["all"] >= base.recall["all"] - EQUAL_RECALL
     return {
-        "vs": base.name, "target": target, "speedup": ratio, "recall_sleuth": sleuth.recall["all"],
-        "recall_base": base.recall["all"], "recall_equal_within": EQUAL_RECALL, "status": "met" if met else "not met",
+        "vs": base.name,
+        "target": target,
+        "speedup": ratio,
+        "recall_sleuth": sleuth.recall["all"],
+        "recall_base": base.recall["all"],
+        "recall_equal_within": EQUAL_RECALL,
+        "status": "met" if met else "not met",
     }
 
 
@@ -357,13 +379,19 @@ def compare_with_pyserini(args: argparse.Namespace, corpus: Path, questions: lis
             return [[h.docid for h in lucene.search(q, K)] for q in queries]
 
         def lucene_ids_batch(queries: list[str]) -> list[list[str]]:
-            found = lucene.batch_search(queries, [str(i) for i in range(len(queries))], K, args.pyserini_threads)
+            found = lucene.batch_search(
+                queries, [str(i) for i in range(len(queries))], K, args.pyserini_threads
+            )
             return [[h.docid for h in found[str(i)]] for i in range(len(queries))]
 
         jt = str(args.pyserini_threads)
         paths += [
-            SearchPath("pyserini search, 1 query at a time + passage lookup (seeds)", "in-process", "1",
-                       passage_ids(serial)),
+            SearchPath(
+                "pyserini search, 1 query at a time + passage lookup (seeds)",
+                "in-process",
+                "1",
+                passage_ids(serial),
+            ),
             SearchPath("pyserini batch_search + passage lookup", "in-process", jt, passage_ids(batch)),
             SearchPath("pyserini search, 1 query at a time, ids only", "in-process", "1", lucene_ids_serial),
             SearchPath("pyserini batch_search, ids only", "in-process", jt, lucene_ids_batch),
@@ -372,24 +400,64 @@ def compare_with_pyserini(args: argparse.Namespace, corpus: Path, questions: lis
         http_paths = []
         # As shipped (holds a request up to 2 ms, only when concurrent requests are expected), and with
         # holding off altogether: for this one sequential client the two should match.
-        for name, wait_ms in (("sleuth serve-retriever", "2"), ("sleuth serve-retriever --batch-wait-ms 0", "0")):
+        for name, wait_ms in (
+            ("sleuth serve-retriever", "2"),
+            ("sleuth serve-retriever --batch-wait-ms 0", "0"),
+        ):
             port = free_port()
-            cmd = [sys.executable, "-c", "from sleuth.cli import main; main()", "serve-retriever",
-                   "--index", str(work / "idx-bm25"), "--port", str(port), "--threads", "1", "--worker-threads", "1",
-                   "--batch-wait-ms", wait_ms]
-            servers.append(start_server(cmd, f"http://127.0.0.1:{port}", work / f"sleuth-server-wait{wait_ms}.log"))
-            http_paths.append(SearchPath(name, "HTTP", "1", HttpSearch(f"http://127.0.0.1:{port}", K),
-                                         process_cpu(servers[-1].pid)))
+            cmd = [
+                sys.executable,
+                "-c",
+                "from sleuth.cli import main; main()",
+                "serve-retriever",
+                "--index",
+                str(work / "idx-bm25"),
+                "--port",
+                str(port),
+                "--threads",
+                "1",
+                "--worker-threads",
+                "1",
+                "--batch-wait-ms",
+                wait_ms,
+            ]
+            servers.append(
+                start_server(cmd, f"http://127.0.0.1:{port}", work / f"sleuth-server-wait{wait_ms}.log")
+            )
+            http_paths.append(
+                SearchPath(
+                    name, "HTTP", "1", HttpSearch(f"http://127.0.0.1:{port}", K), process_cpu(servers[-1].pid)
+                )
+            )
         if not missing:
             script = str(Path(__file__).with_name("pyserini_seed_server.py"))
-            for mode, name, threads in (("serial", "seed server: pyserini 1 query at a time (Search-R1)", "1"),
-                                        ("batch", "seed server, batch_search instead", jt)):
+            for mode, name, threads in (
+                ("serial", "seed server: pyserini 1 query at a time (Search-R1)", "1"),
+                ("batch", "seed server, batch_search instead", jt),
+            ):
                 port = free_port()
-                cmd = [sys.executable, script, "--index", str(work / "idx-lucene"), "--port", str(port),
-                       "--mode", mode, "--threads", str(args.pyserini_threads)]
+                cmd = [
+                    sys.executable,
+                    script,
+                    "--index",
+                    str(work / "idx-lucene"),
+                    "--port",
+                    str(port),
+                    "--mode",
+                    mode,
+                    "--threads",
+                    str(args.pyserini_threads),
+                ]
                 servers.append(start_server(cmd, f"http://127.0.0.1:{port}", work / f"seed-{mode}.log"))
-                http_paths.append(SearchPath(name, "HTTP", threads, HttpSearch(f"http://127.0.0.1:{port}", K),
-                                             process_cpu(servers[-1].pid)))
+                http_paths.append(
+                    SearchPath(
+                        name,
+                        "HTTP",
+                        threads,
+                        HttpSearch(f"http://127.0.0.1:{port}", K),
+                        process_cpu(servers[-1].pid),
+                    )
+                )
         paths += http_paths
         measure_paths(paths, texts, args.repeats, args.single)
         import psutil
@@ -410,14 +478,20 @@ def compare_with_pyserini(args: argparse.Namespace, corpus: Path, questions: lis
     by_name = {p.name: p for p in paths}
     sleuth_http, sleuth_inproc = by_name["sleuth serve-retriever"], by_name["sleuth BM25Retriever.search"]
     goals = {
-        "http_vs_seed_serial": goal(sleuth_http, by_name.get("seed server: pyserini 1 query at a time (Search-R1)"),
-                                    GOAL_VS_SERIAL),
-        "http_vs_seed_batch_search": goal(sleuth_http, by_name.get("seed server, batch_search instead"),
-                                          GOAL_VS_BATCH),
+        "http_vs_seed_serial": goal(
+            sleuth_http, by_name.get("seed server: pyserini 1 query at a time (Search-R1)"), GOAL_VS_SERIAL
+        ),
+        "http_vs_seed_batch_search": goal(
+            sleuth_http, by_name.get("seed server, batch_search instead"), GOAL_VS_BATCH
+        ),
         "inprocess_vs_serial": goal(
-            sleuth_inproc, by_name.get("pyserini search, 1 query at a time + passage lookup (seeds)"), GOAL_VS_SERIAL),
+            sleuth_inproc,
+            by_name.get("pyserini search, 1 query at a time + passage lookup (seeds)"),
+            GOAL_VS_SERIAL,
+        ),
         "inprocess_vs_batch_search": goal(
-            sleuth_inproc, by_name.get("pyserini batch_search + passage lookup"), GOAL_VS_BATCH),
+            sleuth_inproc, by_name.get("pyserini batch_search + passage lookup"), GOAL_VS_BATCH
+        ),
     }
     rows = [path_row(p, len(questions)) for p in paths]
     if missing:
@@ -450,13 +524,21 @@ def measure_paths(paths: list[SearchPath], texts: list[str], repeats: int, n_sin
 
 def path_row(path: SearchPath, n_queries: int) -> dict[str, Any]:
     return {
-        "system": path.name, "surface": path.surface, "search_threads": path.threads,
+        "system": path.name,
+        "surface": path.surface,
+        "search_threads": path.threads,
         "server_process_threads": path.server_threads,
-        "qps_median": statistics.median(path.qps), "qps_min": min(path.qps), "qps_max": max(path.qps),
-        "qps_runs": path.qps, "cpu_ms_per_query_median": statistics.median(path.cpu_ms_per_query),
+        "qps_median": statistics.median(path.qps),
+        "qps_min": min(path.qps),
+        "qps_max": max(path.qps),
+        "qps_runs": path.qps,
+        "cpu_ms_per_query_median": statistics.median(path.cpu_ms_per_query),
         "cpu_measured": "server process" if path.surface == "HTTP" else "bench process (all threads)",
-        "p50_ms_one_query": path.p50_ms, "recall@5": path.recall["all"],
-        "recall@5_by_set": path.recall, "n_queries": n_queries, "batch": BATCH,
+        "p50_ms_one_query": path.p50_ms,
+        "recall@5": path.recall["all"],
+        "recall@5_by_set": path.recall,
+        "n_queries": n_queries,
+        "batch": BATCH,
     }
 
 
@@ -465,8 +547,17 @@ def print_comparison(result: dict[str, Any], passages: int) -> None:
     from rich.table import Table
 
     table = Table(title=f"BM25, {passages:,} passages: sleuth vs pyserini (median of repeats)")
-    for col in ("path", "where", "search thr.", "q/s (batch 256) [min-max]", "CPU ms/q", "p50 1 query", "R@5",
-                "R@5 questions", "R@5 spans"):
+    for col in (
+        "path",
+        "where",
+        "search thr.",
+        "q/s (batch 256) [min-max]",
+        "CPU ms/q",
+        "p50 1 query",
+        "R@5",
+        "R@5 questions",
+        "R@5 spans",
+    ):
         table.add_column(col, justify="left" if col in ("path", "where") else "right")
     for r in result["rows"]:
         if r.get("skipped"):
@@ -474,10 +565,15 @@ def print_comparison(result: dict[str, Any], passages: int) -> None:
             continue
         by_set = r["recall@5_by_set"]
         table.add_row(
-            r["system"], r["surface"], r["search_threads"],
+            r["system"],
+            r["surface"],
+            r["search_threads"],
             f"{r['qps_median']:,.0f} [{r['qps_min']:,.0f}-{r['qps_max']:,.0f}]",
-            f"{r['cpu_ms_per_query_median']:.3f}", f"{r['p50_ms_one_query']:.2f} ms", f"{r['recall@5']:.3f}",
-            f"{by_set.get('questions', float('nan')):.3f}", f"{by_set.get('passage spans', float('nan')):.3f}",
+            f"{r['cpu_ms_per_query_median']:.3f}",
+            f"{r['p50_ms_one_query']:.2f} ms",
+            f"{r['recall@5']:.3f}",
+            f"{by_set.get('questions', float('nan')):.3f}",
+            f"{by_set.get('passage spans', float('nan')):.3f}",
         )
     console = Console(width=170)
     console.print(table)
@@ -498,8 +594,13 @@ def machine(threads: int) -> dict[str, Any]:
             if line.startswith("model name"):
                 cpu = line.split(":", 1)[1].strip()
                 break
-    return {"cpu": cpu, "cpus": os.cpu_count(), "host": platform.node(), "python": platform.python_version(),
-            "threads": threads}
+    return {
+        "cpu": cpu,
+        "cpus": os.cpu_count(),
+        "host": platform.node(),
+        "python": platform.python_version(),
+        "threads": threads,
+    }
 
 
 def fmt_bytes(n: float | None) -> str:
@@ -558,14 +659,27 @@ def main() -> None:
         "--skip", nargs="*", default=[], choices=["bm25", "dense", "server", "rank_bm25", "pyserini"]
     )
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/sleuth-bench-retrieval"))
-    ap.add_argument("--out", type=Path, help="JSON output (default bench/results/retrieval.json, or "
-                    "retrieval_pyserini.json with --vs-pyserini)")
+    ap.add_argument(
+        "--out",
+        type=Path,
+        help="JSON output (default bench/results/retrieval.json, or "
+        "retrieval_pyserini.json with --vs-pyserini)",
+    )
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--vs-pyserini", action="store_true",
-                    help="only the sleuth vs pyserini comparison: in-process and over HTTP, serial and batched")
-    ap.add_argument("--repeats", type=int, default=5, help="--vs-pyserini: timed passes per path (median reported)")
-    ap.add_argument("--span-queries", type=int, default=1000,
-                    help="--vs-pyserini: passage-span queries added to the questions")
+    ap.add_argument(
+        "--vs-pyserini",
+        action="store_true",
+        help="only the sleuth vs pyserini comparison: in-process and over HTTP, serial and batched",
+    )
+    ap.add_argument(
+        "--repeats", type=int, default=5, help="--vs-pyserini: timed passes per path (median reported)"
+    )
+    ap.add_argument(
+        "--span-queries",
+        type=int,
+        default=1000,
+        help="--vs-pyserini: passage-span queries added to the questions",
+    )
     ap.add_argument("--pyserini-threads", type=int, default=1, help="Java threads in pyserini batch_search")
     args = ap.parse_args()
     require_positive(args, "passages", "questions", "single", "repeats", "pyserini_threads")
@@ -583,18 +697,26 @@ def main() -> None:
     if args.vs_pyserini:
         result = compare_with_pyserini(args, corpus, questions)
         print_comparison(result, args.passages)
-        write_json(args.out, {
-            "machine": machine(args.threads),
-            "command": " ".join([Path(sys.executable).name, *sys.argv]),
-            "env": {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "NUMBA_NUM_THREADS")},
-            "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
-            "params": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-            "corpus": {"passages": args.passages, "k": K, "queries": {
-                "questions": f"{len(questions)} single-hop synthetic questions, gold metadata.supporting_ids[0]",
-                "passage spans": f"{args.span_queries} spans of 8 words less 2 from random passages, gold the "
-                                 "source passage"}},
-            **result,
-        })
+        write_json(
+            args.out,
+            {
+                "machine": machine(args.threads),
+                "command": " ".join([Path(sys.executable).name, *sys.argv]),
+                "env": {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "NUMBA_NUM_THREADS")},
+                "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
+                "params": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+                "corpus": {
+                    "passages": args.passages,
+                    "k": K,
+                    "queries": {
+                        "questions": f"{len(questions)} single-hop synthetic questions, gold metadata.supporting_ids[0]",
+                        "passage spans": f"{args.span_queries} spans of 8 words less 2 from random passages, gold the "
+                        "source passage",
+                    },
+                },
+                **result,
+            },
+        )
         print(f"wrote {args.out}")
         return
     rows: list[dict[str, Any]] = []
@@ -644,8 +766,12 @@ def main() -> None:
         try:
             add(name, args.passages, bench_pyserini(corpus, questions, args.workdir, args.single))
         except (PyseriniUnavailable, RuntimeError) as err:
-            add(name, args.passages, None, f"not installed: {err}" if isinstance(err, PyseriniUnavailable)
-                else str(err))
+            add(
+                name,
+                args.passages,
+                None,
+                f"not installed: {err}" if isinstance(err, PyseriniUnavailable) else str(err),
+            )
 
     print_table(rows)
     payload = {

@@ -162,11 +162,21 @@ def machine() -> dict[str, Any]:
     mem = _meminfo_kib("MemTotal") * 1024
     gpu = None
     with contextlib.suppress(OSError, subprocess.SubprocessError):
-        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
-                             text=True, timeout=20)
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=20,
+        )
         gpu = out.stdout.strip() or None
-    return {"cpu": cpu, "cpus": os.cpu_count(), "memory_bytes": mem, "gpu": gpu, "host": platform.node(),
-            "python": platform.python_version()}
+    return {
+        "cpu": cpu,
+        "cpus": os.cpu_count(),
+        "memory_bytes": mem,
+        "gpu": gpu,
+        "host": platform.node(),
+        "python": platform.python_version(),
+    }
 
 
 def _meminfo_kib(key: str) -> int:
@@ -177,7 +187,9 @@ def _meminfo_kib(key: str) -> int:
     return 0
 
 
-def stage_record(name: str, args: argparse.Namespace, t0: float, load0: tuple[float, ...], **fields: Any) -> dict:
+def stage_record(
+    name: str, args: argparse.Namespace, t0: float, load0: tuple[float, ...], **fields: Any
+) -> dict:
     return {
         "stage": name,
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
@@ -209,9 +221,19 @@ def stage_synth(args: argparse.Namespace) -> dict[str, Any]:
     corpus = args.work / "world" / "corpus.jsonl"
     seconds = time.perf_counter() - t0
     return stage_record(
-        "synth", args, t0, load0, passages=args.size, world_passages=world_passages, questions=args.questions,
-        workers=args.workers, seconds=round(seconds, 2), passages_per_second=round(args.size / seconds),
-        corpus_bytes=corpus.stat().st_size, peak_rss_bytes=mem.peak["rss"], peak_anon_bytes=mem.peak["anon"],
+        "synth",
+        args,
+        t0,
+        load0,
+        passages=args.size,
+        world_passages=world_passages,
+        questions=args.questions,
+        workers=args.workers,
+        seconds=round(seconds, 2),
+        passages_per_second=round(args.size / seconds),
+        corpus_bytes=corpus.stat().st_size,
+        peak_rss_bytes=mem.peak["rss"],
+        peak_anon_bytes=mem.peak["anon"],
     )
 
 
@@ -225,8 +247,15 @@ def stage_docstore_build(args: argparse.Namespace) -> dict[str, Any]:
     with PeakMemory() as mem:
         manifest = build_docstore_index(args.work / "world" / "corpus.jsonl", out, args.workers)
     return stage_record(
-        "docstore-build", args, t0, load0, passages=manifest["num_docs"], workers=args.workers,
-        seconds=round(time.perf_counter() - t0, 2), peak_rss_bytes=mem.peak["rss"], peak_anon_bytes=mem.peak["anon"],
+        "docstore-build",
+        args,
+        t0,
+        load0,
+        passages=manifest["num_docs"],
+        workers=args.workers,
+        seconds=round(time.perf_counter() - t0, 2),
+        peak_rss_bytes=mem.peak["rss"],
+        peak_anon_bytes=mem.peak["anon"],
         docstore_bytes=dir_bytes(out / "docstore"),
     )
 
@@ -237,8 +266,10 @@ def whole_corpus_source(args: argparse.Namespace) -> Path:
     for name in ("bm25", "docstore"):
         if (args.work / name / "manifest.json").exists():
             return args.work / name
-    raise SystemExit("the dense index covers the whole corpus, so it reuses a docstore of it: run bm25-build "
-                     "or docstore-build first (or pass --dense-size N for a sample)")
+    raise SystemExit(
+        "the dense index covers the whole corpus, so it reuses a docstore of it: run bm25-build "
+        "or docstore-build first (or pass --dense-size N for a sample)"
+    )
 
 
 def stage_bm25_build(args: argparse.Namespace) -> dict[str, Any]:
@@ -247,13 +278,28 @@ def stage_bm25_build(args: argparse.Namespace) -> dict[str, Any]:
     t0, load0 = time.perf_counter(), os.getloadavg()
     out = args.work / "bm25"
     with PeakMemory() as mem:
-        manifest = build_index(args.work / "world" / "corpus.jsonl", "bm25", out, overwrite=True,
-                               show_progress=False, workers=args.workers, shard_docs=args.shard_docs)
+        manifest = build_index(
+            args.work / "world" / "corpus.jsonl",
+            "bm25",
+            out,
+            overwrite=True,
+            show_progress=False,
+            workers=args.workers,
+            shard_docs=args.shard_docs,
+        )
     return stage_record(
-        "bm25-build", args, t0, load0, passages=manifest["num_docs"], workers=args.workers,
-        shard_docs=args.shard_docs, seconds=round(time.perf_counter() - t0, 2),
-        peak_rss_bytes=mem.peak["rss"], peak_anon_bytes=mem.peak["anon"],
-        index_bytes=dir_bytes(out / "bm25"), docstore_bytes=dir_bytes(out / "docstore"),
+        "bm25-build",
+        args,
+        t0,
+        load0,
+        passages=manifest["num_docs"],
+        workers=args.workers,
+        shard_docs=args.shard_docs,
+        seconds=round(time.perf_counter() - t0, 2),
+        peak_rss_bytes=mem.peak["rss"],
+        peak_anon_bytes=mem.peak["anon"],
+        index_bytes=dir_bytes(out / "bm25"),
+        docstore_bytes=dir_bytes(out / "docstore"),
     )
 
 
@@ -295,9 +341,12 @@ def _batched_qps(url: str, queries: list[str], requests: int, clients: int) -> f
     async def run() -> float:
         todo = iter(batches)
         async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=clients)) as client:
+
             async def loop() -> None:
                 for batch in todo:
-                    r = await client.post(f"{url}/retrieve", json={"queries": batch, "topk": K, "return_scores": False})
+                    r = await client.post(
+                        f"{url}/retrieve", json={"queries": batch, "topk": K, "return_scores": False}
+                    )
                     r.raise_for_status()
 
             t = time.perf_counter()
@@ -313,8 +362,9 @@ def _retrieve(url: str, queries: list[str]) -> list[list[dict]]:
     out: list[list[dict]] = []
     with httpx.Client(timeout=600) as client:
         for i in range(0, len(queries), BATCH):
-            r = client.post(f"{url}/retrieve", json={"queries": queries[i : i + BATCH], "topk": K,
-                                                     "return_scores": True})
+            r = client.post(
+                f"{url}/retrieve", json={"queries": queries[i : i + BATCH], "topk": K, "return_scores": True}
+            )
             r.raise_for_status()
             out += r.json()["result"]
     return out
@@ -337,12 +387,29 @@ def serve_and_measure(
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     log = args.work / f"{name}-server.log"
-    cmd = [sys.executable, "-m", "sleuth.cli", "serve-retriever", "--index", str(index), "--port", str(port),
-           "--threads", str(args.threads), "--worker-threads", str(args.worker_threads),
-           "--workers", str(args.server_workers)]
-    if name == "dense":  # the served search settings (else the index's nprobe and the library's re-rank depth)
-        cmd += [*(["--nprobe", str(args.serve_nprobe)] if args.serve_nprobe else []),
-                *(["--rerank", str(args.serve_rerank)] if args.serve_rerank is not None else [])]
+    cmd = [
+        sys.executable,
+        "-m",
+        "sleuth.cli",
+        "serve-retriever",
+        "--index",
+        str(index),
+        "--port",
+        str(port),
+        "--threads",
+        str(args.threads),
+        "--worker-threads",
+        str(args.worker_threads),
+        "--workers",
+        str(args.server_workers),
+    ]
+    if (
+        name == "dense"
+    ):  # the served search settings (else the index's nprobe and the library's re-rank depth)
+        cmd += [
+            *(["--nprobe", str(args.serve_nprobe)] if args.serve_nprobe else []),
+            *(["--rerank", str(args.serve_rerank)] if args.serve_rerank is not None else []),
+        ]
     t0 = time.perf_counter()
     with open(log, "w") as log_file:
         proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env={**os.environ})
@@ -351,12 +418,16 @@ def serve_and_measure(
         cold_start = time.perf_counter() - t0
         memory_started = tree_memory(proc.pid, pss=True)
         singles = [
-            q for q in questions if q.get("metadata", {}).get("hops") == 1
+            q
+            for q in questions
+            if q.get("metadata", {}).get("hops") == 1
             and (covered is None or str(q["metadata"]["supporting_ids"][0]) in covered)
         ][: args.recall_questions]
         hits = _retrieve(url, [q["question"] for q in singles])
         gold = [str(q["metadata"]["supporting_ids"][0]) for q in singles]
-        gold_recall = float(np.mean([g in {_hit_id(h) for h in hs} for g, hs in zip(gold, hits, strict=True)]))
+        gold_recall = float(
+            np.mean([g in {_hit_id(h) for h in hs} for g, hs in zip(gold, hits, strict=True)])
+        )
         one_client = _batched_qps(url, texts, args.batch_requests, 1)
         many_clients = _batched_qps(url, texts, args.batch_requests, args.batch_clients)
         lat = asyncio.run(_latencies(url, texts, 16, args.latency_seconds))
@@ -371,12 +442,16 @@ def serve_and_measure(
         "server_command": " ".join(cmd[1:]),
         "page_cache_dropped_before_start": dropped,
         "cold_start_seconds": round(cold_start, 2),
-        "rss_after_start_bytes": memory_started["rss"], "anon_after_start_bytes": memory_started["anon"],
-        "rss_after_load_bytes": memory_loaded["rss"], "anon_after_load_bytes": memory_loaded["anon"],
-        "pss_after_start_bytes": memory_started["pss"], "pss_after_load_bytes": memory_loaded["pss"],
+        "rss_after_start_bytes": memory_started["rss"],
+        "anon_after_start_bytes": memory_started["anon"],
+        "rss_after_load_bytes": memory_loaded["rss"],
+        "anon_after_load_bytes": memory_loaded["anon"],
+        "pss_after_start_bytes": memory_started["pss"],
+        "pss_after_load_bytes": memory_loaded["pss"],
         # anon_*: summed anonymous RSS, which counts pages pre-forked workers share once per process;
         # pss_anon_*: the same memory with each shared page split among its processes (counted once)
-        "pss_anon_after_start_bytes": memory_started["pss_anon"], "pss_anon_after_load_bytes": memory_loaded["pss_anon"],
+        "pss_anon_after_start_bytes": memory_started["pss_anon"],
+        "pss_anon_after_load_bytes": memory_loaded["pss_anon"],
         "server_processes": memory_loaded["processes"],  # supervisor + workers (pre-fork), or uvicorn's
         "qps_batch256_one_client": round(one_client, 1),
         f"qps_batch256_{args.batch_clients}_clients": round(many_clients, 1),
@@ -385,7 +460,8 @@ def serve_and_measure(
         "latency_p50_ms": round(float(np.percentile(lat, 50)) * 1000, 2),
         "latency_p99_ms": round(float(np.percentile(lat, 99)) * 1000, 2),
         "qps_concurrency16_single_queries": round(len(lat) / args.latency_seconds, 1),
-        "gold_recall_at_5_single_hop": round(gold_recall, 4), "recall_questions": len(singles),
+        "gold_recall_at_5_single_hop": round(gold_recall, 4),
+        "recall_questions": len(singles),
     }
     return fields, singles, hits
 
@@ -399,7 +475,11 @@ def stage_bm25_serve(args: argparse.Namespace) -> dict[str, Any]:
 def _corpus_passages(args: argparse.Namespace) -> int:
     synth = args.work / "stages" / "synth.json"
     # The driver may delete the big corpus once the BM25 docstore holds its texts: synth.json has its size.
-    return json.loads(synth.read_text())["passages"] if synth.exists() else count_lines(args.work / "world" / "corpus.jsonl")
+    return (
+        json.loads(synth.read_text())["passages"]
+        if synth.exists()
+        else count_lines(args.work / "world" / "corpus.jsonl")
+    )
 
 
 def _dense_is_whole_corpus(args: argparse.Namespace) -> bool:
@@ -430,8 +510,10 @@ def _dense_corpus(args: argparse.Namespace) -> tuple[Path | None, int]:
 def _encoder(device: str | None):
     from sleuth.retrieval.encoders import Encoder, EncoderConfig
 
-    enc = Encoder(EncoderConfig(name=os.environ.get("SLEUTH_ENCODER", "minilm"), batch_size=512 if device else 64),
-                  device=device)
+    enc = Encoder(
+        EncoderConfig(name=os.environ.get("SLEUTH_ENCODER", "minilm"), batch_size=512 if device else 64),
+        device=device,
+    )
     if device and device.startswith("cuda"):
         enc.model.half()  # fp16 on the GPU: the vectors are stored as float16 anyway
     return enc
@@ -460,20 +542,38 @@ def stage_encode(args: argparse.Namespace) -> dict[str, Any]:
     devices = parse_devices(args.devices)
     store = _encode_docstore(args)
     on_gpu = devices[0].startswith("cuda")
-    config = EncoderConfig(name=os.environ.get("SLEUTH_ENCODER", "minilm"), batch_size=args.encode_batch or (
-        512 if on_gpu else 64))
+    config = EncoderConfig(
+        name=os.environ.get("SLEUTH_ENCODER", "minilm"),
+        batch_size=args.encode_batch or (512 if on_gpu else 64),
+    )
     out = args.work / "dense" / "embeddings.f16"
     out.parent.mkdir(parents=True, exist_ok=True)
-    run = encode_docstore_parallel(store, out, config, devices,
-                                   EncodePlan(chunk=args.encode_chunk, procs_per_gpu=args.procs_per_gpu))
+    run = encode_docstore_parallel(
+        store, out, config, devices, EncodePlan(chunk=args.encode_chunk, procs_per_gpu=args.procs_per_gpu)
+    )
     rows, total = run["rows"], _corpus_passages(args)
     return stage_record(
-        "encode", args, t0, load0, passages=rows, corpus_passages=total, sample=rows < total,
-        note=(f"dense covers the first {rows:,} of {total:,} passages (a sample: --dense-size)") if rows < total
+        "encode",
+        args,
+        t0,
+        load0,
+        passages=rows,
+        corpus_passages=total,
+        sample=rows < total,
+        note=(f"dense covers the first {rows:,} of {total:,} passages (a sample: --dense-size)")
+        if rows < total
         else "dense covers the whole corpus",
-        docstore=str(store.directory), encoder=config.name, batch_size=config.batch_size, dim=run["dim"],
-        devices=devices, workers=run["workers"], fp16=on_gpu, chunk=args.encode_chunk, seconds=run["seconds"],
-        encode_seconds=run["encode_seconds"], resumed_ranges=run["resumed_ranges"],
+        docstore=str(store.directory),
+        encoder=config.name,
+        batch_size=config.batch_size,
+        dim=run["dim"],
+        devices=devices,
+        workers=run["workers"],
+        fp16=on_gpu,
+        chunk=args.encode_chunk,
+        seconds=run["seconds"],
+        encode_seconds=run["encode_seconds"],
+        resumed_ranges=run["resumed_ranges"],
         passages_per_second=run["passages_per_second"],
     )
 
@@ -489,17 +589,40 @@ def stage_ivfpq_build(args: argparse.Namespace) -> dict[str, Any]:
     source = {"docstore_from": whole_corpus_source(args)} if corpus is None else {}
     with PeakMemory() as mem:
         manifest = build_index(
-            corpus, "dense", args.work / "ivf", overwrite=True, show_progress=False, threads=args.threads,
-            encoder=_encoder(None).config.name, faiss="ivfpq", nlist=nlist, m=args.pq_m, nbits=args.pq_nbits,
-            nprobe=args.nprobe, shards=args.shards, keep_vectors=True, ivf_device=args.ivf_device,
-            embeddings=str(args.work / "dense" / "embeddings.f16"), **source,
+            corpus,
+            "dense",
+            args.work / "ivf",
+            overwrite=True,
+            show_progress=False,
+            threads=args.threads,
+            encoder=_encoder(None).config.name,
+            faiss="ivfpq",
+            nlist=nlist,
+            m=args.pq_m,
+            nbits=args.pq_nbits,
+            nprobe=args.nprobe,
+            shards=args.shards,
+            keep_vectors=True,
+            ivf_device=args.ivf_device,
+            embeddings=str(args.work / "dense" / "embeddings.f16"),
+            **source,
             **({"train_sample": args.train_sample} if args.train_sample else {}),
         )
     return stage_record(
-        "ivfpq-build", args, t0, load0, passages=manifest["num_docs"], faiss=manifest["faiss"], threads=args.threads,
-        shards=len(manifest["shards"]), train_sample=manifest.get("train_sample"),
-        docstore_reused=corpus is None, ivf_build=manifest.get("ivf_build"),
-        seconds=round(time.perf_counter() - t0, 2), peak_rss_bytes=mem.peak["rss"], peak_anon_bytes=mem.peak["anon"],
+        "ivfpq-build",
+        args,
+        t0,
+        load0,
+        passages=manifest["num_docs"],
+        faiss=manifest["faiss"],
+        threads=args.threads,
+        shards=len(manifest["shards"]),
+        train_sample=manifest.get("train_sample"),
+        docstore_reused=corpus is None,
+        ivf_build=manifest.get("ivf_build"),
+        seconds=round(time.perf_counter() - t0, 2),
+        peak_rss_bytes=mem.peak["rss"],
+        peak_anon_bytes=mem.peak["anon"],
         faiss_bytes=dir_bytes(args.work / "ivf" / "shards"),
         vectors_bytes=(args.work / "ivf" / "vectors.f16").stat().st_size,
         docstore_bytes=dir_bytes(args.work / "ivf" / "docstore"),
@@ -508,8 +631,12 @@ def stage_ivfpq_build(args: argparse.Namespace) -> dict[str, Any]:
 
 def _stored_vectors(args: argparse.Namespace) -> np.ndarray:
     manifest = json.loads((args.work / "ivf" / "manifest.json").read_text())
-    return np.memmap(args.work / "ivf" / "vectors.f16", dtype=np.float16, mode="r",
-                     shape=tuple(manifest["vectors"]["shape"]))
+    return np.memmap(
+        args.work / "ivf" / "vectors.f16",
+        dtype=np.float16,
+        mode="r",
+        shape=tuple(manifest["vectors"]["shape"]),
+    )
 
 
 def exact_search(args: argparse.Namespace, q: np.ndarray, k: int = K + 1) -> tuple[np.ndarray, np.ndarray]:
@@ -529,8 +656,14 @@ def exact_search(args: argparse.Namespace, q: np.ndarray, k: int = K + 1) -> tup
     return best_s, best_i
 
 
-def recall_vs_exact(found_rows: np.ndarray, found_scores: np.ndarray, exact_rows: np.ndarray,
-                    exact_scores_: np.ndarray, k: int = K, eps: float = TIE_EPS) -> tuple[float, float]:
+def recall_vs_exact(
+    found_rows: np.ndarray,
+    found_scores: np.ndarray,
+    exact_rows: np.ndarray,
+    exact_scores_: np.ndarray,
+    k: int = K,
+    eps: float = TIE_EPS,
+) -> tuple[float, float]:
     """(set overlap, tie-aware) recall@k of a search against exact search, averaged over queries.
 
     Set overlap: the share of the exact top-k rows returned. Tie-aware (ann-benchmarks' k-NN recall): a
@@ -538,8 +671,10 @@ def recall_vs_exact(found_rows: np.ndarray, found_scores: np.ndarray, exact_rows
     k-th exact score - `eps`, so a passage tied with the exact k-th one counts whichever of them a search
     keeps; it is never below set overlap when `found_scores` are exact. Rows are (queries, >= k); -1 = none."""
     found_rows, exact_rows = np.asarray(found_rows)[:, :k], np.asarray(exact_rows)[:, :k]
-    overlap = [len(set(f[f >= 0].tolist()) & set(e[e >= 0].tolist())) / k
-               for f, e in zip(found_rows, exact_rows, strict=True)]
+    overlap = [
+        len(set(f[f >= 0].tolist()) & set(e[e >= 0].tolist())) / k
+        for f, e in zip(found_rows, exact_rows, strict=True)
+    ]
     kth = np.asarray(exact_scores_, dtype=np.float32)[:, k - 1 : k]
     hits = (np.asarray(found_scores)[:, :k] >= kth - eps) & (found_rows >= 0)
     return float(np.mean(overlap)), float(np.mean(hits.sum(axis=1) / k))
@@ -569,8 +704,9 @@ def exact_ties(exact_s: np.ndarray, k: int = K, eps: float = TIE_EPS) -> float:
     return float(np.mean(exact_s[:, k] >= exact_s[:, k - 1] - eps))
 
 
-def nprobe_sweep(args: argparse.Namespace, vectors: np.ndarray, exact: tuple[np.ndarray, np.ndarray]
-                 ) -> list[dict[str, Any]]:
+def nprobe_sweep(
+    args: argparse.Namespace, vectors: np.ndarray, exact: tuple[np.ndarray, np.ndarray]
+) -> list[dict[str, Any]]:
     """The index searched in this process at each --sweep-nprobe x --sweep-rerank for the float32 query
     `vectors`: recall@5 against exact search (set overlap and tie-aware) and the search's own q/s (queries
     encoded beforehand, batches of 256, re-ranking included): the recall / speed trade-off a user picks
@@ -589,13 +725,23 @@ def nprobe_sweep(args: argparse.Namespace, vectors: np.ndarray, exact: tuple[np.
             retriever.set_search_params(nprobe=nprobe)
             retriever.search_vectors(vectors[:256], K)  # warm-up: touches the probed lists once
             t0 = time.perf_counter()
-            found = np.concatenate([retriever.search_vectors(vectors[i : i + 256], K)[1]
-                                    for i in range(0, len(vectors), 256)])
+            found = np.concatenate(
+                [retriever.search_vectors(vectors[i : i + 256], K)[1] for i in range(0, len(vectors), 256)]
+            )
             seconds = time.perf_counter() - t0
-            overlap, tie_aware = recall_vs_exact(found, exact_scores(stored, vectors, found), exact[1], exact[0])
-            rows.append({"nprobe": nprobe, "rerank": rerank, "recall_at_5_vs_exact": round(overlap, 4),
-                         "recall_at_5_vs_exact_tie_aware": round(tie_aware, 4),
-                         "search_qps_in_process": round(len(vectors) / seconds, 1), "threads": cores})
+            overlap, tie_aware = recall_vs_exact(
+                found, exact_scores(stored, vectors, found), exact[1], exact[0]
+            )
+            rows.append(
+                {
+                    "nprobe": nprobe,
+                    "rerank": rerank,
+                    "recall_at_5_vs_exact": round(overlap, 4),
+                    "recall_at_5_vs_exact_tie_aware": round(tie_aware, 4),
+                    "search_qps_in_process": round(len(vectors) / seconds, 1),
+                    "threads": cores,
+                }
+            )
     retriever.close()
     return rows
 
@@ -613,8 +759,12 @@ def served_batch_phases(args: argparse.Namespace, questions: list[str], batches:
     from sleuth.retrieval.server import encode_result
 
     torch.set_num_threads(args.threads)  # as each server worker (serve-retriever --threads)
-    retriever = load_retriever(args.work / "ivf", threads=args.threads, rerank=served_rerank(args),
-                               **({"nprobe": args.serve_nprobe} if args.serve_nprobe else {}))
+    retriever = load_retriever(
+        args.work / "ivf",
+        threads=args.threads,
+        rerank=served_rerank(args),
+        **({"nprobe": args.serve_nprobe} if args.serve_nprobe else {}),
+    )
     depth = retriever.rerank
     times: dict[str, list[float]] = {k: [] for k in ("encode", "scan", "rerank", "docstore", "json")}
     for b in range(batches + 1):
@@ -628,23 +778,35 @@ def served_batch_phases(args: argparse.Namespace, questions: list[str], batches:
         retriever.rerank = depth
         scores, rows = retriever.search_vectors(vectors, K)
         t3 = time.perf_counter()
-        hits = hits_from_rows(retriever.docstore, [r[r >= 0] for r in rows],
-                              [s[r >= 0] for s, r in zip(scores, rows, strict=True)])
+        hits = hits_from_rows(
+            retriever.docstore,
+            [r[r >= 0] for r in rows],
+            [s[r >= 0] for s, r in zip(scores, rows, strict=True)],
+        )
         t4 = time.perf_counter()
         encode_result(hits, True)
         t5 = time.perf_counter()
         if b:  # the first batch warms the probed lists, the encoder and the reads
-            for key, seconds in zip(times, (t1 - t0, t2 - t1, (t3 - t2) - (t2 - t1), t4 - t3, t5 - t4), strict=True):
+            for key, seconds in zip(
+                times, (t1 - t0, t2 - t1, (t3 - t2) - (t2 - t1), t4 - t3, t5 - t4), strict=True
+            ):
                 times[key].append(seconds)
     retriever.close()
     ms = {key: round(1000 * float(np.median(v)), 1) for key, v in times.items()}
     total = sum(ms.values())
     cores = len(os.sched_getaffinity(0))
-    return {"threads": args.threads, "rerank": depth, "batches": batches, "phase_ms": ms, "total_ms": round(total, 1),
-            "qps_bound_all_cores": round(cores * 256 / (args.threads * total / 1000), 1), "cores": cores,
-            "note": "median ms a 256-query batch per phase (scan: IVF-PQ search alone; rerank: the search with the "
-                    "exact re-rank minus the scan); qps_bound_all_cores: cores x 256 / (threads x total), "
-                    "a worker's threads counted busy for the whole batch"}
+    return {
+        "threads": args.threads,
+        "rerank": depth,
+        "batches": batches,
+        "phase_ms": ms,
+        "total_ms": round(total, 1),
+        "qps_bound_all_cores": round(cores * 256 / (args.threads * total / 1000), 1),
+        "cores": cores,
+        "note": "median ms a 256-query batch per phase (scan: IVF-PQ search alone; rerank: the search with the "
+        "exact re-rank minus the scan); qps_bound_all_cores: cores x 256 / (threads x total), "
+        "a worker's threads counted busy for the whole batch",
+    }
 
 
 def served_rerank(args: argparse.Namespace) -> int:
@@ -660,25 +822,48 @@ def stage_dense_serve(args: argparse.Namespace) -> dict[str, Any]:
 
     store = DocStore(args.work / "ivf" / "docstore")
     # A sample covers only some gold passages; the whole corpus covers all (no 21M-id set in memory).
-    covered = None if store.num_docs >= _corpus_passages(args) else {
-        i for start in range(0, store.num_docs, 65536) for i in store.ids(range(start, min(start + 65536, store.num_docs)))}
+    covered = (
+        None
+        if store.num_docs >= _corpus_passages(args)
+        else {
+            i
+            for start in range(0, store.num_docs, 65536)
+            for i in store.ids(range(start, min(start + 65536, store.num_docs)))
+        }
+    )
     fields, singles, hits = serve_and_measure(args, args.work / "ivf", "dense", covered)
     # encoded once, for the exact search and the sweep (the server encodes its own)
     query_vectors = _encoder(None).encode_queries([q["question"] for q in singles]).astype(np.float32)
     exact = exact_search(args, query_vectors)
     served = rows_of_ids(store, [[_hit_id(h) for h in hs] for hs in hits])
-    overlap, tie_aware = recall_vs_exact(served, exact_scores(_stored_vectors(args), query_vectors, served), exact[1],
-                                         exact[0])
-    encode = json.loads((args.work / "stages" / "encode.json").read_text()) if (
-        args.work / "stages" / "encode.json").exists() else {}
+    overlap, tie_aware = recall_vs_exact(
+        served, exact_scores(_stored_vectors(args), query_vectors, served), exact[1], exact[0]
+    )
+    encode = (
+        json.loads((args.work / "stages" / "encode.json").read_text())
+        if (args.work / "stages" / "encode.json").exists()
+        else {}
+    )
     sweep = nprobe_sweep(args, query_vectors, exact) if args.sweep_nprobe else []
     phases = served_batch_phases(args, [q["question"] for q in _questions(args.work)])
-    return stage_record("dense-serve", args, t0, load0, **fields,
-                        recall_at_5_vs_exact=round(overlap, 4), recall_at_5_vs_exact_tie_aware=round(tie_aware, 4),
-                        tie_eps=TIE_EPS, exact_ties_at_5=round(exact_ties(exact[0]), 4), exact_questions=len(exact[0]),
-                        nprobe=args.serve_nprobe or args.nprobe, rerank=served_rerank(args), nprobe_sweep=sweep,
-                        served_batch_phases=phases,
-                        sample=encode.get("sample"), note=encode.get("note"))
+    return stage_record(
+        "dense-serve",
+        args,
+        t0,
+        load0,
+        **fields,
+        recall_at_5_vs_exact=round(overlap, 4),
+        recall_at_5_vs_exact_tie_aware=round(tie_aware, 4),
+        tie_eps=TIE_EPS,
+        exact_ties_at_5=round(exact_ties(exact[0]), 4),
+        exact_questions=len(exact[0]),
+        nprobe=args.serve_nprobe or args.nprobe,
+        rerank=served_rerank(args),
+        nprobe_sweep=sweep,
+        served_batch_phases=phases,
+        sample=encode.get("sample"),
+        note=encode.get("note"),
+    )
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -695,11 +880,15 @@ def report(args: argparse.Namespace) -> dict[str, Any]:
             skipped[name] = (args.work / "stages" / f"{name}{SKIPPED}").read_text().strip()
     # The docstore-only build is needed only when no BM25 build wrote the docstore.
     not_needed = {"docstore-build"} if "bm25-build" in stages else set()
-    result = {"bench": "retrieval_scale", "machine": machine(),
-              "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-              "command": " ".join([Path(sys.executable).name, *sys.argv]), "stages": stages,
-              "skipped_stages": skipped,
-              "missing_stages": [s for s in STAGES if s not in stages and s not in skipped and s not in not_needed]}
+    result = {
+        "bench": "retrieval_scale",
+        "machine": machine(),
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "stages": stages,
+        "skipped_stages": skipped,
+        "missing_stages": [s for s in STAGES if s not in stages and s not in skipped and s not in not_needed],
+    }
     path = out_path(args.out, "retrieval_scale.json")
     write_json(path, result)
     print_table(result)
@@ -715,48 +904,89 @@ def _gb(n: Any) -> str:
 
 def print_table(result: dict[str, Any]) -> None:
     s = result["stages"]
-    rows: list[tuple[str, str]] = [("machine", f"{result['machine']['cpu']} x{result['machine']['cpus']}, "
-                                               f"{_gb(result['machine']['memory_bytes'])}, GPU {result['machine']['gpu']}")]
+    rows: list[tuple[str, str]] = [
+        (
+            "machine",
+            f"{result['machine']['cpu']} x{result['machine']['cpus']}, "
+            f"{_gb(result['machine']['memory_bytes'])}, GPU {result['machine']['gpu']}",
+        )
+    ]
     if "synth" in s:
         x = s["synth"]
-        rows += [("corpus", f"{x['passages']:,} passages, {_gb(x['corpus_bytes'])}, {x['seconds']} s "
-                            f"({x['workers']} workers), peak anon {_gb(x['peak_anon_bytes'])}")]
+        rows += [
+            (
+                "corpus",
+                f"{x['passages']:,} passages, {_gb(x['corpus_bytes'])}, {x['seconds']} s "
+                f"({x['workers']} workers), peak anon {_gb(x['peak_anon_bytes'])}",
+            )
+        ]
     if "docstore-build" in s:
         x = s["docstore-build"]
-        rows += [("docstore build", f"{x['passages']:,} passages, {x['seconds']} s ({x['workers']} workers), "
-                                    f"peak RSS {_gb(x['peak_rss_bytes'])} (anon {_gb(x['peak_anon_bytes'])}), "
-                                    f"docstore {_gb(x['docstore_bytes'])}")]
+        rows += [
+            (
+                "docstore build",
+                f"{x['passages']:,} passages, {x['seconds']} s ({x['workers']} workers), "
+                f"peak RSS {_gb(x['peak_rss_bytes'])} (anon {_gb(x['peak_anon_bytes'])}), "
+                f"docstore {_gb(x['docstore_bytes'])}",
+            )
+        ]
     for key, label in (("bm25-build", "BM25 build"), ("ivfpq-build", "IVF-PQ build")):
         if key in s:
             x = s[key]
             size = x.get("index_bytes", x.get("faiss_bytes"))
-            rows += [(label, f"{x['passages']:,} passages, {x['seconds']} s, peak RSS {_gb(x['peak_rss_bytes'])} "
-                             f"(anon {_gb(x['peak_anon_bytes'])}), index {_gb(size)}")]
+            rows += [
+                (
+                    label,
+                    f"{x['passages']:,} passages, {x['seconds']} s, peak RSS {_gb(x['peak_rss_bytes'])} "
+                    f"(anon {_gb(x['peak_anon_bytes'])}), index {_gb(size)}",
+                )
+            ]
     if "encode" in s:
         x = s["encode"]
-        rows += [("encode", f"{x['passages']:,} passages on {','.join(x['devices'])} ({x['workers']} processes), "
-                            f"{x['passages_per_second']:,} /s, {x['seconds']} s" + (" (sample)" if x["sample"] else ""))]
+        rows += [
+            (
+                "encode",
+                f"{x['passages']:,} passages on {','.join(x['devices'])} ({x['workers']} processes), "
+                f"{x['passages_per_second']:,} /s, {x['seconds']} s" + (" (sample)" if x["sample"] else ""),
+            )
+        ]
     for key, label in (("bm25-serve", "BM25 serve"), ("dense-serve", "IVF-PQ serve")):
         if key in s:
             x = s[key]
             many = next(v for k, v in x.items() if k.startswith("qps_batch256_") and k.endswith("_clients"))
-            text = (f"cold start {x['cold_start_seconds']} s, q/s@256 {x['qps_batch256_one_client']:,} "
-                    f"({many:,} with {x['batch_clients']} clients), p50/p99@16 {x['latency_p50_ms']}/"
-                    f"{x['latency_p99_ms']} ms, RSS {_gb(x['rss_after_load_bytes'])} (anon "
-                    f"{_gb(x['anon_after_load_bytes'])}"
-                    + (f", PSS {_gb(x['pss_after_load_bytes'])}" if "pss_after_load_bytes" in x else "")
-                    + (f", anon PSS {_gb(x['pss_anon_after_load_bytes'])}" if "pss_anon_after_load_bytes" in x else "")
-                    + f"), gold R@5 {x['gold_recall_at_5_single_hop']}")
+            text = (
+                f"cold start {x['cold_start_seconds']} s, q/s@256 {x['qps_batch256_one_client']:,} "
+                f"({many:,} with {x['batch_clients']} clients), p50/p99@16 {x['latency_p50_ms']}/"
+                f"{x['latency_p99_ms']} ms, RSS {_gb(x['rss_after_load_bytes'])} (anon "
+                f"{_gb(x['anon_after_load_bytes'])}"
+                + (f", PSS {_gb(x['pss_after_load_bytes'])}" if "pss_after_load_bytes" in x else "")
+                + (
+                    f", anon PSS {_gb(x['pss_anon_after_load_bytes'])}"
+                    if "pss_anon_after_load_bytes" in x
+                    else ""
+                )
+                + f"), gold R@5 {x['gold_recall_at_5_single_hop']}"
+            )
             if "recall_at_5_vs_exact" in x:
                 text += f", R@5 vs exact {x['recall_at_5_vs_exact']}"
                 if "recall_at_5_vs_exact_tie_aware" in x:
-                    text += (f" (tie-aware {x['recall_at_5_vs_exact_tie_aware']}; exact 6th within {x['tie_eps']} "
-                             f"of the 5th for {x['exact_ties_at_5']:.0%} of queries)")
+                    text += (
+                        f" (tie-aware {x['recall_at_5_vs_exact_tie_aware']}; exact 6th within {x['tie_eps']} "
+                        f"of the 5th for {x['exact_ties_at_5']:.0%} of queries)"
+                    )
             if x.get("nprobe_sweep"):
                 text += "; nprobe[/rerank]: R@5 vs exact[/tie-aware], search q/s: " + ", ".join(
-                    f"{r['nprobe']}" + (f"/{r['rerank']}" if "rerank" in r else "") + f": {r['recall_at_5_vs_exact']}"
-                    + (f"/{r['recall_at_5_vs_exact_tie_aware']}" if "recall_at_5_vs_exact_tie_aware" in r else "")
-                    + f", {r['search_qps_in_process']:,}" for r in x["nprobe_sweep"])
+                    f"{r['nprobe']}"
+                    + (f"/{r['rerank']}" if "rerank" in r else "")
+                    + f": {r['recall_at_5_vs_exact']}"
+                    + (
+                        f"/{r['recall_at_5_vs_exact_tie_aware']}"
+                        if "recall_at_5_vs_exact_tie_aware" in r
+                        else ""
+                    )
+                    + f", {r['search_qps_in_process']:,}"
+                    for r in x["nprobe_sweep"]
+                )
             rows += [(label, text)]
     rows += [(name, f"skipped: {why}") for name, why in result.get("skipped_stages", {}).items()]
     width = max(len(r[0]) for r in rows)
@@ -766,75 +996,173 @@ def print_table(result: dict[str, Any]) -> None:
 # ---------------------------------------------------------------------------------------------------
 
 
-RUNNERS = {"synth": stage_synth, "docstore-build": stage_docstore_build, "bm25-build": stage_bm25_build, "bm25-serve": stage_bm25_serve,
-           "encode": stage_encode, "ivfpq-build": stage_ivfpq_build, "dense-serve": stage_dense_serve}
+RUNNERS = {
+    "synth": stage_synth,
+    "docstore-build": stage_docstore_build,
+    "bm25-build": stage_bm25_build,
+    "bm25-serve": stage_bm25_serve,
+    "encode": stage_encode,
+    "ivfpq-build": stage_ivfpq_build,
+    "dense-serve": stage_dense_serve,
+}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("stage", choices=[*STAGES, "dense-corpus", "report", "all"],
-                   help="dense-corpus: only cut the dense sample's corpus (so the full corpus can be deleted)")
+    p.add_argument(
+        "stage",
+        choices=[*STAGES, "dense-corpus", "report", "all"],
+        help="dense-corpus: only cut the dense sample's corpus (so the full corpus can be deleted)",
+    )
     p.add_argument("--work", type=Path, required=True, help="Work folder (corpus, indexes, stages/*.json).")
-    p.add_argument("--out", default=None, help="Result JSON (default $OUT/ or bench/results/retrieval_scale.json).")
+    p.add_argument(
+        "--out", default=None, help="Result JSON (default $OUT/ or bench/results/retrieval_scale.json)."
+    )
     p.add_argument("--size", type=int, default=2_000_000, help="Corpus passages (world + distractors).")
     p.add_argument("--world-passages", type=int, default=20_000, help="The world's own passages (gold).")
     p.add_argument("--questions", type=int, default=2_000)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--workers", type=int, default=os.cpu_count() or 1,
-                   help="Processes for synth, the docstore and the BM25 build.")
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=os.cpu_count() or 1,
+        help="Processes for synth, the docstore and the BM25 build.",
+    )
     p.add_argument("--shard-docs", type=int, default=250_000)
-    p.add_argument("--threads", type=int, default=1, help="serve-retriever --threads (and IVF-PQ build threads).")
+    p.add_argument(
+        "--threads", type=int, default=1, help="serve-retriever --threads (and IVF-PQ build threads)."
+    )
     p.add_argument("--worker-threads", type=int, default=1, help="serve-retriever --worker-threads.")
     p.add_argument("--server-workers", type=int, default=1, help="serve-retriever --workers (processes).")
-    p.add_argument("--batch-requests", type=int, default=40, help="Requests of 256 queries per q/s measurement.")
-    p.add_argument("--batch-clients", type=int, default=None,
-                   help="Clients sending batches of 256 at once for the batched q/s (default: --server-workers, "
-                        "so every server worker is busy: the server's saturated rate; one client is measured too).")
+    p.add_argument(
+        "--batch-requests", type=int, default=40, help="Requests of 256 queries per q/s measurement."
+    )
+    p.add_argument(
+        "--batch-clients",
+        type=int,
+        default=None,
+        help="Clients sending batches of 256 at once for the batched q/s (default: --server-workers, "
+        "so every server worker is busy: the server's saturated rate; one client is measured too).",
+    )
     p.add_argument("--latency-seconds", type=float, default=20.0)
     p.add_argument("--recall-questions", type=int, default=500)
     p.add_argument("--start-timeout", type=float, default=600.0)
-    p.add_argument("--drop-cache", action="store_true", help="Drop the page cache before each server start (root).")
-    p.add_argument("--dense-size", type=int, default=None,
-                   help="Passages the dense index covers (the first N; default: the whole corpus, which reuses "
-                        "the BM25 build's docstore).")
-    p.add_argument("--devices", "--device", dest="devices", default="cpu",
-                   help="Encode stage: 'all' (one process per visible GPU), 'cuda:0,cuda:1', or 'cpu' / 'cpu,cpu'.")
-    p.add_argument("--encode-batch", type=int, default=None, help="Encoder batch (default 512 on GPUs, 64 on CPU).")
-    p.add_argument("--procs-per-gpu", type=int, default=None,
-                   help="Encode stage: worker processes per GPU (default: cores / GPUs).")
-    p.add_argument("--encode-chunk", type=int, default=16384,
-                   help="Passages a worker reads and sorts by length at a time.")
+    p.add_argument(
+        "--drop-cache", action="store_true", help="Drop the page cache before each server start (root)."
+    )
+    p.add_argument(
+        "--dense-size",
+        type=int,
+        default=None,
+        help="Passages the dense index covers (the first N; default: the whole corpus, which reuses "
+        "the BM25 build's docstore).",
+    )
+    p.add_argument(
+        "--devices",
+        "--device",
+        dest="devices",
+        default="cpu",
+        help="Encode stage: 'all' (one process per visible GPU), 'cuda:0,cuda:1', or 'cpu' / 'cpu,cpu'.",
+    )
+    p.add_argument(
+        "--encode-batch", type=int, default=None, help="Encoder batch (default 512 on GPUs, 64 on CPU)."
+    )
+    p.add_argument(
+        "--procs-per-gpu",
+        type=int,
+        default=None,
+        help="Encode stage: worker processes per GPU (default: cores / GPUs).",
+    )
+    p.add_argument(
+        "--encode-chunk",
+        type=int,
+        default=16384,
+        help="Passages a worker reads and sorts by length at a time.",
+    )
     p.add_argument("--nlist", type=int, default=None, help="IVF lists (default: power of 2 near 4 sqrt(N)).")
     p.add_argument("--pq-m", type=int, default=48)
-    p.add_argument("--pq-nbits", type=int, choices=(4, 8), default=8,
-                   help="Bits per PQ code; 4 stores the codes in faiss's fast-scan layout (SIMD scan: pair it with "
-                        "twice --pq-m for the same bytes a vector).")
-    p.add_argument("--train-sample", type=int, default=None,
-                   help="IVF-PQ training vectors (default 64 x nlist; training time grows with it x nlist).")
+    p.add_argument(
+        "--pq-nbits",
+        type=int,
+        choices=(4, 8),
+        default=8,
+        help="Bits per PQ code; 4 stores the codes in faiss's fast-scan layout (SIMD scan: pair it with "
+        "twice --pq-m for the same bytes a vector).",
+    )
+    p.add_argument(
+        "--train-sample",
+        type=int,
+        default=None,
+        help="IVF-PQ training vectors (default 64 x nlist; training time grows with it x nlist).",
+    )
     p.add_argument("--nprobe", type=int, default=32)
-    p.add_argument("--serve-nprobe", type=int, default=None,
-                   help="dense-serve: serve-retriever --nprobe (default: the index's, --nprobe at build time)")
-    p.add_argument("--serve-rerank", type=int, default=None,
-                   help="dense-serve: serve-retriever --rerank, exact re-rank depth (default: the library's, 64)")
-    p.add_argument("--sweep-nprobe", type=int, nargs="*", default=[16, 32, 64, 128],
-                   help="dense-serve: also search in process at each of these nprobe values (recall@5 vs exact, q/s)")
-    p.add_argument("--sweep-rerank", type=int, nargs="*", default=[],
-                   help="dense-serve: the sweep's exact re-rank depths (candidates per query; default: the served "
-                        "one, sleuth.retrieval.sharded.DEFAULT_RERANK); each runs every --sweep-nprobe value")
-    p.add_argument("--ivf-device", default="auto",
-                   help="IVF-PQ build: where the coarse k-means and list assignment run (auto: a GPU when torch "
-                        "sees one; cpu: faiss alone; torch-cpu; cuda[:N]). Phase seconds go in the stage JSON.")
+    p.add_argument(
+        "--serve-nprobe",
+        type=int,
+        default=None,
+        help="dense-serve: serve-retriever --nprobe (default: the index's, --nprobe at build time)",
+    )
+    p.add_argument(
+        "--serve-rerank",
+        type=int,
+        default=None,
+        help="dense-serve: serve-retriever --rerank, exact re-rank depth (default: the library's, 64)",
+    )
+    p.add_argument(
+        "--sweep-nprobe",
+        type=int,
+        nargs="*",
+        default=[16, 32, 64, 128],
+        help="dense-serve: also search in process at each of these nprobe values (recall@5 vs exact, q/s)",
+    )
+    p.add_argument(
+        "--sweep-rerank",
+        type=int,
+        nargs="*",
+        default=[],
+        help="dense-serve: the sweep's exact re-rank depths (candidates per query; default: the served "
+        "one, sleuth.retrieval.sharded.DEFAULT_RERANK); each runs every --sweep-nprobe value",
+    )
+    p.add_argument(
+        "--ivf-device",
+        default="auto",
+        help="IVF-PQ build: where the coarse k-means and list assignment run (auto: a GPU when torch "
+        "sees one; cpu: faiss alone; torch-cpu; cuda[:N]). Phase seconds go in the stage JSON.",
+    )
     p.add_argument("--shards", type=int, default=1)
     args = p.parse_args(argv)
-    for name in ("size", "workers", "shard_docs", "threads", "worker_threads", "server_workers", "batch_requests",
-                 "batch_clients", "recall_questions", "dense_size", "pq_m", "nprobe", "shards", "encode_batch",
-                 "encode_chunk", "procs_per_gpu", "train_sample"):
+    for name in (
+        "size",
+        "workers",
+        "shard_docs",
+        "threads",
+        "worker_threads",
+        "server_workers",
+        "batch_requests",
+        "batch_clients",
+        "recall_questions",
+        "dense_size",
+        "pq_m",
+        "nprobe",
+        "shards",
+        "encode_batch",
+        "encode_chunk",
+        "procs_per_gpu",
+        "train_sample",
+    ):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if any(n < 1 for n in args.sweep_nprobe):
         p.error(f"--sweep-nprobe values must be >= 1, got {args.sweep_nprobe}")
-    if args.serve_nprobe is not None and args.serve_nprobe < 1 or args.serve_rerank is not None and args.serve_rerank < 0:
-        p.error(f"--serve-nprobe must be >= 1 and --serve-rerank >= 0, got {args.serve_nprobe}, {args.serve_rerank}")
+    if (
+        args.serve_nprobe is not None
+        and args.serve_nprobe < 1
+        or args.serve_rerank is not None
+        and args.serve_rerank < 0
+    ):
+        p.error(
+            f"--serve-nprobe must be >= 1 and --serve-rerank >= 0, got {args.serve_nprobe}, {args.serve_rerank}"
+        )
     if any(n < 0 for n in args.sweep_rerank):
         p.error(f"--sweep-rerank values must be >= 0, got {args.sweep_rerank}")
     if args.batch_clients is None:

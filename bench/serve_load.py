@@ -45,8 +45,17 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[rank - 1]
 
 
-async def run_phase(base: str, questions: list[str], *, name: str, requests: int, duration_s: float,
-                    concurrency: int, bad_every: int = 0, max_turns: int | None = None) -> dict[str, Any]:
+async def run_phase(
+    base: str,
+    questions: list[str],
+    *,
+    name: str,
+    requests: int,
+    duration_s: float,
+    concurrency: int,
+    bad_every: int = 0,
+    max_turns: int | None = None,
+) -> dict[str, Any]:
     import httpx
 
     latencies: list[float] = []
@@ -128,14 +137,20 @@ async def _health(base: str) -> dict[str, Any]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="tiny", help="searcher model: tiny (default) or smollm2-135m-instruct")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--model", default="tiny", help="searcher model: tiny (default) or smollm2-135m-instruct"
+    )
     parser.add_argument("--loop", default="s3")
     parser.add_argument("--requests", type=int, default=200, help="requests per concurrent phase")
     parser.add_argument("--duration-s", type=float, default=60.0, help="time limit per phase")
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--sequential-requests", type=int, default=20)
-    parser.add_argument("--bad-every", type=int, default=4, help="mixed phase: every N-th request is malformed")
+    parser.add_argument(
+        "--bad-every", type=int, default=4, help="mixed phase: every N-th request is malformed"
+    )
     # Small budgets by default: the tiny model's 512-token vocabulary makes an s3 prompt ~1.6k tokens.
     parser.add_argument("--max-turns", type=int, default=1)
     parser.add_argument("--top-k", type=int, default=3)
@@ -144,7 +159,9 @@ def main() -> None:
     parser.add_argument("--max-obs-tokens", type=int, default=128)
     parser.add_argument("--max-batch", type=int, default=16)
     parser.add_argument("--batch-wait-ms", type=float, default=10.0)
-    parser.add_argument("--device", default=None, help="torch device of the searcher (default: cuda if available)")
+    parser.add_argument(
+        "--device", default=None, help="torch device of the searcher (default: cuda if available)"
+    )
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
 
@@ -164,12 +181,19 @@ def main() -> None:
         build_index(world / "corpus.jsonl", "bm25", world / "bm25")
         questions = [ex.question for ex in load_qa(world / "train.jsonl")]
         t0 = time.perf_counter()
-        service = build_service(ServiceSpec(
-            model=args.model, loop=args.loop, loop_options={"max_turns": args.max_turns, "top_k": args.top_k}, index=world / "bm25",
-            limits=ServeLimits(max_batch=args.max_batch, batch_wait_ms=args.batch_wait_ms, timeout_s=300),
-            max_new_tokens_per_turn=args.max_new_tokens_per_turn, max_obs_tokens=args.max_obs_tokens,
-            max_response_tokens=args.max_response_tokens, device=args.device,
-        ))
+        service = build_service(
+            ServiceSpec(
+                model=args.model,
+                loop=args.loop,
+                loop_options={"max_turns": args.max_turns, "top_k": args.top_k},
+                index=world / "bm25",
+                limits=ServeLimits(max_batch=args.max_batch, batch_wait_ms=args.batch_wait_ms, timeout_s=300),
+                max_new_tokens_per_turn=args.max_new_tokens_per_turn,
+                max_obs_tokens=args.max_obs_tokens,
+                max_response_tokens=args.max_response_tokens,
+                device=args.device,
+            )
+        )
         load_s = time.perf_counter() - t0
         phases = []
         with serve_in_thread(create_app(service)) as base:
@@ -178,33 +202,47 @@ def main() -> None:
             for spec in (
                 dict(name="sequential", requests=args.sequential_requests, concurrency=1),
                 dict(name="concurrent", requests=args.requests, concurrency=args.concurrency),
-                dict(name="mixed-bad", requests=args.requests, concurrency=args.concurrency,
-                     bad_every=args.bad_every),
+                dict(
+                    name="mixed-bad",
+                    requests=args.requests,
+                    concurrency=args.concurrency,
+                    bad_every=args.bad_every,
+                ),
             ):
                 phases.append(asyncio.run(run_phase(base, questions, duration_s=args.duration_s, **spec)))
             health = asyncio.run(_health(base))
         service.close()
 
-    header = f"{'phase':<11} {'conc':>4} {'reqs':>5} {'ok':>5} {'4xx(bad)':>8} {'failed':>6} " \
-             f"{'req/s':>7} {'p50 s':>7} {'p95 s':>7} {'batch':>6} {'rollouts':>8}"
+    header = (
+        f"{'phase':<11} {'conc':>4} {'reqs':>5} {'ok':>5} {'4xx(bad)':>8} {'failed':>6} "
+        f"{'req/s':>7} {'p50 s':>7} {'p95 s':>7} {'batch':>6} {'rollouts':>8}"
+    )
     device = str(getattr(service.generator.inner, "device", "?"))
-    print(f"searcher {args.model} on {device} / {args.loop}, max_turns {args.max_turns}, top_k {args.top_k}, "
-          f"{args.max_new_tokens_per_turn} "
-          f"tokens/turn, torch threads {torch.get_num_threads()}, model load {load_s:.1f} s")
+    print(
+        f"searcher {args.model} on {device} / {args.loop}, max_turns {args.max_turns}, top_k {args.top_k}, "
+        f"{args.max_new_tokens_per_turn} "
+        f"tokens/turn, torch threads {torch.get_num_threads()}, model load {load_s:.1f} s"
+    )
     print(header)
     print("-" * len(header))
     for p in phases:
-        print(f"{p['phase']:<11} {p['concurrency']:>4} {p['requests']:>5} {p['ok']:>5} {p['expected_4xx']:>8} "
-              f"{p['failed'] + p['unexpected_4xx']:>6} {p['throughput_rps']:>7.2f} {p['p50_s'] or 0:>7.3f} "
-              f"{p['p95_s'] or 0:>7.3f} {p['mean_batch_size'] or 0:>6.2f} {p['rollouts']:>8}")
+        print(
+            f"{p['phase']:<11} {p['concurrency']:>4} {p['requests']:>5} {p['ok']:>5} {p['expected_4xx']:>8} "
+            f"{p['failed'] + p['unexpected_4xx']:>6} {p['throughput_rps']:>7.2f} {p['p50_s'] or 0:>7.3f} "
+            f"{p['p95_s'] or 0:>7.3f} {p['mean_batch_size'] or 0:>6.2f} {p['rollouts']:>8}"
+        )
     result = {
         "bench": "serve_load",
         "model": args.model,
         "loop": args.loop,
         "config": vars(args),
-        "platform": {"python": platform.python_version(), "machine": platform.machine(), "device": device,
-                     "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-                     "torch_threads": torch.get_num_threads()},
+        "platform": {
+            "python": platform.python_version(),
+            "machine": platform.machine(),
+            "device": device,
+            "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+            "torch_threads": torch.get_num_threads(),
+        },
         "model_load_s": round(load_s, 2),
         "phases": phases,
         "server_stats": health["stats"],

@@ -38,5 +38,11 @@ class RehearsalLoop(SearchR1Loop):
         return outcome
 
 
-register_method(Method(loop=RehearsalLoop, title="Search-R1's loop with a scripted search in every turn (benchmarks)",
-                       default_reward={"name": "search_r1_em"}, new_tokens_factor=2))
+register_method(
+    Method(
+        loop=RehearsalLoop,
+        title="Search-R1's loop with a scripted search in every turn (benchmarks)",
+        default_reward={"name": "search_r1_em"},
+        new_tokens_factor=2,
+    )
+)

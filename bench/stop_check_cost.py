@@ -60,7 +60,9 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tokenizer", default=str(_common.DEFAULT_TOKENIZER))
     ap.add_argument("--rows", type=int, default=64)
-    ap.add_argument("--chunk", type=int, default=8, help="tokens per row per check (the generator's sync_every)")
+    ap.add_argument(
+        "--chunk", type=int, default=8, help="tokens per row per check (the generator's sync_every)"
+    )
     ap.add_argument("--chunks", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", default=None)
@@ -73,24 +75,42 @@ def main(argv: list[str] | None = None) -> None:
     vocabulary_s = time.perf_counter() - started
     rows = []
     for filtered in (False, True):
-        per_chunk = [time_chunks(tokenizer, args.rows, args.chunk, args.chunks, filtered, seed) for seed in
-                     range(args.repeats)]
-        rows.append({"path": "tails after tokens that may end a stop" if filtered else "tails after every token",
-                     "ms_per_chunk_median": round(1e3 * sorted(per_chunk)[len(per_chunk) // 2], 3),
-                     "ms_per_chunk_each": [round(1e3 * t, 3) for t in per_chunk]})
+        per_chunk = [
+            time_chunks(tokenizer, args.rows, args.chunk, args.chunks, filtered, seed)
+            for seed in range(args.repeats)
+        ]
+        rows.append(
+            {
+                "path": "tails after tokens that may end a stop" if filtered else "tails after every token",
+                "ms_per_chunk_median": round(1e3 * sorted(per_chunk)[len(per_chunk) // 2], 3),
+                "ms_per_chunk_each": [round(1e3 * t, 3) for t in per_chunk],
+            }
+        )
     for r in rows:
         r["each"] = ", ".join(f"{t:.2f}" for t in r["ms_per_chunk_each"])
-    _common.print_table(f"stop check per chunk: {args.rows} rows x {args.chunk} tokens, stops {STOPS}",
-                        [("path", "path"), ("ms_per_chunk_median", "ms per chunk (median)"), ("each", "each repeat")],
-                        rows, [f"tokenizer {getattr(tokenizer, 'name_or_path', '?')} ({len(tokenizer):,} ids): "
-                               f"one-time decode of the vocabulary {vocabulary_s:.2f} s"])
+    _common.print_table(
+        f"stop check per chunk: {args.rows} rows x {args.chunk} tokens, stops {STOPS}",
+        [("path", "path"), ("ms_per_chunk_median", "ms per chunk (median)"), ("each", "each repeat")],
+        rows,
+        [
+            f"tokenizer {getattr(tokenizer, 'name_or_path', '?')} ({len(tokenizer):,} ids): "
+            f"one-time decode of the vocabulary {vocabulary_s:.2f} s"
+        ],
+    )
     for r in rows:
         del r["each"]
-    result = {"bench": "stop_check_cost", "environment": _common.environment("cpu"), "settings": vars(args),
-              "tokenizer_size": len(tokenizer), "vocabulary_decode_s": round(vocabulary_s, 3), "rows": rows}
+    result = {
+        "bench": "stop_check_cost",
+        "environment": _common.environment("cpu"),
+        "settings": vars(args),
+        "tokenizer_size": len(tokenizer),
+        "vocabulary_decode_s": round(vocabulary_s, 3),
+        "rows": rows,
+    }
     out = _common.out_path(args.out, "stop_check_cost.json")
     _common.write_json(out, result)
     print(f"wrote {out}")
+
 
 if __name__ == "__main__":
     main()

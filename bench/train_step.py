@@ -57,14 +57,22 @@ VARIANTS = ("sleuth", "sleuth-compiled", "sleuth-default", "trl-dynamic", "trl-s
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="tiny", help="tiny | smollm2-135m-instruct | DIR | random:qwen2.5-0.5b | "
-                                                   "random:qwen2.5-1.5b | random:qwen-tiny")
-    p.add_argument("--tokenizer", default=None, help="tokenizer dir for random:* (default .models/qwen3-tokenizer)")
+    p.add_argument(
+        "--model",
+        default="tiny",
+        help="tiny | smollm2-135m-instruct | DIR | random:qwen2.5-0.5b | "
+        "random:qwen2.5-1.5b | random:qwen-tiny",
+    )
+    p.add_argument(
+        "--tokenizer", default=None, help="tokenizer dir for random:* (default .models/qwen3-tokenizer)"
+    )
     p.add_argument("--device", default=None, help="cuda if available, else cpu")
     p.add_argument("--prompts", type=int, default=4, help="prompts per step")
     p.add_argument("--n", type=int, default=2, help="samples per prompt (GRPO group size, >= 2)")
     p.add_argument("--turns", type=int, default=1, help="sleuth: generation rounds per trajectory")
-    p.add_argument("--new-tokens", type=int, default=32, help="sleuth: tokens per turn; TRL gets turns x this")
+    p.add_argument(
+        "--new-tokens", type=int, default=32, help="sleuth: tokens per turn; TRL gets turns x this"
+    )
     p.add_argument("--max-obs-tokens", type=int, default=256)
     p.add_argument("--steps", type=int, default=2, help="measured steps (after the warm-up steps)")
     p.add_argument("--warmup-steps", type=int, default=1)
@@ -75,11 +83,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=int, default=1800, help="seconds allowed per trainer subprocess")
-    p.add_argument("--out", default=None, help="JSON path (default $OUT/train_step_<device>.json or bench/results/)")
+    p.add_argument(
+        "--out", default=None, help="JSON path (default $OUT/train_step_<device>.json or bench/results/)"
+    )
     p.add_argument("--worker", choices=VARIANTS, default=None, help=argparse.SUPPRESS)
     p.add_argument("--work-dir", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    _common.require_positive(args, "prompts", "turns", "new_tokens", "max_obs_tokens", "steps", "micro", "passages")
+    _common.require_positive(
+        args, "prompts", "turns", "new_tokens", "max_obs_tokens", "steps", "micro", "passages"
+    )
     if args.n < 2:
         raise SystemExit(f"--n must be >= 2 (GRPO compares the samples of one prompt), got {args.n}")
     if args.warmup_steps < 0:
@@ -87,7 +99,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     batch = args.prompts * args.n
     args.micro = min(args.micro, batch)
     if batch % args.micro:
-        raise SystemExit(f"--micro {args.micro} must divide prompts x n = {batch} (one optimizer step per RL step)")
+        raise SystemExit(
+            f"--micro {args.micro} must divide prompts x n = {batch} (one optimizer step per RL step)"
+        )
     return args
 
 
@@ -119,77 +133,133 @@ def prepare(args: argparse.Namespace, work: Path, device: str) -> dict[str, Any]
     needed = args.prompts * (args.steps + args.warmup_steps)
     world = _common.build_world(work / "world", args.passages, needed)
     if len(world["examples"]) < needed:
-        raise SystemExit(f"the synthetic world has {len(world['examples'])} train questions, {needed} needed; "
-                         "raise --passages")
-    return {"model_dir": str(model_dir), "model": info, "train": str(world["train"]), "index": str(world["index"]),
-            "model_prepare_s": round(model_s, 2), "world_s": round(time.perf_counter() - t0, 2)}
+        raise SystemExit(
+            f"the synthetic world has {len(world['examples'])} train questions, {needed} needed; "
+            "raise --passages"
+        )
+    return {
+        "model_dir": str(model_dir),
+        "model": info,
+        "train": str(world["train"]),
+        "index": str(world["index"]),
+        "model_prepare_s": round(model_s, 2),
+        "world_s": round(time.perf_counter() - t0, 2),
+    }
 
 
 # ---------------------------------------------------------------------------------------------------
 # sleuth (worker)
 
 
-def bench_recipe(args: argparse.Namespace, shared: dict[str, Any], out_dir: Path, device: str, *,
-                 cache: str | None, compiled: bool | None, parallel: str = "ddp", save_every: int = 0) -> dict[str, Any]:
+def bench_recipe(
+    args: argparse.Namespace,
+    shared: dict[str, Any],
+    out_dir: Path,
+    device: str,
+    *,
+    cache: str | None,
+    compiled: bool | None,
+    parallel: str = "ddp",
+    save_every: int = 0,
+) -> dict[str, Any]:
     """The Search-R1 GRPO recipe every sleuth row trains (also used by bench/scale_step.py); cache/compiled
     None leave the recipe's defaults."""
-    decoding = {k: v for k, v in (("generation_cache", cache), ("compile_generation", compiled)) if v is not None}
+    decoding = {
+        k: v for k, v in (("generation_cache", cache), ("compile_generation", compiled)) if v is not None
+    }
     return {
         "name": "bench-train-step",
         "seed": args.seed,
-        "model": {"policy": shared["model_dir"], "dtype": "auto", "gradient_checkpointing": False, "device": device,
-                  "parallel": parallel, **decoding},
+        "model": {
+            "policy": shared["model_dir"],
+            "dtype": "auto",
+            "gradient_checkpointing": False,
+            "device": device,
+            "parallel": parallel,
+            **decoding,
+        },
         "data": {"train": shared["train"], "shuffle": False},
         "retriever": {"index": shared["index"]},
-        "agent": {"loop": "search_r1", "max_turns": args.turns, "max_new_tokens_per_turn": args.new_tokens,
-                  "max_obs_tokens": args.max_obs_tokens,
-                  "max_response_tokens": args.turns * (args.new_tokens + args.max_obs_tokens) + 64,
-                  "options": {"forced_final_answer": False}},
+        "agent": {
+            "loop": "search_r1",
+            "max_turns": args.turns,
+            "max_new_tokens_per_turn": args.new_tokens,
+            "max_obs_tokens": args.max_obs_tokens,
+            "max_response_tokens": args.turns * (args.new_tokens + args.max_obs_tokens) + 64,
+            "options": {"forced_final_answer": False},
+        },
         "reward": {"name": "search_r1_em"},
-        "algorithm": {"name": "grpo", "n": args.n, "prompts_per_step": args.prompts,
-                      "minibatch_size": args.prompts * args.n, "micro_batch_size": args.micro,
-                      "kl": {"coef": args.kl_coef}},
+        "algorithm": {
+            "name": "grpo",
+            "n": args.n,
+            "prompts_per_step": args.prompts,
+            "minibatch_size": args.prompts * args.n,
+            "micro_batch_size": args.micro,
+            "kl": {"coef": args.kl_coef},
+        },
         "optim": {"lr": args.lr, "warmup_steps": 0, "weight_decay": 0.0, "grad_clip": 1.0},
         "sampling": {"temperature": 1.0, "top_p": 1.0},
         # Checkpoints are not part of a step (the last step would otherwise write weights + optimizer state).
-        "trainer": {"total_steps": args.warmup_steps + args.steps, "save_every": save_every,
-                    "out_dir": str(out_dir)},
+        "trainer": {
+            "total_steps": args.warmup_steps + args.steps,
+            "save_every": save_every,
+            "out_dir": str(out_dir),
+        },
     }
 
 
-def run_sleuth(args: argparse.Namespace, shared: dict[str, Any], work: Path, device: str, variant: str) -> dict[str, Any]:
+def run_sleuth(
+    args: argparse.Namespace, shared: dict[str, Any], work: Path, device: str, variant: str
+) -> dict[str, Any]:
     import sleuth.rl.trainer as trainer_mod
     from sleuth.rl.config import recipe_from_dict
 
     out_dir = work / f"{variant}-run"
-    cache, compiled = {"sleuth": ("dynamic", False), "sleuth-compiled": ("static", True)}.get(variant, (None, None))
+    cache, compiled = {"sleuth": ("dynamic", False), "sleuth-compiled": ("static", True)}.get(
+        variant, (None, None)
+    )
     recipe = recipe_from_dict(bench_recipe(args, shared, out_dir, device, cache=cache, compiled=compiled))
     start = time.perf_counter()
     trainer_mod.train(recipe)
     wall = time.perf_counter() - start
     lines = [json.loads(x) for x in (out_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
     trajs = args.prompts * args.n
-    steps = [{
-        "step": m["step"],
-        "generate_s": m["time/rollout"],
-        "reward_s": m["time/reward"],
-        "update_s": m["time/update"],
-        "step_s": m["time/step"],
-        "policy_tokens": m["response_length/policy_tokens"] * trajs,
-        "sequence_tokens": m["response_length/total_tokens"] * trajs,
-        **{k.removeprefix("memory/"): m[k] for k in ("memory/device_in_use_gib", "memory/peak_allocated_gib") if k in m},
-    } for m in lines]
-    return {"steps": steps, "wall_s": wall,
-            "config": {"trainer": "sleuth.rl.trainer.train", "recipe": recipe.model_dump(),
-                       "generation": f"HFGenerator(policy) inside the trainer: cache={recipe.model.generation_cache!r}, "
-                                     f"compile={recipe.model.compile_generation} (auto/None: the CUDA default)"}}
+    steps = [
+        {
+            "step": m["step"],
+            "generate_s": m["time/rollout"],
+            "reward_s": m["time/reward"],
+            "update_s": m["time/update"],
+            "step_s": m["time/step"],
+            "policy_tokens": m["response_length/policy_tokens"] * trajs,
+            "sequence_tokens": m["response_length/total_tokens"] * trajs,
+            **{
+                k.removeprefix("memory/"): m[k]
+                for k in ("memory/device_in_use_gib", "memory/peak_allocated_gib")
+                if k in m
+            },
+        }
+        for m in lines
+    ]
+    return {
+        "steps": steps,
+        "wall_s": wall,
+        "config": {
+            "trainer": "sleuth.rl.trainer.train",
+            "recipe": recipe.model_dump(),
+            "generation": f"HFGenerator(policy) inside the trainer: cache={recipe.model.generation_cache!r}, "
+            f"compile={recipe.model.compile_generation} (auto/None: the CUDA default)",
+        },
+    }
 
 
 # ---------------------------------------------------------------------------------------------------
 # TRL (worker)
 
 
-def run_trl(args: argparse.Namespace, shared: dict[str, Any], work: Path, device: str, cache: str) -> dict[str, Any]:
+def run_trl(
+    args: argparse.Namespace, shared: dict[str, Any], work: Path, device: str, cache: str
+) -> dict[str, Any]:
     import torch
     from datasets import Dataset
     from transformers import AutoTokenizer, TrainerCallback
@@ -201,10 +271,16 @@ def run_trl(args: argparse.Namespace, shared: dict[str, Any], work: Path, device
     cuda = device.startswith("cuda")
     total = args.warmup_steps + args.steps
     examples = load_qa(shared["train"])[: args.prompts * total]
-    dataset = Dataset.from_list([
-        {"prompt": [{"role": "user", "content": SEARCH_R1_USER_TEMPLATE.format(question=ex.question.strip())}]}
-        for ex in examples
-    ])
+    dataset = Dataset.from_list(
+        [
+            {
+                "prompt": [
+                    {"role": "user", "content": SEARCH_R1_USER_TEMPLATE.format(question=ex.question.strip())}
+                ]
+            }
+            for ex in examples
+        ]
+    )
     timings: dict[int, dict[str, float]] = {}
 
     def book(key: str, seconds: float, step: int, tokens: int = 0) -> None:
@@ -222,8 +298,12 @@ def run_trl(args: argparse.Namespace, shared: dict[str, Any], work: Path, device
         def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
             start = _common.timer(device)
             out = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
-            book("reward_s", _common.timer(device) - start, self.state.global_step + 1,
-                 sum(len(ids) for ids in completion_ids_list))
+            book(
+                "reward_s",
+                _common.timer(device) - start,
+                self.state.global_step + 1,
+                sum(len(ids) for ids in completion_ids_list),
+            )
             return out
 
     class StepClock(TrainerCallback):
@@ -275,8 +355,14 @@ def run_trl(args: argparse.Namespace, shared: dict[str, Any], work: Path, device
     )
     clock = StepClock()
     tokenizer = AutoTokenizer.from_pretrained(shared["model_dir"])
-    trainer = TimedGRPOTrainer(model=shared["model_dir"], reward_funcs=trivial_reward, args=config,
-                               train_dataset=dataset, processing_class=tokenizer, callbacks=[clock])
+    trainer = TimedGRPOTrainer(
+        model=shared["model_dir"],
+        reward_funcs=trivial_reward,
+        args=config,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        callbacks=[clock],
+    )
     start = time.perf_counter()
     trainer.train()
     wall = time.perf_counter() - start
@@ -284,19 +370,36 @@ def run_trl(args: argparse.Namespace, shared: dict[str, Any], work: Path, device
     for step in sorted(clock.step_s):
         slot = timings.get(step, {"generate_s": 0.0, "reward_s": 0.0, "policy_tokens": 0})
         step_s = clock.step_s[step]
-        steps.append({"step": step, "generate_s": slot["generate_s"], "reward_s": slot["reward_s"],
-                      "update_s": step_s - slot["generate_s"] - slot["reward_s"], "step_s": step_s,
-                      "policy_tokens": slot["policy_tokens"], "sequence_tokens": None})
+        steps.append(
+            {
+                "step": step,
+                "generate_s": slot["generate_s"],
+                "reward_s": slot["reward_s"],
+                "update_s": step_s - slot["generate_s"] - slot["reward_s"],
+                "step_s": step_s,
+                "policy_tokens": slot["policy_tokens"],
+                "sequence_tokens": None,
+            }
+        )
     import trl
 
-    return {"steps": steps, "wall_s": wall,
-            "config": {"trainer": f"trl {trl.__version__} GRPOTrainer", "cache_implementation": config.cache_implementation,
-                       "generation": "transformers model.generate (TRL sets disable_compile=True)",
-                       "max_completion_length": config.max_completion_length, "loss_type": config.loss_type,
-                       "per_device_train_batch_size": config.per_device_train_batch_size,
-                       "gradient_accumulation_steps": config.gradient_accumulation_steps,
-                       "generation_batch_size": config.generation_batch_size, "bf16": config.bf16,
-                       "beta": config.beta, "old_logprobs_pass": "skipped (on-policy, num_iterations=1)"}}
+    return {
+        "steps": steps,
+        "wall_s": wall,
+        "config": {
+            "trainer": f"trl {trl.__version__} GRPOTrainer",
+            "cache_implementation": config.cache_implementation,
+            "generation": "transformers model.generate (TRL sets disable_compile=True)",
+            "max_completion_length": config.max_completion_length,
+            "loss_type": config.loss_type,
+            "per_device_train_batch_size": config.per_device_train_batch_size,
+            "gradient_accumulation_steps": config.gradient_accumulation_steps,
+            "generation_batch_size": config.generation_batch_size,
+            "bf16": config.bf16,
+            "beta": config.beta,
+            "old_logprobs_pass": "skipped (on-policy, num_iterations=1)",
+        },
+    }
 
 
 def worker_main(args: argparse.Namespace) -> None:
@@ -312,7 +415,9 @@ def worker_main(args: argparse.Namespace) -> None:
     else:
         result = run_trl(args, shared, work, device, args.worker.split("-", 1)[1])
     peak, measure = _common.peak_memory_bytes(device)
-    result.update(peak_memory_bytes=peak, peak_memory_measure=measure, modules_loaded=_common.watched_modules_loaded())
+    result.update(
+        peak_memory_bytes=peak, peak_memory_measure=measure, modules_loaded=_common.watched_modules_loaded()
+    )
     if device.startswith("cuda"):
         # Memory held on the card by anything (other allocators included), not only PyTorch's
         free, total = torch.cuda.mem_get_info()
@@ -338,7 +443,10 @@ def summarise(variant: str, result: dict[str, Any], warmup: int, trajectories: i
     step_total = sum(s["step_s"] for s in measured)
     gen_total = sum(s["generate_s"] for s in measured)
     row.update(
-        step_s=mean("step_s"), generate_s=mean("generate_s"), reward_s=mean("reward_s"), update_s=mean("update_s"),
+        step_s=mean("step_s"),
+        generate_s=mean("generate_s"),
+        reward_s=mean("reward_s"),
+        update_s=mean("update_s"),
         policy_tokens_per_step=tokens / len(measured),
         tokens_per_trajectory=tokens / len(measured) / trajectories,
         tokens_per_s=tokens / step_total if step_total else None,
@@ -355,7 +463,9 @@ def summarise(variant: str, result: dict[str, Any], warmup: int, trajectories: i
     return row
 
 
-def run_worker(variant: str, argv: list[str], work: Path, timeout: int) -> tuple[dict[str, Any] | None, str, list[str]]:
+def run_worker(
+    variant: str, argv: list[str], work: Path, timeout: int
+) -> tuple[dict[str, Any] | None, str, list[str]]:
     cmd = [sys.executable, str(Path(__file__).resolve()), *argv, "--worker", variant, "--work-dir", str(work)]
     env = dict(os.environ)
     src = str(_common.REPO / "src")
@@ -384,8 +494,15 @@ def run_worker(variant: str, argv: list[str], work: Path, timeout: int) -> tuple
     return None, f"failed (exit {code}): {last.strip()[:200]}", log_tail
 
 
-def assemble(args: argparse.Namespace, env: dict[str, Any], trl_version: str | None, shared: dict[str, Any],
-             rows: list[dict[str, Any]], details: dict[str, Any], device: str) -> dict[str, Any]:
+def assemble(
+    args: argparse.Namespace,
+    env: dict[str, Any],
+    trl_version: str | None,
+    shared: dict[str, Any],
+    rows: list[dict[str, Any]],
+    details: dict[str, Any],
+    device: str,
+) -> dict[str, Any]:
     # speed-up = TRL's (transformers-default) step time / this row's step time
     base = next((r for r in rows if r["variant"] == "trl-dynamic" and r.get("step_s")), None)
     for row in rows:
@@ -396,10 +513,13 @@ def assemble(args: argparse.Namespace, env: dict[str, Any], trl_version: str | N
         "environment": env,
         "trl_version": trl_version,
         "model": shared["model"],
-        "settings": vars(args) | {"device": device, "trajectories_per_step": args.prompts * args.n,
-                                  "trl_max_completion_length": args.turns * args.new_tokens,
-                                  "precision": "fp32 master weights + bf16 autocast" if device.startswith("cuda")
-                                  else "fp32"},
+        "settings": vars(args)
+        | {
+            "device": device,
+            "trajectories_per_step": args.prompts * args.n,
+            "trl_max_completion_length": args.turns * args.new_tokens,
+            "precision": "fp32 master weights + bf16 autocast" if device.startswith("cuda") else "fp32",
+        },
         "timings": {"model_prepare_s": shared["model_prepare_s"], "world_and_index_s": shared["world_s"]},
         "rows": rows,
         "details": details,
@@ -414,7 +534,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         return {}
     device = _common.pick_device(args.device)
     env = _common.environment(device)
-    print(f"device: {env['card']} ({device}), torch {env['torch']}, transformers {env['transformers']}", flush=True)
+    print(
+        f"device: {env['card']} ({device}), torch {env['torch']}, transformers {env['transformers']}",
+        flush=True,
+    )
     trl_version = None
     try:
         import importlib.metadata as md
@@ -431,8 +554,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         work = Path(tmp)
         shared = prepare(args, work, device) | {"device": device}
         (work / "shared.json").write_text(json.dumps(shared))
-        print(f"model dir {shared['model_dir']} ({shared['model_prepare_s']} s), world + BM25 ({shared['world_s']} s)",
-              flush=True)
+        print(
+            f"model dir {shared['model_dir']} ({shared['model_prepare_s']} s), world + BM25 ({shared['world_s']} s)",
+            flush=True,
+        )
         for variant in args.variants:
             if variant.startswith("trl") and trl_version is None:
                 rows.append({"variant": variant, "status": "not installed (pip install trl)"})
@@ -449,15 +574,30 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             _common.write_json(out, assemble(args, env, trl_version, shared, rows, details, device))
 
     result = assemble(args, env, trl_version, shared, rows, details, device)
-    columns = [("variant", "trainer"), ("status", "status"), ("step_s", "step s"), ("generate_s", "rollout s"),
-               ("reward_s", "reward s"), ("update_s", "update s"), ("speedup_vs_trl_dynamic", "x vs TRL"),
-               ("tokens_per_trajectory", "tok/traj"), ("tokens_per_s", "tok/s (step)"),
-               ("generate_tokens_per_s", "tok/s (rollout)"), ("peak_memory_gib", "peak GiB")]
-    notes = [f"{env['card']} | {args.model} | {args.prompts} prompts x {args.n} samples, sleuth {args.turns} turn(s) x "
-             f"{args.new_tokens} tokens, TRL max_completion_length {args.turns * args.new_tokens}",
-             f"means over {args.steps} steps after {args.warmup_steps} warm-up step(s); tokens = policy-generated "
-             "tokens; peak memory: " + ("torch.cuda.max_memory_allocated" if device.startswith("cuda")
-                                        else "peak RSS of the trainer's process")]
+    columns = [
+        ("variant", "trainer"),
+        ("status", "status"),
+        ("step_s", "step s"),
+        ("generate_s", "rollout s"),
+        ("reward_s", "reward s"),
+        ("update_s", "update s"),
+        ("speedup_vs_trl_dynamic", "x vs TRL"),
+        ("tokens_per_trajectory", "tok/traj"),
+        ("tokens_per_s", "tok/s (step)"),
+        ("generate_tokens_per_s", "tok/s (rollout)"),
+        ("peak_memory_gib", "peak GiB"),
+    ]
+    notes = [
+        f"{env['card']} | {args.model} | {args.prompts} prompts x {args.n} samples, sleuth {args.turns} turn(s) x "
+        f"{args.new_tokens} tokens, TRL max_completion_length {args.turns * args.new_tokens}",
+        f"means over {args.steps} steps after {args.warmup_steps} warm-up step(s); tokens = policy-generated "
+        "tokens; peak memory: "
+        + (
+            "torch.cuda.max_memory_allocated"
+            if device.startswith("cuda")
+            else "peak RSS of the trainer's process"
+        ),
+    ]
     _common.print_table("RL step: sleuth trainer vs TRL GRPOTrainer", columns, rows, notes)
     _common.write_json(out, result)
     print(f"wrote {out}")

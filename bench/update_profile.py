@@ -52,7 +52,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lora-rank", type=int, default=64)
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
-    p.add_argument("--profile-kernels", type=int, default=25, help="top kernels listed for the first variant (0: none)")
+    p.add_argument(
+        "--profile-kernels", type=int, default=25, help="top kernels listed for the first variant (0: none)"
+    )
     p.add_argument("--out", default=None)
     return p.parse_args(argv)
 
@@ -80,8 +82,13 @@ def build(args: argparse.Namespace, variant: str, device: str) -> tuple[Any, dic
     model.config.use_cache = False
     if variant == "packed_flex":
         model.set_attn_implementation("flex_attention")
-    config = LoraConfig(r=args.lora_rank, lora_alpha=2 * args.lora_rank, lora_dropout=0.0,
-                        target_modules=LORA_MODULES, task_type="CAUSAL_LM")
+    config = LoraConfig(
+        r=args.lora_rank,
+        lora_alpha=2 * args.lora_rank,
+        lora_dropout=0.0,
+        target_modules=LORA_MODULES,
+        task_type="CAUSAL_LM",
+    )
     model = get_peft_model(model, config)
     if variant == "lora_bf16" and device.startswith("cuda"):
         for param in model.parameters():
@@ -100,16 +107,25 @@ def build(args: argparse.Namespace, variant: str, device: str) -> tuple[Any, dic
     return model, info
 
 
-def micro_step(model: Any, batch: TokenBatch, advantages: torch.Tensor, with_entropy: bool, device: str,
-               packed: bool = False) -> float:
+def micro_step(
+    model: Any,
+    batch: TokenBatch,
+    advantages: torch.Tensor,
+    with_entropy: bool,
+    device: str,
+    packed: bool = False,
+) -> float:
     """One micro-batch as the trainer runs it (sleuth.rl.trainer._micro_step, on-policy): the loss's value."""
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
     with torch.autocast(device_type=device.split(":")[0], dtype=dtype, enabled=device.startswith("cuda")):
         logprobs, _entropy = forward_logprobs(model, batch, 1.0, with_entropy=with_entropy, packed=packed)
-        agg = loss_fns.LossAgg("token-mean", num_tokens=float(batch.action_mask.sum()), num_seqs=float(len(advantages)))
+        agg = loss_fns.LossAgg(
+            "token-mean", num_tokens=float(batch.action_mask.sum()), num_seqs=float(len(advantages))
+        )
         clip = loss_fns.PolicyClip(0.2, 0.2, None)
-        loss, _ = loss_fns.get_policy_loss("ppo_clip")(logprobs.detach(), logprobs, advantages, batch.action_mask,
-                                                       clip=clip, agg=agg)
+        loss, _ = loss_fns.get_policy_loss("ppo_clip")(
+            logprobs.detach(), logprobs, advantages, batch.action_mask, clip=clip, agg=agg
+        )
         loss.backward()
     return float(loss.detach())
 
@@ -122,7 +138,9 @@ def run_variant(args: argparse.Namespace, variant: str, device: str, profile: in
     model, info = build(args, variant, device)
     vocab = info.get("vocab_size") or model.config.vocab_size
     batch = synthetic_batch(args, vocab, device)
-    advantages = torch.linspace(-1, 1, args.rows, device=device)[:, None].expand_as(batch.action_mask).contiguous()
+    advantages = (
+        torch.linspace(-1, 1, args.rows, device=device)[:, None].expand_as(batch.action_mask).contiguous()
+    )
     with_entropy, packed = variant != "no_entropy", variant == "packed_flex"
     start = _common.timer(device)
     micro_step(model, batch, advantages, with_entropy, device, packed)  # warm-up (and compilation)
@@ -135,8 +153,14 @@ def run_variant(args: argparse.Namespace, variant: str, device: str, profile: in
         times.append(_common.timer(device) - start)
     seconds = sorted(times)[len(times) // 2]
     tokens = args.rows * args.length
-    row: dict[str, Any] = {"variant": variant, "rows": args.rows, "tokens": tokens, "warmup_s": warm_s,
-                           "micro_step_s": seconds, "tokens_per_s": tokens / seconds}
+    row: dict[str, Any] = {
+        "variant": variant,
+        "rows": args.rows,
+        "tokens": tokens,
+        "warmup_s": warm_s,
+        "micro_step_s": seconds,
+        "tokens_per_s": tokens / seconds,
+    }
     arch = _common.RANDOM_ARCHS.get(args.model.removeprefix("random:"))
     peak = _common.default_bf16_tflops(torch.cuda.get_device_name() if device.startswith("cuda") else "")
     if arch and peak:
@@ -149,8 +173,15 @@ def run_variant(args: argparse.Namespace, variant: str, device: str, profile: in
     return row
 
 
-def top_kernels(model: Any, batch: TokenBatch, advantages: torch.Tensor, with_entropy: bool, device: str,
-                count: int, packed: bool = False) -> list[dict[str, Any]]:
+def top_kernels(
+    model: Any,
+    batch: TokenBatch,
+    advantages: torch.Tensor,
+    with_entropy: bool,
+    device: str,
+    count: int,
+    packed: bool = False,
+) -> list[dict[str, Any]]:
     """The `count` kernels (or CPU ops on a CPU) with the most self time over one micro-batch."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -164,8 +195,15 @@ def top_kernels(model: Any, batch: TokenBatch, advantages: torch.Tensor, with_en
     attr = "self_device_time_total" if cuda else "self_cpu_time_total"
     total = sum(getattr(e, attr, 0) for e in events) or 1
     ranked = sorted(events, key=lambda e: getattr(e, attr, 0), reverse=True)[:count]
-    return [{"name": e.key[:90], "calls": e.count, "ms": getattr(e, attr, 0) / 1e3,
-             "share": getattr(e, attr, 0) / total} for e in ranked]
+    return [
+        {
+            "name": e.key[:90],
+            "calls": e.count,
+            "ms": getattr(e, attr, 0) / 1e3,
+            "share": getattr(e, attr, 0) / total,
+        }
+        for e in ranked
+    ]
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -178,23 +216,47 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for i, variant in enumerate(args.variants):
         try:
             row = run_variant(args, variant, device, args.profile_kernels if i == 0 else 0)
-        except Exception as exc:  # a variant that cannot run here (e.g. compile) is reported, the rest still run
+        except (
+            Exception
+        ) as exc:  # a variant that cannot run here (e.g. compile) is reported, the rest still run
             row = {"variant": variant, "error": f"{type(exc).__name__}: {str(exc)[:300]}"}
         rows.append(row)
-        print(f"{variant}: " + ", ".join(f"{k} {_common.fmt(v)}" for k, v in row.items() if k not in ("kernels", "variant")),
-              flush=True)
-        result = {"bench": "update_profile", "environment": env, "date": time.strftime("%Y-%m-%d"),
-                  "command": "bench/update_profile.py " + " ".join(sys.argv[1:] if argv is None else argv),
-                  "settings": {k: v for k, v in vars(args).items() if k != "out"}, "rows": rows}
+        print(
+            f"{variant}: "
+            + ", ".join(f"{k} {_common.fmt(v)}" for k, v in row.items() if k not in ("kernels", "variant")),
+            flush=True,
+        )
+        result = {
+            "bench": "update_profile",
+            "environment": env,
+            "date": time.strftime("%Y-%m-%d"),
+            "command": "bench/update_profile.py " + " ".join(sys.argv[1:] if argv is None else argv),
+            "settings": {k: v for k, v in vars(args).items() if k != "out"},
+            "rows": rows,
+        }
         _common.write_json(out, result)
-    columns = [("variant", "variant"), ("micro_step_s", "s / micro-batch"), ("tokens_per_s", "tokens/s"),
-               ("mfu_verl", "MFU (verl)"), ("peak_allocated_gib", "peak GiB"), ("warmup_s", "warm-up s")]
-    _common.print_table(f"update micro-batch: {args.model}", columns, rows,
-                        [f"{env['card']} | {args.rows} rows x {args.length} tokens | LoRA r{args.lora_rank}"])
+    columns = [
+        ("variant", "variant"),
+        ("micro_step_s", "s / micro-batch"),
+        ("tokens_per_s", "tokens/s"),
+        ("mfu_verl", "MFU (verl)"),
+        ("peak_allocated_gib", "peak GiB"),
+        ("warmup_s", "warm-up s"),
+    ]
+    _common.print_table(
+        f"update micro-batch: {args.model}",
+        columns,
+        rows,
+        [f"{env['card']} | {args.rows} rows x {args.length} tokens | LoRA r{args.lora_rank}"],
+    )
     kernels = next((r["kernels"] for r in rows if r.get("kernels")), [])
     if kernels:
-        _common.print_table(f"top kernels ({rows[0]['variant']})", [("name", "kernel"), ("calls", "calls"),
-                            ("ms", "ms"), ("share", "share")], kernels, [])
+        _common.print_table(
+            f"top kernels ({rows[0]['variant']})",
+            [("name", "kernel"), ("calls", "calls"), ("ms", "ms"), ("share", "share")],
+            kernels,
+            [],
+        )
     print(f"wrote {out}")
     return result
 

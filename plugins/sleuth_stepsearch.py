@@ -78,8 +78,9 @@ def token_f1(prediction: str | None, golds: Sequence[str]) -> float:
     return round(best, 4)
 
 
-def information_gain_and_redundancy(steps: Sequence[Sequence[str]], golds: Sequence[str]
-                                    ) -> tuple[list[float], list[float]]:
+def information_gain_and_redundancy(
+    steps: Sequence[Sequence[str]], golds: Sequence[str]
+) -> tuple[list[float], list[float]]:
     """Per search step: (gain, redundancy) as described in the module docstring. No gold documents: ([], [])."""
     if not golds:
         return [], []
@@ -89,7 +90,10 @@ def information_gain_and_redundancy(steps: Sequence[Sequence[str]], golds: Seque
     for docs in steps:
         current = [0.0] * len(golds)
         for doc in docs:
-            current = [max(c, s) for c, s in zip(current, tfidf_cosines(normalize_answer(doc), gold_norm), strict=True)]
+            current = [
+                max(c, s)
+                for c, s in zip(current, tfidf_cosines(normalize_answer(doc), gold_norm), strict=True)
+            ]
         gains.append(sum(max(c - b, 0.0) for c, b in zip(current, best_before, strict=True)) / len(golds))
         best_before = [max(c, b) for c, b in zip(current, best_before, strict=True)]
     redundancy = [0.0] * len(steps)
@@ -122,7 +126,7 @@ def search_key_score(queries: Sequence[str], keys: Sequence[Sequence[str]]) -> f
 def ends_with_answer(response: str) -> bool:
     """The response's last `<answer>...</answer>` block is its end (whitespace and chat end tokens aside)."""
     blocks = list(re.finditer(r"<answer>.*?</answer>", response, re.DOTALL))
-    return bool(blocks) and not _SPECIAL.sub("", response[blocks[-1].end():]).strip()
+    return bool(blocks) and not _SPECIAL.sub("", response[blocks[-1].end() :]).strip()
 
 
 @dataclass
@@ -160,7 +164,9 @@ def _gold_documents(traj: Trajectory, services: RewardServices | None) -> list[s
     try:  # the retriever's own store: a `sleuth index` directory's, behind the trainer's wrappers
         return [h.text for h in passages_by_id(retriever, list(ids)) if h is not None]
     except ConfigError as err:
-        raise ValueError(f"stepsearch: supporting_ids need a retriever that reads passages by id ({err})") from None
+        raise ValueError(
+            f"stepsearch: supporting_ids need a retriever that reads passages by id ({err})"
+        ) from None
 
 
 @register_reward("stepsearch")
@@ -173,20 +179,30 @@ class StepSearchReward(Reward):
     information_gain: bool = True
     redundancy_penalty: bool = True
 
-    components: ClassVar[tuple[str, ...]] = ("f1", "search_key", "information_gain", "redundancy", "answer_last")
+    components: ClassVar[tuple[str, ...]] = (
+        "f1",
+        "search_key",
+        "information_gain",
+        "redundancy",
+        "answer_last",
+    )
 
-    def __call__(self, trajs: Sequence[Trajectory], services: RewardServices | None = None) -> list[RewardResult]:
+    def __call__(
+        self, trajs: Sequence[Trajectory], services: RewardServices | None = None
+    ) -> list[RewardResult]:
         return [self.score(t, services) for t in trajs]
 
     def score(self, traj: Trajectory, services: RewardServices | None) -> RewardResult:
         f1 = token_f1(traj.answer, traj.golden_answers)
         if not ends_with_answer(traj.response_text):
-            return RewardResult(-1.0, {"f1": f1, "search_key": 0.0, "information_gain": 0.0, "redundancy": 0.0,
-                                       "answer_last": 0.0})
+            return RewardResult(
+                -1.0,
+                {"f1": f1, "search_key": 0.0, "information_gain": 0.0, "redundancy": 0.0, "answer_last": 0.0},
+            )
         search_turns = traj.extra.get("search_turns", [])
-        steps = [[h["text"] for h in hits] for hits in traj.retrieved[traj.initial_queries:]]
+        steps = [[h["text"] for h in hits] for hits in traj.retrieved[traj.initial_queries :]]
         gains, redundancy = information_gain_and_redundancy(steps, _gold_documents(traj, services))
-        keys = search_key_score(traj.queries[traj.initial_queries:], traj.extra.get("search_keys") or [])
+        keys = search_key_score(traj.queries[traj.initial_queries :], traj.extra.get("search_keys") or [])
         policy_turns = sum(1 for t in traj.turns if t.role == "policy" and t.end > t.start)
         turn_rewards = [0.0] * policy_turns
         # searches pair with their turns in order; a search cut off by the length budget has no documents (zip stops)
@@ -194,8 +210,17 @@ class StepSearchReward(Reward):
             step = (gain if self.information_gain else 0.0) - (penalty if self.redundancy_penalty else 0.0)
             turn_rewards[turn] += self.step_reward_scale * step
         total = f1 + self.search_key_weight * keys
-        return RewardResult(total, {"f1": f1, "search_key": keys, "information_gain": sum(gains),
-                                    "redundancy": sum(redundancy), "answer_last": 1.0}, turn_rewards)
+        return RewardResult(
+            total,
+            {
+                "f1": f1,
+                "search_key": keys,
+                "information_gain": sum(gains),
+                "redundancy": sum(redundancy),
+                "answer_last": 1.0,
+            },
+            turn_rewards,
+        )
 
 
 # StePPO: PPO with a critic, GAE over the token rewards (gamma = lam = 1): the step rewards need it
@@ -206,13 +231,23 @@ def run_sections(shape: RunShape) -> dict[str, Any]:
     """A generated run's StepSearch sections (`Method.recipe_sections`, bench/learning.py): StePPO with one sample
     per question (PPO needs no group) on n times the questions, as many trajectories a step as the GRPO runs."""
     trajectories = shape.prompts_per_step * shape.n
-    return {"algorithm": {**ALGORITHM, "n": 1, "prompts_per_step": trajectories, "minibatch_size": trajectories}}
+    return {
+        "algorithm": {**ALGORITHM, "n": 1, "prompts_per_step": trajectories, "minibatch_size": trajectories}
+    }
 
 
-register_method(Method(loop=StepSearchLoop, title="a Search-R1 agent with per-step information-gain and redundancy "
-                       "rewards (StepSearch), PPO with GAE", eval_name="stepsearch",
-                       default_reward={"name": "stepsearch"}, new_tokens_factor=2, oracle_format="search_r1",
-                       recipe_sections=run_sections))
+register_method(
+    Method(
+        loop=StepSearchLoop,
+        title="a Search-R1 agent with per-step information-gain and redundancy "
+        "rewards (StepSearch), PPO with GAE",
+        eval_name="stepsearch",
+        default_reward={"name": "stepsearch"},
+        new_tokens_factor=2,
+        oracle_format="search_r1",
+        recipe_sections=run_sections,
+    )
+)
 
 
 def recipe(train: str, **overrides: Any) -> dict[str, Any]:

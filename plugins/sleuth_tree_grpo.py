@@ -60,11 +60,15 @@ def tree_rollout(loop: AgentLoop, generator: Generator, retriever: Retriever, ex
     expansions = getattr(loop, "tree_expansions", 1)
     branches = getattr(loop, "tree_branches", 2)
     if branches < 1 or expansions < 0:
-        raise ConfigError(f"agent.options: tree_branches must be >= 1 and tree_expansions >= 0; got {branches}, "
-                          f"{expansions}")
+        raise ConfigError(
+            f"agent.options: tree_branches must be >= 1 and tree_expansions >= 0; got {branches}, "
+            f"{expansions}"
+        )
     seed = int(torch.randint(0, 2**31 - 1, (1,)).item())
     spec = TreeSpec(trees=n, expansions=expansions, branches=branches, seed=seed)
-    return rollout_tree(loop, generator, retriever, examples, params, spec, budget=budget, tokenizer=tokenizer)
+    return rollout_tree(
+        loop, generator, retriever, examples, params, spec, budget=budget, tokenizer=tokenizer
+    )
 
 
 TREES, EXPANSIONS, BRANCHES = 2, 1, 2  # M, L, N of `recipe` and of a generated run (`run_sections`)
@@ -74,15 +78,28 @@ def run_sections(shape: RunShape) -> dict[str, Any]:
     """A generated run's Tree-GRPO sections (`Method.recipe_sections`, bench/learning.py): the tree advantage, M
     trees per question of L rounds of N forks, and one optimizer step over a step's M (1 + L N) trajectories per
     question at most, as GRPO's minibatch holds all of its n per question."""
-    return {"algorithm": {"advantage": "tree_grpo", "n": TREES,
-                          "minibatch_size": shape.prompts_per_step * TREES * (1 + EXPANSIONS * BRANCHES)},
-            "agent": {"options": {"tree_expansions": EXPANSIONS, "tree_branches": BRANCHES}}}
+    return {
+        "algorithm": {
+            "advantage": "tree_grpo",
+            "n": TREES,
+            "minibatch_size": shape.prompts_per_step * TREES * (1 + EXPANSIONS * BRANCHES),
+        },
+        "agent": {"options": {"tree_expansions": EXPANSIONS, "tree_branches": BRANCHES}},
+    }
 
 
-register_method(Method(loop=TreeSearchLoop, title="Tree-GRPO: tree rollouts of a Search-R1 agent, intra + "
-                       "inter-tree advantages", eval_name="tree-search", default_reward={"name": "search_r1_em"},
-                       new_tokens_factor=2, rollout=tree_rollout, oracle_format="search_r1",
-                       recipe_sections=run_sections))
+register_method(
+    Method(
+        loop=TreeSearchLoop,
+        title="Tree-GRPO: tree rollouts of a Search-R1 agent, intra + inter-tree advantages",
+        eval_name="tree-search",
+        default_reward={"name": "search_r1_em"},
+        new_tokens_factor=2,
+        rollout=tree_rollout,
+        oracle_format="search_r1",
+        recipe_sections=run_sections,
+    )
+)
 
 
 def tree_ids(trajs: Sequence[Trajectory]) -> list[tuple[int, int, int]]:
@@ -91,8 +108,14 @@ def tree_ids(trajs: Sequence[Trajectory]) -> list[tuple[int, int, int]]:
 
 
 @torch.no_grad()
-def tree_grpo_advantages(scores: torch.Tensor, group_ids: GroupIds, tree_ids: GroupIds,
-                         response_mask: torch.Tensor, *, epsilon: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
+def tree_grpo_advantages(
+    scores: torch.Tensor,
+    group_ids: GroupIds,
+    tree_ids: GroupIds,
+    response_mask: torch.Tensor,
+    *,
+    epsilon: float = 1e-6,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """A = GRPO over the question's group + GRPO over the trajectory's tree (each (r - mean) / (std + eps),
     unbiased std, 0 for a group of one or of equal rewards). Returns (A, A)."""
     inter, _ = grpo_advantages(scores, group_ids, response_mask, epsilon=epsilon)
@@ -103,8 +126,14 @@ def tree_grpo_advantages(scores: torch.Tensor, group_ids: GroupIds, tree_ids: Gr
 
 @register_advantage("tree_grpo")
 @torch.no_grad()
-def tree_grpo(scores: torch.Tensor, group_ids: GroupIds, response_mask: torch.Tensor,
-              trajectories: Sequence[Trajectory], *, epsilon: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
+def tree_grpo(
+    scores: torch.Tensor,
+    group_ids: GroupIds,
+    response_mask: torch.Tensor,
+    trajectories: Sequence[Trajectory],
+    *,
+    epsilon: float = 1e-6,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """`algorithm.advantage: tree_grpo`: `tree_grpo_advantages` with the trees read from the batch's
     trajectories (the trainer passes them, one per row, to an estimator that declares `trajectories`)."""
     if len(trajectories) != len(scores):
@@ -125,9 +154,14 @@ def budget_counts(trajs: Sequence[Trajectory]) -> dict[str, float]:
         tokens += sum(t.loss_mask) - (int(t.extra["shared_policy_tokens"]) if forked else 0)
         calls += t.retrieval_count - (int(t.extra["shared_retrievals"]) if forked else t.initial_queries)
     per_k = 1000.0 / tokens if tokens else float("nan")
-    return {"trajectories": float(len(trajs)), "generated_tokens": float(tokens), "tool_calls": float(calls),
-            "trajectories_per_1k_tokens": len(trajs) * per_k, "tool_calls_per_1k_tokens": calls * per_k,
-            "tool_calls_per_trajectory": calls / len(trajs) if trajs else float("nan")}
+    return {
+        "trajectories": float(len(trajs)),
+        "generated_tokens": float(tokens),
+        "tool_calls": float(calls),
+        "trajectories_per_1k_tokens": len(trajs) * per_k,
+        "tool_calls_per_1k_tokens": calls * per_k,
+        "tool_calls_per_trajectory": calls / len(trajs) if trajs else float("nan"),
+    }
 
 
 def recipe(train: str, **overrides: Any) -> dict[str, Any]:
@@ -137,8 +171,12 @@ def recipe(train: str, **overrides: Any) -> dict[str, Any]:
         "name": "tree_grpo",
         "plugins": ["sleuth_tree_grpo"],
         "data": {"train": train},
-        "agent": {"loop": "tree_search", "max_turns": 4, "top_k": 3,
-                  "options": {"tree_expansions": EXPANSIONS, "tree_branches": BRANCHES}},
+        "agent": {
+            "loop": "tree_search",
+            "max_turns": 4,
+            "top_k": 3,
+            "options": {"tree_expansions": EXPANSIONS, "tree_branches": BRANCHES},
+        },
         "reward": {"name": "search_r1_em"},
         "algorithm": {"name": "grpo", "n": TREES, "advantage": "tree_grpo"},
     }

@@ -84,8 +84,9 @@ PROMPT = {
 _DOC_START = re.compile(r"^\s*Doc\s*(\d+)\s*[:.)]?\s*", re.IGNORECASE | re.MULTILINE)
 
 
-def noise_probability(step: int | None, total_steps: int, start: float = 0.0, end: float = 0.5,
-                      base: float = 4.0) -> float:
+def noise_probability(
+    step: int | None, total_steps: int, start: float = 0.0, end: float = 0.5, base: float = 4.0
+) -> float:
     """ZeroSearch's curriculum: the probability that a query's documents are noisy at training `step` of
     `total_steps`, rising from `start` to `end` along (base^(step/total) - 1) / (base - 1). Outside training
     (`step` None) and from `total_steps` on: `end`."""
@@ -104,8 +105,10 @@ def parse_documents(text: str, k: int) -> list[str]:
     starts = list(_DOC_START.finditer(text))
     if not starts:
         return [text.strip()] if text.strip() else []
-    docs = [text[m.end(): nxt.start() if nxt is not None else len(text)].strip()
-            for m, nxt in zip(starts, [*starts[1:], None], strict=True)]
+    docs = [
+        text[m.end() : nxt.start() if nxt is not None else len(text)].strip()
+        for m, nxt in zip(starts, [*starts[1:], None], strict=True)
+    ]
     return [d for d in docs if d][:k]
 
 
@@ -118,16 +121,33 @@ class SimulatedSearchEngine:
 
     wants_context: ClassVar[bool] = True
 
-    def __init__(self, generator: Generator, *, total_steps: int, start_threshold: float = 0.0,
-                 end_threshold: float = 0.5, exp_base: float = 4.0, mode: str = "prompt",
-                 temperature: float = 0.8, max_new_tokens: int = 600, seed: int = 0):
+    def __init__(
+        self,
+        generator: Generator,
+        *,
+        total_steps: int,
+        start_threshold: float = 0.0,
+        end_threshold: float = 0.5,
+        exp_base: float = 4.0,
+        mode: str = "prompt",
+        temperature: float = 0.8,
+        max_new_tokens: int = 600,
+        seed: int = 0,
+    ):
         if mode not in ("prompt", "sft"):
             raise ConfigError(f"SimulatedSearchEngine mode must be 'prompt' or 'sft', got {mode!r}")
         if total_steps < 1 or not 0 <= start_threshold <= 1 or not 0 <= end_threshold <= 1 or exp_base <= 1:
-            raise ConfigError("SimulatedSearchEngine needs total_steps >= 1, thresholds in [0, 1] and exp_base > 1; "
-                              f"got {total_steps}, {start_threshold}, {end_threshold}, {exp_base}")
+            raise ConfigError(
+                "SimulatedSearchEngine needs total_steps >= 1, thresholds in [0, 1] and exp_base > 1; "
+                f"got {total_steps}, {start_threshold}, {end_threshold}, {exp_base}"
+            )
         self.generator = generator
-        self.total_steps, self.start, self.end, self.base = total_steps, start_threshold, end_threshold, exp_base
+        self.total_steps, self.start, self.end, self.base = (
+            total_steps,
+            start_threshold,
+            end_threshold,
+            exp_base,
+        )
         self.mode = mode
         self.params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature)
         self.rng = random.Random(seed)
@@ -138,30 +158,40 @@ class SimulatedSearchEngine:
     def prompt(self, query: str, context: RetrievalContext, kind: str) -> str:
         answer = context.golden_answers[0] if context.golden_answers else ""  # ZeroSearch names the first
         if self.mode == "sft":
-            return SFT_PROMPT.format(kind=kind, question=context.question, answer=answer, query=query,
-                                     label=kind.capitalize())
+            return SFT_PROMPT.format(
+                kind=kind, question=context.question, answer=answer, query=query, label=kind.capitalize()
+            )
         return PROMPT[kind].format(question=context.question, answer=answer, query=query)
 
-    def search(self, queries: list[str], k: int, contexts: Sequence[RetrievalContext] | None = None
-               ) -> list[list[Hit]]:
+    def search(
+        self, queries: list[str], k: int, contexts: Sequence[RetrievalContext] | None = None
+    ) -> list[list[Hit]]:
         if contexts is None or len(contexts) != len(queries):
-            raise ConfigError("SimulatedSearchEngine writes documents for a question: it needs one RetrievalContext "
-                              "per query (the rollout engine gives them; a plain search(queries, k) cannot)")
+            raise ConfigError(
+                "SimulatedSearchEngine writes documents for a question: it needs one RetrievalContext "
+                "per query (the rollout engine gives them; a plain search(queries, k) cannot)"
+            )
         kinds = []
         with self._lock:  # the draws stay in query order when several rollouts share the engine
             for ctx in contexts:
                 p = noise_probability(ctx.step, self.total_steps, self.start, self.end, self.base)
                 kinds.append(USEFUL if self.rng.random() > p else NOISY)  # as ZeroSearch: useful iff draw > p
                 self.draws.append((ctx.question_id, ctx.step, kinds[-1]))
-        messages = [[{"role": "user", "content": self.prompt(q, c, kind)}]
-                    for q, c, kind in zip(queries, contexts, kinds, strict=True)]
+        messages = [
+            [{"role": "user", "content": self.prompt(q, c, kind)}]
+            for q, c, kind in zip(queries, contexts, kinds, strict=True)
+        ]
         # the text is cut before `Doc k+1` anyway: stopping there spares a local simulator the rest of its tokens
         gens = self.generator.generate(messages, [f"Doc {k + 1}"], self.params) if messages else []
         out = []
         for q, ctx, kind, gen in zip(queries, contexts, kinds, gens, strict=True):
             docs = parse_documents(gen.text, k)
-            out.append([Hit(f"zerosearch:{kind}:{ctx.question_id}:{i}", q, d, 1.0 / i)
-                        for i, d in enumerate(docs, start=1)])
+            out.append(
+                [
+                    Hit(f"zerosearch:{kind}:{ctx.question_id}:{i}", q, d, 1.0 / i)
+                    for i, d in enumerate(docs, start=1)
+                ]
+            )
         return out
 
 
@@ -184,7 +214,9 @@ class ZeroSearchReward(Reward):
 
     components: ClassVar[tuple[str, ...]] = ("f1",)
 
-    def __call__(self, trajs: Sequence[Trajectory], services: RewardServices | None = None) -> list[RewardResult]:
+    def __call__(
+        self, trajs: Sequence[Trajectory], services: RewardServices | None = None
+    ) -> list[RewardResult]:
         out = []
         for t in trajs:
             f1 = f1_score(t.answer, t.golden_answers) if t.answer is not None else 0.0
@@ -192,8 +224,16 @@ class ZeroSearchReward(Reward):
         return out
 
 
-_ENGINE_OPTIONS = {"total_steps": int, "start_threshold": float, "end_threshold": float, "exp_base": float,
-                   "mode": str, "temperature": float, "max_new_tokens": int, "seed": int}
+_ENGINE_OPTIONS = {
+    "total_steps": int,
+    "start_threshold": float,
+    "end_threshold": float,
+    "exp_base": float,
+    "mode": str,
+    "temperature": float,
+    "max_new_tokens": int,
+    "seed": int,
+}
 
 
 def open_simulator(rest: str, context: OpenContext) -> SimulatedSearchEngine:
@@ -205,16 +245,21 @@ def open_simulator(rest: str, context: OpenContext) -> SimulatedSearchEngine:
     options: dict[str, Any] = {}
     for key, value in parse_qsl(query, keep_blank_values=True):
         if key not in _ENGINE_OPTIONS:
-            raise ConfigError(f"{context.where} zerosearch:{rest}: unknown option {key!r}; "
-                              f"known: {', '.join(_ENGINE_OPTIONS)}")
+            raise ConfigError(
+                f"{context.where} zerosearch:{rest}: unknown option {key!r}; "
+                f"known: {', '.join(_ENGINE_OPTIONS)}"
+            )
         try:
             options[key] = _ENGINE_OPTIONS[key](value)
         except ValueError:
-            raise ConfigError(f"{context.where} zerosearch:{rest}: {key}={value!r} is not a "
-                              f"{_ENGINE_OPTIONS[key].__name__}") from None
+            raise ConfigError(
+                f"{context.where} zerosearch:{rest}: {key}={value!r} is not a {_ENGINE_OPTIONS[key].__name__}"
+            ) from None
     if not model or "total_steps" not in options:
-        raise ConfigError(f"{context.where} zerosearch:{rest}: write zerosearch:MODEL?total_steps=N (the generator "
-                          "that writes the documents and the curriculum's length in RL steps)")
+        raise ConfigError(
+            f"{context.where} zerosearch:{rest}: write zerosearch:MODEL?total_steps=N (the generator "
+            "that writes the documents and the curriculum's length in RL steps)"
+        )
     return SimulatedSearchEngine(load_generator(model), **options)
 
 
@@ -230,14 +275,27 @@ def run_sections(shape: RunShape) -> dict[str, Any]:
     frozen base model writes, the paper's curriculum (p from 0 to 0.5, base 4) over the run's RL steps. A 135M
     simulator writes poor documents (the paper's is a 3B-14B model fine-tuned to simulate search), so such a run
     measures the machinery, not the paper's claim. The cold start and the held-out evaluation use the real index."""
-    return {"retriever": {"index": None, "location": f"zerosearch:{shape.model}?total_steps={shape.total_steps}"
-                          f"&max_new_tokens={SIMULATOR_NEW_TOKENS}"}}
+    return {
+        "retriever": {
+            "index": None,
+            "location": f"zerosearch:{shape.model}?total_steps={shape.total_steps}"
+            f"&max_new_tokens={SIMULATOR_NEW_TOKENS}",
+        }
+    }
 
 
-register_method(Method(loop=ZeroSearchLoop, title="a Search-R1 agent trained against a simulated search engine "
-                       "(ZeroSearch: LLM-written documents, noise curriculum), F1 reward", eval_name="zerosearch",
-                       default_reward={"name": "zerosearch_f1"}, new_tokens_factor=2, oracle_format="search_r1",
-                       recipe_sections=run_sections))
+register_method(
+    Method(
+        loop=ZeroSearchLoop,
+        title="a Search-R1 agent trained against a simulated search engine "
+        "(ZeroSearch: LLM-written documents, noise curriculum), F1 reward",
+        eval_name="zerosearch",
+        default_reward={"name": "zerosearch_f1"},
+        new_tokens_factor=2,
+        oracle_format="search_r1",
+        recipe_sections=run_sections,
+    )
+)
 
 
 def recipe(train: str, total_steps: int = 203, **overrides: Any) -> dict[str, Any]:

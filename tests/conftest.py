@@ -18,11 +18,29 @@ import pytest
 # one of them could run alone on one worker while the other idled. Longest first, the run ends on
 # short modules and both workers finish together. Refresh the list from a run's durations when it drifts.
 SLOWEST_MODULES_FIRST = (
-    "test_reproduce.py", "test_decode_engine.py", "test_bench_retrieval_scale.py", "test_claim_bundle.py",
-    "test_claim_checkpoints.py", "test_coldstart.py", "test_learning_plugins.py", "test_from_committed.py", "test_export_serving.py", "test_rl_distributed.py",
-    "test_retrieval_prefork.py", "test_llm_hf.py", "test_demo.py", "test_export.py", "test_rl_interrupts.py",
-    "test_retrieval_bulk_encode.py", "test_robustness.py", "test_rl_trainer.py", "test_retrieval_fast_tokenize.py",
-    "test_llm_registry.py", "test_bench_smoke.py", "test_knowledge.py", "test_bm25_build.py",
+    "test_reproduce.py",
+    "test_decode_engine.py",
+    "test_bench_retrieval_scale.py",
+    "test_claim_bundle.py",
+    "test_claim_checkpoints.py",
+    "test_coldstart.py",
+    "test_learning_plugins.py",
+    "test_from_committed.py",
+    "test_export_serving.py",
+    "test_rl_distributed.py",
+    "test_retrieval_prefork.py",
+    "test_llm_hf.py",
+    "test_demo.py",
+    "test_export.py",
+    "test_rl_interrupts.py",
+    "test_retrieval_bulk_encode.py",
+    "test_robustness.py",
+    "test_rl_trainer.py",
+    "test_retrieval_fast_tokenize.py",
+    "test_llm_registry.py",
+    "test_bench_smoke.py",
+    "test_knowledge.py",
+    "test_bm25_build.py",
 )
 
 
@@ -80,7 +98,9 @@ def one_layer_minilm(tmp_path_factory: pytest.TempPathFactory) -> str:
     return str(out)
 
 
-def _once_a_session(tmp_path_factory: pytest.TempPathFactory, name: str, make: Callable[[Path], dict]) -> tuple[Path, dict]:
+def _once_a_session(
+    tmp_path_factory: pytest.TempPathFactory, name: str, make: Callable[[Path], dict]
+) -> tuple[Path, dict]:
     """`make(folder)` run once a test session, shared by the xdist workers: the first to ask runs it under a lock
     in the session's common temporary folder (pytest-N/, above each worker's popen-gwK/), the others wait for it.
     Returns (folder, the record `make` returned), the record written atomically once `make` is done."""
@@ -107,8 +127,11 @@ def qagent_cpu_claim(tmp_path_factory: pytest.TempPathFactory) -> Path:
     against it, about 25 s a run on 2 cores): its report.html. Read only."""
     from sleuth.claims.runner import reproduce
 
-    folder, _ = _once_a_session(tmp_path_factory, "qagent-cpu-claim",
-                                lambda folder: {"report": str(reproduce("qagent", folder / "qagent", "cpu"))})
+    folder, _ = _once_a_session(
+        tmp_path_factory,
+        "qagent-cpu-claim",
+        lambda folder: {"report": str(reproduce("qagent", folder / "qagent", "cpu"))},
+    )
     return folder / "qagent" / "report.html"
 
 
@@ -118,9 +141,14 @@ def fast_demo_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]
     "stderr"} of that run). Read only: tests assert on its files."""
 
     def demo(folder: Path) -> dict:
-        proc = subprocess.run([sys.executable, "-m", "sleuth.cli", "demo", "--fast", "--out", str(folder / "demo")],
-                              env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
-                              timeout=900, check=False)
+        proc = subprocess.run(
+            [sys.executable, "-m", "sleuth.cli", "demo", "--fast", "--out", str(folder / "demo")],
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+            capture_output=True,
+            text=True,
+            timeout=900,
+            check=False,
+        )
         return {"returncode": proc.returncode, "stdout": proc.stdout, "stderr": proc.stderr}
 
     folder, record = _once_a_session(tmp_path_factory, "fast-demo", demo)

@@ -33,8 +33,14 @@ def registrations_taken_back(*modules: str) -> Iterator[None]:
     """Whatever registers while inside (plugin modules imported here or by a recipe's `plugins:` in an in-process
     command) is taken back on leaving, and the `modules` are forgotten, so a later import registers them again."""
     method_registry.loop_names()  # the built-in methods load lazily: registered before the snapshot, kept after it
-    registries = (method_registry._METHODS, method_registry._READERS, reward_registry._REGISTRY,
-                  advantage_registry.ADVANTAGE_ESTIMATORS, backend_registry._BACKENDS, loss_registry.POLICY_LOSSES)
+    registries = (
+        method_registry._METHODS,
+        method_registry._READERS,
+        reward_registry._REGISTRY,
+        advantage_registry.ADVANTAGE_ESTIMATORS,
+        backend_registry._BACKENDS,
+        loss_registry.POLICY_LOSSES,
+    )
     saved = tuple(dict(r) for r in registries)
     try:
         yield

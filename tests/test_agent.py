@@ -44,7 +44,9 @@ def run(loop_name, script, examples=None, n=1, tok=None, loop_cfg=None, **kw):
     ret = ToyRetriever()
     loop = get_loop(loop_name, **(loop_cfg or {}))
     budget = RolloutBudget(**kw)  # max_turns, max_obs_tokens, max_response_tokens
-    trajs = rollout(loop, gen, ret, examples or EXAMPLES[:1], SamplingParams(max_new_tokens=200), n=n, budget=budget)
+    trajs = rollout(
+        loop, gen, ret, examples or EXAMPLES[:1], SamplingParams(max_new_tokens=200), n=n, budget=budget
+    )
     return trajs, gen, ret
 
 
@@ -611,8 +613,13 @@ def test_observation_text_of_each_loop_matches_its_public_code_on_fixed_strings(
         '\n\n<observation>(Title: "The Moushxhouth Rivers") The Moushxhouth Rivers flow north.\n'
         'A second line.\n(Title: "Quellstad") Quellstad is a river port.</observation>\n\n'
     )
-    for name, expected in (("search_r1", search_r1_block), ("s3", search_r1_block), ("staged", search_r1_block),
-                           ("qagent", search_r1_block), ("r_search", r_search_block)):
+    for name, expected in (
+        ("search_r1", search_r1_block),
+        ("s3", search_r1_block),
+        ("staged", search_r1_block),
+        ("qagent", search_r1_block),
+        ("r_search", r_search_block),
+    ):
         obs = get_loop(name).observe(None, None, [hits[:1], hits[1:]])  # type: ignore[arg-type]
         assert obs.prefix + obs.body + obs.suffix == expected, name
 
@@ -623,8 +630,14 @@ def test_engine_fields_are_typed_and_old_files_still_load():
     old = Trajectory("q1", "Q?", ["a"], "search_r1").to_dict()
     for name in ("group", "sample", "invalid_actions", "forced_final", "generation_finish_reasons"):
         del old[name]
-    old["extra"] = {"group": "2:5", "sample": 3, "invalid_actions": 4, "forced_final": True,
-                    "generation_finish_reasons": ["stop", "eos"], "format_ok": True}
+    old["extra"] = {
+        "group": "2:5",
+        "sample": 3,
+        "invalid_actions": 4,
+        "forced_final": True,
+        "generation_finish_reasons": ["stop", "eos"],
+        "format_ok": True,
+    }
     t = Trajectory.from_dict(old)
     assert (t.sampling_round, t.group, t.sample, t.invalid_actions, t.forced_final) == (2, 5, 3, 4, True)
     assert t.generation_finish_reasons == ["stop", "eos"] and t.extra == {"format_ok": True}

@@ -51,14 +51,19 @@ def test_readme_python_examples_run(small_world: Path, tmp_path: Path, monkeypat
     printed = out.getvalue().splitlines()
     assert printed[0] == "search_r1 2"
     run = namespace["run"]
-    assert Path(run["checkpoint"]).name == "step_000001" and (Path(run["checkpoint"]) / "searcher.json").exists()
+    assert (
+        Path(run["checkpoint"]).name == "step_000001" and (Path(run["checkpoint"]) / "searcher.json").exists()
+    )
     summary = json.loads((tmp_path / "runs" / "api_eval" / "summary.json").read_text())
     assert list(summary["methods"]) == ["naive-rag", "search-r1"]
     rows = sl.compare(summary, metrics=["em", "f1", "retrieval_count"])
     assert [str(r) for r in rows] == [line for line in printed if line.startswith("{'method'")]
     assert all(r["n"] == 4 for r in rows) and rows[0]["em"] >= rows[1]["em"]
     result = namespace["result"]  # the searcher's two prints come last (the trainer logs its steps before)
-    assert printed[-2:] == [str(result["trajectory"]["queries"]), str([doc["title"] for doc in result["context"]])]
+    assert printed[-2:] == [
+        str(result["trajectory"]["queries"]),
+        str([doc["title"] for doc in result["context"]]),
+    ]
     assert result["retrieval_count"] == len(result["trajectory"]["queries"])
     assert result["loop"] == "search_r1"
     assert type(namespace["model"]).__name__ == "Qwen2ForCausalLM"  # the export, loaded by transformers
@@ -79,7 +84,9 @@ def test_readme_yaml_examples_validate() -> None:
 
 def test_overrides_as_dict_or_strings_are_the_same(tmp_path: Path) -> None:
     path = ROOT / "recipes" / "cpu" / "s3.yaml"
-    a = sl.load_recipe(path, {"algorithm.n": 3, "agent.options": {"use_selection": False}, "model.policy": "tiny"})
+    a = sl.load_recipe(
+        path, {"algorithm.n": 3, "agent.options": {"use_selection": False}, "model.policy": "tiny"}
+    )
     b = sl.load_recipe(path, ["algorithm.n=3", "agent.options={use_selection: false}", "model.policy=tiny"])
     assert a == b and a.algorithm.n == 3 and a.agent.options == {"use_selection": False}
     c = sl.override(a, {"trainer.total_steps": 7})
@@ -91,11 +98,13 @@ def test_overrides_as_dict_or_strings_are_the_same(tmp_path: Path) -> None:
 
 
 def test_compare_orders_by_the_first_metric_and_names_unknowns() -> None:
-    summary = {"methods": {
-        "a": {"overall": {"n": 2, "em": 0.5, "f1": 0.6}},
-        "b": {"overall": {"n": 2, "em": 1.0, "f1": 0.1}},
-        "c": {"overall": {"n": 2, "em": None, "f1": 0.9}},
-    }}
+    summary = {
+        "methods": {
+            "a": {"overall": {"n": 2, "em": 0.5, "f1": 0.6}},
+            "b": {"overall": {"n": 2, "em": 1.0, "f1": 0.1}},
+            "c": {"overall": {"n": 2, "em": None, "f1": 0.9}},
+        }
+    }
     assert [r["method"] for r in sl.compare(summary, ["em", "f1"])] == ["b", "a", "c"]
     assert [r["method"] for r in sl.compare(summary, ["f1"])] == ["c", "a", "b"]
     assert sl.compare(summary, ["f1"])[0] == {"method": "c", "n": 2, "f1": 0.9}

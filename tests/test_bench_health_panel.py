@@ -43,9 +43,11 @@ def test_the_panel_has_every_health_metric_and_the_guard_thresholds(tmp_path: Pa
     axes = {ax.get_title(): ax for ax in fig.axes}
     assert set(axes) == set(HEALTH_KEYS)  # the run logged all eleven
     thresholds = guard_thresholds(run)
-    assert thresholds == {"actor/entropy": [(0.02, "entropy_collapse")],
-                          "health/no_search": [(0.95, "stopped_searching")],
-                          "health/invalid_action": [(0.5, "invalid_actions")]}
+    assert thresholds == {
+        "actor/entropy": [(0.02, "entropy_collapse")],
+        "health/no_search": [(0.95, "stopped_searching")],
+        "health/invalid_action": [(0.5, "invalid_actions")],
+    }
     for metric, drawn in thresholds.items():
         for value, name in drawn:
             ax = axes[metric]
@@ -70,8 +72,10 @@ def test_the_committed_image_is_the_render_of_the_committed_metrics(tmp_path: Pa
 
     drawn_by = committed.text.get("Software", "")
     if f"version{matplotlib.__version__}," not in drawn_by:
-        pytest.skip(f"pixels compared only under the matplotlib that drew the panel ({drawn_by!r}); "
-                    f"installed {matplotlib.__version__}")
+        pytest.skip(
+            f"pixels compared only under the matplotlib that drew the panel ({drawn_by!r}); "
+            f"installed {matplotlib.__version__}"
+        )
     # one moved point of one curve changes ~0.07% of the pixels (RMS ~2); the render must match exactly
     diff = np.abs(np.asarray(rendered.convert("RGB"), float) - np.asarray(committed.convert("RGB"), float))
     assert float(diff.max()) == 0.0
@@ -93,8 +97,10 @@ def test_first_and_last_steps_by_hand() -> None:
     rows = [{"reward/mean": float(s), "accuracy/em": 1.0 if s < 8 else 0.0} for s in range(16)]
     reward, em = health_panel.trend_lines(rows)
     # steps 1-8 hold 0..7 (mean 3.5, SD sqrt(6) = 2.449), steps 9-16 hold 8..15 (mean 11.5)
-    assert reward == ("reward/mean: steps 1-8 3.500 (SD 2.449, range 0.000-7.000); steps 9-16 11.500 "
-                      "(SD 2.449, range 8.000-15.000); difference +8.000")
+    assert reward == (
+        "reward/mean: steps 1-8 3.500 (SD 2.449, range 0.000-7.000); steps 9-16 11.500 "
+        "(SD 2.449, range 8.000-15.000); difference +8.000"
+    )
     assert em.endswith("difference -1.000")
 
 
@@ -103,7 +109,8 @@ def test_the_partial_evaluation_line(tmp_path: Path) -> None:
     path.write_text("".join(json.dumps({"metrics": {"em": float(i < 3)}}) + "\n" for i in range(4)))
     lo, hi = health_panel.wilson_interval(3, 4)
     assert health_panel.partial_eval_line(path) == (
-        f"final evaluation (partial, 4 questions): EM 3/4 = 75.0% [{100 * lo:.1f}, {100 * hi:.1f}] (95% Wilson)")
+        f"final evaluation (partial, 4 questions): EM 3/4 = 75.0% [{100 * lo:.1f}, {100 * hi:.1f}] (95% Wilson)"
+    )
 
 
 def test_a_folder_without_metrics_is_named(tmp_path: Path) -> None:

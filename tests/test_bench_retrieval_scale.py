@@ -37,14 +37,51 @@ def test_peak_memory_sees_an_allocation() -> None:
 
 def test_bm25_stages_and_report_end_to_end(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": str(SRC), "OMP_NUM_THREADS": "1"}
-    common = ["--work", str(tmp_path / "w"), "--size", "3000", "--world-passages", "300", "--questions", "60",
-              "--workers", "2", "--shard-docs", "1000", "--batch-requests", "2", "--batch-clients", "2",
-              "--latency-seconds", "1", "--recall-questions", "20"]
+    common = [
+        "--work",
+        str(tmp_path / "w"),
+        "--size",
+        "3000",
+        "--world-passages",
+        "300",
+        "--questions",
+        "60",
+        "--workers",
+        "2",
+        "--shard-docs",
+        "1000",
+        "--batch-requests",
+        "2",
+        "--batch-clients",
+        "2",
+        "--latency-seconds",
+        "1",
+        "--recall-questions",
+        "20",
+    ]
     for stage in ("synth", "bm25-build", "bm25-serve"):
-        subprocess.run([sys.executable, str(BENCH / "retrieval_scale.py"), stage, *common], env=env, check=True,
-                       capture_output=True, text=True, timeout=300)
-    out = subprocess.run([sys.executable, str(BENCH / "retrieval_scale.py"), "report", *common, "--out",
-                          str(tmp_path / "r.json")], env=env, check=True, capture_output=True, text=True)
+        subprocess.run(
+            [sys.executable, str(BENCH / "retrieval_scale.py"), stage, *common],
+            env=env,
+            check=True,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+    out = subprocess.run(
+        [
+            sys.executable,
+            str(BENCH / "retrieval_scale.py"),
+            "report",
+            *common,
+            "--out",
+            str(tmp_path / "r.json"),
+        ],
+        env=env,
+        check=True,
+        capture_output=True,
+        text=True,
+    )
     assert "BM25 serve" in out.stdout and "cold start" in out.stdout
     result = json.loads((tmp_path / "r.json").read_text())
     assert result["missing_stages"] == ["encode", "ivfpq-build", "dense-serve"]
@@ -68,26 +105,67 @@ def test_dense_stages_reuse_the_bm25_docstore_end_to_end(tmp_path: Path, one_lay
     bench's SLEUTH_ENCODER: the stages' plumbing is under test, and encoding is most of their time.)"""
     env = {**os.environ, "PYTHONPATH": str(SRC), "OMP_NUM_THREADS": "1", "SLEUTH_ENCODER": one_layer_minilm}
     work = tmp_path / "w"
-    common = ["--work", str(work), "--size", "500", "--world-passages", "200", "--questions", "40",
-              "--workers", "1", "--shard-docs", "1000", "--batch-requests", "1", "--batch-clients", "1",
-              "--latency-seconds", "1", "--recall-questions", "10", "--devices", "cpu,cpu", "--nlist", "16",
-              "--shards", "2", "--nprobe", "16", "--ivf-device", "torch-cpu", "--sweep-nprobe", "1", "16"]
+    common = [
+        "--work",
+        str(work),
+        "--size",
+        "500",
+        "--world-passages",
+        "200",
+        "--questions",
+        "40",
+        "--workers",
+        "1",
+        "--shard-docs",
+        "1000",
+        "--batch-requests",
+        "1",
+        "--batch-clients",
+        "1",
+        "--latency-seconds",
+        "1",
+        "--recall-questions",
+        "10",
+        "--devices",
+        "cpu,cpu",
+        "--nlist",
+        "16",
+        "--shards",
+        "2",
+        "--nprobe",
+        "16",
+        "--ivf-device",
+        "torch-cpu",
+        "--sweep-nprobe",
+        "1",
+        "16",
+    ]
 
     def stage(name: str) -> None:
-        subprocess.run([sys.executable, str(BENCH / "retrieval_scale.py"), name, *common], env=env, check=True,
-                       capture_output=True, text=True, timeout=400)
+        subprocess.run(
+            [sys.executable, str(BENCH / "retrieval_scale.py"), name, *common],
+            env=env,
+            check=True,
+            capture_output=True,
+            text=True,
+            timeout=400,
+        )
 
     for name in ("synth", "bm25-build"):
         stage(name)
     (work / "world" / "corpus.jsonl").unlink()
     for name in ("encode", "ivfpq-build", "dense-serve"):
         stage(name)
-    encode, build, serve = (json.loads((work / "stages" / f"{s}.json").read_text())
-                            for s in ("encode", "ivfpq-build", "dense-serve"))
+    encode, build, serve = (
+        json.loads((work / "stages" / f"{s}.json").read_text())
+        for s in ("encode", "ivfpq-build", "dense-serve")
+    )
     assert encode["passages"] == 500 and encode["sample"] is False and encode["devices"] == ["cpu", "cpu"]
     assert encode["docstore"] == str(work / "bm25" / "docstore") and encode["passages_per_second"] > 0
     assert (work / "dense" / "embeddings.f16").stat().st_size == 500 * 384 * 2
-    assert not (work / "dense" / "corpus.jsonl").exists() and not (work / "dense" / "docstore-encode").exists()
+    assert (
+        not (work / "dense" / "corpus.jsonl").exists() and not (work / "dense" / "docstore-encode").exists()
+    )
     assert build["docstore_reused"] is True and build["passages"] == 500 and build["shards"] == 2
     assert build["ivf_build"]["path"] == "torch-assisted" and build["ivf_build"]["seconds"]["add"] >= 0
     inodes = {(work / d / "docstore" / "strings.bin").stat().st_ino for d in ("bm25", "ivf")}
@@ -107,10 +185,12 @@ def test_dense_sample_cuts_a_corpus_and_the_whole_corpus_needs_the_bm25_docstore
     (work / "world").mkdir(parents=True)
     (work / "stages").mkdir()
     (work / "world" / "corpus.jsonl").write_text(
-        "".join(json.dumps({"id": f"d{i}", "contents": f'"T{i}"\nword{i} text'}) + "\n" for i in range(50)))
+        "".join(json.dumps({"id": f"d{i}", "contents": f'"T{i}"\nword{i} text'}) + "\n" for i in range(50))
+    )
     (work / "stages" / "synth.json").write_text(json.dumps({"passages": 50}))
-    sample = retrieval_scale._encode_docstore(retrieval_scale.parse_args(["encode", "--work", str(work),
-                                                                         "--dense-size", "20"]))
+    sample = retrieval_scale._encode_docstore(
+        retrieval_scale.parse_args(["encode", "--work", str(work), "--dense-size", "20"])
+    )
     assert sample.num_docs == 20 and sample.ids([0, 19]) == ["d0", "d19"]
     assert retrieval_scale.count_lines(work / "dense" / "corpus.jsonl") == 20
     for size in ([], ["--dense-size", "50"], ["--dense-size", "80"]):
@@ -129,13 +209,44 @@ def test_dense_only_run_builds_the_bm25_docstore_without_bm25_and_reports_bm25_a
     (MiniLM cut to one layer encodes, as in the test above.)"""
     env = {**os.environ, "PYTHONPATH": str(SRC), "OMP_NUM_THREADS": "1", "SLEUTH_ENCODER": one_layer_minilm}
     work, bm25_work = tmp_path / "w", tmp_path / "bm25"
-    common = ["--size", "400", "--world-passages", "200", "--questions", "40", "--workers", "2",
-              "--shard-docs", "1000", "--batch-requests", "1", "--batch-clients", "1", "--latency-seconds", "1",
-              "--recall-questions", "10", "--devices", "cpu", "--nlist", "16", "--shards", "2", "--nprobe", "16"]
+    common = [
+        "--size",
+        "400",
+        "--world-passages",
+        "200",
+        "--questions",
+        "40",
+        "--workers",
+        "2",
+        "--shard-docs",
+        "1000",
+        "--batch-requests",
+        "1",
+        "--batch-clients",
+        "1",
+        "--latency-seconds",
+        "1",
+        "--recall-questions",
+        "10",
+        "--devices",
+        "cpu",
+        "--nlist",
+        "16",
+        "--shards",
+        "2",
+        "--nprobe",
+        "16",
+    ]
 
     def stage(name: str, where: Path = work, *extra: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, str(BENCH / "retrieval_scale.py"), name, "--work", str(where),
-                               *common, *extra], env=env, check=True, capture_output=True, text=True, timeout=400)
+        return subprocess.run(
+            [sys.executable, str(BENCH / "retrieval_scale.py"), name, "--work", str(where), *common, *extra],
+            env=env,
+            check=True,
+            capture_output=True,
+            text=True,
+            timeout=400,
+        )
 
     stage("synth")
     stage("docstore-build")
@@ -159,7 +270,9 @@ def test_dense_only_run_builds_the_bm25_docstore_without_bm25_and_reports_bm25_a
     assert result["missing_stages"] == []
     assert result["skipped_stages"] == {"bm25-build": "SKIP_BM25=1", "bm25-serve": "SKIP_BM25=1"}
     assert set(result["stages"]) == {"synth", "docstore-build", "encode", "ivfpq-build", "dense-serve"}
-    assert "docstore build" in out.stdout and re.search(r"^bm25-build +skipped: SKIP_BM25=1$", out.stdout, re.M)
+    assert "docstore build" in out.stdout and re.search(
+        r"^bm25-build +skipped: SKIP_BM25=1$", out.stdout, re.M
+    )
     assert result["stages"]["dense-serve"]["recall_at_5_vs_exact"] >= 0.8
     # one served worker's batch, phase by phase: every phase timed, the total their sum
     phases = result["stages"]["dense-serve"]["served_batch_phases"]
@@ -173,15 +286,19 @@ def test_pss_counts_a_page_shared_by_two_processes_once(tmp_path: Path) -> None:
     summed PSS once in all."""
     data = tmp_path / "shared.bin"
     data.write_bytes(b"\x01" * (32 * 2**20))
-    mapper = ("import mmap, sys, time\n"
-              "f = open(sys.argv[1], 'rb'); m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)\n"
-              "total = sum(m[i] for i in range(0, len(m), 4096))\n"
-              "print('ready', flush=True); time.sleep(60)\n")
+    mapper = (
+        "import mmap, sys, time\n"
+        "f = open(sys.argv[1], 'rb'); m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)\n"
+        "total = sum(m[i] for i in range(0, len(m), 4096))\n"
+        "print('ready', flush=True); time.sleep(60)\n"
+    )
     # the parent maps the file, then starts a child that maps it too
-    parent_code = ("import subprocess, sys\n"
-                   f"child = subprocess.Popen([sys.executable, '-c', {mapper!r}, sys.argv[1]], stdout=subprocess.PIPE)\n"
-                   "child.stdout.readline()\n"
-                   f"exec({mapper!r})\n")
+    parent_code = (
+        "import subprocess, sys\n"
+        f"child = subprocess.Popen([sys.executable, '-c', {mapper!r}, sys.argv[1]], stdout=subprocess.PIPE)\n"
+        "child.stdout.readline()\n"
+        f"exec({mapper!r})\n"
+    )
     proc = subprocess.Popen([sys.executable, "-c", parent_code, str(data)], stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
@@ -205,11 +322,13 @@ def test_tie_aware_recall_counts_a_passage_tied_with_the_exact_fifth() -> None:
     exact_s = np.array([[0.9, 0.8, 0.7, 0.6, 0.5, 0.5]] * 3, np.float32)
     exact_r = np.array([[0, 1, 2, 3, 4, 5]] * 3)
     found = np.array([[0, 1, 2, 3, 5], [0, 1, 2, 3, 9], [0, 1, 2, 3, 9]])
-    found_s = np.array([[0.9, 0.8, 0.7, 0.6, 0.5], [0.9, 0.8, 0.7, 0.6, 0.49], [0.9, 0.8, 0.7, 0.6, 0.4995]],
-                       np.float32)
+    found_s = np.array(
+        [[0.9, 0.8, 0.7, 0.6, 0.5], [0.9, 0.8, 0.7, 0.6, 0.49], [0.9, 0.8, 0.7, 0.6, 0.4995]], np.float32
+    )
     for q in range(3):
-        overlap, tie_aware = retrieval_scale.recall_vs_exact(found[q : q + 1], found_s[q : q + 1], exact_r[q : q + 1],
-                                                             exact_s[q : q + 1])
+        overlap, tie_aware = retrieval_scale.recall_vs_exact(
+            found[q : q + 1], found_s[q : q + 1], exact_r[q : q + 1], exact_s[q : q + 1]
+        )
         assert overlap == pytest.approx(0.8)
         assert tie_aware == pytest.approx([1.0, 0.8, 1.0][q])
     overlap, tie_aware = retrieval_scale.recall_vs_exact(found, found_s, exact_r, exact_s)
@@ -217,7 +336,9 @@ def test_tie_aware_recall_counts_a_passage_tied_with_the_exact_fifth() -> None:
     # a missing result (-1) counts for neither, whatever score sits beside it
     missing = np.array([[0, 1, 2, 3, -1]])
     assert retrieval_scale.recall_vs_exact(missing, np.full((1, 5), 1.0), exact_r[:1], exact_s[:1]) == (
-        pytest.approx(0.8), pytest.approx(0.8))
+        pytest.approx(0.8),
+        pytest.approx(0.8),
+    )
     # the 6th exact score is within 1e-3 of the 5th for every query here, for none when it is 0.49
     assert retrieval_scale.exact_ties(exact_s) == 1.0
     assert retrieval_scale.exact_ties(np.array([[0.9, 0.8, 0.7, 0.6, 0.5, 0.49]])) == 0.0
@@ -239,7 +360,9 @@ def test_exact_scores_and_rows_of_ids_recompute_what_a_search_returned(tmp_path:
 
     assert retrieval_scale.rows_of_ids(Store(), [["2", "0"], ["1"]]).tolist() == [[2, 0], [1, -1]]
 
-    named = DocStore.build([Passage(id=i, title=i, text=i) for i in "abc"], tmp_path / "docstore")  # other ids
+    named = DocStore.build(
+        [Passage(id=i, title=i, text=i) for i in "abc"], tmp_path / "docstore"
+    )  # other ids
     assert retrieval_scale.rows_of_ids(named, [["c", "zz"], ["a"]]).tolist() == [[2, -1], [0, -1]]
 
 
@@ -247,7 +370,8 @@ def test_batched_clients_default_to_the_server_workers(tmp_path: Path) -> None:
     """The batched q/s keeps every server worker busy unless --batch-clients says otherwise."""
     args = retrieval_scale.parse_args(["dense-serve", "--work", str(tmp_path), "--server-workers", "8"])
     assert args.batch_clients == 8
-    args = retrieval_scale.parse_args(["dense-serve", "--work", str(tmp_path), "--server-workers", "8",
-                                       "--batch-clients", "3"])
+    args = retrieval_scale.parse_args(
+        ["dense-serve", "--work", str(tmp_path), "--server-workers", "8", "--batch-clients", "3"]
+    )
     assert args.batch_clients == 3
     assert retrieval_scale.parse_args(["dense-serve", "--work", str(tmp_path)]).batch_clients == 1

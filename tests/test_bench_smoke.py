@@ -52,8 +52,12 @@ def test_random_model_sizes_match_the_published_counts() -> None:
     import torch
     from transformers import Qwen2Config
 
-    expected = {"qwen2.5-0.5b": 494_032_768, "qwen2.5-1.5b": 1_543_714_304, "qwen2.5-3b": 3_085_938_688,
-                "qwen2.5-7b": 7_615_616_512}
+    expected = {
+        "qwen2.5-0.5b": 494_032_768,
+        "qwen2.5-1.5b": 1_543_714_304,
+        "qwen2.5-3b": 3_085_938_688,
+        "qwen2.5-7b": 7_615_616_512,
+    }
     for arch, count in expected.items():
         config = Qwen2Config(**({"tie_word_embeddings": True} | common.RANDOM_ARCHS[arch]))
         with torch.device("meta"):
@@ -66,8 +70,26 @@ def test_random_model_sizes_match_the_published_counts() -> None:
 def test_rollout_bench_tiny(tmp_path: Path) -> None:
     rollout = load_bench("rollout")
     out = tmp_path / "rollout.json"
-    rollout.main(["--model", "tiny", "--device", "cpu", "--batch", "3", "--turns", "2", "--new-tokens", "4",
-                  "--baseline-trajectories", "1", "--passages", "300", "--out", str(out)])
+    rollout.main(
+        [
+            "--model",
+            "tiny",
+            "--device",
+            "cpu",
+            "--batch",
+            "3",
+            "--turns",
+            "2",
+            "--new-tokens",
+            "4",
+            "--baseline-trajectories",
+            "1",
+            "--passages",
+            "300",
+            "--out",
+            str(out),
+        ]
+    )
     data = json.loads(out.read_text())
     engine, baseline = data["rows"]
     assert engine["mode"] == "dynamic" and baseline["mode"] == "baseline"
@@ -84,9 +106,30 @@ def test_rollout_bench_tiny(tmp_path: Path) -> None:
 def test_train_step_bench_tiny_sleuth(tmp_path: Path) -> None:
     train_step = load_bench("train_step")
     out = tmp_path / "train.json"
-    train_step.main(["--model", "tiny", "--device", "cpu", "--prompts", "2", "--n", "2", "--new-tokens", "4",
-                     "--steps", "1", "--warmup-steps", "1", "--passages", "300", "--variants", "sleuth",
-                     "--out", str(out)])
+    train_step.main(
+        [
+            "--model",
+            "tiny",
+            "--device",
+            "cpu",
+            "--prompts",
+            "2",
+            "--n",
+            "2",
+            "--new-tokens",
+            "4",
+            "--steps",
+            "1",
+            "--warmup-steps",
+            "1",
+            "--passages",
+            "300",
+            "--variants",
+            "sleuth",
+            "--out",
+            str(out),
+        ]
+    )
     data = json.loads(out.read_text())
     (row,) = data["rows"]
     assert row["status"] == "ok", row
@@ -102,9 +145,33 @@ def test_train_step_bench_tiny_sleuth(tmp_path: Path) -> None:
 def test_scale_step_bench_one_vs_two_processes(tmp_path: Path) -> None:
     scale_step = load_bench("scale_step")
     out = tmp_path / "scale.json"
-    scale_step.main(["--model", "tiny", "--device", "cpu", "--gpus", "1", "2", "--parallel", "ddp", "--prompts", "2",
-                     "--n", "2", "--turns", "1", "--new-tokens", "4", "--steps", "1", "--passages", "300",
-                     "--out", str(out)])
+    scale_step.main(
+        [
+            "--model",
+            "tiny",
+            "--device",
+            "cpu",
+            "--gpus",
+            "1",
+            "2",
+            "--parallel",
+            "ddp",
+            "--prompts",
+            "2",
+            "--n",
+            "2",
+            "--turns",
+            "1",
+            "--new-tokens",
+            "4",
+            "--steps",
+            "1",
+            "--passages",
+            "300",
+            "--out",
+            str(out),
+        ]
+    )
     rows = json.loads(out.read_text())["rows"]
     assert [(r["gpus"], r["status"]) for r in rows] == [(1, "ok"), (2, "ok")], rows
     assert [r["trajectories_per_rank"] for r in rows] == [4, 2]  # the global batch is split, not repeated
@@ -119,8 +186,11 @@ def test_scale_step_rejects_a_rank_count_that_splits_groups() -> None:
 
 
 def test_bench_scripts_name_a_flag_below_one() -> None:
-    for name, argv, flag in (("train_step", ["--steps", "0"], "--steps"), ("rollout", ["--new-tokens", "0"], "--new-tokens"),
-                             ("scale_step", ["--micro", "0"], "--micro")):
+    for name, argv, flag in (
+        ("train_step", ["--steps", "0"], "--steps"),
+        ("rollout", ["--new-tokens", "0"], "--new-tokens"),
+        ("scale_step", ["--micro", "0"], "--micro"),
+    ):
         with pytest.raises(SystemExit, match=f"{flag} must be >= 1, got 0"):
             load_bench(name).parse_args(argv)
 
@@ -136,8 +206,10 @@ def test_learning_reward_slope_by_hand(tmp_path: Path) -> None:
     # + (0.5)(0.1) + (1.5)(0.2) = 0.7, Sxx = 5: slope 0.14, intercept 0.05. Residuals 0.01, -0.03, 0.03, -0.01
     # -> SSE 0.002; stderr = sqrt(0.002 / 2 / 5) = 0.0141421; t(0.975, 2) = 4.302653 -> half-width 0.060849.
     # The kept-groups mean (reward/mean) is ignored when the before-filter mean is logged.
-    rows = [{"step": s, "reward/mean": 0.5, "reward/mean_before_filter": r, "accuracy/em": r}
-            for s, r in zip((1, 2, 3, 4), (0.2, 0.3, 0.5, 0.6), strict=True)]
+    rows = [
+        {"step": s, "reward/mean": 0.5, "reward/mean_before_filter": r, "accuracy/em": r}
+        for s, r in zip((1, 2, 3, 4), (0.2, 0.3, 0.5, 0.6), strict=True)
+    ]
     slope = learning.reward_slope(_write_metrics(tmp_path / "m.jsonl", rows))
     assert slope["reward"] == "reward/mean_before_filter"
     assert slope["slope"] == pytest.approx(0.14)
@@ -150,8 +222,12 @@ def test_learning_reward_slope_by_hand(tmp_path: Path) -> None:
 def test_learning_reward_slope_per_stage(tmp_path: Path) -> None:
     learning = load_bench("learning")
     # stage 1 rises by 0.1 a step from 1.0, stage 2 (a reward on another scale) by 0.05 from 0.2
-    rows = [{"step": s, "stage": 1, "reward/mean": 1.0 + 0.1 * (s - 1), "accuracy/em": 0.5} for s in (1, 2, 3)]
-    rows += [{"step": s, "stage": 2, "reward/mean": 0.2 + 0.05 * (s - 4), "accuracy/em": 0.5} for s in (4, 5, 6, 7)]
+    rows = [
+        {"step": s, "stage": 1, "reward/mean": 1.0 + 0.1 * (s - 1), "accuracy/em": 0.5} for s in (1, 2, 3)
+    ]
+    rows += [
+        {"step": s, "stage": 2, "reward/mean": 0.2 + 0.05 * (s - 4), "accuracy/em": 0.5} for s in (4, 5, 6, 7)
+    ]
     slope = learning.reward_slope(_write_metrics(tmp_path / "m.jsonl", rows))
     assert slope["reward"] == "reward/mean"
     assert slope["per_stage"]["1"]["slope"] == pytest.approx(0.1)
@@ -190,7 +266,9 @@ def test_learning_validation_reward_pairs_first_and_last(tmp_path: Path) -> None
     rewards = {0: [0.0, 1.0, 0.0], 10: [1.0, 1.0, 0.0], 20: [1.0, 1.0, 1.0]}
     for step, values in rewards.items():
         rows = [{"id": f"q{i}", "reward": r} for i, r in enumerate(values)]
-        (tmp_path / "validation" / f"step_{step:06d}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        (tmp_path / "validation" / f"step_{step:06d}.jsonl").write_text(
+            "".join(json.dumps(r) + "\n" for r in rows)
+        )
         with open(tmp_path / "validation.jsonl", "a") as f:
             f.write(json.dumps({"step": step, "val/reward/mean": sum(values) / 3, "val/stage": 1.0}) + "\n")
     result = learning.validation_reward(tmp_path)
@@ -205,10 +283,17 @@ def test_learning_validation_reward_pairs_first_and_last(tmp_path: Path) -> None
 def test_learning_eval_off_runs_training_stages_only(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     learning = load_bench("learning")
     ran: list[str] = []
-    monkeypatch.setattr(learning, "stage", lambda out, name, fn, *args: ran.append(name) or {"checkpoint": "c"})
+    monkeypatch.setattr(
+        learning, "stage", lambda out, name, fn, *args: ran.append(name) or {"checkpoint": "c"}
+    )
     learning.run_job(tmp_path, "r_search:full", "m", learning.CPU_SIZE, None)
-    assert ran == ["r_search_trajectories", "r_search_full_sft", "r_search_full_eval_sft", "r_search_full_rl",
-                   "r_search_full_eval_rl"]
+    assert ran == [
+        "r_search_trajectories",
+        "r_search_full_sft",
+        "r_search_full_eval_sft",
+        "r_search_full_rl",
+        "r_search_full_eval_rl",
+    ]
     ran.clear()
     monkeypatch.setenv("LEARN_EVAL", "0")
     learning.run_job(tmp_path, "r_search:full", "m", learning.CPU_SIZE, None)
@@ -219,12 +304,28 @@ def test_decode_bench_tiny(tmp_path: Path) -> None:
     """bench/decode.py runs the engine end to end and books bytes per step from its own arithmetic."""
     decode = load_bench("decode")
     out = tmp_path / "decode.json"
-    decode.main(["--models", "tiny", "--device", "cpu", "--batches", "3", "--context", "16", "--new-tokens", "6",
-                 "--out", str(out)])
+    decode.main(
+        [
+            "--models",
+            "tiny",
+            "--device",
+            "cpu",
+            "--batches",
+            "3",
+            "--context",
+            "16",
+            "--new-tokens",
+            "6",
+            "--out",
+            str(out),
+        ]
+    )
     (row,) = json.loads(out.read_text())["rows"]
     assert row["batch"] == 3 and row["steps_per_s"] > 0
     # weights once + every row's live keys/values at the mean length (16 + 7/2 tokens)
-    assert row["bytes_per_step"] == int(row["weight_bytes_per_step"] + 3 * (16 + 3.5) * row["kv_bytes_per_token"])
+    assert row["bytes_per_step"] == int(
+        row["weight_bytes_per_step"] + 3 * (16 + 3.5) * row["kv_bytes_per_token"]
+    )
 
 
 def test_paper_scale_rehearsal_tiny(tmp_path: Path) -> None:
@@ -232,9 +333,34 @@ def test_paper_scale_rehearsal_tiny(tmp_path: Path) -> None:
     (the scripted query), the step split and the 1,000 x 512 projection are reported, and a rerun resumes."""
     paper = load_bench("paper_scale")
     out, work = tmp_path / "paper.json", tmp_path / "work"
-    argv = ["--model", "tiny", "--device", "cpu", "--gpus", "1", "--prompts", "2", "--n", "2", "--turns", "2",
-            "--new-tokens", "6", "--max-obs-tokens", "24", "--steps", "1", "--micro", "2", "--passages", "300",
-            "--work", str(work), "--out", str(out)]
+    argv = [
+        "--model",
+        "tiny",
+        "--device",
+        "cpu",
+        "--gpus",
+        "1",
+        "--prompts",
+        "2",
+        "--n",
+        "2",
+        "--turns",
+        "2",
+        "--new-tokens",
+        "6",
+        "--max-obs-tokens",
+        "24",
+        "--steps",
+        "1",
+        "--micro",
+        "2",
+        "--passages",
+        "300",
+        "--work",
+        str(work),
+        "--out",
+        str(out),
+    ]
     paper.main(argv)
     (row,) = json.loads(out.read_text())["rows"]
     assert row["status"] == "ok", row.get("log_tail")
@@ -245,7 +371,8 @@ def test_paper_scale_rehearsal_tiny(tmp_path: Path) -> None:
     assert 0 < row["retrieval_s"] < row["rollout_s"]
     assert row["retrieval_share_of_rollout"] == pytest.approx(row["retrieval_s"] / row["rollout_s"])
     assert row["projected_hours_1000_steps_512_prompts"] == pytest.approx(
-        1000 * 512 * 5 / row["trajectories_per_s"] / 3600)
+        1000 * 512 * 5 / row["trajectories_per_s"] / 3600
+    )
     paper.main(argv)  # measured before: kept, not rerun
     assert json.loads(out.read_text())["rows"][0]["wall_s"] == row["wall_s"]
 
@@ -255,13 +382,40 @@ def test_paper_scale_search_r1_late_shape_tiny(tmp_path: Path) -> None:
     turn but the last searching, 48 new tokens a turn; the row carries the shape and the update's counters."""
     paper = load_bench("paper_scale")
     out = tmp_path / "late.json"
-    paper.main(["--model", "tiny", "--device", "cpu", "--gpus", "1", "--prompts", "2", "--n", "4", "--steps", "1",
-                "--micro", "4", "--micro-tokens", "4096", "--passages", "300", "--shape", "search-r1-late",
-                "--work", str(tmp_path / "work"), "--out", str(out)])
+    paper.main(
+        [
+            "--model",
+            "tiny",
+            "--device",
+            "cpu",
+            "--gpus",
+            "1",
+            "--prompts",
+            "2",
+            "--n",
+            "4",
+            "--steps",
+            "1",
+            "--micro",
+            "4",
+            "--micro-tokens",
+            "4096",
+            "--passages",
+            "300",
+            "--shape",
+            "search-r1-late",
+            "--work",
+            str(tmp_path / "work"),
+            "--out",
+            str(out),
+        ]
+    )
     (row,) = json.loads(out.read_text())["rows"]
     assert row["status"] == "ok", row.get("log_tail")
     assert row["shape"] == "search-r1-late" and row["turns"] == 3 and row["new_tokens_per_turn"] == 48
-    assert 1.0 < row["retrievals_per_trajectory"] < 2.0  # one or two searches: turn counts differ in the batch
+    assert (
+        1.0 < row["retrievals_per_trajectory"] < 2.0
+    )  # one or two searches: turn counts differ in the batch
     assert 96 <= row["policy_tokens_per_trajectory"] <= 144
     assert row["update_tokens_per_s_per_gpu"] > 0 and row["micro_batches_per_minibatch"] >= 1
     assert row["recipe"]["algorithm"]["micro_batch_tokens"] == 4096
@@ -284,8 +438,28 @@ def test_rollout_bench_engine_row_splits_prefill_from_decode(tmp_path: Path) -> 
     so no graph is captured and none fails)."""
     rollout = load_bench("rollout")
     out = tmp_path / "rollout.json"
-    rollout.main(["--model", "tiny", "--device", "cpu", "--batch", "3", "--turns", "2", "--new-tokens", "4",
-                  "--modes", "engine", "--baseline-trajectories", "0", "--passages", "300", "--out", str(out)])
+    rollout.main(
+        [
+            "--model",
+            "tiny",
+            "--device",
+            "cpu",
+            "--batch",
+            "3",
+            "--turns",
+            "2",
+            "--new-tokens",
+            "4",
+            "--modes",
+            "engine",
+            "--baseline-trajectories",
+            "0",
+            "--passages",
+            "300",
+            "--out",
+            str(out),
+        ]
+    )
     (row,) = json.loads(out.read_text())["rows"]
     assert row["mode"] == "engine" and row["graph_failures"] == 0
     assert 0 < row["prefill_s"] < row["generate_s"]
@@ -296,10 +470,27 @@ def test_stop_check_cost_bench_tiny(tmp_path: Path) -> None:
     """bench/stop_check_cost.py times both stop-check paths (the tiny tokenizer when the Qwen one is absent)."""
     bench = load_bench("stop_check_cost")
     out = tmp_path / "stop.json"
-    bench.main(["--tokenizer", str(tmp_path / "absent"), "--rows", "4", "--chunk", "3", "--chunks", "2",
-                "--repeats", "1", "--out", str(out)])
+    bench.main(
+        [
+            "--tokenizer",
+            str(tmp_path / "absent"),
+            "--rows",
+            "4",
+            "--chunk",
+            "3",
+            "--chunks",
+            "2",
+            "--repeats",
+            "1",
+            "--out",
+            str(out),
+        ]
+    )
     result = json.loads(out.read_text())
-    assert [r["path"] for r in result["rows"]] == ["tails after every token", "tails after tokens that may end a stop"]
+    assert [r["path"] for r in result["rows"]] == [
+        "tails after every token",
+        "tails after tokens that may end a stop",
+    ]
     assert all(r["ms_per_chunk_median"] > 0 for r in result["rows"]) and result["tokenizer_size"] > 0
 
 
@@ -307,8 +498,11 @@ def test_claims_figure_groups_em_and_retrievals_by_type_and_draws_the_retrieval_
     """bench/claims_figure.py: the per-type means by hand (EM and, for the staged claim, retrievals per question),
     and a three-panel figure from a claim folder laid out as committed."""
     figure = load_bench("claims_figure")
-    rows = [{"dataset": "all-known", "em": 1.0, "retrieval_count": 1}, {"dataset": "all-known", "em": 0.0,
-            "retrieval_count": 3}, {"dataset": "mixed", "em": 1.0, "retrieval_count": 2}]
+    rows = [
+        {"dataset": "all-known", "em": 1.0, "retrieval_count": 1},
+        {"dataset": "all-known", "em": 0.0, "retrieval_count": 3},
+        {"dataset": "mixed", "em": 1.0, "retrieval_count": 2},
+    ]
     em = figure.em_by_type(rows)
     counts = figure.em_by_type(rows, "retrieval_count")
     assert list(em) == ["all-known", "mixed", "all"]  # "all" last
@@ -319,15 +513,23 @@ def test_claims_figure_groups_em_and_retrievals_by_type_and_draws_the_retrieval_
         (run / arm).mkdir(parents=True)
         (run / arm / "per_question.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
         (run / arm / "metrics.jsonl").write_text(json.dumps({"step": 1, "retrieval_count": 2.0}) + "\n")
-    (run / "report.json").write_text(json.dumps({"arms": ["staged", "search_r1"], "claim": {"method": "staged"}}))
+    (run / "report.json").write_text(
+        json.dumps({"arms": ["staged", "search_r1"], "claim": {"method": "staged"}})
+    )
     summary = figure.draw(run, ["retrieval_count"], tmp_path / "fig.png", retrievals=True)
     assert set(summary) == {"staged", "search_r1"} and (tmp_path / "fig.png").read_bytes()[:4] == b"\x89PNG"
 
 
 def _prediction(qid: str, dataset: str, em: float, served: list[tuple[str, str]], rc: int = 2) -> dict:
-    return {"id": qid, "dataset": dataset, "prediction": "p", "golden_answers": ["Oslo"], "retrieval_count": rc,
-            "metrics": {"em": em, "cover_em": em, "f1": em},
-            "trajectory": {"served_context": [{"doc_id": d, "title": "t", "text": text} for d, text in served]}}
+    return {
+        "id": qid,
+        "dataset": dataset,
+        "prediction": "p",
+        "golden_answers": ["Oslo"],
+        "retrieval_count": rc,
+        "metrics": {"em": em, "cover_em": em, "f1": em},
+        "trajectory": {"served_context": [{"doc_id": d, "title": "t", "text": text} for d, text in served]},
+    }
 
 
 def test_claims_pack_rows_and_the_why_analysis_by_hand(tmp_path: Path) -> None:
@@ -344,30 +546,47 @@ def test_claims_pack_rows_and_the_why_analysis_by_hand(tmp_path: Path) -> None:
     assert pack.per_question(_prediction("b", "1hop", 0.0, []), support)["support_served"] == 0.0
     assert "unknown_support_retrieved" not in row  # a world without a knowledge boundary
     assert "agent_answer" not in row and row["metrics"] == prediction["metrics"]
-    handed = {**prediction, "extra": {"agent_answer": "Oslo, I think"}}  # a reader answered for the agent (qagent)
+    handed = {
+        **prediction,
+        "extra": {"agent_answer": "Oslo, I think"},
+    }  # a reader answered for the agent (qagent)
     assert pack.per_question(handed, support)["agent_answer"] == "Oslo, I think"
     # a knowledge-boundary world: hop 1 ("1") known, hop 2 ("2") not; a search that found only "2" has all it needs
     mixed = _prediction("a", "mixed", 1.0, [("2", "Oslo")], rc=1)
     mixed["trajectory"]["retrieved"] = [[{"doc_id": "2"}, {"doc_id": "7"}]]
     boundary = pack.per_question(mixed, support, {"a": [True, False], "b": [True]})
     assert boundary["support_retrieved"] == 0.5 and boundary["unknown_support_retrieved"] == 1.0
-    assert pack.per_question(_prediction("b", "all-known", 1.0, [], rc=0), support, {"b": [True]})[
-        "unknown_support_retrieved"] is None  # nothing unknown to find
+    assert (
+        pack.per_question(_prediction("b", "all-known", 1.0, [], rc=0), support, {"b": [True]})[
+            "unknown_support_retrieved"
+        ]
+        is None
+    )  # nothing unknown to find
     assert pack.per_question(mixed, support, {"a": [False, False]})["unknown_support_retrieved"] == 0.5
     # a run as `sleuth reproduce` lays it out: an evaluation, an RL arm, its world record
     run, world = tmp_path / "runs" / "s3", tmp_path / "world"
     world.mkdir(parents=True)
-    (world / "test.jsonl").write_text("".join(json.dumps({"id": q, "metadata": {"supporting_ids": s}}) + "\n"
-                                              for q, s in support.items()))
+    (world / "test.jsonl").write_text(
+        "".join(json.dumps({"id": q, "metadata": {"supporting_ids": s}}) + "\n" for q, s in support.items())
+    )
     (run / "stages").mkdir(parents=True)
     (run / "stages" / "world.json").write_text("{}")
     (run / "report.json").write_text("{}")
-    for name, preds in (("s3_4", [_prediction("a", "2hop", 1.0, [("1", ""), ("2", "Oslo")]),
-                                  _prediction("b", "1hop", 0.0, [("3", "")]),
-                                  _prediction("c", "2hop", 0.0, [("4", "")], rc=4)]),
-                        ("s3_16", [_prediction(q, "2hop", 1.0, [(d, "") for d in "12345"]) for q in support])):
+    for name, preds in (
+        (
+            "s3_4",
+            [
+                _prediction("a", "2hop", 1.0, [("1", ""), ("2", "Oslo")]),
+                _prediction("b", "1hop", 0.0, [("3", "")]),
+                _prediction("c", "2hop", 0.0, [("4", "")], rc=4),
+            ],
+        ),
+        ("s3_16", [_prediction(q, "2hop", 1.0, [(d, "") for d in "12345"]) for q in support]),
+    ):
         (run / "eval" / name / "s3").mkdir(parents=True)
-        (run / "eval" / name / "s3" / "predictions.jsonl").write_text("".join(json.dumps(p) + "\n" for p in preds))
+        (run / "eval" / name / "s3" / "predictions.jsonl").write_text(
+            "".join(json.dumps(p) + "\n" for p in preds)
+        )
         (run / "eval" / name / "summary.json").write_text("{}")
         (run / name / "train").mkdir(parents=True)
         (run / name / "rl_recipe.yaml").write_text("algo: grpo\n")
@@ -395,9 +614,14 @@ def test_claims_pack_rows_and_the_why_analysis_by_hand(tmp_path: Path) -> None:
     shutil.copytree(run, seeded)
     shutil.copytree(run / "eval", seeded / "seed1" / "eval")
     assert pack.pack(seeded, tmp_path / "packed_seeds", world, None, record) == [
-        "s3_16", "s3_4", "seed1/s3_16", "seed1/s3_4"]
+        "s3_16",
+        "s3_4",
+        "seed1/s3_16",
+        "seed1/s3_4",
+    ]
     assert (tmp_path / "packed_seeds" / "seed1" / "s3_4" / "per_question.jsonl").read_text() == (
-        dest / "s3_4" / "per_question.jsonl").read_text()
+        dest / "s3_4" / "per_question.jsonl"
+    ).read_text()
     analysis = pack.why(dest)
     small = analysis["s3_4"]
     # a: both supporting served, EM 1; b: its one served, EM 0; c: one of two served, EM 0
@@ -405,10 +629,14 @@ def test_claims_pack_rows_and_the_why_analysis_by_hand(tmp_path: Path) -> None:
     assert small["all"]["all_support_served"]["mean"] == pytest.approx(2 / 3)
     assert small["all"]["all_support_retrieved"]["mean"] == 0.0  # these predictions record no searches
     assert small["all"]["em_when_all_support_served"]["mean"] == 0.5
-    assert small["all"]["em_when_all_support_served"]["n"] == 2 and small["all"]["em_otherwise"]["mean"] == 0.0
+    assert (
+        small["all"]["em_when_all_support_served"]["n"] == 2 and small["all"]["em_otherwise"]["mean"] == 0.0
+    )
     assert small["2hop"]["em"]["n"] == 2 and small["1hop"]["em_otherwise"]["n"] == 0
     assert small["all"]["searched"]["mean"] == 1.0 and small["all"]["all_unknown_support_retrieved"]["n"] == 0
-    assert analysis["s3_16"]["all"]["all_support_served"]["mean"] == 1.0  # every passage served to every question
+    assert (
+        analysis["s3_16"]["all"]["all_support_served"]["mean"] == 1.0
+    )  # every passage served to every question
     assert "| s3_4 | all | 33.3" in pack.markdown(analysis)
     figure = load_bench("claims_figure")
     curve = figure.draw_curve(dest, tmp_path / "curve.png")
@@ -421,14 +649,29 @@ def test_claims_pack_rows_and_the_why_analysis_by_hand(tmp_path: Path) -> None:
 
 def test_tree_grpo_budget_compares_at_grpo_budget_by_hand() -> None:
     bench = load_bench("tree_grpo_budget")
-    grpo = {"trajectories": 8.0, "generated_tokens": 1000.0, "tool_calls": 12.0, "trajectories_per_1k_tokens": 8.0,
-            "tool_calls_per_1k_tokens": 12.0, "tool_calls_per_trajectory": 1.5}
-    tree = {"trajectories": 10.0, "generated_tokens": 800.0, "tool_calls": 8.0, "trajectories_per_1k_tokens": 12.5,
-            "tool_calls_per_1k_tokens": 10.0, "tool_calls_per_trajectory": 0.8}
+    grpo = {
+        "trajectories": 8.0,
+        "generated_tokens": 1000.0,
+        "tool_calls": 12.0,
+        "trajectories_per_1k_tokens": 8.0,
+        "tool_calls_per_1k_tokens": 12.0,
+        "tool_calls_per_trajectory": 1.5,
+    }
+    tree = {
+        "trajectories": 10.0,
+        "generated_tokens": 800.0,
+        "tool_calls": 8.0,
+        "trajectories_per_1k_tokens": 12.5,
+        "tool_calls_per_1k_tokens": 10.0,
+        "tool_calls_per_trajectory": 0.8,
+    }
     bench.compare(grpo, tree)
     # at GRPO's 1000 tokens the tree gives 10 x 1000 / 800 = 12.5 trajectories and 8 x 1.25 = 10 tool calls
     assert tree["trajectories_at_grpo_budget"] == 12.5 and tree["tool_calls_at_grpo_budget"] == 10.0
-    assert tree["trajectories_per_1k_tokens_vs_grpo"] == 12.5 / 8 and tree["tool_calls_per_trajectory_vs_grpo"] == 0.8 / 1.5
+    assert (
+        tree["trajectories_per_1k_tokens_vs_grpo"] == 12.5 / 8
+        and tree["tool_calls_per_trajectory_vs_grpo"] == 0.8 / 1.5
+    )
     assert grpo["trajectories_at_grpo_budget"] == 8.0
 
 
@@ -438,13 +681,40 @@ def test_tree_grpo_budget_bench_tiny_on_the_decode_engine(tmp_path: Path) -> Non
     bench = load_bench("tree_grpo_budget")
     out = tmp_path / "tree.json"
     with installed("sleuth_tree_grpo"):
-        bench.main(["--model", "tiny", "--device", "cpu", "--cache", "engine", "--questions", "2", "--n", "3",
-                    "--trees", "2", "--expansions", "1", "--branches", "2", "--max-turns", "3", "--new-tokens", "4",
-                    "--out", str(out)])
+        bench.main(
+            [
+                "--model",
+                "tiny",
+                "--device",
+                "cpu",
+                "--cache",
+                "engine",
+                "--questions",
+                "2",
+                "--n",
+                "3",
+                "--trees",
+                "2",
+                "--expansions",
+                "1",
+                "--branches",
+                "2",
+                "--max-turns",
+                "3",
+                "--new-tokens",
+                "4",
+                "--out",
+                str(out),
+            ]
+        )
     grpo, tree = json.loads(out.read_text())["rows"]
     assert grpo["trajectories"] == 2 * 3 and 2 * 2 < tree["trajectories"] <= 2 * 2 * (1 + 2)
     # the rehearsal loop searches in every turn but its last: each trajectory runs 0..2 of its own searches
-    assert 0 < grpo["tool_calls"] <= 2 * grpo["trajectories"] and tree["tool_calls"] <= 2 * tree["trajectories"]
+    assert (
+        0 < grpo["tool_calls"] <= 2 * grpo["trajectories"] and tree["tool_calls"] <= 2 * tree["trajectories"]
+    )
     assert 0 < tree["generated_tokens"] <= tree["trajectories"] * 3 * 4
     assert tree["prefix_tokens_reused"] > 0  # branches continued from their parents' keys/values
-    assert tree["trajectories_per_1k_tokens"] == pytest.approx(1000 * tree["trajectories"] / tree["generated_tokens"])
+    assert tree["trajectories_per_1k_tokens"] == pytest.approx(
+        1000 * tree["trajectories"] / tree["generated_tokens"]
+    )

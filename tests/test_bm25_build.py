@@ -57,10 +57,16 @@ def _reference(docstore: DocStore, out: Path, **params) -> Path:
 
 @pytest.mark.parametrize(
     ("params", "shard_docs", "workers"),
-    [({}, 700, 2), ({"method": "robertson", "k1": 1.2, "b": 0.75}, 1000, 1), ({"method": "atire"}, 3002, 1),
-     ({"stemmer": None}, 450, 1)],
+    [
+        ({}, 700, 2),
+        ({"method": "robertson", "k1": 1.2, "b": 0.75}, 1000, 1),
+        ({"method": "atire"}, 3002, 1),
+        ({"stemmer": None}, 450, 1),
+    ],
 )
-def test_sharded_files_equal_bm25s_build(docstore: DocStore, tmp_path: Path, params, shard_docs, workers) -> None:
+def test_sharded_files_equal_bm25s_build(
+    docstore: DocStore, tmp_path: Path, params, shard_docs, workers
+) -> None:
     ref = _reference(docstore, tmp_path / "ref", **params)
     build_bm25_sharded(docstore, tmp_path / "sharded", shard_docs=shard_docs, workers=workers, **params)
     for name in ARRAYS:
@@ -79,7 +85,9 @@ def test_search_from_sharded_build_equals_bm25s_index(world_dir: Path, tmp_path:
     shutil.rmtree(tmp_path / "ref" / "bm25")
     _reference(DocStore(tmp_path / "ref" / "docstore"), tmp_path / "ref" / "bm25")
     assert not (tmp_path / "ref" / "bm25" / TOKEN_BOUNDS_FILE).exists()
-    questions = [json.loads(line)["question"] for line in (world_dir / "train.jsonl").read_text().splitlines()]
+    questions = [
+        json.loads(line)["question"] for line in (world_dir / "train.jsonl").read_text().splitlines()
+    ]
     queries = questions + ["", "the of", "Born", "unseenword zzqx", "was born in"]
     got = load_retriever(tmp_path / "sharded").search(queries, 10)
     want = load_retriever(tmp_path / "ref").search(queries, 10)
@@ -89,7 +97,9 @@ def test_search_from_sharded_build_equals_bm25s_index(world_dir: Path, tmp_path:
     assert manifest["bm25_build"] == {"shard_docs": 500, "workers": 2}
 
 
-def test_served_index_is_memory_mapped_and_bounds_come_from_the_build(world_dir: Path, tmp_path: Path) -> None:
+def test_served_index_is_memory_mapped_and_bounds_come_from_the_build(
+    world_dir: Path, tmp_path: Path
+) -> None:
     build_index(world_dir / "corpus.jsonl", "bm25", tmp_path / "idx", show_progress=False, shard_docs=800)
     retriever = load_retriever(tmp_path / "idx")
     scores = retriever.model.scores
@@ -175,7 +185,9 @@ def test_peak_memory_does_not_grow_with_the_corpus(tmp_path: Path) -> None:
         for how in ("sharded", "bm25s"):
             out = subprocess.run(
                 [sys.executable, "-c", _PEAK, str(store.directory), str(tmp_path / f"{how}{size}"), how],
-                capture_output=True, text=True, check=True,
+                capture_output=True,
+                text=True,
+                check=True,
             )
             peaks[how, size] = int(out.stdout.split()[-1])  # KiB above the build's start
     sharded_growth = peaks["sharded", 32000] - peaks["sharded", 4000]
@@ -186,11 +198,21 @@ def test_peak_memory_does_not_grow_with_the_corpus(tmp_path: Path) -> None:
 
 def test_cli_index_with_workers_and_shards(world_dir: Path, tmp_path: Path) -> None:
     result = CliRunner().invoke(
-        app, ["index", str(world_dir / "corpus.jsonl"), "--out", str(tmp_path / "i"), "--workers", "2",
-              "--shard-docs", "1000"]
+        app,
+        [
+            "index",
+            str(world_dir / "corpus.jsonl"),
+            "--out",
+            str(tmp_path / "i"),
+            "--workers",
+            "2",
+            "--shard-docs",
+            "1000",
+        ],
     )
     assert result.exit_code == 0, result.output
     assert "shard_docs=1000" in result.output
-    bad = CliRunner().invoke(app, ["index", str(world_dir / "corpus.jsonl"), "--out", str(tmp_path / "j"),
-                                   "--workers", "0"])
+    bad = CliRunner().invoke(
+        app, ["index", str(world_dir / "corpus.jsonl"), "--out", str(tmp_path / "j"), "--workers", "0"]
+    )
     assert bad.exit_code == 2 and "workers" in bad.output

@@ -87,7 +87,9 @@ def assert_matches_reference(
     scratch = np.zeros(num_docs, np.float32)
     upper, magnitude, ascending = token_weight_bounds(data, indices, indptr)
     assert ascending
-    ids, scores, counts = bm25_topk(queries, data, indices, indptr, (upper, magnitude), k, scratch, dense_ratio)
+    ids, scores, counts = bm25_topk(
+        queries, data, indices, indptr, (upper, magnitude), k, scratch, dense_ratio
+    )
     assert not scratch.any(), "the kernel must leave its scratch space zeroed"
     for q, query in enumerate(queries):
         want_ids, want_scores = brute_force_topk(query, data, indices, indptr, num_docs, k)
@@ -133,7 +135,10 @@ def test_kernel_on_hand_made_ties_and_empty_results(dense_ratio: float) -> None:
     assert counts.tolist() == [3, 3, 0, 0, 2]
     assert ids[0].tolist() == [2, 4, 0] and scores[0].tolist() == [4.0, 4.0, 1.0]  # ties: smaller index first
     assert ids[1].tolist() == [0, 1, 2] and scores[1].tolist() == [1.0, 1.0, 1.0]
-    assert ids[4, :2].tolist() == [2, 4] and scores[4, :2].tolist() == [6.0, 6.0]  # repeated token counts twice
+    assert ids[4, :2].tolist() == [2, 4] and scores[4, :2].tolist() == [
+        6.0,
+        6.0,
+    ]  # repeated token counts twice
 
 
 def test_token_weight_bounds_against_numpy() -> None:
@@ -161,7 +166,9 @@ def test_retriever_equals_brute_force_over_its_index(small_world: Path) -> None:
     texts += ["the the of", "capital capital capital", "zzzz-not-a-word", "born"]
     for k in (1, 5, 50):
         rows, scores = retriever.search_indices(texts, k)
-        for text, tokens, got_rows, got_scores in zip(texts, retriever._tokenize(texts), rows, scores, strict=True):
+        for text, tokens, got_rows, got_scores in zip(
+            texts, retriever._tokenize(texts), rows, scores, strict=True
+        ):
             want_rows, want_scores = brute_force_topk(
                 tokens, m["data"], m["indices"], m["indptr"], retriever.num_indexed, k
             )

@@ -30,11 +30,20 @@ from sleuth.cli import app
 from sleuth.errors import ConfigError
 
 claim_bundle = load_bench("claim_bundle")  # lease tooling lives in bench/, outside the package
-MIB, BundleError, CallLimits, PartWriter = (claim_bundle.MIB, claim_bundle.BundleError, claim_bundle.CallLimits,
-                                            claim_bundle.PartWriter)
-carry_plan, join_parts, pack, restore, send, take = (claim_bundle.carry_plan, claim_bundle.join_parts,
-                                                     claim_bundle.pack, claim_bundle.restore, claim_bundle.send,
-                                                     claim_bundle.take)
+MIB, BundleError, CallLimits, PartWriter = (
+    claim_bundle.MIB,
+    claim_bundle.BundleError,
+    claim_bundle.CallLimits,
+    claim_bundle.PartWriter,
+)
+carry_plan, join_parts, pack, restore, send, take = (
+    claim_bundle.carry_plan,
+    claim_bundle.join_parts,
+    claim_bundle.pack,
+    claim_bundle.restore,
+    claim_bundle.send,
+    claim_bundle.take,
+)
 # a lender's call limits, as bench/gpu_claims.sh passes them: 8 files of under 16 MiB, 64 MiB back and in
 LIMITS = CallLimits(out_files=8, out_bytes=64 * MIB, carry_bytes=64 * MIB)
 PART_BYTES = 15 * MIB
@@ -42,15 +51,20 @@ PART_BYTES = 15 * MIB
 
 def test_reroot_moves_only_paths_under_the_old_root():
     value = {"a": "/old/x", "b": ["/old", "/older/y", 3, None], "c": {"d": "/else/old/z", "e": "/old/"}}
-    assert reroot(value, "/old", "/new") == {"a": "/new/x", "b": ["/new", "/older/y", 3, None],
-                                             "c": {"d": "/else/old/z", "e": "/new/"}}
+    assert reroot(value, "/old", "/new") == {
+        "a": "/new/x",
+        "b": ["/new", "/older/y", 3, None],
+        "c": {"d": "/else/old/z", "e": "/new/"},
+    }
 
 
 def test_a_stage_record_follows_its_directory(tmp_path):
     first = tmp_path / "first"
     calls = []
     assert stage(first, "s", lambda: calls.append(1) or {"ckpt": str(first / "ck"), "n": 1}) == {
-        "ckpt": str(first / "ck"), "n": 1}
+        "ckpt": str(first / "ck"),
+        "n": 1,
+    }
     moved = tmp_path / "elsewhere" / "moved"
     moved.parent.mkdir()
     shutil.move(first, moved)
@@ -71,27 +85,61 @@ def test_stop_after_stops_at_a_stage_boundary(tmp_path, monkeypatch):
 
 def test_stage_plans_list_the_stages_the_runners_write():
     """The same stage names (in the order they run) as the CPU runs write (tests/test_reproduce.py)."""
-    assert list(stage_plan("staged", "cpu")) == ["world", "inject", "labels", "premise", "train_staged",
-                                                 "eval_staged", "train_search_r1", "eval_search_r1"]
+    assert list(stage_plan("staged", "cpu")) == [
+        "world",
+        "inject",
+        "labels",
+        "premise",
+        "train_staged",
+        "eval_staged",
+        "train_search_r1",
+        "eval_search_r1",
+    ]
     assert stage_plan("staged", "cpu")["labels"] == ("inject.checkpoint",)
-    assert sorted(stage_plan("r_search", "cpu")) == ["eval_no_evidence_block", "eval_with_evidence",
-                                                     "eval_without_evidence", "reader", "sft_no_evidence_block",
-                                                     "sft_r_search", "train_no_evidence_block", "train_with_evidence",
-                                                     "train_without_evidence",
-                                                     "world"]
-    assert stage_plan("r_search", "gpu")["train_with_evidence"] == ("sft_r_search.sft_checkpoint", "reader.reader")
-    assert stage_plan("r_search", "gpu")["train_no_evidence_block"] == ("sft_no_evidence_block.sft_checkpoint",
-                                                                        "reader.reader")
+    assert sorted(stage_plan("r_search", "cpu")) == [
+        "eval_no_evidence_block",
+        "eval_with_evidence",
+        "eval_without_evidence",
+        "reader",
+        "sft_no_evidence_block",
+        "sft_r_search",
+        "train_no_evidence_block",
+        "train_with_evidence",
+        "train_without_evidence",
+        "world",
+    ]
+    assert stage_plan("r_search", "gpu")["train_with_evidence"] == (
+        "sft_r_search.sft_checkpoint",
+        "reader.reader",
+    )
+    assert stage_plan("r_search", "gpu")["train_no_evidence_block"] == (
+        "sft_no_evidence_block.sft_checkpoint",
+        "reader.reader",
+    )
     qagent = stage_plan("qagent", "cpu")
-    assert sorted(qagent) == ["eval_stage1_base_reader", "eval_stage1_other_reader", "eval_stage1_trained_reader",
-                              "eval_stage2_base_reader", "eval_stage2_other_reader", "eval_stage2_trained_reader",
-                              "other_reader", "premise", "reader", "sft_qagent", "train_stage1", "train_stage2",
-                              "world"]
+    assert sorted(qagent) == [
+        "eval_stage1_base_reader",
+        "eval_stage1_other_reader",
+        "eval_stage1_trained_reader",
+        "eval_stage2_base_reader",
+        "eval_stage2_other_reader",
+        "eval_stage2_trained_reader",
+        "other_reader",
+        "premise",
+        "reader",
+        "sft_qagent",
+        "train_stage1",
+        "train_stage2",
+        "world",
+    ]
     assert qagent["eval_stage1_other_reader"] == ("train_stage1.checkpoint", "other_reader.reader")
     assert qagent["train_stage2"] == ("train_stage1.run/checkpoints/step_000001", "reader.reader")
     s3 = stage_plan("s3", "gpu")
-    assert len(s3) == 4 + 2 + 4 * 2 * 2 + 3 and s3["train_s3_1600"] == ("sft_s3.sft_checkpoint", "reader.reader",
-                                                                 "rag_baseline.cache")
+    assert len(s3) == 4 + 2 + 4 * 2 * 2 + 3 and s3["train_s3_1600"] == (
+        "sft_s3.sft_checkpoint",
+        "reader.reader",
+        "rag_baseline.cache",
+    )
     assert s3["eval_search_r1_25"] == ("train_search_r1_25.checkpoint",)
     assert len(stage_plan("s3", "cpu")) == 4 + 2 + 2 * 2 * 2 + 3
     # the two arms that locate a gap: s3 without selection, search_r1's documents read by the trained reader
@@ -100,7 +148,10 @@ def test_stage_plans_list_the_stages_the_runners_write():
     # later seeds: every per-seed stage again, loading its own seed's checkpoints and the shared reader
     seeded = stage_plan("s3", "gpu", range(0, 3))
     assert len(seeded) == 4 + 3 * (2 + 4 * 2 * 2 + 3) and seeded["train_s3_25.seed2"] == (
-        "sft_s3.seed2.sft_checkpoint", "reader.reader", "rag_baseline.cache")
+        "sft_s3.seed2.sft_checkpoint",
+        "reader.reader",
+        "rag_baseline.cache",
+    )
 
 
 def test_parts_join_back_byte_identical(tmp_path):
@@ -117,7 +168,9 @@ def test_parts_join_back_byte_identical(tmp_path):
     damaged = bytearray((tmp_path / "bundle.002").read_bytes())
     damaged[5] ^= 1
     (tmp_path / "bundle.002").write_bytes(bytes(damaged))
-    with pytest.raises(BundleError, match="bundle.002: 65536 bytes, sha256 .*damaged, or from another bundle"):
+    with pytest.raises(
+        BundleError, match="bundle.002: 65536 bytes, sha256 .*damaged, or from another bundle"
+    ):
         join_parts(tmp_path, parts, io.BytesIO())
     (tmp_path / "bundle.004").unlink()
     with pytest.raises(BundleError, match="part bundle.004 of the bundle is missing"):
@@ -127,22 +180,42 @@ def test_parts_join_back_byte_identical(tmp_path):
 def test_carry_plan_fills_the_calls_beside_their_own_paths(tmp_path):
     """Calls 1-3 of bench/gpu_claims.sh carry the wheels (32 MB) and the GGUF halves (47 MB each): two, one and
     one 15 MiB parts fit beside them, the rest go four to a call."""
-    for name, size in ((".whl/a.whl", 28_000_000), (".models/m", 5_200_000), (".gpu/p1/x", 47_000_000),
-                       (".gpu/p2/y", 47_000_000)):
+    for name, size in (
+        (".whl/a.whl", 28_000_000),
+        (".models/m", 5_200_000),
+        (".gpu/p1/x", 47_000_000),
+        (".gpu/p2/y", 47_000_000),
+    ):
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_bytes(bytes(size))
     index = {"parts": [{"name": f"bundle.{i:03d}", "bytes": 15 * MIB} for i in range(9)]}
-    beside = [[str(tmp_path / ".whl"), str(tmp_path / ".models")], [str(tmp_path / ".gpu/p1")],
-              [str(tmp_path / ".gpu/p2")]]
+    beside = [
+        [str(tmp_path / ".whl"), str(tmp_path / ".models")],
+        [str(tmp_path / ".gpu/p1")],
+        [str(tmp_path / ".gpu/p2")],
+    ]
     plan = [[p.rsplit("/", 1)[-1] for p in call] for call in carry_plan(index, ".claims", beside, LIMITS)]
-    assert plan == [[".whl", ".models", "bundle.json", "bundle.000", "bundle.001"], ["p1", "bundle.002"],
-                    ["p2", "bundle.003"], ["bundle.004", "bundle.005", "bundle.006", "bundle.007"], ["bundle.008"]]
+    assert plan == [
+        [".whl", ".models", "bundle.json", "bundle.000", "bundle.001"],
+        ["p1", "bundle.002"],
+        ["p2", "bundle.003"],
+        ["bundle.004", "bundle.005", "bundle.006", "bundle.007"],
+        ["bundle.008"],
+    ]
     # the working tree (8 MB) travels with every call: one part beside the wheels, none beside a GGUF half (47 MB +
     # 8 MB leave 11 MB), three in a call of parts alone
-    plan = [[p.rsplit("/", 1)[-1] for p in call] for call in carry_plan(index, ".claims", beside, LIMITS, tree=8_000_000)]
-    assert plan == [[".whl", ".models", "bundle.json", "bundle.000"], ["p1"], ["p2"],
-                    ["bundle.001", "bundle.002", "bundle.003"], ["bundle.004", "bundle.005", "bundle.006"],
-                    ["bundle.007", "bundle.008"]]
+    plan = [
+        [p.rsplit("/", 1)[-1] for p in call]
+        for call in carry_plan(index, ".claims", beside, LIMITS, tree=8_000_000)
+    ]
+    assert plan == [
+        [".whl", ".models", "bundle.json", "bundle.000"],
+        ["p1"],
+        ["p2"],
+        ["bundle.001", "bundle.002", "bundle.003"],
+        ["bundle.004", "bundle.005", "bundle.006"],
+        ["bundle.007", "bundle.008"],
+    ]
 
 
 def _records(path):
@@ -188,40 +261,56 @@ def test_a_claim_cut_short_resumes_from_its_bundle_elsewhere(tmp_path, monkeypat
     info = index["claims"]["qagent"]
     assert info["done"] == ["other_reader", "premise", "reader", "sft_qagent", "world"]
     assert info["pending"][0] == "train_stage1"
-    assert info["checkpoints"] == {"qagent/train/sft/checkpoints/step_000006": "without optimizer state",
-                                   "reader/sft/checkpoints/step_000030": "without optimizer state",
-                                   "other_reader/sft/checkpoints/step_000030": "without optimizer state",
-                                   "stage1/train/checkpoints/step_000001": "whole"}
+    assert info["checkpoints"] == {
+        "qagent/train/sft/checkpoints/step_000006": "without optimizer state",
+        "reader/sft/checkpoints/step_000030": "without optimizer state",
+        "other_reader/sft/checkpoints/step_000030": "without optimizer state",
+        "stage1/train/checkpoints/step_000001": "whole",
+    }
     assert sorted(e["dir"] for e in info["rebuild"]) == ["other_reader/reader", "reader/reader", "world"]
     assert len(index["parts"]) > 1 and all(p["bytes"] <= 64 * 1024 for p in index["parts"])
-    with tarfile.open(fileobj=io.BytesIO(b"".join((tmp_path / "bundle" / p["name"]).read_bytes()
-                                                 for p in index["parts"]))) as tar:
+    with tarfile.open(
+        fileobj=io.BytesIO(b"".join((tmp_path / "bundle" / p["name"]).read_bytes() for p in index["parts"]))
+    ) as tar:
         names = tar.getnames()
     assert "qagent/stage1/train/checkpoints/step_000001/state.pt" in names
     assert "qagent/qagent/train/sft/checkpoints/step_000006/policy/adapter_model.safetensors" in names
     # the claim's world is rebuilt from its seed; the other reader's world (another seed) travels as files
     assert any(n.startswith("qagent/other_reader/world/") for n in names)
-    assert not any(n.endswith("step_000006/state.pt") or n.startswith("qagent/world/")
-                   or n.startswith("qagent/reader/reader/")
-                   or "/rollouts/" in n or n.endswith("reader_sft.jsonl") for n in names)
+    assert not any(
+        n.endswith("step_000006/state.pt")
+        or n.startswith("qagent/world/")
+        or n.startswith("qagent/reader/reader/")
+        or "/rollouts/" in n
+        or n.endswith("reader_sft.jsonl")
+        for n in names
+    )
 
     dev = tmp_path / "dev" / ".claims"
     assert _carry(tmp_path / "bundle", dev, tmp_path / "outs") >= 2
     shutil.rmtree(tmp_path / "lease1")  # nothing may still point there
     lease2 = tmp_path / "lease2" / "runs" / "claims"
-    assert restore(dev, lease2, tmp_path / "done")["claims"]["qagent"] == {"stages": 5, "complete": False,
-                                                                           "warnings": []}
+    assert restore(dev, lease2, tmp_path / "done")["claims"]["qagent"] == {
+        "stages": 5,
+        "complete": False,
+        "warnings": [],
+    }
     assert restore(dev, lease2)["status"] == "restored earlier" and not (tmp_path / "done").exists()
     buf = io.StringIO()
     resumed = reproduce("qagent", lease2 / "qagent", "cpu", Console(file=buf, width=300))
     output = buf.getvalue()
     assert output.count("done earlier, skipped") == 5 and "(step 1)" in output, output
-    assert json.loads(resumed.with_suffix(".json").read_text())["table"] == json.loads(
-        uncut.with_suffix(".json").read_text())["table"]
+    assert (
+        json.loads(resumed.with_suffix(".json").read_text())["table"]
+        == json.loads(uncut.with_suffix(".json").read_text())["table"]
+    )
     # the tiny model's tables are all zeros: hold what they come from to the uncut run too, the step-2 rollouts
     # of the resumed RL (sampling RNG, data cursor, weights) and every evaluation's answers
-    compared = ["stage1/train/rollouts/step_000002.jsonl", "stage2/train/rollouts/step_000001.jsonl",
-                *(p.relative_to(uncut.parent).as_posix() for p in uncut.parent.glob("eval/*/*/predictions.jsonl"))]
+    compared = [
+        "stage1/train/rollouts/step_000002.jsonl",
+        "stage2/train/rollouts/step_000001.jsonl",
+        *(p.relative_to(uncut.parent).as_posix() for p in uncut.parent.glob("eval/*/*/predictions.jsonl")),
+    ]
     assert len(compared) == 8
     for rel in compared:
         assert _records(lease2 / "qagent" / rel) == _records(uncut.parent / rel), rel
@@ -233,8 +322,10 @@ def test_a_claim_cut_short_resumes_from_its_bundle_elsewhere(tmp_path, monkeypat
     assert again["claims"]["qagent"]["checkpoints"] == {} and again["claims"]["qagent"]["pending"] == []
     restored = restore(tmp_path / "bundle2", tmp_path / "lease3", tmp_path / "done")
     assert restored["claims"]["qagent"]["complete"] and (tmp_path / "done" / "qagent").exists()
-    assert json.loads((tmp_path / "lease3" / "qagent" / "report.json").read_text())["table"] == json.loads(
-        resumed.with_suffix(".json").read_text())["table"]
+    assert (
+        json.loads((tmp_path / "lease3" / "qagent" / "report.json").read_text())["table"]
+        == json.loads(resumed.with_suffix(".json").read_text())["table"]
+    )
 
 
 def test_a_stage_two_runs_reach_together_runs_once(tmp_path):
@@ -272,13 +363,23 @@ def test_arms_split_over_two_runs_give_the_report_of_one_run(tmp_path):
     second (the other two arms) writes the report; the claim table equals one run's with every arm."""
     whole, split = tmp_path / "whole", tmp_path / "split"
     reproduce("r_search", whole, "cpu")
-    first = CliRunner().invoke(app, ["reproduce", "r_search", "--profile", "cpu", "--out", str(split),
-                                     "--arms", "with_evidence"], terminal_width=300)
+    first = CliRunner().invoke(
+        app,
+        ["reproduce", "r_search", "--profile", "cpu", "--out", str(split), "--arms", "with_evidence"],
+        terminal_width=300,
+    )
     assert first.exit_code == 0, first.output  # its arm is done: a success, though the report must wait
-    assert "arms done: with_evidence. stages left to other runs: sft_no_evidence_block, train_without_evidence, " \
-           "eval_without_evidence, train_no_evidence_block, eval_no_evidence_block;" in first.output
-    assert not (split / "stages" / "train_without_evidence.json").exists() and not (split / "report.json").exists()
-    assert not (split / "stages" / "sft_no_evidence_block.json").exists()  # that arm's own cold start waits too
+    assert (
+        "arms done: with_evidence. stages left to other runs: sft_no_evidence_block, train_without_evidence, "
+        "eval_without_evidence, train_no_evidence_block, eval_no_evidence_block;" in first.output
+    )
+    assert (
+        not (split / "stages" / "train_without_evidence.json").exists()
+        and not (split / "report.json").exists()
+    )
+    assert not (
+        split / "stages" / "sft_no_evidence_block.json"
+    ).exists()  # that arm's own cold start waits too
     reproduce("r_search", split, "cpu", part=RunPart(["without_evidence", "no_evidence_block"]))
     tables = [json.loads((d / "report.json").read_text())["table"] for d in (whole, split)]
     assert tables[0]["rows"] == tables[1]["rows"] and tables[0]["holds"] == tables[1]["holds"]
@@ -290,27 +391,48 @@ def test_gpu_claims_plans_one_job_per_arm_with_s3s_largest_first(tmp_path):
     import subprocess
     import sys
 
-    env = {**os.environ, "CLAIMS_WORK": str(tmp_path), "CLAIMS": "staged r_search qagent s3", "PY": sys.executable,
-           "PROFILE": "gpu"}
+    env = {
+        **os.environ,
+        "CLAIMS_WORK": str(tmp_path),
+        "CLAIMS": "staged r_search qagent s3",
+        "PY": sys.executable,
+        "PROFILE": "gpu",
+    }
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    jobs = subprocess.run(["bash", "bench/gpu_claims.sh", "plan"], cwd=repo, env=env, capture_output=True,
-                          text=True, check=True).stdout.splitlines()
+    jobs = subprocess.run(
+        ["bash", "bench/gpu_claims.sh", "plan"], cwd=repo, env=env, capture_output=True, text=True, check=True
+    ).stdout.splitlines()
     s3 = [f"s3 {m}_{n}" for n in (25, 100, 400, 1600) for m in ("s3", "search_r1")] + ["s3 s3_noselect_25"]
-    expected = ["staged staged", "staged search_r1", "r_search with_evidence", "r_search without_evidence",
-                "r_search no_evidence_block", "qagent", *s3]
+    expected = [
+        "staged staged",
+        "staged search_r1",
+        "r_search with_evidence",
+        "r_search without_evidence",
+        "r_search no_evidence_block",
+        "qagent",
+        *s3,
+    ]
     assert sorted(jobs) == sorted(expected)
     assert set(jobs[:2]) == {"staged staged", "staged search_r1"} and jobs[5] == "qagent"
     assert set(jobs[6:8]) == {"s3 s3_1600", "s3 search_r1_1600"}
     assert set(jobs[8:10]) == {"s3 s3_400", "s3 search_r1_400"}
     env["CLAIMS"] = "s3 qagent"
-    jobs = subprocess.run(["bash", "bench/gpu_claims.sh", "plan"], cwd=repo, env=env, capture_output=True,
-                          text=True, check=True).stdout.splitlines()
+    jobs = subprocess.run(
+        ["bash", "bench/gpu_claims.sh", "plan"], cwd=repo, env=env, capture_output=True, text=True, check=True
+    ).stdout.splitlines()
     assert set(jobs[:2]) == {"s3 s3_1600", "s3 search_r1_1600"} and jobs[-1] == "qagent"
     # each job's done-marker and log: RUN[.ARM], RUN the run directory's name (<claim>-seedN under SEED=N), so a
     # second seed's jobs on one machine are not taken for the first's
-    ids = subprocess.run(["bash", "bench/gpu_claims.sh", "ids"], cwd=repo, env=env, capture_output=True,
-                         text=True, check=True).stdout.splitlines()
+    ids = subprocess.run(
+        ["bash", "bench/gpu_claims.sh", "ids"], cwd=repo, env=env, capture_output=True, text=True, check=True
+    ).stdout.splitlines()
     assert ids == [j.replace(" ", ".") for j in jobs] and "qagent" in ids
-    seeded = subprocess.run(["bash", "bench/gpu_claims.sh", "ids"], cwd=repo, env={**env, "SEED": "2"},
-                            capture_output=True, text=True, check=True).stdout.splitlines()
+    seeded = subprocess.run(
+        ["bash", "bench/gpu_claims.sh", "ids"],
+        cwd=repo,
+        env={**env, "SEED": "2"},
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.splitlines()
     assert seeded == [j.replace("s3 ", "s3-seed2.").replace("qagent", "qagent-seed2") for j in jobs]

@@ -25,7 +25,9 @@ PLAIN_TEST_SHA = "febc498aa1857b39461904f722f40166493c2d56b289b0ff4290c6eb756d21
 def _world(tmp_path: Path, profile, sha: str) -> Path:
     world = tmp_path / "world"
     build_world(world, profile)
-    assert hashlib.sha256((world / "test.jsonl").read_bytes()).hexdigest() == sha, "not the world the adapters learned"
+    assert hashlib.sha256((world / "test.jsonl").read_bytes()).hexdigest() == sha, (
+        "not the world the adapters learned"
+    )
     return world
 
 
@@ -52,7 +54,9 @@ def test_trained_reader_reads_gold_passages_far_better_than_its_base_on_a_cpu(tm
     world = _world(tmp_path, PLAIN_PROFILES["gpu"], PLAIN_TEST_SHA)
     # 16 questions: the gap measured on the H100 (500 questions: trained 92.4% [90.0, 94.6], the base ~45%,
     # docs/results.md) is ~47 points, several standard errors of a 16-question paired difference
-    trained = reader_check(world, str(CLAIMS / "reader"), tmp_path / "trained", "test", 16, ("qagent",))["qagent"]
+    trained = reader_check(world, str(CLAIMS / "reader"), tmp_path / "trained", "test", 16, ("qagent",))[
+        "qagent"
+    ]
     base = reader_check(world, "smollm2-135m-instruct", tmp_path / "base", "test", 16, ("qagent",))["qagent"]
     assert trained["n"] == base["n"] == 16
     assert trained["em"] >= 0.75 and trained["em"] - base["em"] >= 0.2, (trained, base)

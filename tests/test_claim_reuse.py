@@ -35,13 +35,17 @@ def _model(path: Path) -> Path:
 def test_reused_model_is_refused_unless_it_learned_this_world(tmp_path: Path) -> None:
     world, other = _world(tmp_path / "w", "a"), _world(tmp_path / "o", "b")
     reuse = tmp_path / "reuse"
-    with pytest.raises(ConfigError, match=r"--reuse .*: no trained reader there \(.*reader/searcher.json missing\)"):
+    with pytest.raises(
+        ConfigError, match=r"--reuse .*: no trained reader there \(.*reader/searcher.json missing\)"
+    ):
         reused_model(reuse, "reader", world)
     model = _model(reuse / "reader")
     with pytest.raises(ConfigError, match=f"has no {WORLD_RECORD}, so the world it learned is unknown"):
         reused_model(reuse, "reader", world)
     write_world_record(model, other)
-    with pytest.raises(ConfigError, match=r"was trained on another world \(corpus.jsonl, train.jsonl, test.jsonl"):
+    with pytest.raises(
+        ConfigError, match=r"was trained on another world \(corpus.jsonl, train.jsonl, test.jsonl"
+    ):
         reused_model(reuse, "reader", world)
     (world / "test.jsonl").write_text((other / "test.jsonl").read_text())  # one split alike is not enough
     with pytest.raises(ConfigError, match=r"another world \(corpus.jsonl, train.jsonl differ"):
@@ -77,19 +81,34 @@ def test_staged_reuses_an_injected_model_and_measures_it_again(tmp_path: Path, m
     injected = json.loads((first / "stages" / "inject.json").read_text())["result"]
     assert injected["reused"] is None and (Path(injected["checkpoint"]) / WORLD_RECORD).is_file()
     shutil.copytree(injected["checkpoint"], tmp_path / "models" / "injected")
-    result = CliRunner().invoke(app, ["reproduce", "staged", "--profile", "cpu", "--out", str(second), "--reuse",
-                                      str(tmp_path / "models")], terminal_width=300)
+    result = CliRunner().invoke(
+        app,
+        [
+            "reproduce",
+            "staged",
+            "--profile",
+            "cpu",
+            "--out",
+            str(second),
+            "--reuse",
+            str(tmp_path / "models"),
+        ],
+        terminal_width=300,
+    )
     assert result.exit_code == 2 and "stopped before stage labels" in result.output, result.output
     reused = json.loads((second / "stages" / "inject.json").read_text())["result"]
     assert reused["reused"] == str(tmp_path / "models" / "injected")
-    assert Path(reused["checkpoint"]).parent == second / "inject"  # copied under OUT: the run holds what it loads
+    assert (
+        Path(reused["checkpoint"]).parent == second / "inject"
+    )  # copied under OUT: the run holds what it loads
     assert not (second / "inject" / "knowledge_sft.jsonl").exists()  # nothing trained
     assert reused["boundary"] == injected["boundary"]
 
 
 @pytest.mark.slow
-def test_reader_is_reused_from_a_checkpoint_or_an_export_and_refused_for_another_world(tmp_path: Path,
-                                                                                        monkeypatch) -> None:
+def test_reader_is_reused_from_a_checkpoint_or_an_export_and_refused_for_another_world(
+    tmp_path: Path, monkeypatch
+) -> None:
     """r_search's reader trained once (run A), then reused from its SFT checkpoint (adapters merged) and from its
     export: the same gold-passage EM on the same test questions; staged's world is another one, so it refuses."""
     _stop_after(monkeypatch, 2)
@@ -103,9 +122,13 @@ def test_reader_is_reused_from_a_checkpoint_or_an_export_and_refused_for_another
     write_world_record(checkpoint, tmp_path / "a" / "world")
     for reuse, run in ((exported.parent, "b"), (checkpoint.parent, "c")):
         with pytest.raises(StagesStopped):
-            reproduce("qagent", tmp_path / run, "cpu", reuse=reuse)  # qagent's world is r_search's (one profile)
+            reproduce(
+                "qagent", tmp_path / run, "cpu", reuse=reuse
+            )  # qagent's world is r_search's (one profile)
         reused = json.loads((tmp_path / run / "stages" / "reader.json").read_text())["result"]
-        assert reused["reused"] == str(reuse / "reader") and reused["reader"] == str(tmp_path / run / "reader" / "reader")
+        assert reused["reused"] == str(reuse / "reader") and reused["reader"] == str(
+            tmp_path / run / "reader" / "reader"
+        )
         assert reused["gold_passage_em"] == trained["gold_passage_em"]
     shutil.copytree(checkpoint, tmp_path / "checkpoint" / "injected")
     with pytest.raises(ConfigError, match="was trained on another world"):

@@ -30,8 +30,12 @@ def _write_arm(run: Any, arm: str) -> dict[str, Any]:
     right = 30 if arm == "treated" else 20 + 2 * (run.seed % 2)
     path = run.root / "eval" / arm / "predictions.jsonl"
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("".join(json.dumps({"id": f"q{i:02d}", "metrics": {"em": float(i < right)}}) + "\n"
-                            for i in range(QUESTIONS)))
+    path.write_text(
+        "".join(
+            json.dumps({"id": f"q{i:02d}", "metrics": {"em": float(i < right)}}) + "\n"
+            for i in range(QUESTIONS)
+        )
+    )
     return {"predictions": str(path), "seed": run.seed}
 
 
@@ -42,13 +46,21 @@ class ToyClaim(ClaimSpec):
         return ("treated", "baseline")
 
     def stages(self, profile: str) -> list[Stage]:
-        return [Stage("world", lambda run: {"world": str(run.world)}), premise_stage(),
-                *[Stage(f"eval_{arm}", lambda run, a=arm: _write_arm(run, a), arms=(arm,), per_seed=True)
-                  for arm in ("treated", "baseline")]]
+        return [
+            Stage("world", lambda run: {"world": str(run.world)}),
+            premise_stage(),
+            *[
+                Stage(f"eval_{arm}", lambda run, a=arm: _write_arm(run, a), arms=(arm,), per_seed=True)
+                for arm in ("treated", "baseline")
+            ],
+        ]
 
     def premise(self, run: Any) -> dict[str, Any]:
-        return {"met": self.premise_met, "checks": [{"check": "toy", "value": 1, "needed": 2,
-                                                     "met": self.premise_met}], "note": "a toy premise"}
+        return {
+            "met": self.premise_met,
+            "checks": [{"check": "toy", "value": 1, "needed": 2, "met": self.premise_met}],
+            "note": "a toy premise",
+        }
 
     def tests(self, profile: str) -> list[DecisiveTest]:
         return [DecisiveTest("EM", "eval_treated", "eval_baseline", metric("em"), "above", 0.0)]
@@ -57,14 +69,20 @@ class ToyClaim(ClaimSpec):
         return {"rows": {}, "questions": QUESTIONS, "rule": "toy"}
 
 
-PROFILE = ClaimProfile(pipeline=CPU_PIPELINE, splits=(0.6, 0.1, 0.3), lora=False, test_questions=QUESTIONS,
-                       accuracy_margin=0.02)
+PROFILE = ClaimProfile(
+    pipeline=CPU_PIPELINE, splits=(0.6, 0.1, 0.3), lora=False, test_questions=QUESTIONS, accuracy_margin=0.02
+)
 
 
 @pytest.fixture
 def toy():
-    spec = register_claim(ToyClaim(text=ClaimText("toy", "treated beats baseline", "w", "c", "a", "e", "t"),
-                                   profiles={"cpu": PROFILE}, columns=("treated", "baseline")))
+    spec = register_claim(
+        ToyClaim(
+            text=ClaimText("toy", "treated beats baseline", "w", "c", "a", "e", "t"),
+            profiles={"cpu": PROFILE},
+            columns=("treated", "baseline"),
+        )
+    )
     yield spec
     del CLAIMS["toy"]
 
@@ -76,14 +94,23 @@ def test_three_seeds_pool_with_a_noise_floor_and_the_claim_holds(toy, tmp_path):
     # treated 75%; baseline 50% at seeds 0 and 2, 55% at seed 1: differences +25, +20, +25 points
     assert [round(r["diff"], 4) for r in test["per_seed"]] == [0.25, 0.2, 0.25]
     assert test["pooled"]["diff"] == pytest.approx((0.25 + 0.2 + 0.25) / 3)
-    assert test["floor"]["seeds"] == [0, 1] and test["floor"]["diff"] == pytest.approx(0.05)  # seed 1 minus seed 0
+    assert test["floor"]["seeds"] == [0, 1] and test["floor"]["diff"] == pytest.approx(
+        0.05
+    )  # seed 1 minus seed 0
     assert test["pooled"]["ci"][0] > 0 and test["verdict"] == "holds" and report["verdict"] == "holds"
     assert report["seeds"] == [0, 1, 2]
     # the first seed writes OUT/eval, seed s OUT/seed<s>/eval, each under its own stage record
     assert (tmp_path / "seed2" / "eval" / "treated" / "predictions.jsonl").is_file()
     assert sorted(p.stem for p in (tmp_path / "stages").glob("*.json")) == [
-        "eval_baseline", "eval_baseline.seed1", "eval_baseline.seed2", "eval_treated", "eval_treated.seed1",
-        "eval_treated.seed2", "premise", "world"]
+        "eval_baseline",
+        "eval_baseline.seed1",
+        "eval_baseline.seed2",
+        "eval_treated",
+        "eval_treated.seed1",
+        "eval_treated.seed2",
+        "premise",
+        "world",
+    ]
     page = report_page.read_text()
     assert "The claim holds." in page and "noise floor: baseline seed 1 vs seed 0" in page
     assert page.index("id='verdict'") < page.index("id='seeds'") < page.index("id='premise-check'")
@@ -103,12 +130,17 @@ def test_one_seed_has_no_floor_and_cannot_hold(toy, tmp_path):
 
 def test_an_effect_within_the_noise_floor_is_not_shown(toy, tmp_path, monkeypatch):
     """The treated arm 2 questions above baseline seed 0: +5 points, no more than two baseline seeds differ."""
+
     def close(run: Any, arm: str) -> dict[str, Any]:
         path = run.root / "eval" / arm / "predictions.jsonl"
         path.parent.mkdir(parents=True, exist_ok=True)
         right = {"treated": 22 + 2 * (run.seed % 2), "baseline": 20 + 2 * (run.seed % 2)}[arm]
-        path.write_text("".join(json.dumps({"id": f"q{i:02d}", "metrics": {"em": float(i < right)}}) + "\n"
-                                for i in range(QUESTIONS)))
+        path.write_text(
+            "".join(
+                json.dumps({"id": f"q{i:02d}", "metrics": {"em": float(i < right)}}) + "\n"
+                for i in range(QUESTIONS)
+            )
+        )
         return {"predictions": str(path)}
 
     monkeypatch.setattr(f"{__name__}._write_arm", close)
@@ -160,25 +192,36 @@ def test_seeds_split_over_runs_and_the_last_writes_the_report(toy, tmp_path):
 def test_cli_prints_the_verdict_last(toy, tmp_path):
     from sleuth.cli import app
 
-    result = CliRunner().invoke(app, ["reproduce", "staged", "--seeds", "0", "--out", str(tmp_path / "x")],
-                                terminal_width=200)
-    assert result.exit_code == 2 and "greater than or equal to 1" in result.output and not (tmp_path / "x").exists()
+    result = CliRunner().invoke(
+        app, ["reproduce", "staged", "--seeds", "0", "--out", str(tmp_path / "x")], terminal_width=200
+    )
+    assert (
+        result.exit_code == 2
+        and "greater than or equal to 1" in result.output
+        and not (tmp_path / "x").exists()
+    )
     from sleuth.claims.commands import _verdict_line
 
     reproduce("toy", tmp_path, "cpu", seeds=range(0, 3))
     line = _verdict_line(tmp_path / "report.json")
-    assert line.startswith("verdict: the toy claim holds (EM: +23.33 points [") and "over 3 seed(s), holds" in line
+    assert (
+        line.startswith("verdict: the toy claim holds (EM: +23.33 points [")
+        and "over 3 seed(s), holds" in line
+    )
 
 
-@pytest.mark.parametrize(("closed_book", "searched", "met"), [
-    # the 2026-11-28 H200 staged world: 45.8% closed-book on all-known questions, ~60% after searching. Stage 1:
-    # skip 2(0.458) - 1 = -0.084; search 0.6 - 0.4 * 0.7 = +0.32. Searching is optimal there: the premise fails
-    (0.458, 0.60, False),
-    # a model that knows its known questions: skip 0.9 >= 0.32 (stage 1) and 0.9 > 0.6 * 0.7 - 0.4 = 0.02 (stage 2)
-    (0.95, 0.60, True),
-    # stage 1 met exactly at equality (skip 2p - 1 = search 1.7 * 0.6 - 0.7 = 0.32 at p = 0.66), stage 2 met
-    (0.66, 0.60, True),
-])
+@pytest.mark.parametrize(
+    ("closed_book", "searched", "met"),
+    [
+        # the 2026-11-28 H200 staged world: 45.8% closed-book on all-known questions, ~60% after searching. Stage 1:
+        # skip 2(0.458) - 1 = -0.084; search 0.6 - 0.4 * 0.7 = +0.32. Searching is optimal there: the premise fails
+        (0.458, 0.60, False),
+        # a model that knows its known questions: skip 0.9 >= 0.32 (stage 1) and 0.9 > 0.6 * 0.7 - 0.4 = 0.02 (stage 2)
+        (0.95, 0.60, True),
+        # stage 1 met exactly at equality (skip 2p - 1 = search 1.7 * 0.6 - 0.7 = 0.32 at p = 0.66), stage 2 met
+        (0.66, 0.60, True),
+    ],
+)
 def test_staged_premise_by_hand(closed_book, searched, met):
     premise = premise_checks(closed_book, searched, beta=0.3)
     assert premise["met"] is met
@@ -204,22 +247,45 @@ def test_s3_rl_questions_are_disjoint_from_the_sft_questions(tmp_path):
     train = read_qa_jsonl(run.world / "train.jsonl")
     sft_n = run.profile.pipeline.sft_questions
     cache = tmp_path / "scores.jsonl"  # naive RAG right on every third question after the SFT ones
-    cache.write_text("".join(json.dumps({"id": q.id, "score": float(i % 3 == 0)}) + "\n"
-                             for i, q in enumerate(train[sft_n:])))
-    run.results.update({"reader": {"reader": "tiny"}, s3.RAG_BASELINE: {
-        "cache": str(cache), "naive_rag_wrong": sum(1 for i in range(len(train) - sft_n) if i % 3)}})
+    cache.write_text(
+        "".join(
+            json.dumps({"id": q.id, "score": float(i % 3 == 0)}) + "\n" for i, q in enumerate(train[sft_n:])
+        )
+    )
+    run.results.update(
+        {
+            "reader": {"reader": "tiny"},
+            s3.RAG_BASELINE: {
+                "cache": str(cache),
+                "naive_rag_wrong": sum(1 for i in range(len(train) - sft_n) if i % 3),
+            },
+        }
+    )
     premise = s3.premise_checks(run)
     assert premise["checks"][0]["value"] == 0 and premise["checks"][0]["met"]
     assert premise["rl_questions"] == {"s3_2": 2, "search_r1_2": 2, "s3_4": 4, "search_r1_4": 4}
-    assert premise["checks"][2] == {"check": "GRPO steps at the smallest size", "value": 1,
-                                    "needed": ">= 20 (the paper's)", "met": False}  # the cpu rehearsal's 1 step
+    assert premise["checks"][2] == {
+        "check": "GRPO steps at the smallest size",
+        "value": 1,
+        "needed": ">= 20 (the paper's)",
+        "met": False,
+    }  # the cpu rehearsal's 1 step
     s3_recipe = s3._arm(run, "s3", 4).overrides
-    assert f"data.hard_from={json.dumps(str(cache))}" in s3_recipe and "data.skip_train_examples=12" in s3_recipe
+    assert (
+        f"data.hard_from={json.dumps(str(cache))}" in s3_recipe and "data.skip_train_examples=12" in s3_recipe
+    )
 
-    def from_the_start(run: Any, method: str, size: int):  # landed main's pool: the first N training questions
+    def from_the_start(
+        run: Any, method: str, size: int
+    ):  # landed main's pool: the first N training questions
         arm = original(run, method, size)
-        return s3.Arm(arm.name, arm.method, tuple(
-            o for o in arm.overrides if not o.startswith(("data.skip_train_examples", "data.hard_from"))))
+        return s3.Arm(
+            arm.name,
+            arm.method,
+            tuple(
+                o for o in arm.overrides if not o.startswith(("data.skip_train_examples", "data.hard_from"))
+            ),
+        )
 
     original = s3._arm
     s3._arm = from_the_start
@@ -236,8 +302,12 @@ def test_the_command_line_lists_the_claims_without_loading_torch():
     import sys
 
     code = "import sys, sleuth.cli; print('torch' in sys.modules)"
-    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          check=True).stdout.strip() == "False"
+    assert (
+        subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, check=True
+        ).stdout.strip()
+        == "False"
+    )
 
 
 def test_each_evaluation_is_read_once_for_the_table_the_verdict_and_the_figures(toy, tmp_path, monkeypatch):

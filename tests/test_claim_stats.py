@@ -46,8 +46,11 @@ def test_one_seed_pools_to_its_paired_bootstrap_distribution():
     a, b = rng.integers(0, 2, 300).astype(float), rng.integers(0, 2, 300).astype(float)
     diff, lo, hi = pooled_paired_bootstrap([list(a - b)], resamples=20000)
     ref = paired_bootstrap(a, b, resamples=20000)
-    assert diff == pytest.approx(ref[0]) and lo == pytest.approx(ref[1], abs=0.01) and hi == pytest.approx(ref[2],
-                                                                                                          abs=0.01)
+    assert (
+        diff == pytest.approx(ref[0])
+        and lo == pytest.approx(ref[1], abs=0.01)
+        and hi == pytest.approx(ref[2], abs=0.01)
+    )
 
 
 def test_pooled_bootstrap_refuses_empty_input():
@@ -57,26 +60,29 @@ def test_pooled_bootstrap_refuses_empty_input():
         pooled_paired_bootstrap([[1.0], []])
 
 
-@pytest.mark.parametrize(("diff", "ci", "side", "threshold", "floor", "verdict", "why"), [
-    # clears 0 and 0.05 > |0.01|: holds
-    (0.05, (0.02, 0.08), "above", 0.0, 0.01, HOLDS, "exceeds the noise floor"),
-    # clears 0, but two seeds of the baseline differ by 0.06: within the floor
-    (0.05, (0.02, 0.08), "above", 0.0, -0.06, NOT_SHOWN, "does not exceed the noise floor"),
-    # straddles 0
-    (0.02, (-0.01, 0.05), "above", 0.0, 0.0, NOT_SHOWN, "is not entirely above +0"),
-    # entirely below 0 where above was claimed
-    (-0.05, (-0.08, -0.02), "above", 0.0, 0.0, DOES_NOT_HOLD, "wrong side"),
-    # one seed: clears, but no floor to exceed
-    (0.05, (0.02, 0.08), "above", 0.0, None, NOT_SHOWN, "no noise floor"),
-    # non-inferiority at -0.02: -0.01 lies 0.01 beyond it, and the floor is 0.005
-    (-0.01, (-0.015, -0.005), "above", -0.02, 0.005, HOLDS, "exceeds"),
-    # fewer retrievals claimed: interval below 0 by more than the floor
-    (-0.5, (-0.7, -0.3), "below", 0.0, 0.2, HOLDS, "exceeds"),
-    (-0.5, (-0.7, -0.3), "below", 0.0, -0.6, NOT_SHOWN, "does not exceed"),
-    (0.3, (0.1, 0.5), "below", 0.0, 0.0, DOES_NOT_HOLD, "wrong side"),
-    # an interval touching the threshold has not cleared it
-    (0.05, (0.0, 0.1), "above", 0.0, 0.0, NOT_SHOWN, "not entirely above"),
-])
+@pytest.mark.parametrize(
+    ("diff", "ci", "side", "threshold", "floor", "verdict", "why"),
+    [
+        # clears 0 and 0.05 > |0.01|: holds
+        (0.05, (0.02, 0.08), "above", 0.0, 0.01, HOLDS, "exceeds the noise floor"),
+        # clears 0, but two seeds of the baseline differ by 0.06: within the floor
+        (0.05, (0.02, 0.08), "above", 0.0, -0.06, NOT_SHOWN, "does not exceed the noise floor"),
+        # straddles 0
+        (0.02, (-0.01, 0.05), "above", 0.0, 0.0, NOT_SHOWN, "is not entirely above +0"),
+        # entirely below 0 where above was claimed
+        (-0.05, (-0.08, -0.02), "above", 0.0, 0.0, DOES_NOT_HOLD, "wrong side"),
+        # one seed: clears, but no floor to exceed
+        (0.05, (0.02, 0.08), "above", 0.0, None, NOT_SHOWN, "no noise floor"),
+        # non-inferiority at -0.02: -0.01 lies 0.01 beyond it, and the floor is 0.005
+        (-0.01, (-0.015, -0.005), "above", -0.02, 0.005, HOLDS, "exceeds"),
+        # fewer retrievals claimed: interval below 0 by more than the floor
+        (-0.5, (-0.7, -0.3), "below", 0.0, 0.2, HOLDS, "exceeds"),
+        (-0.5, (-0.7, -0.3), "below", 0.0, -0.6, NOT_SHOWN, "does not exceed"),
+        (0.3, (0.1, 0.5), "below", 0.0, 0.0, DOES_NOT_HOLD, "wrong side"),
+        # an interval touching the threshold has not cleared it
+        (0.05, (0.0, 0.1), "above", 0.0, 0.0, NOT_SHOWN, "not entirely above"),
+    ],
+)
 def test_verdict_rule_by_hand(diff, ci, side, threshold, floor, verdict, why):
     got, reason = verdict_of_test(diff, ci, side, threshold, floor)
     assert got == verdict and why in reason

@@ -47,7 +47,14 @@ def _oracle_rollout(name, world, tokenizer, seed=0):
     retriever, examples = world
     loop = get_loop(name)
     oracle = OracleGenerator(loop, retriever, tokenizer, examples, seed=seed)
-    trajs = rollout(loop, oracle, retriever, examples, n=1, budget=RolloutBudget(max_obs_tokens=512, max_response_tokens=4096))
+    trajs = rollout(
+        loop,
+        oracle,
+        retriever,
+        examples,
+        n=1,
+        budget=RolloutBudget(max_obs_tokens=512, max_response_tokens=4096),
+    )
     return loop, trajs, examples
 
 
@@ -59,10 +66,14 @@ def test_oracle_trajectories_pass_the_loops_own_parser_and_format_check(name, wo
     for traj, ex in kept:
         assert traj.invalid_actions == 0, traj.response_text
         assert not traj.forced_final
-        assert traj.retrieval_count >= len({f.doc_id for f in question_facts(ex)}) - (1 if name == "s3" else 0)
+        assert traj.retrieval_count >= len({f.doc_id for f in question_facts(ex)}) - (
+            1 if name == "s3" else 0
+        )
         if name == "s3":
             assert traj.finish_reason == "search_complete" and traj.extra["search_complete"]
-            assert traj.response_text.count("<query>") >= 1  # it searches, even when the initial window sufficed
+            assert (
+                traj.response_text.count("<query>") >= 1
+            )  # it searches, even when the initial window sufficed
             assert not traj.extra.get("invalid_selection_ids") and not traj.extra.get("query_not_json")
         else:
             assert traj.finish_reason == "answer"
@@ -115,8 +126,9 @@ def test_sft_targets_equal_the_rl_action_mask_of_the_same_tokens(world, tokenize
     from sleuth.rl.sft import sft_batch
 
     retriever, examples = world
-    records, stats = collect_oracle(get_loop("search_r1"), retriever, tokenizer, examples[:6],
-                                   budget=RolloutBudget(max_obs_tokens=256))
+    records, stats = collect_oracle(
+        get_loop("search_r1"), retriever, tokenizer, examples[:6], budget=RolloutBudget(max_obs_tokens=256)
+    )
     assert stats["kept"] == len(records) > 0
     for rec in records:
         assert 0 in rec.loss_mask and 1 in rec.loss_mask  # documents are inserted and masked
@@ -132,8 +144,15 @@ def test_sft_targets_equal_the_rl_action_mask_of_the_same_tokens(world, tokenize
 def _as_traj(rec: SFTRecord):
     from sleuth.agent.trajectory import Trajectory
 
-    return Trajectory(rec.question_id, rec.question, rec.golden_answers, rec.loop, prompt_ids=rec.prompt_ids,
-                      response_ids=rec.response_ids, loss_mask=rec.loss_mask)
+    return Trajectory(
+        rec.question_id,
+        rec.question,
+        rec.golden_answers,
+        rec.loop,
+        prompt_ids=rec.prompt_ids,
+        response_ids=rec.response_ids,
+        loss_mask=rec.loss_mask,
+    )
 
 
 def test_records_round_trip_and_bad_lines_name_file_and_line(tmp_path, world, tokenizer):
@@ -159,13 +178,17 @@ def test_records_round_trip_and_bad_lines_name_file_and_line(tmp_path, world, to
 
 def test_chat_messages_import_masks_everything_but_assistant_text(tmp_path, tokenizer):
     path = tmp_path / "m.jsonl"
-    conv = {"messages": [
-        {"role": "user", "content": "Who directed Zvork?"},
-        {"role": "assistant", "content": "<search> Zvork director </search>"},
-        {"role": "tool", "content": "<information>Doc 1 Zvork was directed by Kvala.</information>"},
-        {"role": "assistant", "content": "<answer> Kvala </answer>"},
-    ]}
-    path.write_text(json.dumps(conv) + "\n" + json.dumps({"messages": [{"role": "user", "content": "x"}]}) + "\n")
+    conv = {
+        "messages": [
+            {"role": "user", "content": "Who directed Zvork?"},
+            {"role": "assistant", "content": "<search> Zvork director </search>"},
+            {"role": "tool", "content": "<information>Doc 1 Zvork was directed by Kvala.</information>"},
+            {"role": "assistant", "content": "<answer> Kvala </answer>"},
+        ]
+    }
+    path.write_text(
+        json.dumps(conv) + "\n" + json.dumps({"messages": [{"role": "user", "content": "x"}]}) + "\n"
+    )
     with pytest.raises(DataFormatError, match=r"m\.jsonl:2"):
         records_from_messages(path, tokenizer, "search_r1")
     path.write_text(json.dumps(conv) + "\n")
@@ -192,7 +215,9 @@ def test_teacher_rejection_sampling_keeps_only_rewarded_trajectories(world, toke
 
     teacher = ScriptedGenerator(tokenizer, script)
     sampling = RejectionSampling(get_reward("search_r1_em"), RewardServices(), threshold=1.0, n=2)
-    kept, stats = collect_teacher(get_loop("search_r1"), teacher, retriever, examples, sampling, tokenizer=tokenizer)
+    kept, stats = collect_teacher(
+        get_loop("search_r1"), teacher, retriever, examples, sampling, tokenizer=tokenizer
+    )
     assert stats == {"played": 8, "kept": 2}
     assert {r.question_id for r in kept} == {str(examples[0].id)} and all(r.reward == 1.0 for r in kept)
 
@@ -203,11 +228,22 @@ def _sft_recipe(tmp_path: Path, world_dir: Path, data: Path, **sft) -> dict:
         "model": {"policy": "tiny", "lora": {"enabled": False}},
         "data": {"train": str(world_dir / "train.jsonl")},
         "retriever": {"index": str(world_dir / "bm25")},
-        "agent": {"loop": "s3", "top_k": 3, "max_new_tokens_per_turn": 48, "max_obs_tokens": 128,
-                  "max_response_tokens": 512},
+        "agent": {
+            "loop": "s3",
+            "top_k": 3,
+            "max_new_tokens_per_turn": 48,
+            "max_obs_tokens": 128,
+            "max_response_tokens": 512,
+        },
         "reward": {"name": "search_r1_em"},  # not s3's default (it needs a frozen generator)
-        "algorithm": {"name": "grpo", "n": 4, "prompts_per_step": 2, "minibatch_size": 8, "micro_batch_size": 4,
-                      "kl": {"coef": 0.0}},
+        "algorithm": {
+            "name": "grpo",
+            "n": 4,
+            "prompts_per_step": 2,
+            "minibatch_size": 8,
+            "micro_batch_size": 4,
+            "kl": {"coef": 0.0},
+        },
         "optim": {"lr": 1e-4},
         "trainer": {"total_steps": 1, "out_dir": str(tmp_path / "run"), "save_every": 1},
         "sft": {"data": str(data), "held_out": 0.25, "micro_batch_size": 8, **sft},
@@ -218,14 +254,20 @@ def _format_adherence(generator, world, tokenizer, examples) -> float:
     """Share of greedy rollouts whose first turn is a valid s3 action (complete, or a query to run)."""
     from sleuth.llm.base import SamplingParams
 
-    trajs = rollout(get_loop("s3", top_k=3, max_turns=1), generator, world[0], examples,
-                    SamplingParams(max_new_tokens=48, temperature=0.0),
-                    budget=RolloutBudget(max_obs_tokens=64, max_response_tokens=256))
+    trajs = rollout(
+        get_loop("s3", top_k=3, max_turns=1),
+        generator,
+        world[0],
+        examples,
+        SamplingParams(max_new_tokens=48, temperature=0.0),
+        budget=RolloutBudget(max_obs_tokens=64, max_response_tokens=256),
+    )
     return sum(t.invalid_actions == 0 for t in trajs) / len(trajs)
 
 
-def test_sft_lowers_heldout_loss_raises_format_adherence_and_resumes(tmp_path, small_world, world, tokenizer,
-                                                                    monkeypatch):
+def test_sft_lowers_heldout_loss_raises_format_adherence_and_resumes(
+    tmp_path, small_world, world, tokenizer, monkeypatch
+):
     from sleuth.agent import s3 as s3_method
     from sleuth.llm.hf import HFGenerator
     from sleuth.rl.config import recipe_from_dict
@@ -236,8 +278,13 @@ def test_sft_lowers_heldout_loss_raises_format_adherence_and_resumes(tmp_path, s
     train_q = read_qa_jsonl(small_world / "train.jsonl")
     # the oracle that may stop after the initial search: a format the tiny model learns from 30 examples
     monkeypatch.setattr(s3_method, "S3_FULL_ORACLE", False)
-    records, _ = collect_oracle(get_loop("s3", top_k=3), retriever, tokenizer, train_q[:40],
-                                budget=RolloutBudget(max_obs_tokens=128, max_response_tokens=512))
+    records, _ = collect_oracle(
+        get_loop("s3", top_k=3),
+        retriever,
+        tokenizer,
+        train_q[:40],
+        budget=RolloutBudget(max_obs_tokens=128, max_response_tokens=512),
+    )
     data = tmp_path / "traj.jsonl"
     write_records(data, records)
     recipe = recipe_from_dict(_sft_recipe(tmp_path, small_world, data, epochs=20, lr=1e-2, batch_size=8))
@@ -248,7 +295,9 @@ def test_sft_lowers_heldout_loss_raises_format_adherence_and_resumes(tmp_path, s
     assert held and not {r.question_id for r in held} & {r.question_id for r in train}
     before = heldout_loss(base, held, tokenizer.pad_token_id, 8, 4096, torch.device("cpu"))
     probe = read_qa_jsonl(small_world / "test.jsonl")[:8]
-    adherence_before = _format_adherence(HFGenerator(base.eval(), tokenizer=tokenizer), world, tokenizer, probe)
+    adherence_before = _format_adherence(
+        HFGenerator(base.eval(), tokenizer=tokenizer), world, tokenizer, probe
+    )
 
     # interrupted after 5 epochs, then resumed to 20 from the checkpoint
     short = recipe_from_dict(_sft_recipe(tmp_path, small_world, data, epochs=5, lr=1e-2, batch_size=8))
@@ -271,7 +320,9 @@ def test_sft_refuses_bad_data_before_writing_anything(tmp_path, small_world):
     from sleuth.rl.sft import run_sft
 
     bad = tmp_path / "bad.jsonl"
-    bad.write_text(json.dumps({"loop": "qagent", "prompt_ids": [1], "response_ids": [2], "loss_mask": [1]}) + "\n")
+    bad.write_text(
+        json.dumps({"loop": "qagent", "prompt_ids": [1], "response_ids": [2], "loss_mask": [1]}) + "\n"
+    )
     recipe = recipe_from_dict(_sft_recipe(tmp_path, small_world, bad))
     with pytest.raises(ConfigError, match="loop"):
         run_sft(recipe)
@@ -299,11 +350,22 @@ def test_trajectories_cli_oracle_teacher_and_messages(tmp_path, small_world):
     import yaml
 
     recipe = tmp_path / "r.yaml"
-    recipe.write_text(yaml.safe_dump({
-        "name": "t", "model": {"policy": "tiny"}, "data": {"train": str(small_world / "train.jsonl")},
-        "retriever": {"index": str(small_world / "bm25")},
-        "agent": {"loop": "search_r1", "max_obs_tokens": 128, "max_response_tokens": 4096, "max_new_tokens_per_turn": 8},
-    }))
+    recipe.write_text(
+        yaml.safe_dump(
+            {
+                "name": "t",
+                "model": {"policy": "tiny"},
+                "data": {"train": str(small_world / "train.jsonl")},
+                "retriever": {"index": str(small_world / "bm25")},
+                "agent": {
+                    "loop": "search_r1",
+                    "max_obs_tokens": 128,
+                    "max_response_tokens": 4096,
+                    "max_new_tokens_per_turn": 8,
+                },
+            }
+        )
+    )
     out = tmp_path / "oracle.jsonl"
     proc = _cli("trajectories", str(recipe), "--out", str(out), "--limit", "6", "--variants", "2")
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -312,15 +374,44 @@ def test_trajectories_cli_oracle_teacher_and_messages(tmp_path, small_world):
 
     # a random tiny teacher earns no reward: nothing passes, nothing is written, the message says so
     teacher_out = tmp_path / "teacher.jsonl"
-    proc = _cli("trajectories", str(recipe), "--out", str(teacher_out), "--source", "teacher", "--teacher", "tiny",
-                "--limit", "2", "--n", "2")
+    proc = _cli(
+        "trajectories",
+        str(recipe),
+        "--out",
+        str(teacher_out),
+        "--source",
+        "teacher",
+        "--teacher",
+        "tiny",
+        "--limit",
+        "2",
+        "--n",
+        "2",
+    )
     assert proc.returncode == 2 and "no trajectory passed" in proc.stdout and not teacher_out.exists()
 
     chats = tmp_path / "chats.jsonl"
-    chats.write_text(json.dumps({"messages": [{"role": "user", "content": "q?"},
-                                              {"role": "assistant", "content": "<answer> a </answer>"}]}) + "\n")
-    proc = _cli("trajectories", str(recipe), "--out", str(tmp_path / "m.jsonl"), "--source", "messages",
-                "--messages", str(chats))
+    chats.write_text(
+        json.dumps(
+            {
+                "messages": [
+                    {"role": "user", "content": "q?"},
+                    {"role": "assistant", "content": "<answer> a </answer>"},
+                ]
+            }
+        )
+        + "\n"
+    )
+    proc = _cli(
+        "trajectories",
+        str(recipe),
+        "--out",
+        str(tmp_path / "m.jsonl"),
+        "--source",
+        "messages",
+        "--messages",
+        str(chats),
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert read_records(tmp_path / "m.jsonl")[0].source == "messages"
 
@@ -343,7 +434,9 @@ def test_masked_nll_equals_cross_entropy_over_full_logits(tmp_path, lora):
     if lora:
         from peft import LoraConfig, get_peft_model
 
-        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False))
+        model = get_peft_model(
+            model, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False)
+        )
     vocab = model.get_output_embeddings().weight.shape[0]
     ids = torch.randint(0, vocab, (3, 17))
     target = (torch.rand(3, 17) < 0.4).long()
@@ -364,7 +457,9 @@ def test_masked_nll_equals_cross_entropy_over_full_logits(tmp_path, lora):
         torch.testing.assert_close(fast, ref, rtol=1e-8, atol=1e-10)
 
 
-def test_sft_update_does_not_depend_on_the_micro_batch_size(tmp_path, small_world, world, tokenizer, monkeypatch):
+def test_sft_update_does_not_depend_on_the_micro_batch_size(
+    tmp_path, small_world, world, tokenizer, monkeypatch
+):
     """The GPU profiles run whole SFT batches in one pass (DemoSize.sft_micro): the summed micro-batch losses are
     normalised by the whole batch's target tokens, so 1, 2 or 4 trajectories a pass give the same weights."""
     import torch
@@ -379,17 +474,25 @@ def test_sft_update_does_not_depend_on_the_micro_batch_size(tmp_path, small_worl
     from sleuth.rl.sft import run_sft
 
     retriever, _ = world
-    records, _ = collect_oracle(get_loop("s3", top_k=3), retriever, tokenizer, read_qa_jsonl(small_world / "train.jsonl")[:8],
-                                budget=RolloutBudget(max_obs_tokens=128, max_response_tokens=512))
+    records, _ = collect_oracle(
+        get_loop("s3", top_k=3),
+        retriever,
+        tokenizer,
+        read_qa_jsonl(small_world / "train.jsonl")[:8],
+        budget=RolloutBudget(max_obs_tokens=128, max_response_tokens=512),
+    )
     data = tmp_path / "traj.jsonl"
     write_records(data, records)
     weights = {}
     for micro in (1, 2, 4):
-        recipe = _sft_recipe(tmp_path / f"m{micro}", small_world, data, epochs=2, lr=1e-2, batch_size=4,
-                             held_out=0.0)
+        recipe = _sft_recipe(
+            tmp_path / f"m{micro}", small_world, data, epochs=2, lr=1e-2, batch_size=4, held_out=0.0
+        )
         recipe["sft"]["micro_batch_size"] = micro
         result = run_sft(recipe_from_dict(recipe))
-        _, policy, _ = load_policy(recipe_from_dict(recipe), torch.device("cpu"), Path(result["checkpoint"]) / "policy")
+        _, policy, _ = load_policy(
+            recipe_from_dict(recipe), torch.device("cpu"), Path(result["checkpoint"]) / "policy"
+        )
         weights[micro] = {k: v.detach().clone() for k, v in policy.state_dict().items()}
         assert result["metrics"]["sft/tokens"] > 0
     base_recipe = recipe_from_dict(_sft_recipe(tmp_path / "base", small_world, data, batch_size=4))
@@ -414,7 +517,9 @@ def boundary_world(tmp_path_factory: pytest.TempPathFactory):
 
 
 @pytest.mark.parametrize("name", ["staged", "search_r1"])
-def test_oracle_answers_all_known_questions_from_memory_and_searches_the_rest(name, boundary_world, tokenizer):
+def test_oracle_answers_all_known_questions_from_memory_and_searches_the_rest(
+    name, boundary_world, tokenizer
+):
     """On a knowledge-boundary world the staged and Search-R1 oracles do what their prompts say: an all-known question
     is answered without a search (the facts stated from memory, then the gold answer), every other question searches
     each fact; both kinds pass `oracle_check`, a direct answer only when it is right."""

@@ -51,11 +51,14 @@ def test_qa_jsonl_round_trip(tmp_path):
 
 
 def test_qa_jsonl_accepts_int_id_single_string_answer_and_blank_lines(tmp_path):
-    path = _write_lines(tmp_path / "qa.jsonl", [
-        json.dumps({"id": 5, "question": "Q?", "golden_answers": "Paris"}),
-        "",
-        json.dumps({"id": "b", "question": "R?", "golden_answers": ["x"], "metadata": None}),
-    ])
+    path = _write_lines(
+        tmp_path / "qa.jsonl",
+        [
+            json.dumps({"id": 5, "question": "Q?", "golden_answers": "Paris"}),
+            "",
+            json.dumps({"id": "b", "question": "R?", "golden_answers": ["x"], "metadata": None}),
+        ],
+    )
     got = read_qa_jsonl(path)
     assert got == [QAExample("5", "Q?", ["Paris"], {}), QAExample("b", "R?", ["x"], {})]
 
@@ -70,9 +73,15 @@ def test_qa_jsonl_accepts_int_id_single_string_answer_and_blank_lines(tmp_path):
         ('{"id": "x", "question": "Q?"}', "missing field 'golden_answers'"),
         ('{"id": "x", "question": "Q?", "golden_answers": []}', "empty list"),
         ('{"id": "x", "question": "Q?", "golden_answers": [1987]}', "'golden_answers'[0] must be a string"),
-        ('{"id": "x", "question": "Q?", "golden_answers": ["a", " "]}', "'golden_answers'[1] is an empty string"),
+        (
+            '{"id": "x", "question": "Q?", "golden_answers": ["a", " "]}',
+            "'golden_answers'[1] is an empty string",
+        ),
         ('{"id": "x", "question": "  ", "golden_answers": ["a"]}', "'question' must be a non-empty string"),
-        ('{"id": "x", "question": "Q?", "golden_answers": ["a"], "metadata": [1]}', "'metadata' must be an object"),
+        (
+            '{"id": "x", "question": "Q?", "golden_answers": ["a"], "metadata": [1]}',
+            "'metadata' must be an object",
+        ),
         ('{"id": true, "question": "Q?", "golden_answers": ["a"]}', "'id' must be a string or integer"),
     ],
 )
@@ -90,7 +99,9 @@ def test_qa_jsonl_duplicate_id_names_both_lines(tmp_path):
     rec = json.dumps({"id": "dup", "question": "Q?", "golden_answers": ["a"]})
     other = json.dumps({"id": "z", "question": "Q?", "golden_answers": ["a"]})
     path = _write_lines(tmp_path / "qa.jsonl", [rec, other, rec])
-    with pytest.raises(DataFormatError, match=r"duplicate id 'dup' \(first at line 1, again at line 3\)") as info:
+    with pytest.raises(
+        DataFormatError, match=r"duplicate id 'dup' \(first at line 1, again at line 3\)"
+    ) as info:
         read_qa_jsonl(path)
     assert info.value.line == 3
 
@@ -110,14 +121,17 @@ def test_searchr1_parquet_round_trip_and_columns(tmp_path):
     assert {r["data_source"] for r in pq.read_table(path).to_pylist()} == {"sleuth"}  # no dataset named
     # `data_source` is the dataset of questions that name none: in their metadata too, so it is read back
     assert write_searchr1_parquet(path, EXAMPLES, data_source="nq", split="test") == 3
-    assert read_searchr1_parquet(path) == [QAExample(e.id, e.question, e.golden_answers, {**e.metadata, "dataset": "nq"})
-                                           for e in EXAMPLES]
+    assert read_searchr1_parquet(path) == [
+        QAExample(e.id, e.question, e.golden_answers, {**e.metadata, "dataset": "nq"}) for e in EXAMPLES
+    ]
 
     rows = pq.read_table(path).to_pylist()
     row = rows[1]
     assert row["data_source"] == "nq"
     assert row["ability"] == "fact-reasoning"
-    assert row["prompt"] == [{"role": "user", "content": SEARCH_R1_TEMPLATE.replace("{question}", EXAMPLES[1].question)}]
+    assert row["prompt"] == [
+        {"role": "user", "content": SEARCH_R1_TEMPLATE.replace("{question}", EXAMPLES[1].question)}
+    ]
     assert row["reward_model"] == {"style": "rule", "ground_truth": {"target": ["1987", "in 1987"]}}
     assert row["extra_info"] == {"split": "test", "index": 1}
     assert row["prompt"][0]["content"].endswith("Question: In which year was Vrakton founded?\n")
@@ -125,15 +139,17 @@ def test_searchr1_parquet_round_trip_and_columns(tmp_path):
 
 def test_searchr1_parquet_without_flashrag_columns(tmp_path):
     """Files with only Search-R1's own columns: question from the prompt, answers from the target."""
-    table = pa.Table.from_pylist([
-        {
-            "data_source": "nq",
-            "prompt": [{"role": "user", "content": "Answer it. Question: where is Vrakton?\n"}],
-            "ability": "fact-reasoning",
-            "reward_model": {"style": "rule", "ground_truth": {"target": ["Zarvonia"]}},
-            "extra_info": {"split": "train", "index": 7},
-        }
-    ])
+    table = pa.Table.from_pylist(
+        [
+            {
+                "data_source": "nq",
+                "prompt": [{"role": "user", "content": "Answer it. Question: where is Vrakton?\n"}],
+                "ability": "fact-reasoning",
+                "reward_model": {"style": "rule", "ground_truth": {"target": ["Zarvonia"]}},
+                "extra_info": {"split": "train", "index": 7},
+            }
+        ]
+    )
     path = tmp_path / "bare.parquet"
     pq.write_table(table, path)
     assert read_searchr1_parquet(path) == [
@@ -152,7 +168,9 @@ def test_searchr1_parquet_bad_rows_name_row_number(tmp_path):
     }
     path = tmp_path / "bad.parquet"
     pq.write_table(pa.Table.from_pylist([good, good, no_question]), path)
-    with pytest.raises(DataFormatError, match=r"row 3: no 'question' column, and the user message .* no 'Question:'"):
+    with pytest.raises(
+        DataFormatError, match=r"row 3: no 'question' column, and the user message .* no 'Question:'"
+    ):
         read_searchr1_parquet(path)
 
     empty_target = dict(good, reward_model={"style": "rule", "ground_truth": {"target": []}})
@@ -197,7 +215,10 @@ def test_load_and_save_dispatch_on_extension(tmp_path):
 
 
 def test_write_corpus_streams_and_round_trips(tmp_path):
-    passages = [Passage("0", "Vrakton", "Vrakton is a city."), Passage("p-1", 'Say "hi"', "Line\nwith newline")]
+    passages = [
+        Passage("0", "Vrakton", "Vrakton is a city."),
+        Passage("p-1", 'Say "hi"', "Line\nwith newline"),
+    ]
 
     def gen():
         yield from passages
@@ -314,8 +335,10 @@ def test_merged_multi_dataset_parquet_gets_ids_unique_per_data_source(tmp_path):
     examples = read_searchr1_parquet(path)
     assert [ex.id for ex in examples] == ["nq/test_0", "nq/test_1", "triviaqa/test_0", "hotpotqa/test_0"]
     assert [ex.metadata for ex in examples] == [
-        {"dataset": "nq", "source_id": "test_0"}, {"dataset": "nq", "source_id": "test_1"},
-        {"dataset": "triviaqa", "source_id": "test_0"}, {"dataset": "hotpotqa", "source_id": "test_0"},
+        {"dataset": "nq", "source_id": "test_0"},
+        {"dataset": "nq", "source_id": "test_1"},
+        {"dataset": "triviaqa", "source_id": "test_0"},
+        {"dataset": "hotpotqa", "source_id": "test_0"},
     ]
     # a repeat inside one data_source is still an error naming the rows
     pq.write_table(pa.Table.from_pylist(rows + [_search_r1_row("nq", "test_1", "again?", ["x"], 4)]), path)
@@ -325,17 +348,26 @@ def test_merged_multi_dataset_parquet_gets_ids_unique_per_data_source(tmp_path):
 
 def test_merged_flashrag_jsonl_with_data_source_field(tmp_path):
     path = tmp_path / "merged.jsonl"
-    _write_lines(path, [
-        json.dumps({"id": "test_0", "question": "a?", "golden_answers": ["x"], "data_source": "nq"}),
-        json.dumps({"id": "test_0", "question": "b?", "golden_answers": ["y"], "data_source": "popqa"}),
-    ])
-    assert [(ex.id, ex.metadata["dataset"]) for ex in load_qa(path)] == [("nq/test_0", "nq"), ("popqa/test_0", "popqa")]
+    _write_lines(
+        path,
+        [
+            json.dumps({"id": "test_0", "question": "a?", "golden_answers": ["x"], "data_source": "nq"}),
+            json.dumps({"id": "test_0", "question": "b?", "golden_answers": ["y"], "data_source": "popqa"}),
+        ],
+    )
+    assert [(ex.id, ex.metadata["dataset"]) for ex in load_qa(path)] == [
+        ("nq/test_0", "nq"),
+        ("popqa/test_0", "popqa"),
+    ]
 
 
 def test_merged_file_reports_each_data_source_as_its_own_dataset(tmp_path):
     from sleuth.eval.harness import load_eval_data
 
-    rows = [_search_r1_row("nq", "test_0", "q1?", ["a"], 0), _search_r1_row("triviaqa", "test_0", "q2?", ["b"], 1)]
+    rows = [
+        _search_r1_row("nq", "test_0", "q1?", ["a"], 0),
+        _search_r1_row("triviaqa", "test_0", "q2?", ["b"], 1),
+    ]
     path = tmp_path / "test.parquet"
     pq.write_table(pa.Table.from_pylist(rows), path)
     assert [ex.metadata["dataset"] for ex in load_eval_data([path])] == ["nq", "triviaqa"]
@@ -353,7 +385,9 @@ def test_r_search_parquet_loads(tmp_path):
             "reward_model": {"style": "rule", "ground_truth": {"target": a}},
             "extra_info": {"index": i},
         }
-        for i, (q, a) in enumerate([("Who directed Blue Harbor?", "Mara Ilves"), ("Is Tarsk in Varonia?", "yes")])
+        for i, (q, a) in enumerate(
+            [("Who directed Blue Harbor?", "Mara Ilves"), ("Is Tarsk in Varonia?", "yes")]
+        )
     ]
     path = tmp_path / "train.parquet"
     pq.write_table(pa.Table.from_pylist(rows), path)
@@ -373,11 +407,17 @@ def test_converted_files_merged_keep_their_data_sources(tmp_path):
     parts = []
     for name, question in (("nq", "a?"), ("popqa", "b?")):
         (tmp_path / name).mkdir()
-        src = _write_lines(tmp_path / name / "test.jsonl", [
-            json.dumps({"id": f"test_{i}", "question": f"{question} {i}", "golden_answers": ["x"]}) for i in range(2)])
+        src = _write_lines(
+            tmp_path / name / "test.jsonl",
+            [
+                json.dumps({"id": f"test_{i}", "question": f"{question} {i}", "golden_answers": ["x"]})
+                for i in range(2)
+            ],
+        )
         dst = tmp_path / f"{name}.parquet"
-        result = CliRunner().invoke(app, ["data", "convert", str(src), str(dst), "--data-source", name,
-                                          "--split", "test"])
+        result = CliRunner().invoke(
+            app, ["data", "convert", str(src), str(dst), "--data-source", name, "--split", "test"]
+        )
         assert result.exit_code == 0, result.output
         parts.append(pq.read_table(dst))
         assert {r["data_source"] for r in parts[-1].to_pylist()} == {name}
@@ -389,15 +429,31 @@ def test_converted_files_merged_keep_their_data_sources(tmp_path):
     # to jsonl and back: the dataset stays with each question
     result = CliRunner().invoke(app, ["data", "convert", str(merged), str(tmp_path / "merged.jsonl")])
     assert result.exit_code == 0, result.output
-    assert [e.metadata["dataset"] for e in load_qa(tmp_path / "merged.jsonl")] == ["nq", "nq", "popqa", "popqa"]
+    assert [e.metadata["dataset"] for e in load_qa(tmp_path / "merged.jsonl")] == [
+        "nq",
+        "nq",
+        "popqa",
+        "popqa",
+    ]
 
     # files sleuth wrote before (the data source only in the column, metadata "{}") merge too
-    old = [t.set_column(t.schema.get_field_index("metadata"), "metadata", pa.array(["{}"] * t.num_rows))
-           for t in parts]
+    old = [
+        t.set_column(t.schema.get_field_index("metadata"), "metadata", pa.array(["{}"] * t.num_rows))
+        for t in parts
+    ]
     pq.write_table(pa.concat_tables(old), merged)
     assert [e.id for e in load_qa(merged)] == ["nq/test_0", "nq/test_1", "popqa/test_0", "popqa/test_1"]
     # without a data source, the duplicate is named with the way out
-    pq.write_table(pa.concat_tables([t.set_column(t.schema.get_field_index("data_source"), "data_source",
-                                                  pa.array(["sleuth"] * t.num_rows)) for t in old]), merged)
+    pq.write_table(
+        pa.concat_tables(
+            [
+                t.set_column(
+                    t.schema.get_field_index("data_source"), "data_source", pa.array(["sleuth"] * t.num_rows)
+                )
+                for t in old
+            ]
+        ),
+        merged,
+    )
     with pytest.raises(DataFormatError, match=r"duplicate id 'test_0'.*--data-source NAME"):
         load_qa(merged)

@@ -32,20 +32,36 @@ def _model(kind: str, seed: int = 0):
     )
 
     torch.manual_seed(seed)
-    kw = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-              vocab_size=300, rope_theta=10000.0)
-    model = {"qwen2": lambda: Qwen2ForCausalLM(Qwen2Config(**kw, tie_word_embeddings=True)),
-             "llama": lambda: LlamaForCausalLM(LlamaConfig(**kw)),
-             "qwen3": lambda: Qwen3ForCausalLM(Qwen3Config(**kw, head_dim=16))}[kind]()
+    kw = dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=300,
+        rope_theta=10000.0,
+    )
+    model = {
+        "qwen2": lambda: Qwen2ForCausalLM(Qwen2Config(**kw, tie_word_embeddings=True)),
+        "llama": lambda: LlamaForCausalLM(LlamaConfig(**kw)),
+        "qwen3": lambda: Qwen3ForCausalLM(Qwen3Config(**kw, head_dim=16)),
+    }[kind]()
     for p in model.parameters():  # larger than the default init: logits far from uniform, no near-ties
         p.data.normal_(0, 0.3)
     return model.eval()
 
 
 def _hf_greedy(model, prompt: list[int], n: int) -> tuple[list[int], list[float]]:
-    out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, output_scores=True,
-                         return_dict_in_generate=True, pad_token_id=0, eos_token_id=None)
-    ids = out.sequences[0, len(prompt):].tolist()
+    out = model.generate(
+        torch.tensor([prompt]),
+        max_new_tokens=n,
+        do_sample=False,
+        output_scores=True,
+        return_dict_in_generate=True,
+        pad_token_id=0,
+        eos_token_id=None,
+    )
+    ids = out.sequences[0, len(prompt) :].tolist()
     return ids, [s[0].float().log_softmax(-1)[t].item() for s, t in zip(out.scores, ids, strict=True)]
 
 
@@ -133,7 +149,9 @@ def test_gumbel_sampling_follows_the_softmax_and_returns_its_logprob() -> None:
     for seed in range(40):
         tokens, logprobs = kernels.sample_reference(logits, 0.7, torch.tensor([seed]))
         counts += torch.bincount(tokens, minlength=6).float()
-        assert torch.allclose(logprobs, (logits / 0.7).log_softmax(-1).gather(-1, tokens[:, None]).squeeze(-1))
+        assert torch.allclose(
+            logprobs, (logits / 0.7).log_softmax(-1).gather(-1, tokens[:, None]).squeeze(-1)
+        )
     assert _chi_square_p(counts, probs) > 1e-3
     # the check can fail: the same counts against the untempered softmax are rejected
     assert _chi_square_p(counts, logits[0].softmax(-1)) < 1e-6
@@ -231,7 +249,9 @@ KERNEL_CHECK = textwrap.dedent("""
 @pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed (it is in the dev extra)")
 def test_triton_kernels_equal_the_references_under_the_interpreter() -> None:
     env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-c", KERNEL_CHECK], env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-c", KERNEL_CHECK], env=env, capture_output=True, text=True, timeout=600
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
 
 
@@ -260,8 +280,13 @@ LORA_CHECK = textwrap.dedent("""
 
 
 def test_lora_adapters_are_merged_into_the_copy_and_left_out_for_the_frozen_base() -> None:
-    proc = subprocess.run([sys.executable, "-c", LORA_CHECK], env={**os.environ, "OMP_NUM_THREADS": "1"},
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", LORA_CHECK],
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
 
 
@@ -311,7 +336,9 @@ def test_the_fsdp_inference_copy_equals_the_sharded_weights_after_an_update(tmp_
     script = tmp_path / "fsdp_check.py"
     script.write_text(FSDP_CHECK)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script)]
-    proc = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=600
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
 
@@ -336,17 +363,28 @@ ENGINE_UNDER_TRITON = textwrap.dedent("""
 
 
 @pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed (it is in the dev extra)")
-@pytest.mark.parametrize("switches", [{}, {"SLEUTH_FUSED_DECODE": "0"},
-                                      {"SLEUTH_FUSED_MLP": "1", "SLEUTH_ATTENTION_SPLITS": "4"}],
-                         ids=["fused-attention", "unfused", "fused-mlp-4-splits"])
+@pytest.mark.parametrize(
+    "switches",
+    [{}, {"SLEUTH_FUSED_DECODE": "0"}, {"SLEUTH_FUSED_MLP": "1", "SLEUTH_ATTENTION_SPLITS": "4"}],
+    ids=["fused-attention", "unfused", "fused-mlp-4-splits"],
+)
 def test_the_engine_decodes_like_transformers_through_the_triton_kernels(switches: dict[str, str]) -> None:
     """The whole decode step with the Triton kernels (CPU interpreter) instead of the torch references: the
     fused attention (default), the one-operation kernels (SLEUTH_FUSED_DECODE=0), and the fused MLP with the
     attention split four ways (the combine path)."""
     script = ENGINE_UNDER_TRITON.format(tests=str(Path(__file__).parent))
-    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1", "SLEUTH_FUSED_DECODE": "1",
-           "SLEUTH_FUSED_MLP": "0", "SLEUTH_ATTENTION_SPLITS": "0", **switches}
-    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
+    env = {
+        **os.environ,
+        "TRITON_INTERPRET": "1",
+        "OMP_NUM_THREADS": "1",
+        "SLEUTH_FUSED_DECODE": "1",
+        "SLEUTH_FUSED_MLP": "0",
+        "SLEUTH_ATTENTION_SPLITS": "0",
+        **switches,
+    }
+    proc = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
 
 
@@ -389,7 +427,9 @@ def test_growing_the_pool_drops_the_graphs_memory_pool_handle() -> None:
     assert engine.pool_k.shape[1] >= 64 and engine._graph_pool is None and not engine._buckets
 
 
-def _greedy_rows(engine: DecodeEngine, prompts: list[list[int]], n: int) -> tuple[list[list[int]], list[list[float]]]:
+def _greedy_rows(
+    engine: DecodeEngine, prompts: list[list[int]], n: int
+) -> tuple[list[list[int]], list[list[float]]]:
     state, first, first_lp = engine.start(prompts, n, temperature=0.0)
     tokens, logprobs = engine.steps(state, n - 1)
     got = [[f] + t for f, t in zip(first.tolist(), tokens.tolist(), strict=True)]
@@ -407,8 +447,12 @@ def test_a_next_turn_reuses_the_stored_prefix_and_still_decodes_like_transformer
     turn1 = [[1, 2, 3, 4, 5], [7], [9, 8, 7, 6, 5, 4, 3, 2, 1, 11, 12], [20, 21]]
     got, _ = _greedy_rows(engine, turn1, 6)
     engine.remember([p + g for p, g in zip(turn1, got, strict=True)])
-    turn2 = [turn1[0] + got[0] + [40, 41, 42], turn1[1] + got[1] + [50] * 9,
-             [99] + turn1[2][1:] + got[2] + [60, 61], turn1[3] + got[3]]
+    turn2 = [
+        turn1[0] + got[0] + [40, 41, 42],
+        turn1[1] + got[1] + [50] * 9,
+        [99] + turn1[2][1:] + got[2] + [60, 61],
+        turn1[3] + got[3],
+    ]
     before = engine.reused_tokens
     got2, lps2 = _greedy_rows(engine, turn2, 7)
     assert engine.reused_tokens - before == sum(len(turn1[r]) + 6 - 1 for r in (0, 1, 3))
@@ -418,7 +462,9 @@ def test_a_next_turn_reuses_the_stored_prefix_and_still_decodes_like_transformer
         assert max(abs(a - b) for a, b in zip(lps2[r], want_lp, strict=True)) < 1e-4
 
 
-def test_stored_prefixes_are_forgotten_when_the_weights_change_and_kept_when_the_pool_grows(monkeypatch) -> None:
+def test_stored_prefixes_are_forgotten_when_the_weights_change_and_kept_when_the_pool_grows(
+    monkeypatch,
+) -> None:
     """A policy update makes the stored keys/values stale; a grown pool copies them over, unless the old and the
     new pool do not fit together (then the new one is allocated alone and nothing is reused)."""
     model = _model("qwen2")
@@ -457,7 +503,9 @@ def test_the_prefix_store_finds_the_longest_exact_prefix() -> None:
 
     store = PrefixStore()
     store.remember([[1, 2, 3], [1, 2, 3, 4, 5], [9, 9]], [0, 10, 30])
-    assert store.match([1, 2, 3, 4, 5, 6]) == Prefix(start=10, tokens=4)  # the last token's KV was never written
+    assert store.match([1, 2, 3, 4, 5, 6]) == Prefix(
+        start=10, tokens=4
+    )  # the last token's KV was never written
     assert store.match([1, 2, 3, 4, 7]) == Prefix(start=0, tokens=2)
     assert store.match([1, 2, 3]) == Prefix(start=0, tokens=2)  # an identical prompt prefills its last token
     assert store.match([1, 2, 4]) is None and store.match([9]) is None
@@ -473,12 +521,14 @@ def test_moving_prefixes_reads_every_source_before_writing() -> None:
     want_k, want_v = pool_k.clone(), pool_v.clone()
     moves = [(0, 4, 5), (4, 0, 3), (9, 9, 3)]  # overlapping: 4..8 <- 0..4 while 0..2 <- 4..6 (old values)
     for s, d, n in moves:
-        want_k[:, d:d + n], want_v[:, d:d + n] = pool_k[:, s:s + n], pool_v[:, s:s + n]
+        want_k[:, d : d + n], want_v[:, d : d + n] = pool_k[:, s : s + n], pool_v[:, s : s + n]
     move_prefixes(pool_k, pool_v, moves)
     assert torch.equal(pool_k, want_k) and torch.equal(pool_v, want_v)
 
 
-def test_the_generator_reuses_each_rows_keys_across_turns_and_decodes_like_the_dynamic_cache(tmp_path: Path) -> None:
+def test_the_generator_reuses_each_rows_keys_across_turns_and_decodes_like_the_dynamic_cache(
+    tmp_path: Path,
+) -> None:
     """Token-in, token-out turns as the agent engine sends them: turn 2 = turn 1's prompt + its generation + an
     observation, through HFGenerator(cache="engine") against the dynamic-cache path."""
     from sleuth.llm.base import SamplingParams
@@ -491,13 +541,16 @@ def test_the_generator_reuses_each_rows_keys_across_turns_and_decodes_like_the_d
     gen = HFGenerator(path, device="cpu", cache="engine", sync_every=4)
     turn1 = [dynamic.encode(t) for t in ("the capital of", "a search for the", "x")]
     first = gen.generate(turn1, ["</search>"], params)
-    assert [g.token_ids for g in first] == [g.token_ids for g in dynamic.generate(turn1, ["</search>"], params)]
+    assert [g.token_ids for g in first] == [
+        g.token_ids for g in dynamic.generate(turn1, ["</search>"], params)
+    ]
     obs = dynamic.encode(" <information> the river </information>")
     turn2 = [p + g.token_ids + obs for p, g in zip(turn1, first, strict=True)]
     before = gen.engine.reused_tokens
     second = gen.generate(turn2, ["</search>"], params)
-    assert gen.engine.reused_tokens - before == sum(len(p) + len(g.token_ids) - 1 for p, g in zip(turn1, first,
-                                                                                                   strict=True))
+    assert gen.engine.reused_tokens - before == sum(
+        len(p) + len(g.token_ids) - 1 for p, g in zip(turn1, first, strict=True)
+    )
     for a, b in zip(dynamic.generate(turn2, ["</search>"], params), second, strict=True):
         assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason
         assert max((abs(x - y) for x, y in zip(a.logprobs, b.logprobs, strict=True)), default=0) < 1e-4
@@ -542,8 +595,9 @@ def _decode_engine_before_overlap(self, rows, params, seed) -> None:
     """HFGenerator._decode_engine as it was before the first chunk overlapped the first tokens' readback: the
     reference for the schedule of chunks and batch changes (the seeded noise of a row follows its batch slot)."""
     engine, max_new = self.engine, params.max_new_tokens
-    state, tokens, logprobs = engine.start([r.prompt_ids for r in rows], max_new, temperature=params.temperature,
-                                           top_p=params.top_p, seed=seed)
+    state, tokens, logprobs = engine.start(
+        [r.prompt_ids for r in rows], max_new, temperature=params.temperature, top_p=params.top_p, seed=seed
+    )
     self._accept_tokens(rows, [[t] for t in tokens.tolist()], [[lp] for lp in logprobs.tolist()], max_new)
     pending, remaining = None, max_new - 1
     while remaining > 0 and any(r.finish_reason is None for r in rows):
@@ -563,8 +617,9 @@ def _decode_engine_before_overlap(self, rows, params, seed) -> None:
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_launching_the_first_chunk_before_reading_the_first_tokens_changes_no_token(tmp_path: Path, monkeypatch,
-                                                                                   temperature: float) -> None:
+def test_launching_the_first_chunk_before_reading_the_first_tokens_changes_no_token(
+    tmp_path: Path, monkeypatch, temperature: float
+) -> None:
     """The engine loop queues the first decode chunk before it reads the first tokens back: greedy and seeded
     sampling return the same tokens, log-probs, stops and finish reasons as the loop before it, with rows
     stopping at different chunks and the batch shrinking (a smaller bucket: other noise slots) on the way."""
@@ -615,7 +670,10 @@ def test_held_rows_survive_later_starts_and_a_fork_of_one_decodes_like_transform
         a2 = a + got[0] + [40, 41, 42]
         got2, _ = _greedy_rows(engine, [a2], 5)  # B is not decoded this turn
         engine.remember([a2 + got2[0]])
-        assert sorted(len(seq) for seq, _ in engine.prefixes.rows()) == [len(b) + 6, len(a2) + 5]  # A's turn 1 row went
+        assert sorted(len(seq) for seq, _ in engine.prefixes.rows()) == [
+            len(b) + 6,
+            len(a2) + 5,
+        ]  # A's turn 1 row went
         fork_b = b[:7] + [50, 51]  # shares B's first 7 tokens
         fork_a = a2 + got2[0][:2] + [60]  # shares A's turn 2 row up to its second generated token
         other = list(range(70, 110))  # a long new row last: held rows placed over it would be overwritten

@@ -31,13 +31,19 @@ def test_streaming_writer_over_processes_equals_in_memory_corpus(world, tmp_path
     size = world.num_passages + 2 * BLOCK + 123  # two full blocks and a partial one
     write_world(world, tmp_path / "streamed", corpus_size=size, workers=2)
     reference = tmp_path / "reference.jsonl"
-    write_corpus(reference, chain(world.iter_passages(), iter_distractors(distractor_pools(world), size - 400, 400)))
+    write_corpus(
+        reference, chain(world.iter_passages(), iter_distractors(distractor_pools(world), size - 400, 400))
+    )
     streamed = (tmp_path / "streamed" / "corpus.jsonl").read_bytes()
     assert streamed == reference.read_bytes()
     assert streamed.count(b"\n") == size
     summary = json.loads((tmp_path / "streamed" / "world.json").read_text())
-    assert summary["corpus"] == {"num_passages": size, "world_passages": 400,
-                                 "distractor_passages": size - 400, "distractor_block": BLOCK}
+    assert summary["corpus"] == {
+        "num_passages": size,
+        "world_passages": 400,
+        "distractor_passages": size - 400,
+        "distractor_block": BLOCK,
+    }
     # The world's own files are those of a world written without distractors.
     write_world(world, tmp_path / "plain")
     for name in ("train.jsonl", "dev.jsonl", "test.jsonl"):
@@ -90,7 +96,9 @@ def test_world_answers_stay_findable_with_bm25(world, tmp_path) -> None:
     retriever = load_retriever(tmp_path / "idx")
     singles = [q for q in world.questions if q.metadata["hops"] == 1][:20]
     hits = retriever.search([q.question for q in singles], 5)
-    found = sum(q.metadata["supporting_ids"][0] in {h.doc_id for h in hs} for q, hs in zip(singles, hits, strict=True))
+    found = sum(
+        q.metadata["supporting_ids"][0] in {h.doc_id for h in hs} for q, hs in zip(singles, hits, strict=True)
+    )
     assert found >= 0.7 * len(singles)
     # The distractors are competition: they take some of the top-5 places.
     distractor_hits = sum(int(h.doc_id) >= world.num_passages for hs in hits for h in hs)
@@ -100,8 +108,24 @@ def test_world_answers_stay_findable_with_bm25(world, tmp_path) -> None:
 def test_cli_corpus_size_and_errors(tmp_path) -> None:
     runner = CliRunner()
     out = tmp_path / "w"
-    result = runner.invoke(app, ["synth", "--out", str(out), "--passages", "100", "--questions", "10",
-                                 "--hops", "1", "--corpus-size", "700", "--workers", "2"])
+    result = runner.invoke(
+        app,
+        [
+            "synth",
+            "--out",
+            str(out),
+            "--passages",
+            "100",
+            "--questions",
+            "10",
+            "--hops",
+            "1",
+            "--corpus-size",
+            "700",
+            "--workers",
+            "2",
+        ],
+    )
     assert result.exit_code == 0, result.output
     assert sum(1 for _ in iter_corpus(out / "corpus.jsonl")) == 700
     bad = runner.invoke(app, ["synth", "--out", str(out), "--passages", "100", "--corpus-size", "50"])

@@ -68,20 +68,30 @@ def model_script(call: ScriptCall) -> str:
     if "search copilot" in p:  # s3 searcher: keep doc 2 of the initial window, done
         return "<important_info>[2]</important_info>\n<search_complete>True</search_complete>"
     if "Search for information to answer the given question" in p:  # QAgent
-        return ["<plan> look it up </plan>\n<search>\n<query>" + q + "</query>\n</search>",
-                "<reflection> found </reflection>\n<answer> agent says " + a + " </answer>"][min(t, 1)]
+        return [
+            "<plan> look it up </plan>\n<search>\n<query>" + q + "</query>\n</search>",
+            "<reflection> found </reflection>\n<answer> agent says " + a + " </answer>",
+        ][min(t, 1)]
     if "structured reasoning protocol" in p:  # staged
-        return ["<think> unsure </think>\n<search> " + q + " </search>",
-                "<reflect> ok </reflect>\n<answer> " + a + " </answer>"][min(t, 1)]
+        return [
+            "<think> unsure </think>\n<search> " + q + " </search>",
+            "<reflect> ok </reflect>\n<answer> " + a + " </answer>",
+        ][min(t, 1)]
     if "You must conduct reasoning inside <think>" in p:  # Search-R1
-        return ["<think> need facts </think>\n<search> " + q + " </search>",
-                "<think> got it </think>\n<answer> " + a + " </answer>"][min(t, 1)]
+        return [
+            "<think> need facts </think>\n<search> " + q + " </search>",
+            "<think> got it </think>\n<answer> " + a + " </answer>",
+        ][min(t, 1)]
     if "solve the given question step by step" in p:  # R-Search
-        return ["Let me search. <search> " + q + " </search>",
-                "<original_evidence> " + a + " is it </original_evidence>\n<answer> " + a + " </answer>"][min(t, 1)]
+        return [
+            "Let me search. <search> " + q + " </search>",
+            "<original_evidence> " + a + " is it </original_evidence>\n<answer> " + a + " </answer>",
+        ][min(t, 1)]
     if "<|begin_search_query|> your query here" in p:  # Search-o1
-        return ["I should look this up. <|begin_search_query|>" + q + "<|end_search_query|>",
-                "The documents settle it. So the answer is \\boxed{" + a + "}."][min(t, 1)]
+        return [
+            "I should look this up. <|begin_search_query|>" + q + "<|end_search_query|>",
+            "The documents settle it. So the answer is \\boxed{" + a + "}.",
+        ][min(t, 1)]
     if "Write only the next single sentence" in p:  # IRCoT step
         if "Reasoning so far: (none yet)" in p:
             return "First I recall the relevant facts. This is ignored.\nand this line too"
@@ -109,7 +119,9 @@ def read_jsonl(path):
 def test_every_method_runs_and_writes_the_output_layout(tok, tmp_path):
     gen = scripted(tok)
     retriever = ToyRetriever()
-    summary = evaluate(list(METHODS), EXAMPLES, retriever, gen, out_dir=tmp_path, config=EvalConfig(batch_size=2, top_k=2))
+    summary = evaluate(
+        list(METHODS), EXAMPLES, retriever, gen, out_dir=tmp_path, config=EvalConfig(batch_size=2, top_k=2)
+    )
     assert list(summary["methods"]) == list(METHODS)
     on_disk = json.loads((tmp_path / "summary.json").read_text())
     assert on_disk == json.loads(json.dumps(summary))
@@ -118,8 +130,20 @@ def test_every_method_runs_and_writes_the_output_layout(tok, tmp_path):
         records = read_jsonl(tmp_path / method / "predictions.jsonl")
         assert [r["id"] for r in records] == ["q1", "q2", "q3"]
         for r in records:
-            assert set(r) >= {"id", "question", "golden_answers", "dataset", "method", "prediction", "metrics",
-                              "retrieval_count", "input_tokens", "output_tokens", "latency_s", "trajectory"}
+            assert set(r) >= {
+                "id",
+                "question",
+                "golden_answers",
+                "dataset",
+                "method",
+                "prediction",
+                "metrics",
+                "retrieval_count",
+                "input_tokens",
+                "output_tokens",
+                "latency_s",
+                "trajectory",
+            }
             assert set(r["metrics"]) == {"em", "cover_em", "f1", "span_check", "genacc", "judge"}
             assert r["metrics"]["judge"] is None and r["method"] == method
             assert r["input_tokens"] > 0 and r["output_tokens"] > 0 and r["latency_s"] >= 0
@@ -157,8 +181,11 @@ def test_summary_metrics_equal_hand_computed_values(tok, tmp_path):
     from sleuth.eval.baselines import DIRECT_PROMPT
 
     for r, ex in zip(records, EXAMPLES, strict=True):
-        text = tok.apply_chat_template([{"role": "user", "content": DIRECT_PROMPT.format(question=ex.question)}],
-                                       tokenize=False, add_generation_prompt=True)
+        text = tok.apply_chat_template(
+            [{"role": "user", "content": DIRECT_PROMPT.format(question=ex.question)}],
+            tokenize=False,
+            add_generation_prompt=True,
+        )
         assert r["input_tokens"] == len(tok.encode(text, add_special_tokens=False))
         emitted = tok.encode(f"<answer> {ANSWERS[ex.question]} </answer>", add_special_tokens=False)
         assert r["output_tokens"] == len(emitted)  # stopped at </answer>, no EOS
@@ -175,8 +202,9 @@ def test_judge_gives_judge_accuracy_and_genacc_is_span_or_judge(tok, tmp_path):
         response = call.prompt_text.split("following response: ", 1)[1].split("\n\nGolden answers:", 1)[0]
         return "yes" if "Quellstad" in response else "no"  # a lenient judge: q1 yes, q2 no, q3 yes (wrong)
 
-    summary = evaluate("direct", EXAMPLES, None, scripted(tok), judge=scripted(tok, judge_script),
-                       out_dir=tmp_path)
+    summary = evaluate(
+        "direct", EXAMPLES, None, scripted(tok), judge=scripted(tok, judge_script), out_dir=tmp_path
+    )
     assert len(asked) == 3  # every prediction is judged
     overall = summary["methods"]["direct"]["overall"]
     assert overall["judge"] == pytest.approx(2 / 3)
@@ -208,14 +236,23 @@ def test_submodule_hands_exactly_served_context_to_the_frozen_generator(tok, tmp
         return "Reader " + ANSWERS[question_in(call.prompt_text)]
 
     frozen = scripted(tok, reader_script)
-    evaluate(method, EXAMPLES, ToyRetriever(), policy, generator=frozen, out_dir=tmp_path, config=EvalConfig(top_k=3))
+    evaluate(
+        method,
+        EXAMPLES,
+        ToyRetriever(),
+        policy,
+        generator=frozen,
+        out_dir=tmp_path,
+        config=EvalConfig(top_k=3),
+    )
     records = read_jsonl(tmp_path / method / "predictions.jsonl")
     assert len(reader_prompts) == 3
     for r, ex in zip(records, EXAMPLES, strict=True):
         served = r["trajectory"]["served_context"]
         assert served, "the searcher gathered documents"
-        expected = tok.apply_chat_template(document_prompt(ex.question, served, template), tokenize=False,
-                                           add_generation_prompt=True)
+        expected = tok.apply_chat_template(
+            document_prompt(ex.question, served, template), tokenize=False, add_generation_prompt=True
+        )
         assert expected in reader_prompts  # the generator saw exactly these documents, nothing else
         assert r["prediction"] == "Reader " + ANSWERS[ex.question]
         assert r["answer_source"] == "generator"
@@ -237,8 +274,15 @@ def test_r_search_evidence_goes_to_the_frozen_generator_when_asked(tok, tmp_path
         seen.append(call.prompt_text)
         return "Tarsk"
 
-    evaluate("r-search", EXAMPLES[:1], ToyRetriever(), scripted(tok), generator=scripted(tok, reader_script),
-             out_dir=tmp_path, config=EvalConfig(r_search_evidence=True))
+    evaluate(
+        "r-search",
+        EXAMPLES[:1],
+        ToyRetriever(),
+        scripted(tok),
+        generator=scripted(tok, reader_script),
+        out_dir=tmp_path,
+        config=EvalConfig(r_search_evidence=True),
+    )
     (rec,) = read_jsonl(tmp_path / "r-search" / "predictions.jsonl")
     assert rec["prediction"] == "Tarsk" and rec["answer_source"] == "generator"
     assert len(seen) == 1 and "Quellstad is it" in seen[0]  # the evidence block, not the raw documents
@@ -297,11 +341,27 @@ def test_corrupt_middle_line_is_an_error_naming_the_line(tmp_path):
 
 
 def test_resume_with_a_different_configuration_is_refused_unless_fresh(tok, tmp_path):
-    evaluate("naive-rag", EXAMPLES[:1], ToyRetriever(), scripted(tok), out_dir=tmp_path, config=EvalConfig(top_k=2))
+    evaluate(
+        "naive-rag", EXAMPLES[:1], ToyRetriever(), scripted(tok), out_dir=tmp_path, config=EvalConfig(top_k=2)
+    )
     with pytest.raises(ConfigError, match="top_k: 2 -> 3"):
-        evaluate("naive-rag", EXAMPLES[:1], ToyRetriever(), scripted(tok), out_dir=tmp_path, config=EvalConfig(top_k=3))
+        evaluate(
+            "naive-rag",
+            EXAMPLES[:1],
+            ToyRetriever(),
+            scripted(tok),
+            out_dir=tmp_path,
+            config=EvalConfig(top_k=3),
+        )
     gen = scripted(tok)
-    evaluate("naive-rag", EXAMPLES[:1], ToyRetriever(), gen, out_dir=tmp_path, config=EvalConfig(top_k=3, fresh=True))
+    evaluate(
+        "naive-rag",
+        EXAMPLES[:1],
+        ToyRetriever(),
+        gen,
+        out_dir=tmp_path,
+        config=EvalConfig(top_k=3, fresh=True),
+    )
     assert len(gen.calls) == 1
 
 
@@ -390,7 +450,14 @@ def test_ircot_turns_each_reasoning_sentence_into_the_next_query_then_reads(tok,
         return "Tarsk\nreader"  # IRCoT's direct reader
 
     retriever = ToyRetriever()
-    evaluate("ircot", [EXAMPLES[1]], retriever, scripted(tok, script), out_dir=tmp_path, config=EvalConfig(max_turns=2, top_k=2))
+    evaluate(
+        "ircot",
+        [EXAMPLES[1]],
+        retriever,
+        scripted(tok, script),
+        out_dir=tmp_path,
+        config=EvalConfig(max_turns=2, top_k=2),
+    )
     assert retriever.calls == [
         ([Q2], 2),
         (["The film Blue Harbor was directed by Mara Ilves."], 2),
@@ -428,14 +495,36 @@ def test_cli_runs_every_method_with_the_tiny_hf_model(tiny_dir, tmp_path, monkey
     import sleuth.eval.harness as harness
     from sleuth.cli import app
 
-    monkeypatch.setattr(harness, "resolve_retriever", lambda spec, cache=None: ToyRetriever())  # no index build here
+    monkeypatch.setattr(
+        harness, "resolve_retriever", lambda spec, cache=None: ToyRetriever()
+    )  # no index build here
     data = tmp_path / "mini.jsonl"
     data.write_text("".join(json.dumps(e.to_dict()) + "\n" for e in EXAMPLES))
     out = tmp_path / "out"
     # --limit is per data source: the first question of alpha (q1) and of beta (q3)
-    args = ["eval", "-m", ",".join(METHODS), "--data", str(data), "--retriever", "toy", "--model", str(tiny_dir),
-            "--out", str(out), "--limit", "1", "--max-new-tokens", "6", "--answer-max-new-tokens", "4",
-            "--max-turns", "1", "--batch-size", "2"]
+    args = [
+        "eval",
+        "-m",
+        ",".join(METHODS),
+        "--data",
+        str(data),
+        "--retriever",
+        "toy",
+        "--model",
+        str(tiny_dir),
+        "--out",
+        str(out),
+        "--limit",
+        "1",
+        "--max-new-tokens",
+        "6",
+        "--answer-max-new-tokens",
+        "4",
+        "--max-turns",
+        "1",
+        "--batch-size",
+        "2",
+    ]
     res = CliRunner().invoke(app, args, env={"COLUMNS": "200"})
     assert res.exit_code == 0, res.output
     summary = json.loads((out / "summary.json").read_text())
@@ -461,7 +550,14 @@ def test_search_o1_without_boxed_answer_falls_back_to_the_last_line(tok, tmp_pat
 
 
 def test_agent_token_counts_reread_the_context_each_turn(tok, tmp_path):
-    evaluate("search-r1", EXAMPLES[:1], ToyRetriever(), scripted(tok), out_dir=tmp_path, config=EvalConfig(keep_token_ids=True))
+    evaluate(
+        "search-r1",
+        EXAMPLES[:1],
+        ToyRetriever(),
+        scripted(tok),
+        out_dir=tmp_path,
+        config=EvalConfig(keep_token_ids=True),
+    )
     (rec,) = read_jsonl(tmp_path / "search-r1" / "predictions.jsonl")
     traj = rec["trajectory"]
     prompt = len(traj["prompt_ids"])
@@ -469,8 +565,11 @@ def test_agent_token_counts_reread_the_context_each_turn(tok, tmp_path):
     assert roles == ["policy", "env", "policy"]
     second_start = traj["turns"][2]["start"]
     assert rec["input_tokens"] == prompt + (prompt + second_start)
-    assert rec["output_tokens"] == sum(traj["loss_mask"]) == traj["turns"][0]["end"] + (
-        traj["turns"][2]["end"] - second_start)
+    assert (
+        rec["output_tokens"]
+        == sum(traj["loss_mask"])
+        == traj["turns"][0]["end"] + (traj["turns"][2]["end"] - second_start)
+    )
 
 
 class _IndexedToy(ToyRetriever):
@@ -486,11 +585,15 @@ def test_resume_over_another_index_or_from_another_checkpoint_is_refused(tok, tm
     first.source = "checkpoint A"
     evaluate("naive-rag", EXAMPLES[:1], _IndexedToy(tmp_path / "index_a"), first, out_dir=tmp_path / "out")
     with pytest.raises(ConfigError, match="index_a.*index_b"):
-        evaluate("naive-rag", EXAMPLES[:1], _IndexedToy(tmp_path / "index_b"), first, out_dir=tmp_path / "out")
+        evaluate(
+            "naive-rag", EXAMPLES[:1], _IndexedToy(tmp_path / "index_b"), first, out_dir=tmp_path / "out"
+        )
     second = scripted(tok)  # same class, other weights
     second.source = "checkpoint B"
     with pytest.raises(ConfigError, match="checkpoint A.*checkpoint B"):
-        evaluate("naive-rag", EXAMPLES[:1], _IndexedToy(tmp_path / "index_a"), second, out_dir=tmp_path / "out")
+        evaluate(
+            "naive-rag", EXAMPLES[:1], _IndexedToy(tmp_path / "index_a"), second, out_dir=tmp_path / "out"
+        )
     # the same index and checkpoint resume: nothing is generated again
     again = scripted(tok)
     again.source = "checkpoint A"
@@ -503,7 +606,9 @@ def test_bm25_indexes_in_other_folders_are_described_apart(tmp_path):
     from sleuth.retrieval import build_index, load_retriever
 
     corpus = tmp_path / "corpus.jsonl"
-    corpus.write_text("".join(json.dumps({"id": f"d{i}", "contents": f"T{i}\nword{i} text"}) + "\n" for i in range(4)))
+    corpus.write_text(
+        "".join(json.dumps({"id": f"d{i}", "contents": f"T{i}\nword{i} text"}) + "\n" for i in range(4))
+    )
     for name in ("a", "b"):
         build_index(corpus, "bm25", tmp_path / name)
     a, b = (describe(load_retriever(tmp_path / n, corpus=corpus)) for n in ("a", "b"))
@@ -541,14 +646,34 @@ def test_limit_applies_per_data_source_of_a_merged_search_r1_file(tiny_dir, tmp_
     pq.write_table(pa.Table.from_pylist(rows), data)
     loaded = harness.load_eval_data([data], limit=2)
     assert [(ex.metadata["dataset"], ex.question) for ex in loaded] == [
-        ("nq", "nq question 0?"), ("nq", "nq question 1?"), ("triviaqa", "tqa question 0?"),
-        ("triviaqa", "tqa question 1?")]
+        ("nq", "nq question 0?"),
+        ("nq", "nq question 1?"),
+        ("triviaqa", "tqa question 0?"),
+        ("triviaqa", "tqa question 1?"),
+    ]
     assert harness.count_by_dataset(harness.load_eval_data([data])) == {"nq": 4, "triviaqa": 3}
 
     monkeypatch.setattr(harness, "resolve_retriever", lambda spec, cache=None: ToyRetriever())
     out = tmp_path / "out"
-    args = ["eval", "-m", "direct", "--data", str(data), "--retriever", "toy", "--model", str(tiny_dir),
-            "--out", str(out), "--limit", "2", "--answer-max-new-tokens", "2", "--batch-size", "4"]
+    args = [
+        "eval",
+        "-m",
+        "direct",
+        "--data",
+        str(data),
+        "--retriever",
+        "toy",
+        "--model",
+        str(tiny_dir),
+        "--out",
+        str(out),
+        "--limit",
+        "2",
+        "--answer-max-new-tokens",
+        "2",
+        "--batch-size",
+        "4",
+    ]
     res = CliRunner().invoke(app, args, env={"COLUMNS": "200"})
     assert res.exit_code == 0, res.output
     assert "--limit 2 per data source: nq 2, triviaqa 2" in res.output
@@ -564,9 +689,16 @@ def test_a_checkpoint_is_evaluated_with_the_loop_it_learned(tmp_path):
     from sleuth.eval.methods import EvalContext
     from sleuth.run_layout import SearcherInfo
 
-    SearcherInfo(loop="s3", loop_options={"use_selection": False, "top_k": 8}, max_obs_tokens=300).write(tmp_path)
+    SearcherInfo(loop="s3", loop_options={"use_selection": False, "top_k": 8}, max_obs_tokens=300).write(
+        tmp_path
+    )
     found = checkpoint_budgets(tmp_path)
-    assert found == {"max_obs_tokens": 300, "top_k": 8, "loop_method": "s3", "loop_options": {"use_selection": False}}
+    assert found == {
+        "max_obs_tokens": 300,
+        "top_k": 8,
+        "loop_method": "s3",
+        "loop_options": {"use_selection": False},
+    }
     ctx = EvalContext(model=None, generator=None, retriever=None, cfg=EvalConfig(**found))
     assert ctx.loop_options("s3") == {"use_selection": False, "top_k": 8}
     assert ctx.loop_options("search_r1") == {"top_k": 8}  # another method: its own defaults

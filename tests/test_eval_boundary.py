@@ -42,7 +42,9 @@ def test_over_and_under_retrieval_by_hand():
 
 
 def test_a_constant_share_has_a_point_interval_and_unlabelled_records_are_ignored():
-    rows = retrieval_boundary([_rec("all-known", 2, 1.0)] * 3 + [{"retrieval_count": 0, "metrics": {"em": 1}}])
+    rows = retrieval_boundary(
+        [_rec("all-known", 2, 1.0)] * 3 + [{"retrieval_count": 0, "metrics": {"em": 1}}]
+    )
     assert rows["all-known"]["n"] == 3
     assert rows["all-known"]["over_retrieval"] == 1.0 and rows["all-known"]["over_retrieval_ci"] == [1.0, 1.0]
     assert set(rows) == {"all-known"}
@@ -63,11 +65,19 @@ def test_evaluate_reports_the_boundary_for_direct_and_naive_rag(tmp_path):
     from sleuth.eval.harness import EvalConfig, evaluate
     from sleuth.retrieval import build_index
 
-    write_world(generate_world(60, 20, hops=(1, 2), seed=1, known_fraction=0.5), tmp_path, splits=(0.0, 0.0, 1.0))
+    write_world(
+        generate_world(60, 20, hops=(1, 2), seed=1, known_fraction=0.5), tmp_path, splits=(0.0, 0.0, 1.0)
+    )
     build_index(tmp_path / "corpus.jsonl", "bm25", tmp_path / "bm25")
     questions = boundary_questions(tmp_path, "test", 12)
-    summary = evaluate(["direct", "naive-rag"], questions, retriever=tmp_path / "bm25", model="tiny",
-                       out_dir=tmp_path / "eval", config=EvalConfig(answer_max_new_tokens=4, max_new_tokens=4))
+    summary = evaluate(
+        ["direct", "naive-rag"],
+        questions,
+        retriever=tmp_path / "bm25",
+        model="tiny",
+        out_dir=tmp_path / "eval",
+        config=EvalConfig(answer_max_new_tokens=4, max_new_tokens=4),
+    )
     direct, rag = summary["retrieval_boundary"]["direct"], summary["retrieval_boundary"]["naive-rag"]
     kinds = {q.metadata["knowledge"] for q in questions}
     assert "all-known" in kinds and kinds - {"all-known"}
@@ -76,4 +86,5 @@ def test_evaluate_reports_the_boundary_for_direct_and_naive_rag(tmp_path):
     assert "over-retrieval % [95% CI]" in (tmp_path / "eval" / "summary.md").read_text()
     stored = json.loads((tmp_path / "eval" / "summary.json").read_text())
     assert stored["retrieval_boundary"]["direct"]["all-known"]["n"] == sum(
-        q.metadata["knowledge"] == "all-known" for q in questions)
+        q.metadata["knowledge"] == "all-known" for q in questions
+    )

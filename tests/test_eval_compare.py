@@ -67,8 +67,14 @@ def fair_run(tok, tmp_path_factory):
     model_prompts: list[str] = []
     reader_prompts: list[str] = []
     summary = evaluate(
-        ["direct", "direct-generator", "naive-rag", "ircot", "oracle"], EXAMPLES, ToyRetriever(),
-        trained_model(tok, model_prompts), generator=frozen_reader(tok, reader_prompts), out_dir=out, config=EvalConfig(top_k=2, max_turns=1))
+        ["direct", "direct-generator", "naive-rag", "ircot", "oracle"],
+        EXAMPLES,
+        ToyRetriever(),
+        trained_model(tok, model_prompts),
+        generator=frozen_reader(tok, reader_prompts),
+        out_dir=out,
+        config=EvalConfig(top_k=2, max_turns=1),
+    )
     return out, summary, model_prompts, reader_prompts
 
 
@@ -85,7 +91,10 @@ def test_document_readers_answer_with_the_generator_not_the_trained_model(fair_r
     assert predictions(out, "naive-rag") == ["Tarsk"] * 3
     assert predictions(out, "oracle") == ["Tarsk"] * 3
     assert predictions(out, "ircot") == ["Tarsk"] * 3  # IRCoT's reasoning by the model, its reader frozen
-    assert all(r["trajectory"]["extra"]["answer_from"] == "reader" for r in read_jsonl(out / "ircot" / "predictions.jsonl"))
+    assert all(
+        r["trajectory"]["extra"]["answer_from"] == "reader"
+        for r in read_jsonl(out / "ircot" / "predictions.jsonl")
+    )
     assert not any(READER_MARK in p for p in model_prompts)
     assert any("Write only the next single sentence" in p for p in model_prompts)
     assert not any("Write only the next single sentence" in p for p in reader_prompts)
@@ -101,21 +110,39 @@ def test_method_configs_record_who_answers(fair_run):
     cfgs = summary["method_configs"]
     assert cfgs["direct"]["model"] == "ScriptedGenerator(trained)" and cfgs["direct"]["generator"] is None
     for method in ("direct-generator", "naive-rag", "oracle"):
-        assert cfgs[method]["generator"] == "ScriptedGenerator(frozen)" and cfgs[method]["model"] is None, method
+        assert cfgs[method]["generator"] == "ScriptedGenerator(frozen)" and cfgs[method]["model"] is None, (
+            method
+        )
     assert cfgs["ircot"]["model"] == "ScriptedGenerator(trained)"
     assert cfgs["ircot"]["generator"] == "ScriptedGenerator(frozen)"
     assert cfgs["oracle"]["answer_template"] == "s3" and cfgs["direct-generator"]["retriever"] is None
 
 
 def test_resume_with_another_generator_is_refused_for_reader_methods(tok, tmp_path):
-    evaluate("naive-rag", EXAMPLES[:1], ToyRetriever(), trained_model(tok, []), generator=frozen_reader(tok, []),
-             out_dir=tmp_path)
+    evaluate(
+        "naive-rag",
+        EXAMPLES[:1],
+        ToyRetriever(),
+        trained_model(tok, []),
+        generator=frozen_reader(tok, []),
+        out_dir=tmp_path,
+    )
     other = named(frozen_reader(tok, []), "other-reader")
-    with pytest.raises(ConfigError, match="generator: 'ScriptedGenerator.frozen.' -> 'ScriptedGenerator.other"):
-        evaluate("naive-rag", EXAMPLES, ToyRetriever(), trained_model(tok, []), generator=other, out_dir=tmp_path)
+    with pytest.raises(
+        ConfigError, match="generator: 'ScriptedGenerator.frozen.' -> 'ScriptedGenerator.other"
+    ):
+        evaluate(
+            "naive-rag", EXAMPLES, ToyRetriever(), trained_model(tok, []), generator=other, out_dir=tmp_path
+        )
     # the trained model plays no part in naive-rag: another --model resumes
-    evaluate("naive-rag", EXAMPLES, ToyRetriever(), named(trained_model(tok, []), "another-policy"),
-             generator=frozen_reader(tok, []), out_dir=tmp_path)
+    evaluate(
+        "naive-rag",
+        EXAMPLES,
+        ToyRetriever(),
+        named(trained_model(tok, []), "another-policy"),
+        generator=frozen_reader(tok, []),
+        out_dir=tmp_path,
+    )
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -142,8 +169,12 @@ def test_every_accuracy_has_its_bootstrap_interval(fair_run):
 def test_paired_difference_with_naive_rag_on_the_same_questions(fair_run):
     out, summary, _, _ = fair_run
     paired = summary["paired"]
-    assert paired["baseline"] == "naive-rag" and set(paired["methods"]) == {"direct", "direct-generator", "ircot",
-                                                                           "oracle"}
+    assert paired["baseline"] == "naive-rag" and set(paired["methods"]) == {
+        "direct",
+        "direct-generator",
+        "ircot",
+        "oracle",
+    }
     # naive-rag answers "Tarsk" to all: EM and cover-EM [0, 1, 0]; direct: EM [1, 0, 0], cover-EM [1, 1, 0]
     em = paired["methods"]["direct"]["em"]
     assert em["n"] == 3 and em["diff"] == pytest.approx(0.0)
@@ -171,8 +202,14 @@ def test_console_rows_show_the_headline_interval_only_and_markdown_every_one(fai
 
 
 def test_paired_comparison_uses_naive_rag_predictions_of_an_earlier_call(tok, tmp_path):
-    evaluate("naive-rag", EXAMPLES, ToyRetriever(), trained_model(tok, []), generator=frozen_reader(tok, []),
-             out_dir=tmp_path)
+    evaluate(
+        "naive-rag",
+        EXAMPLES,
+        ToyRetriever(),
+        trained_model(tok, []),
+        generator=frozen_reader(tok, []),
+        out_dir=tmp_path,
+    )
     summary = evaluate("direct", EXAMPLES[:2], None, trained_model(tok, []), out_dir=tmp_path)
     em = summary["paired"]["methods"]["direct"]["em"]
     assert em["n"] == 2 and em["diff"] == pytest.approx(0.0)  # this call's questions only: [1-0, 0-1]
@@ -192,8 +229,9 @@ def test_oracle_hands_exactly_the_gold_passages_to_the_reader(fair_run, tok):
         served = r["trajectory"]["served_context"]
         assert [h["doc_id"] for h in served] == ex.metadata["supporting_ids"]
         gold = [by_id[d] for d in ex.metadata["supporting_ids"]]
-        expected = tok.apply_chat_template(document_prompt(ex.question, gold, "s3"), tokenize=False,
-                                           add_generation_prompt=True)
+        expected = tok.apply_chat_template(
+            document_prompt(ex.question, gold, "s3"), tokenize=False, add_generation_prompt=True
+        )
         assert expected in reader_prompts
         assert r["retrieval_count"] == 0 and r["answer_source"] == "generator"
 
@@ -209,14 +247,22 @@ def test_oracle_on_a_synthetic_world_reads_its_supporting_passages_from_the_inde
         prompts.append(call.prompt_text)
         return "something"
 
-    evaluate("oracle", examples, load_retriever(small_world / "bm25"), ScriptedGenerator(tok, reader),
-             out_dir=tmp_path)
+    evaluate(
+        "oracle",
+        examples,
+        load_retriever(small_world / "bm25"),
+        ScriptedGenerator(tok, reader),
+        out_dir=tmp_path,
+    )
     assert len(prompts) == 4
     for ex in examples:
-        gold = [{"doc_id": d, "title": corpus[d].title, "text": corpus[d].text, "score": 0.0}
-                for d in ex.metadata["supporting_ids"]]
-        expected = tok.apply_chat_template(document_prompt(ex.question, gold, "s3"), tokenize=False,
-                                           add_generation_prompt=True)
+        gold = [
+            {"doc_id": d, "title": corpus[d].title, "text": corpus[d].text, "score": 0.0}
+            for d in ex.metadata["supporting_ids"]
+        ]
+        expected = tok.apply_chat_template(
+            document_prompt(ex.question, gold, "s3"), tokenize=False, add_generation_prompt=True
+        )
         assert expected in prompts
 
 
@@ -252,16 +298,28 @@ def test_passages_by_id_reaches_the_docstore_behind_a_hybrid_retriever(small_wor
 
 def test_oracle_without_supporting_ids_names_the_data_file(tok, tmp_path):
     data = tmp_path / "plain.jsonl"
-    data.write_text("".join(json.dumps({"id": e.id, "question": e.question, "golden_answers": e.golden_answers})
-                            + "\n" for e in EXAMPLES))
+    data.write_text(
+        "".join(
+            json.dumps({"id": e.id, "question": e.question, "golden_answers": e.golden_answers}) + "\n"
+            for e in EXAMPLES
+        )
+    )
     examples = load_eval_data([data])
-    with pytest.raises(ConfigError, match=f"supporting_ids.*question 'q1' of data file {re.escape(str(data))} has none"):
-        evaluate(["naive-rag", "oracle"], examples, ToyRetriever(), trained_model(tok, []), out_dir=tmp_path / "o")
+    with pytest.raises(
+        ConfigError, match=f"supporting_ids.*question 'q1' of data file {re.escape(str(data))} has none"
+    ):
+        evaluate(
+            ["naive-rag", "oracle"], examples, ToyRetriever(), trained_model(tok, []), out_dir=tmp_path / "o"
+        )
     assert not (tmp_path / "o" / "naive-rag").exists()  # refused before anything ran
 
 
 def test_oracle_errors_for_unknown_ids_and_retrievers_without_lookup(tok, tmp_path):
-    lost = [QAExample("q1", EXAMPLES[0].question, ["Quellstad"], {"dataset": "a", "supporting_ids": ["p1", "p99"]})]
+    lost = [
+        QAExample(
+            "q1", EXAMPLES[0].question, ["Quellstad"], {"dataset": "a", "supporting_ids": ["p1", "p99"]}
+        )
+    ]
     with pytest.raises(ConfigError, match="p99 are not in the index"):
         evaluate("oracle", lost, ToyRetriever(), trained_model(tok, []), out_dir=tmp_path / "a")
 
@@ -270,7 +328,9 @@ def test_oracle_errors_for_unknown_ids_and_retrievers_without_lookup(tok, tmp_pa
             return [[] for _ in queries]
 
     with pytest.raises(ConfigError, match="SearchOnly cannot fetch passages by id"):
-        evaluate(["naive-rag", "oracle"], EXAMPLES, SearchOnly(), trained_model(tok, []), out_dir=tmp_path / "b")
+        evaluate(
+            ["naive-rag", "oracle"], EXAMPLES, SearchOnly(), trained_model(tok, []), out_dir=tmp_path / "b"
+        )
     assert not (tmp_path / "b" / "naive-rag").exists()  # refused before anything ran
 
 
@@ -286,8 +346,17 @@ def test_cli_compare_prints_the_paired_difference_of_two_runs(tok, tmp_path):
     evaluate("direct", EXAMPLES, None, trained_model(tok, []), out_dir=tmp_path / "rl")
     evaluate("direct", EXAMPLES, None, frozen_reader(tok, []), out_dir=tmp_path / "sft")
     result_file = tmp_path / "cmp.json"
-    res = CliRunner().invoke(app, ["compare", str(tmp_path / "rl" / "direct"), str(tmp_path / "sft" / "direct"),
-                                   "--json", str(result_file)], env={"COLUMNS": "200"})
+    res = CliRunner().invoke(
+        app,
+        [
+            "compare",
+            str(tmp_path / "rl" / "direct"),
+            str(tmp_path / "sft" / "direct"),
+            "--json",
+            str(result_file),
+        ],
+        env={"COLUMNS": "200"},
+    )
     assert res.exit_code == 0, res.output
     saved = json.loads(result_file.read_text())["metrics"]
     # the model: EM [1, 0, 0], cover-EM [1, 1, 0]; the reader: "Unknown", all 0
@@ -296,8 +365,16 @@ def test_cli_compare_prints_the_paired_difference_of_two_runs(tok, tmp_path):
     assert "rl/direct minus sft/direct" in res.output and "+66.7 [" in res.output
     bad = CliRunner().invoke(app, ["compare", str(tmp_path / "nowhere"), str(tmp_path / "sft" / "direct")])
     assert bad.exit_code == 2 and "no predictions file" in bad.output
-    typo = CliRunner().invoke(app, ["compare", str(tmp_path / "rl" / "direct"), str(tmp_path / "sft" / "direct"),
-                                    "--metric", "accuracy"])
+    typo = CliRunner().invoke(
+        app,
+        [
+            "compare",
+            str(tmp_path / "rl" / "direct"),
+            str(tmp_path / "sft" / "direct"),
+            "--metric",
+            "accuracy",
+        ],
+    )
     assert typo.exit_code == 2 and "unknown --metric accuracy" in typo.output
 
 
@@ -309,11 +386,26 @@ def test_cli_eval_prints_the_paired_table(tok, tmp_path, monkeypatch):
     from sleuth.cli import app
 
     monkeypatch.setattr(harness, "resolve_retriever", lambda spec, cache=None: ToyRetriever())
-    monkeypatch.setattr(loading, "resolve_generator", lambda spec: None if spec is None else trained_model(tok, []))
+    monkeypatch.setattr(
+        loading, "resolve_generator", lambda spec: None if spec is None else trained_model(tok, [])
+    )
     data = tmp_path / "mini.jsonl"
     data.write_text("".join(json.dumps(e.to_dict()) + "\n" for e in EXAMPLES))
-    res = CliRunner().invoke(app, ["eval", "-m", "direct,naive-rag,oracle", "--data", str(data), "--retriever",
-                                   "toy", "--out", str(tmp_path / "out")], env={"COLUMNS": "200"})
+    res = CliRunner().invoke(
+        app,
+        [
+            "eval",
+            "-m",
+            "direct,naive-rag,oracle",
+            "--data",
+            str(data),
+            "--retriever",
+            "toy",
+            "--out",
+            str(tmp_path / "out"),
+        ],
+        env={"COLUMNS": "200"},
+    )
     assert res.exit_code == 0, res.output
     assert "minus naive-rag on the same questions" in res.output and "GenAcc Δ" in res.output
     assert "GenAcc % [95% CI]" in res.output
@@ -337,5 +429,8 @@ def test_report_intervals_keep_their_decimals_when_the_means_are_whole():
 
     table = build_table([("a", {"em": 1.0, "em_ci": [0.85, 1.0], "n": 20}), ("b", {"em": 0.0, "n": 20})], "t")
     assert [c["name"] for c in table["columns"]] == ["em"]
-    assert table["rows"][0]["cells"][0]["text"] == "1.0000" and table["rows"][0]["cells"][0]["ci"] == "[0.8500, 1.0000]"
+    assert (
+        table["rows"][0]["cells"][0]["text"] == "1.0000"
+        and table["rows"][0]["cells"][0]["ci"] == "[0.8500, 1.0000]"
+    )
     assert table["rows"][1]["cells"][0]["ci"] == ""

@@ -17,9 +17,19 @@ SUMMARY = {
     "config": {"model": "tiny"},
     "methods": {
         method: {
-            dataset: {"n": 100, "em": 0.1234 + i / 10, "cover_em": 0.5, "f1": 0.25 + j / 100, "span_check": 0.4,
-                      "genacc": None, "judge": 0.75, "retrieval_count": 2.5, "input_tokens": 12345.0,
-                      "output_tokens": 321.0, "latency_s": 1.25}
+            dataset: {
+                "n": 100,
+                "em": 0.1234 + i / 10,
+                "cover_em": 0.5,
+                "f1": 0.25 + j / 100,
+                "span_check": 0.4,
+                "genacc": None,
+                "judge": 0.75,
+                "retrieval_count": 2.5,
+                "input_tokens": 12345.0,
+                "output_tokens": 321.0,
+                "latency_s": 1.25,
+            }
             for j, dataset in enumerate(["nq", "hotpotqa", "overall"])
         }
         for i, method in enumerate(["naive-rag", "search-r1", "r-search"])
@@ -48,7 +58,9 @@ def test_narrow_console_shows_every_value_without_ellipsis() -> None:
         header, rows = summary_rows(SUMMARY)
         assert len(rows) == len(_markdown_cells())  # every row of summary.md
         for method, dataset, n, *values in rows:
-            block = re.search(rf"^{re.escape(method)} / {re.escape(dataset)} \(n={n}\)\n((?:  .*\n)+)", text, re.M)
+            block = re.search(
+                rf"^{re.escape(method)} / {re.escape(dataset)} \(n={n}\)\n((?:  .*\n)+)", text, re.M
+            )
             assert block, (method, dataset)
             flat = " ".join(line.strip() for line in block.group(1).splitlines())
             at = 0
@@ -72,14 +84,34 @@ def test_cli_summary_piped_at_80_columns(tmp_path: Path) -> None:
     from sleuth.llm.registry import tiny_model_dir
 
     data = tmp_path / "mini.jsonl"
-    data.write_text("".join(json.dumps({"id": f"q{i}", "question": q, "golden_answers": ["x"]}) + "\n"
-                            for i, q in enumerate(["What is the capital of Varonia?", "Who directed Blue Harbor?"])))
+    data.write_text(
+        "".join(
+            json.dumps({"id": f"q{i}", "question": q, "golden_answers": ["x"]}) + "\n"
+            for i, q in enumerate(["What is the capital of Varonia?", "Who directed Blue Harbor?"])
+        )
+    )
     out = tmp_path / "out"
-    res = CliRunner().invoke(app, ["eval", "-m", "direct,cot", "--data", str(data), "--model", str(tiny_model_dir()),
-                                   "--out", str(out), "--max-new-tokens", "4", "--answer-max-new-tokens", "4"],
-                             env={"COLUMNS": "80"})
+    res = CliRunner().invoke(
+        app,
+        [
+            "eval",
+            "-m",
+            "direct,cot",
+            "--data",
+            str(data),
+            "--model",
+            str(tiny_model_dir()),
+            "--out",
+            str(out),
+            "--max-new-tokens",
+            "4",
+            "--answer-max-new-tokens",
+            "4",
+        ],
+        env={"COLUMNS": "80"},
+    )
     assert res.exit_code == 0, res.output
-    report = res.output[res.output.index("sleuth eval -> "):]  # after the progress bars
+    report = res.output[res.output.index("sleuth eval -> ") :]  # after the progress bars
     assert "…" not in report
     assert max(len(line) for line in report.splitlines()) <= 80
     summary = json.loads((out / "summary.json").read_text())

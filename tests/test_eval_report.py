@@ -276,7 +276,14 @@ def test_report_has_tables_plots_and_escaped_documents(demo_run: Path):
 
     # Plots: rewards, behaviour, optimisation, time, GPU memory, scatter; all embedded PNG, no external resources.
     plots = re.findall(r'data-plot="(\w+)"[^>]*src="data:image/png;base64,([A-Za-z0-9+/=]+)"', page)
-    assert {name for name, _ in plots} == {"rewards", "behaviour", "optimisation", "time", "memory", "scatter"}
+    assert {name for name, _ in plots} == {
+        "rewards",
+        "behaviour",
+        "optimisation",
+        "time",
+        "memory",
+        "scatter",
+    }
     import base64
 
     assert all(base64.b64decode(data)[:8] == b"\x89PNG\r\n\x1a\n" for _, data in plots)
@@ -401,8 +408,13 @@ def test_dynamic_sampling_runs_show_the_reward_of_every_rollout():
     from sleuth.eval.report import filtered_steps
     from sleuth.rl.step_metrics import format_line
 
-    base = {"retrieval_count": 1.0, "response_length/policy_tokens": 10.0, "time/rollout": 1.0,
-            "time/reward": 0.0, "time/update": 1.0}
+    base = {
+        "retrieval_count": 1.0,
+        "response_length/policy_tokens": 10.0,
+        "time/rollout": 1.0,
+        "time/reward": 0.0,
+        "time/update": 1.0,
+    }
     # DAPO kept the mixed groups (mean 0.5); over every rollout the policy scored 0.25
     filtered = {**base, "reward/mean": 0.5, "reward/mean_before_filter": 0.25}
     line = format_line(3, 10, filtered)
@@ -417,10 +429,20 @@ def test_dynamic_sampling_runs_show_the_reward_of_every_rollout():
 def _write_validation(run_dir: Path, step: int, rewards: dict[str, float], stage: int = 1) -> None:
     (run_dir / "validation").mkdir(exist_ok=True)
     rows = [{"id": qid, "reward": r, "components": {}} for qid, r in rewards.items()]
-    (run_dir / "validation" / f"step_{step:06d}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (run_dir / "validation" / f"step_{step:06d}.jsonl").write_text(
+        "".join(json.dumps(r) + "\n" for r in rows)
+    )
     with open(run_dir / "validation.jsonl", "a") as f:
-        f.write(json.dumps({"step": step, "val/reward/mean": sum(rewards.values()) / len(rewards),
-                            "val/stage": float(stage)}) + "\n")
+        f.write(
+            json.dumps(
+                {
+                    "step": step,
+                    "val/reward/mean": sum(rewards.values()) / len(rewards),
+                    "val/stage": float(stage),
+                }
+            )
+            + "\n"
+        )
 
 
 def test_validation_change_pairs_questions_by_id_and_the_page_reports_it(tmp_path: Path):
@@ -439,14 +461,21 @@ def test_validation_change_pairs_questions_by_id_and_the_page_reports_it(tmp_pat
     # every shared question gained exactly 0.5: the difference and both ends of its interval are 0.5
     assert change["n"] == 4 and change["first_step"] == 0 and change["last_step"] == 4
     assert change["diff"] == pytest.approx(0.5) and change["ci"] == pytest.approx([0.5, 0.5])
-    assert change["first"] == pytest.approx(0.375) and change["last"] == pytest.approx(0.875)  # shared questions
+    assert change["first"] == pytest.approx(0.375) and change["last"] == pytest.approx(
+        0.875
+    )  # shared questions
     from sleuth.eval.report import render_report
 
     page = render_report(data)
-    assert "Validation reward (the same 4 data.dev questions, greedy): 0.375 after 0 updates → 0.875 after 4" in page
+    assert (
+        "Validation reward (the same 4 data.dev questions, greedy): 0.375 after 0 updates → 0.875 after 4"
+        in page
+    )
     assert "paired difference +0.500 [+0.500, +0.500]" in page
     # steps 0/2/4 weigh the rewards -1/4, 0, +1/4; every shared question's slope is (last - first) / 4 = 0.125
-    assert change["slope"]["per_step"] == pytest.approx(0.125) and change["slope"]["ci"] == pytest.approx([0.125, 0.125])
+    assert change["slope"]["per_step"] == pytest.approx(0.125) and change["slope"]["ci"] == pytest.approx(
+        [0.125, 0.125]
+    )
     assert change["slope"]["n"] == 4 and change["slope"]["steps"] == [0, 2, 4]
     assert "Slope over the 3 validations of this stage: +0.1250 per step [+0.1250, +0.1250]" in page
 
@@ -495,7 +524,9 @@ def test_validation_change_compares_validations_of_one_reward_stage(tmp_path: Pa
     change = validation_change(discover(run).training[0].validations)
     assert change["first_step"] == 2 and change["diff"] == pytest.approx(0.5)
     _write_validation(run, 6, {"a": 1.0, "b": 1.0}, stage=3)
-    assert validation_change(discover(run).training[0].validations) is None  # one validation of the last stage: no change
+    assert (
+        validation_change(discover(run).training[0].validations) is None
+    )  # one validation of the last stage: no change
 
 
 def test_report_never_overwrites_a_claim_report(tmp_path: Path):
@@ -506,19 +537,25 @@ def test_report_never_overwrites_a_claim_report(tmp_path: Path):
     run = tmp_path / "claims"
     write_training_run(run / "arm_a")
     # the head of the page `sleuth reproduce` writes to OUT/report.html (sleuth.claims.report.write_report)
-    claim_page = ("<!doctype html><html><head><meta charset='utf-8'><title>sleuth reproduce staged: holds</title>"
-                  "</head><body><div class='banner' id='verdict'>The claim holds.</div></body></html>\n")
+    claim_page = (
+        "<!doctype html><html><head><meta charset='utf-8'><title>sleuth reproduce staged: holds</title>"
+        "</head><body><div class='banner' id='verdict'>The claim holds.</div></body></html>\n"
+    )
     (run / "report.html").write_text(claim_page)
     out = build_report(run)
     assert out == run / "sleuth_report.html" and (run / "report.html").read_text() == claim_page
     assert build_report(run) == out  # its own page it overwrites
-    with pytest.raises(ConfigError, match=r"report.html exists and was not written by `sleuth report`.*--out"):
+    with pytest.raises(
+        ConfigError, match=r"report.html exists and was not written by `sleuth report`.*--out"
+    ):
         build_report(run, out=run / "report.html")
     assert (run / "report.html").read_text() == claim_page
     result = CliRunner().invoke(app, ["report", str(run)], terminal_width=400)
     assert result.exit_code == 0, result.output
     assert "sleuth_report.html" in result.output and "kept" in result.output
-    result = CliRunner().invoke(app, ["report", str(run), "--out", str(run / "report.html")], terminal_width=400)
+    result = CliRunner().invoke(
+        app, ["report", str(run), "--out", str(run / "report.html")], terminal_width=400
+    )
     assert result.exit_code == 2 and "not written by `sleuth report`" in result.output
     assert (run / "report.html").read_text() == claim_page
     # a directory whose report.html is sleuth report's own keeps being written there

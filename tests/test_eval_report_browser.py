@@ -122,8 +122,10 @@ def rendered_plots(report: Path, tmp_path: Path) -> dict[tuple[str, str], str]:
     probed.write_text(html.replace("</body>", RENDER_PROBE + "</body>"))
     result = chromium(["--dump-dom", probed.as_uri()], tmp_path / "profile")
     assert result.returncode == 0 and "<html" in result.stdout, result.stderr[-2000:]
-    imgs = re.findall(r'<img class="plot" data-plot="(\w+)" alt="([^"]*)" src="[^"]*" data-rendered="([^"]*)"',
-                      result.stdout)
+    imgs = re.findall(
+        r'<img class="plot" data-plot="(\w+)" alt="([^"]*)" src="[^"]*" data-rendered="([^"]*)"',
+        result.stdout,
+    )
     assert len(imgs) == result.stdout.count('<img class="plot"'), "a plot the probe did not reach"
     return {(name, alt): size for name, alt, size in imgs}
 
@@ -134,13 +136,22 @@ def _decoded(size: str) -> bool:
 
 def test_every_plot_decodes_in_the_browser(report: Path, tmp_path: Path):
     plots = rendered_plots(report, tmp_path)
-    assert [name for name, _ in plots] == ["rewards", "behaviour", "optimisation", "health", "time", "memory",
-                                           "scatter"]
+    assert [name for name, _ in plots] == [
+        "rewards",
+        "behaviour",
+        "optimisation",
+        "health",
+        "time",
+        "memory",
+        "scatter",
+    ]
     assert all(_decoded(size) for size in plots.values()), plots
     # the check can fail: a health panel whose PNG is corrupt is reported as not drawn
     broken = tmp_path / "broken" / "report.html"
     broken.parent.mkdir()
-    broken.write_text(re.sub(r'(data-plot="health"[^>]*src="data:image/png;base64,)', r"\1AAAA", report.read_text()))
+    broken.write_text(
+        re.sub(r'(data-plot="health"[^>]*src="data:image/png;base64,)', r"\1AAAA", report.read_text())
+    )
     assert rendered_plots(broken, tmp_path / "broken")[("health", "health plot for train")] == "no"
 
 
@@ -159,12 +170,16 @@ def test_demo_report_draws_the_health_panel(demo_report: Path, tmp_path: Path):
     assert [alt for name, alt in plots if name == "health"] == ["health plot for train"]
     assert all(_decoded(size) for size in plots.values()), plots
     # the panel's guard thresholds are the recipe's (run.json), which the demo leaves at the defaults
-    guards = json.loads((demo_report.parent / "train" / "run.json").read_text())["recipe"]["trainer"]["guards"]
+    guards = json.loads((demo_report.parent / "train" / "run.json").read_text())["recipe"]["trainer"][
+        "guards"
+    ]
     assert {g["name"] for g in guards} >= {"entropy_collapse", "stopped_searching"}
     html = demo_report.read_text()
     verdicts = re.findall(r"<h3>([^<]*)</h3>.*?<p class=\"verdict\">Health: ([^<]*)</p>", html, flags=re.S)
     assert [(label, v.split(" (")[0]) for label, v in verdicts] == [
-        ("train", "too few steps to judge"), ("train/sft", "no RL steps")]  # 2 RL steps, guards needing 5
+        ("train", "too few steps to judge"),
+        ("train/sft", "no RL steps"),
+    ]  # 2 RL steps, guards needing 5
 
     # the health panel alone, as Chromium paints it: not blank
     from PIL import Image
@@ -173,8 +188,10 @@ def test_demo_report_draws_the_health_panel(demo_report: Path, tmp_path: Path):
     page = tmp_path / "health.html"
     page.write_text(f'<html><body style="margin:0"><img src="{uri}"></body></html>')
     shot = tmp_path / "health.png"
-    result = chromium(["--hide-scrollbars", "--window-size=990,1050", f"--screenshot={shot}", page.as_uri()],
-                      tmp_path / "profile")
+    result = chromium(
+        ["--hide-scrollbars", "--window-size=990,1050", f"--screenshot={shot}", page.as_uri()],
+        tmp_path / "profile",
+    )
     assert shot.exists(), result.stderr[-2000:]
     colours = Image.open(shot).convert("RGB").getcolors(maxcolors=1_000_000)
     assert colours is not None and len(colours) > 50

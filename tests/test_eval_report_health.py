@@ -20,19 +20,36 @@ from sleuth.eval.report import (  # noqa: E402
 from test_eval_report import write_training_run  # noqa: E402
 
 EVENTS = [
-    {"step": 3, "guard": "stopped_searching", "kind": "above", "action": "warn", "message": "no search",
-     "values": {}, "healthy_until": 1, "outcome": "warned"},
-    {"step": 4, "guard": "entropy_collapse", "kind": "below", "action": "rollback",
-     "message": "actor/entropy below 0.02 for 2 steps (steps 3-4: 0.01, 0.01)", "values": {}, "healthy_until": 2,
-     "outcome": "rolled back to runs/x/checkpoints/step_000002 (learning rate x0.5, now 5e-07)"},
+    {
+        "step": 3,
+        "guard": "stopped_searching",
+        "kind": "above",
+        "action": "warn",
+        "message": "no search",
+        "values": {},
+        "healthy_until": 1,
+        "outcome": "warned",
+    },
+    {
+        "step": 4,
+        "guard": "entropy_collapse",
+        "kind": "below",
+        "action": "rollback",
+        "message": "actor/entropy below 0.02 for 2 steps (steps 3-4: 0.01, 0.01)",
+        "values": {},
+        "healthy_until": 2,
+        "outcome": "rolled back to runs/x/checkpoints/step_000002 (learning rate x0.5, now 5e-07)",
+    },
 ]
 
 
 def _sft_run(run_dir: Path) -> None:
     # what sleuth's SFT stage writes: sft/ metrics, sft.json, no run.json, no guards.jsonl
     run_dir.mkdir(parents=True)
-    rows = [{"step": s, "sft/loss": 6.0 - 0.1 * s, "sft/grad_norm": 0.3, "sft/tokens": 800, "time/step": 0.3}
-            for s in (1, 2)]
+    rows = [
+        {"step": s, "sft/loss": 6.0 - 0.1 * s, "sft/grad_norm": 0.3, "sft/tokens": 800, "time/step": 0.3}
+        for s in (1, 2)
+    ]
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (run_dir / "sft.json").write_text("{}")
 
@@ -41,11 +58,19 @@ def _healthy_run(run_dir: Path, events: list[dict] | None, steps: int = 6) -> No
     write_training_run(run_dir, steps=steps)  # 6 steps: enough for the guards below to fire
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     for r in rows:
-        r.update({"health/no_search": 0.1 * r["step"], "health/invalid_action": 0.0, "health/nonfinite_skips": 0.0})
+        r.update(
+            {"health/no_search": 0.1 * r["step"], "health/invalid_action": 0.0, "health/nonfinite_skips": 0.0}
+        )
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     info = json.loads((run_dir / "run.json").read_text())
     info["recipe"].setdefault("trainer", {})["guards"] = [
-        {"name": "stopped_searching", "kind": "above", "metric": "health/no_search", "value": 0.95, "steps": 5},
+        {
+            "name": "stopped_searching",
+            "kind": "above",
+            "metric": "health/no_search",
+            "value": 0.95,
+            "steps": 5,
+        },
         {"name": "reward_collapse", "kind": "drop", "window": 5, "by_noise": 4.0},
     ]
     (run_dir / "run.json").write_text(json.dumps(info))
@@ -57,7 +82,8 @@ def test_verdicts() -> None:
     assert health_verdict([]) == "healthy (no guard fired)"
     assert health_verdict(EVENTS) == (
         "rolled back at step 4 because entropy_collapse: actor/entropy below 0.02 for 2 steps (steps 3-4: 0.01, "
-        "0.01); warned at step 3 (stopped_searching)")
+        "0.01); warned at step 3 (stopped_searching)"
+    )
     stop = {**EVENTS[1], "outcome": "stopped: checkpoint runs/x/checkpoints/step_000004"}
     assert health_verdict([stop]).startswith("stopped at step 4 because entropy_collapse: ")
 
@@ -140,13 +166,21 @@ def test_too_few_steps_to_judge_names_the_metrics_past_thresholds(tmp_path: Path
     (tmp_path / "short" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     info = json.loads((tmp_path / "short" / "run.json").read_text())
     info["recipe"]["trainer"]["guards"].append(
-        {"name": "invalid_actions", "kind": "above", "metric": "health/invalid_action", "value": 0.5, "steps": 5})
+        {
+            "name": "invalid_actions",
+            "kind": "above",
+            "metric": "health/invalid_action",
+            "value": 0.5,
+            "steps": 5,
+        }
+    )
     (tmp_path / "short" / "run.json").write_text(json.dumps(info))
     verdict = training_verdict(discover(tmp_path / "short").training[0])
     assert verdict == (
         "too few steps to judge (2 logged; the guards need at least 5); past a guard's threshold: "
         "health/no_search > 0.95 at 2 of 2 steps (stopped_searching needs 5 in a row); "
-        "health/invalid_action > 0.5 at 2 of 2 steps (invalid_actions needs 5 in a row)")
+        "health/invalid_action > 0.5 at 2 of 2 steps (invalid_actions needs 5 in a row)"
+    )
     assert "Health: too few steps to judge" in render_report(discover(tmp_path / "short"))
 
     # enough steps for a guard to fire, none fired: healthy, still naming a metric past its threshold at times
@@ -156,26 +190,37 @@ def test_too_few_steps_to_judge_names_the_metrics_past_thresholds(tmp_path: Path
     (tmp_path / "long" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     assert training_verdict(discover(tmp_path / "long").training[0]) == (
         "healthy (no guard fired); past a guard's threshold: health/no_search > 0.95 at 1 of 6 steps "
-        "(stopped_searching needs 5 in a row)")
+        "(stopped_searching needs 5 in a row)"
+    )
 
 
 def test_an_sft_folder_reads_its_sft_json(tmp_path: Path) -> None:
     ckpt = tmp_path / "sft" / "checkpoints" / "step_000002"
     ckpt.mkdir(parents=True)
-    (ckpt / "searcher.json").write_text(json.dumps({"recipe": "demo", "loop": "search_r1", "base_model": "tiny"}))
+    (ckpt / "searcher.json").write_text(
+        json.dumps({"recipe": "demo", "loop": "search_r1", "base_model": "tiny"})
+    )
     _sft_run_files = tmp_path / "sft"
     rows = [{"step": s, "sft/loss": 6.0 - 0.1 * s} for s in (1, 2)]
     (_sft_run_files / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     # an sft.json from before it held the recipe: recipe and model come from the final checkpoint
-    (_sft_run_files / "sft.json").write_text(json.dumps(
-        {"records": 12, "held_out_records": 2, "steps": 2, "final_checkpoint": str(ckpt)}))
+    (_sft_run_files / "sft.json").write_text(
+        json.dumps({"records": 12, "held_out_records": 2, "steps": 2, "final_checkpoint": str(ckpt)})
+    )
     page = render_report(discover(tmp_path))
     assert "No run.json" not in page
-    for shown in ("<dt>recipe</dt><dd>demo</dd>", "<dt>model</dt><dd>tiny</dd>", "<dt>steps</dt><dd>2 / 2</dd>",
-                  "<dt>SFT records</dt><dd>12</dd>"):
+    for shown in (
+        "<dt>recipe</dt><dd>demo</dd>",
+        "<dt>model</dt><dd>tiny</dd>",
+        "<dt>steps</dt><dd>2 / 2</dd>",
+        "<dt>SFT records</dt><dd>12</dd>",
+    ):
         assert shown in page, shown
     # what run_sft writes now: the recipe itself
-    (_sft_run_files / "sft.json").write_text(json.dumps(
-        {"records": 12, "steps": 2, "kind": "sft", "recipe": {"name": "r2", "model": {"policy": "m2"}}}))
+    (_sft_run_files / "sft.json").write_text(
+        json.dumps(
+            {"records": 12, "steps": 2, "kind": "sft", "recipe": {"name": "r2", "model": {"policy": "m2"}}}
+        )
+    )
     page = render_report(discover(tmp_path))
     assert "<dt>recipe</dt><dd>r2</dd>" in page and "<dt>model</dt><dd>m2</dd>" in page

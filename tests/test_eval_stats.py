@@ -22,7 +22,9 @@ def hand_percentile(sorted_values: list[float], q: float) -> float:
     return sorted_values[below] + (pos - below) * (sorted_values[above] - sorted_values[below])
 
 
-def hand_bootstrap(values: list[float], resamples: int, seed: int, rows_per_block: int) -> tuple[float, float]:
+def hand_bootstrap(
+    values: list[float], resamples: int, seed: int, rows_per_block: int
+) -> tuple[float, float]:
     """The same draws as the module docstring describes, every mean summed in a Python loop."""
     rng = np.random.default_rng(seed)
     n = len(values)
@@ -165,7 +167,11 @@ def test_paired_difference_restricted_to_keys_and_missing_scores():
     a = [rec("1", "d", f1=0.5, judge=None), rec("2", "d", f1=1.0, judge=None)]
     b = [rec("1", "d", f1=0.25, judge=None), rec("2", "d", f1=0.5, judge=None)]
     only_first = paired_difference(a, b, "f1", keys=[("d", "1")])
-    assert only_first["n"] == 1 and only_first["diff"] == pytest.approx(0.25) and only_first["ci"] == [0.25, 0.25]
+    assert (
+        only_first["n"] == 1
+        and only_first["diff"] == pytest.approx(0.25)
+        and only_first["ci"] == [0.25, 0.25]
+    )
     assert set(compare_records(a, b, ["f1", "judge"])) == {"f1"}  # no judge: judge is skipped
     with pytest.raises(ConfigError, match="'judge' score"):
         paired_difference(a, b, "judge")
@@ -188,10 +194,14 @@ def test_joint_intervals_equal_each_column_alone():
 
 def test_compare_records_equals_paired_difference_per_metric():
     rng = np.random.default_rng(3)
-    a = [rec(str(i), "d", em=float(x), f1=float(f), judge=None)
-         for i, (x, f) in enumerate(zip(rng.random(30) < 0.6, rng.random(30), strict=True))]
-    b = [rec(str(i), "d", em=float(x), f1=float(f), judge=None)
-         for i, (x, f) in enumerate(zip(rng.random(30) < 0.4, rng.random(30), strict=True))]
+    a = [
+        rec(str(i), "d", em=float(x), f1=float(f), judge=None)
+        for i, (x, f) in enumerate(zip(rng.random(30) < 0.6, rng.random(30), strict=True))
+    ]
+    b = [
+        rec(str(i), "d", em=float(x), f1=float(f), judge=None)
+        for i, (x, f) in enumerate(zip(rng.random(30) < 0.4, rng.random(30), strict=True))
+    ]
     b[4]["metrics"]["f1"] = None  # one question without an F1 on one side: F1 has its own resamples
     both = compare_records(a, b, ["em", "f1", "judge"], seed=5)
     assert set(both) == {"em", "f1"} and both["f1"]["n"] == 29 and both["em"]["n"] == 30
@@ -203,8 +213,15 @@ def test_summary_interval_of_a_metric_scored_on_some_questions_only():
     from sleuth.eval.harness import summarise_records
 
     records = [
-        {"id": str(i), "dataset": "d", "retrieval_count": 0, "input_tokens": 1, "output_tokens": 1, "latency_s": 0.0,
-         "metrics": {"em": em, "cover_em": em, "f1": em, "span_check": em, "genacc": em, "judge": judge}}
+        {
+            "id": str(i),
+            "dataset": "d",
+            "retrieval_count": 0,
+            "input_tokens": 1,
+            "output_tokens": 1,
+            "latency_s": 0.0,
+            "metrics": {"em": em, "cover_em": em, "f1": em, "span_check": em, "genacc": em, "judge": judge},
+        }
         for i, (em, judge) in enumerate([(1.0, 1.0), (0.0, None), (1.0, 0.0), (0.0, 1.0), (1.0, None)])
     ]
     overall = summarise_records(records, seed=4)["overall"]

@@ -30,14 +30,30 @@ def lora_run(small_world: Path, tmp_path_factory: pytest.TempPathFactory) -> Pat
     torch.set_num_threads(1)
     out = tmp_path_factory.mktemp("lora-run")
     recipe = {
-        "name": "export-test", "seed": 0,
+        "name": "export-test",
+        "seed": 0,
         "model": {"policy": "tiny", "lora": {"enabled": True, "r": 4, "alpha": 8}},
-        "data": {"train": str(small_world / "train.jsonl")}, "retriever": {"index": str(small_world / "bm25")},
-        "agent": {"loop": "search_r1", "max_turns": 1, "top_k": 2, "max_new_tokens_per_turn": 8,
-                  "max_response_tokens": 64, "max_obs_tokens": 16},
-        "plugins": ["sleuth_test_rewards"], "reward": {"name": "test_token_fraction"},
-        "algorithm": {"name": "grpo", "n": 4, "prompts_per_step": 2, "minibatch_size": 8, "micro_batch_size": 8},
-        "optim": {"lr": 5e-2}, "trainer": {"total_steps": 2, "save_every": 2, "out_dir": str(out)},
+        "data": {"train": str(small_world / "train.jsonl")},
+        "retriever": {"index": str(small_world / "bm25")},
+        "agent": {
+            "loop": "search_r1",
+            "max_turns": 1,
+            "top_k": 2,
+            "max_new_tokens_per_turn": 8,
+            "max_response_tokens": 64,
+            "max_obs_tokens": 16,
+        },
+        "plugins": ["sleuth_test_rewards"],
+        "reward": {"name": "test_token_fraction"},
+        "algorithm": {
+            "name": "grpo",
+            "n": 4,
+            "prompts_per_step": 2,
+            "minibatch_size": 8,
+            "micro_batch_size": 8,
+        },
+        "optim": {"lr": 5e-2},
+        "trainer": {"total_steps": 2, "save_every": 2, "out_dir": str(out)},
     }
     train(recipe_from_dict(recipe))
     return out
@@ -57,12 +73,19 @@ def exported(lora_run: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _greedy(model, tokenizer, prompt: str, n: int = 12) -> list[int]:
     ids = tokenizer(prompt, return_tensors="pt", add_special_tokens=False).input_ids
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
-                         pad_token_id=tokenizer.pad_token_id)
-    return out[0, ids.shape[1]:].tolist()
+    out = model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=n,
+        do_sample=False,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    return out[0, ids.shape[1] :].tolist()
 
 
-def test_export_is_a_plain_hf_model_with_the_checkpoints_greedy_tokens(lora_run: Path, exported: Path) -> None:
+def test_export_is_a_plain_hf_model_with_the_checkpoints_greedy_tokens(
+    lora_run: Path, exported: Path
+) -> None:
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -75,12 +98,16 @@ def test_export_is_a_plain_hf_model_with_the_checkpoints_greedy_tokens(lora_run:
 
     ckpt = resolve_checkpoint(lora_run)
     tokenizer = AutoTokenizer.from_pretrained(exported)
-    assert tokenizer.chat_template and tokenizer.chat_template == AutoTokenizer.from_pretrained(
-        ckpt / "policy").chat_template
+    assert (
+        tokenizer.chat_template
+        and tokenizer.chat_template == AutoTokenizer.from_pretrained(ckpt / "policy").chat_template
+    )
     model = AutoModelForCausalLM.from_pretrained(exported).eval()
     # the reference: base + adapter applied unmerged by peft, as the checkpoint stores it
     base = AutoModelForCausalLM.from_pretrained(tiny_model_dir())
-    adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_dir()), ckpt / "policy").eval()
+    adapted = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(tiny_model_dir()), ckpt / "policy"
+    ).eval()
 
     ids = tokenizer(PROMPTS[0], return_tensors="pt", add_special_tokens=False).input_ids
     with torch.no_grad():
@@ -100,16 +127,21 @@ def test_export_carries_the_loop_and_prompts(lora_run: Path, exported: Path) -> 
     info = json.loads((exported / "searcher.json").read_text())
     original = json.loads((resolve_checkpoint(lora_run) / "searcher.json").read_text())
     assert info["loop"] == "search_r1" and info["loop_options"] == original["loop_options"] == {
-        "max_turns": 1, "top_k": 2}
+        "max_turns": 1,
+        "top_k": 2,
+    }
     assert info["lora"] is False and info["max_obs_tokens"] == 16
-    assert info["loop_config"]["user_template"] == SEARCH_R1_USER_TEMPLATE and info["loop_config"]["top_k"] == 2
+    assert (
+        info["loop_config"]["user_template"] == SEARCH_R1_USER_TEMPLATE and info["loop_config"]["top_k"] == 2
+    )
 
     searcher = load_searcher(exported, device="cpu")
     assert searcher.loop.name == "search_r1" and searcher.loop.top_k == 2 and searcher.loop.max_turns == 1
 
 
-def test_serve_and_eval_take_the_export_like_the_checkpoint(lora_run: Path, exported: Path, small_world: Path,
-                                                             tmp_path: Path) -> None:
+def test_serve_and_eval_take_the_export_like_the_checkpoint(
+    lora_run: Path, exported: Path, small_world: Path, tmp_path: Path
+) -> None:
     from sleuth.data.formats import read_qa_jsonl
     from sleuth.eval.harness import EvalConfig, evaluate
     from sleuth.serve.loading import ServiceSpec, build_service
@@ -129,17 +161,33 @@ def test_serve_and_eval_take_the_export_like_the_checkpoint(lora_run: Path, expo
 
     examples = read_qa_jsonl(small_world / "dev.jsonl")[:2]
     summaries = [
-        evaluate("search-r1", examples, small_world / "bm25", str(spec), out_dir=tmp_path / name,
-                 config=EvalConfig(max_new_tokens=8, max_turns=1))
+        evaluate(
+            "search-r1",
+            examples,
+            small_world / "bm25",
+            str(spec),
+            out_dir=tmp_path / name,
+            config=EvalConfig(max_new_tokens=8, max_turns=1),
+        )
         for name, spec in (("export", exported), ("ckpt", lora_run))
     ]
-    preds = [[json.loads(line)["prediction"] for line in (tmp_path / name / "search-r1" / "predictions.jsonl")
-              .read_text().splitlines()] for name in ("export", "ckpt")]
+    preds = [
+        [
+            json.loads(line)["prediction"]
+            for line in (tmp_path / name / "search-r1" / "predictions.jsonl").read_text().splitlines()
+        ]
+        for name in ("export", "ckpt")
+    ]
     assert preds[0] == preds[1] and len(preds[0]) == 2
-    assert summaries[0]["methods"]["search-r1"]["overall"]["em"] == summaries[1]["methods"]["search-r1"]["overall"]["em"]
+    assert (
+        summaries[0]["methods"]["search-r1"]["overall"]["em"]
+        == summaries[1]["methods"]["search-r1"]["overall"]["em"]
+    )
 
 
-def test_export_refuses_a_non_empty_out_and_a_bad_dtype(lora_run: Path, exported: Path, tmp_path: Path) -> None:
+def test_export_refuses_a_non_empty_out_and_a_bad_dtype(
+    lora_run: Path, exported: Path, tmp_path: Path
+) -> None:
     from sleuth.agent.searcher import export_searcher
     from sleuth.errors import ConfigError
 
@@ -151,11 +199,17 @@ def test_export_refuses_a_non_empty_out_and_a_bad_dtype(lora_run: Path, exported
         export_searcher(tmp_path, tmp_path / "y")
     half = export_searcher(lora_run, tmp_path / "bf16", dtype="bfloat16")
     assert json.loads((half / "searcher.json").read_text())["dtype"] == "bfloat16"
-    assert json.loads((half / "config.json").read_text()).get("dtype", json.loads(
-        (half / "config.json").read_text()).get("torch_dtype")) == "bfloat16"
+    assert (
+        json.loads((half / "config.json").read_text()).get(
+            "dtype", json.loads((half / "config.json").read_text()).get("torch_dtype")
+        )
+        == "bfloat16"
+    )
 
 
-def test_export_of_a_checkpoint_with_the_wrong_eos_stops_at_the_turn_end(lora_run: Path, tmp_path: Path) -> None:
+def test_export_of_a_checkpoint_with_the_wrong_eos_stops_at_the_turn_end(
+    lora_run: Path, tmp_path: Path
+) -> None:
     """A checkpoint whose tokenizer says eos = `<|im_start|>` (as the committed ones did) exports
     `<|im_end|>` as eos and pad in the tokenizer, config and generation config; the directory is
     readable by others (0755 / 0644) and names a tokenizer class transformers 4.x knows."""
@@ -178,10 +232,17 @@ def test_export_of_a_checkpoint_with_the_wrong_eos_stops_at_the_turn_end(lora_ru
     end_id = tok.convert_tokens_to_ids("<|im_end|>")
     assert tok.eos_token == tok.pad_token == "<|im_end|>"
     # the old eos stays a stop: a model trained with it may end turns with <|im_start|>
-    assert GenerationConfig.from_pretrained(out).eos_token_id == [end_id, tok.convert_tokens_to_ids("<|im_start|>")]
+    assert GenerationConfig.from_pretrained(out).eos_token_id == [
+        end_id,
+        tok.convert_tokens_to_ids("<|im_start|>"),
+    ]
     config = json.loads((out / "config.json").read_text())
-    assert config["eos_token_id"] == end_id and config["rope_theta"] == config["rope_parameters"]["rope_theta"]
-    assert json.loads((out / "tokenizer_config.json").read_text())["tokenizer_class"] in KNOWN_TO_TRANSFORMERS_4
+    assert (
+        config["eos_token_id"] == end_id and config["rope_theta"] == config["rope_parameters"]["rope_theta"]
+    )
+    assert (
+        json.loads((out / "tokenizer_config.json").read_text())["tokenizer_class"] in KNOWN_TO_TRANSFORMERS_4
+    )
     assert_normal_permissions(out)
 
 
@@ -209,8 +270,10 @@ def committed_export(tmp_path_factory: pytest.TempPathFactory) -> Path:
         embedded_gguf_path()
     except ConfigError as err:
         pytest.skip(str(err))
-    return export_searcher(Path(__file__).resolve().parents[1] / "checkpoints" / "search_r1",
-                           tmp_path_factory.mktemp("committed") / "hf")
+    return export_searcher(
+        Path(__file__).resolve().parents[1] / "checkpoints" / "search_r1",
+        tmp_path_factory.mktemp("committed") / "hf",
+    )
 
 
 @pytest.mark.parametrize("which", ["tiny", "committed"])
@@ -222,10 +285,13 @@ def test_export_generates_with_the_chat_template_idiom(which: str, request: pyte
     exported = request.getfixturevalue("exported" if which == "tiny" else "committed_export")
 
     assert json.loads((exported / "tokenizer_config.json").read_text())["model_input_names"] == [
-        "input_ids", "attention_mask"]
+        "input_ids",
+        "attention_mask",
+    ]
     assert "_model_name_or_path" not in json.loads((exported / "config.json").read_text())
-    result = subprocess.run([sys.executable, "-c", CHAT_IDIOM, str(exported)], capture_output=True, text=True,
-                            timeout=300)
+    result = subprocess.run(
+        [sys.executable, "-c", CHAT_IDIOM, str(exported)], capture_output=True, text=True, timeout=300
+    )
     assert result.returncode == 0 and "generated" in result.stdout, result.stderr[-2000:]
 
 
@@ -239,9 +305,19 @@ def test_export_generates_with_transformers_4(committed_export: Path) -> None:
     target = os.environ.get("SLEUTH_TRANSFORMERS4_DIR")
     if not target:
         pytest.skip("SLEUTH_TRANSFORMERS4_DIR is not set (see the docstring)")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([target, os.environ.get("PYTHONPATH", "")]),
-           "OMP_NUM_THREADS": "1"}
-    check = "import transformers; assert transformers.__version__.startswith('4.'), transformers.__version__\n"
-    result = subprocess.run([sys.executable, "-c", check + CHAT_IDIOM, str(committed_export)], capture_output=True,
-                            text=True, timeout=300, env=env)
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([target, os.environ.get("PYTHONPATH", "")]),
+        "OMP_NUM_THREADS": "1",
+    }
+    check = (
+        "import transformers; assert transformers.__version__.startswith('4.'), transformers.__version__\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", check + CHAT_IDIOM, str(committed_export)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
     assert result.returncode == 0 and "generated" in result.stdout, result.stderr[-2000:]

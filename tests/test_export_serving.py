@@ -30,10 +30,21 @@ def transformers_serve(model_dir: Path) -> Iterator[str]:
     """`transformers serve MODEL_DIR` on a free loopback port (CPU); yields its base URL once healthy."""
     port = _free_port()
     server = subprocess.Popen(
-        [str(Path(sys.executable).parent / "transformers"), "serve", str(model_dir), "--host", "127.0.0.1",
-         "--port", str(port), "--device", "cpu"],
+        [
+            str(Path(sys.executable).parent / "transformers"),
+            "serve",
+            str(model_dir),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--device",
+            "cpu",
+        ],
         env={**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"},
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
     )
     try:
         base = f"http://127.0.0.1:{port}"
@@ -75,14 +86,20 @@ def served_export(committed_export: Path) -> Iterator[str]:
 
 
 @pytest.mark.slow
-def test_exported_searcher_stops_at_the_end_of_the_answer_in_transformers_serve(committed_export: Path,
-                                                                                 served_export: str) -> None:
+def test_exported_searcher_stops_at_the_end_of_the_answer_in_transformers_serve(
+    committed_export: Path, served_export: str
+) -> None:
     out, base = committed_export, served_export
     max_tokens = 96
-    reply = httpx.post(f"{base}/v1/chat/completions", timeout=300, json={
-        "model": str(out), "max_tokens": max_tokens,
-        "messages": [{"role": "user", "content": "What is the capital of France? Answer in one word."}],
-    }).json()
+    reply = httpx.post(
+        f"{base}/v1/chat/completions",
+        timeout=300,
+        json={
+            "model": str(out),
+            "max_tokens": max_tokens,
+            "messages": [{"role": "user", "content": "What is the capital of France? Answer in one word."}],
+        },
+    ).json()
     (choice,) = reply["choices"]
     text = choice["message"]["content"]
     assert choice["finish_reason"] == "stop", reply
@@ -91,8 +108,9 @@ def test_exported_searcher_stops_at_the_end_of_the_answer_in_transformers_serve(
 
 
 @pytest.mark.slow
-def test_the_export_served_by_transformers_serve_is_the_search_r1_agent(committed_export: Path, served_export: str,
-                                                                        tmp_path: Path) -> None:
+def test_the_export_served_by_transformers_serve_is_the_search_r1_agent(
+    committed_export: Path, served_export: str, tmp_path: Path
+) -> None:
     """`sleuth eval -m naive-rag,search-r1 --model openai:URL#EXPORT`: the served export acts as the agent (its
     tokenizer from the export, the loop's stop strings sent, text prompts where the server takes no token
     ids) and answers as the local checkpoint does (greedy; wording may drift, the server re-tokenises text)."""
@@ -102,8 +120,10 @@ def test_the_export_served_by_transformers_serve_is_the_search_r1_agent(committe
     from sleuth.retrieval import build_index
 
     protocol = json.loads((committed_export / "searcher.json").read_text())["protocol"]
-    assert protocol == {"stop_strings": ["</search>", "</answer>"],
-                        "observation": {"prefix": "\n\n<information>", "suffix": "</information>\n\n"}}
+    assert protocol == {
+        "stop_strings": ["</search>", "</answer>"],
+        "observation": {"prefix": "\n\n<information>", "suffix": "</information>\n\n"},
+    }
     world = tmp_path / "world"
     write_world(generate_world(300, 30, hops=(1, 2), seed=0), world)
     build_index(world / "corpus.jsonl", "bm25", world / "bm25")
@@ -111,9 +131,29 @@ def test_the_export_served_by_transformers_serve_is_the_search_r1_agent(committe
 
     def evaluate(model: str, out: Path) -> dict[str, str]:
         proc = subprocess.run(
-            [sys.executable, "-m", "sleuth.cli", "eval", "-m", "naive-rag,search-r1", "--data",
-             str(world / "test.jsonl"), "--retriever", str(world / "bm25"), "--model", model, "--out", str(out),
-             "--limit", "2"], env=env, capture_output=True, text=True, timeout=900)
+            [
+                sys.executable,
+                "-m",
+                "sleuth.cli",
+                "eval",
+                "-m",
+                "naive-rag,search-r1",
+                "--data",
+                str(world / "test.jsonl"),
+                "--retriever",
+                str(world / "bm25"),
+                "--model",
+                model,
+                "--out",
+                str(out),
+                "--limit",
+                "2",
+            ],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=900,
+        )
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         rows = [json.loads(x) for x in (out / "search-r1" / "predictions.jsonl").read_text().splitlines()]
         assert all(r["trajectory"]["retrieval_count"] >= 1 for r in rows)  # it searched, then answered

@@ -60,10 +60,14 @@ def test_data_filter_command(tmp_path):
     src = tmp_path / "in.jsonl"
     write_qa_jsonl(src, [ex("a", "yes"), ex("b", "Vrakton"), ex("c", "Zarvonia"), ex("d", "no")])
     scores = tmp_path / "scores.jsonl"
-    scores.write_text("".join(json.dumps({"id": k, "score": v}) + "\n" for k, v in {"b": 1.0, "c": 0.0}.items()))
+    scores.write_text(
+        "".join(json.dumps({"id": k, "score": v}) + "\n" for k, v in {"b": 1.0, "c": 0.0}.items())
+    )
     dst = tmp_path / "out.jsonl"
     runner = CliRunner()
-    result = runner.invoke(app, ["data", "filter", str(src), str(dst), "--drop-yes-no", "--hard-from", str(scores)])
+    result = runner.invoke(
+        app, ["data", "filter", str(src), str(dst), "--drop-yes-no", "--hard-from", str(scores)]
+    )
     assert result.exit_code == 0, result.output
     assert [e.id for e in read_qa_jsonl(dst)] == ["c"]
     assert "2 yes/no dropped, 1 easy dropped, 1 written" in result.output
@@ -73,6 +77,8 @@ def test_data_filter_command(tmp_path):
     assert result.exit_code == 2
     assert "2 of 4 questions have no baseline score" in result.output
 
-    result = runner.invoke(app, ["data", "filter", str(src), str(dst), "--hard-from", str(tmp_path / "none.jsonl")])
+    result = runner.invoke(
+        app, ["data", "filter", str(src), str(dst), "--hard-from", str(tmp_path / "none.jsonl")]
+    )
     assert result.exit_code == 2
     assert "does not exist" in result.output

@@ -43,16 +43,23 @@ def test_from_committed_evaluates_the_packed_adapters_again_and_decodes_alike(tm
     pack.pack(run, dest, run / "world", None)
     committed = pack_committed(run, dest, 0, run / "world")
     # the decisive arms' final adapters only, in bfloat16; no base weights, no tokenizer (the base model's)
-    assert set(committed["models"]) == {"train_with_evidence.checkpoint", "train_no_evidence_block.checkpoint"}
+    assert set(committed["models"]) == {
+        "train_with_evidence.checkpoint",
+        "train_no_evidence_block.checkpoint",
+    }
     for name in committed["models"].values():
-        files = {p.relative_to(dest / ADAPTERS_DIR / name).as_posix() for p in (dest / ADAPTERS_DIR / name).rglob("*")
-                 if p.is_file()}
+        files = {
+            p.relative_to(dest / ADAPTERS_DIR / name).as_posix()
+            for p in (dest / ADAPTERS_DIR / name).rglob("*")
+            if p.is_file()
+        }
         assert files == {"searcher.json", "policy/adapter_config.json", "policy/adapter_model.safetensors"}
         with safe_open(str(dest / ADAPTERS_DIR / name / "policy" / "adapter_model.safetensors"), "pt") as f:
             assert {str(f.get_tensor(k).dtype) for k in f.keys()} == {"torch.bfloat16"}  # noqa: SIM118
     shutil.rmtree(run / "world")  # the check rebuilds it from the seed
-    result = CliRunner().invoke(app, ["reproduce", "r_search", "--from-committed", str(dest), "--questions", "20",
-                                      "--out", str(out)])
+    result = CliRunner().invoke(
+        app, ["reproduce", "r_search", "--from-committed", str(dest), "--questions", "20", "--out", str(out)]
+    )
     assert result.exit_code == 0, result.output
     assert "committed run, the same questions" in result.output and "check.html" in result.output
     check = json.loads((out / "check.json").read_text())
@@ -67,35 +74,49 @@ def test_from_committed_evaluates_the_packed_adapters_again_and_decodes_alike(tm
     for name in ("with_evidence", "no_evidence_block"):
         here = _predictions(out / "eval" / name / "r-search" / "predictions.jsonl")
         there = _predictions(run / "eval" / name / "r-search" / "predictions.jsonl")
-        assert len(here) == 20 and all(here[i]["trajectory"]["response_text"] == there[i]["trajectory"]["response_text"]
-                                       and here[i]["prediction"] == there[i]["prediction"] for i in here)
-        assert check["agreement"][f"eval_{name}"] == {"n": 20, "same_prediction": 20, "same_em": 20,
-                                                      "same_response": 20}
+        assert len(here) == 20 and all(
+            here[i]["trajectory"]["response_text"] == there[i]["trajectory"]["response_text"]
+            and here[i]["prediction"] == there[i]["prediction"]
+            for i in here
+        )
+        assert check["agreement"][f"eval_{name}"] == {
+            "n": 20,
+            "same_prediction": 20,
+            "same_em": 20,
+            "same_response": 20,
+        }
     assert test["here"] == test["committed_same_questions"]
     # a rerun resumes the recorded evaluations; another number of questions in the same OUT is refused
-    again = CliRunner().invoke(app, ["reproduce", "r_search", "--from-committed", str(dest), "--questions", "20",
-                                     "--out", str(out)])
+    again = CliRunner().invoke(
+        app, ["reproduce", "r_search", "--from-committed", str(dest), "--questions", "20", "--out", str(out)]
+    )
     assert again.exit_code == 0 and "done earlier, skipped" in again.output
-    other = CliRunner().invoke(app, ["reproduce", "r_search", "--from-committed", str(dest), "--questions", "5",
-                                     "--out", str(out)])
+    other = CliRunner().invoke(
+        app, ["reproduce", "r_search", "--from-committed", str(dest), "--questions", "5", "--out", str(out)]
+    )
     assert other.exit_code == 2 and "holds the check of" in other.output
     # a changed world is named, not evaluated
     record = json.loads((dest / ADAPTERS_DIR / COMMITTED_FILE).read_text())
     record["world"]["files"]["test.jsonl"] = "0" * 64
     (dest / ADAPTERS_DIR / COMMITTED_FILE).write_text(json.dumps(record))
-    changed = CliRunner().invoke(app, ["reproduce", "r_search", "--from-committed", str(dest), "--out",
-                                       str(tmp_path / "changed")])
+    changed = CliRunner().invoke(
+        app, ["reproduce", "r_search", "--from-committed", str(dest), "--out", str(tmp_path / "changed")]
+    )
     assert changed.exit_code == 2 and "test.jsonl differ from the committed run's" in changed.output
 
 
 @pytest.mark.slow
-def test_qagent_committed_rows_give_the_report_table_own_answers_included(tmp_path: Path, qagent_cpu_claim: Path) -> None:
+def test_qagent_committed_rows_give_the_report_table_own_answers_included(
+    tmp_path: Path, qagent_cpu_claim: Path
+) -> None:
     """Item 2 (b): every row of qagent's table, the own-answer row (extra.agent_answer) included, recomputed from
     the committed per-question rows alone equals the report's."""
     run, dest = qagent_cpu_claim.parent, tmp_path / "committed"
     _claims_pack().pack(run, dest, run / "world", None)
-    rows = [json.loads(line) for line in (dest / "stage1_trained_reader" / "per_question.jsonl").read_text()
-            .splitlines()]
+    rows = [
+        json.loads(line)
+        for line in (dest / "stage1_trained_reader" / "per_question.jsonl").read_text().splitlines()
+    ]
     stage1 = _predictions(run / "eval" / "stage1_trained_reader" / "qagent" / "predictions.jsonl")
     assert rows and all(r["agent_answer"] == stage1[r["id"]]["extra"]["agent_answer"] for r in rows)
     assert all(r["response_sha256"] == response_digest(stage1[r["id"]]) for r in rows)
@@ -104,31 +125,46 @@ def test_qagent_committed_rows_give_the_report_table_own_answers_included(tmp_pa
     # the own-answer row reads the committed agent_answer: stage 1's own answers made right make its side 1.0
     for row in rows:
         row["agent_answer"] = row["golden_answers"][0]
-    (dest / "stage1_trained_reader" / "per_question.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (dest / "stage1_trained_reader" / "per_question.jsonl").write_text(
+        "".join(json.dumps(r) + "\n" for r in rows)
+    )
     own = next(name for name in report["table"]["rows"] if "its own answer" in name)
     changed = committed_table(dest)["rows"]
     assert changed[own]["b"] == 1.0 != report["table"]["rows"][own]["b"]
-    assert {k: v for k, v in changed.items() if k != own} == {k: v for k, v in report["table"]["rows"].items()
-                                                               if k != own}
+    assert {k: v for k, v in changed.items() if k != own} == {
+        k: v for k, v in report["table"]["rows"].items() if k != own
+    }
 
 
-def test_the_newest_packed_gpu_run_is_the_default_and_none_is_a_clear_error(tmp_path: Path, monkeypatch) -> None:
+def test_the_newest_packed_gpu_run_is_the_default_and_none_is_a_clear_error(
+    tmp_path: Path, monkeypatch
+) -> None:
     root = tmp_path / "bench" / "results" / "claims"
     for name in ("r_search_old", "r_search_new", "r_search_plain", "s3_new"):
         (root / name).mkdir(parents=True)
-        (root / name / "claim.json").write_text(json.dumps({"method": name.split("_")[0] if name.startswith("s3")
-                                                            else "r_search", "profile": "gpu"}))
+        (root / name / "claim.json").write_text(
+            json.dumps(
+                {"method": name.split("_")[0] if name.startswith("s3") else "r_search", "profile": "gpu"}
+            )
+        )
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(ConfigError, match=r"no committed gpu run of r_search holds adapters .*committed runs of "
-                                          r"r_search: r_search_new, r_search_old, r_search_plain"):
+    with pytest.raises(
+        ConfigError,
+        match=r"no committed gpu run of r_search holds adapters .*committed runs of "
+        r"r_search: r_search_new, r_search_old, r_search_plain",
+    ):
         newest_committed("r_search")
     result = CliRunner().invoke(app, ["reproduce", "r_search", "--from-committed", "--questions", "5"])
     assert result.exit_code == 2 and "no committed gpu run of r_search holds adapters" in result.output
-    for name, when, profile in (("r_search_old", "2026-11-27T00:00:00Z", "gpu"),
-                                ("r_search_new", "2026-11-28T00:00:00Z", "gpu"),
-                                ("s3_new", "2026-11-29T00:00:00Z", "gpu")):
+    for name, when, profile in (
+        ("r_search_old", "2026-11-27T00:00:00Z", "gpu"),
+        ("r_search_new", "2026-11-28T00:00:00Z", "gpu"),
+        ("s3_new", "2026-11-29T00:00:00Z", "gpu"),
+    ):
         (root / name / ADAPTERS_DIR).mkdir()
-        (root / name / ADAPTERS_DIR / COMMITTED_FILE).write_text(json.dumps({"profile": profile, "packed_at": when}))
+        (root / name / ADAPTERS_DIR / COMMITTED_FILE).write_text(
+            json.dumps({"profile": profile, "packed_at": when})
+        )
     assert newest_committed("r_search", Path("bench/results/claims")).name == "r_search_new"
 
 
@@ -146,15 +182,24 @@ def test_a_lora_reader_export_is_packed_as_its_adapter_and_reads_alike(tmp_path:
 
     run = tmp_path / "run"
     build_world(run / "world", PLAIN_PROFILES["cpu"])
-    export = train_reader(run / "world", run / "reader", ReaderSettings(model="tiny", distractors=1, epochs=1,
-                                                                        lr=3e-3, batch_size=8, questions=8))
+    export = train_reader(
+        run / "world",
+        run / "reader",
+        ReaderSettings(model="tiny", distractors=1, epochs=1, lr=3e-3, batch_size=8, questions=8),
+    )
     packed = pack_model(export, tmp_path / "packed", run, str(run.resolve()))
     assert packed["lora"] and packed["base_model"] == "tiny"
-    assert {p.name for p in (tmp_path / "packed" / "policy").iterdir()} == {"adapter_config.json",
-                                                                           "adapter_model.safetensors"}
+    assert {p.name for p in (tmp_path / "packed" / "policy").iterdir()} == {
+        "adapter_config.json",
+        "adapter_model.safetensors",
+    }
     rebuilt = materialize(tmp_path / "packed", tmp_path / "rebuilt")
     questions = read_qa_jsonl(run / "world" / "test.jsonl")[:6]
     docs = gold_passages(resolve_retriever(run / "world" / "bm25"), questions)
-    texts = [read_documents(resolve_generator(str(model)), questions, docs, BaselineSettings(answer_max_new_tokens=16),
-                            "s3")[1] for model in (export, rebuilt)]
+    texts = [
+        read_documents(
+            resolve_generator(str(model)), questions, docs, BaselineSettings(answer_max_new_tokens=16), "s3"
+        )[1]
+        for model in (export, rebuilt)
+    ]
     assert texts[0] == texts[1] and any(texts[0])

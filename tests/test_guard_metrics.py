@@ -25,7 +25,12 @@ TYPO = {"name": "g", "kind": "above", "metric": "health/no_serach", "value": 0.9
 
 
 def _recipe(guards: list[dict], **overrides: Any) -> dict:
-    data = {"name": "t", "data": {"train": "x.jsonl"}, "retriever": {"index": "i"}, "trainer": {"guards": guards}}
+    data = {
+        "name": "t",
+        "data": {"train": "x.jsonl"},
+        "retriever": {"index": "i"},
+        "trainer": {"guards": guards},
+    }
     for key, value in overrides.items():
         section, _, field = key.partition(".")
         data.setdefault(section, {})[field] = value
@@ -42,7 +47,10 @@ def test_check_recipe_refuses_a_guard_on_a_metric_no_step_logs(tmp_path: Path) -
     result = _check_recipe(tmp_path, [TYPO])
     assert result.exit_code == 2, result.output
     message = " ".join(result.output.split())  # rich wraps long lines at the terminal width
-    assert "guard 'g' watches metric 'health/no_serach'" in message and "did you mean 'health/no_search'?" in message
+    assert (
+        "guard 'g' watches metric 'health/no_serach'" in message
+        and "did you mean 'health/no_search'?" in message
+    )
 
 
 def test_train_refuses_it_before_a_model_loads(small_world: Path, tmp_path: Path) -> None:
@@ -70,7 +78,11 @@ def test_a_guard_threshold_must_be_finite(tmp_path: Path, value: str) -> None:
     ("metric", "overrides", "logged"),
     [
         ("accuracy/em", {}, True),
-        ("accuracy/em", {"agent.loop": "s3", "reward.name": "s3_gbr"}, False),  # a searcher-only loop answers nothing
+        (
+            "accuracy/em",
+            {"agent.loop": "s3", "reward.name": "s3_gbr"},
+            False,
+        ),  # a searcher-only loop answers nothing
         ("reward/acc_s3", {"agent.loop": "s3", "reward.name": "s3_gbr"}, True),
         ("reward/acc_s3", {}, False),  # search_r1_em's components are em and has_answer
         ("reward/has_answer", {}, True),
@@ -86,8 +98,9 @@ def test_a_guard_threshold_must_be_finite(tmp_path: Path, value: str) -> None:
         ("reward/anything", {"plugins": ["sleuth_test_rewards"], "reward.name": "test_token_fraction"}, True),
     ],
 )
-def test_the_metrics_follow_the_loop_reward_and_algorithm(metric: str, overrides: dict, logged: bool,
-                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_metrics_follow_the_loop_reward_and_algorithm(
+    metric: str, overrides: dict, logged: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """An undeclared reward (a plugin's) leaves `reward/...` open; the built-in ones declare their components."""
     overrides = dict(overrides)
     plugins = overrides.pop("plugins", None)
@@ -109,13 +122,19 @@ def test_the_committed_recipes_and_default_guards_pass() -> None:
         check_guard_metrics(load_recipe(path), str(path))
 
 
-@pytest.mark.parametrize("algorithm", [{"name": "grpo", "n": 2}, {"name": "ppo", "n": 2,
-                                                                    "kl": {"coef": 0.01, "mode": "penalty",
-                                                                           "type": "adaptive"}}],
-                         ids=["grpo-kl-loss", "ppo-adaptive-kl-penalty"])
+@pytest.mark.parametrize(
+    "algorithm",
+    [
+        {"name": "grpo", "n": 2},
+        {"name": "ppo", "n": 2, "kl": {"coef": 0.01, "mode": "penalty", "type": "adaptive"}},
+    ],
+    ids=["grpo-kl-loss", "ppo-adaptive-kl-penalty"],
+)
 def test_every_logged_metric_is_known(small_world: Path, tmp_path: Path, algorithm: dict) -> None:
     """The list is the trainer's: every name one step logs is in it (one step of the tiny model)."""
-    data = tiny_grpo_recipe(small_world, tmp_path / "run", "logged", 1, **{"retriever.cache": str(tmp_path / "c")})
+    data = tiny_grpo_recipe(
+        small_world, tmp_path / "run", "logged", 1, **{"retriever.cache": str(tmp_path / "c")}
+    )
     data["algorithm"].update(algorithm)
     recipe = recipe_from_dict(data)
     train(recipe)

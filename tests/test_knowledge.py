@@ -66,8 +66,9 @@ def test_known_fraction_labels_every_hop_and_states_exactly_the_known_facts():
 def test_fact_sides_do_not_depend_on_the_number_of_questions():
     small = generate_world(200, 20, seed=4, known_fraction=0.5)
     large = generate_world(200, 150, seed=4, known_fraction=0.5)
-    assert [small.is_known(r.name, g) for r, g in _all_facts(small)] == \
-        [large.is_known(r.name, g) for r, g in _all_facts(large)]
+    assert [small.is_known(r.name, g) for r, g in _all_facts(small)] == [
+        large.is_known(r.name, g) for r, g in _all_facts(large)
+    ]
 
 
 def test_a_world_without_a_boundary_keeps_its_format(tmp_path):
@@ -80,11 +81,35 @@ def test_a_world_without_a_boundary_keeps_its_format(tmp_path):
 
 def test_synth_known_fraction_option(tmp_path):
     runner = CliRunner()
-    bad = runner.invoke(app, ["synth", "--out", str(tmp_path / "bad"), "--passages", "60", "--questions", "10",
-                              "--known-fraction", "1.5"])
+    bad = runner.invoke(
+        app,
+        [
+            "synth",
+            "--out",
+            str(tmp_path / "bad"),
+            "--passages",
+            "60",
+            "--questions",
+            "10",
+            "--known-fraction",
+            "1.5",
+        ],
+    )
     assert bad.exit_code == 2 and "--known-fraction must be between 0 and 1, got 1.5" in bad.output
-    ok = runner.invoke(app, ["synth", "--out", str(tmp_path / "w"), "--passages", "60", "--questions", "20",
-                             "--known-fraction", "0.5"])
+    ok = runner.invoke(
+        app,
+        [
+            "synth",
+            "--out",
+            str(tmp_path / "w"),
+            "--passages",
+            "60",
+            "--questions",
+            "20",
+            "--known-fraction",
+            "0.5",
+        ],
+    )
     assert ok.exit_code == 0, ok.output
     summary = json.loads((tmp_path / "w" / "world.json").read_text())
     assert summary["known_fraction"] == 0.5 and sum(summary["knowledge_distribution"].values()) == 20
@@ -102,7 +127,9 @@ def test_injection_records_train_only_the_answer_after_the_direct_prompt():
     from sleuth.llm.registry import tiny_model_dir
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir())
-    [record] = injection_records([{"id": "f", "question": "Who founded Zvex?", "answers": ["Kvar Dzul"]}], tokenizer)
+    [record] = injection_records(
+        [{"id": "f", "question": "Who founded Zvex?", "answers": ["Kvar Dzul"]}], tokenizer
+    )
     assert DIRECT_PROMPT.format(question="Who founded Zvex?") in record.prompt_text
     assert record.response_text == "<answer> Kvar Dzul </answer>"
     assert record.loss_mask == [1] * len(record.response_ids)
@@ -114,7 +141,9 @@ def test_injection_makes_the_boundary_real(tmp_path):
     """Tiny model, 40-passage world, single-hop questions, half the facts known: after the closed-book SFT the
     direct EM on all-known questions is far above all-unknown (measured: 93.3% vs 10.0% on 30 + 30 questions)."""
     world = tmp_path / "world"
-    write_world(generate_world(40, 60, hops=(1, 1), seed=0, known_fraction=0.5), world, splits=(0.0, 0.0, 1.0))
+    write_world(
+        generate_world(40, 60, hops=(1, 1), seed=0, known_fraction=0.5), world, splits=(0.0, 0.0, 1.0)
+    )
     settings = InjectionSettings(model="tiny", epochs=40, lr=3e-3, batch_size=8, lora=False)
     before = boundary_check(world, "tiny", tmp_path / "base")
     ckpt = inject_knowledge(world, tmp_path / "inject", settings)

@@ -25,18 +25,29 @@ def _plan(tmp_path: Path, jobs: list[dict], **extra) -> Path:
 
 
 def _cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, str(BENCH / "lease_jobs.py"), *args], capture_output=True, text=True,
-                          timeout=60, env=env)
+    return subprocess.run(
+        [sys.executable, str(BENCH / "lease_jobs.py"), *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
 
 
 def test_jobs_run_in_lanes_after_their_dependencies_and_resume(tmp_path: Path) -> None:
     order = tmp_path / "order.txt"
-    path = _plan(tmp_path, [
-        {"id": "a", "run": f"sleep 0.3; echo a >> {order}"},
-        {"id": "b", "run": f"echo b:$CUDA_VISIBLE_DEVICES:$LANE_TEST >> {order}", "gpus": "7"},
-        {"id": "c", "run": f"echo c >> {order}", "after": ["a"]},
-        {"id": "bad", "run": "echo broken; exit 3"},
-    ], lanes=["0", "1"], env={"LANE_TEST": "$WORK"}, pack=["logs", "progress.log", "missing"])
+    path = _plan(
+        tmp_path,
+        [
+            {"id": "a", "run": f"sleep 0.3; echo a >> {order}"},
+            {"id": "b", "run": f"echo b:$CUDA_VISIBLE_DEVICES:$LANE_TEST >> {order}", "gpus": "7"},
+            {"id": "c", "run": f"echo c >> {order}", "after": ["a"]},
+            {"id": "bad", "run": "echo broken; exit 3"},
+        ],
+        lanes=["0", "1"],
+        env={"LANE_TEST": "$WORK"},
+        pack=["logs", "progress.log", "missing"],
+    )
     plan = lease_jobs.load_plan(path)
     lease_jobs.POLL_S = 0.05
     assert lease_jobs.daemon(plan) == 1  # one job failed
@@ -54,7 +65,9 @@ def test_jobs_run_in_lanes_after_their_dependencies_and_resume(tmp_path: Path) -
     assert order.read_text() == ""
     assert [s.split(": ")[1] for s in lease_jobs.status(plan)] == ["done", "done", "done", "FAILED"]
     # a job whose id begins another's is not taken for it
-    prefixed = lease_jobs.load_plan(_plan(tmp_path, [{"id": "a.x", "run": "true"}, {"id": "a", "run": "true"}]))
+    prefixed = lease_jobs.load_plan(
+        _plan(tmp_path, [{"id": "a.x", "run": "true"}, {"id": "a", "run": "true"}])
+    )
     (tmp_path / "work" / "progress.log").write_text("00:00:01 start a.x on GPU 0\n")
     (tmp_path / "work" / "done" / "a").unlink()
     assert lease_jobs.status(prefixed) == ["  a.x: running", "  a: waiting"]
@@ -81,11 +94,14 @@ def test_start_detaches_a_daemon_that_wait_sees_end_and_stop_ends_it(tmp_path: P
     assert not (tmp_path / "work" / "done" / "long").exists()
 
 
-@pytest.mark.parametrize(("jobs", "message"), [
-    ([{"id": "a"}], r"jobs\[0\] needs an `id` and a `run`"),
-    ([{"id": "a", "run": "x"}, {"id": "a", "run": "y"}], "job id 'a' is repeated"),
-    ([{"id": "a", "run": "x", "after": ["b"]}, {"id": "b", "run": "y"}], r"runs after \['b'\]"),
-])
+@pytest.mark.parametrize(
+    ("jobs", "message"),
+    [
+        ([{"id": "a"}], r"jobs\[0\] needs an `id` and a `run`"),
+        ([{"id": "a", "run": "x"}, {"id": "a", "run": "y"}], "job id 'a' is repeated"),
+        ([{"id": "a", "run": "x", "after": ["b"]}, {"id": "b", "run": "y"}], r"runs after \['b'\]"),
+    ],
+)
 def test_a_wrong_plan_is_named(tmp_path: Path, jobs: list, message: str) -> None:
     with pytest.raises(lease_jobs.PlanError, match=message):
         lease_jobs.load_plan(_plan(tmp_path, jobs))
@@ -104,10 +120,23 @@ def test_the_gpu_scripts_plans_load() -> None:
 def test_gpu_claims_writes_a_plan_of_arms_then_reports(tmp_path: Path) -> None:
     """bench/gpu_claims.sh's jobs are a plan for the runner: `prepare`, one job per arm, each claim's report after
     its arms, LANES_PER_GPU lanes a GPU."""
-    env = {**os.environ, "CLAIMS_WORK": str(tmp_path), "PROFILE": "cpu", "GPUS": "2", "LANES_PER_GPU": "2",
-           "CLAIMS": "staged qagent", "PY": sys.executable}
-    res = subprocess.run(["bash", str(BENCH / "gpu_claims.sh"), "plan-file"], capture_output=True, text=True,
-                         env=env, timeout=120, cwd=BENCH.parent)
+    env = {
+        **os.environ,
+        "CLAIMS_WORK": str(tmp_path),
+        "PROFILE": "cpu",
+        "GPUS": "2",
+        "LANES_PER_GPU": "2",
+        "CLAIMS": "staged qagent",
+        "PY": sys.executable,
+    }
+    res = subprocess.run(
+        ["bash", str(BENCH / "gpu_claims.sh"), "plan-file"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        cwd=BENCH.parent,
+    )
     assert res.returncode == 0, res.stderr
     plan = lease_jobs.load_plan(tmp_path / "claims.json")
     assert plan.lanes == ("0", "1", "0", "1")
@@ -121,10 +150,25 @@ def test_gpu_claims_writes_a_plan_of_arms_then_reports(tmp_path: Path) -> None:
 def test_gpu_claims_splits_seeds_into_jobs_and_reports_after_all(tmp_path: Path) -> None:
     """SPLIT_SEEDS=1: one job per arm and seed (`--only-seed`), seed by seed, qagent a job per seed; each claim's
     report after every one of its jobs."""
-    env = {**os.environ, "CLAIMS_WORK": str(tmp_path), "PROFILE": "cpu", "GPUS": "1", "LANES_PER_GPU": "3",
-           "CLAIMS": "staged qagent", "SPLIT_SEEDS": "1", "SEEDS": "2", "PY": sys.executable}
-    res = subprocess.run(["bash", str(BENCH / "gpu_claims.sh"), "plan-file"], capture_output=True, text=True,
-                         env=env, timeout=120, cwd=BENCH.parent)
+    env = {
+        **os.environ,
+        "CLAIMS_WORK": str(tmp_path),
+        "PROFILE": "cpu",
+        "GPUS": "1",
+        "LANES_PER_GPU": "3",
+        "CLAIMS": "staged qagent",
+        "SPLIT_SEEDS": "1",
+        "SEEDS": "2",
+        "PY": sys.executable,
+    }
+    res = subprocess.run(
+        ["bash", str(BENCH / "gpu_claims.sh"), "plan-file"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        cwd=BENCH.parent,
+    )
     assert res.returncode == 0, res.stderr
     plan = lease_jobs.load_plan(tmp_path / "claims.json")
     runs = {j.id: j.run for j in plan.jobs}
@@ -135,7 +179,9 @@ def test_gpu_claims_splits_seeds_into_jobs_and_reports_after_all(tmp_path: Path)
     after = {j.id: set(j.after) for j in plan.jobs}
     assert after["staged"] == {"prepare", *parts} and after["qagent"] == {"prepare", "qagent.s0", "qagent.s1"}
     ids = [j.id for j in plan.jobs]
-    assert max(ids.index(p) for p in parts if p.endswith("s0")) < min(ids.index(p) for p in parts if p.endswith("s1"))
+    assert max(ids.index(p) for p in parts if p.endswith("s0")) < min(
+        ids.index(p) for p in parts if p.endswith("s1")
+    )
 
 
 def test_the_package_names_no_lenders_limits() -> None:

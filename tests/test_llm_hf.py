@@ -58,13 +58,19 @@ def reference_greedy(model, ids: list[int], n: int) -> list[int]:
     inp = torch.tensor([ids])
     with torch.no_grad():
         out = model.generate(
-            inp, attention_mask=torch.ones_like(inp), do_sample=False, max_new_tokens=n, min_new_tokens=n,
+            inp,
+            attention_mask=torch.ones_like(inp),
+            do_sample=False,
+            max_new_tokens=n,
+            min_new_tokens=n,
             pad_token_id=0,
         )
     return out[0, len(ids) :].tolist()
 
 
-def full_forward_logprobs(model, prompt_ids: list[int], gen_ids: list[int], temperature: float = 1.0) -> list[float]:
+def full_forward_logprobs(
+    model, prompt_ids: list[int], gen_ids: list[int], temperature: float = 1.0
+) -> list[float]:
     seq = torch.tensor([prompt_ids + gen_ids])
     with torch.no_grad():
         logits = model(seq).logits[0].float()
@@ -213,7 +219,9 @@ def test_sampling_seed_and_top_p(gen):
     assert [o.token_ids for o in a] == [o.token_ids for o in b]
     assert [o.token_ids for o in a] != [o.token_ids for o in c]
     # a vanishing nucleus leaves only the argmax: sampling becomes greedy
-    nucleus = gen.generate(PROMPTS, params=SamplingParams(max_new_tokens=10, temperature=1.0, top_p=1e-9, seed=1))
+    nucleus = gen.generate(
+        PROMPTS, params=SamplingParams(max_new_tokens=10, temperature=1.0, top_p=1e-9, seed=1)
+    )
     greedy = gen.generate(PROMPTS, params=SamplingParams(max_new_tokens=10, temperature=0.0))
     assert [o.token_ids for o in nucleus] == [o.token_ids for o in greedy]
 
@@ -306,7 +314,11 @@ def test_static_decoding_reads_tokens_in_chunks_without_changing_them(model_and_
     step_by_step = HFGenerator(model, tokenizer=tok, cache="static", sync_every=1)
     plain = step_by_step.generate(PROMPTS, params=SamplingParams(max_new_tokens=20, temperature=0.0))
     # stops that end rows at different steps inside a chunk: after 2, 5 and never
-    stops = [[step_by_step.decode(plain[0].token_ids[1:3])], [step_by_step.decode(plain[1].token_ids[3:6])], []]
+    stops = [
+        [step_by_step.decode(plain[0].token_ids[1:3])],
+        [step_by_step.decode(plain[1].token_ids[3:6])],
+        [],
+    ]
     eos = {plain[2].token_ids[6]}  # and one row ends on an "EOS" mid-way
     cases = [
         (SamplingParams(max_new_tokens=20, temperature=0.0), stops),
@@ -318,7 +330,10 @@ def test_static_decoding_reads_tokens_in_chunks_without_changing_them(model_and_
         for sync_every in (1, 2, 3, 8, 64):
             gen = HFGenerator(model, tokenizer=tok, cache="static", sync_every=sync_every)
             gen.eos_token_ids = frozenset(eos)
-            outs = [(o.token_ids, o.finish_reason, o.stop, o.text) for o in gen.generate(PROMPTS, stop=stop, params=params)]
+            outs = [
+                (o.token_ids, o.finish_reason, o.stop, o.text)
+                for o in gen.generate(PROMPTS, stop=stop, params=params)
+            ]
             logprobs = [o.logprobs for o in gen.generate(PROMPTS, stop=stop, params=params)]
             if reference is None:
                 reference, reference_logprobs = outs, logprobs
@@ -363,12 +378,17 @@ def test_grouped_decode_attention_changes_no_token(tmp_path, cache) -> None:
     assert not plain.grouped_decode_attention
     greedy = SamplingParams(max_new_tokens=12, temperature=0.0)
     stop = [plain.decode(plain.generate(PROMPTS[:1], params=greedy)[0].token_ids[4:6])]
-    for params, stops in ((greedy, None), (greedy, stop), (SamplingParams(max_new_tokens=12, temperature=1.0, seed=3), None)):
+    for params, stops in (
+        (greedy, None),
+        (greedy, stop),
+        (SamplingParams(max_new_tokens=12, temperature=1.0, seed=3), None),
+    ):
         a = plain.generate(PROMPTS, stop=stops, params=params)
         b = grouped.generate(PROMPTS, stop=stops, params=params)
         assert [o.token_ids for o in a] == [o.token_ids for o in b]
         for x, y in zip(a, b, strict=True):
             assert x.logprobs == pytest.approx(y.logprobs, abs=1e-5)
     # a model without GQA is left as it is
-    assert not HFGenerator(AutoModelForCausalLM.from_pretrained(tiny), tokenizer=tok,
-                           grouped_decode_attention=True).grouped_decode_attention
+    assert not HFGenerator(
+        AutoModelForCausalLM.from_pretrained(tiny), tokenizer=tok, grouped_decode_attention=True
+    ).grouped_decode_attention

@@ -53,7 +53,11 @@ class FakeServer:
             if chat:
                 choice["message"] = {"role": "assistant", "content": text}
                 if body.get("logprobs"):
-                    choice["logprobs"] = {"content": [{"token": t, "logprob": lp} for t, lp in zip(tokens, logprobs, strict=True)]}
+                    choice["logprobs"] = {
+                        "content": [
+                            {"token": t, "logprob": lp} for t, lp in zip(tokens, logprobs, strict=True)
+                        ]
+                    }
             else:
                 choice["text"] = text
                 if body.get("logprobs") is not None:
@@ -90,8 +94,11 @@ class FakeServer:
                 with self._lock:
                     self.in_flight -= 1
 
-        for prefix, flaky, text_only in (("/v1", False, False), ("/flaky/v1", True, False),
-                                         ("/textonly/v1", False, True)):
+        for prefix, flaky, text_only in (
+            ("/v1", False, False),
+            ("/flaky/v1", True, False),
+            ("/textonly/v1", False, True),
+        ):
 
             async def chat_route(request: Request, flaky: bool = flaky):
                 return await handle(request, True, flaky)
@@ -157,7 +164,9 @@ def test_chat_text_and_token_prompts_hit_the_right_endpoints(server):
     # distinct seeds per item, so repeated prompts give distinct samples
     assert sorted(r["seed"] for r in server.requests) == [5, 6, 7]
     # plain-text servers return text tokens: log-probs yes, token ids no
-    assert outs[0].token_ids == [] and outs[0].logprobs == pytest.approx([-0.01 * (i + 1) for i in range(len(outs[0].text))])
+    assert outs[0].token_ids == [] and outs[0].logprobs == pytest.approx(
+        [-0.01 * (i + 1) for i in range(len(outs[0].text))]
+    )
 
 
 def test_completions_mode_for_text(server):
@@ -169,7 +178,11 @@ def test_completions_mode_for_text(server):
 def test_stop_string_is_restored_in_text(server):
     gen = OpenAIGenerator(f"{server.url}/v1", "fake-model")
     outs = gen.generate(["a", "b"], stop=[["</search>"], ["nope"]], params=P)
-    assert outs[0].text == "reply to a </search>" and outs[0].finish_reason == "stop" and outs[0].stop == "</search>"
+    assert (
+        outs[0].text == "reply to a </search>"
+        and outs[0].finish_reason == "stop"
+        and outs[0].stop == "</search>"
+    )
     assert outs[1].finish_reason == "length" and outs[1].stop is None
 
 
@@ -183,21 +196,31 @@ def test_vllm_extensions_give_token_ids_and_stop_reason(server):
 
 def test_retries_a_failing_then_succeeding_endpoint(server):
     server.flaky_failures_left = 2
-    gen = OpenAIGenerator(f"{server.url}/flaky/v1", "fake-model", options=OpenAIOptions(retries=3, backoff=0.01))
+    gen = OpenAIGenerator(
+        f"{server.url}/flaky/v1", "fake-model", options=OpenAIOptions(retries=3, backoff=0.01)
+    )
     (out,) = gen.generate(["x"], params=P)
     assert out.text.startswith("reply to x") and len(server.requests) == 3
 
 
 def test_gives_up_with_service_error(server):
     server.flaky_failures_left = 10
-    gen = OpenAIGenerator(f"{server.url}/flaky/v1", "fake-model", options=OpenAIOptions(retries=2, backoff=0.01))
+    gen = OpenAIGenerator(
+        f"{server.url}/flaky/v1", "fake-model", options=OpenAIOptions(retries=2, backoff=0.01)
+    )
     with pytest.raises(ServiceError, match="failed after 2 attempts.*503"):
         gen.generate(["x"], params=P)
 
 
 def test_dead_server_raises_service_error():
-    gen = OpenAIGenerator(f"http://127.0.0.1:{_free_port()}/v1", "fake-model", options=OpenAIOptions(retries=2, backoff=0.01, timeout=2))
-    with pytest.raises(ServiceError, match=r"POST http://127\.0\.0\.1:\d+/v1/chat/completions failed after 2"):
+    gen = OpenAIGenerator(
+        f"http://127.0.0.1:{_free_port()}/v1",
+        "fake-model",
+        options=OpenAIOptions(retries=2, backoff=0.01, timeout=2),
+    )
+    with pytest.raises(
+        ServiceError, match=r"POST http://127\.0\.0\.1:\d+/v1/chat/completions failed after 2"
+    ):
         gen.generate(["x"], params=P)
 
 
@@ -230,8 +253,9 @@ def test_an_unknown_openai_spec_option_is_named() -> None:
 
     with pytest.raises(ConfigError, match="unknown option.*bogus"):
         load_generator({"backend": "openai", "base_url": "http://127.0.0.1:9/v1", "model": "m", "bogus": 1})
-    gen = load_generator({"backend": "openai", "base_url": "http://127.0.0.1:9/v1", "model": "m", "chat": False,
-                          "retries": 2})
+    gen = load_generator(
+        {"backend": "openai", "base_url": "http://127.0.0.1:9/v1", "model": "m", "chat": False, "retries": 2}
+    )
     assert isinstance(gen, OpenAIGenerator) and gen.chat is False and gen.retries == 2
 
 
@@ -239,8 +263,12 @@ def test_a_slow_answer_is_not_sent_again(server):
     """A request that times out waiting for its answer is still being computed: resending it would double the
     server's work, so it fails at once, saying how to wait longer."""
     server.delay = 1.0
-    gen = OpenAIGenerator(f"{server.url}/v1", "fake-model", options=OpenAIOptions(retries=4, backoff=0.01, timeout=0.3))
-    with pytest.raises(ServiceError, match=r"no answer within 0.3 s; not sent again .* SLEUTH_OPENAI_TIMEOUT"):
+    gen = OpenAIGenerator(
+        f"{server.url}/v1", "fake-model", options=OpenAIOptions(retries=4, backoff=0.01, timeout=0.3)
+    )
+    with pytest.raises(
+        ServiceError, match=r"no answer within 0.3 s; not sent again .* SLEUTH_OPENAI_TIMEOUT"
+    ):
         gen.generate(["x"], params=P)
     time.sleep(1.2)  # let the server finish what it was computing
     assert len(server.requests) == 1
@@ -267,8 +295,23 @@ def test_the_timeout_is_an_option(server, monkeypatch, tmp_path):
     data = tmp_path / "q.jsonl"
     data.write_text(json.dumps({"id": "q0", "question": "Where?", "golden_answers": ["x"]}) + "\n")
     server.delay = 1.0
-    result = CliRunner().invoke(app, ["eval", "-m", "direct", "--data", str(data), "--model", spec, "--out",
-                                      str(tmp_path / "out"), "--openai-timeout", "0.3"], env={"COLUMNS": "300"})
+    result = CliRunner().invoke(
+        app,
+        [
+            "eval",
+            "-m",
+            "direct",
+            "--data",
+            str(data),
+            "--model",
+            spec,
+            "--out",
+            str(tmp_path / "out"),
+            "--openai-timeout",
+            "0.3",
+        ],
+        env={"COLUMNS": "300"},
+    )
     assert result.exit_code == 2 and "no answer within 0.3 s" in result.output, result.output
     time.sleep(1.2)
     assert len(server.requests) == 1
@@ -286,7 +329,9 @@ def test_a_server_taking_text_only_gets_the_prompt_as_text(server):
     bare = OpenAIGenerator(f"{server.url}/textonly/v1", "fake-model", options=OpenAIOptions(backoff=0.01))
     with pytest.raises(ServiceError, match=r"refused a prompt of token ids.*--tokenizer DIR"):
         bare.generate([ids], params=P)
-    gen = OpenAIGenerator(f"{server.url}/textonly/v1", "fake-model", tokenizer=tok, options=OpenAIOptions(backoff=0.01))
+    gen = OpenAIGenerator(
+        f"{server.url}/textonly/v1", "fake-model", tokenizer=tok, options=OpenAIOptions(backoff=0.01)
+    )
     (out,) = gen.generate([ids], params=P)
     assert out.text.startswith("reply to hello there") and gen.text_prompts
     server.requests.clear()
@@ -296,8 +341,11 @@ def test_a_server_taking_text_only_gets_the_prompt_as_text(server):
 
 def test_a_stop_string_kept_in_the_text_ends_the_turn_there():
     # transformers serve keeps the stop string and may run past it within the token that completed it
-    gen = parse_choice({"finish_reason": "stop", "text": "a <search> q </search>\n\nmore"}, ["</search>", "</answer>"],
-                       chat=False)
+    gen = parse_choice(
+        {"finish_reason": "stop", "text": "a <search> q </search>\n\nmore"},
+        ["</search>", "</answer>"],
+        chat=False,
+    )
     assert (gen.text, gen.stop, gen.finish_reason) == ("a <search> q </search>", "</search>", "stop")
 
 
@@ -307,25 +355,68 @@ def test_an_openai_model_named_by_a_local_directory_brings_its_tokenizer(tmp_pat
     served = load_generator(f"openai:http://127.0.0.1:9/v1#{tiny_model_dir()}")
     assert served.tokenizer is not None and served.model == str(tiny_model_dir())
     assert load_generator("openai:http://127.0.0.1:9/v1#some-model").tokenizer is None
-    with_tok = load_generator({"backend": "openai", "base_url": "http://127.0.0.1:9/v1", "model": "m",
-                               "tokenizer": str(tiny_model_dir())})
+    with_tok = load_generator(
+        {
+            "backend": "openai",
+            "base_url": "http://127.0.0.1:9/v1",
+            "model": "m",
+            "tokenizer": str(tiny_model_dir()),
+        }
+    )
     assert with_tok.tokenizer is not None
     with pytest.raises(ConfigError, match="tokenizer .*: not a directory holding tokenizer_config.json"):
-        load_generator({"backend": "openai", "base_url": "http://127.0.0.1:9/v1", "model": "m",
-                        "tokenizer": str(tmp_path)})
+        load_generator(
+            {
+                "backend": "openai",
+                "base_url": "http://127.0.0.1:9/v1",
+                "model": "m",
+                "tokenizer": str(tmp_path),
+            }
+        )
 
 
-def test_an_agent_through_a_served_model_without_tokenizer_is_refused_before_any_method(server, small_world, tmp_path):
+def test_an_agent_through_a_served_model_without_tokenizer_is_refused_before_any_method(
+    server, small_world, tmp_path
+):
     from typer.testing import CliRunner
 
     from sleuth.cli import app
 
-    result = CliRunner().invoke(app, [
-        "eval", "-m", "naive-rag,search-r1", "--data", str(small_world / "test.jsonl"), "--retriever",
-        str(small_world / "bm25"), "--model", f"openai:{server.url}/v1#fake-model", "--out", str(tmp_path / "out"),
-        "--limit", "1"], env={"COLUMNS": "400"})
+    result = CliRunner().invoke(
+        app,
+        [
+            "eval",
+            "-m",
+            "naive-rag,search-r1",
+            "--data",
+            str(small_world / "test.jsonl"),
+            "--retriever",
+            str(small_world / "bm25"),
+            "--model",
+            f"openai:{server.url}/v1#fake-model",
+            "--out",
+            str(tmp_path / "out"),
+            "--limit",
+            "1",
+        ],
+        env={"COLUMNS": "400"},
+    )
     assert result.exit_code == 2 and "pass --tokenizer DIR" in result.output, result.output
-    assert not (tmp_path / "out" / "naive-rag").exists() and server.requests == []  # refused before naive-rag ran
-    result = CliRunner().invoke(app, ["eval", "-m", "direct", "--data", str(small_world / "test.jsonl"),
-                                      "--model", "tiny", "--tokenizer", str(tmp_path)])
+    assert (
+        not (tmp_path / "out" / "naive-rag").exists() and server.requests == []
+    )  # refused before naive-rag ran
+    result = CliRunner().invoke(
+        app,
+        [
+            "eval",
+            "-m",
+            "direct",
+            "--data",
+            str(small_world / "test.jsonl"),
+            "--model",
+            "tiny",
+            "--tokenizer",
+            str(tmp_path),
+        ],
+    )
     assert result.exit_code == 2 and "only an openai: --model needs one" in result.output

@@ -134,15 +134,22 @@ def test_bad_specs_name_the_spec(tmp_path):
     with pytest.raises(ConfigError, match="unknown backend 'tgi'"):
         load_generator({"backend": "tgi", "model": "x"})
     with pytest.raises(ConfigError, match="SLEUTH_TEST_NO_SUCH_KEY"):
-        load_generator({"backend": "openai", "base_url": "http://x/v1", "model": "m",
-                        "api_key_env": "SLEUTH_TEST_NO_SUCH_KEY"})
-
+        load_generator(
+            {
+                "backend": "openai",
+                "base_url": "http://x/v1",
+                "model": "m",
+                "api_key_env": "SLEUTH_TEST_NO_SUCH_KEY",
+            }
+        )
 
 
 def test_a_loadable_hub_name_passes_through(monkeypatch):
     import sleuth.llm.registry
 
-    monkeypatch.setattr(sleuth.llm.registry, "require_hub_model", lambda name: None)  # cached or hub reachable
+    monkeypatch.setattr(
+        sleuth.llm.registry, "require_hub_model", lambda name: None
+    )  # cached or hub reachable
     assert resolve_model_path("Qwen/Qwen2.5-3B-Instruct") == "Qwen/Qwen2.5-3B-Instruct"
 
 
@@ -150,7 +157,9 @@ def test_openai_spec_string_and_dict(monkeypatch):
     gen = load_generator("openai:http://127.0.0.1:9/v1#my-model", retries=1)
     assert (gen.base_url, gen.model, gen.retries) == ("http://127.0.0.1:9/v1", "my-model", 1)
     monkeypatch.setenv("SLEUTH_TEST_KEY", "secret")
-    gen = load_generator({"backend": "openai", "base_url": "http://h/v1", "model": "m", "api_key_env": "SLEUTH_TEST_KEY"})
+    gen = load_generator(
+        {"backend": "openai", "base_url": "http://h/v1", "model": "m", "api_key_env": "SLEUTH_TEST_KEY"}
+    )
     assert gen._client.headers["Authorization"] == "Bearer secret"
 
 
@@ -158,8 +167,10 @@ def test_openai_spec_string_and_dict(monkeypatch):
 
 
 def test_importing_sleuth_llm_does_not_import_vllm():
-    code = ("import sys, sleuth.llm.vllm_backend, sleuth.llm.registry, sleuth.llm.hf, sleuth.llm.openai_http; "
-            "print('vllm' in sys.modules)")
+    code = (
+        "import sys, sleuth.llm.vllm_backend, sleuth.llm.registry, sleuth.llm.hf, sleuth.llm.openai_http; "
+        "print('vllm' in sys.modules)"
+    )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "False"
 
@@ -182,12 +193,28 @@ def test_vllm_output_mapping():
         return [{t: SimpleNamespace(logprob=v)} for t, v in zip(ids, values, strict=True)]
 
     decode = lambda ids: "|".join(map(str, ids))  # noqa: E731
-    stop = SimpleNamespace(token_ids=[4, 5], logprobs=lp([4, 5], [-0.5, -0.25]), finish_reason="stop",
-                           stop_reason="</search>", text="a </search>")
+    stop = SimpleNamespace(
+        token_ids=[4, 5],
+        logprobs=lp([4, 5], [-0.5, -0.25]),
+        finish_reason="stop",
+        stop_reason="</search>",
+        text="a </search>",
+    )
     g = generation_from_vllm(stop, ["</search>"], frozenset({2}), decode)
-    assert (g.finish_reason, g.stop, g.token_ids, g.logprobs, g.text) == ("stop", "</search>", [4, 5], [-0.5, -0.25], "a </search>")
-    eos = SimpleNamespace(token_ids=[7, 2], logprobs=lp([7, 2], [-1.0, -2.0]), finish_reason="stop",
-                          stop_reason=None, text="x<|im_end|>")
+    assert (g.finish_reason, g.stop, g.token_ids, g.logprobs, g.text) == (
+        "stop",
+        "</search>",
+        [4, 5],
+        [-0.5, -0.25],
+        "a </search>",
+    )
+    eos = SimpleNamespace(
+        token_ids=[7, 2],
+        logprobs=lp([7, 2], [-1.0, -2.0]),
+        finish_reason="stop",
+        stop_reason=None,
+        text="x<|im_end|>",
+    )
     g = generation_from_vllm(eos, [], frozenset({2}), decode)
     assert (g.finish_reason, g.token_ids, g.text) == ("eos", [7, 2], "7")
     length = SimpleNamespace(token_ids=[7], logprobs=None, finish_reason="length", stop_reason=None, text="x")
@@ -205,7 +232,9 @@ def test_cli_models_and_generate(cache):
     runner = CliRunner()
     listed = runner.invoke(app, ["models"])
     assert listed.exit_code == 0 and "smollm2" in listed.output and "tiny" in listed.output
-    generated = runner.invoke(app, ["generate", "tiny", "The quick", "--max-new-tokens", "3", "--show-tokens"])
+    generated = runner.invoke(
+        app, ["generate", "tiny", "The quick", "--max-new-tokens", "3", "--show-tokens"]
+    )
     assert generated.exit_code == 0, generated.output
     assert "finish_reason=length" in generated.output
     bad = runner.invoke(app, ["generate", "no-such-model", "hi"])
@@ -223,8 +252,11 @@ def test_hub_model_without_network_is_one_line_naming_it(small_world, tmp_path, 
 
     name = "sleuth-test/not-cached-anywhere"
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    with pytest.raises(ConfigError, match=r"model 'sleuth-test/not-cached-anywhere' .* HF_HUB_OFFLINE is set: "
-                                          r"download it .* or set the model \(model.policy / --model\)"):
+    with pytest.raises(
+        ConfigError,
+        match=r"model 'sleuth-test/not-cached-anywhere' .* HF_HUB_OFFLINE is set: "
+        r"download it .* or set the model \(model.policy / --model\)",
+    ):
         resolve_model_path(name)
     # no network (nothing listens on the endpoint): said at once, not after transformers' retries
     monkeypatch.setenv("HF_HUB_OFFLINE", "0")
@@ -236,9 +268,13 @@ def test_hub_model_without_network_is_one_line_naming_it(small_world, tmp_path, 
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     recipe = tmp_path / "r.yaml"
-    recipe.write_text(yaml.safe_dump(tiny_grpo_recipe(small_world, tmp_path / "run", "hub", **{"model.policy": name})))
+    recipe.write_text(
+        yaml.safe_dump(tiny_grpo_recipe(small_world, tmp_path / "run", "hub", **{"model.policy": name}))
+    )
     result = CliRunner().invoke(app, ["train", str(recipe)])
     assert result.exit_code == 2, result.output
     lines = result.output.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith(f"error: model {name!r}") and "Traceback" not in result.output
+    assert (
+        len(lines) == 1 and lines[0].startswith(f"error: model {name!r}") and "Traceback" not in result.output
+    )
     assert not (tmp_path / "run").exists()

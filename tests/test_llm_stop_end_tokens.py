@@ -24,7 +24,10 @@ STOP_SETS = [["</search>", "</answer>"], ["</answer>"], ["。"], [">>"], ["end\n
 
 
 def _corpus() -> list[str]:
-    return TEXTS + ["the capital of Varonia is Quellstad", "ab cd ef gh ij kl mn op qr st uv wx yz 0123456789"] * 3
+    return (
+        TEXTS
+        + ["the capital of Varonia is Quellstad", "ab cd ef gh ij kl mn op qr st uv wx yz 0123456789"] * 3
+    )
 
 
 @pytest.fixture(scope="module")
@@ -42,11 +45,13 @@ def metaspace_byte_fallback():
 
     tok = Tokenizer(models.BPE(byte_fallback=True, unk_token="<unk>"))
     tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
-    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
-                                     decoders.Strip(" ", 1, 0)])
+    tok.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
     bytes_ = [f"<0x{i:02X}>" for i in range(256)]
-    tok.train_from_iterator(_corpus(), trainers.BpeTrainer(vocab_size=400, special_tokens=["<unk>", *bytes_],
-                                                           show_progress=False))
+    tok.train_from_iterator(
+        _corpus(), trainers.BpeTrainer(vocab_size=400, special_tokens=["<unk>", *bytes_], show_progress=False)
+    )
     return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>")
 
 
@@ -59,8 +64,9 @@ def wordpiece():
     tok.normalizer = normalizers.BertNormalizer(lowercase=True)
     tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
     tok.decoder = decoders.WordPiece()
-    tok.train_from_iterator(_corpus(), trainers.WordPieceTrainer(vocab_size=300, special_tokens=["[UNK]"],
-                                                                 show_progress=False))
+    tok.train_from_iterator(
+        _corpus(), trainers.WordPieceTrainer(vocab_size=300, special_tokens=["[UNK]"], show_progress=False)
+    )
     return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]")
 
 
@@ -74,11 +80,15 @@ def first_stop_every_token(tokenizer, ids: list[int], stops: list[str]) -> tuple
     return None
 
 
-def first_stop_filtered(tokenizer, ends: StopEndTokens, ids: list[int], stops: list[str]) -> tuple[int, str] | None:
+def first_stop_filtered(
+    tokenizer, ends: StopEndTokens, ids: list[int], stops: list[str]
+) -> tuple[int, str] | None:
     window = stop_window(stops)
     for n, check in enumerate(ends.checks(stops, ids), start=1):
         if check:
-            hit = first_stop_in(tokenizer.decode(ids[max(0, n - window) : n], skip_special_tokens=False), stops)
+            hit = first_stop_in(
+                tokenizer.decode(ids[max(0, n - window) : n], skip_special_tokens=False), stops
+            )
             if hit is not None:
                 return n, hit
     return None
@@ -143,6 +153,9 @@ def test_stop_tails_are_the_windows_ending_at_the_checked_tokens() -> None:
         window = rng.randrange(1, 12)
         checks = [rng.random() < 0.5 for _ in new]
         whole = generated + new
-        want = [whole[max(0, len(generated) + k + 1 - window) : len(generated) + k + 1]
-                for k, c in enumerate(checks) if c]
+        want = [
+            whole[max(0, len(generated) + k + 1 - window) : len(generated) + k + 1]
+            for k, c in enumerate(checks)
+            if c
+        ]
         assert stop_tails(generated, new, window, checks) == want

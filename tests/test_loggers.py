@@ -26,13 +26,30 @@ def _recipe(small_world: Path, out_dir: Path, loggers: list[str], tmp_path: Path
         "model": {"policy": "tiny"},
         "data": {"train": str(small_world / "train.jsonl")},
         "retriever": {"index": str(small_world / "bm25")},
-        "agent": {"loop": "search_r1", "max_turns": 1, "max_new_tokens_per_turn": 8, "max_response_tokens": 64,
-                  "max_obs_tokens": 16},
-        "plugins": ["sleuth_test_rewards"], "reward": {"name": "test_token_fraction"},
-        "algorithm": {"name": "grpo", "n": 2, "prompts_per_step": 1, "minibatch_size": 2, "micro_batch_size": 2},
-        "trainer": {"total_steps": STEPS, "save_every": STEPS, "out_dir": str(out_dir), "loggers": loggers,
-                    "wandb": {"mode": "offline", "project": "sleuth-test"},
-                    "mlflow": {"tracking_uri": (tmp_path / "mlruns").as_uri(), "experiment": "sleuth-test"}},
+        "agent": {
+            "loop": "search_r1",
+            "max_turns": 1,
+            "max_new_tokens_per_turn": 8,
+            "max_response_tokens": 64,
+            "max_obs_tokens": 16,
+        },
+        "plugins": ["sleuth_test_rewards"],
+        "reward": {"name": "test_token_fraction"},
+        "algorithm": {
+            "name": "grpo",
+            "n": 2,
+            "prompts_per_step": 1,
+            "minibatch_size": 2,
+            "micro_batch_size": 2,
+        },
+        "trainer": {
+            "total_steps": STEPS,
+            "save_every": STEPS,
+            "out_dir": str(out_dir),
+            "loggers": loggers,
+            "wandb": {"mode": "offline", "project": "sleuth-test"},
+            "mlflow": {"tracking_uri": (tmp_path / "mlruns").as_uri(), "experiment": "sleuth-test"},
+        },
     }
 
 
@@ -76,7 +93,9 @@ def test_every_tracker_gets_config_steps_and_report(small_world: Path, tmp_path:
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow 3 keeps the file store behind this switch
     monkeypatch.setenv("WANDB_SILENT", "true")
     out = tmp_path / "run"
-    recipe = recipe_from_dict(_recipe(small_world, out, ["jsonl", "tensorboard", "wandb", "mlflow"], tmp_path))
+    recipe = recipe_from_dict(
+        _recipe(small_world, out, ["jsonl", "tensorboard", "wandb", "mlflow"], tmp_path)
+    )
     result = train(recipe)
     steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [s["step"] for s in steps] == [1, 2]
@@ -92,8 +111,9 @@ def test_every_tracker_gets_config_steps_and_report(small_world: Path, tmp_path:
         assert [(m.step, m.value) for m in history] == [(s["step"], pytest.approx(s[key])) for s in steps]
     artifacts = Path(client.download_artifacts(ids["mlflow"], "report.json", str(tmp_path / "dl")))
     report = json.loads(artifacts.read_text())
-    assert report["checkpoint"] == result["checkpoint"] and report["final_metrics"]["reward/mean"] == pytest.approx(
-        steps[-1]["reward/mean"])
+    assert report["checkpoint"] == result["checkpoint"] and report["final_metrics"][
+        "reward/mean"
+    ] == pytest.approx(steps[-1]["reward/mean"])
 
     # W&B offline: config, one history row per step with the same values, the report in the summary
     (wandb_file,) = (out / "wandb").glob(f"offline-run-*-{ids['wandb']}/run-{ids['wandb']}.wandb")
@@ -112,7 +132,8 @@ def test_every_tracker_gets_config_steps_and_report(small_world: Path, tmp_path:
             summary.update(_items(record.summary.update))
     assert config["recipe"]["algorithm"]["n"] == 2 and config["ranks"] == 1
     assert [(h["_step"], h["reward/mean"]) for h in history] == [
-        (s["step"], pytest.approx(s["reward/mean"])) for s in steps]
+        (s["step"], pytest.approx(s["reward/mean"])) for s in steps
+    ]
     assert summary["report/checkpoint"] == result["checkpoint"]
     assert summary["report/final_metrics.reward/mean"] == pytest.approx(steps[-1]["reward/mean"])
 
@@ -121,7 +142,8 @@ def test_every_tracker_gets_config_steps_and_report(small_world: Path, tmp_path:
     acc = EventAccumulator(str(events))
     acc.Reload()
     assert [(e.step, e.value) for e in acc.Scalars("reward/mean")] == [
-        (s["step"], pytest.approx(s["reward/mean"])) for s in steps]
+        (s["step"], pytest.approx(s["reward/mean"])) for s in steps
+    ]
     assert {"config/text_summary", "report/text_summary"} <= set(acc.Tags()["tensors"])
 
 
@@ -144,7 +166,9 @@ def test_resume_continues_the_same_tracker_run(small_world: Path, tmp_path: Path
     assert [m.step for m in history] == [1, 2]
 
 
-def test_unknown_logger_and_missing_library_are_clear_errors(small_world: Path, tmp_path: Path, monkeypatch) -> None:
+def test_unknown_logger_and_missing_library_are_clear_errors(
+    small_world: Path, tmp_path: Path, monkeypatch
+) -> None:
     from sleuth.errors import ConfigError
     from sleuth.rl.loggers import open_loggers
 
@@ -164,13 +188,16 @@ def _readme_tracker_yaml() -> dict:
     import yaml
 
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    (block,) = [b for b in re.findall(r"```yaml\n(.*?)```", readme, re.DOTALL) if "loggers:" in b and "mlflow" in b]
+    (block,) = [
+        b for b in re.findall(r"```yaml\n(.*?)```", readme, re.DOTALL) if "loggers:" in b and "mlflow" in b
+    ]
     return yaml.safe_load(block)["trainer"]
 
 
 @pytest.mark.slow
-def test_the_readme_tracker_yaml_works_offline_with_local_stores(small_world: Path, tmp_path: Path,
-                                                                  monkeypatch) -> None:
+def test_the_readme_tracker_yaml_works_offline_with_local_stores(
+    small_world: Path, tmp_path: Path, monkeypatch
+) -> None:
     """No MLFLOW_* or WANDB_* variable, no ~/.netrc: MLflow writes a file store in the run directory
     (mlflow-skinny cannot open MLflow 3's sqlite default) and W&B runs offline."""
     pytest.importorskip("wandb")
@@ -237,11 +264,20 @@ def test_the_readme_mlflow_read_back_works_in_a_fresh_shell(tmp_path: Path) -> N
     assert "pip install mlflow " in block and "mlflow ui --backend-store-uri runs/x/mlruns" in block
     env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
     store = tmp_path / "runs" / "x" / "mlruns"
-    write = (f"import mlflow; mlflow.set_tracking_uri({store.as_uri()!r}); mlflow.set_experiment('sleuth')\n"
-             "with mlflow.start_run(run_name='readme'): mlflow.log_metric('reward/mean', 0.25, step=1)")
-    subprocess.run([sys.executable, "-c", write], env={**env, "MLFLOW_ALLOW_FILE_STORE": "true"}, check=True,
-                   capture_output=True, timeout=300)
+    write = (
+        f"import mlflow; mlflow.set_tracking_uri({store.as_uri()!r}); mlflow.set_experiment('sleuth')\n"
+        "with mlflow.start_run(run_name='readme'): mlflow.log_metric('reward/mean', 0.25, step=1)"
+    )
+    subprocess.run(
+        [sys.executable, "-c", write],
+        env={**env, "MLFLOW_ALLOW_FILE_STORE": "true"},
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
     command = read_back.replace("python -c", f"{sys.executable} -c", 1)
-    result = subprocess.run(command, shell=True, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        command, shell=True, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     assert "readme" in result.stdout and "0.25" in result.stdout

@@ -38,11 +38,26 @@ def trained(small_world: Path, tmp_path_factory: pytest.TempPathFactory) -> Path
         "data": {"train": str(small_world / "train.jsonl")},
         # a retriever backend, an advantage estimator and a policy loss from a plugin module, named in the recipe
         "retriever": {"location": f"test_counted:{small_world / 'bm25'}"},
-        "agent": {"loop": "test_lookup", "max_turns": 1, "max_new_tokens_per_turn": 8, "max_response_tokens": 64,
-                  "max_obs_tokens": 32},
-        "plugins": ["sleuth_test_method", "sleuth_test_parts"],  # no reward: section: the method's default reward
-        "algorithm": {"name": "grpo", "n": 2, "prompts_per_step": 2, "minibatch_size": 4, "micro_batch_size": 4,
-                      "advantage": "test_counted_grpo", "policy_loss": "test_counted_ppo"},
+        "agent": {
+            "loop": "test_lookup",
+            "max_turns": 1,
+            "max_new_tokens_per_turn": 8,
+            "max_response_tokens": 64,
+            "max_obs_tokens": 32,
+        },
+        "plugins": [
+            "sleuth_test_method",
+            "sleuth_test_parts",
+        ],  # no reward: section: the method's default reward
+        "algorithm": {
+            "name": "grpo",
+            "n": 2,
+            "prompts_per_step": 2,
+            "minibatch_size": 4,
+            "micro_batch_size": 4,
+            "advantage": "test_counted_grpo",
+            "policy_loss": "test_counted_ppo",
+        },
         "trainer": {"total_steps": 1, "save_every": 1, "out_dir": str(out)},
     }
     path = out.parent / "recipe.yaml"
@@ -74,8 +89,12 @@ def test_train_without_a_reward_section_uses_the_methods_reward(trained: Path) -
     from sleuth.rl.config import recipe_from_dict
 
     assert json.loads((trained / "run.json").read_text())["recipe"]["reward"]["name"] == "test_lookup_reward"
-    assert recipe_from_dict({"name": "x", "data": {"train": "t"}, "retriever": {"index": "i"},
-                             "agent": {"loop": "s3"}}).reward.name == "s3_gbr"
+    assert (
+        recipe_from_dict(
+            {"name": "x", "data": {"train": "t"}, "retriever": {"index": "i"}, "agent": {"loop": "s3"}}
+        ).reward.name
+        == "s3_gbr"
+    )
 
 
 def test_plugin_parts_are_refused_without_their_module() -> None:
@@ -96,10 +115,29 @@ def test_plugin_method_evaluates_through_the_cli(trained: Path, small_world: Pat
     import sleuth_test_parts
 
     searched = sleuth_test_parts.CALLS["search"]
-    args = ["eval", "--plugin", "sleuth_test_method", "--plugin", "sleuth_test_parts", "-m", "test-lookup,naive-rag",
-            "--data", str(small_world / "test.jsonl"), "--retriever", f"test_counted:{small_world / 'bm25'}",
-            "--model", str(trained),
-            "--generator", "tiny", "--out", str(out), "--limit", "3", "--batch-size", "3"]
+    args = [
+        "eval",
+        "--plugin",
+        "sleuth_test_method",
+        "--plugin",
+        "sleuth_test_parts",
+        "-m",
+        "test-lookup,naive-rag",
+        "--data",
+        str(small_world / "test.jsonl"),
+        "--retriever",
+        f"test_counted:{small_world / 'bm25'}",
+        "--model",
+        str(trained),
+        "--generator",
+        "tiny",
+        "--out",
+        str(out),
+        "--limit",
+        "3",
+        "--batch-size",
+        "3",
+    ]
     res = CliRunner().invoke(app, args, env={"COLUMNS": "200"})
     assert res.exit_code == 0, res.output
     summary = json.loads((out / "summary.json").read_text())
@@ -123,8 +161,20 @@ def test_plugin_method_serves_through_the_cli(trained: Path, small_world: Path, 
     import sleuth_test_parts
 
     opened = sleuth_test_parts.CALLS["open"]
-    res = CliRunner().invoke(app, ["serve-searcher", "--plugin", "sleuth_test_method", "--plugin", "sleuth_test_parts",
-                                   "--checkpoint", str(trained), "--retriever", f"test_counted:{small_world / 'bm25'}"])
+    res = CliRunner().invoke(
+        app,
+        [
+            "serve-searcher",
+            "--plugin",
+            "sleuth_test_method",
+            "--plugin",
+            "sleuth_test_parts",
+            "--checkpoint",
+            str(trained),
+            "--retriever",
+            f"test_counted:{small_world / 'bm25'}",
+        ],
+    )
     assert res.exit_code == 0, res.output
     assert "test_lookup searcher" in res.output
     assert sleuth_test_parts.CALLS["open"] == opened + 1  # the plugin's retriever backend, by its location
@@ -133,7 +183,9 @@ def test_plugin_method_serves_through_the_cli(trained: Path, small_world: Path, 
     assert resp.json()["loop"] == "test_lookup"
 
 
-def test_plugin_reader_prompt_reads_its_served_documents(trained: Path, small_world: Path, monkeypatch) -> None:
+def test_plugin_reader_prompt_reads_its_served_documents(
+    trained: Path, small_world: Path, monkeypatch
+) -> None:
     """The plugin's own reader prompt (Method.reader) is what the service's /answer hands the frozen
     generator, and a reward option or EvalConfig.answer_template can name it: no edit to sleuth."""
     import uvicorn
@@ -156,8 +208,20 @@ def test_plugin_reader_prompt_reads_its_served_documents(trained: Path, small_wo
             answers.append(client.post("/answer", json={"question": "Where was Ada born?", "max_turns": 1}))
 
     monkeypatch.setattr(uvicorn, "run", serve_in_test_client)
-    res = CliRunner().invoke(app, ["serve-searcher", "--plugin", "sleuth_test_method", "--checkpoint", str(trained),
-                                   "--index", str(small_world / "bm25"), "--generator", "tiny"])
+    res = CliRunner().invoke(
+        app,
+        [
+            "serve-searcher",
+            "--plugin",
+            "sleuth_test_method",
+            "--checkpoint",
+            str(trained),
+            "--index",
+            str(small_world / "bm25"),
+            "--generator",
+            "tiny",
+        ],
+    )
     assert res.exit_code == 0, res.output
     (resp,) = answers
     assert resp.status_code == 200, resp.text
@@ -168,14 +232,27 @@ def test_plugin_reader_prompt_reads_its_served_documents(trained: Path, small_wo
     assert template is sleuth_test_method.NOTES_READER
     (messages,) = [document_prompt(q, d, template) for q, d in zip(questions, docs, strict=True)]
     assert messages[0]["content"].startswith("Notes:") and messages[0]["content"].endswith(
-        "answer: Where was Ada born?")
+        "answer: Where was Ada born?"
+    )
     # by name, like a recipe's reward option or `--answer-template`
     assert document_prompt("Q?", [], "test-lookup-notes") == sleuth_test_method.notes_prompt("Q?", [])
 
 
 def test_an_unknown_plugin_is_named() -> None:
-    res = CliRunner().invoke(app, ["serve-searcher", "--plugin", "no_such_plugin_module", "--model", "tiny",
-                                   "--loop", "search_r1", "--index", "x"])
+    res = CliRunner().invoke(
+        app,
+        [
+            "serve-searcher",
+            "--plugin",
+            "no_such_plugin_module",
+            "--model",
+            "tiny",
+            "--loop",
+            "search_r1",
+            "--index",
+            "x",
+        ],
+    )
     assert res.exit_code == 2 and "no_such_plugin_module" in res.output
 
 
@@ -183,32 +260,59 @@ def _sleuth(args: list[str], with_plugins_on_path: bool) -> subprocess.Completed
     """The CLI in a fresh process: the plugin is registered only if something imports it there."""
 
     paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and Path(p) != PLUGINS]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(([str(PLUGINS)] if with_plugins_on_path else []) + paths),
-           "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    return subprocess.run([sys.executable, "-m", "sleuth.cli", *args], env=env, capture_output=True, text=True,
-                          timeout=300)
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(([str(PLUGINS)] if with_plugins_on_path else []) + paths),
+        "OMP_NUM_THREADS": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+    }
+    return subprocess.run(
+        [sys.executable, "-m", "sleuth.cli", *args], env=env, capture_output=True, text=True, timeout=300
+    )
 
 
-def test_checkpoint_records_its_plugin_and_eval_loads_it_without_plugin_flag(trained: Path, small_world: Path,
-                                                                             tmp_path: Path) -> None:
+def test_checkpoint_records_its_plugin_and_eval_loads_it_without_plugin_flag(
+    trained: Path, small_world: Path, tmp_path: Path
+) -> None:
     from sleuth.run_layout import SearcherInfo, resolve_checkpoint
 
-    assert SearcherInfo.read(resolve_checkpoint(trained)).plugins == ["sleuth_test_method", "sleuth_test_parts"]
-    args = ["eval", "-m", "test-lookup", "--data", str(small_world / "test.jsonl"), "--retriever",
-            str(small_world / "bm25"), "--model", str(trained), "--out", str(tmp_path / "eval"), "--limit", "2",
-            "--batch-size", "2"]
+    assert SearcherInfo.read(resolve_checkpoint(trained)).plugins == [
+        "sleuth_test_method",
+        "sleuth_test_parts",
+    ]
+    args = [
+        "eval",
+        "-m",
+        "test-lookup",
+        "--data",
+        str(small_world / "test.jsonl"),
+        "--retriever",
+        str(small_world / "bm25"),
+        "--model",
+        str(trained),
+        "--out",
+        str(tmp_path / "eval"),
+        "--limit",
+        "2",
+        "--batch-size",
+        "2",
+    ]
     res = _sleuth(args, with_plugins_on_path=True)  # no --plugin: the checkpoint names it
     assert res.returncode == 0, res.stdout + res.stderr
     assert list(json.loads((tmp_path / "eval" / "summary.json").read_text())["methods"]) == ["test-lookup"]
 
 
-def test_a_missing_plugin_is_named_with_the_flag_to_pass(trained: Path, small_world: Path, tmp_path: Path) -> None:
+def test_a_missing_plugin_is_named_with_the_flag_to_pass(
+    trained: Path, small_world: Path, tmp_path: Path
+) -> None:
     import shutil
 
     from sleuth.run_layout import resolve_checkpoint
 
-    res = _sleuth(["serve-searcher", "--checkpoint", str(trained), "--index", str(small_world / "bm25")],
-                  with_plugins_on_path=False)
+    res = _sleuth(
+        ["serve-searcher", "--checkpoint", str(trained), "--index", str(small_world / "bm25")],
+        with_plugins_on_path=False,
+    )
     assert res.returncode != 0
     assert "sleuth_test_method" in res.stderr + res.stdout and "--plugin" in res.stderr + res.stdout
     # a checkpoint from before plugins were recorded: eval's unknown-method error names --plugin
@@ -218,7 +322,20 @@ def test_a_missing_plugin_is_named_with_the_flag_to_pass(trained: Path, small_wo
     info = json.loads(info_path.read_text())
     del info["plugins"]
     info_path.write_text(json.dumps(info))
-    res = _sleuth(["eval", "-m", "test-lookup", "--data", str(small_world / "test.jsonl"), "--retriever",
-                   str(small_world / "bm25"), "--model", str(old), "--out", str(tmp_path / "e")],
-                  with_plugins_on_path=False)
+    res = _sleuth(
+        [
+            "eval",
+            "-m",
+            "test-lookup",
+            "--data",
+            str(small_world / "test.jsonl"),
+            "--retriever",
+            str(small_world / "bm25"),
+            "--model",
+            str(old),
+            "--out",
+            str(tmp_path / "e"),
+        ],
+        with_plugins_on_path=False,
+    )
     assert res.returncode != 0 and "--plugin" in res.stderr + res.stdout, res.stderr + res.stdout

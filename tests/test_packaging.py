@@ -33,8 +33,11 @@ def test_torch_is_a_range_that_admits_vllms_torch() -> None:
 
 
 def test_makefile_install_is_constrained_to_the_tested_cpu_torch() -> None:
-    constraints = [line.strip() for line in (REPO / "constraints-cpu.txt").read_text().splitlines()
-                   if line.strip() and not line.startswith("#")]
+    constraints = [
+        line.strip()
+        for line in (REPO / "constraints-cpu.txt").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    ]
     assert constraints == ["torch==2.13.0"]
     makefile = (REPO / "Makefile").read_text()
     installs = re.findall(r"pip install[^\n]*-e \"\.\[dev\]\"", makefile)
@@ -45,11 +48,18 @@ def test_package_data_names_exactly_the_files_that_ship() -> None:
     """pyproject's package-data patterns each match a file under src/sleuth, and every non-Python file there is
     matched: a pattern for a folder that does not exist, or a template left out of the wheel, fails here."""
     root = Path(__file__).resolve().parents[1]
-    patterns = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["sleuth"]
+    patterns = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"][
+        "sleuth"
+    ]
     package = root / "src" / "sleuth"
     for pattern in patterns:
         assert list(package.glob(pattern)), f"package-data {pattern!r} matches no file under src/sleuth"
     shipped = {p for pattern in patterns for p in package.glob(pattern)}
-    data = {p for p in package.rglob("*") if p.is_file() and p.suffix not in (".py", ".pyc")
-            and "__pycache__" not in p.parts}
-    assert data <= shipped, f"not in package-data: {sorted(str(p.relative_to(package)) for p in data - shipped)}"
+    data = {
+        p
+        for p in package.rglob("*")
+        if p.is_file() and p.suffix not in (".py", ".pyc") and "__pycache__" not in p.parts
+    }
+    assert data <= shipped, (
+        f"not in package-data: {sorted(str(p.relative_to(package)) for p in data - shipped)}"
+    )

@@ -17,14 +17,23 @@ from sleuth.cli import app
 from sleuth.llm.scripted import ScriptedGenerator
 from sleuth.llm.tiny import build_tiny_model
 
-SMALL = {"agent": {"max_turns": 2, "top_k": 2, "max_new_tokens_per_turn": 8, "max_response_tokens": 96,
-                   "max_obs_tokens": 48},
-         "model": {"policy": "tiny"}}
+SMALL = {
+    "agent": {
+        "max_turns": 2,
+        "top_k": 2,
+        "max_new_tokens_per_turn": 8,
+        "max_response_tokens": 96,
+        "max_obs_tokens": 48,
+    },
+    "model": {"policy": "tiny"},
+}
 
 
 def train(out: Path, recipe: dict, **agent) -> Path:
     recipe["agent"] = {**recipe["agent"], **SMALL["agent"], **agent}
-    recipe.update(model=SMALL["model"], trainer={"total_steps": 1, "save_every": 0, "out_dir": str(out / "run")})
+    recipe.update(
+        model=SMALL["model"], trainer={"total_steps": 1, "save_every": 0, "out_dir": str(out / "run")}
+    )
     path = out / "recipe.yaml"
     path.write_text(yaml.safe_dump(recipe))
     res = CliRunner().invoke(app, ["train", str(path)])
@@ -50,8 +59,9 @@ def _train_stepsearch(sleuth_stepsearch, small_world: Path, tmp_path: Path) -> P
     return train(tmp_path, recipe)
 
 
-def test_zerosearch_trains_one_step_against_its_simulated_engine(small_world: Path, tmp_path: Path,
-                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+def test_zerosearch_trains_one_step_against_its_simulated_engine(
+    small_world: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The recipe cannot name a plugin's retriever until the retriever registry exists (issue 44); the run's
     `build_retriever` is replaced by the simulated engine here, the rest is `sleuth train`."""
     prompts: list[str] = []
@@ -59,16 +69,18 @@ def test_zerosearch_trains_one_step_against_its_simulated_engine(small_world: Pa
         _train_zerosearch(zs, small_world, tmp_path, monkeypatch, prompts)
 
 
-def _train_zerosearch(zs, small_world: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                      prompts: list[str]) -> None:
+def _train_zerosearch(
+    zs, small_world: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, prompts: list[str]
+) -> None:
 
     def write(call) -> str:
         prompts.append(call.prompt_text)
         return "Doc 1: simulated one\nDoc 2: simulated two"
 
     tok = AutoTokenizer.from_pretrained(build_tiny_model(tmp_path / "tiny"))
-    engine = zs.SimulatedSearchEngine(ScriptedGenerator(tok, write), total_steps=1, start_threshold=0.0,
-                                      end_threshold=1.0)
+    engine = zs.SimulatedSearchEngine(
+        ScriptedGenerator(tok, write), total_steps=1, start_threshold=0.0, end_threshold=1.0
+    )
     monkeypatch.setattr(run_module, "build_retriever", lambda recipe: engine)
     real = run_module._rollout_generator
 
@@ -86,5 +98,7 @@ def _train_zerosearch(zs, small_world: Path, tmp_path: Path, monkeypatch: pytest
     assert "reward/f1" in metrics
     # every search of step 0 was asked at step 0 (noise probability 0: useful documents), with its question
     assert engine.draws and {(step, kind) for _, step, kind in engine.draws} == {(0, "useful")}
-    questions = {json.loads(line)["question"] for line in (small_world / "train.jsonl").read_text().splitlines()}
+    questions = {
+        json.loads(line)["question"] for line in (small_world / "train.jsonl").read_text().splitlines()
+    }
     assert all(any(f'"{q}"' in p for q in questions) for p in prompts)

@@ -31,8 +31,10 @@ def reference(model, prefix: list[int], cont: list[int]) -> list[float]:
 
 def test_batched_teacher_forced_logprobs_equal_each_row_alone(tiny) -> None:
     model, tok = tiny
-    prefixes = [tok.encode("Question: where? Turn one", add_special_tokens=False),
-                tok.encode("Q", add_special_tokens=False)]
+    prefixes = [
+        tok.encode("Question: where? Turn one", add_special_tokens=False),
+        tok.encode("Q", add_special_tokens=False),
+    ]
     conts = ["<answer> Quellstad </answer>", "Tarsk"]
     scorer = PolicyScorer(model, tok, micro_batch_size=2)
     assert isinstance(scorer, PolicyScorerProtocol)

@@ -42,8 +42,9 @@ def test_reader_records_are_the_hand_over_prompt_then_the_answer():
     docs = [Hit("7", "Zvex", "Zvex was founded by Kvar Dzul.", 1.0)]
     s3, qagent = reader_records([ex], [docs], tokenizer, ("s3", "qagent"))
     for record, template in ((s3, "s3"), (qagent, "qagent")):
-        expected = tokenizer.apply_chat_template(document_prompt("Who founded Zvex?", docs, template), tokenize=False,
-                                                 add_generation_prompt=True)
+        expected = tokenizer.apply_chat_template(
+            document_prompt("Who founded Zvex?", docs, template), tokenize=False, add_generation_prompt=True
+        )
         assert record.prompt_text == expected
         assert record.prompt_ids == tokenizer.encode(expected, add_special_tokens=False)
         assert record.response_text == "Kvar Dzul" and record.source == f"reader-{template}"
@@ -66,8 +67,9 @@ def test_reader_documents_hold_the_gold_passages_and_non_gold_distractors(tmp_pa
         assert set(gold) <= set(ids) and len(ids) == len(set(ids)) == len(gold) + 2
     assert reader_documents(retriever, questions, 2, seed=0) == docs  # seeded: the same documents every run
     only_gold = reader_documents(retriever, questions, 0, seed=0)
-    assert [sorted(h.doc_id for h in g) for g in only_gold] == [sorted(map(str, ex.metadata["supporting_ids"]))
-                                                                for ex in questions]
+    assert [sorted(h.doc_id for h in g) for g in only_gold] == [
+        sorted(map(str, ex.metadata["supporting_ids"])) for ex in questions
+    ]
 
 
 def test_trained_reader_beats_the_base_and_loads_as_a_frozen_generator(tmp_path):
@@ -81,8 +83,9 @@ def test_trained_reader_beats_the_base_and_loads_as_a_frozen_generator(tmp_path)
     from sleuth.rewards.metrics import exact_match
 
     world = _world(tmp_path / "w")
-    settings = ReaderSettings(model="tiny", templates=("s3",), distractors=0, epochs=40, lr=3e-3, batch_size=8,
-                              lora=False)
+    settings = ReaderSettings(
+        model="tiny", templates=("s3",), distractors=0, epochs=40, lr=3e-3, batch_size=8, lora=False
+    )
     reader = train_reader(world, tmp_path / "reader", settings)
     trained = reader_check(world, str(reader), tmp_path / "reader", split="train", templates=("s3",))["s3"]
     base = reader_check(world, "tiny", tmp_path / "base", split="train", templates=("s3",))["s3"]
@@ -100,9 +103,15 @@ def test_trained_reader_beats_the_base_and_loads_as_a_frozen_generator(tmp_path)
     generator = load_generator(str(reader))
     assert str(next(generator.model.parameters()).device) == "cpu"
     questions = gold_questions(world / "train.jsonl", None)
-    answers = answer_from_documents(generator, [q.question for q in questions],
-                                    gold_passages(resolve_retriever(world / "bm25"), questions), "s3")
-    direct = sum(exact_match(a, q.golden_answers) for a, q in zip(answers, questions, strict=True)) / len(questions)
+    answers = answer_from_documents(
+        generator,
+        [q.question for q in questions],
+        gold_passages(resolve_retriever(world / "bm25"), questions),
+        "s3",
+    )
+    direct = sum(exact_match(a, q.golden_answers) for a, q in zip(answers, questions, strict=True)) / len(
+        questions
+    )
     assert direct >= 0.8
     assert train_reader(world, tmp_path / "reader", settings) == reader  # a finished reader is reused
 
@@ -116,11 +125,25 @@ def test_bad_reader_inputs_are_named(tmp_path):
         ReaderSettings(distractors=-1).check()
     plain = tmp_path / "plain"
     plain.mkdir()
-    (plain / "train.jsonl").write_text(json.dumps({"id": "a", "question": "q?", "golden_answers": ["x"]}) + "\n")
+    (plain / "train.jsonl").write_text(
+        json.dumps({"id": "a", "question": "q?", "golden_answers": ["x"]}) + "\n"
+    )
     with pytest.raises(ConfigError, match="question a .* has no gold passages"):
         gold_questions(plain / "train.jsonl", None)
     with pytest.raises(ConfigError, match="is not an index: build it with `sleuth index"):
         train_reader(plain, tmp_path / "r", ReaderSettings(model="tiny"))
-    result = CliRunner().invoke(app, ["train-reader", str(plain), "--out", str(tmp_path / "r"), "--model", "tiny",
-                                      "--templates", "s3,nope"], terminal_width=300)
+    result = CliRunner().invoke(
+        app,
+        [
+            "train-reader",
+            str(plain),
+            "--out",
+            str(tmp_path / "r"),
+            "--model",
+            "tiny",
+            "--templates",
+            "s3,nope",
+        ],
+        terminal_width=300,
+    )
     assert result.exit_code == 2 and "reader templates ['s3', 'nope']" in result.output

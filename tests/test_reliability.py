@@ -82,7 +82,9 @@ def test_one_reader_for_every_append_only_file(tmp_path: Path) -> None:
 # ----------------------------------------------------------------------------- 2. a run directory knows its run
 
 
-def test_fresh_run_into_an_old_run_refuses_and_overwrite_moves_it_aside(small_world: Path, tmp_path: Path) -> None:
+def test_fresh_run_into_an_old_run_refuses_and_overwrite_moves_it_aside(
+    small_world: Path, tmp_path: Path
+) -> None:
     """On main a 6-step run into a 20-step run's directory exited 0 naming the old step_000020, pruned its
     own checkpoints and cut metrics.jsonl to 6 lines."""
     out = tmp_path / "run"
@@ -105,7 +107,9 @@ def test_fresh_run_into_an_old_run_refuses_and_overwrite_moves_it_aside(small_wo
     assert sorted(p.name for p in (out / "checkpoints").glob("step_*")) == ["step_000001", "step_000002"]
 
 
-def test_resume_with_every_checkpoint_damaged_refuses_and_keeps_the_history(small_world: Path, tmp_path: Path) -> None:
+def test_resume_with_every_checkpoint_damaged_refuses_and_keeps_the_history(
+    small_world: Path, tmp_path: Path
+) -> None:
     """On main `--resume` silently started over and truncated metrics.jsonl."""
     out = tmp_path / "run"
     _train(_recipe(small_world, out, steps=2))
@@ -172,9 +176,19 @@ def _tiny_variant(tmp_path: Path, name: str, **spec) -> str:
 @pytest.mark.parametrize(
     ("run", "override", "named", "instead"),
     [
-        ("full", {"agent.loop": "r_search", "reward.name": "search_r1_em"}, "agent.loop differs", "agent.loop=search_r1"),
+        (
+            "full",
+            {"agent.loop": "r_search", "reward.name": "search_r1_em"},
+            "agent.loop differs",
+            "agent.loop=search_r1",
+        ),
         ("full", {"reward.name": "search_r1_format_em"}, "reward.name differs", "reward.name=search_r1_em"),
-        ("full", {"algorithm.name": "ppo", "algorithm.n": 1}, "algorithm.name differs", "algorithm.name=grpo"),
+        (
+            "full",
+            {"algorithm.name": "ppo", "algorithm.n": 1},
+            "algorithm.name differs",
+            "algorithm.name=grpo",
+        ),
         ("lora", {"model": {"policy": "tiny"}}, "model.lora.enabled differs", "model.lora.enabled=true"),
         ("full", {"model": LORA}, "model.lora.enabled differs", "model.lora.enabled=false"),
         ("full", {"model": {"policy": "OTHER"}}, "model.policy differs", "model.policy=tiny"),
@@ -183,7 +197,12 @@ def _tiny_variant(tmp_path: Path, name: str, **spec) -> str:
     ids=["loop", "reward", "grpo-to-ppo", "lora-onto-full", "full-onto-lora", "base-model", "vocabulary"],
 )
 def test_resume_refuses_a_checkpoint_of_another_run_naming_the_field(
-    small_world: Path, tmp_path: Path, full_and_lora_runs: dict[str, Path], run: str, override: dict, named: str,
+    small_world: Path,
+    tmp_path: Path,
+    full_and_lora_runs: dict[str, Path],
+    run: str,
+    override: dict,
+    named: str,
     instead: str,
 ) -> None:
     """On main: another loop resumed silently (rc 0), GRPO -> PPO died with FileNotFoundError, LoRA onto full
@@ -198,11 +217,15 @@ def test_resume_refuses_a_checkpoint_of_another_run_naming_the_field(
     with pytest.raises(ConfigError) as err:
         _train(_recipe(small_world, out, steps=2, **override), resume=True)
     message = str(err.value)
-    assert "\n" not in message and message.startswith("--resume: ") and named in message and instead in message
+    assert (
+        "\n" not in message and message.startswith("--resume: ") and named in message and instead in message
+    )
     assert (out / "metrics.jsonl").read_bytes() == before
 
 
-def test_resume_logs_the_allowed_changes(small_world: Path, tmp_path: Path, full_and_lora_runs: dict[str, Path]) -> None:
+def test_resume_logs_the_allowed_changes(
+    small_world: Path, tmp_path: Path, full_and_lora_runs: dict[str, Path]
+) -> None:
     out = tmp_path / "run"
     shutil.copytree(full_and_lora_runs["full"], out)
     console = Console(record=True, width=400)
@@ -210,19 +233,28 @@ def test_resume_logs_the_allowed_changes(small_world: Path, tmp_path: Path, full
     data["data"]["train"] = str(small_world / "dev.jsonl")
     _train(data, resume=True, console=console)
     printed = console.export_text()
-    assert f"resume changes data.train: {small_world / 'train.jsonl'} -> {small_world / 'dev.jsonl'}" in printed
+    assert (
+        f"resume changes data.train: {small_world / 'train.jsonl'} -> {small_world / 'dev.jsonl'}" in printed
+    )
     assert "resume changes optim.lr" in printed and "resume changes trainer.total_steps: 1 -> 2" in printed
     assert _steps(out / "metrics.jsonl") == [1, 2]
 
 
 @pytest.mark.parametrize(
     ("init", "model", "named", "instead"),
-    [("full", LORA, "holds fully fine-tuned weights", "model.policy="),
-     ("lora", {"policy": "tiny"}, "holds LoRA adapters", "model.lora.enabled=true")],
+    [
+        ("full", LORA, "holds fully fine-tuned weights", "model.policy="),
+        ("lora", {"policy": "tiny"}, "holds LoRA adapters", "model.lora.enabled=true"),
+    ],
     ids=["full-into-lora", "lora-into-full"],
 )
 def test_init_from_refuses_weights_that_do_not_fit(
-    small_world: Path, tmp_path: Path, full_and_lora_runs: dict[str, Path], init: str, model: dict, named: str,
+    small_world: Path,
+    tmp_path: Path,
+    full_and_lora_runs: dict[str, Path],
+    init: str,
+    model: dict,
+    named: str,
     instead: str,
 ) -> None:
     """On main: `Can't find 'adapter_config.json'` (full into LoRA), HFValidationError (LoRA into full)."""
@@ -230,7 +262,12 @@ def test_init_from_refuses_weights_that_do_not_fit(
     with pytest.raises(ConfigError) as err:
         _train(_recipe(small_world, out, model={**model, "init_from": str(full_and_lora_runs[init])}))
     message = str(err.value)
-    assert "\n" not in message and message.startswith("model.init_from: ") and named in message and instead in message
+    assert (
+        "\n" not in message
+        and message.startswith("model.init_from: ")
+        and named in message
+        and instead in message
+    )
     assert not out.exists()
 
 
@@ -253,7 +290,9 @@ def _enospc(*args, **kwargs):
 def _safetensors_full(*args, **kwargs):
     from safetensors import SafetensorError
 
-    raise SafetensorError('Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "No space" })')
+    raise SafetensorError(
+        'Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "No space" })'
+    )
 
 
 @pytest.mark.parametrize("writer", ["torch.save", "safetensors"])
@@ -286,7 +325,9 @@ def test_disk_full_while_saving_a_checkpoint_keeps_the_last_good_one(
     assert _steps(out / "metrics.jsonl") == [1, 2]
 
 
-def test_read_only_run_directory_is_one_line(small_world: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_read_only_run_directory_is_one_line(
+    small_world: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """On main: a traceback from `sleuth train`."""
     import tempfile
 
@@ -300,7 +341,9 @@ def test_read_only_run_directory_is_one_line(small_world: Path, tmp_path: Path, 
     with pytest.raises(OutputError) as err:
         _train(_recipe(small_world, out, steps=1))
     message = str(err.value)
-    assert "\n" not in message and f"at {out}: Read-only file system" in message and "no checkpoint" in message
+    assert (
+        "\n" not in message and f"at {out}: Read-only file system" in message and "no checkpoint" in message
+    )
     assert not out.exists()
 
 
@@ -325,7 +368,9 @@ def test_index_build_on_a_full_or_read_only_disk_is_one_line_and_leaves_nothing(
 
     with monkeypatch.context() as patch:
         patch.setattr(index, "build_bm25_sharded", half_then_full)
-        result = CliRunner().invoke(app, ["index", str(corpus), "--kind", "bm25", "--out", str(tmp_path / "idx")])
+        result = CliRunner().invoke(
+            app, ["index", str(corpus), "--kind", "bm25", "--out", str(tmp_path / "idx")]
+        )
     printed = " ".join(result.output.split())  # the console wraps long lines
     assert result.exit_code == 2 and isinstance(result.exception, SystemExit) and "Traceback" not in printed
     assert f"cannot write bm25 index at {tmp_path / 'idx'}: No space left on device" in printed
@@ -337,7 +382,9 @@ def test_index_build_on_a_full_or_read_only_disk_is_one_line_and_leaves_nothing(
 
     with monkeypatch.context() as patch:
         patch.setattr(tempfile, "mkdtemp", read_only)
-        result = CliRunner().invoke(app, ["index", str(corpus), "--kind", "bm25", "--out", str(tmp_path / "idx")])
+        result = CliRunner().invoke(
+            app, ["index", str(corpus), "--kind", "bm25", "--out", str(tmp_path / "idx")]
+        )
     assert result.exit_code == 2 and "Read-only file system" in " ".join(result.output.split())
 
 
@@ -351,7 +398,9 @@ def test_a_killed_index_build_is_cleaned_by_the_next_one(tmp_path: Path) -> None
 
     corpus = tmp_path / "corpus.jsonl"
     corpus.write_text('{"id": "1", "contents": "\\"A\\"\\nalpha"}\n')
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    )
     killed, old, running = (tmp_path / f".idx.building-{s}" for s in ("killed", "old", "running"))
     for path, pid in ((killed, dead.stdout.strip()), (old, None), (running, str(os.getpid()))):
         path.mkdir()
@@ -376,7 +425,9 @@ def test_a_killed_index_build_is_cleaned_by_the_next_one(tmp_path: Path) -> None
     ],
     ids=["empty-id", "blank-id", "null-id", "duplicate-id", "empty-corpus"],
 )
-def test_bad_corpus_ids_and_empty_corpora_are_refused(tmp_path: Path, lines: list[bytes], where: str, message: str) -> None:
+def test_bad_corpus_ids_and_empty_corpora_are_refused(
+    tmp_path: Path, lines: list[bytes], where: str, message: str
+) -> None:
     """On main an empty id was indexed and an empty corpus built a 0-passage index that training ran on."""
     from sleuth.errors import DataFormatError
     from sleuth.retrieval import build_index
@@ -394,8 +445,10 @@ def test_byte_order_marks_are_stripped(tmp_path: Path) -> None:
     from sleuth.retrieval import build_index, load_retriever
 
     corpus = tmp_path / "corpus.jsonl"
-    corpus.write_bytes(b'\xef\xbb\xbf{"id": "1", "contents": "\\"A\\"\\nzebra"}\n'
-                       b'\xef\xbb\xbf{"id": "2", "contents": "\\"B\\"\\nquokka"}\n')
+    corpus.write_bytes(
+        b'\xef\xbb\xbf{"id": "1", "contents": "\\"A\\"\\nzebra"}\n'
+        b'\xef\xbb\xbf{"id": "2", "contents": "\\"B\\"\\nquokka"}\n'
+    )
     build_index(corpus, "bm25", tmp_path / "idx", show_progress=False)
     retriever = load_retriever(tmp_path / "idx")
     assert [hits[0].doc_id for hits in retriever.search(["zebra", "quokka"], 1)] == ["1", "2"]
@@ -413,8 +466,10 @@ class _CountingRetriever:
         return self.inner.search(queries, k)
 
 
-BAD_TEXT = [(b'"where is a\\ud800b"', "is not valid Unicode (a lone surrogate at character 10)"),
-            (b'"' + b"\\u0000" * 2000 + b'"', "is mostly control characters (2000 of 2000)")]
+BAD_TEXT = [
+    (b'"where is a\\ud800b"', "is not valid Unicode (a lone surrogate at character 10)"),
+    (b'"' + b"\\u0000" * 2000 + b'"', "is mostly control characters (2000 of 2000)"),
+]
 
 
 @pytest.mark.parametrize(("text", "message"), BAD_TEXT, ids=["lone-surrogate", "nul-flood"])
@@ -427,10 +482,14 @@ def test_retriever_refuses_unusable_queries_before_batching(text: bytes, message
 
     retriever = _CountingRetriever(ToyRetriever())
     with TestClient(create_app(retriever)) as client:
-        bad = client.post("/retrieve", content=b'{"queries": ["Varonia", ' + text + b'], "topk": 1}',
-                          headers={"content-type": "application/json"})
+        bad = client.post(
+            "/retrieve",
+            content=b'{"queries": ["Varonia", ' + text + b'], "topk": 1}',
+            headers={"content-type": "application/json"},
+        )
         assert bad.status_code == 422 and bad.json()["detail"] == f"queries[1] {message}; send " + (
-            "UTF-8 text" if "Unicode" in message else "readable text")
+            "UTF-8 text" if "Unicode" in message else "readable text"
+        )
         assert retriever.calls == 0
         assert client.post("/retrieve", json={"queries": ["Varonia\ttab\n"], "topk": 1}).status_code == 200
 
@@ -447,12 +506,17 @@ def test_searcher_service_refuses_unusable_questions_at_once(
     from sleuth.serve.loading import ServiceSpec, build_service
     from sleuth.serve.searcher_server import create_app
 
-    service = build_service(ServiceSpec(checkpoint=full_and_lora_runs["full"], index=small_world / "bm25", generator="tiny"))
+    service = build_service(
+        ServiceSpec(checkpoint=full_and_lora_runs["full"], index=small_world / "bm25", generator="tiny")
+    )
     try:
         with TestClient(create_app(service)) as client:
             start = time.perf_counter()
-            bad = client.post("/search", content=b'{"question": ' + text + b"}",
-                              headers={"content-type": "application/json"})
+            bad = client.post(
+                "/search",
+                content=b'{"question": ' + text + b"}",
+                headers={"content-type": "application/json"},
+            )
             assert time.perf_counter() - start < 5.0
             assert bad.status_code == 422 and bad.json()["field"] == "question"
             assert bad.json()["detail"].startswith(f"question {message}")
@@ -478,10 +542,14 @@ def test_retriever_default_body_limit_and_budget_follow_the_query_limits() -> No
         # a full request of ASCII queries at the length limit fits the default per-request limit
         full = json.dumps({"queries": ["x" * 2000] * 4096, "topk": 1}).encode()
         assert len(full) <= 8_273_920
-        assert client.post("/retrieve", content=full, headers={"content-type": "application/json"}).status_code == 200
+        assert (
+            client.post("/retrieve", content=full, headers={"content-type": "application/json"}).status_code
+            == 200
+        )
         assert client.post("/retrieve", content=b" " * 8_273_921).status_code == 413
     assert create_app(ToyRetriever(), max_queries=10, max_query_chars=100).state.body_budget.total_bytes == (
-        4 * (10 * 104 + 65536))
+        4 * (10 * 104 + 65536)
+    )
     with pytest.raises(ValueError, match="body_budget_bytes .* smaller than max_body_bytes"):
         from sleuth.http_errors import BodyBudget
 
@@ -510,7 +578,9 @@ def test_concurrent_near_limit_bodies_never_hold_more_than_the_budget() -> None:
     body = json.dumps({"queries": ["Varonia " + "x" * 1990] * 99, "topk": 1}).encode()
     assert limit - 2_000 < len(body) <= limit
     budget = BodyBudget(2 * limit + limit // 2, wait_s=0.3)  # room for two bodies at once
-    app = create_app(SlowRetriever(), max_body_bytes=limit, body_budget=budget, worker_threads=4, batch_wait_ms=0)
+    app = create_app(
+        SlowRetriever(), max_body_bytes=limit, body_budget=budget, worker_threads=4, batch_wait_ms=0
+    )
     responses: list[httpx.Response] = []
     with serve_in_thread(app) as base:
         start = threading.Barrier(16)
@@ -518,8 +588,11 @@ def test_concurrent_near_limit_bodies_never_hold_more_than_the_budget() -> None:
         def post() -> None:
             with httpx.Client(timeout=60) as client:
                 start.wait()
-                responses.append(client.post(base + "/retrieve", content=body,
-                                             headers={"content-type": "application/json"}))
+                responses.append(
+                    client.post(
+                        base + "/retrieve", content=body, headers={"content-type": "application/json"}
+                    )
+                )
 
         threads = [threading.Thread(target=post) for _ in range(16)]
         for thread in threads:
@@ -532,7 +605,9 @@ def test_concurrent_near_limit_bodies_never_hold_more_than_the_budget() -> None:
     refused = [r for r in responses if r.status_code == 503]
     assert served and refused, codes  # some fit, the rest were turned away instead of piling up
     assert all(len(r.json()["result"]) == 99 for r in served)
-    assert all(r.headers["retry-after"] == "1" and "budget of 500000 bytes" in r.json()["detail"] for r in refused)
+    assert all(
+        r.headers["retry-after"] == "1" and "budget of 500000 bytes" in r.json()["detail"] for r in refused
+    )
     assert budget.refused == len(refused)
     assert 2 * len(body) == budget.peak_held_bytes <= budget.total_bytes  # two held at once, never a third
     assert len(body) <= budget.peak_received_bytes <= budget.total_bytes  # the counter saw the bodies' bytes

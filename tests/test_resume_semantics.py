@@ -55,7 +55,9 @@ def _optim_state(out: Path, step: int) -> dict:
     return torch.load(checkpoint_dir(out, step) / TRAINING_STATE, map_location="cpu", weights_only=True)
 
 
-def test_resume_trains_at_a_changed_learning_rate(small_world: Path, tmp_path: Path, one_step_run: Path) -> None:
+def test_resume_trains_at_a_changed_learning_rate(
+    small_world: Path, tmp_path: Path, one_step_run: Path
+) -> None:
     """The issue's case: on main the change was printed, then step 2 trained at 0.01, logged lr 0.01, and the
     new checkpoint's optimizer and scheduler held 0.01."""
     out = _copy(one_step_run, tmp_path)
@@ -71,29 +73,46 @@ def test_resume_trains_at_a_changed_learning_rate(small_world: Path, tmp_path: P
 
 
 CHANGES = {
-    "optim.lr": 1e-3, "optim.warmup_steps": 4, "optim.weight_decay": 0.1, "optim.betas": [0.8, 0.95],
-    "sampling.temperature": 0.7, "agent.max_turns": 2, "algorithm.n": 4,
-    "reward.options": {"answer_source": "upstream"}, "algorithm.kl": {"coef": 0.05, "mode": "penalty"},
+    "optim.lr": 1e-3,
+    "optim.warmup_steps": 4,
+    "optim.weight_decay": 0.1,
+    "optim.betas": [0.8, 0.95],
+    "sampling.temperature": 0.7,
+    "agent.max_turns": 2,
+    "algorithm.n": 4,
+    "reward.options": {"answer_source": "upstream"},
+    "algorithm.kl": {"coef": 0.05, "mode": "penalty"},
 }
 
 
-def test_resume_applies_and_prints_every_other_change(small_world: Path, tmp_path: Path, one_step_run: Path) -> None:
+def test_resume_applies_and_prints_every_other_change(
+    small_world: Path, tmp_path: Path, one_step_run: Path
+) -> None:
     """Applied fields: printed, and what the first resumed step uses (read from the built run, before any step).
     On main the optimizer kept lr 0.01, no warm-up, betas and weight decay of the checkpoint, the KL penalty
     kept 0.01, and only the learning rate was printed."""
     out = _copy(one_step_run, tmp_path)
     data = _recipe(small_world, out, 3, **CHANGES)
-    data["trainer"]["guards"] = [{"name": "stopped_searching", "kind": "above", "metric": "health/no_search",
-                                  "value": 0.9, "steps": 5}]
+    data["trainer"]["guards"] = [
+        {"name": "stopped_searching", "kind": "above", "metric": "health/no_search", "value": 0.9, "steps": 5}
+    ]
     console = Console(record=True, width=400)
     run = setup(recipe_from_dict(data), init_distributed("cpu"), console, resume=True)
     printed = console.export_text()
-    for line in ("optim.lr: 0.01 -> 0.001", "optim.warmup_steps: 0 -> 4", "optim.weight_decay: 0.0 -> 0.1",
-                 "optim.betas: [0.9, 0.999] -> [0.8, 0.95]", "sampling.temperature: 1.0 -> 0.7",
-                 "agent.max_turns: 1 -> 2", "algorithm.n: 2 -> 4", "reward.options.answer_source: (unset) -> upstream",
-                 "algorithm.kl.coef: 0.01 -> 0.05", "trainer.total_steps: 1 -> 3",
-                 "trainer.guards.stopped_searching: value 0.95 -> 0.9",
-                 "trainer.guards.entropy_collapse: {'name': 'entropy_collapse'"):
+    for line in (
+        "optim.lr: 0.01 -> 0.001",
+        "optim.warmup_steps: 0 -> 4",
+        "optim.weight_decay: 0.0 -> 0.1",
+        "optim.betas: [0.9, 0.999] -> [0.8, 0.95]",
+        "sampling.temperature: 1.0 -> 0.7",
+        "agent.max_turns: 1 -> 2",
+        "algorithm.n: 2 -> 4",
+        "reward.options.answer_source: (unset) -> upstream",
+        "algorithm.kl.coef: 0.01 -> 0.05",
+        "trainer.total_steps: 1 -> 3",
+        "trainer.guards.stopped_searching: value 0.95 -> 0.9",
+        "trainer.guards.entropy_collapse: {'name': 'entropy_collapse'",
+    ):
         assert f"resume changes {line}" in printed, line
     group = run.optimizers["policy"].param_groups[0]
     # one step done: the warm-up of 4 steps is at (1 + 1) / 4 of the new rate
@@ -107,7 +126,9 @@ def test_resume_applies_and_prints_every_other_change(small_world: Path, tmp_pat
     assert [(g.name, g.value) for g in monitor.guards] == [("stopped_searching", 0.9)]
 
 
-def test_resume_refuses_another_seed_in_one_line(small_world: Path, tmp_path: Path, one_step_run: Path) -> None:
+def test_resume_refuses_another_seed_in_one_line(
+    small_world: Path, tmp_path: Path, one_step_run: Path
+) -> None:
     """Refused fields: on main another seed resumed silently (another data order from the checkpoint's
     position on, so questions repeated or skipped within the epoch)."""
     out = _copy(one_step_run, tmp_path)
@@ -127,8 +148,12 @@ def test_resume_prints_fields_fixed_by_the_checkpoint(small_world: Path, tmp_pat
     train(recipe_from_dict(_recipe(small_world, out, 1, model=lora)))
     bigger = {"policy": "tiny", "lora": {"enabled": True, "r": 8, "alpha": 4}}
     console = Console(record=True, width=400)
-    run = setup(recipe_from_dict(_recipe(small_world, out, 2, model=bigger)), init_distributed("cpu"), console,
-                resume=True)
+    run = setup(
+        recipe_from_dict(_recipe(small_world, out, 2, model=bigger)),
+        init_distributed("cpu"),
+        console,
+        resume=True,
+    )
     printed = console.export_text()
     assert "resume keeps model.lora.r=2 from the checkpoint; the recipe's 8 is not used" in printed
     assert run.policy.peft_config["default"].r == 2

@@ -23,19 +23,24 @@ from sleuth.serve.loading import load_retriever_from
 
 
 def test_every_built_in_backend_is_registered() -> None:
-    assert {"index", "bm25", "dense", "sharded", "hybrid", "milvus", "url", "mcp", "tool"} <= set(backend_names())
+    assert {"index", "bm25", "dense", "sharded", "hybrid", "milvus", "url", "mcp", "tool"} <= set(
+        backend_names()
+    )
 
 
-@pytest.mark.parametrize(("text", "parsed"), [
-    ("http://127.0.0.1:8000", ("url", "http://127.0.0.1:8000")),
-    ("url:http://a:1,http://b:2", ("url", "http://a:1,http://b:2")),
-    ("mcp:http://host/mcp", ("mcp", "http://host/mcp")),
-    ("tools/search.yaml", ("tool", "tools/search.yaml")),
-    ("hybrid:a,b", ("hybrid", "a,b")),
-    ("milvus:./c.db?collection=wiki", ("milvus", "./c.db?collection=wiki")),
-    ("runs/world/bm25", ("index", "runs/world/bm25")),
-    ("C:\\indexes\\bm25", ("index", "C:\\indexes\\bm25")),  # a drive letter is no backend
-])
+@pytest.mark.parametrize(
+    ("text", "parsed"),
+    [
+        ("http://127.0.0.1:8000", ("url", "http://127.0.0.1:8000")),
+        ("url:http://a:1,http://b:2", ("url", "http://a:1,http://b:2")),
+        ("mcp:http://host/mcp", ("mcp", "http://host/mcp")),
+        ("tools/search.yaml", ("tool", "tools/search.yaml")),
+        ("hybrid:a,b", ("hybrid", "a,b")),
+        ("milvus:./c.db?collection=wiki", ("milvus", "./c.db?collection=wiki")),
+        ("runs/world/bm25", ("index", "runs/world/bm25")),
+        ("C:\\indexes\\bm25", ("index", "C:\\indexes\\bm25")),  # a drive letter is no backend
+    ],
+)
 def test_locations_parse_one_way(text: str, parsed: tuple[str, str]) -> None:
     assert parse_location(text) == parsed
 

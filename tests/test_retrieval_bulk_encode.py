@@ -32,7 +32,9 @@ def _store(tmp_path: Path, n: int, seed: int = 0) -> DocStore:
     rng = np.random.default_rng(seed)
     words = ["river", "castle", "born", "works", "for", "the", "of", "city", "north", "old", "guild", "a"]
     passages = [
-        Passage(id=f"p{i}", title=f"Title {i}", text=" ".join(rng.choice(words, size=int(rng.integers(3, 40)))))
+        Passage(
+            id=f"p{i}", title=f"Title {i}", text=" ".join(rng.choice(words, size=int(rng.integers(3, 40))))
+        )
         for i in range(n)
     ]
     return DocStore.build(passages, tmp_path / "docstore")
@@ -120,7 +122,9 @@ def test_plan_ranges_cover_every_row_in_whole_chunks() -> None:
 def test_bad_device_list_fails_before_any_file_is_written(tmp_path: Path) -> None:
     store = _store(tmp_path, 10)
     with pytest.raises(ConfigError, match="not a device"):
-        encode_docstore_parallel(store, tmp_path / "e.f16", KillingFactory(str(tmp_path), "none", -1), "tpu:0")
+        encode_docstore_parallel(
+            store, tmp_path / "e.f16", KillingFactory(str(tmp_path), "none", -1), "tpu:0"
+        )
     assert list(tmp_path.glob("e.f16*")) == []
 
 
@@ -131,9 +135,12 @@ def test_two_processes_write_the_file_one_process_writes(tmp_path: Path, one_lay
     in another order, so padding differs) it agrees to fp16 rounding."""
     store = _store(tmp_path, 150)
     config = EncoderConfig(name=one_layer_minilm, batch_size=16)
-    one = encode_docstore_parallel(store, tmp_path / "one.f16", config, "cpu", EncodePlan(chunk=32, range_chunks=1, cores=1))
-    two = encode_docstore_parallel(store, tmp_path / "two.f16", config, "cpu,cpu",
-                                   EncodePlan(chunk=32, range_chunks=1, cores=2))
+    one = encode_docstore_parallel(
+        store, tmp_path / "one.f16", config, "cpu", EncodePlan(chunk=32, range_chunks=1, cores=1)
+    )
+    two = encode_docstore_parallel(
+        store, tmp_path / "two.f16", config, "cpu,cpu", EncodePlan(chunk=32, range_chunks=1, cores=2)
+    )
     assert one["rows"] == two["rows"] == 150 and one["ranges"] == 5 and two["devices"] == ["cpu", "cpu"]
     assert two["workers"] == 2 and two["encoded_rows"] == 150 and two["passages_per_second"] > 0
     a, b = (open_embeddings(tmp_path / f, 150, 384) for f in ("one.f16", "two.f16"))
@@ -153,8 +160,12 @@ def test_a_killed_worker_leaves_no_file_and_a_rerun_resumes(tmp_path: Path) -> N
     trap.touch()
     factory = KillingFactory(str(logs), str(trap), kill_at=60)  # dies in range 3 (rows 60..79)
     out = tmp_path / "emb.f16"
-    with pytest.raises(RuntimeError, match=r"worker \d \(cpu\) exited with code -9.*run the same command again"):
-        encode_docstore_parallel(store, out, factory, "cpu,cpu", EncodePlan(chunk=10, range_chunks=2, cores=2))
+    with pytest.raises(
+        RuntimeError, match=r"worker \d \(cpu\) exited with code -9.*run the same command again"
+    ):
+        encode_docstore_parallel(
+            store, out, factory, "cpu,cpu", EncodePlan(chunk=10, range_chunks=2, cores=2)
+        )
     assert not out.exists() and (tmp_path / "emb.f16.tmp").exists()
     first_run = _logged_chunks(logs)
     assert 60 not in first_run and 70 not in first_run  # range (60, 80) never finished
@@ -163,13 +174,19 @@ def test_a_killed_worker_leaves_no_file_and_a_rerun_resumes(tmp_path: Path) -> N
     for f in logs.glob("*.log"):
         f.unlink()
     trap.unlink()
-    result = encode_docstore_parallel(store, out, factory, "cpu,cpu", EncodePlan(chunk=10, range_chunks=2, cores=2))
+    result = encode_docstore_parallel(
+        store, out, factory, "cpu,cpu", EncodePlan(chunk=10, range_chunks=2, cores=2)
+    )
     assert result["resumed_ranges"] == len(done) and result["encoded_rows"] == 100 - 20 * len(done)
     # The rerun encodes only the ranges without a marker.
     done_starts = {int(p.name[6:12]) * 20 for p in done}
-    assert _logged_chunks(logs) == sorted(s for r in range(5) if r * 20 not in done_starts for s in (r * 20, r * 20 + 10))
+    assert _logged_chunks(logs) == sorted(
+        s for r in range(5) if r * 20 not in done_starts for s in (r * 20, r * 20 + 10)
+    )
     reference = tmp_path / "ref.f16"
-    encode_docstore_parallel(store, reference, KillingFactory(str(logs), "none", -1), "cpu", EncodePlan(chunk=10, cores=1))
+    encode_docstore_parallel(
+        store, reference, KillingFactory(str(logs), "none", -1), "cpu", EncodePlan(chunk=10, cores=1)
+    )
     assert np.array_equal(np.fromfile(out, np.float16), np.fromfile(reference, np.float16))
     assert not (tmp_path / "emb.f16.parts").exists()
 
@@ -183,17 +200,25 @@ def test_a_changed_plan_starts_over(tmp_path: Path) -> None:
     trap.touch()
     out = tmp_path / "emb.f16"
     with pytest.raises(RuntimeError):
-        encode_docstore_parallel(store, out, KillingFactory(str(logs), str(trap), 20), "cpu",
-                                 EncodePlan(chunk=10, range_chunks=1, cores=1))
+        encode_docstore_parallel(
+            store,
+            out,
+            KillingFactory(str(logs), str(trap), 20),
+            "cpu",
+            EncodePlan(chunk=10, range_chunks=1, cores=1),
+        )
     trap.unlink()
-    result = encode_docstore_parallel(store, out, KillingFactory(str(logs), "none", -1), "cpu",
-                                      EncodePlan(chunk=8, range_chunks=1, cores=1))
+    result = encode_docstore_parallel(
+        store, out, KillingFactory(str(logs), "none", -1), "cpu", EncodePlan(chunk=8, range_chunks=1, cores=1)
+    )
     assert result["resumed_ranges"] == 0 and open_embeddings(out, 40, DIM).shape == (40, DIM)
 
 
 def test_an_empty_docstore_gives_an_empty_file(tmp_path: Path) -> None:
     store = DocStore.build([], tmp_path / "docstore")
-    result = encode_docstore_parallel(store, tmp_path / "e.f16", KillingFactory(str(tmp_path), "none", -1), "cpu")
+    result = encode_docstore_parallel(
+        store, tmp_path / "e.f16", KillingFactory(str(tmp_path), "none", -1), "cpu"
+    )
     assert result["rows"] == 0 and (tmp_path / "e.f16").stat().st_size == 0
 
 
@@ -207,22 +232,65 @@ def test_cli_encode_then_ivfpq_from_the_bm25_docstore(tmp_path: Path) -> None:
     rng = np.random.default_rng(1)
     words = ["river", "castle", "guild", "north", "salt", "harbour", "tower", "mill", "bridge", "forest"]
     corpus = tmp_path / "c.jsonl"
-    corpus.write_text("".join(
-        f'{{"id": "d{i}", "contents": "\\"T{i}\\"\\n{" ".join(rng.choice(words, 12))}"}}\n' for i in range(300)))
+    corpus.write_text(
+        "".join(
+            f'{{"id": "d{i}", "contents": "\\"T{i}\\"\\n{" ".join(rng.choice(words, 12))}"}}\n'
+            for i in range(300)
+        )
+    )
     runner = CliRunner()
-    assert runner.invoke(app, ["index", str(corpus), "--kind", "bm25", "--out", str(tmp_path / "bm25")]).exit_code == 0
-    res = runner.invoke(app, ["encode", str(tmp_path / "bm25"), "--out", str(tmp_path / "e.f16"), "--devices",
-                              "cpu,cpu", "--batch-size", "32"])
+    assert (
+        runner.invoke(
+            app, ["index", str(corpus), "--kind", "bm25", "--out", str(tmp_path / "bm25")]
+        ).exit_code
+        == 0
+    )
+    res = runner.invoke(
+        app,
+        [
+            "encode",
+            str(tmp_path / "bm25"),
+            "--out",
+            str(tmp_path / "e.f16"),
+            "--devices",
+            "cpu,cpu",
+            "--batch-size",
+            "32",
+        ],
+    )
     assert res.exit_code == 0, res.output
     assert "300 x 384 float16 on cpu,cpu (2 processes)" in " ".join(res.output.split())
-    res = runner.invoke(app, ["index", "--kind", "dense", "--faiss", "ivfpq", "--nlist", "16", "--pq-m", "48",
-                              "--nprobe", "16", "--shards", "2", "--keep-vectors", "--embeddings",
-                              str(tmp_path / "e.f16"), "--docstore-from", str(tmp_path / "bm25"), "--out",
-                              str(tmp_path / "ivf")])
+    res = runner.invoke(
+        app,
+        [
+            "index",
+            "--kind",
+            "dense",
+            "--faiss",
+            "ivfpq",
+            "--nlist",
+            "16",
+            "--pq-m",
+            "48",
+            "--nprobe",
+            "16",
+            "--shards",
+            "2",
+            "--keep-vectors",
+            "--embeddings",
+            str(tmp_path / "e.f16"),
+            "--docstore-from",
+            str(tmp_path / "bm25"),
+            "--out",
+            str(tmp_path / "ivf"),
+        ],
+    )
     assert res.exit_code == 0, res.output
     res = runner.invoke(app, ["search", str(tmp_path / "ivf"), "river castle guild", "-k", "3"])
     assert res.exit_code == 0 and "d" in res.output, res.output
-    bad = runner.invoke(app, ["encode", str(tmp_path / "bm25"), "--out", str(tmp_path / "x.f16"), "--devices", "gpu"])
+    bad = runner.invoke(
+        app, ["encode", str(tmp_path / "bm25"), "--out", str(tmp_path / "x.f16"), "--devices", "gpu"]
+    )
     assert bad.exit_code == 2 and "'gpu' is not a device" in " ".join(bad.output.split())
     nowhere = runner.invoke(app, ["encode", str(tmp_path / "none"), "--out", str(tmp_path / "x.f16")])
     assert nowhere.exit_code == 2 and "has no docstore/" in " ".join(nowhere.output.split())

@@ -25,8 +25,10 @@ class DriftingRetriever:
     def search(self, queries, k):
         self.calls.append(list(queries))
         n = len(self.calls)
-        return [[Hit(f"{q}-{n}-{i}", f"T{i}", f"{q} result {i} of call {n}", 1.0 / (i + 1)) for i in range(k)]
-                for q in queries]
+        return [
+            [Hit(f"{q}-{n}-{i}", f"T{i}", f"{q} result {i} of call {n}", 1.0 / (i + 1)) for i in range(k)]
+            for q in queries
+        ]
 
 
 def test_record_once_then_replay_without_calling_the_retriever(tmp_path: Path) -> None:
@@ -70,9 +72,23 @@ def test_eval_replays_the_recorded_searches(small_world: Path, tmp_path: Path, m
     from sleuth.cli import app
 
     cache = tmp_path / "cache"
-    args = ["eval", "-m", "naive-rag", "--data", str(small_world / "test.jsonl"), "--retriever",
-            str(small_world / "bm25"), "--model", "tiny", "--limit", "3", "--answer-max-new-tokens", "2",
-            "--retriever-cache", str(cache)]
+    args = [
+        "eval",
+        "-m",
+        "naive-rag",
+        "--data",
+        str(small_world / "test.jsonl"),
+        "--retriever",
+        str(small_world / "bm25"),
+        "--model",
+        "tiny",
+        "--limit",
+        "3",
+        "--answer-max-new-tokens",
+        "2",
+        "--retriever-cache",
+        str(cache),
+    ]
     first = CliRunner().invoke(app, [*args, "--out", str(tmp_path / "a")], env={"COLUMNS": "200"})
     assert first.exit_code == 0, first.output
     assert "0 searches replayed, 3 searched and recorded" in first.output
@@ -88,10 +104,16 @@ def test_eval_replays_the_recorded_searches(small_world: Path, tmp_path: Path, m
     second = CliRunner().invoke(app, [*args, "--out", str(tmp_path / "b")], env={"COLUMNS": "200"})
     assert second.exit_code == 0, second.output
     summary = json.loads((tmp_path / "b" / "summary.json").read_text())
-    assert summary["retriever_cache"]["retriever/cache_hits"] == 3 and summary["retriever_cache"]["retriever/cache_misses"] == 0
+    assert (
+        summary["retriever_cache"]["retriever/cache_hits"] == 3
+        and summary["retriever_cache"]["retriever/cache_misses"] == 0
+    )
 
     def contexts(out: Path) -> list:
-        return [json.loads(line)["trajectory"] for line in (out / "naive-rag" / "predictions.jsonl").read_text().splitlines()]
+        return [
+            json.loads(line)["trajectory"]
+            for line in (out / "naive-rag" / "predictions.jsonl").read_text().splitlines()
+        ]
 
     assert contexts(tmp_path / "a") == contexts(tmp_path / "b")
 

@@ -175,13 +175,17 @@ def test_hybrid_bm25_plus_dense(corpus: Path, flat_dir: Path, encoder: Encoder) 
 def test_encoder_serves_the_staged_reward_query_diversity(encoder: Encoder) -> None:
     """The retrieval encoder is what recipes name as `reward.encoder`: `encode` gives unit rows, and
     near-duplicate queries are more similar than unrelated ones (the staged reward's signal)."""
-    vecs = encoder.encode(["birthplace of Kvolm Ardent", "Kvolm Ardent birthplace", "founding year of Zvara Films"])
+    vecs = encoder.encode(
+        ["birthplace of Kvolm Ardent", "Kvolm Ardent birthplace", "founding year of Zvara Films"]
+    )
     np.testing.assert_allclose(np.linalg.norm(vecs, axis=1), 1.0, rtol=1e-5)
     sims = vecs @ vecs.T
     assert sims[0, 1] > sims[0, 2] + 0.2
 
 
-def test_queries_are_encoded_in_chunks_of_similar_token_counts_with_the_same_vectors(encoder: Encoder) -> None:
+def test_queries_are_encoded_in_chunks_of_similar_token_counts_with_the_same_vectors(
+    encoder: Encoder,
+) -> None:
     """More queries than QUERY_CHUNK go to the model longest (in tokens) first, in chunks of at most
     QUERY_CHUNK, and come back in the caller's order with the vectors of one plain model call (1e-5)."""
     from sleuth.retrieval import encoders
@@ -209,7 +213,7 @@ def test_queries_are_encoded_in_chunks_of_similar_token_counts_with_the_same_vec
         flat = [n for c in tokens for n in c]
         assert flat == sorted(flat, reverse=True) and calls[-1][-1] == "Who?"
         calls.clear()
-        encoder.encode_queries(queries[:encoders.QUERY_CHUNK])  # one chunk: one plain call, order kept
+        encoder.encode_queries(queries[: encoders.QUERY_CHUNK])  # one chunk: one plain call, order kept
         assert calls == [queries[: encoders.QUERY_CHUNK]]
     finally:
         del encoder._encode

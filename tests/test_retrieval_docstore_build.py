@@ -20,10 +20,20 @@ def _corpus(path: Path, n: int) -> Path:
     lines = []
     for i in range(n):
         if i % 7 == 3:  # title/text records, non-ASCII text, an empty title
-            lines.append(json.dumps({"id": f"p{i}", "title": "" if i % 2 else f"Tïtle {i}",
-                                     "text": f"Ünïcode text {i} " * (i % 5 + 1)}, ensure_ascii=False))
+            lines.append(
+                json.dumps(
+                    {
+                        "id": f"p{i}",
+                        "title": "" if i % 2 else f"Tïtle {i}",
+                        "text": f"Ünïcode text {i} " * (i % 5 + 1),
+                    },
+                    ensure_ascii=False,
+                )
+            )
         else:
-            lines.append(json.dumps({"id": f"p{i}", "contents": f'"Title {i}"\nbody {i} ' + "word " * (i % 13)}))
+            lines.append(
+                json.dumps({"id": f"p{i}", "contents": f'"Title {i}"\nbody {i} ' + "word " * (i % 13)})
+            )
         if i % 50 == 10:
             lines.append("   ")  # blank lines are skipped
     path.write_text("\ufeff" + "\n".join(lines) + "\n", encoding="utf-8")
@@ -91,7 +101,9 @@ def test_a_docstore_index_feeds_a_dense_build_and_is_not_searchable(tmp_path: Pa
     assert manifest["corpus_fingerprint"] == corpus_fingerprint(corpus)
     with pytest.raises(IndexMismatchError, match="holds only a docstore"):
         load_retriever(tmp_path / "store")
-    dense = build_index(None, "dense", tmp_path / "flat", docstore_from=tmp_path / "store", show_progress=False)
+    dense = build_index(
+        None, "dense", tmp_path / "flat", docstore_from=tmp_path / "store", show_progress=False
+    )
     assert dense["num_docs"] == 120 and dense["corpus_fingerprint"] == manifest["corpus_fingerprint"]
     hits = load_retriever(tmp_path / "flat").search(["Title 17 body 17"], 3)[0]
     passages = {p.id: (p.title, p.text) for p in iter_corpus(corpus)}

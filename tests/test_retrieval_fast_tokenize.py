@@ -38,10 +38,33 @@ def model():
 
 def _synthetic(n: int, seed: int = 0) -> list[str]:
     rng = np.random.default_rng(seed)
-    words = ["Velmora", "harbour", "founded", "the", "of", "in", "Kestrel", "Dunmore", "guild", "river", "1821",
-             "was", "born", "works", "for", "Orrin", "Quay", "x", "zzyzx", "antidisestablishmentarianism"]
-    return [f'"{words[int(rng.integers(len(words)))]} {i}"\n' + " ".join(
-        words[j] for j in rng.integers(0, len(words), int(rng.integers(1, 160)))) for i in range(n)]
+    words = [
+        "Velmora",
+        "harbour",
+        "founded",
+        "the",
+        "of",
+        "in",
+        "Kestrel",
+        "Dunmore",
+        "guild",
+        "river",
+        "1821",
+        "was",
+        "born",
+        "works",
+        "for",
+        "Orrin",
+        "Quay",
+        "x",
+        "zzyzx",
+        "antidisestablishmentarianism",
+    ]
+    return [
+        f'"{words[int(rng.integers(len(words)))]} {i}"\n'
+        + " ".join(words[j] for j in rng.integers(0, len(words), int(rng.integers(1, 160))))
+        for i in range(n)
+    ]
 
 
 def test_features_equal_sentence_transformers_preprocess(model) -> None:
@@ -52,7 +75,9 @@ def test_features_equal_sentence_transformers_preprocess(model) -> None:
     ours, ref = tok(texts), model.preprocess(texts)
     for key in ("input_ids", "attention_mask", "token_type_ids"):
         assert torch.equal(ours[key], ref[key]), key
-    assert ours["input_ids"].shape[1] == 256  # the long row was truncated at max_seq_length, as preprocess does
+    assert (
+        ours["input_ids"].shape[1] == 256
+    )  # the long row was truncated at max_seq_length, as preprocess does
     for text in EDGE_CASES:  # row by row too (a batch of one pads nothing)
         assert torch.equal(tok([text])["input_ids"], model.preprocess([text])["input_ids"]), text
 
@@ -70,13 +95,20 @@ def test_bulk_encoder_vectors_equal_the_preprocess_path(tmp_path: Path, one_laye
     any difference in padding would show as float32 rounding ~1e-7, below float16's step but able to flip
     a rounding). The model is MiniLM cut to one layer: its tokenizer, the part under test, is MiniLM's."""
     texts = _synthetic(300, seed=1) + EDGE_CASES
-    store = DocStore.build([Passage(id=f"p{i}", title="", text=t) for i, t in enumerate(texts)], tmp_path / "ds")
+    store = DocStore.build(
+        [Passage(id=f"p{i}", title="", text=t) for i, t in enumerate(texts)], tmp_path / "ds"
+    )
     config = EncoderConfig(name=one_layer_minilm, batch_size=32)
     files = {}
     for fast in (False, True):
         files[fast] = tmp_path / f"fast{fast}.f16"
-        encode_docstore_parallel(store, files[fast], config, "cpu",
-                                 EncodePlan(chunk=128, range_chunks=1, cores=1, fast_tokenizer=fast))
+        encode_docstore_parallel(
+            store,
+            files[fast],
+            config,
+            "cpu",
+            EncodePlan(chunk=128, range_chunks=1, cores=1, fast_tokenizer=fast),
+        )
     old, new = (np.fromfile(files[f], np.float16).reshape(len(texts), -1) for f in (False, True))
     assert np.array_equal(old, new)
     direct = Encoder(config).encode_passages(texts[:50])  # and both are sentence-transformers' encode

@@ -81,7 +81,10 @@ def test_torch_kmeans_index_recalls_like_the_faiss_trained_one() -> None:
     assert set(record["seconds"]) == {"train_coarse", "train_pq", "add"}
     assert record["kmeans"]["iterations"] >= 1 and record["kmeans"]["points"] == 8192  # 256 per list
     for nprobe in (1, 2, 4):
-        ours, theirs = _list_recall(torch_index, x, queries, nprobe), _list_recall(faiss_index, x, queries, nprobe)
+        ours, theirs = (
+            _list_recall(torch_index, x, queries, nprobe),
+            _list_recall(faiss_index, x, queries, nprobe),
+        )
         assert ours >= theirs - 0.02, (nprobe, ours, theirs)
         faiss_index.nprobe = torch_index.nprobe = nprobe
         ours, theirs = _recall(torch_index, x, queries, 10), _recall(faiss_index, x, queries, 10)
@@ -187,10 +190,18 @@ def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_manifest_records_the_path_and_the_phases(corpus: Path, tmp_path: Path) -> None:
     encoder = HashEncoder()
-    common = {"encoder": encoder, "faiss": "ivfpq", "nlist": 16, "m": 8, "nbits": 6, "nprobe": 16,
-              "show_progress": False}
-    manifest = build_index(corpus, "dense", tmp_path / "a", shards=2, keep_vectors=True, ivf_device=TORCH_CPU,
-                           **common)
+    common = {
+        "encoder": encoder,
+        "faiss": "ivfpq",
+        "nlist": 16,
+        "m": 8,
+        "nbits": 6,
+        "nprobe": 16,
+        "show_progress": False,
+    }
+    manifest = build_index(
+        corpus, "dense", tmp_path / "a", shards=2, keep_vectors=True, ivf_device=TORCH_CPU, **common
+    )
     ivf = read_manifest(tmp_path / "a")["ivf_build"]
     assert ivf == manifest["ivf_build"]
     assert ivf["path"] == "torch-assisted" and ivf["device"] == ivf["requested"] == TORCH_CPU
@@ -200,34 +211,69 @@ def test_manifest_records_the_path_and_the_phases(corpus: Path, tmp_path: Path) 
     default = build_index(corpus, "dense", tmp_path / "b", shards=2, **common)["ivf_build"]
     assert default["requested"] == "auto"
     if not torch.cuda.is_available():
-        assert default["path"] == "faiss-cpu" and set(default["seconds"]) == {"spool", "sample", "train", "add",
-                                                                               "write"}
+        assert default["path"] == "faiss-cpu" and set(default["seconds"]) == {
+            "spool",
+            "sample",
+            "train",
+            "add",
+            "write",
+        }
     single = build_index(corpus, "dense", tmp_path / "c", ivf_device=TORCH_CPU, **common)["ivf_build"]
-    assert single["path"] == "torch-assisted" and set(single["seconds"]) == {"train_coarse", "train_pq", "add"}
-    assert "ivf_build" not in build_index(corpus, "dense", tmp_path / "d", encoder=encoder, show_progress=False)
+    assert single["path"] == "torch-assisted" and set(single["seconds"]) == {
+        "train_coarse",
+        "train_pq",
+        "add",
+    }
+    assert "ivf_build" not in build_index(
+        corpus, "dense", tmp_path / "d", encoder=encoder, show_progress=False
+    )
 
 
 def test_bad_ivf_device_is_a_clear_error(corpus: Path, tmp_path: Path) -> None:
     encoder = HashEncoder()
     for bad in ("gpu", "cuda:x", "CPU", 3):
         with pytest.raises(ConfigError, match="ivf_device must be one of"):
-            build_index(corpus, "dense", tmp_path / "x", encoder=encoder, faiss="ivfpq", nlist=16, m=8,
-                        ivf_device=bad, show_progress=False)
+            build_index(
+                corpus,
+                "dense",
+                tmp_path / "x",
+                encoder=encoder,
+                faiss="ivfpq",
+                nlist=16,
+                m=8,
+                ivf_device=bad,
+                show_progress=False,
+            )
     if not torch.cuda.is_available():
         with pytest.raises(ConfigError, match="torch sees 0 CUDA device"):
             resolve_ivf_device("cuda:0")
         assert resolve_ivf_device("auto") == resolve_ivf_device(None) == "cpu"
     with pytest.raises(ConfigError, match="ivf_device applies to ivfpq"):
-        build_index(corpus, "dense", tmp_path / "y", encoder=encoder, shards=2, ivf_device="cpu",
-                    show_progress=False)
+        build_index(
+            corpus, "dense", tmp_path / "y", encoder=encoder, shards=2, ivf_device="cpu", show_progress=False
+        )
     assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
     from sleuth.cli import app
 
-    res = CliRunner().invoke(app, ["index", str(corpus), "--kind", "dense", "--faiss", "ivfpq", "--ivf-device",
-                                   "tpu", "--out", str(tmp_path / "z")])
+    res = CliRunner().invoke(
+        app,
+        [
+            "index",
+            str(corpus),
+            "--kind",
+            "dense",
+            "--faiss",
+            "ivfpq",
+            "--ivf-device",
+            "tpu",
+            "--out",
+            str(tmp_path / "z"),
+        ],
+    )
     assert res.exit_code != 0 and "ivf_device must be one of" in " ".join(res.output.split())
-    res = CliRunner().invoke(app, ["index", str(corpus), "--kind", "dense", "--ivf-device", "cpu", "--out",
-                                   str(tmp_path / "z")])
+    res = CliRunner().invoke(
+        app, ["index", str(corpus), "--kind", "dense", "--ivf-device", "cpu", "--out", str(tmp_path / "z")]
+    )
     assert res.exit_code != 0 and "--ivf-device applies to --faiss ivfpq" in " ".join(res.output.split())
 
 

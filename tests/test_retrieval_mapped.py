@@ -45,7 +45,9 @@ def test_release_unmaps_the_pages_read_and_keeps_the_data(tmp_path):
 
 def test_docstore_lookups_leave_no_pages_of_the_strings_mapped(tmp_path):
     """A server's passage lookups touch the strings file all over; afterwards none of it counts as resident."""
-    passages = [Passage(id=f"p{i}", title=f"title {i}", text=f"passage {i} " + "x" * 2000) for i in range(12000)]
+    passages = [
+        Passage(id=f"p{i}", title=f"title {i}", text=f"passage {i} " + "x" * 2000) for i in range(12000)
+    ]
     store = DocStore.build(passages, tmp_path / "docstore")  # ~24 MB of strings
     before = rss_file_kib()
     rows = np.arange(0, len(passages), 3)
@@ -115,8 +117,10 @@ def test_docstore_reads_the_same_passages_with_or_without_pread(tmp_path, monkey
     written, non-ASCII and empty fields included, through pread and through the map fallback."""
     if not positional:
         monkeypatch.delattr(os, "pread")
-    passages = [Passage(id=f"p{i}", title="" if i % 5 == 0 else f"tïtle {i}", text=f"passage {i} " + "ü" * (i % 7))
-                for i in range(3000)]
+    passages = [
+        Passage(id=f"p{i}", title="" if i % 5 == 0 else f"tïtle {i}", text=f"passage {i} " + "ü" * (i % 7))
+        for i in range(3000)
+    ]
     DocStore.build(passages, tmp_path / "docstore")
     store = DocStore(tmp_path / "docstore")
     assert (store._fd >= 0) == positional

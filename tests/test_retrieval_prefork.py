@@ -54,15 +54,35 @@ def _random_dense_index(work: Path, n: int, **faiss: object) -> Path:
     emb.flush()
     del emb
     # threads=1: faiss's PQ training with 2 OpenMP threads on a shared 2-core box can take 50x longer
-    build_index(None, "dense", work / "idx", docstore_from=work / "ds", show_progress=False, threads=1,
-                encoder=MiniLMShape(), embeddings=work / "emb.f16", **faiss)
+    build_index(
+        None,
+        "dense",
+        work / "idx",
+        docstore_from=work / "ds",
+        show_progress=False,
+        threads=1,
+        encoder=MiniLMShape(),
+        embeddings=work / "emb.f16",
+        **faiss,
+    )
     return work / "idx"
 
 
 def _start(index: Path, workers: int, *extra: str) -> tuple[subprocess.Popen, str]:
     port = free_port()
-    cmd = [sys.executable, "-m", "sleuth.cli", "serve-retriever", "--index", str(index), "--port", str(port),
-           "--workers", str(workers), *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "sleuth.cli",
+        "serve-retriever",
+        "--index",
+        str(index),
+        "--port",
+        str(port),
+        "--workers",
+        str(workers),
+        *extra,
+    ]
     proc = subprocess.Popen(cmd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
     wait_for_health(proc, url)
@@ -86,8 +106,11 @@ def _answering_pids(url: str, want: int, path: str = "/health", body: dict | Non
 
     def one(_: int) -> str:
         headers = {"Connection": "close"}
-        r = (httpx.post(f"{url}{path}", json=body, timeout=30, headers=headers) if body is not None
-             else httpx.get(f"{url}{path}", timeout=10, headers=headers))
+        r = (
+            httpx.post(f"{url}{path}", json=body, timeout=30, headers=headers)
+            if body is not None
+            else httpx.get(f"{url}{path}", timeout=10, headers=headers)
+        )
         r.raise_for_status()
         return r.headers[WORKER_PID_HEADER]
 
@@ -116,7 +139,9 @@ def bm25_index(tmp_path_factory: pytest.TempPathFactory) -> Path:
     work = tmp_path_factory.mktemp("prefork-bm25")
     with open(work / "c.jsonl", "w", encoding="utf-8") as f:
         for i in range(30):
-            f.write(json.dumps({"id": f"d{i}", "contents": f"passage {i} about topic{i % 5} and word{i}"}) + "\n")
+            f.write(
+                json.dumps({"id": f"d{i}", "contents": f"passage {i} about topic{i % 5} and word{i}"}) + "\n"
+            )
     build_index(work / "c.jsonl", "bm25", work / "bm25", show_progress=False)
     return work / "bm25"
 
@@ -131,12 +156,18 @@ def test_workers_are_forked_replaced_when_killed_and_stopped_by_sigterm(bm25_ind
 
         victim = min(workers)
         os.kill(victim, signal.SIGKILL)
-        _wait_for(lambda: victim not in _children(proc.pid) and len(_children(proc.pid)) == 3, 30,
-                  "the killed worker was not replaced within 30 s")
+        _wait_for(
+            lambda: victim not in _children(proc.pid) and len(_children(proc.pid)) == 3,
+            30,
+            "the killed worker was not replaced within 30 s",
+        )
         replacement = _children(proc.pid) - workers
         assert len(replacement) == 1
-        _wait_for(lambda: str(next(iter(replacement))) in _answering_pids(url, 3), 30,
-                  "the new worker does not answer")
+        _wait_for(
+            lambda: str(next(iter(replacement))) in _answering_pids(url, 3),
+            30,
+            "the new worker does not answer",
+        )
     finally:
         out, err = _stop(proc, signal.SIGTERM)
     assert proc.returncode == 0, err[-3000:]
@@ -152,8 +183,9 @@ def test_workers_die_with_a_killed_supervisor(bm25_index: Path) -> None:
     proc.kill()  # SIGKILL: no chance to forward anything; PR_SET_PDEATHSIG must end the workers
     proc.communicate(timeout=10)
     try:
-        _wait_for(lambda: not any(psutil.pid_exists(p) for p in workers), 30,
-                  "workers outlived their supervisor")
+        _wait_for(
+            lambda: not any(psutil.pid_exists(p) for p in workers), 30, "workers outlived their supervisor"
+        )
     finally:
         for pid in workers:
             if psutil.pid_exists(pid):
@@ -217,7 +249,10 @@ def test_supervisor_restarts_a_worker_that_exits_and_forwards_sigterm() -> None:
         marker.unlink(missing_ok=True)
     assert code == 0
     assert len(started) == 2 and any("exited with code 7" in line for line in logged), logged
-    assert not psutil.pid_exists(int(started[1])) or psutil.Process(int(started[1])).status() == psutil.STATUS_ZOMBIE
+    assert (
+        not psutil.pid_exists(int(started[1]))
+        or psutil.Process(int(started[1])).status() == psutil.STATUS_ZOMBIE
+    )
 
 
 FORK_AFTER_LOAD = r"""
@@ -263,8 +298,13 @@ def test_torch_and_faiss_work_in_a_child_forked_after_loading(tmp_path: Path) ->
     what the parent gets. (A parent that had searched first would leave its OpenMP pool behind, and the
     child's first parallel region could hang: hence no warm-up before the fork.)"""
     index = _random_dense_index(tmp_path, 3000, faiss="flat")
-    run = subprocess.run([sys.executable, "-c", FORK_AFTER_LOAD, str(index)], env={**ENV, "OMP_NUM_THREADS": "2"},
-                         capture_output=True, text=True, timeout=180)
+    run = subprocess.run(
+        [sys.executable, "-c", FORK_AFTER_LOAD, str(index)],
+        env={**ENV, "OMP_NUM_THREADS": "2"},
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert run.returncode == 0, run.stdout + run.stderr[-3000:]
     result = json.loads(run.stdout.strip().splitlines()[-1])
     child = result["child"]
@@ -306,8 +346,10 @@ def test_forked_workers_share_an_index_read_into_the_heap(tmp_path: Path) -> Non
     assert supervisor_anon > index_bytes  # the supervisor holds the index (and torch, MiniLM) in its heap
     mib = 2**20
     for pid in workers:
-        seen = (f"worker {pid}: {private[pid] / mib:.0f} MiB private, {shared_dirty[pid] / mib:.0f} MiB "
-                f"shared dirty; index {index_bytes / mib:.0f} MiB")
+        seen = (
+            f"worker {pid}: {private[pid] / mib:.0f} MiB private, {shared_dirty[pid] / mib:.0f} MiB "
+            f"shared dirty; index {index_bytes / mib:.0f} MiB"
+        )
         # A worker holding its own copy would have the index (plus torch and MiniLM) private.
         assert private[pid] < 0.75 * index_bytes, seen
         assert shared_dirty[pid] > index_bytes, seen
@@ -319,19 +361,26 @@ def test_forked_workers_rerank_from_the_kept_vectors_like_one_process(tmp_path: 
     searched in this process."""
     from sleuth.retrieval import load_retriever
 
-    index = _random_dense_index(tmp_path, 8192, faiss="ivfpq", nlist=16, m=48, nbits=8, nprobe=4, shards=2,
-                                keep_vectors=True)
+    index = _random_dense_index(
+        tmp_path, 8192, faiss="ivfpq", nlist=16, m=48, nbits=8, nprobe=4, shards=2, keep_vectors=True
+    )
     queries = [f"question {i} about passage {i}" for i in range(24)]
     local = load_retriever(index, rerank=32).search(queries, 5)
     proc, url = _start(index, 2, "--threads", "1", "--rerank", "32")
     try:
         pids = _answering_pids(url, 2, "/retrieve", {"queries": queries[:2], "topk": 5})
-        served = httpx.post(f"{url}/retrieve", json={"queries": queries, "topk": 5, "return_scores": True},
-                            timeout=60).json()["result"]
+        served = httpx.post(
+            f"{url}/retrieve", json={"queries": queries, "topk": 5, "return_scores": True}, timeout=60
+        ).json()["result"]
     finally:
         out, err = _stop(proc)
     assert proc.returncode == 0, err[-3000:]
     assert len(pids) == 2
-    assert [[hit["document"]["id"] for hit in hits] for hits in served] == [[h.doc_id for h in hits] for hits in local]
-    np.testing.assert_allclose([[hit["score"] for hit in hits] for hits in served],
-                               [[h.score for h in hits] for hits in local], atol=1e-5)
+    assert [[hit["document"]["id"] for hit in hits] for hits in served] == [
+        [h.doc_id for h in hits] for hits in local
+    ]
+    np.testing.assert_allclose(
+        [[hit["score"] for hit in hits] for hits in served],
+        [[h.score for h in hits] for hits in local],
+        atol=1e-5,
+    )

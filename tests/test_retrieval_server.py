@@ -57,7 +57,8 @@ class OverlapRetriever:
         for q in queries:
             qt = _terms(q)
             scored = sorted(
-                ((float(len(qt & terms)), i) for i, terms in enumerate(self.doc_terms)), key=lambda s: (-s[0], s[1])
+                ((float(len(qt & terms)), i) for i, terms in enumerate(self.doc_terms)),
+                key=lambda s: (-s[0], s[1]),
             )
             out.append([Hit(self.docs[i][0], self.docs[i][1], self.docs[i][2], s) for s, i in scored[:k]])
         return out
@@ -94,18 +95,32 @@ def client() -> Iterator[TestClient]:
 
 
 def test_retrieve_with_scores_has_search_r1_shape(client: TestClient) -> None:
-    resp = client.post("/retrieve", json={"queries": ["capital of France", "flows Paris"], "topk": 2, "return_scores": True})
+    resp = client.post(
+        "/retrieve", json={"queries": ["capital of France", "flows Paris"], "topk": 2, "return_scores": True}
+    )
     assert resp.status_code == 200
     assert resp.headers["content-type"].startswith("application/json")
     assert resp.json() == {
         "result": [
             [
-                {"document": {"id": "d0", "contents": '"Paris"\nParis is the capital of France.'}, "score": 2.0},
-                {"document": {"id": "d1", "contents": '"Berlin"\nBerlin is the capital of Germany.'}, "score": 1.0},
+                {
+                    "document": {"id": "d0", "contents": '"Paris"\nParis is the capital of France.'},
+                    "score": 2.0,
+                },
+                {
+                    "document": {"id": "d1", "contents": '"Berlin"\nBerlin is the capital of Germany.'},
+                    "score": 1.0,
+                },
             ],
             [
-                {"document": {"id": "d3", "contents": '"Seine"\nThe Seine flows through Paris.'}, "score": 2.0},
-                {"document": {"id": "d0", "contents": '"Paris"\nParis is the capital of France.'}, "score": 1.0},
+                {
+                    "document": {"id": "d3", "contents": '"Seine"\nThe Seine flows through Paris.'},
+                    "score": 2.0,
+                },
+                {
+                    "document": {"id": "d0", "contents": '"Paris"\nParis is the capital of France.'},
+                    "score": 1.0,
+                },
             ],
         ]
     }
@@ -119,7 +134,9 @@ def test_retrieve_without_scores_returns_bare_documents(client: TestClient) -> N
     assert client.post("/retrieve", json={"queries": ["flows Paris"], "topk": 1}).json() == resp.json()
 
 
-@pytest.mark.parametrize("body", [{"queries": ["Alps"]}, {"queries": ["Alps"], "topk": None}, {"queries": ["Alps"], "topk": 0}])
+@pytest.mark.parametrize(
+    "body", [{"queries": ["Alps"]}, {"queries": ["Alps"], "topk": None}, {"queries": ["Alps"], "topk": 0}]
+)
 def test_missing_null_or_zero_topk_means_default_3(client: TestClient, body: dict) -> None:
     # Search-R1's server falls back to its --topk (3) when topk is falsy.
     result = client.post("/retrieve", json=body).json()["result"]
@@ -141,7 +158,9 @@ def test_missing_null_or_zero_topk_means_default_3(client: TestClient, body: dic
         ([1, 2], "body", "valid dictionary"),
     ],
 )
-def test_bad_requests_get_422_naming_the_field(client: TestClient, body: object, field: str, needle: str) -> None:
+def test_bad_requests_get_422_naming_the_field(
+    client: TestClient, body: object, field: str, needle: str
+) -> None:
     resp = client.post("/retrieve", json=body)
     assert resp.status_code == 422, resp.text
     payload = resp.json()
@@ -172,7 +191,9 @@ def test_long_query_is_truncated_not_refused(client: TestClient) -> None:
 def test_large_request_is_searched_in_chunks_and_answered_in_order() -> None:
     retriever = OverlapRetriever()
     queries = [("capital France", "flows Paris", "Alps")[i % 3] + f" q{i}" for i in range(4096)]
-    with TestClient(create_app(retriever, batch_wait_ms=0)) as c:  # the defaults: 4096 per request, chunks of 512
+    with TestClient(
+        create_app(retriever, batch_wait_ms=0)
+    ) as c:  # the defaults: 4096 per request, chunks of 512
         result = c.post("/retrieve", json={"queries": queries, "topk": 1}).json()["result"]
         too_many = c.post("/retrieve", json={"queries": queries + ["one more"], "topk": 1})
     assert [r[0]["id"] for r in result] == [("d0", "d3", "d4")[i % 3] for i in range(4096)]
@@ -193,7 +214,12 @@ def test_health_reports_index_and_limits(client: TestClient) -> None:
     assert health["status"] == "ok"
     assert health["kind"] == "overlap"
     assert health["num_docs"] == 5
-    assert (health["max_queries"], health["max_k"], health["max_query_chars"], health["default_k"]) == (4, 5, 50, 3)
+    assert (health["max_queries"], health["max_k"], health["max_query_chars"], health["default_k"]) == (
+        4,
+        5,
+        50,
+        3,
+    )
     assert health["stats"]["requests"] == 1 and health["stats"]["queries"] == 2
 
 
@@ -224,8 +250,10 @@ def test_non_finite_scores_are_sent_as_null(dumps, monkeypatch) -> None:
     hits = [[Hit("a", "T", "x", -math.inf), Hit("b", "U", "y", 1.5)]]
     assert json.loads(encode_result(hits, True)) == {
         "result": [
-            [{"document": {"id": "a", "contents": '"T"\nx'}, "score": None},
-             {"document": {"id": "b", "contents": '"U"\ny'}, "score": 1.5}]
+            [
+                {"document": {"id": "a", "contents": '"T"\nx'}, "score": None},
+                {"document": {"id": "b", "contents": '"U"\ny'}, "score": 1.5},
+            ]
         ]
     }
 
@@ -233,7 +261,7 @@ def test_non_finite_scores_are_sent_as_null(dumps, monkeypatch) -> None:
 @pytest.mark.parametrize("dumps", [server_module._dumps, server_module._dumps_stdlib])
 def test_non_ascii_passages_round_trip(dumps, monkeypatch) -> None:
     monkeypatch.setattr(server_module, "_dumps", dumps)
-    hits = [[Hit("z1", "Zürich", "Ça va — 東京 \"quoted\"", 0.5)]]
+    hits = [[Hit("z1", "Zürich", 'Ça va — 東京 "quoted"', 0.5)]]
     assert json.loads(encode_result(hits, False)) == {
         "result": [[{"id": "z1", "contents": '"Zürich"\nÇa va — 東京 "quoted"'}]]
     }
@@ -259,7 +287,9 @@ def test_create_app_rejects_bad_limits() -> None:
 def _gather(batcher: MicroBatcher, jobs: list[tuple[list[str], int]]) -> list[object]:
     async def main() -> list[object]:
         try:
-            return await asyncio.gather(*(batcher.submit(q, k, True) for q, k in jobs), return_exceptions=True)
+            return await asyncio.gather(
+                *(batcher.submit(q, k, True) for q, k in jobs), return_exceptions=True
+            )
         finally:
             batcher.close()
 
@@ -330,12 +360,16 @@ def test_lock_step_clients_are_held_until_all_arrive() -> None:
 
     async def main() -> list[bytes]:
         try:
-            first_round = await asyncio.gather(*(batcher.submit([q], 1, True) for q in ("Alps", "Rhine", "Seine")))
+            first_round = await asyncio.gather(
+                *(batcher.submit([q], 1, True) for q in ("Alps", "Rhine", "Seine"))
+            )
             lead = asyncio.ensure_future(batcher.submit(["Paris"], 1, True))
             for _ in range(5):  # let the collector take "Paris" and start holding it
                 await asyncio.sleep(0)
             assert retriever.calls == [(3, 1)]  # nothing dispatched yet: "Paris" is held
-            rest = await asyncio.gather(batcher.submit(["Berlin"], 1, True), batcher.submit(["Rhine"], 1, True))
+            rest = await asyncio.gather(
+                batcher.submit(["Berlin"], 1, True), batcher.submit(["Rhine"], 1, True)
+            )
             return [*first_round, await lead, *rest]
         finally:
             batcher.close()
@@ -355,7 +389,9 @@ def test_hold_ends_at_the_deadline_and_large_batches_are_not_held() -> None:
     async def main() -> None:
         try:
             await asyncio.gather(batcher.submit(["Alps"], 1, True), batcher.submit(["Rhine"], 1, True))
-            await batcher.submit(["Seine"], 1, True)  # overlap seen, the other client never comes: held to deadline
+            await batcher.submit(
+                ["Seine"], 1, True
+            )  # overlap seen, the other client never comes: held to deadline
             await asyncio.gather(batcher.submit(["Alps"], 1, True), batcher.submit(["Rhine"], 1, True))
             await batcher.submit(["a", "b", "c", "d"], 1, True)  # half of max_batch_queries: not held
         finally:
@@ -418,7 +454,14 @@ def live_url() -> Iterator[str]:
 
 
 def test_remote_retriever_matches_in_process_results(live_url: str) -> None:
-    queries = ["capital of France", "flows Paris", "Alps Italy", "Rhine Netherlands", "Berlin", "nothing matches"]
+    queries = [
+        "capital of France",
+        "flows Paris",
+        "Alps Italy",
+        "Rhine Netherlands",
+        "Berlin",
+        "nothing matches",
+    ]
     expected = OverlapRetriever().search(queries, 3)
     with RemoteRetriever(live_url + "/retrieve", batch_size=4, base_delay=0.01) as remote:
         assert isinstance(remote, Retriever)
@@ -449,7 +492,10 @@ def test_remote_retriever_dead_port_retries_then_names_url() -> None:
     dead = _bound_socket()  # bound, never listening: connections are refused
     url = f"http://127.0.0.1:{dead.getsockname()[1]}"
     try:
-        with RemoteRetriever(url, retries=3, base_delay=0.01, timeout=2) as remote, pytest.raises(ServiceError) as info:
+        with (
+            RemoteRetriever(url, retries=3, base_delay=0.01, timeout=2) as remote,
+            pytest.raises(ServiceError) as info,
+        ):
             remote.search(["Paris"], 1)
     finally:
         dead.close()
@@ -515,7 +561,8 @@ def _build_bm25_index(tmp_path) -> tuple:
 
     corpus = tmp_path / "corpus.jsonl"
     corpus.write_text(
-        "".join(json.dumps({"id": d, "contents": f'"{t}"\n{x}'}) + "\n" for d, t, x in CORPUS), encoding="utf-8"
+        "".join(json.dumps({"id": d, "contents": f'"{t}"\n{x}'}) + "\n" for d, t, x in CORPUS),
+        encoding="utf-8",
     )
     build_index(corpus, "bm25", tmp_path / "index", show_progress=False)
     return corpus, tmp_path / "index"
@@ -547,7 +594,17 @@ def test_serve_retriever_loads_index_and_warns_on_public_host(tmp_path, monkeypa
     corpus, index = _build_bm25_index(tmp_path)
     runs: list[tuple[object, dict]] = []
     monkeypatch.setattr(uvicorn, "run", lambda app, **kw: runs.append((app, kw)))
-    args = ["serve-retriever", "--index", str(index), "--corpus", str(corpus), "--port", "8123", "--max-k", "7"]
+    args = [
+        "serve-retriever",
+        "--index",
+        str(index),
+        "--corpus",
+        str(corpus),
+        "--port",
+        "8123",
+        "--max-k",
+        "7",
+    ]
     result = CliRunner().invoke(_cli_app(), args)
     assert result.exit_code == 0, result.output
     assert "http://127.0.0.1:8123/retrieve" in result.output and "WARNING" not in result.output
@@ -561,13 +618,17 @@ def test_serve_retriever_loads_index_and_warns_on_public_host(tmp_path, monkeypa
     assert result.exit_code == 0 and "WARNING: binding 0.0.0.0" in result.output
     assert runs[1][1]["host"] == "0.0.0.0"
 
-    result = CliRunner().invoke(_cli_app(), [*args, "--max-body-bytes", "5000", "--body-budget-bytes", "12000"])
+    result = CliRunner().invoke(
+        _cli_app(), [*args, "--max-body-bytes", "5000", "--body-budget-bytes", "12000"]
+    )
     assert result.exit_code == 0, result.output
     with TestClient(runs[2][0]) as c:
         health = c.get("/health").json()
         assert c.post("/retrieve", json={"queries": ["x" * 6000]}).status_code == 413
     assert (health["max_body_bytes"], health["stats"]["body_budget_bytes"]) == (5000, 12000)
-    result = CliRunner().invoke(_cli_app(), [*args, "--max-body-bytes", "5000", "--body-budget-bytes", "4999"])
+    result = CliRunner().invoke(
+        _cli_app(), [*args, "--max-body-bytes", "5000", "--body-budget-bytes", "4999"]
+    )
     assert result.exit_code == 2 and "--body-budget-bytes 4999 is smaller than" in result.output
     assert len(runs) == 3  # refused before serving
 
@@ -581,11 +642,13 @@ def test_serve_retriever_passes_nprobe_and_rerank_to_the_index(tmp_path, monkeyp
     runs: list[dict] = []
     monkeypatch.setattr(uvicorn, "run", lambda app, **kw: runs.append(kw))
     base = ["serve-retriever", "--index", str(index)]
-    for extra, needle in ((["--nprobe", "48"], "--nprobe applies to IVF-PQ indexes; this one is 'bm25'"),
-                          (["--rerank", "0"], "--rerank needs a dense index with its passage vectors"),
-                          (["--rerank", "64", "--workers", "2"], "this one is 'bm25'"),
-                          (["--nprobe", "0"], "--nprobe must be >= 1, got 0"),
-                          (["--rerank", "-1"], "--rerank must be >= 0, got -1")):
+    for extra, needle in (
+        (["--nprobe", "48"], "--nprobe applies to IVF-PQ indexes; this one is 'bm25'"),
+        (["--rerank", "0"], "--rerank needs a dense index with its passage vectors"),
+        (["--rerank", "64", "--workers", "2"], "this one is 'bm25'"),
+        (["--nprobe", "0"], "--nprobe must be >= 1, got 0"),
+        (["--rerank", "-1"], "--rerank must be >= 0, got -1"),
+    ):
         result = CliRunner().invoke(_cli_app(), [*base, *extra], terminal_width=300)
         assert result.exit_code == 2 and needle in result.output, (extra, result.output)
     assert runs == []
@@ -604,7 +667,9 @@ def test_search_options_follow_the_index_kind() -> None:
     kept = {"kind": "dense", "faiss": {"type": "ivfpq"}, "vectors": {"file": "vectors.f16"}}
     check_search_options(kept, {"nprobe": 64, "rerank": 256})  # an IVF-PQ index with its vectors: both apply
     check_search_options({**kept, "vectors": None}, {"nprobe": 64, "rerank": 0})  # re-ranking off needs none
-    with pytest.raises(ConfigError, match="--rerank needs a dense index with its passage vectors .*kept none"):
+    with pytest.raises(
+        ConfigError, match="--rerank needs a dense index with its passage vectors .*kept none"
+    ):
         check_search_options({**kept, "vectors": None}, {"rerank": 64})
     with pytest.raises(ConfigError, match="--nprobe applies to IVF-PQ indexes; this one is 'hnsw'"):
         check_search_options({"kind": "dense", "faiss": {"type": "hnsw"}}, {"nprobe": 8})
@@ -614,7 +679,9 @@ def test_serve_retriever_rejects_corpus_of_another_index(tmp_path) -> None:
     _, index = _build_bm25_index(tmp_path)
     other = tmp_path / "other.jsonl"
     other.write_text(json.dumps({"id": "x", "contents": '"X"\nsomething else'}) + "\n", encoding="utf-8")
-    result = CliRunner().invoke(_cli_app(), ["serve-retriever", "--index", str(index), "--corpus", str(other)])
+    result = CliRunner().invoke(
+        _cli_app(), ["serve-retriever", "--index", str(index), "--corpus", str(other)]
+    )
     assert result.exit_code == 2
     assert "different file" in result.output
 

@@ -196,7 +196,9 @@ def test_exact_rerank_over_several_query_chunks_matches_brute_force() -> None:
     rng = np.random.default_rng(4)
     vectors = rng.standard_normal((300, 12)).astype(np.float16)
     queries = rng.standard_normal((37, 12)).astype(np.float32)
-    candidates = np.stack([rng.choice(300, 20, replace=False) for _ in range(37)])  # distinct, as merged shards give
+    candidates = np.stack(
+        [rng.choice(300, 20, replace=False) for _ in range(37)]
+    )  # distinct, as merged shards give
     candidates[5, 10:] = -1  # a query with fewer candidates
     brute = vectors.astype(np.float32) @ queries.T  # (rows, queries)
     for chunk in (16, 1, 64):
@@ -416,15 +418,32 @@ def test_ivfpq_rerank_recall_at_5_from_precomputed_embeddings(tmp_path: Path, en
     corpus = tmp_path / "big.jsonl"
     docs = _write_corpus(corpus, 3000, seed=8, words_per_doc=10)
     rng = np.random.default_rng(3)
-    queries = [" ".join(rng.choice(docs[i], size=4, replace=False)) for i in rng.choice(len(docs), 150, replace=False)]
+    queries = [
+        " ".join(rng.choice(docs[i], size=4, replace=False))
+        for i in rng.choice(len(docs), 150, replace=False)
+    ]
     build_index(corpus, "dense", tmp_path / "flat", encoder=encoder, show_progress=False)
     store = DocStore(tmp_path / "flat" / "docstore")
     assert encode_docstore(store, tmp_path / "emb.f16", encoder, chunk=700) == 3000
     stored = np.memmap(tmp_path / "emb.f16", dtype=np.float16, mode="r", shape=(3000, DIM))
-    np.testing.assert_allclose(stored[:5], encoder.encode_passages(
-        [f'"{t}"\n{x}' for _, t, x in store.get(range(5))]), atol=1e-3)
-    build_index(corpus, "dense", tmp_path / "ivf", encoder=encoder, faiss="ivfpq", nlist=32, m=8, nbits=6,
-                nprobe=16, shards=3, keep_vectors=True, embeddings=str(tmp_path / "emb.f16"), show_progress=False)
+    np.testing.assert_allclose(
+        stored[:5], encoder.encode_passages([f'"{t}"\n{x}' for _, t, x in store.get(range(5))]), atol=1e-3
+    )
+    build_index(
+        corpus,
+        "dense",
+        tmp_path / "ivf",
+        encoder=encoder,
+        faiss="ivfpq",
+        nlist=32,
+        m=8,
+        nbits=6,
+        nprobe=16,
+        shards=3,
+        keep_vectors=True,
+        embeddings=str(tmp_path / "emb.f16"),
+        show_progress=False,
+    )
     assert read_manifest(tmp_path / "ivf")["embeddings"] == str((tmp_path / "emb.f16").resolve())
     ivf = load_retriever(tmp_path / "ivf", encoder=encoder)
     # the vectors are read row by row from the file (positional reads), never loaded or mapped whole
@@ -433,16 +452,30 @@ def test_ivfpq_rerank_recall_at_5_from_precomputed_embeddings(tmp_path: Path, en
     exact = load_retriever(tmp_path / "flat", encoder=encoder).search(queries, 5)
 
     def recall(hits: list) -> float:
-        return float(np.mean([len({h.doc_id for h in g} & {h.doc_id for h in e}) / 5
-                              for g, e in zip(hits, exact, strict=True)]))
+        return float(
+            np.mean(
+                [
+                    len({h.doc_id for h in g} & {h.doc_id for h in e}) / 5
+                    for g, e in zip(hits, exact, strict=True)
+                ]
+            )
+        )
 
     reranked = recall(ivf.search(queries, 5))
     pq_only = recall(load_retriever(tmp_path / "ivf", encoder=encoder, rerank=0).search(queries, 5))
     assert reranked >= 0.9, (reranked, pq_only)
     assert reranked > pq_only + 0.1, (reranked, pq_only)
     with pytest.raises(IndexMismatchError, match="float16"):
-        build_index(corpus, "dense", tmp_path / "bad", encoder=HashEncoder(dim=16), faiss="flat", shards=1,
-                    embeddings=str(tmp_path / "emb.f16"), show_progress=False)
+        build_index(
+            corpus,
+            "dense",
+            tmp_path / "bad",
+            encoder=HashEncoder(dim=16),
+            faiss="flat",
+            shards=1,
+            embeddings=str(tmp_path / "emb.f16"),
+            show_progress=False,
+        )
 
 
 def test_dense_index_reuses_another_index_docstore(
@@ -452,8 +485,14 @@ def test_dense_index_reuses_another_index_docstore(
     corpus file may be gone); the index searches exactly as one built from the corpus."""
     corpus, _ = world
     build_index(corpus, "bm25", tmp_path / "bm25", show_progress=False)
-    linked = build_index(None, "dense", tmp_path / "linked", encoder=encoder, docstore_from=tmp_path / "bm25",
-                         show_progress=False)
+    linked = build_index(
+        None,
+        "dense",
+        tmp_path / "linked",
+        encoder=encoder,
+        docstore_from=tmp_path / "bm25",
+        show_progress=False,
+    )
     fresh = build_index(corpus, "dense", tmp_path / "fresh", encoder=encoder, show_progress=False)
     assert linked["corpus_fingerprint"] == fresh["corpus_fingerprint"] and linked["num_docs"] == 203
     assert linked["corpus_path"] == fresh["corpus_path"]
@@ -465,19 +504,32 @@ def test_dense_index_reuses_another_index_docstore(
     other = tmp_path / "other.jsonl"
     _write_corpus(other, 50, seed=2)
     with pytest.raises(IndexMismatchError, match="a different file"):
-        build_index(other, "dense", tmp_path / "bad", encoder=encoder, docstore_from=tmp_path / "bm25",
-                    show_progress=False)
+        build_index(
+            other,
+            "dense",
+            tmp_path / "bad",
+            encoder=encoder,
+            docstore_from=tmp_path / "bm25",
+            show_progress=False,
+        )
     with pytest.raises(ConfigError, match="needs a corpus file, or docstore_from"):
         build_index(None, "dense", tmp_path / "bad", encoder=encoder, show_progress=False)
     with pytest.raises(IndexMismatchError, match="not a complete sleuth index"):
         (tmp_path / "half").mkdir()
-        build_index(None, "dense", tmp_path / "bad", encoder=encoder, docstore_from=tmp_path / "half",
-                    show_progress=False)
+        build_index(
+            None,
+            "dense",
+            tmp_path / "bad",
+            encoder=encoder,
+            docstore_from=tmp_path / "half",
+            show_progress=False,
+        )
     assert not (tmp_path / "bad").exists()
 
 
-def test_precomputed_embeddings_are_linked_as_the_kept_vectors(tmp_path: Path, encoder: HashEncoder,
-                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+def test_precomputed_embeddings_are_linked_as_the_kept_vectors(
+    tmp_path: Path, encoder: HashEncoder, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """At 21M the embeddings file is 16 GB: the IVF-PQ build hard-links it as the index's float16 vectors
     instead of writing a second copy, and searches exactly as a build that writes the copy (the fallback
     where no hard link can be made)."""
@@ -487,18 +539,36 @@ def test_precomputed_embeddings_are_linked_as_the_kept_vectors(tmp_path: Path, e
     emb = tmp_path / "emb.f16"
     encode_docstore(DocStore(tmp_path / "flat" / "docstore"), emb, encoder, chunk=256)
     before = emb.read_bytes()
-    opts = dict(encoder=encoder, faiss="ivfpq", nlist=8, m=8, nbits=6, nprobe=4, shards=2, keep_vectors=True,
-                embeddings=str(emb), show_progress=False)
+    opts = dict(
+        encoder=encoder,
+        faiss="ivfpq",
+        nlist=8,
+        m=8,
+        nbits=6,
+        nprobe=4,
+        shards=2,
+        keep_vectors=True,
+        embeddings=str(emb),
+        show_progress=False,
+    )
     build_index(corpus, "dense", tmp_path / "linked", **opts)
     assert read_manifest(tmp_path / "linked")["vectors_source"] == "linked"
     assert (tmp_path / "linked" / "vectors.f16").stat().st_ino == emb.stat().st_ino
-    monkeypatch.setattr("sleuth.retrieval.sharded.os.link", lambda *a: (_ for _ in ()).throw(OSError("EXDEV")))
+    monkeypatch.setattr(
+        "sleuth.retrieval.sharded.os.link", lambda *a: (_ for _ in ()).throw(OSError("EXDEV"))
+    )
     build_index(corpus, "dense", tmp_path / "written", **opts)
     assert read_manifest(tmp_path / "written")["vectors_source"] == "written"
     assert (tmp_path / "written" / "vectors.f16").read_bytes() == emb.read_bytes()
     queries = [" ".join(d[:3]) for d in docs[:40]]
-    got = [[h.doc_id for h in hs] for hs in load_retriever(tmp_path / "linked", encoder=encoder).search(queries, 5)]
-    want = [[h.doc_id for h in hs] for hs in load_retriever(tmp_path / "written", encoder=encoder).search(queries, 5)]
+    got = [
+        [h.doc_id for h in hs]
+        for hs in load_retriever(tmp_path / "linked", encoder=encoder).search(queries, 5)
+    ]
+    want = [
+        [h.doc_id for h in hs]
+        for hs in load_retriever(tmp_path / "written", encoder=encoder).search(queries, 5)
+    ]
     assert got == want
     assert emb.read_bytes() == before  # the source is read, never written
 
@@ -532,19 +602,40 @@ def test_4bit_ivfpq_is_written_in_the_fast_scan_layout(tmp_path: Path, encoder: 
 
     corpus = tmp_path / "big.jsonl"
     docs = _write_corpus(corpus, 3000, seed=8, words_per_doc=10)
-    queries = [" ".join(rng.choice(docs[i], size=4, replace=False)) for i in rng.choice(len(docs), 150, replace=False)]
+    queries = [
+        " ".join(rng.choice(docs[i], size=4, replace=False))
+        for i in rng.choice(len(docs), 150, replace=False)
+    ]
     build_index(corpus, "dense", tmp_path / "flat", encoder=encoder, show_progress=False)
     exact = load_retriever(tmp_path / "flat", encoder=encoder).search(queries, 5)
     recalls = {}
     for nbits, m in ((8, 8), (4, 16)):  # the same 8 bytes a code
         out = tmp_path / f"ivf{nbits}"
-        build_index(corpus, "dense", out, encoder=encoder, faiss="ivfpq", nlist=32, m=m, nbits=nbits, nprobe=16,
-                    shards=2, keep_vectors=True, show_progress=False)
+        build_index(
+            corpus,
+            "dense",
+            out,
+            encoder=encoder,
+            faiss="ivfpq",
+            nlist=32,
+            m=m,
+            nbits=nbits,
+            nprobe=16,
+            shards=2,
+            keep_vectors=True,
+            show_progress=False,
+        )
         shard = faiss.read_index(str(out / "shards" / "shard-000.faiss"))
         assert isinstance(faiss.downcast_index(shard), faiss.IndexIVFPQFastScan) == (nbits == 4)
         got = load_retriever(out, encoder=encoder, rerank=64).search(queries, 5)
-        recalls[nbits] = float(np.mean([len({h.doc_id for h in g} & {h.doc_id for h in e}) / 5
-                                        for g, e in zip(got, exact, strict=True)]))
+        recalls[nbits] = float(
+            np.mean(
+                [
+                    len({h.doc_id for h in g} & {h.doc_id for h in e}) / 5
+                    for g, e in zip(got, exact, strict=True)
+                ]
+            )
+        )
     assert recalls[4] >= 0.9 and recalls[4] >= recalls[8] - 0.05, recalls
 
 
@@ -575,9 +666,24 @@ def test_nprobe_above_nlist_probes_every_list(tmp_path: Path, encoder: HashEncod
     corpus = tmp_path / "c.jsonl"
     docs = _write_corpus(corpus, 600, seed=3, words_per_doc=10)
     queries = [" ".join(rng.choice(docs[i], size=4, replace=False)) for i in range(0, 600, 20)]
-    build_index(corpus, "dense", tmp_path / "ivf", encoder=encoder, faiss="ivfpq", nlist=8, m=16, nbits=4, nprobe=4,
-                shards=2, keep_vectors=True, show_progress=False)
-    every = [[h.doc_id for h in hs] for hs in load_retriever(tmp_path / "ivf", encoder=encoder, nprobe=8).search(queries, 5)]
+    build_index(
+        corpus,
+        "dense",
+        tmp_path / "ivf",
+        encoder=encoder,
+        faiss="ivfpq",
+        nlist=8,
+        m=16,
+        nbits=4,
+        nprobe=4,
+        shards=2,
+        keep_vectors=True,
+        show_progress=False,
+    )
+    every = [
+        [h.doc_id for h in hs]
+        for hs in load_retriever(tmp_path / "ivf", encoder=encoder, nprobe=8).search(queries, 5)
+    ]
     above = load_retriever(tmp_path / "ivf", encoder=encoder, nprobe=64)
     assert [[h.doc_id for h in hs] for hs in above.search(queries, 5)] == every
     above.set_search_params(nprobe=65)

@@ -29,16 +29,34 @@ from toy_search_tools import build_http_api, build_mcp_server  # noqa: E402
 
 QUERIES = ["capital of Varonia", "director of Blue Harbor", "river through Quellstad"]
 FAST_RETRY = {"base_delay": 0.01, "max_delay": 0.02}
-MCP_MAPPING = {"tool": "web_search", "arguments": {"q": "{query}", "limit": "{k}"},
-               "response": {"results": "data.hits", "id": "doc", "title": "name", "text": "snippet",
-                            "score": "rank_score"}}
-HTTP_MAPPING = {"params": {"q": "{query}", "count": "{k}"}, "headers": {"X-Api-Key": "${TOY_SEARCH_KEY}"},
-                "response": {"results": "web.results", "id": "doc", "title": "name", "text": "snippet",
-                             "score": "rank_score"}}
+MCP_MAPPING = {
+    "tool": "web_search",
+    "arguments": {"q": "{query}", "limit": "{k}"},
+    "response": {
+        "results": "data.hits",
+        "id": "doc",
+        "title": "name",
+        "text": "snippet",
+        "score": "rank_score",
+    },
+}
+HTTP_MAPPING = {
+    "params": {"q": "{query}", "count": "{k}"},
+    "headers": {"X-Api-Key": "${TOY_SEARCH_KEY}"},
+    "response": {
+        "results": "web.results",
+        "id": "doc",
+        "title": "name",
+        "text": "snippet",
+        "score": "rank_score",
+    },
+}
 
 
 def expected(queries: list[str], k: int) -> list[list[tuple[str, str, str, float]]]:
-    return [[(h.doc_id, h.title, h.text, h.score) for h in hits] for hits in ToyRetriever().search(queries, k)]
+    return [
+        [(h.doc_id, h.title, h.text, h.score) for h in hits] for hits in ToyRetriever().search(queries, k)
+    ]
 
 
 def as_tuples(result) -> list[list[tuple[str, str, str, float]]]:
@@ -65,11 +83,15 @@ def test_http_api_maps_request_and_response(api) -> None:
 
 def test_http_api_post_json_body(api) -> None:
     base, _ = api
-    cfg = HTTPSearchConfig.model_validate({
-        "url": f"{base}/v1/retrieve", "method": "POST", "params": {},
-        "json": {"query": {"text": "{query}"}, "options": {"k": "{k}"}},
-        "response": {"results": "items", "id": "doc", "title": "name", "text": "snippet", "score": None},
-    })
+    cfg = HTTPSearchConfig.model_validate(
+        {
+            "url": f"{base}/v1/retrieve",
+            "method": "POST",
+            "params": {},
+            "json": {"query": {"text": "{query}"}, "options": {"k": "{k}"}},
+            "response": {"results": "items", "id": "doc", "title": "name", "text": "snippet", "score": None},
+        }
+    )
     with HTTPSearchRetriever(cfg) as retriever:
         got = retriever.search(QUERIES[:1], 3)
     assert [(h.doc_id, h.title, h.text) for h in got[0]] == [e[:3] for e in expected(QUERIES[:1], 3)[0]]
@@ -96,19 +118,26 @@ def test_http_connection_failure_is_retried_then_named(api) -> None:
     base, _ = api
     dead = "http://127.0.0.1:9/search"  # discard port: nothing listens
     cfg = HTTPSearchConfig(url=dead, retries=2, timeout=2, **FAST_RETRY, **HTTP_MAPPING)
-    with HTTPSearchRetriever(cfg) as retriever, pytest.raises(ServiceError, match="failed after 2 attempts.*ConnectError"):
+    with (
+        HTTPSearchRetriever(cfg) as retriever,
+        pytest.raises(ServiceError, match="failed after 2 attempts.*ConnectError"),
+    ):
         retriever.search(QUERIES[:1], 3)
 
 
 def test_http_mapping_and_env_errors_name_what_to_fix(api, monkeypatch) -> None:
     base, _ = api
     bad_path = {**HTTP_MAPPING, "response": {**HTTP_MAPPING["response"], "results": "web.items"}}
-    with HTTPSearchRetriever(HTTPSearchConfig(url=f"{base}/search", **bad_path)) as retriever, \
-            pytest.raises(ServiceError, match="no 'items' on the path response.results='web.items'.*results"):
+    with (
+        HTTPSearchRetriever(HTTPSearchConfig(url=f"{base}/search", **bad_path)) as retriever,
+        pytest.raises(ServiceError, match="no 'items' on the path response.results='web.items'.*results"),
+    ):
         retriever.search(QUERIES[:1], 3)
     bad_field = {**HTTP_MAPPING, "response": {**HTTP_MAPPING["response"], "text": "body"}}
-    with HTTPSearchRetriever(HTTPSearchConfig(url=f"{base}/search", **bad_field)) as retriever, \
-            pytest.raises(ServiceError, match="no 'body' field.*'snippet'"):
+    with (
+        HTTPSearchRetriever(HTTPSearchConfig(url=f"{base}/search", **bad_field)) as retriever,
+        pytest.raises(ServiceError, match="no 'body' field.*'snippet'"),
+    ):
         retriever.search(QUERIES[:1], 3)
     monkeypatch.delenv("TOY_SEARCH_KEY")
     with pytest.raises(ConfigError, match="TOY_SEARCH_KEY is not set"):
@@ -131,14 +160,20 @@ def test_mcp_tool_over_streamable_http_and_missing_tool() -> None:
         with MCPRetriever(MCPToolConfig(server=f"{base}/mcp", **MCP_MAPPING)) as retriever:
             assert as_tuples(retriever.search(QUERIES, 2)) == expected(QUERIES, 2)
         wrong = {**MCP_MAPPING, "tool": "search"}
-        with MCPRetriever(MCPToolConfig(server=f"{base}/mcp", **wrong)) as retriever, \
-                pytest.raises(ServiceError, match="has no tool 'search' \\(its tools: web_search\\)"):
+        with (
+            MCPRetriever(MCPToolConfig(server=f"{base}/mcp", **wrong)) as retriever,
+            pytest.raises(ServiceError, match="has no tool 'search' \\(its tools: web_search\\)"),
+        ):
             retriever.search(QUERIES[:1], 2)
 
 
 def test_mcp_stdio_server_text_results() -> None:
-    cfg = MCPToolConfig(command=[sys.executable, str(PLUGINS / "toy_search_tools.py"), "--text"],
-                        tool="web_search", arguments={"q": "{query}", "limit": "{k}"}, timeout=60)
+    cfg = MCPToolConfig(
+        command=[sys.executable, str(PLUGINS / "toy_search_tools.py"), "--text"],
+        tool="web_search",
+        arguments={"q": "{query}", "limit": "{k}"},
+        timeout=60,
+    )
     with MCPRetriever(cfg) as retriever:
         (hits,) = retriever.search(QUERIES[:1], 2)
     (want,) = expected(QUERIES[:1], 2)
@@ -154,9 +189,12 @@ def test_mcp_unreachable_server_is_retried_then_named() -> None:
 
 def test_tool_argument_errors_come_back_as_service_errors() -> None:
     bad_args = {**MCP_MAPPING, "arguments": {"query": "{query}"}}  # the tool needs `q`
-    with MCPRetriever(MCPToolConfig(server="http://unused.invalid/mcp", **bad_args),
-                      target=build_mcp_server()) as retriever, \
-            pytest.raises(ServiceError, match="returned an error"):
+    with (
+        MCPRetriever(
+            MCPToolConfig(server="http://unused.invalid/mcp", **bad_args), target=build_mcp_server()
+        ) as retriever,
+        pytest.raises(ServiceError, match="returned an error"),
+    ):
         retriever.search(QUERIES[:1], 2)
 
 
@@ -187,14 +225,20 @@ def test_evaluate_with_an_http_search_api(api, tmp_path: Path) -> None:
     spec = tmp_path / "search-api.yaml"
     spec.write_text(yaml.safe_dump({"http": {"url": f"{base}/search", **HTTP_MAPPING}}))
     turns = ["<search> capital of Varonia </search>", "<answer> Quellstad </answer>"]
-    model = ScriptedGenerator(AutoTokenizer.from_pretrained(tiny_model_dir()),
-                              lambda call: turns[min(call.turn_index, 1)])
+    model = ScriptedGenerator(
+        AutoTokenizer.from_pretrained(tiny_model_dir()), lambda call: turns[min(call.turn_index, 1)]
+    )
     examples = [QAExample("q1", "What is the capital of Varonia?", ["Quellstad"])]
-    summary = evaluate("search-r1", examples, str(spec), model, out_dir=tmp_path / "out", config=EvalConfig(top_k=2))
-    (record,) = [json.loads(x) for x in (tmp_path / "out" / "search-r1" / "predictions.jsonl").read_text().splitlines()]
+    summary = evaluate(
+        "search-r1", examples, str(spec), model, out_dir=tmp_path / "out", config=EvalConfig(top_k=2)
+    )
+    (record,) = [
+        json.loads(x) for x in (tmp_path / "out" / "search-r1" / "predictions.jsonl").read_text().splitlines()
+    ]
     assert summary["methods"]["search-r1"]["overall"]["em"] == 1.0 and record["retrieval_count"] == 1
-    assert [h["doc_id"] for h in record["trajectory"]["retrieved"][0]] == [e[0] for e in expected(
-        ["capital of Varonia"], 2)[0]]
+    assert [h["doc_id"] for h in record["trajectory"]["retrieved"][0]] == [
+        e[0] for e in expected(["capital of Varonia"], 2)[0]
+    ]
     assert state["calls"] == 1
 
 
@@ -217,19 +261,42 @@ def test_training_against_an_mcp_search_tool(small_world: Path, tmp_path: Path) 
 
     server.add_tool(search, name="search")
     with serve_in_thread(server.streamable_http_app(streamable_http_path="/mcp")) as base:
-        recipe = recipe_from_dict({
-            "name": "mcp-train", "model": {"policy": "tiny"}, "data": {"train": str(small_world / "train.jsonl")},
-            "retriever": {"mcp": {"server": f"{base}/mcp", "arguments": {"query": "{query}", "top_k": "{k}"},
-                                  "response": {"results": "results", "id": "doc_id"}}},
-            "agent": {"loop": "s3", "max_turns": 1, "top_k": 2, "max_new_tokens_per_turn": 8,
-                      "max_response_tokens": 64, "max_obs_tokens": 32},
-            "reward": {"name": "search_r1_em"},
-            "algorithm": {"name": "grpo", "n": 2, "prompts_per_step": 1, "minibatch_size": 2, "micro_batch_size": 2},
-            "trainer": {"total_steps": 1, "save_every": 0, "out_dir": str(tmp_path / "run")},
-        })
+        recipe = recipe_from_dict(
+            {
+                "name": "mcp-train",
+                "model": {"policy": "tiny"},
+                "data": {"train": str(small_world / "train.jsonl")},
+                "retriever": {
+                    "mcp": {
+                        "server": f"{base}/mcp",
+                        "arguments": {"query": "{query}", "top_k": "{k}"},
+                        "response": {"results": "results", "id": "doc_id"},
+                    }
+                },
+                "agent": {
+                    "loop": "s3",
+                    "max_turns": 1,
+                    "top_k": 2,
+                    "max_new_tokens_per_turn": 8,
+                    "max_response_tokens": 64,
+                    "max_obs_tokens": 32,
+                },
+                "reward": {"name": "search_r1_em"},
+                "algorithm": {
+                    "name": "grpo",
+                    "n": 2,
+                    "prompts_per_step": 1,
+                    "minibatch_size": 2,
+                    "micro_batch_size": 2,
+                },
+                "trainer": {"total_steps": 1, "save_every": 0, "out_dir": str(tmp_path / "run")},
+            }
+        )
         train(recipe)
     assert calls  # s3 begins with a search of the question: the rollouts went through the MCP tool
-    rollouts = [json.loads(x) for x in (tmp_path / "run" / "rollouts" / "step_000001.jsonl").read_text().splitlines()]
+    rollouts = [
+        json.loads(x) for x in (tmp_path / "run" / "rollouts" / "step_000001.jsonl").read_text().splitlines()
+    ]
     first = rollouts[0]["retrieved"][0]
     (want,) = index.search([calls[0]], 2)
     assert [h["doc_id"] for h in first] == [h.doc_id for h in want]
@@ -242,7 +309,9 @@ def test_recipe_takes_exactly_one_retriever_source(monkeypatch) -> None:
     base = {"name": "x", "data": {"train": "t.jsonl"}}
     with pytest.raises(ConfigError, match="exactly one of retriever.index, retriever.url, retriever.mcp"):
         recipe_from_dict({**base, "retriever": {"index": "i", "http": {"url": "http://127.0.0.1:1/s"}}})
-    recipe = recipe_from_dict({**base, "retriever": {"http": {"url": "http://127.0.0.1:1/s", **HTTP_MAPPING}}})
+    recipe = recipe_from_dict(
+        {**base, "retriever": {"http": {"url": "http://127.0.0.1:1/s", **HTTP_MAPPING}}}
+    )
     assert recipe.retriever.http.response.results == "web.results"
     # secrets are read when the retriever opens, so a recipe can be checked without them
     monkeypatch.delenv("TOY_SEARCH_KEY", raising=False)

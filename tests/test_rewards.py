@@ -491,13 +491,18 @@ def test_rsearch_without_evidence_ablation_scores_answers_only() -> None:
     searched = [("policy", "<search>q</search>"), ("env", "<observation>Doc</observation>")]
     cases = [
         (searched + [("policy", "<answer>Countrywide Financial</answer>")], 1.0 + 0.2),
-        (searched + [("policy", "<original_evidence>x</original_evidence><answer>Countrywide</answer>")], 2 / 3 + 0.2),
+        (
+            searched + [("policy", "<original_evidence>x</original_evidence><answer>Countrywide</answer>")],
+            2 / 3 + 0.2,
+        ),
         ([("policy", "<answer>Countrywide Financial</answer>")], 1.0 + 0.2),  # no search: γa, not γe + γa
         (searched + [("policy", "no answer")], 0.0),
     ]
     trajs = [make_traj(spans, ["Countrywide Financial"]) for spans, _ in cases]
     ablated = get_reward("r_search", use_evidence_reward=False, use_evidence_format=False)
-    for result, (_, total) in zip(ablated(trajs, RewardServices()), cases, strict=True):  # no generator needed
+    for result, (_, total) in zip(
+        ablated(trajs, RewardServices()), cases, strict=True
+    ):  # no generator needed
         assert result.total == pytest.approx(total) and result.components["evidence_f1"] == 0.0
     # the reward-term ablation alone keeps the evidence part of the format: the first case gets γa only (I_E = 0)
     reward_only = get_reward("r_search", use_evidence_reward=False)(trajs[:1], RewardServices())[0]
@@ -759,9 +764,8 @@ def test_qagent_stage2_generator_em_plus_hit() -> None:
     assert res[0].components == {"generator_cover_em": 1.0, "hit": 1.0}
     assert len(gen.batches) == 1
     sent = gen.batches[0][0]
-    assert (
-        sent[0]["role"] == "system"
-        and sent[0]["content"].endswith('\n\nDoc 1(Title: "France") Paris is the capital of France.\n')
+    assert sent[0]["role"] == "system" and sent[0]["content"].endswith(
+        '\n\nDoc 1(Title: "France") Paris is the capital of France.\n'
     )
     loose = get_reward("qagent_stage2", hit_scope="response")(trajs[2:], RewardServices(generator=gen))
     assert loose[0].total == 0.5
@@ -785,7 +789,9 @@ def test_the_stage_is_declared_by_every_reward() -> None:
     from sleuth.rewards.base import register_reward
 
     with pytest.raises(TypeError, match="must subclass sleuth.rewards.base.Reward"):
-        register_reward("not_a_reward")(type("NotAReward", (), {"__call__": lambda self, trajs, services=None: []}))
+        register_reward("not_a_reward")(
+            type("NotAReward", (), {"__call__": lambda self, trajs, services=None: []})
+        )
     staged = get_reward("staged", switch_step=3, correctness="em")
     staged.set_step(2)
     assert staged.current_stage == 1

@@ -48,11 +48,19 @@ def lora_policy(tmp_path_factory: pytest.TempPathFactory):
 
 
 def _agreement(policy, tokenizer, generator) -> dict[str, float]:
-    examples = [QAExample("a", "What is the capital of Varonia?", ["Quellstad"]),
-                QAExample("b", "Who directed Blue Harbor?", ["Mara Ilves"])]
-    trajs = rollout(get_loop("search_r1", max_turns=2), generator, FixedRetriever(), examples,
-                    SamplingParams(max_new_tokens=10, temperature=0.8, seed=0), n=2,
-                    budget=RolloutBudget(max_obs_tokens=30, max_response_tokens=120))
+    examples = [
+        QAExample("a", "What is the capital of Varonia?", ["Quellstad"]),
+        QAExample("b", "Who directed Blue Harbor?", ["Mara Ilves"]),
+    ]
+    trajs = rollout(
+        get_loop("search_r1", max_turns=2),
+        generator,
+        FixedRetriever(),
+        examples,
+        SamplingParams(max_new_tokens=10, temperature=0.8, seed=0),
+        n=2,
+        budget=RolloutBudget(max_obs_tokens=30, max_response_tokens=120),
+    )
     batch = collate(trajs, tokenizer.pad_token_id or 0)
     with torch.no_grad():
         trainer, _ = forward_logprobs(policy, batch, 0.8, packed=True)
@@ -68,7 +76,9 @@ def test_agreement_is_near_zero_when_the_rollouts_decode_the_trained_adapters(lo
 
 def test_agreement_flags_adapters_that_did_not_reach_the_rollout_generator(lora_policy) -> None:
     policy, tokenizer = lora_policy
-    stale = FrozenBaseGenerator(hf.HFGenerator(policy, tokenizer=tokenizer, device="cpu"), policy)  # base only
+    stale = FrozenBaseGenerator(
+        hf.HFGenerator(policy, tokenizer=tokenizer, device="cpu"), policy
+    )  # base only
     metrics = _agreement(policy, tokenizer, stale)
     assert metrics["rollout/logprob_diff_mean"] > 0.1
     monitor = GuardMonitor(default_guards())
@@ -82,10 +92,23 @@ def test_agreement_flags_adapters_that_did_not_reach_the_rollout_generator(lora_
 def test_agreement_skips_trajectories_without_log_probs() -> None:
     from sleuth.agent.trajectory import Trajectory
 
-    t = Trajectory(question_id="q", question="q", golden_answers=["a"], method="t", prompt_ids=[1],
-                   response_ids=[2, 3], loss_mask=[1, 1], logprobs=[0.0, 0.0], logprobs_missing=True)
+    t = Trajectory(
+        question_id="q",
+        question="q",
+        golden_answers=["a"],
+        method="t",
+        prompt_ids=[1],
+        response_ids=[2, 3],
+        loss_mask=[1, 1],
+        logprobs=[0.0, 0.0],
+        logprobs_missing=True,
+    )
     out = rollout_agreement([t], torch.ones(1, 2), torch.full((1, 2), -3.0))
     assert out["rollout/logprob_diff_tokens"] == 0.0 and out["rollout/logprob_diff_mean"] == 0.0
     t.logprobs_missing = False
     out = rollout_agreement([t], torch.tensor([[1.0, 0.0]]), torch.full((1, 2), -3.0))
-    assert out == {"rollout/logprob_diff_mean": 3.0, "rollout/logprob_diff_max": 3.0, "rollout/logprob_diff_tokens": 1.0}
+    assert out == {
+        "rollout/logprob_diff_mean": 3.0,
+        "rollout/logprob_diff_max": 3.0,
+        "rollout/logprob_diff_tokens": 1.0,
+    }

@@ -15,8 +15,16 @@ from sleuth.rl.models import ValueModel
 
 
 def _traj(prompt: list[int], response: list[int], mask: list[int]) -> Trajectory:
-    return Trajectory(question_id="q", question="q", golden_answers=["a"], method="t",
-                      prompt_ids=prompt, response_ids=response, loss_mask=mask, logprobs=[0.0] * len(response))
+    return Trajectory(
+        question_id="q",
+        question="q",
+        golden_answers=["a"],
+        method="t",
+        prompt_ids=prompt,
+        response_ids=response,
+        loss_mask=mask,
+        logprobs=[0.0] * len(response),
+    )
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +36,9 @@ def tiny(tmp_path_factory: pytest.TempPathFactory):
     path = build_tiny_model(tmp_path_factory.mktemp("tiny"))
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64).eval()
-    critic = ValueModel(AutoModel.from_pretrained(path, dtype=torch.float64), model.config.hidden_size).double()
+    critic = ValueModel(
+        AutoModel.from_pretrained(path, dtype=torch.float64), model.config.hidden_size
+    ).double()
     torch.nn.init.normal_(critic.value_head.weight)  # a non-trivial head so values differ per position
     return Path(path), model, critic
 
@@ -77,7 +87,9 @@ def test_batched_logprobs_and_values_equal_single_sequences(tiny) -> None:
         expected = torch.log_softmax(logits, -1)[P - 1 :].gather(-1, ids[0, P:, None]).squeeze(-1)
         torch.testing.assert_close(logprobs[i, :R], expected * policy, rtol=1e-9, atol=1e-9)
         probs = torch.softmax(logits[P - 1 :], -1)
-        torch.testing.assert_close(entropy[i, :R], -(probs * probs.log()).sum(-1) * policy, rtol=1e-9, atol=1e-9)
+        torch.testing.assert_close(
+            entropy[i, :R], -(probs * probs.log()).sum(-1) * policy, rtol=1e-9, atol=1e-9
+        )
         expected_v = critic.value_head(hidden[0, P - 1 : P + R - 1]).squeeze(-1)
         torch.testing.assert_close(values[i, :R], expected_v, rtol=1e-9, atol=1e-9)
 
@@ -85,10 +97,16 @@ def test_batched_logprobs_and_values_equal_single_sequences(tiny) -> None:
 def _recipe(**model):
     from sleuth.rl.config import recipe_from_dict
 
-    return recipe_from_dict({
-        "name": "t", "model": {"policy": "tiny", **model}, "data": {"train": "x.jsonl"},
-        "retriever": {"index": "idx"}, "agent": {"loop": "search_r1"}, "reward": {"name": "search_r1_em"},
-    })
+    return recipe_from_dict(
+        {
+            "name": "t",
+            "model": {"policy": "tiny", **model},
+            "data": {"train": "x.jsonl"},
+            "retriever": {"index": "idx"},
+            "agent": {"loop": "search_r1"},
+            "reward": {"name": "search_r1_em"},
+        }
+    )
 
 
 def test_rollout_copy_is_bf16_and_follows_the_policy(tiny) -> None:
@@ -144,10 +162,19 @@ def test_static_cache_with_fp32_rollout_weights_fails_at_start(tiny) -> None:
     lora_static = _recipe(lora={"enabled": True}, generation_cache="static")
     with pytest.raises(ConfigError, match="model.dtype=bfloat16"):
         rollout_decoding(lora_static, model, cuda)
-    assert rollout_decoding(lora_static, model.to(torch.bfloat16), cuda)[:2] == ("static", True)  # a bf16 base is fine
-    assert rollout_decoding(lora_static, model.float(), torch.device("cpu"))[:2] == ("static", False)  # no autocast on CPU
+    assert rollout_decoding(lora_static, model.to(torch.bfloat16), cuda)[:2] == (
+        "static",
+        True,
+    )  # a bf16 base is fine
+    assert rollout_decoding(lora_static, model.float(), torch.device("cpu"))[:2] == (
+        "static",
+        False,
+    )  # no autocast on CPU
     full = _recipe(generation_cache="static")
-    assert rollout_decoding(full, rollout_copy(full, model, cuda), cuda)[:2] == ("static", True)  # decodes the bf16 copy
+    assert rollout_decoding(full, rollout_copy(full, model, cuda), cuda)[:2] == (
+        "static",
+        True,
+    )  # decodes the bf16 copy
 
 
 def test_rollout_decoding_defaults_to_the_decode_engine_on_cuda_only(tiny) -> None:
@@ -171,11 +198,16 @@ def test_rollout_decoding_defaults_to_the_decode_engine_on_cuda_only(tiny) -> No
     assert rollout_decoding(_recipe(compile_generation=False), bf16, cuda)[:2] == ("dynamic", False)
     assert rollout_decoding(_recipe(generation_cache="dynamic"), bf16, cuda)[:2] == ("dynamic", False)
     assert rollout_decoding(_recipe(generation_cache="static", compile_generation=False), bf16, cuda)[:2] == (
-        "static", False)
+        "static",
+        False,
+    )
     # a model the engine does not decode keeps the earlier rules
     other = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64))
     assert rollout_decoding(full, rollout_copy(full, other, cuda), cuda)[:2] == ("static", True)
-    assert rollout_decoding(_recipe(parallel="fsdp"), other.to(torch.bfloat16), cuda)[:2] == ("dynamic", False)
+    assert rollout_decoding(_recipe(parallel="fsdp"), other.to(torch.bfloat16), cuda)[:2] == (
+        "dynamic",
+        False,
+    )
     cache, compiled, why = rollout_decoding(lora, other.float(), cuda)
     assert (cache, compiled) == ("dynamic", False) and "model.dtype=bfloat16" in why
     with pytest.raises(ConfigError, match="generation_cache=engine"):

@@ -43,7 +43,10 @@ def test_invalid_value_is_named() -> None:
         recipe_from_dict({**MINIMAL, "agent": {"loop": "nope"}})
     with pytest.raises(ConfigError, match=r"algorithm\.n >= 2"):
         recipe_from_dict({**MINIMAL, "algorithm": {"name": "grpo", "n": 1}})
-    with pytest.raises(ConfigError, match="exactly one of retriever.index, retriever.url, retriever.mcp, retriever.http or retriever.location"):
+    with pytest.raises(
+        ConfigError,
+        match="exactly one of retriever.index, retriever.url, retriever.mcp, retriever.http or retriever.location",
+    ):
         recipe_from_dict({**MINIMAL, "retriever": {"index": "a", "url": "http://x"}})
 
 
@@ -51,13 +54,20 @@ def test_any_loop_reward_algorithm_combination_is_valid() -> None:
     for loop in ["search_r1", "s3", "r_search", "staged", "qagent"]:
         for algo in ["ppo", "grpo", "dapo", "rloo", "drgrpo"]:
             r = recipe_from_dict(
-                {**MINIMAL, "agent": {"loop": loop}, "reward": {"name": "s3_gbr"}, "algorithm": {"name": algo}}
+                {
+                    **MINIMAL,
+                    "agent": {"loop": loop},
+                    "reward": {"name": "s3_gbr"},
+                    "algorithm": {"name": algo},
+                }
             )
             assert r.algorithm.uses_critic == (algo == "ppo")
 
 
 def test_overrides_parse_yaml_values(tmp_path: Path) -> None:
-    data = apply_overrides({"algorithm": {"n": 5}}, ["algorithm.n=3", "sampling.temperature=0.5", "x.y=[1, 2]"])
+    data = apply_overrides(
+        {"algorithm": {"n": 5}}, ["algorithm.n=3", "sampling.temperature=0.5", "x.y=[1, 2]"]
+    )
     assert data == {"algorithm": {"n": 3}, "sampling": {"temperature": 0.5}, "x": {"y": [1, 2]}}
     with pytest.raises(ConfigError, match="key.path=value"):
         apply_overrides({}, ["algorithm.n"])
@@ -96,7 +106,9 @@ def test_plugins_have_their_own_section_and_the_old_place_migrates_with_a_warnin
     import sys
 
     sys.path.insert(0, str(Path(__file__).parent / "plugins"))
-    new = recipe_from_dict({**MINIMAL, "plugins": ["sleuth_test_rewards"], "reward": {"name": "test_token_fraction"}})
+    new = recipe_from_dict(
+        {**MINIMAL, "plugins": ["sleuth_test_rewards"], "reward": {"name": "test_token_fraction"}}
+    )
     assert new.plugins == ["sleuth_test_rewards"] and "plugins" not in new.reward.model_dump()
     old = {**MINIMAL, "reward": {"name": "test_token_fraction", "plugins": ["sleuth_test_rewards"]}}
     with pytest.warns(DeprecationWarning, match=r"reward\.plugins is read as the top-level `plugins:`"):
@@ -127,14 +139,18 @@ def _check_recipe(*args: str):
     return CliRunner().invoke(app, ["check-recipe", *args])
 
 
-@pytest.mark.parametrize(("recipe", "override", "said"), [
-    ("search_r1.yaml", "reward.options.answer_source=upstrem", "did you mean 'upstream'?"),
-    ("r_search.yaml", "reward.options.rules=upstram", "did you mean 'upstream'?"),
-    ("s3.yaml", "reward.options.judge_rul=em", "did you mean judge_rule?"),
-    ("s3.yaml", "agent.options.no_such=1", "has no option(s) no_such"),
-])
+@pytest.mark.parametrize(
+    ("recipe", "override", "said"),
+    [
+        ("search_r1.yaml", "reward.options.answer_source=upstrem", "did you mean 'upstream'?"),
+        ("r_search.yaml", "reward.options.rules=upstram", "did you mean 'upstream'?"),
+        ("s3.yaml", "reward.options.judge_rul=em", "did you mean judge_rule?"),
+        ("s3.yaml", "agent.options.no_such=1", "has no option(s) no_such"),
+    ],
+)
 def test_check_recipe_refuses_what_train_refuses_before_any_model_loads(
-        recipe: str, override: str, said: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    recipe: str, override: str, said: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     import sleuth.rl.models
 
     def no_model(*args, **kwargs):
@@ -154,28 +170,46 @@ def test_check_recipe_refuses_what_train_refuses_before_any_model_loads(
 def test_check_recipe_prints_yaml_that_round_trips(tmp_path: Path) -> None:
     result = _check_recipe(str(RECIPES_DIR / "staged.yaml"), "description=" + "a long description " * 8)
     assert result.exit_code == 0, result.output
-    assert "\x1b[" not in result.stdout and "data.train: data/2wikimqa/train.jsonl does not exist" in result.stderr
+    assert (
+        "\x1b[" not in result.stdout
+        and "data.train: data/2wikimqa/train.jsonl does not exist" in result.stderr
+    )
     (tmp_path / "r.yaml").write_text(result.stdout)
     again = load_recipe(tmp_path / "r.yaml")
-    assert again.model_dump() == load_recipe(RECIPES_DIR / "staged.yaml",
-                                             ["description=" + "a long description " * 8]).model_dump()
+    assert (
+        again.model_dump()
+        == load_recipe(RECIPES_DIR / "staged.yaml", ["description=" + "a long description " * 8]).model_dump()
+    )
 
 
 def test_unknown_keys_get_did_you_mean_and_verl_names_mapped() -> None:
-    data = {**MINIMAL, "data": {"train": "x", "train_files": ["x"], "trian": "x"},
-            "trainer": {"logger": ["console"]}, "algorithm": {"adv_estimator": "grpo"},
-            "actor_rollout_ref": {"rollout": {"n": 5}}}
+    data = {
+        **MINIMAL,
+        "data": {"train": "x", "train_files": ["x"], "trian": "x"},
+        "trainer": {"logger": ["console"]},
+        "algorithm": {"adv_estimator": "grpo"},
+        "actor_rollout_ref": {"rollout": {"n": 5}},
+    }
     with pytest.raises(ConfigError) as err:
         recipe_from_dict(data)
     lines = str(err.value).splitlines()
-    for line in ("  data.train_files: unknown key; verl's data.train_files is data.train here",
-                 "  data.trian: unknown key; did you mean data.train?",
-                 "  actor_rollout_ref: unknown key; verl's actor_rollout_ref.rollout.n is algorithm.n here"):
+    for line in (
+        "  data.train_files: unknown key; verl's data.train_files is data.train here",
+        "  data.trian: unknown key; did you mean data.train?",
+        "  actor_rollout_ref: unknown key; verl's actor_rollout_ref.rollout.n is algorithm.n here",
+    ):
         assert line in lines
-    assert any(x.startswith("  trainer.logger: unknown key; verl's trainer.logger is trainer.loggers here")
-               for x in lines)
-    assert any(x.startswith("  algorithm.adv_estimator: unknown key; verl's algorithm.adv_estimator is "
-                            "algorithm.advantage here") for x in lines)
+    assert any(
+        x.startswith("  trainer.logger: unknown key; verl's trainer.logger is trainer.loggers here")
+        for x in lines
+    )
+    assert any(
+        x.startswith(
+            "  algorithm.adv_estimator: unknown key; verl's algorithm.adv_estimator is "
+            "algorithm.advantage here"
+        )
+        for x in lines
+    )
 
 
 def test_every_verl_name_maps_to_a_recipe_key() -> None:

@@ -186,8 +186,7 @@ def test_policy_loss_dual_clip_by_hand():
 def test_policy_loss_seq_mean_token_mean_by_hand():
     old, new = _ratios_to_logprobs(RATIOS)
     mask = T([[1, 1, 0, 0], [1, 1, 1, 1]])
-    loss, _ = policy_loss(old, new, ADV, mask, clip=PolicyClip(0.2, 0.28),
-                          agg=LossAgg("seq-mean-token-mean"))
+    loss, _ = policy_loss(old, new, ADV, mask, clip=PolicyClip(0.2, 0.28), agg=LossAgg("seq-mean-token-mean"))
     # row0: (-1.1 - 1.25)/2 = -1.175; row1: 7.2/4 = 1.8; mean = 0.3125
     close(loss, 0.3125)
 

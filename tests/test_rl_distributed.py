@@ -24,12 +24,23 @@ def _recipe(small_world: Path, out_dir: Path, parallel: str = "ddp", micro: int 
         # 3 validation questions split over 2 ranks unevenly (2 + 1); gathered, they must read as one rank's
         "data": {"train": str(small_world / "train.jsonl"), "dev": str(small_world / "dev.jsonl")},
         "retriever": {"index": str(small_world / "bm25")},
-        "agent": {"loop": "search_r1", "max_turns": 1, "max_new_tokens_per_turn": 8, "max_response_tokens": 64,
-                  "max_obs_tokens": 24},
+        "agent": {
+            "loop": "search_r1",
+            "max_turns": 1,
+            "max_new_tokens_per_turn": 8,
+            "max_response_tokens": 64,
+            "max_obs_tokens": 24,
+        },
         "plugins": ["sleuth_test_rewards"],
         "reward": {"name": "test_token_fraction", "options": {"mode": "residue", "modulus": 7}},
-        "algorithm": {"name": "ppo", "n": 1, "prompts_per_step": 4, "minibatch_size": 4, "micro_batch_size": micro,
-                      "kl": {"coef": 0.01, "mode": "penalty", "estimator": "k1"}},
+        "algorithm": {
+            "name": "ppo",
+            "n": 1,
+            "prompts_per_step": 4,
+            "minibatch_size": 4,
+            "micro_batch_size": micro,
+            "kl": {"coef": 0.01, "mode": "penalty", "estimator": "k1"},
+        },
         # a large Adam eps makes the step proportional to the gradient (no per-element sign
         # amplification), so the comparison tests the distributed gradient itself
         "optim": {"lr": 1e-2, "critic_lr": 1e-2, "eps": 1e-3},
@@ -45,13 +56,27 @@ def _run(tmp: Path, small_world: Path, name: str, nproc: int, parallel: str = "d
     (out / "validation.jsonl").write_text(json.dumps({"step": 0, "val/reward/mean": 9.0}) + "\n")
     cfg = tmp / f"{name}.yaml"
     cfg.write_text(yaml.safe_dump(_recipe(small_world, out, parallel, micro)))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(
-        p for p in (str(Path(__file__).parent / "plugins"), os.environ.get("PYTHONPATH")) if p)}
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join(
+            p for p in (str(Path(__file__).parent / "plugins"), os.environ.get("PYTHONPATH")) if p
+        ),
+    }
     if nproc == 1:
         cmd = [sys.executable, "-m", "sleuth.cli", "train", str(cfg)]
     else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-               "-m", "sleuth.cli", "train", str(cfg)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc_per_node={nproc}",
+            "-m",
+            "sleuth.cli",
+            "train",
+            str(cfg),
+        ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return out
@@ -70,8 +95,9 @@ def two_rank_ddp_run(small_world: Path, tmp_path_factory: pytest.TempPathFactory
 
 
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
-def test_two_ranks_match_one_process(small_world: Path, tmp_path: Path, parallel: str, one_process_run: Path,
-                                     two_rank_ddp_run: Path) -> None:
+def test_two_ranks_match_one_process(
+    small_world: Path, tmp_path: Path, parallel: str, one_process_run: Path, two_rank_ddp_run: Path
+) -> None:
     one = one_process_run
     two = two_rank_ddp_run if parallel == "ddp" else _run(tmp_path, small_world, "two", 2, parallel)
 
@@ -117,11 +143,27 @@ def test_checkpoint_from_two_ranks_resumes_on_one(tmp_path: Path, two_rank_ddp_r
     recipe = yaml.safe_load((two_rank_ddp_run.parent / "two.yaml").read_text())
     recipe["trainer"]["out_dir"] = str(two)
     (tmp_path / "two.yaml").write_text(yaml.safe_dump(recipe))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(
-        p for p in (str(Path(__file__).parent / "plugins"), os.environ.get("PYTHONPATH")) if p)}
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join(
+            p for p in (str(Path(__file__).parent / "plugins"), os.environ.get("PYTHONPATH")) if p
+        ),
+    }
     proc = subprocess.run(
-        [sys.executable, "-m", "sleuth.cli", "train", str(tmp_path / "two.yaml"), "trainer.total_steps=3", "--resume"],
-        env=env, capture_output=True, text=True, timeout=600,
+        [
+            sys.executable,
+            "-m",
+            "sleuth.cli",
+            "train",
+            str(tmp_path / "two.yaml"),
+            "trainer.total_steps=3",
+            "--resume",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     steps = [json.loads(x)["step"] for x in (two / "metrics.jsonl").read_text().splitlines()]
@@ -137,7 +179,9 @@ def test_update_does_not_depend_on_the_micro_batch_size(small_world: Path, tmp_p
     runs = [_run(tmp_path, small_world, f"micro{m}", 1, micro=m) for m in (1, 4)]
     m1, m4 = ([json.loads(x) for x in (r / "metrics.jsonl").read_text().splitlines()] for r in runs)
     assert [m["step"] for m in m1] == [m["step"] for m in m4] == [1, 2]
-    for a, b in zip(m1, m4, strict=True):  # step 2's rollouts come from the updated policy: equal only if step 1's were
+    for a, b in zip(
+        m1, m4, strict=True
+    ):  # step 2's rollouts come from the updated policy: equal only if step 1's were
         for key in ("reward/mean", "critic/value_loss", "actor/kl", "response_length/policy_tokens"):
             assert a[key] == pytest.approx(b[key], rel=1e-9, abs=1e-12), key
         assert a["actor/grad_norm"] == pytest.approx(b["actor/grad_norm"], rel=1e-6)

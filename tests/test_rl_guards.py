@@ -69,7 +69,9 @@ def test_drop_in_noise_units_and_a_new_stage_starts_over() -> None:
     fired = _feed(GuardMonitor([guard]), [{REWARD_METRIC: v} for v in [1.0, 1.1, 1.0, 1.1, 1.0, 0.0, 0.1]])
     assert list(fired) == [6]
     assert fired[6][0].values["limit"] == pytest.approx(4 * 0.1 / 0.954)
-    assert fired[6][0].values["now"] == pytest.approx(0.5) and fired[6][0].values["best"] == pytest.approx(1.05)
+    assert fired[6][0].values["now"] == pytest.approx(0.5) and fired[6][0].values["best"] == pytest.approx(
+        1.05
+    )
 
 
 def test_validation_below_its_best_by_a_paired_margin() -> None:
@@ -84,7 +86,11 @@ def test_validation_below_its_best_by_a_paired_margin() -> None:
     # every question worse than step 10: significant
     monitor.add_validation(ValidationResult(30, 1.0, dict.fromkeys(ids, 0.0)))
     (event,) = monitor.check(30, validated=True)
-    assert event.values["best_step"] == 10 and event.values["diff"] == -1.0 and event.values["ci"] == [-1.0, -1.0]
+    assert (
+        event.values["best_step"] == 10
+        and event.values["diff"] == -1.0
+        and event.values["ci"] == [-1.0, -1.0]
+    )
     assert event.healthy_until == 10
     # another reward stage is not compared with stage 1
     monitor.add_validation(ValidationResult(40, 2.0, dict.fromkeys(ids, -1.0)))
@@ -92,10 +98,16 @@ def test_validation_below_its_best_by_a_paired_margin() -> None:
 
 
 def test_count_sums_the_window() -> None:
-    guard = CountGuard(name="nf", kind="count", metric="health/nonfinite_skips", value=3, steps=5, action="stop")
+    guard = CountGuard(
+        name="nf", kind="count", metric="health/nonfinite_skips", value=3, steps=5, action="stop"
+    )
     fired = _feed(GuardMonitor([guard]), [{"health/nonfinite_skips": v} for v in [0, 1, 0, 1, 1]])
     assert list(fired) == [5] and fired[5][0].values == {
-        "metric": "health/nonfinite_skips", "threshold": 3, "total": 3.0, "onset": 2}
+        "metric": "health/nonfinite_skips",
+        "threshold": 3,
+        "total": 3.0,
+        "onset": 2,
+    }
     assert decide(fired[5]).action == "stop"
 
 
@@ -117,10 +129,14 @@ def _committed_runs() -> list[tuple[str, list[dict]]]:
             for lane, series in entry["reward_slope"].items():
                 starts = {int(s): v["first_step"] for s, v in series.get("per_stage", {}).items()}
                 switch = starts.get(2, stage2_from.get((path.name, method)))
-                rows = [{REWARD_METRIC: r, "stage": 2.0 if switch and i >= switch else 1.0}
-                        for i, r in enumerate(series["rewards"], start=1)]
+                rows = [
+                    {REWARD_METRIC: r, "stage": 2.0 if switch and i >= switch else 1.0}
+                    for i, r in enumerate(series["rewards"], start=1)
+                ]
                 runs.append((f"{path.name}:{method}:{lane}", rows))
-    for path in sorted([*(ROOT / "docs").glob("*/metrics.jsonl"), *(ROOT / "bench" / "results").glob("*/metrics.jsonl")]):
+    for path in sorted(
+        [*(ROOT / "docs").glob("*/metrics.jsonl"), *(ROOT / "bench" / "results").glob("*/metrics.jsonl")]
+    ):
         runs.append((str(path.relative_to(ROOT)), [json.loads(x) for x in path.read_text().splitlines()]))
     return runs
 
@@ -187,13 +203,17 @@ def test_guards_in_the_recipe_are_checked() -> None:
 def test_monitor_state_is_rebuilt_from_the_run_directory(tmp_path: Path) -> None:
     """Resume: logged rows and validations up to the resumed step; rollbacks and stops (they changed the run)
     whatever their step; warnings of the steps to be redone are dropped."""
-    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "x": s}) + "\n" for s in range(1, 7)))
+    (tmp_path / "metrics.jsonl").write_text(
+        "".join(json.dumps({"step": s, "x": s}) + "\n" for s in range(1, 7))
+    )
     (tmp_path / "validation.jsonl").write_text(json.dumps({"step": 2, "val/stage": 1.0}) + "\n")
     (tmp_path / "validation").mkdir()
     (tmp_path / "validation" / "step_000002.jsonl").write_text(json.dumps({"id": 7, "reward": 0.5}) + "\n")
-    events = [GuardEvent(3, "w", "below", "warn", "", outcome="warned"),
-              GuardEvent(5, "r", "below", "rollback", "", {"lr_factor": 0.5}, 1, "rolled back to step 2"),
-              GuardEvent(6, "w2", "below", "warn", "", outcome="warned")]
+    events = [
+        GuardEvent(3, "w", "below", "warn", "", outcome="warned"),
+        GuardEvent(5, "r", "below", "rollback", "", {"lr_factor": 0.5}, 1, "rolled back to step 2"),
+        GuardEvent(6, "w2", "below", "warn", "", outcome="warned"),
+    ]
     (tmp_path / "guards.jsonl").write_text("".join(json.dumps(e.to_json()) + "\n" for e in events))
     monitor = GuardMonitor.from_run_dir(default_guards(), tmp_path, upto_step=4)
     assert [r["step"] for r in monitor.rows] == [1, 2, 3, 4]
@@ -228,16 +248,44 @@ def _collapsing_recipe(small_world: Path, out_dir: Path, guard: dict, steps: int
     arithmetic (entropy below 0.02 at steps 4-5 on one CPU; 0.000, 0.034, 0.000 at steps 4-6 on an AMD EPYC), so
     the guard's threshold is 0.05 and the tests take the onset from the logged entropies, not a fixed step."""
     return {
-        "name": "collapse", "seed": 0, "model": {"policy": "tiny"},
-        "data": {"train": str(small_world / "train.jsonl")}, "retriever": {"index": str(small_world / "bm25")},
-        "agent": {"loop": "search_r1", "max_turns": 1, "max_new_tokens_per_turn": 12, "max_response_tokens": 96,
-                  "max_obs_tokens": 32},
-        "plugins": ["sleuth_test_rewards"], "reward": {"name": "test_token_fraction"},
-        "algorithm": {"name": "grpo", "n": 4, "prompts_per_step": 2, "minibatch_size": 8, "micro_batch_size": 8},
+        "name": "collapse",
+        "seed": 0,
+        "model": {"policy": "tiny"},
+        "data": {"train": str(small_world / "train.jsonl")},
+        "retriever": {"index": str(small_world / "bm25")},
+        "agent": {
+            "loop": "search_r1",
+            "max_turns": 1,
+            "max_new_tokens_per_turn": 12,
+            "max_response_tokens": 96,
+            "max_obs_tokens": 32,
+        },
+        "plugins": ["sleuth_test_rewards"],
+        "reward": {"name": "test_token_fraction"},
+        "algorithm": {
+            "name": "grpo",
+            "n": 4,
+            "prompts_per_step": 2,
+            "minibatch_size": 8,
+            "micro_batch_size": 8,
+        },
         "optim": {"lr": 0.5},
-        "trainer": {"total_steps": steps, "save_every": 2, "keep_checkpoints": 3, "out_dir": str(out_dir),
-                    "guards": [{"name": "entropy_collapse", "kind": "below", "metric": "actor/entropy",
-                                "value": COLLAPSE, "steps": 2, **guard}]},
+        "trainer": {
+            "total_steps": steps,
+            "save_every": 2,
+            "keep_checkpoints": 3,
+            "out_dir": str(out_dir),
+            "guards": [
+                {
+                    "name": "entropy_collapse",
+                    "kind": "below",
+                    "metric": "actor/entropy",
+                    "value": COLLAPSE,
+                    "steps": 2,
+                    **guard,
+                }
+            ],
+        },
     }
 
 
@@ -265,19 +313,28 @@ def test_a_collapsing_run_rolls_back_to_a_healthy_checkpoint(small_world: Path, 
     assert onset >= 3 and all(v < COLLAPSE for v in event["values"]["values"])
     kept = 2 * ((onset - 2) // 2)  # checkpoints every 2 steps
     assert event["step"] == onset + 1 and event["healthy_until"] == onset - 2
-    assert event["outcome"].startswith("rolled back to") and event["outcome"].split()[3].endswith(f"step_{kept:06d}")
+    assert event["outcome"].startswith("rolled back to") and event["outcome"].split()[3].endswith(
+        f"step_{kept:06d}"
+    )
     assert result["steps_done"] == 8 and result["stopped_by_guard"] is None
-    assert (f"rolled back at step {onset + 1} because entropy_collapse: actor/entropy below {COLLAPSE}"
-            in result["guards"])
+    assert (
+        f"rolled back at step {onset + 1} because entropy_collapse: actor/entropy below {COLLAPSE}"
+        in result["guards"]
+    )
     rows = _rows(out)
     assert [r["step"] for r in rows] == list(range(1, 9))  # the abandoned steps are redone, logged once
     assert [r["lr"] for r in rows] == pytest.approx([0.5] * kept + [0.0005] * (8 - kept))
     # the redone steps start from the kept weights, before the collapse (the first redone step's entropy is above the
     # threshold), and at lr 0.0005 never stay below it for the guard's 2 steps again
     redone = [r["actor/entropy"] for r in rows[kept:]]
-    assert redone[0] > COLLAPSE and not any(max(a, b) < COLLAPSE for a, b in zip(redone, redone[1:], strict=False))
+    assert redone[0] > COLLAPSE and not any(
+        max(a, b) < COLLAPSE for a, b in zip(redone, redone[1:], strict=False)
+    )
     assert sorted(p.name for p in (out / "checkpoints").glob("step_*")) == [
-        "step_000004", "step_000006", "step_000008"]
+        "step_000004",
+        "step_000006",
+        "step_000008",
+    ]
 
 
 def test_a_collapsing_run_with_stop_stops_with_a_checkpoint(small_world: Path, tmp_path: Path) -> None:
@@ -293,8 +350,9 @@ def test_a_collapsing_run_with_stop_stops_with_a_checkpoint(small_world: Path, t
     assert onset >= 3 and result["steps_done"] == stop and not result["stopped_at_time_limit"]
     assert latest_checkpoint(out).name == f"step_{stop:06d}"
     message = result["stopped_by_guard"]
-    assert message.startswith(f"stopped by guard entropy_collapse after step {stop}: actor/entropy below {COLLAPSE} "
-                              "for 2 steps")
+    assert message.startswith(
+        f"stopped by guard entropy_collapse after step {stop}: actor/entropy below {COLLAPSE} for 2 steps"
+    )
     assert f"step_{stop:06d}" in message and "the last one it considers healthy" in message
     assert f"step_{kept:06d}" in message
     assert [r["step"] for r in rows] == list(range(1, stop + 1))

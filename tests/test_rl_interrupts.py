@@ -24,8 +24,14 @@ def _interruptible() -> None:
 
 def _start(args: list[str]) -> subprocess.Popen:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.Popen([sys.executable, "-m", "sleuth.cli", "train", *args], env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, preexec_fn=_interruptible)
+    return subprocess.Popen(
+        [sys.executable, "-m", "sleuth.cli", "train", *args],
+        env=env,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        preexec_fn=_interruptible,
+    )
 
 
 def _steps_logged(run: Path) -> int:
@@ -44,7 +50,9 @@ def _signal_after_step(proc: subprocess.Popen, run: Path, steps: int, sig: int) 
     return out
 
 
-def test_sigterm_saves_a_checkpoint_and_sigint_names_the_resume_command(small_world: Path, tmp_path: Path) -> None:
+def test_sigterm_saves_a_checkpoint_and_sigint_names_the_resume_command(
+    small_world: Path, tmp_path: Path
+) -> None:
     run = tmp_path / "run"
     data = tiny_grpo_recipe(small_world, run, "interrupts", steps=500)
     data["trainer"]["save_every"] = 1000  # no checkpoint but the one the stop writes
@@ -58,7 +66,9 @@ def test_sigterm_saves_a_checkpoint_and_sigint_names_the_resume_command(small_wo
     assert len(saved) == 1, out
     step = int(saved[0].name.removeprefix("step_"))
     assert f"SIGTERM received after step {step} of 500; checkpoint saved" in out
-    assert f"stopped by SIGTERM; resume with: sleuth train {recipe} trainer.keep_checkpoints=3 --resume" in out
+    assert (
+        f"stopped by SIGTERM; resume with: sleuth train {recipe} trainer.keep_checkpoints=3 --resume" in out
+    )
     assert _steps_logged(run) == step  # the step under way finished and was kept
 
     proc = _start([str(recipe), "--resume"])
@@ -68,7 +78,9 @@ def test_sigterm_saves_a_checkpoint_and_sigint_names_the_resume_command(small_wo
     assert "Traceback" not in out
 
 
-def test_sigterm_during_sft_saves_the_step_and_the_same_command_goes_on(small_world: Path, tmp_path: Path) -> None:
+def test_sigterm_during_sft_saves_the_step_and_the_same_command_goes_on(
+    small_world: Path, tmp_path: Path
+) -> None:
     from transformers import AutoTokenizer
 
     from sleuth.agent import get_loop
@@ -83,13 +95,22 @@ def test_sigterm_during_sft_saves_the_step_and_the_same_command_goes_on(small_wo
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir())
     retriever = load_retriever(small_world / "bm25", corpus=small_world / "corpus.jsonl")
-    records, _ = collect_oracle(get_loop("search_r1", top_k=3), retriever, tokenizer,
-                                read_qa_jsonl(small_world / "train.jsonl")[:8],
-                                budget=RolloutBudget(max_obs_tokens=128, max_response_tokens=512))
+    records, _ = collect_oracle(
+        get_loop("search_r1", top_k=3),
+        retriever,
+        tokenizer,
+        read_qa_jsonl(small_world / "train.jsonl")[:8],
+        budget=RolloutBudget(max_obs_tokens=128, max_response_tokens=512),
+    )
     write_records(tmp_path / "traj.jsonl", records)
     data = tiny_grpo_recipe(small_world, tmp_path / "run", "sft-stop")
-    data["sft"] = {"data": str(tmp_path / "traj.jsonl"), "batch_size": 2, "micro_batch_size": 2, "epochs": 1,
-                   "held_out": 0.0}
+    data["sft"] = {
+        "data": str(tmp_path / "traj.jsonl"),
+        "batch_size": 2,
+        "micro_batch_size": 2,
+        "epochs": 1,
+        "held_out": 0.0,
+    }
     recipe = recipe_from_dict(data)
     with stop_on_sigterm():
         os.kill(os.getpid(), signal.SIGTERM)  # as a scheduler would: the handler only notes it

@@ -36,7 +36,9 @@ def lora_policy(tmp_path_factory: pytest.TempPathFactory):
     torch.manual_seed(0)
     base = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64, attn_implementation="sdpa")
     with peft_deprecation_silenced():
-        policy = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules="all-linear"))
+        policy = get_peft_model(
+            base, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules="all-linear")
+        )
     with torch.no_grad():  # "trained" adapters: peft starts B at zero, i.e. at the base model
         for name, p in policy.named_parameters():
             if "lora_B" in name:
@@ -45,8 +47,17 @@ def lora_policy(tmp_path_factory: pytest.TempPathFactory):
 
 
 def _traj(group: int, prompt: list[int], response: list[int], mask: list[int]) -> Trajectory:
-    return Trajectory(question_id=f"q{group}", question="q", golden_answers=["a"], method="t", group=group,
-                      prompt_ids=prompt, response_ids=response, loss_mask=mask, logprobs=[0.0] * len(response))
+    return Trajectory(
+        question_id=f"q{group}",
+        question="q",
+        golden_answers=["a"],
+        method="t",
+        group=group,
+        prompt_ids=prompt,
+        response_ids=response,
+        loss_mask=mask,
+        logprobs=[0.0] * len(response),
+    )
 
 
 def _trajs() -> list[Trajectory]:
@@ -71,7 +82,9 @@ def _row_logprobs(model, trajs: list[Trajectory]) -> torch.Tensor:
     with torch.no_grad():
         for i, t in enumerate(trajs):
             ids = torch.tensor([t.prompt_ids + t.response_ids])
-            logp = torch.log_softmax(model(input_ids=ids).logits[0, :-1] / TEMPERATURE, -1)[len(t.prompt_ids) - 1 :]
+            logp = torch.log_softmax(model(input_ids=ids).logits[0, :-1] / TEMPERATURE, -1)[
+                len(t.prompt_ids) - 1 :
+            ]
             picked = logp.gather(-1, ids[0, len(t.prompt_ids) :, None]).squeeze(-1)
             out[i, : len(t.response_ids)] = picked * torch.tensor(t.loss_mask, dtype=torch.float64)
     return out
@@ -83,20 +96,41 @@ def _base_logprobs(policy, trajs: list[Trajectory]) -> torch.Tensor:
 
 
 def _run(policy, *, mode: str = "loss", epochs: int = 1, minibatch: int = 6, packing: str = "padded"):
-    recipe = recipe_from_dict({
-        "name": "t", "model": {"policy": "tiny", "lora": {"enabled": True}, "dtype": "float64", "packing": packing},
-        "data": {"train": "x.jsonl"}, "retriever": {"index": "i"}, "agent": {"loop": "search_r1"},
-        "reward": {"name": "search_r1_em"}, "sampling": {"temperature": TEMPERATURE}, "optim": {"grad_clip": 1e9},
-        "algorithm": {"name": "grpo", "n": 3, "prompts_per_step": 2, "minibatch_size": minibatch,
-                      "micro_batch_size": 2, "ppo_epochs": epochs,
-                      "kl": {"coef": 0.5, "mode": mode, "estimator": "low_var_kl"}},
-    })
+    recipe = recipe_from_dict(
+        {
+            "name": "t",
+            "model": {"policy": "tiny", "lora": {"enabled": True}, "dtype": "float64", "packing": packing},
+            "data": {"train": "x.jsonl"},
+            "retriever": {"index": "i"},
+            "agent": {"loop": "search_r1"},
+            "reward": {"name": "search_r1_em"},
+            "sampling": {"temperature": TEMPERATURE},
+            "optim": {"grad_clip": 1e9},
+            "algorithm": {
+                "name": "grpo",
+                "n": 3,
+                "prompts_per_step": 2,
+                "minibatch_size": minibatch,
+                "micro_batch_size": 2,
+                "ppo_epochs": epochs,
+                "kl": {"coef": 0.5, "mode": mode, "estimator": "low_var_kl"},
+            },
+        }
+    )
     params = [p for p in policy.parameters() if p.requires_grad]
     # lr 0: the weights stay put, so the two paths compared see the same model and p.grad after update()
     # holds the last minibatch's gradient (zero_grad runs before each minibatch, not after)
-    return SimpleNamespace(recipe=recipe, ctx=DistContext(), policy=policy, reference=None, critic=None,
-                           tokenizer=SimpleNamespace(pad_token_id=0), kl_coef=0.5, local_minibatch=minibatch,
-                           optimizers={"policy": torch.optim.SGD(params, lr=0.0)})
+    return SimpleNamespace(
+        recipe=recipe,
+        ctx=DistContext(),
+        policy=policy,
+        reference=None,
+        critic=None,
+        tokenizer=SimpleNamespace(pad_token_id=0),
+        kl_coef=0.5,
+        local_minibatch=minibatch,
+        optimizers={"policy": torch.optim.SGD(params, lr=0.0)},
+    )
 
 
 def _update(run, batch) -> tuple[dict[str, list[float]], list[torch.Tensor]]:
@@ -109,13 +143,17 @@ def _update(run, batch) -> tuple[dict[str, list[float]], list[torch.Tensor]]:
 def _forwards(model) -> list[bool]:
     """Records, per forward of the policy's base model, whether its LoRA adapters were active."""
     calls: list[bool] = []
-    layer = next(m for n, m in model.named_modules() if n.endswith("q_proj") and hasattr(m, "disable_adapters"))
+    layer = next(
+        m for n, m in model.named_modules() if n.endswith("q_proj") and hasattr(m, "disable_adapters")
+    )
     model.base_model.model.register_forward_pre_hook(lambda m, a: calls.append(not layer.disable_adapters))
     return calls
 
 
 @pytest.mark.parametrize(("packing", "epochs"), [("padded", 1), ("packed", 1), ("padded", 2)])
-def test_reference_in_the_micro_batch_equals_the_separate_pass(lora_policy, packing: str, epochs: int) -> None:
+def test_reference_in_the_micro_batch_equals_the_separate_pass(
+    lora_policy, packing: str, epochs: int
+) -> None:
     policy, trajs = lora_policy, _trajs()
     base = _base_logprobs(policy, trajs)
     policy_lp = _row_logprobs(policy, trajs)
@@ -123,8 +161,14 @@ def test_reference_in_the_micro_batch_equals_the_separate_pass(lora_policy, pack
     run = _run(policy, packing=packing, epochs=epochs, minibatch=6 if epochs == 1 else 2)
 
     fused = trainer.make_batch(run, trajs, SCORES)
-    assert fused.ref_rows is not None and not fused.ref_rows.any() and (fused.old_logprobs is None) == (epochs == 1)
-    separate = copy.copy(fused)  # make_batch before issue 43 item 3: the base model's pass over the whole batch
+    assert (
+        fused.ref_rows is not None
+        and not fused.ref_rows.any()
+        and (fused.old_logprobs is None) == (epochs == 1)
+    )
+    separate = copy.copy(
+        fused
+    )  # make_batch before issue 43 item 3: the base model's pass over the whole batch
     separate.ref_logprobs, separate.ref_rows, separate.kl = base.clone(), None, None
     separate.policy_logprobs = torch.zeros_like(fused.policy_logprobs)
 
@@ -174,7 +218,9 @@ def test_one_base_forward_per_micro_batch_and_none_before_the_update(lora_policy
         torch.testing.assert_close(batch.ref_logprobs, _base_logprobs(policy, trajs), rtol=1e-10, atol=1e-12)
         if epochs == 2:  # KL(old || ref) with the old side from the separate pass
             expected = loss_fns.kl_penalty(batch.old_logprobs, batch.ref_logprobs, "low_var_kl")
-            torch.testing.assert_close(batch.kl * batch.tokens.action_mask, expected * batch.tokens.action_mask)
+            torch.testing.assert_close(
+                batch.kl * batch.tokens.action_mask, expected * batch.tokens.action_mask
+            )
 
 
 def test_the_kl_penalty_keeps_its_pass_before_the_advantages(lora_policy) -> None:
@@ -188,8 +234,12 @@ def test_the_kl_penalty_keeps_its_pass_before_the_advantages(lora_policy) -> Non
     base = _base_logprobs(policy, trajs)
     torch.testing.assert_close(batch.ref_logprobs, base, rtol=1e-10, atol=1e-12)
     mask = batch.tokens.action_mask
-    torch.testing.assert_close(batch.kl * mask, loss_fns.kl_penalty(_row_logprobs(policy, trajs), base, "low_var_kl")
-                               * mask, rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(
+        batch.kl * mask,
+        loss_fns.kl_penalty(_row_logprobs(policy, trajs), base, "low_var_kl") * mask,
+        rtol=1e-9,
+        atol=1e-12,
+    )
     calls.clear()
     stats, _ = _update(run, batch)
     assert False not in calls and "actor/kl_loss" not in stats
@@ -207,12 +257,15 @@ def test_rollout_agreement_after_the_fused_update(lora_policy) -> None:
     metrics = rollout_agreement(trajs, batch.tokens.action_mask, batch.policy_logprobs)
     assert metrics["rollout/logprob_diff_tokens"] == float(batch.tokens.action_mask.sum())
     assert metrics["rollout/logprob_diff_max"] < 1e-6  # float32 storage of the trainer's side
-    stale = rollout_agreement(trajs, batch.tokens.action_mask, batch.ref_logprobs)  # what the base model gives
+    stale = rollout_agreement(
+        trajs, batch.tokens.action_mask, batch.ref_logprobs
+    )  # what the base model gives
     assert stale["rollout/logprob_diff_mean"] > 1e-2
 
 
-def test_a_lora_training_step_with_a_kl_loss_equals_the_separate_pass_step(small_world, tmp_path,
-                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_lora_training_step_with_a_kl_loss_equals_the_separate_pass_step(
+    small_world, tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """End to end (train(): rollouts, make_batch, update, log), float64 and seeded sampling so both runs roll out
     the same trajectories: two GRPO steps of a LoRA policy with a KL loss log the same losses, gradient norms and
     KL whether the reference log-probs come from the update's micro-batches or from a pass before the update (the
@@ -229,7 +282,9 @@ def test_a_lora_training_step_with_a_kl_loss_equals_the_separate_pass_step(small
     def separate_pass(run, trajs, scores, behaviour=False):  # make_batch before issue 43 item 3
         batch = real_make_batch(run, trajs, scores, behaviour=behaviour)
         with unwrap(run.policy).disable_adapter():
-            batch.ref_logprobs = batched_logprobs(run.policy, batch.tokens, TEMPERATURE, batch.plan, run.ctx.device)
+            batch.ref_logprobs = batched_logprobs(
+                run.policy, batch.tokens, TEMPERATURE, batch.plan, run.ctx.device
+            )
         batch.ref_rows, batch.kl = None, None
         return batch
 
@@ -238,15 +293,30 @@ def test_a_lora_training_step_with_a_kl_loss_equals_the_separate_pass_step(small
         if name == "separate":
             monkeypatch.setattr(trainer, "make_batch", separate_pass)
         recipe = {
-            "name": "t", "seed": 0,
+            "name": "t",
+            "seed": 0,
             "model": {"policy": "tiny", "dtype": "float64", "lora": {"enabled": True, "r": 4, "alpha": 8}},
-            "data": {"train": str(small_world / "train.jsonl")}, "retriever": {"index": str(small_world / "bm25")},
-            "agent": {"loop": "search_r1", "max_turns": 1, "max_new_tokens_per_turn": 12, "max_response_tokens": 96,
-                      "max_obs_tokens": 32},
-            "plugins": ["sleuth_test_rewards"], "reward": {"name": "test_token_fraction"},
-            "sampling": {"temperature": TEMPERATURE}, "optim": {"lr": 1e-2},
-            "algorithm": {"name": "grpo", "n": 4, "prompts_per_step": 2, "minibatch_size": 8, "micro_batch_size": 4,
-                          "kl": {"coef": 0.5, "mode": "loss", "estimator": "low_var_kl"}},
+            "data": {"train": str(small_world / "train.jsonl")},
+            "retriever": {"index": str(small_world / "bm25")},
+            "agent": {
+                "loop": "search_r1",
+                "max_turns": 1,
+                "max_new_tokens_per_turn": 12,
+                "max_response_tokens": 96,
+                "max_obs_tokens": 32,
+            },
+            "plugins": ["sleuth_test_rewards"],
+            "reward": {"name": "test_token_fraction"},
+            "sampling": {"temperature": TEMPERATURE},
+            "optim": {"lr": 1e-2},
+            "algorithm": {
+                "name": "grpo",
+                "n": 4,
+                "prompts_per_step": 2,
+                "minibatch_size": 8,
+                "micro_batch_size": 4,
+                "kl": {"coef": 0.5, "mode": "loss", "estimator": "low_var_kl"},
+            },
             "trainer": {"total_steps": 2, "save_every": 1000, "out_dir": str(tmp_path / name)},
         }
         trainer.train(recipe_from_dict(recipe))

@@ -12,16 +12,29 @@ from sleuth.rl import memory_plan
 from sleuth.rl.config import recipe_from_dict
 
 # a Qwen2.5-3B-shaped layer: h 2048, 16 heads of 128, 2 KV heads, MLP 11008, 36 layers
-QWEN3B = SimpleNamespace(hidden_size=2048, num_attention_heads=16, num_key_value_heads=2, head_dim=128,
-                         intermediate_size=11008, num_hidden_layers=36)
+QWEN3B = SimpleNamespace(
+    hidden_size=2048,
+    num_attention_heads=16,
+    num_key_value_heads=2,
+    head_dim=128,
+    intermediate_size=11008,
+    num_hidden_layers=36,
+)
 
 
 def _recipe(**overrides):
     model = {"policy": "tiny", **overrides.pop("model", {})}
-    return recipe_from_dict({
-        "name": "t", "model": model, "data": {"train": "x.jsonl"}, "retriever": {"index": "idx"},
-        "agent": {"loop": "search_r1"}, "reward": {"name": "search_r1_em"}, **overrides,
-    })
+    return recipe_from_dict(
+        {
+            "name": "t",
+            "model": model,
+            "data": {"train": "x.jsonl"},
+            "retriever": {"index": "idx"},
+            "agent": {"loop": "search_r1"},
+            "reward": {"name": "search_r1_em"},
+            **overrides,
+        }
+    )
 
 
 def test_per_token_activations_by_hand() -> None:
@@ -31,7 +44,9 @@ def test_per_token_activations_by_hand() -> None:
     assert memory_plan.activation_bytes_per_token(QWEN3B, 2, score_len=1000)[0] == full + 2 * 16 * 1000 * 2
 
 
-@pytest.mark.parametrize(("free_gib", "mode", "layers"), [(200.0, "off", 0), (40.0, "selective", 27), (2.0, "full", 36)])
+@pytest.mark.parametrize(
+    ("free_gib", "mode", "layers"), [(200.0, "off", 0), (40.0, "selective", 27), (2.0, "full", 36)]
+)
 def test_checkpointing_follows_the_free_memory(free_gib: float, mode: str, layers: int) -> None:
     # by hand: 1.86 GiB a layer for 16k tokens without checkpointing, 0.0625 with; 36 layers = 66.9 GiB;
     # at 40 GiB free (20 for activations) 66.9 - 1.80 k <= 20 needs k = 27 checkpointed layers
@@ -47,7 +62,9 @@ def test_checkpointing_follows_the_free_memory(free_gib: float, mode: str, layer
 
 def test_more_tokens_need_more_checkpointing() -> None:
     free = 60 * 2**30
-    layers = [memory_plan.choose_checkpointing(QWEN3B, t, free, 2).layers for t in (2_048, 8_192, 32_768, 131_072)]
+    layers = [
+        memory_plan.choose_checkpointing(QWEN3B, t, free, 2).layers for t in (2_048, 8_192, 32_768, 131_072)
+    ]
     assert layers == sorted(layers) and layers[0] == 0 and layers[-1] == 36
 
 
@@ -63,8 +80,9 @@ def _grads(path, setting, monkeypatch=None):
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64)
-    plan = memory_plan.apply_checkpointing(_recipe(model={"gradient_checkpointing": setting}), model,
-                                           torch.device("cpu"))
+    plan = memory_plan.apply_checkpointing(
+        _recipe(model={"gradient_checkpointing": setting}), model, torch.device("cpu")
+    )
     model.train()
     ids = torch.arange(3, 40).reshape(1, -1)
     model(input_ids=ids, labels=ids).loss.backward()
@@ -97,6 +115,12 @@ def test_update_plan_is_in_the_metrics(tiny_path) -> None:
     from sleuth.rl.batch import ForwardPlan
 
     model = AutoModelForCausalLM.from_pretrained(tiny_path, dtype=torch.float64)
-    memory_plan.apply_checkpointing(_recipe(model={"gradient_checkpointing": "selective"}), model, torch.device("cpu"))
+    memory_plan.apply_checkpointing(
+        _recipe(model={"gradient_checkpointing": "selective"}), model, torch.device("cpu")
+    )
     metrics = memory_plan.update_plan_metrics(model, ForwardPlan(4, 4096, packed=True))
-    assert metrics == {"memory/checkpointed_layers": 0.5, "update/packed": 1.0, "update/micro_batch_tokens": 4096.0}
+    assert metrics == {
+        "memory/checkpointed_layers": 0.5,
+        "update/packed": 1.0,
+        "update/micro_batch_tokens": 4096.0,
+    }

@@ -24,17 +24,29 @@ NOISY = ("time/", "memory/", "tokens/policy_per_s", "compile", "retrieval", "rss
 
 def _recipe(small_world: Path, out_dir: Path, steps: int, overlap: str = "off", **algorithm) -> dict:
     return {
-        "name": "test", "seed": 0,
+        "name": "test",
+        "seed": 0,
         "model": {"policy": "tiny", "dtype": "float64"},
         "data": {"train": str(small_world / "train.jsonl")},
         "retriever": {"index": str(small_world / "bm25")},
-        "agent": {"loop": "search_r1", "max_turns": 1, "max_new_tokens_per_turn": 12, "max_response_tokens": 96,
-                  "max_obs_tokens": 32},
-        "plugins": ["sleuth_test_rewards"], "reward": {"name": "test_token_fraction"},
+        "agent": {
+            "loop": "search_r1",
+            "max_turns": 1,
+            "max_new_tokens_per_turn": 12,
+            "max_response_tokens": 96,
+            "max_obs_tokens": 32,
+        },
+        "plugins": ["sleuth_test_rewards"],
+        "reward": {"name": "test_token_fraction"},
         "algorithm": {**ALGO, **algorithm},
         "optim": {"lr": 1e-2},
-        "trainer": {"total_steps": steps, "save_every": 1, "keep_checkpoints": 5, "out_dir": str(out_dir),
-                    "overlap": overlap},
+        "trainer": {
+            "total_steps": steps,
+            "save_every": 1,
+            "keep_checkpoints": 5,
+            "out_dir": str(out_dir),
+            "overlap": overlap,
+        },
     }
 
 
@@ -112,6 +124,7 @@ def test_overlap_trains_on_the_pre_update_rollouts_with_their_recorded_logprobs(
         def wrapped(old, logprobs, *args, **kwargs):
             seen.setdefault("old", []).append(old.detach().clone())
             return fn(old, logprobs, *args, **kwargs)
+
         return wrapped
 
     monkeypatch.setattr(trainer, "make_batch", make_batch)
@@ -128,7 +141,9 @@ def test_overlap_trains_on_the_pre_update_rollouts_with_their_recorded_logprobs(
     old = seen["old"][-1]  # one micro-batch, its rows in the update's shuffled order: the ratio's old side
     assert old.shape == recorded.shape
     assert all(any(torch.equal(row, r) for r in recorded) for row in old)
-    assert rows[1]["rollout/logprob_diff_tokens"] == 0.0  # not measured at staleness 1 (no forward of those weights)
+    assert (
+        rows[1]["rollout/logprob_diff_tokens"] == 0.0
+    )  # not measured at staleness 1 (no forward of those weights)
 
 
 def test_overlap_resume_keeps_the_data_cursor(small_world: Path, tmp_path: Path) -> None:
@@ -172,10 +187,14 @@ def test_a_time_limit_stop_with_overlap_saves_the_cursor_before_the_pending_draw
     assert [r["rollout/staleness"] for r in _rows(stopped)] == [0.0, 0.0]
 
 
-@pytest.mark.parametrize("algorithm", [
-    {"minibatch_size": 4, "micro_batch_size": 4, "kl": {"coef": 0.05, "mode": "penalty"}},
-    {"name": "ppo", "kl": {"coef": 0.0}},
-], ids=["grpo_two_minibatches_kl_penalty", "ppo_critic"])
+@pytest.mark.parametrize(
+    "algorithm",
+    [
+        {"minibatch_size": 4, "micro_batch_size": 4, "kl": {"coef": 0.05, "mode": "penalty"}},
+        {"name": "ppo", "kl": {"coef": 0.0}},
+    ],
+    ids=["grpo_two_minibatches_kl_penalty", "ppo_critic"],
+)
 def test_overlap_runs_with_minibatches_kl_penalty_and_a_critic(small_world: Path, tmp_path: Path,
                                                              algorithm: dict) -> None:  # fmt: skip
     """Smoke: the stale steps' old log-probs (the recorded ones) serve several minibatches, the KL reward penalty
@@ -190,11 +209,17 @@ def test_overlap_runs_with_minibatches_kl_penalty_and_a_critic(small_world: Path
     assert all(math.isfinite(v) for r in rows for k, v in r.items() if k.startswith(("actor/", "critic/")))
 
 
-@pytest.mark.parametrize("algorithm, why", [
-    ({"dynamic_sampling": True, "max_sampling_rounds": 2}, "algorithm.dynamic_sampling"),
-    ({"ppo_epochs": 2}, "algorithm.ppo_epochs 2"),
-], ids=["dapo_dynamic_sampling", "ppo_epochs"])
-def test_overlap_is_refused_where_it_cannot_apply(small_world: Path, tmp_path: Path, algorithm: dict, why: str) -> None:
+@pytest.mark.parametrize(
+    "algorithm, why",
+    [
+        ({"dynamic_sampling": True, "max_sampling_rounds": 2}, "algorithm.dynamic_sampling"),
+        ({"ppo_epochs": 2}, "algorithm.ppo_epochs 2"),
+    ],
+    ids=["dapo_dynamic_sampling", "ppo_epochs"],
+)
+def test_overlap_is_refused_where_it_cannot_apply(
+    small_world: Path, tmp_path: Path, algorithm: dict, why: str
+) -> None:
     from sleuth.errors import ConfigError
     from sleuth.rl.trainer import train
 
@@ -213,7 +238,9 @@ def test_overlap_is_refused_on_several_ranks(small_world: Path) -> None:
     ctx = DistContext(rank=0, world_size=2)
     with pytest.raises(ConfigError, match="2 ranks"):
         check_overlap(recipe, ctx)
-    check_overlap(recipe.model_copy(update={"trainer": recipe.trainer.model_copy(update={"overlap": "off"})}), ctx)
+    check_overlap(
+        recipe.model_copy(update={"trainer": recipe.trainer.model_copy(update={"overlap": "off"})}), ctx
+    )
 
 
 def test_overlap_reads_yaml_off_and_refuses_other_values(small_world: Path) -> None:

@@ -13,8 +13,16 @@ from sleuth.rl.batch import ForwardPlan, batched_logprobs, collate, forward_logp
 
 
 def _traj(prompt: list[int], response: list[int], mask: list[int]) -> Trajectory:
-    return Trajectory(question_id="q", question="q", golden_answers=["a"], method="t",
-                      prompt_ids=prompt, response_ids=response, loss_mask=mask, logprobs=[0.0] * len(response))
+    return Trajectory(
+        question_id="q",
+        question="q",
+        golden_answers=["a"],
+        method="t",
+        prompt_ids=prompt,
+        response_ids=response,
+        loss_mask=mask,
+        logprobs=[0.0] * len(response),
+    )
 
 
 @pytest.fixture(scope="module")
@@ -87,8 +95,10 @@ def test_packing_without_position_ids_would_differ(model) -> None:
     trajs = _trajs()
     ids = torch.tensor([sum((t.prompt_ids + t.response_ids for t in trajs), [])])
     wrong = model(input_ids=ids).logits[0]
-    right = model(input_ids=ids, position_ids=torch.cat([torch.arange(len(t.prompt_ids) + len(t.response_ids))
-                                                          for t in trajs])[None]).logits[0]
+    right = model(
+        input_ids=ids,
+        position_ids=torch.cat([torch.arange(len(t.prompt_ids) + len(t.response_ids)) for t in trajs])[None],
+    ).logits[0]
     first = len(trajs[0].prompt_ids) + len(trajs[0].response_ids)
     torch.testing.assert_close(wrong[:first], right[:first])
     assert (wrong[first:] - right[first:]).abs().max() > 1e-3
@@ -99,7 +109,10 @@ def test_chunked_logprobs_and_entropy_equal_the_full_softmax(chunk: int) -> None
     gen = torch.Generator().manual_seed(1)
     logits = torch.randn(7, 11, dtype=torch.float64, generator=gen, requires_grad=True)
     labels = torch.randint(0, 11, (7,), generator=gen)
-    w1, w2 = torch.randn(7, dtype=torch.float64, generator=gen), torch.randn(7, dtype=torch.float64, generator=gen)
+    w1, w2 = (
+        torch.randn(7, dtype=torch.float64, generator=gen),
+        torch.randn(7, dtype=torch.float64, generator=gen),
+    )
     lp, ent = loss_fns.token_logprobs_and_entropy(logits, labels, temperature=0.6, chunk_rows=chunk)
     (g_chunked,) = torch.autograd.grad((w1 * lp + w2 * ent).sum(), logits)
     full = torch.log_softmax(logits / 0.6, -1)
@@ -109,7 +122,9 @@ def test_chunked_logprobs_and_entropy_equal_the_full_softmax(chunk: int) -> None
     torch.testing.assert_close(ent, ref_ent, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(g_chunked, g_ref, rtol=1e-10, atol=1e-12)
     assert torch.autograd.gradcheck(
-        lambda x: loss_fns.token_logprobs_and_entropy(x, labels, 0.6, chunk), (logits.detach().requires_grad_(),))
+        lambda x: loss_fns.token_logprobs_and_entropy(x, labels, 0.6, chunk),
+        (logits.detach().requires_grad_(),),
+    )
 
 
 def test_chunked_logprobs_keep_half_precision_gradients_and_reject_bad_labels() -> None:
@@ -150,7 +165,9 @@ def test_a_micro_batch_is_as_wide_as_its_longest_row() -> None:
     assert torch.equal(short.input_ids, batch.input_ids[[1, 2], :5])
     assert batch.index(torch.tensor([3, 1])).input_ids.shape == (2, 9)
     plan = ForwardPlan(4, max_tokens=10, packed=False)
-    assert all(len(idx) * batch.index(idx).input_ids.shape[1] <= 10 or len(idx) == 1 for idx in plan.split(batch))
+    assert all(
+        len(idx) * batch.index(idx).input_ids.shape[1] <= 10 or len(idx) == 1 for idx in plan.split(batch)
+    )
 
 
 def test_fused_ratio_equals_the_separate_old_logprob_pass(model) -> None:
@@ -160,14 +177,18 @@ def test_fused_ratio_equals_the_separate_old_logprob_pass(model) -> None:
     batch = collate(trajs, pad_id=0)
     mask = batch.action_mask.double()
     adv = torch.linspace(-1.0, 1.0, mask.numel(), dtype=torch.float64).reshape(mask.shape)
-    clip, agg = loss_fns.PolicyClip(0.2, 0.28, 3.0), loss_fns.LossAgg("token-mean", num_tokens=float(mask.sum()))
+    clip, agg = (
+        loss_fns.PolicyClip(0.2, 0.28, 3.0),
+        loss_fns.LossAgg("token-mean", num_tokens=float(mask.sum())),
+    )
     separate = batched_logprobs(model, batch, 0.7, ForwardPlan(2), torch.device("cpu"))
     results = []
     for old in ("fused", "separate"):
         model.zero_grad(set_to_none=True)
         lp, _ = forward_logprobs(model, batch, 0.7, packed=True)
-        loss, stats = loss_fns.get_policy_loss("ppo_clip")(lp.detach() if old == "fused" else separate, lp, adv,
-                                                          mask, clip=clip, agg=agg)
+        loss, stats = loss_fns.get_policy_loss("ppo_clip")(
+            lp.detach() if old == "fused" else separate, lp, adv, mask, clip=clip, agg=agg
+        )
         loss.backward()
         results.append((loss.detach(), stats, [p.grad.clone() for p in model.parameters()]))
     (l1, s1, g1), (l2, s2, g2) = results
@@ -182,7 +203,10 @@ def test_padded_split_groups_rows_of_similar_length() -> None:
     batch = collate(trajs, pad_id=0)
     padded = ForwardPlan(2, packed=False).split(batch)
     assert sorted(sorted(p.tolist()) for p in padded) == [[0, 2], [1, 3]]  # long with long, short with short
-    assert [p.tolist() for p in ForwardPlan(2, packed=True).split(batch)] == [[0, 1], [2, 3]]  # no padding: in order
+    assert [p.tolist() for p in ForwardPlan(2, packed=True).split(batch)] == [
+        [0, 1],
+        [2, 3],
+    ]  # no padding: in order
 
 
 def test_adapter_inputs_stay_bf16_under_autocast_with_the_same_values_and_gradients(tmp_path) -> None:
@@ -196,8 +220,12 @@ def test_adapter_inputs_stay_bf16_under_autocast_with_the_same_values_and_gradie
 
     base = AutoModelForCausalLM.from_pretrained(build_tiny_model(tmp_path / "tiny"), dtype=torch.bfloat16)
     torch.manual_seed(0)
-    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"],
-                                            init_lora_weights=False))
+    model = get_peft_model(
+        base,
+        LoraConfig(
+            r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], init_lora_weights=False
+        ),
+    )
     adapters = [m for m in model.modules() if hasattr(m, "cast_input_dtype_enabled")]
     assert adapters and all(p.dtype == torch.float32 for p in model.parameters() if p.requires_grad)
     ids = torch.tensor([[11, 12, 13, 14, 20, 21, 22]])

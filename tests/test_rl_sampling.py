@@ -35,5 +35,3 @@ def test_overlong_mask_from_finish_reasons_and_flags():
     assert overlong_mask(torch.tensor([1, 0])).tolist() == [False, True]
     with pytest.raises(ValueError, match="mix"):
         overlong_mask(["stop", True])
-
-

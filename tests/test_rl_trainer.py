@@ -26,9 +26,15 @@ def _recipe(small_world: Path, out_dir: Path, algorithm: dict, steps: int, **ext
         "model": {"policy": "tiny"},
         "data": {"train": str(small_world / "train.jsonl")},
         "retriever": {"index": str(small_world / "bm25")},
-        "agent": {"loop": "search_r1", "max_turns": 1, "max_new_tokens_per_turn": 12, "max_response_tokens": 96,
-                  "max_obs_tokens": 32},
-        "plugins": ["sleuth_test_rewards"], "reward": {"name": "test_token_fraction"},
+        "agent": {
+            "loop": "search_r1",
+            "max_turns": 1,
+            "max_new_tokens_per_turn": 12,
+            "max_response_tokens": 96,
+            "max_obs_tokens": 32,
+        },
+        "plugins": ["sleuth_test_rewards"],
+        "reward": {"name": "test_token_fraction"},
         "algorithm": algorithm,
         "optim": {"lr": 1e-2, "critic_lr": 1e-2},
         "trainer": {"total_steps": steps, "save_every": 1000, "out_dir": str(out_dir)},
@@ -45,8 +51,14 @@ def _rewards(out_dir: Path) -> list[float]:
     "algorithm",
     [
         {"name": "grpo", "n": 4, "prompts_per_step": 2, "minibatch_size": 8, "micro_batch_size": 8},
-        {"name": "ppo", "n": 2, "prompts_per_step": 4, "minibatch_size": 8, "micro_batch_size": 8,
-         "kl": {"coef": 0.0}},
+        {
+            "name": "ppo",
+            "n": 2,
+            "prompts_per_step": 4,
+            "minibatch_size": 8,
+            "micro_batch_size": 8,
+            "kl": {"coef": 0.0},
+        },
     ],
     ids=["grpo", "ppo"],
 )
@@ -79,11 +91,15 @@ def test_resume_after_sigkill(small_world: Path, tmp_path: Path) -> None:
         (out.parent / f"{out.name}.yaml").write_text(yaml.safe_dump(data))
 
     # the plugins beside any PYTHONPATH already set (a checkout run with PYTHONPATH=src imports its own sleuth)
-    env = {**os.environ, "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join(p for p in (str(PLUGINS), os.environ.get("PYTHONPATH")) if p)}
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join(p for p in (str(PLUGINS), os.environ.get("PYTHONPATH")) if p),
+    }
     cmd = [sys.executable, "-m", "sleuth.cli", "train"]
-    proc = subprocess.Popen([*cmd, str(tmp_path / "killed.yaml")], env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [*cmd, str(tmp_path / "killed.yaml")], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
     deadline = time.time() + 300
     while not (killed_dir / "checkpoints" / "step_000003").exists():
         assert proc.poll() is None, "training exited before it could be killed"
@@ -92,11 +108,14 @@ def test_resume_after_sigkill(small_world: Path, tmp_path: Path) -> None:
     proc.send_signal(signal.SIGKILL)
     proc.wait()
 
-    subprocess.run([*cmd, str(tmp_path / "killed.yaml"), "--resume"], env=env, check=True,
-                   capture_output=True)
+    subprocess.run(
+        [*cmd, str(tmp_path / "killed.yaml"), "--resume"], env=env, check=True, capture_output=True
+    )
     subprocess.run([*cmd, str(tmp_path / "clean.yaml")], env=env, check=True, capture_output=True)
 
-    steps_logged = [json.loads(line)["step"] for line in (killed_dir / "metrics.jsonl").read_text().splitlines()]
+    steps_logged = [
+        json.loads(line)["step"] for line in (killed_dir / "metrics.jsonl").read_text().splitlines()
+    ]
     assert steps_logged == list(range(1, steps + 1))
     state = json.loads((killed_dir / "checkpoints" / "step_000006" / "trainer_state.json").read_text())
     assert state["step"] == steps
@@ -115,8 +134,19 @@ def test_reference_model_is_the_starting_model_after_resume(small_world: Path, t
     from, not against the resumed (already trained) weights."""
     from sleuth.rl.trainer import train
 
-    data = _recipe(small_world, tmp_path / "run", {"name": "grpo", "n": 2, "prompts_per_step": 2, "minibatch_size": 4,
-                                             "micro_batch_size": 4, "kl": {"coef": 0.1, "mode": "loss"}}, steps=2)
+    data = _recipe(
+        small_world,
+        tmp_path / "run",
+        {
+            "name": "grpo",
+            "n": 2,
+            "prompts_per_step": 2,
+            "minibatch_size": 4,
+            "micro_batch_size": 4,
+            "kl": {"coef": 0.1, "mode": "loss"},
+        },
+        steps=2,
+    )
     data["trainer"]["save_every"] = 1
     train(recipe_from_dict(data))
     data["trainer"]["total_steps"] = 3
@@ -139,7 +169,9 @@ def test_save_every_zero_writes_no_checkpoint(small_world: Path, tmp_path: Path)
     assert result["checkpoint"] is None and latest_checkpoint(tmp_path / "run") is None
 
 
-def test_nonfinite_gradient_skips_the_update(small_world: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_nonfinite_gradient_skips_the_update(
+    small_world: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A NaN gradient must not reach the optimizer: that step is skipped and counted, the weights
     stay finite and later steps update as usual."""
     import sleuth.rl.run as run_mod
@@ -177,7 +209,9 @@ def test_nonfinite_gradient_skips_the_update(small_world: Path, tmp_path: Path, 
     assert saved["nonfinite_parameters"]
 
 
-def test_clip_ratio_c_reaches_the_policy_loss(small_world: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_clip_ratio_c_reaches_the_policy_loss(
+    small_world: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Recipe `algorithm.clip_ratio_c` (verl's dual-clip constant) is what every policy-loss call gets."""
     from sleuth.rl import losses
     from sleuth.rl.trainer import train
@@ -191,13 +225,21 @@ def test_clip_ratio_c_reaches_the_policy_loss(small_world: Path, tmp_path: Path,
 
     # the trainer calls the recipe's policy loss through the registry
     monkeypatch.setitem(losses.POLICY_LOSSES, "ppo_clip", recording_policy_loss)
-    algorithm = {"name": "grpo", "n": 2, "prompts_per_step": 1, "minibatch_size": 2, "micro_batch_size": 2,
-                 "clip_ratio_c": 3.0}
+    algorithm = {
+        "name": "grpo",
+        "n": 2,
+        "prompts_per_step": 1,
+        "minibatch_size": 2,
+        "micro_batch_size": 2,
+        "clip_ratio_c": 3.0,
+    }
     train(recipe_from_dict(_recipe(small_world, tmp_path / "run", algorithm, steps=1)))
     assert seen and set(seen) == {3.0}
 
 
-def test_time_limit_stops_after_a_step_with_a_checkpoint_and_resume_continues(small_world: Path, tmp_path: Path) -> None:
+def test_time_limit_stops_after_a_step_with_a_checkpoint_and_resume_continues(
+    small_world: Path, tmp_path: Path
+) -> None:
     from sleuth.rl.checkpoint import latest_checkpoint
     from sleuth.rl.trainer import train
 
@@ -214,7 +256,12 @@ def test_time_limit_stops_after_a_step_with_a_checkpoint_and_resume_continues(sm
     data["trainer"]["time_limit_minutes"] = None
     result = train(recipe_from_dict(data), resume=True)
     assert result["steps_done"] == 4 and not result["stopped_at_time_limit"]
-    assert [json.loads(x)["step"] for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3, 4]
+    assert [json.loads(x)["step"] for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()] == [
+        1,
+        2,
+        3,
+        4,
+    ]
     assert sorted(_validation(tmp_path / "run")) == [0, 1, 2, 4]
 
 
@@ -240,7 +287,9 @@ def _validation(out_dir: Path) -> dict[int, dict]:
     return {json.loads(line)["step"]: json.loads(line) for line in lines}
 
 
-def test_validation_scores_the_same_dev_questions_before_during_and_after(small_world: Path, tmp_path: Path) -> None:
+def test_validation_scores_the_same_dev_questions_before_during_and_after(
+    small_world: Path, tmp_path: Path
+) -> None:
     """Validation on data.dev at steps 0, 2 and 4: each logs the mean of its question-by-question rewards, the
     last equals an independent greedy rollout of the final checkpoint scored by the reward itself, and it rose."""
     from sleuth_test_rewards import TokenFractionReward
@@ -264,18 +313,30 @@ def test_validation_scores_the_same_dev_questions_before_during_and_after(small_
     assert sorted(logged) == [0, 2, 4]
     dev = load_qa(small_world / "dev.jsonl")[:5]
     for step, row in logged.items():
-        records = [json.loads(line) for line in (tmp_path / "run" / "validation" / f"step_{step:06d}.jsonl").open()]
+        records = [
+            json.loads(line) for line in (tmp_path / "run" / "validation" / f"step_{step:06d}.jsonl").open()
+        ]
         assert [r["id"] for r in records] == [q.id for q in dev]
         assert row["val/examples"] == 5
         assert row["val/reward/mean"] == pytest.approx(sum(r["reward"] for r in records) / 5)
         assert row["val/reward/residue"] == pytest.approx(row["val/reward/mean"])
-    assert len((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) == 4  # one line per training step
+    assert (
+        len((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) == 4
+    )  # one line per training step
 
     searcher = load_searcher(tmp_path / "run" / "checkpoints" / "step_000004", device="cpu")
-    trajs = rollout(searcher.loop, searcher.generator, load_retriever(small_world / "bm25"), dev,
-                    SamplingParams(max_new_tokens=12, temperature=0.0), budget=RolloutBudget(32, 96))
+    trajs = rollout(
+        searcher.loop,
+        searcher.generator,
+        load_retriever(small_world / "bm25"),
+        dev,
+        SamplingParams(max_new_tokens=12, temperature=0.0),
+        budget=RolloutBudget(32, 96),
+    )
     expected = [r.total for r in TokenFractionReward(mode="residue")(trajs)]
-    final = [json.loads(line)["reward"] for line in (tmp_path / "run" / "validation" / "step_000004.jsonl").open()]
+    final = [
+        json.loads(line)["reward"] for line in (tmp_path / "run" / "validation" / "step_000004.jsonl").open()
+    ]
     assert final == pytest.approx(expected, abs=1e-6)
     # the policy changed what validation measures (so the check above tells the final weights from the first),
     # and in the direction the reward trains it: seed 0 gives 0.667 before training, 1.0 after
@@ -307,7 +368,10 @@ def test_resume_redoes_a_validation_the_stop_missed(small_world: Path, tmp_path:
     (tmp_path / "again").mkdir()
     shutil.copy(run / "validation.jsonl", tmp_path / "again" / "validation.jsonl")  # an earlier run's rows
     train(recipe_from_dict({**data, "trainer": {**data["trainer"], "out_dir": str(tmp_path / "again")}}))
-    steps = [json.loads(line)["step"] for line in (tmp_path / "again" / "validation.jsonl").read_text().splitlines()]
+    steps = [
+        json.loads(line)["step"]
+        for line in (tmp_path / "again" / "validation.jsonl").read_text().splitlines()
+    ]
     assert steps == [0, 2, 4]  # a fresh run validates anew, it does not keep another run's rows
 
 
@@ -321,7 +385,9 @@ def test_eval_every_without_dev_questions_is_refused(small_world: Path, tmp_path
         recipe_from_dict(data)
 
 
-def test_validation_scores_with_the_reward_the_next_step_trains_on(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_validation_scores_with_the_reward_the_next_step_trains_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A two-stage reward (stage 2 from trainer step index 10): the validation after 10 updates already scores
     with stage 2's reward, so stage 2 has a first and a last validation to pair; the one before training with
     stage 1's; the one after the last step with the last step's."""
@@ -347,22 +413,38 @@ def test_validation_scores_with_the_reward_the_next_step_trains_on(tmp_path: Pat
             return 1 if self.step < 10 else 2
 
         def __call__(self, trajs, services=None):
-            return [RewardResult(float(self.current_stage), {"stage_seen": float(self.current_stage)}) for _ in trajs]
+            return [
+                RewardResult(float(self.current_stage), {"stage_seen": float(self.current_stage)})
+                for _ in trajs
+            ]
 
     def fake_rollout(loop, generator, retriever, examples, params, n=1, *, budget=None, tokenizer=None):
         assert params.temperature == 0.0 and n == 1  # greedy, one answer per question
-        return [Trajectory(question_id=e.id, question=e.question, golden_answers=e.golden_answers, method="x",
-                           answer="a") for e in examples]
+        return [
+            Trajectory(
+                question_id=e.id, question=e.question, golden_answers=e.golden_answers, method="x", answer="a"
+            )
+            for e in examples
+        ]
 
     monkeypatch.setattr(validation, "rollout", fake_rollout)
     logged: dict[int, dict] = {}
     run = SimpleNamespace(
-        ctx=DistContext(), val_examples=[QAExample(f"q{i}", f"question {i}", ["a"]) for i in range(3)],
-        sampling=SamplingParams(temperature=1.0), policy=torch.nn.Linear(1, 1), loop=None, generator=None,
-        retriever=TimedRetriever(None), reward_fn=TwoStage(), services=None, out_dir=tmp_path,
+        ctx=DistContext(),
+        val_examples=[QAExample(f"q{i}", f"question {i}", ["a"]) for i in range(3)],
+        sampling=SamplingParams(temperature=1.0),
+        policy=torch.nn.Linear(1, 1),
+        loop=None,
+        generator=None,
+        retriever=TimedRetriever(None),
+        reward_fn=TwoStage(),
+        services=None,
+        out_dir=tmp_path,
         console=SimpleNamespace(print=print),
-        recipe=SimpleNamespace(trainer=SimpleNamespace(total_steps=20),
-                               agent=SimpleNamespace(max_obs_tokens=8, max_response_tokens=16)),
+        recipe=SimpleNamespace(
+            trainer=SimpleNamespace(total_steps=20),
+            agent=SimpleNamespace(max_obs_tokens=8, max_response_tokens=16),
+        ),
         log=SimpleNamespace(write_validation=lambda step, metrics: logged.__setitem__(step, metrics)),
     )
     stages = {done: validation.validate(run, done)["val/stage"] for done in (0, 9, 10, 20)}
@@ -371,7 +453,9 @@ def test_validation_scores_with_the_reward_the_next_step_trains_on(tmp_path: Pat
     assert (tmp_path / "validation" / "step_000010.jsonl").read_text().count("\n") == 3
 
 
-def test_a_lora_adapter_from_another_machine_names_the_base_loaded_here(tmp_path: Path, small_world: Path) -> None:
+def test_a_lora_adapter_from_another_machine_names_the_base_loaded_here(
+    tmp_path: Path, small_world: Path
+) -> None:
     """A committed adapter names its base by the training machine's path; loading it to train on (and saving
     again) uses and records the base found here, so peft does not warn that the base config is missing."""
     import warnings
@@ -379,13 +463,22 @@ def test_a_lora_adapter_from_another_machine_names_the_base_loaded_here(tmp_path
     from sleuth.rl.models import load_policy
 
     algorithm = {"name": "grpo", "n": 2, "prompts_per_step": 1, "minibatch_size": 2, "micro_batch_size": 2}
-    recipe = recipe_from_dict(_recipe(small_world, tmp_path / "run", algorithm, steps=1,
-                                      model={"policy": "tiny", "lora": {"enabled": True, "r": 2, "alpha": 4}}))
+    recipe = recipe_from_dict(
+        _recipe(
+            small_world,
+            tmp_path / "run",
+            algorithm,
+            steps=1,
+            model={"policy": "tiny", "lora": {"enabled": True, "r": 2, "alpha": 4}},
+        )
+    )
     _, model, base_path = load_policy(recipe, torch.device("cpu"))
     model.save_pretrained(tmp_path / "adapter")
     config_file = tmp_path / "adapter" / "adapter_config.json"
     config = json.loads(config_file.read_text())
-    config["base_model_name_or_path"] = "/gpu-box/models/gone"  # as in checkpoints/*/policy/adapter_config.json
+    config["base_model_name_or_path"] = (
+        "/gpu-box/models/gone"  # as in checkpoints/*/policy/adapter_config.json
+    )
     config_file.write_text(json.dumps(config))
 
     _, model, _ = load_policy(recipe, torch.device("cpu"), adapter_dir=tmp_path / "adapter")
@@ -394,11 +487,14 @@ def test_a_lora_adapter_from_another_machine_names_the_base_loaded_here(tmp_path
         warnings.simplefilter("always")
         model.save_pretrained(tmp_path / "again")
     assert not [w for w in caught if "Could not find a config file" in str(w.message)]
-    assert json.loads((tmp_path / "again" / "adapter_config.json").read_text())["base_model_name_or_path"] == str(base_path)
+    assert json.loads((tmp_path / "again" / "adapter_config.json").read_text())[
+        "base_model_name_or_path"
+    ] == str(base_path)
 
 
-def test_steps_report_the_rollouts_retrieval_time(small_world: Path, tmp_path: Path,
-                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+def test_steps_report_the_rollouts_retrieval_time(
+    small_world: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Issue 24: `time/retrieval` is the seconds the step's rollout spent in its retriever (part of
     `time/rollout`) and `retrieval/queries` the queries it asked, whatever the retriever is: here one that
     takes 50 ms a call, under a loop that searches every turn (the paper-scale rehearsal's). Validation's
@@ -421,10 +517,20 @@ def test_steps_report_the_rollouts_retrieval_time(small_world: Path, tmp_path: P
 
     monkeypatch.setattr(run_module, "build_retriever", lambda recipe: SlowRetriever(build(recipe)))
     algorithm = {"name": "grpo", "n": 2, "prompts_per_step": 2, "minibatch_size": 4, "micro_batch_size": 4}
-    recipe = _recipe(small_world, tmp_path / "run", algorithm, steps=2,
-                     plugins=["sleuth_test_rewards", "sleuth_rehearsal"],
-                     agent={"loop": "search_r1_rehearsal", "max_turns": 2, "max_new_tokens_per_turn": 8,
-                            "max_response_tokens": 96, "max_obs_tokens": 32})
+    recipe = _recipe(
+        small_world,
+        tmp_path / "run",
+        algorithm,
+        steps=2,
+        plugins=["sleuth_test_rewards", "sleuth_rehearsal"],
+        agent={
+            "loop": "search_r1_rehearsal",
+            "max_turns": 2,
+            "max_new_tokens_per_turn": 8,
+            "max_response_tokens": 96,
+            "max_obs_tokens": 32,
+        },
+    )
     recipe["data"]["dev"] = str(small_world / "dev.jsonl")
     recipe["trainer"].update(eval_every=1, eval_examples=3)
     validation_calls: list[int] = []
@@ -440,6 +546,7 @@ def test_steps_report_the_rollouts_retrieval_time(small_world: Path, tmp_path: P
     real_validate = validate_module.validate
     monkeypatch.setattr(validate_module, "validate", counted_validate)
     import sleuth.rl.trainer as trainer_module
+
     if hasattr(trainer_module, "validate"):
         monkeypatch.setattr(trainer_module, "validate", counted_validate)
     train(recipe_from_dict(recipe))
@@ -465,7 +572,9 @@ def test_packed_token_budget_step_equals_the_padded_step(small_world: Path, tmp_
         rows[name] = json.loads((tmp_path / name / "metrics.jsonl").read_text().splitlines()[0])
     padded, packed = rows["padded"], rows["packed"]
     assert padded["reward/std"] > 0  # advantages are not all zero: the gradient carries signal
-    assert packed["reward/mean"] == padded["reward/mean"] and packed["update/tokens"] == padded["update/tokens"]
+    assert (
+        packed["reward/mean"] == padded["reward/mean"] and packed["update/tokens"] == padded["update/tokens"]
+    )
     assert (padded["update/packed"], packed["update/packed"]) == (0.0, 1.0)
     assert padded["update/micro_batches"] == 1 and packed["update/micro_batches"] > 1
     for key in ("actor/pg_loss", "actor/grad_norm", "actor/entropy"):

@@ -18,17 +18,39 @@ from sleuth.run_layout import (
 
 
 def test_searcher_info_round_trip_keeps_provenance_and_step(tmp_path: Path) -> None:
-    info = SearcherInfo(loop="s3", loop_options={"top_k": 3}, base_model="tiny", lora=True, recipe="r",
-                        max_obs_tokens=128, step=7, extra={"trained_with": "sft", "records": 4})
+    info = SearcherInfo(
+        loop="s3",
+        loop_options={"top_k": 3},
+        base_model="tiny",
+        lora=True,
+        recipe="r",
+        max_obs_tokens=128,
+        step=7,
+        extra={"trained_with": "sft", "records": 4},
+    )
     info.write(tmp_path)
     data = json.loads((tmp_path / SEARCHER_FILE).read_text())
-    assert data["loop"] == "s3" and data["trained_with"] == "sft" and data["step"] == 7 and "policy_dir" not in data
+    assert (
+        data["loop"] == "s3"
+        and data["trained_with"] == "sft"
+        and data["step"] == 7
+        and "policy_dir" not in data
+    )
     assert SearcherInfo.read(tmp_path) == info
 
 
 def test_an_export_style_file_reads_its_policy_dir_and_unknown_keys(tmp_path: Path) -> None:
-    (tmp_path / SEARCHER_FILE).write_text(json.dumps(
-        {"loop": "search_r1", "lora": False, "policy_dir": ".", "dtype": "float16", "loop_config": {"a": 1}}))
+    (tmp_path / SEARCHER_FILE).write_text(
+        json.dumps(
+            {
+                "loop": "search_r1",
+                "lora": False,
+                "policy_dir": ".",
+                "dtype": "float16",
+                "loop_config": {"a": 1},
+            }
+        )
+    )
     info = SearcherInfo.read(tmp_path)
     assert (info.policy_dir, info.lora, info.loop_options) == (".", False, {})
     assert info.extra == {"dtype": "float16", "loop_config": {"a": 1}}

@@ -15,8 +15,12 @@ from sleuth.data.formats import QAExample
 from sleuth.retrieval.base import Hit
 
 # a 2-hop chain: Ann --born_in--> Oslo --mayor--> Bo; passages "p1" and "p2" state the two facts
-QUESTION = QAExample("q", "Who is the mayor of the city where Ann was born?", ["Bo"], {
-    "supporting_ids": ["p1", "p2"], "chain": ["Ann", "Oslo", "Bo"], "relations": ["born_in", "mayor"]})
+QUESTION = QAExample(
+    "q",
+    "Who is the mayor of the city where Ann was born?",
+    ["Bo"],
+    {"supporting_ids": ["p1", "p2"], "chain": ["Ann", "Oslo", "Bo"], "relations": ["born_in", "mayor"]},
+)
 
 
 def _hit(doc: str) -> Hit:
@@ -32,6 +36,7 @@ class Ranked:
             if query == QUESTION.question:
                 return ["d1", "d2", "p1", "d3", "p2"]
             return ["d4", "p1", "d5", "d6"] if "Ann" in query else ["d7", "d8", "d9", "p2"]
+
         return [[_hit(d) for d in window(q)][:k] for q in queries]
 
 

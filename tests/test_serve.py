@@ -30,13 +30,29 @@ def checkpoint(small_world: Path, tmp_path_factory: pytest.TempPathFactory) -> P
     torch.set_num_threads(1)
     out = tmp_path_factory.mktemp("run")
     recipe = {
-        "name": "serve-test", "seed": 0, "model": {"policy": "tiny"},
-        "data": {"train": str(small_world / "train.jsonl")}, "retriever": {"index": str(small_world / "bm25")},
-        "agent": {"loop": "s3", "max_turns": 2, "top_k": 3, "max_new_tokens_per_turn": 12,
-                  "max_response_tokens": 96, "max_obs_tokens": 64},
+        "name": "serve-test",
+        "seed": 0,
+        "model": {"policy": "tiny"},
+        "data": {"train": str(small_world / "train.jsonl")},
+        "retriever": {"index": str(small_world / "bm25")},
+        "agent": {
+            "loop": "s3",
+            "max_turns": 2,
+            "top_k": 3,
+            "max_new_tokens_per_turn": 12,
+            "max_response_tokens": 96,
+            "max_obs_tokens": 64,
+        },
         "reward": {"name": "search_r1_em"},
-        "algorithm": {"name": "grpo", "n": 2, "prompts_per_step": 2, "minibatch_size": 4, "micro_batch_size": 4},
-        "optim": {"lr": 1e-2}, "trainer": {"total_steps": 1, "save_every": 1, "out_dir": str(out)},
+        "algorithm": {
+            "name": "grpo",
+            "n": 2,
+            "prompts_per_step": 2,
+            "minibatch_size": 4,
+            "micro_batch_size": 4,
+        },
+        "optim": {"lr": 1e-2},
+        "trainer": {"total_steps": 1, "save_every": 1, "out_dir": str(out)},
     }
     train(recipe_from_dict(recipe))
     return out
@@ -46,9 +62,14 @@ def checkpoint(small_world: Path, tmp_path_factory: pytest.TempPathFactory) -> P
 def service(checkpoint: Path, small_world: Path) -> Iterator[SearcherService]:
     from sleuth.serve.loading import ServiceSpec, build_service
 
-    svc = build_service(ServiceSpec(checkpoint=checkpoint, index=small_world / "bm25", generator="tiny",
-                                    limits=ServeLimits(batch_wait_ms=5, max_question_chars=300, max_turns=4,
-                                                       max_top_k=6)))
+    svc = build_service(
+        ServiceSpec(
+            checkpoint=checkpoint,
+            index=small_world / "bm25",
+            generator="tiny",
+            limits=ServeLimits(batch_wait_ms=5, max_question_chars=300, max_turns=4, max_top_k=6),
+        )
+    )
     yield svc
     svc.close()
 
@@ -85,10 +106,19 @@ class BrokenGenerator:
 
 def _sibling(service: SearcherService, retriever=None, answer_generator=None, **settings) -> SearcherService:
     """Another service over the same loaded policy (no model reload); `settings` replace SearcherSettings fields."""
-    base = SearcherSettings(limits=service.limits, max_new_tokens_per_turn=service.params.max_new_tokens,
-                            max_obs_tokens=service.max_obs_tokens, max_response_tokens=service.max_response_tokens)
-    return SearcherService(service.generator.inner, service.loop, retriever or service.retriever.inner,
-                           answer_generator, replace(base, **settings))
+    base = SearcherSettings(
+        limits=service.limits,
+        max_new_tokens_per_turn=service.params.max_new_tokens,
+        max_obs_tokens=service.max_obs_tokens,
+        max_response_tokens=service.max_response_tokens,
+    )
+    return SearcherService(
+        service.generator.inner,
+        service.loop,
+        retriever or service.retriever.inner,
+        answer_generator,
+        replace(base, **settings),
+    )
 
 
 def test_checkpoint_loop_and_limits(service: SearcherService, url: str) -> None:
@@ -96,7 +126,11 @@ def test_checkpoint_loop_and_limits(service: SearcherService, url: str) -> None:
     assert health["status"] == "ok" and health["loop"] == "s3"
     assert health["loop_defaults"] == {"max_turns": 2, "top_k": 3}  # from the checkpoint's searcher.json
     assert "step 1" in health["model"] and health["generator"] == "tiny"
-    assert service.max_obs_tokens == 64 and service.max_response_tokens == 96 and service.params.temperature == 0.0
+    assert (
+        service.max_obs_tokens == 64
+        and service.max_response_tokens == 96
+        and service.params.temperature == 0.0
+    )
 
 
 def test_search_serves_the_searchers_context(service: SearcherService, url: str) -> None:
@@ -114,7 +148,7 @@ def test_search_serves_the_searchers_context(service: SearcherService, url: str)
     ids = [d["id"] for d in body["context"]]
     assert ids and len(ids) == len(set(ids)) and all(d == retrieved[d["id"]] for d in body["context"])
     lines = body["context_text"].split("\n")
-    assert lines[0] == f"Doc 1(Title: \"{body['context'][0]['title']}\") {body['context'][0]['text']}"
+    assert lines[0] == f'Doc 1(Title: "{body["context"][0]["title"]}") {body["context"][0]["text"]}'
     assert len(lines) == len(ids)
     t = body["timings"]
     assert 0 <= t["queue_s"] <= t["total_s"] and 0 < t["search_s"] <= t["total_s"]
@@ -124,7 +158,9 @@ def test_search_serves_the_searchers_context(service: SearcherService, url: str)
 
 
 def test_overrides_apply_per_request(service: SearcherService, url: str) -> None:
-    body = httpx.post(f"{url}/search", json={"question": QUESTION, "top_k": 2, "max_turns": 1}, timeout=60).json()
+    body = httpx.post(
+        f"{url}/search", json={"question": QUESTION, "top_k": 2, "max_turns": 1}, timeout=60
+    ).json()
     direct = service.retriever.inner.search([QUESTION], 2)[0]
     assert [d["id"] for d in body["trajectory"]["documents"][0]] == [h.doc_id for h in direct]
     assert all(len(docs) <= 2 for docs in body["trajectory"]["documents"])
@@ -137,8 +173,12 @@ def test_answer_is_the_generators_answer_from_the_context(service: SearcherServi
     r = httpx.post(f"{url}/answer", json={"question": QUESTION, "top_k": 2}, timeout=60)
     assert r.status_code == 200, r.text
     body = r.json()
-    docs = [{"doc_id": d["id"], "title": d["title"], "text": d["text"], "score": 0.0} for d in body["context"]]
-    expected = answer_from_documents(service.answer_generator.inner, [QUESTION], [docs], "s3", service.answer_params)
+    docs = [
+        {"doc_id": d["id"], "title": d["title"], "text": d["text"], "score": 0.0} for d in body["context"]
+    ]
+    expected = answer_from_documents(
+        service.answer_generator.inner, [QUESTION], [docs], "s3", service.answer_params
+    )
     assert body["answer"] == expected[0]
     assert body["timings"]["answer_s"] > 0
 
@@ -231,7 +271,9 @@ def test_generator_failures_are_503(service: SearcherService) -> None:
         assert r.status_code == 503 and "answer generator failed" in r.json()["detail"]
         assert "CUDA out of memory" in r.json()["detail"]
         assert httpx.post(f"{base}/search", json={"question": QUESTION}, timeout=60).status_code == 200
-    broken_policy = SearcherService(BrokenGenerator(service.generator.inner), service.loop, service.retriever.inner)
+    broken_policy = SearcherService(
+        BrokenGenerator(service.generator.inner), service.loop, service.retriever.inner
+    )
     with serve_in_thread(create_app(broken_policy)) as base:
         r = httpx.post(f"{base}/search", json={"question": QUESTION}, timeout=60)
         assert r.status_code == 503 and "searcher model failed" in r.json()["detail"]
@@ -281,8 +323,11 @@ def test_lone_client_is_never_held_for_company(service: SearcherService) -> None
     svc = _sibling(service, limits=replace(service.limits, batch_wait_ms=5000))
     with serve_in_thread(create_app(svc)) as base:
         for i in range(3):
-            r = httpx.post(f"{base}/search", json={"question": f"Who founded company number {i}?", "max_turns": 1},
-                           timeout=60)
+            r = httpx.post(
+                f"{base}/search",
+                json={"question": f"Who founded company number {i}?", "max_turns": 1},
+                timeout=60,
+            )
             assert r.status_code == 200, r.text
             assert r.json()["batch_size"] == 1
     stats = svc.snapshot_stats()
@@ -291,8 +336,11 @@ def test_lone_client_is_never_held_for_company(service: SearcherService) -> None
 
 def test_batch_is_split_by_loop_config(service: SearcherService) -> None:
     svc = _sibling(service)
-    queries = [SearchQuery("Who directed the film?", 1, 2), SearchQuery("Where is the company based?", 1, 2),
-               SearchQuery("When was the author born?", 1, 3)]
+    queries = [
+        SearchQuery("Who directed the film?", 1, 2),
+        SearchQuery("Where is the company based?", 1, 2),
+        SearchQuery("When was the author born?", 1, 3),
+    ]
     outcomes = svc.run_batch(queries)
     stats = svc.snapshot_stats()
     assert stats["rollouts"] == 2  # (1, 2) and (1, 3)
@@ -302,7 +350,9 @@ def test_batch_is_split_by_loop_config(service: SearcherService) -> None:
     assert [len(o.body["trajectory"]["documents"][0]) for o in outcomes] == [2, 2, 3]
 
 
-def test_cli_rejects_bad_options_and_warns_on_public_host(monkeypatch, checkpoint: Path, small_world: Path) -> None:
+def test_cli_rejects_bad_options_and_warns_on_public_host(
+    monkeypatch, checkpoint: Path, small_world: Path
+) -> None:
     import uvicorn
     from typer.testing import CliRunner
 
@@ -313,15 +363,39 @@ def test_cli_rejects_bad_options_and_warns_on_public_host(monkeypatch, checkpoin
     assert res.exit_code == 2 and "--checkpoint" in res.output
     res = runner.invoke(app, ["serve-searcher", "--model", "tiny", "--index", str(small_world / "nope")])
     assert res.exit_code == 2 and "does not exist" in res.output
-    res = runner.invoke(app, ["serve-searcher", "--checkpoint", str(checkpoint), "--index", str(small_world / "bm25"),
-                              "--max-batch", "0"])
+    res = runner.invoke(
+        app,
+        [
+            "serve-searcher",
+            "--checkpoint",
+            str(checkpoint),
+            "--index",
+            str(small_world / "bm25"),
+            "--max-batch",
+            "0",
+        ],
+    )
     assert res.exit_code == 2 and "max_batch" in res.output
 
     runs = []
     monkeypatch.setattr(uvicorn, "run", lambda app, **kw: runs.append((app, kw)))
     monkeypatch.setenv("MY_TOKEN", "tok")
-    res = runner.invoke(app, ["serve-searcher", "--checkpoint", str(checkpoint), "--index", str(small_world / "bm25"),
-                              "--host", "0.0.0.0", "--port", "8123", "--token-env", "MY_TOKEN"])
+    res = runner.invoke(
+        app,
+        [
+            "serve-searcher",
+            "--checkpoint",
+            str(checkpoint),
+            "--index",
+            str(small_world / "bm25"),
+            "--host",
+            "0.0.0.0",
+            "--port",
+            "8123",
+            "--token-env",
+            "MY_TOKEN",
+        ],
+    )
     assert res.exit_code == 0, res.output
     assert "WARNING" in res.output and "bearer token required" in res.output
     served, kw = runs[0]
@@ -353,15 +427,22 @@ def _scripted_service(tokenizer, small_world: Path, loop: str, turns: list[str],
     policy = ScriptedGenerator(tokenizer, {QUESTION: turns})
     answerer = ScriptedGenerator(tokenizer, lambda call: answer_text)
     retriever = load_retriever(small_world / "bm25")
-    svc = SearcherService(policy, get_loop(loop), retriever, answer_generator=answerer,
-                          settings=SearcherSettings(max_new_tokens_per_turn=64, max_obs_tokens=256,
-                                                    max_response_tokens=1024))
+    svc = SearcherService(
+        policy,
+        get_loop(loop),
+        retriever,
+        answer_generator=answerer,
+        settings=SearcherSettings(max_new_tokens_per_turn=64, max_obs_tokens=256, max_response_tokens=1024),
+    )
     return svc, answerer, retriever
 
 
 def test_s3_serves_exactly_the_selected_documents(tokenizer, small_world: Path) -> None:
     svc, answerer, retriever = _scripted_service(
-        tokenizer, small_world, "s3", ["<important_info>[2, 4]</important_info>\n<search_complete>True</search_complete>"]
+        tokenizer,
+        small_world,
+        "s3",
+        ["<important_info>[2, 4]</important_info>\n<search_complete>True</search_complete>"],
     )
     window = retriever.search([QUESTION], 8)[0]
     body = asyncio.run(svc.search(svc.validate(QUESTION, want_answer=True)))
@@ -373,9 +454,13 @@ def test_s3_serves_exactly_the_selected_documents(tokenizer, small_world: Path) 
 
 def test_r_search_serves_its_evidence_and_answers_from_it(tokenizer, small_world: Path) -> None:
     svc, answerer, retriever = _scripted_service(
-        tokenizer, small_world, "r_search",
-        ["I should look it up. <search>physician born in</search>",
-         "<original_evidence>The founder was born in Kvythsaxholm.</original_evidence>\n<answer>Kvythsaxholm</answer>"],
+        tokenizer,
+        small_world,
+        "r_search",
+        [
+            "I should look it up. <search>physician born in</search>",
+            "<original_evidence>The founder was born in Kvythsaxholm.</original_evidence>\n<answer>Kvythsaxholm</answer>",
+        ],
     )
     body = asyncio.run(svc.search(svc.validate(QUESTION, want_answer=True)))
     docs = retriever.search(["physician born in"], 3)[0]
@@ -383,7 +468,9 @@ def test_r_search_serves_its_evidence_and_answers_from_it(tokenizer, small_world
     assert body["context"][0]["title"] == "evidence"
     assert body["context"][0]["text"] == "The founder was born in Kvythsaxholm."
     assert [d["id"] for d in body["context"][1:]] == [h.doc_id for h in docs]
-    assert body["trajectory"]["answer"] == "Kvythsaxholm" and body["trajectory"]["queries"] == ["physician born in"]
+    assert body["trajectory"]["answer"] == "Kvythsaxholm" and body["trajectory"]["queries"] == [
+        "physician born in"
+    ]
     # RSTool: the frozen model answers from the evidence alone (R-Search's evidence prompt)
     prompt = tokenizer.decode(answerer.calls[0][0])
     assert "The following are given passages:\nThe founder was born in Kvythsaxholm." in prompt
@@ -392,9 +479,14 @@ def test_r_search_serves_its_evidence_and_answers_from_it(tokenizer, small_world
 
 def test_qagent_serves_its_deduplicated_passages(tokenizer, small_world: Path) -> None:
     svc, _, retriever = _scripted_service(
-        tokenizer, small_world, "qagent",
-        ["<plan>find both</plan><search><query>film director</query><query>film director</query>"
-         "<query>company founder</query></search>", "<reflection>ok</reflection><answer>x</answer>"],
+        tokenizer,
+        small_world,
+        "qagent",
+        [
+            "<plan>find both</plan><search><query>film director</query><query>film director</query>"
+            "<query>company founder</query></search>",
+            "<reflection>ok</reflection><answer>x</answer>",
+        ],
     )
     body = asyncio.run(svc.search(svc.validate(QUESTION)))
     top1 = [retriever.search([q], 1)[0][0].doc_id for q in ("film director", "company founder")]

@@ -28,9 +28,19 @@ def service(small_world: Path, tiny_dir: Path) -> Iterator[SearcherService]:
     """An untrained model served with a loop (the --model SPEC --loop NAME path)."""
     from sleuth.serve.loading import ServiceSpec, build_service
 
-    svc = build_service(ServiceSpec(model=str(tiny_dir), loop="s3", loop_options={"max_turns": 1},
-                                    index=small_world / "bm25", generator=str(tiny_dir), max_new_tokens_per_turn=12,
-                                    max_obs_tokens=64, max_response_tokens=96, limits=ServeLimits(max_top_k=5)))
+    svc = build_service(
+        ServiceSpec(
+            model=str(tiny_dir),
+            loop="s3",
+            loop_options={"max_turns": 1},
+            index=small_world / "bm25",
+            generator=str(tiny_dir),
+            max_new_tokens_per_turn=12,
+            max_obs_tokens=64,
+            max_response_tokens=96,
+            limits=ServeLimits(max_top_k=5),
+        )
+    )
     yield svc
     svc.close()
 
@@ -95,8 +105,11 @@ def test_streamable_http_with_bearer_token(service: SearcherService) -> None:
         denied = httpx.post(f"{base}/mcp", json={"jsonrpc": "2.0", "id": 1, "method": "tools/list"})
         assert denied.status_code == 401
         client = httpx2.AsyncClient(headers={"Authorization": "Bearer tok"}, timeout=60)
-        _, result = _call(streamable_http_client(f"{base}/mcp", http_client=client), "search",
-                          {"question": QUESTION, "top_k": 3})
+        _, result = _call(
+            streamable_http_client(f"{base}/mcp", http_client=client),
+            "search",
+            {"question": QUESTION, "top_k": 3},
+        )
     assert not result.is_error
     assert result.structured_content["retrieval_count"] >= 1 and result.structured_content["context"]
 
@@ -106,8 +119,21 @@ def test_stdio_server_subprocess(small_world: Path, tiny_dir: Path) -> None:
 
     params = StdioServerParameters(
         command=sys.executable,
-        args=["-m", "sleuth.cli", "serve-mcp", "--model", str(tiny_dir), "--loop", "qagent",
-              "--loop-option", "max_turns=1", "--index", str(small_world / "bm25"), "--transport", "stdio"],
+        args=[
+            "-m",
+            "sleuth.cli",
+            "serve-mcp",
+            "--model",
+            str(tiny_dir),
+            "--loop",
+            "qagent",
+            "--loop-option",
+            "max_turns=1",
+            "--index",
+            str(small_world / "bm25"),
+            "--transport",
+            "stdio",
+        ],
         env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     names, result = _call(params, "search", {"question": QUESTION})
@@ -131,7 +157,9 @@ def test_mcp_url_shorthand_searches_through_sleuth_serve_mcp(service: SearcherSe
         finally:
             retriever.close()
     expected = asyncio.run(service.search(service.validate(QUESTION, None, None)))["context"][:3]
-    assert hits and [(h.doc_id, h.title, h.text) for h in hits] == [(d["id"], d["title"], d["text"]) for d in expected]
+    assert hits and [(h.doc_id, h.title, h.text) for h in hits] == [
+        (d["id"], d["title"], d["text"]) for d in expected
+    ]
 
 
 def test_timeouts_are_sized_for_a_cpu_searcher_and_a_slow_tool_error_names_the_setting() -> None:

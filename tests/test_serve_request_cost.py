@@ -58,8 +58,12 @@ def tokenizer() -> Any:
 @pytest.fixture
 def service(tokenizer: Any) -> Iterator[SearcherService]:
     limits = ServeLimits(max_turns=8, max_batch=4, batch_wait_ms=0, max_generation_s=BUDGET_S)
-    svc = SearcherService(TimedPolicy(tokenizer), get_loop("search_r1", max_turns=8, top_k=1), OneHitRetriever(),
-                          settings=SearcherSettings(limits=limits, max_new_tokens_per_turn=32))
+    svc = SearcherService(
+        TimedPolicy(tokenizer),
+        get_loop("search_r1", max_turns=8, top_k=1),
+        OneHitRetriever(),
+        settings=SearcherSettings(limits=limits, max_new_tokens_per_turn=32),
+    )
     yield svc
     svc.close()
 
@@ -92,8 +96,11 @@ def test_a_slow_search_does_not_hold_the_good_one_batched_with_it(service: Searc
 
     async def both() -> tuple[Any, Any, float]:
         started = time.perf_counter()
-        results = await asyncio.gather(service.search(service.validate(SLOW)), service.search(service.validate(GOOD)),
-                                       return_exceptions=True)
+        results = await asyncio.gather(
+            service.search(service.validate(SLOW)),
+            service.search(service.validate(GOOD)),
+            return_exceptions=True,
+        )
         return results[0], results[1], time.perf_counter() - started
 
     slow, good, elapsed = asyncio.run(both())

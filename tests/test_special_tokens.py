@@ -47,12 +47,16 @@ def test_align_moves_eos_and_pad_to_the_templates_turn_end() -> None:
     tok = _tiny_tokenizer_with_wrong_eos()
     assert chat_turn_end_token(tok) == "<|im_end|>"
     changes = align_chat_special_tokens(tok)
-    assert changes == {"eos_token": ("<|im_start|>", "<|im_end|>"), "pad_token": ("<|im_start|>", "<|im_end|>")}
+    assert changes == {
+        "eos_token": ("<|im_start|>", "<|im_end|>"),
+        "pad_token": ("<|im_start|>", "<|im_end|>"),
+    }
     assert tok.eos_token == tok.pad_token == "<|im_end|>"
     assert align_chat_special_tokens(tok) == {}  # already right: nothing changes
     # the rendered assistant turn ends with the eos a serving engine stops at
-    text = tok.apply_chat_template([{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}],
-                                   tokenize=False)
+    text = tok.apply_chat_template(
+        [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}], tokenize=False
+    )
     assert text.endswith("a" + tok.eos_token + "\n")
 
 
@@ -68,8 +72,9 @@ def test_align_keeps_a_distinct_pad_and_leaves_plain_lms_alone() -> None:
     assert align_chat_special_tokens(tok) == {} and tok.eos_token == "<|endoftext|>"
 
 
-def test_gguf_conversion_writes_the_turn_end_as_eos_in_all_three_files(tmp_path: Path,
-                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+def test_gguf_conversion_writes_the_turn_end_as_eos_in_all_three_files(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The conversion repairs what the GGUF reader returned (stubbed here with the tiny model and a
     tokenizer whose eos is `<|im_start|>`), and writes files older transformers read."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
@@ -80,23 +85,31 @@ def test_gguf_conversion_writes_the_turn_end_as_eos_in_all_three_files(tmp_path:
     fake = tmp_path / "model.Q4.gguf"
     fake.write_bytes(b"GGUF")
     monkeypatch.setattr(gguf, "_load_tokenizer", lambda path: _tiny_tokenizer_with_wrong_eos())
-    monkeypatch.setattr(gguf, "_load_dequantized", lambda path, dtype: AutoModelForCausalLM.from_pretrained(
-        tiny_model_dir()))
+    monkeypatch.setattr(
+        gguf, "_load_dequantized", lambda path, dtype: AutoModelForCausalLM.from_pretrained(tiny_model_dir())
+    )
     out = gguf.ensure_converted(fake, cache_dir=tmp_path / "cache")
     assert out.name.endswith(gguf.gguf_cache_key(fake))
 
     tok = AutoTokenizer.from_pretrained(out)
     end_id = tok.convert_tokens_to_ids("<|im_end|>")
     assert tok.eos_token == tok.pad_token == "<|im_end|>"
-    assert GenerationConfig.from_pretrained(out).eos_token_id == [end_id, tok.convert_tokens_to_ids("<|im_start|>")]
+    assert GenerationConfig.from_pretrained(out).eos_token_id == [
+        end_id,
+        tok.convert_tokens_to_ids("<|im_start|>"),
+    ]
     config = json.loads((out / "config.json").read_text())
     assert config["eos_token_id"] == config["pad_token_id"] == end_id
-    assert json.loads((out / "tokenizer_config.json").read_text())["tokenizer_class"] in KNOWN_TO_TRANSFORMERS_4
+    assert (
+        json.loads((out / "tokenizer_config.json").read_text())["tokenizer_class"] in KNOWN_TO_TRANSFORMERS_4
+    )
     assert config["rope_theta"] == config["rope_parameters"]["rope_theta"]
     assert_normal_permissions(out)
 
 
-def test_cache_key_changes_with_the_conversion_version(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_cache_key_changes_with_the_conversion_version(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from sleuth.llm import gguf
 
     fake = tmp_path / "m.gguf"
@@ -109,18 +122,26 @@ def test_cache_key_changes_with_the_conversion_version(tmp_path: Path, monkeypat
 def test_write_compatible_files_puts_rope_where_transformers_4_reads_it(tmp_path: Path) -> None:
     from sleuth.llm.special_tokens import write_compatible_files
 
-    (tmp_path / "config.json").write_text(json.dumps(
-        {"rope_parameters": {"rope_theta": 1e6, "rope_type": "yarn", "factor": 4.0},
-         "_model_name_or_path": "Smollm2 135M 8k Lc100K Mix1 Ep2"}))
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
-        {"tokenizer_class": "TokenizersBackend", "local_files_only": True, "is_local": True}))
+    (tmp_path / "config.json").write_text(
+        json.dumps(
+            {
+                "rope_parameters": {"rope_theta": 1e6, "rope_type": "yarn", "factor": 4.0},
+                "_model_name_or_path": "Smollm2 135M 8k Lc100K Mix1 Ep2",
+            }
+        )
+    )
+    (tmp_path / "tokenizer_config.json").write_text(
+        json.dumps({"tokenizer_class": "TokenizersBackend", "local_files_only": True, "is_local": True})
+    )
     write_compatible_files(tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())
     assert config["rope_theta"] == 1e6 and config["rope_scaling"] == {"rope_type": "yarn", "factor": 4.0}
     assert "_model_name_or_path" not in config  # the GGUF file's title, not a model anyone can load
     # 4.x's PreTrainedTokenizerFast returns token_type_ids unless told, and generate(**inputs) refuses them
     assert json.loads((tmp_path / "tokenizer_config.json").read_text()) == {
-        "tokenizer_class": "PreTrainedTokenizerFast", "model_input_names": ["input_ids", "attention_mask"]}
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "model_input_names": ["input_ids", "attention_mask"],
+    }
 
 
 @pytest.mark.parametrize("policy", CHECKPOINTS, ids=[p.parent.name for p in CHECKPOINTS])

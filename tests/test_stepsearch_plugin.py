@@ -44,7 +44,10 @@ def test_tfidf_cosine_by_hand_and_as_scikit_learn(ss) -> None:
     sklearn = pytest.importorskip("sklearn.feature_extraction.text")
     from sklearn.metrics.pairwise import cosine_similarity
 
-    text, golds = "the river tarsk flows past quellstad", ["quellstad is the capital", "tarsk river", "no overlap x"]
+    text, golds = (
+        "the river tarsk flows past quellstad",
+        ["quellstad is the capital", "tarsk river", "no overlap x"],
+    )
     m = sklearn.TfidfVectorizer().fit_transform([text, *golds])
     assert ss.tfidf_cosines(text, golds) == pytest.approx(cosine_similarity(m[0], m[1:]).flatten().tolist())
 
@@ -52,7 +55,9 @@ def test_tfidf_cosine_by_hand_and_as_scikit_learn(ss) -> None:
 def test_information_gain_and_redundancy_by_hand(ss) -> None:
     # step 0 finds gold 0 (cos 1) and nothing of gold 1: gain (1 + 0) / 2 = 0.5; step 1 adds gold 1: gain
     # (0 + 1) / 2 = 0.5, and one of its two documents was seen in step 0: redundancy 1/2
-    gains, redundancy = ss.information_gain_and_redundancy([["aa bb"], ["aa bb", "cc dd"]], ["aa bb", "cc dd"])
+    gains, redundancy = ss.information_gain_and_redundancy(
+        [["aa bb"], ["aa bb", "cc dd"]], ["aa bb", "cc dd"]
+    )
     assert gains == pytest.approx([0.5, 0.5]) and redundancy == pytest.approx([0.0, 0.5])
     assert ss.information_gain_and_redundancy([["aa"]], []) == ([], [])
 
@@ -74,7 +79,9 @@ def test_ends_with_answer(ss) -> None:
 def run(tok, turns: list[str], metadata: dict):
     gen = ScriptedGenerator(tok, {Q: turns})
     ex = QAExample(id="q1", question=Q, golden_answers=["Quellstad"], metadata=metadata)
-    (traj,) = rollout(get_loop("stepsearch", top_k=1), gen, ToyRetriever(), [ex], SamplingParams(max_new_tokens=60))
+    (traj,) = rollout(
+        get_loop("stepsearch", top_k=1), gen, ToyRetriever(), [ex], SamplingParams(max_new_tokens=60)
+    )
     return traj
 
 
@@ -83,8 +90,15 @@ def test_step_rewards_land_on_the_search_turns(tok) -> None:
     it), step 1 gains 0 and repeats its only document (redundancy 1): step rewards 0.6 and -0.6 on the last tokens
     of the two search turns, the outcome F1 1 on the last token."""
     gold = ToyRetriever().search(["capital Varonia"], 1)[0][0].text
-    traj = run(tok, ["<search> capital Varonia </search>", "<search> capital Varonia </search>",
-                     "<answer> Quellstad </answer>"], {"support_docs": [{"paragraph_text": gold}]})
+    traj = run(
+        tok,
+        [
+            "<search> capital Varonia </search>",
+            "<search> capital Varonia </search>",
+            "<answer> Quellstad </answer>",
+        ],
+        {"support_docs": [{"paragraph_text": gold}]},
+    )
     (res,) = guarded_rewards(get_reward("stepsearch"), [traj], RewardServices())
     assert res.total == 1.0 and res.turn_rewards == pytest.approx([0.6, -0.6, 0.0])
     assert traj.extra["search_turns"] == [0, 1]
@@ -93,26 +107,40 @@ def test_step_rewards_land_on_the_search_turns(tok) -> None:
     ends = traj.policy_turn_ends()
     assert out[ends[0] - 1].item() == pytest.approx(0.6) and out[ends[1] - 1].item() == pytest.approx(-0.6)
     assert out[ends[2] - 1].item() == pytest.approx(1.0) and int((out != 0).sum()) == 3
-    assert tok.decode(traj.response_ids[ends[0] - 1:ends[0]]).endswith(">")  # the end of </search>
+    assert tok.decode(traj.response_ids[ends[0] - 1 : ends[0]]).endswith(">")  # the end of </search>
 
 
 def test_a_response_that_does_not_end_with_its_answer_scores_minus_one(tok) -> None:
-    traj = run(tok, ["<search> capital Varonia </search>", "<search> Varonia </search>", "<search> x </search>",
-                     "<search> y </search>", "<search> z </search>"], {"support_docs": ["anything"]})
+    traj = run(
+        tok,
+        [
+            "<search> capital Varonia </search>",
+            "<search> Varonia </search>",
+            "<search> x </search>",
+            "<search> y </search>",
+            "<search> z </search>",
+        ],
+        {"support_docs": ["anything"]},
+    )
     (res,) = get_reward("stepsearch")([traj])
     assert res.total == -1.0 and res.turn_rewards == []
 
 
 def test_supporting_ids_are_read_from_the_retriever(tok) -> None:
     hit = ToyRetriever().search(["capital Varonia"], 1)[0][0]
-    traj = run(tok, ["<search> capital Varonia </search>", "<answer> Quellstad </answer>"],
-               {"supporting_ids": [hit.doc_id], "search_keys": [["capital of Varonia"]]})
+    traj = run(
+        tok,
+        ["<search> capital Varonia </search>", "<answer> Quellstad </answer>"],
+        {"supporting_ids": [hit.doc_id], "search_keys": [["capital of Varonia"]]},
+    )
     (res,) = get_reward("stepsearch", step_reward_scale=1.6)([traj], RewardServices(retriever=ToyRetriever()))
     # gain 1 x 1.6 (the published code's effective scale); outcome 1 + 0.618 x F1("capital Varonia", key) = 0.8
     assert res.turn_rewards == pytest.approx([1.6, 0.0]) and res.total == pytest.approx(1 + 0.618 * 0.8)
 
 
-def test_supporting_ids_are_read_from_a_sleuth_index_behind_the_trainers_wrapper(ss, tok, small_world) -> None:
+def test_supporting_ids_are_read_from_a_sleuth_index_behind_the_trainers_wrapper(
+    ss, tok, small_world
+) -> None:
     """The trainer hands the reward its index behind TimedRetriever (a BM25 index has no get_by_ids of its own:
     its DocStore has): the gold documents are the world's passages of those ids."""
     example = json.loads((small_world / "train.jsonl").read_text().splitlines()[0])

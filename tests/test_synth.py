@@ -40,7 +40,13 @@ def test_same_arguments_give_byte_identical_files(tmp_path):
     for name in ("a", "b"):
         write_world(generate_world(300, 80, hops=(1, 4), seed=5), tmp_path / name)
     assert _digest(tmp_path / "a") == _digest(tmp_path / "b")
-    assert set(_digest(tmp_path / "a")) == {"corpus.jsonl", "train.jsonl", "dev.jsonl", "test.jsonl", "world.json"}
+    assert set(_digest(tmp_path / "a")) == {
+        "corpus.jsonl",
+        "train.jsonl",
+        "dev.jsonl",
+        "test.jsonl",
+        "world.json",
+    }
     write_world(generate_world(300, 80, hops=(1, 4), seed=6), tmp_path / "c")
     assert _digest(tmp_path / "a")["corpus.jsonl"] != _digest(tmp_path / "c")["corpus.jsonl"]
 
@@ -156,8 +162,22 @@ def test_bad_arguments():
 def test_synth_and_convert_commands(tmp_path):
     runner = CliRunner()
     out = tmp_path / "w"
-    result = runner.invoke(app, ["synth", "--out", str(out), "--passages", "200", "--questions", "50",
-                                 "--hops", "1-3", "--seed", "4"])
+    result = runner.invoke(
+        app,
+        [
+            "synth",
+            "--out",
+            str(out),
+            "--passages",
+            "200",
+            "--questions",
+            "50",
+            "--hops",
+            "1-3",
+            "--seed",
+            "4",
+        ],
+    )
     assert result.exit_code == 0, result.output
     assert "3-hop" in result.output
     assert json.loads((out / "world.json").read_text())["hops"] == [1, 3]

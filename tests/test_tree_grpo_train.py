@@ -21,7 +21,12 @@ from sleuth.agent.trajectory import Trajectory
 from sleuth.cli import app
 from sleuth.rewards.base import Reward, RewardResult, RewardServices, register_reward
 
-PATTERN = (1.0, 0.0, 1.0, 1.0)  # reward of samples 0..3 of a question: chains 0, 1 (trees 0, 1), then a branch each
+PATTERN = (
+    1.0,
+    0.0,
+    1.0,
+    1.0,
+)  # reward of samples 0..3 of a question: chains 0, 1 (trees 0, 1), then a branch each
 # per question: inter-tree (r - 0.75) / 0.5 = (0.5, -1.5, 0.5, 0.5); intra-tree: tree 0 {1, 1} -> 0,
 # tree 1 {0, 1}: (r - 0.5) / 0.7071 -> (-0.7071, +0.7071); A = inter + intra
 WANT = (0.5, -1.5 - 2**-0.5, 0.5, 0.5 + 2**-0.5)
@@ -32,12 +37,15 @@ WANT = (0.5, -1.5 - 2**-0.5, 0.5, 0.5 + 2**-0.5)
 class TreePatternReward(Reward):
     """PATTERN[sample]: the reward of a trajectory is fixed by where it sits in its question's tree."""
 
-    def __call__(self, trajs: Sequence[Trajectory], services: RewardServices | None = None) -> list[RewardResult]:
+    def __call__(
+        self, trajs: Sequence[Trajectory], services: RewardServices | None = None
+    ) -> list[RewardResult]:
         return [RewardResult(total=PATTERN[t.sample], components={}) for t in trajs]
 
 
-def test_tree_grpo_trains_two_steps_with_the_hand_computed_advantages(small_world: Path, tmp_path: Path,
-                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+def test_tree_grpo_trains_two_steps_with_the_hand_computed_advantages(
+    small_world: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     batches = []
     real = trainer_module.make_batch
 
@@ -49,11 +57,20 @@ def test_tree_grpo_trains_two_steps_with_the_hand_computed_advantages(small_worl
     monkeypatch.setattr(trainer_module, "make_batch", recording)
     with installed("sleuth_tree_grpo") as tg:
         recipe = tg.recipe(str(small_world / "train.jsonl"))
-        recipe["agent"].update(max_turns=2, top_k=2, max_new_tokens_per_turn=8, max_response_tokens=96,
-                               max_obs_tokens=48, options={"tree_expansions": 1, "tree_branches": 1})
-        recipe.update(retriever={"index": str(small_world / "bm25")}, model={"policy": "tiny"},
-                      reward={"name": "test_tree_pattern"},
-                      trainer={"total_steps": 2, "save_every": 2, "out_dir": str(tmp_path / "run")})
+        recipe["agent"].update(
+            max_turns=2,
+            top_k=2,
+            max_new_tokens_per_turn=8,
+            max_response_tokens=96,
+            max_obs_tokens=48,
+            options={"tree_expansions": 1, "tree_branches": 1},
+        )
+        recipe.update(
+            retriever={"index": str(small_world / "bm25")},
+            model={"policy": "tiny"},
+            reward={"name": "test_tree_pattern"},
+            trainer={"total_steps": 2, "save_every": 2, "out_dir": str(tmp_path / "run")},
+        )
         recipe["algorithm"].update(n=2, prompts_per_step=2, minibatch_size=8, micro_batch_size=4)
         path = tmp_path / "recipe.yaml"
         path.write_text(yaml.safe_dump(recipe))
@@ -82,9 +99,25 @@ def _evaluate_and_serve(run: Path, small_world: Path, out: Path, monkeypatch: py
     import uvicorn
     from fastapi.testclient import TestClient
 
-    args = ["eval", "--plugin", "sleuth_tree_grpo", "-m", "tree-search", "--data", str(small_world / "test.jsonl"),
-            "--retriever", str(small_world / "bm25"), "--model", str(run), "--out", str(out), "--limit", "2",
-            "--batch-size", "2"]
+    args = [
+        "eval",
+        "--plugin",
+        "sleuth_tree_grpo",
+        "-m",
+        "tree-search",
+        "--data",
+        str(small_world / "test.jsonl"),
+        "--retriever",
+        str(small_world / "bm25"),
+        "--model",
+        str(run),
+        "--out",
+        str(out),
+        "--limit",
+        "2",
+        "--batch-size",
+        "2",
+    ]
     res = CliRunner().invoke(app, args, env={"COLUMNS": "200"})
     assert res.exit_code == 0, res.output
     records = [json.loads(r) for r in (out / "tree-search" / "predictions.jsonl").read_text().splitlines()]
@@ -96,8 +129,18 @@ def _evaluate_and_serve(run: Path, small_world: Path, out: Path, monkeypatch: py
             answers.append(client.post("/search", json={"question": "Where was Ada born?"}))
 
     monkeypatch.setattr(uvicorn, "run", serve_in_test_client)
-    res = CliRunner().invoke(app, ["serve-searcher", "--plugin", "sleuth_tree_grpo", "--checkpoint", str(run),
-                                   "--index", str(small_world / "bm25")])
+    res = CliRunner().invoke(
+        app,
+        [
+            "serve-searcher",
+            "--plugin",
+            "sleuth_tree_grpo",
+            "--checkpoint",
+            str(run),
+            "--index",
+            str(small_world / "bm25"),
+        ],
+    )
     assert res.exit_code == 0, res.output
     (resp,) = answers
     assert resp.status_code == 200, resp.text
@@ -111,15 +154,23 @@ def test_the_trainer_keeps_whole_groups_of_any_size_and_a_methods_rollout_on_one
     from sleuth.rl import rollouts
 
     def trajs(groups):  # (sampling round, question) of each trajectory, adjacent per group
-        return [Trajectory(question_id="q", question="?", golden_answers=[], method="m", group=g, sampling_round=r)
-                for r, g in groups]
+        return [
+            Trajectory(
+                question_id="q", question="?", golden_answers=[], method="m", group=g, sampling_round=r
+            )
+            for r, g in groups
+        ]
 
-    batch = trajs([(1, 0)] * 6 + [(1, 1)] * 4 + [(2, 0)] * 5)  # a tree group of 6, one of 4, a refill round's 5
+    batch = trajs(
+        [(1, 0)] * 6 + [(1, 1)] * 4 + [(2, 0)] * 5
+    )  # a tree group of 6, one of 4, a refill round's 5
     assert [rollouts._rows_of_first_groups(batch, k) for k in (0, 1, 2, 3, 4)] == [0, 6, 10, 15, 15]
     assert rollouts._groups(batch) == 3
     with installed("sleuth_tree_grpo") as tg:
-        run = SimpleNamespace(recipe=SimpleNamespace(agent=SimpleNamespace(loop="tree_search")),
-                              ctx=SimpleNamespace(enabled=False, world_size=1))
+        run = SimpleNamespace(
+            recipe=SimpleNamespace(agent=SimpleNamespace(loop="tree_search")),
+            ctx=SimpleNamespace(enabled=False, world_size=1),
+        )
         assert rollouts.method_rollout(run) is tg.tree_rollout
         run.ctx = SimpleNamespace(enabled=True, world_size=2)
         with pytest.raises(ConfigError, match="one process only.*2 ranks"):

@@ -20,8 +20,10 @@ from sleuth.llm.hf import HFGenerator
 from sleuth.llm.prefix_cache import Prefix, PrefixStore
 from toyworld import ToyRetriever
 
-EXAMPLES = [QAExample(id="q1", question="What is the capital of Varonia?", golden_answers=["Quellstad"]),
-            QAExample(id="q2", question="Where was the director of Blue Harbor born?", golden_answers=["Tarsk"])]
+EXAMPLES = [
+    QAExample(id="q1", question="What is the capital of Varonia?", golden_answers=["Quellstad"]),
+    QAExample(id="q2", question="Where was the director of Blue Harbor born?", golden_answers=["Tarsk"]),
+]
 GREEDY = SamplingParams(max_new_tokens=6, temperature=0.0)
 
 
@@ -40,8 +42,9 @@ def gen(tmp_path_factory):
 def engine_gen(tmp_path_factory):
     from sleuth.llm.tiny import build_tiny_model
 
-    return HFGenerator(build_tiny_model(tmp_path_factory.mktemp("tiny_engine")), device="cpu", cache="engine",
-                       sync_every=3)
+    return HFGenerator(
+        build_tiny_model(tmp_path_factory.mktemp("tiny_engine")), device="cpu", cache="engine", sync_every=3
+    )
 
 
 def _check_branches_equal_chains(trajs, abs_tol: float) -> None:
@@ -60,19 +63,24 @@ def _check_branches_equal_chains(trajs, abs_tol: float) -> None:
 def test_a_greedy_branch_equals_the_chain_it_forked_from(gen) -> None:
     # an untrained model writes no action: every turn ends with the invalid-action feedback, a turn boundary
     loop = get_loop("search_r1", max_turns=3)
-    trajs = rollout_tree(loop, gen, ToyRetriever(), EXAMPLES, GREEDY, TreeSpec(trees=1, expansions=2, branches=2))
+    trajs = rollout_tree(
+        loop, gen, ToyRetriever(), EXAMPLES, GREEDY, TreeSpec(trees=1, expansions=2, branches=2)
+    )
     _check_branches_equal_chains(trajs, 1e-9)
     # the chain itself is what a plain rollout gives
     (plain, _) = rollout(loop, gen, ToyRetriever(), EXAMPLES, GREEDY)
     assert plain.response_ids == trajs[0].response_ids and plain.loss_mask == trajs[0].loss_mask
 
 
-def test_on_the_decode_engine_a_branch_reuses_its_parents_keys_and_equals_the_chain(engine_gen, gen,
-                                                                                     monkeypatch) -> None:
+def test_on_the_decode_engine_a_branch_reuses_its_parents_keys_and_equals_the_chain(
+    engine_gen, gen, monkeypatch
+) -> None:
     """The decode engine on CPU: a branch's first generation prefills one token (its prefix, the parent's, is held in
     the pool, not computed again), its later ones only their own new observation, and the branch still equals its
     chain; the chain equals the plain rollout of the engine and of the dynamic-cache fallback."""
-    starts: list[tuple[int, list[int]]] = []  # (engine run: 0 the chains, 1.. the expansion rounds, new tokens per row)
+    starts: list[
+        tuple[int, list[int]]
+    ] = []  # (engine run: 0 the chains, 1.. the expansion rounds, new tokens per row)
     phase = [0]
     real_start, real_run = DecodeEngine.start, agent_engine._Engine.run
 
@@ -90,8 +98,9 @@ def test_on_the_decode_engine_a_branch_reuses_its_parents_keys_and_equals_the_ch
     monkeypatch.setattr(agent_engine._Engine, "run", run_counting_the_phase)
     loop = get_loop("search_r1", max_turns=3)
     reused_before = engine_gen.engine.reused_tokens
-    trajs = rollout_tree(loop, engine_gen, ToyRetriever(), EXAMPLES, GREEDY,
-                         TreeSpec(trees=1, expansions=2, branches=2))
+    trajs = rollout_tree(
+        loop, engine_gen, ToyRetriever(), EXAMPLES, GREEDY, TreeSpec(trees=1, expansions=2, branches=2)
+    )
     monkeypatch.setattr(agent_engine._Engine, "run", real_run)
     monkeypatch.setattr(DecodeEngine, "start", real_start)
     _check_branches_equal_chains(trajs, 1e-5)
@@ -107,13 +116,23 @@ def test_on_the_decode_engine_a_branch_reuses_its_parents_keys_and_equals_the_ch
     plain_engine = rollout(loop, engine_gen, ToyRetriever(), EXAMPLES, GREEDY)
     plain_dynamic = rollout(loop, gen, ToyRetriever(), EXAMPLES, GREEDY)
     for t, a, b in zip([t for t in trajs if t.sample == 0], plain_engine, plain_dynamic, strict=True):
-        assert t.response_ids == a.response_ids == b.response_ids and t.loss_mask == a.loss_mask == b.loss_mask
+        assert (
+            t.response_ids == a.response_ids == b.response_ids and t.loss_mask == a.loss_mask == b.loss_mask
+        )
         assert t.logprobs == pytest.approx(a.logprobs, abs=1e-5)  # (the dynamic path's model is float64)
 
 
 def test_fork_copies_a_state_at_a_turn_boundary(gen) -> None:
-    engine, states = agent_engine._prepared(get_loop("search_r1", max_turns=3), gen, ToyRetriever(), EXAMPLES[:1],
-                                            GREEDY, 1, agent_engine.RolloutBudget(), None)
+    engine, states = agent_engine._prepared(
+        get_loop("search_r1", max_turns=3),
+        gen,
+        ToyRetriever(),
+        EXAMPLES[:1],
+        GREEDY,
+        1,
+        agent_engine.RolloutBudget(),
+        None,
+    )
     engine.fork_points = []
     engine.run(states)
     point = engine.fork_points[0]
@@ -146,8 +165,14 @@ def test_the_prefix_store_in_hold_mode_matches_common_prefixes_and_drops_rows_co
 
 
 def test_tree_ids_and_samples(gen) -> None:
-    trajs = rollout_tree(get_loop("search_r1", max_turns=2), gen, ToyRetriever(), EXAMPLES[:1], GREEDY,
-                         TreeSpec(trees=2, expansions=1, branches=1))
+    trajs = rollout_tree(
+        get_loop("search_r1", max_turns=2),
+        gen,
+        ToyRetriever(),
+        EXAMPLES[:1],
+        GREEDY,
+        TreeSpec(trees=2, expansions=1, branches=1),
+    )
     assert [t.sample for t in trajs] == [0, 1, 2, 3]
     assert [t.extra["tree"] for t in trajs] == [0, 1, 0, 1] and "forked_at_turn" not in trajs[0].extra
     with pytest.raises(ConfigError, match="TreeSpec"):
@@ -166,8 +191,14 @@ def _check_tree_grpo(tg, gen) -> None:
     adv, _ = tg.tree_grpo_advantages(torch.tensor([1.0, 0.0, 1.0, 1.0]), [0, 0, 0, 0], [0, 0, 1, 1], mask)
     want = torch.tensor([0.5 + 2**-0.5, -1.5 - 2**-0.5, 0.5, 0.5])
     torch.testing.assert_close(adv, want[:, None].expand(4, 2).float(), atol=1e-5, rtol=0)
-    trajs = rollout_tree(get_loop("tree_search", max_turns=2), gen, ToyRetriever(), EXAMPLES[:1], GREEDY,
-                         TreeSpec(trees=2, expansions=1, branches=1))
+    trajs = rollout_tree(
+        get_loop("tree_search", max_turns=2),
+        gen,
+        ToyRetriever(),
+        EXAMPLES[:1],
+        GREEDY,
+        TreeSpec(trees=2, expansions=1, branches=1),
+    )
     assert tg.tree_ids(trajs) == [(1, 0, 0), (1, 0, 1), (1, 0, 0), (1, 0, 1)]
 
 
@@ -175,15 +206,28 @@ def test_budget_counts_charge_a_branch_only_what_it_generated_after_its_fork() -
     from sleuth.agent.trajectory import Trajectory
 
     def traj(mask, retrievals, initial=0, **extra):
-        return Trajectory(question_id="q", question="?", golden_answers=[], method="tree_search",
-                          response_ids=list(range(len(mask))), loss_mask=mask, retrieval_count=retrievals,
-                          initial_queries=initial, extra=extra)
+        return Trajectory(
+            question_id="q",
+            question="?",
+            golden_answers=[],
+            method="tree_search",
+            response_ids=list(range(len(mask))),
+            loss_mask=mask,
+            retrieval_count=retrievals,
+            initial_queries=initial,
+            extra=extra,
+        )
 
     chain = traj([1, 1, 1, 0, 0, 1, 1, 0, 1], 3, initial=1)  # 6 policy tokens, 2 of the policy's own searches
     branch = traj([1, 1, 1, 0, 0, 1, 1, 1], 3, forked_at_turn=1, shared_policy_tokens=3, shared_retrievals=2)
     with installed("sleuth_tree_grpo") as tg:
         got = tg.budget_counts([chain, branch])
     # tokens 6 + (6 - 3) = 9; searches 2 + (3 - 2) = 3; per 1k tokens: 2 / 9 * 1000 and 3 / 9 * 1000
-    assert got == {"trajectories": 2.0, "generated_tokens": 9.0, "tool_calls": 3.0,
-                   "trajectories_per_1k_tokens": pytest.approx(2000 / 9), "tool_calls_per_1k_tokens": pytest.approx(
-                       3000 / 9), "tool_calls_per_trajectory": 1.5}
+    assert got == {
+        "trajectories": 2.0,
+        "generated_tokens": 9.0,
+        "tool_calls": 3.0,
+        "trajectories_per_1k_tokens": pytest.approx(2000 / 9),
+        "tool_calls_per_1k_tokens": pytest.approx(3000 / 9),
+        "tool_calls_per_trajectory": 1.5,
+    }

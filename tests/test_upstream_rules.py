@@ -31,13 +31,13 @@ def upstream_extract(text: str) -> str | None:
 
 
 RESPONSES = [
-    "<think>no idea</think>",                                   # no answer: upstream reads "Beijing"
+    "<think>no idea</think>",  # no answer: upstream reads "Beijing"
     "<think>x</think><answer>Quellstad</answer>",
-    "<answer>  Quellstad \n</answer>",                           # whitespace inside the tags
-    "<answer>\n\n</answer>",                                     # only whitespace
+    "<answer>  Quellstad \n</answer>",  # whitespace inside the tags
+    "<answer>\n\n</answer>",  # only whitespace
     "<answer> Beijing </answer> then <answer>\tQuellstad\t</answer>",
-    "<answer>Quellstad",                                         # unclosed
-    "< answer >Quellstad</ answer >",                            # not a tag for either
+    "<answer>Quellstad",  # unclosed
+    "< answer >Quellstad</ answer >",  # not a tag for either
 ]
 
 
@@ -88,8 +88,11 @@ def test_s3_genacc_and_eval_take_the_upstream_judge_rule() -> None:
 
     judge = FakeGenerator(lambda p: "No, it does not say yes.")
     generator = FakeGenerator(lambda p: "Lehman")
-    traj = make_traj([("policy", "<search_complete>True</search_complete>")], ["Countrywide"],
-                     served_context=[hit("1", "T", "Bank of America bought Countrywide.")])
+    traj = make_traj(
+        [("policy", "<search_complete>True</search_complete>")],
+        ["Countrywide"],
+        served_context=[hit("1", "T", "Bank of America bought Countrywide.")],
+    )
     services = RewardServices(generator=generator, judge=judge)
     assert get_reward("s3_genacc")([traj], services)[0].total == 0.0
     assert get_reward("s3_genacc", judge_rule="upstream")([traj], services)[0].total == 1.0
@@ -128,10 +131,10 @@ def s3_reference(first: str, second: str) -> bool:
 
 
 JUDGE_PAIRS = [  # (first reply, second reply if asked again)
-    ("<think>yes</think> no", ""),              # the issue's case: 1 upstream, 0 in sleuth on main
+    ("<think>yes</think> no", ""),  # the issue's case: 1 upstream, 0 in sleuth on main
     ("<think>no</think> Yes", ""),
-    ("<think>The answer is there", ""),         # an unterminated reasoning block
-    ("maybe", "yes"),                           # neither word: asked again
+    ("<think>The answer is there", ""),  # an unterminated reasoning block
+    ("maybe", "yes"),  # neither word: asked again
     ("maybe", "NO"),
     ("", "Yes."),
     ("I cannot tell", "still unsure"),
@@ -159,10 +162,14 @@ def test_the_strict_judge_drops_reasoning_and_asks_once() -> None:
 
 def test_s3_reward_under_the_upstream_judge_rule_scores_the_reasoning_yes() -> None:
     """Through the reward: on main s3_genacc with judge_rule: upstream scored `<think>yes</think> no` as 0."""
-    traj = make_traj([("policy", "<search_complete>True</search_complete>")], ["Countrywide"],
-                     served_context=[hit("1", "T", "Bank of America bought Countrywide.")])
-    services = RewardServices(generator=FakeGenerator(lambda p: "Lehman"),
-                              judge=FakeGenerator(lambda p: "<think>yes</think> no"))
+    traj = make_traj(
+        [("policy", "<search_complete>True</search_complete>")],
+        ["Countrywide"],
+        served_context=[hit("1", "T", "Bank of America bought Countrywide.")],
+    )
+    services = RewardServices(
+        generator=FakeGenerator(lambda p: "Lehman"), judge=FakeGenerator(lambda p: "<think>yes</think> no")
+    )
     assert get_reward("s3_genacc", judge_rule="upstream")([traj], services)[0].total == 1.0
     assert get_reward("s3_genacc")([traj], services)[0].total == 0.0
 
@@ -192,7 +199,11 @@ def test_r_search_upstream_f1_rounding_and_yes_no() -> None:
 def test_r_search_rules_upstream_in_the_reward() -> None:
     evidence = "<original_evidence>Bank of America bought Countrywide in 2008.</original_evidence>"
     spans = [("policy", "<search>q</search>"), ("env", OBS), ("policy", f"{evidence}<answer>and</answer>")]
-    answer_only = [("policy", "<search>q</search>"), ("env", OBS), ("policy", f"{evidence}<answer>Countrywide</answer>")]
+    answer_only = [
+        ("policy", "<search>q</search>"),
+        ("env", OBS),
+        ("policy", f"{evidence}<answer>Countrywide</answer>"),
+    ]
     trajs = [make_traj(spans, ["Countrywide Financial"]), make_traj(answer_only, ["Countrywide Financial"])]
     gen = FakeGenerator(lambda p: "Countrywide")
     ours = get_reward("r_search")(trajs, RewardServices(generator=gen))
@@ -227,16 +238,28 @@ def test_adaptive_kl_coef_by_hand() -> None:
 def test_adaptive_kl_needs_the_reward_penalty() -> None:
     from sleuth.rl.config import recipe_from_dict
 
-    base = {"name": "t", "model": {"policy": "tiny"}, "data": {"train": "x.jsonl"}, "retriever": {"index": "x"}}
+    base = {
+        "name": "t",
+        "model": {"policy": "tiny"},
+        "data": {"train": "x.jsonl"},
+        "retriever": {"index": "x"},
+    }
     with pytest.raises(ConfigError, match="algorithm.kl.mode: penalty"):
         recipe_from_dict({**base, "algorithm": {"kl": {"type": "adaptive"}}})
-    recipe = recipe_from_dict({**base, "algorithm": {"kl": {"type": "adaptive", "mode": "penalty", "coef": 0.01,
-                                                            "target_kl": 0.05, "horizon": 100}}})
+    recipe = recipe_from_dict(
+        {
+            **base,
+            "algorithm": {
+                "kl": {"type": "adaptive", "mode": "penalty", "coef": 0.01, "target_kl": 0.05, "horizon": 100}
+            },
+        }
+    )
     assert (recipe.algorithm.kl.target_kl, recipe.algorithm.kl.horizon) == (0.05, 100)
 
 
-def test_adaptive_kl_moves_the_coefficient_each_step_and_resumes_it(small_world: Path, tmp_path: Path,
-                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+def test_adaptive_kl_moves_the_coefficient_each_step_and_resumes_it(
+    small_world: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from sleuth.rl import losses
     from sleuth.rl.checkpoint import latest_checkpoint
     from sleuth.rl.config import recipe_from_dict
@@ -245,9 +268,17 @@ def test_adaptive_kl_moves_the_coefficient_each_step_and_resumes_it(small_world:
 
     used: list[float] = []
     real = losses.apply_kl_penalty
-    monkeypatch.setattr(losses, "apply_kl_penalty", lambda r, kl, beta, m: (used.append(beta), real(r, kl, beta, m))[1])
-    algorithm = {"name": "grpo", "n": 2, "prompts_per_step": 1, "minibatch_size": 2, "micro_batch_size": 2,
-                 "kl": {"type": "adaptive", "mode": "penalty", "coef": 0.1, "target_kl": 1e-9, "horizon": 4}}
+    monkeypatch.setattr(
+        losses, "apply_kl_penalty", lambda r, kl, beta, m: (used.append(beta), real(r, kl, beta, m))[1]
+    )
+    algorithm = {
+        "name": "grpo",
+        "n": 2,
+        "prompts_per_step": 1,
+        "minibatch_size": 2,
+        "micro_batch_size": 2,
+        "kl": {"type": "adaptive", "mode": "penalty", "coef": 0.1, "target_kl": 1e-9, "horizon": 4},
+    }
     data = _recipe(small_world, tmp_path / "run", algorithm, steps=2)
     data["model"]["lora"] = {"enabled": False}
     data["trainer"]["save_every"] = 2

@@ -19,8 +19,9 @@ def test_sha256_file_equals_hashlib_on_the_whole_bytes(tmp_path: Path) -> None:
     assert utils.sha256_file(tmp_path / "empty") == hashlib.sha256(b"").hexdigest()
 
 
-def test_link_or_copy_links_and_copies_where_no_link_can_be_made(tmp_path: Path,
-                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+def test_link_or_copy_links_and_copies_where_no_link_can_be_made(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     src = tmp_path / "src.bin"
     src.write_bytes(b"abc")
     utils.link_or_copy(src, tmp_path / "linked")

@@ -64,8 +64,13 @@ def test_each_caller_keeps_its_own_missing_index_message(tmp_path: Path) -> None
 
 def test_training_evaluation_and_serving_open_the_same_index(small_world: Path) -> None:
     index = small_world / "bm25"
-    recipe = recipe_from_dict({"name": "x", "data": {"train": "t.jsonl"},
-                               "retriever": {"index": str(index), "corpus": str(small_world / "corpus.jsonl")}})
+    recipe = recipe_from_dict(
+        {
+            "name": "x",
+            "data": {"train": "t.jsonl"},
+            "retriever": {"index": str(index), "corpus": str(small_world / "corpus.jsonl")},
+        }
+    )
     served, name = load_retriever_from(index, None)
     opened = [build_retriever(recipe), resolve_retriever(str(index)), served]
     assert name == f"index:{index}" and all(isinstance(r, BM25Retriever) for r in opened)
@@ -74,9 +79,14 @@ def test_training_evaluation_and_serving_open_the_same_index(small_world: Path) 
 
 
 def test_server_retry_policy_is_the_callers_choice() -> None:
-    recipe = recipe_from_dict({"name": "x", "data": {"train": "t.jsonl"},
-                               "retriever": {"url": "http://127.0.0.1:1"},
-                               "services": {"retry": {"max_attempts": 3, "budget_s": 7.0}}})
+    recipe = recipe_from_dict(
+        {
+            "name": "x",
+            "data": {"train": "t.jsonl"},
+            "retriever": {"url": "http://127.0.0.1:1"},
+            "services": {"retry": {"max_attempts": 3, "budget_s": 7.0}},
+        }
+    )
     trained = build_retriever(recipe)
     assert isinstance(trained, RemoteRetriever)
     assert (trained.retry_policy.max_attempts, trained.retry_policy.budget_s) == (3, 7.0)
@@ -87,12 +97,17 @@ def test_server_retry_policy_is_the_callers_choice() -> None:
 
 
 def test_tool_source_as_spec_or_parsed_config(tmp_path: Path) -> None:
-    http = {"url": "http://127.0.0.1:1/search", "params": {"q": "{query}"},
-            "response": {"results": "items", "text": "body"}}
+    http = {
+        "url": "http://127.0.0.1:1/search",
+        "params": {"q": "{query}"},
+        "response": {"results": "items", "text": "body"},
+    }
     spec = tmp_path / "tool.yaml"
     spec.write_text(json.dumps({"http": http}), encoding="utf-8")  # JSON is YAML
     assert isinstance(open_retriever(tool=str(spec)), HTTPSearchRetriever)
-    assert isinstance(open_retriever(tool=ToolRetrieverConfig.model_validate({"http": http})), HTTPSearchRetriever)
+    assert isinstance(
+        open_retriever(tool=ToolRetrieverConfig.model_validate({"http": http})), HTTPSearchRetriever
+    )
 
 
 # -- generator ---------------------------------------------------------------------------------------
@@ -141,7 +156,9 @@ def test_remote_specs_get_the_callers_retry_policy() -> None:
 
 def test_hand_over_gives_raw_replies_and_answer_cleans_them() -> None:
     gen = EchoGenerator("<think>hmm</think>  Paris \n")
-    assert hand_over_documents(gen, ["Capital of France?"], [[HIT]], "qagent") == ["<think>hmm</think>  Paris \n"]
+    assert hand_over_documents(gen, ["Capital of France?"], [[HIT]], "qagent") == [
+        "<think>hmm</think>  Paris \n"
+    ]
     assert answer_from_documents(gen, ["Capital of France?"], [[HIT]], "qagent") == ["Paris"]
     assert gen.prompts == [document_prompt("Capital of France?", [HIT], "qagent")] * 2
     with pytest.raises(ValueError, match="1 questions but 2 document lists"):
@@ -151,8 +168,11 @@ def test_hand_over_gives_raw_replies_and_answer_cleans_them() -> None:
 def test_evaluation_reader_sends_the_same_prompt_as_rewards() -> None:
     gen = EchoGenerator("<answer>Paris</answer>")
     preds, texts, counts = read_documents(
-        gen, [QAExample(id="1", question="  Capital of France? ", golden_answers=["Paris"])], [[HIT]],
-        BaselineSettings(), "s3",
+        gen,
+        [QAExample(id="1", question="  Capital of France? ", golden_answers=["Paris"])],
+        [[HIT]],
+        BaselineSettings(),
+        "s3",
     )
     assert preds == ["Paris"] and texts == ["<answer>Paris</answer>"] and len(counts) == 1
     assert gen.prompts == [document_prompt("Capital of France?", [HIT], "s3")]

@@ -21,8 +21,10 @@ from sleuth.rl.run import _stepped
 from toyworld import ToyRetriever
 
 Q1, Q2 = "What is the capital of Varonia?", "Where was the director of Blue Harbor born?"
-EXAMPLES = [QAExample(id="q1", question=Q1, golden_answers=["Quellstad", "Q-stad"]),
-            QAExample(id="q2", question=Q2, golden_answers=["Tarsk"])]
+EXAMPLES = [
+    QAExample(id="q1", question=Q1, golden_answers=["Quellstad", "Q-stad"]),
+    QAExample(id="q2", question=Q2, golden_answers=["Tarsk"]),
+]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -43,7 +45,9 @@ def test_noise_curriculum_by_hand(zs) -> None:
     assert zs.noise_probability(50, 100) == pytest.approx(1 / 6)
     assert zs.noise_probability(100, 100) == 0.5 and zs.noise_probability(250, 100) == 0.5
     assert zs.noise_probability(None, 100) == 0.5  # evaluation: the end of the curriculum
-    assert zs.noise_probability(25, 100, start=0.2, end=0.8, base=10) == pytest.approx(0.2 + (10**0.25 - 1) / 9 * 0.6)
+    assert zs.noise_probability(25, 100, start=0.2, end=0.8, base=10) == pytest.approx(
+        0.2 + (10**0.25 - 1) / 9 * 0.6
+    )
 
 
 def test_parse_documents_cuts_at_doc_k_plus_one(zs) -> None:
@@ -62,26 +66,37 @@ def simulator(tok, seen: list[str]) -> ScriptedGenerator:
 
 
 def policy(tok) -> ScriptedGenerator:
-    return ScriptedGenerator(tok, {Q1: ["<search> Varonia capital </search>", "<answer> Quellstad </answer>"],
-                                   Q2: ["<search> Varonia capital </search>", "<answer> Tarsk </answer>"]})
+    return ScriptedGenerator(
+        tok,
+        {
+            Q1: ["<search> Varonia capital </search>", "<answer> Quellstad </answer>"],
+            Q2: ["<search> Varonia capital </search>", "<answer> Tarsk </answer>"],
+        },
+    )
 
 
 def test_the_simulated_engine_receives_question_answer_and_step_in_training(zs, tok) -> None:
     seen: list[str] = []
-    engine = zs.SimulatedSearchEngine(simulator(tok, seen), total_steps=10, start_threshold=0.0, end_threshold=1.0)
+    engine = zs.SimulatedSearchEngine(
+        simulator(tok, seen), total_steps=10, start_threshold=0.0, end_threshold=1.0
+    )
     reward = get_reward("zerosearch_f1")
     retriever = TimedRetriever(_stepped(engine, reward))  # as the trainer's setup builds it
     assert wants_context(retriever)
     reward.set_step(10)  # the trainer's step signal; at step 10 of 10 p = 1: every query is noisy
-    trajs = rollout(get_loop("zerosearch", top_k=2), policy(tok), retriever, EXAMPLES, SamplingParams(max_new_tokens=40))
+    trajs = rollout(
+        get_loop("zerosearch", top_k=2), policy(tok), retriever, EXAMPLES, SamplingParams(max_new_tokens=40)
+    )
     # the same query from two questions is asked twice, each with its own question and first gold answer
     assert len(seen) == 2
     assert f'"{Q1}" whose answer is Quellstad' in seen[0] and f'"{Q2}" whose answer is Tarsk' in seen[1]
     assert all("Query: Varonia capital" in s and "Noisy Output" in s for s in seen)
     assert engine.draws == [("q1", 10, "noisy"), ("q2", 10, "noisy")]
     for t in trajs:
-        assert [h["doc_id"] for h in t.retrieved[0]] == [f"zerosearch:noisy:{t.question_id}:1",
-                                                          f"zerosearch:noisy:{t.question_id}:2"]  # top_k 2
+        assert [h["doc_id"] for h in t.retrieved[0]] == [
+            f"zerosearch:noisy:{t.question_id}:1",
+            f"zerosearch:noisy:{t.question_id}:2",
+        ]  # top_k 2
         assert "Doc 1: noisy one\nDoc 2: noisy two" in t.response_text
     reward.set_step(0)  # p = 0 at the start: every query useful
     rollout(get_loop("zerosearch"), policy(tok), retriever, EXAMPLES[:1], SamplingParams(max_new_tokens=40))
@@ -105,8 +120,9 @@ def test_a_plain_search_is_refused_and_a_plain_retriever_is_not_stamped(zs, tok)
         engine.search(["q"], 3)
 
     plain = ToyRetriever()
-    assert _stepped(plain, get_reward("zerosearch_f1")) is plain and isinstance(_stepped(engine, get_reward(
-        "zerosearch_f1")), StepStamped)
+    assert _stepped(plain, get_reward("zerosearch_f1")) is plain and isinstance(
+        _stepped(engine, get_reward("zerosearch_f1")), StepStamped
+    )
     with pytest.raises(ConfigError, match="mode"):
         zs.SimulatedSearchEngine(simulator(tok, []), total_steps=10, mode="google")
 
@@ -131,5 +147,7 @@ def test_the_simulator_is_a_retriever_location_written_by_a_local_model(zs) -> N
 
 def test_a_generated_run_trains_against_the_frozen_base_and_cold_starts_from_search_r1(zs) -> None:
     sections = zs.run_sections(RunShape(model="m.gguf", total_steps=30, prompts_per_step=16, n=5))
-    assert sections == {"retriever": {"index": None, "location": "zerosearch:m.gguf?total_steps=30&max_new_tokens=192"}}
+    assert sections == {
+        "retriever": {"index": None, "location": "zerosearch:m.gguf?total_steps=30&max_new_tokens=192"}
+    }
     assert get_method("zerosearch").oracle() is get_method("search_r1").oracle_planner

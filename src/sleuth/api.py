@@ -33,8 +33,17 @@ from sleuth.serve.service import ServiceFailure
 
 Overrides = Mapping[str, Any] | Sequence[str] | None
 
-__all__ = ["Recipe", "Searcher", "compare", "evaluate", "export", "load_recipe", "open_searcher", "override",
-           "train"]
+__all__ = [
+    "Recipe",
+    "Searcher",
+    "compare",
+    "evaluate",
+    "export",
+    "load_recipe",
+    "open_searcher",
+    "override",
+    "train",
+]
 
 
 def _override_items(overrides: Overrides) -> list[str]:
@@ -45,8 +54,10 @@ def _override_items(overrides: Overrides) -> list[str]:
         import yaml
 
         # values go through YAML like the CLI's, so {"agent.options": {"top_k": 5}} keeps its structure
-        return [f"{key}={yaml.safe_dump(value, default_flow_style=True).strip().removesuffix('...').strip()}"
-                for key, value in overrides.items()]
+        return [
+            f"{key}={yaml.safe_dump(value, default_flow_style=True).strip().removesuffix('...').strip()}"
+            for key, value in overrides.items()
+        ]
     if isinstance(overrides, str):
         raise ConfigError(f"overrides {overrides!r}: pass a dict or a list of 'key.path=value' strings")
     return list(overrides)
@@ -100,8 +111,16 @@ def evaluate(
     """
     limit = options.pop("limit", None)
 
-    return run_eval(methods, _examples(data, limit), retriever=retriever, model=model, generator=generator,
-                    judge=judge, out_dir=EvalOutput(out_dir, run_info={"limit": limit}), config=eval_config(**options))
+    return run_eval(
+        methods,
+        _examples(data, limit),
+        retriever=retriever,
+        model=model,
+        generator=generator,
+        judge=judge,
+        out_dir=EvalOutput(out_dir, run_info={"limit": limit}),
+        config=eval_config(**options),
+    )
 
 
 def compare(
@@ -113,11 +132,15 @@ def compare(
     rows = []
     for method, per_dataset in summary["methods"].items():
         if dataset not in per_dataset:
-            raise ConfigError(f"compare: method {method!r} has no dataset {dataset!r}; it has {sorted(per_dataset)}")
+            raise ConfigError(
+                f"compare: method {method!r} has no dataset {dataset!r}; it has {sorted(per_dataset)}"
+            )
         stats = per_dataset[dataset]
         unknown = [m for m in metrics if m not in stats]
         if unknown:
-            raise ConfigError(f"compare: unknown metric(s) {', '.join(unknown)}; known: {', '.join(sorted(stats))}")
+            raise ConfigError(
+                f"compare: unknown metric(s) {', '.join(unknown)}; known: {', '.join(sorted(stats))}"
+            )
         rows.append({"method": method, "n": stats["n"], **{m: stats[m] for m in metrics}})
     first = metrics[0] if metrics else None
     if first is not None:
@@ -132,8 +155,9 @@ class Searcher:
     def __init__(self, service: Any):
         self.service = service
 
-    def _run(self, questions: Sequence[str], want_answer: bool, max_turns: int | None,
-             top_k: int | None) -> list[dict[str, Any]]:
+    def _run(
+        self, questions: Sequence[str], want_answer: bool, max_turns: int | None, top_k: int | None
+    ) -> list[dict[str, Any]]:
         queries = [self.service.validate(q, max_turns, top_k, want_answer=want_answer) for q in questions]
         outcomes = self.service.run_batch(queries)
         failed = [o for o in outcomes if isinstance(o, ServiceFailure)]
@@ -141,7 +165,9 @@ class Searcher:
             raise failed[0]
         return [o.body for o in outcomes]
 
-    def search(self, question: str, *, max_turns: int | None = None, top_k: int | None = None) -> dict[str, Any]:
+    def search(
+        self, question: str, *, max_turns: int | None = None, top_k: int | None = None
+    ) -> dict[str, Any]:
         """{"context": [{"id", "title", "text"}...], "context_text", "trajectory": {"queries", ...}, ...}."""
         return self._run([question], False, max_turns, top_k)[0]
 
@@ -149,7 +175,9 @@ class Searcher:
         """Several questions in one batched rollout."""
         return self._run(list(questions), False, limits.get("max_turns"), limits.get("top_k"))
 
-    def answer(self, question: str, *, max_turns: int | None = None, top_k: int | None = None) -> dict[str, Any]:
+    def answer(
+        self, question: str, *, max_turns: int | None = None, top_k: int | None = None
+    ) -> dict[str, Any]:
         """`search` plus "answer": the generator's answer from the served context (needs `generator=`)."""
         if self.service.answer_generator is None:
             raise ConfigError("answer() needs open_searcher(..., generator=MODEL_SPEC)")
@@ -181,8 +209,14 @@ def open_searcher(
 ) -> Searcher:
     """A trained searcher (a checkpoint, run directory or `sleuth export` directory) or an untrained
     `model` with a `loop`, over `retriever` (any retriever location: sleuth.retrieval.backends; or an object)."""
-    spec = ServiceSpec(checkpoint=checkpoint, model=model, loop=loop, loop_options=loop_options or None,
-                       generator=generator, device=device)
+    spec = ServiceSpec(
+        checkpoint=checkpoint,
+        model=model,
+        loop=loop,
+        loop_options=loop_options or None,
+        generator=generator,
+        device=device,
+    )
     service = build_service(spec, retriever=resolve_retriever(retriever), warm_up=False)
     return Searcher(service)
 

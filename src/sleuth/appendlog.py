@@ -63,8 +63,10 @@ def read_appended(path: str | Path, *, repair: bool = False) -> Appended:
             if i < len(lines) - 1:
                 raise DataFormatError(str(path), lineno, f"{err}; fix or delete the line") from None
             out.torn_at = start
-            message = (f"{path}: ignored an incomplete last line at byte {start} ({len(raw)} bytes; {err}), "
-                       "what a kill or a full disk during an append leaves")
+            message = (
+                f"{path}: ignored an incomplete last line at byte {start} ({len(raw)} bytes; {err}), "
+                "what a kill or a full disk during an append leaves"
+            )
             out.warnings.append(message)
             _log.warning(message)
     if repair:

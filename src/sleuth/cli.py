@@ -46,10 +46,19 @@ def version_line() -> str:
     install from a repository recorded (direct_url.json), else "commit unknown"."""
     package = Path(sleuth.__file__).resolve().parent
     try:
-        commit = subprocess.run(["git", "-C", str(package), "rev-parse", "--short", "HEAD"], capture_output=True,
-                                text=True, timeout=5, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "-C", str(package), "status", "--porcelain", "--untracked-files=no", "."],
-                               capture_output=True, text=True, timeout=5).stdout.strip()
+        commit = subprocess.run(
+            ["git", "-C", str(package), "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=5,
+            check=True,
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "-C", str(package), "status", "--porcelain", "--untracked-files=no", "."],
+            capture_output=True,
+            text=True,
+            timeout=5,
+        ).stdout.strip()
         commit += "+changes" if dirty else ""
     except (OSError, subprocess.SubprocessError):
         commit = ""
@@ -70,10 +79,19 @@ def _print_version(value: bool) -> None:
 
 @app.callback()
 def main_options(
-    version: bool = typer.Option(False, "--version", callback=_print_version, is_eager=True,
-                                 help="Print the version and the git commit, then exit."),
-    verbose: bool = typer.Option(False, "--verbose", help="Show third-party progress bars (model loading, "
-                                 "downloads), hidden by default: in a log each one is a page of lines."),
+    version: bool = typer.Option(
+        False,
+        "--version",
+        callback=_print_version,
+        is_eager=True,
+        help="Print the version and the git commit, then exit.",
+    ),
+    verbose: bool = typer.Option(
+        False,
+        "--verbose",
+        help="Show third-party progress bars (model loading, "
+        "downloads), hidden by default: in a log each one is a page of lines.",
+    ),
 ) -> None:
     """Train, evaluate and serve RL-trained LLM search agents."""
     # read by huggingface_hub at import (transformers' loading bars follow it), so set before any command
@@ -82,6 +100,7 @@ def main_options(
         os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "0"
     else:
         os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+
 
 COMMAND_MODULES = [
     "sleuth.data.commands",

@@ -76,18 +76,54 @@ class DemoSize:
 
 # Sized for 2 CPU cores in under 10 minutes: the committed searcher's evaluation is most of it.
 FULL = DemoSize(
-    model="smollm2-135m-instruct", passages=5000, questions=6000, hops=(1, 3), committed_questions=24,
-    sft_questions=8, sft_epochs=1, train_steps=1, prompts_per_step=2, n=4, max_new_tokens=48, lr=1e-4,
+    model="smollm2-135m-instruct",
+    passages=5000,
+    questions=6000,
+    hops=(1, 3),
+    committed_questions=24,
+    sft_questions=8,
+    sft_epochs=1,
+    train_steps=1,
+    prompts_per_step=2,
+    n=4,
+    max_new_tokens=48,
+    lr=1e-4,
 )
 # A GPU run sized like bench/learning.py's (docs/results.md).
 GPU = DemoSize(
-    model="smollm2-135m-instruct", passages=5000, questions=6000, hops=(1, 3), committed_questions=500,
-    sft_questions=1200, sft_epochs=2, train_steps=15, prompts_per_step=16, n=5, max_new_tokens=64, lr=5e-5,
-    eval_questions=500, max_turns=4, compile_generation=None, eval_batch_size=128, sft_micro=4, rl_micro=10,
+    model="smollm2-135m-instruct",
+    passages=5000,
+    questions=6000,
+    hops=(1, 3),
+    committed_questions=500,
+    sft_questions=1200,
+    sft_epochs=2,
+    train_steps=15,
+    prompts_per_step=16,
+    n=5,
+    max_new_tokens=64,
+    lr=5e-5,
+    eval_questions=500,
+    max_turns=4,
+    compile_generation=None,
+    eval_batch_size=128,
+    sft_micro=4,
+    rl_micro=10,
 )
 FAST = DemoSize(
-    model="tiny", passages=400, questions=80, hops=(1, 2), committed_questions=0, sft_questions=8, sft_epochs=2,
-    train_steps=2, prompts_per_step=2, n=4, max_new_tokens=16, lr=1e-3, eval_questions=8,
+    model="tiny",
+    passages=400,
+    questions=80,
+    hops=(1, 2),
+    committed_questions=0,
+    sft_questions=8,
+    sft_epochs=2,
+    train_steps=2,
+    prompts_per_step=2,
+    n=4,
+    max_new_tokens=16,
+    lr=1e-3,
+    eval_questions=8,
 )
 
 
@@ -206,7 +242,10 @@ def committed_checkpoint(method: str, size: DemoSize, option: str | None) -> Pat
         return Path(option)
     path = REPO_CHECKPOINTS / method
     world = (size.passages, size.questions, size.hops) == (
-        LEARNING_WORLD["passages"], LEARNING_WORLD["questions"], LEARNING_WORLD["hops"])
+        LEARNING_WORLD["passages"],
+        LEARNING_WORLD["questions"],
+        LEARNING_WORLD["hops"],
+    )
     if not (path / SEARCHER_FILE).exists() or not world:
         return None
     return path if SearcherInfo.read(path).base_model == size.model else None
@@ -215,7 +254,9 @@ def committed_checkpoint(method: str, size: DemoSize, option: str | None) -> Pat
 def _build_world(out: Path, size: DemoSize) -> None:
     world = out / "world"
     if not (world / "corpus.jsonl").exists():
-        write_world(generate_world(size.passages, size.questions, hops=size.hops, seed=LEARNING_WORLD["seed"]), world)
+        write_world(
+            generate_world(size.passages, size.questions, hops=size.hops, seed=LEARNING_WORLD["seed"]), world
+        )
     if not (world / "bm25" / "manifest.json").exists():
         build_index(world / "corpus.jsonl", "bm25", world / "bm25")
 
@@ -227,17 +268,28 @@ def held_out_questions(world: Path, count: int) -> list:
         ex.metadata["dataset"] = f"synth-{ex.metadata.get('hops', '?')}hop"
     return test
 
-def _evaluate_committed(out: Path, size: DemoSize, spec: Method, ckpt: Path, retriever: Any) -> dict[str, Any]:
+
+def _evaluate_committed(
+    out: Path, size: DemoSize, spec: Method, ckpt: Path, retriever: Any
+) -> dict[str, Any]:
     # deferred: the harness loads model and hub code; `sleuth --help` imports this module
     from sleuth.agent.searcher import load_searcher
     from sleuth.eval.harness import EvalConfig, EvalOutput, checkpoint_budgets, evaluate
     from sleuth.llm.registry import load_generator
 
     searcher = load_searcher(ckpt)
-    cfg = EvalConfig(batch_size=size.committed_questions, answer_max_new_tokens=24, **checkpoint_budgets(ckpt))
-    return evaluate([spec.display_name, "naive-rag"], held_out_questions(out / "world", size.committed_questions),
-                    retriever, searcher.generator, generator=load_generator(size.model), config=cfg,
-                    out_dir=EvalOutput(out / "eval_committed", run_info={"checkpoint": str(ckpt)}, progress=True))
+    cfg = EvalConfig(
+        batch_size=size.committed_questions, answer_max_new_tokens=24, **checkpoint_budgets(ckpt)
+    )
+    return evaluate(
+        [spec.display_name, "naive-rag"],
+        held_out_questions(out / "world", size.committed_questions),
+        retriever,
+        searcher.generator,
+        generator=load_generator(size.model),
+        config=cfg,
+        out_dir=EvalOutput(out / "eval_committed", run_info={"checkpoint": str(ckpt)}, progress=True),
+    )
 
 
 def write_oracle_trajectories(out: Path, recipe: Any, size: DemoSize) -> dict[str, int]:
@@ -270,7 +322,9 @@ def run_demo(
     from sleuth.rl.trainer import train
 
     if method not in DEMO_METHODS:
-        raise ConfigError(f"--method {method!r} is not a demo method; choose one of {', '.join(DEMO_METHODS)}")
+        raise ConfigError(
+            f"--method {method!r} is not a demo method; choose one of {', '.join(DEMO_METHODS)}"
+        )
     spec = get_method(method)
     size = PROFILES[profile]
     if model:
@@ -286,33 +340,49 @@ def run_demo(
     out.mkdir(parents=True, exist_ok=True)
     timer = _Timer(out / "demo.json", method, size, console)
 
-    t0 = timer.stage(f"1/4  synthetic world ({size.passages} passages, {size.questions} questions) and BM25 index")
+    t0 = timer.stage(
+        f"1/4  synthetic world ({size.passages} passages, {size.questions} questions) and BM25 index"
+    )
     _build_world(out, size)
     timer.record("world_and_index_s", t0)
     retriever = load_retriever(out / "world" / "bm25", corpus=out / "world" / "corpus.jsonl")
 
     committed_line = None
     if committed is not None:
-        t0 = timer.stage(f"2/4  the GPU-trained searcher {committed} vs naive RAG ({size.committed_questions} "
-                         "held-out questions)")
-        committed_line = headline(_evaluate_committed(out, size, spec, committed, retriever), spec.display_name)
+        t0 = timer.stage(
+            f"2/4  the GPU-trained searcher {committed} vs naive RAG ({size.committed_questions} "
+            "held-out questions)"
+        )
+        committed_line = headline(
+            _evaluate_committed(out, size, spec, committed, retriever), spec.display_name
+        )
         timer.record("eval_committed_s", t0)
         if committed_line:
-            console.print(f"[bold green]the GPU-trained searcher vs naive RAG[/] ({escape(committed.name)}): "
-                          f"{escape(committed_line)}", highlight=False, soft_wrap=True)
+            console.print(
+                f"[bold green]the GPU-trained searcher vs naive RAG[/] ({escape(committed.name)}): "
+                f"{escape(committed_line)}",
+                highlight=False,
+                soft_wrap=True,
+            )
     else:
-        console.print("[yellow]2/4  no committed GPU-trained searcher for this method/model/world: skipped[/]")
+        console.print(
+            "[yellow]2/4  no committed GPU-trained searcher for this method/model/world: skipped[/]"
+        )
 
     recipe_dict = demo_recipe(out, size, method)
     recipe = write_recipe(recipe_dict, out / f"{method}_recipe.yaml")
-    t0 = timer.stage(f"3/4  pipeline: oracle trajectories ({size.sft_questions} questions), SFT, then "
-                     f"{size.train_steps} GRPO step(s) x {size.prompts_per_step} questions x {size.n} samples")
+    t0 = timer.stage(
+        f"3/4  pipeline: oracle trajectories ({size.sft_questions} questions), SFT, then "
+        f"{size.train_steps} GRPO step(s) x {size.prompts_per_step} questions x {size.n} samples"
+    )
     traj = write_oracle_trajectories(out, recipe, size)
     sft = run_sft(recipe, resume=True, console=console)
     # RL continues the committed searcher when there is one: a few CPU SFT steps leave a 135M model
     # answering nothing right, so every group would have equal rewards and the update no signal.
     start = committed if committed is not None and size.model != "tiny" else Path(sft["checkpoint"])
-    rl_recipe = recipe.model_copy(update={"sft": None, "model": recipe.model.model_copy(update={"init_from": str(start)})})
+    rl_recipe = recipe.model_copy(
+        update={"sft": None, "model": recipe.model.model_copy(update={"init_from": str(start)})}
+    )
     resumable = latest_checkpoint(out / "train") is not None  # else a killed attempt's steps are moved aside
     result = train(rl_recipe, resume=resumable, overwrite=not resumable, console=console)
     timer.record("pipeline_s", t0)
@@ -321,27 +391,55 @@ def run_demo(
     after_line = None
     if size.eval_questions:
         searcher = load_searcher(result["checkpoint"])
-        cfg = EvalConfig(batch_size=size.eval_batch_size, max_new_tokens=size.max_new_tokens * spec.new_tokens_factor,
-                         answer_max_new_tokens=24, top_k=3, max_turns=size.max_turns, max_response_tokens=2048,
-                         max_obs_tokens=384)
-        after = evaluate([spec.display_name, "naive-rag"], held_out_questions(out / "world", size.eval_questions),
-                         retriever, searcher.generator, generator=load_generator(size.model), config=cfg,
-                         out_dir=EvalOutput(out / "eval_after", progress=True))
+        cfg = EvalConfig(
+            batch_size=size.eval_batch_size,
+            max_new_tokens=size.max_new_tokens * spec.new_tokens_factor,
+            answer_max_new_tokens=24,
+            top_k=3,
+            max_turns=size.max_turns,
+            max_response_tokens=2048,
+            max_obs_tokens=384,
+        )
+        after = evaluate(
+            [spec.display_name, "naive-rag"],
+            held_out_questions(out / "world", size.eval_questions),
+            retriever,
+            searcher.generator,
+            generator=load_generator(size.model),
+            config=cfg,
+            out_dir=EvalOutput(out / "eval_after", progress=True),
+        )
         after_line = headline(after, spec.display_name)
-    notes = [n.format(method=method, n_committed=size.committed_questions if committed else 0,
-                      traj=traj.get("kept", 0), steps=size.train_steps, prompts=size.prompts_per_step, n=size.n,
-                      rl_start="the committed searcher (so that a group's rewards differ and the update carries "
-                      "signal)" if start == committed else "the SFT checkpoint")
-             for n in NOTES]
+    notes = [
+        n.format(
+            method=method,
+            n_committed=size.committed_questions if committed else 0,
+            traj=traj.get("kept", 0),
+            steps=size.train_steps,
+            prompts=size.prompts_per_step,
+            n=size.n,
+            rl_start="the committed searcher (so that a group's rewards differ and the update carries signal)"
+            if start == committed
+            else "the SFT checkpoint",
+        )
+        for n in NOTES
+    ]
     if committed is None:
         notes.append("No committed GPU-trained searcher was evaluated in this run (see docs/results.md).")
     # the page and the console end open with the comparison the demo exists to show
-    top = (f"GPU-trained searcher vs naive RAG: {committed_line}" if committed_line
-           else f"searcher trained here vs naive RAG: {after_line}" if after_line else None)
+    top = (
+        f"GPU-trained searcher vs naive RAG: {committed_line}"
+        if committed_line
+        else f"searcher trained here vs naive RAG: {after_line}"
+        if after_line
+        else None
+    )
     report = build_report(out, title=f"sleuth demo: {method} on a synthetic world", notes=notes, headline=top)
     timer.record("eval_and_report_s", t0)
     notes_time = ", ".join(f"{k} {v:.0f}s" for k, v in timer.totals().items())
-    console.print(f"[green]report:[/] {report}   checkpoint: {result['checkpoint']}   wall time: {notes_time}")
+    console.print(
+        f"[green]report:[/] {report}   checkpoint: {result['checkpoint']}   wall time: {notes_time}"
+    )
     if top:
         console.print(f"[bold green]{escape(top)}[/]", highlight=False, soft_wrap=True)
     return report
@@ -361,12 +459,15 @@ def register(app: typer.Typer) -> None:
         method: str = typer.Option("search_r1", help=f"Method to train: {', '.join(DEMO_METHODS)}"),
         steps: int = typer.Option(None, help="Override the number of RL steps of the profile"),
         checkpoint: str = typer.Option(
-            None, help="GPU-trained searcher to evaluate beside naive RAG (default: checkpoints/<method> of the "
-            "repository, when it exists); 'none' skips it"
+            None,
+            help="GPU-trained searcher to evaluate beside naive RAG (default: checkpoints/<method> of the "
+            "repository, when it exists); 'none' skips it",
         ),
         compile_generation: bool = typer.Option(
-            None, "--compile/--no-compile", help="Compiled static-cache decoding in rollouts (default: the gpu profile "
-            "decodes with sleuth's engine, the cpu profiles with HF's dynamic cache)"
+            None,
+            "--compile/--no-compile",
+            help="Compiled static-cache decoding in rollouts (default: the gpu profile "
+            "decodes with sleuth's engine, the cpu profiles with HF's dynamic cache)",
         ),
     ) -> None:
         """Run the embedded default end to end: world, indexes, baselines, training, report."""

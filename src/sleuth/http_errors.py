@@ -29,7 +29,9 @@ def validation_error_response(exc: RequestValidationError, expected: str) -> JSO
         where = ".".join(loc) or "body"
         first_field = first_field or where
         problems.append(f"{where}: {err.get('msg', 'invalid')}")
-    return error_response(422, "invalid request: " + "; ".join(problems) + f" (expected {expected})", first_field)
+    return error_response(
+        422, "invalid request: " + "; ".join(problems) + f" (expected {expected})", first_field
+    )
 
 
 class BodyBudget:
@@ -92,8 +94,12 @@ class BodyBudget:
                 woken.set_result(None)
 
     def stats(self) -> dict[str, int]:
-        return {"body_budget_bytes": self.total_bytes, "body_bytes_held": self.held_bytes,
-                "body_bytes_held_peak": self.peak_held_bytes, "body_budget_refused": self.refused}
+        return {
+            "body_budget_bytes": self.total_bytes,
+            "body_bytes_held": self.held_bytes,
+            "body_bytes_held_peak": self.peak_held_bytes,
+            "body_budget_refused": self.refused,
+        }
 
 
 def _declared_body_bytes(scope: Scope) -> int | None:
@@ -119,22 +125,30 @@ class BodyLimitMiddleware:
         if max_bytes < 1:
             raise ValueError(f"max_body_bytes must be >= 1, got {max_bytes}")
         if budget is not None and budget.total_bytes < max_bytes:
-            raise ValueError(f"body_budget_bytes ({budget.total_bytes}) is smaller than max_body_bytes "
-                             f"({max_bytes}): a request at the limit could never be served; raise the budget")
+            raise ValueError(
+                f"body_budget_bytes ({budget.total_bytes}) is smaller than max_body_bytes "
+                f"({max_bytes}): a request at the limit could never be served; raise the budget"
+            )
         self.app = app
         self.max_bytes = max_bytes
         self.budget = budget
 
     def _too_large(self) -> JSONResponse:
-        return error_response(413, f"request body is larger than this server's limit of {self.max_bytes} bytes; "
-                                   "send smaller requests (or start the server with a larger --max-body-bytes)")
+        return error_response(
+            413,
+            f"request body is larger than this server's limit of {self.max_bytes} bytes; "
+            "send smaller requests (or start the server with a larger --max-body-bytes)",
+        )
 
     def _over_budget(self) -> JSONResponse:
         assert self.budget is not None
         return error_response(
-            503, f"this server already holds its budget of {self.budget.total_bytes} bytes of request bodies "
-                 f"({self.budget.in_progress} requests in progress); retry shortly (or start it with a larger "
-                 "--body-budget-bytes)", headers={"Retry-After": "1"})
+            503,
+            f"this server already holds its budget of {self.budget.total_bytes} bytes of request bodies "
+            f"({self.budget.in_progress} requests in progress); retry shortly (or start it with a larger "
+            "--body-budget-bytes)",
+            headers={"Retry-After": "1"},
+        )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":

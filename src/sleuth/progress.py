@@ -69,7 +69,9 @@ class PlainProgress:
     def stop(self) -> None:
         pass
 
-    def add_task(self, description: str, total: float | None = None, completed: float = 0, **fields: Any) -> int:
+    def add_task(
+        self, description: str, total: float | None = None, completed: float = 0, **fields: Any
+    ) -> int:
         self.tasks.append(_Task(description, total, float(completed), fields=fields))
         return len(self.tasks) - 1
 
@@ -105,12 +107,19 @@ class PlainProgress:
         return f"{text}{', ' + shown if shown else ''}"
 
 
-def progress_bar(console: Any, *columns: ProgressColumn, every_s: float | None = None) -> Progress | PlainProgress:
+def progress_bar(
+    console: Any, *columns: ProgressColumn, every_s: float | None = None
+) -> Progress | PlainProgress:
     """rich's bar with `columns` (default: description, bar, count, elapsed, remaining) on a terminal, else
     `PlainProgress` lines. `console` None: a new one on stdout, as rich's own default."""
     console = console if console is not None else Console()
     if not console.is_terminal:
         return PlainProgress(console, every_s)
-    columns = columns or (TextColumn("{task.description:>10}"), BarColumn(), MofNCompleteColumn(),
-                          TimeElapsedColumn(), TimeRemainingColumn())
+    columns = columns or (
+        TextColumn("{task.description:>10}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+    )
     return Progress(*columns, console=console)

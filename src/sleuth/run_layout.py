@@ -133,9 +133,13 @@ class SearcherInfo:
 
     def to_json(self) -> dict[str, Any]:
         out = {
-            "recipe": self.recipe, "loop": self.loop, "loop_options": self.loop_options,
-            "base_model": self.base_model, "lora": self.lora,
-            "max_new_tokens_per_turn": self.max_new_tokens_per_turn, "max_obs_tokens": self.max_obs_tokens,
+            "recipe": self.recipe,
+            "loop": self.loop,
+            "loop_options": self.loop_options,
+            "base_model": self.base_model,
+            "lora": self.lora,
+            "max_new_tokens_per_turn": self.max_new_tokens_per_turn,
+            "max_obs_tokens": self.max_obs_tokens,
             "max_response_tokens": self.max_response_tokens,
         }
         if self.policy_dir != POLICY_DIR:

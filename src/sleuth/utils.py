@@ -138,13 +138,18 @@ def link_or_copy(src: str | Path, dest: str | Path) -> None:
         shutil.copy2(src, dest)
 
 
-def output_error(what: str, path: str | Path, err: BaseException, needed: int | None, then: str, *,
-                 at_least: bool = False) -> OutputError:
+def output_error(
+    what: str, path: str | Path, err: BaseException, needed: int | None, then: str, *, at_least: bool = False
+) -> OutputError:
     """One line: what could not be written where, why, the bytes needed (an estimate, or a lower bound
     with `at_least`) and free, and what to do."""
     reason = getattr(err, "strerror", None) or (str(err).splitlines() or [type(err).__name__])[0][:200]
     free = free_bytes(path)
-    sizes = f"needs {'at least' if at_least else 'about'} {needed:,} bytes" if needed is not None else "needs more space"
+    sizes = (
+        f"needs {'at least' if at_least else 'about'} {needed:,} bytes"
+        if needed is not None
+        else "needs more space"
+    )
     sizes += f", {free:,} free there" if free is not None else ""
     return OutputError(f"cannot write {what} at {path}: {reason} ({sizes}); {then}")
 
@@ -206,8 +211,9 @@ def retry(
     from `base_delay`, no time budget). Each retry and each recovery is logged; past the policy a
     ServiceError names `what`, the attempts, the time spent and the last error."""
     if policy is None:
-        policy = RetryPolicy(max_attempts=attempts, initial_delay_s=base_delay, max_delay_s=max_delay,
-                             budget_s=math.inf)
+        policy = RetryPolicy(
+            max_attempts=attempts, initial_delay_s=base_delay, max_delay_s=max_delay, budget_s=math.inf
+        )
     started = time.monotonic()
     last: BaseException | None = None
     attempt = 0
@@ -221,13 +227,21 @@ def retry(
             spent = time.monotonic() - started
             if attempt >= policy.max_attempts or spent + wait > policy.budget_s:
                 break
-            _log.warning("%s failed (attempt %d, %.1fs so far): %s: %s; retrying in %.1fs",
-                         what, attempt, spent, type(err).__name__, err, wait)
+            _log.warning(
+                "%s failed (attempt %d, %.1fs so far): %s: %s; retrying in %.1fs",
+                what,
+                attempt,
+                spent,
+                type(err).__name__,
+                err,
+                wait,
+            )
             time.sleep(wait)
             continue
         if attempt:
-            _log.warning("%s recovered after %d failed attempts (%.1fs)", what, attempt,
-                         time.monotonic() - started)
+            _log.warning(
+                "%s recovered after %d failed attempts (%.1fs)", what, attempt, time.monotonic() - started
+            )
         return result
     raise ServiceError(
         f"{what} failed after {attempt} attempts over {time.monotonic() - started:.1f}s: "

@@ -40,8 +40,11 @@ class LookupLoop(AgentLoop):
         tag, content = action
         if tag == "final":
             return StepOutcome(done=True, finish_reason="answer")
-        return StepOutcome(queries=[content.strip()]) if content.strip() else StepOutcome(
-            feedback=self.invalid_action_message, invalid=True)
+        return (
+            StepOutcome(queries=[content.strip()])
+            if content.strip()
+            else StepOutcome(feedback=self.invalid_action_message, invalid=True)
+        )
 
     def finalize(self, state: RolloutState) -> None:
         super().finalize(state)
@@ -54,13 +57,19 @@ class LookupLoop(AgentLoop):
 class LookupReward(Reward):
     """Half for each search made (at most one), half for the share of even token ids (a signal from step one)."""
 
-    def __call__(self, trajs: Sequence[Trajectory], services: RewardServices | None = None) -> list[RewardResult]:
+    def __call__(
+        self, trajs: Sequence[Trajectory], services: RewardServices | None = None
+    ) -> list[RewardResult]:
         out = []
         for t in trajs:
             ids = [i for i, m in zip(t.response_ids, t.loss_mask, strict=True) if m]
             even = sum(1 for i in ids if i % 2 == 0) / max(1, len(ids))
             searched = float(t.retrieval_count > 0)
-            out.append(RewardResult(total=0.5 * searched + 0.5 * even, components={"searched": searched, "even": even}))
+            out.append(
+                RewardResult(
+                    total=0.5 * searched + 0.5 * even, components={"searched": searched, "even": even}
+                )
+            )
         return out
 
 

@@ -19,7 +19,9 @@ CALLS: Counter[str] = Counter()
 
 
 @register_advantage("test_counted_grpo")
-def counted_grpo(scores: torch.Tensor, group_ids: Any, response_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def counted_grpo(
+    scores: torch.Tensor, group_ids: Any, response_mask: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """GRPO's advantage, counted."""
     CALLS["advantage"] += 1
     return grpo_advantages(scores, group_ids, response_mask)

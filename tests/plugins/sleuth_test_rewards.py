@@ -24,7 +24,9 @@ class TokenFractionReward(Reward):
     # which also separates greedy trajectories (a random model's greedy text repeats one token)
     mode: str = "fraction"
 
-    def __call__(self, trajs: Sequence[Trajectory], services: RewardServices | None = None) -> list[RewardResult]:
+    def __call__(
+        self, trajs: Sequence[Trajectory], services: RewardServices | None = None
+    ) -> list[RewardResult]:
         out = []
         for t in trajs:
             ids = [i for i, m in zip(t.response_ids, t.loss_mask, strict=True) if m]

@@ -15,8 +15,16 @@ from toyworld import ToyRetriever  # noqa: E402
 
 def hit_dicts(query: str, k: int) -> list[dict[str, Any]]:
     (hits,) = ToyRetriever().search([query], k)
-    return [{"url": f"https://toy.example/{h.doc_id}", "name": h.title, "snippet": h.text, "rank_score": h.score,
-             "doc": h.doc_id} for h in hits]
+    return [
+        {
+            "url": f"https://toy.example/{h.doc_id}",
+            "name": h.title,
+            "snippet": h.text,
+            "rank_score": h.score,
+            "doc": h.doc_id,
+        }
+        for h in hits
+    ]
 
 
 def build_mcp_server(text_only: bool = False):
@@ -25,10 +33,12 @@ def build_mcp_server(text_only: bool = False):
     server = MCPServer("toy-search", log_level="WARNING")
 
     if text_only:
+
         def web_search(q: str, limit: int = 3) -> str:
             """Plain-text results: one line per hit."""
             return "\n".join(f"{h['name']}: {h['snippet']}" for h in hit_dicts(q, limit))
     else:
+
         def web_search(q: str, limit: int = 3) -> dict[str, Any]:
             """Search the toy web; structured results under data.hits."""
             return {"data": {"hits": hit_dicts(q, limit)}, "query": q}

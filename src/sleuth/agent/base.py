@@ -165,10 +165,14 @@ class AgentLoop:
         if "{question}" not in self.user_template:
             raise ConfigError(f"{self.name}: user_template must contain '{{question}}'")
         if self.max_queries_per_turn < 1:
-            raise ConfigError(f"{self.name}: max_queries_per_turn must be >= 1, got {self.max_queries_per_turn}")
+            raise ConfigError(
+                f"{self.name}: max_queries_per_turn must be >= 1, got {self.max_queries_per_turn}"
+            )
         if self.max_queries_per_turn > 1 and not self.multi_query_turns:
-            raise ConfigError(f"{self.name}: max_queries_per_turn > 1 needs a loop whose action reads several "
-                              "queries a turn (the search-or-answer loops); this one does not")
+            raise ConfigError(
+                f"{self.name}: max_queries_per_turn > 1 needs a loop whose action reads several "
+                "queries a turn (the search-or-answer loops); this one does not"
+            )
 
     # -- what the loop declares -------------------------------------------------------------
     def stop_strings(self, state: RolloutState) -> list[str]:
@@ -203,8 +207,10 @@ class AgentLoop:
         a "Query i: q" header before each query's documents, in query order; otherwise all documents in one body."""
         if self.max_queries_per_turn > 1 and len(hits) > 1:
             pairs = enumerate(zip(outcome.queries, hits, strict=True))
-            parts = [(("\n\n" if i else "") + f"Query {i + 1}: {q}\n", self.format_documents(per_query).strip())
-                     for i, (q, per_query) in pairs]
+            parts = [
+                (("\n\n" if i else "") + f"Query {i + 1}: {q}\n", self.format_documents(per_query).strip())
+                for i, (q, per_query) in pairs
+            ]
             return Observation(prefix, "", suffix, parts=parts)
         flat = [h for per_query in hits for h in per_query]
         return Observation(prefix, self.format_documents(flat).strip(), suffix)

@@ -119,7 +119,9 @@ def _json_lines(path: Path) -> Iterator[tuple[int, Any]]:
             try:
                 yield number, json.loads(raw.decode("utf-8"))
             except (UnicodeDecodeError, ValueError, RecursionError) as err:
-                raise DataFormatError(str(path), number, f"not valid JSON ({type(err).__name__}: {err})") from None
+                raise DataFormatError(
+                    str(path), number, f"not valid JSON ({type(err).__name__}: {err})"
+                ) from None
 
 
 def write_records(path: str | Path, records: Iterable[SFTRecord]) -> int:
@@ -183,8 +185,14 @@ def collect_teacher(
 ) -> tuple[list[SFTRecord], dict[str, int]]:
     """Rejection sampling: the teacher plays the loop `sampling.n` times per question; rewards >= threshold are kept."""
     trajs = rollout(
-        loop, teacher, retriever, examples, params or SamplingParams(temperature=0.7), n=sampling.n,
-        budget=budget, tokenizer=tokenizer,
+        loop,
+        teacher,
+        retriever,
+        examples,
+        params or SamplingParams(temperature=0.7),
+        n=sampling.n,
+        budget=budget,
+        tokenizer=tokenizer,
     )
     results = sampling.reward_fn(trajs, sampling.services)
     kept = [
@@ -203,8 +211,12 @@ def records_from_messages(path: str | Path, tokenizer: Any, loop: str) -> list[S
     every other message's content (tool results, documents) is inserted text (mask 0)."""
     path = Path(path)
     if loop not in loop_names():
-        raise DataFormatError(str(path), None, f"unknown loop {loop!r}; known loops: {', '.join(loop_names())}")
-    records = [_record_from_messages(data, tokenizer, loop, path, number) for number, data in _json_lines(path)]
+        raise DataFormatError(
+            str(path), None, f"unknown loop {loop!r}; known loops: {', '.join(loop_names())}"
+        )
+    records = [
+        _record_from_messages(data, tokenizer, loop, path, number) for number, data in _json_lines(path)
+    ]
     if not records:
         raise DataFormatError(str(path), None, "no conversations in the file")
     return records
@@ -213,10 +225,11 @@ def records_from_messages(path: str | Path, tokenizer: Any, loop: str) -> list[S
 def _record_from_messages(data: Any, tokenizer: Any, loop: str, path: Path, line: int) -> SFTRecord:
     messages = data.get("messages") if isinstance(data, dict) else None
     ok = isinstance(messages, list) and all(
-        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in messages
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+        for m in messages
     )
     if not ok:
-        raise DataFormatError(str(path), line, "expected {\"messages\": [{\"role\": ..., \"content\": ...}, ...]}")
+        raise DataFormatError(str(path), line, 'expected {"messages": [{"role": ..., "content": ...}, ...]}')
     first = next((i for i, m in enumerate(messages) if m["role"] == "assistant"), None)
     if first is None or first == 0:
         raise DataFormatError(str(path), line, "a conversation needs a prompt message and an assistant reply")
@@ -234,14 +247,22 @@ def _record_from_messages(data: Any, tokenizer: Any, loop: str, path: Path, line
         mask.append(1)
     question = next((m["content"] for m in messages[:first] if m["role"] == "user"), "")
     return SFTRecord(
-        loop=loop, prompt_ids=prompt_ids, response_ids=response_ids, loss_mask=mask, source="messages",
-        question_id=str(data.get("id", line)), question=question,
-        golden_answers=[str(a) for a in data.get("golden_answers", [])], prompt_text=prompt_text,
+        loop=loop,
+        prompt_ids=prompt_ids,
+        response_ids=response_ids,
+        loss_mask=mask,
+        source="messages",
+        question_id=str(data.get("id", line)),
+        question=question,
+        golden_answers=[str(a) for a in data.get("golden_answers", [])],
+        prompt_text=prompt_text,
         response_text="".join(texts),
     )
 
 
-def split_records(records: list[SFTRecord], held_out: float, seed: int) -> tuple[list[SFTRecord], list[SFTRecord]]:
+def split_records(
+    records: list[SFTRecord], held_out: float, seed: int
+) -> tuple[list[SFTRecord], list[SFTRecord]]:
     """(train, held out) split by question, so no question's variants sit on both sides."""
     qids = sorted({r.question_id for r in records})
     random.Random(seed).shuffle(qids)

@@ -82,7 +82,8 @@ def _context(ex: QAExample, turn: int) -> RetrievalContext:
 
 
 def _search_batched(
-    retriever: Retriever, requests: list[tuple[int, list[str], int]],
+    retriever: Retriever,
+    requests: list[tuple[int, list[str], int]],
     contexts: dict[int, RetrievalContext] | None = None,
 ) -> dict[int, list[list[Hit]]]:
     """Serve (request id, queries, k) requests with one `search` call per distinct k; identical queries once.
@@ -99,8 +100,10 @@ def _search_batched(
             flat = [(rid, q) for rid, queries in reqs for q in queries]
             results = retriever.search([q for _, q in flat], k, contexts=[contexts[rid] for rid, _ in flat])
             if len(results) != len(flat):
-                raise ConfigError(f"retriever returned {len(results)} result lists for {len(flat)} queries; "
-                                  "Retriever.search must return one list per query")
+                raise ConfigError(
+                    f"retriever returned {len(results)} result lists for {len(flat)} queries; "
+                    "Retriever.search must return one list per query"
+                )
             it = iter(results)
             for rid, queries in reqs:
                 out[rid] = [list(next(it))[:k] for _ in queries]
@@ -254,6 +257,7 @@ class _Engine:
         """A multi-query observation's body within `room` tokens: every header whole, the documents cut by
         `fair_shares` (each query's documents keep an equal share, a shorter one all of it); if the headers
         alone do not fit, everything in order cut at `room`."""
+
         def enc(text: str) -> list[int]:
             return encode_text(self.tok, text if obs.trusted else neutralise_tags(text))
 
@@ -337,8 +341,12 @@ class _Engine:
             # continued later generates what this one would (`fork`)
             self.fork_points.append(copy.deepcopy(state))
 
-    def run(self, states: list[RolloutState], deadline_s: float | None = None,
-            on_done: Callable[[int, Trajectory], None] | None = None) -> list[Trajectory]:
+    def run(
+        self,
+        states: list[RolloutState],
+        deadline_s: float | None = None,
+        on_done: Callable[[int, Trajectory], None] | None = None,
+    ) -> list[Trajectory]:
         """Turns until every trajectory is done (or past `deadline_s`); `on_done(index, traj)` is told of each
         trajectory as soon as it is finished, before the others are."""
         loop = self.loop
@@ -376,8 +384,12 @@ class _Engine:
         self._release(states, released, on_done)
         return [s.traj for s in states]
 
-    def _release(self, states: list[RolloutState], released: set[int],
-                 on_done: Callable[[int, Trajectory], None] | None) -> None:
+    def _release(
+        self,
+        states: list[RolloutState],
+        released: set[int],
+        on_done: Callable[[int, Trajectory], None] | None,
+    ) -> None:
         """Summarise each newly finished trajectory (and tell `on_done`); it is not touched again."""
         for i, state in enumerate(states):
             if not state.done or i in released:
@@ -486,7 +498,9 @@ def rollout_tree(loop: AgentLoop, generator: Generator, retriever: Retriever, ex
         raise ConfigError(f"TreeSpec needs trees >= 1, branches >= 1, expansions >= 0; got {tree}")
     budget = budget or RolloutBudget()
     with shared_prefixes(generator):
-        engine, states = _prepared(loop, generator, retriever, examples, params, tree.trees, budget, tokenizer)
+        engine, states = _prepared(
+            loop, generator, retriever, examples, params, tree.trees, budget, tokenizer
+        )
         for state in states:
             state.traj.extra["tree"] = state.sample
         engine.fork_points = []
@@ -524,6 +538,12 @@ def _prepared(loop: AgentLoop, generator: Generator, retriever: Retriever, examp
         loop = replace(loop, max_turns=budget.max_turns)
     tok = _tokenizer_of(generator, tokenizer)
     engine = _Engine(
-        loop, generator, retriever, tok, params or SamplingParams(), budget.max_obs_tokens, budget.max_response_tokens
+        loop,
+        generator,
+        retriever,
+        tok,
+        params or SamplingParams(),
+        budget.max_obs_tokens,
+        budget.max_response_tokens,
     )
     return engine, engine.start(list(examples), n)

@@ -33,12 +33,16 @@ __all__ = ["OracleGenerator", "oracle_check", "question_facts"]
 class OracleGenerator:
     """Replays per-question plans through the rollout engine (token-in/token-out, like a model)."""
 
-    def __init__(self, loop: AgentLoop, retriever: Retriever, tokenizer, examples: Sequence[QAExample], seed: int = 0):
+    def __init__(
+        self, loop: AgentLoop, retriever: Retriever, tokenizer, examples: Sequence[QAExample], seed: int = 0
+    ):
         planner = get_method(loop.name).oracle()
         if planner is None:
             with_oracle = [m.name for m in methods() if m.oracle() is not None]
-            raise ConfigError(f"no oracle for loop {loop.name!r}; oracles exist for: {', '.join(sorted(with_oracle))} "
-                              "(a loop with one of their protocols names it: Method.oracle_format)")
+            raise ConfigError(
+                f"no oracle for loop {loop.name!r}; oracles exist for: {', '.join(sorted(with_oracle))} "
+                "(a loop with one of their protocols names it: Method.oracle_format)"
+            )
         self.tokenizer = tokenizer
         self.loop = loop
         self.plans: dict[tuple[int, ...], Plan] = {}
@@ -59,7 +63,9 @@ class OracleGenerator:
             key = tuple(row[:n])
             if key in self.plans:
                 return key
-        raise ConfigError("oracle: a prompt the oracle did not plan for (examples and loop must match the rollout)")
+        raise ConfigError(
+            "oracle: a prompt the oracle did not plan for (examples and loop must match the rollout)"
+        )
 
     def generate(self, batch, stop=None, params: SamplingParams | None = None) -> list[Generation]:
         out: list[Generation] = []
@@ -81,9 +87,17 @@ class OracleGenerator:
                 else:
                     progress[1] += cut
             ids = list(self.tokenizer.encode(text, add_special_tokens=False))
-            if reason == "eos" and self.tokenizer.eos_token_id is not None and text != self.tokenizer.eos_token:
+            if (
+                reason == "eos"
+                and self.tokenizer.eos_token_id is not None
+                and text != self.tokenizer.eos_token
+            ):
                 ids.append(self.tokenizer.eos_token_id)
-            out.append(Generation(text=text, token_ids=ids, logprobs=[0.0] * len(ids), finish_reason=reason, stop=hit))
+            out.append(
+                Generation(
+                    text=text, token_ids=ids, logprobs=[0.0] * len(ids), finish_reason=reason, stop=hit
+                )
+            )
         return out
 
 
@@ -93,6 +107,12 @@ def oracle_check(traj: Trajectory, example: QAExample) -> bool:
     if not get_method(traj.method).answers:  # a searcher only (s3): judged by the documents it selected
         return needed <= {str(h["doc_id"]) for h in traj.selected}
     retrieved = {str(h["doc_id"]) for hits in traj.retrieved for h in hits}
-    if known_from_memory(example):  # the oracle answered from what the model was taught: nothing had to be found
+    if known_from_memory(
+        example
+    ):  # the oracle answered from what the model was taught: nothing had to be found
         needed = set()
-    return needed <= retrieved and traj.answer is not None and exact_match(traj.answer, example.golden_answers) > 0
+    return (
+        needed <= retrieved
+        and traj.answer is not None
+        and exact_match(traj.answer, example.golden_answers) > 0
+    )

@@ -78,7 +78,10 @@ def question_facts(example: QAExample) -> list[Fact]:
     if len(values) != 2:
         raise ConfigError(f"comparison question {example.id!r} lacks metadata.values")
     if len(relations) == 1:  # "Which was founded earlier, A or B?"
-        return [Fact(chain[0], relations[0], support[0], values[0]), Fact(chain[1], relations[0], support[1], values[1])]
+        return [
+            Fact(chain[0], relations[0], support[0], values[0]),
+            Fact(chain[1], relations[0], support[1], values[1]),
+        ]
     via, year = relations
     return [
         Fact(chain[0], via, support[0], chain[1]),
@@ -91,7 +94,9 @@ def question_facts(example: QAExample) -> list[Fact]:
 def query_wordings(fact: Fact, rng: random.Random) -> list[str]:
     """Several ways to ask for one fact, in a seeded random order."""
     rel = RELATIONS.get(fact.relation)
-    forms = [f"{fact.subject} {kw}" for kw in _KEYWORDS.get(fact.relation, (fact.relation.replace("_", " "),))]
+    forms = [
+        f"{fact.subject} {kw}" for kw in _KEYWORDS.get(fact.relation, (fact.relation.replace("_", " "),))
+    ]
     if rel is not None:
         forms += [q.format(x=fact.subject) for q in rel.questions]
         forms += [p.format(x=fact.subject) for p in rel.phrases]
@@ -123,7 +128,9 @@ class FoundFact:
         return next((h for h in self.hits if h.doc_id == self.fact.doc_id), None)
 
 
-def find_fact(fact: Fact, retriever: Retriever, k: int, rng: random.Random, keyword_first: bool = False) -> FoundFact:
+def find_fact(
+    fact: Fact, retriever: Retriever, k: int, rng: random.Random, keyword_first: bool = False
+) -> FoundFact:
     """The first wording whose top-k holds the fact's passage (else the first wording, not found)."""
     wordings = query_wordings(fact, rng)
     if keyword_first:
@@ -179,7 +186,9 @@ def steps_text(found: list[FoundFact], i: int, answer: str, rng: random.Random) 
     statement = found[i - 1].fact.statement()
     if i == len(found):
         return rng.choice(_THINK_DONE).format(statement=statement, answer=answer)
-    return rng.choice(_THINK_NEXT).format(statement=statement, statement_lc=_lc(statement), need=need_phrase(found[i].fact))
+    return rng.choice(_THINK_NEXT).format(
+        statement=statement, statement_lc=_lc(statement), need=need_phrase(found[i].fact)
+    )
 
 
 _RECALL_SKETCH = (
@@ -222,5 +231,6 @@ class OraclePlanner(Protocol):
     """A method's oracle: the plan for one question, given its facts, the retriever the rollout uses,
     the loop (its options: top_k, max_turns, ...) and the seeded random source of wordings."""
 
-    def __call__(self, example: QAExample, facts: list[Fact], retriever: Retriever, loop: AgentLoop,
-                 rng: random.Random) -> Plan: ...
+    def __call__(
+        self, example: QAExample, facts: list[Fact], retriever: Retriever, loop: AgentLoop, rng: random.Random
+    ) -> Plan: ...

@@ -138,7 +138,6 @@ FLASHRAG_SYSTEM_PROMPT = (
 FLASHRAG_USER_PROMPT = "Question: {question}"
 
 
-
 def qagent_reader_prompt(question: str, hits: Sequence[Hit]) -> list[dict]:
     return [
         {"role": "system", "content": FLASHRAG_SYSTEM_PROMPT.format(context=passages_to_string(list(hits)))},
@@ -151,15 +150,20 @@ QAGENT_READER = Reader("qagent", qagent_reader_prompt)
 
 def _qagent_rounds(facts: list[Fact]) -> list[list[int]]:
     """Facts searched together: independent facts (the two sides of a comparison) share a round."""
-    if len(facts) == 2 and facts[0].subject not in (facts[1].subject,) and facts[0].answer != facts[1].subject:
+    if (
+        len(facts) == 2
+        and facts[0].subject not in (facts[1].subject,)
+        and facts[0].answer != facts[1].subject
+    ):
         return [[0, 1]]
     if len(facts) == 4 and facts[1].subject == facts[0].answer and facts[3].subject == facts[2].answer:
         return [[0, 2], [1, 3]]
     return [[i] for i in range(len(facts))]
 
 
-def plan_qagent(example: QAExample, facts: list[Fact], retriever: Retriever, loop: QAgentLoop,
-                rng: random.Random) -> Plan:
+def plan_qagent(
+    example: QAExample, facts: list[Fact], retriever: Retriever, loop: QAgentLoop, rng: random.Random
+) -> Plan:
     answer = example.golden_answers[0]
     found = [find_fact(f, retriever, loop.top_k, rng) for f in facts]
     turns: list[str] = []

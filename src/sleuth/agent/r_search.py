@@ -71,7 +71,9 @@ class RSearchLoop(AgentLoop):
     system_template: str | None = R_SEARCH_SYSTEM_TEMPLATE
     user_template: str = "{question}"
     invalid_action_message: str = R_SEARCH_INVALID_ACTION
-    evidence_block: bool = True  # False: the paper's "w/o Evidence" ablation (no <original_evidence> in the rollout)
+    evidence_block: bool = (
+        True  # False: the paper's "w/o Evidence" ablation (no <original_evidence> in the rollout)
+    )
     multi_query_turns: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
@@ -86,7 +88,9 @@ class RSearchLoop(AgentLoop):
         return ["</search>", "</answer>"]
 
     def act(self, state: RolloutState, text: str) -> StepOutcome:
-        return search_or_answer(state, text, self.invalid_action_message, max_queries=self.max_queries_per_turn)
+        return search_or_answer(
+            state, text, self.invalid_action_message, max_queries=self.max_queries_per_turn
+        )
 
     def format_documents(self, hits: list[Hit]) -> str:
         # R-Search's public code (src/train/generation.py) writes no "Doc i" before each "(Title: ...)"
@@ -131,11 +135,14 @@ def hand_over_evidence(traj: Trajectory) -> list[dict]:
     return docs
 
 
-def plan_r_search(example: QAExample, facts: list[Fact], retriever: Retriever, loop: RSearchLoop,
-                  rng: random.Random) -> Plan:
+def plan_r_search(
+    example: QAExample, facts: list[Fact], retriever: Retriever, loop: RSearchLoop, rng: random.Random
+) -> Plan:
     found = [find_fact(f, retriever, loop.top_k, rng) for f in facts]
     answer = example.golden_answers[0]
-    turns = [f"{steps_text(found, i, answer, rng)}\n<search>{ff.query}</search>" for i, ff in enumerate(found)]
+    turns = [
+        f"{steps_text(found, i, answer, rng)}\n<search>{ff.query}</search>" for i, ff in enumerate(found)
+    ]
     evidence = "\n".join(dict.fromkeys(evidence_sentence(ff.hit, ff.fact) for ff in found))
     block = f"<original_evidence>\n{evidence}\n</original_evidence>\n" if loop.evidence_block else ""
     turns.append(f"{steps_text(found, len(found), answer, rng)}\n{block}<answer>{answer}</answer>")
@@ -151,7 +158,11 @@ register_method(
         aliases=("rsearch",),
         reads_evidence=True,
         hand_over=hand_over_evidence,
-        default_reward={"name": "r_search", "options": {"gamma_e": 0.2, "gamma_a": 0.2}, "generator": "policy-base"},
+        default_reward={
+            "name": "r_search",
+            "options": {"gamma_e": 0.2, "gamma_a": 0.2},
+            "generator": "policy-base",
+        },
         new_tokens_factor=2,
         oracle_planner=plan_r_search,
     )

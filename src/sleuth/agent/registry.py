@@ -140,14 +140,18 @@ def _key(name: str) -> str:
 def register_method(method: Method) -> Method:
     """Register `method` under its name, eval name and aliases; a clash with another method is an error."""
     if not method.name:
-        raise ConfigError(f"{method.loop.__name__} has no `name`; set `name: ClassVar[str]` on the loop class")
+        raise ConfigError(
+            f"{method.loop.__name__} has no `name`; set `name: ClassVar[str]` on the loop class"
+        )
     for key in {method.name, method.display_name, *method.aliases}:
         owner = _METHODS.get(_key(key))
         if owner is not None and owner.loop is not method.loop:
             raise ConfigError(f"method name {key!r} is already taken by {owner.name!r}")
     if method.evaluated_by_reader and method.reader is None:
-        raise ConfigError(f"method {method.name!r} is evaluated by a reader (evaluated_by_reader) but names none; "
-                          "set Method.reader")
+        raise ConfigError(
+            f"method {method.name!r} is evaluated by a reader (evaluated_by_reader) but names none; "
+            "set Method.reader"
+        )
     if method.reader is not None:
         register_reader(method.reader)
     for key in {method.name, method.display_name, *method.aliases}:
@@ -169,8 +173,10 @@ def get_reader(name: str) -> Reader:
     _ensure_builtins()
     reader = _READERS.get(name)
     if reader is None:
-        raise ConfigError(f"unknown reader prompt {name!r}; choose one of: {', '.join(reader_names())} (a reader "
-                          "from a plugin module needs it loaded: --plugin MODULE or the recipe's plugins)")
+        raise ConfigError(
+            f"unknown reader prompt {name!r}; choose one of: {', '.join(reader_names())} (a reader "
+            "from a plugin module needs it loaded: --plugin MODULE or the recipe's plugins)"
+        )
     return reader
 
 

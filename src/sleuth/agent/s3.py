@@ -251,7 +251,10 @@ S3_GENERATOR_SYSTEM_PROMPT = (
 
 def s3_reader_prompt(question: str, hits: Sequence[Hit]) -> list[dict]:
     return [
-        {"role": "system", "content": S3_GENERATOR_SYSTEM_PROMPT.format(context=s3_generator_context(list(hits)))},
+        {
+            "role": "system",
+            "content": S3_GENERATOR_SYSTEM_PROMPT.format(context=s3_generator_context(list(hits))),
+        },
         {"role": "user", "content": question},
     ]
 
@@ -268,8 +271,9 @@ S3_READER = Reader("s3", s3_reader_prompt)
 S3_FULL_ORACLE = True
 
 
-def plan_s3(example: QAExample, facts: list[Fact], retriever: Retriever, loop: S3Loop,
-            rng: random.Random) -> Plan:
+def plan_s3(
+    example: QAExample, facts: list[Fact], retriever: Retriever, loop: S3Loop, rng: random.Random
+) -> Plan:
     """Begin with search (the question), then per window: select every supporting passage it holds, at whatever
     rank the retriever put it, and search the next fact of the chain (`S3_FULL_ORACLE`)."""
     window = retriever.search([example.question.strip()], loop.top_k)[0] if loop.begin_with_search else []

@@ -71,20 +71,26 @@ class SearchR1Loop(AgentLoop):
         return ["</search>", "</answer>"]
 
     def act(self, state: RolloutState, text: str) -> StepOutcome:
-        return search_or_answer(state, text, self.invalid_action_message, max_queries=self.max_queries_per_turn)
+        return search_or_answer(
+            state, text, self.invalid_action_message, max_queries=self.max_queries_per_turn
+        )
 
     def finalize(self, state: RolloutState) -> None:
         super().finalize(state)
         state.traj.extra["think_count"] = count_tag(state.policy_text, "think")
 
 
-def plan_search_r1(example: QAExample, facts: list[Fact], retriever: Retriever, loop: SearchR1Loop,
-                   rng: random.Random) -> Plan:
+def plan_search_r1(
+    example: QAExample, facts: list[Fact], retriever: Retriever, loop: SearchR1Loop, rng: random.Random
+) -> Plan:
     answer = example.golden_answers[0]
     if known_from_memory(example):  # the prompt: answer directly when no external knowledge is needed
         return Plan([f"<think>{recall_text(facts, answer, rng)}</think>\n<answer> {answer} </answer>"], True)
     found = [find_fact(f, retriever, loop.top_k, rng) for f in facts]
-    turns = [f"<think>{steps_text(found, i, answer, rng)}</think>\n<search> {ff.query} </search>" for i, ff in enumerate(found)]
+    turns = [
+        f"<think>{steps_text(found, i, answer, rng)}</think>\n<search> {ff.query} </search>"
+        for i, ff in enumerate(found)
+    ]
     turns.append(f"<think>{steps_text(found, len(found), answer, rng)}</think>\n<answer> {answer} </answer>")
     return Plan(turns, all(ff.found for ff in found), found)
 

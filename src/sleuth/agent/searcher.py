@@ -32,7 +32,14 @@ from sleuth.llm.special_tokens import (
 from sleuth.run_layout import SEARCHER_FILE, SearcherInfo, resolve_checkpoint
 from sleuth.utils import give_normal_permissions
 
-__all__ = ["SEARCHER_FILE", "EXPORT_DTYPES", "Searcher", "export_searcher", "load_searcher", "resolve_checkpoint"]
+__all__ = [
+    "SEARCHER_FILE",
+    "EXPORT_DTYPES",
+    "Searcher",
+    "export_searcher",
+    "load_searcher",
+    "resolve_checkpoint",
+]
 EXPORT_DTYPES = ("keep", "float32", "bfloat16", "float16")
 
 
@@ -64,7 +71,9 @@ def load_searcher(path: str | Path, device: str | None = None, merge_lora: bool 
         base = AutoModelForCausalLM.from_pretrained(base_path)
         with peft_deprecation_silenced():
             model = PeftModel.from_pretrained(base, policy_dir)
-        model.peft_config["default"].base_model_name_or_path = str(base_path)  # not the training machine's path
+        model.peft_config["default"].base_model_name_or_path = str(
+            base_path
+        )  # not the training machine's path
         if merge_lora:
             model = model.merge_and_unload()
     else:
@@ -84,8 +93,13 @@ def loop_protocol(loop: Any) -> dict[str, Any]:
     otherwise, running past `</answer>`), and the text a search's documents are inserted between. A part
     that depends on the rollout (a loop whose stops change with the turn) is left out."""
     probe = QAExample("probe", "probe", ["probe"])
-    state = RolloutState(example=probe, traj=Trajectory("probe", "probe", ["probe"], loop.name), group=0, sample=0,
-                         prompt_ids=[])
+    state = RolloutState(
+        example=probe,
+        traj=Trajectory("probe", "probe", ["probe"], loop.name),
+        group=0,
+        sample=0,
+        prompt_ids=[],
+    )
     protocol: dict[str, Any] = {}
     try:
         protocol["stop_strings"] = list(loop.stop_strings(state))
@@ -99,7 +113,9 @@ def loop_protocol(loop: Any) -> dict[str, Any]:
 def checkpoint_identity(ckpt: Path, policy_dir: Path) -> str:
     """The checkpoint's path and its weight files' sizes and modification times: another checkpoint, or
     this one trained again, reads differently (hashing gigabytes of full fine-tunes would take minutes)."""
-    files = sorted(f for f in policy_dir.iterdir() if f.suffix in (".safetensors", ".bin", ".pt") and f.is_file())
+    files = sorted(
+        f for f in policy_dir.iterdir() if f.suffix in (".safetensors", ".bin", ".pt") and f.is_file()
+    )
     stamps = ", ".join(f"{f.name}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in files)
     return f"checkpoint {ckpt.resolve()} [{stamps}]"
 
@@ -121,7 +137,9 @@ def export_searcher(
         raise ConfigError(f"--dtype {dtype!r}: choose one of {', '.join(EXPORT_DTYPES)}")
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
-        raise ConfigError(f"--out {out} exists and is not empty; pass --overwrite or choose another directory")
+        raise ConfigError(
+            f"--out {out} exists and is not empty; pass --overwrite or choose another directory"
+        )
     ckpt = resolve_checkpoint(checkpoint)
     searcher = load_searcher(ckpt, device="cpu", merge_lora=True)
     model, tokenizer = searcher.generator.model, searcher.generator.tokenizer
@@ -136,15 +154,20 @@ def export_searcher(
     changed = align_chat_special_tokens(tokenizer)
     disable_bpe_cleanup(tokenizer)
     align_model_special_ids(model, tokenizer, also_stop_at=changed.get("eos_token", (None,))[0])
-    info = replace(searcher.info, lora=False, policy_dir=".", extra={
-        **searcher.info.extra,
-        "exported_from": str(ckpt.resolve()),
-        "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
-        # the loop's full settings, prompt templates included, for users who drive the model elsewhere
-        "loop_config": searcher.loop.config(),
-        # and the protocol such a driver follows: where to stop, how documents come back
-        "protocol": loop_protocol(searcher.loop),
-    })
+    info = replace(
+        searcher.info,
+        lora=False,
+        policy_dir=".",
+        extra={
+            **searcher.info.extra,
+            "exported_from": str(ckpt.resolve()),
+            "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
+            # the loop's full settings, prompt templates included, for users who drive the model elsewhere
+            "loop_config": searcher.loop.config(),
+            # and the protocol such a driver follows: where to stop, how documents come back
+            "protocol": loop_protocol(searcher.loop),
+        },
+    )
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp"))
     try:

@@ -72,19 +72,29 @@ class StagedLoop(SearchR1Loop):
         )
 
 
-def plan_staged(example: QAExample, facts: list[Fact], retriever: Retriever, loop: StagedLoop,
-                rng: random.Random) -> Plan:
+def plan_staged(
+    example: QAExample, facts: list[Fact], retriever: Retriever, loop: StagedLoop, rng: random.Random
+) -> Plan:
     answer = example.golden_answers[0]
     if known_from_memory(example):  # the prompt: no <search> block when internal knowledge is adequate
-        return Plan([f"<think>{recall_sketch(rng)}</think>\n<reflect>{recall_text(facts, answer, rng)}</reflect>\n"
-                     f"<answer>{answer}</answer>"], True)
+        return Plan(
+            [
+                f"<think>{recall_sketch(rng)}</think>\n<reflect>{recall_text(facts, answer, rng)}</reflect>\n"
+                f"<answer>{answer}</answer>"
+            ],
+            True,
+        )
     found = [find_fact(f, retriever, loop.top_k, rng, keyword_first=True) for f in facts]
     sketch = rng.choice(("I do not know", "My internal knowledge does not cover", "I have no knowledge of"))
-    turns = [f"<think>{sketch} {need_phrase(found[0].fact)}; I need to search.</think>\n<search>{found[0].query}</search>"]
+    turns = [
+        f"<think>{sketch} {need_phrase(found[0].fact)}; I need to search.</think>\n<search>{found[0].query}</search>"
+    ]
     for i in range(1, len(found)):
         reflect = steps_text(found, i, answer, rng)
         turns.append(f"<reflect>{reflect}</reflect>\n<search>{found[i].query}</search>")
-    turns.append(f"<reflect>{steps_text(found, len(found), answer, rng)}</reflect>\n<answer>{answer}</answer>")
+    turns.append(
+        f"<reflect>{steps_text(found, len(found), answer, rng)}</reflect>\n<answer>{answer}</answer>"
+    )
     return Plan(turns, all(ff.found for ff in found), found)
 
 

@@ -55,14 +55,18 @@ class Trajectory:
     # set by the rollout engine for every loop
     group: int = 0  # index of the question in its rollout call (the n samples of a question share it)
     sample: int = 0  # which of the question's n samples
-    sampling_round: int = 1  # the trainer's draw (DAPO's dynamic sampling draws several); (round, group) is a GRPO group
+    sampling_round: int = (
+        1  # the trainer's draw (DAPO's dynamic sampling draws several); (round, group) is a GRPO group
+    )
     invalid_actions: int = 0  # turns that held no recognised action
     forced_final: bool = False  # the last generation was the forced, search-free one
     search_after_limit: bool = False  # that forced generation still asked to search
     obs_truncated_tokens: int = 0  # inserted tokens cut to max_obs_tokens
     logprobs_missing: bool = False  # the backend returned no per-token log-probs
     initial_search: bool = False  # documents were retrieved before the first generation (s3)
-    initial_queries: int = 0  # how many of `queries` the loop ran before the first generation (not the policy's)
+    initial_queries: int = (
+        0  # how many of `queries` the loop ran before the first generation (not the policy's)
+    )
     generation_finish_reasons: list[str] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)  # loop-specific flags (format checks...)
     rewards: dict[str, float] = field(default_factory=dict)  # filled by the reward function
@@ -103,8 +107,16 @@ class Trajectory:
 
 
 ENGINE_FIELDS = (
-    "group", "sample", "invalid_actions", "forced_final", "search_after_limit", "obs_truncated_tokens",
-    "logprobs_missing", "initial_search", "initial_queries", "generation_finish_reasons",
+    "group",
+    "sample",
+    "invalid_actions",
+    "forced_final",
+    "search_after_limit",
+    "obs_truncated_tokens",
+    "logprobs_missing",
+    "initial_search",
+    "initial_queries",
+    "generation_finish_reasons",
 )
 
 

@@ -75,7 +75,9 @@ class ClaimRun:
         return self.out if self.seed == self.base_seed else self.out / f"seed{self.seed}"
 
     def name(self, stage_name: str) -> str:
-        return seeded_name(stage_name, self.seed, self.base_seed) if stage_name in self.per_seed else stage_name
+        return (
+            seeded_name(stage_name, self.seed, self.base_seed) if stage_name in self.per_seed else stage_name
+        )
 
     def result(self, stage_name: str) -> dict[str, Any]:
         return self.results[self.name(stage_name)]

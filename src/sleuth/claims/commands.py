@@ -27,7 +27,9 @@ class ClaimGroup(TyperGroup):
     def resolve_command(self, ctx: click.Context, args: list[str]) -> tuple[str | None, Any, list[str]]:
         name = click.utils.make_str(args[0]) if args else None
         if name is not None and not name.startswith("-") and self.get_command(ctx, name) is None:
-            typer.echo(f"error: no claim registered for {name!r}; choose one of {', '.join(CLAIMS)}", err=True)
+            typer.echo(
+                f"error: no claim registered for {name!r}; choose one of {', '.join(CLAIMS)}", err=True
+            )
             ctx.exit(2)
         return super().resolve_command(ctx, _optional_value(args))
 
@@ -43,8 +45,12 @@ def _optional_value(args: list[str]) -> list[str]:
 
 
 def register(app: typer.Typer) -> None:
-    repro = typer.Typer(help="Reproduce each paper's own claim end to end: seeds, a noise floor, paired 95% "
-                             "intervals and a verdict.", no_args_is_help=True, cls=ClaimGroup)
+    repro = typer.Typer(
+        help="Reproduce each paper's own claim end to end: seeds, a noise floor, paired 95% "
+        "intervals and a verdict.",
+        no_args_is_help=True,
+        cls=ClaimGroup,
+    )
     app.add_typer(repro, name="reproduce")
     for claim in CLAIMS.values():
         _register_claim(repro, claim)
@@ -52,33 +58,67 @@ def register(app: typer.Typer) -> None:
 
 def _register_claim(repro: typer.Typer, spec: ClaimSpec) -> None:
     claim = spec.text
-    text = (f"{claim.claim}.\n\nWorld: {claim.world}. Cold start: {claim.cold_start}. Arms: {claim.arms}. "
-            f"Evaluation: {claim.evaluation}. Claim test: {claim.test}.")
+    text = (
+        f"{claim.claim}.\n\nWorld: {claim.world}. Cold start: {claim.cold_start}. Arms: {claim.arms}. "
+        f"Evaluation: {claim.evaluation}. Claim test: {claim.test}."
+    )
 
     def command(
-        profile: str = typer.Option("cpu", help="cpu (tiny model, minutes on 2 cores) or gpu (the measured sizes)"),
-        out: Path = typer.Option(None, "--out", help="Run directory (default runs/reproduce/<method>); reruns resume"),
-        arms: str = typer.Option(None, help="Only these arms (comma-separated, e.g. s3_100,search_r1_100): runs "
-                                 "on several GPUs share one --out; the one that finds every arm done writes the report"),
-        reuse: Path = typer.Option(None, help="A folder whose reader/ (r_search, qagent, s3) or injected/ (staged), "
-                                   "trained on this claim's world, is used instead of training one (e.g. "
-                                   "checkpoints/claims); checked against the world and measured again"),
-        seed: int = typer.Option(0, min=0, help="The first training seed of the arms (SFT, RL); the world, reader "
-                                 "and injected model stay seed 0's. Another first seed: another run (default --out "
-                                 ".../<method>-seed<N>)"),
-        seeds: int = typer.Option(None, min=1, help="Train every arm with this many seeds (SEED, SEED+1, ...); the "
-                                  "verdict pools them and needs 2 or more for its noise floor (default: the "
-                                  "profile's, cpu 1, gpu 3). A rerun with more seeds adds them to the same --out"),
-        force: bool = typer.Option(False, "--force", help="Train the arms even when the premise check finds that "
-                                   "they cannot test the claim (the report records the premise)"),
-        only_seed: int = typer.Option(None, "--only-seed", min=0, help="Only this training seed's stages (and the "
-                                      "shared ones): runs that spread the seeds over GPUs share one --out and give "
-                                      "the same --seed/--seeds; the one that finds every seed done writes the report"),
-        from_committed: str = typer.Option(None, FROM_COMMITTED, metavar="[DIR]", help="Train nothing: evaluate the "
-                                           "committed arms of one seed (bfloat16 LoRA adapters in DIR/adapters) on "
-                                           "this machine, a CPU will do, and print the claim's tests beside the "
-                                           "committed GPU numbers. DIR: a committed run (default: the newest under "
-                                           "bench/results/claims packed with adapters)"),
+        profile: str = typer.Option(
+            "cpu", help="cpu (tiny model, minutes on 2 cores) or gpu (the measured sizes)"
+        ),
+        out: Path = typer.Option(
+            None, "--out", help="Run directory (default runs/reproduce/<method>); reruns resume"
+        ),
+        arms: str = typer.Option(
+            None,
+            help="Only these arms (comma-separated, e.g. s3_100,search_r1_100): runs "
+            "on several GPUs share one --out; the one that finds every arm done writes the report",
+        ),
+        reuse: Path = typer.Option(
+            None,
+            help="A folder whose reader/ (r_search, qagent, s3) or injected/ (staged), "
+            "trained on this claim's world, is used instead of training one (e.g. "
+            "checkpoints/claims); checked against the world and measured again",
+        ),
+        seed: int = typer.Option(
+            0,
+            min=0,
+            help="The first training seed of the arms (SFT, RL); the world, reader "
+            "and injected model stay seed 0's. Another first seed: another run (default --out "
+            ".../<method>-seed<N>)",
+        ),
+        seeds: int = typer.Option(
+            None,
+            min=1,
+            help="Train every arm with this many seeds (SEED, SEED+1, ...); the "
+            "verdict pools them and needs 2 or more for its noise floor (default: the "
+            "profile's, cpu 1, gpu 3). A rerun with more seeds adds them to the same --out",
+        ),
+        force: bool = typer.Option(
+            False,
+            "--force",
+            help="Train the arms even when the premise check finds that "
+            "they cannot test the claim (the report records the premise)",
+        ),
+        only_seed: int = typer.Option(
+            None,
+            "--only-seed",
+            min=0,
+            help="Only this training seed's stages (and the "
+            "shared ones): runs that spread the seeds over GPUs share one --out and give "
+            "the same --seed/--seeds; the one that finds every seed done writes the report",
+        ),
+        from_committed: str = typer.Option(
+            None,
+            FROM_COMMITTED,
+            metavar="[DIR]",
+            help="Train nothing: evaluate the "
+            "committed arms of one seed (bfloat16 LoRA adapters in DIR/adapters) on "
+            "this machine, a CPU will do, and print the claim's tests beside the "
+            "committed GPU numbers. DIR: a committed run (default: the newest under "
+            "bench/results/claims packed with adapters)",
+        ),
         questions: int = typer.Option(100, min=1, help="--from-committed: the first N held-out questions"),
     ) -> None:
         from rich.console import Console
@@ -92,9 +132,19 @@ def _register_claim(repro: typer.Typer, spec: ClaimSpec) -> None:
             chosen = None if arms is None else [a.strip() for a in arms.split(",") if a.strip()]
             default_out = Path("runs/reproduce") / (claim.method + (f"-seed{seed}" if seed else ""))
             count = seeds or (spec.profiles[profile].seeds if profile in spec.profiles else 1)
-            wanted = None if seeds is None and seed == 0 else range(seed, seed + count)  # None: OUT's own seeds
-            report = reproduce(claim.method, out or default_out, profile, console, RunPart(chosen, only_seed), reuse,
-                               wanted, force)
+            wanted = (
+                None if seeds is None and seed == 0 else range(seed, seed + count)
+            )  # None: OUT's own seeds
+            report = reproduce(
+                claim.method,
+                out or default_out,
+                profile,
+                console,
+                RunPart(chosen, only_seed),
+                reuse,
+                wanted,
+                force,
+            )
         except ArmsPending as err:  # this run's arms are done: the report is another run's to write
             done = ", ".join(chosen or ["every arm"]) + ("" if only_seed is None else f" at seed {only_seed}")
             console.print(f"[green]arms done:[/] {escape(done)}. {escape(str(err))}", highlight=False)
@@ -114,12 +164,19 @@ def _check_committed(method: str, folder: str, out: Path | None, questions: int,
     from rich.markup import escape
 
     try:
-        page = check_committed(method, None if folder == NEWEST else Path(folder),
-                               out or Path("runs/from-committed") / f"{method}-q{questions}", questions, console)
+        page = check_committed(
+            method,
+            None if folder == NEWEST else Path(folder),
+            out or Path("runs/from-committed") / f"{method}-q{questions}",
+            questions,
+            console,
+        )
     except SleuthError as err:
         console.print(f"[red]error:[/] {escape(str(err))}", highlight=False)
         raise typer.Exit(2) from None
-    console.print(check_text(json.loads(page.with_name(CHECK_FILE).read_text())), highlight=False, markup=False)
+    console.print(
+        check_text(json.loads(page.with_name(CHECK_FILE).read_text())), highlight=False, markup=False
+    )
     console.print(f"[green]report:[/] {escape(str(page))}", highlight=False)
 
 
@@ -130,7 +187,9 @@ def _verdict_line(report_json: Path) -> str:
     for test in report["table"]["seeds"]["tests"]:
         scale, unit = (100, " points") if test["points"] else (1, "")
         lo, hi = test["pooled"]["ci"]
-        parts.append(f"{test['row']}: {scale * test['pooled']['diff']:+.2f}{unit} [{scale * lo:+.2f}, "
-                     f"{scale * hi:+.2f}] over {test['pooled']['seeds']} seed(s), {test['verdict']}")
+        parts.append(
+            f"{test['row']}: {scale * test['pooled']['diff']:+.2f}{unit} [{scale * lo:+.2f}, "
+            f"{scale * hi:+.2f}] over {test['pooled']['seeds']} seed(s), {test['verdict']}"
+        )
     verdict = {"not shown": "is not shown"}.get(report["verdict"], report["verdict"])
     return f"verdict: the {report['claim']['method']} claim {verdict} ({'; '.join(parts)})"

@@ -50,8 +50,15 @@ CHECK_FILE = "check.json"  # OUT/check.json: what --from-committed measured (OUT
 PACKED_DTYPE = "bfloat16"
 # a fully fine-tuned model is packed only this small (the cpu profile's tiny reader); a 135M model is 270 MB
 MAX_FULL_BYTES = 16 * 2**20
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
-                   "vocab.json", "merges.txt", "added_tokens.json")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "vocab.json",
+    "merges.txt",
+    "added_tokens.json",
+)
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
 FULL_FILES = ("config.json", "generation_config.json", "model.safetensors")
 
@@ -82,8 +89,12 @@ def decisive_loads(spec: ClaimSpec, profile: str) -> list[str]:
     for name in decisive_evaluations(spec, profile):
         for load in stages[name].loads:
             head, _, key = load.partition(".")
-            if not key or "/" in key:  # an evaluation loads a model a stage result names, never a path under it
-                raise ConfigError(f"{spec.method}: stage {name} loads {load!r}, which is not a stage result's model")
+            if (
+                not key or "/" in key
+            ):  # an evaluation loads a model a stage result names, never a path under it
+                raise ConfigError(
+                    f"{spec.method}: stage {name} loads {load!r}, which is not a stage result's model"
+                )
             if load not in loads:
                 loads.append(load)
     return loads
@@ -93,7 +104,9 @@ def _recorded(run: Path, name: str) -> tuple[dict[str, Any], str | None]:
     """A stage's result (paths re-rooted under RUN) and the root it was written under."""
     result = read_stage(run, name)
     if result is None:
-        raise ConfigError(f"{run}: stage {name} is not recorded (stages/{name}.json); pack a finished claim run")
+        raise ConfigError(
+            f"{run}: stage {name} is not recorded (stages/{name}.json); pack a finished claim run"
+        )
     raw = json.loads((run / "stages" / f"{name}.json").read_text())
     return result, raw.get("root")
 
@@ -109,10 +122,12 @@ def _source_checkpoint(model: Path, run: Path, root: str | None) -> Path:
     if not source:
         return model
     if root and source.startswith(root + "/"):
-        source = str(run.resolve()) + source[len(root):]
+        source = str(run.resolve()) + source[len(root) :]
     if not (Path(source) / SEARCHER_FILE).is_file():
-        raise ConfigError(f"{model} is an export (the full model); its checkpoint {source}, whose LoRA adapters are "
-                          f"what is committed, is not in {run}: unpack the run's reader checkpoints there")
+        raise ConfigError(
+            f"{model} is an export (the full model); its checkpoint {source}, whose LoRA adapters are "
+            f"what is committed, is not in {run}: unpack the run's reader checkpoints there"
+        )
     return Path(source) if SearcherInfo.read(source).lora else model
 
 
@@ -137,7 +152,9 @@ def _cast(src: Path, dest: Path, dtype: str) -> int:
     from safetensors.torch import load_file, save_file
 
     target = getattr(torch, dtype)
-    tensors = {k: (v.to(target) if v.is_floating_point() else v).contiguous() for k, v in load_file(src).items()}
+    tensors = {
+        k: (v.to(target) if v.is_floating_point() else v).contiguous() for k, v in load_file(src).items()
+    }
     save_file(tensors, dest, metadata={"format": "pt"})
     return dest.stat().st_size
 
@@ -151,9 +168,11 @@ def pack_model(model: Path, dest: Path, run: Path, root: str | None) -> dict[str
     if not info.lora:
         size = _parameter_bytes(policy / "model.safetensors")
         if size > MAX_FULL_BYTES:
-            raise ConfigError(f"{source}: a fully fine-tuned model of {size / 2**20:.0f} MB in {PACKED_DTYPE} (the "
-                              f"limit is {MAX_FULL_BYTES / 2**20:.0f} MB); only LoRA adapters are committed: train "
-                              f"it with LoRA (the gpu profiles do)")
+            raise ConfigError(
+                f"{source}: a fully fine-tuned model of {size / 2**20:.0f} MB in {PACKED_DTYPE} (the "
+                f"limit is {MAX_FULL_BYTES / 2**20:.0f} MB); only LoRA adapters are committed: train "
+                f"it with LoRA (the gpu profiles do)"
+            )
     tmp = dest.with_name(dest.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     (tmp / "policy").mkdir(parents=True)
@@ -173,19 +192,38 @@ def pack_model(model: Path, dest: Path, run: Path, root: str | None) -> dict[str
             here = policy / name
             if not here.is_file():
                 continue
-            same = next((kind for kind, folder in base.items() if (folder / name).is_file()
-                         and sha256_file(folder / name) == sha256_file(here)), None)
+            same = next(
+                (
+                    kind
+                    for kind, folder in base.items()
+                    if (folder / name).is_file() and sha256_file(folder / name) == sha256_file(here)
+                ),
+                None,
+            )
             if same is None:
                 shutil.copy2(here, tmp / "policy" / name)
             else:
                 rebuilt[name] = same
-    replace(info, policy_dir="policy", extra={**info.extra, "packed_from": str(source.relative_to(run.resolve()))
-                                              if source.is_relative_to(run.resolve()) else str(source),
-                                              "packed_dtype": PACKED_DTYPE, "tokenizer_from_base": rebuilt}).write(tmp)
+    replace(
+        info,
+        policy_dir="policy",
+        extra={
+            **info.extra,
+            "packed_from": str(source.relative_to(run.resolve()))
+            if source.is_relative_to(run.resolve())
+            else str(source),
+            "packed_dtype": PACKED_DTYPE,
+            "tokenizer_from_base": rebuilt,
+        },
+    ).write(tmp)
     shutil.rmtree(dest, ignore_errors=True)
     tmp.rename(dest)
-    return {"lora": info.lora, "base_model": info.base_model, "tokenizer_from_base": rebuilt,
-            "bytes": sum(p.stat().st_size for p in dest.rglob("*") if p.is_file())}
+    return {
+        "lora": info.lora,
+        "base_model": info.base_model,
+        "tokenizer_from_base": rebuilt,
+        "bytes": sum(p.stat().st_size for p in dest.rglob("*") if p.is_file()),
+    }
 
 
 def _parameter_bytes(weights: Path) -> int:
@@ -208,7 +246,9 @@ def pack_committed(run: Path, dest: Path, seed: int, world: Path) -> dict[str, A
     method, profile = claim["method"], claim["profile"]
     seeds, base = run_seeds(run), int(claim.get("seed", 0))
     if seed not in seeds:
-        raise ConfigError(f"--adapters {seed}: {run} trained seeds {', '.join(map(str, seeds))}; pick one of them")
+        raise ConfigError(
+            f"--adapters {seed}: {run} trained seeds {', '.join(map(str, seeds))}; pick one of them"
+        )
     spec = get_claim(method)
     per_seed = {s.name for s in spec.stages(profile) if s.per_seed}
 
@@ -230,10 +270,14 @@ def pack_committed(run: Path, dest: Path, seed: int, world: Path) -> dict[str, A
     evaluations = {}
     for name in decisive_evaluations(spec, profile):
         result, _ = _recorded(run, named(name))
-        folder = Path(result["predictions"]).parent.parent  # <seed root>/eval/<name>: packed as <seed root>/<name>
+        folder = Path(
+            result["predictions"]
+        ).parent.parent  # <seed root>/eval/<name>: packed as <seed root>/<name>
         rows = folder.parent.parent.relative_to(run) / folder.name / "per_question.jsonl"
         if not (dest / rows).is_file():
-            raise ConfigError(f"{dest / rows} missing: pack the run's evaluations first (claims_pack.py pack)")
+            raise ConfigError(
+                f"{dest / rows} missing: pack the run's evaluations first (claims_pack.py pack)"
+            )
         evaluations[name] = str(rows)
     questions = None
     if any(s.name == QUESTIONS for s in spec.stages(profile)):
@@ -241,10 +285,18 @@ def pack_committed(run: Path, dest: Path, seed: int, world: Path) -> dict[str, A
         (tmp / QUESTIONS).mkdir()
         shutil.copy2(Path(result["questions"]) / "test.jsonl", tmp / QUESTIONS / "test.jsonl")
         questions = QUESTIONS
-    committed = {"claim": method, "profile": profile, "seed": seed, "dtype": PACKED_DTYPE,
-                 "packed_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                 "world": {"seed": 0, "files": world_fingerprint(world)}, "evaluations": evaluations,
-                 "models": models, "packed": packed, "questions": questions}
+    committed = {
+        "claim": method,
+        "profile": profile,
+        "seed": seed,
+        "dtype": PACKED_DTYPE,
+        "packed_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "world": {"seed": 0, "files": world_fingerprint(world)},
+        "evaluations": evaluations,
+        "models": models,
+        "packed": packed,
+        "questions": questions,
+    }
     atomic_write_json(tmp / COMMITTED_FILE, committed)
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
@@ -271,10 +323,12 @@ def newest_committed(method: str, root: Path = COMMITTED_ROOT) -> Path:
             packed.append((committed["packed_at"], claim_file.parent))
     if not packed:
         held = ", ".join(runs) if runs else "none"
-        raise ConfigError(f"{root}: no committed gpu run of {method} holds adapters ({ADAPTERS_DIR}/"
-                          f"{COMMITTED_FILE}); committed runs of {method}: {held}. Pack one with `python "
-                          f"bench/claims_pack.py pack RUN DEST --world W --adapters SEED`, or pass a packed folder: "
-                          f"--from-committed DIR")
+        raise ConfigError(
+            f"{root}: no committed gpu run of {method} holds adapters ({ADAPTERS_DIR}/"
+            f"{COMMITTED_FILE}); committed runs of {method}: {held}. Pack one with `python "
+            f"bench/claims_pack.py pack RUN DEST --world W --adapters SEED`, or pass a packed folder: "
+            f"--from-committed DIR"
+        )
     return max(packed)[1]
 
 
@@ -332,21 +386,27 @@ def _check_out(out: Path, folder: Path, questions: int) -> None:
     if marker.is_file():
         held = json.loads(marker.read_text())
         if held != wanted:
-            raise ConfigError(f"{out} holds the check of {held['committed']} on {held['questions']} questions; give "
-                              f"another --out, or the same folder and --questions to resume it")
+            raise ConfigError(
+                f"{out} holds the check of {held['committed']} on {held['questions']} questions; give "
+                f"another --out, or the same folder and --questions to resume it"
+            )
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_json(marker, wanted)
 
 
-def check_committed(method: str, folder: Path | None, out: Path, questions: int = 100, console: Any = None) -> Path:
+def check_committed(
+    method: str, folder: Path | None, out: Path, questions: int = 100, console: Any = None
+) -> Path:
     """Evaluate the committed adapters of `method`'s decisive arms on the first `questions` held-out questions on
     this machine; returns OUT/check.html (OUT/check.json beside it)."""
     spec = get_claim(method)
     folder = newest_committed(method) if folder is None else folder
     committed = _read_committed(folder)
     if committed is None:
-        raise ConfigError(f"--from-committed {folder}: no {ADAPTERS_DIR}/{COMMITTED_FILE} there; pack the run with "
-                          f"`python bench/claims_pack.py pack RUN {folder} --world W --adapters SEED`")
+        raise ConfigError(
+            f"--from-committed {folder}: no {ADAPTERS_DIR}/{COMMITTED_FILE} there; pack the run with "
+            f"`python bench/claims_pack.py pack RUN {folder} --world W --adapters SEED`"
+        )
     if committed["claim"] != method:
         raise ConfigError(f"--from-committed {folder}: a run of the {committed['claim']} claim, not {method}")
     if questions < 1:
@@ -355,16 +415,27 @@ def check_committed(method: str, folder: Path | None, out: Path, questions: int 
     _check_out(out, folder, questions)
     seed, profile_name = int(committed["seed"]), committed["profile"]
     stages = {s.name: s for s in spec.stages(profile_name)}
-    run = ClaimRun(out=out, spec=spec, profile_name=profile_name,
-                   profile=replace(spec.profile(profile_name), test_questions=questions), console=console,
-                   base_seed=seed, seed=seed, seeds=(seed,), per_seed=frozenset(n for n, s in stages.items()
-                                                                                  if s.per_seed))
+    run = ClaimRun(
+        out=out,
+        spec=spec,
+        profile_name=profile_name,
+        profile=replace(spec.profile(profile_name), test_questions=questions),
+        console=console,
+        base_seed=seed,
+        seed=seed,
+        seeds=(seed,),
+        per_seed=frozenset(n for n, s in stages.items() if s.per_seed),
+    )
     run.results["world"] = stage(out, "world", lambda: build_world(run.world, run.profile), console)
-    differ = [n for n, sha in world_fingerprint(run.world).items() if committed["world"]["files"].get(n) != sha]
+    differ = [
+        n for n, sha in world_fingerprint(run.world).items() if committed["world"]["files"].get(n) != sha
+    ]
     if differ:
-        raise ConfigError(f"{run.world}: the rebuilt world's {', '.join(differ)} differ from the committed run's "
-                          f"({folder / ADAPTERS_DIR / COMMITTED_FILE}): this sleuth builds another world from the "
-                          f"{profile_name} profile; check out the commit the run was made with")
+        raise ConfigError(
+            f"{run.world}: the rebuilt world's {', '.join(differ)} differ from the committed run's "
+            f"({folder / ADAPTERS_DIR / COMMITTED_FILE}): this sleuth builds another world from the "
+            f"{profile_name} profile; check out the commit the run was made with"
+        )
     packed = folder / ADAPTERS_DIR
     for load, name in committed["models"].items():
         head, _, key = load.partition(".")
@@ -395,11 +466,16 @@ def compare(run: ClaimRun, folder: Path, committed: dict[str, Any]) -> dict[str,
     here = {name: predictions(run, name) for name in committed["evaluations"]}
     there = {name: committed_records(folder / rows) for name, rows in committed["evaluations"].items()}
     same = {name: {i: there[name][i] for i in here[name] if i in there[name]} for name in here}
-    missing = {name: sorted(set(here[name]) - set(same[name]))[:3] for name in here
-               if len(same[name]) < len(here[name])}
+    missing = {
+        name: sorted(set(here[name]) - set(same[name]))[:3]
+        for name in here
+        if len(same[name]) < len(here[name])
+    }
     if missing:
-        raise ConfigError(f"{folder}: the committed rows lack questions this check answered ({missing}); the "
-                          f"committed evaluation ran on fewer questions than --questions")
+        raise ConfigError(
+            f"{folder}: the committed rows lack questions this check answered ({missing}); the "
+            f"committed evaluation ran on fewer questions than --questions"
+        )
     tests = []
     for test in run.spec.tests(run.profile_name):
         full = reported.get(test.row)
@@ -409,31 +485,69 @@ def compare(run: ClaimRun, folder: Path, committed: dict[str, Any]) -> dict[str,
         gpu = paired(*paired_values(same[test.treated], same[test.baseline], test.value, keep=test.keep))
         verdicts = {}
         for side, row in (("here", cpu), ("committed_same_questions", gpu)):
-            verdicts[side] = (verdict_of_test(row["diff"], row["ci"], test.side, test.threshold,
-                                              None if floor is None else floor["diff"])
-                              if row["n"] else ("not shown", "no question to compare"))
-        tests.append({"row": test.row, "treated": test.treated, "baseline": test.baseline, "side": test.side,
-                      "threshold": test.threshold, "points": test.points, "here": cpu,
-                      "committed_same_questions": gpu, "committed_seed": seed_row,
-                      "committed_pooled": None if full is None else {**full["pooled"], "verdict": full["verdict"]},
-                      "noise_floor": floor, "verdict_here": verdicts["here"][0], "why_here": verdicts["here"][1],
-                      "verdict_committed_same_questions": verdicts["committed_same_questions"][0]})
-    agreement = {name: {
-        "n": len(here[name]),
-        "same_prediction": sum(here[name][i]["prediction"] == same[name][i]["prediction"] for i in here[name]),
-        "same_em": sum(here[name][i]["metrics"]["em"] == same[name][i]["metrics"]["em"] for i in here[name]),
-        # rows packed before the digest was carried have none: not compared (None)
-        "same_response": sum(response_digest(here[name][i]) == same[name][i]["response_sha256"] for i in here[name])
-        if all("response_sha256" in same[name][i] for i in here[name]) else None} for name in here}
+            verdicts[side] = (
+                verdict_of_test(
+                    row["diff"],
+                    row["ci"],
+                    test.side,
+                    test.threshold,
+                    None if floor is None else floor["diff"],
+                )
+                if row["n"]
+                else ("not shown", "no question to compare")
+            )
+        tests.append(
+            {
+                "row": test.row,
+                "treated": test.treated,
+                "baseline": test.baseline,
+                "side": test.side,
+                "threshold": test.threshold,
+                "points": test.points,
+                "here": cpu,
+                "committed_same_questions": gpu,
+                "committed_seed": seed_row,
+                "committed_pooled": None if full is None else {**full["pooled"], "verdict": full["verdict"]},
+                "noise_floor": floor,
+                "verdict_here": verdicts["here"][0],
+                "why_here": verdicts["here"][1],
+                "verdict_committed_same_questions": verdicts["committed_same_questions"][0],
+            }
+        )
+    agreement = {
+        name: {
+            "n": len(here[name]),
+            "same_prediction": sum(
+                here[name][i]["prediction"] == same[name][i]["prediction"] for i in here[name]
+            ),
+            "same_em": sum(
+                here[name][i]["metrics"]["em"] == same[name][i]["metrics"]["em"] for i in here[name]
+            ),
+            # rows packed before the digest was carried have none: not compared (None)
+            "same_response": sum(
+                response_digest(here[name][i]) == same[name][i]["response_sha256"] for i in here[name]
+            )
+            if all("response_sha256" in same[name][i] for i in here[name])
+            else None,
+        }
+        for name in here
+    }
     try:
         rows = committed_table(folder)["rows"]
         reproduced = rows == report.get("table", {}).get("rows")
     except (KeyError, ConfigError):  # a committed folder without every evaluation's rows (an older run's)
         reproduced = None
-    return {"claim": run.spec.method, "committed": str(folder), "profile": run.profile_name,
-            "committed_rows_reproduce_report": reproduced,
-            "seed": committed["seed"], "questions": run.profile.test_questions, "tests": tests,
-            "agreement": agreement, "committed_verdict": report.get("verdict")}
+    return {
+        "claim": run.spec.method,
+        "committed": str(folder),
+        "profile": run.profile_name,
+        "committed_rows_reproduce_report": reproduced,
+        "seed": committed["seed"],
+        "questions": run.profile.test_questions,
+        "tests": tests,
+        "agreement": agreement,
+        "committed_verdict": report.get("verdict"),
+    }
 
 
 def _line(label: str, row: dict[str, Any] | None, points: bool, verdict: str = "") -> str:
@@ -441,27 +555,42 @@ def _line(label: str, row: dict[str, Any] | None, points: bool, verdict: str = "
     if not row or row.get("diff") is None:
         return f"  {label:<46} -"
     scale = 100 if points else 1
-    means = (f"{scale * row['a']:8.2f} {scale * row['b']:8.2f}" if row.get("a") is not None
-             else f"{'':>8} {'':>8}")
+    means = (
+        f"{scale * row['a']:8.2f} {scale * row['b']:8.2f}" if row.get("a") is not None else f"{'':>8} {'':>8}"
+    )
     lo, hi = row["ci"]
     count = row["n"] if "n" in row else f"{row['seeds']} seed{'s' if row['seeds'] > 1 else ''}"
-    return (f"  {label:<46} {count!s:>5} {means} {scale * row['diff']:+8.2f} [{scale * lo:+.2f}, {scale * hi:+.2f}]"
-            f"  {verdict}").rstrip()
+    return (
+        f"  {label:<46} {count!s:>5} {means} {scale * row['diff']:+8.2f} [{scale * lo:+.2f}, {scale * hi:+.2f}]"
+        f"  {verdict}"
+    ).rstrip()
 
 
 def check_text(check: dict[str, Any]) -> str:
     """The console's table: each decisive test here, committed on the same questions, committed on all of them."""
-    lines = [f"{check['claim']} claim, committed run {check['committed']} (seed {check['seed']}), "
-             f"first {check['questions']} held-out questions"]
+    lines = [
+        f"{check['claim']} claim, committed run {check['committed']} (seed {check['seed']}), "
+        f"first {check['questions']} held-out questions"
+    ]
     for t in check["tests"]:
         unit = "points" if t["points"] else "per question"
-        lines.append(f"{t['row']}: {t['treated']} minus {t['baseline']}, claimed {t['side']} "
-                     f"{t['threshold']:+g} ({unit})")
+        lines.append(
+            f"{t['row']}: {t['treated']} minus {t['baseline']}, claimed {t['side']} "
+            f"{t['threshold']:+g} ({unit})"
+        )
         lines.append(f"  {'':<46} {'n':>5} {'treated':>8} {'baseline':>8} {'diff':>8} 95% interval  verdict")
         lines.append(_line("this machine, committed adapters", t["here"], t["points"], t["verdict_here"]))
-        lines.append(_line("committed run, the same questions", t["committed_same_questions"], t["points"],
-                           t["verdict_committed_same_questions"]))
-        lines.append(_line(f"committed run, seed {check['seed']}, every question", t["committed_seed"], t["points"]))
+        lines.append(
+            _line(
+                "committed run, the same questions",
+                t["committed_same_questions"],
+                t["points"],
+                t["verdict_committed_same_questions"],
+            )
+        )
+        lines.append(
+            _line(f"committed run, seed {check['seed']}, every question", t["committed_seed"], t["points"])
+        )
         pooled = t["committed_pooled"]
         if pooled is not None:
             lines.append(_line("committed run, pooled over seeds", pooled, t["points"], pooled["verdict"]))
@@ -471,10 +600,13 @@ def check_text(check: dict[str, Any]) -> str:
         decoded = ", ".join(f"{name} {a['same_response']}/{a['n']}" for name, a in check["agreement"].items())
         lines.append(f"whole responses decoded identically: {decoded}")
     reproduced = {True: "yes", False: "NO", None: "not checked (rows missing)"}[
-        check["committed_rows_reproduce_report"]]
+        check["committed_rows_reproduce_report"]
+    ]
     lines.append(f"the committed rows give the committed report's claim table: {reproduced}")
-    lines.append("verdicts here and on the same questions use the committed noise floor; the committed claim "
-                 f"verdict (every question, pooled over seeds): {check['committed_verdict']}")
+    lines.append(
+        "verdicts here and on the same questions use the committed noise floor; the committed claim "
+        f"verdict (every question, pooled over seeds): {check['committed_verdict']}"
+    )
     return "\n".join(lines)
 
 
@@ -482,29 +614,45 @@ def check_html(check: dict[str, Any]) -> str:
     parts = []
     for t in check["tests"]:
         pct = t["points"]
-        rows = [paired_row("this machine, committed adapters", t["here"], pct),
-                paired_row("committed run, the same questions", t["committed_same_questions"], pct)]
+        rows = [
+            paired_row("this machine, committed adapters", t["here"], pct),
+            paired_row("committed run, the same questions", t["committed_same_questions"], pct),
+        ]
         if t["committed_seed"] is not None:
-            rows.append(paired_row(f"committed run, seed {check['seed']}, every question", t["committed_seed"], pct))
+            rows.append(
+                paired_row(f"committed run, seed {check['seed']}, every question", t["committed_seed"], pct)
+            )
         pooled = t["committed_pooled"]
         if pooled is not None:
-            rows.append(paired_row(f"committed run, pooled over {pooled['seeds']} seed(s): "
-                                   f"{html.escape(pooled['verdict'])}", {"n": "", "a": None, "b": None,
-                                                                         "diff": pooled["diff"], "ci": pooled["ci"]},
-                                   pct))
-        parts.append(f"<table><caption>{html.escape(t['row'])}: {html.escape(t['treated'])} minus "
-                     f"{html.escape(t['baseline'])} (claimed {t['side']} {t['threshold']:+g}); here: "
-                     f"{html.escape(t['verdict_here'])}</caption><tr><th>evaluation</th><th>n</th><th>treated</th>"
-                     "<th>baseline</th><th>difference</th><th>95% interval</th></tr>" + "".join(rows) + "</table>")
-    agreement = "".join(f"<tr><td>{html.escape(name)}</td><td>{a['n']}</td><td>{a['same_prediction']}</td>"
-                        f"<td>{a['same_em']}</td><td>{'-' if a['same_response'] is None else a['same_response']}</td>"
-                        "</tr>" for name, a in check["agreement"].items())
-    return (f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(check['claim'])}: committed "
-            f"adapters checked</title><style>{STYLE}</style></head><body><header><h1>{html.escape(check['claim'])}: "
-            f"the committed arms evaluated again</h1><div class='sub'>{html.escape(check['committed'])}, seed "
-            f"{check['seed']}, first {check['questions']} held-out questions</div></header><main><section>"
-            + "".join(parts) + "<table><caption>answers identical to the committed run's</caption><tr><th>evaluation"
-            "</th><th>n</th><th>same answer</th><th>same EM</th><th>same whole response</th></tr>" + agreement
-            + "</table><p class='note'>"
-            f"The committed claim verdict (every question, pooled over seeds): "
-            f"{html.escape(str(check['committed_verdict']))}.</p></section></main></body></html>\n")
+            rows.append(
+                paired_row(
+                    f"committed run, pooled over {pooled['seeds']} seed(s): {html.escape(pooled['verdict'])}",
+                    {"n": "", "a": None, "b": None, "diff": pooled["diff"], "ci": pooled["ci"]},
+                    pct,
+                )
+            )
+        parts.append(
+            f"<table><caption>{html.escape(t['row'])}: {html.escape(t['treated'])} minus "
+            f"{html.escape(t['baseline'])} (claimed {t['side']} {t['threshold']:+g}); here: "
+            f"{html.escape(t['verdict_here'])}</caption><tr><th>evaluation</th><th>n</th><th>treated</th>"
+            "<th>baseline</th><th>difference</th><th>95% interval</th></tr>" + "".join(rows) + "</table>"
+        )
+    agreement = "".join(
+        f"<tr><td>{html.escape(name)}</td><td>{a['n']}</td><td>{a['same_prediction']}</td>"
+        f"<td>{a['same_em']}</td><td>{'-' if a['same_response'] is None else a['same_response']}</td>"
+        "</tr>"
+        for name, a in check["agreement"].items()
+    )
+    return (
+        f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(check['claim'])}: committed "
+        f"adapters checked</title><style>{STYLE}</style></head><body><header><h1>{html.escape(check['claim'])}: "
+        f"the committed arms evaluated again</h1><div class='sub'>{html.escape(check['committed'])}, seed "
+        f"{check['seed']}, first {check['questions']} held-out questions</div></header><main><section>"
+        + "".join(parts)
+        + "<table><caption>answers identical to the committed run's</caption><tr><th>evaluation"
+        "</th><th>n</th><th>same answer</th><th>same EM</th><th>same whole response</th></tr>"
+        + agreement
+        + "</table><p class='note'>"
+        f"The committed claim verdict (every question, pooled over seeds): "
+        f"{html.escape(str(check['committed_verdict']))}.</p></section></main></body></html>\n"
+    )

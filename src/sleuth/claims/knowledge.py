@@ -56,7 +56,9 @@ def read_statements(world: Path) -> list[dict[str, Any]]:
     for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
         try:
             row = json.loads(line)
-            rows.append({"id": str(row["id"]), "question": str(row["question"]), "answers": list(row["answers"])})
+            rows.append(
+                {"id": str(row["id"]), "question": str(row["question"]), "answers": list(row["answers"])}
+            )
         except (ValueError, KeyError, TypeError) as err:
             raise DataFormatError(str(path), number, f"not a knowledge statement ({err})") from None
     if not rows:
@@ -74,12 +76,23 @@ def injection_records(statements: list[dict[str, Any]], tokenizer: Any) -> list[
         prompt_text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         response_text = f"<answer> {row['answers'][0]} </answer>"
         prompt_ids = list(tokenizer.encode(prompt_text, add_special_tokens=False))
-        response_ids = list(tokenizer.encode(response_text, add_special_tokens=False)) + ([eos] if eos is not None else [])
-        records.append(SFTRecord(
-            loop=INJECTION_LOOP, prompt_ids=prompt_ids, response_ids=response_ids, loss_mask=[1] * len(response_ids),
-            source="knowledge", question_id=row["id"], question=row["question"], golden_answers=row["answers"],
-            prompt_text=prompt_text, response_text=response_text,
-        ))
+        response_ids = list(tokenizer.encode(response_text, add_special_tokens=False)) + (
+            [eos] if eos is not None else []
+        )
+        records.append(
+            SFTRecord(
+                loop=INJECTION_LOOP,
+                prompt_ids=prompt_ids,
+                response_ids=response_ids,
+                loss_mask=[1] * len(response_ids),
+                source="knowledge",
+                question_id=row["id"],
+                question=row["question"],
+                golden_answers=row["answers"],
+                prompt_text=prompt_text,
+                response_text=response_text,
+            )
+        )
     return records
 
 
@@ -105,7 +118,9 @@ def world_sft_recipe(world: Path, out: Path, settings: Any, job: WorldSFT) -> di
     """The SFT recipe of `job` with `settings`' model, lora, seed, epochs, lr and batch size."""
     import torch
 
-    micro = min(settings.batch_size, job.micro_cap if torch.cuda.is_available() else min(job.micro_cap, CPU_MICRO_CAP))
+    micro = min(
+        settings.batch_size, job.micro_cap if torch.cuda.is_available() else min(job.micro_cap, CPU_MICRO_CAP)
+    )
     return {
         "name": job.name,
         "seed": settings.seed,
@@ -117,14 +132,21 @@ def world_sft_recipe(world: Path, out: Path, settings: Any, job: WorldSFT) -> di
         # (a recipe without one takes the loop's method reward, s3's for the reader)
         "reward": {"name": "search_r1_em"},
         "trainer": {"out_dir": str(out), "total_steps": 1},
-        "sft": {"data": str(out / job.records_file), "epochs": settings.epochs, "lr": settings.lr,
-                "batch_size": settings.batch_size, "micro_batch_size": micro,
-                "held_out": 0.0, "out_dir": str(out / "sft")},
+        "sft": {
+            "data": str(out / job.records_file),
+            "epochs": settings.epochs,
+            "lr": settings.lr,
+            "batch_size": settings.batch_size,
+            "micro_batch_size": micro,
+            "held_out": 0.0,
+            "out_dir": str(out / "sft"),
+        },
     }
 
 
-def run_world_sft(world: Path, out: Path, settings: Any, job: WorldSFT, records: list[SFTRecord],
-                  console: Any = None) -> dict[str, Any]:
+def run_world_sft(
+    world: Path, out: Path, settings: Any, job: WorldSFT, records: list[SFTRecord], console: Any = None
+) -> dict[str, Any]:
     """Write `records` and `job`'s recipe into OUT, then run (or resume) sleuth's SFT; its result."""
     # deferred: the recipe schema and SFT load torch; `sleuth --help` imports this module
     from sleuth.rl.config import write_recipe
@@ -150,9 +172,18 @@ def inject_knowledge(world: Path, out: Path, settings: InjectionSettings, consol
     out.mkdir(parents=True, exist_ok=True)
     statements = read_statements(world)
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(settings.model))
-    result = run_world_sft(world, out, settings, INJECTION_SFT, injection_records(statements, tokenizer), console)
-    atomic_write_json(done, {"checkpoint": result["checkpoint"], "statements": len(statements),
-                             "settings": settings.__dict__, "final_loss": result["metrics"].get("sft/loss")})
+    result = run_world_sft(
+        world, out, settings, INJECTION_SFT, injection_records(statements, tokenizer), console
+    )
+    atomic_write_json(
+        done,
+        {
+            "checkpoint": result["checkpoint"],
+            "statements": len(statements),
+            "settings": settings.__dict__,
+            "final_loss": result["metrics"].get("sft/loss"),
+        },
+    )
     return Path(result["checkpoint"])
 
 
@@ -163,24 +194,36 @@ def boundary_questions(world: Path, split: str, limit: int | None) -> list[QAExa
     for ex in questions:
         kind = ex.metadata.get("knowledge")
         if kind not in KNOWLEDGE_TYPES:
-            raise ConfigError(f"{path}: question {ex.id} has no knowledge label; make the world with "
-                              "`sleuth synth --known-fraction F`")
+            raise ConfigError(
+                f"{path}: question {ex.id} has no knowledge label; make the world with "
+                "`sleuth synth --known-fraction F`"
+            )
         ex.metadata["dataset"] = kind
     return questions
 
 
-def boundary_check(world: Path, model: str, out: Path, split: str = "test", limit: int | None = None) -> dict[str, Any]:
+def boundary_check(
+    world: Path, model: str, out: Path, split: str = "test", limit: int | None = None
+) -> dict[str, Any]:
     """`direct` (closed-book) accuracy per knowledge type, with 95% bootstrap intervals; written to
     out/boundary.json as {type: {"n", "em", "em_ci"}} plus "known_minus_unknown" (EM points)."""
     # deferred: the harness loads model and hub code; `sleuth --help` imports this module
     from sleuth.eval.harness import EvalConfig, EvalOutput, evaluate
 
     questions = boundary_questions(world, split, limit)
-    summary = evaluate(["direct"], questions, model=model, config=EvalConfig(answer_max_new_tokens=24),
-                       out_dir=EvalOutput(Path(out) / "eval_direct"))
+    summary = evaluate(
+        ["direct"],
+        questions,
+        model=model,
+        config=EvalConfig(answer_max_new_tokens=24),
+        out_dir=EvalOutput(Path(out) / "eval_direct"),
+    )
     rows = summary["methods"]["direct"]
-    result: dict[str, Any] = {t: {"n": rows[t]["n"], "em": rows[t]["em"], "em_ci": rows[t]["em_ci"]}
-                              for t in KNOWLEDGE_TYPES if t in rows}
+    result: dict[str, Any] = {
+        t: {"n": rows[t]["n"], "em": rows[t]["em"], "em_ci": rows[t]["em_ci"]}
+        for t in KNOWLEDGE_TYPES
+        if t in rows
+    }
     if "all-known" in result and "all-unknown" in result:
         result["known_minus_unknown"] = result["all-known"]["em"] - result["all-unknown"]["em"]
     atomic_write_json(Path(out) / BOUNDARY_FILE, {"model": model, "split": split, **result})
@@ -210,16 +253,25 @@ def label_by_model(world: Path, model: str, out: Path, batch_size: int = 64) -> 
     for split in LABELLED_SPLITS:
         questions = read_qa_jsonl(Path(world) / f"{split}.jsonl")
         folder = out / f"closed_book_{split}"
-        evaluate(["direct"], questions, model=model, config=EvalConfig(answer_max_new_tokens=24, batch_size=batch_size),
-                 out_dir=EvalOutput(folder))
-        right = {r["id"]: r["metrics"]["em"] > 0
-                 for r in read_appended(folder / "direct" / "predictions.jsonl").records}
+        evaluate(
+            ["direct"],
+            questions,
+            model=model,
+            config=EvalConfig(answer_max_new_tokens=24, batch_size=batch_size),
+            out_dir=EvalOutput(folder),
+        )
+        right = {
+            r["id"]: r["metrics"]["em"] > 0
+            for r in read_appended(folder / "direct" / "predictions.jsonl").records
+        }
         moved: dict[str, int] = {}
         for ex in questions:
             was = ex.metadata.get("knowledge")
             if was not in KNOWLEDGE_TYPES:
-                raise ConfigError(f"{world}/{split}.jsonl: question {ex.id} has no knowledge label; make the world "
-                                  "with `sleuth synth --known-fraction F`")
+                raise ConfigError(
+                    f"{world}/{split}.jsonl: question {ex.id} has no knowledge label; make the world "
+                    "with `sleuth synth --known-fraction F`"
+                )
             now = KNOWN if right.get(ex.id) else (NOT_RECALLED if was == KNOWN else was)
             ex.metadata["knowledge_by_world"], ex.metadata["knowledge"] = was, now
             moved[f"{was} -> {now}"] = moved.get(f"{was} -> {now}", 0) + 1
@@ -240,27 +292,42 @@ def sampled_closed_book(model: str, questions: list[QAExample], samples: int, te
     if not questions:
         return {"n": 0, "samples": samples, "em": None}
     generator = resolve_generator(model)
-    prompts = [[{"role": "user", "content": DIRECT_PROMPT.format(question=q.question.strip())}] for q in questions]
+    prompts = [
+        [{"role": "user", "content": DIRECT_PROMPT.format(question=q.question.strip())}] for q in questions
+    ]
     right = []
     for k in range(samples):
         params = SamplingParams(max_new_tokens=24, temperature=temperature, seed=seed + k)
         gens = generator.generate(prompts, ["</answer>"], params)
-        right += [exact_match(parse_answer(g.text), q.golden_answers) for g, q in zip(gens, questions, strict=True)]
-    return {"n": len(questions), "samples": samples, "temperature": temperature, "em": sum(right) / len(right)}
+        right += [
+            exact_match(parse_answer(g.text), q.golden_answers) for g, q in zip(gens, questions, strict=True)
+        ]
+    return {
+        "n": len(questions),
+        "samples": samples,
+        "temperature": temperature,
+        "em": sum(right) / len(right),
+    }
 
 
 def register(app: typer.Typer) -> None:
     @app.command("inject-knowledge")
     def inject_cmd(
         world: Path = typer.Argument(..., help="A world made by `sleuth synth --known-fraction F`."),
-        out: Path = typer.Option(..., "--out", help="Run directory (the SFT checkpoint, injected.json, boundary.json)."),
+        out: Path = typer.Option(
+            ..., "--out", help="Run directory (the SFT checkpoint, injected.json, boundary.json)."
+        ),
         model: str = typer.Option("smollm2-135m-instruct", help="Base model (alias, directory)."),
         epochs: int = typer.Option(12, min=1, help="SFT epochs over the closed-book statements."),
         lr: float = typer.Option(3e-3, min=0.0, help="SFT learning rate."),
         batch_size: int = typer.Option(128, min=1, help="Statements per optimizer step."),
         lora: bool = typer.Option(True, "--lora/--full", help="LoRA adapters (default) or full fine-tuning."),
-        check_split: str = typer.Option("test", help="Split whose questions the boundary check answers closed-book."),
-        check_limit: int = typer.Option(None, help="At most this many questions in the check (default: all)."),
+        check_split: str = typer.Option(
+            "test", help="Split whose questions the boundary check answers closed-book."
+        ),
+        check_limit: int = typer.Option(
+            None, help="At most this many questions in the check (default: all)."
+        ),
     ) -> None:
         """Teach a model a world's known facts (SFT), then check direct accuracy on known vs unknown questions."""
         from rich.console import Console
@@ -277,5 +344,7 @@ def register(app: typer.Typer) -> None:
             if kind in result:
                 row = result[kind]
                 lo, hi = row["em_ci"]
-                console.print(f"direct EM {kind:12s} n={row['n']:4d}  {100 * row['em']:.1f} [{100 * lo:.1f}, {100 * hi:.1f}]")
+                console.print(
+                    f"direct EM {kind:12s} n={row['n']:4d}  {100 * row['em']:.1f} [{100 * lo:.1f}, {100 * hi:.1f}]"
+                )
         console.print(f"injected checkpoint: {ckpt}")

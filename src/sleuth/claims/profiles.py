@@ -40,9 +40,21 @@ class StagedProfile(ClaimProfile):
 
 
 # the tiny random model on a 40-passage world: every stage runs on 2 CPU cores in a few minutes
-CPU_PIPELINE = DemoSize(model="tiny", passages=40, questions=100, hops=(1, 2), committed_questions=0, sft_questions=12,
-                        sft_epochs=2, train_steps=2, prompts_per_step=2, n=4, max_new_tokens=16, lr=1e-3,
-                        eval_questions=30)
+CPU_PIPELINE = DemoSize(
+    model="tiny",
+    passages=40,
+    questions=100,
+    hops=(1, 2),
+    committed_questions=0,
+    sft_questions=12,
+    sft_epochs=2,
+    train_steps=2,
+    prompts_per_step=2,
+    n=4,
+    max_new_tokens=16,
+    lr=1e-3,
+    eval_questions=30,
+)
 # sized like bench/learning.py's GPU runs, with 30 RL steps and no committed-searcher check
 GPU_PIPELINE = replace(GPU, committed_questions=0, train_steps=30)
 
@@ -50,10 +62,24 @@ GPU_PIPELINE = replace(GPU, committed_questions=0, train_steps=30)
 # which needs adapters) and a trained reader. Three seeds on the GPU: the verdict pools them and needs a noise floor.
 PLAIN_PROFILES = {
     "cpu": ClaimProfile(
-        pipeline=CPU_PIPELINE, splits=(0.6, 0.1, 0.3), lora=True, test_questions=30, accuracy_margin=0.02,
-        sizes=(2, 4), enforce_premise=False, reader=ReaderSettings(model="tiny", distractors=1, epochs=2, lr=3e-3, batch_size=8, lora=False)),
+        pipeline=CPU_PIPELINE,
+        splits=(0.6, 0.1, 0.3),
+        lora=True,
+        test_questions=30,
+        accuracy_margin=0.02,
+        sizes=(2, 4),
+        enforce_premise=False,
+        reader=ReaderSettings(model="tiny", distractors=1, epochs=2, lr=3e-3, batch_size=8, lora=False),
+    ),
     "gpu": ClaimProfile(
-        pipeline=replace(GPU_PIPELINE, questions=8000), splits=(0.8, 0.1, 0.1), lora=True, test_questions=500,
-        accuracy_margin=0.02, sizes=(25, 100, 400, 1600), seeds=3, min_rl_steps=20,
-        reader=ReaderSettings(model="smollm2-135m-instruct", distractors=2, epochs=2, lr=3e-4, batch_size=16)),
+        pipeline=replace(GPU_PIPELINE, questions=8000),
+        splits=(0.8, 0.1, 0.1),
+        lora=True,
+        test_questions=500,
+        accuracy_margin=0.02,
+        sizes=(25, 100, 400, 1600),
+        seeds=3,
+        min_rl_steps=20,
+        reader=ReaderSettings(model="smollm2-135m-instruct", distractors=2, epochs=2, lr=3e-4, batch_size=16),
+    ),
 }

@@ -22,10 +22,19 @@ from sleuth.claims.stats import metric, paired_on
 from sleuth.claims.steps import Arm, cold_start, evaluate, setting, train_rl
 
 NO_BLOCK = (setting("agent.options.evidence_block", False),)
-ARMS = (Arm("with_evidence", "r_search"),
-        Arm("without_evidence", "r_search", (setting("reward.options.use_evidence_reward", False),)),
-        Arm("no_evidence_block", "r_search", (*NO_BLOCK, setting("reward.options.use_evidence_reward", False),
-                                              setting("reward.options.use_evidence_format", False))))
+ARMS = (
+    Arm("with_evidence", "r_search"),
+    Arm("without_evidence", "r_search", (setting("reward.options.use_evidence_reward", False),)),
+    Arm(
+        "no_evidence_block",
+        "r_search",
+        (
+            *NO_BLOCK,
+            setting("reward.options.use_evidence_reward", False),
+            setting("reward.options.use_evidence_format", False),
+        ),
+    ),
+)
 COLD_STARTS = {"no_evidence_block": "sft_no_evidence_block"}  # the other arms share sft_r_search
 SHARED_SFT = "sft_r_search"
 
@@ -36,7 +45,9 @@ def _sft_of(arm: Arm) -> str:
 
 def _train(run: Any, arm: Arm) -> dict[str, Any]:
     reader = setting("reward.generator", run.result("reader")["reader"])
-    return train_rl(run, Arm(arm.name, arm.method, (*arm.overrides, reader)), run.result(_sft_of(arm))["sft_checkpoint"])
+    return train_rl(
+        run, Arm(arm.name, arm.method, (*arm.overrides, reader)), run.result(_sft_of(arm))["sft_checkpoint"]
+    )
 
 
 DECISIVE_ROW = "F1 vs the paper's ablation (no evidence block)"
@@ -48,43 +59,79 @@ class RSearchClaim(ClaimSpec):
 
     def stages(self, profile: str) -> list[Stage]:
         shared = tuple(arm.name for arm in ARMS if arm.name not in COLD_STARTS)
-        plan = [*world_and_reader(),
-                Stage(SHARED_SFT, lambda run: cold_start(run, "r_search", None), arms=shared, per_seed=True),
-                # its own folder: an arm's RL run directory is its name's
-                *(Stage(sft, lambda run, n=sft: cold_start(run, "r_search", None, NO_BLOCK, n), arms=(name,),
-                        per_seed=True) for name, sft in COLD_STARTS.items())]
+        plan = [
+            *world_and_reader(),
+            Stage(SHARED_SFT, lambda run: cold_start(run, "r_search", None), arms=shared, per_seed=True),
+            # its own folder: an arm's RL run directory is its name's
+            *(
+                Stage(
+                    sft,
+                    lambda run, n=sft: cold_start(run, "r_search", None, NO_BLOCK, n),
+                    arms=(name,),
+                    per_seed=True,
+                )
+                for name, sft in COLD_STARTS.items()
+            ),
+        ]
         for arm in ARMS:
             plan += [
-                Stage(f"train_{arm.name}", lambda run, a=arm: _train(run, a),
-                      (f"{_sft_of(arm)}.sft_checkpoint", "reader.reader"), arms=(arm.name,), per_seed=True),
-                Stage(f"eval_{arm.name}", lambda run, a=arm: evaluate(
-                    run, a.method, run.result(f"train_{a.name}")["checkpoint"], a.name),
-                      (f"train_{arm.name}.checkpoint",), arms=(arm.name,), per_seed=True),
+                Stage(
+                    f"train_{arm.name}",
+                    lambda run, a=arm: _train(run, a),
+                    (f"{_sft_of(arm)}.sft_checkpoint", "reader.reader"),
+                    arms=(arm.name,),
+                    per_seed=True,
+                ),
+                Stage(
+                    f"eval_{arm.name}",
+                    lambda run, a=arm: evaluate(
+                        run, a.method, run.result(f"train_{a.name}")["checkpoint"], a.name
+                    ),
+                    (f"train_{arm.name}.checkpoint",),
+                    arms=(arm.name,),
+                    per_seed=True,
+                ),
             ]
         return plan
 
     def tests(self, profile: str) -> list[DecisiveTest]:
-        return [DecisiveTest(DECISIVE_ROW, "eval_with_evidence", "eval_no_evidence_block", metric("f1"), "above", 0.0)]
+        return [
+            DecisiveTest(
+                DECISIVE_ROW, "eval_with_evidence", "eval_no_evidence_block", metric("f1"), "above", 0.0
+            )
+        ]
 
     def table(self, run: Any) -> dict[str, Any]:
         with_ev, without, no_block = (predictions(run, f"eval_{arm.name}") for arm in ARMS)
-        rows = {DECISIVE_ROW: paired_on(with_ev, no_block, metric("f1")),
-                "EM vs the paper's ablation (no evidence block)": paired_on(with_ev, no_block, metric("em")),
-                "F1 vs the evidence reward term off (block kept)": paired_on(with_ev, without, metric("f1")),
-                "EM vs the evidence reward term off (block kept)": paired_on(with_ev, without, metric("em"))}
-        return {"rows": rows, "questions": rows[DECISIVE_ROW]["n"],
-                "rule": "The claim holds when r_search's F1 minus the paper's ablation's (no evidence block, no "
-                        "evidence rewards) has a pooled 95% interval above 0 and exceeds the noise floor (the "
-                        "ablation at two seeds). F1 and EM in points."}
+        rows = {
+            DECISIVE_ROW: paired_on(with_ev, no_block, metric("f1")),
+            "EM vs the paper's ablation (no evidence block)": paired_on(with_ev, no_block, metric("em")),
+            "F1 vs the evidence reward term off (block kept)": paired_on(with_ev, without, metric("f1")),
+            "EM vs the evidence reward term off (block kept)": paired_on(with_ev, without, metric("em")),
+        }
+        return {
+            "rows": rows,
+            "questions": rows[DECISIVE_ROW]["n"],
+            "rule": "The claim holds when r_search's F1 minus the paper's ablation's (no evidence block, no "
+            "evidence rewards) has a pooled 95% interval above 0 and exceeds the noise floor (the "
+            "ablation at two seeds). F1 and EM in points.",
+        }
 
 
-CLAIM = register_claim(RSearchClaim(
-    text=ClaimText(
-        "r_search", "evidence (the block and its rewards) improves over answering without it (the paper's ablation)",
-        "the synthetic world", "a trained reader (sleuth train-reader) as the frozen evidence model; "
-        "oracle-trajectory SFT (r_search loop; without the evidence block for the ablation arm)",
-        "r_search vs the paper's w/o Evidence (no block, no evidence rewards) vs the evidence reward term off, same "
-        "steps and seeds",
-        "held-out questions: F1 and EM of the agent's answer, paired",
-        "r_search minus the paper's ablation: F1 interval above 0"),
-    profiles=PLAIN_PROFILES, columns=("with_evidence", "the other arm")))
+CLAIM = register_claim(
+    RSearchClaim(
+        text=ClaimText(
+            "r_search",
+            "evidence (the block and its rewards) improves over answering without it (the paper's ablation)",
+            "the synthetic world",
+            "a trained reader (sleuth train-reader) as the frozen evidence model; "
+            "oracle-trajectory SFT (r_search loop; without the evidence block for the ablation arm)",
+            "r_search vs the paper's w/o Evidence (no block, no evidence rewards) vs the evidence reward term off, same "
+            "steps and seeds",
+            "held-out questions: F1 and EM of the agent's answer, paired",
+            "r_search minus the paper's ablation: F1 interval above 0",
+        ),
+        profiles=PLAIN_PROFILES,
+        columns=("with_evidence", "the other arm"),
+    )
+)

@@ -41,7 +41,9 @@ from sleuth.rewards.answerer import document_prompt
 from sleuth.rewards.metrics import exact_match
 from sleuth.utils import atomic_write_json
 
-READER_LOOP = "s3"  # SFT records and searcher.json need a registered loop; the reader prompt uses no loop tags
+READER_LOOP = (
+    "s3"  # SFT records and searcher.json need a registered loop; the reader prompt uses no loop tags
+)
 # one pass a 16-record step on a GPU (the cost is per pass: sleuth.claims.knowledge's INJECTION_SFT)
 READER_SFT = WorldSFT("train-reader", READER_LOOP, "reader_sft.jsonl", "reader_recipe.yaml", 16)
 READER_FILE = "reader.json"  # OUT/reader.json: the finished reader, its settings and its SFT loss
@@ -61,7 +63,9 @@ def check_templates(templates: Sequence[str]) -> tuple[str, ...]:
 @dataclass(frozen=True)
 class ReaderSettings:
     model: str = "smollm2-135m-instruct"
-    templates: tuple[str, ...] = ()  # reader prompts to train on, each question once per prompt (): all registered
+    templates: tuple[
+        str, ...
+    ] = ()  # reader prompts to train on, each question once per prompt (): all registered
     distractors: int = 2  # BM25 hits that are not gold, mixed in so the reader learns to pick
     questions: int | None = None  # at most this many training questions (None: the whole train split)
     epochs: int = 3
@@ -81,10 +85,14 @@ class ReaderSettings:
 def _world_files(world: Path, split: str) -> tuple[Path, Path]:
     data, index = Path(world) / f"{split}.jsonl", Path(world) / "bm25"
     if not data.exists():
-        raise ConfigError(f"{data} does not exist: pass a world made by `sleuth synth` (it writes {split}.jsonl)")
+        raise ConfigError(
+            f"{data} does not exist: pass a world made by `sleuth synth` (it writes {split}.jsonl)"
+        )
     if not (index / "manifest.json").exists():
-        raise ConfigError(f"{index} is not an index: build it with `sleuth index {Path(world) / 'corpus.jsonl'} "
-                          f"--kind bm25 --out {index}`")
+        raise ConfigError(
+            f"{index} is not an index: build it with `sleuth index {Path(world) / 'corpus.jsonl'} "
+            f"--kind bm25 --out {index}`"
+        )
     return data, index
 
 
@@ -93,14 +101,18 @@ def gold_questions(path: Path, limit: int | None) -> list[QAExample]:
     questions = read_qa_jsonl(path)[:limit]
     missing = [ex.id for ex in questions if not ex.metadata.get("supporting_ids")]
     if missing:
-        raise ConfigError(f"{path}: question {missing[0]} (and {len(missing) - 1} more) has no gold passages "
-                          "(metadata.supporting_ids); train the reader on a world made by `sleuth synth`")
+        raise ConfigError(
+            f"{path}: question {missing[0]} (and {len(missing) - 1} more) has no gold passages "
+            "(metadata.supporting_ids); train the reader on a world made by `sleuth synth`"
+        )
     if not questions:
         raise ConfigError(f"{path} holds no questions")
     return questions
 
 
-def reader_documents(retriever: Any, questions: Sequence[QAExample], distractors: int, seed: int) -> list[list[Hit]]:
+def reader_documents(
+    retriever: Any, questions: Sequence[QAExample], distractors: int, seed: int
+) -> list[list[Hit]]:
     """Each question's gold passages plus up to `distractors` of its BM25 hits that are not gold, shuffled
     with a generator seeded by `seed` (the same documents every run)."""
     golds = gold_passages(retriever, questions)
@@ -131,13 +143,23 @@ def reader_records(questions: Sequence[QAExample], docs: Sequence[Sequence[Hit]]
             prompt_text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
             response_text = ex.golden_answers[0]
             prompt_ids = list(tokenizer.encode(prompt_text, add_special_tokens=False))
-            response_ids = list(tokenizer.encode(response_text, add_special_tokens=False)) + ([] if eos is None else [eos])
-            records.append(SFTRecord(
-                loop=READER_LOOP, prompt_ids=prompt_ids, response_ids=response_ids,
-                loss_mask=[1] * len(response_ids), source=f"reader-{template}", question_id=str(ex.id),
-                question=ex.question, golden_answers=list(ex.golden_answers), prompt_text=prompt_text,
-                response_text=response_text,
-            ))
+            response_ids = list(tokenizer.encode(response_text, add_special_tokens=False)) + (
+                [] if eos is None else [eos]
+            )
+            records.append(
+                SFTRecord(
+                    loop=READER_LOOP,
+                    prompt_ids=prompt_ids,
+                    response_ids=response_ids,
+                    loss_mask=[1] * len(response_ids),
+                    source=f"reader-{template}",
+                    question_id=str(ex.id),
+                    question=ex.question,
+                    golden_answers=list(ex.golden_answers),
+                    prompt_text=prompt_text,
+                    response_text=response_text,
+                )
+            )
     return records
 
 
@@ -161,13 +183,23 @@ def train_reader(world: Path, out: Path, settings: ReaderSettings, console: Any 
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(settings.model))
     if not getattr(tokenizer, "chat_template", None):
-        raise ConfigError(f"model {settings.model!r} has no chat template; the reader prompts are chat messages")
+        raise ConfigError(
+            f"model {settings.model!r} has no chat template; the reader prompts are chat messages"
+        )
     docs = reader_documents(resolve_retriever(index), questions, settings.distractors, settings.seed)
     records = reader_records(questions, docs, tokenizer, check_templates(settings.templates))
     result = run_world_sft(world, out, settings, READER_SFT, records, console)
     reader = export_searcher(result["checkpoint"], out / READER_DIR, overwrite=True)
-    atomic_write_json(done, {"reader": str(reader), "checkpoint": result["checkpoint"], "questions": len(questions),
-                             "settings": asdict(settings), "final_loss": result["metrics"].get("sft/loss")})
+    atomic_write_json(
+        done,
+        {
+            "reader": str(reader),
+            "checkpoint": result["checkpoint"],
+            "questions": len(questions),
+            "settings": asdict(settings),
+            "final_loss": result["metrics"].get("sft/loss"),
+        },
+    )
     return reader
 
 
@@ -186,8 +218,9 @@ def reader_check(world: Path, reader: str, out: Path, split: str = "test", limit
     docs = gold_passages(resolve_retriever(index), questions)
     result: dict[str, Any] = {}
     for template in templates:
-        predictions, _, _ = read_documents(generator, questions, docs, BaselineSettings(answer_max_new_tokens=24),
-                                           template)
+        predictions, _, _ = read_documents(
+            generator, questions, docs, BaselineSettings(answer_max_new_tokens=24), template
+        )
         em = [exact_match(p, ex.golden_answers) for p, ex in zip(predictions, questions, strict=True)]
         lo, hi = bootstrap_ci(em)
         result[template] = {"n": len(em), "em": sum(em) / len(em), "em_ci": [lo, hi]}
@@ -198,19 +231,30 @@ def reader_check(world: Path, reader: str, out: Path, split: str = "test", limit
 def register(app: typer.Typer) -> None:
     @app.command("train-reader")
     def train_reader_cmd(
-        world: Path = typer.Argument(..., help="A world made by `sleuth synth` with its BM25 index (WORLD/bm25)."),
-        out: Path = typer.Option(..., "--out", help="Run directory: the SFT checkpoint, OUT/reader, reader.json."),
+        world: Path = typer.Argument(
+            ..., help="A world made by `sleuth synth` with its BM25 index (WORLD/bm25)."
+        ),
+        out: Path = typer.Option(
+            ..., "--out", help="Run directory: the SFT checkpoint, OUT/reader, reader.json."
+        ),
         model: str = typer.Option("smollm2-135m-instruct", help="Base model (alias, directory)."),
-        templates: str = typer.Option("", help="Reader prompts to train on, comma-separated (default: every "
-                                      "registered reader: `sleuth methods` lists the methods that bring one)."),
+        templates: str = typer.Option(
+            "",
+            help="Reader prompts to train on, comma-separated (default: every "
+            "registered reader: `sleuth methods` lists the methods that bring one).",
+        ),
         distractors: int = typer.Option(2, help="Non-gold BM25 hits mixed into each question's passages."),
         questions: int = typer.Option(None, help="At most this many training questions (default: all)."),
         epochs: int = typer.Option(3, min=1, help="SFT epochs."),
         lr: float = typer.Option(3e-4, min=0.0, help="SFT learning rate."),
         batch_size: int = typer.Option(16, min=1, help="Records per optimizer step."),
         lora: bool = typer.Option(True, "--lora/--full", help="LoRA adapters (default) or full fine-tuning."),
-        check_split: str = typer.Option("test", help="Split whose gold passages the check reads ('' skips it)."),
-        check_limit: int = typer.Option(None, help="At most this many questions in the check (default: all)."),
+        check_split: str = typer.Option(
+            "test", help="Split whose gold passages the check reads ('' skips it)."
+        ),
+        check_limit: int = typer.Option(
+            None, help="At most this many questions in the check (default: all)."
+        ),
     ) -> None:
         """Train a frozen reader (question + gold passages -> answer), then check its EM from gold passages."""
         from rich.console import Console
@@ -218,15 +262,27 @@ def register(app: typer.Typer) -> None:
         console = Console()
         try:
             chosen = tuple(t.strip() for t in templates.split(",") if t.strip())
-            settings = ReaderSettings(model=model, templates=chosen, distractors=distractors, questions=questions,
-                                      epochs=epochs, lr=lr, batch_size=batch_size, lora=lora)
+            settings = ReaderSettings(
+                model=model,
+                templates=chosen,
+                distractors=distractors,
+                questions=questions,
+                epochs=epochs,
+                lr=lr,
+                batch_size=batch_size,
+                lora=lora,
+            )
             reader = train_reader(world, out, settings, console)
-            result = reader_check(world, str(reader), out, check_split, check_limit, chosen) if check_split else {}
+            result = (
+                reader_check(world, str(reader), out, check_split, check_limit, chosen) if check_split else {}
+            )
         except SleuthError as err:
             console.print(f"[red]error:[/] {err}")
             raise typer.Exit(2) from None
         for template, row in result.items():
             lo, hi = row["em_ci"]
-            console.print(f"gold-passage EM, {template} prompt: n={row['n']}  {100 * row['em']:.1f} "
-                          f"[{100 * lo:.1f}, {100 * hi:.1f}]")
+            console.print(
+                f"gold-passage EM, {template} prompt: n={row['n']}  {100 * row['em']:.1f} "
+                f"[{100 * lo:.1f}, {100 * hi:.1f}]"
+            )
         console.print(f"reader: {reader}  (use as `sleuth eval --generator` or a recipe's reward.generator)")

@@ -50,8 +50,10 @@ def _interval(ci: list[float] | None, pct: bool) -> str:
 
 def paired_row(label: str, row: dict[str, Any], pct: bool) -> str:
     """One paired row (`sleuth.claims.stats.paired`): n, each side, the difference and its interval."""
-    return (f"<tr><td>{label}</td><td>{row['n']}</td><td>{_value(row['a'], pct)}</td><td>{_value(row['b'], pct)}</td>"
-            f"<td>{_fmt(row['diff'], pct)}</td><td>{_interval(row['ci'], pct)}</td></tr>")
+    return (
+        f"<tr><td>{label}</td><td>{row['n']}</td><td>{_value(row['a'], pct)}</td><td>{_value(row['b'], pct)}</td>"
+        f"<td>{_fmt(row['diff'], pct)}</td><td>{_interval(row['ci'], pct)}</td></tr>"
+    )
 
 
 def _rows_table(table: dict[str, Any], columns: tuple[str, str], seed: int) -> str:
@@ -59,9 +61,13 @@ def _rows_table(table: dict[str, Any], columns: tuple[str, str], seed: int) -> s
     for name, row in table["rows"].items():
         pct = not name.startswith("retrievals")  # accuracies in points, retrieval counts as they are
         cells.append(paired_row(html.escape(name), row, pct))
-    return (f"<table id='claim'><caption>Every measure, training seed {seed} (paired by question)</caption>\n"
-            f"<tr><th>measure</th><th>n</th><th>{html.escape(columns[0])}</th><th>{html.escape(columns[1])}</th>"
-            "<th>difference</th><th>95% interval (paired bootstrap)</th></tr>\n" + "\n".join(cells) + "\n</table>\n")
+    return (
+        f"<table id='claim'><caption>Every measure, training seed {seed} (paired by question)</caption>\n"
+        f"<tr><th>measure</th><th>n</th><th>{html.escape(columns[0])}</th><th>{html.escape(columns[1])}</th>"
+        "<th>difference</th><th>95% interval (paired bootstrap)</th></tr>\n"
+        + "\n".join(cells)
+        + "\n</table>\n"
+    )
 
 
 def _seeds_table(seeds: dict[str, Any]) -> str:
@@ -72,42 +78,71 @@ def _seeds_table(seeds: dict[str, Any]) -> str:
         unit = "points" if pct else "per question"
         rows = [paired_row(f"seed {r['seed']}", r, pct) for r in test["per_seed"]]
         pooled = test["pooled"]
-        rows.append(f"<tr><th>pooled ({pooled['seeds']} seeds)</th><td></td><td></td><td></td>"
-                    f"<th>{_fmt(pooled['diff'], pct)}</th><th>{_interval(pooled['ci'], pct)}</th></tr>")
+        rows.append(
+            f"<tr><th>pooled ({pooled['seeds']} seeds)</th><td></td><td></td><td></td>"
+            f"<th>{_fmt(pooled['diff'], pct)}</th><th>{_interval(pooled['ci'], pct)}</th></tr>"
+        )
         floor = test["floor"]
         if floor is None:
-            rows.append("<tr><td>noise floor</td><td colspan='5' class='note'>not measured: one seed</td></tr>")
+            rows.append(
+                "<tr><td>noise floor</td><td colspan='5' class='note'>not measured: one seed</td></tr>"
+            )
         else:
-            rows.append(paired_row(f"noise floor: baseline seed {floor['seeds'][1]} vs seed {floor['seeds'][0]}",
-                                    floor, pct))
+            rows.append(
+                paired_row(
+                    f"noise floor: baseline seed {floor['seeds'][1]} vs seed {floor['seeds'][0]}", floor, pct
+                )
+            )
         side = "above" if test["side"] == "above" else "below"
         parts.append(
             f"<table class='seeds'><caption>{html.escape(test['row'])}: {html.escape(test['treated'])} minus "
             f"{html.escape(test['baseline'])}, claimed {side} {_fmt(test['threshold'], pct)} ({unit}) &mdash; "
             f"<span class='{_css(test['verdict'])}'>{html.escape(test['verdict'])}</span></caption>\n"
             "<tr><th>comparison</th><th>n</th><th>treated</th><th>baseline</th><th>difference</th>"
-            "<th>95% interval</th></tr>\n" + "\n".join(rows) + f"\n</table>\n<p class='note'>{html.escape(test['why'])}"
-            "</p>\n")
+            "<th>95% interval</th></tr>\n"
+            + "\n".join(rows)
+            + f"\n</table>\n<p class='note'>{html.escape(test['why'])}"
+            "</p>\n"
+        )
     return "<section id='seeds'><h2>Verdict over seeds</h2>\n" + "".join(parts) + "</section>\n"
 
 
 def _premise_section(premise: dict[str, Any] | None) -> str:
     if premise is None:
         return ""
-    rows = "".join(f"<tr><td>{html.escape(c['check'])}</td><td>{html.escape(str(c['value']))}</td>"
-                   f"<td>{html.escape(str(c['needed']))}</td><td class='{'met' if c['met'] else 'unmet'}'>"
-                   f"{'met' if c['met'] else 'not met'}</td></tr>" for c in premise["checks"])
-    state = "met" if premise["met"] else ("not met: the arms were trained anyway (--force, or a rehearsal profile), so "
-                                          "the verdict is at most 'not shown'")
-    table = ("<table id='premise'><tr><th>check</th><th>measured</th><th>needed</th><th></th></tr>" + rows + "</table>"
-             if rows else "")
-    return (f"<section id='premise-check'><h2>Premise: {state}</h2>{table}<p class='note'>"
-            f"{html.escape(premise.get('note', ''))}</p></section>\n")
+    rows = "".join(
+        f"<tr><td>{html.escape(c['check'])}</td><td>{html.escape(str(c['value']))}</td>"
+        f"<td>{html.escape(str(c['needed']))}</td><td class='{'met' if c['met'] else 'unmet'}'>"
+        f"{'met' if c['met'] else 'not met'}</td></tr>"
+        for c in premise["checks"]
+    )
+    state = (
+        "met"
+        if premise["met"]
+        else (
+            "not met: the arms were trained anyway (--force, or a rehearsal profile), so "
+            "the verdict is at most 'not shown'"
+        )
+    )
+    table = (
+        "<table id='premise'><tr><th>check</th><th>measured</th><th>needed</th><th></th></tr>"
+        + rows
+        + "</table>"
+        if rows
+        else ""
+    )
+    return (
+        f"<section id='premise-check'><h2>Premise: {state}</h2>{table}<p class='note'>"
+        f"{html.escape(premise.get('note', ''))}</p></section>\n"
+    )
 
 
 def verdict_sentence(verdict: str) -> str:
-    return {"holds": "The claim holds.", "not shown": "The claim is not shown.",
-            "does not hold": "The claim does not hold."}.get(verdict, f"Verdict: {verdict}.")
+    return {
+        "holds": "The claim holds.",
+        "not shown": "The claim is not shown.",
+        "does not hold": "The claim does not hold.",
+    }.get(verdict, f"Verdict: {verdict}.")
 
 
 def _css(verdict: str) -> str:
@@ -119,24 +154,50 @@ def _stage_list(out: Path, details: dict[str, Any]) -> str:
     root = str(out)
     items = []
     for name, result in details.items():
-        paths = sorted({str(v).replace(root + "/", "") for v in (result or {}).values()
-                        if isinstance(v, str) and v.startswith(root + "/")}) if isinstance(result, dict) else []
-        items.append(f"<li><b>{html.escape(name)}</b>" + (f": <code>{html.escape(', '.join(paths))}</code>"
-                                                           if paths else "") + "</li>")
-    return "<section id='stages'><h2>Stages</h2><ul>" + "".join(items) + \
-        "</ul><p class='note'>Each stage's full record: OUT/stages/&lt;name&gt;.json.</p></section>\n"
+        paths = (
+            sorted(
+                {
+                    str(v).replace(root + "/", "")
+                    for v in (result or {}).values()
+                    if isinstance(v, str) and v.startswith(root + "/")
+                }
+            )
+            if isinstance(result, dict)
+            else []
+        )
+        items.append(
+            f"<li><b>{html.escape(name)}</b>"
+            + (f": <code>{html.escape(', '.join(paths))}</code>" if paths else "")
+            + "</li>"
+        )
+    return (
+        "<section id='stages'><h2>Stages</h2><ul>"
+        + "".join(items)
+        + "</ul><p class='note'>Each stage's full record: OUT/stages/&lt;name&gt;.json.</p></section>\n"
+    )
 
 
 def _figures(run: Any, seeds: dict[str, Any]) -> str:
     """The first seed's training curves of every arm and the decisive tests' measures by question type."""
-    runs = {name.removeprefix("train_"): Path(result["run"]) for name, result in run.results.items()
-            if name.startswith("train_") and "." not in name and isinstance(result, dict) and "run" in result}
+    runs = {
+        name.removeprefix("train_"): Path(result["run"])
+        for name, result in run.results.items()
+        if name.startswith("train_") and "." not in name and isinstance(result, dict) and "run" in result
+    }
     parts = [training_figure(runs)]
     for spec_test, test in zip(run.spec.tests(run.profile_name), seeds["tests"], strict=True):
-        parts.append(type_bars_figure(test, predictions(run, spec_test.treated), predictions(run, spec_test.baseline),
-                                      spec_test.value))
+        parts.append(
+            type_bars_figure(
+                test,
+                predictions(run, spec_test.treated),
+                predictions(run, spec_test.baseline),
+                spec_test.value,
+            )
+        )
     body = "".join(parts)
-    return f"<section id='figures'><h2>Training and question types (seed {run.base_seed})</h2>{body}</section>\n"
+    return (
+        f"<section id='figures'><h2>Training and question types (seed {run.base_seed})</h2>{body}</section>\n"
+    )
 
 
 def write_report(run: Any, table: dict[str, Any]) -> Path:
@@ -146,10 +207,20 @@ def write_report(run: Any, table: dict[str, Any]) -> Path:
     out, spec, seeds = run.out, run.spec, table["seeds"]
     premise = run.results.get(PREMISE)
     table["holds"] = seeds["holds"]
-    atomic_write_json(out / "report.json", {
-        "claim": asdict(spec.text), "arms": list(spec.columns), "table": table, "seed": run.base_seed,
-        "seeds": list(run.seeds), "verdict": seeds["verdict"], "premise": premise, "profile": run.profile_name,
-        **run.results})
+    atomic_write_json(
+        out / "report.json",
+        {
+            "claim": asdict(spec.text),
+            "arms": list(spec.columns),
+            "table": table,
+            "seed": run.base_seed,
+            "seeds": list(run.seeds),
+            "verdict": seeds["verdict"],
+            "premise": premise,
+            "profile": run.profile_name,
+            **run.results,
+        },
+    )
     verdict = seeds["verdict"]
     why = "; ".join(f"{t['row']}: {t['verdict']} ({t['why']})" for t in seeds["tests"])
     if not seeds.get("premise_met", True):
@@ -162,14 +233,19 @@ def write_report(run: Any, table: dict[str, Any]) -> Path:
         f"{', '.join(map(str, run.seeds))}; {table['questions']} held-out questions</div></header><main>\n"
         f"<div class='banner {_css(verdict)}' id='verdict'>{verdict_sentence(verdict)}"
         f"<span class='why'>{html.escape(why)}</span></div>\n"
-        + _seeds_table(seeds) + _premise_section(premise)
-        + "<section><h2>Every measure</h2>" + _rows_table(table, spec.columns, run.base_seed)
+        + _seeds_table(seeds)
+        + _premise_section(premise)
+        + "<section><h2>Every measure</h2>"
+        + _rows_table(table, spec.columns, run.base_seed)
         + f"<p class='note'>{html.escape(table['rule'])}</p><p>Training seed of the arms: {run.base_seed}.</p>"
-        + spec.figure_html(run, table) + "</section>\n"
+        + spec.figure_html(run, table)
+        + "</section>\n"
         + _figures(run, seeds)
-        + "<section><h2>Plan</h2><ul>" + "".join(f"<li><b>{k}</b>: {html.escape(str(v))}</li>"
-                                                  for k, v in asdict(spec.text).items()) + "</ul></section>\n"
-        + _stage_list(out, run.results) + "</main></body></html>\n"
+        + "<section><h2>Plan</h2><ul>"
+        + "".join(f"<li><b>{k}</b>: {html.escape(str(v))}</li>" for k, v in asdict(spec.text).items())
+        + "</ul></section>\n"
+        + _stage_list(out, run.results)
+        + "</main></body></html>\n"
     )
     atomic_write_text(out / "report.html", page)
     return out / "report.html"
@@ -200,7 +276,9 @@ def training_figure(runs: dict[str, Path]) -> str:
         return ""
     fig = Figure(figsize=(9, 3.2), dpi=100, layout="constrained")
     FigureCanvasAgg(fig)
-    for i, (key, label) in enumerate((("reward/mean", "mean reward"), ("retrieval_count", "retrievals a rollout"))):
+    for i, (key, label) in enumerate(
+        (("reward/mean", "mean reward"), ("retrieval_count", "retrievals a rollout"))
+    ):
         ax = fig.add_subplot(1, 2, i + 1)
         for arm, rows in series.items():
             points = [(r["step"], r[key]) for r in rows if key in r]
@@ -234,12 +312,20 @@ def type_bars_figure(test: dict[str, Any], treated: dict[str, dict], baseline: d
             means.append(scale * mean)
             errors[0].append(scale * (mean - lo))
             errors[1].append(scale * (hi - mean))
-        ax.bar([i + (j - 0.5) * width for i in range(len(kinds))], means, width, yerr=errors, capsize=3,
-               label=name.removeprefix("eval_"))
+        ax.bar(
+            [i + (j - 0.5) * width for i in range(len(kinds))],
+            means,
+            width,
+            yerr=errors,
+            capsize=3,
+            label=name.removeprefix("eval_"),
+        )
     ax.set_xticks(range(len(kinds)), kinds, fontsize=8)
     ax.set_ylabel(test["row"][:40])
     ax.legend(fontsize=8)
-    return f"<figure id='types'><img alt='the decisive measure by question type' src='{_png(fig)}'></figure>\n"
+    return (
+        f"<figure id='types'><img alt='the decisive measure by question type' src='{_png(fig)}'></figure>\n"
+    )
 
 
 def curve_figure(curve: dict[str, list[dict[str, Any]]]) -> str:
@@ -253,7 +339,10 @@ def curve_figure(curve: dict[str, list[dict[str, Any]]]) -> str:
     for method, points in curve.items():
         xs = [p["questions"] for p in points]
         ys = [100 * p["em"] for p in points]
-        errors = [[100 * (p["em"] - p["em_ci"][0]) for p in points], [100 * (p["em_ci"][1] - p["em"]) for p in points]]
+        errors = [
+            [100 * (p["em"] - p["em_ci"][0]) for p in points],
+            [100 * (p["em_ci"][1] - p["em"]) for p in points],
+        ]
         ax.errorbar(xs, ys, yerr=errors, marker="o", capsize=3, label=method)
     ax.set_xscale("log")
     ax.set_xlabel("RL training questions")
@@ -280,9 +369,15 @@ def knowledge_table(boundary: dict[str, Any], per_arm: dict[str, dict[str, Any] 
     """The staged claim's per-type table (HTML): for each knowledge type, the injected model's closed-book EM, then
     each arm's EM, retrievals per question, over-retrieval (searched on an all-known question) and under-retrieval
     (answered an unknown-hop question without searching), as the evaluation measured them, with 95% intervals."""
-    head = "<tr><th>questions</th><th>n</th><th>closed-book EM % (injected model)</th>" + "".join(
-        f"<th>{html.escape(arm)} EM %</th><th>{html.escape(arm)} retrievals</th><th>{html.escape(arm)} over-retrieval %"
-        f"</th><th>{html.escape(arm)} under-retrieval %</th>" for arm in per_arm) + "</tr>"
+    head = (
+        "<tr><th>questions</th><th>n</th><th>closed-book EM % (injected model)</th>"
+        + "".join(
+            f"<th>{html.escape(arm)} EM %</th><th>{html.escape(arm)} retrievals</th><th>{html.escape(arm)} over-retrieval %"
+            f"</th><th>{html.escape(arm)} under-retrieval %</th>"
+            for arm in per_arm
+        )
+        + "</tr>"
+    )
     rows = []
     for kind in KNOWLEDGE_ROWS:
         known = boundary.get(kind)
@@ -290,11 +385,14 @@ def knowledge_table(boundary: dict[str, Any], per_arm: dict[str, dict[str, Any] 
         n = next((s["n"] for s in [known, *arms] if s), None)
         if n is None:
             continue
-        cells = "".join(f"<td>{_cell(s, 'em', True)}</td><td>{_cell(s, 'retrieval_count', False)}</td>"
-                        f"<td>{_cell(s, 'over_retrieval', True)}</td><td>{_cell(s, 'under_retrieval', True)}</td>"
-                        for s in arms)
+        cells = "".join(
+            f"<td>{_cell(s, 'em', True)}</td><td>{_cell(s, 'retrieval_count', False)}</td>"
+            f"<td>{_cell(s, 'over_retrieval', True)}</td><td>{_cell(s, 'under_retrieval', True)}</td>"
+            for s in arms
+        )
         rows.append(f"<tr><td>{kind}</td><td>{n}</td><td>{_cell(known, 'em', True)}</td>{cells}</tr>")
-    return ("<table id='knowledge'><caption>By knowledge type: the boundary and each arm's retrieval behaviour "
-            "(over-retrieval: searched on an all-known question; under-retrieval: answered a question with an unknown "
-            "hop without searching)</caption>\n" + head + "\n" + "\n".join(rows) + "\n</table>\n")
-
+    return (
+        "<table id='knowledge'><caption>By knowledge type: the boundary and each arm's retrieval behaviour "
+        "(over-retrieval: searched on an all-known question; under-retrieval: answered a question with an unknown "
+        "hop without searching)</caption>\n" + head + "\n" + "\n".join(rows) + "\n</table>\n"
+    )

@@ -52,16 +52,22 @@ def reused_model(reuse: Path, name: str, world: Path) -> Path:
     """REUSE/NAME, checked to have been trained on `world`; a ConfigError saying what to fix otherwise."""
     model = Path(reuse) / name
     if not (model / "searcher.json").is_file():
-        raise ConfigError(f"--reuse {reuse}: no trained {name} there ({model}/searcher.json missing); pass a folder "
-                          f"holding {name}/ (e.g. checkpoints/claims) or leave --reuse out to train it")
+        raise ConfigError(
+            f"--reuse {reuse}: no trained {name} there ({model}/searcher.json missing); pass a folder "
+            f"holding {name}/ (e.g. checkpoints/claims) or leave --reuse out to train it"
+        )
     record = model / WORLD_RECORD
     if not record.is_file():
-        raise ConfigError(f"--reuse {reuse}: {model} has no {WORLD_RECORD}, so the world it learned is unknown; "
-                          f"leave --reuse out to train it on this run's world")
+        raise ConfigError(
+            f"--reuse {reuse}: {model} has no {WORLD_RECORD}, so the world it learned is unknown; "
+            f"leave --reuse out to train it on this run's world"
+        )
     differing = world_differences(record, world)
     if differing:
-        raise ConfigError(f"--reuse {reuse}: {model} was trained on another world ({', '.join(differing)} differ "
-                          f"from {world}); leave --reuse out to train it on this run's world")
+        raise ConfigError(
+            f"--reuse {reuse}: {model} was trained on another world ({', '.join(differing)} differ "
+            f"from {world}); leave --reuse out to train it on this run's world"
+        )
     return model
 
 
@@ -74,7 +80,9 @@ def _copy_model(model: Path, dest: Path) -> None:
     tmp.rename(dest)
 
 
-def reader_stage(world: Path, out: Path, profile: Any, reuse: Path | None, console: Any = None) -> dict[str, Any]:
+def reader_stage(
+    world: Path, out: Path, profile: Any, reuse: Path | None, console: Any = None
+) -> dict[str, Any]:
     """The claim's trained reader under OUT (trained, or REUSE/reader exported there), with its gold-passage EM
     on the profile's test questions."""
     # deferred: the export loads model and hub code; `sleuth --help` imports this module
@@ -91,20 +99,33 @@ def reader_stage(world: Path, out: Path, profile: Any, reuse: Path | None, conso
         else:  # a checkpoint: its adapters merged into the base
             export_searcher(model, path, overwrite=True)
     write_world_record(path, world)
-    return {"reader": str(path), "reused": str(reuse / READER) if reuse else None,
-            "gold_passage_em": reader_check(world, str(path), out, "test", profile.test_questions)}
+    return {
+        "reader": str(path),
+        "reused": str(reuse / READER) if reuse else None,
+        "gold_passage_em": reader_check(world, str(path), out, "test", profile.test_questions),
+    }
 
 
-def inject_stage(world: Path, out: Path, profile: Any, reuse: Path | None, console: Any = None) -> dict[str, Any]:
+def inject_stage(
+    world: Path, out: Path, profile: Any, reuse: Path | None, console: Any = None
+) -> dict[str, Any]:
     """The staged claim's knowledge-injected model (trained under OUT, or REUSE/injected), with its closed-book EM
     per question type on the profile's test questions (the knowledge boundary)."""
     if reuse is None:
-        settings = InjectionSettings(model=profile.pipeline.model, epochs=profile.inject_epochs, lr=profile.inject_lr,
-                                     batch_size=profile.inject_batch, lora=profile.lora)
+        settings = InjectionSettings(
+            model=profile.pipeline.model,
+            epochs=profile.inject_epochs,
+            lr=profile.inject_lr,
+            batch_size=profile.inject_batch,
+            lora=profile.lora,
+        )
         checkpoint = inject_knowledge(world, out, settings, console)
         write_world_record(checkpoint, world)
     else:
         checkpoint = out / "reused"
         _copy_model(reused_model(reuse, INJECTED, world), checkpoint)
-    return {"checkpoint": str(checkpoint), "reused": str(reuse / INJECTED) if reuse else None,
-            "boundary": boundary_check(world, str(checkpoint), out, "test", profile.test_questions)}
+    return {
+        "checkpoint": str(checkpoint),
+        "reused": str(reuse / INJECTED) if reuse else None,
+        "boundary": boundary_check(world, str(checkpoint), out, "test", profile.test_questions),
+    }

@@ -67,9 +67,11 @@ def stage_plan(method: str, profile_name: str, seeds: Sequence[int] = (0,)) -> d
     base = seeds[0]
     plan: dict[str, tuple[str, ...]] = {}
     for st, seed, name in expanded(stages, seeds, base):
+
         def rename(load: str, seed: int = seed) -> str:
             head, sep, rest = load.partition(".")
             return (seeded_name(head, seed, base) if head in per_seed else head) + sep + rest
+
         plan[name] = tuple(rename(load) for load in st.loads)
     return plan
 
@@ -115,19 +117,32 @@ def reproduce(method: str, out: Path, profile: str, console: Any = None, part: R
         raise ConfigError(f"--seeds {len(seeds)}: give at least 1 training seed")
     seed, count = seeds.start, len(seeds)
     if only_seed is not None and only_seed not in seeds:
-        raise ConfigError(f"--only-seed {only_seed}: this run's training seeds are {seeds.start}..{seeds.stop - 1}; "
-                          "give one of them, or more --seeds")
+        raise ConfigError(
+            f"--only-seed {only_seed}: this run's training seeds are {seeds.start}..{seeds.stop - 1}; "
+            "give one of them, or more --seeds"
+        )
     independent = spec.arms(profile)
     if arms is not None and not independent:
-        raise ConfigError(f"--arms: the {method} claim's arms run one after another (stage 2 continues stage 1), "
-                          "so they cannot be split over runs; leave --arms out")
+        raise ConfigError(
+            f"--arms: the {method} claim's arms run one after another (stage 2 continues stage 1), "
+            "so they cannot be split over runs; leave --arms out"
+        )
     selection = ArmSelection(arms, independent, method)
     out = out.resolve()  # one spelling of OUT in every stage's paths, whatever the working directory
     write_claim_file(out, method, profile, seed, count)
     stages = spec.stages(profile)
-    run = ClaimRun(out=out, spec=spec, profile_name=profile, profile=sizes, console=console, reuse=reuse,
-                   base_seed=seed, seed=seed, seeds=tuple(range(seed, seed + count)),
-                   per_seed=frozenset(s.name for s in stages if s.per_seed))
+    run = ClaimRun(
+        out=out,
+        spec=spec,
+        profile_name=profile,
+        profile=sizes,
+        console=console,
+        reuse=reuse,
+        base_seed=seed,
+        seed=seed,
+        seeds=tuple(range(seed, seed + count)),
+        per_seed=frozenset(s.name for s in stages if s.per_seed),
+    )
     out.mkdir(parents=True, exist_ok=True)
     pending = []
     for st, at_seed, name in expanded(stages, run.seeds, seed):
@@ -143,21 +158,29 @@ def reproduce(method: str, out: Path, profile: str, console: Any = None, part: R
         if name == PREMISE and not run.results[name]["met"]:
             _refuse_or_force(run.results[name], force, run.profile.enforce_premise, console)
     if pending:
-        raise ArmsPending(f"stages left to other runs: {', '.join(pending)}; the run that finds them done "
-                          f"(or one without --arms) writes the report")
+        raise ArmsPending(
+            f"stages left to other runs: {', '.join(pending)}; the run that finds them done "
+            f"(or one without --arms) writes the report"
+        )
     table = spec.table(run)
     table["seeds"] = verdict_table(run)
     return write_report(run, table)
 
 
 def _refuse_or_force(premise: dict[str, Any], force: bool, enforced: bool, console: Any) -> None:
-    unmet = "; ".join(f"{c['check']}: {c['value']} (needed: {c['needed']})" for c in premise["checks"] if not c["met"])
+    unmet = "; ".join(
+        f"{c['check']}: {c['value']} (needed: {c['needed']})" for c in premise["checks"] if not c["met"]
+    )
     if enforced and not force:
-        raise PremiseUnmet(f"the claim's premise is not met, so its arms cannot test it: {unmet}. Fix the protocol "
-                           f"or rerun with --force to train the arms anyway (the report records the premise)")
+        raise PremiseUnmet(
+            f"the claim's premise is not met, so its arms cannot test it: {unmet}. Fix the protocol "
+            f"or rerun with --force to train the arms anyway (the report records the premise)"
+        )
     if console is not None:
         why = "--force" if enforced else "this profile reports the premise without enforcing it"
-        console.print(f"[yellow]premise not met ({unmet}); {why}: training the arms anyway[/]", highlight=False)
+        console.print(
+            f"[yellow]premise not met ({unmet}); {why}: training the arms anyway[/]", highlight=False
+        )
 
 
 def verdict_table(run: ClaimRun) -> dict[str, Any]:
@@ -168,28 +191,51 @@ def verdict_table(run: ClaimRun) -> dict[str, Any]:
         per_seed, diffs = [], []
         baselines = {s: predictions(run.at(s), test.baseline) for s in run.seeds}
         for s in run.seeds:
-            a, b = paired_values(predictions(run.at(s), test.treated), baselines[s], test.value, keep=test.keep)
+            a, b = paired_values(
+                predictions(run.at(s), test.treated), baselines[s], test.value, keep=test.keep
+            )
             per_seed.append({"seed": s, **paired(a, b)})
             diffs.append([x - y for x, y in zip(a, b, strict=True)])
         if any(not d for d in diffs):
-            raise ConfigError(f"test {test.row!r}: a seed has no question to compare; check the evaluation split")
+            raise ConfigError(
+                f"test {test.row!r}: a seed has no question to compare; check the evaluation split"
+            )
         diff, lo, hi = pooled_paired_bootstrap(diffs)
         floor = None
         if len(run.seeds) >= 2:
             first, second = run.seeds[:2]
             # the second seed's baseline minus the first's
-            floor = {"seeds": [first, second], **paired(*paired_values(baselines[second], baselines[first],
-                                                                        test.value, keep=test.keep))}
-        verdict, why = verdict_of_test(diff, (lo, hi), test.side, test.threshold,
-                                       None if floor is None else floor["diff"])
-        tests.append({"row": test.row, "treated": test.treated, "baseline": test.baseline, "side": test.side,
-                      "threshold": test.threshold, "points": test.points, "per_seed": per_seed,
-                      "pooled": {"seeds": len(run.seeds), "diff": diff, "ci": [lo, hi]}, "floor": floor,
-                      "verdict": verdict, "why": why})
+            floor = {
+                "seeds": [first, second],
+                **paired(*paired_values(baselines[second], baselines[first], test.value, keep=test.keep)),
+            }
+        verdict, why = verdict_of_test(
+            diff, (lo, hi), test.side, test.threshold, None if floor is None else floor["diff"]
+        )
+        tests.append(
+            {
+                "row": test.row,
+                "treated": test.treated,
+                "baseline": test.baseline,
+                "side": test.side,
+                "threshold": test.threshold,
+                "points": test.points,
+                "per_seed": per_seed,
+                "pooled": {"seeds": len(run.seeds), "diff": diff, "ci": [lo, hi]},
+                "floor": floor,
+                "verdict": verdict,
+                "why": why,
+            }
+        )
     verdict = claim_verdict([t["verdict"] for t in tests])
     premise_met = run.results.get(PREMISE, {"met": True})["met"]
     if not premise_met:  # the arms could not test the claim: what they measured is reported, not judged
         verdict = NOT_SHOWN
-    return {"seeds": list(run.seeds), "tests": tests, "verdict": verdict, "holds": verdict == HOLDS,
-            "fails": verdict == DOES_NOT_HOLD, "premise_met": premise_met}
-
+    return {
+        "seeds": list(run.seeds),
+        "tests": tests,
+        "verdict": verdict,
+        "holds": verdict == HOLDS,
+        "fails": verdict == DOES_NOT_HOLD,
+        "premise_met": premise_met,
+    }

@@ -45,13 +45,24 @@ def rl_steps(profile: Any, size: int) -> int:
 
 
 def _arm(run: Any, method: str, size: int) -> Arm:
-    pool = (setting("data.skip_train_examples", run.profile.pipeline.sft_questions),
-            setting("data.max_train_examples", size), setting("trainer.total_steps", rl_steps(run.profile, size)))
+    pool = (
+        setting("data.skip_train_examples", run.profile.pipeline.sft_questions),
+        setting("data.max_train_examples", size),
+        setting("trainer.total_steps", rl_steps(run.profile, size)),
+    )
     if not _reads_with_reader(method):
         return Arm(f"{method}_{size}", method, pool)
     cache = run.result(RAG_BASELINE)["cache"]
-    return Arm(f"{method}_{size}", method, (*pool, setting("reward.generator", run.result("reader")["reader"]),
-                                            setting("reward.baseline_cache", cache), setting("data.hard_from", cache)))
+    return Arm(
+        f"{method}_{size}",
+        method,
+        (
+            *pool,
+            setting("reward.generator", run.result("reader")["reader"]),
+            setting("reward.baseline_cache", cache),
+            setting("data.hard_from", cache),
+        ),
+    )
 
 
 RAG_BASELINE = "rag_baseline"
@@ -66,21 +77,31 @@ def _rag_baseline(run: Any) -> dict[str, Any]:
 
     reward_spec = arm_recipe(run, METHODS[0], None)["reward"]
     reward = get_reward(reward_spec["name"], **reward_spec.get("options", {}))
-    pool = read_qa_jsonl(run.questions / "train.jsonl")[run.profile.pipeline.sft_questions:]
+    pool = read_qa_jsonl(run.questions / "train.jsonl")[run.profile.pipeline.sft_questions :]
     cache = ScoreCache(run.out / RAG_BASELINE / "naive_rag_scores.jsonl")
-    services = RewardServices(generator=load_generator(run.result("reader")["reader"]), baseline_cache=cache,
-                              retriever=load_retriever(run.world / "bm25"))
+    services = RewardServices(
+        generator=load_generator(run.result("reader")["reader"]),
+        baseline_cache=cache,
+        retriever=load_retriever(run.world / "bm25"),
+    )
     batch = run.profile.pipeline.eval_batch_size
     for start in range(0, len(pool), batch):  # the cache is saved after each batch: a cut run resumes
-        reward.baseline_accuracy([Trajectory(q.id, q.question, list(q.golden_answers), METHODS[0])
-                                  for q in pool[start:start + batch]], services)
+        reward.baseline_accuracy(
+            [
+                Trajectory(q.id, q.question, list(q.golden_answers), METHODS[0])
+                for q in pool[start : start + batch]
+            ],
+            services,
+        )
     # counted by the filter the trainer applies (`data.hard_from`), so the premise sees what the arms will train on
     return {"cache": str(cache.path), "pool": len(pool), "naive_rag_wrong": len(keep_hard(pool, cache))}
 
 
 def _evaluate(run: Any, method: str, size: int) -> dict[str, Any]:
     reader = run.result("reader")["reader"] if _reads_with_reader(method) else None
-    return evaluate(run, method, run.result(f"train_{method}_{size}")["checkpoint"], f"{method}_{size}", reader)
+    return evaluate(
+        run, method, run.result(f"train_{method}_{size}")["checkpoint"], f"{method}_{size}", reader
+    )
 
 
 # Two arms that say where a gap comes from: s3 without selection at the smallest size (the paper's ablation: every
@@ -92,13 +113,21 @@ READ_BY_READER = "search_r1_docs_read"
 
 def _no_selection_arm(run: Any, size: int) -> Arm:
     arm = _arm(run, METHODS[0], size)
-    return Arm(f"{NO_SELECTION}_{size}", arm.method, (*arm.overrides, setting("agent.options.use_selection", False)))
+    return Arm(
+        f"{NO_SELECTION}_{size}", arm.method, (*arm.overrides, setting("agent.options.use_selection", False))
+    )
 
 
 def _search_r1_read(run: Any, size: int) -> dict[str, Any]:
     template = get_method(METHODS[0]).reader.name
-    return evaluate(run, METHODS[1], run.result(f"train_{METHODS[1]}_{size}")["checkpoint"],
-                    f"{READ_BY_READER}_{size}", run.result("reader")["reader"], hand_over_template=template)
+    return evaluate(
+        run,
+        METHODS[1],
+        run.result(f"train_{METHODS[1]}_{size}")["checkpoint"],
+        f"{READ_BY_READER}_{size}",
+        run.result("reader")["reader"],
+        hand_over_template=template,
+    )
 
 
 def premise_checks(run: Any) -> dict[str, Any]:
@@ -122,17 +151,36 @@ def premise_checks(run: Any) -> dict[str, Any]:
     hard = run.result(RAG_BASELINE)["naive_rag_wrong"]
     largest, fewest = max(profile.sizes), min(rl_steps(profile, size) for size in profile.sizes)
     checks = [
-        {"check": "RL questions shared with the SFT questions (any arm)", "value": overlap, "needed": 0,
-         "met": overlap == 0},
-        {"check": "naive-RAG-wrong questions for s3 (the paper's filter)", "value": hard, "needed": f">= {largest}",
-         "met": hard >= largest},
-        {"check": "GRPO steps at the smallest size", "value": fewest, "needed": ">= 20 (the paper's)",
-         "met": fewest >= 20},
+        {
+            "check": "RL questions shared with the SFT questions (any arm)",
+            "value": overlap,
+            "needed": 0,
+            "met": overlap == 0,
+        },
+        {
+            "check": "naive-RAG-wrong questions for s3 (the paper's filter)",
+            "value": hard,
+            "needed": f">= {largest}",
+            "met": hard >= largest,
+        },
+        {
+            "check": "GRPO steps at the smallest size",
+            "value": fewest,
+            "needed": ">= 20 (the paper's)",
+            "met": fewest >= 20,
+        },
     ]
-    note = (f"SFT: the first {sft_n} training questions (both arms); RL pools per arm: "
-            + ", ".join(f"{m}_{size} {n}" for (m, size), n in pools.items()) + ".")
-    return {"met": all(c["met"] for c in checks), "checks": checks, "note": note, "rl_questions": {
-        f"{m}_{size}": n for (m, size), n in pools.items()}}
+    note = (
+        f"SFT: the first {sft_n} training questions (both arms); RL pools per arm: "
+        + ", ".join(f"{m}_{size} {n}" for (m, size), n in pools.items())
+        + "."
+    )
+    return {
+        "met": all(c["met"] for c in checks),
+        "checks": checks,
+        "note": note,
+        "rl_questions": {f"{m}_{size}": n for (m, size), n in pools.items()},
+    }
 
 
 class S3Claim(ClaimSpec):
@@ -150,32 +198,71 @@ class S3Claim(ClaimSpec):
         plan = [*world_and_reader(), Stage(RAG_BASELINE, _rag_baseline, ("reader.reader",)), premise_stage()]
         for method in METHODS:  # each cold start runs where one of its arms does: the two run side by side
             extra = (no_selection,) if method == METHODS[0] else ()
-            plan.append(Stage(f"sft_{method}", lambda run, m=method: cold_start(run, m, None),
-                              arms=(*(f"{method}_{size}" for size in sizes), *extra), per_seed=True))
+            plan.append(
+                Stage(
+                    f"sft_{method}",
+                    lambda run, m=method: cold_start(run, m, None),
+                    arms=(*(f"{method}_{size}" for size in sizes), *extra),
+                    per_seed=True,
+                )
+            )
         for size in sizes:
             for method in METHODS:
                 reader = ("reader.reader",) if _reads_with_reader(method) else ()
                 name = f"{method}_{size}"
                 plan += [
-                    Stage(f"train_{name}", lambda run, m=method, s=size: train_rl(
-                        run, _arm(run, m, s), run.result(f"sft_{m}")["sft_checkpoint"]),
-                          (f"sft_{method}.sft_checkpoint", *reader, *((f"{RAG_BASELINE}.cache",) if reader else ())),
-                          arms=(name,), per_seed=True),
-                    Stage(f"eval_{name}", lambda run, m=method, s=size: _evaluate(run, m, s),
-                          (f"train_{name}.checkpoint", *reader), arms=(name,), per_seed=True),
+                    Stage(
+                        f"train_{name}",
+                        lambda run, m=method, s=size: train_rl(
+                            run, _arm(run, m, s), run.result(f"sft_{m}")["sft_checkpoint"]
+                        ),
+                        (
+                            f"sft_{method}.sft_checkpoint",
+                            *reader,
+                            *((f"{RAG_BASELINE}.cache",) if reader else ()),
+                        ),
+                        arms=(name,),
+                        per_seed=True,
+                    ),
+                    Stage(
+                        f"eval_{name}",
+                        lambda run, m=method, s=size: _evaluate(run, m, s),
+                        (f"train_{name}.checkpoint", *reader),
+                        arms=(name,),
+                        per_seed=True,
+                    ),
                 ]
         read = f"{READ_BY_READER}_{largest}"
         plan += [
-            Stage(f"eval_{read}", lambda run: _search_r1_read(run, largest),
-                  (f"train_{METHODS[1]}_{largest}.checkpoint", "reader.reader"), arms=(f"{METHODS[1]}_{largest}",),
-                  per_seed=True),
-            Stage(f"train_{no_selection}", lambda run: train_rl(run, _no_selection_arm(run, smallest), run.result(
-                f"sft_{METHODS[0]}")["sft_checkpoint"]), (f"sft_{METHODS[0]}.sft_checkpoint", "reader.reader",
-                                                          f"{RAG_BASELINE}.cache"), arms=(no_selection,), per_seed=True),
-            Stage(f"eval_{no_selection}", lambda run: evaluate(
-                run, METHODS[0], run.result(f"train_{no_selection}")["checkpoint"], no_selection,
-                run.result("reader")["reader"]), (f"train_{no_selection}.checkpoint", "reader.reader"),
-                  arms=(no_selection,), per_seed=True),
+            Stage(
+                f"eval_{read}",
+                lambda run: _search_r1_read(run, largest),
+                (f"train_{METHODS[1]}_{largest}.checkpoint", "reader.reader"),
+                arms=(f"{METHODS[1]}_{largest}",),
+                per_seed=True,
+            ),
+            Stage(
+                f"train_{no_selection}",
+                lambda run: train_rl(
+                    run, _no_selection_arm(run, smallest), run.result(f"sft_{METHODS[0]}")["sft_checkpoint"]
+                ),
+                (f"sft_{METHODS[0]}.sft_checkpoint", "reader.reader", f"{RAG_BASELINE}.cache"),
+                arms=(no_selection,),
+                per_seed=True,
+            ),
+            Stage(
+                f"eval_{no_selection}",
+                lambda run: evaluate(
+                    run,
+                    METHODS[0],
+                    run.result(f"train_{no_selection}")["checkpoint"],
+                    no_selection,
+                    run.result("reader")["reader"],
+                ),
+                (f"train_{no_selection}.checkpoint", "reader.reader"),
+                arms=(no_selection,),
+                per_seed=True,
+            ),
         ]
         return plan
 
@@ -188,9 +275,16 @@ class S3Claim(ClaimSpec):
 
     def tests(self, profile: str) -> list[DecisiveTest]:
         smallest, largest = self._ends(profile)
-        return [DecisiveTest(f"EM: s3 on {smallest} questions vs search_r1 on {largest}", f"eval_s3_{smallest}",
-                             f"eval_search_r1_{largest}", metric("em"), "above",
-                             -self.profile(profile).accuracy_margin)]
+        return [
+            DecisiveTest(
+                f"EM: s3 on {smallest} questions vs search_r1 on {largest}",
+                f"eval_s3_{smallest}",
+                f"eval_search_r1_{largest}",
+                metric("em"),
+                "above",
+                -self.profile(profile).accuracy_margin,
+            )
+        ]
 
     def table(self, run: Any) -> dict[str, Any]:
         sizes = run.profile.sizes
@@ -199,31 +293,54 @@ class S3Claim(ClaimSpec):
         for size in sizes:
             for method in METHODS:
                 em = [metric("em")(r) for r in preds[method, size].values()]
-                curve[method].append({"questions": size, "em": sum(em) / len(em), "em_ci": list(bootstrap_ci(em))})
+                curve[method].append(
+                    {"questions": size, "em": sum(em) / len(em), "em_ci": list(bootstrap_ci(em))}
+                )
         smallest, largest = self._ends(run.profile_name)
         claim_row = f"EM: s3 on {smallest} questions vs search_r1 on {largest}"
         read = predictions(run, f"eval_{READ_BY_READER}_{largest}")
         no_selection = predictions(run, f"eval_{NO_SELECTION}_{smallest}")
-        rows = {claim_row: paired_on(preds["s3", smallest], preds["search_r1", largest], metric("em")),
-                **{f"EM after RL on {size} training questions": paired_on(preds["s3", size], preds["search_r1", size],
-                                                                         metric("em")) for size in sizes},
-                f"EM: s3 on {smallest} vs search_r1's documents on {largest} read by the same reader": paired_on(
-                    preds["s3", smallest], read, metric("em")),
-                f"EM: s3 on {smallest} vs s3 without selection on {smallest}": paired_on(
-                    preds["s3", smallest], no_selection, metric("em"))}
+        rows = {
+            claim_row: paired_on(preds["s3", smallest], preds["search_r1", largest], metric("em")),
+            **{
+                f"EM after RL on {size} training questions": paired_on(
+                    preds["s3", size], preds["search_r1", size], metric("em")
+                )
+                for size in sizes
+            },
+            f"EM: s3 on {smallest} vs search_r1's documents on {largest} read by the same reader": paired_on(
+                preds["s3", smallest], read, metric("em")
+            ),
+            f"EM: s3 on {smallest} vs s3 without selection on {smallest}": paired_on(
+                preds["s3", smallest], no_selection, metric("em")
+            ),
+        }
         margin = run.profile.accuracy_margin
-        return {"rows": rows, "questions": rows[claim_row]["n"], "accuracy_margin": margin, "curve": curve,
-                "rule": f"The claim holds when s3 trained on {smallest} questions minus search_r1 trained on "
-                        f"{largest} has a pooled 95% EM interval above -{100 * margin:.1f} points, beyond the noise "
-                        "floor. EM in points; s3's documents are read by the trained reader at every size."}
+        return {
+            "rows": rows,
+            "questions": rows[claim_row]["n"],
+            "accuracy_margin": margin,
+            "curve": curve,
+            "rule": f"The claim holds when s3 trained on {smallest} questions minus search_r1 trained on "
+            f"{largest} has a pooled 95% EM interval above -{100 * margin:.1f} points, beyond the noise "
+            "floor. EM in points; s3's documents are read by the trained reader at every size.",
+        }
 
 
-CLAIM = register_claim(S3Claim(
-    text=ClaimText(
-        "s3", "a searcher trained against a frozen generator needs far less data than end-to-end training",
-        "the synthetic world", "a trained reader (sleuth train-reader); oracle-trajectory SFT (s3 and search_r1 loops)",
-        "s3 vs search_r1, one GRPO run per number of RL training questions (cpu: 2 / 4; gpu: 25 / 100 / 400 / "
-        "1,600, a 64-fold range like the paper's 2.4k vs 170k)",
-        "held-out EM against training questions; the same trained reader reads s3's documents at every size",
-        "s3 at the smallest size minus search_r1 at the largest: EM interval above -margin"),
-    profiles=PLAIN_PROFILES, columns=METHODS, figure_html=lambda run, table: curve_figure(table["curve"])))
+CLAIM = register_claim(
+    S3Claim(
+        text=ClaimText(
+            "s3",
+            "a searcher trained against a frozen generator needs far less data than end-to-end training",
+            "the synthetic world",
+            "a trained reader (sleuth train-reader); oracle-trajectory SFT (s3 and search_r1 loops)",
+            "s3 vs search_r1, one GRPO run per number of RL training questions (cpu: 2 / 4; gpu: 25 / 100 / 400 / "
+            "1,600, a 64-fold range like the paper's 2.4k vs 170k)",
+            "held-out EM against training questions; the same trained reader reads s3's documents at every size",
+            "s3 at the smallest size minus search_r1 at the largest: EM interval above -margin",
+        ),
+        profiles=PLAIN_PROFILES,
+        columns=METHODS,
+        figure_html=lambda run, table: curve_figure(table["curve"]),
+    )
+)

@@ -8,6 +8,10 @@ from sleuth.claims.steps import build_world
 
 
 def world_and_reader() -> list[Stage]:
-    return [Stage("world", lambda run: build_world(run.world, run.profile)),
-            Stage("reader", lambda run: reader_stage(run.world, run.out / "reader", run.profile, run.reuse,
-                                                     run.console))]
+    return [
+        Stage("world", lambda run: build_world(run.world, run.profile)),
+        Stage(
+            "reader",
+            lambda run: reader_stage(run.world, run.out / "reader", run.profile, run.reuse, run.console),
+        ),
+    ]

@@ -45,7 +45,7 @@ def reroot(value: Any, old: str, new: str) -> Any:
     if isinstance(value, str):
         if value == old:
             return new
-        return new + value[len(old):] if value.startswith(old + "/") else value
+        return new + value[len(old) :] if value.startswith(old + "/") else value
     if isinstance(value, dict):
         return {k: reroot(v, old, new) for k, v in value.items()}
     if isinstance(value, list):
@@ -100,16 +100,19 @@ def _run_stage(out: Path, name: str, run: Callable[[], dict[str, Any]], console:
     if limit and not limit.isdigit():
         raise ConfigError(f"{STOP_AFTER_ENV}={limit!r}: give a number of stages (e.g. 3), or unset it")
     if limit and len(finished_stages(out)) >= int(limit):
-        raise StagesStopped(f"stopped before stage {name}: {limit} stages are done ({STOP_AFTER_ENV}={limit}); "
-                            f"rerun without it to go on")
+        raise StagesStopped(
+            f"stopped before stage {name}: {limit} stages are done ({STOP_AFTER_ENV}={limit}); "
+            f"rerun without it to go on"
+        )
     if console is not None:
         console.print(f"[bold cyan]stage {name}[/]")
     start = time.perf_counter()
     result = run()
     marker = out / STAGES_DIR / f"{name}.json"
     marker.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_json(marker, {"result": result, "seconds": time.perf_counter() - start,
-                               "root": str(out.resolve())})
+    atomic_write_json(
+        marker, {"result": result, "seconds": time.perf_counter() - start, "root": str(out.resolve())}
+    )
     return result
 
 
@@ -140,10 +143,14 @@ def write_claim_file(out: Path, method: str, profile: str, seed: int = 0, seeds:
     held = read_claim_file(out)
     if held is not None:
         held = {"seed": 0, **held}  # written before the seed was recorded: seed 0, the only one then
-        differ = ", ".join(f"{k} {held.get(k)!r} (asked: {v!r})" for k, v in wanted.items() if held.get(k) != v)
+        differ = ", ".join(
+            f"{k} {held.get(k)!r} (asked: {v!r})" for k, v in wanted.items() if held.get(k) != v
+        )
         if differ:
-            raise ConfigError(f"{out} holds another claim run ({differ}); give another --out, or the same "
-                              f"settings to resume it")
+            raise ConfigError(
+                f"{out} holds another claim run ({differ}); give another --out, or the same "
+                f"settings to resume it"
+            )
     atomic_write_json(out / CLAIM_FILE, {**wanted, "seeds": seeds})
 
 

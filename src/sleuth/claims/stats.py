@@ -87,7 +87,9 @@ def pooled_paired_bootstrap(per_seed: Sequence[Sequence[float]], resamples: int 
     module docstring. One seed gives that seed's paired bootstrap interval."""
     if not per_seed or any(len(d) == 0 for d in per_seed):
         raise ValueError("pooled_paired_bootstrap needs at least one seed, each with at least one question")
-    inner = np.stack([resample_means(diffs, resamples, seed=seed + 1 + s) for s, diffs in enumerate(per_seed)])
+    inner = np.stack(
+        [resample_means(diffs, resamples, seed=seed + 1 + s) for s, diffs in enumerate(per_seed)]
+    )
     rng = np.random.default_rng(seed)
     seeds = len(per_seed)
     drawn = rng.integers(0, seeds, size=(resamples, seeds))
@@ -110,15 +112,23 @@ def verdict_of_test(diff: float, ci: Sequence[float], side: str, threshold: floa
         cleared, wrong, beyond = hi < threshold, lo > threshold, threshold - diff
     where = f"{'above' if side == 'above' else 'below'} {threshold:+g}"
     if wrong:
-        return DOES_NOT_HOLD, f"the pooled interval [{lo:+.4g}, {hi:+.4g}] lies on the wrong side of {threshold:+g}"
+        return (
+            DOES_NOT_HOLD,
+            f"the pooled interval [{lo:+.4g}, {hi:+.4g}] lies on the wrong side of {threshold:+g}",
+        )
     if not cleared:
         return NOT_SHOWN, f"the pooled interval [{lo:+.4g}, {hi:+.4g}] is not entirely {where}"
     if floor is None:
         return NOT_SHOWN, "no noise floor: one seed was run (give --seeds 2 or more)"
     if beyond <= abs(floor):
-        return NOT_SHOWN, (f"the effect beyond the threshold ({beyond:+.4g}) does not exceed the noise floor "
-                           f"(two seeds of the baseline differ by {floor:+.4g})")
-    return HOLDS, f"the pooled interval lies {where} and the effect exceeds the noise floor ({abs(floor):.4g})"
+        return NOT_SHOWN, (
+            f"the effect beyond the threshold ({beyond:+.4g}) does not exceed the noise floor "
+            f"(two seeds of the baseline differ by {floor:+.4g})"
+        )
+    return (
+        HOLDS,
+        f"the pooled interval lies {where} and the effect exceeds the noise floor ({abs(floor):.4g})",
+    )
 
 
 def claim_verdict(verdicts: Sequence[str]) -> str:

@@ -41,11 +41,19 @@ def build_world(world: Path, profile: ClaimProfile, seed: int = 0) -> dict[str, 
     but for the index manifest's build time and corpus path (a claim bundle rebuilds it rather than carrying it).
     Another seed makes another world of the same sizes: other entities, other facts."""
     size = profile.pipeline
-    summary = write_world(generate_world(size.passages, size.questions, hops=size.hops, seed=seed,
-                                         known_fraction=profile.known_fraction), world, splits=profile.splits)
+    summary = write_world(
+        generate_world(
+            size.passages, size.questions, hops=size.hops, seed=seed, known_fraction=profile.known_fraction
+        ),
+        world,
+        splits=profile.splits,
+    )
     build_index(world / "corpus.jsonl", "bm25", world / "bm25")
-    return {"world": str(world), "splits": summary["splits"],
-            **{k: summary[k] for k in ("knowledge_distribution", "known_statements") if k in summary}}
+    return {
+        "world": str(world),
+        "splits": summary["splits"],
+        **{k: summary[k] for k in ("knowledge_distribution", "known_statements") if k in summary},
+    }
 
 
 def arm_recipe(run: ClaimRun, method: str, init_from: str | None, name: str | None = None,
@@ -102,8 +110,11 @@ def train_rl(run: ClaimRun, arm: Arm, init_from: str) -> dict[str, Any]:
     recipe = write_recipe(arm_rl_recipe(run, arm, init_from), run.root / arm.name / "rl_recipe.yaml")
     resumable = latest_checkpoint(Path(recipe.trainer.out_dir)) is not None
     result = train(recipe, resume=resumable, overwrite=not resumable, console=run.console)
-    return {"checkpoint": str(result["checkpoint"]), "run": recipe.trainer.out_dir,
-            "steps": recipe.trainer.total_steps}
+    return {
+        "checkpoint": str(result["checkpoint"]),
+        "run": recipe.trainer.out_dir,
+        "steps": recipe.trainer.total_steps,
+    }
 
 
 def evaluate(run: ClaimRun, method: str, checkpoint: str, name: str, reader: str | None = None,
@@ -119,14 +130,37 @@ def evaluate(run: ClaimRun, method: str, checkpoint: str, name: str, reader: str
     profile = run.profile
     size, spec = profile.pipeline, get_method(method)
     # the loop the checkpoint learned (s3 without selection, r_search without its evidence block), at the claim's budgets
-    switches = {k: v for k, v in checkpoint_budgets(checkpoint).items() if k in ("loop_method", "loop_options")}
-    cfg = EvalConfig(batch_size=size.eval_batch_size, max_new_tokens=size.max_new_tokens * spec.new_tokens_factor,
-                     answer_max_new_tokens=24, top_k=3, max_turns=size.max_turns, max_response_tokens=2048,
-                     max_obs_tokens=384, hand_over_template=hand_over_template, **switches)
-    questions = (boundary_questions(run.questions, "test", profile.test_questions) if profile.known_fraction is not None
-                 else held_out_questions(run.questions, profile.test_questions))
+    switches = {
+        k: v for k, v in checkpoint_budgets(checkpoint).items() if k in ("loop_method", "loop_options")
+    }
+    cfg = EvalConfig(
+        batch_size=size.eval_batch_size,
+        max_new_tokens=size.max_new_tokens * spec.new_tokens_factor,
+        answer_max_new_tokens=24,
+        top_k=3,
+        max_turns=size.max_turns,
+        max_response_tokens=2048,
+        max_obs_tokens=384,
+        hand_over_template=hand_over_template,
+        **switches,
+    )
+    questions = (
+        boundary_questions(run.questions, "test", profile.test_questions)
+        if profile.known_fraction is not None
+        else held_out_questions(run.questions, profile.test_questions)
+    )
     folder = run.root / "eval" / name
-    summary = run_evaluation([spec.display_name], questions, run.world / "bm25", load_searcher(checkpoint).generator,
-                             generator=reader, config=cfg, out_dir=EvalOutput(folder))
-    return {"predictions": str(folder / spec.display_name / "predictions.jsonl"), "reader": reader,
-            "retrieval_boundary": summary.get("retrieval_boundary", {}).get(spec.display_name)}
+    summary = run_evaluation(
+        [spec.display_name],
+        questions,
+        run.world / "bm25",
+        load_searcher(checkpoint).generator,
+        generator=reader,
+        config=cfg,
+        out_dir=EvalOutput(folder),
+    )
+    return {
+        "predictions": str(folder / spec.display_name / "predictions.jsonl"),
+        "reader": reader,
+        "retrieval_boundary": summary.get("retrieval_boundary", {}).get(spec.display_name),
+    }

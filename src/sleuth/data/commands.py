@@ -36,14 +36,20 @@ def register(app: typer.Typer) -> None:
         seed: int = typer.Option(0, "--seed", help="Random seed; same arguments give identical files."),
         splits: str = typer.Option("0.8,0.1,0.1", "--splits", help="train,dev,test fractions."),
         corpus_size: int | None = typer.Option(
-            None, "--corpus-size", help="Grow corpus.jsonl to this many passages with distractors (after the "
-            "world's --passages; e.g. 21000000 for a Wikipedia-size corpus)."
+            None,
+            "--corpus-size",
+            help="Grow corpus.jsonl to this many passages with distractors (after the "
+            "world's --passages; e.g. 21000000 for a Wikipedia-size corpus).",
         ),
-        workers: int = typer.Option(1, "--workers", help="Processes making distractors (same bytes for any count)."),
+        workers: int = typer.Option(
+            1, "--workers", help="Processes making distractors (same bytes for any count)."
+        ),
         known_fraction: float | None = typer.Option(
-            None, "--known-fraction", help="Draw a knowledge boundary: this share of facts is known (0-1). Questions "
+            None,
+            "--known-fraction",
+            help="Draw a knowledge boundary: this share of facts is known (0-1). Questions "
             "are labelled per hop known/unknown (all-known, mixed, all-unknown) and knowledge.jsonl holds the known "
-            "facts' closed-book statements (inject them with `sleuth inject-knowledge`)."
+            "facts' closed-book statements (inject them with `sleuth inject-knowledge`).",
         ),
     ) -> None:
         """Generate a synthetic world: corpus.jsonl, train/dev/test.jsonl and world.json."""
@@ -67,7 +73,9 @@ def register(app: typer.Typer) -> None:
         if questions < 0:
             _fail(f"--questions must be >= 0, got {questions}")
         if corpus_size is not None and corpus_size < passages:
-            _fail(f"--corpus-size ({corpus_size}) must be >= --passages ({passages}): it counts the world's passages too")
+            _fail(
+                f"--corpus-size ({corpus_size}) must be >= --passages ({passages}): it counts the world's passages too"
+            )
         if workers < 1:
             _fail(f"--workers must be >= 1, got {workers}")
         if known_fraction is not None and not 0.0 <= known_fraction <= 1.0:
@@ -79,16 +87,26 @@ def register(app: typer.Typer) -> None:
         with Progress(*columns, console=console, transient=False) as progress:
             q_task = progress.add_task("questions", total=questions)
             try:
-                world = generate_world(passages, questions, hops=hop_range, seed=seed,
-                                       progress=lambda n: progress.update(q_task, completed=n),
-                                       known_fraction=known_fraction)
+                world = generate_world(
+                    passages,
+                    questions,
+                    hops=hop_range,
+                    seed=seed,
+                    progress=lambda n: progress.update(q_task, completed=n),
+                    known_fraction=known_fraction,
+                )
             except ValueError as err:
                 _fail(str(err))
             progress.update(q_task, completed=questions)
             p_task = progress.add_task("passages", total=corpus_size or passages)
-            summary = write_world(world, out, splits=fractions,  # type: ignore[arg-type]
-                                  progress=lambda n: progress.update(p_task, completed=n),
-                                  corpus_size=corpus_size, workers=workers)
+            summary = write_world(
+                world,
+                out,
+                splits=fractions,  # type: ignore[arg-type]
+                progress=lambda n: progress.update(p_task, completed=n),
+                corpus_size=corpus_size,
+                workers=workers,
+            )
         elapsed = time.perf_counter() - start
 
         table = Table(title=f"synthetic world -> {out}  ({elapsed:.1f} s)")
@@ -116,8 +134,11 @@ def register(app: typer.Typer) -> None:
         src: Path = typer.Argument(..., help="Input: .jsonl/.json (FlashRAG) or .parquet (Search-R1)."),
         dst: Path = typer.Argument(..., help="Output: .jsonl or .parquet."),
         data_source: str = typer.Option(
-            None, "--data-source", help="Dataset of the questions whose metadata names none: the parquet "
-            "data_source column and each question's metadata.dataset (kept through merges and conversions)."),
+            None,
+            "--data-source",
+            help="Dataset of the questions whose metadata names none: the parquet "
+            "data_source column and each question's metadata.dataset (kept through merges and conversions).",
+        ),
         split: str = typer.Option("train", "--split", help="Parquet extra_info.split value."),
     ) -> None:
         """Convert a QA dataset between FlashRAG jsonl and Search-R1 parquet; each question keeps its dataset
@@ -137,12 +158,16 @@ def register(app: typer.Typer) -> None:
     def filter_(
         src: Path = typer.Argument(..., help="Input QA file (.jsonl/.json/.parquet)."),
         dst: Path = typer.Argument(..., help="Output QA file (.jsonl/.parquet)."),
-        drop_yes_no: bool = typer.Option(False, "--drop-yes-no", help="Drop questions answered yes/no/true/false."),
+        drop_yes_no: bool = typer.Option(
+            False, "--drop-yes-no", help="Drop questions answered yes/no/true/false."
+        ),
         hard_from: Path | None = typer.Option(
             None, "--hard-from", help="Score cache jsonl; keep questions with score <= --threshold."
         ),
         threshold: float = typer.Option(0.0, "--threshold", help="Keep-hard threshold on the cached score."),
-        missing: str = typer.Option("error", "--missing", help="Questions absent from the cache: error|keep|drop."),
+        missing: str = typer.Option(
+            "error", "--missing", help="Questions absent from the cache: error|keep|drop."
+        ),
     ) -> None:
         """Apply s3's training-set filters."""
         if missing not in ("error", "keep", "drop"):
@@ -156,8 +181,7 @@ def register(app: typer.Typer) -> None:
                 examples = drop_yn(examples)
             n_after_yn = len(examples)
             if hard_from is not None:
-                examples = keep_hard(examples, ScoreCache(hard_from), threshold=threshold,
-                                     missing=missing)  # type: ignore[arg-type]
+                examples = keep_hard(examples, ScoreCache(hard_from), threshold=threshold, missing=missing)  # type: ignore[arg-type]
             save_qa(dst, examples)
         except (SleuthError, ValueError) as err:
             _fail(str(err))

@@ -38,9 +38,50 @@ LEXICON_SIZE = 50_000
 TARGET_WORDS = 100
 # English function words, most frequent first (their Zipf rank among themselves).
 _FUNCTION_WORDS = (
-    "the", "of", "and", "in", "to", "a", "was", "is", "for", "on", "as", "with", "by", "he", "at", "from",
-    "his", "an", "it", "that", "which", "were", "are", "this", "be", "also", "or", "had", "first", "after",
-    "has", "its", "their", "but", "who", "her", "one", "two", "new", "they", "been", "she", "other", "when",
+    "the",
+    "of",
+    "and",
+    "in",
+    "to",
+    "a",
+    "was",
+    "is",
+    "for",
+    "on",
+    "as",
+    "with",
+    "by",
+    "he",
+    "at",
+    "from",
+    "his",
+    "an",
+    "it",
+    "that",
+    "which",
+    "were",
+    "are",
+    "this",
+    "be",
+    "also",
+    "or",
+    "had",
+    "first",
+    "after",
+    "has",
+    "its",
+    "their",
+    "but",
+    "who",
+    "her",
+    "one",
+    "two",
+    "new",
+    "they",
+    "been",
+    "she",
+    "other",
+    "when",
 )
 _FUNCTION_SHARE = 0.4
 _COMMON_SYLLABLES = tuple(
@@ -108,10 +149,7 @@ class _Maker:
         franks = np.arange(1, len(_FUNCTION_WORDS) + 1, dtype=np.float64)
         self.function_cdf = np.cumsum(1.0 / franks) / np.sum(1.0 / franks)
         # Relations with an entity target whose subject type a distractor can have.
-        self.relations = {
-            etype: [r for r in RELATIONS.values() if r.subject == etype]
-            for etype in _INTRO
-        }
+        self.relations = {etype: [r for r in RELATIONS.values() if r.subject == etype] for etype in _INTRO}
 
     def _pick(self, rng: np.random.Generator, names: tuple[str, ...]) -> str:
         # Quadratic skew: a few world entities are mentioned very often (long posting lists).
@@ -155,16 +193,18 @@ class _Maker:
         name = self._name(rng, etype)
         lex = self.lexicon
         sentences = [
-            _INTRO[etype].format(
-                s=name, w=lex[int(rng.integers(2000))], w2=lex[int(rng.integers(2000))]
-            )
+            _INTRO[etype].format(s=name, w=lex[int(rng.integers(2000))], w2=lex[int(rng.integers(2000))])
         ]
         by_type = self.pools.names_by_type
         relations = self.relations[etype]
         # Distinct relations: each is functional, so one passage states it once.
         for pick in rng.permutation(len(relations))[: int(rng.integers(2, 5))].tolist():
             r = relations[pick]
-            obj = str(int(rng.integers(1850, 2025))) if r.target == "year" else self._pick(rng, by_type[r.target])
+            obj = (
+                str(int(rng.integers(1850, 2025)))
+                if r.target == "year"
+                else self._pick(rng, by_type[r.target])
+            )
             template = r.sentences[int(rng.integers(len(r.sentences)))]
             sentences.append(template.format(s=name, o=obj, dir="north"))
         mentioned = tuple(by_type)[int(rng.integers(len(by_type)))]

@@ -20,7 +20,6 @@ from sleuth.text import normalize_answer
 YES_NO_ANSWERS = frozenset({"yes", "no", "true", "false"})
 
 
-
 def is_yes_no(example: QAExample) -> bool:
     """True when every golden answer normalises to yes/no/true/false.
 

@@ -86,8 +86,11 @@ def parse_json_line(path: str | Path, lineno: int, raw: bytes, what: str) -> Any
     try:
         line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
     except UnicodeDecodeError as err:
-        raise DataFormatError(str(path), lineno, f"not valid UTF-8 (byte {err.start} of the line); "
-                              f"re-encode the {what} as UTF-8") from None
+        raise DataFormatError(
+            str(path),
+            lineno,
+            f"not valid UTF-8 (byte {err.start} of the line); re-encode the {what} as UTF-8",
+        ) from None
     # a byte-order mark opens line 1 of files saved by some editors, and any line of concatenated ones
     line = line.removeprefix("\ufeff")
     if not line.strip():
@@ -95,7 +98,9 @@ def parse_json_line(path: str | Path, lineno: int, raw: bytes, what: str) -> Any
     try:
         return json.loads(line)
     except json.JSONDecodeError as err:
-        raise DataFormatError(str(path), lineno, f"invalid JSON ({err.msg}); each line must be one JSON object") from None
+        raise DataFormatError(
+            str(path), lineno, f"invalid JSON ({err.msg}); each line must be one JSON object"
+        ) from None
     except ValueError as err:  # e.g. an integer longer than Python converts (4,300 digits)
         raise DataFormatError(str(path), lineno, f"unreadable JSON value ({err})") from None
     except RecursionError:
@@ -103,7 +108,10 @@ def parse_json_line(path: str | Path, lineno: int, raw: bytes, what: str) -> Any
 
 
 def _iter_corpus_lines(path: str | Path) -> Iterator[tuple[int, Passage]]:
-    return ((lineno, passage_from_record(path, lineno, rec)) for lineno, rec in iter_json_lines(path, "corpus file"))
+    return (
+        (lineno, passage_from_record(path, lineno, rec))
+        for lineno, rec in iter_json_lines(path, "corpus file")
+    )
 
 
 def passage_from_record(path: str | Path, lineno: int, rec: Any) -> Passage:
@@ -172,7 +180,8 @@ def _raise_on_duplicate_id(path: str | Path, suspect_hashes: set[int]) -> None:
             continue
         if passage.id in first_line:
             raise DataFormatError(
-                str(path), lineno,
+                str(path),
+                lineno,
                 f"duplicate id {passage.id[:100]!r}: line {first_line[passage.id]} has the same id; ids must be unique",
             )
         first_line[passage.id] = lineno
@@ -231,7 +240,9 @@ def _golden_answers_from(value: Any) -> list[str]:
 def qa_example_from_record(rec: Any) -> QAExample:
     """Build a QAExample from one decoded record; raise ValueError naming the bad field."""
     if not isinstance(rec, dict):
-        raise ValueError(f"expected a JSON object with 'id', 'question', 'golden_answers', got {type(rec).__name__}")
+        raise ValueError(
+            f"expected a JSON object with 'id', 'question', 'golden_answers', got {type(rec).__name__}"
+        )
     for key in ("id", "question", "golden_answers"):
         if key not in rec:
             raise ValueError(f"missing field '{key}'")
@@ -454,7 +465,6 @@ def read_searchr1_parquet(path: str | Path) -> list[QAExample]:
     """
     import pyarrow.parquet as pq
 
-
     path = Path(path)
     if not path.exists():
         raise DataFormatError(str(path), None, "parquet file does not exist")
@@ -497,33 +507,56 @@ def write_searchr1_parquet(
 
     if "{question}" not in template:
         raise ValueError("template must contain '{question}' where the question text goes")
-    rows = {k: [] for k in ("id", "question", "golden_answers", "metadata", "data_source", "prompt",
-                            "ability", "reward_model", "extra_info")}
+    rows = {
+        k: []
+        for k in (
+            "id",
+            "question",
+            "golden_answers",
+            "metadata",
+            "data_source",
+            "prompt",
+            "ability",
+            "reward_model",
+            "extra_info",
+        )
+    }
     for index, ex in enumerate(examples):
         rows["id"].append(ex.id)
         rows["question"].append(ex.question)
         rows["golden_answers"].append(list(ex.golden_answers))
-        metadata = ex.metadata if ex.metadata.get("dataset") or not data_source else {**ex.metadata, "dataset": data_source}
+        metadata = (
+            ex.metadata
+            if ex.metadata.get("dataset") or not data_source
+            else {**ex.metadata, "dataset": data_source}
+        )
         rows["metadata"].append(json.dumps(metadata, ensure_ascii=False))
         rows["data_source"].append(str(metadata.get("dataset") or DEFAULT_DATA_SOURCE))
         rows["prompt"].append([{"role": "user", "content": template.replace("{question}", ex.question)}])
         rows["ability"].append(ability)
         rows["reward_model"].append({"style": "rule", "ground_truth": {"target": list(ex.golden_answers)}})
         rows["extra_info"].append({"split": split, "index": index})
-    schema = pa.schema([
-        ("id", pa.string()),
-        ("question", pa.string()),
-        ("golden_answers", pa.list_(pa.string())),
-        ("metadata", pa.string()),
-        ("data_source", pa.string()),
-        ("prompt", pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))),
-        ("ability", pa.string()),
-        ("reward_model", pa.struct([
-            ("style", pa.string()),
-            ("ground_truth", pa.struct([("target", pa.list_(pa.string()))])),
-        ])),
-        ("extra_info", pa.struct([("split", pa.string()), ("index", pa.int64())])),
-    ])
+    schema = pa.schema(
+        [
+            ("id", pa.string()),
+            ("question", pa.string()),
+            ("golden_answers", pa.list_(pa.string())),
+            ("metadata", pa.string()),
+            ("data_source", pa.string()),
+            ("prompt", pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))),
+            ("ability", pa.string()),
+            (
+                "reward_model",
+                pa.struct(
+                    [
+                        ("style", pa.string()),
+                        ("ground_truth", pa.struct([("target", pa.list_(pa.string()))])),
+                    ]
+                ),
+            ),
+            ("extra_info", pa.struct([("split", pa.string()), ("index", pa.int64())])),
+        ]
+    )
     table = pa.Table.from_pydict(rows, schema=schema)
     with atomic_path(path) as tmp:
         pq.write_table(table, tmp)
@@ -571,7 +604,8 @@ def load_qa(path: str | Path) -> list[QAExample]:
                 return _read_json_array(path)
         return read_qa_jsonl(path)
     raise DataFormatError(
-        str(path), None,
+        str(path),
+        None,
         f"unknown QA file extension {suffix or '(none)'!r}; use .jsonl/.json (FlashRAG) or .parquet (Search-R1)",
     )
 
@@ -585,6 +619,7 @@ def save_qa(path: str | Path, examples: Iterable[QAExample], **parquet_options: 
     if suffix in QA_JSONL_SUFFIXES:
         return write_qa_jsonl(path, examples)
     raise DataFormatError(
-        str(path), None,
+        str(path),
+        None,
         f"unknown QA file extension {suffix or '(none)'!r}; use .jsonl/.json (FlashRAG) or .parquet (Search-R1)",
     )

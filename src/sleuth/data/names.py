@@ -34,22 +34,73 @@ COUNTRY_ENDINGS = ("ia", "stan", "or", "and", "enia", "ovia", "esh", "aria")
 COUNTRY_FORMS = ("Republic", "Kingdom", "Federation", "Commonwealth", "Principality", "Union")
 
 
-ORG_SUFFIXES = ("Group", "Institute", "Works", "Foundation", "Holdings", "Laboratories", "Company", "Society", "Trust")
+ORG_SUFFIXES = (
+    "Group",
+    "Institute",
+    "Works",
+    "Foundation",
+    "Holdings",
+    "Laboratories",
+    "Company",
+    "Society",
+    "Trust",
+)
 
 
-TITLE_NOUNS = ("Tides", "Lantern", "Harvest", "Mirror", "Winter", "Echoes", "Garden", "Signal", "Crown",
-                "River", "Ashes", "Horizon", "Orchard", "Silence", "Engine", "Compass", "Letters", "Shadows")
+TITLE_NOUNS = (
+    "Tides",
+    "Lantern",
+    "Harvest",
+    "Mirror",
+    "Winter",
+    "Echoes",
+    "Garden",
+    "Signal",
+    "Crown",
+    "River",
+    "Ashes",
+    "Horizon",
+    "Orchard",
+    "Silence",
+    "Engine",
+    "Compass",
+    "Letters",
+    "Shadows",
+)
 
 
 BAND_NOUNS = ("Engines", "Sparrows", "Wolves", "Lanterns", "Machines", "Saints", "Rivers", "Giants", "Comets")
 
 
-OCCUPATIONS = ("painter", "engineer", "novelist", "physician", "architect", "composer", "chemist", "diplomat",
-                "photographer", "economist", "sculptor", "historian", "lawyer")
+OCCUPATIONS = (
+    "painter",
+    "engineer",
+    "novelist",
+    "physician",
+    "architect",
+    "composer",
+    "chemist",
+    "diplomat",
+    "photographer",
+    "economist",
+    "sculptor",
+    "historian",
+    "lawyer",
+)
 
 
-INDUSTRIES = ("shipping", "software", "textile", "publishing", "mining", "biotechnology", "insurance",
-               "aviation", "agricultural", "energy")
+INDUSTRIES = (
+    "shipping",
+    "software",
+    "textile",
+    "publishing",
+    "mining",
+    "biotechnology",
+    "insurance",
+    "aviation",
+    "agricultural",
+    "energy",
+)
 
 
 GENRES = ("drama", "comedy", "thriller", "documentary", "science fiction", "romance", "mystery", "western")
@@ -68,7 +119,8 @@ def syllable_word(rng: random.Random, n_syllables: int) -> str:
     """A made-up word of `n_syllables` syllables, one (at a random position) with a rare onset."""
     rare_at = rng.randrange(n_syllables)
     parts = [
-        RARE_SYLLABLES[rng.randrange(len(RARE_SYLLABLES))] if i == rare_at
+        RARE_SYLLABLES[rng.randrange(len(RARE_SYLLABLES))]
+        if i == rare_at
         else SYLLABLES[rng.randrange(len(SYLLABLES))]
         for i in range(n_syllables)
     ]

@@ -103,7 +103,9 @@ def _entity_counts(num_passages: int) -> dict[str, int]:
     return {t: counts[t] for t in ENTITY_TYPES}
 
 
-def _build_names(world_counts: dict[str, int], rng: random.Random) -> tuple[list[str], list[str], dict[int, int]]:
+def _build_names(
+    world_counts: dict[str, int], rng: random.Random
+) -> tuple[list[str], list[str], dict[int, int]]:
     """Names for every entity, countries' official names, and the confusable pairs."""
     maker = NameMaker(rng)
     names: list[str] = []
@@ -119,8 +121,9 @@ def _build_names(world_counts: dict[str, int], rng: random.Random) -> tuple[list
         official.append(f"{rng.choice(COUNTRY_FORMS)} of {name}")
         names.append(name)
 
-    def stem_family(count: int, make_stem: Callable[[], str], variants: tuple[str, ...],
-                    join: Callable[[str, str], str]) -> None:
+    def stem_family(
+        count: int, make_stem: Callable[[], str], variants: tuple[str, ...], join: Callable[[str, str], str]
+    ) -> None:
         """Names `join(stem, variant)`; ~25% reuse an earlier stem with another variant (confusable)."""
         stems: list[tuple[str, int]] = []  # (stem, gid of first name with it)
         for _ in range(count):
@@ -154,18 +157,28 @@ def _build_names(world_counts: dict[str, int], rng: random.Random) -> tuple[list
         else:
             first_of_family[family] = gid
 
-    stem_family(world_counts["organization"], lambda: syllable_word(rng, 2), ORG_SUFFIXES, lambda s, v: f"{s} {v}")
-    stem_family(world_counts["film"], lambda: syllable_word(rng, 2), TITLE_NOUNS,
-                lambda s, v: f"{s} {v}" if len(s) % 2 else f"The {v} of {s}")
-    stem_family(world_counts["book"], lambda: syllable_word(rng, 2), TITLE_NOUNS,
-                lambda s, v: f"The {s} {v}" if len(s) % 2 else f"{v} for {s}")
+    stem_family(
+        world_counts["organization"], lambda: syllable_word(rng, 2), ORG_SUFFIXES, lambda s, v: f"{s} {v}"
+    )
+    stem_family(
+        world_counts["film"],
+        lambda: syllable_word(rng, 2),
+        TITLE_NOUNS,
+        lambda s, v: f"{s} {v}" if len(s) % 2 else f"The {v} of {s}",
+    )
+    stem_family(
+        world_counts["book"],
+        lambda: syllable_word(rng, 2),
+        TITLE_NOUNS,
+        lambda s, v: f"The {s} {v}" if len(s) % 2 else f"{v} for {s}",
+    )
     stem_family(world_counts["band"], lambda: syllable_word(rng, 2), BAND_NOUNS, lambda s, v: f"The {s} {v}")
     return names, official, similar
 
 
-def _build_facts(counts: dict[str, int], start: dict[str, int], rng: random.Random) -> tuple[
-    dict[str, list[int]], dict[int, list[tuple[str, int]]], dict[int, list[int]]
-]:
+def _build_facts(
+    counts: dict[str, int], start: dict[str, int], rng: random.Random
+) -> tuple[dict[str, list[int]], dict[int, list[tuple[str, int]]], dict[int, list[int]]]:
     rand = rng.randrange
 
     def gids(etype: str, n: int) -> list[int]:
@@ -270,9 +283,19 @@ def generate_world(
             k -= counts[etype]
 
     world = World(
-        seed=seed, hops=hops, num_passages=num_passages, names=names, type_start=start, type_count=counts,
-        facts=facts, official_names=official, similar=similar, works=works, country_cities=country_cities,
-        extra_passage=extra_passage, known_fraction=known_fraction,
+        seed=seed,
+        hops=hops,
+        num_passages=num_passages,
+        names=names,
+        type_start=start,
+        type_count=counts,
+        facts=facts,
+        official_names=official,
+        similar=similar,
+        works=works,
+        country_cities=country_cities,
+        extra_passage=extra_passage,
+        known_fraction=known_fraction,
     )
     world.questions = make_questions(world, num_questions, random.Random(f"{seed}/questions"), progress)
     return world
@@ -347,7 +370,11 @@ def write_world(
         if n_distractors:
             base = written
             written += write_distractors(
-                f, distractor_pools(world), n_distractors, world.num_passages, workers=workers,
+                f,
+                distractor_pools(world),
+                n_distractors,
+                world.num_passages,
+                workers=workers,
                 progress=None if progress is None else (lambda n: progress(base + n)),
             )
     if progress is not None:
@@ -365,8 +392,12 @@ def write_world(
         summary["known_statements"] = n_statements
     if n_distractors:
         # world.json describes the world; the corpus size and how it was grown are recorded beside it.
-        summary["corpus"] = {"num_passages": written, "world_passages": world.num_passages,
-                             "distractor_passages": n_distractors, "distractor_block": DISTRACTOR_BLOCK}
+        summary["corpus"] = {
+            "num_passages": written,
+            "world_passages": world.num_passages,
+            "distractor_passages": n_distractors,
+            "distractor_block": DISTRACTOR_BLOCK,
+        }
     # sort_keys keeps world.json byte-identical across runs and Python versions.
     atomic_write_text(out / "world.json", json.dumps(summary, indent=2, sort_keys=True) + "\n")
     return summary

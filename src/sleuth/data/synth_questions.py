@@ -34,7 +34,8 @@ def _chain_question(world: World, hops: int, rng: random.Random) -> tuple[tuple,
     for step in range(hops):
         last = step == hops - 1
         options = [
-            r for r in RELATIONS_BY_SUBJECT[etype]
+            r
+            for r in RELATIONS_BY_SUBJECT[etype]
             if (last or r.target != "year")
             and not (relations and (relations[-1].name, r.name) in FORBIDDEN_PAIRS)
         ]
@@ -100,8 +101,9 @@ def _comparison_question(world: World, hops: int, rng: random.Random) -> tuple[t
         return None
     earlier = rng.random() < 0.5
     winner = a if (year_a < year_b) == earlier else b
-    question = rng.choice(templates).format(cmp="earlier" if earlier else "later", a=world.names[a],
-                                            b=world.names[b])
+    question = rng.choice(templates).format(
+        cmp="earlier" if earlier else "later", a=world.names[a], b=world.names[b]
+    )
     metadata = {
         "hops": hops,
         "type": "comparison",
@@ -155,9 +157,14 @@ def knowledge_statements(world: World) -> Iterator[dict[str, Any]]:
                 answers = [str(value)] if relation.target == "year" else world.answers_for(value)
                 statement = relation.sentences[0].format(s=world.names[gid], o=answers[0], dir="north")
                 for k, template in enumerate(relation.questions):
-                    yield {"id": f"fact-{relation.name}-{gid}-{k}", "relation": relation.name,
-                           "subject": world.names[gid], "question": template.format(x=world.mention(gid)),
-                           "answers": answers, "statement": statement}
+                    yield {
+                        "id": f"fact-{relation.name}-{gid}-{k}",
+                        "relation": relation.name,
+                        "subject": world.names[gid],
+                        "question": template.format(x=world.mention(gid)),
+                        "answers": answers,
+                        "statement": statement,
+                    }
 
 
 def make_questions(

@@ -141,8 +141,9 @@ class World:
         other = self.similar.get(gid)
         if other is not None:
             r = EXTRA_PASSAGE[etype][1][-1]
-            sentences.append(f"It should not be confused with {self.names[other]}: "
-                             + self._fact_sentence(r, other, rng))
+            sentences.append(
+                f"It should not be confused with {self.names[other]}: " + self._fact_sentence(r, other, rng)
+            )
         return Passage(id=str(number), title=f"{name} ({suffix})", text=" ".join(sentences))
 
     def _context_sentences(self, gid: int, etype: str, rng: random.Random) -> list[str]:
@@ -152,8 +153,13 @@ class World:
         other = self.similar.get(gid)
         if etype == "person":
             for relation, subject in self.works.get(gid, [])[:3]:
-                verb = {"directed_by": "directed", "written_by": "wrote", "founded_by": "founded",
-                        "lead_singer": "is the lead singer of", "mayor": "is the mayor of"}[relation]
+                verb = {
+                    "directed_by": "directed",
+                    "written_by": "wrote",
+                    "founded_by": "founded",
+                    "lead_singer": "is the lead singer of",
+                    "mayor": "is the mayor of",
+                }[relation]
                 out.append(f"{names[gid]} {verb} {names[subject]}.")
             if other is not None:
                 city = names[self.fact("born_in", other)]
@@ -176,16 +182,39 @@ class World:
 
 
 _FILLER = {
-    "country": ("{s} has a long coastline.", "{s} is known for its mountain passes.", "{s} has two official languages."),
-    "city": ("{s} is known for its river harbour.", "The old town of {s} dates back several centuries.",
-             "{s} hosts an annual autumn fair."),
-    "person": ("{s} has received several regional awards.", "{s} rarely gives interviews.",
-               "{s} is known for meticulous work."),
-    "organization": ("{s} employs several thousand people.", "{s} publishes an annual report.",
-                     "{s} operates in several countries."),
-    "film": ("The film received mixed reviews.", "The film was shot on location.", "Critics praised its score."),
-    "book": ("The book has been translated into several languages.", "It was a modest commercial success.",
-             "Critics noted its unusual structure."),
-    "band": ("The band has released four studio albums.", "The band tours every summer.",
-             "Its debut single became a regional hit."),
+    "country": (
+        "{s} has a long coastline.",
+        "{s} is known for its mountain passes.",
+        "{s} has two official languages.",
+    ),
+    "city": (
+        "{s} is known for its river harbour.",
+        "The old town of {s} dates back several centuries.",
+        "{s} hosts an annual autumn fair.",
+    ),
+    "person": (
+        "{s} has received several regional awards.",
+        "{s} rarely gives interviews.",
+        "{s} is known for meticulous work.",
+    ),
+    "organization": (
+        "{s} employs several thousand people.",
+        "{s} publishes an annual report.",
+        "{s} operates in several countries.",
+    ),
+    "film": (
+        "The film received mixed reviews.",
+        "The film was shot on location.",
+        "Critics praised its score.",
+    ),
+    "book": (
+        "The book has been translated into several languages.",
+        "It was a modest commercial success.",
+        "Critics noted its unusual structure.",
+    ),
+    "band": (
+        "The band has released four studio albums.",
+        "The band tours every summer.",
+        "Its debut single became a regional hit.",
+    ),
 }

@@ -152,7 +152,11 @@ def prompt_token_count(generator: Any, prompt: Prompt) -> int:
     if isinstance(prompt, str):
         text = prompt
     else:
-        text = _chat_text(tok, list(prompt)) if tok is not None else " ".join(str(m.get("content", "")) for m in prompt)
+        text = (
+            _chat_text(tok, list(prompt))
+            if tok is not None
+            else " ".join(str(m.get("content", "")) for m in prompt)
+        )
     if tok is not None:
         return len(tok.encode(text, add_special_tokens=False))
     return len(text.split())
@@ -222,8 +226,9 @@ def _params(max_new_tokens: int, seed: int | None) -> SamplingParams:
 
 
 def _base_traj(ex: QAExample, method: str) -> Trajectory:
-    return Trajectory(question_id=str(ex.id), question=ex.question, golden_answers=list(ex.golden_answers),
-                      method=method)
+    return Trajectory(
+        question_id=str(ex.id), question=ex.question, golden_answers=list(ex.golden_answers), method=method
+    )
 
 
 def _user(content: str) -> list[dict]:
@@ -240,8 +245,13 @@ def _search(retriever: Retriever, queries: list[str], k: int) -> list[list[Hit]]
 
 
 def _prompted(
-    method: str, template: str, fallback: str, max_new_tokens: int,
-    model: Generator, examples: Sequence[QAExample], settings: BaselineSettings,
+    method: str,
+    template: str,
+    fallback: str,
+    max_new_tokens: int,
+    model: Generator,
+    examples: Sequence[QAExample],
+    settings: BaselineSettings,
 ) -> list[MethodOutput]:
     counter = CountingGenerator(model)
     prompts = [_user(template.format(question=ex.question.strip())) for ex in examples]
@@ -258,10 +268,14 @@ def _prompted(
 
 def run_direct(model: Generator, examples: Sequence[QAExample], settings: BaselineSettings,
                method: str = "direct") -> list[MethodOutput]:  # fmt: skip
-    return _prompted(method, DIRECT_PROMPT, "first_line", settings.answer_max_new_tokens, model, examples, settings)
+    return _prompted(
+        method, DIRECT_PROMPT, "first_line", settings.answer_max_new_tokens, model, examples, settings
+    )
 
 
-def run_cot(model: Generator, examples: Sequence[QAExample], settings: BaselineSettings) -> list[MethodOutput]:
+def run_cot(
+    model: Generator, examples: Sequence[QAExample], settings: BaselineSettings
+) -> list[MethodOutput]:
     return _prompted("cot", COT_PROMPT, "answer_is", settings.max_new_tokens, model, examples, settings)
 
 
@@ -278,9 +292,13 @@ def read_documents(
     if not examples:
         return [], [], []
     counter = CountingGenerator(reader)
-    texts = hand_over_documents(counter, [ex.question.strip() for ex in examples], docs,
-                                template or settings.answer_template,
-                                _params(settings.answer_max_new_tokens, settings.seed))
+    texts = hand_over_documents(
+        counter,
+        [ex.question.strip() for ex in examples],
+        docs,
+        template or settings.answer_template,
+        _params(settings.answer_max_new_tokens, settings.seed),
+    )
     return [parse_answer(t, "first_line") for t in texts], texts, list(counter.last)
 
 
@@ -313,7 +331,10 @@ def _merge_docs(collected: list[Hit], new: Sequence[Hit], cap: int) -> None:
 
 
 def run_ircot(
-    model: Generator, retriever: Retriever, examples: Sequence[QAExample], settings: BaselineSettings,
+    model: Generator,
+    retriever: Retriever,
+    examples: Sequence[QAExample],
+    settings: BaselineSettings,
     reader: Generator | None = None,
 ) -> list[MethodOutput]:
     """IRCoT, simplified (see the module docstring); every step is one batched generate and one search.
@@ -339,10 +360,13 @@ def run_ircot(
         if not active:
             break
         prompts = [
-            _user(IRCOT_STEP_PROMPT.format(
-                documents=format_docs(docs[i]), question=examples[i].question.strip(),
-                reasoning=" ".join(chains[i]) or "(none yet)",
-            ))
+            _user(
+                IRCOT_STEP_PROMPT.format(
+                    documents=format_docs(docs[i]),
+                    question=examples[i].question.strip(),
+                    reasoning=" ".join(chains[i]) or "(none yet)",
+                )
+            )
             for i in active
         ]
         gens = counter.generate(prompts, ["\n"], _params(settings.ircot_sentence_tokens, settings.seed))
@@ -369,8 +393,9 @@ def run_ircot(
         trajs[i].finish_reason = "max_turns"
 
     unanswered = [i for i in range(n) if answers[i] is None]
-    preds, _, counts = read_documents(reader or model, [examples[i] for i in unanswered],
-                                      [docs[i] for i in unanswered], settings)
+    preds, _, counts = read_documents(
+        reader or model, [examples[i] for i in unanswered], [docs[i] for i in unanswered], settings
+    )
     for i, pred, (n_in, n_out) in zip(unanswered, preds, counts, strict=True):
         answers[i] = pred
         tokens[i][0] += n_in
@@ -404,7 +429,11 @@ def gold_passages(retriever: Any, examples: Sequence[QAExample]) -> list[list[Hi
 
 
 def run_oracle(
-    reader: Generator, retriever: Any, examples: Sequence[QAExample], settings: BaselineSettings, template: str
+    reader: Generator,
+    retriever: Any,
+    examples: Sequence[QAExample],
+    settings: BaselineSettings,
+    template: str,
 ) -> list[MethodOutput]:
     """The frozen reader answers from each question's gold supporting passages (no search)."""
     docs = gold_passages(retriever, examples)

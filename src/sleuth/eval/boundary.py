@@ -39,7 +39,9 @@ def _row(records: Sequence[Mapping[str, Any]], known: bool, seed: int) -> dict[s
     return row
 
 
-def retrieval_boundary(records: Sequence[Mapping[str, Any]], seed: int = 0) -> dict[str, dict[str, Any]] | None:
+def retrieval_boundary(
+    records: Sequence[Mapping[str, Any]], seed: int = 0
+) -> dict[str, dict[str, Any]] | None:
     """Per knowledge type (all-known, mixed, all-unknown, and any-unknown = mixed + all-unknown):
     n, retrieval_count, em, over_retrieval (all-known only) and under_retrieval (the others), each
     with its `_ci`. None when no record carries a knowledge label."""
@@ -68,12 +70,21 @@ def _cell(row: Mapping[str, Any], key: str, pct: bool) -> str:
 
 def boundary_markdown(boundary: Mapping[str, Mapping[str, Any]]) -> str:
     """The table of `retrieval_boundary` results per method (summary.md)."""
-    lines = ["| method | questions | n | over-retrieval % [95% CI] | under-retrieval % [95% CI] | RC [95% CI] | "
-             "EM % [95% CI] |", "|---|---|---|---|---|---|---|"]
+    lines = [
+        "| method | questions | n | over-retrieval % [95% CI] | under-retrieval % [95% CI] | RC [95% CI] | "
+        "EM % [95% CI] |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for method, rows in boundary.items():
         for kind, row in rows.items():
-            lines.append(f"| {method} | {kind} | {row['n']} | {_cell(row, 'over_retrieval', True)} | "
-                         f"{_cell(row, 'under_retrieval', True)} | {_cell(row, 'retrieval_count', False)} | "
-                         f"{_cell(row, 'em', True)} |")
-    return ("\nRetrieval against the knowledge boundary: over-retrieval = searched on an all-known question; "
-            "under-retrieval = answered without searching a question with an unknown hop.\n\n" + "\n".join(lines) + "\n")
+            lines.append(
+                f"| {method} | {kind} | {row['n']} | {_cell(row, 'over_retrieval', True)} | "
+                f"{_cell(row, 'under_retrieval', True)} | {_cell(row, 'retrieval_count', False)} | "
+                f"{_cell(row, 'em', True)} |"
+            )
+    return (
+        "\nRetrieval against the knowledge boundary: over-retrieval = searched on an all-known question; "
+        "under-retrieval = answered without searching a question with an unknown hop.\n\n"
+        + "\n".join(lines)
+        + "\n"
+    )

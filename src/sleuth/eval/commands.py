@@ -54,49 +54,70 @@ def print_summary(console: Any, title: str, header: list[str], rows: list[list[s
     for row in rows:
         head = f"{' / '.join(row[:keys])} ({header[keys]}={row[keys]})"
         pairs = [f"{name}: {value}" for name, value in zip(header[keys + 1 :], row[keys + 1 :], strict=True)]
-        console.print("\n".join([head] + _pack(pairs, console.width - 2, "   ")), highlight=False, markup=False,
-                      soft_wrap=True)
+        console.print(
+            "\n".join([head] + _pack(pairs, console.width - 2, "   ")),
+            highlight=False,
+            markup=False,
+            soft_wrap=True,
+        )
 
 
 def register(app: typer.Typer) -> None:
     @app.command("eval")
     def eval_cmd(
         method: list[str] = typer.Option(
-            ..., "--method", "-m",
+            ...,
+            "--method",
+            "-m",
             help="Method(s), repeatable or comma-separated: direct, direct-generator, cot, naive-rag, ircot, "
-                 "search-o1, search-r1, s3, r-search, staged, qagent, oracle. direct answers with --model, "
-                 "direct-generator with --generator (a contamination check: both without retrieval); oracle hands "
-                 "each question's gold passages (metadata.supporting_ids of a synthetic world) to --generator.",
+            "search-o1, search-r1, s3, r-search, staged, qagent, oracle. direct answers with --model, "
+            "direct-generator with --generator (a contamination check: both without retrieval); oracle hands "
+            "each question's gold passages (metadata.supporting_ids of a synthetic world) to --generator.",
         ),
-        data: list[Path] = typer.Option(..., "--data", "-d", help="QA file(s): .jsonl/.json (FlashRAG) or .parquet."),
+        data: list[Path] = typer.Option(
+            ..., "--data", "-d", help="QA file(s): .jsonl/.json (FlashRAG) or .parquet."
+        ),
         retriever: str | None = typer.Option(
-            None, "--retriever", "-r", help="A retriever location: index directory, retrieval server URL, mcp:<MCP server "
+            None,
+            "--retriever",
+            "-r",
+            help="A retriever location: index directory, retrieval server URL, mcp:<MCP server "
             "URL>, a search-tool YAML (mcp:/http: section), bm25:|dense:|sharded:DIR, hybrid:DIR1,DIR2, "
             "milvus:URI?collection=C, or a plugin backend's NAME:... (sleuth.retrieval.backends); not needed for "
-            "direct/cot."
+            "direct/cot.",
         ),
         model: str = typer.Option(
-            "smollm2-135m-instruct", "--model", help="Policy / prompted model: alias, checkpoint dir or openai:URL#model."
+            "smollm2-135m-instruct",
+            "--model",
+            help="Policy / prompted model: alias, checkpoint dir or openai:URL#model.",
         ),
         generator: str | None = typer.Option(
-            None, "--generator",
+            None,
+            "--generator",
             help="Frozen reader (default: --model) that answers from documents for s3/qagent and for naive-rag, "
-                 "IRCoT's reader, oracle and direct-generator, so one call compares them fairly.",
+            "IRCoT's reader, oracle and direct-generator, so one call compares them fairly.",
         ),
-        judge: str | None = typer.Option(None, "--judge", help="LLM judge for GenAcc / judge accuracy (optional)."),
+        judge: str | None = typer.Option(
+            None, "--judge", help="LLM judge for GenAcc / judge accuracy (optional)."
+        ),
         judge_rule: str = typer.Option(
-            "strict", "--judge-rule",
+            "strict",
+            "--judge-rule",
             help="How a judge reply is read: strict (yes only when it clearly says yes) or upstream "
-                 "(s3's code: 'yes' anywhere in the reply).",
+            "(s3's code: 'yes' anywhere in the reply).",
         ),
         retriever_cache: Path | None = typer.Option(
-            None, "--retriever-cache",
+            None,
+            "--retriever-cache",
             help="Directory recording every search (any retriever or search tool); a later run replays them.",
         ),
         out: Path = typer.Option(Path("eval-results"), "--out", "-o", help="Output directory (resumable)."),
         limit: int | None = typer.Option(
-            None, "--limit", help="First N questions of each data source (dataset) of each data file: a merged "
-                                  "Search-R1 file keeps N of each of its data sources."),
+            None,
+            "--limit",
+            help="First N questions of each data source (dataset) of each data file: a merged "
+            "Search-R1 file keeps N of each of its data sources.",
+        ),
         seed: int = typer.Option(0, "--seed", help="Random seed."),
         top_k: int | None = typer.Option(
             None, "--top-k", help="Documents per search (default: a checkpoint's own, else each method's)."
@@ -106,29 +127,52 @@ def register(app: typer.Typer) -> None:
         ),
         batch_size: int = typer.Option(16, "--batch-size", help="Questions generated together."),
         max_new_tokens: int | None = typer.Option(
-            None, "--max-new-tokens", help="Tokens per agent turn / CoT (default: a checkpoint's own, else 512)."
+            None,
+            "--max-new-tokens",
+            help="Tokens per agent turn / CoT (default: a checkpoint's own, else 512).",
         ),
         max_obs_tokens: int | None = typer.Option(
-            None, "--max-obs-tokens", help="Tokens of inserted documents per search (default: a checkpoint's, else 512)."
+            None,
+            "--max-obs-tokens",
+            help="Tokens of inserted documents per search (default: a checkpoint's, else 512).",
         ),
         max_response_tokens: int | None = typer.Option(
-            None, "--max-response-tokens", help="Tokens of a whole agent response (default: a checkpoint's, else 4096)."
+            None,
+            "--max-response-tokens",
+            help="Tokens of a whole agent response (default: a checkpoint's, else 4096).",
         ),
-        answer_max_new_tokens: int = typer.Option(64, "--answer-max-new-tokens", help="Tokens per short answer."),
+        answer_max_new_tokens: int = typer.Option(
+            64, "--answer-max-new-tokens", help="Tokens per short answer."
+        ),
         r_search_evidence: bool = typer.Option(
-            False, "--r-search-evidence", help="R-Search: the frozen generator answers from its evidence (RSTool)."
+            False,
+            "--r-search-evidence",
+            help="R-Search: the frozen generator answers from its evidence (RSTool).",
         ),
-        keep_token_ids: bool = typer.Option(False, "--keep-token-ids", help="Store token ids in trajectories."),
-        fresh: bool = typer.Option(False, "--fresh", help="Discard existing predictions in --out instead of resuming."),
+        keep_token_ids: bool = typer.Option(
+            False, "--keep-token-ids", help="Store token ids in trajectories."
+        ),
+        fresh: bool = typer.Option(
+            False, "--fresh", help="Discard existing predictions in --out instead of resuming."
+        ),
         plugin: list[str] | None = typer.Option(
-            None, "--plugin", help="Module registering more methods or rewards (repeatable), importable on PYTHONPATH."
+            None,
+            "--plugin",
+            help="Module registering more methods or rewards (repeatable), importable on PYTHONPATH.",
         ),
         tokenizer: str | None = typer.Option(
-            None, "--tokenizer", help="Tokenizer directory of an openai: --model (agent methods build prompts "
-            "with it; default: the model name's, when it names a local model or export directory)."),
+            None,
+            "--tokenizer",
+            help="Tokenizer directory of an openai: --model (agent methods build prompts "
+            "with it; default: the model name's, when it names a local model or export directory).",
+        ),
         openai_timeout: float | None = typer.Option(
-            None, "--openai-timeout", min=0.001, help="Seconds to wait for an openai: model's answer (default "
-            "SLEUTH_OPENAI_TIMEOUT, else 60); a request past it fails, it is not sent again."),
+            None,
+            "--openai-timeout",
+            min=0.001,
+            help="Seconds to wait for an openai: model's answer (default "
+            "SLEUTH_OPENAI_TIMEOUT, else 60); a request past it fails, it is not sent again.",
+        ),
     ) -> None:
         """Evaluate methods on QA data: EM, cover-EM, F1, span, GenAcc, judge, retrievals, tokens, latency."""
         import time
@@ -163,14 +207,25 @@ def register(app: typer.Typer) -> None:
             load_plugins(plugin or [])
             load_model_plugins(model)  # the plugin modules a checkpoint recorded for its method
             methods = parse_methods(method)
-            given = {"top_k": top_k, "max_turns": max_turns, "max_new_tokens": max_new_tokens,
-                     "max_obs_tokens": max_obs_tokens, "max_response_tokens": max_response_tokens}
+            given = {
+                "top_k": top_k,
+                "max_turns": max_turns,
+                "max_new_tokens": max_new_tokens,
+                "max_obs_tokens": max_obs_tokens,
+                "max_response_tokens": max_response_tokens,
+            }
             # a trained checkpoint is evaluated with the budgets it was trained with unless told otherwise
             budgets = {**checkpoint_budgets(model), **{k: v for k, v in given.items() if v is not None}}
             cfg = EvalConfig(
-                batch_size=batch_size, seed=seed, answer_max_new_tokens=answer_max_new_tokens,
-                r_search_evidence=r_search_evidence, keep_token_ids=keep_token_ids, fresh=fresh,
-                judge_rule=judge_rule, retriever_cache=str(retriever_cache) if retriever_cache else None, **budgets,
+                batch_size=batch_size,
+                seed=seed,
+                answer_max_new_tokens=answer_max_new_tokens,
+                r_search_evidence=r_search_evidence,
+                keep_token_ids=keep_token_ids,
+                fresh=fresh,
+                judge_rule=judge_rule,
+                retriever_cache=str(retriever_cache) if retriever_cache else None,
+                **budgets,
             )
             examples = load_eval_data(data, limit)
             if limit:
@@ -181,9 +236,19 @@ def register(app: typer.Typer) -> None:
         start = time.perf_counter()
         try:
             summary = evaluate(
-                methods, examples, retriever=retriever, model=model_spec, generator=generator, judge=judge, config=cfg,
-                out_dir=EvalOutput(out, run_info={"data": [str(p) for p in data], "limit": limit}, progress=True,
-                                   console=console),
+                methods,
+                examples,
+                retriever=retriever,
+                model=model_spec,
+                generator=generator,
+                judge=judge,
+                config=cfg,
+                out_dir=EvalOutput(
+                    out,
+                    run_info={"data": [str(p) for p in data], "limit": limit},
+                    progress=True,
+                    console=console,
+                ),
             )
         except (SleuthError, OSError) as err:
             _fail(str(err))
@@ -194,11 +259,19 @@ def register(app: typer.Typer) -> None:
         if summary.get("paired"):
             header, rows = paired_rows(summary["paired"], CONSOLE_PAIRED_METRICS)
             print_summary(
-                console, "minus naive-rag on the same questions: points [95% paired bootstrap interval]", header, rows,
+                console,
+                "minus naive-rag on the same questions: points [95% paired bootstrap interval]",
+                header,
+                rows,
                 keys=1,
             )
         if summary.get("retriever_cache"):
             cached = summary["retriever_cache"]
-            console.print(f"retriever cache {cached['dir']}: {cached['retriever/cache_hits']:.0f} searches replayed, "
-                          f"{cached['retriever/cache_misses']:.0f} searched and recorded", highlight=False)
-        console.print(f"predictions: {out}/<method>/predictions.jsonl   summary: {out}/summary.json, summary.md")
+            console.print(
+                f"retriever cache {cached['dir']}: {cached['retriever/cache_hits']:.0f} searches replayed, "
+                f"{cached['retriever/cache_misses']:.0f} searched and recorded",
+                highlight=False,
+            )
+        console.print(
+            f"predictions: {out}/<method>/predictions.jsonl   summary: {out}/summary.json, summary.md"
+        )

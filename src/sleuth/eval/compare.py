@@ -31,7 +31,9 @@ def _by_question(records: Iterable[Mapping[str, Any]], what: str) -> dict[Key, M
     out: dict[Key, Mapping[str, Any]] = {}
     for i, rec in enumerate(records):
         if "id" not in rec or "dataset" not in rec:
-            raise ConfigError(f"{what}: record {i + 1} has no 'id' or 'dataset'; is it a sleuth eval prediction file?")
+            raise ConfigError(
+                f"{what}: record {i + 1} has no 'id' or 'dataset'; is it a sleuth eval prediction file?"
+            )
         out[(str(rec["dataset"]), str(rec["id"]))] = rec
     return out
 
@@ -117,7 +119,9 @@ def compare_records(
             _metric(r, metric) is not None for r in b.values()
         ):
             pairs[metric] = _scored_pairs(a, b, shared, metric)
-    complete = {m: [x - y for x, y in zip(*p, strict=True)] for m, p in pairs.items() if len(p[0]) == len(shared)}
+    complete = {
+        m: [x - y for x, y in zip(*p, strict=True)] for m, p in pairs.items() if len(p[0]) == len(shared)
+    }
     intervals = bootstrap_cis(complete, seed=seed)
     out = {}
     for metric, (xs, ys) in pairs.items():
@@ -147,8 +151,13 @@ def compare_with_baseline(
         compared = compare_records(records, predictions[baseline], keys=shared, seed=seed)
         if compared:
             methods[method] = compared
-    return {"baseline": baseline, "confidence": DEFAULT_CONFIDENCE, "resamples": DEFAULT_RESAMPLES,
-            "seed": seed, "methods": methods}
+    return {
+        "baseline": baseline,
+        "confidence": DEFAULT_CONFIDENCE,
+        "resamples": DEFAULT_RESAMPLES,
+        "seed": seed,
+        "methods": methods,
+    }
 
 
 def load_method_records(spec: str | Path) -> tuple[str, list[dict]]:
@@ -178,7 +187,9 @@ def format_difference(result: Mapping[str, Any]) -> str:
     return f"{signed_points(result['diff'])} [{signed_points(lo)}, {signed_points(hi)}]"
 
 
-def paired_rows(paired: Mapping[str, Any], metrics: Sequence[str] = PAIRED_METRICS) -> tuple[list[str], list[list[str]]]:
+def paired_rows(
+    paired: Mapping[str, Any], metrics: Sequence[str] = PAIRED_METRICS
+) -> tuple[list[str], list[list[str]]]:
     """Header and rows of the comparison with the baseline: method, n, then one difference per metric."""
     shown = [m for m in metrics if any(m in per for per in paired["methods"].values())]
     header = ["method", "n"] + [f"{PAIRED_LABELS.get(m, m)} Δ" for m in shown]
@@ -227,7 +238,9 @@ def headline(summary: Mapping[str, Any], method: str) -> str | None:
         return f"{name} {100 * mean:.1f}%{interval}"
 
     pct = round(100 * float(paired.get("confidence", 0.95)))
-    return (f"{PAIRED_LABELS.get(metric, metric)} on {result['n']} questions: "
-            f"{accuracy(method, result['mean_a'])} vs {accuracy(baseline, result['mean_b'])}; "
-            f"difference {format_difference(result)} points ({pct}% bootstrap intervals, the difference paired "
-            "over the same questions)")
+    return (
+        f"{PAIRED_LABELS.get(metric, metric)} on {result['n']} questions: "
+        f"{accuracy(method, result['mean_a'])} vs {accuracy(baseline, result['mean_b'])}; "
+        f"difference {format_difference(result)} points ({pct}% bootstrap intervals, the difference paired "
+        "over the same questions)"
+    )

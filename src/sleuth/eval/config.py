@@ -40,7 +40,9 @@ class EvalConfig:
     fresh: bool = False  # discard existing predictions instead of resuming
     default_dataset: str = "data"  # dataset name for examples without metadata["dataset"]
     judge_rule: str = "strict"  # how a judge reply is read: "strict" or s3's "upstream" ("yes" anywhere)
-    retriever_cache: str | None = None  # record every search here, replay it next time (sleuth.retrieval.cache)
+    retriever_cache: str | None = (
+        None  # record every search here, replay it next time (sleuth.retrieval.cache)
+    )
     # a trained checkpoint's loop switches (searcher.json `loop_options`: s3 without selection, r_search without its
     # evidence block, ...), applied when its own method (`loop_method`) is evaluated
     loop_method: str | None = None
@@ -50,7 +52,13 @@ class EvalConfig:
     hand_over_template: str | None = None
 
     def __post_init__(self) -> None:
-        for name in ("batch_size", "max_new_tokens", "answer_max_new_tokens", "max_obs_tokens", "max_response_tokens"):
+        for name in (
+            "batch_size",
+            "max_new_tokens",
+            "answer_max_new_tokens",
+            "max_obs_tokens",
+            "max_response_tokens",
+        ):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("top_k", "max_turns"):
@@ -74,5 +82,7 @@ def eval_config(**options: Any) -> EvalConfig:
     known = {f.name for f in fields(EvalConfig)}
     unknown = sorted(set(options) - known)
     if unknown:
-        raise ConfigError(f"unknown evaluate option(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        raise ConfigError(
+            f"unknown evaluate option(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}"
+        )
     return EvalConfig(**options)

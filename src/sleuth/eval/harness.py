@@ -117,11 +117,14 @@ def evaluate(
 
     models = load_models(model, generator, judge, retriever, bool(needs_retrieval))
     agents = [m for m in method_list if m not in BASELINES]
-    if agents and getattr(models.model, "tokenizer", True) is None:  # before any method runs, not after the first
+    if (
+        agents and getattr(models.model, "tokenizer", True) is None
+    ):  # before any method runs, not after the first
         raise ConfigError(
             f"method(s) {', '.join(agents)} build the agent's prompts with the model's tokenizer, and "
             f"{models.descs['model']} brings none: pass --tokenizer DIR (the served model's directory), or serve "
-            "the model under its local directory's name (openai:URL#DIR)")
+            "the model under its local directory's name (openai:URL#DIR)"
+        )
     retriever_obj = resolve_retriever(retriever, cfg.retriever_cache) if needs_retrieval else None
     if any(BASELINES[m].needs_gold for m in method_list if m in BASELINES):
         passages_by_id(retriever_obj, [])  # a retriever that cannot look ids up fails before any method runs
@@ -145,8 +148,11 @@ def evaluate(
     paired = _compare_with_naive_rag(out, ordered, run_records, items, cfg.seed)
     if paired is not None:
         summary["paired"] = paired
-    boundary = {m: b for m in ordered if m in run_records
-                and (b := retrieval_boundary(run_records[m], cfg.seed)) is not None}
+    boundary = {
+        m: b
+        for m in ordered
+        if m in run_records and (b := retrieval_boundary(run_records[m], cfg.seed)) is not None
+    }
     if boundary:
         summary["retrieval_boundary"] = boundary
     write_summary(out, summary)
@@ -161,7 +167,9 @@ def _run_methods(method_list: Sequence[str], items: Sequence[EvalItem], ctx: Eva
     bar = _progress_bar(output.console) if output.progress else None
     try:
         for method in method_list:
-            mcfg = method_config(method, ctx, descs["retriever"], descs["model"], descs["generator"], descs["judge"])
+            mcfg = method_config(
+                method, ctx, descs["retriever"], descs["model"], descs["generator"], descs["judge"]
+            )
             on_progress = None
             if bar is not None:
                 task = bar.add_task(method, total=len(items))
@@ -202,7 +210,9 @@ def _compare_with_naive_rag(out_dir: Path, methods: Sequence[str], run_records: 
     if baseline not in run_records and not (out_dir / baseline / "predictions.jsonl").exists():
         return None
     predictions = {
-        m: run_records[m] if m in run_records else list(load_predictions(out_dir / m / "predictions.jsonl").values())
+        m: run_records[m]
+        if m in run_records
+        else list(load_predictions(out_dir / m / "predictions.jsonl").values())
         for m in methods
     }
     return compare_with_baseline(predictions, [it.key for it in items], seed=seed, baseline=baseline)

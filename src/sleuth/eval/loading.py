@@ -36,9 +36,26 @@ def describe(component: Any) -> str | None:
 # What a constructed component's outputs depend on, as attributes: where its index, documents or weights
 # live, and the settings that change its results. Two retrievers of one class over different indexes (or
 # two generators of one class from different checkpoints) must not share stored predictions.
-_IDENTITY_ATTRS = ("source", "urls", "model_name", "model", "index_dir", "directory", "uri", "collection",
-                   "mode", "faiss_type", "rerank", "weights", "rrf_k", "specs", "config", "encoder", "docstore",
-                   "retrievers")
+_IDENTITY_ATTRS = (
+    "source",
+    "urls",
+    "model_name",
+    "model",
+    "index_dir",
+    "directory",
+    "uri",
+    "collection",
+    "mode",
+    "faiss_type",
+    "rerank",
+    "weights",
+    "rrf_k",
+    "specs",
+    "config",
+    "encoder",
+    "docstore",
+    "retrievers",
+)
 
 
 _SECRET_WORDS = ("key", "token", "secret", "auth", "header", "password")
@@ -123,7 +140,9 @@ def is_sleuth_checkpoint(spec: str | Path) -> bool:
     return is_searcher_checkpoint(spec)
 
 
-def resolve_retriever(spec: Retriever | str | Path | None, cache: str | Path | None = None) -> Retriever | None:
+def resolve_retriever(
+    spec: Retriever | str | Path | None, cache: str | Path | None = None
+) -> Retriever | None:
     """A retriever location (an index directory, an http(s) URL, `mcp:URL`, a tool YAML, `NAME:...` of any
     registered backend: `sleuth.retrieval.backends`) -> its retriever; objects pass through.
     `cache`: a directory recording every search and replaying it next time (`sleuth.retrieval.cache`)."""
@@ -146,11 +165,15 @@ class LoadedModels:
     descs: dict[str, Any]
 
 
-def load_models(model: Any, generator: Any, judge: Any, retriever: Any, needs_retrieval: bool) -> LoadedModels:
+def load_models(
+    model: Any, generator: Any, judge: Any, retriever: Any, needs_retrieval: bool
+) -> LoadedModels:
     """Resolve model specs, sharing the model object where generator or judge name the same model."""
     model_obj = resolve_generator(model)
     assert model_obj is not None
-    same_as_model = generator is None or generator is model or (isinstance(generator, str) and generator == model)
+    same_as_model = (
+        generator is None or generator is model or (isinstance(generator, str) and generator == model)
+    )
     generator_obj = model_obj if same_as_model else resolve_generator(generator)
     judge_same = judge is not None and (judge is model or (isinstance(judge, str) and judge == model))
     judge_obj = model_obj if judge_same else resolve_generator(judge)

@@ -49,7 +49,9 @@ class Baseline:
     name: str
     run: Callable[[Sequence[QAExample], EvalContext], list[MethodOutput]]
     needs_retriever: bool = True
-    reads: bool = False  # answered by the frozen generator (--generator), so it compares fairly with searchers
+    reads: bool = (
+        False  # answered by the frozen generator (--generator), so it compares fairly with searchers
+    )
     model_free: bool = False  # only the frozen generator answers: --model plays no part
     # the reader prompt its documents are read with: "config" = EvalConfig.answer_template
     template: str | None = None
@@ -70,23 +72,55 @@ ORACLE_TEMPLATE = DEFAULT_READER
 # before and after the trained-agent methods, in the order summaries list them
 _BASELINES_FIRST = (
     Baseline("direct", lambda exs, ctx: run_direct(ctx.model, exs, ctx.settings()), needs_retriever=False),
-    Baseline("direct-generator", _run_direct_generator, needs_retriever=False, reads=True, model_free=True,
-             aliases=("direct@generator", "direct_generator")),
-    Baseline("cot", lambda exs, ctx: run_cot(ctx.model, exs, ctx.settings()), needs_retriever=False,
-             aliases=("chain-of-thought",)),
-    Baseline("naive-rag", lambda exs, ctx: run_naive_rag(ctx.generator, ctx.need_retriever(), exs, ctx.settings()),
-             reads=True, model_free=True, template="config", aliases=("naive_rag", "rag", "naiverag")),
-    Baseline("ircot", lambda exs, ctx: run_ircot(ctx.model, ctx.need_retriever(), exs, ctx.settings(),
-                                                 reader=ctx.generator), reads=True, template="config"),
-    Baseline("search-o1", lambda exs, ctx: run_agent(SearchO1Loop(**ctx.loop_options()), None, exs, ctx),
-             aliases=("search_o1", "searcho1")),
+    Baseline(
+        "direct-generator",
+        _run_direct_generator,
+        needs_retriever=False,
+        reads=True,
+        model_free=True,
+        aliases=("direct@generator", "direct_generator"),
+    ),
+    Baseline(
+        "cot",
+        lambda exs, ctx: run_cot(ctx.model, exs, ctx.settings()),
+        needs_retriever=False,
+        aliases=("chain-of-thought",),
+    ),
+    Baseline(
+        "naive-rag",
+        lambda exs, ctx: run_naive_rag(ctx.generator, ctx.need_retriever(), exs, ctx.settings()),
+        reads=True,
+        model_free=True,
+        template="config",
+        aliases=("naive_rag", "rag", "naiverag"),
+    ),
+    Baseline(
+        "ircot",
+        lambda exs, ctx: run_ircot(
+            ctx.model, ctx.need_retriever(), exs, ctx.settings(), reader=ctx.generator
+        ),
+        reads=True,
+        template="config",
+    ),
+    Baseline(
+        "search-o1",
+        lambda exs, ctx: run_agent(SearchO1Loop(**ctx.loop_options()), None, exs, ctx),
+        aliases=("search_o1", "searcho1"),
+    ),
 )
 
 
 _BASELINES_LAST = (
-    Baseline("oracle", lambda exs, ctx: run_oracle(ctx.generator, ctx.need_retriever(), exs, ctx.settings(),
-                                                   ORACLE_TEMPLATE),
-             reads=True, model_free=True, template=ORACLE_TEMPLATE, needs_gold=True),
+    Baseline(
+        "oracle",
+        lambda exs, ctx: run_oracle(
+            ctx.generator, ctx.need_retriever(), exs, ctx.settings(), ORACLE_TEMPLATE
+        ),
+        reads=True,
+        model_free=True,
+        template=ORACLE_TEMPLATE,
+        needs_gold=True,
+    ),
 )
 
 
@@ -110,8 +144,10 @@ def canonical_method(name: str) -> str:
     try:
         return get_method(key).display_name
     except ConfigError:
-        raise ConfigError(f"unknown method {name!r}; choose from: {', '.join(all_methods())} (a method from a "
-                          "plugin module: pass --plugin MODULE)") from None
+        raise ConfigError(
+            f"unknown method {name!r}; choose from: {', '.join(all_methods())} (a method from a "
+            "plugin module: pass --plugin MODULE)"
+        ) from None
 
 
 def parse_methods(methods: str | Iterable[str]) -> list[str]:
@@ -171,7 +207,12 @@ def run_agent(loop: AgentLoop, method: Method | None, examples: Sequence[QAExamp
     cfg = ctx.cfg
     params = SamplingParams(max_new_tokens=cfg.max_new_tokens, temperature=0.0, seed=cfg.seed)
     trajs = rollout(
-        loop, ctx.model, ctx.need_retriever(), examples, params, n=1,
+        loop,
+        ctx.model,
+        ctx.need_retriever(),
+        examples,
+        params,
+        n=1,
         budget=RolloutBudget(cfg.max_obs_tokens, cfg.max_response_tokens, cfg.max_turns),
     )
     outs = []
@@ -179,14 +220,20 @@ def run_agent(loop: AgentLoop, method: Method | None, examples: Sequence[QAExamp
         n_in, n_out = trajectory_tokens(traj)
         outs.append(MethodOutput(traj.answer, traj.retrieval_count, n_in, n_out, traj))
     if method is not None and (method.evaluated_by_reader or cfg.hand_over_template is not None):
-        preds, texts, counts = read_documents(ctx.generator, examples, [method.hand_over(t) for t in trajs],
-                                              ctx.settings(), cfg.hand_over_template or method.reader)
+        preds, texts, counts = read_documents(
+            ctx.generator,
+            examples,
+            [method.hand_over(t) for t in trajs],
+            ctx.settings(),
+            cfg.hand_over_template or method.reader,
+        )
         _hand_over(outs, preds, texts, counts)
     elif method is not None and method.reads_evidence and cfg.r_search_evidence:
         counter = CountingGenerator(ctx.generator)
         params = SamplingParams(max_new_tokens=cfg.answer_max_new_tokens, temperature=0.0, seed=cfg.seed)
-        texts = answer_from_evidence(counter, [ex.question for ex in examples],
-                                     [t.evidence or "" for t in trajs], params)
+        texts = answer_from_evidence(
+            counter, [ex.question for ex in examples], [t.evidence or "" for t in trajs], params
+        )
         _hand_over(outs, [parse_answer(t) for t in texts], texts, list(counter.last))
     return outs
 

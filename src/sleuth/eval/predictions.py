@@ -40,20 +40,27 @@ def score_predictions(
         for i in range(len(predictions)):
             verdicts[i] = 0.0
         if ask:
-            said = judge_contains(judge, [questions[i] for i in ask], [golden_answers[i] for i in ask],
-                                  [predictions[i] or "" for i in ask], rule=judge_rule)
+            said = judge_contains(
+                judge,
+                [questions[i] for i in ask],
+                [golden_answers[i] for i in ask],
+                [predictions[i] or "" for i in ask],
+                rule=judge_rule,
+            )
             for i, ok in zip(ask, said, strict=True):
                 verdicts[i] = float(ok)
     out = []
     for pred, golds, verdict in zip(predictions, golden_answers, verdicts, strict=True):
-        out.append({
-            "em": exact_match(pred, golds),
-            "cover_em": cover_exact_match(pred, golds),
-            "f1": f1_score(pred, golds),
-            "span_check": span_check(pred, golds),
-            "genacc": gen_acc(pred, golds, None if verdict is None else bool(verdict)),
-            "judge": verdict,
-        })
+        out.append(
+            {
+                "em": exact_match(pred, golds),
+                "cover_em": cover_exact_match(pred, golds),
+                "f1": f1_score(pred, golds),
+                "span_check": span_check(pred, golds),
+                "genacc": gen_acc(pred, golds, None if verdict is None else bool(verdict)),
+                "judge": verdict,
+            }
+        )
     return out
 
 
@@ -67,8 +74,14 @@ def _stored_trajectory(traj: Trajectory | None, keep_token_ids: bool) -> dict | 
     return d
 
 
-def method_config(method: str, ctx: EvalContext, retriever_desc: str | None, model_desc: str | None,
-                  generator_desc: str | None, judge_desc: str | None) -> dict[str, Any]:
+def method_config(
+    method: str,
+    ctx: EvalContext,
+    retriever_desc: str | None,
+    model_desc: str | None,
+    generator_desc: str | None,
+    judge_desc: str | None,
+) -> dict[str, Any]:
     """Everything a method's stored predictions depend on (compared when resuming)."""
     cfg = ctx.cfg
     traits = method_traits(method, cfg)
@@ -162,8 +175,11 @@ def run_method(
         if len(outputs) != len(batch):
             raise RuntimeError(f"method {method} returned {len(outputs)} outputs for {len(batch)} questions")
         metrics = score_predictions(
-            [ex.question for ex in examples], [ex.golden_answers for ex in examples],
-            [o.prediction for o in outputs], judge, cfg.judge_rule,
+            [ex.question for ex in examples],
+            [ex.golden_answers for ex in examples],
+            [o.prediction for o in outputs],
+            judge,
+            cfg.judge_rule,
         )
         records = []
         for it, out, m in zip(batch, outputs, metrics, strict=True):
@@ -184,7 +200,9 @@ def run_method(
             }
             if out.extra:
                 rec["extra"] = out.extra
-            if "knowledge" in it.example.metadata:  # a knowledge-boundary world: over/under-retrieval is scored
+            if (
+                "knowledge" in it.example.metadata
+            ):  # a knowledge-boundary world: over/under-retrieval is scored
                 rec["knowledge"] = it.example.metadata["knowledge"]
             records.append(rec)
             done[it.key] = rec

@@ -68,10 +68,14 @@ def eval_items(examples: Sequence[QAExample], default_dataset: str) -> list[Eval
     for ex in examples:
         dataset = dataset_of(ex, default_dataset)
         if dataset == "overall":
-            raise ConfigError(f"question {ex.id!r}: dataset name 'overall' collides with the overall row; rename it")
+            raise ConfigError(
+                f"question {ex.id!r}: dataset name 'overall' collides with the overall row; rename it"
+            )
         key = (dataset, str(ex.id))
         if key in seen:
-            raise ConfigError(f"question id {ex.id!r} appears twice in dataset {dataset!r}; ids must be unique")
+            raise ConfigError(
+                f"question id {ex.id!r} appears twice in dataset {dataset!r}; ids must be unique"
+            )
         seen.add(key)
         items.append(EvalItem(key, dataset, ex))
     return items
@@ -82,7 +86,9 @@ def check_oracle_examples(items: Sequence[EvalItem]) -> None:
     for it in items:
         ids = it.example.metadata.get("supporting_ids") if isinstance(it.example.metadata, Mapping) else None
         if not isinstance(ids, list) or not ids:
-            source = it.example.metadata.get("source_file") if isinstance(it.example.metadata, Mapping) else None
+            source = (
+                it.example.metadata.get("source_file") if isinstance(it.example.metadata, Mapping) else None
+            )
             where = f"data file {source}" if source else f"dataset {it.dataset!r}"
             raise ConfigError(
                 f"method oracle needs each question's gold passages (metadata.supporting_ids, as a synthetic "

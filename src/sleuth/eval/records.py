@@ -26,7 +26,9 @@ def load_predictions(path: str | Path) -> dict[tuple[str, str], dict]:
             records[(str(rec["dataset"]), str(rec["id"]))] = rec
         except KeyError as err:
             raise DataFormatError(
-                str(path), None, f"record {lineno} is not a prediction record (no {err}); delete it or rerun with --fresh"
+                str(path),
+                None,
+                f"record {lineno} is not a prediction record (no {err}); delete it or rerun with --fresh",
             ) from err
     return records
 

@@ -15,8 +15,13 @@ def register(app: typer.Typer) -> None:
         run_dir: str = typer.Argument(
             ..., help="A training run, eval directory, or a directory holding several"
         ),
-        out: str = typer.Option(None, "--out", "-o", help="Output HTML file (default RUN_DIR/report.html; RUN_DIR/sleuth_report.html where report.html "
-            "is another command's report, which is never overwritten)"),
+        out: str = typer.Option(
+            None,
+            "--out",
+            "-o",
+            help="Output HTML file (default RUN_DIR/report.html; RUN_DIR/sleuth_report.html where report.html "
+            "is another command's report, which is never overwritten)",
+        ),
         title: str = typer.Option(None, "--title", help="Page title (default: from the recipe name)"),
         notes: list[str] = typer.Option(None, "--note", help="A paragraph for the Notes section; repeatable"),
         max_trajectories: int = typer.Option(
@@ -37,7 +42,10 @@ def register(app: typer.Typer) -> None:
             raise typer.Exit(2) from None
         console.print(f"[green]report written[/]: {path} ({path.stat().st_size / 1024:.0f} KiB)")
         if out is None and path.name != "report.html":
-            console.print(f"kept {Path(run_dir) / 'report.html'}: another command's report (sleuth reproduce)",
-                          markup=False, highlight=False)
+            console.print(
+                f"kept {Path(run_dir) / 'report.html'}: another command's report (sleuth reproduce)",
+                markup=False,
+                highlight=False,
+            )
         for label, verdict in training_verdicts(run_dir):
             console.print(f"{label}: {verdict}", markup=False, highlight=False)

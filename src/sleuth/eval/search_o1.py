@@ -114,8 +114,9 @@ class SearchO1Loop(AgentLoop):
 
     def observe(self, state: RolloutState, outcome: StepOutcome, hits: list[list[Hit]]) -> Observation:
         flat = [h for per_query in hits for h in per_query]
-        return Observation(f"\n\n{BEGIN_SEARCH_RESULT}\n", self.format_documents(flat).strip(),
-                           f"\n{END_SEARCH_RESULT}\n\n")
+        return Observation(
+            f"\n\n{BEGIN_SEARCH_RESULT}\n", self.format_documents(flat).strip(), f"\n{END_SEARCH_RESULT}\n\n"
+        )
 
     def finalize(self, state: RolloutState) -> None:
         traj = state.traj

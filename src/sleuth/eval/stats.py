@@ -110,7 +110,9 @@ def paired_bootstrap(
     """(mean of a - b, lo, hi): the difference of two methods on the same questions, in the same order."""
     first, second = _as_sample(a, "a"), _as_sample(b, "b")
     if first.shape != second.shape:
-        raise ValueError(f"paired samples differ in length ({first.size} vs {second.size}); pair them by question")
+        raise ValueError(
+            f"paired samples differ in length ({first.size} vs {second.size}); pair them by question"
+        )
     diff = first - second
     lo, hi = bootstrap_ci(diff, resamples, confidence, seed)
     return float(diff.mean()), lo, hi

@@ -20,8 +20,11 @@ def summarise_records(records: Sequence[Mapping[str, Any]], seed: int = 0) -> di
     """Per dataset and "overall": the mean of every metric (None when never computed), "n", and next to
     each accuracy `<metric>_ci`: its 95% percentile bootstrap interval [lo, hi] (None when not computed)."""
     rows = [
-        {"dataset": r["dataset"], **{k: r["metrics"].get(k) for k in ANSWER_METRICS},
-         **{k: r.get(k) for k in COST_METRICS}}
+        {
+            "dataset": r["dataset"],
+            **{k: r["metrics"].get(k) for k in ANSWER_METRICS},
+            **{k: r.get(k) for k in COST_METRICS},
+        }
         for r in records
     ]
     means = aggregate(rows, METRIC_KEYS, by="dataset")
@@ -54,9 +57,16 @@ HEADLINE_METRIC = "genacc"  # the console shows this accuracy's interval; summar
 
 
 COLUMNS: tuple[tuple[str, str, str], ...] = (
-    ("em", "EM", "pct"), ("cover_em", "CEM", "pct"), ("f1", "F1", "pct"), ("span_check", "Span", "pct"),
-    ("genacc", "GenAcc", "pct"), ("judge", "Judge", "pct"), ("retrieval_count", "RC", "{:.2f}"),
-    ("input_tokens", "In tok", "{:.0f}"), ("output_tokens", "Out tok", "{:.0f}"), ("latency_s", "s/q", "{:.2f}"),
+    ("em", "EM", "pct"),
+    ("cover_em", "CEM", "pct"),
+    ("f1", "F1", "pct"),
+    ("span_check", "Span", "pct"),
+    ("genacc", "GenAcc", "pct"),
+    ("judge", "Judge", "pct"),
+    ("retrieval_count", "RC", "{:.2f}"),
+    ("input_tokens", "In tok", "{:.0f}"),
+    ("output_tokens", "Out tok", "{:.0f}"),
+    ("latency_s", "s/q", "{:.2f}"),
 )
 
 
@@ -77,7 +87,9 @@ def _cell(stats: Mapping[str, Any], key: str, how: str, with_interval: bool) -> 
     return text
 
 
-def summary_rows(summary: Mapping[str, Any], intervals: str = "headline") -> tuple[list[str], list[list[str]]]:
+def summary_rows(
+    summary: Mapping[str, Any], intervals: str = "headline"
+) -> tuple[list[str], list[list[str]]]:
     """Header and rows (method x dataset; "overall" only when there are several datasets).
 
     `intervals`: "headline" puts the 95% interval beside the headline accuracy only (GenAcc; the
@@ -98,8 +110,10 @@ def summary_rows(summary: Mapping[str, Any], intervals: str = "headline") -> tup
             names.append("overall")
         for name in names:
             stats = per_dataset[name]
-            rows.append([method, name, str(stats["n"])]
-                        + [_cell(stats, key, how, shown[key]) for key, _, how in COLUMNS])
+            rows.append(
+                [method, name, str(stats["n"])]
+                + [_cell(stats, key, how, shown[key]) for key, _, how in COLUMNS]
+            )
     return header, rows
 
 
@@ -117,8 +131,13 @@ def summary_markdown(summary: Mapping[str, Any]) -> str:
     )
     paired = summary.get("paired")
     boundary = summary.get("retrieval_boundary")
-    return ("\n".join(lines) + "\n" + notes + ("\n" + paired_markdown(paired) if paired else "")
-            + (boundary_markdown(boundary) if boundary else ""))
+    return (
+        "\n".join(lines)
+        + "\n"
+        + notes
+        + ("\n" + paired_markdown(paired) if paired else "")
+        + (boundary_markdown(boundary) if boundary else "")
+    )
 
 
 def write_summary(out_dir: Path, summary: Mapping[str, Any]) -> None:

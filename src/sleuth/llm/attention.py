@@ -35,19 +35,27 @@ def grouped_decode_sdpa(
 
     groups = int(getattr(module, "num_key_value_groups", 1))
     batch, heads, q_len, dim = query.shape
-    plain = (q_len != 1 or groups == 1 or dropout or kwargs.get("softcap") is not None
-             or kwargs.get("position_bias") is not None or kwargs.get("output_attentions"))
+    plain = (
+        q_len != 1
+        or groups == 1
+        or dropout
+        or kwargs.get("softcap") is not None
+        or kwargs.get("position_bias") is not None
+        or kwargs.get("output_attentions")
+    )
     if plain:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      **kwargs)
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
     rows = query.reshape(batch, heads // groups, groups, dim)  # query head h reads key/value head h // groups
     mask = attention_mask
     if mask is not None:
         mask = mask[:, :, :, : key.shape[-2]]
         if mask.dim() == 4 and mask.shape[1] != 1:  # a per-head mask: regroup it like the query
             mask = mask.reshape(batch, heads // groups, groups, mask.shape[-1])
-    out = torch.nn.functional.scaled_dot_product_attention(rows, key, value, attn_mask=mask, dropout_p=0.0,
-                                                           scale=scaling, is_causal=False)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        rows, key, value, attn_mask=mask, dropout_p=0.0, scale=scaling, is_causal=False
+    )
     return out.reshape(batch, heads, 1, dim).transpose(1, 2).contiguous(), None
 
 

@@ -66,4 +66,3 @@ def shared_prefixes(generator: object) -> Iterator[bool]:
         return
     with generator.engine.holding():  # type: ignore[attr-defined]
         yield True
-

@@ -12,7 +12,9 @@ from sleuth.llm.gguf import cache_root
 def register(app: typer.Typer) -> None:
     @app.command("generate")
     def generate(
-        model: str = typer.Argument(..., help="Model alias, directory, .gguf file, hub name, openai:<url>#<model>"),
+        model: str = typer.Argument(
+            ..., help="Model alias, directory, .gguf file, hub name, openai:<url>#<model>"
+        ),
         prompt: str = typer.Argument(..., help="Prompt text"),
         chat: bool = typer.Option(False, "--chat", help="Send the prompt as a user chat message"),
         max_new_tokens: int = typer.Option(128, "--max-new-tokens", min=1),
@@ -32,14 +34,18 @@ def register(app: typer.Typer) -> None:
         try:
             generator = load_generator(model)
             item = [{"role": "user", "content": prompt}] if chat else prompt
-            params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed)
+            params = SamplingParams(
+                max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed
+            )
             (out,) = generator.generate([item], stop=list(stop) or None, params=params)
         except SleuthError as err:
             console.print(f"[red]error:[/red] {err}")
             raise typer.Exit(2) from err
         typer.echo(out.text)
-        console.print(f"[dim]finish_reason={out.finish_reason} stop={out.stop!r} tokens={len(out.token_ids)}[/dim]",
-                      highlight=False)
+        console.print(
+            f"[dim]finish_reason={out.finish_reason} stop={out.stop!r} tokens={len(out.token_ids)}[/dim]",
+            highlight=False,
+        )
         if show_tokens:
             for token_id, logprob in zip(out.token_ids, out.logprobs, strict=False):
                 console.print(f"{token_id}\t{logprob:.4f}", highlight=False)
@@ -58,5 +64,7 @@ def register(app: typer.Typer) -> None:
             table.add_column(column, overflow="fold")
         for row in list_models():
             table.add_row(row["alias"], row["description"], row["location"])
-        table.add_row("<dir> | <file.gguf> | org/name", "local checkpoint, GGUF file or hub model (transformers)", "-")
+        table.add_row(
+            "<dir> | <file.gguf> | org/name", "local checkpoint, GGUF file or hub model (transformers)", "-"
+        )
         Console().print(table)

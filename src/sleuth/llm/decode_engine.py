@@ -87,8 +87,12 @@ class DecodeState:
     temperature: float
     top_p: float
     generator: torch.Generator | None
-    max_len: int = 0  # keys of its longest row at the end (prompt + max_new): what the attention splits follow
-    splits: int = 1  # attention splits of the captured step (its grid is fixed; a smaller bucket may change it)
+    max_len: int = (
+        0  # keys of its longest row at the end (prompt + max_new): what the attention splits follow
+    )
+    splits: int = (
+        1  # attention splits of the captured step (its grid is fixed; a smaller bucket may change it)
+    )
 
     @property
     def graph_key(self) -> tuple:
@@ -114,12 +118,22 @@ class DecodeEngine:
     weights after a policy update (a collective under FSDP2: every rank calls it).
     """
 
-    def __init__(self, model: torch.nn.Module, *, device: torch.device | None = None, dtype: torch.dtype | None = None,
-                 max_batch_size: int = 256, use_graphs: bool | None = None, prefill_tokens: int = 16384,
-                 min_bucket: int = 8) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        device: torch.device | None = None,
+        dtype: torch.dtype | None = None,
+        max_batch_size: int = 256,
+        use_graphs: bool | None = None,
+        prefill_tokens: int = 16384,
+        min_bucket: int = 8,
+    ) -> None:
         why = supports(model)
         if why is not None:
-            raise ConfigError(f"the decode engine cannot decode this model: {why}; use model.generation_cache=static")
+            raise ConfigError(
+                f"the decode engine cannot decode this model: {why}; use model.generation_cache=static"
+            )
         base = base_model(model)
         config = base.config
         self.device = torch.device(device) if device is not None else next(base.parameters()).device
@@ -133,8 +147,9 @@ class DecodeEngine:
         self.scale = 1.0 / math.sqrt(self.head_dim)
         rotary = base.model.rotary_emb
         inv_freq = rotary.inv_freq.detach().to(self.device, torch.float32).clone()
-        self.layout = kernels.HeadLayout(self.heads, self.kv_heads, inv_freq,
-                                         float(getattr(rotary, "attention_scaling", 1.0)), self.eps)
+        self.layout = kernels.HeadLayout(
+            self.heads, self.kv_heads, inv_freq, float(getattr(rotary, "attention_scaling", 1.0)), self.eps
+        )
         self.max_batch_size = max_batch_size
         self.min_bucket = min(min_bucket, max_batch_size)
         self.prefill_tokens = prefill_tokens
@@ -143,8 +158,12 @@ class DecodeEngine:
         self.embed = self.final_norm = self.lm_head = None
         self.prefixes = PrefixStore()  # rows of the last decode whose keys/values a next turn can reuse
         self._last_starts: list[int] = []
-        self.reused_tokens = 0  # prompt tokens not prefilled again thanks to `prefixes` (bench/rollout.py reports it)
-        self.reuse_prefixes = True  # False: every prompt is prefilled whole (bench/rollout.py --no-prefix-reuse)
+        self.reused_tokens = (
+            0  # prompt tokens not prefilled again thanks to `prefixes` (bench/rollout.py reports it)
+        )
+        self.reuse_prefixes = (
+            True  # False: every prompt is prefilled whole (bench/rollout.py --no-prefix-reuse)
+        )
         self.refresh(model)
         self.pool_k: torch.Tensor | None = None  # (layers, slots, kv_heads, head_dim)
         self.pool_v: torch.Tensor | None = None
@@ -156,9 +175,14 @@ class DecodeEngine:
         # the fused decode kernels (fused_kernels.py; SLEUTH_FUSED_DECODE / SLEUTH_FUSED_MLP): where Triton runs
         self.fused_attention = fused_kernels.FUSED_DECODE
         self.fused_mlp = fused_kernels.FUSED_MLP
-        self._multiprocessors = (torch.cuda.get_device_properties(self.device).multi_processor_count
-                                 if self.device.type == "cuda" else 132)
-        self.splits_used: dict[int, int] = {}  # attention splits -> decodes (and batch changes) that chose them
+        self._multiprocessors = (
+            torch.cuda.get_device_properties(self.device).multi_processor_count
+            if self.device.type == "cuda"
+            else 132
+        )
+        self.splits_used: dict[
+            int, int
+        ] = {}  # attention splits -> decodes (and batch changes) that chose them
         self.capture_seconds = 0.0
         self.weight_bytes = sum(t.numel() * t.element_size() for t in self._tensors())
 
@@ -212,16 +236,26 @@ class DecodeEngine:
             del qkv, w_qkv, gate, up
         self.embed = self._put(self.embed, full_tensor(inner.embed_tokens.weight.detach()))
         self.final_norm = self._put(self.final_norm, full_tensor(inner.norm.weight.detach()))
-        tied = base.lm_head.weight is inner.embed_tokens.weight or getattr(base.config, "tie_word_embeddings", False)
+        tied = base.lm_head.weight is inner.embed_tokens.weight or getattr(
+            base.config, "tie_word_embeddings", False
+        )
         if tied:
             self.lm_head = self.embed
         else:
-            self.lm_head = self._put(None if first else self.lm_head, linear_weight(base.lm_head, merge_adapters)[0])
+            self.lm_head = self._put(
+                None if first else self.lm_head, linear_weight(base.lm_head, merge_adapters)[0]
+            )
 
     # -- KV pool ---------------------------------------------------------------------------------
 
     def kv_bytes_per_token(self) -> int:
-        return 2 * len(self.layers) * self.kv_heads * self.head_dim * torch.empty((), dtype=self.dtype).element_size()
+        return (
+            2
+            * len(self.layers)
+            * self.kv_heads
+            * self.head_dim
+            * torch.empty((), dtype=self.dtype).element_size()
+        )
 
     def _ensure_pool(self, slots: int) -> bool:
         """A pool of at least `slots`; True when the stored prefixes were lost on the way."""
@@ -251,8 +285,11 @@ class DecodeEngine:
             self.pool_v[:, : old[1].shape[1]] = old[1]
         else:
             self.prefixes.clear()
-        log.info("decode engine: KV pool of %d slots (%.2f GiB)", slots, 2 * self.pool_k.numel()
-                 * self.pool_k.element_size() / 2**30)
+        log.info(
+            "decode engine: KV pool of %d slots (%.2f GiB)",
+            slots,
+            2 * self.pool_k.numel() * self.pool_k.element_size() / 2**30,
+        )
         return old is None
 
     def _drop_graphs(self) -> None:
@@ -277,8 +314,9 @@ class DecodeEngine:
 
     # -- the decode step ---------------------------------------------------------------------------
 
-    def _forward_step(self, tokens: torch.Tensor, positions: torch.Tensor, starts: torch.Tensor,
-                      splits: int = 1) -> torch.Tensor:
+    def _forward_step(
+        self, tokens: torch.Tensor, positions: torch.Tensor, starts: torch.Tensor, splits: int = 1
+    ) -> torch.Tensor:
         """Logits (B, V) of one token per row; stores its key and value. Per layer: norm, qkv product,
         attention (rotary + store + attention fused into one kernel unless SLEUTH_FUSED_DECODE=0), output
         product, norm, gate/up product, SiLU gate (fused into the gate/up product with SLEUTH_FUSED_MLP=1),
@@ -296,11 +334,16 @@ class DecodeEngine:
             qkv = F.linear(h, layer.w_qkv, layer.b_qkv)
             norms = (layer.q_norm, layer.k_norm) if layer.q_norm is not None else None
             if fused_attention:
-                a = fused_kernels.rope_attention(qkv, positions, starts, self.layout, (self.pool_k[i], self.pool_v[i]),
-                                                 norms, splits)
+                a = fused_kernels.rope_attention(
+                    qkv, positions, starts, self.layout, (self.pool_k[i], self.pool_v[i]), norms, splits
+                )
             else:
-                q = kernels.rope_store(qkv, positions, slots, self.layout, self.pool_k[i], self.pool_v[i], norms)
-                a = kernels.decode_attention(q, self.pool_k[i], self.pool_v[i], starts, lengths, self.scale, splits)
+                q = kernels.rope_store(
+                    qkv, positions, slots, self.layout, self.pool_k[i], self.pool_v[i], norms
+                )
+                a = kernels.decode_attention(
+                    q, self.pool_k[i], self.pool_v[i], starts, lengths, self.scale, splits
+                )
             x, h = kernels.add_rmsnorm(x, F.linear(a.view(b, -1), layer.w_o), layer.ln2, self.eps)
             if fused_mlp:
                 act = fused_kernels.gate_up_silu(h, layer.w_gate_up)
@@ -338,10 +381,13 @@ class DecodeEngine:
         size = min(size, max(self.max_batch_size, live))
         bucket = self._buckets.get(size)
         if bucket is None:
-            bucket = _Bucket(size=size, tokens=torch.zeros(size, dtype=torch.long, device=self.device),
-                             positions=torch.zeros(size, dtype=torch.int32, device=self.device),
-                             starts=torch.zeros(size, dtype=torch.int32, device=self.device),
-                             logprobs=torch.zeros(size, dtype=torch.float32, device=self.device))
+            bucket = _Bucket(
+                size=size,
+                tokens=torch.zeros(size, dtype=torch.long, device=self.device),
+                positions=torch.zeros(size, dtype=torch.int32, device=self.device),
+                starts=torch.zeros(size, dtype=torch.int32, device=self.device),
+                logprobs=torch.zeros(size, dtype=torch.float32, device=self.device),
+            )
             self._buckets[size] = bucket
         return bucket
 
@@ -369,7 +415,9 @@ class DecodeEngine:
             with torch.cuda.graph(graph, pool=self._graph_pool):
                 self._step(bucket, state)
         except RuntimeError as err:  # decode eagerly (slower, same tokens) rather than fail the rollout
-            log.warning("decode engine: CUDA graph capture failed (%s); decoding batch %d eagerly", err, bucket.size)
+            log.warning(
+                "decode engine: CUDA graph capture failed (%s); decoding batch %d eagerly", err, bucket.size
+            )
             self._seed.copy_(seed)
             bucket.graphs[key] = None
             self.graph_failures += 1
@@ -382,10 +430,16 @@ class DecodeEngine:
         torch.cuda.synchronize(self.device)
         seconds = time.perf_counter() - started
         self.capture_seconds += seconds
-        log.info("decode engine: captured the step for batch %d (%d attention splits) in %.2f s", bucket.size,
-                 state.splits, seconds)
+        log.info(
+            "decode engine: captured the step for batch %d (%d attention splits) in %.2f s",
+            bucket.size,
+            state.splits,
+            seconds,
+        )
 
-    def _load_rows(self, bucket: _Bucket, tokens: torch.Tensor, positions: torch.Tensor, starts: torch.Tensor) -> None:
+    def _load_rows(
+        self, bucket: _Bucket, tokens: torch.Tensor, positions: torch.Tensor, starts: torch.Tensor
+    ) -> None:
         n = tokens.shape[0]
         bucket.tokens[:n] = tokens
         bucket.positions[:n] = positions
@@ -408,12 +462,17 @@ class DecodeEngine:
         lengths = [len(p) for p in prompts]
         b, width = len(prompts), max(lengths)
         ids = torch.tensor([t for p in prompts for t in p], dtype=torch.long).to(self.device)
-        positions = torch.tensor([o + c for o, n in zip(offsets, lengths, strict=True) for c in range(n)],
-                                 dtype=torch.int32).to(self.device)
-        slots = torch.tensor([st + o + c for st, o, n in zip(starts, offsets, lengths, strict=True) for c in range(n)],
-                             dtype=torch.int32).to(self.device)
+        positions = torch.tensor(
+            [o + c for o, n in zip(offsets, lengths, strict=True) for c in range(n)], dtype=torch.int32
+        ).to(self.device)
+        slots = torch.tensor(
+            [st + o + c for st, o, n in zip(starts, offsets, lengths, strict=True) for c in range(n)],
+            dtype=torch.int32,
+        ).to(self.device)
         # where each packed token sits in the padded (rows x width) layout, and each row's last token
-        padded = torch.tensor([r * width + c for r, n in enumerate(lengths) for c in range(n)], device=self.device)
+        padded = torch.tensor(
+            [r * width + c for r, n in enumerate(lengths) for c in range(n)], device=self.device
+        )
         last = torch.tensor(lengths).cumsum(0).sub_(1).to(self.device)
         key_slots, mask = prefix_attention_index(starts, offsets, lengths, width, self.device)
         x = self.embed.index_select(0, ids)
@@ -424,26 +483,43 @@ class DecodeEngine:
             norms = (layer.q_norm, layer.k_norm) if layer.q_norm is not None else None
             q = kernels.rope_store(qkv, positions, slots, self.layout, self.pool_k[i], self.pool_v[i], norms)
             q = q.new_zeros((b * width, self.heads, self.head_dim)).index_copy_(0, padded, q)
-            a = attend_over_prefix(q.view(b, width, self.heads, self.head_dim), self.pool_k[i], self.pool_v[i],
-                                   key_slots, mask, self.scale)
+            a = attend_over_prefix(
+                q.view(b, width, self.heads, self.head_dim),
+                self.pool_k[i],
+                self.pool_v[i],
+                key_slots,
+                mask,
+                self.scale,
+            )
             a = a.reshape(b * width, self.heads * self.head_dim).index_select(0, padded)
             x, h = kernels.add_rmsnorm(x, F.linear(a, layer.w_o), layer.ln2, self.eps)
             delta = F.linear(kernels.silu_mul(F.linear(h, layer.w_gate_up)), layer.w_down)
-        _, h = kernels.add_rmsnorm(x.index_select(0, last), delta.index_select(0, last), self.final_norm, self.eps)
+        _, h = kernels.add_rmsnorm(
+            x.index_select(0, last), delta.index_select(0, last), self.final_norm, self.eps
+        )
         return F.linear(h, self.lm_head)
 
     # -- public API ---------------------------------------------------------------------------------
 
     @torch.no_grad()
-    def start(self, prompts: list[list[int]], max_new: int, *, temperature: float = 1.0, top_p: float = 1.0,
-              seed: int | None = None, generator: torch.Generator | None = None
-              ) -> tuple[DecodeState, torch.Tensor, torch.Tensor]:
+    def start(
+        self,
+        prompts: list[list[int]],
+        max_new: int,
+        *,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        generator: torch.Generator | None = None,
+    ) -> tuple[DecodeState, torch.Tensor, torch.Tensor]:
         """Prefill the prompts and sample each one's first token: (state, tokens (B,), log-probs (B,)). A prompt
         that continues a row `remember`ed after the last decode prefills only its new tokens."""
         if not prompts or len(prompts) > self.max_batch_size:
             raise ConfigError(f"the decode engine takes 1..{self.max_batch_size} prompts, got {len(prompts)}")
         if not self.has_weights:
-            raise RuntimeError("decode engine: its weights were released; call refresh(model) before decoding")
+            raise RuntimeError(
+                "decode engine: its weights were released; call refresh(model) before decoding"
+            )
         self._scratch = max_new + 2
         reuse = self.reuse_prefixes and self.prefixes
         found = [self.prefixes.match(p) for p in prompts] if reuse else [None] * len(prompts)
@@ -454,11 +530,14 @@ class DecodeEngine:
         starts = [0]
         for n in (need + [len(seq) - 1 for seq, _ in held])[:-1]:  # held rows go behind the new ones
             starts.append(starts[-1] + n)
-        starts, held_starts = starts[: len(prompts)], starts[len(prompts):]
+        starts, held_starts = starts[: len(prompts)], starts[len(prompts) :]
         offsets = [0 if f is None else f.tokens for f in found]
-        move_prefixes(self.pool_k, self.pool_v, [(f.start, st, f.tokens) for f, st in zip(found, starts, strict=True)
-                                                 if f is not None]
-                      + [(old, new, len(seq) - 1) for (seq, old), new in zip(held, held_starts, strict=True)])
+        move_prefixes(
+            self.pool_k,
+            self.pool_v,
+            [(f.start, st, f.tokens) for f, st in zip(found, starts, strict=True) if f is not None]
+            + [(old, new, len(seq) - 1) for (seq, old), new in zip(held, held_starts, strict=True)],
+        )
         self.prefixes.clear()  # this layout reassigns the slots; `remember` records the rows after the decode
         self.prefixes.remember([list(seq) for seq, _ in held], held_starts)
         self._last_starts = starts
@@ -469,19 +548,35 @@ class DecodeEngine:
             self._seed.fill_(int(torch.randint(0, 2**31, (1,)).item()))
         logits_rows = []
         for chunk in prefill_chunks([len(p) for p in prompts], offsets, self.prefill_tokens):
-            logits_rows.append((chunk, self._prefill([prompts[i][offsets[i]:] for i in chunk],
-                                                     [starts[i] for i in chunk], [offsets[i] for i in chunk])))
+            logits_rows.append(
+                (
+                    chunk,
+                    self._prefill(
+                        [prompts[i][offsets[i] :] for i in chunk],
+                        [starts[i] for i in chunk],
+                        [offsets[i] for i in chunk],
+                    ),
+                )
+            )
         logits = torch.empty((len(prompts), self.vocab), dtype=self.dtype, device=self.device)
         for rows, lg in logits_rows:
             logits[torch.tensor(rows, device=self.device)] = lg.to(self.dtype)
         tokens, logprobs = self._sample_eager(logits, temperature, top_p, generator)
         bucket = self._bucket(len(prompts))
-        state = DecodeState(rows=list(range(len(prompts))), bucket=bucket, temperature=temperature, top_p=top_p,
-                            generator=generator, max_len=max(len(p) for p in prompts) + max_new)
+        state = DecodeState(
+            rows=list(range(len(prompts))),
+            bucket=bucket,
+            temperature=temperature,
+            top_p=top_p,
+            generator=generator,
+            max_len=max(len(p) for p in prompts) + max_new,
+        )
         state.splits = self._splits(bucket.size, state.max_len)
         positions = torch.tensor([len(p) for p in prompts], dtype=torch.int32, device=self.device)
         self._capture(bucket, state)
-        self._load_rows(bucket, tokens, positions, torch.tensor(starts, dtype=torch.int32, device=self.device))
+        self._load_rows(
+            bucket, tokens, positions, torch.tensor(starts, dtype=torch.int32, device=self.device)
+        )
         return state, tokens, logprobs
 
     @contextmanager
@@ -503,8 +598,9 @@ class DecodeEngine:
         if self.reuse_prefixes:  # else nothing would ever be matched: skip building the index
             self.prefixes.remember(sequences, self._last_starts)
 
-    def _sample_eager(self, logits: torch.Tensor, temperature: float, top_p: float,
-                      generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def _sample_eager(
+        self, logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         if samples_inside(top_p, generator):
             tokens, logprobs = kernels.sample(logits, temperature, self._seed)
             self._seed.add_(_SEED_STRIDE)
@@ -524,7 +620,9 @@ class DecodeEngine:
             else:
                 self._step(bucket, state)
             if not inside:
-                tok, lp = self._sample_eager(bucket.logits[:n], state.temperature, state.top_p, state.generator)
+                tok, lp = self._sample_eager(
+                    bucket.logits[:n], state.temperature, state.top_p, state.generator
+                )
                 bucket.tokens[:n] = tok
                 bucket.logprobs[:n] = lp
             tokens[:, t] = bucket.tokens[:n]
@@ -542,7 +640,11 @@ class DecodeEngine:
             return
         old = state.bucket
         idx = torch.tensor(live, device=self.device)
-        tokens, positions, starts = old.tokens[idx].clone(), old.positions[idx].clone(), old.starts[idx].clone()
+        tokens, positions, starts = (
+            old.tokens[idx].clone(),
+            old.positions[idx].clone(),
+            old.starts[idx].clone(),
+        )
         state.rows = [state.rows[i] for i in live]
         bucket = self._bucket(len(live))
         if bucket is not old:
@@ -559,7 +661,9 @@ class PolicyEngines:
     def __init__(self) -> None:
         self._engines: dict[bool, DecodeEngine] = {}
 
-    def get(self, model: torch.nn.Module, base_only: bool, device: torch.device, max_batch_size: int) -> DecodeEngine:
+    def get(
+        self, model: torch.nn.Module, base_only: bool, device: torch.device, max_batch_size: int
+    ) -> DecodeEngine:
         engine = self._engines.get(base_only)
         if engine is None:
             engine = DecodeEngine(model, device=device, max_batch_size=max_batch_size)

@@ -41,9 +41,13 @@ _FAILED: dict[str, Exception] = {}  # fused kernels this machine's Triton reject
 
 def settings() -> dict[str, object]:
     """The switches in force (bench/rollout.py records them with each row)."""
-    return {"fused_decode_attention": FUSED_DECODE, "fused_mlp": FUSED_MLP,
-            "attention_splits": ATTENTION_SPLITS or "auto", "sample_chunk": kernels.SAMPLE_CHUNK,
-            "failed": sorted(_FAILED)}
+    return {
+        "fused_decode_attention": FUSED_DECODE,
+        "fused_mlp": FUSED_MLP,
+        "attention_splits": ATTENTION_SPLITS or "auto",
+        "sample_chunk": kernels.SAMPLE_CHUNK,
+        "failed": sorted(_FAILED),
+    }
 
 
 def attention_splits(batch: int, kv_heads: int, max_len: int, multiprocessors: int = 132) -> int:
@@ -63,15 +67,22 @@ def attention_splits(batch: int, kv_heads: int, max_len: int, multiprocessors: i
 # References: the unfused operations, composed
 
 
-def rope_attention_reference(qkv: torch.Tensor, positions: torch.Tensor, starts: torch.Tensor, layout: HeadLayout,
-                             cache: tuple[torch.Tensor, torch.Tensor],
-                             norms: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+def rope_attention_reference(
+    qkv: torch.Tensor,
+    positions: torch.Tensor,
+    starts: torch.Tensor,
+    layout: HeadLayout,
+    cache: tuple[torch.Tensor, torch.Tensor],
+    norms: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> torch.Tensor:
     """`rope_store` at slot starts + positions, then attention over positions + 1 keys; (B, H, D)."""
     k_cache, v_cache = cache
-    q = kernels.rope_store_reference(qkv, positions.long(), (starts + positions).long(), layout, k_cache, v_cache,
-                                     norms)
-    return kernels.decode_attention_reference(q, k_cache, v_cache, starts, positions + 1,
-                                              1.0 / math.sqrt(layout.head_dim))
+    q = kernels.rope_store_reference(
+        qkv, positions.long(), (starts + positions).long(), layout, k_cache, v_cache, norms
+    )
+    return kernels.decode_attention_reference(
+        q, k_cache, v_cache, starts, positions + 1, 1.0 / math.sqrt(layout.head_dim)
+    )
 
 
 def gate_up_silu_reference(h: torch.Tensor, w_gate_up: torch.Tensor) -> torch.Tensor:
@@ -85,11 +96,30 @@ def gate_up_silu_reference(h: torch.Tensor, w_gate_up: torch.Tensor) -> torch.Te
 if triton is not None:
 
     @triton.jit
-    def _rope_attention_kernel(qkv_ptr, pos_ptr, start_ptr, inv_ptr, qn_ptr, kn_ptr, k_ptr, v_ptr, out_ptr,
-                               acc_ptr, lse_ptr, scale, rope_scale, eps, HEADS: tl.constexpr,
-                               KV_HEADS: tl.constexpr, D: tl.constexpr, GROUP: tl.constexpr,
-                               BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
-                               QK_NORM: tl.constexpr):
+    def _rope_attention_kernel(
+        qkv_ptr,
+        pos_ptr,
+        start_ptr,
+        inv_ptr,
+        qn_ptr,
+        kn_ptr,
+        k_ptr,
+        v_ptr,
+        out_ptr,
+        acc_ptr,
+        lse_ptr,
+        scale,
+        rope_scale,
+        eps,
+        HEADS: tl.constexpr,
+        KV_HEADS: tl.constexpr,
+        D: tl.constexpr,
+        GROUP: tl.constexpr,
+        BLOCK_G: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        SPLITS: tl.constexpr,
+        QK_NORM: tl.constexpr,
+    ):
         row, kvh, split, dd, gmask, heads = kernels.group_program(GROUP=GROUP, BLOCK_G=BLOCK_G, D=D)
         # rotate_half as a second load: column d pairs with d +- D/2, the first half negated
         partner = (dd + D // 2) % D
@@ -103,60 +133,96 @@ if triton is not None:
         dtype = q.dtype
         if QK_NORM:  # Qwen3: RMSNorm over each head before the rotary, as _rope_store_kernel rounds it
             rq = 1.0 / tl.sqrt(tl.sum(q.to(tl.float32) * q.to(tl.float32), 1) / D + eps)
-            q = (tl.load(qn_ptr + dd).to(tl.float32)[None, :]
-                 * (q.to(tl.float32) * rq[:, None]).to(dtype).to(tl.float32)).to(dtype)
-            qp = (tl.load(qn_ptr + partner).to(tl.float32)[None, :]
-                  * (qp.to(tl.float32) * rq[:, None]).to(dtype).to(tl.float32)).to(dtype)
+            q = (
+                tl.load(qn_ptr + dd).to(tl.float32)[None, :]
+                * (q.to(tl.float32) * rq[:, None]).to(dtype).to(tl.float32)
+            ).to(dtype)
+            qp = (
+                tl.load(qn_ptr + partner).to(tl.float32)[None, :]
+                * (qp.to(tl.float32) * rq[:, None]).to(dtype).to(tl.float32)
+            ).to(dtype)
             rk = 1.0 / tl.sqrt(tl.sum(k.to(tl.float32) * k.to(tl.float32), 0) / D + eps)
-            k = (tl.load(kn_ptr + dd).to(tl.float32) * (k.to(tl.float32) * rk).to(dtype).to(tl.float32)).to(dtype)
-            kp = (tl.load(kn_ptr + partner).to(tl.float32)
-                  * (kp.to(tl.float32) * rk).to(dtype).to(tl.float32)).to(dtype)
+            k = (tl.load(kn_ptr + dd).to(tl.float32) * (k.to(tl.float32) * rk).to(dtype).to(tl.float32)).to(
+                dtype
+            )
+            kp = (
+                tl.load(kn_ptr + partner).to(tl.float32) * (kp.to(tl.float32) * rk).to(dtype).to(tl.float32)
+            ).to(dtype)
         pos = tl.load(pos_ptr + row)
         angle = pos.to(tl.float32) * tl.load(inv_ptr + dd % (D // 2))
         cos = (tl.cos(angle) * rope_scale).to(dtype).to(tl.float32)
         sin = (tl.sin(angle) * rope_scale).to(dtype).to(tl.float32)
         # transformers: q * cos + rotate_half(q) * sin, each product rounded to the model dtype
-        q = ((q.to(tl.float32) * cos[None, :]).to(dtype).to(tl.float32)
-             + (qp.to(tl.float32) * (sign * sin)[None, :]).to(dtype).to(tl.float32)).to(dtype)
-        k = ((k.to(tl.float32) * cos).to(dtype).to(tl.float32)
-             + (kp.to(tl.float32) * (sign * sin)).to(dtype).to(tl.float32)).to(dtype)
+        q = (
+            (q.to(tl.float32) * cos[None, :]).to(dtype).to(tl.float32)
+            + (qp.to(tl.float32) * (sign * sin)[None, :]).to(dtype).to(tl.float32)
+        ).to(dtype)
+        k = (
+            (k.to(tl.float32) * cos).to(dtype).to(tl.float32)
+            + (kp.to(tl.float32) * (sign * sin)).to(dtype).to(tl.float32)
+        ).to(dtype)
         start = tl.load(start_ptr + row).to(tl.int64)
         length = pos + 1  # live keys, the new one included
         span = tl.cdiv(tl.cdiv(length, SPLITS), BLOCK_N) * BLOCK_N
         lo = split * span
         hi = tl.minimum(lo + span, length)
         pool_hi = tl.minimum(hi, pos)  # keys already in the pool; the new one comes from registers
-        m_i, l_i, acc = kernels.attend_pool_keys(q, k_ptr, v_ptr, start, kvh, lo, pool_hi, scale, KV_HEADS=KV_HEADS,
-                                                 D=D, BLOCK_G=BLOCK_G, BLOCK_N=BLOCK_N)
+        m_i, l_i, acc = kernels.attend_pool_keys(
+            q,
+            k_ptr,
+            v_ptr,
+            start,
+            kvh,
+            lo,
+            pool_hi,
+            scale,
+            KV_HEADS=KV_HEADS,
+            D=D,
+            BLOCK_G=BLOCK_G,
+            BLOCK_N=BLOCK_N,
+        )
         # the new token, in the split whose range holds position `pos` (the last non-empty one)
         mine = (lo <= pos) & (pos < hi)
         s_new = tl.sum(q.to(tl.float32) * k.to(tl.float32)[None, :], 1) * scale
         s_new = tl.where(mine, s_new, float("-inf"))
         m_new = tl.maximum(m_i, s_new)
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # an empty split: keep exp() away from -inf - -inf
+        m_safe = tl.where(
+            m_new == float("-inf"), 0.0, m_new
+        )  # an empty split: keep exp() away from -inf - -inf
         alpha = tl.exp(m_i - m_safe)
         p_new = tl.exp(s_new - m_safe)
         l_i = l_i * alpha + p_new
         acc = acc * alpha[:, None] + p_new[:, None] * v_new.to(tl.float32)[None, :]
         m_i = m_new
         slot = start + pos
-        store = dd < tl.where(mine, D, 0)  # all columns or none (the interpreter rejects a scalar & vector mask)
+        store = dd < tl.where(
+            mine, D, 0
+        )  # all columns or none (the interpreter rejects a scalar & vector mask)
         tl.store(k_ptr + (slot * KV_HEADS + kvh) * D + dd, k, mask=store)
         tl.store(v_ptr + (slot * KV_HEADS + kvh) * D + dd, v_new, mask=store)
         if SPLITS == 1:  # the only program of this (row, KV head): normalise and write the output
             out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-            tl.store(out_ptr + (row * HEADS + heads)[:, None] * D + dd[None, :], out.to(dtype), mask=gmask[:, None])
+            tl.store(
+                out_ptr + (row * HEADS + heads)[:, None] * D + dd[None, :], out.to(dtype), mask=gmask[:, None]
+            )
         else:
             out_idx = (row * HEADS + heads) * SPLITS + split
             has = l_i > 0
-            tl.store(acc_ptr + out_idx[:, None] * D + dd[None, :], acc / tl.where(has, l_i, 1.0)[:, None],
-                     mask=gmask[:, None])
-            tl.store(lse_ptr + out_idx, tl.where(has, m_i + tl.log(tl.where(has, l_i, 1.0)), float("-inf")),
-                     mask=gmask)
+            tl.store(
+                acc_ptr + out_idx[:, None] * D + dd[None, :],
+                acc / tl.where(has, l_i, 1.0)[:, None],
+                mask=gmask[:, None],
+            )
+            tl.store(
+                lse_ptr + out_idx,
+                tl.where(has, m_i + tl.log(tl.where(has, l_i, 1.0)), float("-inf")),
+                mask=gmask,
+            )
 
     @triton.jit
-    def _gate_up_silu_kernel(h_ptr, w_ptr, out_ptr, M, N, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                             BLOCK_K: tl.constexpr):
+    def _gate_up_silu_kernel(
+        h_ptr, w_ptr, out_ptr, M, N, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr
+    ):
         # out[m, n] = silu(h[m] . w[n]) * (h[m] . w[N + n]): the gate and up rows of one column block share
         # the activation tile, and the product never leaves the program
         pid_n = tl.program_id(0)
@@ -171,7 +237,9 @@ if triton is not None:
         for k0 in range(0, K, BLOCK_K):
             kk = k0 + rk
             kmask = kk < K
-            a = tl.load(h_ptr + rm[:, None] * K + kk[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
+            a = tl.load(
+                h_ptr + rm[:, None] * K + kk[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0
+            )
             wmask = nmask[:, None] & kmask[None, :]
             wg = tl.load(w_ptr + rn[:, None] * K + kk[None, :], mask=wmask, other=0.0)
             wu = tl.load(w_ptr + (N + rn)[:, None] * K + kk[None, :], mask=wmask, other=0.0)
@@ -194,9 +262,16 @@ def _failed(name: str, err: Exception) -> None:
     _FAILED[name] = err
 
 
-def rope_attention(qkv: torch.Tensor, positions: torch.Tensor, starts: torch.Tensor, layout: HeadLayout,
-                   cache: tuple[torch.Tensor, torch.Tensor], norms: tuple[torch.Tensor, torch.Tensor] | None = None,
-                   splits: int = 1, out: torch.Tensor | None = None) -> torch.Tensor:
+def rope_attention(
+    qkv: torch.Tensor,
+    positions: torch.Tensor,
+    starts: torch.Tensor,
+    layout: HeadLayout,
+    cache: tuple[torch.Tensor, torch.Tensor],
+    norms: tuple[torch.Tensor, torch.Tensor] | None = None,
+    splits: int = 1,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
     """One decode token per row: q/k rotary (and norms), k/v stored at slot starts + positions, attention over
     the row's positions + 1 live keys; returns (B, H, D). See `rope_attention_reference`."""
     k_cache, v_cache = cache
@@ -205,8 +280,9 @@ def rope_attention(qkv: torch.Tensor, positions: torch.Tensor, starts: torch.Ten
             res = rope_attention_reference(qkv, positions, starts, layout, cache, norms)
             return out.copy_(res) if out is not None else res
         q = kernels.rope_store(qkv, positions, starts + positions, layout, k_cache, v_cache, norms)
-        return kernels.decode_attention(q, k_cache, v_cache, starts, positions + 1,
-                                        1.0 / math.sqrt(layout.head_dim), splits, out)
+        return kernels.decode_attention(
+            q, k_cache, v_cache, starts, positions + 1, 1.0 / math.sqrt(layout.head_dim), splits, out
+        )
     b, heads, kv_heads, d = qkv.shape[0], layout.heads, layout.kv_heads, layout.head_dim
     group = heads // kv_heads
     res = out if out is not None else qkv.new_empty((b, heads, d))
@@ -215,13 +291,34 @@ def rope_attention(qkv: torch.Tensor, positions: torch.Tensor, starts: torch.Ten
         lse = torch.empty((b, heads, splits), dtype=torch.float32, device=qkv.device)
     else:
         acc = lse = res  # unread with one split
-    q_norm, k_norm = norms if norms is not None else (layout.inv_freq, layout.inv_freq)  # unread without norms
+    q_norm, k_norm = (
+        norms if norms is not None else (layout.inv_freq, layout.inv_freq)
+    )  # unread without norms
     try:
         _rope_attention_kernel[(b, kv_heads, splits)](
-            qkv, positions, starts, layout.inv_freq, q_norm, k_norm, k_cache, v_cache, res, acc, lse,
-            1.0 / math.sqrt(d), layout.rope_scale, layout.eps, HEADS=heads, KV_HEADS=kv_heads, D=d, GROUP=group,
-            BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=kernels._ATTENTION_BLOCK_N, SPLITS=splits,
-            QK_NORM=norms is not None)
+            qkv,
+            positions,
+            starts,
+            layout.inv_freq,
+            q_norm,
+            k_norm,
+            k_cache,
+            v_cache,
+            res,
+            acc,
+            lse,
+            1.0 / math.sqrt(d),
+            layout.rope_scale,
+            layout.eps,
+            HEADS=heads,
+            KV_HEADS=kv_heads,
+            D=d,
+            GROUP=group,
+            BLOCK_G=max(16, triton.next_power_of_2(group)),
+            BLOCK_N=kernels._ATTENTION_BLOCK_N,
+            SPLITS=splits,
+            QK_NORM=norms is not None,
+        )
     except Exception as err:  # noqa: BLE001 - a compiler that rejects it: the unfused kernels compute the same
         _failed("rope_attention", err)
         return rope_attention(qkv, positions, starts, layout, cache, norms, splits, out)
@@ -247,8 +344,18 @@ def gate_up_silu(h: torch.Tensor, w_gate_up: torch.Tensor, out: torch.Tensor | N
     block_n, block_k = 32, 128
     try:
         _gate_up_silu_kernel[(triton.cdiv(n, block_n), triton.cdiv(m, block_m))](
-            h, w_gate_up, res, m, n, k, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-            num_warps=8 if block_m > 64 else 4, num_stages=3)
+            h,
+            w_gate_up,
+            res,
+            m,
+            n,
+            k,
+            BLOCK_M=block_m,
+            BLOCK_N=block_n,
+            BLOCK_K=block_k,
+            num_warps=8 if block_m > 64 else 4,
+            num_stages=3,
+        )
     except Exception as err:  # noqa: BLE001 - see rope_attention
         _failed("gate_up_silu", err)
         return gate_up_silu(h, w_gate_up, out)

@@ -85,7 +85,9 @@ def ensure_converted(
 
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(dtype)
     if torch_dtype is None:
-        raise ConfigError(f"unsupported dtype {dtype!r} for GGUF conversion; use float32, bfloat16 or float16")
+        raise ConfigError(
+            f"unsupported dtype {dtype!r} for GGUF conversion; use float32, bfloat16 or float16"
+        )
 
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp"))
@@ -139,7 +141,9 @@ def _load_dequantized(path: Path, torch_dtype):  # noqa: ANN001, ANN202 - torch 
         kwargs["quantization_config"] = GgufConfig(dequantize=True)
     except ImportError:  # older transformers always de-quantised GGUF files
         pass
-    loaded = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch_dtype, **kwargs)
+    loaded = AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch_dtype, **kwargs
+    )
     config = loaded.config
     if hasattr(config, "quantization_config"):
         del config.quantization_config

@@ -68,7 +68,11 @@ class _Row:
 
 
 def _is_token_ids(prompt: Any) -> bool:
-    return isinstance(prompt, (list, tuple)) and len(prompt) > 0 and all(isinstance(t, numbers.Integral) for t in prompt)
+    return (
+        isinstance(prompt, (list, tuple))
+        and len(prompt) > 0
+        and all(isinstance(t, numbers.Integral) for t in prompt)
+    )
 
 
 def _is_messages(prompt: Any) -> bool:
@@ -92,8 +96,14 @@ def _resolve_dtype(dtype: Any, device: torch.device) -> torch.dtype:
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     if isinstance(dtype, torch.dtype):
         return dtype
-    named = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-             "float16": torch.float16, "fp16": torch.float16}
+    named = {
+        "float32": torch.float32,
+        "fp32": torch.float32,
+        "bfloat16": torch.bfloat16,
+        "bf16": torch.bfloat16,
+        "float16": torch.float16,
+        "fp16": torch.float16,
+    }
     if dtype not in named:
         raise ConfigError(f"unknown dtype {dtype!r}; use one of {sorted(named)}")
     return named[dtype]
@@ -166,7 +176,11 @@ class HFGenerator:
         else:
             self.device = torch.device(device) if device is not None else _default_device()
             self.model, self.tokenizer = self._load(
-                str(model_or_path), tokenizer, gguf_file, _resolve_dtype(dtype, self.device), attn_implementation
+                str(model_or_path),
+                tokenizer,
+                gguf_file,
+                _resolve_dtype(dtype, self.device),
+                attn_implementation,
             )
             self.source = str(model_or_path)
 
@@ -188,7 +202,9 @@ class HFGenerator:
         self.compile_seconds = 0.0  # one-time compiles of new decode shapes so far (a trainer logs it)
         self.sync_every = sync_every
 
-        disable_bpe_cleanup(self.tokenizer)  # a no-op for BPE in transformers 5, but warned about at every decode
+        disable_bpe_cleanup(
+            self.tokenizer
+        )  # a no-op for BPE in transformers 5, but warned about at every decode
         self._stop_ends = StopEndTokens(self.tokenizer)
         self.pad_token_id = self._pick_pad_id()
         self.vocab_size = int(self.model.get_input_embeddings().num_embeddings)
@@ -223,7 +239,11 @@ class HFGenerator:
 
     def _pick_pad_id(self) -> int:
         tok = self.tokenizer
-        for candidate in (tok.pad_token_id, tok.eos_token_id, getattr(self.model.config, "pad_token_id", None)):
+        for candidate in (
+            tok.pad_token_id,
+            tok.eos_token_id,
+            getattr(self.model.config, "pad_token_id", None),
+        ):
             if isinstance(candidate, int):
                 return candidate
         return 0
@@ -259,7 +279,9 @@ class HFGenerator:
             ids = [int(t) for t in prompt]
             bad = [t for t in ids if not 0 <= t < self.vocab_size]
             if bad:
-                raise ConfigError(f"token-id prompt has ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}")
+                raise ConfigError(
+                    f"token-id prompt has ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}"
+                )
         elif _is_messages(prompt):
             ids = self.encode(self.apply_chat_template(list(prompt)))
         else:
@@ -268,7 +290,9 @@ class HFGenerator:
                 "or a non-empty list of chat messages ({'role': ..., 'content': ...})"
             )
         if not ids:
-            raise ConfigError(f"prompt {str(prompt)[:80]!r} encodes to no tokens; generation needs at least one")
+            raise ConfigError(
+                f"prompt {str(prompt)[:80]!r} encodes to no tokens; generation needs at least one"
+            )
         return ids
 
     # -- generation ------------------------------------------------------------------------------
@@ -303,7 +327,9 @@ class HFGenerator:
                 if self.cache_kind == "engine":
                     seed = None if params.seed is None else int(params.seed) + 7919 * start
                     self._decode_engine(chunk, params, seed)
-                    self.engine.remember([r.prompt_ids + r.generated for r in chunk])  # the next turn reuses these
+                    self.engine.remember(
+                        [r.prompt_ids + r.generated for r in chunk]
+                    )  # the next turn reuses these
                 elif self.cache_kind == "static":
                     self._decode_static(chunk, params, generator)
                 else:
@@ -334,8 +360,13 @@ class HFGenerator:
             stop=row.stop,
         )
 
-    def _accept_tokens(self, rows: Sequence[_Row], tokens: Sequence[Sequence[int]],
-                       logprobs: Sequence[Sequence[float]], max_new_tokens: int) -> list[bool]:
+    def _accept_tokens(
+        self,
+        rows: Sequence[_Row],
+        tokens: Sequence[Sequence[int]],
+        logprobs: Sequence[Sequence[float]],
+        max_new_tokens: int,
+    ) -> list[bool]:
         """Feed each unfinished row its next sampled tokens, in order, until it finishes (EOS, a stop
         string, the token budget); tokens after the finishing one are dropped. Returns per row whether it
         is finished. Equal to checking after every token: after each token that may complete a stop string
@@ -357,7 +388,10 @@ class HFGenerator:
                     row.logprobs.append(logprob)
                     if token in self.eos_token_ids:
                         row.finish_reason = "eos"
-                    elif row_texts[k] is not None and (hit := first_stop_in(row_texts[k], row.stops)) is not None:
+                    elif (
+                        row_texts[k] is not None
+                        and (hit := first_stop_in(row_texts[k], row.stops)) is not None
+                    ):
                         row.finish_reason, row.stop = "stop", hit
                     elif len(row.generated) >= max_new_tokens:
                         row.finish_reason = "length"
@@ -366,8 +400,14 @@ class HFGenerator:
             finished.append(row.finish_reason is not None)
         return finished
 
-    def _forward(self, input_ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache: Any,
-                 cache_position: torch.Tensor | None = None) -> torch.Tensor:
+    def _forward(
+        self,
+        input_ids: torch.Tensor,
+        mask: torch.Tensor,
+        positions: torch.Tensor,
+        cache: Any,
+        cache_position: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         kwargs: dict[str, Any] = {
             "input_ids": input_ids,
             "attention_mask": mask,
@@ -392,7 +432,9 @@ class HFGenerator:
         except TypeError:  # older transformers: no config argument
             return DynamicCache()
 
-    def _decode_dynamic(self, rows: list[_Row], params: SamplingParams, generator: torch.Generator | None) -> None:
+    def _decode_dynamic(
+        self, rows: list[_Row], params: SamplingParams, generator: torch.Generator | None
+    ) -> None:
         ids, mask = left_pad([r.prompt_ids for r in rows], self.pad_token_id)
         ids, mask = ids.to(self.device), mask.to(self.device)
         positions = positions_from_mask(mask)
@@ -405,8 +447,12 @@ class HFGenerator:
             tokens, logprobs = select_next_tokens(
                 logits, temperature=params.temperature, top_p=params.top_p, generator=generator
             )
-            done = self._accept_tokens(active, [[t] for t in tokens.tolist()], [[lp] for lp in logprobs.tolist()],
-                                       params.max_new_tokens)
+            done = self._accept_tokens(
+                active,
+                [[t] for t in tokens.tolist()],
+                [[lp] for lp in logprobs.tolist()],
+                params.max_new_tokens,
+            )
             n_done = sum(done)
             if n_done == len(active):
                 return
@@ -453,8 +499,13 @@ class HFGenerator:
         rows that finished leave the batch once they are half of it, at the same chunks either way."""
         engine, max_new = self.engine, params.max_new_tokens
         started = time.perf_counter()
-        state, tokens, logprobs = engine.start([r.prompt_ids for r in rows], max_new, temperature=params.temperature,
-                                               top_p=params.top_p, seed=seed)
+        state, tokens, logprobs = engine.start(
+            [r.prompt_ids for r in rows],
+            max_new,
+            temperature=params.temperature,
+            top_p=params.top_p,
+            seed=seed,
+        )
         pending = first = (list(state.rows), self._to_host(tokens[:, None], logprobs[:, None]))
         if not state.samples_inside:  # the host samples: launch nothing before the first stop check
             self._accept_chunk(rows, pending[1], max_new)
@@ -470,7 +521,9 @@ class HFGenerator:
                 if pending is first:  # first tokens on the host (the first chunk queued behind them), no keep
                     self.prefill_seconds += time.perf_counter() - started
                 elif chunk is not None and live and len(live) <= state.bucket.size // 2:
-                    engine.keep(state, live)  # (rows' seeded noise follows their batch slot: keep where it was)
+                    engine.keep(
+                        state, live
+                    )  # (rows' seeded noise follows their batch slot: keep where it was)
                 if not live:
                     return  # the chunk in flight is dropped
             pending = chunk
@@ -486,8 +539,11 @@ class HFGenerator:
                 cache = StaticCache(config=self.model.config, max_cache_len=length)
             except TypeError:  # transformers 4.x signature
                 cache = StaticCache(
-                    config=self.model.config, max_batch_size=batch, max_cache_len=length,
-                    device=self.device, dtype=self.model.dtype,
+                    config=self.model.config,
+                    max_batch_size=batch,
+                    max_cache_len=length,
+                    device=self.device,
+                    dtype=self.model.dtype,
                 )
             # Keep few caches: each holds a full (batch, length) KV buffer. A compiled step's CUDA
             # graphs hold the addresses of the caches they were captured with, so with compile no
@@ -508,10 +564,14 @@ class HFGenerator:
             # One graph per (cache length, model mode): a LoRA policy and its adapter-disabled base are
             # two modes; the default limit of 8 would silently fall back to eager decoding.
             torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
-            self._compiled_step = torch.compile(self._forward, mode="reduce-overhead", fullgraph=False, dynamic=False)
+            self._compiled_step = torch.compile(
+                self._forward, mode="reduce-overhead", fullgraph=False, dynamic=False
+            )
         return self._compiled_step
 
-    def _decode_static(self, rows: list[_Row], params: SamplingParams, generator: torch.Generator | None) -> None:
+    def _decode_static(
+        self, rows: list[_Row], params: SamplingParams, generator: torch.Generator | None
+    ) -> None:
         prompts = [r.prompt_ids for r in rows]
         batch = len(rows)
         if self.compile:
@@ -564,15 +624,25 @@ class HFGenerator:
                 if t + 1 < max_new:
                     mask[:, width + t] = 1
                     # Outputs of a CUDA-graph step are overwritten by the next replay: copy before reuse.
-                    logits = step(tokens[:, None], mask, next_pos, cache, slots[t : t + 1]).to(torch.float32, copy=True)
+                    logits = step(tokens[:, None], mask, next_pos, cache, slots[t : t + 1]).to(
+                        torch.float32, copy=True
+                    )
                     next_pos = next_pos + 1
                     if new_shape:  # the first call of a new shape compiles it: report the one-time cost
                         self._synchronize()
                         new_shape = False
                         seconds = time.perf_counter() - started
                         self.compile_seconds += seconds
-                        log.info("compiled the decode step for batch %d x cache %d in %.1f s", batch, length, seconds)
-            chunk = self._to_host(sampled[: len(rows), chunk_start:chunk_end], sampled_logprobs[: len(rows), chunk_start:chunk_end])
+                        log.info(
+                            "compiled the decode step for batch %d x cache %d in %.1f s",
+                            batch,
+                            length,
+                            seconds,
+                        )
+            chunk = self._to_host(
+                sampled[: len(rows), chunk_start:chunk_end],
+                sampled_logprobs[: len(rows), chunk_start:chunk_end],
+            )
             if pending is not None and self._accept_chunk(rows, pending, max_new):
                 break  # every row finished: the chunk in flight is dropped
             pending = chunk
@@ -580,7 +650,9 @@ class HFGenerator:
             if pending is not None:
                 self._accept_chunk(rows, pending, max_new)
 
-    def _to_host(self, tokens: torch.Tensor, logprobs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, Any]:
+    def _to_host(
+        self, tokens: torch.Tensor, logprobs: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, Any]:
         """Start copying a chunk of sampled tokens to the host without waiting for it."""
         if self.device.type != "cuda":
             return tokens.cpu(), logprobs.cpu(), None
@@ -589,7 +661,9 @@ class HFGenerator:
         event.record()
         return host[0], host[1], event
 
-    def _accept_chunk(self, rows: list[_Row], chunk: tuple[torch.Tensor, torch.Tensor, Any], max_new: int) -> bool:
+    def _accept_chunk(
+        self, rows: list[_Row], chunk: tuple[torch.Tensor, torch.Tensor, Any], max_new: int
+    ) -> bool:
         tokens, logprobs, event = chunk
         if event is not None:
             event.synchronize()

@@ -18,9 +18,11 @@ _TRUE = {"1", "on", "yes", "true"}
 
 
 def _fixes(name: str) -> str:
-    return (f"download it where there is network (`hf download {name}`) into this machine's Hugging Face cache "
-            f"(HF_HOME, now {constants.HF_HOME}), or set the model (model.policy / --model) to a local directory, "
-            "a .gguf file or an alias (`sleuth models`)")
+    return (
+        f"download it where there is network (`hf download {name}`) into this machine's Hugging Face cache "
+        f"(HF_HOME, now {constants.HF_HOME}), or set the model (model.policy / --model) to a local directory, "
+        "a .gguf file or an alias (`sleuth models`)"
+    )
 
 
 def require_hub_model(name: str) -> None:
@@ -32,8 +34,10 @@ def require_hub_model(name: str) -> None:
     if cached:
         return
     if os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in _TRUE:
-        raise ConfigError(f"model {name!r} is not a local directory and not in the local Hugging Face cache, and "
-                          f"HF_HUB_OFFLINE is set: {_fixes(name)}")
+        raise ConfigError(
+            f"model {name!r} is not a local directory and not in the local Hugging Face cache, and "
+            f"HF_HUB_OFFLINE is set: {_fixes(name)}"
+        )
     endpoint = (os.environ.get("HF_ENDPOINT") or constants.ENDPOINT).rstrip("/")
     request = urllib.request.Request(f"{endpoint}/api/models/{name}", method="HEAD")
     try:
@@ -43,5 +47,7 @@ def require_hub_model(name: str) -> None:
         return  # the hub answered (gated, private or unknown: transformers says which, with its own message)
     except (urllib.error.URLError, OSError) as err:
         reason = getattr(err, "reason", err)
-        raise ConfigError(f"model {name!r} is not a local directory and not in the local Hugging Face cache, and "
-                          f"the hub ({endpoint}) is unreachable ({reason}): {_fixes(name)}") from None
+        raise ConfigError(
+            f"model {name!r} is not a local directory and not in the local Hugging Face cache, and "
+            f"the hub ({endpoint}) is unreachable ({reason}): {_fixes(name)}"
+        ) from None

@@ -62,8 +62,9 @@ class HeadLayout:
 # References (torch): the arithmetic of transformers' Llama/Qwen2 modules, rounding where they round
 
 
-def add_rmsnorm_reference(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
-                          eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def add_rmsnorm_reference(
+    x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(x + delta, RMSNorm(x + delta) * weight); x and the result in x's dtype, the norm in fp32."""
     if delta is not None:
         x = x + delta
@@ -72,9 +73,15 @@ def add_rmsnorm_reference(x: torch.Tensor, delta: torch.Tensor | None, weight: t
     return x, weight * h.to(x.dtype)
 
 
-def rope_store_reference(qkv: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, layout: HeadLayout,
-                         k_cache: torch.Tensor, v_cache: torch.Tensor,
-                         norms: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+def rope_store_reference(
+    qkv: torch.Tensor,
+    positions: torch.Tensor,
+    slots: torch.Tensor,
+    layout: HeadLayout,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    norms: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> torch.Tensor:
     """Split a decode step's fused projection (B, (H + 2 KV) * D) into heads, apply the optional per-head
     RMSNorm (Qwen3's q_norm, k_norm) and rotary embedding at `positions`, store k and v at `slots`; return q
     (B, H, D)."""
@@ -92,7 +99,9 @@ def rope_store_reference(qkv: torch.Tensor, positions: torch.Tensor, slots: torc
     return apply_rotary(q, cos, sin).contiguous()
 
 
-def rotary_tables(positions: torch.Tensor, layout: HeadLayout, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def rotary_tables(
+    positions: torch.Tensor, layout: HeadLayout, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(cos, sin) of shape positions.shape + (head_dim,), in `dtype` as transformers casts them."""
     angles = positions.float()[..., None] * layout.inv_freq.float()
     emb = torch.cat([angles, angles], dim=-1)
@@ -106,8 +115,14 @@ def apply_rotary(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return (t * cos) + (half * sin)
 
 
-def decode_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, starts: torch.Tensor,
-                               lengths: torch.Tensor, scale: float) -> torch.Tensor:
+def decode_attention_reference(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    starts: torch.Tensor,
+    lengths: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
     """One query token per row (B, H, D) over that row's `lengths[b]` keys from slot `starts[b]`; (B, H, D)."""
     b, heads, d = q.shape
     kv_heads = k_cache.shape[1]
@@ -135,7 +150,9 @@ def gumbel_noise_reference(shape: tuple[int, int], seed: int, device: torch.devi
     return -torch.log(-torch.log(u))
 
 
-def sample_reference(logits: torch.Tensor, temperature: float, seed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def sample_reference(
+    logits: torch.Tensor, temperature: float, seed: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Gumbel-max sampling at `temperature` (argmax when 0) with the sampled token's log-prob under
     `log_softmax(logits / temperature)` (`log_softmax(logits)` when greedy). `seed` is a one-element int
     tensor: the same seed gives the same tokens on the same device."""
@@ -162,7 +179,9 @@ if triton is not None:
         m = cols < n
         x = tl.load(x_ptr + row * n + cols, mask=m, other=0.0)
         if HAS_DELTA:
-            x = (x.to(tl.float32) + tl.load(d_ptr + row * n + cols, mask=m, other=0.0).to(tl.float32)).to(x.dtype)
+            x = (x.to(tl.float32) + tl.load(d_ptr + row * n + cols, mask=m, other=0.0).to(tl.float32)).to(
+                x.dtype
+            )
             tl.store(x_ptr + row * n + cols, x, mask=m)
         h = x.to(tl.float32)
         var = tl.sum(h * h, axis=0) / n
@@ -171,8 +190,23 @@ if triton is not None:
         tl.store(y_ptr + row * n + cols, (w.to(tl.float32) * h.to(tl.float32)).to(x.dtype), mask=m)
 
     @triton.jit
-    def _rope_store_kernel(qkv_ptr, pos_ptr, slot_ptr, inv_ptr, qn_ptr, kn_ptr, q_ptr, k_ptr, v_ptr, rope_scale, eps,
-                           HEADS: tl.constexpr, KV_HEADS: tl.constexpr, D: tl.constexpr, QK_NORM: tl.constexpr):
+    def _rope_store_kernel(
+        qkv_ptr,
+        pos_ptr,
+        slot_ptr,
+        inv_ptr,
+        qn_ptr,
+        kn_ptr,
+        q_ptr,
+        k_ptr,
+        v_ptr,
+        rope_scale,
+        eps,
+        HEADS: tl.constexpr,
+        KV_HEADS: tl.constexpr,
+        D: tl.constexpr,
+        QK_NORM: tl.constexpr,
+    ):
         row = tl.program_id(0)
         head = tl.program_id(1)  # 0..HEADS-1 query heads, then KV_HEADS key heads, then KV_HEADS value heads
         half = tl.arange(0, D // 2)
@@ -193,8 +227,10 @@ if triton is not None:
                 else:
                     w_lo = tl.load(kn_ptr + half).to(tl.float32)
                     w_hi = tl.load(kn_ptr + D // 2 + half).to(tl.float32)
-                var = (tl.sum(lo.to(tl.float32) * lo.to(tl.float32), 0)
-                       + tl.sum(hi.to(tl.float32) * hi.to(tl.float32), 0)) / D
+                var = (
+                    tl.sum(lo.to(tl.float32) * lo.to(tl.float32), 0)
+                    + tl.sum(hi.to(tl.float32) * hi.to(tl.float32), 0)
+                ) / D
                 r = 1.0 / tl.sqrt(var + eps)
                 lo = (w_lo * (lo.to(tl.float32) * r).to(dtype).to(tl.float32)).to(dtype)
                 hi = (w_hi * (hi.to(tl.float32) * r).to(dtype).to(tl.float32)).to(dtype)
@@ -205,7 +241,9 @@ if triton is not None:
             lo32 = lo.to(tl.float32)
             hi32 = hi.to(tl.float32)
             # transformers: q * cos + rotate_half(q) * sin, each product rounded to the model dtype
-            out_lo = ((lo32 * cos).to(dtype).to(tl.float32) + (-hi32 * sin).to(dtype).to(tl.float32)).to(dtype)
+            out_lo = ((lo32 * cos).to(dtype).to(tl.float32) + (-hi32 * sin).to(dtype).to(tl.float32)).to(
+                dtype
+            )
             out_hi = ((hi32 * cos).to(dtype).to(tl.float32) + (lo32 * sin).to(dtype).to(tl.float32)).to(dtype)
             if head < HEADS:
                 dst = q_ptr + (row * HEADS + head) * D
@@ -225,8 +263,20 @@ if triton is not None:
         return row, kvh, split, tl.arange(0, D), g < GROUP, kvh * GROUP + g
 
     @triton.jit
-    def attend_pool_keys(q, k_ptr, v_ptr, start, kvh, lo, hi, scale, KV_HEADS: tl.constexpr, D: tl.constexpr,
-                         BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr):
+    def attend_pool_keys(
+        q,
+        k_ptr,
+        v_ptr,
+        start,
+        kvh,
+        lo,
+        hi,
+        scale,
+        KV_HEADS: tl.constexpr,
+        D: tl.constexpr,
+        BLOCK_G: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+    ):
         """Online softmax of one (row, KV head)'s queries `q` (BLOCK_G, D) over the pool's keys at positions
         [lo, hi) of the row starting at slot `start`: the running max, the sum of exp and the unnormalised
         output (shared by the split kernel here and fused_kernels' rope + attention kernel)."""
@@ -251,10 +301,23 @@ if triton is not None:
         return m_i, l_i, acc
 
     @triton.jit
-    def _decode_attention_split_kernel(q_ptr, k_ptr, v_ptr, start_ptr, len_ptr, acc_ptr, lse_ptr, scale,
-                                       HEADS: tl.constexpr, KV_HEADS: tl.constexpr, D: tl.constexpr,
-                                       GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
-                                       SPLITS: tl.constexpr):
+    def _decode_attention_split_kernel(
+        q_ptr,
+        k_ptr,
+        v_ptr,
+        start_ptr,
+        len_ptr,
+        acc_ptr,
+        lse_ptr,
+        scale,
+        HEADS: tl.constexpr,
+        KV_HEADS: tl.constexpr,
+        D: tl.constexpr,
+        GROUP: tl.constexpr,
+        BLOCK_G: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        SPLITS: tl.constexpr,
+    ):
         row, kvh, split, dd, gmask, heads = group_program(GROUP=GROUP, BLOCK_G=BLOCK_G, D=D)
         q = tl.load(q_ptr + (row * HEADS + heads[:, None]) * D + dd[None, :], mask=gmask[:, None], other=0.0)
         start = tl.load(start_ptr + row).to(tl.int64)
@@ -262,13 +325,30 @@ if triton is not None:
         span = tl.cdiv(tl.cdiv(length, SPLITS), BLOCK_N) * BLOCK_N
         lo = split * span
         hi = tl.minimum(lo + span, length)
-        m_i, l_i, acc = attend_pool_keys(q, k_ptr, v_ptr, start, kvh, lo, hi, scale, KV_HEADS=KV_HEADS, D=D,
-                                         BLOCK_G=BLOCK_G, BLOCK_N=BLOCK_N)
+        m_i, l_i, acc = attend_pool_keys(
+            q,
+            k_ptr,
+            v_ptr,
+            start,
+            kvh,
+            lo,
+            hi,
+            scale,
+            KV_HEADS=KV_HEADS,
+            D=D,
+            BLOCK_G=BLOCK_G,
+            BLOCK_N=BLOCK_N,
+        )
         out_idx = (row * HEADS + heads) * SPLITS + split
         has = l_i > 0
-        tl.store(acc_ptr + out_idx[:, None] * D + dd[None, :], acc / tl.where(has, l_i, 1.0)[:, None],
-                 mask=gmask[:, None])
-        tl.store(lse_ptr + out_idx, tl.where(has, m_i + tl.log(tl.where(has, l_i, 1.0)), float("-inf")), mask=gmask)
+        tl.store(
+            acc_ptr + out_idx[:, None] * D + dd[None, :],
+            acc / tl.where(has, l_i, 1.0)[:, None],
+            mask=gmask[:, None],
+        )
+        tl.store(
+            lse_ptr + out_idx, tl.where(has, m_i + tl.log(tl.where(has, l_i, 1.0)), float("-inf")), mask=gmask
+        )
 
     @triton.jit
     def _decode_attention_combine_kernel(acc_ptr, lse_ptr, out_ptr, D: tl.constexpr, SPLITS: tl.constexpr):
@@ -294,7 +374,9 @@ if triton is not None:
         tl.store(out_ptr + row * n + cols, (act.to(tl.float32) * up.to(tl.float32)).to(gate.dtype), mask=m)
 
     @triton.jit
-    def _sample_range(logits_ptr, seed, row, vocab, lo, hi, inv_temp, GREEDY: tl.constexpr, BLOCK: tl.constexpr):
+    def _sample_range(
+        logits_ptr, seed, row, vocab, lo, hi, inv_temp, GREEDY: tl.constexpr, BLOCK: tl.constexpr
+    ):
         """One pass over a row's columns lo..hi: (best Gumbel score, its column, its tempered logit, running max
         and running sum of exp for the log-softmax). The noise of column c is Philox(seed, row * vocab + c)."""
         best = tl.full([1], float("-inf"), tl.float32)
@@ -305,7 +387,9 @@ if triton is not None:
         for v0 in range(lo, hi, BLOCK):
             cols = v0 + tl.arange(0, BLOCK)
             m = cols < hi
-            x = tl.load(logits_ptr + row.to(tl.int64) * vocab + cols, mask=m, other=float("-inf")).to(tl.float32)
+            x = tl.load(logits_ptr + row.to(tl.int64) * vocab + cols, mask=m, other=float("-inf")).to(
+                tl.float32
+            )
             x = x * inv_temp
             if GREEDY:
                 score = x
@@ -325,25 +409,46 @@ if triton is not None:
         return best, best_idx, best_x, run_m, run_s
 
     @triton.jit
-    def _sample_kernel(logits_ptr, seed_ptr, tok_ptr, lp_ptr, vocab, inv_temp, GREEDY: tl.constexpr,
-                       BLOCK: tl.constexpr):
+    def _sample_kernel(
+        logits_ptr, seed_ptr, tok_ptr, lp_ptr, vocab, inv_temp, GREEDY: tl.constexpr, BLOCK: tl.constexpr
+    ):
         row = tl.program_id(0)
-        _, best_idx, best_x, run_m, run_s = _sample_range(logits_ptr, tl.load(seed_ptr), row, vocab, 0, vocab,
-                                                          inv_temp, GREEDY, BLOCK)
+        _, best_idx, best_x, run_m, run_s = _sample_range(
+            logits_ptr, tl.load(seed_ptr), row, vocab, 0, vocab, inv_temp, GREEDY, BLOCK
+        )
         one = tl.arange(0, 1)
         tl.store(tok_ptr + row + one, best_idx.to(tl.int64))
         tl.store(lp_ptr + row + one, best_x - run_m - tl.log(run_s))
 
     @triton.jit
-    def _sample_split_kernel(logits_ptr, seed_ptr, part_ptr, idx_ptr, vocab, inv_temp, CHUNK: tl.constexpr,
-                             SPLITS: tl.constexpr, GREEDY: tl.constexpr, BLOCK: tl.constexpr):
+    def _sample_split_kernel(
+        logits_ptr,
+        seed_ptr,
+        part_ptr,
+        idx_ptr,
+        vocab,
+        inv_temp,
+        CHUNK: tl.constexpr,
+        SPLITS: tl.constexpr,
+        GREEDY: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
         # one program per (row, vocabulary chunk); the partials (best score, its logit, running max, running
         # sum) go to part_ptr[row, split, 0:4] and the best column to idx_ptr[row, split]
         row = tl.program_id(0)
         split = tl.program_id(1)
         lo = split * CHUNK
-        best, best_idx, best_x, run_m, run_s = _sample_range(logits_ptr, tl.load(seed_ptr), row, vocab, lo,
-                                                             tl.minimum(lo + CHUNK, vocab), inv_temp, GREEDY, BLOCK)
+        best, best_idx, best_x, run_m, run_s = _sample_range(
+            logits_ptr,
+            tl.load(seed_ptr),
+            row,
+            vocab,
+            lo,
+            tl.minimum(lo + CHUNK, vocab),
+            inv_temp,
+            GREEDY,
+            BLOCK,
+        )
         one = tl.arange(0, 1)
         base = part_ptr + (row * SPLITS + split) * 4
         tl.store(base + one, best)
@@ -353,7 +458,9 @@ if triton is not None:
         tl.store(idx_ptr + row * SPLITS + split + one, best_idx)
 
     @triton.jit
-    def _sample_combine_kernel(part_ptr, idx_ptr, tok_ptr, lp_ptr, SPLITS: tl.constexpr, BLOCK_S: tl.constexpr):
+    def _sample_combine_kernel(
+        part_ptr, idx_ptr, tok_ptr, lp_ptr, SPLITS: tl.constexpr, BLOCK_S: tl.constexpr
+    ):
         # the first chunk holding the row's best score wins (as _sample_kernel's first block does)
         row = tl.program_id(0)
         k = tl.arange(0, BLOCK_S)
@@ -374,8 +481,13 @@ if triton is not None:
 # Dispatch
 
 
-def add_rmsnorm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float,
-                out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def add_rmsnorm(
+    x: torch.Tensor,
+    delta: torch.Tensor | None,
+    weight: torch.Tensor,
+    eps: float,
+    out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """In place on x when a delta is given (x += delta); returns (x, normed x * weight). x is (B, n) contiguous."""
     if not triton_enabled(x):
         new_x, y = add_rmsnorm_reference(x, delta, weight, eps)
@@ -387,14 +499,29 @@ def add_rmsnorm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tenso
         return x, y
     y = out if out is not None else torch.empty_like(x)
     n = x.shape[-1]
-    _add_rmsnorm_kernel[(x.shape[0],)](x, delta if delta is not None else x, weight, y, n, eps,
-                                        HAS_DELTA=delta is not None, BLOCK=triton.next_power_of_2(n))
+    _add_rmsnorm_kernel[(x.shape[0],)](
+        x,
+        delta if delta is not None else x,
+        weight,
+        y,
+        n,
+        eps,
+        HAS_DELTA=delta is not None,
+        BLOCK=triton.next_power_of_2(n),
+    )
     return x, y
 
 
-def rope_store(qkv: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, layout: HeadLayout,
-               k_cache: torch.Tensor, v_cache: torch.Tensor, norms: tuple[torch.Tensor, torch.Tensor] | None = None,
-               q_out: torch.Tensor | None = None) -> torch.Tensor:
+def rope_store(
+    qkv: torch.Tensor,
+    positions: torch.Tensor,
+    slots: torch.Tensor,
+    layout: HeadLayout,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    norms: tuple[torch.Tensor, torch.Tensor] | None = None,
+    q_out: torch.Tensor | None = None,
+) -> torch.Tensor:
     """See `rope_store_reference`; positions and slots are int tensors of shape (B,)."""
     if not triton_enabled(qkv):
         q = rope_store_reference(qkv, positions, slots, layout, k_cache, v_cache, norms)
@@ -404,10 +531,26 @@ def rope_store(qkv: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, 
         return q
     b, heads, kv_heads = qkv.shape[0], layout.heads, layout.kv_heads
     q = q_out if q_out is not None else qkv.new_empty((b, heads, layout.head_dim))
-    q_norm, k_norm = norms if norms is not None else (layout.inv_freq, layout.inv_freq)  # unread without norms
+    q_norm, k_norm = (
+        norms if norms is not None else (layout.inv_freq, layout.inv_freq)
+    )  # unread without norms
     _rope_store_kernel[(b, heads + 2 * kv_heads)](
-        qkv, positions, slots, layout.inv_freq, q_norm, k_norm, q, k_cache, v_cache, layout.rope_scale, layout.eps,
-        HEADS=heads, KV_HEADS=kv_heads, D=layout.head_dim, QK_NORM=norms is not None)
+        qkv,
+        positions,
+        slots,
+        layout.inv_freq,
+        q_norm,
+        k_norm,
+        q,
+        k_cache,
+        v_cache,
+        layout.rope_scale,
+        layout.eps,
+        HEADS=heads,
+        KV_HEADS=kv_heads,
+        D=layout.head_dim,
+        QK_NORM=norms is not None,
+    )
     return q
 
 
@@ -420,9 +563,16 @@ def attention_splits(batch: int, kv_heads: int, multiprocessors: int = 132) -> i
 _ATTENTION_BLOCK_N = 64  # keys per inner iteration of the split kernel
 
 
-def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, starts: torch.Tensor,
-                     lengths: torch.Tensor, scale: float, splits: int = 4,
-                     out: torch.Tensor | None = None) -> torch.Tensor:
+def decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    starts: torch.Tensor,
+    lengths: torch.Tensor,
+    scale: float,
+    splits: int = 4,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
     """See `decode_attention_reference`; reads only the live keys of each row."""
     if not triton_enabled(q):
         res = decode_attention_reference(q, k_cache, v_cache, starts, lengths, scale)
@@ -436,8 +586,22 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     acc = torch.empty((b, heads, splits, d), dtype=torch.float32, device=q.device)
     lse = torch.empty((b, heads, splits), dtype=torch.float32, device=q.device)
     _decode_attention_split_kernel[(b, kv_heads, splits)](
-        q, k_cache, v_cache, starts, lengths, acc, lse, scale, HEADS=heads, KV_HEADS=kv_heads, D=d, GROUP=group,
-        BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=_ATTENTION_BLOCK_N, SPLITS=splits)
+        q,
+        k_cache,
+        v_cache,
+        starts,
+        lengths,
+        acc,
+        lse,
+        scale,
+        HEADS=heads,
+        KV_HEADS=kv_heads,
+        D=d,
+        GROUP=group,
+        BLOCK_G=max(16, triton.next_power_of_2(group)),
+        BLOCK_N=_ATTENTION_BLOCK_N,
+        SPLITS=splits,
+    )
     res = out if out is not None else q.new_empty((b, heads, d))
     _decode_attention_combine_kernel[(b * heads,)](acc, lse, res, D=d, SPLITS=splits)
     return res
@@ -464,8 +628,14 @@ SAMPLE_CHUNK = int(os.environ.get("SLEUTH_SAMPLE_CHUNK", "8192")) or 2**62
 _SPLIT_SAMPLER_FAILED: list[Exception] = []  # set once the split sampler failed to compile on this machine
 
 
-def sample(logits: torch.Tensor, temperature: float, seed: torch.Tensor, tokens: torch.Tensor | None = None,
-           logprobs: torch.Tensor | None = None, chunk: int = SAMPLE_CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
+def sample(
+    logits: torch.Tensor,
+    temperature: float,
+    seed: torch.Tensor,
+    tokens: torch.Tensor | None = None,
+    logprobs: torch.Tensor | None = None,
+    chunk: int = SAMPLE_CHUNK,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Tokens (int64) and their log-probs (fp32) for (B, V) logits; see `sample_reference`. The kernel
     draws its Gumbel noise from Philox(seed, row * V + column): `seed` lives on the device so a captured
     step can advance it between replays. A vocabulary wider than `chunk` is split over several programs per
@@ -488,9 +658,21 @@ def sample(logits: torch.Tensor, temperature: float, seed: torch.Tensor, tokens:
         parts = torch.empty((b, splits, 4), dtype=torch.float32, device=logits.device)
         idx = torch.empty((b, splits), dtype=torch.int32, device=logits.device)
         try:
-            _sample_split_kernel[(b, splits)](logits, seed, parts, idx, vocab, inv_temp, CHUNK=chunk, SPLITS=splits,
-                                              GREEDY=greedy, BLOCK=min(4096, chunk))
-            _sample_combine_kernel[(b,)](parts, idx, tok, lp, SPLITS=splits, BLOCK_S=triton.next_power_of_2(splits))
+            _sample_split_kernel[(b, splits)](
+                logits,
+                seed,
+                parts,
+                idx,
+                vocab,
+                inv_temp,
+                CHUNK=chunk,
+                SPLITS=splits,
+                GREEDY=greedy,
+                BLOCK=min(4096, chunk),
+            )
+            _sample_combine_kernel[(b,)](
+                parts, idx, tok, lp, SPLITS=splits, BLOCK_S=triton.next_power_of_2(splits)
+            )
             return tok, lp
         except Exception as err:  # a compiler that rejects it: the one-program sampler draws the same tokens
             log.warning("split sampler unavailable (%s); sampling with one program per row", err)

@@ -47,7 +47,9 @@ def default_timeout() -> float:
     except ValueError:
         value = -1.0
     if not value > 0:
-        raise ConfigError(f"{TIMEOUT_ENV}={raw!r}: set it to the seconds to wait for a model server's answer, e.g. 300")
+        raise ConfigError(
+            f"{TIMEOUT_ENV}={raw!r}: set it to the seconds to wait for a model server's answer, e.g. 300"
+        )
     return value
 
 
@@ -120,8 +122,9 @@ def parse_choice(choice: dict[str, Any], stops: list[str], chat: bool) -> Genera
             text += stop_hit
     else:
         finish = "length" if reason is None else "stop"
-    return Generation(text=text, token_ids=parse_token_ids(tokens), logprobs=logprobs,
-                      finish_reason=finish, stop=stop_hit)
+    return Generation(
+        text=text, token_ids=parse_token_ids(tokens), logprobs=logprobs, finish_reason=finish, stop=stop_hit
+    )
 
 
 def _first_stop_in(text: str, stops: list[str]) -> tuple[int, str] | None:
@@ -150,14 +153,31 @@ class OpenAIOptions:
 class OpenAIGenerator:
     """Talks to `base_url` (e.g. "http://localhost:8000/v1") with model name `model`."""
 
-    def __init__(self, base_url: str, model: str, api_key: str | None = None, tokenizer: Any = None,
-                 options: OpenAIOptions | None = None) -> None:
+    def __init__(
+        self,
+        base_url: str,
+        model: str,
+        api_key: str | None = None,
+        tokenizer: Any = None,
+        options: OpenAIOptions | None = None,
+    ) -> None:
         options = options or OpenAIOptions()
-        chat, max_concurrency, timeout, retries = options.chat, options.max_concurrency, options.timeout, options.retries
+        chat, max_concurrency, timeout, retries = (
+            options.chat,
+            options.max_concurrency,
+            options.timeout,
+            options.retries,
+        )
         backoff, retry, service = options.backoff, options.retry, options.service
-        request_logprobs, vllm_extensions, extra_body = options.request_logprobs, options.vllm_extensions, options.extra_body
+        request_logprobs, vllm_extensions, extra_body = (
+            options.request_logprobs,
+            options.vllm_extensions,
+            options.extra_body,
+        )
         if not base_url.startswith(("http://", "https://")):
-            raise ConfigError(f"base_url {base_url!r} must start with http:// or https:// (e.g. http://localhost:8000/v1)")
+            raise ConfigError(
+                f"base_url {base_url!r} must start with http:// or https:// (e.g. http://localhost:8000/v1)"
+            )
         if max_concurrency < 1 or retries < 1:
             raise ConfigError(f"max_concurrency and retries must be >= 1 (got {max_concurrency}, {retries})")
 
@@ -168,7 +188,9 @@ class OpenAIGenerator:
         self.retries = retries
         self.backoff = backoff
         # `retry` (a recipe's services.retry) replaces retries/backoff with a time budget
-        self.retry_policy = retry or RetryPolicy(max_attempts=retries, initial_delay_s=backoff, budget_s=math.inf)
+        self.retry_policy = retry or RetryPolicy(
+            max_attempts=retries, initial_delay_s=backoff, budget_s=math.inf
+        )
         self.service = service  # named in errors: "judge", "generator", ...
         self.timeout = float(timeout) if timeout is not None else default_timeout()
         self.request_logprobs = request_logprobs
@@ -243,14 +265,19 @@ class OpenAIGenerator:
                 raise ServiceError(
                     f"{self.service} POST {url}: no answer within {self.timeout:g} s; not sent again (the server may "
                     f"still be computing it). Wait longer: {TIMEOUT_ENV}=SECONDS, `sleuth eval --openai-timeout "
-                    "SECONDS`, or `timeout` in the model spec") from None
+                    "SECONDS`, or `timeout` in the model spec"
+                ) from None
             if response.status_code == 429 or response.status_code >= 500:
                 raise _RetryableHTTP(f"HTTP {response.status_code}: {response.text[:200]}")
             if response.status_code in (400, 422) and _is_ids(body.get("prompt")):
-                raise _IdsRefused(f"POST {url} refused a prompt of token ids: HTTP {response.status_code}: "
-                                  f"{response.text[:300]}")
+                raise _IdsRefused(
+                    f"POST {url} refused a prompt of token ids: HTTP {response.status_code}: "
+                    f"{response.text[:300]}"
+                )
             if response.status_code >= 400:
-                raise ServiceError(f"POST {url} was rejected: HTTP {response.status_code}: {response.text[:300]}")
+                raise ServiceError(
+                    f"POST {url} was rejected: HTTP {response.status_code}: {response.text[:300]}"
+                )
             try:
                 return response.json()
             except ValueError as err:
@@ -265,13 +292,17 @@ class OpenAIGenerator:
 
     def _one(self, prompt: Prompt, stops: list[str], params: SamplingParams, index: int) -> Generation:
         raw = self.text_prompts and _is_ids(prompt)
-        url, body = self.build_request(self._as_text(prompt) if raw else prompt, stops, params, index, raw=raw)
+        url, body = self.build_request(
+            self._as_text(prompt) if raw else prompt, stops, params, index, raw=raw
+        )
         try:
             payload = self._post(url, body)
         except _IdsRefused as err:
             if self.tokenizer is None:
-                raise ServiceError(f"{err}; pass the model's tokenizer (a local model directory as the model name, "
-                                   "or `sleuth eval --tokenizer DIR`) so prompts go as text") from None
+                raise ServiceError(
+                    f"{err}; pass the model's tokenizer (a local model directory as the model name, "
+                    "or `sleuth eval --tokenizer DIR`) so prompts go as text"
+                ) from None
             self.text_prompts = True  # the same text the ids decode to, tokenised by the server alike
             url, body = self.build_request(self._as_text(prompt), stops, params, index, raw=True)
             payload = self._post(url, body)
@@ -296,5 +327,8 @@ class OpenAIGenerator:
         if len(batch) == 1:
             return [self._one(batch[0], stops[0], params, 0)]
         with ThreadPoolExecutor(max_workers=min(self.max_concurrency, len(batch))) as pool:
-            futures = [pool.submit(self._one, p, s, params, i) for i, (p, s) in enumerate(zip(batch, stops, strict=True))]
+            futures = [
+                pool.submit(self._one, p, s, params, i)
+                for i, (p, s) in enumerate(zip(batch, stops, strict=True))
+            ]
             return [f.result() for f in futures]

@@ -44,12 +44,18 @@ def supports(model: torch.nn.Module) -> str | None:
     return None
 
 
-def linear_weight(module: torch.nn.Module, merge_adapters: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+def linear_weight(
+    module: torch.nn.Module, merge_adapters: bool = True
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(weight, bias) of a Linear, with active LoRA adapters merged in (W + scale * B @ A)."""
     if hasattr(module, "base_layer") and hasattr(module, "lora_A"):
         base = module.base_layer
         weight = full_tensor(base.weight.detach()).float()
-        if merge_adapters and not getattr(module, "disable_adapters", False) and not getattr(module, "merged", False):
+        if (
+            merge_adapters
+            and not getattr(module, "disable_adapters", False)
+            and not getattr(module, "merged", False)
+        ):
             if getattr(module, "fan_in_fan_out", False) or any(getattr(module, "use_dora", {}).values()):
                 raise ConfigError("the decode engine merges plain LoRA only (no DoRA, no fan_in_fan_out)")
             for name in module.active_adapters:

@@ -136,8 +136,9 @@ def move_prefixes(pool_k: torch.Tensor, pool_v: torch.Tensor, moves: list[tuple[
             layer.index_copy_(0, dst, layer.index_select(0, src))
 
 
-def prefix_attention_index(starts: list[int], offsets: list[int], lengths: list[int], width: int,
-                           device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def prefix_attention_index(
+    starts: list[int], offsets: list[int], lengths: list[int], width: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
     """For rows whose first `offsets[r]` tokens are already in the pool and whose next `lengths[r]` tokens are
     being prefilled (padded to `width`): the pool slots of each row's keys, (rows, keys), and the causal mask
     of its queries over them, (rows, 1, width, keys). Built once per prefill, used by every layer."""
@@ -145,14 +146,22 @@ def prefix_attention_index(starts: list[int], offsets: list[int], lengths: list[
     keys = max(totals)
     cols = torch.arange(keys)
     last = torch.tensor(totals)[:, None] - 1
-    slots = torch.tensor(starts)[:, None] + torch.minimum(cols[None, :], last)  # padding keys repeat the last one
+    slots = torch.tensor(starts)[:, None] + torch.minimum(
+        cols[None, :], last
+    )  # padding keys repeat the last one
     query_pos = torch.tensor(offsets)[:, None] + torch.arange(width)[None, :]
     mask = cols[None, None, :] <= query_pos[:, :, None]  # key 0 is always visible: padded queries stay finite
     return slots.to(device), mask[:, None].to(device)
 
 
-def attend_over_prefix(q: torch.Tensor, layer_k: torch.Tensor, layer_v: torch.Tensor, slots: torch.Tensor,
-                       mask: torch.Tensor, scale: float) -> torch.Tensor:
+def attend_over_prefix(
+    q: torch.Tensor,
+    layer_k: torch.Tensor,
+    layer_v: torch.Tensor,
+    slots: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
     """Attention of the new tokens' queries (rows, width, heads, head_dim) over each row's stored and new keys
     (`prefix_attention_index`); the new keys/values must already be in the pool. Returns q's shape."""
     heads, kv_heads = q.shape[2], layer_k.shape[1]
@@ -160,8 +169,9 @@ def attend_over_prefix(q: torch.Tensor, layer_k: torch.Tensor, layer_v: torch.Te
     if heads != kv_heads:  # repeated per query head, as the plain prefill does (keeps SDPA off the math path)
         k = k.repeat_interleave(heads // kv_heads, dim=2)
         v = v.repeat_interleave(heads // kv_heads, dim=2)
-    a = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
-                                       scale=scale)
+    a = F.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=scale
+    )
     return a.transpose(1, 2)
 
 

@@ -98,13 +98,17 @@ def resolve_model_path(spec: str) -> str:
     if key == "tiny":
         return str(tiny_model_dir())
     if spec.startswith(("openai:", "vllm:")):
-        raise ConfigError(f"model spec {spec!r} names a served model; the trainer needs a local checkpoint or alias")
+        raise ConfigError(
+            f"model spec {spec!r} names a served model; the trainer needs a local checkpoint or alias"
+        )
     path = Path(spec).expanduser()
     if path.is_file() and path.suffix.lower() == ".gguf":
         return str(ensure_converted(path))
     if path.is_dir():
         if not (path / "config.json").exists():
-            raise ConfigError(f"model directory {spec!r} has no config.json; pass a saved transformers checkpoint")
+            raise ConfigError(
+                f"model directory {spec!r} has no config.json; pass a saved transformers checkpoint"
+            )
         return str(path)
     if _looks_like_hub_name(spec):
         require_hub_model(spec)  # not cached and no network: one line now, not a traceback after retries
@@ -119,7 +123,9 @@ def parse_openai_spec(spec: str) -> dict[str, Any]:
     rest = spec[len("openai:") :]
     base_url, sep, model = rest.rpartition("#")
     if not sep or not base_url or not model:
-        raise ConfigError(f"openai spec {spec!r}: use 'openai:<base_url>#<model>', e.g. openai:http://localhost:8000/v1#qwen")
+        raise ConfigError(
+            f"openai spec {spec!r}: use 'openai:<base_url>#<model>', e.g. openai:http://localhost:8000/v1#qwen"
+        )
     return {"backend": "openai", "base_url": base_url, "model": model}
 
 
@@ -132,8 +138,10 @@ def _served_tokenizer(tokenizer: Any, model: str) -> Any:
         return tokenizer
     if not (path / "tokenizer_config.json").is_file():
         if tokenizer is not None:
-            raise ConfigError(f"tokenizer {str(tokenizer)!r}: not a directory holding tokenizer_config.json "
-                              "(pass a model or export directory)")
+            raise ConfigError(
+                f"tokenizer {str(tokenizer)!r}: not a directory holding tokenizer_config.json "
+                "(pass a model or export directory)"
+            )
         return None
     from transformers import AutoTokenizer  # deferred: seconds to import, needed only here
 
@@ -150,15 +158,22 @@ def _from_dict(spec: dict[str, Any], kw: dict[str, Any]) -> Generator:
         key_env = options.pop("api_key_env", None)
         if key_env and "api_key" not in options:
             if key_env not in os.environ:
-                raise ConfigError(f"openai model spec: environment variable {key_env} (api_key_env) is not set")
+                raise ConfigError(
+                    f"openai model spec: environment variable {key_env} (api_key_env) is not set"
+                )
             options["api_key"] = os.environ[key_env]
         base_url, model = options.pop("base_url"), options.pop("model")
-        api_key, tokenizer = options.pop("api_key", None), _served_tokenizer(options.pop("tokenizer", None), model)
+        api_key, tokenizer = (
+            options.pop("api_key", None),
+            _served_tokenizer(options.pop("tokenizer", None), model),
+        )
         known = {f.name for f in fields(OpenAIOptions)}
         unknown = sorted(set(options) - known)
         if unknown:
-            raise ConfigError(f"openai model spec: unknown option(s) {', '.join(unknown)}; known: "
-                              f"{', '.join(sorted(known | {'base_url', 'model', 'api_key', 'api_key_env'}))}")
+            raise ConfigError(
+                f"openai model spec: unknown option(s) {', '.join(unknown)}; known: "
+                f"{', '.join(sorted(known | {'base_url', 'model', 'api_key', 'api_key_env'}))}"
+            )
         return OpenAIGenerator(base_url, model, api_key, tokenizer, OpenAIOptions(**options))
     if backend == "vllm":
         if not options.get("model"):
@@ -244,11 +259,25 @@ def list_models() -> list[dict[str, str]]:
         where = f"{gguf} (converted: {converted if is_converted(converted) else 'not yet'})"
     except ConfigError as err:
         where = f"missing: {err}"
-    rows.append({"alias": "smollm2-135m-instruct (smollm2)", "description": ALIAS_DESCRIPTIONS[EMBEDDED_MODEL],
-                 "location": where})
+    rows.append(
+        {
+            "alias": "smollm2-135m-instruct (smollm2)",
+            "description": ALIAS_DESCRIPTIONS[EMBEDDED_MODEL],
+            "location": where,
+        }
+    )
     tiny = cache_root() / "models" / "tiny"
-    rows.append({"alias": "tiny", "description": ALIAS_DESCRIPTIONS["tiny"],
-                 "location": f"{tiny} ({'built' if (tiny / 'config.json').exists() else 'built on first use'})"})
-    rows.append({"alias": "openai:<base_url>#<model>", "description": "any OpenAI-compatible server", "location": "-"})
-    rows.append({"alias": "vllm:<model>", "description": "local vLLM engine (pip install vllm)", "location": "-"})
+    rows.append(
+        {
+            "alias": "tiny",
+            "description": ALIAS_DESCRIPTIONS["tiny"],
+            "location": f"{tiny} ({'built' if (tiny / 'config.json').exists() else 'built on first use'})",
+        }
+    )
+    rows.append(
+        {"alias": "openai:<base_url>#<model>", "description": "any OpenAI-compatible server", "location": "-"}
+    )
+    rows.append(
+        {"alias": "vllm:<model>", "description": "local vLLM engine (pip install vllm)", "location": "-"}
+    )
     return rows

@@ -91,7 +91,9 @@ def peft_deprecation_silenced() -> Iterator[None]:
     """Around peft's model wrapping: peft reads `model.is_gradient_checkpointing`, which transformers 5
     deprecates with a FutureWarning on every load; only that warning, only there, is filtered."""
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+        warnings.filterwarnings(
+            "ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning
+        )
         yield
 
 

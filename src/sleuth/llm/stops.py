@@ -42,9 +42,14 @@ class StopEndTokens:
     def _token_texts(self) -> list[str]:
         if self._texts is None:
             ids = [[i] for i in range(len(self._tokenizer))]
-            backend = getattr(self._tokenizer, "backend_tokenizer", None)  # one Rust call for the whole vocabulary
-            self._texts = (backend.decode_batch(ids, skip_special_tokens=False) if backend is not None
-                           else self._tokenizer.batch_decode(ids, skip_special_tokens=False))
+            backend = getattr(
+                self._tokenizer, "backend_tokenizer", None
+            )  # one Rust call for the whole vocabulary
+            self._texts = (
+                backend.decode_batch(ids, skip_special_tokens=False)
+                if backend is not None
+                else self._tokenizer.batch_decode(ids, skip_special_tokens=False)
+            )
         return self._texts
 
     def for_stops(self, stops: Sequence[str]) -> list[bool] | None:
@@ -66,11 +71,15 @@ class StopEndTokens:
         return [not 0 <= t < size or may_end[t] for t in tokens]
 
 
-def stop_tails(generated: Sequence[int], new: Sequence[int], window: int, checks: Sequence[bool]) -> list[list[int]]:
+def stop_tails(
+    generated: Sequence[int], new: Sequence[int], window: int, checks: Sequence[bool]
+) -> list[list[int]]:
     """For each token of `new` whose check is on: the last `window` tokens of generated + new ending with it."""
     if not any(checks):
         return []
-    seq = list(generated[-window:]) + list(new)  # a tail reaches back at most `window` tokens: copy only those
+    seq = list(generated[-window:]) + list(
+        new
+    )  # a tail reaches back at most `window` tokens: copy only those
     base = len(seq) - len(new)
     return [seq[max(0, base + k + 1 - window) : base + k + 1] for k, c in enumerate(checks) if c]
 

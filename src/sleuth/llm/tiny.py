@@ -29,7 +29,7 @@ SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 _DEFAULT_TEXT = [
     "<think> I need to search for the answer. </think> <search> capital of Varonia </search>",
     "<information> Doc 1(Title: Varonia) Varonia is a country. Its capital is Quellstad. </information>",
-    "<answer> Quellstad </answer> <query>{\"query\": \"who directed the film\"}</query>",
+    '<answer> Quellstad </answer> <query>{"query": "who directed the film"}</query>',
     "<important_info>[1, 3]</important_info> <search_complete>True</search_complete>",
     "<original_evidence> the evidence </original_evidence> <reflect> ok </reflect>",
     "<plan> first find the director </plan> <reflection> found it </reflection>",
@@ -65,7 +65,9 @@ def build_tiny_model(
     if _built(out, spec):
         return out
     if out.is_dir() and any(out.iterdir()) and not (out / STAMP).exists():
-        raise ConfigError(f"{out}: not empty and not a tiny model built by sleuth; give a new or empty directory")
+        raise ConfigError(
+            f"{out}: not empty and not a tiny model built by sleuth; give a new or empty directory"
+        )
     # built under a temporary name and renamed into place: processes sharing the cache (parallel test workers)
     # never read a half-written model, and the first finished build is the one kept
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -112,7 +114,13 @@ def _build(out: Path, spec: dict) -> None:
     from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
     vocab_size, hidden_size, num_layers, num_heads, extra_text, seed = (
-        spec["vocab_size"], spec["hidden_size"], spec["num_layers"], spec["num_heads"], spec["extra_text"], spec["seed"])
+        spec["vocab_size"],
+        spec["hidden_size"],
+        spec["num_layers"],
+        spec["num_heads"],
+        spec["extra_text"],
+        spec["seed"],
+    )
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

@@ -14,7 +14,9 @@ from sleuth.errors import ConfigError
 from sleuth.llm.base import Generation, Prompt, SamplingParams
 from sleuth.llm.stops import normalise_stops
 
-INSTALL_HINT = "VLLMGenerator needs vllm on a CUDA machine: pip install vllm (or use the 'hf' or 'openai' backend)"
+INSTALL_HINT = (
+    "VLLMGenerator needs vllm on a CUDA machine: pip install vllm (or use the 'hf' or 'openai' backend)"
+)
 
 
 def _import_vllm() -> Any:
@@ -78,7 +80,9 @@ class VLLMGenerator:
             return {"prompt_token_ids": list(prompt)}
         if isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
             return {"prompt_token_ids": self.encode(self.apply_chat_template(prompt))}
-        raise ConfigError(f"unsupported prompt {str(prompt)[:80]!r}: pass a string, token ids, or chat messages")
+        raise ConfigError(
+            f"unsupported prompt {str(prompt)[:80]!r}: pass a string, token ids, or chat messages"
+        )
 
     def generate(
         self,
@@ -105,7 +109,10 @@ class VLLMGenerator:
         ]
         inputs = [self._prompt_input(p) for p in batch]
         outputs = self.llm.generate(inputs, sampling, use_tqdm=False)
-        return [generation_from_vllm(out.outputs[0], stops[i], self.eos_token_ids, self.decode) for i, out in enumerate(outputs)]
+        return [
+            generation_from_vllm(out.outputs[0], stops[i], self.eos_token_ids, self.decode)
+            for i, out in enumerate(outputs)
+        ]
 
     def load_weights(self, state_dict_iter: Iterable[tuple[str, Any]]) -> None:
         """Push trainer weights into the engine (weight sync between RL steps). Best effort, UNTESTED here.
@@ -132,5 +139,7 @@ class VLLMGenerator:
             if hasattr(self.llm, "reset_prefix_cache"):
                 self.llm.reset_prefix_cache()
             return
-        raise ConfigError("cannot find the model inside this vLLM version to load weights into; "
-                          "restart the engine from a saved checkpoint instead")
+        raise ConfigError(
+            "cannot find the model inside this vLLM version to load weights into; "
+            "restart the engine from a saved checkpoint instead"
+        )

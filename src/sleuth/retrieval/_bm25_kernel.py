@@ -139,7 +139,19 @@ def _seek(indices, pos, end, target):
 
 @njit(cache=True, nogil=True)
 def _maxscore(
-    data, indices, starts, stop, mult, below_bound, rank_of_pos, margin, k, essential_from, floor, heap_s, heap_i
+    data,
+    indices,
+    starts,
+    stop,
+    mult,
+    below_bound,
+    rank_of_pos,
+    margin,
+    k,
+    essential_from,
+    floor,
+    heap_s,
+    heap_i,
 ):
     """One document-at-a-time MaxScore pass; returns how many passages the heap keeps.
 
@@ -155,7 +167,8 @@ def _maxscore(
     threshold = np.float32(0.0)
     first_essential = essential_from
     while first_essential < n_terms and (
-        below_bound[first_essential + 1] + margin < floor or below_bound[first_essential + 1] + margin <= threshold
+        below_bound[first_essential + 1] + margin < floor
+        or below_bound[first_essential + 1] + margin <= threshold
     ):
         first_essential += 1
     no_doc = np.iinfo(np.int64).max
@@ -286,7 +299,19 @@ def _query_topk(
     floor = np.float32(0.0)
     if seed_from > 0 and _SEED_SHARE * seed_postings <= all_postings:
         size = _maxscore(
-            data, indices, starts, stop, mult, below_bound, rank_of_pos, margin, k, seed_from, floor, heap_s, heap_i
+            data,
+            indices,
+            starts,
+            stop,
+            mult,
+            below_bound,
+            rank_of_pos,
+            margin,
+            k,
+            seed_from,
+            floor,
+            heap_s,
+            heap_i,
         )
         if size == k:
             floor = heap_s[0]
@@ -334,7 +359,18 @@ def bm25_topk_batch(
             n_postings += indptr[t + 1] - indptr[t]
         touched = np.empty(n_postings, dtype=np.int64)
         size = _query_topk(
-            toks, data, indices, indptr, token_upper, token_magnitude, k, dense_ratio, scores, touched, heap_s, heap_i
+            toks,
+            data,
+            indices,
+            indptr,
+            token_upper,
+            token_magnitude,
+            k,
+            dense_ratio,
+            scores,
+            touched,
+            heap_s,
+            heap_i,
         )
         # Pop the heap weakest-first into the output from the back.
         out_count[q] = size
@@ -365,7 +401,9 @@ def bm25_topk(
     if k <= 0:
         raise ValueError(f"k must be a positive integer, got {k!r}")
     if scratch.dtype != np.float32 or scratch.ndim != 1:
-        raise ValueError(f"scratch must be a 1-d float32 array, got {scratch.dtype} with shape {scratch.shape}")
+        raise ValueError(
+            f"scratch must be a 1-d float32 array, got {scratch.dtype} with shape {scratch.shape}"
+        )
     lengths = np.fromiter((len(q) for q in query_token_ids), dtype=np.int64, count=len(query_token_ids))
     ptr = np.zeros(len(query_token_ids) + 1, dtype=np.int64)
     np.cumsum(lengths, out=ptr[1:])
@@ -375,6 +413,18 @@ def bm25_topk(
     counts = np.zeros(len(query_token_ids), dtype=np.int64)
     upper, magnitude = token_bounds
     bm25_topk_batch(
-        flat, ptr, data, indices, indptr, upper, magnitude, k, float(dense_ratio), scratch, out_ids, out_scores, counts
+        flat,
+        ptr,
+        data,
+        indices,
+        indptr,
+        upper,
+        magnitude,
+        k,
+        float(dense_ratio),
+        scratch,
+        out_ids,
+        out_scores,
+        counts,
     )
     return out_ids, out_scores, counts

@@ -63,7 +63,9 @@ def register_backend(backend: RetrieverBackend) -> RetrieverBackend:
         raise ValueError(f"retriever backend {backend.name!r} is already registered ({existing.form})")
     if len(backend.name) < 2 or not backend.name.replace("_", "").replace("-", "").isalnum():
         # one letter would read a Windows drive (C:\\...) as a backend
-        raise ValueError(f"retriever backend name {backend.name!r}: use two or more letters, digits, '_' or '-'")
+        raise ValueError(
+            f"retriever backend name {backend.name!r}: use two or more letters, digits, '_' or '-'"
+        )
     _BACKENDS[backend.name] = backend
     return backend
 
@@ -168,7 +170,9 @@ def _urls(rest: str) -> list[str]:
 def _url(rest: str, ctx: OpenContext) -> Retriever:
     urls = _urls(rest)
     if not urls:
-        raise ConfigError(f"{ctx.where} url:{rest}: name a /retrieve server, url:http://HOST:PORT[,http://...]")
+        raise ConfigError(
+            f"{ctx.where} url:{rest}: name a /retrieve server, url:http://HOST:PORT[,http://...]"
+        )
     return RemoteRetriever(urls[0] if len(urls) == 1 else urls, retry=ctx.retry)
 
 
@@ -177,18 +181,24 @@ def _milvus(rest: str, ctx: OpenContext) -> Retriever:
     params = dict(parse_qsl(query))
     collection = params.pop("collection", None)
     if not uri or not collection:
-        raise ConfigError(f"{ctx.where} milvus:{rest}: use milvus:URI?collection=NAME[&mode=dense|bm25|hybrid]")
+        raise ConfigError(
+            f"{ctx.where} milvus:{rest}: use milvus:URI?collection=NAME[&mode=dense|bm25|hybrid]"
+        )
     search = MilvusSearch(mode=params.pop("mode", "dense"))
     token = params.pop("token", None)
     if params:
-        raise ConfigError(f"{ctx.where} milvus:{rest}: unknown parameter(s) {sorted(params)}; "
-                          "known: collection, mode, token")
+        raise ConfigError(
+            f"{ctx.where} milvus:{rest}: unknown parameter(s) {sorted(params)}; "
+            "known: collection, mode, token"
+        )
     return MilvusRetriever(uri, collection, search=search, token=token)  # type: ignore[return-value]
 
 
 _INDEX_KINDS = ("index", "bm25", "dense", "sharded")
 for _kind in _INDEX_KINDS:
-    register_backend(RetrieverBackend(_kind, _index_of_kind(None if _kind == "index" else _kind), f"{_kind}:DIR"))
+    register_backend(
+        RetrieverBackend(_kind, _index_of_kind(None if _kind == "index" else _kind), f"{_kind}:DIR")
+    )
 register_backend(RetrieverBackend("hybrid", _hybrid, "hybrid:DIR1,DIR2"))
 register_backend(RetrieverBackend("milvus", _milvus, "milvus:URI?collection=NAME"))
 register_backend(RetrieverBackend("url", _url, "url:http://HOST:PORT[,...]"))

@@ -21,7 +21,9 @@ BODY_BUDGET_REQUESTS = 4  # default budget: this many bodies at the per-request 
 BODY_BUDGET_WAIT_S = 1.0  # a request waits this long for budget before its 503
 
 
-def default_max_body_bytes(max_queries: int = DEFAULT_MAX_QUERIES, max_query_chars: int = DEFAULT_MAX_QUERY_CHARS) -> int:
+def default_max_body_bytes(
+    max_queries: int = DEFAULT_MAX_QUERIES, max_query_chars: int = DEFAULT_MAX_QUERY_CHARS
+) -> int:
     """The per-request body limit that fits `max_queries` ASCII queries of `max_query_chars`
     (4096 x (2000 + 4) + 65536 = 8,273,920 bytes with the defaults)."""
     return max_queries * (max_query_chars + QUERY_JSON_OVERHEAD_BYTES) + REQUEST_JSON_OVERHEAD_BYTES
@@ -80,8 +82,9 @@ class ContextRetriever(Protocol):
 
     wants_context: bool
 
-    def search(self, queries: list[str], k: int, contexts: Sequence[RetrievalContext] | None = None
-               ) -> list[list[Hit]]: ...
+    def search(
+        self, queries: list[str], k: int, contexts: Sequence[RetrievalContext] | None = None
+    ) -> list[list[Hit]]: ...
 
 
 def wants_context(retriever: Any) -> bool:
@@ -107,8 +110,9 @@ class StepStamped:
         with self._lock:
             self.step = step
 
-    def search(self, queries: list[str], k: int, contexts: Sequence[RetrievalContext] | None = None
-               ) -> list[list[Hit]]:
+    def search(
+        self, queries: list[str], k: int, contexts: Sequence[RetrievalContext] | None = None
+    ) -> list[list[Hit]]:
         with self._lock:
             step = self.step
         if contexts is not None:

@@ -103,7 +103,10 @@ def _tokenize_shard(job: dict[str, Any]) -> dict[str, Any]:
     for lo in range(job["start"], job["end"], _READ_BATCH):
         rows = store.get(np.arange(lo, min(lo + _READ_BATCH, job["end"])))
         ids = tokenizer.tokenize(
-            [f"{title}\n{text}" for _, title, text in rows], update_vocab=True, return_as="ids", show_progress=False
+            [f"{title}\n{text}" for _, title, text in rows],
+            update_vocab=True,
+            return_as="ids",
+            show_progress=False,
         )
         for doc in ids:
             lengths[filled] = len(doc)
@@ -139,7 +142,12 @@ def _fill_shard(job: dict[str, Any]) -> int:
     idf = np.load(job["idf"])
     cursor = np.load(spool / "cursor.npy")
     _fill_postings(
-        (global_terms, np.load(spool / "tfs.npy"), np.load(spool / "term_ptr.npy"), np.load(spool / "lengths.npy")),
+        (
+            global_terms,
+            np.load(spool / "tfs.npy"),
+            np.load(spool / "term_ptr.npy"),
+            np.load(spool / "lengths.npy"),
+        ),
         (idf, job["k1"], job["b"], job["avg_len"], job["method"] == "atire"),
         job["start"],
         (cursor, np.asarray(data), np.asarray(indices)),
@@ -186,8 +194,16 @@ def build_bm25_sharded(
     for i, (start, end) in enumerate(zip(bounds[:-1], bounds[1:], strict=True)):
         spool = spool_root / f"shard-{i:05d}"
         spool.mkdir(parents=True, exist_ok=True)
-        jobs.append({"docstore": str(docstore.directory), "start": start, "end": end, "spool": str(spool),
-                     "stemmer": p["stemmer"], "stopwords": p["stopwords"]})
+        jobs.append(
+            {
+                "docstore": str(docstore.directory),
+                "start": start,
+                "end": end,
+                "spool": str(spool),
+                "stemmer": p["stemmer"],
+                "stopwords": p["stopwords"],
+            }
+        )
     try:
         stats = _run(_tokenize_shard, jobs, workers)
         vocab, df = _merge_vocabularies(jobs)
@@ -210,8 +226,15 @@ def build_bm25_sharded(
             spool = Path(job["spool"])
             np.save(spool / "cursor.npy", cursor)
             cursor += np.load(spool / "df_global.npy")
-            job.update(data=str(data_path), indices=str(indices_path), idf=str(spool_root / "idf.npy"),
-                       k1=float(p["k1"]), b=float(p["b"]), avg_len=avg_len, method=p["method"])
+            job.update(
+                data=str(data_path),
+                indices=str(indices_path),
+                idf=str(spool_root / "idf.npy"),
+                k1=float(p["k1"]),
+                b=float(p["b"]),
+                avg_len=avg_len,
+                method=p["method"],
+            )
         if not np.array_equal(cursor, indptr[1:]):
             raise RuntimeError("BM25 build: shard postings do not add up to the document frequencies")
         _run(_fill_shard, jobs, workers)
@@ -230,7 +253,9 @@ def _save_token_bounds(out_dir: Path, indptr: np.ndarray) -> None:
     indices = np.load(out_dir / "indices.csc.index.npy", mmap_mode="r")
     upper, magnitude, ascending = token_weight_bounds(data, indices, indptr)
     if not ascending:
-        raise RuntimeError("BM25 build: a posting list is not in ascending passage order (a bug in the build)")
+        raise RuntimeError(
+            "BM25 build: a posting list is not in ascending passage order (a bug in the build)"
+        )
     np.save(out_dir / TOKEN_BOUNDS_FILE, np.stack([upper, magnitude]))
 
 
@@ -259,7 +284,9 @@ def _merge_vocabularies(jobs: list[dict[str, Any]]) -> tuple[dict[str, int], np.
     for job in jobs:
         spool = Path(job["spool"])
         df_global = np.zeros(len(vocab), dtype=np.int64)
-        df_global[np.load(spool / "remap.npy")] = np.load(spool / "df.npy")  # one local id per stem: no repeats
+        df_global[np.load(spool / "remap.npy")] = np.load(
+            spool / "df.npy"
+        )  # one local id per stem: no repeats
         np.save(Path(job["spool"]) / "df_global.npy", df_global)
         df += df_global
     return vocab, df
@@ -269,11 +296,21 @@ def _write_metadata(bm25s: Any, out_dir: Path, vocab: dict[str, int], p: dict[st
     """params/vocab files as `BM25.save` + `Tokenizer.save_vocab/save_stopwords` write them."""
     model = bm25s.BM25(k1=p["k1"], b=p["b"], method=p["method"], backend="numba")
     params = dict(
-        k1=model.k1, b=model.b, delta=model.delta, method=model.method, idf_method=model.idf_method,
-        dtype=model.dtype, int_dtype=model.int_dtype, num_docs=n, version=bm25s.__version__, backend=model.backend,
+        k1=model.k1,
+        b=model.b,
+        delta=model.delta,
+        method=model.method,
+        idf_method=model.idf_method,
+        dtype=model.dtype,
+        int_dtype=model.int_dtype,
+        num_docs=n,
+        version=bm25s.__version__,
+        backend=model.backend,
     )
     (out_dir / "params.index.json").write_text(json.dumps(params, indent=4), encoding="utf-8")
-    (out_dir / "vocab.index.json").write_text(bm25s.utils.json_functions.dumps(vocab, ensure_ascii=False), encoding="utf-8")
+    (out_dir / "vocab.index.json").write_text(
+        bm25s.utils.json_functions.dumps(vocab, ensure_ascii=False), encoding="utf-8"
+    )
     tokenizer = _make_tokenizer(p["stemmer"], p["stopwords"])
     if p["stemmer"]:
         # Queries stem unseen words and look the stem up, so word->id caches are not needed: only the

@@ -78,7 +78,9 @@ def parse_devices(devices: str | Sequence[str], visible_gpus: int | None = None)
         items = [d.strip() for d in devices.split(",") if d.strip()]
         if devices.strip() == "all":
             if visible_gpus == 0:
-                raise ConfigError("--devices all: no GPU is visible; pass --devices cpu (or cpu,cpu for two processes)")
+                raise ConfigError(
+                    "--devices all: no GPU is visible; pass --devices cpu (or cpu,cpu for two processes)"
+                )
             return [f"cuda:{i}" for i in range(visible_gpus)]
     else:
         items = [str(d).strip() for d in devices]
@@ -92,7 +94,9 @@ def parse_devices(devices: str | Sequence[str], visible_gpus: int | None = None)
         gpu = _gpu_number(item)
         if gpu >= visible_gpus:
             seen = f"cuda:0..cuda:{visible_gpus - 1}" if visible_gpus else "none"
-            raise ConfigError(f"--devices: {item} is not visible ({visible_gpus} GPU(s): {seen}); fix the device list")
+            raise ConfigError(
+                f"--devices: {item} is not visible ({visible_gpus} GPU(s): {seen}); fix the device list"
+            )
         name = f"cuda:{gpu}"
         if name in out:
             raise ConfigError(f"--devices: {name} is listed twice; name each GPU once")
@@ -105,7 +109,9 @@ def _gpu_number(item: str) -> int:
         return 0
     head, _, number = item.partition(":")
     if head != "cuda" or not number.isdigit():
-        raise ConfigError(f"--devices: {item!r} is not a device; use cpu, cuda or cuda:N (comma-separated) or all")
+        raise ConfigError(
+            f"--devices: {item!r} is not a device; use cpu, cuda or cuda:N (comma-separated) or all"
+        )
     return int(number)
 
 
@@ -180,17 +186,33 @@ def encode_docstore_parallel(
     path = Path(path)
     dim = _probe_dim(encoder)
     job = EncodeJob(
-        docstore=str(store.directory.resolve()), tmp_path=str(path.with_name(path.name + ".tmp")),
-        parts_dir=str(path.with_name(path.name + ".parts")), num_docs=store.num_docs, dim=dim, chunk=plan.chunk,
+        docstore=str(store.directory.resolve()),
+        tmp_path=str(path.with_name(path.name + ".tmp")),
+        parts_dir=str(path.with_name(path.name + ".parts")),
+        num_docs=store.num_docs,
+        dim=dim,
+        chunk=plan.chunk,
         encoder=encoder if isinstance(encoder, EncoderConfig) else None,
-        factory=None if isinstance(encoder, EncoderConfig) else encoder, fp16=plan.fp16,
+        factory=None if isinstance(encoder, EncoderConfig) else encoder,
+        fp16=plan.fp16,
         threads_per_worker=max(1, cores // len(workers)),
-        ranges=plan_ranges(store.num_docs, plan.chunk, plan.range_chunks), fast_tokenizer=plan.fast_tokenizer,
+        ranges=plan_ranges(store.num_docs, plan.chunk, plan.range_chunks),
+        fast_tokenizer=plan.fast_tokenizer,
     )
     if job.num_docs == 0:
         path.write_bytes(b"")  # nothing to encode; np.memmap cannot map an empty file
-        return {"rows": 0, "dim": dim, "devices": device_list, "workers": 0, "ranges": 0, "resumed_ranges": 0,
-                "encoded_rows": 0, "seconds": 0.0, "encode_seconds": 0.0, "passages_per_second": None}
+        return {
+            "rows": 0,
+            "dim": dim,
+            "devices": device_list,
+            "workers": 0,
+            "ranges": 0,
+            "resumed_ranges": 0,
+            "encoded_rows": 0,
+            "seconds": 0.0,
+            "encode_seconds": 0.0,
+            "passages_per_second": None,
+        }
     resumed = _prepare(job, store)
     t0 = time.perf_counter()
     todo = [i for i in range(len(job.ranges)) if not _marker(job, i).exists()]
@@ -198,7 +220,9 @@ def encode_docstore_parallel(
         _run_workers(job, workers, todo)
     missing = [i for i in range(len(job.ranges)) if not _marker(job, i).exists()]
     if missing:
-        raise RuntimeError(f"encode: ranges {missing} have no done-marker although every worker exited cleanly")
+        raise RuntimeError(
+            f"encode: ranges {missing} have no done-marker although every worker exited cleanly"
+        )
     seconds = time.perf_counter() - t0
     # Encoding alone: from the first range this run began to the last it ended (worker start-up,
     # i.e. importing torch and loading the model, is in `seconds` only).
@@ -207,10 +231,18 @@ def encode_docstore_parallel(
     Path(job.tmp_path).rename(path)
     shutil.rmtree(job.parts_dir, ignore_errors=True)
     encoded = sum(job.ranges[i][1] - job.ranges[i][0] for i in todo)
-    return {"rows": job.num_docs, "dim": dim, "devices": device_list, "workers": len(workers),
-            "ranges": len(job.ranges), "resumed_ranges": resumed, "encoded_rows": encoded,
-            "seconds": round(seconds, 3), "encode_seconds": round(span, 3),
-            "passages_per_second": round(encoded / span, 1) if span > 0 else None}
+    return {
+        "rows": job.num_docs,
+        "dim": dim,
+        "devices": device_list,
+        "workers": len(workers),
+        "ranges": len(job.ranges),
+        "resumed_ranges": resumed,
+        "encoded_rows": encoded,
+        "seconds": round(seconds, 3),
+        "encode_seconds": round(span, 3),
+        "passages_per_second": round(encoded / span, 1) if span > 0 else None,
+    }
 
 
 def _probe_dim(encoder: EncoderConfig | Callable[[str], Any]) -> int:
@@ -224,9 +256,16 @@ def _probe_dim(encoder: EncoderConfig | Callable[[str], Any]) -> int:
 def _plan_record(job: EncodeJob, store: DocStore) -> dict[str, Any]:
     strings = store.directory / "strings.bin"
     encoder = asdict(job.encoder) if job.encoder is not None else repr(job.factory)
-    return {"num_docs": job.num_docs, "dim": job.dim, "chunk": job.chunk, "ranges": [list(r) for r in job.ranges],
-            "encoder": encoder, "fp16": job.fp16, "docstore": job.docstore,
-            "docstore_bytes": strings.stat().st_size}
+    return {
+        "num_docs": job.num_docs,
+        "dim": job.dim,
+        "chunk": job.chunk,
+        "ranges": [list(r) for r in job.ranges],
+        "encoder": encoder,
+        "fp16": job.fp16,
+        "docstore": job.docstore,
+        "docstore_bytes": strings.stat().st_size,
+    }
 
 
 def _prepare(job: EncodeJob, store: DocStore) -> int:
@@ -263,8 +302,10 @@ def _run_workers(job: EncodeJob, devices: list[str], todo: list[int]) -> None:
         tasks.put(i)
     for _ in devices:
         tasks.put(None)
-    procs = [ctx.Process(target=_worker, args=(job, device, w, tasks), name=f"encode-{device}-{w}")
-             for w, device in enumerate(devices)]
+    procs = [
+        ctx.Process(target=_worker, args=(job, device, w, tasks), name=f"encode-{device}-{w}")
+        for w, device in enumerate(devices)
+    ]
     for p in procs:
         p.start()
     for p in procs:
@@ -272,7 +313,9 @@ def _run_workers(job: EncodeJob, devices: list[str], todo: list[int]) -> None:
     failed = [(w, devices[w], p.exitcode) for w, p in enumerate(procs) if p.exitcode != 0]
     if failed:
         undone = [job.ranges[i] for i in todo if not _marker(job, i).exists()]
-        why = "; ".join(f"worker {w} ({d}) exited with code {code}{_worker_error(job, w)}" for w, d, code in failed)
+        why = "; ".join(
+            f"worker {w} ({d}) exited with code {code}{_worker_error(job, w)}" for w, d, code in failed
+        )
         raise RuntimeError(
             f"encode: {why}; {len(undone)} of {len(job.ranges)} row ranges not encoded (first: rows "
             f"{undone[0][0] if undone else '-'}..); the finished ranges are kept in {job.parts_dir}: "
@@ -300,8 +343,10 @@ def _worker(job: EncodeJob, device: str, w: int, tasks: Any) -> None:
             began = time.time()
             _encode_range(encoder, store, out, start, end, job.chunk, job.fast_tokenizer)
             out.flush()  # the rows are on disk before the marker says so
-            atomic_write_json(_marker(job, i), {"rows": [start, end], "device": device, "began": began,
-                                                "ended": time.time()})
+            atomic_write_json(
+                _marker(job, i),
+                {"rows": [start, end], "device": device, "began": began, "ended": time.time()},
+            )
     except BaseException as err:
         atomic_write_text(Path(job.parts_dir) / f"worker-{w}.error", f"{type(err).__name__}: {err}"[:500])
         raise
@@ -319,8 +364,15 @@ def _load_worker_encoder(job: EncodeJob, device: str) -> Any:
     return encoder
 
 
-def _encode_range(encoder: Any, store: DocStore, out: np.ndarray, start: int, end: int, chunk: int,
-                  fast_tokenizer: bool = True) -> None:
+def _encode_range(
+    encoder: Any,
+    store: DocStore,
+    out: np.ndarray,
+    start: int,
+    end: int,
+    chunk: int,
+    fast_tokenizer: bool = True,
+) -> None:
     model = getattr(encoder, "model", None)
     if model is None or not hasattr(model, "forward"):
         for s in range(start, end, chunk):
@@ -351,8 +403,15 @@ def _tokenizer_for(model: Any, texts: list[str], fast: bool) -> Callable[[list[s
     return preprocess
 
 
-def _encode_range_pipelined(encoder: Any, store: DocStore, out: np.ndarray, start: int, end: int,
-                            chunk: int, fast_tokenizer: bool = True) -> None:
+def _encode_range_pipelined(
+    encoder: Any,
+    store: DocStore,
+    out: np.ndarray,
+    start: int,
+    end: int,
+    chunk: int,
+    fast_tokenizer: bool = True,
+) -> None:
     """Reader threads tokenize length-sorted batches ahead; this thread runs the model on them.
 
     Each reader takes every READERS-th chunk: the batches are the same whatever their order, and
@@ -360,8 +419,10 @@ def _encode_range_pipelined(encoder: Any, store: DocStore, out: np.ndarray, star
     import torch  # deferred: heavy
 
     model, cfg = encoder.model, encoder.config
-    sample = [cfg.passage_prefix + passage_text(t, x)
-              for _, t, x in store.get(np.arange(start, min(start + AGREEMENT_ROWS, end)))]
+    sample = [
+        cfg.passage_prefix + passage_text(t, x)
+        for _, t, x in store.get(np.arange(start, min(start + AGREEMENT_ROWS, end)))
+    ]
     preprocess = _tokenizer_for(model, sample, fast_tokenizer)
     ready: queue.Queue = queue.Queue(maxsize=8)
     failure: list[BaseException] = []
@@ -370,8 +431,10 @@ def _encode_range_pipelined(encoder: Any, store: DocStore, out: np.ndarray, star
     def read(mine: list[int]) -> None:
         try:
             for s in mine:
-                texts = [cfg.passage_prefix + passage_text(t, x)
-                         for _, t, x in store.get(np.arange(s, min(s + chunk, end)))]
+                texts = [
+                    cfg.passage_prefix + passage_text(t, x)
+                    for _, t, x in store.get(np.arange(s, min(s + chunk, end)))
+                ]
                 order = np.argsort([-len(t) for t in texts], kind="stable")
                 for b in range(0, len(order), cfg.batch_size):
                     rows = order[b : b + cfg.batch_size]
@@ -381,8 +444,10 @@ def _encode_range_pipelined(encoder: Any, store: DocStore, out: np.ndarray, star
         finally:
             ready.put(None)
 
-    readers = [threading.Thread(target=read, args=(starts[k::READERS],), daemon=True, name=f"encode-reader-{k}")
-               for k in range(READERS)]
+    readers = [
+        threading.Thread(target=read, args=(starts[k::READERS],), daemon=True, name=f"encode-reader-{k}")
+        for k in range(READERS)
+    ]
     for reader in readers:
         reader.start()
     device = model.device
@@ -396,7 +461,9 @@ def _encode_range_pipelined(encoder: Any, store: DocStore, out: np.ndarray, star
             if failure:
                 break
             rows, features = item
-            features = {k: v.to(device, non_blocking=True) if hasattr(v, "to") else v for k, v in features.items()}
+            features = {
+                k: v.to(device, non_blocking=True) if hasattr(v, "to") else v for k, v in features.items()
+            }
             vecs = model(features)["sentence_embedding"]
             if cfg.normalize:
                 vecs = torch.nn.functional.normalize(vecs.float(), p=2, dim=1)

@@ -50,7 +50,9 @@ class CachingRetriever:
         except FileNotFoundError:
             return None
         except (OSError, ValueError) as err:
-            raise ConfigError(f"retriever cache entry {path} is unreadable ({err}); delete it to search again") from None
+            raise ConfigError(
+                f"retriever cache entry {path} is unreadable ({err}); delete it to search again"
+            ) from None
         return [Hit.from_dict(h) for h in data["hits"]]
 
     def search(self, queries: list[str], k: int) -> list[list[Hit]]:
@@ -65,8 +67,15 @@ class CachingRetriever:
             for i in todo:
                 found[i] = searched[queries[i]]
             for query in unique:
-                atomic_write_json(self._path(query, k), {
-                    "source": self.source, "query": query, "k": k, "hits": [h.to_dict() for h in searched[query]]})
+                atomic_write_json(
+                    self._path(query, k),
+                    {
+                        "source": self.source,
+                        "query": query,
+                        "k": k,
+                        "hits": [h.to_dict() for h in searched[query]],
+                    },
+                )
         with self._lock:
             self.hits += len(queries) - len(todo)
             self.misses += len(todo)

@@ -53,7 +53,12 @@ def _hit_from_item(item: Any) -> Hit:
     else:
         title, text = str(doc.get("title", "")), str(doc.get("text", ""))
     # Search-R1's BM25 path returns documents without an id.
-    return Hit(doc_id=str(doc.get("id", "")), title=title, text=text, score=float(score) if score is not None else 0.0)
+    return Hit(
+        doc_id=str(doc.get("id", "")),
+        title=title,
+        text=text,
+        score=float(score) if score is not None else 0.0,
+    )
 
 
 def parse_response(payload: Any, n_queries: int) -> list[list[Hit]]:
@@ -109,7 +114,9 @@ class RemoteRetriever:
         self.concurrency = concurrency or 2 * len(self.urls)
         self._client = httpx.Client(
             timeout=timeout,
-            limits=httpx.Limits(max_connections=max(self.concurrency, 4), max_keepalive_connections=self.concurrency),
+            limits=httpx.Limits(
+                max_connections=max(self.concurrency, 4), max_keepalive_connections=self.concurrency
+            ),
         )
         self._lock = threading.Lock()
         self._next = 0
@@ -132,7 +139,9 @@ class RemoteRetriever:
             resp = self._client.get(f"{url}/health", timeout=min(self.timeout, 5.0))
             if resp.status_code in (404, 405):  # e.g. a Search-R1 server: no /health route
                 resp = self._client.post(
-                    f"{url}/retrieve", json={"queries": ["health check"], "topk": 1}, timeout=min(self.timeout, 5.0)
+                    f"{url}/retrieve",
+                    json={"queries": ["health check"], "topk": 1},
+                    timeout=min(self.timeout, 5.0),
                 )
             ok = resp.status_code == 200
         except httpx.HTTPError:

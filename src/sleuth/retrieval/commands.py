@@ -81,8 +81,11 @@ def register(app: typer.Typer) -> None:
         pq_m: int = typer.Option(48, "--pq-m", help="IVF-PQ: sub-quantizers (must divide the dimension)."),
         nprobe: int = typer.Option(16, "--nprobe", help="IVF-PQ: lists probed per query."),
         nbits: int = typer.Option(
-            8, "--nbits", help="IVF-PQ: bits per sub-quantizer code; 4 writes faiss's fast-scan layout (several "
-            "times faster to search at the same bytes with twice --pq-m; re-rank with --keep-vectors)."),
+            8,
+            "--nbits",
+            help="IVF-PQ: bits per sub-quantizer code; 4 writes faiss's fast-scan layout (several "
+            "times faster to search at the same bytes with twice --pq-m; re-rank with --keep-vectors).",
+        ),
         shards: int | None = typer.Option(
             None, "--shards", help="Dense: split the faiss index into this many contiguous shards."
         ),
@@ -90,12 +93,16 @@ def register(app: typer.Typer) -> None:
             None, "--train-sample", help="IVF-PQ (sharded layout): vectors sampled to train the quantizers."
         ),
         ivf_device: str | None = typer.Option(
-            None, "--ivf-device", help="IVF-PQ: where the coarse k-means and list assignment run: auto (a GPU "
-            "when torch sees one, else cpu), cpu (faiss alone), torch-cpu, cuda or cuda:N."
+            None,
+            "--ivf-device",
+            help="IVF-PQ: where the coarse k-means and list assignment run: auto (a GPU "
+            "when torch sees one, else cpu), cpu (faiss alone), torch-cpu, cuda or cuda:N.",
         ),
         embeddings: Path | None = typer.Option(
-            None, "--embeddings", help="Dense: precomputed float16 [passages x dim] passage embeddings "
-            "(sleuth.retrieval.index.encode_docstore, e.g. made on a GPU) instead of encoding here."
+            None,
+            "--embeddings",
+            help="Dense: precomputed float16 [passages x dim] passage embeddings "
+            "(sleuth.retrieval.index.encode_docstore, e.g. made on a GPU) instead of encoding here.",
         ),
         keep_vectors: bool = typer.Option(
             False, "--keep-vectors", help="Dense (sharded layout): keep float16 vectors for exact re-ranking."
@@ -105,12 +112,15 @@ def register(app: typer.Typer) -> None:
         threads: int = typer.Option(1, "--threads", help="CPU threads for encoding."),
         workers: int = typer.Option(1, "--workers", help="BM25: processes tokenizing and filling shards."),
         shard_docs: int | None = typer.Option(
-            None, "--shard-docs", help="BM25: passages per build shard (memory per worker grows with it; "
-            "default 250,000)."
+            None,
+            "--shard-docs",
+            help="BM25: passages per build shard (memory per worker grows with it; default 250,000).",
         ),
         docstore_from: Path | None = typer.Option(
-            None, "--docstore-from", help="An index of the same corpus (e.g. its BM25 index) whose docstore is "
-            "hard-linked instead of reading the corpus again (the corpus file may then be omitted)."
+            None,
+            "--docstore-from",
+            help="An index of the same corpus (e.g. its BM25 index) whose docstore is "
+            "hard-linked instead of reading the corpus again (the corpus file may then be omitted).",
         ),
         overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing index in --out."),
     ) -> None:
@@ -156,8 +166,9 @@ def register(app: typer.Typer) -> None:
                 params["embeddings"] = str(embeddings)
         t0 = time.perf_counter()
         try:
-            manifest = build_index(corpus, kind, out, overwrite=overwrite, threads=threads,
-                                   docstore_from=docstore_from, **params)
+            manifest = build_index(
+                corpus, kind, out, overwrite=overwrite, threads=threads, docstore_from=docstore_from, **params
+            )
         except (SleuthError, FileExistsError, FileNotFoundError, ValueError) as err:
             _fail(str(err))
         _print_index_summary(out, manifest, time.perf_counter() - t0)
@@ -174,12 +185,20 @@ def register(app: typer.Typer) -> None:
             "all", "--devices", help="all (one process per visible GPU), cuda:0,cuda:1, or cpu / cpu,cpu."
         ),
         encoder: str = typer.Option("minilm", "--encoder", help="Alias 'minilm', a model dir or hub name."),
-        passage_prefix: str = typer.Option("", "--passage-prefix", help="Prepended to passages (E5: 'passage: ')."),
+        passage_prefix: str = typer.Option(
+            "", "--passage-prefix", help="Prepended to passages (E5: 'passage: ')."
+        ),
         batch_size: int = typer.Option(512, "--batch-size", help="Passages per forward pass."),
-        max_length: int | None = typer.Option(None, "--max-length", help="Truncate passages to this many tokens."),
-        fp32: bool = typer.Option(False, "--fp32", help="Keep the model in float32 on GPUs (default: float16)."),
+        max_length: int | None = typer.Option(
+            None, "--max-length", help="Truncate passages to this many tokens."
+        ),
+        fp32: bool = typer.Option(
+            False, "--fp32", help="Keep the model in float32 on GPUs (default: float16)."
+        ),
         procs_per_gpu: int | None = typer.Option(
-            None, "--procs-per-gpu", help="Worker processes per GPU (default: cores / GPUs: tokenizing needs the cores)."
+            None,
+            "--procs-per-gpu",
+            help="Worker processes per GPU (default: cores / GPUs: tokenizing needs the cores).",
         ),
     ) -> None:
         """Encode an index's passages for `sleuth index --embeddings`, one worker per device; a rerun
@@ -188,18 +207,31 @@ def register(app: typer.Typer) -> None:
             _fail(f"--batch-size must be positive, got {batch_size}")
         if not (index_dir / "docstore" / "docstore.json").is_file():
             _fail(f"{index_dir} has no docstore/; build an index of the corpus first (`sleuth index`)")
-        config = EncoderConfig(name=encoder, passage_prefix=passage_prefix, batch_size=batch_size,
-                               max_length=max_length)
+        config = EncoderConfig(
+            name=encoder, passage_prefix=passage_prefix, batch_size=batch_size, max_length=max_length
+        )
         try:
-            result = encode_docstore_parallel(index_dir / "docstore", out, config, devices,
-                                              EncodePlan(fp16=not fp32, procs_per_gpu=procs_per_gpu))
+            result = encode_docstore_parallel(
+                index_dir / "docstore",
+                out,
+                config,
+                devices,
+                EncodePlan(fp16=not fp32, procs_per_gpu=procs_per_gpu),
+            )
         except (SleuthError, FileNotFoundError, ValueError, RuntimeError) as err:
             _fail(str(err))
         rate = result["passages_per_second"]
-        typer.echo(f"wrote {out}: {result['rows']:,} x {result['dim']} float16 on {','.join(result['devices'])} "
-                   f"({result['workers']} processes) in "
-                   f"{result['seconds']:.1f} s" + (f" ({rate:,.0f} passages/s encoding)" if rate else "")
-                   + (f"; {result['resumed_ranges']} ranges kept from an earlier run" if result["resumed_ranges"] else ""))
+        typer.echo(
+            f"wrote {out}: {result['rows']:,} x {result['dim']} float16 on {','.join(result['devices'])} "
+            f"({result['workers']} processes) in "
+            f"{result['seconds']:.1f} s"
+            + (f" ({rate:,.0f} passages/s encoding)" if rate else "")
+            + (
+                f"; {result['resumed_ranges']} ranges kept from an earlier run"
+                if result["resumed_ranges"]
+                else ""
+            )
+        )
 
     @app.command("search")
     def search_cmd(

@@ -46,7 +46,9 @@ def write_offsets_and_meta(directory: Path, offsets: np.ndarray) -> None:
     """What follows `strings.bin`: the field end offsets, then (last, so a reader sees a complete docstore)
     docstore.json. Shared by `DocStore.build` and the parallel builder (`docstore_build`)."""
     np.save(_offsets_path(directory), offsets)
-    atomic_write_json(directory / "docstore.json", {"format": DOCSTORE_FORMAT, "num_docs": (offsets.size - 1) // _FIELDS})
+    atomic_write_json(
+        directory / "docstore.json", {"format": DOCSTORE_FORMAT, "num_docs": (offsets.size - 1) // _FIELDS}
+    )
 
 
 class DocStore:
@@ -105,10 +107,18 @@ class DocStore:
         ends = self._offsets[field_starts + 1]
         contiguous = bool(np.array_equal(starts[1:, 0], ends[:-1, -1]))  # consecutive rows: one read
         records = []
-        for (s, e), (blob, base) in zip(zip(starts.tolist(), ends.tolist(), strict=True),
-                                        self._spans(starts[:, 0], ends[:, -1], contiguous), strict=True):
-            records.append((str(blob[s[0] - base : e[0] - base], "utf-8"), str(blob[s[1] - base : e[1] - base], "utf-8"),
-                            str(blob[s[2] - base : e[2] - base], "utf-8")))
+        for (s, e), (blob, base) in zip(
+            zip(starts.tolist(), ends.tolist(), strict=True),
+            self._spans(starts[:, 0], ends[:, -1], contiguous),
+            strict=True,
+        ):
+            records.append(
+                (
+                    str(blob[s[0] - base : e[0] - base], "utf-8"),
+                    str(blob[s[1] - base : e[1] - base], "utf-8"),
+                    str(blob[s[2] - base : e[2] - base], "utf-8"),
+                )
+            )
         self._release()
         return records
 
@@ -120,9 +130,12 @@ class DocStore:
         starts = self._offsets[idx * _FIELDS]
         ends = self._offsets[idx * _FIELDS + 1]
         # one read per id (a run of consecutive rows would read their titles and texts too)
-        found = [str(blob[s - base : e - base], "utf-8")
-                 for (blob, base), s, e in zip(self._spans(starts, ends, False), starts.tolist(), ends.tolist(),
-                                               strict=True)]
+        found = [
+            str(blob[s - base : e - base], "utf-8")
+            for (blob, base), s, e in zip(
+                self._spans(starts, ends, False), starts.tolist(), ends.tolist(), strict=True
+            )
+        ]
         self._release()
         return found
 
@@ -143,9 +156,11 @@ class DocStore:
     def _pread(self, size: int, offset: int) -> bytes:
         data = pread_full(self._fd, size, offset)
         if len(data) < size:
-            raise IndexMismatchError(f"{strings_path(self.directory)}: bytes {offset + len(data)}-{offset + size} "
-                                     "are missing (the file is shorter than the offsets say); the docstore is "
-                                     "corrupt, rebuild it with `sleuth index`")
+            raise IndexMismatchError(
+                f"{strings_path(self.directory)}: bytes {offset + len(data)}-{offset + size} "
+                "are missing (the file is shorter than the offsets say); the docstore is "
+                "corrupt, rebuild it with `sleuth index`"
+            )
         return data
 
     def _release(self) -> None:

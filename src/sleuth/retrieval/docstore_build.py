@@ -67,7 +67,9 @@ def line_ranges(path: str | Path, parts: int) -> list[tuple[int, int]]:
 def _stable_hash(text: str) -> int:
     # Python's hash() of a str differs between processes (PYTHONHASHSEED), so ids hashed in different
     # workers are compared through a hash that does not.
-    return int.from_bytes(hashlib.blake2b(text.encode("utf-8"), digest_size=8).digest(), "little", signed=True)
+    return int.from_bytes(
+        hashlib.blake2b(text.encode("utf-8"), digest_size=8).digest(), "little", signed=True
+    )
 
 
 def _lines_before(path: str, offset: int) -> int:
@@ -112,8 +114,13 @@ def _copy_part(part: str, dest: str, offset: int, nbytes: int) -> None:
         copied = 0
         while copied < nbytes:
             try:
-                n = os.copy_file_range(src.fileno(), dst.fileno(), nbytes - copied, offset_dst=offset + copied)
-            except (AttributeError, OSError):  # no copy_file_range (old kernel, other file systems): plain copy
+                n = os.copy_file_range(
+                    src.fileno(), dst.fileno(), nbytes - copied, offset_dst=offset + copied
+                )
+            except (
+                AttributeError,
+                OSError,
+            ):  # no copy_file_range (old kernel, other file systems): plain copy
                 src.seek(copied)
                 dst.seek(offset + copied)
                 shutil.copyfileobj(src, dst, 1 << 24)
@@ -153,8 +160,9 @@ def _build_into(corpus: Path, out: Path, workers: int) -> None:
     parts_dir.mkdir()
     ctx = mp.get_context("spawn")  # no fork of a parent that may hold threads
     with ctx.Pool(min(workers, max(1, len(ranges)))) as pool:
-        parts = pool.starmap(_parse_range, [(str(corpus), a, b, str(parts_dir), k)
-                                            for k, (a, b) in enumerate(ranges)])
+        parts = pool.starmap(
+            _parse_range, [(str(corpus), a, b, str(parts_dir), k) for k, (a, b) in enumerate(ranges)]
+        )
         parts.sort(key=lambda p: p["k"])
         failed = next((p["error"] for p in parts if "error" in p), None)
         if failed is not None:  # the first bad line of the file (ranges are in file order)
@@ -169,9 +177,16 @@ def _build_into(corpus: Path, out: Path, workers: int) -> None:
         strings = strings_path(out)
         with open(strings, "wb") as f:
             f.truncate(int(bases[-1]))
-        pool.starmap(_copy_part, [(str(parts_dir / f"part-{p['k']:06d}.bin"), str(strings), int(base), p["bytes"])
-                                  for p, base in zip(parts, bases[:-1], strict=True)])
-    offsets = np.concatenate([np.zeros(1, np.int64), *(p["ends"] + base for p, base in zip(parts, bases, strict=False))])
+        pool.starmap(
+            _copy_part,
+            [
+                (str(parts_dir / f"part-{p['k']:06d}.bin"), str(strings), int(base), p["bytes"])
+                for p, base in zip(parts, bases[:-1], strict=True)
+            ],
+        )
+    offsets = np.concatenate(
+        [np.zeros(1, np.int64), *(p["ends"] + base for p, base in zip(parts, bases, strict=False))]
+    )
     shutil.rmtree(parts_dir)
     write_offsets_and_meta(out, offsets)
 
@@ -190,9 +205,16 @@ def build_docstore_index(corpus: str | Path, out_dir: str | Path, workers: int) 
     (out_dir / MANIFEST).unlink(missing_ok=True)  # the manifest, written last, says the directory is complete
     store = build_docstore_parallel(corpus, out_dir / "docstore", workers)
     hasher.join()
-    manifest = {"manifest_version": MANIFEST_VERSION, "kind": DOCSTORE_KIND, "corpus_path": str(corpus.resolve()),
-                "corpus_fingerprint": fingerprint[0], "num_docs": store.num_docs, "sleuth_version": __version__,
-                "docstore_build": {"workers": workers}, "build_seconds": round(time.perf_counter() - t0, 3),
-                "created": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+    manifest = {
+        "manifest_version": MANIFEST_VERSION,
+        "kind": DOCSTORE_KIND,
+        "corpus_path": str(corpus.resolve()),
+        "corpus_fingerprint": fingerprint[0],
+        "num_docs": store.num_docs,
+        "sleuth_version": __version__,
+        "docstore_build": {"workers": workers},
+        "build_seconds": round(time.perf_counter() - t0, 3),
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    }
     atomic_write_json(out_dir / MANIFEST, manifest)
     return manifest

@@ -130,8 +130,12 @@ class Encoder:
         if len(queries) <= chunk or not callable(tokenizer):
             return self._encode(queries, self.config.query_prefix)
         prefixed = [self.config.query_prefix + q for q in queries] if self.config.query_prefix else queries
-        lengths = [len(ids) for ids in tokenizer(prefixed, truncation=True,
-                                                 max_length=getattr(self.model, "max_seq_length", None))["input_ids"]]
+        lengths = [
+            len(ids)
+            for ids in tokenizer(
+                prefixed, truncation=True, max_length=getattr(self.model, "max_seq_length", None)
+            )["input_ids"]
+        ]
         order = np.argsort(-np.asarray(lengths), kind="stable")
         out = np.empty((len(queries), self.dim), np.float32)
         for start in range(0, len(order), chunk):

@@ -39,8 +39,11 @@ class UnsupportedTokenizer(ValueError):
 
 def _lowercasing_bert_normalizer(spec: dict[str, Any]) -> bool:
     norm = spec.get("normalizer") or {}
-    return (norm.get("type") == "BertNormalizer" and norm.get("lowercase") is True
-            and norm.get("strip_accents") in (None, True))
+    return (
+        norm.get("type") == "BertNormalizer"
+        and norm.get("lowercase") is True
+        and norm.get("strip_accents") in (None, True)
+    )
 
 
 class BatchTokenizer:
@@ -82,7 +85,9 @@ class BatchTokenizer:
         for tok, picked, prepare in ((self._ascii, fast, str.lower), (self._full, slow, None)):
             if picked:
                 batch = [texts[i] for i in picked]
-                for i, enc in zip(picked, _encode(tok, [prepare(t) for t in batch] if prepare else batch), strict=True):
+                for i, enc in zip(
+                    picked, _encode(tok, [prepare(t) for t in batch] if prepare else batch), strict=True
+                ):
                     rows[i] = enc.ids
         return rows  # type: ignore[return-value]
 
@@ -96,8 +101,10 @@ class BatchTokenizer:
         ids = np.full((len(rows), width), self.pad_id, dtype=np.int64)
         # Boolean-mask assignment fills row after row, left to right: the flat ids in order.
         ids[mask] = np.fromiter(itertools.chain.from_iterable(rows), dtype=np.int64, count=int(lengths.sum()))
-        features: dict[str, Any] = {"input_ids": torch.from_numpy(ids),
-                                    "attention_mask": torch.from_numpy(mask.astype(np.int64))}
+        features: dict[str, Any] = {
+            "input_ids": torch.from_numpy(ids),
+            "attention_mask": torch.from_numpy(mask.astype(np.int64)),
+        }
         if self._type_ids:
             features["token_type_ids"] = torch.zeros_like(features["input_ids"])
         features.update(self._extra)
@@ -110,15 +117,18 @@ class BatchTokenizer:
 
         reference = preprocess(list(texts))
         tensors = {k for k, v in reference.items() if isinstance(v, torch.Tensor)}
-        if not {"input_ids", "attention_mask"} <= tensors or tensors - {"input_ids", "attention_mask", "token_type_ids"}:
+        if not {"input_ids", "attention_mask"} <= tensors or tensors - {
+            "input_ids",
+            "attention_mask",
+            "token_type_ids",
+        }:
             return False
         self._type_ids = "token_type_ids" in tensors
         if self._type_ids and bool(reference["token_type_ids"].any()):
             return False
         self._extra = {k: v for k, v in reference.items() if k not in tensors}
         ours = self(texts)
-        return set(ours) == set(reference) and all(
-            torch.equal(ours[k], reference[k]) for k in tensors)
+        return set(ours) == set(reference) and all(torch.equal(ours[k], reference[k]) for k in tensors)
 
 
 def _encode(tokenizer: Any, texts: Sequence[str]) -> list[Any]:

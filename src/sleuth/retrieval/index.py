@@ -117,7 +117,9 @@ def build_index(
     if kind not in KINDS:
         raise ConfigError(f"unknown index kind {kind!r}; choose one of {list(KINDS)}")
     allowed = (
-        _BM25_KEYS | _BM25_BUILD_KEYS if kind == "bm25" else _ENCODER_KEYS | _FAISS_KEYS | _SHARD_KEYS | {_EMBEDDINGS_KEY, _IVF_DEVICE_KEY}
+        _BM25_KEYS | _BM25_BUILD_KEYS
+        if kind == "bm25"
+        else _ENCODER_KEYS | _FAISS_KEYS | _SHARD_KEYS | {_EMBEDDINGS_KEY, _IVF_DEVICE_KEY}
     )
     unknown = set(params) - allowed
     if unknown:
@@ -125,7 +127,9 @@ def build_index(
     if params.get(_IVF_DEVICE_KEY) is not None:
         # Checked before the docstore and the encoding, which take hours at Wikipedia size.
         if params.get("faiss", "flat") != "ivfpq":
-            raise ConfigError(f"ivf_device applies to ivfpq indexes, this one is {params.get('faiss', 'flat')!r}")
+            raise ConfigError(
+                f"ivf_device applies to ivfpq indexes, this one is {params.get('faiss', 'flat')!r}"
+            )
         resolve_ivf_device(params[_IVF_DEVICE_KEY])
     source = _docstore_source(corpus_path, docstore_from)
     corpus_path = Path(corpus_path) if corpus_path is not None else Path(source["corpus_path"])
@@ -148,10 +152,13 @@ def build_index(
     try:
         out_dir.parent.mkdir(parents=True, exist_ok=True)
         _remove_stale_builds(out_dir)
-        building = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f"{_BUILDING_PREFIX.format(out_dir.name)}"))
+        building = Path(
+            tempfile.mkdtemp(dir=out_dir.parent, prefix=f"{_BUILDING_PREFIX.format(out_dir.name)}")
+        )
         (building / _BUILDER_PID).write_text(str(os.getpid()))
-        manifest = _build_into(corpus_path, kind, building, threads=threads, show_progress=show_progress,
-                               source=source, **params)
+        manifest = _build_into(
+            corpus_path, kind, building, threads=threads, show_progress=show_progress, source=source, **params
+        )
         (building / _BUILDER_PID).unlink()
         give_normal_permissions(building)  # mkdtemp made it 0700
         if out_dir.exists():
@@ -163,8 +170,14 @@ def build_index(
             shutil.rmtree(building, ignore_errors=True)
         if is_write_failure(err):  # disk full or read-only: one line, the old index (if any) untouched
             needed = corpus_path.stat().st_size if corpus_path.is_file() else 0
-            raise output_error(f"{kind} index", out_dir, err, max(written, needed),
-                               "nothing was left behind; free space or pass another --out", at_least=True) from None
+            raise output_error(
+                f"{kind} index",
+                out_dir,
+                err,
+                max(written, needed),
+                "nothing was left behind; free space or pass another --out",
+                at_least=True,
+            ) from None
         raise
     return manifest
 
@@ -196,7 +209,9 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _docstore_source(corpus_path: str | Path | None, docstore_from: str | Path | None) -> dict[str, Any] | None:
+def _docstore_source(
+    corpus_path: str | Path | None, docstore_from: str | Path | None
+) -> dict[str, Any] | None:
     """The manifest of `docstore_from` (with "dir" added), checked against `corpus_path` if given."""
     if docstore_from is None:
         if corpus_path is None:
@@ -204,7 +219,9 @@ def _docstore_source(corpus_path: str | Path | None, docstore_from: str | Path |
         return None
     manifest = read_manifest(docstore_from, kinds=(*KINDS, DOCSTORE_KIND))
     if not (Path(docstore_from) / "docstore" / "docstore.json").is_file():
-        raise IndexMismatchError(f"{docstore_from}: has no docstore/ to reuse; rebuild it with `sleuth index`")
+        raise IndexMismatchError(
+            f"{docstore_from}: has no docstore/ to reuse; rebuild it with `sleuth index`"
+        )
     if corpus_path is not None:
         check_corpus(manifest, docstore_from, corpus_path)
     return {**manifest, "dir": str(Path(docstore_from))}
@@ -219,16 +236,24 @@ def _link_docstore(source_dir: Path, out_dir: Path) -> DocStore:
 
 
 def _build_into(
-    corpus_path: Path, kind: str, out_dir: Path, *, threads: int, show_progress: bool,
-    source: dict[str, Any] | None = None, **params: Any
+    corpus_path: Path,
+    kind: str,
+    out_dir: Path,
+    *,
+    threads: int,
+    show_progress: bool,
+    source: dict[str, Any] | None = None,
+    **params: Any,
 ) -> dict[str, Any]:
     t0 = time.perf_counter()
     if source is not None:
         fingerprint = source["corpus_fingerprint"]
         docstore = _link_docstore(Path(source["dir"]) / "docstore", out_dir / "docstore")
         if docstore.num_docs != source["num_docs"]:
-            raise IndexMismatchError(f"{source['dir']}: docstore has {docstore.num_docs} passages, manifest says "
-                                     f"{source['num_docs']}; rebuild that index")
+            raise IndexMismatchError(
+                f"{source['dir']}: docstore has {docstore.num_docs} passages, manifest says "
+                f"{source['num_docs']}; rebuild that index"
+            )
     else:
         fingerprint = corpus_fingerprint(corpus_path)
         docstore = DocStore.build(
@@ -309,13 +334,19 @@ def _build_dense(
                 encoder.dim,
                 fparams,
                 out_dir,
-                ShardBuild(shards=shard_opts.get("shards", 1), train_sample=shard_opts.get("train_sample"),
-                           keep_vectors=bool(shard_opts.get("keep_vectors", False)), ivf_device=ivf_device,
-                           source_vectors=None if embeddings is None else str(embeddings)),
+                ShardBuild(
+                    shards=shard_opts.get("shards", 1),
+                    train_sample=shard_opts.get("train_sample"),
+                    keep_vectors=bool(shard_opts.get("keep_vectors", False)),
+                    ivf_device=ivf_device,
+                    source_vectors=None if embeddings is None else str(embeddings),
+                ),
             )
         )
         return meta
-    meta.update(build_faiss(vectors(), docstore.num_docs, encoder.dim, fparams, out_dir, ivf_device=ivf_device))
+    meta.update(
+        build_faiss(vectors(), docstore.num_docs, encoder.dim, fparams, out_dir, ivf_device=ivf_device)
+    )
     return meta
 
 
@@ -342,7 +373,9 @@ def encode_docstore(
     tmp = path.with_name(path.name + ".tmp")
     out = np.memmap(tmp, dtype=np.float16, mode="w+", shape=(max(docstore.num_docs, 1), encoder.dim))
     pos = 0
-    batches = _progress(docstore.iter_batches(chunk), -(-docstore.num_docs // chunk), "encode", show_progress, "chunks")
+    batches = _progress(
+        docstore.iter_batches(chunk), -(-docstore.num_docs // chunk), "encode", show_progress, "chunks"
+    )
     for batch in batches:
         vecs = encoder.encode_passages([passage_text(title, text) for _, title, text in batch])
         out[pos : pos + len(vecs)] = vecs
@@ -395,8 +428,10 @@ def read_manifest(index_dir: str | Path, kinds: tuple[str, ...] = KINDS) -> dict
         raise IndexMismatchError(f"{path}: manifest lacks {missing}; rebuild the index with `sleuth index`")
     if manifest["kind"] not in kinds:
         if manifest["kind"] == DOCSTORE_KIND:
-            raise IndexMismatchError(f"{path}: {index_dir} holds only a docstore (no search index); build one "
-                                     f"with `sleuth index --docstore-from {index_dir}`")
+            raise IndexMismatchError(
+                f"{path}: {index_dir} holds only a docstore (no search index); build one "
+                f"with `sleuth index --docstore-from {index_dir}`"
+            )
         raise IndexMismatchError(
             f"{path}: unknown index kind {manifest['kind']!r}; rebuild with `sleuth index`"
         )

@@ -70,7 +70,9 @@ def resolve_ivf_device(value: str | None) -> str:
     import torch  # deferred: torch is heavy and a faiss-only build does not need it
 
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    ordinal = int(match.group(1)) if match.group(1) is not None else (torch.cuda.current_device() if count else 0)
+    ordinal = (
+        int(match.group(1)) if match.group(1) is not None else (torch.cuda.current_device() if count else 0)
+    )
     if ordinal >= count:
         raise ConfigError(
             f"ivf_device={value!r}: torch sees {count} CUDA device(s); use 'auto', 'cpu' or a visible GPU"
@@ -93,10 +95,17 @@ class KMeansConfig:
         import faiss  # deferred: faiss is heavy; only dense indexes need it
 
         if ivf.metric_type not in (faiss.METRIC_INNER_PRODUCT, faiss.METRIC_L2):
-            raise ConfigError(f"the assisted IVF build supports inner product and L2, not metric {ivf.metric_type}")
+            raise ConfigError(
+                f"the assisted IVF build supports inner product and L2, not metric {ivf.metric_type}"
+            )
         cp = ivf.cp
-        return cls(niter=int(cp.niter), inner_product=ivf.metric_type == faiss.METRIC_INNER_PRODUCT,
-                   spherical=bool(cp.spherical), max_points_per_centroid=int(cp.max_points_per_centroid), seed=seed)
+        return cls(
+            niter=int(cp.niter),
+            inner_product=ivf.metric_type == faiss.METRIC_INNER_PRODUCT,
+            spherical=bool(cp.spherical),
+            max_points_per_centroid=int(cp.max_points_per_centroid),
+            seed=seed,
+        )
 
 
 @dataclass(frozen=True)
@@ -187,8 +196,9 @@ def kmeans(x: np.ndarray, k: int, device: str, config: KMeansConfig) -> KMeansRe
     return KMeansResult(centroids.cpu().numpy().astype(np.float32), iterations, splits, len(xt), objective)
 
 
-def assigned_chunks(vectors: np.ndarray, start: int, stop: int, centroids: Any, device: str,
-                    inner_product: bool = True) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+def assigned_chunks(
+    vectors: np.ndarray, start: int, stop: int, centroids: Any, device: str, inner_product: bool = True
+) -> Iterator[tuple[np.ndarray, np.ndarray]]:
     """(float32 rows, list numbers) for rows `[start, stop)` of `vectors` (float16 or float32, e.g. a
     memory-mapped spool) in chunks of ADD_CHUNK; `centroids` is a tensor on `device`.
 
@@ -263,10 +273,16 @@ class IvfBuilder:
         # The quantizer is trained and holds nlist centroids, so faiss trains only the PQ on residuals.
         template.train(sample)
         if ivf.quantizer.ntotal != ivf.nlist:
-            raise RuntimeError(f"faiss replaced the coarse centroids: {ivf.quantizer.ntotal} for nlist {ivf.nlist}")
+            raise RuntimeError(
+                f"faiss replaced the coarse centroids: {ivf.quantizer.ntotal} for nlist {ivf.nlist}"
+            )
         self.clock("train_pq", t1)
-        self.kmeans = {"iterations": result.iterations, "points": result.points,
-                       "empty_cluster_splits": result.splits, "objective": round(result.objective, 4)}
+        self.kmeans = {
+            "iterations": result.iterations,
+            "points": result.points,
+            "empty_cluster_splits": result.splits,
+            "objective": round(result.objective, 4),
+        }
         self._inner_product = config.inner_product
         self._centroids = self._device_centroids(ivf)
 
@@ -292,15 +308,21 @@ class IvfBuilder:
             raise ConfigError(f"the assisted IVF build fills plain IVF indexes, got {type(ivf).__name__}")
         if self._centroids is None:
             self._centroids = self._device_centroids(ivf)
-        for rows, labels in assigned_chunks(vectors, start, stop, self._centroids, self.device, self._inner_product):
+        for rows, labels in assigned_chunks(
+            vectors, start, stop, self._centroids, self.device, self._inner_product
+        ):
             # IndexIVF.add without its quantizer search (faiss.contrib.ivf_tools.add_preassigned).
             ivf.add_core(len(rows), faiss.swig_ptr(rows), None, faiss.swig_ptr(labels))
         self.clock("add", t0)
 
     def record(self) -> dict[str, Any]:
         """The manifest's `ivf_build`: which path built the index, where, and the seconds of each phase."""
-        out: dict[str, Any] = {"path": "torch-assisted" if self.assisted else "faiss-cpu",
-                               "device": self.device, "requested": self.requested, "seconds": dict(self.seconds)}
+        out: dict[str, Any] = {
+            "path": "torch-assisted" if self.assisted else "faiss-cpu",
+            "device": self.device,
+            "requested": self.requested,
+            "seconds": dict(self.seconds),
+        }
         if self.kmeans is not None:
             out["kmeans"] = dict(self.kmeans)
         return out

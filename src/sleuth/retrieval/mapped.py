@@ -107,8 +107,10 @@ class RowFile:
         self.row_bytes = int(np.prod(self.shape[1:], dtype=np.int64)) * self.dtype.itemsize
         size = self.path.stat().st_size
         if size != self.shape[0] * self.row_bytes:
-            raise ValueError(f"{self.path}: {size} bytes, expected {self.shape[0] * self.row_bytes} for {self.shape} "
-                             f"{self.dtype}")
+            raise ValueError(
+                f"{self.path}: {size} bytes, expected {self.shape[0] * self.row_bytes} for {self.shape} "
+                f"{self.dtype}"
+            )
         self._fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_BINARY", 0))
         self._kernel = _compiled_gather()
 
@@ -137,7 +139,9 @@ class RowFile:
                     break
                 out[i] = np.frombuffer(data, np.uint8)
         if failed >= 0:
-            raise OSError(f"{self.path}: could not read row {int(flat[failed])} (file truncated or unreadable)")
+            raise OSError(
+                f"{self.path}: could not read row {int(flat[failed])} (file truncated or unreadable)"
+            )
         return out.view(self.dtype).reshape(*ids.shape, *self.shape[1:])
 
     def close(self) -> None:

@@ -155,13 +155,23 @@ class MilvusBuild:
     show_progress: bool = False
 
 
-def index_corpus(corpus: str | Path, uri: str | Path, collection: str, encoder: Any,
-                 build: MilvusBuild | None = None, token: str | None = None) -> dict[str, Any]:
+def index_corpus(
+    corpus: str | Path,
+    uri: str | Path,
+    collection: str,
+    encoder: Any,
+    build: MilvusBuild | None = None,
+    token: str | None = None,
+) -> dict[str, Any]:
     """Encode a corpus jsonl and insert it into a new Milvus collection (`build`: how); returns counts and
     timings."""
     build = build or MilvusBuild()
     batch, bm25, index_params, num_shards = build.batch, build.bm25, build.index_params, build.num_shards
-    consistency_level, overwrite, show_progress = build.consistency_level, build.overwrite, build.show_progress
+    consistency_level, overwrite, show_progress = (
+        build.consistency_level,
+        build.overwrite,
+        build.show_progress,
+    )
     if batch < 1:
         raise ConfigError(f"batch must be >= 1, got {batch}")
     dense_index = {**DEFAULT_INDEX, **(index_params or {})}
@@ -256,8 +266,15 @@ class MilvusRetriever:
 
     kind = "milvus"
 
-    def __init__(self, uri: str | Path, collection: str, encoder: Any = None, search: MilvusSearch | None = None,
-                 token: str | None = None, client: Any = None):
+    def __init__(
+        self,
+        uri: str | Path,
+        collection: str,
+        encoder: Any = None,
+        search: MilvusSearch | None = None,
+        token: str | None = None,
+        client: Any = None,
+    ):
         search = search or MilvusSearch()
         mode, search_params, max_batch = search.mode, search.search_params, search.max_batch
         consistency_level, rrf_k = search.consistency_level, search.rrf_k

@@ -78,8 +78,15 @@ def preimport_serving_modules(*modules: str) -> None:
     import importlib
 
     # What uvicorn.Config's "auto" choices import (the protocol modules pick what is installed).
-    uvicorn_parts = ("uvicorn", "uvicorn.server", "uvicorn.lifespan.on", "uvicorn.loops.auto", "uvicorn.loops.uvloop",
-                     "uvicorn.protocols.http.auto", "uvicorn.protocols.websockets.auto")
+    uvicorn_parts = (
+        "uvicorn",
+        "uvicorn.server",
+        "uvicorn.lifespan.on",
+        "uvicorn.loops.auto",
+        "uvicorn.loops.uvloop",
+        "uvicorn.protocols.http.auto",
+        "uvicorn.protocols.websockets.auto",
+    )
     for name in (*uvicorn_parts, *modules):
         with contextlib.suppress(ImportError):
             importlib.import_module(name)
@@ -139,8 +146,14 @@ class Supervisor:
         death_r, death_w = os.pipe()  # workers watch death_r where prctl is unavailable
         for fd in (wake_r, wake_w, ready_r):
             os.set_blocking(fd, False)
-        self._fds = {"wake_r": wake_r, "wake_w": wake_w, "ready_r": ready_r, "ready_w": ready_w,
-                     "death_r": death_r, "death_w": death_w}
+        self._fds = {
+            "wake_r": wake_r,
+            "wake_w": wake_w,
+            "ready_r": ready_r,
+            "ready_w": ready_w,
+            "death_r": death_r,
+            "death_w": death_w,
+        }
         previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGCHLD)}
         old_wakeup = signal.set_wakeup_fd(wake_w)
         signal.signal(signal.SIGINT, self._on_stop_signal)
@@ -172,7 +185,9 @@ class Supervisor:
             now = time.monotonic()
             if self._stopping:
                 if now >= self._deadline:
-                    self.log(f"workers still running {self.graceful_s:g} s after the stop signal: killing them")
+                    self.log(
+                        f"workers still running {self.graceful_s:g} s after the stop signal: killing them"
+                    )
                     self._kill_all(signal.SIGKILL)
                     self._deadline = float("inf")
             else:
@@ -233,8 +248,10 @@ class Supervisor:
             quick = self._quick_deaths.get(worker.slot, 0) + 1 if lived < QUICK_DEATH_S else 0
             self._quick_deaths[worker.slot] = quick
             delay = 0.0 if not quick else min(MAX_RESTART_DELAY_S, 0.5 * 2 ** (quick - 1))
-            self.log(f"worker {pid} {how} after {lived:.1f} s; forking a new one"
-                     + (f" in {delay:g} s" if delay else ""))
+            self.log(
+                f"worker {pid} {how} after {lived:.1f} s; forking a new one"
+                + (f" in {delay:g} s" if delay else "")
+            )
             self._due[worker.slot] = time.monotonic() + delay
 
     def _on_stop_signal(self, signum: int, _frame: Any) -> None:
@@ -293,8 +310,12 @@ class Supervisor:
         try:
             app = self.build_app()
         except Exception as err:  # reported here; the supervisor decides what follows
-            print(f"error: worker {os.getpid()}: building the app or its warm-up search failed: "
-                  f"{type(err).__name__}: {err}", file=sys.stderr, flush=True)
+            print(
+                f"error: worker {os.getpid()}: building the app or its warm-up search failed: "
+                f"{type(err).__name__}: {err}",
+                file=sys.stderr,
+                flush=True,
+            )
             return WORKER_STARTUP_FAILED
         os.write(fds["ready_w"], f"{os.getpid()}\n".encode())
         self.serve(app, self.sock)

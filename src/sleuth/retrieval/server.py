@@ -113,8 +113,6 @@ class _Job:
     arrived: float = 0.0  # event-loop clock at submission
 
 
-
-
 def _search_checked(retriever: Retriever, queries: list[str], k: int, chunk: int) -> list[list[Hit]]:
     """`retriever.search` over `queries` in slices of at most `chunk`, so one huge request cannot
     make one huge call (query-encoder activations, score matrices); results are joined in order."""
@@ -225,7 +223,9 @@ class MicroBatcher:
             and self._outstanding < self._overlap.peak(now)
         )
 
-    def _take_queued(self, queue: asyncio.Queue[_Job], batch: list[_Job], n_queries: int) -> tuple[_Job | None, int]:
+    def _take_queued(
+        self, queue: asyncio.Queue[_Job], batch: list[_Job], n_queries: int
+    ) -> tuple[_Job | None, int]:
         """Move queued jobs into `batch` while they fit; returns (the first job that did not fit, queries)."""
         while not queue.empty():
             job = queue.get_nowait()
@@ -235,7 +235,9 @@ class MicroBatcher:
             n_queries += len(job.queries)
         return None, n_queries
 
-    async def _collect(self, queue: asyncio.Queue[_Job], slots: asyncio.Semaphore, arrival: asyncio.Event) -> None:
+    async def _collect(
+        self, queue: asyncio.Queue[_Job], slots: asyncio.Semaphore, arrival: asyncio.Event
+    ) -> None:
         loop = asyncio.get_running_loop()
         carry: _Job | None = None
         while True:
@@ -244,13 +246,20 @@ class MicroBatcher:
             batch = [first]
             carry, n_queries = self._take_queued(queue, batch, len(first.queries))
             if carry is None and self._worth_holding(n_queries, loop.time()):
-                carry, n_queries = await self._hold(queue, arrival, batch, n_queries, first.arrived + self.batch_wait_s)
+                carry, n_queries = await self._hold(
+                    queue, arrival, batch, n_queries, first.arrived + self.batch_wait_s
+                )
             task = loop.create_task(self._dispatch(batch, slots))
             self._dispatches.add(task)
             task.add_done_callback(self._dispatches.discard)
 
     async def _hold(
-        self, queue: asyncio.Queue[_Job], arrival: asyncio.Event, batch: list[_Job], n_queries: int, deadline: float
+        self,
+        queue: asyncio.Queue[_Job],
+        arrival: asyncio.Event,
+        batch: list[_Job],
+        n_queries: int,
+        deadline: float,
     ) -> tuple[_Job | None, int]:
         """Let arriving jobs join `batch` until it is no longer worth holding or `deadline` passes."""
         loop = asyncio.get_running_loop()
@@ -281,7 +290,9 @@ class MicroBatcher:
         specs = [(job.queries, job.k, job.return_scores) for job in batch]
         outcomes: list[bytes | RetrieverFailure]
         try:
-            outcomes = await asyncio.get_running_loop().run_in_executor(self._executor, self._run_batch, specs)
+            outcomes = await asyncio.get_running_loop().run_in_executor(
+                self._executor, self._run_batch, specs
+            )
         except (Exception, asyncio.CancelledError) as err:
             # Executor shut down or loop closing: fail the waiting jobs rather than leave them hanging.
             outcomes = [RetrieverFailure(f"retrieval worker unavailable: {err!r}") for _ in batch]
@@ -328,7 +339,9 @@ class MicroBatcher:
                     for i in job_ids:
                         calls += -(-len(specs[i][0]) // self.max_batch_queries)
                         try:
-                            per_job.append(_search_checked(self.retriever, specs[i][0], k, self.max_batch_queries))
+                            per_job.append(
+                                _search_checked(self.retriever, specs[i][0], k, self.max_batch_queries)
+                            )
                         except RetrieverFailure as single_err:
                             per_job.append(single_err)
             for i, hits in zip(job_ids, per_job, strict=True):
@@ -398,7 +411,11 @@ def create_app(
     ASCII queries of max_query_chars (`default_max_body_bytes`). `body_budget` bounds the body bytes
     held at once over concurrent requests (default: 4 bodies at the limit, 1 s wait, then 503 with
     Retry-After; see `BodyBudget`); its counters are `app.state.body_budget` and in /health."""
-    for label, value in (("max_queries", max_queries), ("max_k", max_k), ("max_query_chars", max_query_chars)):
+    for label, value in (
+        ("max_queries", max_queries),
+        ("max_k", max_k),
+        ("max_query_chars", max_query_chars),
+    ):
         if value < 1:
             raise ValueError(f"{label} must be >= 1, got {value}")
     if not 1 <= default_k <= max_k:
@@ -411,7 +428,12 @@ def create_app(
         worker_threads=worker_threads,
     )
     info = _describe_retriever(retriever)
-    limits = {"max_queries": max_queries, "max_k": max_k, "max_query_chars": max_query_chars, "default_k": default_k}
+    limits = {
+        "max_queries": max_queries,
+        "max_k": max_k,
+        "max_query_chars": max_query_chars,
+        "default_k": default_k,
+    }
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -424,8 +446,10 @@ def create_app(
     if body_budget is None:
         body_budget = BodyBudget(BODY_BUDGET_REQUESTS * max_body_bytes, BODY_BUDGET_WAIT_S)
     if body_budget.total_bytes < max_body_bytes:
-        raise ValueError(f"body_budget_bytes ({body_budget.total_bytes}) is smaller than max_body_bytes "
-                         f"({max_body_bytes}): a request at the limit could never be served; raise the budget")
+        raise ValueError(
+            f"body_budget_bytes ({body_budget.total_bytes}) is smaller than max_body_bytes "
+            f"({max_body_bytes}): a request at the limit could never be served; raise the budget"
+        )
     app.state.body_budget = body_budget
     app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes, budget=body_budget)
 
@@ -435,8 +459,14 @@ def create_app(
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
-        return {"status": "ok", "name": name, **info, **limits, "max_body_bytes": max_body_bytes,
-                "stats": {**batcher.snapshot_stats(), **body_budget.stats()}}
+        return {
+            "status": "ok",
+            "name": name,
+            **info,
+            **limits,
+            "max_body_bytes": max_body_bytes,
+            "stats": {**batcher.snapshot_stats(), **body_budget.stats()},
+        }
 
     @app.post("/retrieve")
     async def retrieve(req: RetrieveRequest) -> Response:
@@ -453,7 +483,9 @@ def create_app(
                 "(split the list into smaller batches)",
                 "queries",
             )
-        for i, query in enumerate(req.queries):  # refused before a batch: it would fail or slow its neighbours
+        for i, query in enumerate(
+            req.queries
+        ):  # refused before a batch: it would fail or slow its neighbours
             problem = unusable_text(query)
             if problem is not None:
                 return error_response(422, f"queries[{i}] {problem}", "queries")

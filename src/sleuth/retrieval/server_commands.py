@@ -70,8 +70,10 @@ def check_search_options(manifest: dict[str, Any], search: dict[str, int]) -> No
     if "nprobe" in search and faiss_type != "ivfpq":
         raise ConfigError(f"--nprobe applies to IVF-PQ indexes; this one is {faiss_type or kind!r}")
     if "rerank" in search and (kind != "dense" or search["rerank"] and not manifest.get("vectors")):
-        raise ConfigError(f"--rerank needs a dense index with its passage vectors (`sleuth index --shards N "
-                          f"--keep-vectors`); this one is {kind!r}{' and kept none' if kind == 'dense' else ''}")
+        raise ConfigError(
+            f"--rerank needs a dense index with its passage vectors (`sleuth index --shards N "
+            f"--keep-vectors`); this one is {kind!r}{' and kept none' if kind == 'dense' else ''}"
+        )
 
 
 def load_serving_retriever(options: dict[str, Any]) -> Any:
@@ -149,7 +151,9 @@ def register(app: typer.Typer) -> None:
     def serve_retriever(
         index: Path = typer.Option(..., "--index", help="Index directory built by `sleuth index`."),
         corpus: Path | None = typer.Option(
-            None, "--corpus", help="Corpus jsonl the index was built from; checked against the index fingerprint."
+            None,
+            "--corpus",
+            help="Corpus jsonl the index was built from; checked against the index fingerprint.",
         ),
         host: str = typer.Option("127.0.0.1", "--host", help="Interface to bind; loopback only by default."),
         port: int = typer.Option(8000, "--port", help="TCP port."),
@@ -158,16 +162,24 @@ def register(app: typer.Typer) -> None:
         ),
         max_k: int = typer.Option(100, "--max-k", help="Largest topk accepted."),
         max_query_chars: int = typer.Option(
-            DEFAULT_MAX_QUERY_CHARS, "--max-query-chars", help="Longer queries are truncated to this many characters."
+            DEFAULT_MAX_QUERY_CHARS,
+            "--max-query-chars",
+            help="Longer queries are truncated to this many characters.",
         ),
         search_chunk: int = typer.Option(
-            DEFAULT_SEARCH_CHUNK, "--search-chunk", help="Most queries per retriever search call (larger requests are chunked)."
+            DEFAULT_SEARCH_CHUNK,
+            "--search-chunk",
+            help="Most queries per retriever search call (larger requests are chunked).",
         ),
-        default_k: int = typer.Option(3, "--default-k", help="topk used when a request sends none (Search-R1: 3)."),
+        default_k: int = typer.Option(
+            3, "--default-k", help="topk used when a request sends none (Search-R1: 3)."
+        ),
         worker_threads: int = typer.Option(
             1, "--worker-threads", "--workers-threads", help="Threads running retriever.search concurrently."
         ),
-        threads: int = typer.Option(1, "--threads", help="Threads inside one search call (bm25s, faiss, torch)."),
+        threads: int = typer.Option(
+            1, "--threads", help="Threads inside one search call (bm25s, faiss, torch)."
+        ),
         batch_wait_ms: float = typer.Option(
             2.0,
             "--batch-wait-ms",
@@ -176,10 +188,14 @@ def register(app: typer.Typer) -> None:
             "half of --search-chunk; a client sending one request at a time is never held. 0: never hold.",
         ),
         nprobe: int | None = typer.Option(
-            None, "--nprobe", help="IVF lists searched per query (IVF-PQ indexes; default: the index's own)."),
+            None, "--nprobe", help="IVF lists searched per query (IVF-PQ indexes; default: the index's own)."
+        ),
         rerank: int | None = typer.Option(
-            None, "--rerank", help="Candidates per query re-scored exactly from the kept float16 vectors (sharded "
-            "IVF-PQ built with --keep-vectors; default 64; 0: off). Deeper buys recall for CPU time."),
+            None,
+            "--rerank",
+            help="Candidates per query re-scored exactly from the kept float16 vectors (sharded "
+            "IVF-PQ built with --keep-vectors; default 64; 0: off). Deeper buys recall for CPU time.",
+        ),
         workers: int = typer.Option(
             1,
             "--workers",
@@ -187,18 +203,24 @@ def register(app: typer.Typer) -> None:
             "the workers are forked from that process, sharing them copy-on-write (see --preload).",
         ),
         preload: bool | None = typer.Option(
-            None, "--preload/--no-preload", help="With --workers N > 1: load once in a supervisor process and fork "
+            None,
+            "--preload/--no-preload",
+            help="With --workers N > 1: load once in a supervisor process and fork "
             "the workers from it (default on Linux), or --no-preload: start each worker as a new process that "
-            "loads its own copy (only memory-mapped parts shared; the default where fork is unsafe, e.g. macOS)."
+            "loads its own copy (only memory-mapped parts shared; the default where fork is unsafe, e.g. macOS).",
         ),
         max_body_bytes: int | None = typer.Option(
-            None, "--max-body-bytes", help="Largest request body accepted, 413 beyond (default: --max-queries x "
-            "(--max-query-chars + 4) + 65536, i.e. a full request of ASCII queries; 8,273,920 with the defaults)."
+            None,
+            "--max-body-bytes",
+            help="Largest request body accepted, 413 beyond (default: --max-queries x "
+            "(--max-query-chars + 4) + 65536, i.e. a full request of ASCII queries; 8,273,920 with the defaults).",
         ),
         body_budget_bytes: int | None = typer.Option(
-            None, "--body-budget-bytes", help="Most request-body bytes held at once over all concurrent requests of a "
+            None,
+            "--body-budget-bytes",
+            help="Most request-body bytes held at once over all concurrent requests of a "
             f"worker process; a request that does not fit within {BODY_BUDGET_WAIT_S:g} s gets 503 with Retry-After "
-            f"(default: {BODY_BUDGET_REQUESTS} x --max-body-bytes)."
+            f"(default: {BODY_BUDGET_REQUESTS} x --max-body-bytes).",
         ),
     ) -> None:
         """Serve a retrieval index at POST /retrieve (Search-R1 compatible) and GET /health."""
@@ -220,10 +242,13 @@ def register(app: typer.Typer) -> None:
         if max_body_bytes is not None and max_body_bytes < 1:
             console.print(f"[red]error:[/red] --max-body-bytes must be >= 1, got {max_body_bytes}.")
             raise typer.Exit(2)
-        if body_budget_bytes is not None and body_budget_bytes < (max_body_bytes or default_max_body_bytes(
-                max_queries, max_query_chars)):
-            console.print(f"[red]error:[/red] --body-budget-bytes {body_budget_bytes} is smaller than the per-request "
-                          "limit (--max-body-bytes); a request at the limit could never be served: raise it.")
+        if body_budget_bytes is not None and body_budget_bytes < (
+            max_body_bytes or default_max_body_bytes(max_queries, max_query_chars)
+        ):
+            console.print(
+                f"[red]error:[/red] --body-budget-bytes {body_budget_bytes} is smaller than the per-request "
+                "limit (--max-body-bytes); a request at the limit could never be served: raise it."
+            )
             raise typer.Exit(2)
         for name, value, least in (("--nprobe", nprobe, 1), ("--rerank", rerank, 0)):
             if value is not None and value < least:
@@ -234,7 +259,9 @@ def register(app: typer.Typer) -> None:
             raise typer.Exit(2)
 
         if preload and not hasattr(os, "fork"):
-            console.print("[red]error:[/red] --preload needs os.fork, which this platform lacks; use --no-preload.")
+            console.print(
+                "[red]error:[/red] --preload needs os.fork, which this platform lacks; use --no-preload."
+            )
             raise typer.Exit(2)
         forked = workers > 1 and (prefork.prefork_available() if preload is None else preload)
 

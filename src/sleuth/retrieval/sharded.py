@@ -123,13 +123,23 @@ class ShardBuild:
     source_vectors: str | None = None
 
 
-def build_sharded_faiss(vectors: Iterable[np.ndarray], num_vectors: int, dim: int, params: dict[str, Any],
-                        out_dir: Path, build: ShardBuild) -> dict[str, Any]:
+def build_sharded_faiss(
+    vectors: Iterable[np.ndarray],
+    num_vectors: int,
+    dim: int,
+    params: dict[str, Any],
+    out_dir: Path,
+    build: ShardBuild,
+) -> dict[str, Any]:
     """Write `build.shards` faiss indexes over contiguous ranges of a vector stream; returns the manifest
     part. `params` come from `dense.faiss_params`."""
-    shards, train_sample, keep_vectors, seed = build.shards, build.train_sample, build.keep_vectors, build.seed
+    shards, train_sample, keep_vectors, seed = (
+        build.shards,
+        build.train_sample,
+        build.keep_vectors,
+        build.seed,
+    )
     import faiss  # deferred: faiss is heavy; only dense indexes need it
-
 
     ranges = shard_ranges(num_vectors, shards)
     bounds = [0] + [end for _, end in ranges]
@@ -147,9 +157,12 @@ def build_sharded_faiss(vectors: Iterable[np.ndarray], num_vectors: int, dim: in
     started = time.perf_counter()
     linked = False
     if is_ivf or keep_vectors:
-        linked = build.source_vectors is not None and _link_vectors(Path(build.source_vectors), spool_path,
-                                                                    num_vectors * dim * 2)
-        spool = np.memmap(spool_path, dtype=np.float16, mode="r" if linked else "w+", shape=(num_vectors, dim))
+        linked = build.source_vectors is not None and _link_vectors(
+            Path(build.source_vectors), spool_path, num_vectors * dim * 2
+        )
+        spool = np.memmap(
+            spool_path, dtype=np.float16, mode="r" if linked else "w+", shape=(num_vectors, dim)
+        )
 
     stream = not (linked and is_ivf)  # a linked spool is whole: IVF needs nothing streamed
     written = 0 if stream else num_vectors
@@ -335,9 +348,16 @@ class ShardedDenseRetriever:
 
     kind = "dense-sharded"
 
-    def __init__(self, shard_indexes: Sequence[Any], specs: Sequence[ShardSpec], encoder: Any, docstore: DocStore,
-                 vectors: np.ndarray | RowFile | None = None, search: ShardSearch | None = None,
-                 vectors_map: MappedFile | None = None):
+    def __init__(
+        self,
+        shard_indexes: Sequence[Any],
+        specs: Sequence[ShardSpec],
+        encoder: Any,
+        docstore: DocStore,
+        vectors: np.ndarray | RowFile | None = None,
+        search: ShardSearch | None = None,
+        vectors_map: MappedFile | None = None,
+    ):
         search = search or ShardSearch()
         faiss_type, threads, rerank, gpus = search.faiss_type, search.threads, search.rerank, search.gpus
         if len(shard_indexes) != len(specs) or not specs:
@@ -412,7 +432,6 @@ class ShardedDenseRetriever:
     def search_vectors(self, vectors: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
         """Global (scores, rows) of shape (num_queries, <= k); rows are -1 where fewer than k were found."""
         import faiss  # deferred: faiss is heavy; only dense indexes need it
-
 
         vectors = np.ascontiguousarray(vectors, dtype=np.float32)
         fetch = max(k, self.rerank) if self.rerank else k
@@ -495,6 +514,11 @@ def load_sharded(
             vectors = vectors_map.array(vec_meta["dtype"], shape)
     if rerank is None:
         rerank = DEFAULT_RERANK if vectors is not None else 0
-    search = ShardSearch(faiss_type=manifest["faiss"]["type"], threads=threads, rerank=int(rerank), gpus=gpus,
-                         search_params=dict(search_params))
+    search = ShardSearch(
+        faiss_type=manifest["faiss"]["type"],
+        threads=threads,
+        rerank=int(rerank),
+        gpus=gpus,
+        search_params=dict(search_params),
+    )
     return ShardedDenseRetriever(indexes, specs, encoder, docstore, vectors, search, vectors_map)

@@ -40,13 +40,22 @@ def open_retriever(
         (naming the flag the user typed); otherwise the index backend reports it.
     cache: a directory recording every search, replayed on the next run (`sleuth.retrieval.cache`).
     """
-    given = [name for name, value in (("index", index), ("url", url), ("tool", tool), ("location", location))
-             if value is not None]
+    given = [
+        name
+        for name, value in (("index", index), ("url", url), ("tool", tool), ("location", location))
+        if value is not None
+    ]
     if len(given) != 1:
-        raise ConfigError(f"a retriever needs exactly one of index, url, tool or location; got {given or 'none'}")
+        raise ConfigError(
+            f"a retriever needs exactly one of index, url, tool or location; got {given or 'none'}"
+        )
     if isinstance(tool, ToolRetrieverConfig):
         retriever = tool_retriever(tool.mcp, tool.http)
-        return retriever if cache is None else CachingRetriever(retriever, cache, f"tool:{tool.model_dump_json()}")
+        return (
+            retriever
+            if cache is None
+            else CachingRetriever(retriever, cache, f"tool:{tool.model_dump_json()}")
+        )
     if index is not None:
         if missing_index is not None and not Path(index).is_dir():
             raise ConfigError(missing_index)

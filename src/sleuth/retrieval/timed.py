@@ -22,12 +22,17 @@ class TimedRetriever:
         self.queries = 0
         self._lock = threading.Lock()
 
-    def search(self, queries: list[str], k: int, contexts: Sequence[RetrievalContext] | None = None
-               ) -> list[list[Hit]]:
+    def search(
+        self, queries: list[str], k: int, contexts: Sequence[RetrievalContext] | None = None
+    ) -> list[list[Hit]]:
         started = time.perf_counter()
         try:
             # contexts only for a retriever that asked for them (RetrievalContext): the others keep (queries, k)
-            return self.inner.search(queries, k) if contexts is None else self.inner.search(queries, k, contexts=contexts)
+            return (
+                self.inner.search(queries, k)
+                if contexts is None
+                else self.inner.search(queries, k, contexts=contexts)
+            )
         finally:
             elapsed = time.perf_counter() - started
             with self._lock:

@@ -104,9 +104,13 @@ class MCPToolConfig(RetryConfig):
     @model_validator(mode="after")
     def _one_transport(self) -> MCPToolConfig:
         if (self.server is None) == (self.command is None):
-            raise ValueError("set exactly one of server (an http(s) MCP endpoint) or command (a stdio server)")
+            raise ValueError(
+                "set exactly one of server (an http(s) MCP endpoint) or command (a stdio server)"
+            )
         if self.server is not None and not self.server.startswith(("http://", "https://")):
-            raise ValueError(f"server {self.server!r} must be an http(s) URL; for a local program use command")
+            raise ValueError(
+                f"server {self.server!r} must be an http(s) URL; for a local program use command"
+            )
         if self.command is not None and not self.command:
             raise ValueError("command must name the program to run")
         return self
@@ -164,8 +168,10 @@ def _dig(payload: Any, path: str, where: str) -> Any:
             node = node[int(part)]
         else:
             keys = sorted(node)[:12] if isinstance(node, dict) else type(node).__name__
-            raise ServiceError(f"{where}: the answer has no {part!r} on the path response.results={path!r} "
-                               f"(found: {keys}); fix response.results")
+            raise ServiceError(
+                f"{where}: the answer has no {part!r} on the path response.results={path!r} "
+                f"(found: {keys}); fix response.results"
+            )
     return node
 
 
@@ -175,22 +181,28 @@ def hits_from_json(payload: Any, mapping: ResponseMapping, k: int, where: str) -
     if isinstance(items, str):  # a tool answering in prose: one passage
         return [Hit(doc_id="0", title="", text=items, score=0.0)]
     if not isinstance(items, list):
-        raise ServiceError(f"{where}: response.results={mapping.results!r} is a {type(items).__name__}, "
-                           "not a list of hits; point it at the list")
+        raise ServiceError(
+            f"{where}: response.results={mapping.results!r} is a {type(items).__name__}, "
+            "not a list of hits; point it at the list"
+        )
     hits = []
     for rank, item in enumerate(items[:k]):
         if isinstance(item, str):
             hits.append(Hit(doc_id=str(rank), title="", text=item, score=0.0))
             continue
         if not isinstance(item, dict):
-            raise ServiceError(f"{where}: hit {rank} is a {type(item).__name__}, expected an object or a string")
+            raise ServiceError(
+                f"{where}: hit {rank} is a {type(item).__name__}, expected an object or a string"
+            )
         if mapping.text in item:
             title, text = str(item.get(mapping.title, "") or ""), str(item[mapping.text] or "")
         elif mapping.contents and mapping.contents in item:
             title, text = split_contents(str(item[mapping.contents]))
         else:
-            raise ServiceError(f"{where}: hit {rank} has no {mapping.text!r} field (fields: {sorted(item)}); "
-                               "set response.text to the field holding the passage")
+            raise ServiceError(
+                f"{where}: hit {rank} has no {mapping.text!r} field (fields: {sorted(item)}); "
+                "set response.text to the field holding the passage"
+            )
         raw_score = item.get(mapping.score) if mapping.score else None
         try:
             score = float(raw_score) if raw_score is not None else 0.0
@@ -272,7 +284,9 @@ class HTTPSearchRetriever(_PerQueryRetriever):
         try:
             payload = resp.json()
         except ValueError as err:
-            raise ServiceError(f"{cfg.url} answered with something that is not JSON: {resp.text[:200]!r}") from err
+            raise ServiceError(
+                f"{cfg.url} answered with something that is not JSON: {resp.text[:200]!r}"
+            ) from err
         return hits_from_json(payload, cfg.response, k, cfg.url)
 
     def close(self) -> None:
@@ -325,8 +339,9 @@ class MCPRetriever(_PerQueryRetriever):
             from mcp.client.streamable_http import streamable_http_client
 
             headers = {n: expand_env(v, f"mcp.headers.{n}") for n, v in cfg.headers.items()}
-            target = streamable_http_client(cfg.server, http_client=httpx2.AsyncClient(headers=headers,
-                                                                                       timeout=cfg.timeout))
+            target = streamable_http_client(
+                cfg.server, http_client=httpx2.AsyncClient(headers=headers, timeout=cfg.timeout)
+            )
         else:
             target = cfg.server
         return Client(target, read_timeout_seconds=cfg.timeout)
@@ -340,8 +355,10 @@ class MCPRetriever(_PerQueryRetriever):
                     tools = {t.name: t for t in (await client.list_tools()).tools}
                     problem = None
                     if self.config.tool not in tools:
-                        problem = (f"MCP server {self.what} has no tool {self.config.tool!r} "
-                                   f"(its tools: {', '.join(tools) or 'none'}); set mcp.tool")
+                        problem = (
+                            f"MCP server {self.what} has no tool {self.config.tool!r} "
+                            f"(its tools: {', '.join(tools) or 'none'}); set mcp.tool"
+                        )
                     elif self._adapt_to_tool:
                         problem = self._adapt(tools[self.config.tool])
                     if problem:
@@ -366,8 +383,10 @@ class MCPRetriever(_PerQueryRetriever):
         if "query" not in props:
             strings = [n for n in schema.get("required", []) if props.get(n, {}).get("type") == "string"]
             if len(strings) != 1:
-                return (f"MCP tool {self.config.tool!r} on {self.what} takes {sorted(props) or 'no arguments'}, "
-                        "not one query string; name its arguments in a --retriever YAML (mcp.arguments)")
+                return (
+                    f"MCP tool {self.config.tool!r} on {self.what} takes {sorted(props) or 'no arguments'}, "
+                    "not one query string; name its arguments in a --retriever YAML (mcp.arguments)"
+                )
             update["arguments"] = {strings[0]: "{query}"}
         output = getattr(tool, "output_schema", None) or getattr(tool, "outputSchema", None) or {}
         out_props = output.get("properties", {})
@@ -414,8 +433,14 @@ class MCPRetriever(_PerQueryRetriever):
         if result.is_error:
             raise ServiceError(f"{where} returned an error: {' '.join(texts)[:300]}")
         structured = result.structured_content
-        if isinstance(structured, dict) and not self.config.response.results and set(structured) == {"result"}:
-            structured = structured["result"]  # the SDK wraps a tool's non-object return value as {"result": value}
+        if (
+            isinstance(structured, dict)
+            and not self.config.response.results
+            and set(structured) == {"result"}
+        ):
+            structured = structured[
+                "result"
+            ]  # the SDK wraps a tool's non-object return value as {"result": value}
         if structured is not None:
             return hits_from_json(structured, self.config.response, k, where)
         try:
@@ -457,7 +482,7 @@ def load_tool_retriever(spec: str) -> Any:
     """`mcp:http://host/mcp` (its `search` tool, default mapping) or a YAML file with an `mcp:` or `http:` section."""
     if spec.startswith("mcp:"):
         try:
-            return MCPRetriever(MCPToolConfig(server=spec[len("mcp:"):]), adapt_to_tool=True)
+            return MCPRetriever(MCPToolConfig(server=spec[len("mcp:") :]), adapt_to_tool=True)
         except ValidationError as err:
             raise ConfigError(f"--retriever {spec!r}: {err.errors()[0]['msg']}") from None
     path = Path(spec)

@@ -134,8 +134,10 @@ def answer_from_documents(
     params: SamplingParams | None = None,
 ) -> list[str]:
     """The frozen generator's answer to each question given its documents (reasoning blocks dropped)."""
-    return [clean_generation(text) for text in hand_over_documents(generator, questions, docs_per_question,
-                                                                   template, params)]
+    return [
+        clean_generation(text)
+        for text in hand_over_documents(generator, questions, docs_per_question, template, params)
+    ]
 
 
 def answer_from_evidence(

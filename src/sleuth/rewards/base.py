@@ -168,7 +168,9 @@ def get_reward(name: str, **config: Any) -> Reward:
         allowed = {f.name for f in dataclasses.fields(cls) if f.init}
         unknown = sorted(set(config) - allowed)
         if unknown:
-            close = [m for u in unknown for m in difflib.get_close_matches(u, sorted(allowed), n=1, cutoff=0.6)]
+            close = [
+                m for u in unknown for m in difflib.get_close_matches(u, sorted(allowed), n=1, cutoff=0.6)
+            ]
             guess = f"did you mean {', '.join(close)}? " if close else ""
             raise ConfigError(
                 f"reward {name!r} has no option(s) {', '.join(unknown)}; {guess}valid options: {', '.join(sorted(allowed))}"
@@ -209,7 +211,9 @@ def guarded_rewards(
         try:
             scored = reward([trajs[i] for i in todo], services)
             if len(scored) != len(todo):
-                raise RuntimeError(f"reward {reward.name!r} returned {len(scored)} results for {len(todo)} trajectories")
+                raise RuntimeError(
+                    f"reward {reward.name!r} returned {len(scored)} results for {len(todo)} trajectories"
+                )
             pairs = list(zip(todo, scored, strict=True))
         except SleuthError:
             raise
@@ -225,7 +229,9 @@ def guarded_rewards(
                     pairs.append((i, RewardResult(0.0)))
         for i, res in pairs:
             if not all(math.isfinite(float(v)) for v in [res.total, *res.turn_rewards]):
-                trajs[i].extra["reward_error"] = f"non-finite reward {res.total!r} (turns {res.turn_rewards!r})"
+                trajs[i].extra["reward_error"] = (
+                    f"non-finite reward {res.total!r} (turns {res.turn_rewards!r})"
+                )
                 res = RewardResult(0.0)
             results[i] = res
             # the trainer places them at the turns' ends (sleuth.rl.batch.token_rewards)
@@ -242,4 +248,6 @@ def check_choice(field_name: str, value: Any, choices: Sequence[Any]) -> None:
     if value not in choices:
         close = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1, cutoff=0.6)
         guess = f"did you mean {close[0]!r}? " if close else ""
-        raise ConfigError(f"reward option {field_name}={value!r} is invalid; {guess}choose one of {list(choices)}")
+        raise ConfigError(
+            f"reward option {field_name}={value!r} is invalid; {guess}choose one of {list(choices)}"
+        )

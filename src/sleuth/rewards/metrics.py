@@ -80,8 +80,9 @@ def span_check(pred: str | None, golds: str | Iterable[str]) -> float:
     return float(any(_contains_run(pred_tokens, _tokens(g)) for g in as_gold_list(golds)))
 
 
-def f1_score(pred: str | None, golds: str | Iterable[str], *, yes_no_rule: bool = True,
-             digits: int | None = None) -> float:
+def f1_score(
+    pred: str | None, golds: str | Iterable[str], *, yes_no_rule: bool = True, digits: int | None = None
+) -> float:
     """Token-level F1 over normalised whitespace tokens, max over gold answers.
 
     Follows FlashRAG's `F1_Score.token_level_scores` (also what Search-R1-family evaluations use):

@@ -50,7 +50,14 @@ def retrieval_triggered(traj: Trajectory) -> bool:
 @register_reward("r_search")
 @dataclass
 class RSearchReward(Reward):
-    components: ClassVar[tuple[str, ...] | None] = ("answer_f1", "evidence_f1", "format", "searched", "answer_format_ok", "evidence_format_ok")
+    components: ClassVar[tuple[str, ...] | None] = (
+        "answer_f1",
+        "evidence_f1",
+        "format",
+        "searched",
+        "answer_format_ok",
+        "evidence_format_ok",
+    )
     gamma_e: float = 0.2
     gamma_a: float = 0.2
     use_evidence_reward: bool = True  # False: the "w/o evidence" ablation's evidence term

@@ -62,7 +62,9 @@ class _S3Base(Reward):
     ) -> tuple[list[float], list[float], list[float | None]]:
         generator = services.need("generator", self.name)
         answers = answer_from_documents(generator, questions, docs, self.template, self._gen_params())
-        return gen_acc_batch(self._judge(services), questions, golds, answers, self._judge_params(), self.judge_rule)
+        return gen_acc_batch(
+            self._judge(services), questions, golds, answers, self._judge_params(), self.judge_rule
+        )
 
     def _s3_accuracy(self, trajs: Sequence[Trajectory], services: RewardServices):
         return self._accuracy(
@@ -77,6 +79,7 @@ class _S3Base(Reward):
 @dataclass
 class S3GenAcc(_S3Base):
     components: ClassVar[tuple[str, ...] | None] = ("acc_s3", "span_s3", "judge_s3")
+
     def __call__(
         self, trajs: Sequence[Trajectory], services: RewardServices | None = None
     ) -> list[RewardResult]:

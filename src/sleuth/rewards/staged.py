@@ -125,7 +125,16 @@ _STAGED_SYMBOLS = {"think": "T", "search": "S", "reflect": "R", "answer": "A"}
 @register_reward("staged")
 @dataclass
 class StagedReward(Reward):
-    components: ClassVar[tuple[str, ...] | None] = ("r_a", "r_s", "r_f", "correct", "rc", "stage", "concise", "avg_sim")
+    components: ClassVar[tuple[str, ...] | None] = (
+        "r_a",
+        "r_s",
+        "r_f",
+        "correct",
+        "rc",
+        "stage",
+        "concise",
+        "avg_sim",
+    )
     stage: int = 1
     switch_step: int | None = None
     beta: float = 0.3

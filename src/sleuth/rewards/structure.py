@@ -120,7 +120,9 @@ def parse_response(
     child_map = {k: set(v) for k, v in (children or {}).items()}
     all_names = set(tag_list) | {c for v in child_map.values() for c in v}
     # exact tags only, as the upstream format checks split on them (`<answer >` is plain text)
-    tag_re = re.compile(r"<(/?)(" + "|".join(re.escape(t) for t in sorted(all_names, key=len, reverse=True)) + r")>")
+    tag_re = re.compile(
+        r"<(/?)(" + "|".join(re.escape(t) for t in sorted(all_names, key=len, reverse=True)) + r")>"
+    )
     env_tag_list = list(env_tags)
 
     parsed = ParsedResponse()

@@ -189,7 +189,9 @@ def outcome_to_token_rewards(scores: torch.Tensor, response_mask: torch.Tensor) 
 
 
 def turn_token_rewards(
-    scores: torch.Tensor, response_mask: torch.Tensor, turn_ends: Sequence[Sequence[int]],
+    scores: torch.Tensor,
+    response_mask: torch.Tensor,
+    turn_ends: Sequence[Sequence[int]],
     turn_rewards: Sequence[Sequence[float]],
 ) -> torch.Tensor:
     """Outcome scores (B,) on each row's last policy token, plus per-turn rewards on the last
@@ -202,19 +204,25 @@ def turn_token_rewards(
     """
     out = outcome_to_token_rewards(scores, response_mask)
     if len(turn_ends) != out.shape[0] or len(turn_rewards) != out.shape[0]:
-        raise ValueError(f"turn_ends and turn_rewards need one entry per row ({out.shape[0]}), "
-                         f"got {len(turn_ends)} and {len(turn_rewards)}")
+        raise ValueError(
+            f"turn_ends and turn_rewards need one entry per row ({out.shape[0]}), "
+            f"got {len(turn_ends)} and {len(turn_rewards)}"
+        )
     selected = response_mask != 0
     for row, (ends, rewards) in enumerate(zip(turn_ends, turn_rewards, strict=True)):
         if not rewards:
             continue
         if len(rewards) != len(ends):
-            raise ValueError(f"row {row}: {len(rewards)} turn rewards for {len(ends)} policy turns; a reward "
-                             "returns one value per policy turn (Trajectory.turns with role 'policy')")
+            raise ValueError(
+                f"row {row}: {len(rewards)} turn rewards for {len(ends)} policy turns; a reward "
+                "returns one value per policy turn (Trajectory.turns with role 'policy')"
+            )
         for end, value in zip(ends, rewards, strict=True):
             if not 0 < end <= out.shape[1] or not selected[row, end - 1]:
-                raise ValueError(f"row {row}: the turn ending at response position {end} has no policy token "
-                                 "there; its reward would be lost")
+                raise ValueError(
+                    f"row {row}: the turn ending at response position {end} has no policy token "
+                    "there; its reward would be lost"
+                )
             out[row, end - 1] += float(value)
     return out
 
@@ -229,7 +237,9 @@ def policy_turn_ids(response_mask: torch.Tensor) -> torch.Tensor:
     return torch.where(selected, ids, torch.full_like(ids, -1))
 
 
-def _turn_rewards_matrix(token_rewards: torch.Tensor, response_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _turn_rewards_matrix(
+    token_rewards: torch.Tensor, response_mask: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(B, K) sum of each turn's token rewards and (B, K) bool of the turns that exist; K = most turns in a row."""
     check_same_shape(token_rewards=token_rewards, response_mask=response_mask)
     selected = _check_mask(response_mask)
@@ -407,7 +417,11 @@ def reinforce_plus_plus_advantages(
 @register_advantage("turn_grpo")
 @torch.no_grad()
 def turn_grpo_advantages(
-    token_rewards: torch.Tensor, group_ids: GroupIds, response_mask: torch.Tensor, *, gamma: float = 1.0,
+    token_rewards: torch.Tensor,
+    group_ids: GroupIds,
+    response_mask: torch.Tensor,
+    *,
+    gamma: float = 1.0,
     epsilon: float = 1e-6,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """IGPO (2510.14967)'s turn-level advantage. Each turn's reward r_{i,t} is the sum of its token
@@ -446,7 +460,9 @@ def turn_reinforce_advantages(
         present = exists[rows].double()
         count = present.sum(0)
         mean = (returns[rows] * present).sum(0) / count.clamp_min(1)
-        centred = torch.where((count > 1) & exists[rows], returns[rows] - mean, torch.zeros_like(returns[rows]))
+        centred = torch.where(
+            (count > 1) & exists[rows], returns[rows] - mean, torch.zeros_like(returns[rows])
+        )
         adv[rows] = centred
     return _spread_over_turns(adv, response_mask), _spread_over_turns(returns, response_mask)
 

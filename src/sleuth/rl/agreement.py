@@ -19,7 +19,11 @@ def rollout_agreement(trajs: list[Trajectory], action_mask: torch.Tensor,
     """{"rollout/logprob_diff_mean", "rollout/logprob_diff_max", "rollout/logprob_diff_tokens"} over the policy
     tokens of the trajectories whose backend reported per-token log-probs (0 tokens, and 0 differences, when none
     did: every rank logs the same keys, which the metrics' all-reduce needs)."""
-    none = {"rollout/logprob_diff_mean": 0.0, "rollout/logprob_diff_max": 0.0, "rollout/logprob_diff_tokens": 0.0}
+    none = {
+        "rollout/logprob_diff_mean": 0.0,
+        "rollout/logprob_diff_max": 0.0,
+        "rollout/logprob_diff_tokens": 0.0,
+    }
     if trainer_logprobs is None:
         return none
     diffs = []
@@ -33,5 +37,8 @@ def rollout_agreement(trajs: list[Trajectory], action_mask: torch.Tensor,
     every = torch.cat(diffs) if diffs else torch.zeros(0)
     if every.numel() == 0:
         return none
-    return {"rollout/logprob_diff_mean": float(every.mean()), "rollout/logprob_diff_max": float(every.max()),
-            "rollout/logprob_diff_tokens": float(every.numel())}
+    return {
+        "rollout/logprob_diff_mean": float(every.mean()),
+        "rollout/logprob_diff_max": float(every.max()),
+        "rollout/logprob_diff_tokens": float(every.numel()),
+    }

@@ -73,7 +73,9 @@ def collate(trajs: list[Trajectory], pad_id: int, drop_truncated: bool = False) 
     starts = torch.zeros(B, dtype=torch.long)
     lengths = torch.tensor([len(t.prompt_ids) + len(t.response_ids) for t in trajs], dtype=torch.long)
     action = torch.zeros((B, R), dtype=torch.float32)
-    keep = overlong_mask([t.finish_reason for t in trajs]) if drop_truncated else torch.ones(B, dtype=torch.bool)
+    keep = (
+        overlong_mask([t.finish_reason for t in trajs]) if drop_truncated else torch.ones(B, dtype=torch.bool)
+    )
     for i, t in enumerate(trajs):
         P, n = len(t.prompt_ids), len(t.response_ids)
         input_ids[i, : P + n] = torch.tensor(t.prompt_ids + t.response_ids, dtype=torch.long)
@@ -101,8 +103,9 @@ def token_rewards(trajs: list[Trajectory], scores: torch.Tensor, mask: torch.Ten
         return out
     if not any(t.turn_rewards for t in trajs):
         return adv_fns.outcome_to_token_rewards(scores, mask)
-    return adv_fns.turn_token_rewards(scores, mask, [t.policy_turn_ends() for t in trajs],
-                                      [t.turn_rewards for t in trajs])
+    return adv_fns.turn_token_rewards(
+        scores, mask, [t.policy_turn_ends() for t in trajs], [t.turn_rewards for t in trajs]
+    )
 
 
 class PolicyScorer:
@@ -187,8 +190,11 @@ def adapter_inputs_uncast(model: nn.Module, device_type: str) -> Iterator[None]:
     back), so the values are the same, but each cast copy was kept for the backward - about 0.75x more activation
     memory on a 3B LoRA update and ~14% of its time (bench/update_profile.py, `no_input_cast`). Outside autocast
     nothing changes (a bf16 input would then meet float32 weights)."""
-    layers = [m for m in model.modules() if hasattr(m, "cast_input_dtype_enabled")] \
-        if torch.is_autocast_enabled(device_type) else []
+    layers = (
+        [m for m in model.modules() if hasattr(m, "cast_input_dtype_enabled")]
+        if torch.is_autocast_enabled(device_type)
+        else []
+    )
     before = [m.cast_input_dtype_enabled for m in layers]
     for m in layers:
         m.cast_input_dtype_enabled = False
@@ -230,7 +236,9 @@ def _scatter(values: torch.Tensor, batch: TokenBatch, rows: torch.Tensor, cols: 
     return out.index_put((rows, cols), values)
 
 
-def micro_batches(lengths: torch.Tensor, max_rows: int, max_tokens: int | None, packed: bool) -> list[torch.Tensor]:
+def micro_batches(
+    lengths: torch.Tensor, max_rows: int, max_tokens: int | None, packed: bool
+) -> list[torch.Tensor]:
     """Split rows 0..B-1 (in order) into micro-batches of at most `max_rows` rows and, with a token budget, at
     most `max_tokens` tokens: the sum of lengths when packed, rows x the longest row when padded (what the
     forward computes on). A row longer than the budget goes alone. The loss is normalised by the minibatch's
@@ -276,8 +284,14 @@ class ForwardPlan:
         micro-batch and little goes to padding (any split gives the same gradient: the loss is normalised by
         the minibatch's totals)."""
         lengths = batch.row_lengths().cpu()
-        order = torch.arange(len(lengths)) if self.packed else torch.argsort(lengths, descending=True, stable=True)
-        return [order[idx] for idx in micro_batches(lengths[order], self.max_rows, self.max_tokens, self.packed)]
+        order = (
+            torch.arange(len(lengths))
+            if self.packed
+            else torch.argsort(lengths, descending=True, stable=True)
+        )
+        return [
+            order[idx] for idx in micro_batches(lengths[order], self.max_rows, self.max_tokens, self.packed)
+        ]
 
 
 def forward_plan(recipe: Recipe, model: nn.Module) -> ForwardPlan:
@@ -315,7 +329,9 @@ def batched_logprobs(
 
 
 @torch.no_grad()
-def adapter_free_logprobs(model: nn.Module, batch: TokenBatch, temperature: float, packed: bool) -> torch.Tensor:
+def adapter_free_logprobs(
+    model: nn.Module, batch: TokenBatch, temperature: float, packed: bool
+) -> torch.Tensor:
     """Policy-token log-probs (B, R) of a LoRA (peft) model's base weights, adapters disabled, without gradients:
     the reference of a LoRA policy on one update micro-batch (`forward_logprobs`: policy positions only, the
     output layer chunked). In eval mode, so dropout cannot touch the reference; the model's mode is restored."""
@@ -342,7 +358,9 @@ def batched_values(critic: ValueModel, batch: TokenBatch, micro: int, device: to
 
 def to_device(batch: TokenBatch, device: torch.device) -> TokenBatch:
     lengths = None if batch.lengths is None else batch.lengths.to(device)
-    return TokenBatch(*(t.to(device) for t in (batch.input_ids, batch.response_start, batch.action_mask)), lengths)
+    return TokenBatch(
+        *(t.to(device) for t in (batch.input_ids, batch.response_start, batch.action_mask)), lengths
+    )
 
 
 @torch.no_grad()
@@ -356,4 +374,3 @@ def reference_logprobs(
         return batched_logprobs(ref_model, batch, temperature, plan, device)
     finally:
         ref_model.to(home)
-

@@ -126,19 +126,31 @@ def save_checkpoint(
             raise
         shutil.rmtree(tmp, ignore_errors=True)
         last = latest_checkpoint(out_dir)
-        kept = f"the last good checkpoint {last.name} is intact" if last is not None else "no earlier checkpoint"
-        raise output_error(f"checkpoint {final.name}", root, err, _needed_bytes(last, states),
-                           f"{kept}; free space (or move trainer.out_dir) and rerun with --resume") from None
+        kept = (
+            f"the last good checkpoint {last.name} is intact" if last is not None else "no earlier checkpoint"
+        )
+        raise output_error(
+            f"checkpoint {final.name}",
+            root,
+            err,
+            _needed_bytes(last, states),
+            f"{kept}; free space (or move trainer.out_dir) and rerun with --resume",
+        ) from None
     prune_checkpoints(root, final, keep)
     return final
 
 
-def _write_checkpoint(tmp: Path, step: int, states: TrainingStates, trainer_state: dict[str, Any],
-                      searcher: SearcherInfo | None) -> None:
+def _write_checkpoint(
+    tmp: Path, step: int, states: TrainingStates, trainer_state: dict[str, Any], searcher: SearcherInfo | None
+) -> None:
     """Every file of one checkpoint into `tmp`, the manifest last."""
     policy, tokenizer, critic = states.policy, states.tokenizer, states.critic
     optimizers, schedulers = states.optimizers, states.schedulers
-    policy_state, critic_state, optimizer_states = states.policy_state, states.critic_state, states.optimizer_states
+    policy_state, critic_state, optimizer_states = (
+        states.policy_state,
+        states.critic_state,
+        states.optimizer_states,
+    )
     policy.save_pretrained(tmp / POLICY_DIR, safe_serialization=True, state_dict=policy_state)
     if tokenizer is not None:
         tokenizer.save_pretrained(tmp / POLICY_DIR)
@@ -164,7 +176,11 @@ def _needed_bytes(last: Path | None, states: TrainingStates) -> int:
     if last is not None:
         return tree_bytes(last)
     trained = sum(p.numel() * p.element_size() for p in states.policy.parameters() if p.requires_grad)
-    critic = sum(p.numel() * p.element_size() for p in states.critic.parameters()) if states.critic is not None else 0
+    critic = (
+        sum(p.numel() * p.element_size() for p in states.critic.parameters())
+        if states.critic is not None
+        else 0
+    )
     return 3 * (trained + critic)
 
 
@@ -210,7 +226,9 @@ def load_optimizer_states(
 def write_manifest(ckpt: Path) -> None:
     """List every file of `ckpt` (relative path, size, sha256) in `manifest.json`, written last."""
     files = sorted(p for p in ckpt.rglob("*") if p.is_file() and p.name != MANIFEST)
-    entries = {p.relative_to(ckpt).as_posix(): {"size": p.stat().st_size, "sha256": sha256_file(p)} for p in files}
+    entries = {
+        p.relative_to(ckpt).as_posix(): {"size": p.stat().st_size, "sha256": sha256_file(p)} for p in files
+    }
     atomic_write_json(ckpt / MANIFEST, {"version": 1, "files": entries})
 
 
@@ -234,7 +252,9 @@ def verify_checkpoint(ckpt: Path) -> None:
             raise CheckpointError(f"{path}: listed in {MANIFEST} but missing")
         size = path.stat().st_size
         if size != entry.get("size"):
-            raise CheckpointError(f"{path}: {size} bytes, {MANIFEST} says {entry.get('size')} (truncated or damaged)")
+            raise CheckpointError(
+                f"{path}: {size} bytes, {MANIFEST} says {entry.get('size')} (truncated or damaged)"
+            )
         if sha256_file(path) != entry.get("sha256"):
             raise CheckpointError(f"{path}: content differs from {MANIFEST} (sha256 mismatch; damaged)")
 
@@ -276,7 +296,9 @@ def load_training_state(ckpt: Path) -> tuple[dict[str, Any], dict[str, Any]]:
         trainer_state = json.loads(state_json.read_text(encoding="utf-8"))
         int(trainer_state["step"])
     except (OSError, ValueError, KeyError, TypeError) as err:
-        raise CheckpointError(f"{state_json}: unreadable trainer state ({type(err).__name__}: {err})") from None
+        raise CheckpointError(
+            f"{state_json}: unreadable trainer state ({type(err).__name__}: {err})"
+        ) from None
     state_pt = ckpt / TRAINING_STATE
     try:
         state = torch.load(state_pt, map_location="cpu", weights_only=True)

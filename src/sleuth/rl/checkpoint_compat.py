@@ -85,10 +85,13 @@ RESUME_RULES: dict[str, ResumeRule] = {
     "algorithm": _applied("read at every step"),
     "algorithm.name": _refused("another algorithm is another run"),
     "algorithm.advantage": _refused("another estimator (and critic or not) is another run"),
-    "algorithm.kl.coef": _applied("fixed: the new value; adaptive: restarts from it (unchanged, the adapted "
-                                  "value carries over)"),
-    "optim": _applied("set in the resumed optimizers' param groups and the scheduler's base rates; a new "
-                      "warm-up is read at the step reached"),
+    "algorithm.kl.coef": _applied(
+        "fixed: the new value; adaptive: restarts from it (unchanged, the adapted value carries over)"
+    ),
+    "optim": _applied(
+        "set in the resumed optimizers' param groups and the scheduler's base rates; a new "
+        "warm-up is read at the step reached"
+    ),
     "sampling": _applied("the rollouts' sampling parameters are built from the recipe"),
     "trainer": _applied("steps, checkpoints, loggers, validation, time limit: read from the recipe"),
     GUARDS: _applied("the guards are built from the recipe; their history is rebuilt from the run directory"),
@@ -196,20 +199,29 @@ def _weights_mismatch(recipe: Recipe, ckpt: Path, facts: dict[str, Any], how: st
     lora = recipe.model.lora.enabled
     if facts["model.lora.enabled"] != lora:
         if facts["model.lora.enabled"]:
-            return (f"model.lora.enabled differs: {ckpt} holds LoRA adapters, the recipe fine-tunes fully; pass "
-                    f"model.lora.enabled=true, or `sleuth export` it (merged) and pass model.policy=EXPORT_DIR")
-        instead = ("pass model.lora.enabled=false" if how == "--resume" else
-                   f"pass model.lora.enabled=false, or model.policy={ckpt / POLICY_DIR} without model.init_from "
-                   "to put new adapters on its weights")
+            return (
+                f"model.lora.enabled differs: {ckpt} holds LoRA adapters, the recipe fine-tunes fully; pass "
+                f"model.lora.enabled=true, or `sleuth export` it (merged) and pass model.policy=EXPORT_DIR"
+            )
+        instead = (
+            "pass model.lora.enabled=false"
+            if how == "--resume"
+            else f"pass model.lora.enabled=false, or model.policy={ckpt / POLICY_DIR} without model.init_from "
+            "to put new adapters on its weights"
+        )
         return f"model.lora.enabled differs: {ckpt} holds fully fine-tuned weights, the recipe trains LoRA; {instead}"
     trained_on = facts.get("model.policy")
     if not _same_model(trained_on, recipe.model.policy):
-        return (f"model.policy differs: {ckpt} was trained on {trained_on!r}, the recipe loads "
-                f"{recipe.model.policy!r}; pass model.policy={trained_on}")
+        return (
+            f"model.policy differs: {ckpt} was trained on {trained_on!r}, the recipe loads "
+            f"{recipe.model.policy!r}; pass model.policy={trained_on}"
+        )
     sizes = _vocab_sizes(recipe, ckpt)
     if sizes is not None and sizes[0] != sizes[1]:
-        return (f"vocabulary differs: {ckpt}'s tokenizer has {sizes[0]} tokens, model.policy={recipe.model.policy} "
-                f"has {sizes[1]}; pass the model.policy it was trained on")
+        return (
+            f"vocabulary differs: {ckpt}'s tokenizer has {sizes[0]} tokens, model.policy={recipe.model.policy} "
+            f"has {sizes[1]}; pass the model.policy it was trained on"
+        )
     return None
 
 
@@ -257,8 +269,10 @@ def resume_changes(facts: dict[str, Any], wanted: dict[str, Any]) -> list[str]:
         if rule.kind == "applied":
             lines.append(f"resume changes {key}: {_shown(old, new)}")
         else:
-            lines.append(f"resume keeps {key}={_value(old)} from the checkpoint; the recipe's {_value(new)} "
-                         f"is not used ({rule.why})")
+            lines.append(
+                f"resume keeps {key}={_value(old)} from the checkpoint; the recipe's {_value(new)} "
+                f"is not used ({rule.why})"
+            )
     return lines
 
 
@@ -284,7 +298,10 @@ def resumed_kl_coef(recipe: Recipe, trainer_state: dict[str, Any]) -> float:
     if saved is None or kl.type != "adaptive":
         return kl.coef
     # an older fingerprint has no KL fields: the adapted value carries over, as it did
-    if facts.get("algorithm.kl.type", "adaptive") != "adaptive" or facts.get("algorithm.kl.coef", kl.coef) != kl.coef:
+    if (
+        facts.get("algorithm.kl.type", "adaptive") != "adaptive"
+        or facts.get("algorithm.kl.coef", kl.coef) != kl.coef
+    ):
         return kl.coef
     return float(saved)
 
@@ -296,7 +313,12 @@ def check_init_from(recipe: Recipe, ckpt: Path, console: Any = None) -> None:
     problem = _weights_mismatch(recipe, ckpt, facts, "model.init_from")
     if problem is not None:
         raise ConfigError(f"model.init_from: {problem}")
-    for key, wanted in (("agent.loop", recipe.agent.loop), ("reward.name", recipe.reward.name),
-                        ("algorithm.name", recipe.algorithm.name)):
+    for key, wanted in (
+        ("agent.loop", recipe.agent.loop),
+        ("reward.name", recipe.reward.name),
+        ("algorithm.name", recipe.algorithm.name),
+    ):
         if facts.get(key) is not None and facts[key] != wanted and console is not None:
-            console.print(f"model.init_from: {ckpt} was trained with {key}={facts[key]}; this run uses {wanted}")
+            console.print(
+                f"model.init_from: {ckpt} was trained with {key}={facts[key]}; this run uses {wanted}"
+            )

@@ -19,7 +19,9 @@ def register(app: typer.Typer) -> None:
             False, "--resume", help="Continue from the newest checkpoint in trainer.out_dir"
         ),
         overwrite: bool = typer.Option(
-            False, "--overwrite", help="Move a run already in trainer.out_dir aside (renamed, nothing deleted)"
+            False,
+            "--overwrite",
+            help="Move a run already in trainer.out_dir aside (renamed, nothing deleted)",
         ),
     ) -> None:
         """Train a search agent with RL as the recipe describes."""
@@ -52,8 +54,10 @@ def register(app: typer.Typer) -> None:
             console.print(f"[red]error:[/] {escape(str(err))}")
             raise typer.Exit(2) from None
         except StoppedBySignal as stop:  # in the SFT stage: the same command goes on from its checkpoint
-            console.print(f"{stop}; resume with: {shlex.join(['sleuth', 'train', recipe, *(overrides or [])])}",
-                          markup=False)
+            console.print(
+                f"{stop}; resume with: {shlex.join(['sleuth', 'train', recipe, *(overrides or [])])}",
+                markup=False,
+            )
             raise typer.Exit(SIGTERM_EXIT) from None
         except KeyboardInterrupt:
             if cfg is not None:
@@ -63,17 +67,25 @@ def register(app: typer.Typer) -> None:
             from sleuth.rl.dist import shutdown_distributed
 
             shutdown_distributed()
-        written = f"checkpoint {result['checkpoint']}" if result["checkpoint"] else "no checkpoint (save_every 0)"
+        written = (
+            f"checkpoint {result['checkpoint']}" if result["checkpoint"] else "no checkpoint (save_every 0)"
+        )
         console.print(f"[green]done[/]: {result['out_dir']}, {result['steps_done']} steps ({written})")
         if result.get("stopped_by_sigterm"):
-            console.print(f"stopped by SIGTERM; resume with: {resume_command(recipe, overrides or [])}", markup=False)
+            console.print(
+                f"stopped by SIGTERM; resume with: {resume_command(recipe, overrides or [])}", markup=False
+            )
             raise typer.Exit(SIGTERM_EXIT)
 
     @app.command("sft")
     def sft_cmd(
-        recipe: str = typer.Argument(..., help="Recipe YAML with an sft: section (sft.data = trajectory jsonl)"),
+        recipe: str = typer.Argument(
+            ..., help="Recipe YAML with an sft: section (sft.data = trajectory jsonl)"
+        ),
         overrides: list[str] = typer.Argument(None, help="key.path=value overrides, e.g. sft.epochs=3"),
-        fresh: bool = typer.Option(False, "--fresh", help="Ignore existing SFT checkpoints instead of resuming"),
+        fresh: bool = typer.Option(
+            False, "--fresh", help="Ignore existing SFT checkpoints instead of resuming"
+        ),
     ) -> None:
         """Supervised fine-tuning on trajectories; checkpoints load like RL ones (sleuth train model.init_from=...)."""
         from rich.console import Console
@@ -93,8 +105,10 @@ def register(app: typer.Typer) -> None:
             console.print(f"[red]error:[/] {err}")
             raise typer.Exit(2) from None
         except StoppedBySignal as stop:
-            console.print(f"{stop}; resume with: {shlex.join(['sleuth', 'sft', recipe, *(overrides or [])])}",
-                          markup=False)
+            console.print(
+                f"{stop}; resume with: {shlex.join(['sleuth', 'sft', recipe, *(overrides or [])])}",
+                markup=False,
+            )
             raise typer.Exit(SIGTERM_EXIT) from None
         console.print(f"[green]done[/]: {result['out_dir']} (checkpoint {result['checkpoint']})")
 

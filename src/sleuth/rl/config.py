@@ -83,7 +83,9 @@ class RetrieverConfig(_Strict):
     corpus: str | None = None  # optional: check the index was built from this corpus
     mcp: MCPToolConfig | None = None  # an MCP server's search tool (sleuth.retrieval.tools)
     http: HTTPSearchConfig | None = None  # an HTTP search API (sleuth.retrieval.tools)
-    cache: str | None = None  # a directory recording every search, replayed next time (sleuth.retrieval.cache)
+    cache: str | None = (
+        None  # a directory recording every search, replayed next time (sleuth.retrieval.cache)
+    )
     # any retriever location: bm25:DIR, hybrid:DIR1,DIR2, milvus:URI?collection=C, a plugin backend's NAME:...
     # (sleuth.retrieval.backends; the recipe's plugins are loaded before this is read)
     location: str | None = None
@@ -91,8 +93,10 @@ class RetrieverConfig(_Strict):
     @model_validator(mode="after")
     def _one_source(self) -> RetrieverConfig:
         if sum(x is not None for x in (self.index, self.url, self.mcp, self.http, self.location)) != 1:
-            raise ValueError("set exactly one of retriever.index, retriever.url, retriever.mcp, retriever.http "
-                             "or retriever.location")
+            raise ValueError(
+                "set exactly one of retriever.index, retriever.url, retriever.mcp, retriever.http "
+                "or retriever.location"
+            )
         if self.location is not None:
             try:
                 parse_location(self.location)
@@ -187,7 +191,9 @@ class AlgorithmConfig(_Strict):
             raise ValueError(f"algorithm.advantage: unknown estimator {self.advantage!r}; known: {known}")
         if self.policy_loss not in POLICY_LOSSES:
             known = ", ".join(sorted(POLICY_LOSSES))
-            raise ValueError(f"algorithm.policy_loss: unknown policy loss {self.policy_loss!r}; known: {known}")
+            raise ValueError(
+                f"algorithm.policy_loss: unknown policy loss {self.policy_loss!r}; known: {known}"
+            )
         if needs_groups(self.advantage) and self.n < 2:
             raise ValueError(
                 f"algorithm.advantage={self.advantage} compares samples of one prompt: set algorithm.n >= 2"
@@ -240,7 +246,9 @@ class TrainerConfig(_Strict):
     out_dir: str = "runs/train"
     tensorboard: bool = False  # same as listing tensorboard in loggers
     # jsonl (metrics.jsonl, which sleuth report and resume read) is always written
-    loggers: list[Literal["jsonl", "tensorboard", "wandb", "mlflow"]] = Field(default_factory=lambda: ["jsonl"])
+    loggers: list[Literal["jsonl", "tensorboard", "wandb", "mlflow"]] = Field(
+        default_factory=lambda: ["jsonl"]
+    )
     wandb: WandbConfig = Field(default_factory=WandbConfig)
     mlflow: MlflowConfig = Field(default_factory=MlflowConfig)
     # validation on data.dev (the method's reward, greedy decoding, the same questions every time):
@@ -266,7 +274,9 @@ class TrainerConfig(_Strict):
         names = [g.name for g in self.guards]
         repeated = sorted({n for n in names if names.count(n) > 1})
         if repeated:
-            raise ValueError(f"trainer.guards: each guard needs its own name; repeated: {', '.join(repeated)}")
+            raise ValueError(
+                f"trainer.guards: each guard needs its own name; repeated: {', '.join(repeated)}"
+            )
         return self
 
 
@@ -322,14 +332,15 @@ class Recipe(_Strict):
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     sft: SFTConfig | None = None  # when set, `sleuth train` first fine-tunes on it, then starts RL from it
 
-
     services: ServicesConfig = Field(default_factory=ServicesConfig)
 
     @model_validator(mode="after")
     def _validation_needs_questions(self) -> Recipe:
         if self.trainer.eval_every is not None and self.data.dev is None:
-            raise ValueError(f"trainer.eval_every={self.trainer.eval_every} validates on data.dev, which is not set; "
-                             "name a question file there (the same formats as data.train), or drop eval_every")
+            raise ValueError(
+                f"trainer.eval_every={self.trainer.eval_every} validates on data.dev, which is not set; "
+                "name a question file there (the same formats as data.train), or drop eval_every"
+            )
         return self
 
     @model_validator(mode="before")
@@ -347,7 +358,9 @@ class Recipe(_Strict):
             raise ValueError(f"plugins: a list of module names, got {plugins!r}")
         load_plugins(plugins)
         agent = data.get("agent")
-        loop = agent.get("loop", AgentConfig.model_fields["loop"].default) if isinstance(agent, dict) else None
+        loop = (
+            agent.get("loop", AgentConfig.model_fields["loop"].default) if isinstance(agent, dict) else None
+        )
         method = find_method(loop) if isinstance(loop, str) else None
         if data.get("reward") is None and method is not None:
             data = {**data, "reward": copy.deepcopy(dict(method.default_reward))}
@@ -356,7 +369,9 @@ class Recipe(_Strict):
     @model_validator(mode="after")
     def _known_loop(self) -> Recipe:
         if find_method(self.agent.loop) is None:
-            raise ValueError(f"agent.loop: unknown loop {self.agent.loop!r}; choose one of: {', '.join(loop_names())}")
+            raise ValueError(
+                f"agent.loop: unknown loop {self.agent.loop!r}; choose one of: {', '.join(loop_names())}"
+            )
         return self
 
 
@@ -368,10 +383,16 @@ def _moved_reward_plugins(data: dict[str, Any]) -> dict[str, Any]:
     reward = dict(reward)
     old = reward.pop("plugins") or []
     if not isinstance(old, list):
-        raise ValueError(f"reward.plugins (now the top-level `plugins:`) must be a list of module names, got {old!r}")
+        raise ValueError(
+            f"reward.plugins (now the top-level `plugins:`) must be a list of module names, got {old!r}"
+        )
     if old:
-        warnings.warn(f"recipe: reward.plugins is read as the top-level `plugins:` section ({old}); "
-                      "move the list there", DeprecationWarning, stacklevel=3)
+        warnings.warn(
+            f"recipe: reward.plugins is read as the top-level `plugins:` section ({old}); "
+            "move the list there",
+            DeprecationWarning,
+            stacklevel=3,
+        )
     return {**data, "reward": reward, "plugins": list(dict.fromkeys([*(data.get("plugins") or []), *old]))}
 
 
@@ -405,7 +426,9 @@ def recipe_from_dict(data: dict, source: str = "<recipe>") -> Recipe:
     try:
         return Recipe.model_validate(data)
     except ValidationError as err:
-        raise ConfigError(validation_message(source, "recipe", err, hint=lambda e: unknown_key_hint(Recipe, e))) from None
+        raise ConfigError(
+            validation_message(source, "recipe", err, hint=lambda e: unknown_key_hint(Recipe, e))
+        ) from None
 
 
 def write_recipe(data: dict, path: str | Path) -> Recipe:

@@ -79,8 +79,9 @@ def act_on_guards(run: Run, done: int, validated: bool) -> None:
     if state.monitor is not None:
         events, chosen, target = _decide(run, state.monitor, done, validated)
         if chosen is not None:
-            decision[:] = torch.tensor([_ACTIONS[chosen.action], target, _guard(run, chosen.guard).lr_factor],
-                                       dtype=torch.float64)
+            decision[:] = torch.tensor(
+                [_ACTIONS[chosen.action], target, _guard(run, chosen.guard).lr_factor], dtype=torch.float64
+            )
     action, target_step, factor = run.ctx.all_reduce_sum(decision).tolist()
     outcome = ""
     if action == _ACTIONS["stop"]:
@@ -94,7 +95,9 @@ def act_on_guards(run: Run, done: int, validated: bool) -> None:
             state.stopped = f"stopped by guard {chosen.guard} after step {done}: {chosen.message}; {outcome}"
         else:
             state.rollbacks.append(f"rolled back at step {done} because {chosen.guard}: {chosen.message}")
-            run.console.print(f"[bold red]guard {chosen.guard} after step {done}[/]: {chosen.message}; {outcome}")
+            run.console.print(
+                f"[bold red]guard {chosen.guard} after step {done}[/]: {chosen.message}; {outcome}"
+            )
     if state.monitor is not None and events:
         state.monitor.events += events
         _write_events(run.out_dir, state.monitor.events)
@@ -114,11 +117,15 @@ def _decide(run: Run, monitor: GuardMonitor, done: int, validated: bool):
         done_before = monitor.rollbacks(chosen.guard)
         if ckpt is None:
             chosen.action = "stop"
-            chosen.message += (f"; no intact checkpoint at or before step {chosen.healthy_until} is left to roll "
-                               "back to (raise trainer.keep_checkpoints or lower trainer.save_every)")
+            chosen.message += (
+                f"; no intact checkpoint at or before step {chosen.healthy_until} is left to roll "
+                "back to (raise trainer.keep_checkpoints or lower trainer.save_every)"
+            )
         elif done_before >= _guard(run, chosen.guard).max_rollbacks:
             chosen.action = "stop"
-            chosen.message += f"; not rolled back again: it already rolled back {done_before} time(s) (max_rollbacks)"
+            chosen.message += (
+                f"; not rolled back again: it already rolled back {done_before} time(s) (max_rollbacks)"
+            )
         else:
             target = int(ckpt.name.removeprefix("step_"))
     for e in events:

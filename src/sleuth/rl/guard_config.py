@@ -72,7 +72,9 @@ class CountGuard(_GuardBase):
     steps: int = Field(10, ge=1)  # window summed over
 
 
-GuardConfig = Annotated[ThresholdGuard | DropGuard | ValidationGuard | CountGuard, Field(discriminator="kind")]
+GuardConfig = Annotated[
+    ThresholdGuard | DropGuard | ValidationGuard | CountGuard, Field(discriminator="kind")
+]
 
 
 def default_guards() -> list[GuardConfig]:
@@ -81,14 +83,25 @@ def default_guards() -> list[GuardConfig]:
     committed learning runs (tests/test_rl_guards.py: no alarm there, an alarm on a collapse)."""
     return [
         ThresholdGuard(name="entropy_collapse", kind="below", metric="actor/entropy", value=0.02, steps=5),
-        ThresholdGuard(name="stopped_searching", kind="above", metric="health/no_search", value=0.95, steps=5),
-        ThresholdGuard(name="invalid_actions", kind="above", metric="health/invalid_action", value=0.5, steps=5),
+        ThresholdGuard(
+            name="stopped_searching", kind="above", metric="health/no_search", value=0.95, steps=5
+        ),
+        ThresholdGuard(
+            name="invalid_actions", kind="above", metric="health/invalid_action", value=0.5, steps=5
+        ),
         DropGuard(name="reward_collapse", kind="drop", window=5, by_noise=4.0),
         ValidationGuard(name="validation_drop", kind="validation_drop"),
         # rollouts that did not decode with the trainer's weights (e.g. LoRA adapters never merged into the
         # rollout copy): healthy runs stay near 1e-2 (bf16 decoding) or far below (float32), sleuth.rl.agreement
-        ThresholdGuard(name="rollout_mismatch", kind="above", metric="rollout/logprob_diff_mean", value=0.1,
-                       steps=3),
-        CountGuard(name="nonfinite_updates", kind="count", metric="health/nonfinite_skips", value=5, steps=10,
-                   action="stop"),
+        ThresholdGuard(
+            name="rollout_mismatch", kind="above", metric="rollout/logprob_diff_mean", value=0.1, steps=3
+        ),
+        CountGuard(
+            name="nonfinite_updates",
+            kind="count",
+            metric="health/nonfinite_skips",
+            value=5,
+            steps=10,
+            action="stop",
+        ),
     ]

@@ -142,22 +142,38 @@ class GuardMonitor:
         if not rows or not all(past(v) for v in values):
             return None
         onset = rows[0]["step"]
-        message = (f"{guard.metric} {guard.kind} {guard.value:g} for {guard.steps} steps "
-                   f"(steps {onset}-{step}: {', '.join(f'{v:.4g}' for v in values)})")
-        return GuardEvent(step, guard.name, guard.kind, guard.action, message,
-                          {"metric": guard.metric, "threshold": guard.value, "values": values, "onset": onset},
-                          healthy_until=onset - 2)
+        message = (
+            f"{guard.metric} {guard.kind} {guard.value:g} for {guard.steps} steps "
+            f"(steps {onset}-{step}: {', '.join(f'{v:.4g}' for v in values)})"
+        )
+        return GuardEvent(
+            step,
+            guard.name,
+            guard.kind,
+            guard.action,
+            message,
+            {"metric": guard.metric, "threshold": guard.value, "values": values, "onset": onset},
+            healthy_until=onset - 2,
+        )
 
     def _count(self, guard: CountGuard, step: int) -> GuardEvent | None:
-        rows = [r for r in self.rows[-guard.steps:] if r["step"] > guard.after_step and guard.metric in r]
+        rows = [r for r in self.rows[-guard.steps :] if r["step"] > guard.after_step and guard.metric in r]
         total = sum(float(r[guard.metric]) for r in rows)
         if total < guard.value:
             return None
         onset = next(r["step"] for r in rows if float(r[guard.metric]) > 0)
-        message = f"{guard.metric} summed to {total:g} over the last {len(rows)} steps (limit {guard.value:g})"
-        return GuardEvent(step, guard.name, guard.kind, guard.action, message,
-                          {"metric": guard.metric, "threshold": guard.value, "total": total, "onset": onset},
-                          healthy_until=onset - 2)
+        message = (
+            f"{guard.metric} summed to {total:g} over the last {len(rows)} steps (limit {guard.value:g})"
+        )
+        return GuardEvent(
+            step,
+            guard.name,
+            guard.kind,
+            guard.action,
+            message,
+            {"metric": guard.metric, "threshold": guard.value, "total": total, "onset": onset},
+            healthy_until=onset - 2,
+        )
 
     def _drop(self, guard: DropGuard, step: int) -> GuardEvent | None:
         rows = [r for r in self.rows if r["step"] > guard.after_step and guard.metric in r]
@@ -183,16 +199,32 @@ class GuardMonitor:
             return None
         best_end = same[best_at + w - 1]["step"]
         unit = f" = {guard.by_noise:g} x noise {noise:.4g}" if guard.by is None else ""
-        message = (f"{guard.metric} mean of the last {w} steps {now:.4g} is {best - now:.4g} below its best "
-                   f"{w}-step mean {best:.4g} (steps {same[best_at]['step']}-{best_end}); limit {limit:.4g}{unit}")
-        return GuardEvent(step, guard.name, guard.kind, guard.action, message,
-                          {"metric": guard.metric, "best": best, "now": now, "limit": limit, "noise": noise,
-                           "best_steps": [same[best_at]["step"], best_end]},
-                          healthy_until=best_end - 1)
+        message = (
+            f"{guard.metric} mean of the last {w} steps {now:.4g} is {best - now:.4g} below its best "
+            f"{w}-step mean {best:.4g} (steps {same[best_at]['step']}-{best_end}); limit {limit:.4g}{unit}"
+        )
+        return GuardEvent(
+            step,
+            guard.name,
+            guard.kind,
+            guard.action,
+            message,
+            {
+                "metric": guard.metric,
+                "best": best,
+                "now": now,
+                "limit": limit,
+                "noise": noise,
+                "best_steps": [same[best_at]["step"], best_end],
+            },
+            healthy_until=best_end - 1,
+        )
 
     def _validation(self, guard: ValidationGuard, step: int) -> GuardEvent | None:
         latest = next((v for v in self.validations if v.step == step), None)
-        earlier = [v for v in self.validations if v.step < step and latest is not None and v.stage == latest.stage]
+        earlier = [
+            v for v in self.validations if v.step < step and latest is not None and v.stage == latest.stage
+        ]
         if latest is None or not earlier:
             return None
         best = max(earlier, key=lambda v: (v.mean, -v.step))
@@ -204,13 +236,27 @@ class GuardMonitor:
         if high >= -guard.margin:
             return None
         diff = sum(diffs) / len(diffs)
-        message = (f"validation reward {latest.mean:.4g} after step {step} is {-diff:.4g} below the best "
-                   f"{best.mean:.4g} (step {best.step}), paired over {len(common)} questions: "
-                   f"{diff:+.4g} [{low:+.4g}, {high:+.4g}]")
-        return GuardEvent(step, guard.name, guard.kind, guard.action, message,
-                          {"best_step": best.step, "best": best.mean, "now": latest.mean, "diff": diff,
-                           "ci": [low, high], "n": len(common)},
-                          healthy_until=best.step)
+        message = (
+            f"validation reward {latest.mean:.4g} after step {step} is {-diff:.4g} below the best "
+            f"{best.mean:.4g} (step {best.step}), paired over {len(common)} questions: "
+            f"{diff:+.4g} [{low:+.4g}, {high:+.4g}]"
+        )
+        return GuardEvent(
+            step,
+            guard.name,
+            guard.kind,
+            guard.action,
+            message,
+            {
+                "best_step": best.step,
+                "best": best.mean,
+                "now": latest.mean,
+                "diff": diff,
+                "ci": [low, high],
+                "n": len(common),
+            },
+            healthy_until=best.step,
+        )
 
     # -- resume -------------------------------------------------------------------------------
     @classmethod

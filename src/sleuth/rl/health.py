@@ -44,7 +44,7 @@ _SKIP_STATS = ("actor/skipped_nonfinite_grad", "critic/skipped_nonfinite_grad")
 
 def policy_queries(traj: Trajectory) -> list[str]:
     """The queries the policy wrote (the loop's initial searches left out)."""
-    return traj.queries[traj.initial_queries:]
+    return traj.queries[traj.initial_queries :]
 
 
 def _query_key(query: str) -> str:
@@ -74,16 +74,23 @@ def health_counts(trajs: Sequence[Trajectory], rewards: Sequence[float]) -> dict
     n = float(len(trajs))
     return {
         "health/no_search": (sum(not policy_queries(t) for t in trajs), n),
-        "health/repeated_query": (sum(repeated_queries(t) for t in trajs),
-                                  sum(len(policy_queries(t)) for t in trajs)),
+        "health/repeated_query": (
+            sum(repeated_queries(t) for t in trajs),
+            sum(len(policy_queries(t)) for t in trajs),
+        ),
         "health/invalid_action": (sum(t.invalid_actions for t in trajs), sum(t.num_turns for t in trajs)),
         "health/unsupported_answer": (sum(not answer_supported(t) for t in answered), len(answered)),
         "health/truncated": (sum(t.finish_reason == "length" for t in trajs), n),
         "health/distinct_queries": (
-            sum(len({_query_key(q) for i in idx for q in policy_queries(trajs[i])}) for idx in groups.values()),
+            sum(
+                len({_query_key(q) for i in idx for q in policy_queries(trajs[i])}) for idx in groups.values()
+            ),
             len(groups),
         ),
-        "health/zero_advantage_groups": (sum(len({rewards[i] for i in idx}) == 1 for idx in multi), len(multi)),
+        "health/zero_advantage_groups": (
+            sum(len({rewards[i] for i in idx}) == 1 for idx in multi),
+            len(multi),
+        ),
     }
 
 
@@ -93,7 +100,9 @@ def health_metrics(trajs: Sequence[Trajectory], rewards: Sequence[float], stats:
     optimizer steps skipped for non-finite values (the same on every rank: the gradient norm is global)."""
     counts = health_counts(trajs, rewards)
     keys = sorted(counts)
-    summed = ctx.all_reduce_sum(torch.tensor([float(x) for k in keys for x in counts[k]], dtype=torch.float64))
+    summed = ctx.all_reduce_sum(
+        torch.tensor([float(x) for k in keys for x in counts[k]], dtype=torch.float64)
+    )
     values = summed.tolist()
     out: dict[str, float] = {}
     for i, key in enumerate(keys):

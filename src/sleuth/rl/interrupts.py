@@ -41,8 +41,10 @@ def stop_on_sigterm() -> Iterator[None]:
             os.kill(os.getpid(), signal.SIGTERM)
             return
         _received.append(signum)
-        sys.stderr.write("SIGTERM: finishing the step under way, then saving a checkpoint and stopping "
-                         "(send SIGTERM again to stop at once)\n")
+        sys.stderr.write(
+            "SIGTERM: finishing the step under way, then saving a checkpoint and stopping "
+            "(send SIGTERM again to stop at once)\n"
+        )
 
     previous = signal.signal(signal.SIGTERM, on_sigterm)
     try:

@@ -91,7 +91,9 @@ class TensorBoardLogger:
             # deferred: an optional tracker that imports tensorboard
             from torch.utils.tensorboard import SummaryWriter
         except ImportError as err:
-            raise ConfigError(f"trainer.loggers has tensorboard: {_INSTALL_HINT.format(package='tensorboard')}") from err
+            raise ConfigError(
+                f"trainer.loggers has tensorboard: {_INSTALL_HINT.format(package='tensorboard')}"
+            ) from err
         self.writer = SummaryWriter(str(out_dir / "tensorboard"))
 
     def log_config(self, config: dict[str, Any]) -> None:
@@ -147,7 +149,7 @@ _MLFLOW_PARAM_CHARS = 6000  # MLflow's limit on one parameter value
 
 
 def wandb_default_mode() -> str | None:
-    """"offline" unless the user set up W&B (WANDB_MODE / WANDB_API_KEY, or a key `wandb login` saved
+    """ "offline" unless the user set up W&B (WANDB_MODE / WANDB_API_KEY, or a key `wandb login` saved
     in ~/.netrc); None leaves the choice to wandb."""
     if os.environ.get("WANDB_MODE") or os.environ.get("WANDB_API_KEY"):
         return None
@@ -184,7 +186,9 @@ class MlflowLogger:
         try:
             import mlflow  # deferred: an optional tracker with a heavy import
         except ImportError as err:
-            raise ConfigError(f"trainer.loggers has mlflow: {_INSTALL_HINT.format(package='mlflow')}") from err
+            raise ConfigError(
+                f"trainer.loggers has mlflow: {_INSTALL_HINT.format(package='mlflow')}"
+            ) from err
         self.mlflow = mlflow
         uri = mlflow_tracking_uri(out_dir, options.get("tracking_uri"))
         if uri is not None:
@@ -207,7 +211,8 @@ class MlflowLogger:
         if not self._params_logged:
             params = {
                 _MLFLOW_BAD_CHARS.sub("_", key): json.dumps(value, default=str)[:_MLFLOW_PARAM_CHARS]
-                if not isinstance(value, str) else value[:_MLFLOW_PARAM_CHARS]
+                if not isinstance(value, str)
+                else value[:_MLFLOW_PARAM_CHARS]
                 for key, value in flatten(config).items()
             }
             self.mlflow.log_params(params, run_id=self.run_id)
@@ -270,7 +275,9 @@ def open_loggers(
     """Open the named loggers; tracker run ids are saved in `out_dir/trackers.json` so a resumed run continues them."""
     unknown = sorted(set(names) - set(LOGGER_NAMES))
     if unknown:
-        raise ConfigError(f"trainer.loggers: unknown logger(s) {', '.join(unknown)}; choose from {', '.join(LOGGER_NAMES)}")
+        raise ConfigError(
+            f"trainer.loggers: unknown logger(s) {', '.join(unknown)}; choose from {', '.join(LOGGER_NAMES)}"
+        )
     ids_path = out_dir / TRACKERS_FILE
     # Only a resumed run continues the tracker runs of an earlier one.
     ids: dict[str, str] = json.loads(ids_path.read_text()) if resume_step > 0 and ids_path.exists() else {}
@@ -279,7 +286,9 @@ def open_loggers(
         if "tensorboard" in names:
             loggers["tensorboard"] = TensorBoardLogger(out_dir)
         if "wandb" in names:
-            loggers["wandb"] = WandbLogger(out_dir, run_name, wandb_options or {"project": "sleuth"}, ids.get("wandb"))
+            loggers["wandb"] = WandbLogger(
+                out_dir, run_name, wandb_options or {"project": "sleuth"}, ids.get("wandb")
+            )
         if "mlflow" in names:
             loggers["mlflow"] = MlflowLogger(
                 out_dir, run_name, mlflow_options or {"experiment": "sleuth"}, ids.get("mlflow")

@@ -172,8 +172,14 @@ class LossAgg:
     num_seqs: float | torch.Tensor | None = None
 
     def __call__(self, loss_mat: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
-        return agg_loss(loss_mat, response_mask, self.mode, norm_length=self.norm_length,
-                        num_tokens=self.num_tokens, num_seqs=self.num_seqs)
+        return agg_loss(
+            loss_mat,
+            response_mask,
+            self.mode,
+            norm_length=self.norm_length,
+            num_tokens=self.num_tokens,
+            num_seqs=self.num_seqs,
+        )
 
 
 # --------------------------------------------------------------------------- policy / value losses
@@ -188,6 +194,7 @@ class PolicyClip:
     clip_high: float = 0.2
     dual_clip_c: float | None = None
 
+
 PolicyLossFn = Callable[..., tuple[torch.Tensor, dict[str, float]]]
 # name -> policy loss; each takes (old_logprob, logprob, advantages, response_mask, *, clip, agg) and
 # returns (loss, stats), like verl's core_algos. A recipe names one in algorithm.policy_loss.
@@ -197,7 +204,9 @@ POLICY_LOSSES: dict[str, PolicyLossFn] = {}
 POLICY_LOSS_STATS: dict[str, tuple[str, ...]] = {}
 
 
-def register_policy_loss(name: str, stats: Sequence[str] | None = None) -> Callable[[PolicyLossFn], PolicyLossFn]:
+def register_policy_loss(
+    name: str, stats: Sequence[str] | None = None
+) -> Callable[[PolicyLossFn], PolicyLossFn]:
     """Decorator registering a policy loss under `name` (a name can be taken once), with the names of the
     stats it returns if known."""
 
@@ -220,8 +229,10 @@ def get_policy_loss(name: str) -> PolicyLossFn:
         raise ValueError(f"unknown policy loss {name!r}; known: {', '.join(sorted(POLICY_LOSSES))}") from None
 
 
-@register_policy_loss("ppo_clip", stats=("clipfrac", "clipfrac_lower", "approx_kl", "approx_kl_k3", "ratio_mean",
-                                          "ratio_min", "ratio_max"))
+@register_policy_loss(
+    "ppo_clip",
+    stats=("clipfrac", "clipfrac_lower", "approx_kl", "approx_kl_k3", "ratio_mean", "ratio_min", "ratio_max"),
+)
 def policy_loss(
     old_logprob: torch.Tensor,
     logprob: torch.Tensor,
@@ -504,7 +515,6 @@ def entropy_from_logits(logits: torch.Tensor, chunk_rows: int | None = None) -> 
     return out.reshape(logits.shape[:-1])
 
 
-
 class _ChunkedTokenStats(torch.autograd.Function):
     """Log-prob of the label and entropy of softmax(logits / T) for each row of (K, V) logits, computed
     `chunk` rows at a time in at least float32, forward and backward: the largest float32 temporary is
@@ -514,8 +524,9 @@ class _ChunkedTokenStats(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits: torch.Tensor, labels: torch.Tensor, temperature: float, chunk: int):  # type: ignore[override]
-        logp = torch.empty(logits.shape[0], dtype=torch.promote_types(logits.dtype, torch.float32),
-                           device=logits.device)
+        logp = torch.empty(
+            logits.shape[0], dtype=torch.promote_types(logits.dtype, torch.float32), device=logits.device
+        )
         ent = torch.empty_like(logp)
         for start in range(0, logits.shape[0], chunk):
             z = at_least_fp32(logits[start : start + chunk]) / temperature
@@ -550,7 +561,9 @@ def token_logprobs_and_entropy(
     least float32, differentiable, with float32 working memory bounded by (chunk_rows, V) in the forward and
     the backward. Temperature 0 (greedy sampling) means 1: the sampler's log-probs are then untempered."""
     if logits.dim() != 2 or labels.shape != logits.shape[:1]:
-        raise ValueError(f"logits must be (K, V) and labels (K,), got {tuple(logits.shape)} and {tuple(labels.shape)}")
+        raise ValueError(
+            f"logits must be (K, V) and labels (K,), got {tuple(logits.shape)} and {tuple(labels.shape)}"
+        )
     if chunk_rows < 1:
         raise ValueError(f"chunk_rows must be >= 1, got {chunk_rows}")
     labels = labels.long()

@@ -55,8 +55,9 @@ def activation_bytes_per_token(config: Any, dtype_bytes: int, score_len: int = 0
     return (8 * h + 2 * kv + 4 * inter + 2 * heads * score_len) * dtype_bytes, h * dtype_bytes
 
 
-def choose_checkpointing(config: Any, tokens: int, free_bytes: float, dtype_bytes: int,
-                         score_len: int = 0) -> CheckpointPlan:
+def choose_checkpointing(
+    config: Any, tokens: int, free_bytes: float, dtype_bytes: int, score_len: int = 0
+) -> CheckpointPlan:
     """Off when every layer's activations for `tokens` fit ACTIVATION_SHARE of the free memory; else the
     fewest layers checkpointed that make them fit (selective); all of them when even that does not (full)."""
     layers = config.num_hidden_layers

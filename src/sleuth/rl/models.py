@@ -47,7 +47,6 @@ def load_policy(recipe: Recipe, device: torch.device, adapter_dir: Path | None =
     # deferred: transformers takes seconds to import; needed only once a model loads
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-
     path = resolve_model_path(recipe.model.policy)
     tokenizer = AutoTokenizer.from_pretrained(path)
     if tokenizer.pad_token_id is None:
@@ -90,7 +89,12 @@ def master_dtype(recipe: Recipe, device: torch.device | None = None) -> torch.dt
     """Dtype of the loaded weights. "auto": fp32 masters for full fine-tuning (bf16 comes from autocast on
     GPU); under LoRA on CUDA a bf16 frozen base, as PEFT users load it (the adapters stay fp32), which also
     lets rollouts decode with a compiled static cache."""
-    if recipe.model.dtype == "auto" and device is not None and device.type == "cuda" and recipe.model.lora.enabled:
+    if (
+        recipe.model.dtype == "auto"
+        and device is not None
+        and device.type == "cuda"
+        and recipe.model.lora.enabled
+    ):
         return torch.bfloat16
     return {
         "auto": torch.float32,
@@ -133,7 +137,9 @@ def rollout_copy(recipe: Recipe, policy: nn.Module, device: torch.device) -> nn.
     return copy.deepcopy(model, memo).eval()
 
 
-def rollout_decoding(recipe: Recipe, generator_model: nn.Module, device: torch.device) -> tuple[str, bool, str]:
+def rollout_decoding(
+    recipe: Recipe, generator_model: nn.Module, device: torch.device
+) -> tuple[str, bool, str]:
     """(cache, compile, why) for rollout decoding. Default ("auto"): on CUDA sleuth's decode engine where it
     supports the model (unless compile_generation is false), else a static KV cache with a compiled decode
     step when the rollout weights are bf16/fp16 and not FSDP-sharded; else HF's dynamic cache. Explicit recipe values win; fp32 weights cannot fill a static
@@ -146,7 +152,9 @@ def rollout_decoding(recipe: Recipe, generator_model: nn.Module, device: torch.d
             "(a bf16 frozen base; the adapters stay fp32), with FSDP use generation_cache=dynamic"
         )
     if cache == "engine" and (unsupported := engine_supports(generator_model)) is not None:
-        raise ConfigError(f"model.generation_cache=engine: {unsupported}; use generation_cache=static or dynamic")
+        raise ConfigError(
+            f"model.generation_cache=engine: {unsupported}; use generation_cache=static or dynamic"
+        )
     if cache == "auto":
         if device.type != "cuda":
             cache, why = "dynamic", "CPU"
@@ -229,4 +237,3 @@ class FrozenBaseGenerator:
 
 def dtype_of(model: nn.Module) -> torch.dtype:
     return next(unwrap(model).parameters()).dtype
-

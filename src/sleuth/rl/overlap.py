@@ -77,8 +77,10 @@ def behaviour_logprobs(trajs: list[Trajectory], shape: torch.Size, dtype: torch.
     out = torch.zeros(shape, dtype=dtype)
     for i, t in enumerate(trajs):
         if t.logprobs_missing or len(t.logprobs) != len(t.response_ids):
-            raise RuntimeError("trainer.overlap: one_step needs the rollout backend's per-token log-probs (the "
-                               "behaviour policy's); this backend did not report them: set trainer.overlap: off")
+            raise RuntimeError(
+                "trainer.overlap: one_step needs the rollout backend's per-token log-probs (the "
+                "behaviour policy's); this backend did not report them: set trainer.overlap: off"
+            )
         n = min(len(t.logprobs), shape[1])
         out[i, :n] = torch.tensor(t.logprobs[:n], dtype=torch.float64).to(dtype)
     return out

@@ -74,14 +74,21 @@ def _fields_at(root: type[BaseModel], path: tuple[Any, ...]) -> set[str]:
     for part in path:
         if isinstance(part, int):
             continue
-        inner = [m for model in models if part in model.model_fields
-                 for m in _models_in(model.model_fields[part].annotation)]
+        inner = [
+            m
+            for model in models
+            if part in model.model_fields
+            for m in _models_in(model.model_fields[part].annotation)
+        ]
         if inner:
             models = inner
         elif not any(part in model.model_fields for model in models):
             # a discriminated union's tag: keep the members whose `kind` accepts it
-            tagged = [m for m in models if part in typing.get_args(m.model_fields.get("kind").annotation)] \
-                if all("kind" in m.model_fields for m in models) else []
+            tagged = (
+                [m for m in models if part in typing.get_args(m.model_fields.get("kind").annotation)]
+                if all("kind" in m.model_fields for m in models)
+                else []
+            )
             if not tagged:
                 return set()
             models = tagged

@@ -28,7 +28,9 @@ class Collected:
     trajs: list[Trajectory] = field(default_factory=list)
     scores: list[float] = field(default_factory=list)
     all_rewards: list[float] = field(default_factory=list)  # before DAPO's filter
-    trajs_all: list[Trajectory] = field(default_factory=list)  # every rollout of the step, before DAPO's filter
+    trajs_all: list[Trajectory] = field(
+        default_factory=list
+    )  # every rollout of the step, before DAPO's filter
     rounds: int = 0
     t_rollout: float = 0.0
     t_reward: float = 0.0
@@ -45,11 +47,18 @@ def collect_rollouts(run: Run) -> Collected:
     last_round: tuple[list[Trajectory], list[float]] = ([], [])
     while out.rounds < algo.max_sampling_rounds:
         out.rounds += 1
-        indices = run.cursor.take(algo.prompts_per_step)[run.local_prompts]  # the same global draw on every rank
+        indices = run.cursor.take(algo.prompts_per_step)[
+            run.local_prompts
+        ]  # the same global draw on every rank
         t0 = time.perf_counter()
         with autocast(ctx.device):
             trajs = roll(
-                run.loop, run.generator, run.retriever, [run.examples[i] for i in indices], run.sampling, n=algo.n,
+                run.loop,
+                run.generator,
+                run.retriever,
+                [run.examples[i] for i in indices],
+                run.sampling,
+                n=algo.n,
                 budget=rollout_budget(recipe),
             )
         t1 = time.perf_counter()
@@ -87,8 +96,10 @@ def method_rollout(run: Run) -> Callable[..., list[Trajectory]]:
     own = get_method(run.recipe.agent.loop).rollout
     if own is not None and run.ctx.enabled:
         # its groups may differ in size between ranks, and so would the ranks' minibatches and collectives
-        raise ConfigError(f"method {run.recipe.agent.loop!r} rolls out with its own rollout (trajectories per "
-                          f"question vary), which trains on one process only for now; got {run.ctx.world_size} ranks")
+        raise ConfigError(
+            f"method {run.recipe.agent.loop!r} rolls out with its own rollout (trajectories per "
+            f"question vary), which trains on one process only for now; got {run.ctx.world_size} ranks"
+        )
     return own or rollout
 
 

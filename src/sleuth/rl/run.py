@@ -97,7 +97,9 @@ class Run:
     val_examples: list[QAExample] = field(default_factory=list)  # data.dev's first trainer.eval_examples
     guards: Any = None  # sleuth.rl.guard_actions.GuardState, set by the trainer
     kl_coef: float = 0.0  # the KL coefficient of the next step (moves under algorithm.kl.type: adaptive)
-    pending: Any = None  # trainer.overlap: the next step's rollouts (sleuth.rl.overlap.Pending), made during this one
+    pending: Any = (
+        None  # trainer.overlap: the next step's rollouts (sleuth.rl.overlap.Pending), made during this one
+    )
 
     @property
     def models(self) -> dict[str, nn.Module]:
@@ -133,7 +135,9 @@ def _resume_point(recipe: Recipe, out_dir: Path, resume: bool, console: Any) -> 
         for path, reason in skipped:
             console.print(f"[yellow]skipping damaged checkpoint {path}[/]: {reason}")
     if ckpt is not None:
-        check_resume(recipe, ckpt, console)  # another loop, reward, algorithm, model: refused, naming the field
+        check_resume(
+            recipe, ckpt, console
+        )  # another loop, reward, algorithm, model: refused, naming the field
         trainer_state, tensor_state = load_training_state(ckpt)
         console.print(f"[bold]resuming[/] from {ckpt} (step {trainer_state['step']})")
         return ResumePoint(ckpt, trainer_state, tensor_state)
@@ -148,7 +152,9 @@ def _resume_point(recipe: Recipe, out_dir: Path, resume: bool, console: Any) -> 
 def _load_models(recipe: Recipe, ctx: DistContext, point: ResumePoint) -> LoadedModels:
     """Policy, reference, critic (wrapped for DDP/FSDP), their optimizers and schedulers, restored on resume."""
     device, ckpt = ctx.device, point.checkpoint
-    tokenizer, policy, model_path = load_policy(recipe, device, ckpt / POLICY_DIR if ckpt else initial_weights(recipe))
+    tokenizer, policy, model_path = load_policy(
+        recipe, device, ckpt / POLICY_DIR if ckpt else initial_weights(recipe)
+    )
     reference = None
     if recipe.algorithm.kl.coef > 0 and not hasattr(policy, "disable_adapter"):
         # the reference is the starting model, also when resuming (the policy then holds trained weights)
@@ -165,7 +171,9 @@ def _load_models(recipe: Recipe, ctx: DistContext, point: ResumePoint) -> Loaded
     opt, sched = build_optimizer(policy.parameters(), recipe.optim.lr, recipe)
     optimizers, schedulers = {"policy": opt}, {"policy": sched}
     if critic is not None:
-        optimizers["critic"], schedulers["critic"] = build_optimizer(critic.parameters(), recipe.optim.critic_lr, recipe)
+        optimizers["critic"], schedulers["critic"] = build_optimizer(
+            critic.parameters(), recipe.optim.critic_lr, recipe
+        )
     if point.tensor_state:
         models = {"policy": policy, **({"critic": critic} if critic is not None else {})}
         load_optimizer_states(models, optimizers, point.tensor_state["optimizers"])
@@ -190,10 +198,17 @@ def _rollout_generator(recipe: Recipe, ctx: DistContext, models: LoadedModels,
     if rollout_model is not None:
         cache, compiled, why = rollout_decoding(recipe, rollout_weights, ctx.device)
     # the engine's KV pool follows the rows' tokens, so it takes a whole step's rows at once
-    generator = HFGenerator(rollout_weights, tokenizer=models.tokenizer, cache=cache, compile=compiled,
-                            max_batch_size=256 if cache == "engine" else 64)
+    generator = HFGenerator(
+        rollout_weights,
+        tokenizer=models.tokenizer,
+        cache=cache,
+        compile=compiled,
+        max_batch_size=256 if cache == "engine" else 64,
+    )
     if ctx.is_main:
-        console.print(f"rollout decoding: {cache} KV cache{', compiled decode step' if compiled else ''} ({why})")
+        console.print(
+            f"rollout decoding: {cache} KV cache{', compiled decode step' if compiled else ''} ({why})"
+        )
     return rollout_model, generator
 
 
@@ -222,30 +237,62 @@ def setup(recipe: Recipe, ctx: DistContext, console: Any, resume: bool) -> Run:
     rollout_model, generator = _rollout_generator(recipe, ctx, models, console)
     load_plugins(recipe.plugins)
     reward_fn = get_reward(recipe.reward.name, **recipe.reward.options)
-    retriever = TimedRetriever(_stepped(build_retriever(recipe), reward_fn))  # time/retrieval: its share of the rollout
+    retriever = TimedRetriever(
+        _stepped(build_retriever(recipe), reward_fn)
+    )  # time/retrieval: its share of the rollout
     loop = build_loop(recipe)
     examples = load_examples(recipe)
-    cursor = DataCursor(recipe.seed, len(examples), recipe.data.shuffle, **point.trainer_state.get("cursor", {}))
+    cursor = DataCursor(
+        recipe.seed, len(examples), recipe.data.shuffle, **point.trainer_state.get("cursor", {})
+    )
     services = build_reward_services(recipe, generator, unwrap(models.policy), retriever)
-    sampling = SamplingParams(max_new_tokens=recipe.agent.max_new_tokens_per_turn,
-                              temperature=recipe.sampling.temperature, top_p=recipe.sampling.top_p)
+    sampling = SamplingParams(
+        max_new_tokens=recipe.agent.max_new_tokens_per_turn,
+        temperature=recipe.sampling.temperature,
+        top_p=recipe.sampling.top_p,
+    )
     algo = recipe.algorithm
     local_prompts = shard_range(algo.prompts_per_step, ctx, "algorithm.prompts_per_step")
     if algo.minibatch_size % ctx.world_size:
-        raise ConfigError(f"algorithm.minibatch_size must be divisible by the number of ranks ({ctx.world_size})")
+        raise ConfigError(
+            f"algorithm.minibatch_size must be divisible by the number of ranks ({ctx.world_size})"
+        )
     log = open_recipe_loggers(recipe, out_dir, start_step) if ctx.is_main else None
     if ctx.is_main:
-        run_info = {"recipe": recipe.model_dump(), "model_path": models.model_path, "device": str(ctx.device),
-                    "ranks": ctx.world_size}
+        run_info = {
+            "recipe": recipe.model_dump(),
+            "model_path": models.model_path,
+            "device": str(ctx.device),
+            "ranks": ctx.world_size,
+        }
         write_run_info(out_dir, run_info)
         log.log_config(run_info)
     return Run(
-        recipe=recipe, ctx=ctx, out_dir=out_dir, console=console, tokenizer=models.tokenizer, policy=models.policy,
-        reference=models.reference, critic=models.critic, optimizers=models.optimizers,
-        schedulers=models.schedulers, rollout_model=rollout_model, generator=generator, retriever=retriever,
-        loop=loop, reward_fn=reward_fn, services=services, sampling=sampling, examples=examples, cursor=cursor,
-        local_prompts=local_prompts, local_minibatch=algo.minibatch_size // ctx.world_size, log=log,
-        start_step=start_step, last_saved=start_step, val_examples=load_validation_examples(recipe),
+        recipe=recipe,
+        ctx=ctx,
+        out_dir=out_dir,
+        console=console,
+        tokenizer=models.tokenizer,
+        policy=models.policy,
+        reference=models.reference,
+        critic=models.critic,
+        optimizers=models.optimizers,
+        schedulers=models.schedulers,
+        rollout_model=rollout_model,
+        generator=generator,
+        retriever=retriever,
+        loop=loop,
+        reward_fn=reward_fn,
+        services=services,
+        sampling=sampling,
+        examples=examples,
+        cursor=cursor,
+        local_prompts=local_prompts,
+        local_minibatch=algo.minibatch_size // ctx.world_size,
+        log=log,
+        start_step=start_step,
+        last_saved=start_step,
+        val_examples=load_validation_examples(recipe),
         kl_coef=resumed_kl_coef(recipe, point.trainer_state),
     )
 
@@ -261,14 +308,27 @@ def save(run: Run, done: int, cursor_state: dict[str, int], stage: int) -> None:
     model_states, optim_states = full_states(run.models, run.optimizers)
     if run.ctx.is_main:
         states = TrainingStates(
-            unwrap(run.policy), run.tokenizer, run.optimizers, run.schedulers,
+            unwrap(run.policy),
+            run.tokenizer,
+            run.optimizers,
+            run.schedulers,
             critic=unwrap(run.critic) if run.critic is not None else None,
-            policy_state=model_states["policy"], critic_state=model_states.get("critic"), optimizer_states=optim_states,
+            policy_state=model_states["policy"],
+            critic_state=model_states.get("critic"),
+            optimizer_states=optim_states,
         )
         save_checkpoint(
-            run.out_dir, done, states,
-            trainer_state={"cursor": cursor_state, "stage": stage, "recipe": run.recipe.name,
-                           FINGERPRINT: recipe_fingerprint(run.recipe), "kl_coef": run.kl_coef},
-            searcher=searcher_info(run.recipe), keep=run.recipe.trainer.keep_checkpoints,
+            run.out_dir,
+            done,
+            states,
+            trainer_state={
+                "cursor": cursor_state,
+                "stage": stage,
+                "recipe": run.recipe.name,
+                FINGERPRINT: recipe_fingerprint(run.recipe),
+                "kl_coef": run.kl_coef,
+            },
+            searcher=searcher_info(run.recipe),
+            keep=run.recipe.trainer.keep_checkpoints,
         )
     run.ctx.barrier()

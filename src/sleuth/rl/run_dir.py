@@ -62,7 +62,9 @@ def prepare_run_dir(out_dir: str | Path, *, resume: bool, overwrite: bool, conso
     Returns where the old run went (None: nothing moved). Rank 0 moves; other ranks wait for it."""
     out_dir = Path(out_dir)
     if resume and overwrite:
-        raise ConfigError("--resume continues the run in trainer.out_dir and --overwrite moves it aside: pass one")
+        raise ConfigError(
+            "--resume continues the run in trainer.out_dir and --overwrite moves it aside: pass one"
+        )
     history = run_history(out_dir)
     if resume or history.empty:
         return None
@@ -89,7 +91,11 @@ def no_usable_checkpoint(out_dir: str | Path, skipped: list[tuple[Path, str]]) -
     history = run_history(out_dir)
     if history.empty:
         return None
-    damaged = f"{len(skipped)} damaged (newest: {skipped[0][0].name}: {skipped[0][1]})" if skipped else "none written"
+    damaged = (
+        f"{len(skipped)} damaged (newest: {skipped[0][0].name}: {skipped[0][1]})"
+        if skipped
+        else "none written"
+    )
     return CheckpointError(
         f"--resume: no usable checkpoint under {Path(out_dir) / CHECKPOINTS} ({damaged}); starting over would "
         f"lose {history.describe()}: rerun without --resume and with --overwrite to move this run aside and start fresh"
@@ -101,5 +107,10 @@ def write_failure(err: BaseException, out_dir: str | Path) -> OutputError:
     last = latest_checkpoint(out_dir)
     kept = f"the last good checkpoint {last} is intact" if last is not None else "no checkpoint was written"
     path = getattr(err, "filename", None) or out_dir
-    return output_error("the run's output", path, err, None,
-                        f"{kept}; free space or pass a writable trainer.out_dir, then rerun (--resume to continue)")
+    return output_error(
+        "the run's output",
+        path,
+        err,
+        None,
+        f"{kept}; free space or pass a writable trainer.out_dir, then rerun (--resume to continue)",
+    )

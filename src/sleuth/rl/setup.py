@@ -64,9 +64,20 @@ class DataCursor:
 def build_retriever(recipe: Recipe) -> Retriever:
     """The recipe's retriever; a /retrieve server is called with the recipe's service retry policy."""
     section = recipe.retriever
-    tool = ToolRetrieverConfig(mcp=section.mcp, http=section.http) if section.mcp is not None or section.http is not None else None
-    return open_retriever(index=section.index, url=section.url, tool=tool, location=section.location,
-                          corpus=section.corpus, retry=recipe.services.retry.policy(), cache=section.cache)
+    tool = (
+        ToolRetrieverConfig(mcp=section.mcp, http=section.http)
+        if section.mcp is not None or section.http is not None
+        else None
+    )
+    return open_retriever(
+        index=section.index,
+        url=section.url,
+        tool=tool,
+        location=section.location,
+        corpus=section.corpus,
+        retry=recipe.services.retry.policy(),
+        cache=section.cache,
+    )
 
 
 def loop_options(recipe: Recipe) -> dict[str, Any]:
@@ -80,7 +91,9 @@ def loop_options(recipe: Recipe) -> dict[str, Any]:
 
 def rollout_budget(recipe: Recipe) -> RolloutBudget:
     """The recipe's observation and response limits (turns stay the loop's own)."""
-    return RolloutBudget(max_obs_tokens=recipe.agent.max_obs_tokens, max_response_tokens=recipe.agent.max_response_tokens)
+    return RolloutBudget(
+        max_obs_tokens=recipe.agent.max_obs_tokens, max_response_tokens=recipe.agent.max_response_tokens
+    )
 
 
 def build_loop(recipe: Recipe):
@@ -115,12 +128,10 @@ def load_validation_examples(recipe: Recipe) -> list[QAExample]:
 
 def load_examples(recipe: Recipe) -> list[QAExample]:
 
-    examples = load_qa(recipe.data.train)[recipe.data.skip_train_examples:]
+    examples = load_qa(recipe.data.train)[recipe.data.skip_train_examples :]
     if recipe.data.drop_yes_no:
-
         examples = drop_yes_no(examples)
     if recipe.data.hard_from:
-
         examples = keep_hard(examples, ScoreCache(recipe.data.hard_from))
     if recipe.data.max_train_examples:
         examples = examples[: recipe.data.max_train_examples]
@@ -137,16 +148,18 @@ def build_reward_services(recipe: Recipe, policy_gen: Any, policy: nn.Module, re
         return FrozenBaseGenerator(policy_gen, policy)
 
     def service_model(spec: str | None, role: str):
-        return open_generator(spec, retry=recipe.services.retry.policy(), service=f"reward {role}",
-                              named={"policy-base": policy_base})
+        return open_generator(
+            spec,
+            retry=recipe.services.retry.policy(),
+            service=f"reward {role}",
+            named={"policy-base": policy_base},
+        )
 
     encoder = None
     if recipe.reward.encoder:
-
         encoder = Encoder(EncoderConfig(name=recipe.reward.encoder))
     cache = None
     if recipe.reward.baseline_cache:
-
         cache = ScoreCache(recipe.reward.baseline_cache)
     return RewardServices(
         generator=service_model(recipe.reward.generator, "generator"),
@@ -155,8 +168,14 @@ def build_reward_services(recipe: Recipe, policy_gen: Any, policy: nn.Module, re
         baseline_cache=cache,
         retriever=retriever,
         # scoring with the policy itself (teacher-forced log-probs); none where no policy is trained
-        policy=PolicyScorer(policy, policy_gen.tokenizer, recipe.algorithm.micro_batch_size,
-                            sharded=recipe.model.parallel == "fsdp") if policy is not None else None,
+        policy=PolicyScorer(
+            policy,
+            policy_gen.tokenizer,
+            recipe.algorithm.micro_batch_size,
+            sharded=recipe.model.parallel == "fsdp",
+        )
+        if policy is not None
+        else None,
     )
 
 
@@ -184,8 +203,13 @@ def apply_optim_recipe(optimizers: dict[str, torch.optim.Optimizer], schedulers:
         base = bases[name] * lr_scale
         sched.base_lrs = [base] * len(opt.param_groups)
         for group, factor in zip(opt.param_groups, sched.lr_lambdas, strict=True):
-            group.update(initial_lr=base, lr=base * factor(sched.last_epoch), betas=tuple(optim.betas), eps=optim.eps,
-                         weight_decay=optim.weight_decay)
+            group.update(
+                initial_lr=base,
+                lr=base * factor(sched.last_epoch),
+                betas=tuple(optim.betas),
+                eps=optim.eps,
+                weight_decay=optim.weight_decay,
+            )
         sched._last_lr = [g["lr"] for g in opt.param_groups]  # what get_last_lr() (the logged lr) returns
 
 
@@ -221,11 +245,14 @@ def check_input_paths(recipe: Recipe) -> None:
         ("model.init_from", recipe.model.init_from),
         ("sft.data", recipe.sft.data if recipe.sft is not None else None),
     ]
-    missing = [f"{field}: {value} does not exist" for field, value in named if value and not Path(value).exists()]
+    missing = [
+        f"{field}: {value} does not exist" for field, value in named if value and not Path(value).exists()
+    ]
     try:
         check_model_spec(recipe.model.policy)
     except ConfigError as err:
         missing.append(f"model.policy: {err}")
     if missing:
-        raise ConfigError(f"recipe {recipe.name!r} names inputs that are not there:\n  " + "\n  ".join(missing))
-
+        raise ConfigError(
+            f"recipe {recipe.name!r} names inputs that are not there:\n  " + "\n  ".join(missing)
+        )

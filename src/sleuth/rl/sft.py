@@ -49,7 +49,9 @@ def sft_out_dir(recipe: Recipe) -> Path:
     return Path(recipe.sft.out_dir or Path(recipe.trainer.out_dir) / SFT_DIR)
 
 
-def sft_batch(records: Sequence[SFTRecord], pad_id: int, max_length: int) -> tuple[torch.Tensor, torch.Tensor]:
+def sft_batch(
+    records: Sequence[SFTRecord], pad_id: int, max_length: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(input ids, target mask), both (B, L), rows right-padded. The target mask is 1 where position t's
     token is a policy token; position t is predicted from positions < t."""
     rows, masks = [], []
@@ -107,7 +109,9 @@ def _epoch_order(n: int, seed: int, epoch: int) -> list[int]:
 
 
 @torch.no_grad()
-def heldout_loss(model, records: Sequence[SFTRecord], pad_id: int, micro: int, max_length: int, device) -> float:
+def heldout_loss(
+    model, records: Sequence[SFTRecord], pad_id: int, micro: int, max_length: int, device
+) -> float:
 
     total, count = 0.0, 0
     for start in range(0, len(records), micro):
@@ -131,8 +135,10 @@ def load_sft_data(recipe: Recipe, vocab_size: int) -> tuple[list[SFTRecord], lis
     top = max(max(r.prompt_ids + r.response_ids) for r in records)
     if top >= vocab_size:
         raise DataFormatError(
-            cfg.data, None, f"token id {top} is outside the model's vocabulary ({vocab_size}): the trajectories "
-            f"were tokenised for another model than {recipe.model.policy!r}"
+            cfg.data,
+            None,
+            f"token id {top} is outside the model's vocabulary ({vocab_size}): the trajectories "
+            f"were tokenised for another model than {recipe.model.policy!r}",
         )
     train, held = split_records(records, cfg.held_out, recipe.seed)
     train = list(iter_limited(train, cfg.limit, recipe.seed))
@@ -144,7 +150,6 @@ def load_sft_data(recipe: Recipe, vocab_size: int) -> tuple[list[SFTRecord], lis
 def run_sft(recipe: Recipe, *, resume: bool = True, console: Any = None) -> dict[str, Any]:
     """Fine-tune the recipe's policy on `recipe.sft.data`; returns {"out_dir", "checkpoint", "metrics"}."""
 
-
     cfg = recipe.sft
     if cfg is None:
         raise ConfigError("the recipe has no sft: section (sft.data names the trajectory jsonl)")
@@ -153,10 +158,16 @@ def run_sft(recipe: Recipe, *, resume: bool = True, console: Any = None) -> dict
     seed_everything(recipe.seed)
     device = torch.device(recipe.model.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     ckpt = latest_checkpoint(out_dir) if resume else None
-    init = None if ckpt is not None or recipe.model.init_from is None else resolve_checkpoint(recipe.model.init_from)
+    init = (
+        None
+        if ckpt is not None or recipe.model.init_from is None
+        else resolve_checkpoint(recipe.model.init_from)
+    )
     if init is not None:
         check_init_from(recipe, init, console)
-    tokenizer, policy, _ = load_policy(recipe, device, ckpt / POLICY_DIR if ckpt else (init / POLICY_DIR if init else None))
+    tokenizer, policy, _ = load_policy(
+        recipe, device, ckpt / POLICY_DIR if ckpt else (init / POLICY_DIR if init else None)
+    )
     train, held = load_sft_data(recipe, policy.get_input_embeddings().num_embeddings)
     steps_per_epoch = math.ceil(len(train) / cfg.batch_size)
     total = steps_per_epoch * cfg.epochs
@@ -177,15 +188,29 @@ def run_sft(recipe: Recipe, *, resume: bool = True, console: Any = None) -> dict
     def save(step: int, epoch: int) -> Path:
         states = TrainingStates(policy, tokenizer, optimizers={"policy": opt}, schedulers={"policy": sched})
         return save_checkpoint(
-            out_dir, step, states, trainer_state={"kind": "sft", "epoch": epoch, "recipe": recipe.name,
-                                             FINGERPRINT: recipe_fingerprint(recipe, algorithm="sft")},
-            searcher=replace(searcher_info(recipe), extra={"trained_with": "sft", **info}), keep=recipe.trainer.keep_checkpoints,
+            out_dir,
+            step,
+            states,
+            trainer_state={
+                "kind": "sft",
+                "epoch": epoch,
+                "recipe": recipe.name,
+                FINGERPRINT: recipe_fingerprint(recipe, algorithm="sft"),
+            },
+            searcher=replace(searcher_info(recipe), extra={"trained_with": "sft", **info}),
+            keep=recipe.trainer.keep_checkpoints,
         )
 
     last: dict[str, float] = {}
     # on a terminal a live bar; in a log a plain line with the loss and the ETA every 30 s (sleuth.progress)
-    bar = progress_bar(console, TextColumn("SFT"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[loss]}"),
-                       TimeRemainingColumn())
+    bar = progress_bar(
+        console,
+        TextColumn("SFT"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[loss]}"),
+        TimeRemainingColumn(),
+    )
     with bar:
         task = bar.add_task("sft", total=total, completed=done, loss="")
         for step in range(done, total):
@@ -207,12 +232,19 @@ def run_sft(recipe: Recipe, *, resume: bool = True, console: Any = None) -> dict
             if torch.isfinite(norm):
                 opt.step()
             sched.step()
-            last = {"sft/loss": loss_sum / max(n_tokens, 1), "sft/grad_norm": float(norm), "sft/tokens": n_tokens,
-                    "sft/epoch": epoch + (k + 1) / steps_per_epoch, "time/step": time.perf_counter() - t0}
+            last = {
+                "sft/loss": loss_sum / max(n_tokens, 1),
+                "sft/grad_norm": float(norm),
+                "sft/tokens": n_tokens,
+                "sft/epoch": epoch + (k + 1) / steps_per_epoch,
+                "time/step": time.perf_counter() - t0,
+            }
             end_of_epoch = k == steps_per_epoch - 1
             if held and (end_of_epoch or step + 1 == total):
                 policy.eval()
-                last["sft/heldout_loss"] = heldout_loss(policy, held, pad, cfg.micro_batch_size, cfg.max_length, device)
+                last["sft/heldout_loss"] = heldout_loss(
+                    policy, held, pad, cfg.micro_batch_size, cfg.max_length, device
+                )
             log.write(step + 1, last)
             held_text = f" heldout {last['sft/heldout_loss']:.4f}" if "sft/heldout_loss" in last else ""
             bar.update(task, advance=1, loss=f"loss {last['sft/loss']:.4f}{held_text}")
@@ -220,12 +252,23 @@ def run_sft(recipe: Recipe, *, resume: bool = True, console: Any = None) -> dict
             if stop or (cfg.save_every and (step + 1) % cfg.save_every == 0) or step + 1 == total:
                 save(step + 1, epoch)
             if stop:
-                raise StoppedBySignal(f"SIGTERM received after SFT step {step + 1} of {total}; checkpoint saved")
+                raise StoppedBySignal(
+                    f"SIGTERM received after SFT step {step + 1} of {total}; checkpoint saved"
+                )
     final = latest_checkpoint(out_dir)
     if final is None:
         raise ConfigError(f"SFT wrote no checkpoint under {out_dir}")
     log.finish({"checkpoint": str(final), "steps": total, "final_metrics": last})
     # The recipe too, as run.json holds it for RL: `sleuth report` names the recipe and model from it.
-    atomic_write_json(out_dir / SFT_INFO, {**info, "kind": "sft", "final_checkpoint": str(final), "last": last,
-                                           "recipe": recipe.model_dump(), "device": str(device)})
+    atomic_write_json(
+        out_dir / SFT_INFO,
+        {
+            **info,
+            "kind": "sft",
+            "final_checkpoint": str(final),
+            "last": last,
+            "recipe": recipe.model_dump(),
+            "device": str(device),
+        },
+    )
     return {"out_dir": str(out_dir), "checkpoint": str(final), "metrics": last}

@@ -113,11 +113,14 @@ def format_line(step: int, total: int, m: dict[str, float]) -> str:
     if "actor/entropy" in m:
         parts.append(f"ent {m['actor/entropy']:.3f}")
     if m.get("actor/skipped_nonfinite_grad"):
-        parts.append(f"[yellow]skipped {m['actor/skipped_nonfinite_grad']:.0%} of updates (non-finite grad)[/]")
+        parts.append(
+            f"[yellow]skipped {m['actor/skipped_nonfinite_grad']:.0%} of updates (non-finite grad)[/]"
+        )
     parts.append(
         f"t {m['time/rollout']:.1f}/{m['time/reward']:.1f}/{m['time/update']:.1f}s (rollout/reward/update)"
     )
     if m.get("time/decode_compile", 0.0) >= 0.05:
-        parts.append(f"[dim](of which {m['time/decode_compile']:.1f}s one-time compile of new decode shapes)[/]")
+        parts.append(
+            f"[dim](of which {m['time/decode_compile']:.1f}s one-time compile of new decode shapes)[/]"
+        )
     return "  ".join(parts)
-

@@ -80,7 +80,9 @@ from sleuth.run_layout import CHECKPOINTS, METRICS, SFT_DIR, checkpoint_dir, lat
 from sleuth.utils import atomic_path, is_write_failure
 
 
-def train(recipe: Recipe, *, resume: bool = False, overwrite: bool = False, console: Any = None) -> dict[str, Any]:
+def train(
+    recipe: Recipe, *, resume: bool = False, overwrite: bool = False, console: Any = None
+) -> dict[str, Any]:
     """Run the recipe. Inputs are checked first; a fresh run into another run's directory is refused
     (`overwrite` moves that run aside); a run that fails before logging a step removes the output
     directory it created, so a rerun does not find a half-made one."""
@@ -120,7 +122,9 @@ class StepBatch:
     # the trainer's log-probs under the weights that rolled out (the old ones, or filled by the on-policy
     # update's own forward), set beside the rollout's for the agreement metric
     policy_logprobs: torch.Tensor | None = None
-    staleness: int | None = None  # trainer.overlap: updates between the weights that rolled out and these (else None)
+    staleness: int | None = (
+        None  # trainer.overlap: updates between the weights that rolled out and these (else None)
+    )
 
 
 def _train(recipe: Recipe, *, resume: bool = False, console: Any = None) -> dict[str, Any]:
@@ -128,13 +132,19 @@ def _train(recipe: Recipe, *, resume: bool = False, console: Any = None) -> dict
     if recipe.sft is not None and recipe.model.init_from is None:
         # SFT first (resumable; a finished SFT run is reused), then RL from its final checkpoint
         sft = run_sft(recipe, resume=True, console=console)
-        recipe = recipe.model_copy(update={"model": recipe.model.model_copy(update={"init_from": sft["checkpoint"]})})
+        recipe = recipe.model_copy(
+            update={"model": recipe.model.model_copy(update={"init_from": sft["checkpoint"]})}
+        )
     ctx = init_distributed(recipe.model.device)
     check_overlap(recipe, ctx)
     if not ctx.is_main:
         console = Console(quiet=True)
     run = setup(recipe, ctx, console, resume)
-    if run.val_examples and validation_due(recipe, run.start_step) and not already_validated(run, run.start_step):
+    if (
+        run.val_examples
+        and validation_due(recipe, run.start_step)
+        and not already_validated(run, run.start_step)
+    ):
         validate(run, run.start_step)  # before training, or the one a stop right after a checkpoint missed
     run.guards = start_guards(run)
     started = time.monotonic()
@@ -159,8 +169,10 @@ def _train(recipe: Recipe, *, resume: bool = False, console: Any = None) -> dict
             # close the validation series at the step reached, so a stopped run's curve has its end point
             if run.val_examples and not validation_due(recipe, done) and stop.validate:
                 validate(run, done)
-            console.print(f"{stop.message} after step {done} of {recipe.trainer.total_steps}; checkpoint saved, "
-                          "resume to continue")
+            console.print(
+                f"{stop.message} after step {done} of {recipe.trainer.total_steps}; checkpoint saved, "
+                "resume to continue"
+            )
             break
     if run.services.baseline_cache is not None:
         run.services.baseline_cache.save()
@@ -170,10 +182,17 @@ def _train(recipe: Recipe, *, resume: bool = False, console: Any = None) -> dict
     if final is not None and not final.exists():
         final = latest_checkpoint(run.out_dir)
     guarded = final_message(run.guards)
-    result = {"out_dir": str(run.out_dir), "checkpoint": str(final) if final else None, "steps_done": done,
-              "stopped_at_time_limit": done < recipe.trainer.total_steps and not run.guards.stopped
-              and not sigterm_received(), "stopped_by_sigterm": done < recipe.trainer.total_steps and sigterm_received(),
-              "stopped_by_guard": run.guards.stopped, "guards": guarded}
+    result = {
+        "out_dir": str(run.out_dir),
+        "checkpoint": str(final) if final else None,
+        "steps_done": done,
+        "stopped_at_time_limit": done < recipe.trainer.total_steps
+        and not run.guards.stopped
+        and not sigterm_received(),
+        "stopped_by_sigterm": done < recipe.trainer.total_steps and sigterm_received(),
+        "stopped_by_guard": run.guards.stopped,
+        "guards": guarded,
+    }
     if guarded:
         console.print(f"[bold]guards[/]: {guarded}")
     if run.log is not None:
@@ -186,13 +205,20 @@ def train_step(run: Run, step: int) -> dict[str, float]:
     recipe, ctx = run.recipe, run.ctx
     t_start = time.perf_counter()
     run.reward_fn.set_step(step)
-    stage = run.reward_fn.current_stage  # a reward with a schedule (Reward.current_stage) switches on the step
+    stage = (
+        run.reward_fn.current_stage
+    )  # a reward with a schedule (Reward.current_stage) switches on the step
 
     # 1. rollout and score (each rank its slice of the prompts); with trainer.overlap, step k-1 made them from the
     # weights it started with (sleuth.rl.overlap), and this step makes step k+1's now, before its own update
     staleness, cursor_now, pending = 0, run.cursor.state(), run.pending
     if pending is not None:
-        collected, staleness, cursor_now, run.pending = pending.collected, pending.staleness, pending.cursor_before, None
+        collected, staleness, cursor_now, run.pending = (
+            pending.collected,
+            pending.staleness,
+            pending.cursor_before,
+            None,
+        )
     else:
         run.policy.eval()
         collected = collect_or_stop(run, step, stage)
@@ -216,7 +242,10 @@ def train_step(run: Run, step: int) -> dict[str, float]:
     t4 = time.perf_counter()
     sync_rollout_weights(run)
     t_update = time.perf_counter() - t2
-    stats["time/make_batch"], stats["time/weight_sync"] = [t3 - t2], [time.perf_counter() - t4]  # parts of update
+    stats["time/make_batch"], stats["time/weight_sync"] = (
+        [t3 - t2],
+        [time.perf_counter() - t4],
+    )  # parts of update
     if overlapped and overlap.WAIT_FOR_UPDATE:  # tests: the overlapped path at staleness 0
         run.pending = collect_next(run, step, cursor_now, staleness=0)
 
@@ -281,9 +310,23 @@ def make_batch(run: Run, trajs: list[Trajectory], scores: list[float], behaviour
         old_values = batched_values(run.critic, tokens, algo.micro_batch_size, device)
     advantages, returns = estimate_advantages(run, token_rewards, mask, old_values, trajs)
     # the agreement metric needs the trainer's forward of the rollout's weights: not kept under overlap
-    policy_logprobs = None if behaviour else old_logprobs if old_logprobs is not None else torch.zeros(mask.shape)
-    return StepBatch(trajs, scores, tokens, advantages, returns, old_logprobs, ref_logprobs, ref_rows, old_values,
-                     kl, plan=plan, policy_logprobs=policy_logprobs)
+    policy_logprobs = (
+        None if behaviour else old_logprobs if old_logprobs is not None else torch.zeros(mask.shape)
+    )
+    return StepBatch(
+        trajs,
+        scores,
+        tokens,
+        advantages,
+        returns,
+        old_logprobs,
+        ref_logprobs,
+        ref_rows,
+        old_values,
+        kl,
+        plan=plan,
+        policy_logprobs=policy_logprobs,
+    )
 
 
 def _adapt_kl_coef(run: Run, kl: torch.Tensor, mask: torch.Tensor) -> None:
@@ -292,7 +335,9 @@ def _adapt_kl_coef(run: Run, kl: torch.Tensor, mask: torch.Tensor) -> None:
     if kl_cfg.type != "adaptive":
         return
     per_seq = loss_fns.sequence_mean_kl(kl.float(), mask)
-    total = run.ctx.all_reduce_sum(torch.stack([per_seq.sum(), torch.tensor(float(len(per_seq)))]).to(kl.device))
+    total = run.ctx.all_reduce_sum(
+        torch.stack([per_seq.sum(), torch.tensor(float(len(per_seq)))]).to(kl.device)
+    )
     current_kl, n = total[0].item() / max(total[1].item(), 1.0), int(total[1].item())
     run.kl_coef = loss_fns.adaptive_kl_coef(run.kl_coef, current_kl, kl_cfg.target_kl, kl_cfg.horizon, n)
 
@@ -309,8 +354,12 @@ def estimate_advantages(run: Run, token_rewards: torch.Tensor, mask: torch.Tenso
     if "whiten" in inputs:
         options["whiten"] = False
     advantages, returns = adv_fns.compute_advantages(
-        algo.advantage, token_rewards=token_rewards, response_mask=mask, values=values,
-        group_ids=dense_group_ids(trajs) if "group_ids" in inputs else None, **options,
+        algo.advantage,
+        token_rewards=token_rewards,
+        response_mask=mask,
+        values=values,
+        group_ids=dense_group_ids(trajs) if "group_ids" in inputs else None,
+        **options,
     )
     if "whiten" in inputs:
         advantages = dist_masked_whiten(advantages, mask, run.ctx)
@@ -321,19 +370,25 @@ def _log_step(run: Run, step: int, stage: int, collected: Collected, batch: Step
               stats: dict[str, list[float]], times: dict[str, float]) -> dict[str, float]:  # fmt: skip
     ctx, recipe, mask = run.ctx, run.recipe, batch.tokens.action_mask
     answers = get_method(recipe.agent.loop).answers
-    metrics = step_metrics(batch.trajs, batch.scores, collected.all_rewards, mask, batch.kl, stats, answers=answers)
-    metrics.update({
-        "stage": float(stage),
-        "sampling_rounds": float(collected.rounds),
-        "time/rollout": collected.t_rollout,
-        "time/reward": collected.t_reward,
-        "time/update": times["update"],
-        "time/step": time.perf_counter() - times["start"],
-        "tokens/policy_per_s": float(mask.sum()) / max(collected.t_rollout, 1e-9),
-        **machinery_metrics(run),
-        **rollout_agreement(batch.trajs, mask, batch.policy_logprobs),  # LoRA weights that never reached rollouts
-        **update_plan_metrics(run.policy, batch.plan),
-    })
+    metrics = step_metrics(
+        batch.trajs, batch.scores, collected.all_rewards, mask, batch.kl, stats, answers=answers
+    )
+    metrics.update(
+        {
+            "stage": float(stage),
+            "sampling_rounds": float(collected.rounds),
+            "time/rollout": collected.t_rollout,
+            "time/reward": collected.t_reward,
+            "time/update": times["update"],
+            "time/step": time.perf_counter() - times["start"],
+            "tokens/policy_per_s": float(mask.sum()) / max(collected.t_rollout, 1e-9),
+            **machinery_metrics(run),
+            **rollout_agreement(
+                batch.trajs, mask, batch.policy_logprobs
+            ),  # LoRA weights that never reached rollouts
+            **update_plan_metrics(run.policy, batch.plan),
+        }
+    )
     if batch.staleness is not None:
         metrics["rollout/staleness"] = float(batch.staleness)
     failed = failed_trajectories(collected.trajs_all)
@@ -348,9 +403,13 @@ def _log_step(run: Run, step: int, stage: int, collected: Collected, batch: Step
         run.log.write(step + 1, metrics)
         run.console.print(format_line(step + 1, recipe.trainer.total_steps, metrics))
         kept = batch.trajs
-        write_trajectories(run.out_dir / "rollouts" / f"step_{step + 1:06d}.jsonl", kept[: min(len(kept), 32)])
+        write_trajectories(
+            run.out_dir / "rollouts" / f"step_{step + 1:06d}.jsonl", kept[: min(len(kept), 32)]
+        )
     if failed:  # one example per step is enough to debug; the count is in the metrics
-        write_trajectories(run.out_dir / "debug" / f"failed_step_{step + 1:06d}_rank{ctx.rank}.jsonl", failed[:1])
+        write_trajectories(
+            run.out_dir / "debug" / f"failed_step_{step + 1:06d}_rank{ctx.rank}.jsonl", failed[:1]
+        )
     return metrics
 
 
@@ -359,15 +418,19 @@ def update(run: Run, batch: StepBatch) -> dict[str, list[float]]:
     minibatch's global totals divided by the number of ranks, so DDP's gradient mean equals the
     gradient of one process's loss over the whole minibatch."""
     algo, ctx, mask = run.recipe.algorithm, run.ctx, batch.tokens.action_mask
-    stats: dict[str, list[float]] = {"update/tokens": [float(batch.tokens.row_lengths().sum())]}  # prompt + response
+    stats: dict[str, list[float]] = {
+        "update/tokens": [float(batch.tokens.row_lengths().sum())]
+    }  # prompt + response
     n_traj = batch.tokens.input_ids.shape[0]
     for _epoch in range(algo.ppo_epochs):
         perm = torch.randperm(n_traj)
         for mb_slice in chunks(n_traj, run.local_minibatch):
             mb_idx = perm[mb_slice]
             counts = ctx.all_reduce_sum(torch.tensor([float(mask[mb_idx].sum()), float(len(mb_idx))]))
-            totals = {"num_tokens": max(counts[0].item(), 1.0) / ctx.world_size,
-                      "num_seqs": counts[1].item() / ctx.world_size}
+            totals = {
+                "num_tokens": max(counts[0].item(), 1.0) / ctx.world_size,
+                "num_seqs": counts[1].item() / ctx.world_size,
+            }
             for o in run.optimizers.values():
                 o.zero_grad(set_to_none=True)
             # micro-batches by rows and tokens (ForwardPlan): positions within the minibatch
@@ -397,11 +460,13 @@ def _micro_step(run: Run, batch: StepBatch, idx: torch.Tensor, totals: dict[str,
     fresh_ref = batch.ref_rows is not None and not bool(batch.ref_rows[idx].all())
     with _maybe_no_sync(run.policy, sync), autocast(device):
         if fresh_ref:
-            batch.ref_logprobs[idx] = adapter_free_logprobs(run.policy, mi, run.recipe.sampling.temperature,
-                                                            batch.plan.packed).to(batch.ref_logprobs)
+            batch.ref_logprobs[idx] = adapter_free_logprobs(
+                run.policy, mi, run.recipe.sampling.temperature, batch.plan.packed
+            ).to(batch.ref_logprobs)
             batch.ref_rows[idx] = True
-        logprobs, entropy = forward_logprobs(run.policy, mi, run.recipe.sampling.temperature, with_entropy=True,
-                                             packed=batch.plan.packed)
+        logprobs, entropy = forward_logprobs(
+            run.policy, mi, run.recipe.sampling.temperature, with_entropy=True, packed=batch.plan.packed
+        )
         if batch.old_logprobs is None:  # one on-policy epoch: the ratio's old side is this forward, detached
             old = logprobs.detach()
             if batch.policy_logprobs is not None:
@@ -411,7 +476,12 @@ def _micro_step(run: Run, batch: StepBatch, idx: torch.Tensor, totals: dict[str,
         agg = loss_fns.LossAgg(algo.loss_agg, **totals)
         clip = loss_fns.PolicyClip(algo.clip_low, algo.clip_high, algo.clip_ratio_c)
         pg_loss, pg_stats = loss_fns.get_policy_loss(algo.policy_loss)(
-            old, logprobs, batch.advantages[idx].to(device), m, clip=clip, agg=agg,
+            old,
+            logprobs,
+            batch.advantages[idx].to(device),
+            m,
+            clip=clip,
+            agg=agg,
         )
         loss = pg_loss
         if algo.entropy_coef:
@@ -432,7 +502,12 @@ def _micro_step(run: Run, batch: StepBatch, idx: torch.Tensor, totals: dict[str,
         with _maybe_no_sync(run.critic, sync), autocast(device):
             values = critic_values(run.critic, mi)
             v_loss, v_stats = loss_fns.value_loss(
-                values, batch.old_values[idx].to(device), batch.returns[idx].to(device), m, clip=algo.value_clip, agg=agg,
+                values,
+                batch.old_values[idx].to(device),
+                batch.returns[idx].to(device),
+                m,
+                clip=algo.value_clip,
+                agg=agg,
             )
             (algo.value_coef * v_loss).backward()
         acc_stat(mb_losses, "critic/value_loss", v_loss.item())
@@ -441,24 +516,32 @@ def _micro_step(run: Run, batch: StepBatch, idx: torch.Tensor, totals: dict[str,
 
 def _optimizer_steps(run: Run, batch: StepBatch, mb_idx: torch.Tensor, stats: dict[str, list[float]]) -> None:
     policy, ctx, grad_clip = run.policy, run.ctx, run.recipe.optim.grad_clip
-    grad_norm = _step_if_finite(run.optimizers["policy"], [p for p in policy.parameters() if p.requires_grad],
-                                grad_clip, ctx)
+    grad_norm = _step_if_finite(
+        run.optimizers["policy"], [p for p in policy.parameters() if p.requires_grad], grad_clip, ctx
+    )
     add_stat(stats, "actor/skipped_nonfinite_grad", float(not math.isfinite(grad_norm)))
     if math.isfinite(grad_norm):
         add_stat(stats, "actor/grad_norm", grad_norm)
     else:
-        _report_nonfinite(policy, grad_norm, batch.debug_path, {
-            "batch": {k: v[mb_idx] for k, v in vars(batch.tokens).items()},
-            "advantages": batch.advantages[mb_idx],
-            "ref_logprobs": None if batch.ref_logprobs is None else batch.ref_logprobs[mb_idx],
-            "micro_batch_size": run.recipe.algorithm.micro_batch_size,
-        })
+        _report_nonfinite(
+            policy,
+            grad_norm,
+            batch.debug_path,
+            {
+                "batch": {k: v[mb_idx] for k, v in vars(batch.tokens).items()},
+                "advantages": batch.advantages[mb_idx],
+                "ref_logprobs": None if batch.ref_logprobs is None else batch.ref_logprobs[mb_idx],
+                "micro_batch_size": run.recipe.algorithm.micro_batch_size,
+            },
+        )
     if run.critic is not None:
         critic_norm = _step_if_finite(run.optimizers["critic"], list(run.critic.parameters()), grad_clip, ctx)
         add_stat(stats, "critic/skipped_nonfinite_grad", float(not math.isfinite(critic_norm)))
 
 
-def _step_if_finite(optimizer: torch.optim.Optimizer, params: list, max_norm: float, ctx: DistContext) -> float:
+def _step_if_finite(
+    optimizer: torch.optim.Optimizer, params: list, max_norm: float, ctx: DistContext
+) -> float:
     """Clip to the global gradient norm and step; returns the norm. A non-finite norm (global, so
     every rank agrees) would turn the weights into NaN for good: that step is skipped, as verl does."""
     norm = clip_grad_norm(params, max_norm, ctx)
@@ -467,7 +550,9 @@ def _step_if_finite(optimizer: torch.optim.Optimizer, params: list, max_norm: fl
     return norm
 
 
-def _report_nonfinite(policy: nn.Module, norm: float, debug_path: Path | None, minibatch: dict[str, Any]) -> None:
+def _report_nonfinite(
+    policy: nn.Module, norm: float, debug_path: Path | None, minibatch: dict[str, Any]
+) -> None:
     """Name the parameters with non-finite gradients and save the minibatch to reproduce it offline."""
     bad = [n for n, p in policy.named_parameters() if p.grad is not None and not p.grad.isfinite().all()]
     if debug_path is not None:
@@ -475,7 +560,10 @@ def _report_nonfinite(policy: nn.Module, norm: float, debug_path: Path | None, m
             torch.save({**minibatch, "nonfinite_parameters": bad}, tmp)
     logging.getLogger(__name__).warning(
         "non-finite gradient (norm %s) in %d parameter(s), e.g. %s; optimizer step skipped%s",
-        norm, len(bad), ", ".join(bad[:3]), f"; minibatch saved to {debug_path}" if debug_path is not None else "",
+        norm,
+        len(bad),
+        ", ".join(bad[:3]),
+        f"; minibatch saved to {debug_path}" if debug_path is not None else "",
     )
 
 
@@ -483,5 +571,3 @@ def _maybe_no_sync(model: nn.Module, sync: bool):
     if not sync and hasattr(model, "no_sync"):
         return model.no_sync()
     return contextlib.nullcontext()
-
-

@@ -56,21 +56,32 @@ def validate(run: Run, done: int) -> dict[str, float]:
     run.policy.eval()
     t0 = time.perf_counter()
     with autocast(ctx.device):
-        trajs = rollout(run.loop, run.generator, run.retriever, mine, greedy, n=1, budget=rollout_budget(run.recipe))
+        trajs = rollout(
+            run.loop, run.generator, run.retriever, mine, greedy, n=1, budget=rollout_budget(run.recipe)
+        )
     results = guarded_rewards(run.reward_fn, trajs, run.services)
     run.retrieval_logged = run.retriever.totals()  # a step's time/retrieval leaves validation's searches out
     rows = [
-        {"id": t.question_id, "question": t.question, "golden_answers": t.golden_answers, "answer": t.answer,
-         "reward": r.total, "components": r.components, "retrieval_count": t.retrieval_count,
-         "finish_reason": t.finish_reason}
+        {
+            "id": t.question_id,
+            "question": t.question,
+            "golden_answers": t.golden_answers,
+            "answer": t.answer,
+            "reward": r.total,
+            "components": r.components,
+            "retrieval_count": t.retrieval_count,
+            "finish_reason": t.finish_reason,
+        }
         for t, r in zip(trajs, results, strict=True)
     ]
     rows = ctx.gather_objects(rows)
     seconds = time.perf_counter() - t0
     metrics = {
         "val/reward/mean": sum(r["reward"] for r in rows) / len(rows),
-        **{f"val/reward/{name}": sum(r["components"].get(name, 0.0) for r in rows) / len(rows)
-           for name in sorted({k for r in rows for k in r["components"]})},
+        **{
+            f"val/reward/{name}": sum(r["components"].get(name, 0.0) for r in rows) / len(rows)
+            for name in sorted({k for r in rows for k in r["components"]})
+        },
         "val/retrieval_count": sum(r["retrieval_count"] for r in rows) / len(rows),
         "val/answered": sum(r["answer"] is not None for r in rows) / len(rows),
         "val/examples": float(len(rows)),

@@ -34,12 +34,15 @@ def parse_loop_options(items: list[str] | None) -> dict[str, Any]:
     return options
 
 
-def load_retriever_from(index: str | Path | None, retriever_url: str | None,
-                        location: str | None = None) -> tuple[Any, str]:
+def load_retriever_from(
+    index: str | Path | None, retriever_url: str | None, location: str | None = None
+) -> tuple[Any, str]:
     """The retriever of exactly one of --index, --retriever-url or --retriever (any location), and its name."""
     if sum(x is not None for x in (index, retriever_url, location)) != 1:
-        raise ConfigError("pass exactly one of --index DIR (a local index), --retriever-url URL (a /retrieve server) "
-                          "or --retriever LOCATION (any retriever backend, e.g. hybrid:DIR1,DIR2)")
+        raise ConfigError(
+            "pass exactly one of --index DIR (a local index), --retriever-url URL (a /retrieve server) "
+            "or --retriever LOCATION (any retriever backend, e.g. hybrid:DIR1,DIR2)"
+        )
     if index is not None:
         missing = f"--index {index} does not exist or is not a directory; build one with `sleuth index`"
         return open_retriever(index=index, missing_index=missing), f"index:{index}"
@@ -81,7 +84,12 @@ def _searcher(spec: ServiceSpec) -> tuple[Any, AgentLoop, Any, str]:
         agent_loop = searcher.loop
         if spec.loop_options:
             agent_loop = get_loop(info.loop, **{**info.loop_options, **spec.loop_options})
-        return searcher.generator, agent_loop, info, f"checkpoint:{spec.checkpoint} (base {info.base_model}, step {info.step})"
+        return (
+            searcher.generator,
+            agent_loop,
+            info,
+            f"checkpoint:{spec.checkpoint} (base {info.base_model}, step {info.step})",
+        )
     model = spec.model
     assert model is not None
     if spec.loop is None:
@@ -100,7 +108,9 @@ def build_service(spec: ServiceSpec, retriever: Any = None, warm_up: bool = True
     """Load the searcher of `spec` (a `sleuth train` checkpoint or export, or a model + loop), its retriever
     (`spec.index`, `spec.retriever_url`, `spec.retriever`, or `retriever`: any object with `search(queries, k)`) and generator."""
     if (spec.checkpoint is None) == (spec.model is None):
-        raise ConfigError("pass exactly one of --checkpoint DIR (a trained searcher) or --model SPEC with --loop NAME")
+        raise ConfigError(
+            "pass exactly one of --checkpoint DIR (a trained searcher) or --model SPEC with --loop NAME"
+        )
 
     # The retriever first: a wrong --index fails in a second, before any model is loaded.
     if retriever is None:
@@ -116,7 +126,9 @@ def build_service(spec: ServiceSpec, retriever: Any = None, warm_up: bool = True
         try:
             retriever.search(["warm up"], 1)
         except Exception as err:
-            raise ConfigError(f"retriever {retriever_name} loaded but a test search failed: {type(err).__name__}: {err}") from err
+            raise ConfigError(
+                f"retriever {retriever_name} loaded but a test search failed: {type(err).__name__}: {err}"
+            ) from err
 
     def pick(given: int | None, key: str, default: int) -> int:
         trained = getattr(info, key, None) if info is not None else None
@@ -124,10 +136,13 @@ def build_service(spec: ServiceSpec, retriever: Any = None, warm_up: bool = True
 
     settings = SearcherSettings(
         limits=spec.limits or ServeLimits(),
-        max_new_tokens_per_turn=pick(spec.max_new_tokens_per_turn, "max_new_tokens_per_turn",
-                                     DEFAULT_MAX_NEW_TOKENS_PER_TURN),
+        max_new_tokens_per_turn=pick(
+            spec.max_new_tokens_per_turn, "max_new_tokens_per_turn", DEFAULT_MAX_NEW_TOKENS_PER_TURN
+        ),
         max_obs_tokens=pick(spec.max_obs_tokens, "max_obs_tokens", DEFAULT_MAX_OBS_TOKENS),
-        max_response_tokens=pick(spec.max_response_tokens, "max_response_tokens", DEFAULT_MAX_RESPONSE_TOKENS),
+        max_response_tokens=pick(
+            spec.max_response_tokens, "max_response_tokens", DEFAULT_MAX_RESPONSE_TOKENS
+        ),
         model_name=model_name,
         retriever_name=retriever_name,
         generator_name=spec.generator,

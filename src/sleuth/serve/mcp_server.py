@@ -54,8 +54,9 @@ def _as_text(body: dict[str, Any], with_answer: bool) -> str:
     return "\n\n".join(parts)
 
 
-async def _run(service: SearcherService, question: str, max_turns: int | None, top_k: int | None,
-               want_answer: bool) -> dict[str, Any]:
+async def _run(
+    service: SearcherService, question: str, max_turns: int | None, top_k: int | None, want_answer: bool
+) -> dict[str, Any]:
     try:
         query = service.validate(question, max_turns, top_k, want_answer=want_answer)
     except RequestError as err:
@@ -67,8 +68,9 @@ async def _run(service: SearcherService, question: str, max_turns: int | None, t
         raise ToolError(str(err)) from err
 
 
-def create_mcp_server(service: SearcherService, *, name: str = "sleuth-searcher",
-                      answer_tool: bool | None = None) -> MCPServer:
+def create_mcp_server(
+    service: SearcherService, *, name: str = "sleuth-searcher", answer_tool: bool | None = None
+) -> MCPServer:
     """An MCPServer exposing `service` as tools; `answer_tool` defaults to "a generator is configured"."""
     with_answer = service.answer_generator is not None if answer_tool is None else answer_tool
     if with_answer and service.answer_generator is None:
@@ -87,13 +89,16 @@ def create_mcp_server(service: SearcherService, *, name: str = "sleuth-searcher"
         question: str, max_turns: int | None = None, top_k: int | None = None
     ) -> Annotated[CallToolResult, SearchResponse]:
         body = await _run(service, question, max_turns, top_k, want_answer=False)
-        return CallToolResult(content=[TextContent(type="text", text=_as_text(body, False))],
-                              structured_content=body)
+        return CallToolResult(
+            content=[TextContent(type="text", text=_as_text(body, False))], structured_content=body
+        )
 
     server.add_tool(
-        search, name="search",
-        description=SEARCH_DESCRIPTION.format(loop=service.loop.name, max_turns=limits.max_turns,
-                                              max_top_k=limits.max_top_k),
+        search,
+        name="search",
+        description=SEARCH_DESCRIPTION.format(
+            loop=service.loop.name, max_turns=limits.max_turns, max_top_k=limits.max_top_k
+        ),
     )
 
     if with_answer:
@@ -102,8 +107,9 @@ def create_mcp_server(service: SearcherService, *, name: str = "sleuth-searcher"
             question: str, max_turns: int | None = None, top_k: int | None = None
         ) -> Annotated[CallToolResult, AnswerResponse]:
             body = await _run(service, question, max_turns, top_k, want_answer=True)
-            return CallToolResult(content=[TextContent(type="text", text=_as_text(body, True))],
-                                  structured_content=body)
+            return CallToolResult(
+                content=[TextContent(type="text", text=_as_text(body, True))], structured_content=body
+            )
 
         server.add_tool(answer, name="answer", description=ANSWER_DESCRIPTION)
     return server
@@ -120,15 +126,24 @@ class _BearerAuth:
         if scope["type"] == "http":
             headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
             if not bearer_token_ok(headers.get("authorization"), self.token):
-                body = json.dumps({"detail": "missing or wrong bearer token: send 'Authorization: Bearer <token>'"})
-                await send({"type": "http.response.start", "status": 401,
-                            "headers": [(b"content-type", b"application/json"), (b"www-authenticate", b"Bearer")]})
+                body = json.dumps(
+                    {"detail": "missing or wrong bearer token: send 'Authorization: Bearer <token>'"}
+                )
+                await send(
+                    {
+                        "type": "http.response.start",
+                        "status": 401,
+                        "headers": [(b"content-type", b"application/json"), (b"www-authenticate", b"Bearer")],
+                    }
+                )
                 await send({"type": "http.response.body", "body": body.encode()})
                 return
         await self.app(scope, receive, send)
 
 
-def http_app(server: MCPServer, *, host: str = "127.0.0.1", token: str | None = None, path: str = "/mcp") -> Any:
+def http_app(
+    server: MCPServer, *, host: str = "127.0.0.1", token: str | None = None, path: str = "/mcp"
+) -> Any:
     """The streamable-HTTP ASGI app (endpoint `path`), behind bearer auth when `token` is set."""
     app = server.streamable_http_app(streamable_http_path=path, host=host)
     return _BearerAuth(app, token) if token else app

@@ -12,7 +12,9 @@ class SearchRequest(BaseModel):
 
     question: str = Field(strict=True, description="The question to gather evidence for.")
     max_turns: int | None = Field(None, strict=True, description="Search rounds (default: the loop's own).")
-    top_k: int | None = Field(None, strict=True, description="Documents per search (default: the loop's own).")
+    top_k: int | None = Field(
+        None, strict=True, description="Documents per search (default: the loop's own)."
+    )
 
 
 class ContextDoc(BaseModel):

@@ -46,7 +46,10 @@ DEFAULT_MAX_BODY_BYTES = 1 << 20  # a question is at most a few thousand charact
 
 
 def create_app(
-    service: SearcherService, *, token: str | None = None, name: str = "sleuth-searcher",
+    service: SearcherService,
+    *,
+    token: str | None = None,
+    name: str = "sleuth-searcher",
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
 ) -> FastAPI:
     """A FastAPI app serving `service`; with `token`, every route but /health needs `Bearer <token>`,
@@ -68,10 +71,15 @@ def create_app(
 
         @app.middleware("http")
         async def _require_token(request: Request, call_next):
-            if request.url.path not in OPEN_PATHS and not bearer_token_ok(request.headers.get("authorization"), token):
+            if request.url.path not in OPEN_PATHS and not bearer_token_ok(
+                request.headers.get("authorization"), token
+            ):
                 service.count("rejected")
-                return error_response(401, "missing or wrong bearer token: send 'Authorization: Bearer <token>'",
-                              headers={"WWW-Authenticate": "Bearer"})
+                return error_response(
+                    401,
+                    "missing or wrong bearer token: send 'Authorization: Bearer <token>'",
+                    headers={"WWW-Authenticate": "Bearer"},
+                )
             return await call_next(request)
 
     @app.exception_handler(RequestValidationError)
@@ -103,8 +111,13 @@ def create_app(
         if token is not None and not bearer_token_ok(request.headers.get("authorization"), token):
             for private in ("model", "retriever", "generator"):  # may be paths on the server's disk
                 described.pop(private, None)
-        return {"status": "ok", "name": name, **described, "auth": token is not None,
-                "stats": service.snapshot_stats()}
+        return {
+            "status": "ok",
+            "name": name,
+            **described,
+            "auth": token is not None,
+            "stats": service.snapshot_stats(),
+        }
 
     @app.post("/search", response_model=SearchResponse, response_model_exclude_none=False)
     async def search(req: SearchRequest) -> Any:

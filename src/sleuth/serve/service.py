@@ -66,7 +66,9 @@ class ServeLimits:
     max_turns: int = 8  # the largest per-request max_turns accepted
     max_top_k: int = 20  # the largest per-request top_k accepted
     max_batch: int = 16  # requests merged into one batched rollout
-    batch_wait_ms: float = 10.0  # longest a request waits for others to share its rollout (only after overlap)
+    batch_wait_ms: float = (
+        10.0  # longest a request waits for others to share its rollout (only after overlap)
+    )
     timeout_s: float = 300.0  # per request, queueing included (a CPU searcher takes minutes under load)
     # a question's tokens for the searcher's tokenizer: an ordinary question at max_question_chars is ~400
     max_question_tokens: int = 512
@@ -100,7 +102,12 @@ class SearcherSettings:
     generator_name: str | None = None
 
     def __post_init__(self) -> None:
-        for name in ("max_new_tokens_per_turn", "max_obs_tokens", "max_response_tokens", "answer_max_new_tokens"):
+        for name in (
+            "max_new_tokens_per_turn",
+            "max_obs_tokens",
+            "max_response_tokens",
+            "answer_max_new_tokens",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
@@ -171,7 +178,11 @@ def _settle(future: asyncio.Future, outcome: Any) -> None:
 
 
 def _doc(hit: dict[str, Any]) -> dict[str, str]:
-    return {"id": str(hit.get("doc_id", "")), "title": str(hit.get("title", "")), "text": str(hit.get("text", ""))}
+    return {
+        "id": str(hit.get("doc_id", "")),
+        "title": str(hit.get("title", "")),
+        "text": str(hit.get("text", "")),
+    }
 
 
 def served_documents(traj: Trajectory) -> list[dict[str, str]]:
@@ -217,8 +228,14 @@ def response_body(traj: Trajectory, batch_size: int) -> dict[str, Any]:
 class SearcherService:
     """A searcher policy + its loop + a retriever (+ optionally a frozen answer generator)."""
 
-    def __init__(self, generator: Generator, loop: AgentLoop, retriever: Retriever,
-                 answer_generator: Generator | None = None, settings: SearcherSettings | None = None):
+    def __init__(
+        self,
+        generator: Generator,
+        loop: AgentLoop,
+        retriever: Retriever,
+        answer_generator: Generator | None = None,
+        settings: SearcherSettings | None = None,
+    ):
         tokenizer = getattr(generator, "tokenizer", None)
         if tokenizer is None:
             raise ValueError(
@@ -239,7 +256,9 @@ class SearcherService:
         self.generator = _GuardedGenerator(generator, "searcher model", self._count_generate)
         self.retriever = _GuardedRetriever(retriever)
         self.answer_generator = (
-            _GuardedGenerator(answer_generator, "answer generator", lambda: None) if answer_generator else None
+            _GuardedGenerator(answer_generator, "answer generator", lambda: None)
+            if answer_generator
+            else None
         )
         self.params = SamplingParams(max_new_tokens=settings.max_new_tokens_per_turn, temperature=0.0)
         self.answer_params = SamplingParams(max_new_tokens=settings.answer_max_new_tokens, temperature=0.0)
@@ -250,8 +269,15 @@ class SearcherService:
         self.generator_name = settings.generator_name
         self._stats_lock = threading.Lock()
         self.stats = {
-            "requests": 0, "completed": 0, "rejected": 0, "failures": 0, "timeouts": 0,
-            "batches": 0, "rollouts": 0, "generate_calls": 0, "answer_calls": 0,
+            "requests": 0,
+            "completed": 0,
+            "rejected": 0,
+            "failures": 0,
+            "timeouts": 0,
+            "batches": 0,
+            "rollouts": 0,
+            "generate_calls": 0,
+            "answer_calls": 0,
             "held_batches": 0,  # batches that waited batch_wait_ms for concurrent requests to join
         }
         self._next_id = 0
@@ -304,7 +330,9 @@ class SearcherService:
         if not question.strip():
             raise RequestError("question", "question is empty; send the question text to search for")
         problem = unusable_text(question)
-        if problem is not None:  # refused here, before a batch: it would fail or slow every request batched with it
+        if (
+            problem is not None
+        ):  # refused here, before a batch: it would fail or slow every request batched with it
             raise RequestError("question", f"question {problem}")
         if len(question) > self.limits.max_question_chars:
             raise RequestError(
@@ -405,19 +433,28 @@ class SearcherService:
                 continue
             futures = [job.future for job in live]
 
-            def release(i: int, outcome: _Outcome | Exception, futures: list[asyncio.Future] = futures) -> None:
+            def release(
+                i: int, outcome: _Outcome | Exception, futures: list[asyncio.Future] = futures
+            ) -> None:
                 loop.call_soon_threadsafe(_settle, futures[i], outcome)  # from the worker thread
 
             try:
-                outcomes = await loop.run_in_executor(self._executor, self.run_batch, [j.query for j in live], release)
-            except Exception as err:  # executor shut down: fail the waiting jobs rather than leave them hanging
+                outcomes = await loop.run_in_executor(
+                    self._executor, self.run_batch, [j.query for j in live], release
+                )
+            except (
+                Exception
+            ) as err:  # executor shut down: fail the waiting jobs rather than leave them hanging
                 outcomes = [ServiceFailure(f"search worker unavailable: {err!r}") for _ in live]
             for future, outcome in zip(futures, outcomes, strict=True):
                 _settle(future, outcome)  # those released early are done already
 
     # -- the batched work (worker thread) ------------------------------------------------------------
-    def run_batch(self, queries: Sequence[SearchQuery],
-                  release: Callable[[int, _Outcome | Exception], None] | None = None) -> list[_Outcome | Exception]:
+    def run_batch(
+        self,
+        queries: Sequence[SearchQuery],
+        release: Callable[[int, _Outcome | Exception], None] | None = None,
+    ) -> list[_Outcome | Exception]:
         """One rollout per distinct (max_turns, top_k), then one answer call per prompt kind. A search
         without an answer is handed to `release(i, outcome)` as soon as its trajectory is finished."""
         self.count("batches")
@@ -430,7 +467,9 @@ class SearcherService:
         for (turns, k), members in groups.items():
             started = time.perf_counter()
 
-            def done(row: int, traj: Trajectory, members: list[int] = members, started: float = started) -> None:
+            def done(
+                row: int, traj: Trajectory, members: list[int] = members, started: float = started
+            ) -> None:
                 i = members[row]
                 finished.add(i)
                 outcomes[i] = self._outcome(traj, len(members), started)
@@ -468,7 +507,10 @@ class SearcherService:
         return _Outcome(response_body(traj, batch_size), started, time.perf_counter() - started)
 
     def _run_alone(
-        self, queries: Sequence[SearchQuery], i: int, outcomes: list[_Outcome | Exception],
+        self,
+        queries: Sequence[SearchQuery],
+        i: int,
+        outcomes: list[_Outcome | Exception],
         trajs: dict[int, Trajectory],
     ) -> None:
         started = time.perf_counter()
@@ -484,20 +526,44 @@ class SearcherService:
         if traj.finish_reason != TIME_LIMIT:
             trajs[i] = traj
 
-    def _rollout(self, questions: list[str], max_turns: int, top_k: int,
-                 on_done: Callable[[int, Trajectory], None] | None = None) -> list[Trajectory]:
+    def _rollout(
+        self,
+        questions: list[str],
+        max_turns: int,
+        top_k: int,
+        on_done: Callable[[int, Trajectory], None] | None = None,
+    ) -> list[Trajectory]:
         loop = self.loop if top_k == self.loop.top_k else replace(self.loop, top_k=top_k)
         with self._stats_lock:
             first = self._next_id
             self._next_id += len(questions)
             self.stats["rollouts"] += 1
-        examples = [QAExample(id=f"req{first + j}", question=q, golden_answers=[]) for j, q in enumerate(questions)]
-        budget = RolloutBudget(self.max_obs_tokens, self.max_response_tokens, max_turns, self.limits.max_generation_s)
+        examples = [
+            QAExample(id=f"req{first + j}", question=q, golden_answers=[]) for j, q in enumerate(questions)
+        ]
+        budget = RolloutBudget(
+            self.max_obs_tokens, self.max_response_tokens, max_turns, self.limits.max_generation_s
+        )
         if on_done is None:
-            return rollout(loop, self.generator, self.retriever, examples, self.params, budget=budget,
-                           tokenizer=self.tokenizer)
-        return rollout_each(loop, self.generator, self.retriever, examples, self.params, on_done, budget=budget,
-                            tokenizer=self.tokenizer)
+            return rollout(
+                loop,
+                self.generator,
+                self.retriever,
+                examples,
+                self.params,
+                budget=budget,
+                tokenizer=self.tokenizer,
+            )
+        return rollout_each(
+            loop,
+            self.generator,
+            self.retriever,
+            examples,
+            self.params,
+            on_done,
+            budget=budget,
+            tokenizer=self.tokenizer,
+        )
 
     def _answer_into(
         self, outcomes: list[_Outcome | Exception], trajs: dict[int, Trajectory], wanted: list[int]
@@ -514,21 +580,34 @@ class SearcherService:
             if by_evidence:
                 self.count("answer_calls")
                 texts = answer_from_evidence(
-                    self.answer_generator, [trajs[i].question for i in by_evidence],
-                    [trajs[i].evidence or "" for i in by_evidence], self.answer_params,
+                    self.answer_generator,
+                    [trajs[i].question for i in by_evidence],
+                    [trajs[i].evidence or "" for i in by_evidence],
+                    self.answer_params,
                 )
                 answers.update(zip(by_evidence, texts, strict=True))
             if by_docs:
                 self.count("answer_calls")
-                docs = [[{"doc_id": d["id"], "title": d["title"], "text": d["text"], "score": 0.0}
-                         for d in served_documents(trajs[i])] for i in by_docs]
+                docs = [
+                    [
+                        {"doc_id": d["id"], "title": d["title"], "text": d["text"], "score": 0.0}
+                        for d in served_documents(trajs[i])
+                    ]
+                    for i in by_docs
+                ]
                 texts = answer_from_documents(
-                    self.answer_generator, [trajs[i].question for i in by_docs], docs, template, self.answer_params
+                    self.answer_generator,
+                    [trajs[i].question for i in by_docs],
+                    docs,
+                    template,
+                    self.answer_params,
                 )
                 answers.update(zip(by_docs, texts, strict=True))
         except Exception as err:
-            failure = err if isinstance(err, ServiceFailure) else ServiceFailure(
-                f"answer generator failed: {type(err).__name__}: {err}"
+            failure = (
+                err
+                if isinstance(err, ServiceFailure)
+                else ServiceFailure(f"answer generator failed: {type(err).__name__}: {err}")
             )
             for i in wanted:
                 outcomes[i] = failure

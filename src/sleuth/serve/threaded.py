@@ -20,7 +20,9 @@ def serve_in_thread(app: Any, host: str = "127.0.0.1", start_timeout_s: float = 
     sock.bind((host, 0))  # the OS picks a free port; holding the socket avoids a race for it
     port = sock.getsockname()[1]
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True, name="sleuth-uvicorn")
+    thread = threading.Thread(
+        target=server.run, kwargs={"sockets": [sock]}, daemon=True, name="sleuth-uvicorn"
+    )
     thread.start()
     deadline = time.monotonic() + start_timeout_s
     try:

@@ -41,7 +41,9 @@ def build_table(rows: list[tuple[str, dict[str, Any]]], caption: str) -> dict:
     """rows: (row label, {metric: value, "n": count}). Returns what the template renders."""
     metrics = order_metrics(k for _, vals in rows for k in vals)
     best = {m: best_indices([vals.get(m) for _, vals in rows], m in LOWER_IS_BETTER) for m in metrics}
-    decimals = {m: column_decimals([vals.get(m) for _, vals in rows] + _interval_ends(rows, m)) for m in metrics}
+    decimals = {
+        m: column_decimals([vals.get(m) for _, vals in rows] + _interval_ends(rows, m)) for m in metrics
+    }
     return {
         "caption": caption,
         "columns": [{"name": m, "lower": m in LOWER_IS_BETTER} for m in metrics],
@@ -49,7 +51,9 @@ def build_table(rows: list[tuple[str, dict[str, Any]]], caption: str) -> dict:
             {
                 "label": label,
                 "n": vals.get("n"),
-                "cells": [_cell(vals.get(m), i in best[m], decimals[m], vals.get(f"{m}_ci")) for m in metrics],
+                "cells": [
+                    _cell(vals.get(m), i in best[m], decimals[m], vals.get(f"{m}_ci")) for m in metrics
+                ],
             }
             for i, (label, vals) in enumerate(rows)
         ],
@@ -75,7 +79,9 @@ def paired_table(run: EvalRun) -> dict | None:
     try:
         header, rows = paired_rows(paired)
     except (KeyError, TypeError, ValueError) as err:
-        raise DataFormatError(str(run.path / "summary.json"), None, f"unreadable 'paired' section ({err!r})") from err
+        raise DataFormatError(
+            str(run.path / "summary.json"), None, f"unreadable 'paired' section ({err!r})"
+        ) from err
     pct = round(100 * float(paired.get("confidence", 0.95)))
     caption = (f"difference with {paired.get('baseline')} on the same questions, percentage points "
                f"[{pct}% paired bootstrap interval]")  # fmt: skip

@@ -39,7 +39,11 @@ def _run_info(run: TrainingRun) -> list[tuple[str, str]]:
     recipe = run.recipe
     steps_done = run.rows[-1]["step"] if run.rows else 0
     # an SFT folder's steps are sft.json's, not the recipe's RL steps
-    total = run.info.get("steps") if run.info.get("kind") == "sft" else (recipe.get("trainer") or {}).get("total_steps")
+    total = (
+        run.info.get("steps")
+        if run.info.get("kind") == "sft"
+        else (recipe.get("trainer") or {}).get("total_steps")
+    )
     info = [
         ("recipe", recipe.get("name")),
         ("model", (recipe.get("model") or {}).get("policy")),
@@ -206,8 +210,9 @@ def build_report(
     if max_trajectories < 0:
         raise ConfigError(f"max_trajectories must be >= 0, got {max_trajectories}")
     data = discover(run_dir)
-    page = without_home(render_report(data, title=title, notes=notes, max_trajectories=max_trajectories,
-                                      headline=headline))
+    page = without_home(
+        render_report(data, title=title, notes=notes, max_trajectories=max_trajectories, headline=headline)
+    )
     out_path = _report_path(Path(run_dir), out)
     atomic_write_text(out_path, page)
     # The temp file behind the atomic write is private (0600); a report is meant to be shared.

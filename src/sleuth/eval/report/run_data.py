@@ -114,8 +114,9 @@ def load_training_run(metrics_path: Path, root: Path, warnings: list[str]) -> Tr
         info = sft_run_info(run_dir / SFT_INFO)
     rollouts = sorted((run_dir / "rollouts").glob("step_*.jsonl"))
     events = read_jsonl(run_dir / GUARDS)[0] if (run_dir / GUARDS).exists() else []
-    return TrainingRun(run_dir, _label(run_dir, root), rows, info, rollouts, load_validations(run_dir, warnings),
-                       events)
+    return TrainingRun(
+        run_dir, _label(run_dir, root), rows, info, rollouts, load_validations(run_dir, warnings), events
+    )
 
 
 def sft_run_info(path: Path) -> dict:
@@ -129,8 +130,11 @@ def sft_run_info(path: Path) -> dict:
         searcher = Path(str(info.get("final_checkpoint", ""))) / SEARCHER_FILE
         known = _read_json(searcher) if info.get("final_checkpoint") and searcher.is_file() else {}
         known = known if isinstance(known, dict) else {}
-        info["recipe"] = {"name": known.get("recipe"), "model": {"policy": known.get("base_model")},
-                          "agent": {"loop": known.get("loop")}}
+        info["recipe"] = {
+            "name": known.get("recipe"),
+            "model": {"policy": known.get("base_model")},
+            "agent": {"loop": known.get("loop")},
+        }
     return info
 
 
@@ -144,16 +148,24 @@ def load_validations(run_dir: Path, warnings: list[str]) -> list[Validation]:
     out: dict[int, Validation] = {}
     for rec in logged:
         step = rec.get("step")
-        path = validation_records(run_dir, step) if isinstance(step, int) and not isinstance(step, bool) else None
+        path = (
+            validation_records(run_dir, step)
+            if isinstance(step, int) and not isinstance(step, bool)
+            else None
+        )
         if path is None or not path.exists():
-            warnings.append(f"{run_dir / VALIDATION}: validation of step {step!r} has no per-question file; left out")
+            warnings.append(
+                f"{run_dir / VALIDATION}: validation of step {step!r} has no per-question file; left out"
+            )
             continue
         records, warn = read_jsonl(path)
         warnings += warn
         kept = [r for r in records if is_number(r.get("reward"))]
         stage = int(rec["val/stage"]) if is_number(rec.get("val/stage")) else 1
         if kept:
-            out[step] = Validation(step, [str(r.get("id")) for r in kept], [float(r["reward"]) for r in kept], stage)
+            out[step] = Validation(
+                step, [str(r.get("id")) for r in kept], [float(r["reward"]) for r in kept], stage
+            )
     return [out[s] for s in sorted(out)]
 
 
@@ -172,9 +184,16 @@ def validation_change(validations: Sequence[Validation]) -> dict[str, Any] | Non
     if not common:
         return None
     diff, lo, hi = paired_bootstrap([b for _, b in common], [a for a, _ in common])
-    return {"first_step": first.step, "last_step": last.step, "first": sum(a for a, _ in common) / len(common),
-            "last": sum(b for _, b in common) / len(common), "diff": diff, "ci": [lo, hi], "n": len(common),
-            "slope": validation_slope(same_stage)}
+    return {
+        "first_step": first.step,
+        "last_step": last.step,
+        "first": sum(a for a, _ in common) / len(common),
+        "last": sum(b for _, b in common) / len(common),
+        "diff": diff,
+        "ci": [lo, hi],
+        "n": len(common),
+        "slope": validation_slope(same_stage),
+    }
 
 
 def validation_slope(validations: Sequence[Validation]) -> dict[str, Any] | None:
@@ -193,10 +212,16 @@ def validation_slope(validations: Sequence[Validation]) -> dict[str, Any] | None
     spread = sum((x - centre) ** 2 for x in steps)
     weights = [(x - centre) / spread for x in steps]
     by_id = [dict(zip(v.ids, v.rewards, strict=True)) for v in validations]
-    per_question = [sum(w * rewards[i] for w, rewards in zip(weights, by_id, strict=True)) for i in sorted(shared)]
+    per_question = [
+        sum(w * rewards[i] for w, rewards in zip(weights, by_id, strict=True)) for i in sorted(shared)
+    ]
     lo, hi = bootstrap_ci(per_question)
-    return {"per_step": sum(per_question) / len(per_question), "ci": [lo, hi], "n": len(per_question),
-            "steps": [v.step for v in validations]}
+    return {
+        "per_step": sum(per_question) / len(per_question),
+        "ci": [lo, hi],
+        "n": len(per_question),
+        "steps": [v.step for v in validations],
+    }
 
 
 def load_eval_run(summary_path: Path, root: Path, warnings: list[str]) -> EvalRun | None:
@@ -239,9 +264,7 @@ def discover(run_dir: str | Path) -> RunData:
     if not root.is_dir():
         raise ConfigError(f"run directory {root} does not exist or is not a directory")
     warnings: list[str] = []
-    training = [
-        load_training_run(p, root, warnings) for p in sorted(root.rglob(METRICS)) if p.is_file()
-    ]
+    training = [load_training_run(p, root, warnings) for p in sorted(root.rglob(METRICS)) if p.is_file()]
     # Oldest summary first, so a demo's eval_before precedes eval_after in tables and arrows.
     summaries = sorted(
         (p for p in root.rglob("summary.json") if p.is_file()), key=lambda p: (p.stat().st_mtime, str(p))

@@ -112,10 +112,19 @@ def plot_rewards(run: TrainingRun) -> str | None:
     if run.validations:
         means = [v.mean for v in run.validations]
         cis = [bootstrap_ci(v.rewards) for v in run.validations]
-        ax.errorbar([v.step for v in run.validations], means, fmt="o-", color="tab:blue", capsize=3, ms=4,
-                    yerr=[[m - lo for m, (lo, _) in zip(means, cis, strict=True)],
-                          [hi - m for m, (_, hi) in zip(means, cis, strict=True)]],
-                    label=f"validation: the same {len(run.validations[-1].rewards)} data.dev questions, greedy (95% CI)")
+        ax.errorbar(
+            [v.step for v in run.validations],
+            means,
+            fmt="o-",
+            color="tab:blue",
+            capsize=3,
+            ms=4,
+            yerr=[
+                [m - lo for m, (lo, _) in zip(means, cis, strict=True)],
+                [hi - m for m, (_, hi) in zip(means, cis, strict=True)],
+            ],
+            label=f"validation: the same {len(run.validations[-1].rewards)} data.dev questions, greedy (95% CI)",
+        )
     _mark_stages(ax, _stage_switches(run))
     ax.set_xlabel("step")
     ax.set_ylabel("reward")
@@ -126,15 +135,25 @@ def plot_rewards(run: TrainingRun) -> str | None:
     return png_data_uri(fig)
 
 
-def _small_multiples(run: TrainingRun, keys: Sequence[str], title: str, ncols: int = 3,
-                     annotate: Callable[[Any, str], None] | None = None) -> str | None:
+def _small_multiples(
+    run: TrainingRun,
+    keys: Sequence[str],
+    title: str,
+    ncols: int = 3,
+    annotate: Callable[[Any, str], None] | None = None,
+) -> str | None:
     """One small plot per present key (`_small_multiples_figure`), as a PNG data URI."""
     fig = _small_multiples_figure(run, keys, title, ncols, annotate)
     return png_data_uri(fig) if fig is not None else None
 
 
-def _small_multiples_figure(run: TrainingRun, keys: Sequence[str], title: str, ncols: int = 3,
-                            annotate: Callable[[Any, str], None] | None = None) -> Any:
+def _small_multiples_figure(
+    run: TrainingRun,
+    keys: Sequence[str],
+    title: str,
+    ncols: int = 3,
+    annotate: Callable[[Any, str], None] | None = None,
+) -> Any:
     """One small plot per present key; `annotate(ax, key)` adds to each (thresholds, events). None if no key
     is present."""
     present = [k for k in keys if k in run.numeric_keys()]
@@ -177,9 +196,17 @@ def plot_optimisation(run: TrainingRun) -> str | None:
 
 
 HEALTH_KEYS = (
-    "health/no_search", "health/repeated_query", "health/invalid_action", "health/unsupported_answer",
-    "health/truncated", "health/distinct_queries", "health/zero_advantage_groups", "health/nonfinite_skips",
-    "health/response_length_trend", "health/entropy_trend", "actor/entropy",
+    "health/no_search",
+    "health/repeated_query",
+    "health/invalid_action",
+    "health/unsupported_answer",
+    "health/truncated",
+    "health/distinct_queries",
+    "health/zero_advantage_groups",
+    "health/nonfinite_skips",
+    "health/response_length_trend",
+    "health/entropy_trend",
+    "actor/entropy",
 )
 
 
@@ -213,15 +240,28 @@ def health_figure(run: TrainingRun) -> Any:
             ax.text(0.01, value, f" {name}", transform=ax.get_yaxis_transform(), fontsize=6, color="#d62728")
         for event in run.guard_events:
             ax.axvline(event.get("step", 0), color="#d62728", linewidth=1, alpha=0.7)
-            ax.text(event.get("step", 0), 0.98, f" {event.get('guard')}: {event.get('outcome', '').split(' ')[0]}",
-                    transform=ax.get_xaxis_transform(), fontsize=6, color="#d62728", va="top", rotation=90)
+            ax.text(
+                event.get("step", 0),
+                0.98,
+                f" {event.get('guard')}: {event.get('outcome', '').split(' ')[0]}",
+                transform=ax.get_xaxis_transform(),
+                fontsize=6,
+                color="#d62728",
+                va="top",
+                rotation=90,
+            )
 
-    return _small_multiples_figure(run, HEALTH_KEYS, "Health per step: guard thresholds dashed, guard events in red",
-                                   annotate=thresholds_and_events)
+    return _small_multiples_figure(
+        run,
+        HEALTH_KEYS,
+        "Health per step: guard thresholds dashed, guard events in red",
+        annotate=thresholds_and_events,
+    )
 
 
 def health_verdict(events: Sequence[Mapping[str, Any]]) -> str:
     """One line per run: healthy / warned / rolled back / stopped, at which step and why."""
+
     def say(e: Mapping[str, Any]) -> str:
         return f"at step {e.get('step')} because {e.get('guard')}: {e.get('message')}"
 
@@ -284,18 +324,22 @@ def _steps_watched(run: TrainingRun, guard: ThresholdGuard | DropGuard) -> int:
 
 
 def _past_thresholds(run: TrainingRun, guards: Sequence[Any]) -> list[str]:
-    """"health/no_search > 0.95 at 3 of 3 steps (stopped_searching needs 5)" for each threshold guard whose
+    """ "health/no_search > 0.95 at 3 of 3 steps (stopped_searching needs 5)" for each threshold guard whose
     metric was past its value at some logged step: what the guard would see with more steps."""
     out = []
     for g in guards:
         if not isinstance(g, ThresholdGuard):
             continue
-        values = [float(r[g.metric]) for r in run.rows if r["step"] > g.after_step and is_number(r.get(g.metric))]
+        values = [
+            float(r[g.metric]) for r in run.rows if r["step"] > g.after_step and is_number(r.get(g.metric))
+        ]
         hits = sum(1 for v in values if (v < g.value if g.kind == "below" else v > g.value))
         if hits:
             sign = "<" if g.kind == "below" else ">"
-            out.append(f"{g.metric} {sign} {g.value:g} at {hits} of {len(values)} steps ({g.name} needs {g.steps} "
-                       "in a row)")
+            out.append(
+                f"{g.metric} {sign} {g.value:g} at {hits} of {len(values)} steps ({g.name} needs {g.steps} "
+                "in a row)"
+            )
     return out
 
 
@@ -303,8 +347,10 @@ def training_verdicts(run_dir: str | Path) -> list[tuple[str, str]]:
     """(run label, verdict) for every training run under `run_dir` (training_verdict)."""
     root = Path(run_dir)
     warnings: list[str] = []
-    return [(run.label, training_verdict(run))
-            for run in (load_training_run(m, root, warnings) for m in sorted(root.rglob(METRICS)) if m.is_file())]
+    return [
+        (run.label, training_verdict(run))
+        for run in (load_training_run(m, root, warnings) for m in sorted(root.rglob(METRICS)) if m.is_file())
+    ]
 
 
 _MEMORY_KEYS = ("memory/device_in_use_gib", "memory/peak_allocated_gib", "memory/host_peak_rss_gib")
