@@ -9,7 +9,15 @@ import torch
 
 from sleuth.agent.trajectory import Trajectory
 from sleuth.rl import losses as loss_fns
-from sleuth.rl.batch import ForwardPlan, batched_logprobs, collate, forward_logprobs, micro_batches
+from sleuth.rl.batch import (
+    ForwardPlan,
+    TokenBatch,
+    batched_logprobs,
+    collate,
+    forward_logprobs,
+    micro_batches,
+    padded_width,
+)
 
 
 def _traj(prompt: list[int], response: list[int], mask: list[int]) -> Trajectory:
@@ -144,6 +152,31 @@ def test_micro_batches_respect_the_token_budget() -> None:
     padded = micro_batches(lengths, max_rows=4, max_tokens=12, packed=False)
     assert [p.tolist() for p in padded] == [[0, 1], [2], [3, 4], [5], [6]]  # rows x longest <= 12: 3 x 9 > 12
     assert [p.tolist() for p in micro_batches(lengths, 3, None, packed=True)] == [[0, 1, 2], [3, 4, 5], [6]]
+
+
+def test_padded_widths_round_up_and_count_in_the_budget() -> None:
+    """GPU micro-batches run on widths rounded up to a multiple (so attention plans are met again): by hand."""
+    assert [padded_width(n, 64) for n in (1, 64, 65, 3141)] == [64, 64, 128, 3200]
+    assert padded_width(37, 1) == 37
+    lengths = torch.tensor([70, 60, 50, 10])
+    # exact widths: 70 + 70 = 140 <= 200, then 3 x 70 = 210 > 200 -> [0, 1], [2, 3]
+    assert [p.tolist() for p in micro_batches(lengths, 8, 200, False)] == [[0, 1], [2, 3]]
+    # rounded to 64: row 0 is 128 wide, 2 x 128 = 256 > 200 -> alone; then 60, 50, 10 are 64 wide: 3 x 64 <= 200
+    assert [p.tolist() for p in micro_batches(lengths, 8, 200, False, 64)] == [[0], [1, 2, 3]]
+    ids = torch.arange(2 * 150).reshape(2, 150)
+    batch = TokenBatch(ids, torch.tensor([10, 10]), torch.ones(2, 140), torch.tensor([70, 130]))
+    assert batch.index(torch.tensor([0])).input_ids.shape == (1, 70)
+    assert batch.index(torch.tensor([0]), 64).input_ids.shape == (1, 128)
+    assert batch.index(torch.tensor([1]), 64).input_ids.shape == (1, 150)  # never past the batch's own width
+    assert torch.equal(batch.index(torch.tensor([0]), 64).input_ids, ids[:1, :128])
+
+
+def test_rounded_widths_give_the_same_log_probs(model) -> None:
+    """The columns a rounded width adds are padding past every row's length: the log-probs do not change."""
+    batch = collate(_trajs(), pad_id=0)
+    exact = batched_logprobs(model, batch, 1.0, ForwardPlan(2), torch.device("cpu"))
+    rounded = batched_logprobs(model, batch, 1.0, ForwardPlan(2, width_multiple=7), torch.device("cpu"))
+    assert torch.allclose(exact, rounded, atol=1e-10)
 
 
 def test_token_budget_micro_batches_give_the_same_log_probs(model) -> None:

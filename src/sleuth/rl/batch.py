@@ -52,17 +52,30 @@ class TokenBatch:
         last = ((self.action_mask != 0) * cols).amax(dim=1) if self.response_width else 0
         return self.response_start + last
 
-    def index(self, idx: torch.Tensor) -> TokenBatch:
+    def index(self, idx: torch.Tensor, width_multiple: int = 1) -> TokenBatch:
         """The rows `idx`, cut to the columns they use: their longest row (the token budget's count), not their
         longest prompt + the whole batch's longest response, which on ragged rows made a budgeted micro-batch
         of short rows as wide as the batch's longest and ran out of memory (the late-training rehearsal on an
-        H200). Per-token tensors keep the batch's response width R."""
+        H200), rounded up to `width_multiple` columns (`padded_width`). Per-token tensors keep the batch's
+        response width R."""
         starts = self.response_start[idx]
         lengths = None if self.lengths is None else self.lengths[idx]
         sub = TokenBatch(self.input_ids[idx], starts, self.action_mask[idx], lengths)
-        width = int(sub.row_lengths().max()) if len(starts) else 0
+        width = padded_width(int(sub.row_lengths().max()), width_multiple) if len(starts) else 1
         sub.input_ids = sub.input_ids[:, : max(width, 1)]
         return sub
+
+
+# On a GPU, padded micro-batches are cut to a multiple of this many columns: each new (rows, width) shape costs
+# the attention a plan of its own (cuDNN SDPA on an H200: ~0.15 s on top of a 0.7 s micro-batch of 5 x 3,141
+# tokens; bench/results/update43_h200_20261129/s16_call6_width_probe.json), and exact widths are almost all new,
+# while a few dozen rounded widths come back step after step, for ~1% more columns.
+GPU_WIDTH_MULTIPLE = 64
+
+
+def padded_width(longest: int, multiple: int) -> int:
+    """The columns a padded micro-batch whose longest row has `longest` tokens runs on."""
+    return -(-longest // multiple) * multiple
 
 
 def collate(trajs: list[Trajectory], pad_id: int, drop_truncated: bool = False) -> TokenBatch:
@@ -237,17 +250,17 @@ def _scatter(values: torch.Tensor, batch: TokenBatch, rows: torch.Tensor, cols: 
 
 
 def micro_batches(
-    lengths: torch.Tensor, max_rows: int, max_tokens: int | None, packed: bool
+    lengths: torch.Tensor, max_rows: int, max_tokens: int | None, packed: bool, width_multiple: int = 1
 ) -> list[torch.Tensor]:
     """Split rows 0..B-1 (in order) into micro-batches of at most `max_rows` rows and, with a token budget, at
-    most `max_tokens` tokens: the sum of lengths when packed, rows x the longest row when padded (what the
-    forward computes on). A row longer than the budget goes alone. The loss is normalised by the minibatch's
+    most `max_tokens` tokens: the sum of lengths when packed, rows x the longest row's `padded_width`
+    when padded (what the forward computes on). A row longer than the budget goes alone. The loss is normalised by the minibatch's
     totals, so any split gives the same gradient."""
     out: list[torch.Tensor] = []
     current: list[int] = []
     longest = total = 0
     for i, n in enumerate(lengths.tolist()):
-        cost = total + n if packed else (len(current) + 1) * max(longest, n)
+        cost = total + n if packed else (len(current) + 1) * padded_width(max(longest, n), width_multiple)
         if current and (len(current) >= max_rows or (max_tokens is not None and cost > max_tokens)):
             out.append(torch.tensor(current, dtype=torch.long))
             current, longest, total = [], 0, 0
@@ -273,11 +286,13 @@ def chunks(n: int, size: int) -> Iterator[slice]:
 @dataclass(frozen=True)
 class ForwardPlan:
     """How a batch goes through the model: at most `max_rows` rows and `max_tokens` tokens (None: no token
-    budget) per micro-batch, packed without padding or right-padded."""
+    budget) per micro-batch, packed without padding or right-padded (to a multiple of `width_multiple`
+    columns)."""
 
     max_rows: int
     max_tokens: int | None = None
     packed: bool = False
+    width_multiple: int = 1
 
     def split(self, batch: TokenBatch) -> list[torch.Tensor]:
         """Row indices of each micro-batch. Padded rows go longest first, so rows of similar length share a
@@ -290,7 +305,10 @@ class ForwardPlan:
             else torch.argsort(lengths, descending=True, stable=True)
         )
         return [
-            order[idx] for idx in micro_batches(lengths[order], self.max_rows, self.max_tokens, self.packed)
+            order[idx]
+            for idx in micro_batches(
+                lengths[order], self.max_rows, self.max_tokens, self.packed, self.width_multiple
+            )
         ]
 
 
@@ -299,7 +317,9 @@ def forward_plan(recipe: Recipe, model: nn.Module) -> ForwardPlan:
     tokens; packed (`model.packing`) where the attention runs packed rows without a dense mask, else padded."""
     algo, packing = recipe.algorithm, recipe.model.packing
     packed = packing == "packed" or (packing == "auto" and supports_packing(unwrap(model)))
-    return ForwardPlan(algo.micro_batch_size, algo.micro_batch_tokens, packed)
+    on_gpu = next(model.parameters()).device.type == "cuda"
+    multiple = GPU_WIDTH_MULTIPLE if on_gpu and not packed else 1
+    return ForwardPlan(algo.micro_batch_size, algo.micro_batch_tokens, packed, multiple)
 
 
 def supports_packing(model: nn.Module) -> bool:
@@ -320,7 +340,7 @@ def batched_logprobs(
     plan = ForwardPlan(plan) if isinstance(plan, int) else plan
     out = torch.zeros(batch.action_mask.shape, dtype=torch.float32)
     for idx in plan.split(batch):
-        mb = to_device(batch.index(idx), device)
+        mb = to_device(batch.index(idx, plan.width_multiple), device)
         with autocast(device):
             logprobs = forward_logprobs(model, mb, temperature, packed=plan.packed)[0].cpu()
         out = out.to(torch.promote_types(out.dtype, logprobs.dtype))

@@ -453,7 +453,7 @@ def _micro_step(run: Run, batch: StepBatch, idx: torch.Tensor, totals: dict[str,
                 stats: dict[str, list[float]], mb_losses: dict[str, float]) -> None:  # fmt: skip
     """Forward and backward of one micro-batch: policy loss (+ entropy bonus, + KL loss), then the critic's."""
     algo, device = run.recipe.algorithm, run.ctx.device
-    mi = to_device(batch.tokens.index(idx), device)
+    mi = to_device(batch.tokens.index(idx, batch.plan.width_multiple), device)
     m = mi.action_mask
     # LoRA with a KL loss: the reference log-probs of these rows, once (later epochs reuse them), from the base
     # model over this same micro-batch; before the policy's forward, so its activations are not held meanwhile
