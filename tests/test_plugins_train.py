@@ -1,5 +1,6 @@
-"""The StepSearch and ZeroSearch plugins train one step through `sleuth train` with no edit to sleuth: the
-per-turn rewards go through the trainer's make_batch, and the simulated engine hears the training step."""
+"""The StepSearch and ZeroSearch plugins train one step through `sleuth train` and serve the trained searcher
+through `sleuth serve-searcher`, with no edit to sleuth: the per-turn rewards go through the trainer's make_batch,
+the simulated engine hears the training step, and the served searcher reads the real index."""
 
 from __future__ import annotations
 
@@ -7,7 +8,9 @@ import json
 from pathlib import Path
 
 import pytest
+import uvicorn
 import yaml
+from fastapi.testclient import TestClient
 from transformers import AutoTokenizer
 from typer.testing import CliRunner
 
@@ -32,7 +35,7 @@ SMALL = {
 def train(out: Path, recipe: dict, **agent) -> Path:
     recipe["agent"] = {**recipe["agent"], **SMALL["agent"], **agent}
     recipe.update(
-        model=SMALL["model"], trainer={"total_steps": 1, "save_every": 0, "out_dir": str(out / "run")}
+        model=SMALL["model"], trainer={"total_steps": 1, "save_every": 1, "out_dir": str(out / "run")}
     )
     path = out / "recipe.yaml"
     path.write_text(yaml.safe_dump(recipe))
@@ -41,9 +44,38 @@ def train(out: Path, recipe: dict, **agent) -> Path:
     return out / "run"
 
 
-def test_stepsearch_trains_one_ppo_step(small_world: Path, tmp_path: Path) -> None:
+def serve(run: Path, plugin: str, small_world: Path, monkeypatch: pytest.MonkeyPatch) -> dict:
+    """`sleuth serve-searcher` of a trained run, in a test client instead of a bound port: one /search answer."""
+    answers = []
+
+    def serve_in_test_client(asgi, **_kwargs):
+        with TestClient(asgi) as client:
+            answers.append(client.post("/search", json={"question": "Where was Ada born?"}))
+
+    monkeypatch.setattr(uvicorn, "run", serve_in_test_client)
+    args = [
+        "serve-searcher",
+        "--plugin",
+        plugin,
+        "--checkpoint",
+        str(run),
+        "--index",
+        str(small_world / "bm25"),
+    ]
+    res = CliRunner().invoke(app, args)
+    assert res.exit_code == 0, res.output
+    (resp,) = answers
+    assert resp.status_code == 200, resp.text
+    return resp.json()
+
+
+def test_stepsearch_trains_one_ppo_step_and_serves(
+    small_world: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     with installed("sleuth_stepsearch") as sleuth_stepsearch:
         run = _train_stepsearch(sleuth_stepsearch, small_world, tmp_path)
+        served = serve(run, "sleuth_stepsearch", small_world, monkeypatch)
+    assert served["loop"] == "stepsearch"
     (line,) = (run / "metrics.jsonl").read_text().splitlines()
     metrics = json.loads(line)
     assert {"reward/f1", "reward/information_gain", "reward/redundancy"} <= set(metrics)
@@ -59,19 +91,23 @@ def _train_stepsearch(sleuth_stepsearch, small_world: Path, tmp_path: Path) -> P
     return train(tmp_path, recipe)
 
 
-def test_zerosearch_trains_one_step_against_its_simulated_engine(
+def test_zerosearch_trains_one_step_against_its_simulated_engine_and_serves_on_the_index(
     small_world: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The recipe cannot name a plugin's retriever until the retriever registry exists (issue 44); the run's
-    `build_retriever` is replaced by the simulated engine here, the rest is `sleuth train`."""
+    """The run's `build_retriever` is replaced by a simulated engine over a scripted writer here (a tiny model's
+    documents would be noise to check against), the rest is `sleuth train`; the trained policy is then served
+    against the real index, as ZeroSearch's policies are used."""
     prompts: list[str] = []
     with installed("sleuth_zerosearch") as zs:
-        _train_zerosearch(zs, small_world, tmp_path, monkeypatch, prompts)
+        run = _train_zerosearch(zs, small_world, tmp_path, monkeypatch, prompts)
+        monkeypatch.undo()
+        served = serve(run, "sleuth_zerosearch", small_world, monkeypatch)
+    assert served["loop"] == "zerosearch"
 
 
 def _train_zerosearch(
     zs, small_world: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, prompts: list[str]
-) -> None:
+) -> Path:
 
     def write(call) -> str:
         prompts.append(call.prompt_text)
@@ -102,3 +138,4 @@ def _train_zerosearch(
         json.loads(line)["question"] for line in (small_world / "train.jsonl").read_text().splitlines()
     }
     assert all(any(f'"{q}"' in p for q in questions) for p in prompts)
+    return run
