@@ -70,6 +70,9 @@ def test_from_committed_evaluates_the_packed_adapters_again_and_decodes_alike(tm
     assert test["committed_same_questions"]["n"] == 20 and test["committed_seed"]["n"] == 30
     assert test["committed_seed"] == report["table"]["seeds"]["tests"][0]["per_seed"][0]
     assert check["committed_rows_reproduce_report"] is True
+    assert (
+        check["cpu_dtype"] == "float32"
+    )  # a CPU run is checked in its own float32 (a GPU run: bf16 if native)
     # the same tiny model, the same greedy decode, the bf16 adapters: every response decoded as the run decoded it
     for name in ("with_evidence", "no_evidence_block"):
         here = _predictions(out / "eval" / name / "r-search" / "predictions.jsonl")

@@ -56,7 +56,7 @@ def load_searcher(path: str | Path, device: str | None = None, merge_lora: bool 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     # deferred: HFGenerator imports torch, which this module's other paths do without
-    from sleuth.llm.hf import HFGenerator
+    from sleuth.llm.hf import HFGenerator, auto_cpu_dtype
 
     ckpt = resolve_checkpoint(path)
     info = SearcherInfo.read(ckpt)
@@ -82,6 +82,8 @@ def load_searcher(path: str | Path, device: str | None = None, merge_lora: bool 
 
     dev = torch.device(device) if device else torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model = model.to(dev).eval()
+    if dev.type == "cpu" and auto_cpu_dtype() is not None:  # inside `sleuth.llm.hf.cpu_dtype`
+        model = model.to(auto_cpu_dtype())
     generator = HFGenerator(model, tokenizer=tokenizer, source=checkpoint_identity(ckpt, policy_dir))
     loop = get_loop(info.loop, **info.loop_options)
     return Searcher(generator=generator, loop=loop, info=info)
