@@ -25,9 +25,9 @@ demo: $(VENV)/.installed
 demo-fast: $(VENV)/.installed
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(SLEUTH) demo --fast
 
-# Three workers on the 2-core box (a third overlaps the tests that wait on servers, subprocesses and sleeps; each test module on one worker, so its module-scoped fixtures are built once;
+# Two workers, one a core (each test module on one worker, so its module-scoped fixtures are built once;
 # the slowest modules are handed out first, see tests/conftest.py); the 30 slowest tests are listed at the end. TEST_WORKERS=0 runs in one process.
-TEST_WORKERS ?= 3
+TEST_WORKERS ?= 2
 test: $(VENV)/.installed
 	OMP_NUM_THREADS=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 $(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --durations=30
 

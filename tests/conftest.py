@@ -136,6 +136,25 @@ def qagent_cpu_claim(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def r_search_cpu_claim(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """`sleuth reproduce r_search --profile cpu --out DIR/r_search` through the CLI, run once a test session
+    (`_once_a_session`; test_reproduce reruns it, test_claim_bundle compares a split run with it): DIR/r_search.
+    Only a rerun that skips every stage may write there (its writes are atomic and the same)."""
+    from typer.testing import CliRunner
+
+    from sleuth.cli import app
+
+    def run(folder: Path) -> dict:
+        argv = ["reproduce", "r_search", "--profile", "cpu", "--out", str(folder / "r_search")]
+        result = CliRunner().invoke(app, argv, terminal_width=300)
+        assert result.exit_code == 0, result.output
+        return {"exit_code": result.exit_code}
+
+    folder, _ = _once_a_session(tmp_path_factory, "r-search-cpu-claim", run)
+    return folder / "r_search"
+
+
+@pytest.fixture(scope="session")
 def fast_demo_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
     """`sleuth demo --fast --out DIR` run once a test session (`_once_a_session`): (DIR, {"returncode", "stdout",
     "stderr"} of that run). Read only: tests assert on its files."""

@@ -358,11 +358,11 @@ def test_arms_are_checked_and_the_report_waits_for_every_arm(tmp_path):
 
 
 @pytest.mark.slow
-def test_arms_split_over_two_runs_give_the_report_of_one_run(tmp_path):
+def test_arms_split_over_two_runs_give_the_report_of_one_run(tmp_path, r_search_cpu_claim):
     """r_search's arms in two runs sharing OUT (as on two GPUs): the first stops once its arm is done, the
-    second (the other two arms) writes the report; the claim table equals one run's with every arm."""
-    whole, split = tmp_path / "whole", tmp_path / "split"
-    reproduce("r_search", whole, "cpu")
+    second (the other two arms) writes the report; the claim table equals one run's with every arm (the
+    session's whole run, `r_search_cpu_claim`)."""
+    whole, split = r_search_cpu_claim, tmp_path / "split"
     first = CliRunner().invoke(
         app,
         ["reproduce", "r_search", "--profile", "cpu", "--out", str(split), "--arms", "with_evidence"],

@@ -5,6 +5,7 @@ from __future__ import annotations
 import html
 import json
 import re
+from pathlib import Path
 
 import pytest
 import yaml
@@ -332,13 +333,15 @@ def test_an_unknown_claim_is_one_line(tmp_path):
     assert lines == ["error: no claim registered for 'ircot'; choose one of staged, r_search, qagent, s3"]
 
 
-def _run_twice(tmp_path, method: str) -> tuple[str, dict, list[str], str]:
-    """`sleuth reproduce METHOD --profile cpu` twice: the report page, report.json, the stages, the rerun's output."""
-    out = tmp_path / method
+def _run_twice(tmp_path, method: str, done: Path | None = None) -> tuple[str, dict, list[str], str]:
+    """`sleuth reproduce METHOD --profile cpu` twice: the report page, report.json, the stages, the rerun's output.
+    `done`: the first run's OUT, made by a session fixture (the same command); only the rerun happens here."""
+    out = tmp_path / method if done is None else done
     runner = CliRunner()
     argv = ["reproduce", method, "--profile", "cpu", "--out", str(out)]
-    result = runner.invoke(app, argv, terminal_width=300)
-    assert result.exit_code == 0, result.output
+    if done is None:
+        result = runner.invoke(app, argv, terminal_width=300)
+        assert result.exit_code == 0, result.output
     stages = sorted(p.stem for p in (out / "stages").iterdir())
     again = runner.invoke(app, argv, terminal_width=300)
     assert again.exit_code == 0 and again.output.count("done earlier, skipped") == len(stages), again.output
@@ -358,10 +361,10 @@ def _claim_html(page: str) -> str:
 
 
 @pytest.mark.slow
-def test_reproduce_r_search_cpu_end_to_end_and_resumes(tmp_path):
+def test_reproduce_r_search_cpu_end_to_end_and_resumes(tmp_path, r_search_cpu_claim):
     """Three GRPO arms (r_search; the paper's ablation without the evidence block, from its own cold start; the
     evidence reward term off), evaluation, report; a rerun skips every stage."""
-    page, report, stages, _ = _run_twice(tmp_path, "r_search")
+    page, report, stages, _ = _run_twice(tmp_path, "r_search", done=r_search_cpu_claim)
     claim = _claim_html(page)
     decisive = "F1 vs the paper's ablation (no evidence block)"
     assert html.escape(decisive) in claim and "F1 vs the evidence reward term off (block kept)" in claim
@@ -380,7 +383,7 @@ def test_reproduce_r_search_cpu_end_to_end_and_resumes(tmp_path):
         "train_without_evidence",
         "world",
     ]
-    out = tmp_path / "r_search"
+    out = r_search_cpu_claim
     recipe = (out / "without_evidence" / "rl_recipe.yaml").read_text()
     assert "use_evidence_reward: false" in recipe
     ablation = yaml.safe_load((out / "no_evidence_block" / "rl_recipe.yaml").read_text())
