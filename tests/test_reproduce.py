@@ -404,9 +404,11 @@ def test_reproduce_r_search_cpu_end_to_end_and_resumes(tmp_path, r_search_cpu_cl
 
 
 @pytest.mark.slow
-def test_reproduce_qagent_cpu_end_to_end_and_resumes(tmp_path):
-    """Reader, SFT, stage 1 (2 steps), stage 2 from stage 1's step 1 (1 step), four evaluations (about 25 s)."""
-    page, report, stages, _ = _run_twice(tmp_path, "qagent")
+def test_reproduce_qagent_cpu_end_to_end_and_resumes(tmp_path, qagent_cpu_claim):
+    """Reader, SFT, stage 1 (2 steps), stage 2 from stage 1's step 1 (1 step), four evaluations (about 25 s; the
+    session's run, `qagent_cpu_claim`, rerun here)."""
+    out = qagent_cpu_claim.parent
+    page, report, stages, _ = _run_twice(tmp_path, "qagent", done=out)
     claim = _claim_html(page)
     assert "non-strict EM read by the other reader (trained on another world)" in claim
     assert "non-strict EM read by the base model (tiny)" in claim and "stage 2" in claim
@@ -419,7 +421,7 @@ def test_reproduce_qagent_cpu_end_to_end_and_resumes(tmp_path):
         "the other reader's gold-passage EM here",
     }
     # the claim row is non-strict EM (a gold answer inside the reader's answer), recomputed from the predictions
-    evals = tmp_path / "qagent" / "eval"
+    evals = out / "eval"
     other = [
         _read_predictions(str(evals / f"{arm}_other_reader" / "qagent" / "predictions.jsonl"))
         for arm in ("stage2", "stage1")
@@ -444,7 +446,6 @@ def test_reproduce_qagent_cpu_end_to_end_and_resumes(tmp_path):
         "train_stage2",
         "world",
     ]
-    out = tmp_path / "qagent"
     assert report["train_stage2"]["steps"] == 1 and report["train_stage1"]["steps"] == 2
     stage2 = (out / "stage2" / "rl_recipe.yaml").read_text()
     assert (
