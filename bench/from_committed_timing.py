@@ -17,8 +17,12 @@ from pathlib import Path
 
 import torch
 
-import sleuth.api as sl
+from sleuth.agent.registry import get_method
 from sleuth.agent.searcher import load_searcher
+from sleuth.claims.profiles import GPU_PIPELINE
+from sleuth.claims.steps import eval_config
+from sleuth.data.formats import read_qa_jsonl
+from sleuth.eval.harness import evaluate
 from sleuth.llm.hf import cpu_dtype
 
 
@@ -26,21 +30,22 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--world", required=True, type=Path, help="a `sleuth synth` world with its bm25 index")
     p.add_argument("--checkpoint", default=str(Path(__file__).parents[1] / "checkpoints" / "r_search"))
-    p.add_argument("--method", default="r-search")
+    p.add_argument("--method", default="r_search")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--questions", type=int, default=32)
     p.add_argument("--out", type=Path, default=Path("runs/from_committed_timing"))
     args = p.parse_args()
+    display = get_method(args.method).display_name
+    config = eval_config(GPU_PIPELINE, args.method, args.checkpoint)  # the budgets a gpu claim evaluates with
+    questions = read_qa_jsonl(args.world / "test.jsonl")[: args.questions]
     with cpu_dtype(None if args.dtype == "float32" else args.dtype):
         generator = load_searcher(args.checkpoint, device="cpu").generator
         start = time.perf_counter()
-        summary = sl.evaluate(
-            [args.method], str(args.world / "test.jsonl"), retriever=str(args.world / "bm25"), model=generator,
-            out_dir=args.out / args.dtype, limit=args.questions, batch_size=128, max_new_tokens=128,
-            answer_max_new_tokens=24, top_k=3, max_turns=4, max_response_tokens=2048, max_obs_tokens=384,
-        )  # fmt: skip
+        summary = evaluate(
+            [display], questions, args.world / "bm25", generator, out_dir=args.out / args.dtype, config=config
+        )
         seconds = time.perf_counter() - start
-    overall = summary["methods"][args.method]["overall"]
+    overall = summary["methods"][display]["overall"]
     row = {"dtype": args.dtype, "threads": torch.get_num_threads(), "seconds": round(seconds, 1)}
     row.update(
         {k: overall.get(k) for k in ("n", "em", "f1", "retrieval_count", "input_tokens", "output_tokens")}

@@ -82,8 +82,8 @@ def load_searcher(path: str | Path, device: str | None = None, merge_lora: bool 
 
     dev = torch.device(device) if device else torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model = model.to(dev).eval()
-    if dev.type == "cpu" and auto_cpu_dtype() is not None:  # inside `sleuth.llm.hf.cpu_dtype`
-        model = model.to(auto_cpu_dtype())
+    if dev.type == "cpu" and (dtype := auto_cpu_dtype()) is not None:  # inside `sleuth.llm.hf.cpu_dtype`
+        model = model.to(dtype)
     generator = HFGenerator(model, tokenizer=tokenizer, source=checkpoint_identity(ckpt, policy_dir))
     loop = get_loop(info.loop, **info.loop_options)
     return Searcher(generator=generator, loop=loop, info=info)

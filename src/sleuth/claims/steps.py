@@ -10,16 +10,19 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sleuth.agent.registry import get_method
 from sleuth.claims.base import ClaimRun
 from sleuth.claims.knowledge import boundary_questions
 from sleuth.claims.profiles import ClaimProfile
 from sleuth.data.synth import generate_world, write_world
-from sleuth.demo import demo_recipe, held_out_questions, write_oracle_trajectories
+from sleuth.demo import DemoSize, demo_recipe, held_out_questions, write_oracle_trajectories
 from sleuth.retrieval import build_index
 from sleuth.run_layout import latest_checkpoint
+
+if TYPE_CHECKING:
+    from sleuth.eval.harness import EvalConfig
 
 
 def setting(key: str, value: Any) -> str:
@@ -117,25 +120,21 @@ def train_rl(run: ClaimRun, arm: Arm, init_from: str) -> dict[str, Any]:
     }
 
 
-def evaluate(run: ClaimRun, method: str, checkpoint: str, name: str, reader: str | None = None,
-             hand_over_template: str | None = None) -> dict[str, Any]:  # fmt: skip
-    """`method`'s checkpoint on the claim's held-out questions (greedy), under <root>/eval/<name>; a searcher's
-    documents go to `reader` (default: the checkpoint itself); with `hand_over_template`, any method's documents
-    do, read with that prompt."""
+def eval_config(
+    size: DemoSize, method: str, checkpoint: str, hand_over_template: str | None = None
+) -> EvalConfig:
+    """The `EvalConfig` a claim evaluates `method`'s checkpoint with, at the pipeline `size`'s budgets (also what
+    bench/from_committed_timing.py times)."""
     # deferred: the harness loads model and hub code; `sleuth --help` imports this module
-    from sleuth.agent.searcher import load_searcher
-    from sleuth.eval.harness import EvalConfig, EvalOutput, checkpoint_budgets
-    from sleuth.eval.harness import evaluate as run_evaluation
+    from sleuth.eval.harness import EvalConfig, checkpoint_budgets
 
-    profile = run.profile
-    size, spec = profile.pipeline, get_method(method)
     # the loop the checkpoint learned (s3 without selection, r_search without its evidence block), at the claim's budgets
     switches = {
         k: v for k, v in checkpoint_budgets(checkpoint).items() if k in ("loop_method", "loop_options")
     }
-    cfg = EvalConfig(
+    return EvalConfig(
         batch_size=size.eval_batch_size,
-        max_new_tokens=size.max_new_tokens * spec.new_tokens_factor,
+        max_new_tokens=size.max_new_tokens * get_method(method).new_tokens_factor,
         answer_max_new_tokens=24,
         top_k=3,
         max_turns=size.max_turns,
@@ -144,6 +143,21 @@ def evaluate(run: ClaimRun, method: str, checkpoint: str, name: str, reader: str
         hand_over_template=hand_over_template,
         **switches,
     )
+
+
+def evaluate(run: ClaimRun, method: str, checkpoint: str, name: str, reader: str | None = None,
+             hand_over_template: str | None = None) -> dict[str, Any]:  # fmt: skip
+    """`method`'s checkpoint on the claim's held-out questions (greedy), under <root>/eval/<name>; a searcher's
+    documents go to `reader` (default: the checkpoint itself); with `hand_over_template`, any method's documents
+    do, read with that prompt."""
+    # deferred: the harness loads model and hub code; `sleuth --help` imports this module
+    from sleuth.agent.searcher import load_searcher
+    from sleuth.eval.harness import EvalOutput
+    from sleuth.eval.harness import evaluate as run_evaluation
+
+    profile = run.profile
+    spec = get_method(method)
+    cfg = eval_config(profile.pipeline, method, checkpoint, hand_over_template)
     questions = (
         boundary_questions(run.questions, "test", profile.test_questions)
         if profile.known_fraction is not None

@@ -253,9 +253,9 @@ def micro_batches(
     lengths: torch.Tensor, max_rows: int, max_tokens: int | None, packed: bool, width_multiple: int = 1
 ) -> list[torch.Tensor]:
     """Split rows 0..B-1 (in order) into micro-batches of at most `max_rows` rows and, with a token budget, at
-    most `max_tokens` tokens: the sum of lengths when packed, rows x the longest row's `padded_width`
-    when padded (what the forward computes on). A row longer than the budget goes alone. The loss is normalised by the minibatch's
-    totals, so any split gives the same gradient."""
+    most `max_tokens` tokens: the sum of lengths when packed, rows x the longest row's `padded_width` when
+    padded (what the forward computes on). A row longer than the budget goes alone. The loss is normalised by
+    the minibatch's totals, so any split gives the same gradient."""
     out: list[torch.Tensor] = []
     current: list[int] = []
     longest = total = 0
