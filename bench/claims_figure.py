@@ -28,6 +28,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from sleuth.appendlog import read_appended
+from sleuth.claims.report import seeds_figure
 from sleuth.eval.stats import bootstrap_ci
 from sleuth.utils import atomic_open
 
@@ -213,6 +214,16 @@ def draw_injection(calibration: Path, out: Path) -> dict[str, list[tuple[int, fl
     return summary
 
 
+def draw_seeds(runs: list[Path], out: Path) -> list[tuple[str, dict]]:
+    """One panel per decisive test of each run's report.json (sleuth.claims.report.seeds_figure)."""
+    named = []
+    for run in runs:
+        report = json.loads((run / "report.json").read_text())
+        named += [(f"{report['claim']['method']}: {t['row']}", t) for t in report["table"]["seeds"]["tests"]]
+    save_png(seeds_figure([t for _, t in named], [name for name, _ in named]), out)
+    return named
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="figure", required=True)
@@ -235,6 +246,9 @@ def main() -> None:
         "--key", default="em", choices=["em", "cover_em", "all_support_served", "answer_in_served"]
     )
     types.add_argument("--out", type=Path, required=True, help="the PNG to write")
+    seeds = sub.add_parser("seeds", help="each claim's per-seed, pooled and noise-floor differences")
+    seeds.add_argument("runs", type=Path, nargs="+", help="claim result folders holding report.json")
+    seeds.add_argument("--out", type=Path, required=True, help="the PNG to write")
     injection = sub.add_parser("injection", help="the knowledge injection's boundary against epochs")
     injection.add_argument("calibration", type=Path, help="bench/injection_calibration.py's JSON")
     injection.add_argument("--out", type=Path, required=True, help="the PNG to write")
@@ -251,6 +265,12 @@ def main() -> None:
                 print(
                     f"{method:>12} {size:>6} questions: EM {100 * em:5.1f}, all support served {100 * served:5.1f}"
                 )
+    elif args.figure == "seeds":
+        for name, test in draw_seeds(args.runs, args.out):
+            pooled = test["pooled"]
+            print(
+                f"{name}: pooled {pooled['diff']:+.4f} {pooled['ci']} over {pooled['seeds']} seeds, {test['verdict']}"
+            )
     elif args.figure == "types":
         for name, by_type in draw_types(args.run, args.evaluations, args.key, args.out).items():
             print(name, {kind: round(100 * v, 1) for kind, v in by_type.items()})

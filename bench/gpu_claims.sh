@@ -23,6 +23,9 @@
 #                                         `wait 540`: the bundle is whole, it restores, the claims start)
 #   then                                  bash bench/gpu_claims.sh wait 540  (each wait packs: claims.tgz + bundle)
 #   last calls of the lease               bash bench/gpu_claims.sh pack; then `send` until every part came back
+# Each pack returns, per finished claim, results_<claim>.tgz (reports, per-question predictions, logs) and
+# adapters_<claim>.tgz (the first seed's bf16 adapters for `sleuth reproduce <claim> --from-committed`); a file over
+# 15 MiB comes as FILE.partaa, FILE.partab, ... (`cat FILE.part* > FILE`). PACK_CLAIMS="a b": only those claims.
 # After every call that returned files, on the development machine: `bash bench/gpu_claims.sh take FILES_AT`
 # (copies the bundle into .claims/, ignored through .git/info/exclude; says which parts are still to send and,
 # once whole, what each call of the next lease carries). No .claims/ (the first lease): the claims start from
@@ -55,6 +58,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 WORK=${CLAIMS_WORK:-/root/claims}
+RUNS=${CLAIMS_RUNS:-runs/claims}  # the claim runs (CLAIMS_RUNS: elsewhere, e.g. a test's folder)
 CLAIMS=${CLAIMS:-staged r_search qagent s3}
 # PROFILE=cpu GPUS=2: the same lanes with the tiny model on a CPU box (a smoke test); with
 # SLEUTH_REPRODUCE_STOP_AFTER=N each claim stops after N stages, to rehearse a bundle's round trip
@@ -62,7 +66,7 @@ PROFILE=${PROFILE:-gpu}
 BUNDLE=${CLAIMS_BUNDLE:-.claims}  # the carried bundle (restored on the device, filled by `take` on the dev machine)
 # The lender's call limits (bench/claim_bundle.py takes them as arguments; sleuth names none): a returned file
 # under 16 MiB (parts of 15), 8 files and 64 MiB handed back, 64 MiB carried in (the working tree counted)
-PART_MIB=15
+PART_MIB=${CLAIMS_PART_MIB:-15}  # CLAIMS_PART_MIB: smaller parts (tests)
 CALL_LIMITS=(--out-files 8 --out-mib 64 --carry-mib 64)
 export PYTHONPATH="$PWD/src:$PWD/.gpusite" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 GGUF=.models/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
@@ -99,7 +103,7 @@ restore() {  # the carried bundle's claims into runs/claims once every part came
   [ -f "$BUNDLE/bundle.json" ] || return 0
   local rc
   while :; do
-    "${PY:-python}" bench/claim_bundle.py restore "$BUNDLE" runs/claims --done-dir "$WORK/done" > "$WORK/restore.log" 2>&1
+    "${PY:-python}" bench/claim_bundle.py restore "$BUNDLE" "$RUNS" --done-dir "$WORK/done" > "$WORK/restore.log" 2>&1
     rc=$?; [ $rc -eq 3 ] || break; sleep 10
   done
   if [ $rc -eq 0 ]; then echo "$(date +%T) restored $BUNDLE (restore.log)" >> "$WORK/progress.log"
@@ -144,7 +148,7 @@ run_claim() {  # run_claim CLAIM [ARM] [@SEED]: the claim (or one arm, or one se
   shift
   for part in "$@"; do case "$part" in @*) seed=${part#@} ;; *) arm=$part ;; esac; done
   "${PY:-python}" -m sleuth.cli reproduce "$claim" --profile "$PROFILE" \
-    --out "runs/claims/$(run_name "$claim")" ${SEED:+--seed "$SEED"} ${SEEDS:+--seeds "$SEEDS"} ${arm:+--arms "$arm"} \
+    --out "$RUNS/$(run_name "$claim")" ${SEED:+--seed "$SEED"} ${SEEDS:+--seeds "$SEEDS"} ${arm:+--arms "$arm"} \
     ${seed:+--only-seed "$seed"} ${REUSE:+--reuse "$REUSE"}
 }
 
@@ -188,15 +192,35 @@ PYEOF
 pack() {  # claims.tgz (reports, stage results, summaries, logs), per finished claim results_<claim>.tgz (its
   # predictions too, which bench/claims_pack.py turns into the committed per-question rows; 2-4 MB a claim), and the
   # claim bundle: its index and first parts, in the room left
-  [ -n "${OUT:-}" ] && [ -d runs/claims ] || return 0
+  [ -n "${OUT:-}" ] && [ -d "$RUNS" ] || return 0
   local skip=(--exclude='checkpoints' --exclude='*.safetensors' --exclude='trajectories.jsonl' --exclude='rollouts'
               --exclude='world' --exclude='reader/reader' --exclude='inject/reused')
-  tar czf "$OUT/claims.tgz" "${skip[@]}" --exclude='predictions.jsonl' runs/claims "$WORK/logs" "$WORK/progress.log" \
+  tar czf "$OUT/claims.tgz" "${skip[@]}" --exclude='predictions.jsonl' "$RUNS" "$WORK/logs" "$WORK/progress.log" \
     2>/dev/null
-  for report in runs/claims/*/report.json; do
-    [ -f "$report" ] && tar czf "$OUT/results_$(basename "$(dirname "$report")").tgz" "${skip[@]}" "$(dirname "$report")"
+  local report run name
+  for report in "$RUNS"/*/report.json; do
+    [ -f "$report" ] || continue
+    run=$(dirname "$report") name=$(basename "$(dirname "$report")")
+    case " ${PACK_CLAIMS:-$name} " in *" $name "*) ;; *) continue ;; esac  # PACK_CLAIMS="a b": only those
+    tar czf "$OUT/results_$name.tgz" "${skip[@]}" "$run" && split_large "$OUT/results_$name.tgz"
+    # the first seed's adapters (bf16) for `sleuth reproduce <claim> --from-committed` on a CPU, packed once: the
+    # checkpoints stay on the lent machine, so a run whose adapters did not come back cannot be checked later
+    if [ ! -f "$WORK/adapters/$name.tgz" ]; then
+      mkdir -p "$WORK/adapters" && rm -rf "$WORK/packed/$name"
+      "${PY:-python}" bench/claims_pack.py pack "$run" "$WORK/packed/$name" --world "$run/world" \
+        --adapters "${SEED:-0}" > "$WORK/adapters/$name.log" 2>&1 \
+        && tar czf "$WORK/adapters/$name.tmp.tgz" -C "$WORK/packed/$name" adapters \
+        && mv "$WORK/adapters/$name.tmp.tgz" "$WORK/adapters/$name.tgz"
+    fi
+    [ -f "$WORK/adapters/$name.tgz" ] && cp "$WORK/adapters/$name.tgz" "$OUT/adapters_$name.tgz" \
+      && split_large "$OUT/adapters_$name.tgz"
   done
-  "${PY:-python}" bench/claim_bundle.py pack runs/claims "$WORK/bundle" --part-mib "$PART_MIB" && send
+  "${PY:-python}" bench/claim_bundle.py pack "$RUNS" "$WORK/bundle" --part-mib "$PART_MIB" && send
+}
+
+split_large() {  # a returned file over PART_MIB MiB -> FILE.partaa, FILE.partab, ... (`cat FILE.part* > FILE` joins)
+  [ "$(stat -c %s "$1")" -gt $(( PART_MIB * 1024 * 1024 )) ] || return 0
+  split -b "${PART_MIB}M" "$1" "$1.part" && rm "$1"
 }
 
 send() {  # the bundle's parts not sent yet, as many as $OUT still holds (SEND=0,3: those parts again)

@@ -446,6 +446,7 @@ DEFERRED_IMPORTS = {
     "sleuth.claims.committed": f"{HELP}: transformers and model loading (the GGUF conversion)",
     "sleuth.claims.knowledge": f"{HELP}: SFT and the recipe schema (torch), the harness and model loading",
     "sleuth.claims.reader": f"{HELP}: the export, the harness and model loading",
+    "sleuth.claims.r_search": f"{HELP}: the harness (the premise probe's evidence model)",
     "sleuth.claims.reuse": f"{HELP}: the export (model loading)",
     "sleuth.claims.s3": f"{HELP}: the recipe schema (torch), model loading",
     "sleuth.claims.staged": f"{HELP}: the harness",

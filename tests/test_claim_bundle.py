@@ -100,6 +100,7 @@ def test_stage_plans_list_the_stages_the_runners_write():
         "eval_no_evidence_block",
         "eval_with_evidence",
         "eval_without_evidence",
+        "premise",
         "reader",
         "sft_no_evidence_block",
         "sft_r_search",
@@ -328,6 +329,26 @@ def test_a_claim_cut_short_resumes_from_its_bundle_elsewhere(tmp_path, monkeypat
     )
 
 
+def test_a_run_that_reused_a_reader_checkpoint_packs_into_a_bundle(tmp_path, monkeypatch, r_search_cpu_claim):
+    """`--reuse DIR` with DIR/reader a checkpoint (bench/gpu_claims.sh reuses checkpoints/claims): the export is made
+    from a copy under the run, so a bundle carries the adapters and rebuilds the export (on 2026-11-29 the export
+    pointed at the copy outside the run and the bundle of every claim that reused it was refused)."""
+    from sleuth.claims.reuse import write_world_record
+
+    trained = json.loads((r_search_cpu_claim / "reader" / "reader.json").read_text())["checkpoint"]
+    models = tmp_path / "models"
+    shutil.copytree(trained, models / "reader")
+    write_world_record(models / "reader", r_search_cpu_claim / "world")
+    monkeypatch.setenv(STOP_AFTER_ENV, "2")
+    with pytest.raises(StagesStopped):
+        reproduce("r_search", tmp_path / "lease" / "r_search", "cpu", reuse=models)
+    index = pack(tmp_path / "lease", tmp_path / "bundle", PART_BYTES)
+    info = index["claims"]["r_search"]
+    assert info["done"] == ["reader", "world"]
+    assert info["checkpoints"] == {"reader/reused": "without optimizer state"}
+    assert sorted(e["dir"] for e in info["rebuild"]) == ["reader/reader", "world"]
+
+
 def test_a_stage_two_runs_reach_together_runs_once(tmp_path):
     """Runs sharing OUT (`--arms`): the second to reach a stage waits for the first's record instead of running
     it again."""
@@ -383,6 +404,48 @@ def test_arms_split_over_two_runs_give_the_report_of_one_run(tmp_path, r_search_
     reproduce("r_search", split, "cpu", part=RunPart(["without_evidence", "no_evidence_block"]))
     tables = [json.loads((d / "report.json").read_text())["table"] for d in (whole, split)]
     assert tables[0]["rows"] == tables[1]["rows"] and tables[0]["holds"] == tables[1]["holds"]
+
+
+def test_gpu_claims_pack_returns_results_and_first_seed_adapters(tmp_path, r_search_cpu_claim):
+    """bench/gpu_claims.sh pack on a finished claim: claims.tgz, results_<claim>.tgz and adapters_<claim>.tgz (what
+    `--from-committed` loads: the decisive arms' adapters, committed.json); a file over the part size comes in
+    parts that join back byte for byte."""
+    import subprocess
+    import sys
+
+    runs, out = tmp_path / "runs", tmp_path / "out"
+    shutil.copytree(r_search_cpu_claim, runs / "r_search")
+    out.mkdir()
+    env = {
+        **os.environ,
+        "CLAIMS_WORK": str(tmp_path / "work"),
+        "CLAIMS_RUNS": str(runs),
+        "OUT": str(out),
+        "PY": sys.executable,
+        "PROFILE": "cpu",
+        "CLAIMS_PART_MIB": "1",
+    }
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    done = subprocess.run(
+        ["bash", "bench/gpu_claims.sh", "pack"], cwd=repo, env=env, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+    names = sorted(p.name for p in out.iterdir())
+    assert "claims.tgz" in names and any(n.startswith("results_r_search.tgz") for n in names), names
+
+    def joined(name: str) -> bytes:
+        parts = sorted(p for p in out.iterdir() if p.name == name or p.name.startswith(name + ".part"))
+        assert parts and all(p.stat().st_size <= 1024 * 1024 for p in parts), names
+        return b"".join(p.read_bytes() for p in parts)
+
+    with tarfile.open(fileobj=io.BytesIO(joined("adapters_r_search.tgz"))) as tar:
+        packed = tar.getnames()
+        committed = json.load(tar.extractfile("adapters/committed.json"))
+    assert committed["claim"] == "r_search" and committed["seed"] == 0
+    loaded = {p.split("/")[1] for p in packed if p.endswith("adapter_model.safetensors")}
+    assert loaded == {"train_with_evidence", "train_no_evidence_block"}, packed
+    with tarfile.open(fileobj=io.BytesIO(joined("results_r_search.tgz"))) as tar:
+        assert any(n.endswith("r_search/report.json") for n in tar.getnames())
 
 
 def test_gpu_claims_plans_one_job_per_arm_with_s3s_largest_first(tmp_path):

@@ -130,6 +130,9 @@ def test_reader_is_reused_from_a_checkpoint_or_an_export_and_refused_for_another
             tmp_path / run / "reader" / "reader"
         )
         assert reused["gold_passage_em"] == trained["gold_passage_em"]
+    # reused from a checkpoint, the export is made from a copy inside the run, so a claim bundle can rebuild it
+    origin = json.loads((tmp_path / "c" / "reader" / "reader" / "searcher.json").read_text())["exported_from"]
+    assert Path(origin) == tmp_path / "c" / "reader" / "reused"
     shutil.copytree(checkpoint, tmp_path / "checkpoint" / "injected")
     with pytest.raises(ConfigError, match="was trained on another world"):
         reproduce("staged", tmp_path / "d", "cpu", reuse=tmp_path / "checkpoint")

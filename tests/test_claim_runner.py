@@ -318,3 +318,70 @@ def test_each_evaluation_is_read_once_for_the_table_the_verdict_and_the_figures(
     monkeypatch.setattr(base, "read_appended", lambda path: reads.append(str(path)) or real(path))
     reproduce("toy", tmp_path, "cpu", seeds=range(0, 2))
     assert sorted(reads) == sorted(set(reads)) and len(reads) == 4  # two arms, two seeds
+
+
+@pytest.mark.parametrize(
+    ("gold", "other", "met"),
+    [
+        (0.80, 0.10, True),  # reads the evidence (0.80 >= 0.5) and tells it apart (+0.70 >= 0.25)
+        (0.40, 0.05, False),  # cannot read: the evidence term pays little even for gold evidence
+        (
+            0.80,
+            0.60,
+            False,
+        ),  # answers about as well from unrelated evidence (+0.20): it pays for memory, not evidence
+        (0.50, 0.25, True),  # both at their bounds exactly
+    ],
+)
+def test_r_search_premise_by_hand(gold, other, met):
+    from sleuth.claims.r_search import premise_checks as r_search_premise
+
+    premise = r_search_premise({"n": 10, "gold_evidence_f1": gold, "other_evidence_f1": other})
+    assert premise["met"] is met
+    assert [c["met"] for c in premise["checks"]] == [gold >= 0.5, gold - other >= 0.25]
+
+
+def test_r_search_evidence_probe_pays_the_gold_evidence_not_another_questions(tmp_path, monkeypatch):
+    """The probe hands each question its own gold passages and then the next question's, in the evidence reward's
+    prompt: a fake evidence model that answers with whichever gold answer it finds in the evidence scores F1 1 on
+    the first and 0 on the second (the world's answers are distinct entities)."""
+    from sleuth.claims import r_search
+    from sleuth.claims.base import ClaimRun
+    from sleuth.claims.registry import get_claim
+    from sleuth.claims.steps import build_world
+    from sleuth.data.formats import read_qa_jsonl
+    from sleuth.eval import harness
+    from sleuth.llm.base import Generation
+
+    spec = get_claim("r_search")
+    run = ClaimRun(out=tmp_path, spec=spec, profile_name="cpu", profile=spec.profile("cpu"))
+    build_world(run.world, run.profile)
+    questions = read_qa_jsonl(run.world / "test.jsonl")[:6]
+    answers = {q.question: q.golden_answers[0] for q in questions}
+    assert len(set(answers.values())) == len(answers)  # the premise of this test: distinct answers
+
+    class AnswersFromEvidence:
+        def generate(self, batch, stop=None, params=None):
+            out = []
+            for messages in batch:
+                prompt = messages[-1]["content"]
+                found = [a for a in answers.values() if a in prompt.split("Question:")[0]]
+                question = next(q for q in answers if q in prompt)
+                text = answers[question] if answers[question] in found else "no idea"
+                out.append(Generation(text=text))
+            return out
+
+    monkeypatch.setattr(harness, "resolve_generator", lambda name: AnswersFromEvidence())
+    probe = r_search.evidence_probe(run.world, "fake", tmp_path / "premise", 6)
+    # from the world's files: how many questions' answers occur in the next question's gold passages (multi-hop
+    # chains share entities, so not always none)
+    corpus = {
+        str(row["id"]): row["contents"]
+        for row in map(json.loads, (run.world / "corpus.jsonl").read_text().splitlines())
+    }
+    gold_text = [" ".join(corpus[str(d)] for d in q.metadata["supporting_ids"]) for q in questions]
+    shared = sum(q.golden_answers[0] in gold_text[(i + 1) % 6] for i, q in enumerate(questions))
+    assert probe == {"n": 6, "gold_evidence_f1": 1.0, "other_evidence_f1": pytest.approx(shared / 6)}
+    assert shared < 6
+    assert json.loads((tmp_path / "premise" / "evidence_probe.json").read_text())["evidence_model"] == "fake"
+    assert r_search.premise_checks(probe)["met"]

@@ -375,6 +375,7 @@ def test_reproduce_r_search_cpu_end_to_end_and_resumes(tmp_path, r_search_cpu_cl
         "eval_no_evidence_block",
         "eval_with_evidence",
         "eval_without_evidence",
+        "premise",
         "reader",
         "sft_no_evidence_block",
         "sft_r_search",
@@ -383,6 +384,13 @@ def test_reproduce_r_search_cpu_end_to_end_and_resumes(tmp_path, r_search_cpu_cl
         "train_without_evidence",
         "world",
     ]
+    # the premise ran before the arms (the evidence probe on the test questions) and is in the report
+    premise = report["premise"]
+    assert [c["check"] for c in premise["checks"]] == [
+        "the evidence model's answer F1 from the gold evidence",
+        "... minus its F1 from another question's evidence",
+    ]
+    assert premise["probe"]["n"] == 30 and 0 <= premise["probe"]["other_evidence_f1"] <= 1
     out = r_search_cpu_claim
     recipe = (out / "without_evidence" / "rl_recipe.yaml").read_text()
     assert "use_evidence_reward: false" in recipe

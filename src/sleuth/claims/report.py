@@ -4,6 +4,7 @@ verdict over seeds with the noise floor, the premise check, every measure, and t
 from __future__ import annotations
 
 import html
+import textwrap
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -104,7 +105,11 @@ def _seeds_table(seeds: dict[str, Any]) -> str:
             + f"\n</table>\n<p class='note'>{html.escape(test['why'])}"
             "</p>\n"
         )
-    return "<section id='seeds'><h2>Verdict over seeds</h2>\n" + "".join(parts) + "</section>\n"
+    figure = (
+        f"<figure id='seeds-figure'><img alt='each seed, pooled and the noise floor: differences with 95% intervals' "
+        f"src='{_png(seeds_figure(seeds['tests']))}'></figure>\n"
+    )
+    return "<section id='seeds'><h2>Verdict over seeds</h2>\n" + "".join(parts) + figure + "</section>\n"
 
 
 def _premise_section(premise: dict[str, Any] | None) -> str:
@@ -258,6 +263,38 @@ def _png(fig: Any) -> str:
     buf = io.BytesIO()
     fig.savefig(buf, format="png")
     return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+def seeds_figure(tests: list[dict[str, Any]], titles: list[str] | None = None) -> Any:
+    """A matplotlib Figure, one panel a decisive test (`sleuth.claims.stats` verdict rows): each seed's paired
+    difference, the pooled one and the noise floor, with 95% intervals, against the claim's threshold."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(8, 0.6 + 2.4 * len(tests)), dpi=100, layout="constrained")
+    FigureCanvasAgg(fig)
+    for k, test in enumerate(tests):
+        ax = fig.add_subplot(len(tests), 1, k + 1)
+        scale = 100 if test["points"] else 1
+        rows = [(f"seed {r['seed']}", r, "C0") for r in test["per_seed"]]
+        rows.append((f"pooled ({test['pooled']['seeds']} seeds)", test["pooled"], "C3"))
+        if test["floor"] is not None:
+            floor = test["floor"]
+            rows.append(
+                (f"noise floor (baseline, seed {floor['seeds'][1]} vs {floor['seeds'][0]})", floor, "C7")
+            )
+        for y, (_, row, color) in enumerate(reversed(rows)):
+            diff, (lo, hi) = scale * row["diff"], (scale * v for v in row["ci"])
+            ax.errorbar(diff, y, xerr=[[diff - lo], [hi - diff]], fmt="o", color=color, capsize=3)
+        ax.axvline(scale * test["threshold"], color="k", linewidth=0.8, linestyle="--")
+        ax.set_yticks(range(len(rows)), [label for label, _, _ in reversed(rows)], fontsize=8)
+        unit = "points" if test["points"] else "per question"
+        ax.set_xlabel(
+            f"difference ({unit}), treated minus baseline; dashed: the claim's threshold", fontsize=8
+        )
+        title = titles[k] if titles else test["row"]
+        ax.set_title(textwrap.fill(f"{title}: {test['verdict']}", 90), fontsize=9)
+    return fig
 
 
 def training_figure(runs: dict[str, Path]) -> str:

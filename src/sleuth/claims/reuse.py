@@ -26,6 +26,7 @@ WORLD_RECORD = "claim_world.json"
 WORLD_FILES = ("corpus.jsonl", "train.jsonl", "test.jsonl")
 READER = "reader"  # DIR/reader: the trained reader (LoRA checkpoint or exported model)
 INJECTED = "injected"  # DIR/injected: the knowledge-injected model (LoRA checkpoint)
+REUSED_READER = "reused"  # OUT/reused: a reused reader checkpoint's copy, which OUT/reader is exported from
 
 
 def world_fingerprint(world: Path) -> dict[str, str]:
@@ -96,8 +97,11 @@ def reader_stage(
         path = out / READER_DIR
         if (model / "config.json").is_file():  # an exported reader (a Hugging Face directory)
             _copy_model(model, path)
-        else:  # a checkpoint: its adapters merged into the base
-            export_searcher(model, path, overwrite=True)
+        else:  # a checkpoint: copied under OUT, then its adapters merged into the base
+            # the export records where it came from, and a claim bundle rebuilds it from there: that must lie in OUT
+            copied = out / REUSED_READER
+            _copy_model(model, copied)
+            export_searcher(copied, path, overwrite=True)
     write_world_record(path, world)
     return {
         "reader": str(path),
