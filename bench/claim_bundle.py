@@ -79,6 +79,11 @@ class CallLimits:
             raise BundleError(f"call limits must be positive, got {self}")
 
 
+def _read_json(path: Path) -> Any:
+    """A JSON file's content, or None where there is no such file."""
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
 def _digests(folder: Path, unchecked: Iterable[str] = ()) -> dict[str, str]:
     return {
         p.relative_to(folder).as_posix(): sha256_file(p)
@@ -144,6 +149,8 @@ class _Claim:
                         "dir": self._rel(path),
                         "source": self._rel(source),
                         "files": _digests(path, EXPORT_UNCHECKED),
+                        # the record as it was (its world and training settings), written back after the export
+                        "record": _read_json(path / WORLD_RECORD),
                     }
                 )
             else:
@@ -559,9 +566,11 @@ def rebuild(out: Path, info: dict[str, Any]) -> list[str]:
             from sleuth.agent.searcher import export_searcher
 
             export_searcher(out / entry["source"], folder, overwrite=True)
-            if (
+            if entry.get("record") is not None:  # the reader's record (sleuth.claims.reuse), as packed
+                atomic_write_json(folder / WORLD_RECORD, entry["record"])
+            elif (
                 WORLD_RECORD in entry["files"]
-            ):  # the reader's record of its world (sleuth.claims.reuse), rebuilt first
+            ):  # a bundle packed before records travelled: rebuilt from the world
                 # a reader trained on a world of its own keeps it beside its folder (qagent's other reader)
                 own = folder.parent / "world"
                 write_world_record(folder, own if (own / "test.jsonl").is_file() else out / "world")

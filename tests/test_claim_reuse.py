@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -52,6 +53,17 @@ def test_reused_model_is_refused_unless_it_learned_this_world(tmp_path: Path) ->
         reused_model(reuse, "reader", world)
     write_world_record(model, world)
     assert reused_model(reuse, "reader", world) == model
+    # the training settings, where the record names them, must be the run profile's
+    trained = {"epochs": 2, "lr": 0.0003, "distractors": 2}
+    write_world_record(model, world, trained)
+    assert reused_model(reuse, "reader", world, dict(trained)) == model
+    assert reused_model(reuse, "reader", world) == model  # no settings asked: the world alone decides
+    with pytest.raises(
+        ConfigError, match=r"trained with other settings than this run's profile \(epochs: 2 there, 3 here\)"
+    ):
+        reused_model(reuse, "reader", world, {**trained, "epochs": 3})
+    write_world_record(model, world)  # an older record without settings: the world alone decides
+    assert reused_model(reuse, "reader", world, {**trained, "epochs": 3}) == model
     (world / "train.jsonl").unlink()
     with pytest.raises(ConfigError, match="train.jsonl missing"):
         world_fingerprint(world)
@@ -62,9 +74,30 @@ def test_committed_claim_models_record_the_gpu_worlds(name: str) -> None:
     """The committed adapters carry the record `--reuse` checks: the test split is the one their CPU checks use."""
     from tests.test_claim_checkpoints import PLAIN_TEST_SHA, STAGED_TEST_SHA
 
-    files = json.loads((CLAIMS / name / WORLD_RECORD).read_text())["files"]
+    record = json.loads((CLAIMS / name / WORLD_RECORD).read_text())
+    files = record["files"]
     assert files["test.jsonl"] == (STAGED_TEST_SHA if name == "injected" else PLAIN_TEST_SHA)
     assert set(files) == {"corpus.jsonl", "train.jsonl", "test.jsonl"}
+    # and the settings they were trained with, which the gpu profile's would train them with again: from the
+    # checkpoints' own counts (searcher.json), reader 12,800 records / 16 a step = 800 steps an epoch, 1,600 steps
+    # = 2 epochs; injection 12,498 statements / 128 a step = 98 steps an epoch, 1,176 steps = 12 epochs
+    done = json.loads((CLAIMS / name / "searcher.json").read_text())
+    settings = record["settings"]
+    steps_an_epoch = -(-done["records"] // settings["batch_size"])
+    assert done["steps"] == settings["epochs"] * steps_an_epoch
+    if name == "reader":
+        from sleuth.claims.profiles import PLAIN_PROFILES
+
+        assert settings == json.loads(json.dumps(asdict(PLAIN_PROFILES["gpu"].reader)))
+    else:
+        from sleuth.claims.staged import PROFILES
+
+        gpu = PROFILES["gpu"]
+        assert (settings["epochs"], settings["lr"], settings["batch_size"]) == (
+            gpu.inject_epochs,
+            gpu.inject_lr,
+            gpu.inject_batch,
+        )
 
 
 def _stop_after(monkeypatch: pytest.MonkeyPatch, stages: int) -> None:
