@@ -3,6 +3,9 @@
     # on a 4-GPU machine: random-weight Qwen2.5-3B shape, LoRA, 1/2/4 GPUs (DDP); 7B full fine-tuning with FSDP2
     PYTHONPATH=src python bench/paper_scale.py --model random:qwen2.5-3b --lora --gpus 1 2 4 --prompts 32
     PYTHONPATH=src python bench/paper_scale.py --model random:qwen2.5-7b --gpus 4 --parallel fsdp --prompts 32
+    # the overlap target on one GPU: the next step's rollout concurrent with this step's update
+    PYTHONPATH=src python bench/paper_scale.py --model random:qwen2.5-3b --lora --gpus 1 --prompts-per-gpu 16 \
+        --steps 3 --micro 16 --micro-tokens 16384 --gradient-checkpointing auto --overlap one_step_async
     # CPU check (gloo, tiny model)
     PYTHONPATH=src python bench/paper_scale.py --model tiny --device cpu --gpus 1 2 --prompts 2 --n 2 \
         --turns 2 --new-tokens 8 --max-obs-tokens 32 --steps 1
@@ -96,6 +99,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "the turn count drawn per trajectory), to set beside the peers' published step times",
     )
     p.add_argument("--decoding", default="auto", choices=("auto", "engine", "static", "dynamic"))
+    p.add_argument(
+        "--overlap",
+        default="off",
+        choices=("off", "one_step", "one_step_async"),
+        help="trainer.overlap: one_step_async rolls the next step out on a background thread (its own CUDA "
+        "stream) while this step updates; the first step is synchronous, so measure with --warmup-steps >= 1",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=int, default=1500, help="seconds allowed per configuration")
     p.add_argument(
@@ -150,6 +160,7 @@ def recipe_for(
     )
     if args.micro_tokens is not None:
         recipe["algorithm"]["micro_batch_tokens"] = args.micro_tokens
+    recipe["trainer"]["overlap"] = args.overlap
     drawn = SHAPES[args.shape].get("turns_drawn")
     if drawn:
         recipe["agent"].setdefault("options", {})["turns_drawn"] = drawn
@@ -203,6 +214,10 @@ def summarise(args: argparse.Namespace, lines: list[dict[str, Any]], gpus: int) 
         "micro_batches_per_minibatch": mean("update/micro_batches"),
         "rollout_logprob_diff_mean": mean("rollout/logprob_diff_mean"),
         "rollout_logprob_diff_max": mean("rollout/logprob_diff_max"),
+        # trainer.overlap: updates between the rollout's weights and the update's, and (one_step_async) how long
+        # the update waited for the next step's background rollout; a step is then ~ update + that wait
+        "staleness": mean("rollout/staleness"),
+        "overlap_wait_s": mean("time/overlap_wait"),
         # the issue's counter: every token of the rank's trajectories (prompt + response) / the update's seconds
         # (old/reference log-prob passes included)
         "update_tokens_per_s_per_gpu": (
@@ -219,6 +234,16 @@ def summarise(args: argparse.Namespace, lines: list[dict[str, Any]], gpus: int) 
         "decode_graph_failures": max((m.get("decode/graph_failures", 0) for m in lines), default=0),
     }
     row.update(update_mfu(args, row))
+    # one_step_async: the steps that ran a background rollout (not the last: it has no next step to roll out)
+    overlapped = [m["time/step"] for m in measured if "time/overlap_wait" in m]
+    row["overlapped_step_s"] = sum(overlapped) / len(overlapped) if overlapped else None
+    steady = row["overlapped_step_s"] or step_s
+    if steady and row["update_s"] and row["rollout_s"] is not None:
+        # the overlap target (issue 43): a step <= 1.1 x max(rollout, update), the two as the off row measures
+        # them (under overlap each is slowed by the other); here within the row, 1 + min/max being no overlap
+        row["step_over_max_rollout_update"] = steady / max(
+            row["rollout_s"] + (row["reward_s"] or 0), row["update_s"]
+        )
     if row["retrieval_s"] is not None and row["rollout_s"]:
         row["retrieval_share_of_rollout"] = row["retrieval_s"] / row["rollout_s"]
     if step_s:
@@ -258,8 +283,10 @@ def failure_excerpt(lines: list[str]) -> list[str]:
 def run_config(args: argparse.Namespace, shared: dict[str, Any], work: Path, device: str, gpus: int) -> dict:
     args = config_args(args, gpus)
     mode = "lora" if args.lora else "full"
-    name = f"{gpus}x-{args.parallel if gpus > 1 else 'single'}-{mode}" + (
-        "" if args.shape == "full" else f"-{args.shape}"
+    name = (
+        f"{gpus}x-{args.parallel if gpus > 1 else 'single'}-{mode}"
+        + ("" if args.shape == "full" else f"-{args.shape}")
+        + ("" if args.overlap == "off" else f"-{args.overlap}")
     )
     done = work / f"{name}.done.json"
     if done.exists():
@@ -277,6 +304,7 @@ def run_config(args: argparse.Namespace, shared: dict[str, Any], work: Path, dev
         "n": args.n,
         "scaling": "strong" if args.prompts_per_gpu is None else "weak",
         "shape": args.shape,
+        "overlap": args.overlap,
         "turns": args.turns,
         "new_tokens_per_turn": args.new_tokens,
         "max_obs_tokens": args.max_obs_tokens,
@@ -346,6 +374,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         ("rollout_s", "rollout s"),
         ("reward_s", "reward s"),
         ("update_s", "update s"),
+        ("overlap_wait_s", "overlap wait s"),
+        ("overlapped_step_s", "overlapped step s"),
+        ("step_over_max_rollout_update", "step / max(roll, upd)"),
         ("update_tokens_per_s_per_gpu", "update tok/s/GPU"),
         ("update_mfu_verl", "update MFU (verl)"),
         ("retrieval_s", "retrieval s"),
@@ -364,6 +395,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         [
             f"{env['card']} | {batch} x {args.n} | {args.turns} turns x {args.new_tokens} "
             f"tokens, obs <= {args.max_obs_tokens} | {'LoRA' if args.lora else 'full'} {args.parallel}"
+            + ("" if args.overlap == "off" else f" | trainer.overlap {args.overlap}")
         ],
     )
     print(f"wrote {out}")

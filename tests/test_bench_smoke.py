@@ -433,6 +433,25 @@ def test_paper_scale_weak_scaling_grows_the_global_batch_with_the_gpus() -> None
         paper.parse_args(["--prompts-per-gpu", "0"])
 
 
+def test_paper_scale_overlap_sets_the_recipe_and_reports_the_overlapped_steps() -> None:
+    """--overlap one_step_async reaches the recipe; the row's steady step is the mean over the steps that rolled
+    the next step out during their update (they log time/overlap_wait), set against max(rollout, update)."""
+    paper = load_bench("paper_scale")
+    args = paper.parse_args(["--model", "tiny", "--overlap", "one_step_async", "--steps", "3"])
+    shared = {"model_dir": "m", "train": "t.jsonl", "index": "i", "model": "tiny"}
+    assert paper.recipe_for(args, shared, Path("out"), "cpu", 1)["trainer"]["overlap"] == "one_step_async"
+    step = {"time/rollout": 2.0, "time/reward": 0.0, "time/update": 3.0}
+    lines = [
+        {"step": 1, "time/step": 9.0, **step},
+        {"step": 2, "time/step": 3.5, "time/overlap_wait": 0.5, "rollout/staleness": 1.0, **step},
+        {"step": 3, "time/step": 3.1, "time/overlap_wait": 0.1, "rollout/staleness": 1.0, **step},
+        {"step": 4, "time/step": 3.0, "rollout/staleness": 1.0, **step},  # the last: nothing to roll out
+    ]
+    row = paper.summarise(args, lines, 1)
+    assert row["overlapped_step_s"] == pytest.approx(3.3) and row["overlap_wait_s"] == pytest.approx(0.3)
+    assert row["step_over_max_rollout_update"] == pytest.approx(3.3 / 3.0) and row["staleness"] == 1.0
+
+
 def test_rollout_bench_engine_row_splits_prefill_from_decode(tmp_path: Path) -> None:
     """The engine row says how much of the time inside generate went to prefills (CPU: the engine runs eagerly,
     so no graph is captured and none fails)."""

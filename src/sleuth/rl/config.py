@@ -261,8 +261,12 @@ class TrainerConfig(_Strict):
     # conditions over the health metrics or validation, each with an action (sleuth.rl.guard_config)
     guards: list[GuardConfig] = Field(default_factory=default_guards)
     # one_step: step k+1's rollouts are made from the weights step k started with, before step k's update (one
-    # step stale; the generator's recorded log-probs are the ratio's old side); sleuth.rl.overlap
-    overlap: Literal["off", "one_step"] = "off"
+    # step stale; the generator's recorded log-probs are the ratio's old side); sleuth.rl.overlap.
+    # one_step_async: the same rollouts, made while step k updates (a background thread decoding a frozen
+    # snapshot of the pre-update weights; on CUDA its own stream), as verl's one_step_off_policy recipe and SkyRL's
+    # one-step off-policy pipelining run them: the same trajectories, losses and weights as one_step, a step of
+    # ~max(rollout, update) instead of their sum; the decode engine's KV pool then stays while the update runs
+    overlap: Literal["off", "one_step", "one_step_async"] = "off"
 
     @field_validator("overlap", mode="before")
     @classmethod

@@ -124,11 +124,20 @@ def collect_or_stop(run: Run, step: int, stage: int, resume_at: tuple[int, dict]
     try:
         return collect_rollouts(run)
     except ServiceError as err:
-        where = "no new checkpoint (nothing done since the last one)"
-        if done > run.last_saved and not run.ctx.enabled:  # a lone rank cannot run the collective save
-            save(run, done, cursor_before, stage)
-            where = f"checkpoint of step {done} written"
-        raise ServiceError(
-            f"{err}\nstopped at step {done + 1} of {run.recipe.trainer.total_steps}: {where} under {run.out_dir}; "
-            f"when the service is back, rerun with --resume (or raise services.retry.budget_s)"
-        ) from err
+        raise service_stop(run, err, done, cursor_before, stage) from err
+
+
+def service_stop(
+    run: Run, err: ServiceError, done: int, cursor_before: dict[str, int], stage: int
+) -> ServiceError:
+    """A service past its retry budget: checkpoint `done` steps with `cursor_before` (unless nothing was done since
+    the last checkpoint) and return the error that stops the run, naming what was kept."""
+    where = "no new checkpoint (nothing done since the last one)"
+    if done > run.last_saved and not run.ctx.enabled:  # a lone rank cannot run the collective save
+        save(run, done, cursor_before, stage)
+        run.last_saved = done
+        where = f"checkpoint of step {done} written"
+    return ServiceError(
+        f"{err}\nstopped at step {done + 1} of {run.recipe.trainer.total_steps}: {where} under {run.out_dir}; "
+        f"when the service is back, rerun with --resume (or raise services.retry.budget_s)"
+    )

@@ -100,6 +100,9 @@ class Run:
     pending: Any = (
         None  # trainer.overlap: the next step's rollouts (sleuth.rl.overlap.Pending), made during this one
     )
+    # trainer.overlap: one_step_async: the frozen copy of the pre-update weights the background rollout decodes
+    # (sleuth.rl.overlap.WeightSnapshot), made at the first fork
+    snapshot: Any = None
 
     @property
     def models(self) -> dict[str, nn.Module]:

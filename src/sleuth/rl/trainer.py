@@ -6,7 +6,8 @@ The pieces live one floor down: rollouts and scores (sleuth.rl.rollouts), models
 batches, micro-batch plans, the policy-token forward and no-grad passes (sleuth.rl.batch), activation
 checkpointing (sleuth.rl.memory_plan), recipe -> retriever/loop/data/reward services (sleuth.rl.setup), step
 metrics (sleuth.rl.step_metrics, sleuth.rl.agreement), validation on data.dev (sleuth.rl.validate), the next step's
-rollouts made before this step's update under `trainer.overlap: one_step` (sleuth.rl.overlap), and the pure
+rollouts made before (`trainer.overlap: one_step`) or during (`one_step_async`) this step's update
+(sleuth.rl.overlap), and the pure
 numerics in the registries of sleuth.rl.advantages (estimators) and sleuth.rl.losses (policy losses).
 """
 
@@ -60,7 +61,7 @@ from sleuth.rl.health import health_metrics
 from sleuth.rl.interrupts import sigterm_received, stop_reason
 from sleuth.rl.memory_plan import update_plan_metrics
 from sleuth.rl.models import autocast, dtype_of, release_rollout_memory, sync_rollout_weights
-from sleuth.rl.overlap import behaviour_logprobs, check_overlap, collect_next
+from sleuth.rl.overlap import behaviour_logprobs, check_overlap, collect_next, start_next
 from sleuth.rl.rollouts import Collected, collect_or_stop
 from sleuth.rl.run import Run, resume_cursor, save, setup
 from sleuth.rl.run_dir import prepare_run_dir, write_failure
@@ -202,7 +203,7 @@ def _train(recipe: Recipe, *, resume: bool = False, console: Any = None) -> dict
 
 def train_step(run: Run, step: int) -> dict[str, float]:
     """rollout -> score -> advantages -> update -> log -> checkpoint -> validation (when due)."""
-    recipe, ctx = run.recipe, run.ctx
+    recipe = run.recipe
     t_start = time.perf_counter()
     run.reward_fn.set_step(step)
     stage = (
@@ -222,31 +223,40 @@ def train_step(run: Run, step: int) -> dict[str, float]:
     else:
         run.policy.eval()
         collected = collect_or_stop(run, step, stage)
-    overlapped = recipe.trainer.overlap == "one_step"
-    if overlapped and not overlap.WAIT_FOR_UPDATE:
+    mode = recipe.trainer.overlap
+    overlapped, background = mode != "off", None
+    if mode == "one_step" and not overlap.WAIT_FOR_UPDATE:
         run.pending = collect_next(run, step, cursor_now, staleness=1)
-    release_rollout_memory(run)  # before the log-prob passes and the update, which need the memory
+    elif mode == "one_step_async":
+        background = start_next(
+            run, step
+        )  # the same rollout on a thread, decoding a snapshot, while we update
+    if background is None:  # (a background rollout still decodes: its KV pool goes after the join)
+        release_rollout_memory(run)  # before the log-prob passes and the update, which need the memory
 
-    # 2. tensors, old/ref log-probs, values, advantages
+    # 2. tensors, old/ref log-probs, values, advantages; 3. K epochs of minibatch updates
     t2 = time.perf_counter()
-    batch = make_batch(run, collected.trajs, collected.scores, behaviour=staleness > 0)
+    try:
+        batch, stats, t3 = _batch_and_update(run, step, collected, staleness)
+    except BaseException:
+        if background is not None:  # it still reads the run's objects: let it end before the error unwinds
+            background.abandon()
+        raise
     batch.staleness = staleness if overlapped else None
-    batch.debug_path = run.out_dir / "debug" / f"nonfinite_step_{step + 1:06d}_rank{ctx.rank}.pt"
-
-    # 3. K epochs of minibatch updates
-    t3 = time.perf_counter()
-    run.policy.train()
-    stats = update(run, batch)
-    for s in run.schedulers.values():
-        s.step()
+    waited = 0.0
+    if background is not None:
+        run.pending = background.join()  # before the refresh: the engine's copy is what it decodes
+        release_rollout_memory(run)
+        # the update's wait for the next step's rollout: apart from time/update, so a step is ~ update + wait
+        stats["time/overlap_wait"], waited = [background.waited], background.waited
     t4 = time.perf_counter()
     sync_rollout_weights(run)
-    t_update = time.perf_counter() - t2
+    t_update = time.perf_counter() - t2 - waited
     stats["time/make_batch"], stats["time/weight_sync"] = (
         [t3 - t2],
         [time.perf_counter() - t4],
     )  # parts of update
-    if overlapped and overlap.WAIT_FOR_UPDATE:  # tests: the overlapped path at staleness 0
+    if mode == "one_step" and overlap.WAIT_FOR_UPDATE:  # tests: the overlapped path at staleness 0
         run.pending = collect_next(run, step, cursor_now, staleness=0)
 
     # 4. log (metrics averaged over ranks; every rank holds an equal share of the batch)
@@ -258,6 +268,9 @@ def train_step(run: Run, step: int) -> dict[str, float]:
     if every and (done % every == 0 or done == recipe.trainer.total_steps):
         save(run, done, resume_cursor(run), stage)
         run.last_saved = done
+    if background is not None and background.service_error is not None:
+        # this step is kept (logged, checkpointed); the next one's rollout found a service down
+        raise background.stop_for_service(done)
 
     # 6. validation on data.dev (after the checkpoint: a failure here loses no training)
     validated = bool(run.val_examples) and validation_due(recipe, done)
@@ -267,6 +280,20 @@ def train_step(run: Run, step: int) -> dict[str, float]:
     # 7. guards (sleuth.rl.guard_actions): warn, stop with a checkpoint, or roll back
     act_on_guards(run, done, validated)
     return metrics
+
+
+def _batch_and_update(run: Run, step: int, collected: Collected,
+                      staleness: int) -> tuple[StepBatch, dict[str, list[float]], float]:  # fmt: skip
+    """The step's tensors and no-grad passes, then its update and scheduler step: (batch, update stats, the time
+    the update began)."""
+    batch = make_batch(run, collected.trajs, collected.scores, behaviour=staleness > 0)
+    batch.debug_path = run.out_dir / "debug" / f"nonfinite_step_{step + 1:06d}_rank{run.ctx.rank}.pt"
+    t3 = time.perf_counter()
+    run.policy.train()
+    stats = update(run, batch)
+    for s in run.schedulers.values():
+        s.step()
+    return batch, stats, t3
 
 
 def make_batch(run: Run, trajs: list[Trajectory], scores: list[float], behaviour: bool = False) -> StepBatch:
