@@ -55,9 +55,16 @@ def _rows(out_dir: Path) -> list[dict]:
 
 
 def _weights(out_dir: Path, step: int) -> dict[str, torch.Tensor]:
+    """A checkpoint's policy weights: the adapters under LoRA, else the whole model."""
     from safetensors.torch import load_file
 
-    return load_file(out_dir / "checkpoints" / f"step_{step:06d}" / "policy" / "model.safetensors")
+    policy = out_dir / "checkpoints" / f"step_{step:06d}" / "policy"
+    name = (
+        "adapter_model.safetensors"
+        if (policy / "adapter_model.safetensors").exists()
+        else "model.safetensors"
+    )
+    return load_file(policy / name)
 
 
 def _questions(out_dir: Path, step: int) -> list[str]:

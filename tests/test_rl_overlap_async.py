@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tests.test_rl_overlap import _rows, _weights
 
 from sleuth.rl.config import recipe_from_dict
 
@@ -64,22 +65,6 @@ def _recipe(small_world: Path, out_dir: Path, steps: int, overlap: str, lora: bo
             "overlap": overlap,
         },
     }
-
-
-def _rows(out_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
-
-
-def _weights(out_dir: Path, step: int) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    policy = out_dir / "checkpoints" / f"step_{step:06d}" / "policy"
-    name = (
-        "adapter_model.safetensors"
-        if (policy / "adapter_model.safetensors").exists()
-        else "model.safetensors"
-    )
-    return load_file(policy / name)
 
 
 def _trajectories(out_dir: Path, step: int) -> list[dict]:
