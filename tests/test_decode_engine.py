@@ -645,6 +645,7 @@ def test_launching_the_first_chunk_before_reading_the_first_tokens_changes_no_to
     for loop in (None, _decode_engine_before_overlap):
         keeps.append([])
         gen = HFGenerator(path, device="cpu", cache="engine", sync_every=2, max_batch_size=8)
+        gen.engine.step_by_step = False  # the chunks of a CUDA decode (a CPU steps one token at a time)
         if loop is not None:
             monkeypatch.setattr(gen, "_decode_engine", loop.__get__(gen))
         runs.append(gen.generate(prompts, stops, params))
@@ -693,3 +694,76 @@ def test_held_rows_survive_later_starts_and_a_fork_of_one_decodes_like_transform
         want, want_lp = _hf_greedy(model, fork_b2, 6)
         assert got4[0] == want and max(abs(x - y) for x, y in zip(lps4[0], want_lp, strict=True)) < 1e-4
     assert not engine.prefixes.hold and not engine.prefixes
+
+
+def test_the_cpu_decode_attention_reads_each_row_in_place_and_equals_the_reference() -> None:
+    """`kernels.decode_attention` on a CPU (`decode_attention_rows`, one SDPA call per row over its own slots) against
+    the gathering reference: rows of different lengths at different starts, 4 query heads over 2 key/value heads."""
+    torch.manual_seed(0)
+    heads, kv_heads, d = 4, 2, 16
+    k_cache, v_cache = torch.randn(40, kv_heads, d), torch.randn(40, kv_heads, d)
+    q = torch.randn(3, heads, d)
+    starts = torch.tensor([0, 12, 25], dtype=torch.int32)
+    lengths = torch.tensor([7, 1, 15], dtype=torch.int32)
+    want = kernels.decode_attention_reference(q, k_cache, v_cache, starts, lengths, 0.25)
+    got = kernels.decode_attention(q, k_cache, v_cache, starts, lengths, 0.25)
+    assert torch.allclose(got, want, atol=1e-6)
+    # by hand: a row of one key returns that key's value in every query head of its group (heads 0-1: kv head 0)
+    assert torch.equal(got[1, :2], v_cache[12, 0].expand(2, d)) and torch.equal(
+        got[1, 2:], v_cache[12, 1].expand(2, d)
+    )
+    half = kernels.decode_attention(
+        q.bfloat16(), k_cache.bfloat16(), v_cache.bfloat16(), starts, lengths, 0.25
+    )
+    ref = kernels.decode_attention_reference(
+        q.bfloat16(), k_cache.bfloat16(), v_cache.bfloat16(), starts, lengths, 0.25
+    )
+    assert half.dtype == torch.bfloat16 and (half.float() - ref.float()).abs().max() <= 1e-2
+
+
+def test_on_a_cpu_the_engine_decodes_in_the_models_dtype_without_padding_rows() -> None:
+    """No graphs on a CPU: a batch is exactly its live rows (a padding row would cost a live one's step), and the copy
+    keeps the model's dtype (bf16 where `cpu_dtype` loaded the model so)."""
+    model = _model("llama")
+    engine = DecodeEngine(model, max_batch_size=8)  # min_bucket 8 pads on CUDA only
+    assert engine.dtype == torch.float32 and not engine.use_graphs
+    state, _, _ = engine.start([[1, 2, 3], [4, 5], [6]], 6, temperature=0.0)
+    assert state.bucket.size == 3
+    engine.keep(state, [0, 2])
+    assert state.bucket.size == 2 and state.bucket.tokens.shape == (2,)
+    assert DecodeEngine(model.to(torch.bfloat16)).dtype == torch.bfloat16
+
+
+def test_on_a_cpu_the_generator_drops_each_finished_row_at_once_and_decodes_like_the_dynamic_cache(
+    tmp_path: Path,
+) -> None:
+    """HFGenerator(cache="engine") on a CPU steps one token at a time and a row leaves the batch at the step after
+    its last token was read (on CUDA only once half the batch has finished): rows stopping at different lengths
+    cost no step past that, and the tokens are the dynamic cache's."""
+    from sleuth.llm.base import SamplingParams
+    from sleuth.llm.hf import HFGenerator
+    from sleuth.llm.tiny import build_tiny_model
+
+    path = build_tiny_model(tmp_path / "tiny")
+    prompts = ["the capital of", "a search for the", "x", "answer: the river", "y z"]
+    stops = [[" of of of"], [], ["xxxxxxx"], ["verververver"], []]  # the tiny model repeats itself
+    dynamic = HFGenerator(path, device="cpu", cache="dynamic")
+    gen = HFGenerator(path, device="cpu", cache="engine", sync_every=8)
+    rows_per_step: list[int] = []
+    steps = gen.engine.steps
+
+    def counted(state, k):
+        rows_per_step.extend([len(state.rows)] * k)
+        return steps(state, k)
+
+    gen.engine.steps = counted  # type: ignore[method-assign]
+    params = SamplingParams(max_new_tokens=16, temperature=0.0)
+    want = dynamic.generate(prompts, stops, params)
+    got = gen.generate(prompts, stops, params)
+    assert [g.token_ids for g in got] == [g.token_ids for g in want]
+    assert [g.finish_reason for g in got] == [g.finish_reason for g in want]
+    generated = sorted(len(g.token_ids) for g in got)
+    assert generated[0] < generated[-1]  # rows did finish apart
+    # the first token comes from the prefill; a row is in every step until the one after its last token
+    assert sum(rows_per_step) <= sum(generated)
+    assert rows_per_step == sorted(rows_per_step, reverse=True) and rows_per_step[-1] < len(prompts)

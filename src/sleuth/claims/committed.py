@@ -446,13 +446,15 @@ def check_committed(
         shutil.copy2(packed / committed["questions"] / "test.jsonl", labels / "test.jsonl")
         run.results[QUESTIONS] = {"questions": str(labels)}
     # deferred: the model code loads torch; `sleuth --help` imports this module
-    from sleuth.llm.hf import cpu_dtype, native_cpu_bf16
+    from sleuth.llm.hf import cpu_cache, cpu_dtype, native_cpu_bf16
 
     # a GPU run decoded in bf16 (the decode engine's copy): on a CPU that computes bf16 natively, so does the
-    # check (closer to the run, and ~2.6x faster than float32); a CPU run, or a CPU without it, in float32
+    # check (closer to the run, and ~2.6x faster than float32); a CPU run, or a CPU without it, in float32. The
+    # engine decodes here too: it prefills only each turn's new tokens, where the dynamic cache encoded every turn's
+    # whole context again (bench/from_committed_timing.py)
     dtype = "bfloat16" if profile_name == "gpu" and native_cpu_bf16() else None
     start = time.perf_counter()
-    with cpu_dtype(dtype):
+    with cpu_dtype(dtype), cpu_cache("engine"):
         for name in committed["evaluations"]:
             run.results[name] = stage(out, name, lambda name=name: stages[name].run(run), console)
     seconds = time.perf_counter() - start

@@ -109,6 +109,11 @@ def samples_inside(top_p: float, generator: torch.Generator | None) -> bool:
     return top_p >= 1.0 and generator is None
 
 
+def _floating_dtype(model: torch.nn.Module) -> torch.dtype:
+    """The dtype of the model's first floating-point parameter (float32 if none)."""
+    return next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+
+
 class DecodeEngine:
     """Batched decoding of a Llama-family model from a bf16 (or fp32 on CPU) copy of its weights.
 
@@ -137,7 +142,8 @@ class DecodeEngine:
         base = base_model(model)
         config = base.config
         self.device = torch.device(device) if device is not None else next(base.parameters()).device
-        self.dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
+        # a CPU decodes in the model's own dtype: float32, or bf16 where `sleuth.llm.hf.cpu_dtype` loaded it so
+        self.dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else _floating_dtype(base))
         self.heads = int(config.num_attention_heads)
         self.kv_heads = int(getattr(config, "num_key_value_heads", None) or self.heads)
         self.hidden = int(config.hidden_size)
@@ -154,6 +160,9 @@ class DecodeEngine:
         self.min_bucket = min(min_bucket, max_batch_size)
         self.prefill_tokens = prefill_tokens
         self.use_graphs = (self.device.type == "cuda") if use_graphs is None else use_graphs
+        # eager steps (a CPU): nothing runs ahead of the host and a finished row costs a live one's step, so a
+        # caller steps one token at a time and drops each finished row at once (`HFGenerator._decode_engine`)
+        self.step_by_step = not self.use_graphs
         self.layers: list[_Layer] = []
         self.embed = self.final_norm = self.lm_head = None
         self.prefixes = PrefixStore()  # rows of the last decode whose keys/values a next turn can reuse
@@ -377,8 +386,11 @@ class DecodeEngine:
         bucket.positions.add_(1)
 
     def _bucket(self, live: int) -> _Bucket:
-        size = max(self.min_bucket, 1 << max(0, live - 1).bit_length())
-        size = min(size, max(self.max_batch_size, live))
+        if self.use_graphs:  # few sizes, each captured once
+            size = max(self.min_bucket, 1 << max(0, live - 1).bit_length())
+            size = min(size, max(self.max_batch_size, live))
+        else:  # eager steps (a CPU): a padding row would cost as much as a live one
+            size = live
         bucket = self._buckets.get(size)
         if bucket is None:
             bucket = _Bucket(

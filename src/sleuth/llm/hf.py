@@ -81,9 +81,11 @@ def _is_messages(prompt: Any) -> bool:
 
 def auto_cache(device: torch.device, model: Any, compile: bool = False) -> str:
     """cache="auto": sleuth's decode engine on CUDA where it supports the model (as the trainer's rollouts),
-    else (or to compile) a static cache; HF's dynamic cache on a CPU."""
+    else (or to compile) a static cache; on a CPU HF's dynamic cache, or the engine inside `cpu_cache("engine")`
+    where it supports the model."""
     if device.type != "cuda":
-        return "dynamic"
+        engine = _AUTO_CPU_CACHE == "engine" and not compile and engine_supports(model) is None
+        return "engine" if engine else "dynamic"
     return "engine" if not compile and engine_supports(model) is None else "static"
 
 
@@ -115,6 +117,25 @@ def cpu_dtype(dtype: torch.dtype | str | None) -> Iterator[None]:
         yield
     finally:
         _AUTO_CPU_DTYPE = before
+
+
+# What cache="auto" means on a CPU while `cpu_cache` is in effect (None: the dynamic cache).
+_AUTO_CPU_CACHE: str | None = None
+
+
+@contextlib.contextmanager
+def cpu_cache(kind: str | None) -> Iterator[None]:
+    """Generators built with cache="auto" on a CPU inside this block decode with `kind`: "engine" is sleuth's decode
+    engine (as a GPU run decodes), which keeps each row's keys and values across the turns of a rollout and prefills
+    only a turn's new tokens, where the dynamic cache (None, the default) encodes every turn's whole context again."""
+    global _AUTO_CPU_CACHE
+    if kind not in (None, "dynamic", "engine"):
+        raise ConfigError(f"cpu_cache({kind!r}): use 'engine', 'dynamic' or None")
+    before, _AUTO_CPU_CACHE = _AUTO_CPU_CACHE, kind
+    try:
+        yield
+    finally:
+        _AUTO_CPU_CACHE = before
 
 
 def auto_cpu_dtype() -> torch.dtype | None:
@@ -542,8 +563,9 @@ class HFGenerator:
             self._accept_chunk(rows, pending[1], max_new)
             pending, self.prefill_seconds = None, self.prefill_seconds + time.perf_counter() - started
         remaining = max_new - 1
+        eager = engine.step_by_step  # a CPU: a row leaves the batch at the step after its last token
         while pending is not None or (remaining > 0 and any(r.finish_reason is None for r in rows)):
-            k = min(self.sync_every, remaining)
+            k = min(1 if eager else self.sync_every, remaining)
             chunk = (list(state.rows), self._to_host(*engine.steps(state, k))) if k > 0 else None
             remaining -= k
             if pending is not None:
@@ -551,7 +573,11 @@ class HFGenerator:
                 live = [j for j, i in enumerate(state.rows) if rows[i].finish_reason is None]
                 if pending is first:  # first tokens on the host (the first chunk queued behind them), no keep
                     self.prefill_seconds += time.perf_counter() - started
-                elif chunk is not None and live and len(live) <= state.bucket.size // 2:
+                elif (
+                    chunk is not None
+                    and live
+                    and len(live) <= (len(state.rows) - 1 if eager else state.bucket.size // 2)
+                ):
                     engine.keep(
                         state, live
                     )  # (rows' seeded noise follows their batch slot: keep where it was)

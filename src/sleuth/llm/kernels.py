@@ -26,6 +26,7 @@ import os
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 try:  # Triton ships with CUDA builds of torch; CPU installs may lack it (the references then run)
     import triton
@@ -137,6 +138,32 @@ def decode_attention_reference(
     scores = scores.masked_fill(~live[:, None, None, :], float("-inf"))
     out = torch.einsum("bkgw,bwkd->bkgd", scores.softmax(-1), v)
     return out.reshape(b, heads, d).to(q.dtype)
+
+
+def decode_attention_rows(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    starts: torch.Tensor,
+    lengths: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """`decode_attention_reference` on a CPU: one SDPA call per row over views of its slots. The reference gathers
+    every row's keys and values into a padded fp32 copy each layer and step, which made attention ~85% of a
+    SmolLM2-135M decode step on a CPU core (8 rows of 1,200 keys: 8.3 -> 1.3 ms a layer); a row's slots are
+    contiguous, so each row is read alone. In fp32, rounded to q's dtype at the end, as the reference and the CUDA
+    kernel compute; a row's query heads attend in groups over their shared key/value head."""
+    b, heads, d = q.shape
+    kv_heads = k_cache.shape[1]
+    out = q.new_empty((b, heads, d))
+    for row, (start, length) in enumerate(zip(starts.tolist(), lengths.tolist(), strict=True)):
+        k = k_cache[start : start + length].float().transpose(0, 1)  # (kv_heads, keys, d)
+        v = v_cache[start : start + length].float().transpose(0, 1)
+        grouped = (
+            q[row].float().view(kv_heads, heads // kv_heads, d)
+        )  # a group's queries share their head's keys
+        out[row] = F.scaled_dot_product_attention(grouped, k, v, scale=scale).view(heads, d)
+    return out
 
 
 def silu_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
@@ -575,7 +602,10 @@ def decode_attention(
 ) -> torch.Tensor:
     """See `decode_attention_reference`; reads only the live keys of each row."""
     if not triton_enabled(q):
-        res = decode_attention_reference(q, k_cache, v_cache, starts, lengths, scale)
+        if q.device.type == "cpu":
+            res = decode_attention_rows(q, k_cache, v_cache, starts, lengths, scale)
+        else:
+            res = decode_attention_reference(q, k_cache, v_cache, starts, lengths, scale)
         if out is not None:
             out.copy_(res)
             return out
