@@ -84,7 +84,7 @@ def auto_cache(device: torch.device, model: Any, compile: bool = False) -> str:
     else (or to compile) a static cache; on a CPU HF's dynamic cache, or the engine inside `cpu_cache("engine")`
     where it supports the model."""
     if device.type != "cuda":
-        engine = _AUTO_CPU_CACHE == "engine" and not compile and engine_supports(model) is None
+        engine = _AUTO_ON_CPU["cache"] == "engine" and not compile and engine_supports(model) is None
         return "engine" if engine else "dynamic"
     return "engine" if not compile and engine_supports(model) is None else "static"
 
@@ -93,8 +93,19 @@ def _default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-# What "auto" means on a CPU while `cpu_dtype` is in effect (None: float32).
-_AUTO_CPU_DTYPE: torch.dtype | None = None
+# What "auto" means on a CPU while `cpu_dtype` ("dtype") and `cpu_cache` ("cache") are in effect (None: float32,
+# the dynamic cache)
+_AUTO_ON_CPU: dict[str, Any] = {"dtype": None, "cache": None}
+
+
+@contextlib.contextmanager
+def _auto_on_cpu(key: str, value: Any) -> Iterator[None]:
+    """`_AUTO_ON_CPU[key]` set to `value` for the block, the previous value back on leaving (also on an error)."""
+    before, _AUTO_ON_CPU[key] = _AUTO_ON_CPU[key], value
+    try:
+        yield
+    finally:
+        _AUTO_ON_CPU[key] = before
 
 
 def native_cpu_bf16() -> bool:
@@ -110,17 +121,9 @@ def native_cpu_bf16() -> bool:
 def cpu_dtype(dtype: torch.dtype | str | None) -> Iterator[None]:
     """Models loaded with dtype "auto" on a CPU inside this block use `dtype` (None: float32, the default): an
     evaluation that should match a GPU run's bf16 arithmetic, as `sleuth reproduce --from-committed` does."""
-    global _AUTO_CPU_DTYPE
     chosen = None if dtype is None else _resolve_dtype(dtype, torch.device("cpu"))
-    before, _AUTO_CPU_DTYPE = _AUTO_CPU_DTYPE, chosen
-    try:
+    with _auto_on_cpu("dtype", chosen):
         yield
-    finally:
-        _AUTO_CPU_DTYPE = before
-
-
-# What cache="auto" means on a CPU while `cpu_cache` is in effect (None: the dynamic cache).
-_AUTO_CPU_CACHE: str | None = None
 
 
 @contextlib.contextmanager
@@ -128,24 +131,20 @@ def cpu_cache(kind: str | None) -> Iterator[None]:
     """Generators built with cache="auto" on a CPU inside this block decode with `kind`: "engine" is sleuth's decode
     engine (as a GPU run decodes), which keeps each row's keys and values across the turns of a rollout and prefills
     only a turn's new tokens, where the dynamic cache (None, the default) encodes every turn's whole context again."""
-    global _AUTO_CPU_CACHE
     if kind not in (None, "dynamic", "engine"):
         raise ConfigError(f"cpu_cache({kind!r}): use 'engine', 'dynamic' or None")
-    before, _AUTO_CPU_CACHE = _AUTO_CPU_CACHE, kind
-    try:
+    with _auto_on_cpu("cache", kind):
         yield
-    finally:
-        _AUTO_CPU_CACHE = before
 
 
 def auto_cpu_dtype() -> torch.dtype | None:
     """The dtype `cpu_dtype` set for models loaded on a CPU, or None (float32)."""
-    return _AUTO_CPU_DTYPE
+    return _AUTO_ON_CPU["dtype"]
 
 
 def _resolve_dtype(dtype: Any, device: torch.device) -> torch.dtype:
     if dtype is None or dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else (_AUTO_CPU_DTYPE or torch.float32)
+        return torch.bfloat16 if device.type == "cuda" else (_AUTO_ON_CPU["dtype"] or torch.float32)
     if isinstance(dtype, torch.dtype):
         return dtype
     named = {
