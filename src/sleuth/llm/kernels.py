@@ -159,9 +159,8 @@ def decode_attention_rows(
     for row, (start, length) in enumerate(zip(starts.tolist(), lengths.tolist(), strict=True)):
         k = k_cache[start : start + length].float().transpose(0, 1)  # (kv_heads, keys, d)
         v = v_cache[start : start + length].float().transpose(0, 1)
-        grouped = (
-            q[row].float().view(kv_heads, heads // kv_heads, d)
-        )  # a group's queries share their head's keys
+        # a group's queries share their head's keys
+        grouped = q[row].float().view(kv_heads, heads // kv_heads, d)
         out[row] = F.scaled_dot_product_attention(grouped, k, v, scale=scale).view(heads, d)
     return out
 

@@ -209,9 +209,8 @@ class BackgroundRollout:
         self.body = body or rollouts.collect_rollouts  # looked up now: tests replace it
         self.view = rollout_view(run, fork_seed(), run.snapshot.model)
         self.cursor_before = run.cursor.state()
-        run.reward_fn.set_step(
-            step + 1
-        )  # scored with the reward of the step that trains on them (reset at join)
+        # scored with the reward of the step that trains on them (reset at join)
+        run.reward_fn.set_step(step + 1)
         self.stage = run.reward_fn.current_stage
         self.result: Collected | None = None
         self.error: BaseException | None = None
@@ -250,10 +249,7 @@ class BackgroundRollout:
         self._wait()
         if isinstance(self.error, ServiceError):
             self.service_error = self.error
-            self.run.cursor.epoch, self.run.cursor.position = (
-                self.cursor_before["epoch"],
-                self.cursor_before["position"],
-            )
+            self.run.cursor.restore(self.cursor_before)
             return None
         if self.error is not None:
             raise RuntimeError(

@@ -60,6 +60,10 @@ class DataCursor:
     def state(self) -> dict[str, int]:
         return {"epoch": self.epoch, "position": self.position}
 
+    def restore(self, state: dict[str, int]) -> None:
+        """Back to a `state()` taken earlier (a draw undone)."""
+        self.epoch, self.position = state["epoch"], state["position"]
+
 
 def build_retriever(recipe: Recipe) -> Retriever:
     """The recipe's retriever; a /retrieve server is called with the recipe's service retry policy."""

@@ -228,9 +228,8 @@ def train_step(run: Run, step: int) -> dict[str, float]:
     if mode == "one_step" and not overlap.WAIT_FOR_UPDATE:
         run.pending = collect_next(run, step, cursor_now, staleness=1)
     elif mode == "one_step_async":
-        background = start_next(
-            run, step
-        )  # the same rollout on a thread, decoding a snapshot, while we update
+        # the same rollout on a thread, decoding a snapshot, while we update
+        background = start_next(run, step)
     if background is None:  # (a background rollout still decodes: its KV pool goes after the join)
         release_rollout_memory(run)  # before the log-prob passes and the update, which need the memory
 
