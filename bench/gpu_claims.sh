@@ -112,21 +112,34 @@ restore() {  # the carried bundle's claims into runs/claims once every part came
 
 jobs_plan() {  # one job per independent arm (`sleuth reproduce CLAIM --arms ARM`), the whole claim where its arms
   # run one after another (qagent); claims in CLAIMS' order (a lease's lanes go to the first ones), and within
-  # a claim its costliest arms first (ClaimSpec.arm_cost: s3's largest sizes), so its longest jobs start first
-  # SPLIT_SEEDS=1: one job per arm and training seed ("CLAIM [ARM] @SEED", `--only-seed`), seed by seed, so a
-  # claim's seeds fill more lanes (qagent's too: its arms follow one another within a seed, not across seeds)
-  "${PY:-python}" - "$PROFILE" "${SPLIT_SEEDS:-0}" "${SEED:-0}" "${SEEDS:-}" $CLAIMS <<'PYEOF'
+  # a claim its costliest arms first (ClaimSpec.arm_cost, its GRPO rollouts: s3's largest sizes), so its longest
+  # jobs start first. SPLIT_SEEDS=1: one job per arm and training seed ("CLAIM [ARM] @SEED", `--only-seed`), seed by
+  # seed, so a claim's seeds fill more lanes (qagent's too: its arms follow one another within a seed, not across
+  # seeds). CLAIM@S,T in CLAIMS: only those seeds of that claim (split by seed; the others ran or run in another
+  # lease, whose bundle carries them). ORDER=cost: every job by its cost alone, across claims and seeds (the
+  # longest first, so the lease's last job ends soonest: its makespan, not its claims' order)
+  "${PY:-python}" - "$PROFILE" "${SPLIT_SEEDS:-0}" "${SEED:-0}" "${SEEDS:-}" "${ORDER:-claims}" $CLAIMS <<'PYEOF'
 import sys
 from sleuth.claims.registry import get_claim
-profile, split, first, count, claims = sys.argv[1], sys.argv[2] == "1", int(sys.argv[3]), sys.argv[4], sys.argv[5:]
-jobs = []
-for claim in claims:
+profile, split, first, count, order, entries = sys.argv[1], sys.argv[2] == "1", int(sys.argv[3]), sys.argv[4], \
+    sys.argv[5], sys.argv[6:]
+jobs, claims = [], []
+for entry in entries:
+    claim, _, chosen = entry.partition("@")
     spec = get_claim(claim)
     arms = spec.arms(profile) or ("",)
-    seeds = range(first, first + (int(count) if count else spec.profile(profile).seeds)) if split else (None,)
+    if chosen:
+        seeds = [int(s) for s in chosen.split(",")]
+    elif split:
+        seeds = range(first, first + (int(count) if count else spec.profile(profile).seeds))
+    else:
+        seeds = (None,)
+    claims.append(claim)
     jobs += [(claim, arm, seed) for seed in seeds for arm in arms]
-cost = lambda job: get_claim(job[0]).arm_cost(job[1], profile) if job[1] else 0  # the claim's own measure
-for claim, arm, seed in sorted(jobs, key=lambda j: (claims.index(j[0]), j[2] or 0, -cost(j))):
+cost = lambda job: get_claim(job[0]).arm_cost(job[1], profile)  # the claim's own measure
+key = (lambda j: (-cost(j), claims.index(j[0]), j[2] or 0)) if order == "cost" else \
+    (lambda j: (claims.index(j[0]), j[2] or 0, -cost(j)))
+for claim, arm, seed in sorted(jobs, key=key):
     print(" ".join(part for part in (claim, arm, "" if seed is None else f"@{seed}") if part))
 PYEOF
 }
@@ -170,7 +183,7 @@ write_plan() {  # $WORK/claims.json, the plan bench/lease_jobs.py runs: `prepare
   read -r -a list <<< "${GPU_LIST:-$(seq -s ' ' 0 $(( ${GPUS:-$(nvidia-smi -L | wc -l)} - 1 )))}"
   jobs_plan | while read -r job; do echo "$(job_id "$job") $job"; done > "$WORK/jobs"
   "${PY:-python}" - "$WORK" "${LANES_PER_GPU:-1}" "${list[@]}" <<'PYEOF'
-import json, sys
+import json, os, sys
 work, per_gpu, gpus = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
 lines = [line.split() for line in open(f"{work}/jobs") if line.strip()]
 jobs, parts = [{"id": "prepare", "run": "bash bench/gpu_claims.sh prepare"}], {}
@@ -179,7 +192,10 @@ for job_id, claim, *rest in lines:
                  "after": ["prepare"]})
     if rest:
         parts.setdefault(claim, []).append(job_id)
+no_report = os.environ.get("NO_REPORT", "").split()  # claims whose other seeds run in another lease: no report yet
 for claim, ids in parts.items():  # the claim's report: its run without --arms or --only-seed, once each part ended
+    if claim in no_report:
+        continue
     report = ids[0].split(".", 1)[0]
     jobs.append({"id": report, "run": f"bash bench/gpu_claims.sh job {claim}", "after": ["prepare", *ids]})
 lanes = [gpus[k % len(gpus)] for k in range(len(gpus) * per_gpu)]
@@ -204,11 +220,12 @@ pack() {  # claims.tgz (reports, stage results, summaries, logs), per finished c
     case " ${PACK_CLAIMS:-$name} " in *" $name "*) ;; *) continue ;; esac  # PACK_CLAIMS="a b": only those
     tar czf "$OUT/results_$name.tgz" "${skip[@]}" "$run" && split_large "$OUT/results_$name.tgz"
     # the first seed's adapters (bf16) for `sleuth reproduce <claim> --from-committed` on a CPU, packed once: the
-    # checkpoints stay on the lent machine, so a run whose adapters did not come back cannot be checked later
+    # checkpoints stay on the lent machine, so a run whose adapters did not come back cannot be checked later;
+  # ADAPTERS_SEED=N: that seed's (a claim whose first seed trained in an earlier lease, which kept no adapters)
     if [ ! -f "$WORK/adapters/$name.tgz" ]; then
       mkdir -p "$WORK/adapters" && rm -rf "$WORK/packed/$name"
       "${PY:-python}" bench/claims_pack.py pack "$run" "$WORK/packed/$name" --world "$run/world" \
-        --adapters "${SEED:-0}" > "$WORK/adapters/$name.log" 2>&1 \
+        --adapters "${ADAPTERS_SEED:-${SEED:-0}}" > "$WORK/adapters/$name.log" 2>&1 \
         && tar czf "$WORK/adapters/$name.tmp.tgz" -C "$WORK/packed/$name" adapters \
         && mv "$WORK/adapters/$name.tmp.tgz" "$WORK/adapters/$name.tgz"
     fi

@@ -191,3 +191,40 @@ def test_the_package_names_no_lenders_limits() -> None:
         text = path.read_text(encoding="utf-8")
         for name in ("PART_BYTES", "OUT_FILES", "OUT_BYTES", "CARRY_BYTES", "CallLimits"):
             assert name not in text, f"{path} names {name}: lease limits belong to bench/claim_bundle.py"
+
+
+def test_gpu_claims_plans_chosen_seeds_by_cost_and_can_leave_a_report_out(tmp_path: Path) -> None:
+    """CLAIM@S picks seeds of one claim; ORDER=cost starts the most GRPO rollouts first across claims (s3's
+    1,600-question arms: 100 steps x 80 rollouts, before staged's 30 x 128 and s3's 20-step arms); NO_REPORT leaves
+    a claim's report job out (its other seeds run in another lease)."""
+    env = {
+        **os.environ,
+        "CLAIMS_WORK": str(tmp_path),
+        "PROFILE": "gpu",
+        "GPUS": "2",
+        "LANES_PER_GPU": "3",
+        "CLAIMS": "s3@1 staged",
+        "SPLIT_SEEDS": "1",
+        "ORDER": "cost",
+        "NO_REPORT": "s3",
+        "PY": sys.executable,
+    }
+    res = subprocess.run(
+        ["bash", str(BENCH / "gpu_claims.sh"), "plan-file"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        cwd=BENCH.parent,
+    )
+    assert res.returncode == 0, res.stderr
+    plan = lease_jobs.load_plan(tmp_path / "claims.json")
+    ids = [j.id for j in plan.jobs]
+    s3_parts = [f"s3.{arm}.s1" for arm in ("s3_1600", "search_r1_1600", "s3_400", "search_r1_400")]
+    staged_parts = [f"staged.{arm}.s{seed}" for seed in (0, 1, 2) for arm in ("staged", "search_r1")]
+    assert ids[:3] == ["prepare", "s3.s3_1600.s1", "s3.search_r1_1600.s1"]
+    assert set(ids[3:9]) == set(staged_parts)
+    assert ids[9:11] == ["s3.s3_400.s1", "s3.search_r1_400.s1"]
+    assert not any(i.endswith(".s0") and i.startswith("s3") for i in ids)  # seed 0 of s3 not chosen
+    assert set(s3_parts) < set(ids) and "s3" not in ids and "staged" in ids
+    assert {j.run for j in plan.jobs if j.id == "s3.s3_25.s1"} == {"bash bench/gpu_claims.sh job s3 s3_25 @1"}

@@ -160,8 +160,10 @@ class ClaimSpec:
         return ()
 
     def arm_cost(self, arm: str, profile: str) -> int:
-        """A relative cost of an arm (RL steps or questions): a GPU plan starts the costliest first."""
-        return 0
+        """An arm's GRPO rollouts (steps x prompts x samples), its cost relative to other claims' arms too: a GPU
+        plan starts the costliest first. The default: the profile's RL steps, the same for every arm."""
+        pipeline = self.profile(profile).pipeline
+        return pipeline.train_steps * pipeline.prompts_per_step * pipeline.n
 
     def stages(self, profile: str) -> list[Stage]:
         raise NotImplementedError

@@ -189,7 +189,11 @@ class S3Claim(ClaimSpec):
         return (*(f"{m}_{size}" for size in sizes for m in METHODS), f"{NO_SELECTION}_{min(sizes)}")
 
     def arm_cost(self, arm: str, profile: str) -> int:
-        return int(arm.rsplit("_", 1)[1])  # RL questions: the largest sizes train longest
+        settings = self.profile(profile)
+        if not arm:
+            return sum(self.arm_cost(name, profile) for name in self.arms(profile))
+        pipeline = settings.pipeline  # one GRPO run per size: the largest sizes train longest
+        return rl_steps(settings, int(arm.rsplit("_", 1)[1])) * pipeline.prompts_per_step * pipeline.n
 
     def stages(self, profile: str) -> list[Stage]:
         sizes = self.profile(profile).sizes
