@@ -198,6 +198,13 @@ def summarise(args: argparse.Namespace, lines: list[dict[str, Any]], gpus: int) 
         # parts of update_s: tensors and advantages before the passes, the decode engine's weight refresh after
         "make_batch_s": mean("time/make_batch"),
         "weight_sync_s": mean("time/weight_sync"),
+        # the passes themselves (forward + backward of every micro-batch), the first and slowest micro-batch, and
+        # the clip + optimizer step: update_s minus these is what the update spends outside its passes
+        "micro_batches_s": mean("time/micro_batches"),
+        "micro_batch_s": mean("time/micro_batch"),
+        "micro_batch_first_s": mean("time/micro_batch_first"),
+        "micro_batch_max_s": mean("time/micro_batch_max"),
+        "optimizer_s": mean("time/optimizer"),
         # time/retrieval: the rollout's seconds inside its retriever (part of rollout_s)
         "retrieval_s": mean("time/retrieval"),
         "retrieval_queries_per_step": mean("retrieval/queries"),

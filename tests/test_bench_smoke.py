@@ -366,6 +366,13 @@ def test_paper_scale_rehearsal_tiny(tmp_path: Path) -> None:
     assert row["status"] == "ok", row.get("log_tail")
     assert row["retrievals_per_trajectory"] == 2.0  # one scripted search per turn
     assert row["update_s"] > 0 and row["rollout_s"] > 0
+    # the update's passes and optimizer step are parts of it; the first and slowest micro-batch bound the mean
+    assert 0 < row["micro_batches_s"] + row["optimizer_s"] < row["update_s"]
+    assert (
+        row["micro_batch_s"] <= row["micro_batch_max_s"]
+        and row["micro_batch_first_s"] <= row["micro_batch_max_s"]
+    )
+    assert row["micro_batches_s"] == pytest.approx(row["micro_batch_s"] * row["micro_batches_per_minibatch"])
     # the rollout's searches: 2 prompts x 2 samples share a question, so 2 distinct queries a turn, 2 turns
     assert row["retrieval_queries_per_step"] == 4.0
     assert 0 < row["retrieval_s"] < row["rollout_s"]

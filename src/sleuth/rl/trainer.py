@@ -465,13 +465,25 @@ def update(run: Run, batch: StepBatch) -> dict[str, list[float]]:
             # losses are summed over micro-batches: each is normalised by the minibatch totals, so the
             # sum is this rank's share of the minibatch loss (averaged over ranks when logged)
             mb_losses: dict[str, float] = {}
+            seconds = []
             for i, mi_slice in enumerate(micro_slices):
                 # DDP: all-reduce gradients once per minibatch, on its last micro-batch
                 sync = i == len(micro_slices) - 1
+                t_micro = time.perf_counter()
                 _micro_step(run, batch, mb_idx[mi_slice], totals, sync, stats, mb_losses)
+                # wall time is device time here: the micro-step ends reading its losses (.item() waits for them)
+                seconds.append(time.perf_counter() - t_micro)
             for k, v in mb_losses.items():
                 add_stat(stats, k, v)
+            t_optimizer = time.perf_counter()
             _optimizer_steps(run, batch, mb_idx, stats)
+            # where an update's time goes beyond its forward/backward passes (issue 43's profile): the first
+            # micro-batch of a shape pays kernel plans and allocator growth, the slowest one the widest rows
+            add_stat(stats, "time/micro_batch", sum(seconds) / len(seconds))
+            add_stat(stats, "time/micro_batch_first", seconds[0])
+            add_stat(stats, "time/micro_batch_max", max(seconds))
+            add_stat(stats, "time/micro_batches", sum(seconds))
+            add_stat(stats, "time/optimizer", time.perf_counter() - t_optimizer)
     return stats
 
 
