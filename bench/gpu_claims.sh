@@ -214,14 +214,19 @@ pack() {  # claims.tgz (reports, stage results, summaries, logs), per finished c
   tar czf "$OUT/claims.tgz" "${skip[@]}" --exclude='predictions.jsonl' "$RUNS" "$WORK/logs" "$WORK/progress.log" \
     2>/dev/null
   local report run name
-  for report in "$RUNS"/*/report.json; do
-    [ -f "$report" ] || continue
-    run=$(dirname "$report") name=$(basename "$(dirname "$report")")
+  for record in "$RUNS"/*/claim.json; do
+    [ -f "$record" ] || continue
+    run=$(dirname "$record") name=$(basename "$(dirname "$record")")
     case " ${PACK_CLAIMS:-$name} " in *" $name "*) ;; *) continue ;; esac  # PACK_CLAIMS="a b": only those
-    tar czf "$OUT/results_$name.tgz" "${skip[@]}" "$run" && split_large "$OUT/results_$name.tgz"
+    if [ -f "$run/report.json" ]; then
+      tar czf "$OUT/results_$name.tgz" "${skip[@]}" "$run" && split_large "$OUT/results_$name.tgz"
+    else  # a claim whose report waits for another lease (NO_REPORT): its adapters once its decisive arms are done
+      case " ${NO_REPORT:-} " in *" $name "*) ;; *) continue ;; esac
+    fi
     # the first seed's adapters (bf16) for `sleuth reproduce <claim> --from-committed` on a CPU, packed once: the
     # checkpoints stay on the lent machine, so a run whose adapters did not come back cannot be checked later;
-  # ADAPTERS_SEED=N: that seed's (a claim whose first seed trained in an earlier lease, which kept no adapters)
+  # ADAPTERS_SEED=N: that seed's (a claim whose first seed trained in an earlier lease, which kept no adapters);
+  # the adapters are retried at every pack until the decisive arms of that seed are done (claims_pack.py fails before)
     if [ ! -f "$WORK/adapters/$name.tgz" ]; then
       mkdir -p "$WORK/adapters" && rm -rf "$WORK/packed/$name"
       "${PY:-python}" bench/claims_pack.py pack "$run" "$WORK/packed/$name" --world "$run/world" \

@@ -499,3 +499,42 @@ def test_gpu_claims_plans_one_job_per_arm_with_s3s_largest_first(tmp_path):
         check=True,
     ).stdout.splitlines()
     assert seeded == [j.replace("s3 ", "s3-seed2.").replace("qagent", "qagent-seed2") for j in jobs]
+
+
+def test_gpu_claims_pack_returns_adapters_of_a_claim_whose_report_waits(tmp_path, r_search_cpu_claim):
+    """A claim in NO_REPORT (its other seeds run in a later lease) has no report yet: pack returns no results for it
+    but its first seed's adapters, which the lent machine would otherwise take away; a claim without a report and not
+    in NO_REPORT returns neither."""
+    import subprocess
+    import sys
+
+    runs = tmp_path / "runs"
+    shutil.copytree(r_search_cpu_claim, runs / "r_search")
+    for name in ("report.json", "report.html"):
+        (runs / "r_search" / name).unlink()
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+    def pack(folder: str, **extra: str) -> list[str]:
+        out = tmp_path / folder
+        out.mkdir()
+        env = {
+            **os.environ,
+            "CLAIMS_WORK": str(tmp_path / f"work_{folder}"),
+            "CLAIMS_RUNS": str(runs),
+            "OUT": str(out),
+            "PY": sys.executable,
+            "PROFILE": "cpu",
+            **extra,
+        }
+        done = subprocess.run(
+            ["bash", "bench/gpu_claims.sh", "pack"], cwd=repo, env=env, capture_output=True, text=True
+        )
+        assert done.returncode == 0, done.stderr
+        return sorted(p.name for p in out.iterdir())
+
+    waiting = pack("waiting", NO_REPORT="r_search")
+    assert "adapters_r_search.tgz" in waiting and not any(n.startswith("results_") for n in waiting), waiting
+    with tarfile.open(tmp_path / "waiting" / "adapters_r_search.tgz") as tar:
+        assert json.load(tar.extractfile("adapters/committed.json"))["seed"] == 0
+    plain = pack("plain")
+    assert not any(n.startswith(("results_", "adapters_")) for n in plain), plain
