@@ -136,7 +136,7 @@ class _Claim:
     def select(self) -> _Claim:
         pending = [s for s in self.plan if s not in self.done]
         needed = [
-            self._needed(ref) for s in pending for ref in self.plan[s] if ref.split(".")[0] in self.done
+            self._needed(ref) for s in pending for ref in self.plan[s] if self._stage_of(ref) in self.done
         ]
         referenced = [self.here(v) for r in self.results.values() for v in _strings(r) if v.startswith("/")]
         for path in dict.fromkeys(p for p in needed if p is not None):
@@ -171,9 +171,18 @@ class _Claim:
         self.file_bytes = sum(f.stat().st_size for f in self.files.values())
         return self
 
+    def _stage_of(self, ref: str) -> str:
+        """The stage a load names: "sft_s3.sft_checkpoint" -> sft_s3, a later seed's "sft_s3.seed1.sft_checkpoint"
+        -> sft_s3.seed1 (the longest leading part that is one of the claim's stages)."""
+        parts = ref.split("/")[0].split(".")
+        for cut in range(len(parts) - 1, 0, -1):
+            if ".".join(parts[:cut]) in self.plan:
+                return ".".join(parts[:cut])
+        return parts[0]
+
     def _needed(self, ref: str) -> Path | None:
-        name, _, rest = ref.partition(".")
-        key, _, sub = rest.partition("/")
+        name = self._stage_of(ref)
+        key, _, sub = ref[len(name) + 1 :].partition("/")
         path = Path(self.results[name][key]) / sub if sub else Path(self.results[name][key])
         if not path.exists():
             self.missing.append(self._rel(path))  # pruned or deleted: the stage that loads it will say so

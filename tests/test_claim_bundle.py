@@ -538,3 +538,28 @@ def test_gpu_claims_pack_returns_adapters_of_a_claim_whose_report_waits(tmp_path
         assert json.load(tar.extractfile("adapters/committed.json"))["seed"] == 0
     plain = pack("plain")
     assert not any(n.startswith(("results_", "adapters_")) for n in plain), plain
+
+
+def test_a_bundle_of_a_first_seed_leaves_the_later_seeds_loads_to_them(tmp_path):
+    """s3 with seed 0's cold starts done and seeds 1-2 still to run (a lease that ran `s3@0`): the later seeds'
+    stages load their own seed's cold start ("sft_s3.seed1.sft_checkpoint", a stage not run yet), so nothing of theirs
+    is carried, and seed 0's cold starts are carried only where a pending stage of seed 0 loads them. (On 2026-11-29
+    the bundle took "sft_s3" for the stage and "seed1.sft_checkpoint" for its key, and every pack failed.)"""
+    out = tmp_path / "s3"
+    (out / "stages").mkdir(parents=True)
+    (out / "claim.json").write_text(json.dumps({"method": "s3", "profile": "gpu", "seed": 0, "seeds": 3}))
+    for method in ("s3", "search_r1"):
+        step = out / method / "train" / "sft" / "checkpoints" / "step_000600"
+        (step / "policy").mkdir(parents=True)
+        (step / "policy" / "adapter_model.safetensors").write_bytes(b"w" * 64)
+        (step / "searcher.json").write_text("{}")
+        record = {"result": {"sft_checkpoint": str(step)}, "seconds": 1.0, "root": str(out)}
+        (out / "stages" / f"sft_{method}.json").write_text(json.dumps(record))
+    claim = claim_bundle._Claim(out)
+    assert claim._stage_of("sft_s3.seed1.sft_checkpoint") == "sft_s3.seed1"
+    assert claim._stage_of("sft_s3.sft_checkpoint") == "sft_s3"
+    assert claim._stage_of("reader.reader") == "reader"
+    claim.select()
+    carried = {name for name in claim.files if "adapter_model" in name}
+    # seed 0's arms are pending and load both cold starts: both carried; nothing named for another seed
+    assert len(carried) == 2 and not any("seed1" in name or "seed2" in name for name in carried), carried

@@ -74,6 +74,14 @@ class DemoSize:
     rl_micro: int = 0
 
 
+def rl_micro_batch(size: DemoSize) -> int:
+    """Trajectories a GRPO pass takes: `rl_micro` (0: one group of n) cut down to a divisor of the minibatch, which
+    the recipe requires (a profile of 8 prompts x 16 samples with passes of 10 would be refused at its first step)."""
+    minibatch = size.n * size.prompts_per_step
+    wanted = min(size.rl_micro or size.n, minibatch)
+    return max(k for k in range(1, wanted + 1) if minibatch % k == 0)
+
+
 # Sized for 2 CPU cores in under 10 minutes: the committed searcher's evaluation is most of it.
 FULL = DemoSize(
     model="smollm2-135m-instruct",
@@ -183,7 +191,7 @@ def demo_recipe(out: Path, size: DemoSize, method: str = "search_r1") -> dict[st
             "n": size.n,
             "prompts_per_step": size.prompts_per_step,
             "minibatch_size": size.n * size.prompts_per_step,
-            "micro_batch_size": size.rl_micro or size.n,
+            "micro_batch_size": rl_micro_batch(size),
             "kl": {"coef": 0.0},  # RL starts from the SFT adapters; a KL to the base model would undo them
         },
         "optim": {"lr": size.lr},
