@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 from typer.testing import CliRunner
 
+from sleuth.claims import staged
 from sleuth.claims.base import ClaimSpec, ClaimText, DecisiveTest, Stage, premise_stage
 from sleuth.claims.profiles import CPU_PIPELINE, ClaimProfile
 from sleuth.claims.registry import CLAIMS, register_claim
@@ -385,3 +386,24 @@ def test_r_search_evidence_probe_pays_the_gold_evidence_not_another_questions(tm
     assert shared < 6
     assert json.loads((tmp_path / "premise" / "evidence_probe.json").read_text())["evidence_model"] == "fake"
     assert r_search.premise_checks(probe)["met"]
+
+
+def test_the_staged_premise_again_after_the_arms_uses_the_trained_policys_own_search() -> None:
+    """Hand-computed: closed-book 0.82 before the arms; the trained policy searched 9 of 10 known questions once
+    (8 right, 0.889) and skipped one; mixed questions do not count. Stage 1: skipping 2 x 0.82 - 1 = +0.64 against one
+    search 0.889 x 1 + 0.111 x (-0.7) = +0.811, so the premise fails after the arms; stage 2: +0.64 against
+    0.889 x 0.7 + 0.111 x (-1) = +0.511, met. With the probe's 0.31 instead it would pass both."""
+    rows = {
+        f"k{i}": {"knowledge": "all-known", "retrieval_count": 1, "metrics": {"em": float(i < 8)}}
+        for i in range(9)
+    }
+    rows["k9"] = {"knowledge": "all-known", "retrieval_count": 0, "metrics": {"em": 1.0}}
+    rows["m0"] = {"knowledge": "mixed", "retrieval_count": 3, "metrics": {"em": 0.0}}
+    after = staged.premise_as_trained(rows, 0.82, beta=0.3)
+    assert after["known"] == 10 and after["searched_known"] == 9
+    e = after["expected"]
+    assert e["stage1_skip"] == pytest.approx(0.64) and e["stage1_search"] == pytest.approx(8 / 9 - 0.7 / 9)
+    assert e["stage2_search"] == pytest.approx(0.7 * 8 / 9 - 1 / 9)
+    assert [c["met"] for c in after["checks"]] == [False, True] and not after["met"]
+    assert premise_checks(0.82, 0.31, beta=0.3)["met"]
+    assert staged.premise_as_trained({"m0": rows["m0"]}, 0.82, beta=0.3) is None  # no known question searched

@@ -112,7 +112,8 @@ def _seeds_table(seeds: dict[str, Any]) -> str:
     return "<section id='seeds'><h2>Verdict over seeds</h2>\n" + "".join(parts) + figure + "</section>\n"
 
 
-def _premise_section(premise: dict[str, Any] | None) -> str:
+def _premise_section(premise: dict[str, Any] | None, after_arms: bool = False) -> str:
+    """The premise check before the arms, or (`after_arms`) a claim's check of it with what its arms learned."""
     if premise is None:
         return ""
     rows = "".join(
@@ -121,14 +122,15 @@ def _premise_section(premise: dict[str, Any] | None) -> str:
         f"{'met' if c['met'] else 'not met'}</td></tr>"
         for c in premise["checks"]
     )
-    state = (
-        "met"
-        if premise["met"]
-        else (
+    if premise["met"]:
+        state = "met"
+    elif after_arms:
+        state = "not met: what the arms learned makes the mechanism the claim tests unrewarded"
+    else:
+        state = (
             "not met: the arms were trained anyway (--force, or a rehearsal profile), so "
             "the verdict is at most 'not shown'"
         )
-    )
     table = (
         "<table id='premise'><tr><th>check</th><th>measured</th><th>needed</th><th></th></tr>"
         + rows
@@ -137,7 +139,8 @@ def _premise_section(premise: dict[str, Any] | None) -> str:
         else ""
     )
     return (
-        f"<section id='premise-check'><h2>Premise: {state}</h2>{table}<p class='note'>"
+        f"<section id='{'premise-as-trained' if after_arms else 'premise-check'}'><h2>"
+        f"{'Premise again, after the arms' if after_arms else 'Premise'}: {state}</h2>{table}<p class='note'>"
         f"{html.escape(premise.get('note', ''))}</p></section>\n"
     )
 
@@ -240,6 +243,8 @@ def write_report(run: Any, table: dict[str, Any]) -> Path:
         f"<span class='why'>{html.escape(why)}</span></div>\n"
         + _seeds_table(seeds)
         + _premise_section(premise)
+        # a claim may check its premise again with what the arms learned (staged: the trained policy's own search)
+        + _premise_section(table.get("premise_as_trained"), after_arms=True)
         + "<section><h2>Every measure</h2>"
         + _rows_table(table, spec.columns, run.base_seed)
         + f"<p class='note'>{html.escape(table['rule'])}</p><p>Training seed of the arms: {run.base_seed}.</p>"

@@ -21,6 +21,7 @@ from dataclasses import replace
 from typing import Any
 
 from sleuth.claims.base import (
+    PREMISE,
     QUESTIONS,
     ClaimSpec,
     ClaimText,
@@ -147,6 +148,29 @@ def premise_checks(
         "closed_book": closed_book,
         "searched": searched,
     }
+
+
+def premise_as_trained(
+    rows: dict[str, dict[str, Any]], closed_book: float, beta: float
+) -> dict[str, Any] | None:
+    """The premise again after the arms, with the trained staged policy's own accuracy where it searched a known
+    question (its evaluation rows), against the same closed-book accuracy: the probe before the arms reads with the
+    injected model, which a trained searcher can far outread, so a premise met there can fail here (2026-11-29: 31% by
+    the probe, 92% by the trained policy, and the policy never skipped). None when it searched no known question."""
+    searched = [r for r in rows.values() if _all_known(r) and _retrievals(r) >= 1]
+    if not searched:
+        return None
+    accuracy = sum(metric("em")(r) for r in searched) / len(searched)
+    retrievals = sum(_retrievals(r) for r in searched) / len(searched)
+    checked = premise_checks(closed_book, accuracy, beta, retrievals)
+    known = sum(1 for r in rows.values() if _all_known(r))
+    checked["note"] = (
+        f"After the arms, with the trained staged policy's own search: on {len(searched)} of {known} known held-out "
+        f"questions it searched ({retrievals:.2f} times on average) and answered {100 * accuracy:.1f}% right; "
+        f"closed-book {100 * closed_book:.1f}% as before the arms. Where searching beats skipping here, stage 1 "
+        "rewards the search and skipping cannot be learned from this cold start."
+    )
+    return {**checked, "known": known, "searched_known": len(searched)}
 
 
 def _known_test_questions(run: Any) -> list:
@@ -281,8 +305,16 @@ class StagedClaim(ClaimSpec):
     def table(self, run: Any) -> dict[str, Any]:
         first, second = (predictions(run, f"eval_{m}") for m in ARMS)
         margin = run.profile.accuracy_margin
+        premise = run.results.get(PREMISE) or {}
+        as_trained = None
+        if premise.get("closed_book") is not None:
+            beta = float(
+                arm_recipe(run, ARMS[0], None, overrides=ARM_OVERRIDES[ARMS[0]])["reward"]["options"]["beta"]
+            )
+            as_trained = premise_as_trained(first, premise["closed_book"], beta)
         return {
             **claim_table(first, second),
+            "premise_as_trained": as_trained,
             "accuracy_margin": margin,
             "rule": "The claim holds when staged retrieves less than search_r1 on all-known questions (pooled "
             f"interval below 0) at an EM difference above -{100 * margin:.1f} points, each beyond the "
