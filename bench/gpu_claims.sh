@@ -55,6 +55,12 @@
 # pass of 20 peaked at 64-68 GiB (2026-11-28, below).
 # Measured (1x H200, 2026-11-28, CLAIMS=staged LANES_PER_GPU=2, the injected model reused): both arms (SFT, 30 GRPO
 # steps at 2.5-7 s, evaluation) and the report in 8 min, ~10 min of device time with the machine's start; SEED=1 the same.
+# Measured (2x H200, 2026-11-29, session 18, `CLAIMS="s3@0 staged" SPLIT_SEEDS=1 ORDER=cost NO_REPORT=s3
+# LANES_PER_GPU=3`, the reader and injected model reused): staged's shared stages (world, labels, premise) ~2 min, each
+# staged arm job (SFT + 30 GRPO steps of 8 x 16 + evaluation) 9-9.5 min; s3's cold starts 3.7 min, search_r1_1600
+# (100 steps) 12.7 min, s3_1600 at step 75 of 100 after 15 min (~7 s a step), the 400-question arms 2.5-4.5 min.
+# So s3's 27 arm jobs (3 seeds) are ~150 lane-minutes: more than one 30-minute lease of two GPUs; run seeds 0-1 in one
+# lease (`CLAIMS="s3@0,1" NO_REPORT=s3`), seed 2 and the report in the next.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 WORK=${CLAIMS_WORK:-/root/claims}
@@ -218,11 +224,11 @@ pack() {  # claims.tgz (reports, stage results, summaries, logs), per finished c
     [ -f "$record" ] || continue
     run=$(dirname "$record") name=$(basename "$(dirname "$record")")
     case " ${PACK_CLAIMS:-$name} " in *" $name "*) ;; *) continue ;; esac  # PACK_CLAIMS="a b": only those
-    if [ -f "$run/report.json" ]; then
-      tar czf "$OUT/results_$name.tgz" "${skip[@]}" "$run" && split_large "$OUT/results_$name.tgz"
-    else  # a claim whose report waits for another lease (NO_REPORT): its adapters once its decisive arms are done
-      case " ${NO_REPORT:-} " in *" $name "*) ;; *) continue ;; esac
-    fi
+    # a claim whose report waits for another lease (NO_REPORT): its results so far (the evaluations' predictions,
+    # which claims.tgz leaves out; a lease that ends early must not take them along) and, once its decisive arms
+    # are done, its adapters
+    [ -f "$run/report.json" ] || case " ${NO_REPORT:-} " in *" $name "*) ;; *) continue ;; esac
+    tar czf "$OUT/results_$name.tgz" "${skip[@]}" "$run" && split_large "$OUT/results_$name.tgz"
     # the first seed's adapters (bf16) for `sleuth reproduce <claim> --from-committed` on a CPU, packed once: the
     # checkpoints stay on the lent machine, so a run whose adapters did not come back cannot be checked later;
   # ADAPTERS_SEED=N: that seed's (a claim whose first seed trained in an earlier lease, which kept no adapters);

@@ -502,9 +502,9 @@ def test_gpu_claims_plans_one_job_per_arm_with_s3s_largest_first(tmp_path):
 
 
 def test_gpu_claims_pack_returns_adapters_of_a_claim_whose_report_waits(tmp_path, r_search_cpu_claim):
-    """A claim in NO_REPORT (its other seeds run in a later lease) has no report yet: pack returns no results for it
-    but its first seed's adapters, which the lent machine would otherwise take away; a claim without a report and not
-    in NO_REPORT returns neither."""
+    """A claim in NO_REPORT (its other seeds run in a later lease) has no report yet: pack returns its results so far
+    (the predictions) and its first seed's adapters, which the lent machine would otherwise take away; a claim
+    without a report and not in NO_REPORT returns neither."""
     import subprocess
     import sys
 
@@ -533,7 +533,10 @@ def test_gpu_claims_pack_returns_adapters_of_a_claim_whose_report_waits(tmp_path
         return sorted(p.name for p in out.iterdir())
 
     waiting = pack("waiting", NO_REPORT="r_search")
-    assert "adapters_r_search.tgz" in waiting and not any(n.startswith("results_") for n in waiting), waiting
+    assert {"adapters_r_search.tgz", "results_r_search.tgz"} <= set(waiting), waiting
+    with tarfile.open(tmp_path / "waiting" / "results_r_search.tgz") as tar:  # the predictions so far, no report
+        names = tar.getnames()
+    assert any(n.endswith("predictions.jsonl") for n in names) and not any(n.endswith("report.json") for n in names)
     with tarfile.open(tmp_path / "waiting" / "adapters_r_search.tgz") as tar:
         assert json.load(tar.extractfile("adapters/committed.json"))["seed"] == 0
     plain = pack("plain")
