@@ -534,9 +534,13 @@ def test_gpu_claims_pack_returns_adapters_of_a_claim_whose_report_waits(tmp_path
 
     waiting = pack("waiting", NO_REPORT="r_search")
     assert {"adapters_r_search.tgz", "results_r_search.tgz"} <= set(waiting), waiting
-    with tarfile.open(tmp_path / "waiting" / "results_r_search.tgz") as tar:  # the predictions so far, no report
+    with tarfile.open(
+        tmp_path / "waiting" / "results_r_search.tgz"
+    ) as tar:  # the predictions so far, no report
         names = tar.getnames()
-    assert any(n.endswith("predictions.jsonl") for n in names) and not any(n.endswith("report.json") for n in names)
+    assert any(n.endswith("predictions.jsonl") for n in names) and not any(
+        n.endswith("report.json") for n in names
+    )
     with tarfile.open(tmp_path / "waiting" / "adapters_r_search.tgz") as tar:
         assert json.load(tar.extractfile("adapters/committed.json"))["seed"] == 0
     plain = pack("plain")
