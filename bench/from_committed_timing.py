@@ -48,6 +48,13 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--against", type=Path, help="an earlier run's output folder: count the equal responses")
     p.add_argument("--out", type=Path, default=Path("runs/from_committed_timing"))
+    p.add_argument(
+        "--arms",
+        type=int,
+        default=1,
+        help="evaluate the checkpoint this many times in one process, each loaded again, as the check evaluates a "
+        "claim's decisive arms one after the other (2: r_search's two arms); seconds then count the loads too",
+    )
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -55,14 +62,22 @@ def main() -> None:
     config = eval_config(GPU_PIPELINE, args.method, args.checkpoint)  # the budgets a gpu claim evaluates with
     questions = read_qa_jsonl(args.world / "test.jsonl")[: args.questions]
     out = args.out / f"{args.dtype}-{args.cache}"
+    total_start = time.perf_counter()
     with cpu_dtype(None if args.dtype == "float32" else args.dtype), cpu_cache(args.cache):
-        generator = load_searcher(args.checkpoint, device="cpu").generator
-        start, cpu_start = time.perf_counter(), time.process_time()
-        summary = evaluate([display], questions, args.world / "bm25", generator, out_dir=out, config=config)
-        seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
+        for arm in range(args.arms):
+            generator = load_searcher(args.checkpoint, device="cpu").generator
+            start, cpu_start = time.perf_counter(), time.process_time()
+            arm_out = out if arm == 0 else out.with_name(f"{out.name}-arm{arm + 1}")
+            summary = evaluate(
+                [display], questions, args.world / "bm25", generator, out_dir=arm_out, config=config
+            )
+            seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
+    total_seconds = time.perf_counter() - total_start
     overall = summary["methods"][display]["overall"]
     row = {"dtype": args.dtype, "cache": generator.cache_kind, "threads": torch.get_num_threads()}
-    row.update({"seconds": round(seconds, 1), "cpu_seconds": round(cpu_seconds, 1)})
+    row.update({"seconds": round(seconds, 1), "cpu_seconds": round(cpu_seconds, 1)})  # the last arm's
+    if args.arms > 1:
+        row.update({"arms": args.arms, "all_arms_seconds": round(total_seconds, 1)})
     row.update(
         {k: overall.get(k) for k in ("n", "em", "f1", "retrieval_count", "input_tokens", "output_tokens")}
     )

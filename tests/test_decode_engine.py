@@ -767,3 +767,34 @@ def test_on_a_cpu_the_generator_drops_each_finished_row_at_once_and_decodes_like
     # the first token comes from the prefill; a row is in every step until the one after its last token
     assert sum(rows_per_step) <= sum(generated)
     assert rows_per_step == sorted(rows_per_step, reverse=True) and rows_per_step[-1] < len(prompts)
+
+
+def test_on_a_cpu_the_engine_takes_a_whole_evaluation_batch_so_every_row_reuses_its_keys(
+    tmp_path: Path,
+) -> None:
+    """HFGenerator(cache="engine") on a CPU decodes a generate call of more than 64 rows as one batch (unless
+    max_batch_size says otherwise): the next turn of every row reuses all its stored keys. Batches of 64 (the default
+    elsewhere) lose them: the second batch's start reassigns the slots of the first batch's rows and vice versa."""
+    from sleuth.llm.base import SamplingParams
+    from sleuth.llm.hf import HFGenerator
+    from sleuth.llm.tiny import build_tiny_model
+
+    path = build_tiny_model(tmp_path / "tiny")
+    params = SamplingParams(max_new_tokens=3, temperature=0.0)
+    words = ["the", "capital", "of", "a", "search", "for", "river", "x"]
+    reused = {}
+    for batch in (None, 64):
+        gen = HFGenerator(path, device="cpu", cache="engine", max_batch_size=batch)
+        assert gen.max_batch_size == (256 if batch is None else 64)
+        # 70 rows of different lengths: sorted by length, the 64 shortest form the first batch of 64
+        turn1 = [gen.encode(" ".join(words[: 1 + i % 8]) + f" {i}") for i in range(70)]
+        first = gen.generate(turn1, None, params)
+        turn2 = [p + g.token_ids + gen.encode(" ok") for p, g in zip(turn1, first, strict=True)]
+        before = gen.engine.reused_tokens
+        gen.generate(turn2, None, params)
+        reused[batch] = gen.engine.reused_tokens - before
+        stored = sum(len(p) + len(g.token_ids) - 1 for p, g in zip(turn1, first, strict=True))
+    assert reused[None] == stored  # every row: all but its last token's keys
+    assert reused[64] < stored / 2
+    assert HFGenerator(path, device="cpu", cache="dynamic").max_batch_size == 64
+
