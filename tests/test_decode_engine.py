@@ -798,3 +798,45 @@ def test_on_a_cpu_the_engine_takes_a_whole_evaluation_batch_so_every_row_reuses_
     assert reused[64] < stored / 2
     assert HFGenerator(path, device="cpu", cache="dynamic").max_batch_size == 64
 
+
+def test_rotary_tables_passed_in_equal_those_the_reference_computes() -> None:
+    """The engine computes a step's rotary tables once for all layers (`DecodeEngine._rotary`) and hands them to
+    `kernels.rope_store_reference`: the stored keys/values and the returned queries are those it computes itself."""
+    torch.manual_seed(0)
+    layout = kernels.HeadLayout(4, 2, 1.0 / (10000 ** (torch.arange(0, 16, 2).float() / 16)))
+    qkv = torch.randn(5, (4 + 2 * 2) * 16).bfloat16()
+    positions = torch.tensor([0, 3, 7, 100, 2047], dtype=torch.int32)
+    slots = torch.tensor([1, 4, 9, 12, 20], dtype=torch.int32)
+    pools = [torch.zeros(24, 2, 16, dtype=torch.bfloat16) for _ in range(4)]
+    q1 = kernels.rope_store(qkv, positions, slots, layout, pools[0], pools[1])
+    tables = kernels.rotary_tables(positions, layout, torch.bfloat16)
+    q2 = kernels.rope_store_reference(qkv, positions, slots, layout, pools[2], pools[3], rotary=tables)
+    assert torch.equal(q1, q2) and torch.equal(pools[0], pools[2]) and torch.equal(pools[1], pools[3])
+
+
+def test_the_cpu_decode_attention_splits_rows_between_threads_and_computes_what_one_thread_does() -> None:
+    """With torch on several threads, `decode_attention_rows` hands consecutive rows (about equal numbers of keys)
+    to worker threads: every row equals the one-thread result bit for bit, and the torch thread count comes back."""
+    torch.manual_seed(0)
+    heads, kv_heads, d = 4, 2, 16
+    lengths = torch.tensor([7, 1, 15, 30, 2, 9, 40], dtype=torch.int32)
+    starts = torch.cumsum(torch.cat([torch.zeros(1, dtype=torch.int32), lengths[:-1] + 3]), 0).to(torch.int32)
+    k_cache, v_cache = torch.randn(130, kv_heads, d).bfloat16(), torch.randn(130, kv_heads, d).bfloat16()
+    q = torch.randn(7, heads, d).bfloat16()
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = kernels.decode_attention_rows(q, k_cache, v_cache, starts, lengths, 0.25)
+        for threads in (2, 3):
+            torch.set_num_threads(threads)
+            split = kernels.decode_attention_rows(q, k_cache, v_cache, starts, lengths, 0.25)
+            assert torch.equal(split, alone) and torch.get_num_threads() == threads
+    finally:
+        torch.set_num_threads(before)
+    want = kernels.decode_attention_reference(
+        q.float(), k_cache.float(), v_cache.float(), starts, lengths, 0.25
+    )
+    assert (alone.float() - want).abs().max() <= 1e-2  # bf16 rounding of the output
+    assert kernels._balanced_parts([10, 10, 10, 10], 2) == [range(0, 2), range(2, 4)]
+    assert kernels._balanced_parts([100, 1, 1, 1], 2) == [range(0, 1), range(1, 4)]
+    assert kernels._balanced_parts([5], 3) == [range(0, 1)]
