@@ -10,7 +10,8 @@ how many responses equal those of an earlier run's predictions (DIR: its --out/<
 
 Measured on the 2-core box (2026-11-29, bench/results/from_committed_cpu_dtype.json): checkpoints/r_search on 30
 questions with the dynamic cache, 236.6 s in float32, 127.6 s in bf16 (1.85x); the engine:
-bench/results/from_committed_cpu_engine.json.
+bench/results/from_committed_cpu_engine.json. Run it with OMP_WAIT_POLICY=PASSIVE, as `check_committed` sets it before
+torch loads (this script loads torch on import): spinning OpenMP threads made both r_search arms 594-611 s instead of 469 s.
 """
 
 from __future__ import annotations
