@@ -767,3 +767,76 @@ def test_on_a_cpu_the_generator_drops_each_finished_row_at_once_and_decodes_like
     # the first token comes from the prefill; a row is in every step until the one after its last token
     assert sum(rows_per_step) <= sum(generated)
     assert rows_per_step == sorted(rows_per_step, reverse=True) and rows_per_step[-1] < len(prompts)
+
+
+def test_on_a_cpu_the_engine_takes_a_whole_evaluation_batch_so_every_row_reuses_its_keys(
+    tmp_path: Path,
+) -> None:
+    """HFGenerator(cache="engine") on a CPU decodes a generate call of more than 64 rows as one batch (unless
+    max_batch_size says otherwise): the next turn of every row reuses all its stored keys. Batches of 64 (the default
+    elsewhere) lose them: the second batch's start reassigns the slots of the first batch's rows and vice versa."""
+    from sleuth.llm.base import SamplingParams
+    from sleuth.llm.hf import HFGenerator
+    from sleuth.llm.tiny import build_tiny_model
+
+    path = build_tiny_model(tmp_path / "tiny")
+    params = SamplingParams(max_new_tokens=3, temperature=0.0)
+    words = ["the", "capital", "of", "a", "search", "for", "river", "x"]
+    reused = {}
+    for batch in (None, 64):
+        gen = HFGenerator(path, device="cpu", cache="engine", max_batch_size=batch)
+        assert gen.max_batch_size == (256 if batch is None else 64)
+        # 70 rows of different lengths: sorted by length, the 64 shortest form the first batch of 64
+        turn1 = [gen.encode(" ".join(words[: 1 + i % 8]) + f" {i}") for i in range(70)]
+        first = gen.generate(turn1, None, params)
+        turn2 = [p + g.token_ids + gen.encode(" ok") for p, g in zip(turn1, first, strict=True)]
+        before = gen.engine.reused_tokens
+        gen.generate(turn2, None, params)
+        reused[batch] = gen.engine.reused_tokens - before
+        stored = sum(len(p) + len(g.token_ids) - 1 for p, g in zip(turn1, first, strict=True))
+    assert reused[None] == stored  # every row: all but its last token's keys
+    assert reused[64] < stored / 2
+    assert HFGenerator(path, device="cpu", cache="dynamic").max_batch_size == 64
+
+
+def test_rotary_tables_passed_in_equal_those_the_reference_computes() -> None:
+    """The engine computes a step's rotary tables once for all layers (`DecodeEngine._rotary`) and hands them to
+    `kernels.rope_store_reference`: the stored keys/values and the returned queries are those it computes itself."""
+    torch.manual_seed(0)
+    layout = kernels.HeadLayout(4, 2, 1.0 / (10000 ** (torch.arange(0, 16, 2).float() / 16)))
+    qkv = torch.randn(5, (4 + 2 * 2) * 16).bfloat16()
+    positions = torch.tensor([0, 3, 7, 100, 2047], dtype=torch.int32)
+    slots = torch.tensor([1, 4, 9, 12, 20], dtype=torch.int32)
+    pools = [torch.zeros(24, 2, 16, dtype=torch.bfloat16) for _ in range(4)]
+    q1 = kernels.rope_store(qkv, positions, slots, layout, pools[0], pools[1])
+    tables = kernels.rotary_tables(positions, layout, torch.bfloat16)
+    q2 = kernels.rope_store_reference(qkv, positions, slots, layout, pools[2], pools[3], rotary=tables)
+    assert torch.equal(q1, q2) and torch.equal(pools[0], pools[2]) and torch.equal(pools[1], pools[3])
+
+
+def test_the_cpu_decode_attention_splits_rows_between_threads_and_computes_what_one_thread_does() -> None:
+    """With torch on several threads, `decode_attention_rows` hands consecutive rows (about equal numbers of keys)
+    to worker threads: every row equals the one-thread result bit for bit, and the torch thread count comes back."""
+    torch.manual_seed(0)
+    heads, kv_heads, d = 4, 2, 16
+    lengths = torch.tensor([7, 1, 15, 30, 2, 9, 40], dtype=torch.int32)
+    starts = torch.cumsum(torch.cat([torch.zeros(1, dtype=torch.int32), lengths[:-1] + 3]), 0).to(torch.int32)
+    k_cache, v_cache = torch.randn(130, kv_heads, d).bfloat16(), torch.randn(130, kv_heads, d).bfloat16()
+    q = torch.randn(7, heads, d).bfloat16()
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = kernels.decode_attention_rows(q, k_cache, v_cache, starts, lengths, 0.25)
+        for threads in (2, 3):
+            torch.set_num_threads(threads)
+            split = kernels.decode_attention_rows(q, k_cache, v_cache, starts, lengths, 0.25)
+            assert torch.equal(split, alone) and torch.get_num_threads() == threads
+    finally:
+        torch.set_num_threads(before)
+    want = kernels.decode_attention_reference(
+        q.float(), k_cache.float(), v_cache.float(), starts, lengths, 0.25
+    )
+    assert (alone.float() - want).abs().max() <= 1e-2  # bf16 rounding of the output
+    assert kernels._balanced_parts([10, 10, 10, 10], 2) == [range(0, 2), range(2, 4)]
+    assert kernels._balanced_parts([100, 1, 1, 1], 2) == [range(0, 1), range(1, 4)]
+    assert kernels._balanced_parts([5], 3) == [range(0, 1)]

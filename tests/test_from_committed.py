@@ -5,10 +5,14 @@ alone; and the committed rows carry every field the claim's table is computed fr
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+import torch  # noqa: F401  (loaded before the OpenMP test: a process that loaded torch first)
 from safetensors import safe_open
 from typer.testing import CliRunner
 
@@ -20,6 +24,7 @@ from sleuth.claims.committed import (
     committed_table,
     newest_committed,
     pack_committed,
+    passive_openmp_waits,
     response_digest,
 )
 from sleuth.claims.runner import reproduce
@@ -206,3 +211,27 @@ def test_a_lora_reader_export_is_packed_as_its_adapter_and_reads_alike(tmp_path:
         for model in (export, rebuilt)
     ]
     assert texts[0] == texts[1] and any(texts[0])
+
+
+def test_the_check_lets_openmp_idle_threads_sleep_where_torch_is_not_loaded_yet() -> None:
+    """`passive_openmp_waits` (called first by `check_committed`) sets OMP_WAIT_POLICY=PASSIVE before torch loads,
+    keeps a policy the caller chose, and does nothing once torch is loaded (OpenMP read its settings then)."""
+    code = (
+        "import os, sys; from sleuth.claims.committed import passive_openmp_waits as p; "
+        "print(p(), os.environ.get('OMP_WAIT_POLICY'), 'torch' in sys.modules)"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    fresh = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert fresh.stdout.split() == ["True", "PASSIVE", "False"]
+    chosen = subprocess.run(
+        [sys.executable, "-c", code],
+        env={**env, "OMP_WAIT_POLICY": "ACTIVE"},
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert chosen.stdout.split() == ["True", "ACTIVE", "False"]
+    assert "torch" in sys.modules  # this process loaded it (the module imports it): too late to change
+
+    before = os.environ.get("OMP_WAIT_POLICY")
+    assert passive_openmp_waits() is False and os.environ.get("OMP_WAIT_POLICY") == before

@@ -24,7 +24,9 @@ import hashlib
 import html
 import json
 import math
+import os
 import shutil
+import sys
 import tempfile
 import time
 from dataclasses import replace
@@ -394,11 +396,24 @@ def _check_out(out: Path, folder: Path, questions: int) -> None:
     atomic_write_json(marker, wanted)
 
 
+def passive_openmp_waits() -> bool:
+    """Let OpenMP's idle threads sleep instead of spinning (OMP_WAIT_POLICY=PASSIVE, unless the caller set a policy),
+    where torch is not loaded yet (OpenMP reads it when torch loads); True where it took effect. The CPU decode engine
+    hands each layer's attention rows to a worker thread while torch runs on one thread, and the spinning OpenMP
+    thread took the worker's core: both r_search arms on 100 questions, 2 threads, took 594-611 s spinning and 469 s
+    passive (bench/results/from_committed_cpu_engine.json), with the same responses."""
+    if "torch" in sys.modules:
+        return False
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    return True
+
+
 def check_committed(
     method: str, folder: Path | None, out: Path, questions: int = 100, console: Any = None
 ) -> Path:
     """Evaluate the committed adapters of `method`'s decisive arms on the first `questions` held-out questions on
     this machine; returns OUT/check.html (OUT/check.json beside it)."""
+    passive_openmp_waits()  # first: nothing may load torch before it
     spec = get_claim(method)
     folder = newest_committed(method) if folder is None else folder
     committed = _read_committed(folder)

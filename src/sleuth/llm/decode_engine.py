@@ -336,6 +336,8 @@ class DecodeEngine:
         if not fused_attention:
             slots = starts + positions
             lengths = positions + 1
+        # the reference path (a CPU) rotates every layer at the same positions: the tables once a step, not per layer
+        rotary = None if kernels.triton_enabled(tokens) else self._rotary(positions)
         x = self.embed.index_select(0, tokens)
         delta = None
         for i, layer in enumerate(self.layers):
@@ -347,9 +349,7 @@ class DecodeEngine:
                     qkv, positions, starts, self.layout, (self.pool_k[i], self.pool_v[i]), norms, splits
                 )
             else:
-                q = kernels.rope_store(
-                    qkv, positions, slots, self.layout, self.pool_k[i], self.pool_v[i], norms
-                )
+                q = self._rope_store(qkv, positions, slots, i, norms, rotary)
                 a = kernels.decode_attention(
                     q, self.pool_k[i], self.pool_v[i], starts, lengths, self.scale, splits
                 )
@@ -361,6 +361,26 @@ class DecodeEngine:
             delta = F.linear(act, layer.w_down)
         _, h = kernels.add_rmsnorm(x, delta, self.final_norm, self.eps)
         return F.linear(h, self.lm_head)
+
+    def _rope_store(
+        self,
+        qkv: torch.Tensor,
+        positions: torch.Tensor,
+        slots: torch.Tensor,
+        layer: int,
+        norms: tuple[torch.Tensor, torch.Tensor] | None,
+        rotary: tuple[torch.Tensor, torch.Tensor] | None,
+    ) -> torch.Tensor:
+        """`kernels.rope_store` into layer `layer`'s pool; with `rotary` (the reference path) its tables."""
+        pools = (self.pool_k[layer], self.pool_v[layer])
+        if rotary is None:
+            return kernels.rope_store(qkv, positions, slots, self.layout, *pools, norms)
+        return kernels.rope_store_reference(qkv, positions, slots, self.layout, *pools, norms, rotary)
+
+    def _rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rotary (cos, sin) tables of `positions` in the model's dtype, as `kernels.rope_store_reference` makes
+        them (the same tables, computed once instead of once per layer)."""
+        return kernels.rotary_tables(positions, self.layout, self.dtype)
 
     def _splits(self, batch: int, max_len: int) -> int:
         """Attention splits for a decode of `batch` rows of at most `max_len` keys (fixed while it runs: the
@@ -487,13 +507,14 @@ class DecodeEngine:
         )
         last = torch.tensor(lengths).cumsum(0).sub_(1).to(self.device)
         key_slots, mask = prefix_attention_index(starts, offsets, lengths, width, self.device)
+        rotary = None if kernels.triton_enabled(ids) else self._rotary(positions)  # shared by the layers
         x = self.embed.index_select(0, ids)
         delta = None
         for i, layer in enumerate(self.layers):
             x, h = kernels.add_rmsnorm(x, delta, layer.ln1, self.eps)
             qkv = F.linear(h, layer.w_qkv, layer.b_qkv)
             norms = (layer.q_norm, layer.k_norm) if layer.q_norm is not None else None
-            q = kernels.rope_store(qkv, positions, slots, self.layout, self.pool_k[i], self.pool_v[i], norms)
+            q = self._rope_store(qkv, positions, slots, i, norms, rotary)
             q = q.new_zeros((b * width, self.heads, self.head_dim)).index_copy_(0, padded, q)
             a = attend_over_prefix(
                 q.view(b, width, self.heads, self.head_dim),

@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -82,10 +83,12 @@ def rope_store_reference(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     norms: tuple[torch.Tensor, torch.Tensor] | None = None,
+    rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Split a decode step's fused projection (B, (H + 2 KV) * D) into heads, apply the optional per-head
     RMSNorm (Qwen3's q_norm, k_norm) and rotary embedding at `positions`, store k and v at `slots`; return q
-    (B, H, D)."""
+    (B, H, D). `rotary`: `rotary_tables(positions, layout, qkv.dtype)` when the caller already has them (every layer
+    of a step rotates the same positions)."""
     heads, kv_heads, inv_freq, eps = layout.heads, layout.kv_heads, layout.inv_freq, layout.eps
     b = qkv.shape[0]
     d = inv_freq.numel() * 2
@@ -93,7 +96,7 @@ def rope_store_reference(
     if norms is not None:
         q = add_rmsnorm_reference(q, None, norms[0], eps)[1]
         k = add_rmsnorm_reference(k, None, norms[1], eps)[1]
-    cos, sin = rotary_tables(positions, layout, qkv.dtype)
+    cos, sin = rotary if rotary is not None else rotary_tables(positions, layout, qkv.dtype)
     cos, sin = cos[:, None, :], sin[:, None, :]  # one position per row, shared by its heads
     k_cache[slots] = apply_rotary(k, cos, sin)
     v_cache[slots] = v
@@ -152,17 +155,77 @@ def decode_attention_rows(
     every row's keys and values into a padded fp32 copy each layer and step, which made attention ~85% of a
     SmolLM2-135M decode step on a CPU core (8 rows of 1,200 keys: 8.3 -> 1.3 ms a layer); a row's slots are
     contiguous, so each row is read alone. In fp32, rounded to q's dtype at the end, as the reference and the CUDA
-    kernel compute; a row's query heads attend in groups over their shared key/value head."""
-    b, heads, d = q.shape
+    kernel compute; a row's query heads attend in groups over their shared key/value head.
+
+    With torch running several threads, the rows are split between them (`_ROW_THREADS`): a row's small operations
+    gained nothing from torch's own threads (64 rows of ~600 keys, 30 layers: 234 ms a step on one thread, 244 on
+    two), and each row computes exactly what it computes alone."""
+    b = q.shape[0]
+    out = q.new_empty(q.shape)
+    spans = list(zip(starts.tolist(), lengths.tolist(), strict=True))
+    threads = torch.get_num_threads()
+    if threads < 2 or b < _MIN_SPLIT_ROWS:
+        _attend_rows(out, q, k_cache, v_cache, spans, range(b), scale)
+        return out
+    parts = _balanced_parts([n for _, n in spans], threads)
+    torch.set_num_threads(1)  # this thread's share runs on one core, the workers' on the others
+    try:
+        pending = [
+            _row_workers(threads - 1).submit(_attend_rows, out, q, k_cache, v_cache, spans, part, scale)
+            for part in parts[1:]
+        ]
+        _attend_rows(out, q, k_cache, v_cache, spans, parts[0], scale)
+        for job in pending:
+            job.result()
+    finally:
+        torch.set_num_threads(threads)
+    return out
+
+
+_MIN_SPLIT_ROWS = 4  # below it a handoff to the workers costs more than it saves
+_ROW_THREADS: dict[int, ThreadPoolExecutor] = {}  # workers of decode_attention_rows, by count
+
+
+def _row_workers(n: int) -> ThreadPoolExecutor:
+    """n worker threads that run torch single-threaded (each is one core's share of the rows)."""
+    pool = _ROW_THREADS.get(n)
+    if pool is None:
+        pool = ThreadPoolExecutor(
+            n, thread_name_prefix="sleuth-attn", initializer=torch.set_num_threads, initargs=(1,)
+        )
+        _ROW_THREADS[n] = pool
+    return pool
+
+
+def _balanced_parts(lengths: list[int], parts: int) -> list[range]:
+    """Consecutive row ranges with about equal numbers of keys (a row's attention costs about its keys)."""
+    total, bounds, acc = sum(lengths), [0], 0
+    for i, n in enumerate(lengths):
+        acc += n
+        if len(bounds) < parts and acc * parts >= total * len(bounds):
+            bounds.append(i + 1)
+    bounds.append(len(lengths))
+    return [range(a, z) for a, z in zip(bounds, bounds[1:], strict=False) if z > a] or [range(0)]
+
+
+def _attend_rows(
+    out: torch.Tensor,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    spans: list[tuple[int, int]],
+    rows: range,
+    scale: float,
+) -> None:
+    heads, d = q.shape[1], q.shape[2]
     kv_heads = k_cache.shape[1]
-    out = q.new_empty((b, heads, d))
-    for row, (start, length) in enumerate(zip(starts.tolist(), lengths.tolist(), strict=True)):
+    for row in rows:
+        start, length = spans[row]
         k = k_cache[start : start + length].float().transpose(0, 1)  # (kv_heads, keys, d)
         v = v_cache[start : start + length].float().transpose(0, 1)
         # a group's queries share their head's keys
         grouped = q[row].float().view(kv_heads, heads // kv_heads, d)
         out[row] = F.scaled_dot_product_attention(grouped, k, v, scale=scale).view(heads, d)
-    return out
 
 
 def silu_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
