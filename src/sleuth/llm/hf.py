@@ -49,13 +49,15 @@ log = logging.getLogger(__name__)
 # Compiled shapes are bucketed so that a handful of graphs serve every batch.
 _STATIC_LEN_BUCKET = 256
 _DEFAULT_BATCH = 64  # rows decoded together unless `max_batch_size` says otherwise
-# The decode engine on a CPU decodes a generate call's rows (an evaluation batch: 128 rows at most) as one batch.
-# Its prefix store holds the rows of the last batch only: with batches of 64, a turn's first batch reassigned the
-# pool's slots, so its second batch found none of its rows' keys, and the first found only rows that had been in the
-# previous turn's second batch (rows sorted by length mostly stay in theirs): at 100 questions nearly every turn
-# prefilled every row's whole context again. On a CPU a row costs the same in one batch or two (eager steps, no
-# padding rows); the pool holds every row's keys at once (~1.6x the pool of 64 rows: ~3 GB for 100 rows of SmolLM2).
-_CPU_ENGINE_BATCH = 256
+# The decode engine decodes a generate call's rows (an evaluation batch: 128 rows at most; a training step's rows, as
+# sleuth.rl.run asks) as one batch. Its prefix store holds the rows of the last batch only: with batches of 64, a
+# turn's first batch reassigned the pool's slots, so its second batch found none of its rows' keys, and the first
+# found only rows that had been in the previous turn's second batch (rows sorted by length mostly stay in theirs): at
+# 100 questions nearly every turn prefilled every row's whole context again (measured on a CPU; on a GPU the same
+# evaluation re-encoded the rows of every later turn too). On a CPU a row costs the same in one batch or two (eager
+# steps, no padding rows); the pool holds every row's keys at once (~1.6x the pool of 64 rows: ~3 GB for 100 rows of
+# SmolLM2 on a CPU; on a GPU the KV pool follows the rows' tokens, as for the training step's 256).
+_ENGINE_BATCH = 256
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -247,10 +249,9 @@ class HFGenerator:
         self.grouped_decode_attention = grouped_decode_attention and use_grouped_decode_attention(self.model)
         self.cache_kind = cache if cache != "auto" else auto_cache(self.device, self.model, compile)
         self.compile = compile
-        # see _CPU_ENGINE_BATCH: on a CPU the engine takes a whole evaluation batch
+        # see _ENGINE_BATCH: the engine takes a whole evaluation batch
         if max_batch_size is None:
-            cpu_engine = self.cache_kind == "engine" and self.device.type == "cpu"
-            max_batch_size = _CPU_ENGINE_BATCH if cpu_engine else _DEFAULT_BATCH
+            max_batch_size = _ENGINE_BATCH if self.cache_kind == "engine" else _DEFAULT_BATCH
         self.max_batch_size = max_batch_size
         if compile and self.cache_kind != "static":
             raise ConfigError("compile=True needs cache='static' (a dynamic cache changes shape every step)")
