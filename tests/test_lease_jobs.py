@@ -117,28 +117,24 @@ def test_the_gpu_scripts_plans_load() -> None:
         assert lease_jobs.load_plan(plan).jobs
 
 
-def test_gpu_claims_writes_a_plan_of_arms_then_reports(tmp_path: Path) -> None:
-    """bench/gpu_claims.sh's jobs are a plan for the runner: `prepare`, one job per arm, each claim's report after
-    its arms, LANES_PER_GPU lanes a GPU."""
-    env = {
-        **os.environ,
-        "CLAIMS_WORK": str(tmp_path),
-        "PROFILE": "cpu",
-        "GPUS": "2",
-        "LANES_PER_GPU": "2",
-        "CLAIMS": "staged qagent",
-        "PY": sys.executable,
-    }
+def _claims_plan(tmp_path: Path, **env: str) -> lease_jobs.Plan:
+    """The plan `bench/gpu_claims.sh plan-file` writes under these settings (no GPU needed)."""
     res = subprocess.run(
         ["bash", str(BENCH / "gpu_claims.sh"), "plan-file"],
         capture_output=True,
         text=True,
-        env=env,
+        env={**os.environ, "CLAIMS_WORK": str(tmp_path), "PY": sys.executable, **env},
         timeout=120,
         cwd=BENCH.parent,
     )
     assert res.returncode == 0, res.stderr
-    plan = lease_jobs.load_plan(tmp_path / "claims.json")
+    return lease_jobs.load_plan(tmp_path / "claims.json")
+
+
+def test_gpu_claims_writes_a_plan_of_arms_then_reports(tmp_path: Path) -> None:
+    """bench/gpu_claims.sh's jobs are a plan for the runner: `prepare`, one job per arm, each claim's report after
+    its arms, LANES_PER_GPU lanes a GPU."""
+    plan = _claims_plan(tmp_path, PROFILE="cpu", GPUS="2", LANES_PER_GPU="2", CLAIMS="staged qagent")
     assert plan.lanes == ("0", "1", "0", "1")
     ids = [j.id for j in plan.jobs]
     assert ids[0] == "prepare" and {"staged.staged", "staged.search_r1", "qagent", "staged"} <= set(ids)
@@ -150,27 +146,15 @@ def test_gpu_claims_writes_a_plan_of_arms_then_reports(tmp_path: Path) -> None:
 def test_gpu_claims_splits_seeds_into_jobs_and_reports_after_all(tmp_path: Path) -> None:
     """SPLIT_SEEDS=1: one job per arm and seed (`--only-seed`), seed by seed, qagent a job per seed; each claim's
     report after every one of its jobs."""
-    env = {
-        **os.environ,
-        "CLAIMS_WORK": str(tmp_path),
-        "PROFILE": "cpu",
-        "GPUS": "1",
-        "LANES_PER_GPU": "3",
-        "CLAIMS": "staged qagent",
-        "SPLIT_SEEDS": "1",
-        "SEEDS": "2",
-        "PY": sys.executable,
-    }
-    res = subprocess.run(
-        ["bash", str(BENCH / "gpu_claims.sh"), "plan-file"],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=120,
-        cwd=BENCH.parent,
+    plan = _claims_plan(
+        tmp_path,
+        PROFILE="cpu",
+        GPUS="1",
+        LANES_PER_GPU="3",
+        CLAIMS="staged qagent",
+        SPLIT_SEEDS="1",
+        SEEDS="2",
     )
-    assert res.returncode == 0, res.stderr
-    plan = lease_jobs.load_plan(tmp_path / "claims.json")
     runs = {j.id: j.run for j in plan.jobs}
     parts = [f"staged.{arm}.s{seed}" for seed in (0, 1) for arm in ("staged", "search_r1")]
     assert set(runs) == {"prepare", *parts, "qagent.s0", "qagent.s1", "staged", "qagent"}
@@ -197,28 +181,16 @@ def test_gpu_claims_plans_chosen_seeds_by_cost_and_can_leave_a_report_out(tmp_pa
     """CLAIM@S picks seeds of one claim; ORDER=cost starts the most GRPO rollouts first across claims (s3's
     1,600-question arms: 100 steps x 80 rollouts, before staged's 30 x 128 and s3's 20-step arms); NO_REPORT leaves
     a claim's report job out (its other seeds run in another lease)."""
-    env = {
-        **os.environ,
-        "CLAIMS_WORK": str(tmp_path),
-        "PROFILE": "gpu",
-        "GPUS": "2",
-        "LANES_PER_GPU": "3",
-        "CLAIMS": "s3@1 staged",
-        "SPLIT_SEEDS": "1",
-        "ORDER": "cost",
-        "NO_REPORT": "s3",
-        "PY": sys.executable,
-    }
-    res = subprocess.run(
-        ["bash", str(BENCH / "gpu_claims.sh"), "plan-file"],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=120,
-        cwd=BENCH.parent,
+    plan = _claims_plan(
+        tmp_path,
+        PROFILE="gpu",
+        GPUS="2",
+        LANES_PER_GPU="3",
+        CLAIMS="s3@1 staged",
+        SPLIT_SEEDS="1",
+        ORDER="cost",
+        NO_REPORT="s3",
     )
-    assert res.returncode == 0, res.stderr
-    plan = lease_jobs.load_plan(tmp_path / "claims.json")
     ids = [j.id for j in plan.jobs]
     s3_parts = [f"s3.{arm}.s1" for arm in ("s3_1600", "search_r1_1600", "s3_400", "search_r1_400")]
     staged_parts = [f"staged.{arm}.s{seed}" for seed in (0, 1, 2) for arm in ("staged", "search_r1")]
