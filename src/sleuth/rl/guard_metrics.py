@@ -70,6 +70,12 @@ ALWAYS = (
     "update/tokens",
     "time/make_batch",
     "time/weight_sync",
+    # where the update's time goes: its passes (all, mean, first, slowest micro-batch) and the optimizer step
+    "time/micro_batches",
+    "time/micro_batch",
+    "time/micro_batch_first",
+    "time/micro_batch_max",
+    "time/optimizer",
     "rollout/logprob_diff_mean",
     "rollout/logprob_diff_max",
     "rollout/logprob_diff_tokens",
