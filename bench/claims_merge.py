@@ -7,7 +7,8 @@ A claim at three seeds can outlast a lease (s3: ~150 lane-minutes on two GPUs), 
 finds every stage done and writes the report over all seeds.
 
 Both runs must be the same claim, profile and first seed, and their shared stages (world, reader, baselines, premise:
-every stage not run per seed) must have recorded the same results, times aside: otherwise the seeds' arms trained on
+every stage not run per seed but the premise check, which feeds no arm) must have recorded the same results, times
+aside: otherwise the seeds' arms trained on
 different worlds or baselines and pooling them would mix two experiments. Both must also have been written under the
 same directory (the records name absolute paths), as gpu_claims.sh does (runs/claims/<claim>).
 
@@ -23,7 +24,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from sleuth.claims.base import seeded_name
+from sleuth.claims.base import PREMISE, seeded_name
 from sleuth.claims.registry import get_claim
 from sleuth.claims.stages import STAGES_DIR, read_claim_file, run_seeds
 from sleuth.utils import atomic_write_json
@@ -69,12 +70,16 @@ def merge(src: Path, dest: Path, seeds: list[int]) -> dict[str, Any]:
         and None not in (_record(src, st.name), _record(dest, st.name))
         and _record(src, st.name) != _record(dest, st.name)
     ]
+    # the premise checks what the arms will meet and feeds none of them; measured again in another lease it may
+    # sample other closed-book answers: DEST's record stands and the difference is reported, not refused
+    premise_differs = PREMISE in differ
+    differ = [name for name in differ if name != PREMISE]
     if differ:
         raise SystemExit(
             f"the shared stages {', '.join(differ)} recorded other results in {src} than in {dest}: the seeds "
             "trained on different worlds or baselines, so they cannot be pooled"
         )
-    copied: dict[str, Any] = {"stages": [], "folders": []}
+    copied: dict[str, Any] = {"stages": [], "folders": [], "premise_differs": premise_differs}
     for seed in seeds:
         names = [seeded_name(name, seed, base) for name in per_seed]
         absent = [n for n in names if _record(src, n) is None]
@@ -107,6 +112,10 @@ def main(argv: list[str] | None = None) -> int:
     merging.add_argument("--seeds", type=int, nargs="+", required=True, help="the training seeds to copy")
     args = parser.parse_args(argv)
     copied = merge(args.src, args.dest, args.seeds)
+    if copied["premise_differs"]:
+        print(
+            f"note: {args.src}'s premise check measured other values than {args.dest}'s; {args.dest}'s is kept"
+        )
     print(
         f"merged seeds {args.seeds} ({len(copied['stages'])} stage records, folders {copied['folders']}) into "
         f"{args.dest}; it now holds {copied['seeds']} seeds: run `sleuth reproduce` on it to write the report"

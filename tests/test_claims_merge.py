@@ -60,6 +60,12 @@ def test_a_merge_refuses_seeds_of_another_world_or_unfinished(
         merge(src, dest, [1])
     with pytest.raises(SystemExit, match="first seed"):
         merge(src, dest, [0])
+    premise = src / "stages" / "premise.json"  # measured again in another lease: kept from dest, not refused
+    checked = json.loads(premise.read_text())
+    checked["result"]["note"] = "measured again"
+    premise.write_text(json.dumps(checked))
+    with pytest.raises(SystemExit, match="has not finished"):
+        merge(src, dest, [1])
     world = src / "stages" / "world.json"
     record = json.loads(world.read_text())
     record["result"]["splits"] = {"train": 1}  # another world
