@@ -63,13 +63,8 @@ def merge(src: Path, dest: Path, seeds: list[int]) -> dict[str, Any]:
         raise SystemExit(f"{src} holds seeds {list(run_seeds(src))}, not {missing}")
     stages = get_claim(method).stages(profile)
     per_seed = [st.name for st in stages if st.per_seed]
-    differ = [
-        st.name
-        for st in stages
-        if not st.per_seed
-        and None not in (_record(src, st.name), _record(dest, st.name))
-        and _record(src, st.name) != _record(dest, st.name)
-    ]
+    shared = {st.name: (_record(src, st.name), _record(dest, st.name)) for st in stages if not st.per_seed}
+    differ = [name for name, (a, b) in shared.items() if None not in (a, b) and a != b]
     # the premise checks what the arms will meet and feeds none of them; measured again in another lease it may
     # sample other closed-book answers: DEST's record stands and the difference is reported, not refused
     premise_differs = PREMISE in differ

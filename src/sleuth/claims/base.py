@@ -161,9 +161,13 @@ class ClaimSpec:
 
     def arm_cost(self, arm: str, profile: str) -> int:
         """An arm's GRPO rollouts (steps x prompts x samples), its cost relative to other claims' arms too: a GPU
-        plan starts the costliest first. The default: the profile's RL steps, the same for every arm."""
+        plan starts the costliest first."""
         pipeline = self.profile(profile).pipeline
-        return pipeline.train_steps * pipeline.prompts_per_step * pipeline.n
+        return self.arm_steps(arm, profile) * pipeline.prompts_per_step * pipeline.n
+
+    def arm_steps(self, arm: str, profile: str) -> int:
+        """An arm's GRPO steps; the default: the profile's, the same for every arm."""
+        return self.profile(profile).pipeline.train_steps
 
     def stages(self, profile: str) -> list[Stage]:
         raise NotImplementedError

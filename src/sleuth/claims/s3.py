@@ -188,12 +188,9 @@ class S3Claim(ClaimSpec):
         sizes = self.profile(profile).sizes
         return (*(f"{m}_{size}" for size in sizes for m in METHODS), f"{NO_SELECTION}_{min(sizes)}")
 
-    def arm_cost(self, arm: str, profile: str) -> int:
-        settings = self.profile(profile)
-        if not arm:
-            return sum(self.arm_cost(name, profile) for name in self.arms(profile))
-        pipeline = settings.pipeline  # one GRPO run per size: the largest sizes train longest
-        return rl_steps(settings, int(arm.rsplit("_", 1)[1])) * pipeline.prompts_per_step * pipeline.n
+    def arm_steps(self, arm: str, profile: str) -> int:
+        # one GRPO run per size: the largest sizes train longest
+        return rl_steps(self.profile(profile), int(arm.rsplit("_", 1)[1]))
 
     def stages(self, profile: str) -> list[Stage]:
         sizes = self.profile(profile).sizes

@@ -173,6 +173,11 @@ def premise_as_trained(
     return {**checked, "known": known, "searched_known": len(searched)}
 
 
+def _staged_recipe(run: Any) -> dict[str, Any]:
+    """The staged arm's recipe as it trains (its sampling temperature and reward's beta set the premise)."""
+    return arm_recipe(run, ARMS[0], None, overrides=ARM_OVERRIDES[ARMS[0]])
+
+
 def _known_test_questions(run: Any) -> list:
     return [
         q
@@ -271,7 +276,7 @@ class StagedClaim(ClaimSpec):
                 "checks": [{"check": "all-known test questions", "value": 0, "needed": ">= 1", "met": False}],
                 "note": "no held-out question is known to the model",
             }
-        recipe = arm_recipe(run, ARMS[0], None, overrides=ARM_OVERRIDES[ARMS[0]])
+        recipe = _staged_recipe(run)
         temperature = float(recipe.get("sampling", {}).get("temperature", 1.0))
         closed = sampled_closed_book(
             run.result("inject")["checkpoint"], known, run.profile.premise_samples, temperature, seed=run.seed
@@ -308,9 +313,7 @@ class StagedClaim(ClaimSpec):
         premise = run.results.get(PREMISE) or {}
         as_trained = None
         if premise.get("closed_book") is not None:
-            beta = float(
-                arm_recipe(run, ARMS[0], None, overrides=ARM_OVERRIDES[ARMS[0]])["reward"]["options"]["beta"]
-            )
+            beta = float(_staged_recipe(run)["reward"]["options"]["beta"])
             as_trained = premise_as_trained(first, premise["closed_book"], beta)
         return {
             **claim_table(first, second),

@@ -200,14 +200,8 @@ def _rollout_generator(recipe: Recipe, ctx: DistContext, models: LoadedModels,
     rollout_weights = rollout_model if rollout_model is not None else unwrap(policy)
     if rollout_model is not None:
         cache, compiled, why = rollout_decoding(recipe, rollout_weights, ctx.device)
-    # the engine's KV pool follows the rows' tokens, so it takes a whole step's rows at once
-    generator = HFGenerator(
-        rollout_weights,
-        tokenizer=models.tokenizer,
-        cache=cache,
-        compile=compiled,
-        max_batch_size=256 if cache == "engine" else 64,
-    )
+    # the engine takes a whole step's rows at once (HFGenerator's default for it: its KV pool follows the tokens)
+    generator = HFGenerator(rollout_weights, tokenizer=models.tokenizer, cache=cache, compile=compiled)
     if ctx.is_main:
         console.print(
             f"rollout decoding: {cache} KV cache{', compiled decode step' if compiled else ''} ({why})"
